@@ -1,0 +1,9 @@
+"""ringq: transactional message queues inside PostgreSQL.
+
+The public API lives in :mod:`ringq.engine`; the other subpackages are the
+monitor, queue scripting, the real time viewer, the regression harness and the
+``ringq`` command.
+"""
+
+__version__ = "0.1.0"
+__all__ = ["__version__"]

@@ -1,0 +1,5 @@
+import sys
+
+from ringq.cli import main
+
+sys.exit(main())

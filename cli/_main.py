@@ -1,0 +1,82 @@
+"""The ``ringq`` command: a thin dispatcher over the packages.
+
+Each ``cli/_<command>.py`` module has ``register(subparsers)``, which adds its
+parser and sets ``func`` (taking the parsed namespace, returning an exit code).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from collections.abc import Sequence
+
+from ringq import __version__
+from ringq.engine import (
+    ConfigError,
+    DatabaseUnavailable,
+    QueueExists,
+    QueueNotFound,
+    RingqError,
+)
+
+from . import _exit
+from ._args import Formatter
+
+# Subcommand modules, loaded lazily so `ringq --help` stays fast and a missing
+# optional dependency (pyspark) only affects its own command.
+COMMANDS = ("_db", "_script", "_queue")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="ringq",
+        description=(
+            "ringq: transactional message queues inside PostgreSQL.\n\n"
+            "Environment: RINGQ_DSN (database), RINGQ_HOME (embedded cluster, default ./.ringq);\n"
+            "every option lists its own RINGQ_* variable in the command's --help."
+        ),
+        formatter_class=Formatter,
+        epilog=_exit.EPILOG,
+    )
+    parser.add_argument("--version", action="version", version=f"ringq {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name in COMMANDS:
+        try:
+            module = importlib.import_module(f"ringq.cli.{name}")
+        except ModuleNotFoundError as exc:
+            if exc.name and exc.name.startswith("ringq"):
+                continue  # not written yet
+            raise
+        module.register(sub)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    func = getattr(args, "func", None)
+    if func is None:
+        # `ringq` or `ringq db` alone: show the relevant help.
+        (getattr(args, "_parser", None) or parser).print_help()
+        return _exit.USAGE
+    try:
+        return int(func(args) or 0)
+    except KeyboardInterrupt:
+        print("ringq: interrupted", file=sys.stderr)
+        return _exit.INTERRUPTED
+    except DatabaseUnavailable as exc:
+        print(f"ringq: {exc}", file=sys.stderr)
+        return _exit.DB_UNAVAILABLE
+    except QueueNotFound as exc:
+        print(f"ringq: {exc}", file=sys.stderr)
+        return _exit.NOT_FOUND
+    except QueueExists as exc:
+        print(f"ringq: {exc}", file=sys.stderr)
+        return _exit.CONFLICT
+    except ConfigError as exc:
+        print(f"ringq: {exc}", file=sys.stderr)
+        return _exit.USAGE
+    except RingqError as exc:
+        print(f"ringq: {exc}", file=sys.stderr)
+        return _exit.FAILURE

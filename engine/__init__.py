@@ -1,0 +1,50 @@
+"""ringq.engine: the linked client API.
+
+Sessions enqueue and dequeue inside the caller's own PostgreSQL transaction;
+a shared-memory global section finds ready slots without scanning tables.
+"""
+
+from ._dsn import resolve_dsn, ringq_home
+from ._errors import (
+    ConfigError,
+    DatabaseError,
+    DatabaseUnavailable,
+    InDoubt,
+    InvalidQueueName,
+    PayloadTooLarge,
+    QueueError,
+    QueueExists,
+    QueueFull,
+    QueueNotFound,
+    RingqError,
+    SchemaMissing,
+    SectionError,
+    SectionIncompatible,
+    SessionClosed,
+    TransactionError,
+    redact_dsn,
+)
+from ._names import validate_queue_name
+
+__all__ = [
+    "ConfigError",
+    "DatabaseError",
+    "DatabaseUnavailable",
+    "InDoubt",
+    "InvalidQueueName",
+    "PayloadTooLarge",
+    "QueueError",
+    "QueueExists",
+    "QueueFull",
+    "QueueNotFound",
+    "RingqError",
+    "SchemaMissing",
+    "SectionError",
+    "SectionIncompatible",
+    "SessionClosed",
+    "TransactionError",
+    "redact_dsn",
+    "resolve_dsn",
+    "ringq_home",
+    "validate_queue_name",
+]
