@@ -48,3 +48,8 @@ __all__ = [
     "ringq_home",
     "validate_queue_name",
 ]
+
+# Limits of the global section (a queue's capacity is checked against them).
+from ._layout import MAX_CAPACITY, MAX_QUEUES  # noqa: E402
+
+__all__ += ["MAX_CAPACITY", "MAX_QUEUES"]

@@ -1,0 +1,168 @@
+"""Queue scripting: the SQL that creates ringq's schema and its queues.
+
+The same composed SQL is printed for a DBA to review (:func:`create_queue_script`)
+and applied through psycopg (:func:`create_queue`), so what is reviewed is
+what runs.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import psycopg
+from psycopg import sql
+
+from ringq.engine import (
+    ConfigError,
+    QueueExists,
+    QueueNotFound,
+    validate_queue_name,
+)
+from ringq.engine import MAX_CAPACITY
+from ringq.engine._errors import converted
+from ringq.engine._names import queue_table
+from ringq.engine._sqlfile import load
+
+SCHEMA_VERSION = 1
+MAX_PAYLOAD = 1 << 30  # PostgreSQL's limit for one bytea value (1 GiB)
+
+_BLOCKS = load("ringq.scripting", "ddl.sql")
+
+
+@dataclass(frozen=True)
+class QueueSpec:
+    """The settings a queue is created with; validated on creation.
+
+    :raises ConfigError: a value is out of range (the message says which).
+    """
+
+    name: str
+    capacity: int
+    max_payload: int
+    full_policy: str = "block"
+    full_timeout: float = 30.0
+    dequeue_mode: str = "single"
+    max_deliveries: int = 3
+    exception_queue: str | None = None
+    fillfactor: int = 50
+    tablespace: str | None = None
+    _checked: bool = field(default=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        validate_queue_name(self.name)
+        _int_in("capacity", self.capacity, 1, MAX_CAPACITY)
+        _int_in("max_payload", self.max_payload, 1, MAX_PAYLOAD)
+        _int_in("max_deliveries", self.max_deliveries, 1, 1_000_000)
+        _int_in("fillfactor", self.fillfactor, 10, 100)
+        if self.full_policy not in ("block", "raise"):
+            raise ConfigError(f"full_policy must be 'block' or 'raise', not {self.full_policy!r}")
+        if self.dequeue_mode not in ("single", "shared"):
+            raise ConfigError(f"dequeue_mode must be 'single' or 'shared', not {self.dequeue_mode!r}")
+        if (
+            isinstance(self.full_timeout, bool)
+            or not isinstance(self.full_timeout, int | float)
+            or not math.isfinite(self.full_timeout)
+            or self.full_timeout < 0
+        ):
+            raise ConfigError(f"full_timeout must be a finite number of seconds >= 0, not {self.full_timeout!r}")
+        if self.exception_queue is not None:
+            validate_queue_name(self.exception_queue)
+            if self.exception_queue == self.name:
+                raise ConfigError("a queue cannot be its own exception queue")
+        if self.tablespace is not None:
+            validate_queue_name(self.tablespace)  # same rule keeps it a plain identifier
+
+
+def _int_in(what: str, value: object, low: int, high: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+        raise ConfigError(f"{what} must be an integer from {low:,} to {high:,}, not {value!r}")
+
+
+def schema_sql() -> sql.Composable:
+    """The management schema, tables and SQL functions (idempotent, versioned)."""
+    return sql.SQL(_BLOCKS["schema"])  # type: ignore[arg-type]
+
+
+def queue_sql(spec: QueueSpec) -> sql.Composed:
+    """The queue's management row, its pre-populated table and storage settings."""
+    tablespace_clause: sql.Composable = (
+        sql.SQL("TABLESPACE {}").format(sql.Identifier(spec.tablespace)) if spec.tablespace else sql.SQL("")
+    )
+    return sql.SQL(_BLOCKS["queue"]).format(  # type: ignore[arg-type]
+        name=sql.Literal(spec.name),
+        capacity=sql.Literal(spec.capacity),
+        max_payload=sql.Literal(spec.max_payload),
+        full_policy=sql.Literal(spec.full_policy),
+        full_timeout=sql.Literal(float(spec.full_timeout)),
+        dequeue_mode=sql.Literal(spec.dequeue_mode),
+        max_deliveries=sql.Literal(spec.max_deliveries),
+        exception_queue=sql.Literal(spec.exception_queue),
+        fillfactor=sql.Literal(spec.fillfactor),
+        tablespace=sql.Literal(spec.tablespace),
+        tablespace_clause=tablespace_clause,
+        table=queue_table(spec.name),
+    )
+
+
+def drop_queue_sql(name: str) -> sql.Composed:
+    return sql.SQL(_BLOCKS["drop_queue"]).format(  # type: ignore[arg-type]
+        name=sql.Literal(validate_queue_name(name)), table=queue_table(name)
+    )
+
+
+def create_queue_script(spec: QueueSpec) -> str:
+    """The reviewable script for psql: one transaction, safe to apply again."""
+    body = sql.SQL("\n\n").join([schema_sql(), queue_sql(spec)]).as_string(None)
+    return (
+        f"-- ringq queue script (schema version {SCHEMA_VERSION}): queue {spec.name!r}, "
+        f"{spec.capacity:,} slots, max payload {spec.max_payload:,} bytes\n"
+        "-- Apply with: psql \"$DSN\" -v ON_ERROR_STOP=1 -f this.sql  (re-applying changes nothing)\n"
+        "BEGIN;\n\n" + body + "\n\nCOMMIT;\n"
+    )
+
+
+def create_schema(conn: psycopg.Connection[object]) -> None:
+    """Create (or migrate) the management schema in its own transaction."""
+    with converted(), conn.transaction():
+        conn.execute(schema_sql())  # type: ignore[arg-type]
+
+
+def create_queue(conn: psycopg.Connection[object], spec: QueueSpec) -> bool:
+    """Create the queue (and the schema if absent) in one transaction.
+
+    :returns: True if the queue was created, False if it already existed with these settings.
+    :raises QueueExists: it exists with different settings.
+    """
+    try:
+        with conn.transaction():
+            existed = _queue_exists(conn, spec.name)
+            conn.execute(schema_sql())  # type: ignore[arg-type]
+            conn.execute(queue_sql(spec))
+    except psycopg.errors.DuplicateObject as exc:
+        raise QueueExists(f"queue {spec.name!r} exists with different settings", queue=spec.name) from exc
+    except psycopg.Error as exc:
+        from ringq.engine._errors import from_psycopg
+
+        raise from_psycopg(exc, queue=spec.name) from exc
+    return not existed
+
+
+def drop_queue(conn: psycopg.Connection[object], name: str) -> None:
+    """Drop the queue, its table and its side rows.
+
+    :raises QueueNotFound: no such queue.
+    """
+    with converted(queue=name), conn.transaction():
+        if not _queue_exists(conn, name):
+            raise QueueNotFound(f"queue {name!r} does not exist", queue=name)
+        conn.execute(drop_queue_sql(name))
+
+
+def _queue_exists(conn: psycopg.Connection[object], name: str) -> bool:
+    row = conn.execute(
+        "SELECT to_regclass('ringq.queues') IS NOT NULL"
+    ).fetchone()
+    if not row or not row[0]:
+        return False
+    return conn.execute("SELECT 1 FROM ringq.queues WHERE name = %s", (name,)).fetchone() is not None
