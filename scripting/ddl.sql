@@ -19,6 +19,12 @@ INSERT INTO ringq.meta (key, value)
 SELECT 'schema_version', '1'
 WHERE NOT EXISTS (SELECT 1 FROM ringq.meta WHERE key = 'schema_version');
 
+-- Names this database's global section on the queue host (one section per
+-- database that holds queues).
+INSERT INTO ringq.meta (key, value)
+SELECT 'instance_id', replace(gen_random_uuid()::text, '-', '')
+WHERE NOT EXISTS (SELECT 1 FROM ringq.meta WHERE key = 'instance_id');
+
 -- Migrations run here, in order, each guarded by the stored version. A schema
 -- newer than this script is refused rather than silently downgraded.
 DO $ringq$
