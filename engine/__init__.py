@@ -25,8 +25,15 @@ from ._errors import (
     redact_dsn,
 )
 from ._names import validate_queue_name
+from ._section import Section
+from ._session import Message, QueueInfo, Session, connect
 
 __all__ = [
+    "Message",
+    "QueueInfo",
+    "Section",
+    "Session",
+    "connect",
     "ConfigError",
     "DatabaseError",
     "DatabaseUnavailable",

@@ -1,4 +1,14 @@
-"""Layout constants of the global section (shared memory)."""
+"""Layout of the global section (one POSIX shared-memory segment per database).
+
+::
+
+    [ header | queue blocks x MAX_QUEUES | queue names | clients x MAX_CLIENTS |
+      ENQ bits | DEQ bits | LCK bits | OWNER int32 per slot ]
+
+Every field is an int64 word at a fixed index, so the layout is plain data
+that any process (and a future non-Python tool) can read. A segment whose
+magic or layout version differs is refused, never reinterpreted.
+"""
 
 from __future__ import annotations
 
@@ -9,3 +19,96 @@ MAX_QUEUES = 128
 MAX_CLIENTS = 1024
 SLOT_POOL = 1 << 23  # slots across all queues in one section (8,388,608)
 MAX_CAPACITY = 1 << 22  # slots in one queue (4,194,304)
+HIST_BUCKETS = 32  # latency histogram: bucket b holds [2**(b-1), 2**b) microseconds
+
+PAGE = 4096
+
+# -- header words --------------------------------------------------------------
+H_MAGIC = 0
+H_LAYOUT = 1
+H_SIZE = 2
+H_GENERATION = 3  # random at creation: tells a re-created section apart
+H_NEXT_BASE = 4  # pool allocator: first unused slot (a multiple of 64)
+H_CREATED_NS = 5
+H_MONITOR_PID = 6
+H_MONITOR_BEAT_NS = 7
+H_READY = 8  # 1 once fully initialised
+HEADER_WORDS = 64
+
+# -- queue block words ------------------------------------------------------------
+Q_QID = 0  # ringq.queues.id; 0 = unused block
+Q_STATE = 1  # QS_*
+Q_CAPACITY = 2
+Q_BASE = 3  # first slot of this queue in the pool (a multiple of 64)
+Q_HEAD = 4  # next sequence number to reserve
+Q_TAIL = 5  # oldest sequence number not yet reclaimed
+Q_MAX_PAYLOAD = 6
+Q_POLICY = 7  # 0 block, 1 raise
+Q_MODE = 8  # 0 single dequeuer, 1 shared
+Q_FULL_TIMEOUT_MS = 9
+Q_MAX_DELIVERIES = 10
+Q_WAIT_READY = 11  # dequeuers sleeping on the ready semaphore
+Q_WAIT_SPACE = 12  # enqueuers sleeping on the space semaphore
+Q_LOCK_HOLDER = 13  # pid inside the queue's critical section, 0 outside
+Q_LOADED_NS = 14
+Q_N_ENQ = 15  # enqueue calls (reservations)
+Q_N_DEQ = 16  # dequeue calls that returned an entry
+Q_N_ENQ_COMMIT = 17
+Q_N_DEQ_COMMIT = 18
+Q_N_ENQ_ROLLBACK = 19
+Q_N_DEQ_ROLLBACK = 20  # = delivery retries
+Q_N_POISONED = 21
+Q_N_FULL = 22  # enqueue calls that found the queue full
+Q_N_EMPTY = 23  # dequeue calls that found nothing ready
+Q_N_REPAIRS = 24  # section entries corrected from the rows
+Q_FULL_SINCE_NS = 25  # monotonic ns when the queue became full, 0 if not full
+Q_FULL_NS = 26  # total ns spent full (closed periods)
+Q_ENQ_LAT_NS = 27  # sum of enqueue call latencies (ns)
+Q_DEQ_LAT_NS = 28
+Q_N_WAKEUPS = 29  # posts on the ready semaphore
+Q_N_RESYNC = 30  # full re-reads of the queue from its table
+Q_DEQ_OWNER = 31  # single mode: client index + 1 holding the dequeuer role, 0 if none
+Q_DEQ_INFLIGHT = 32  # single mode: entries that owner has dequeued and not finished
+Q_DEPTH_HINT = 33  # committed ready entries (approximate between resyncs; exact under the lock)
+Q_ENQ_HIST = 64  # HIST_BUCKETS words
+Q_DEQ_HIST = 96  # HIST_BUCKETS words
+QUEUE_WORDS = 128
+
+QS_UNUSED = 0
+QS_READY = 1
+QS_DROPPED = 2
+
+NAME_BYTES = 64
+
+# -- client words -----------------------------------------------------------------
+C_PID = 0  # 0 = free entry
+C_BACKEND_PID = 1
+C_STATE = 2  # CS_*
+C_STARTED_NS = 3
+C_N_ENQ = 4
+C_N_DEQ = 5
+C_N_COMMIT = 6
+C_N_ROLLBACK = 7
+C_N_ERRORS = 8
+C_BEAT_NS = 9
+CLIENT_WORDS = 16
+
+CS_FREE = 0
+CS_ACTIVE = 1
+CS_IN_DOUBT = 2  # lost its connection with slots held: the rows decide (monitor)
+
+
+def _round(n: int) -> int:
+    return (n + PAGE - 1) // PAGE * PAGE
+
+
+OFF_HEADER = 0
+OFF_QUEUES = _round(HEADER_WORDS * 8)
+OFF_NAMES = OFF_QUEUES + _round(MAX_QUEUES * QUEUE_WORDS * 8)
+OFF_CLIENTS = OFF_NAMES + _round(MAX_QUEUES * NAME_BYTES)
+BITMAP_WORDS = SLOT_POOL // 64
+OFF_ENQ = OFF_CLIENTS + _round(MAX_CLIENTS * CLIENT_WORDS * 8)
+OFF_DEQ = OFF_ENQ + _round(BITMAP_WORDS * 8)
+OFF_LCK = OFF_DEQ + _round(BITMAP_WORDS * 8)
+OFF_OWNER = OFF_LCK + _round(BITMAP_WORDS * 8)
+SECTION_SIZE = OFF_OWNER + _round(SLOT_POOL * 4)

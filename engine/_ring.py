@@ -1,0 +1,323 @@
+"""Ring operations on one queue block of the global section.
+
+Every method except the constructor must be called with the queue's lock held
+(``Section.lock_queue``); none does I/O. Writes are ordered so that a process
+killed between any two of them leaves a state the monitor can decide from the
+rows: the owner and LCK bit are set before the head moves, ENQ/DEQ are set
+before LCK is cleared, and the tail only passes slots that are done.
+
+Slot ``s`` of the queue is bit ``base + s`` of the pool bitmaps; ``base`` is a
+multiple of 64, so a queue never shares a bitmap word with another queue.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from . import _layout as L
+from ._section import Section
+
+_U64 = (1 << 64) - 1
+_FIRST_CHUNK = 2
+_MAX_CHUNK = 1024
+
+
+def _lowest_bit(x: int) -> int:
+    return (x & -x).bit_length() - 1
+
+
+class Ring:
+    """A view of queue block ``qidx`` (cheap to make; holds no lock itself)."""
+
+    __slots__ = ("sec", "qidx", "qb", "Q", "qid", "cap", "base", "w0")
+
+    def __init__(self, sec: Section, qidx: int) -> None:
+        self.sec = sec
+        self.qidx = qidx
+        self.qb = qidx * L.QUEUE_WORDS
+        self.Q = sec.queues
+        self.qid = self.Q[self.qb + L.Q_QID]
+        self.cap = self.Q[self.qb + L.Q_CAPACITY]
+        self.base = self.Q[self.qb + L.Q_BASE]
+        self.w0 = self.base >> 6
+
+    # -- positions ----------------------------------------------------------------
+
+    @property
+    def head(self) -> int:
+        return self.Q[self.qb + L.Q_HEAD]
+
+    @property
+    def tail(self) -> int:
+        return self.Q[self.qb + L.Q_TAIL]
+
+    def seq_of(self, slot: int) -> int:
+        """The sequence number slot ``slot`` holds within the current window."""
+        tail = self.Q[self.qb + L.Q_TAIL]
+        return tail + (slot - tail) % self.cap
+
+    def _bit(self, slot: int) -> tuple[int, int]:
+        return self.w0 + (slot >> 6), 1 << (slot & 63)
+
+    def bits(self, slot: int) -> tuple[bool, bool, bool, int]:
+        """(ENQ, DEQ, LCK, owner) of a slot, for inspection and recovery."""
+        w, m = self._bit(slot)
+        s = self.sec
+        return (
+            bool(s.enq_w[w] & m),
+            bool(s.deq_w[w] & m),
+            bool(s.lck_w[w] & m),
+            s.owner_w[self.base + slot],
+        )
+
+    # -- enqueue ------------------------------------------------------------------
+
+    def reserve(self, owner: int) -> tuple[int, int] | None:
+        """Reserve the slot at the head for ``owner``; None if the ring is full."""
+        Q, b = self.Q, self.qb
+        head = Q[b + L.Q_HEAD]
+        if head - Q[b + L.Q_TAIL] >= self.cap:
+            self.reclaim()
+            if head - Q[b + L.Q_TAIL] >= self.cap:
+                return None
+        slot = head % self.cap
+        w, m = self._bit(slot)
+        s = self.sec
+        s.enq_w[w] &= ~m & _U64
+        s.deq_w[w] &= ~m & _U64
+        s.owner_w[self.base + slot] = owner
+        s.lck_w[w] |= m
+        Q[b + L.Q_HEAD] = head + 1
+        Q[b + L.Q_N_ENQ] += 1
+        return slot, head
+
+    def finish_enqueue(self, slot: int, committed: bool) -> None:
+        """Publish a committed entry (ENQ) or void a rolled-back one (DEQ), then unlock."""
+        w, m = self._bit(slot)
+        s = self.sec
+        if committed:
+            s.enq_w[w] |= m
+            self.Q[self.qb + L.Q_DEPTH_HINT] += 1
+            self.Q[self.qb + L.Q_N_ENQ_COMMIT] += 1
+        else:
+            s.deq_w[w] |= m
+            self.Q[self.qb + L.Q_N_ENQ_ROLLBACK] += 1
+        s.lck_w[w] &= ~m & _U64
+        s.owner_w[self.base + slot] = 0
+
+    # -- dequeue ------------------------------------------------------------------
+
+    def claim(self, owner: int, *, exclusive: bool) -> tuple[int, int] | None:
+        """Lock the oldest ready entry for ``owner``: (slot, seq), or None.
+
+        Entries locked by others are read past, never waited on. With
+        ``exclusive`` (single-dequeuer mode) a queue whose dequeuer role is
+        held by another client has nothing for us.
+        """
+        Q, b = self.Q, self.qb
+        if exclusive:
+            holder = Q[b + L.Q_DEQ_OWNER]
+            if holder and holder != owner:
+                return None
+        tail = Q[b + L.Q_TAIL]
+        n = Q[b + L.Q_HEAD] - tail
+        if n <= 0:
+            return None
+        slot = self._find(tail % self.cap, n, ready=True)
+        if slot is None:
+            return None
+        w, m = self._bit(slot)
+        s = self.sec
+        s.owner_w[self.base + slot] = owner
+        s.lck_w[w] |= m
+        s.deq_w[w] |= m
+        if exclusive:
+            Q[b + L.Q_DEQ_OWNER] = owner
+            Q[b + L.Q_DEQ_INFLIGHT] += 1
+        Q[b + L.Q_N_DEQ] += 1
+        return slot, tail + (slot - tail) % self.cap
+
+    def finish_dequeue(self, slot: int, consumed: bool, *, exclusive: bool) -> None:
+        """Mark a dequeued entry consumed (DEQ stays) or ready again, then unlock."""
+        w, m = self._bit(slot)
+        s = self.sec
+        Q, b = self.Q, self.qb
+        if consumed:
+            Q[b + L.Q_DEPTH_HINT] -= 1
+            Q[b + L.Q_N_DEQ_COMMIT] += 1
+        else:
+            s.deq_w[w] &= ~m & _U64
+            Q[b + L.Q_N_DEQ_ROLLBACK] += 1
+        s.lck_w[w] &= ~m & _U64
+        s.owner_w[self.base + slot] = 0
+        if exclusive and Q[b + L.Q_DEQ_INFLIGHT] > 0:
+            Q[b + L.Q_DEQ_INFLIGHT] -= 1
+            if Q[b + L.Q_DEQ_INFLIGHT] == 0:
+                Q[b + L.Q_DEQ_OWNER] = 0
+        if consumed and slot == Q[b + L.Q_TAIL] % self.cap:
+            self.reclaim()
+
+    def release_role(self, owner: int) -> None:
+        """Give up the single-dequeuer role if ``owner`` holds it with nothing in flight."""
+        b = self.qb
+        if self.Q[b + L.Q_DEQ_OWNER] == owner:
+            self.Q[b + L.Q_DEQ_INFLIGHT] = 0
+            self.Q[b + L.Q_DEQ_OWNER] = 0
+
+    # -- reclaim ------------------------------------------------------------------
+
+    def reclaim(self) -> int:
+        """Advance the tail over consumed and void slots; returns how many."""
+        Q, b = self.Q, self.qb
+        tail = Q[b + L.Q_TAIL]
+        n = Q[b + L.Q_HEAD] - tail
+        if n <= 0:
+            return 0
+        first_busy = self._find(tail % self.cap, n, ready=False)
+        done = n if first_busy is None else (first_busy - tail) % self.cap
+        if done:
+            Q[b + L.Q_TAIL] = tail + done
+        return done
+
+    # -- scanning -------------------------------------------------------------------
+
+    def _find(self, start: int, n: int, *, ready: bool) -> int | None:
+        """First slot from ``start`` over ``n`` slots (wrapping) that is ready
+        (ENQ, not DEQ, not LCK) or, with ``ready=False``, not done (DEQ unset or LCK set)."""
+        end = start + n
+        if end <= self.cap:
+            return self._find_in(start, end, ready)
+        found = self._find_in(start, self.cap, ready)
+        if found is not None:
+            return found
+        return self._find_in(0, end - self.cap, ready)
+
+    def _find_in(self, a: int, b: int, ready: bool) -> int | None:
+        s = self.sec
+        wa, wl = a >> 6, (b - 1) >> 6  # first and last word (inclusive), queue-relative
+        chunk = _FIRST_CHUNK
+        w = wa
+        while w <= wl:
+            we = min(wl + 1, w + chunk)
+            g0, g1 = self.w0 + w, self.w0 + we
+            if ready:
+                words = s.enq[g0:g1] & ~s.deq[g0:g1] & ~s.lck[g0:g1]
+            else:
+                words = ~s.deq[g0:g1] | s.lck[g0:g1]
+            if w == wa and a & 63:
+                words[0] &= np.uint64((_U64 << (a & 63)) & _U64)
+            if we == wl + 1 and (b & 63):
+                words[-1] &= np.uint64((1 << (b & 63)) - 1)
+            nz = np.flatnonzero(words)
+            if nz.size:
+                i = int(nz[0])
+                return ((w + i) << 6) + _lowest_bit(int(words[i]))
+            w = we
+            chunk = min(chunk * 4, _MAX_CHUNK)
+        return None
+
+    # -- counts -----------------------------------------------------------------------
+
+    def counts(self) -> dict[str, int]:
+        """Ready, locked and done slots within the window (a full scan; for inspection)."""
+        tail, head = self.tail, self.head
+        bits = self.window_bits()
+        return {
+            "window": head - tail,
+            "ready": int(np.count_nonzero(bits["enq"] & ~bits["deq"] & ~bits["lck"])),
+            "locked": int(np.count_nonzero(bits["lck"])),
+            "done": int(np.count_nonzero(bits["deq"] & ~bits["lck"])),
+        }
+
+    def window_bits(self) -> dict[str, np.ndarray]:
+        """Boolean arrays (ENQ, DEQ, LCK) for positions tail..head-1, in sequence order."""
+        tail, head = self.tail, self.head
+        slots = np.arange(tail, head, dtype=np.int64) % self.cap
+        out = {}
+        for key, arr in (("enq", self.sec.enq), ("deq", self.sec.deq), ("lck", self.sec.lck)):
+            words = arr[self.w0 : self.w0 + (self.cap + 63) // 64]
+            bits = np.unpackbits(words.view(np.uint8), bitorder="little")[: self.cap].astype(bool)
+            out[key] = bits[slots]
+        return out
+
+    # -- rebuild ------------------------------------------------------------------------
+
+    def load_rows(
+        self,
+        slots: np.ndarray,
+        states: np.ndarray,
+        seqs: np.ndarray,
+        *,
+        keep_locked: bool,
+        held: list[tuple[int, int]] | None = None,
+    ) -> None:
+        """Set head, tail and the bitmaps from the rows (``SELECT slot, state, seq``).
+
+        ``keep_locked`` preserves slots locked by live clients (a resync under
+        traffic); ``held`` lists (slot, seq) pairs of in-doubt prepared
+        transactions, kept locked with no owner until recovery decides them.
+        """
+        cap = self.cap
+        Q, b = self.Q, self.qb
+        seq_by_slot = np.full(cap, -1, dtype=np.int64)
+        state_by_slot = np.zeros(cap, dtype=np.int64)
+        seq_by_slot[slots] = seqs
+        state_by_slot[slots] = states
+        nwords = (cap + 63) // 64
+        g0, g1 = self.w0, self.w0 + nwords
+        s = self.sec
+
+        old_lck = s.lck[g0:g1].copy() if keep_locked else np.zeros(nwords, dtype=np.uint64)
+        locked_seqs: list[int] = []
+        if keep_locked:
+            locked_bits = np.unpackbits(old_lck.view(np.uint8), bitorder="little")[:cap]
+            for slot in np.flatnonzero(locked_bits):
+                locked_seqs.append(self.seq_of(int(slot)))
+        max_seq = int(seq_by_slot.max()) if cap else -1
+        head = max_seq + 1
+        if keep_locked:
+            head = max(head, Q[b + L.Q_HEAD])
+        held = held or []
+        for _slot, seq in held:
+            head = max(head, seq + 1)
+        queued = seq_by_slot[state_by_slot == 1]
+        candidates = [int(queued.min())] if queued.size else []
+        candidates += locked_seqs + [seq for _slot, seq in held]
+        tail = min(candidates) if candidates else head
+        tail = max(tail, head - cap, 0)
+
+        pos = np.arange(tail, head, dtype=np.int64)
+        at = pos % cap
+        written = seq_by_slot[at] == pos
+        enq = np.zeros(cap, dtype=bool)
+        deq = np.zeros(cap, dtype=bool)
+        enq[at] = written & (state_by_slot[at] >= 1)
+        deq[at] = ~(written & (state_by_slot[at] == 1))  # consumed, or void (never written)
+        lck = np.zeros(cap, dtype=bool)
+        for slot, seq in held:
+            lck[slot] = True
+            enq[slot] = seq_by_slot[slot] == seq and state_by_slot[slot] >= 1
+            deq[slot] = bool(enq[slot])  # a held dequeue; a held enqueue has neither bit
+
+        def words(bits: np.ndarray) -> np.ndarray:
+            padded = np.zeros(nwords * 64, dtype=bool)
+            padded[:cap] = bits
+            return np.packbits(padded, bitorder="little").view(np.uint64)
+
+        new_enq, new_deq, new_lck = words(enq), words(deq), words(lck)
+        if keep_locked:
+            new_enq = (new_enq & ~old_lck) | (s.enq[g0:g1] & old_lck)
+            new_deq = (new_deq & ~old_lck) | (s.deq[g0:g1] & old_lck)
+            new_lck = new_lck | old_lck
+        else:
+            s.owner[self.base : self.base + cap] = 0
+            Q[b + L.Q_DEQ_OWNER] = 0
+            Q[b + L.Q_DEQ_INFLIGHT] = 0
+        # Tail first, then bits, then head: readers only look inside [tail, head).
+        Q[b + L.Q_TAIL] = tail
+        s.enq[g0:g1] = new_enq
+        s.deq[g0:g1] = new_deq
+        s.lck[g0:g1] = new_lck
+        Q[b + L.Q_HEAD] = head
+        Q[b + L.Q_DEPTH_HINT] = int(np.count_nonzero(state_by_slot == 1))
+        self.reclaim()

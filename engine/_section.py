@@ -1,0 +1,367 @@
+"""The global section: one POSIX shared-memory segment per database on the queue host.
+
+It holds every queue's head and tail, counters, the ENQ/DEQ/LCK bitmaps (numpy
+views), the entry-lock owner of every slot, and a table of attached clients.
+
+Locks: the short critical sections use ``fcntl`` byte-range locks on the
+segment's own file descriptor (byte 0 for the section, byte 1+i for queue
+block i), which the kernel releases when a holder dies, plus a per-process
+``threading.Lock`` because fcntl locks do not exclude threads of one process.
+posix-ipc semaphores are used only to count wake-ups.
+
+The section is a cache: the database rows decide. Everything here can be
+rebuilt from the tables (:mod:`ringq.engine._ring`).
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import mmap
+import os
+import secrets
+import threading
+import time
+from typing import Final
+
+import numpy as np
+import posix_ipc
+
+from . import _layout as L
+from ._errors import SectionError, SectionIncompatible
+
+_U64: Final = (1 << 64) - 1
+
+
+def section_name(instance_id: str) -> str:
+    """The shared-memory name of a database's section: ``/ringq.<instance id>``."""
+    if not instance_id.isalnum():
+        raise SectionError(f"bad instance id {instance_id!r}")
+    return f"/ringq.{instance_id[:32]}"
+
+
+def pid_alive(pid: int) -> bool:
+    """True if a process with this pid exists on this host."""
+    if pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    # A zombie (killed, not yet reaped by its parent) is dead for our purposes.
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            state = f.read().rsplit(b")", 1)[1].split()[0]
+        return state not in (b"Z", b"X")
+    except (OSError, IndexError):
+        return True
+
+
+class Section:
+    """An attached global section. Use :meth:`attach`; ``close()`` is idempotent.
+
+    :raises SectionIncompatible: the segment was made by another layout version.
+    """
+
+    def __init__(self, name: str, shm: posix_ipc.SharedMemory, mm: mmap.mmap) -> None:
+        self.name = name
+        self.pid = os.getpid()
+        self._shm = shm
+        self._fd = shm.fd
+        self._mm: mmap.mmap | None = mm
+        buf = memoryview(mm)
+        self._buf = buf
+        self.header = buf[L.OFF_HEADER : L.OFF_HEADER + L.HEADER_WORDS * 8].cast("q")
+        self.queues = buf[L.OFF_QUEUES : L.OFF_QUEUES + L.MAX_QUEUES * L.QUEUE_WORDS * 8].cast("q")
+        self.clients = buf[L.OFF_CLIENTS : L.OFF_CLIENTS + L.MAX_CLIENTS * L.CLIENT_WORDS * 8].cast("q")
+        self.names = buf[L.OFF_NAMES : L.OFF_NAMES + L.MAX_QUEUES * L.NAME_BYTES]
+        # Word views for single-bit updates (fast) and numpy views for scans.
+        self.enq_w = buf[L.OFF_ENQ : L.OFF_ENQ + L.BITMAP_WORDS * 8].cast("Q")
+        self.deq_w = buf[L.OFF_DEQ : L.OFF_DEQ + L.BITMAP_WORDS * 8].cast("Q")
+        self.lck_w = buf[L.OFF_LCK : L.OFF_LCK + L.BITMAP_WORDS * 8].cast("Q")
+        self.enq = np.frombuffer(mm, dtype=np.uint64, count=L.BITMAP_WORDS, offset=L.OFF_ENQ)
+        self.deq = np.frombuffer(mm, dtype=np.uint64, count=L.BITMAP_WORDS, offset=L.OFF_DEQ)
+        self.lck = np.frombuffer(mm, dtype=np.uint64, count=L.BITMAP_WORDS, offset=L.OFF_LCK)
+        self.owner = np.frombuffer(mm, dtype=np.int32, count=L.SLOT_POOL, offset=L.OFF_OWNER)
+        self.owner_w = buf[L.OFF_OWNER : L.OFF_OWNER + L.SLOT_POOL * 4].cast("i")
+        self._tlocks = [threading.Lock() for _ in range(L.MAX_QUEUES + 1)]
+        self._sems: dict[str, posix_ipc.Semaphore] = {}
+        self.generation = self.header[L.H_GENERATION]
+
+    # -- life cycle ---------------------------------------------------------------
+
+    @classmethod
+    def attach(cls, instance_id: str, *, create: bool = True) -> Section:
+        """Attach the section of a database, creating and initialising it if absent.
+
+        :raises SectionError: it is absent and ``create`` is false, or it cannot be made.
+        :raises SectionIncompatible: it has a foreign magic or layout version.
+        """
+        name = section_name(instance_id)
+        try:
+            shm = posix_ipc.SharedMemory(name, posix_ipc.O_CREAT if create else 0, mode=0o660)
+        except posix_ipc.ExistentialError as exc:
+            raise SectionError(f"global section {name} does not exist (is the monitor running?)") from exc
+        except OSError as exc:
+            raise SectionError(f"cannot open global section {name}: {exc}") from exc
+        try:
+            # Section-wide lock while checking / initialising, so a half-made
+            # segment (its creator killed) is finished by the next one to come.
+            fcntl.lockf(shm.fd, fcntl.LOCK_EX, 1, 0)
+            try:
+                size = os.fstat(shm.fd).st_size
+                if size == 0:
+                    if not create:
+                        raise SectionError(f"global section {name} is empty")
+                    os.ftruncate(shm.fd, L.SECTION_SIZE)
+                    size = L.SECTION_SIZE
+                if size < L.OFF_QUEUES:
+                    raise SectionIncompatible(f"global section {name} has a foreign size {size}")
+                mm = mmap.mmap(shm.fd, size)
+                header = memoryview(mm)[: L.HEADER_WORDS * 8].cast("q")
+                if header[L.H_READY] == 0 and header[L.H_MAGIC] == 0:
+                    if size != L.SECTION_SIZE:
+                        raise SectionIncompatible(f"global section {name} has a foreign size {size}")
+                    header[L.H_LAYOUT] = L.LAYOUT_VERSION
+                    header[L.H_SIZE] = L.SECTION_SIZE
+                    header[L.H_GENERATION] = secrets.randbits(62) | 1
+                    header[L.H_NEXT_BASE] = 0
+                    header[L.H_CREATED_NS] = time.time_ns()
+                    header[L.H_MAGIC] = L.MAGIC
+                    header[L.H_READY] = 1
+                if header[L.H_MAGIC] != L.MAGIC or header[L.H_LAYOUT] != L.LAYOUT_VERSION or size != L.SECTION_SIZE:
+                    found = (header[L.H_MAGIC], header[L.H_LAYOUT], size)
+                    header.release()
+                    mm.close()
+                    raise SectionIncompatible(
+                        f"global section {name} has layout {found[1]} (magic {found[0]:#x}, "
+                        f"{found[2]} bytes); this ringq uses layout {L.LAYOUT_VERSION}: "
+                        "stop every client and the monitor, then remove it (ringq monitor --reset-section)"
+                    )
+                header.release()
+            finally:
+                fcntl.lockf(shm.fd, fcntl.LOCK_UN, 1, 0)
+        except BaseException:
+            shm.close_fd()
+            raise
+        return cls(name, shm, mm)
+
+    def close(self) -> None:
+        if self._mm is None:
+            return
+        for sem in self._sems.values():
+            sem.close()
+        self._sems.clear()
+        for view in (self.header, self.queues, self.clients, self.names, self.enq_w, self.deq_w,
+                     self.lck_w, self.owner_w):
+            view.release()
+        del self.enq, self.deq, self.lck, self.owner
+        self._buf.release()
+        mm, self._mm = self._mm, None
+        try:
+            mm.close()
+        except BufferError:
+            pass  # a numpy view still referenced elsewhere; the mapping dies with it
+        self._shm.close_fd()
+
+    @property
+    def closed(self) -> bool:
+        return self._mm is None
+
+    def unlinked(self) -> bool:
+        """True if the segment was removed (the monitor made a new one, or an operator did)."""
+        try:
+            return os.fstat(self._fd).st_nlink == 0
+        except OSError:
+            return True
+
+    @staticmethod
+    def unlink(instance_id: str) -> bool:
+        """Remove a database's section (clients attached keep their mapping). True if it existed."""
+        name = section_name(instance_id)
+        try:
+            posix_ipc.unlink_shared_memory(name)
+        except posix_ipc.ExistentialError:
+            return False
+        return True
+
+    # -- locks --------------------------------------------------------------------
+
+    def lock_section(self) -> None:
+        self._tlocks[0].acquire()
+        try:
+            fcntl.lockf(self._fd, fcntl.LOCK_EX, 1, 0)
+        except BaseException:
+            self._tlocks[0].release()
+            raise
+
+    def unlock_section(self) -> None:
+        fcntl.lockf(self._fd, fcntl.LOCK_UN, 1, 0)
+        self._tlocks[0].release()
+
+    def lock_queue(self, qidx: int) -> None:
+        """Enter queue block ``qidx``'s critical section (short: no I/O inside)."""
+        self._tlocks[qidx + 1].acquire()
+        try:
+            fcntl.lockf(self._fd, fcntl.LOCK_EX, 1, qidx + 1)
+        except BaseException:
+            self._tlocks[qidx + 1].release()
+            raise
+        # Recorded so the monitor can tell a holder that died inside from a live one.
+        self.queues[qidx * L.QUEUE_WORDS + L.Q_LOCK_HOLDER] = self.pid
+
+    def unlock_queue(self, qidx: int) -> None:
+        self.queues[qidx * L.QUEUE_WORDS + L.Q_LOCK_HOLDER] = 0
+        fcntl.lockf(self._fd, fcntl.LOCK_UN, 1, qidx + 1)
+        self._tlocks[qidx + 1].release()
+
+    def queue_lock_probe(self, qidx: int) -> bool:
+        """True if nobody holds the queue's lock right now (takes and drops it)."""
+        try:
+            fcntl.lockf(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB, 1, qidx + 1)
+        except OSError as exc:
+            if exc.errno in (errno.EACCES, errno.EAGAIN):
+                return False
+            raise
+        fcntl.lockf(self._fd, fcntl.LOCK_UN, 1, qidx + 1)
+        return True
+
+    # -- queue blocks ----------------------------------------------------------------
+
+    def q(self, qidx: int, word: int) -> int:
+        return self.queues[qidx * L.QUEUE_WORDS + word]
+
+    def find_queue(self, qid: int) -> int | None:
+        """The block index of queue ``qid``, or None if it is not loaded."""
+        for i in range(L.MAX_QUEUES):
+            base = i * L.QUEUE_WORDS
+            if self.queues[base + L.Q_QID] == qid and self.queues[base + L.Q_STATE] == L.QS_READY:
+                return i
+        return None
+
+    def loaded_queues(self) -> list[int]:
+        return [
+            i
+            for i in range(L.MAX_QUEUES)
+            if self.queues[i * L.QUEUE_WORDS + L.Q_STATE] == L.QS_READY
+        ]
+
+    def queue_name(self, qidx: int) -> str:
+        raw = bytes(self.names[qidx * L.NAME_BYTES : (qidx + 1) * L.NAME_BYTES])
+        return raw.rstrip(b"\0").decode()
+
+    def allocate_queue(self, qid: int, name: str, capacity: int) -> int:
+        """Reserve a block and pool space for a queue (caller holds the section lock).
+
+        Returns the block index; the caller fills it and sets ``Q_STATE`` ready.
+        :raises SectionError: no free block, or the slot pool is exhausted.
+        """
+        free = None
+        for i in range(L.MAX_QUEUES):
+            base = i * L.QUEUE_WORDS
+            state = self.queues[base + L.Q_STATE]
+            if self.queues[base + L.Q_QID] == qid and state != L.QS_READY:
+                # A block for this queue left half-loaded (its loader died): reuse it.
+                free = i
+                break
+            if state == L.QS_UNUSED and self.queues[base + L.Q_QID] == 0 and free is None:
+                free = i
+        if free is None:
+            raise SectionError(f"global section full: {L.MAX_QUEUES} queues at most")
+        base = free * L.QUEUE_WORDS
+        if self.queues[base + L.Q_QID] == qid and self.queues[base + L.Q_CAPACITY] >= capacity:
+            slot_base = self.queues[base + L.Q_BASE]
+        else:
+            slot_base = self.header[L.H_NEXT_BASE]
+            end = slot_base + (capacity + 63) // 64 * 64
+            if end > L.SLOT_POOL:
+                raise SectionError(
+                    f"global section slot pool exhausted: {L.SLOT_POOL:,} slots in all, "
+                    f"{slot_base:,} used, queue needs {capacity:,}"
+                )
+            self.header[L.H_NEXT_BASE] = end
+        for w in range(L.QUEUE_WORDS):
+            self.queues[base + w] = 0
+        self.queues[base + L.Q_QID] = qid
+        self.queues[base + L.Q_CAPACITY] = capacity
+        self.queues[base + L.Q_BASE] = slot_base
+        raw = name.encode()[: L.NAME_BYTES]
+        self.names[free * L.NAME_BYTES : (free + 1) * L.NAME_BYTES] = raw.ljust(L.NAME_BYTES, b"\0")
+        return free
+
+    # -- clients ------------------------------------------------------------------
+
+    def c(self, cidx: int, word: int) -> int:
+        return self.clients[cidx * L.CLIENT_WORDS + word]
+
+    def add_client(self, backend_pid: int) -> int:
+        """Register this process as a client; returns its index. Owner ids are index + 1.
+
+        :raises SectionError: the client table is full (dead clients not yet recovered).
+        """
+        self.lock_section()
+        try:
+            for i in range(L.MAX_CLIENTS):
+                base = i * L.CLIENT_WORDS
+                if self.clients[base + L.C_STATE] == L.CS_FREE:
+                    for w in range(L.CLIENT_WORDS):
+                        self.clients[base + w] = 0
+                    self.clients[base + L.C_PID] = self.pid
+                    self.clients[base + L.C_BACKEND_PID] = backend_pid
+                    self.clients[base + L.C_STARTED_NS] = time.time_ns()
+                    self.clients[base + L.C_STATE] = L.CS_ACTIVE
+                    return i
+        finally:
+            self.unlock_section()
+        raise SectionError(
+            f"global section client table full ({L.MAX_CLIENTS}): dead clients wait for the monitor"
+        )
+
+    def set_client_backend(self, cidx: int, backend_pid: int) -> None:
+        self.clients[cidx * L.CLIENT_WORDS + L.C_BACKEND_PID] = backend_pid
+
+    def remove_client(self, cidx: int) -> None:
+        """Free a client entry; the caller must hold no entry locks under it."""
+        self.lock_section()
+        try:
+            base = cidx * L.CLIENT_WORDS
+            if self.clients[base + L.C_PID] == self.pid:
+                self.clients[base + L.C_STATE] = L.CS_FREE
+                self.clients[base + L.C_PID] = 0
+        finally:
+            self.unlock_section()
+
+    def active_clients(self) -> list[int]:
+        return [
+            i for i in range(L.MAX_CLIENTS) if self.clients[i * L.CLIENT_WORDS + L.C_STATE] != L.CS_FREE
+        ]
+
+    # -- wake-ups -----------------------------------------------------------------
+
+    def semaphore(self, qid: int, kind: str) -> posix_ipc.Semaphore:
+        """The counting semaphore ``kind`` ('r' ready, 's' space) of queue ``qid``."""
+        key = f"{qid}{kind}"
+        sem = self._sems.get(key)
+        if sem is None:
+            sem = posix_ipc.Semaphore(
+                f"{self.name}.{qid}{kind}", posix_ipc.O_CREAT, mode=0o660, initial_value=0
+            )
+            self._sems[key] = sem
+        return sem
+
+    def post(self, qid: int, kind: str, times: int) -> None:
+        sem = self.semaphore(qid, kind)
+        for _ in range(times):
+            sem.release()
+
+    @staticmethod
+    def unlink_semaphores(instance_id: str, qids: list[int]) -> None:
+        name = section_name(instance_id)
+        for qid in qids:
+            for kind in "rs":
+                try:
+                    posix_ipc.unlink_semaphore(f"{name}.{qid}{kind}")
+                except posix_ipc.ExistentialError:
+                    pass

@@ -1,0 +1,1065 @@
+"""Sessions: enqueue and dequeue inside the caller's own PostgreSQL transaction.
+
+One session = one PostgreSQL connection + one client entry in the global
+section. Its in-flight slots (reserved for enqueue, locked for dequeue) are
+finished in the section only after the database has answered the commit or
+rollback; until then they stay locked, so no other client can see them.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import threading
+import time
+from collections.abc import Iterable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any, Literal
+
+import numpy as np
+import posix_ipc
+import psycopg
+from psycopg import sql
+from psycopg.pq import TransactionStatus
+
+from . import _layout as L
+from ._dsn import resolve_dsn
+from ._errors import (
+    DatabaseUnavailable,
+    InDoubt,
+    PayloadTooLarge,
+    QueueFull,
+    QueueNotFound,
+    RingqError,
+    SchemaMissing,
+    SectionError,
+    SessionClosed,
+    TransactionError,
+    from_psycopg,
+    redact_dsn,
+)
+from ._names import queue_table, validate_queue_name
+from ._ring import Ring
+from ._section import Section
+from ._sqlfile import load
+
+logger = logging.getLogger("ringq.engine")
+
+_Q = load("ringq.engine", "queries.sql")
+_IDLE = TransactionStatus.IDLE
+_INTRANS = TransactionStatus.INTRANS
+_INERROR = TransactionStatus.INERROR
+
+SUPPORTED_SCHEMA = "1"
+POISON_REASON = "max deliveries reached"
+
+
+@dataclass(frozen=True)
+class QueueInfo:
+    """A queue's settings, as stored in ``ringq.queues``."""
+
+    id: int
+    name: str
+    capacity: int
+    max_payload: int
+    full_policy: str
+    full_timeout: float
+    dequeue_mode: str
+    max_deliveries: int
+    exception_queue: str | None
+
+
+@dataclass(frozen=True)
+class Message:
+    """An entry taken from a queue; consumed only if the transaction commits.
+
+    ``deliveries`` counts this delivery: 1 the first time, more if earlier
+    deliveries were rolled back (so the consumer can check idempotency).
+    """
+
+    queue: str
+    seq: int
+    payload: bytes
+    producer: str
+    producer_seq: int
+    enqueued_at: datetime
+    deliveries: int
+
+    @property
+    def redelivered(self) -> bool:
+        return self.deliveries > 1
+
+
+@dataclass
+class _Op:
+    ring: Ring
+    info: QueueInfo
+    slot: int
+    seq: int
+    kind: Literal["e", "d"]
+    latency_ns: int
+
+
+class _Process:
+    """Per-process attachment: one Section per database instance, re-made after fork()."""
+
+    lock = threading.Lock()
+    pid = os.getpid()
+    sections: dict[str, Section] = {}
+
+    @classmethod
+    def section(cls, instance: str) -> Section:
+        with cls.lock:
+            if cls.pid != os.getpid():
+                # Forked: the parent's mapping stays valid but its locks and
+                # client entries are not ours; start afresh.
+                cls.sections = {}
+                cls.pid = os.getpid()
+            sec = cls.sections.get(instance)
+            if sec is not None and (sec.closed or sec.unlinked()):
+                cls.sections.pop(instance, None)
+                sec = None
+            if sec is None:
+                sec = Section.attach(instance)
+                cls.sections[instance] = sec
+            return sec
+
+
+_producer_counter = iter(range(1, 1 << 62))
+
+
+def connect(
+    dsn: str | None = None,
+    *,
+    producer: str | None = None,
+    connect_timeout: float = 10.0,
+    application_name: str = "ringq",
+) -> Session:
+    """Open a session: DSN from the argument, else ``RINGQ_DSN``, else the embedded cluster.
+
+    :raises DatabaseUnavailable: the database cannot be reached.
+    :raises SchemaMissing: the database holds no ringq schema (create a queue first).
+    :raises SectionIncompatible: the host's global section has a foreign layout.
+    """
+    return Session(
+        resolve_dsn(dsn),
+        producer=producer,
+        connect_timeout=connect_timeout,
+        application_name=application_name,
+    )
+
+
+class Session:
+    """A connection to one database's queues. Not thread-safe: one per thread.
+
+    ``session.connection`` is the psycopg connection whose transaction the
+    queue operations join; run your own SQL on it, then :meth:`commit` or
+    :meth:`rollback` through the session (never on the connection directly,
+    or the section learns the outcome late, from the rows).
+    """
+
+    def __init__(
+        self,
+        dsn: str,
+        *,
+        producer: str | None = None,
+        connect_timeout: float = 10.0,
+        application_name: str = "ringq",
+    ) -> None:
+        self.dsn = dsn
+        self._connect_timeout = connect_timeout
+        self._appname = application_name
+        self._pid = os.getpid()
+        self.producer = producer or f"{socket.gethostname()}:{os.getpid()}:{next(_producer_counter)}"
+        self._producer_seq = 0
+        self._ops: list[_Op] = []
+        self._queues: dict[str, QueueInfo] = {}
+        self._rings: dict[int, Ring] = {}
+        self._stmts: dict[tuple[str, str], str] = {}
+        self._closed = False
+        self._tpc_xid: Any = None
+        self._conn = self._open_connection()
+        self._attach()
+
+    # -- life cycle -----------------------------------------------------------------
+
+    def _open_connection(self) -> psycopg.Connection[Any]:
+        try:
+            conn = psycopg.connect(
+                self.dsn,
+                autocommit=False,
+                connect_timeout=max(1, int(self._connect_timeout)),
+                application_name=self._appname,
+            )
+        except psycopg.Error as exc:
+            raise from_psycopg(exc, dsn=self.dsn) from exc
+        return conn
+
+    def _attach(self) -> None:
+        try:
+            row = self._conn.execute(_Q["instance"]).fetchone()
+            self._conn.rollback()
+        except psycopg.errors.UndefinedTable as exc:
+            self._conn.close()
+            raise SchemaMissing(
+                f"no ringq schema in {redact_dsn(self.dsn)!r}: create a queue first (ringq queue create)"
+            ) from exc
+        except psycopg.Error as exc:
+            self._conn.close()
+            raise from_psycopg(exc, dsn=self.dsn) from exc
+        assert row is not None
+        instance, version, backend_pid = row
+        if version != SUPPORTED_SCHEMA or not instance:
+            self._conn.close()
+            raise SchemaMissing(f"ringq schema version {version!r} is not supported (want {SUPPORTED_SCHEMA})")
+        self.instance: str = instance
+        self.backend_pid: int = backend_pid
+        self._section = _Process.section(instance)
+        self._cidx = self._section.add_client(backend_pid)
+        self.owner = self._cidx + 1
+        self._rings = {}
+
+    def close(self) -> None:
+        """Roll back anything open and release the connection; a second call does nothing."""
+        if self._closed:
+            return
+        if os.getpid() != self._pid:
+            self._closed = True  # the parent's connection and client entry are not ours
+            return
+        try:
+            if self._ops or self._conn.info.transaction_status != _IDLE:
+                self.rollback()
+        except RingqError:
+            logger.warning("ringq: rollback at close failed", exc_info=True)
+        finally:
+            self._closed = True
+            if not self._ops:
+                self._section.remove_client(self._cidx)
+            self._conn.close()
+
+    def __enter__(self) -> Session:
+        return self
+
+    def __exit__(self, exc_type: object, exc: object, tb: object) -> None:
+        self.close()
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    @property
+    def connection(self) -> psycopg.Connection[Any]:
+        """The psycopg connection whose transaction queue operations join."""
+        self._check()
+        return self._conn
+
+    def _check(self) -> None:
+        if self._closed:
+            raise SessionClosed("the session is closed")
+        if os.getpid() != self._pid:
+            self._after_fork()
+        if self._ops and self._conn.info.transaction_status == _IDLE:
+            # Someone committed or rolled back on the connection directly:
+            # learn the outcome from the rows.
+            self._decide_from_rows(self._conn, self._ops)
+            self._ops = []
+        if self._section.unlinked() and not self._ops:
+            self._reattach_section()
+
+    def _after_fork(self) -> None:
+        # The inherited connection belongs to the parent: never close it here
+        # (psycopg does not finish a connection made in another process).
+        self._pid = os.getpid()
+        self._ops = []
+        self._producer_seq = 0
+        self.producer = f"{socket.gethostname()}:{os.getpid()}:{next(_producer_counter)}"
+        self._conn = self._open_connection()
+        self._attach()
+
+    def _reattach_section(self) -> None:
+        old = self._section
+        self._section = _Process.section(self.instance)
+        if self._section is not old:
+            self._cidx = self._section.add_client(self.backend_pid)
+            self.owner = self._cidx + 1
+            self._rings = {}
+
+    # -- queues -------------------------------------------------------------------
+
+    def queue_info(self, name: str) -> QueueInfo:
+        """The queue's settings (cached for the session's life).
+
+        :raises InvalidQueueName: bad name. :raises QueueNotFound: no such queue.
+        """
+        info = self._queues.get(name)
+        if info is None:
+            validate_queue_name(name)
+            with self._converted():
+                row = self._conn.execute(_Q["queue_info"], (name,)).fetchone()
+            if row is None:
+                raise QueueNotFound(f"queue {name!r} does not exist", queue=name)
+            info = QueueInfo(*row)
+            self._queues[name] = info
+        return info
+
+    def _ring(self, info: QueueInfo) -> Ring:
+        ring = self._rings.get(info.id)
+        if ring is None:
+            qidx = self._section.find_queue(info.id)
+            if qidx is None:
+                qidx = self._load_queue(info)
+            ring = Ring(self._section, qidx)
+            self._rings[info.id] = ring
+        return ring
+
+    def _load_queue(self, info: QueueInfo) -> int:
+        """Bring a queue into the section from its table (first user on this host)."""
+        sec = self._section
+        # Read the rows on a separate connection: outside the caller's
+        # transaction, committed state only.
+        with psycopg.connect(self.dsn, autocommit=True, connect_timeout=max(1, int(self._connect_timeout))) as aux:
+            sec.lock_section()
+            try:
+                qidx = sec.find_queue(info.id)
+                if qidx is not None:
+                    return qidx
+                qidx = sec.allocate_queue(info.id, info.name, info.capacity)
+                rows = aux.execute(self._stmt("all_rows", info.name)).fetchall()
+                held = _held_slots(aux, info.id)
+                _load_block(sec, qidx, info, rows, held)
+                return qidx
+            finally:
+                sec.unlock_section()
+
+    def _stmt(self, name: str, queue: str) -> str:
+        key = (name, queue)
+        stmt = self._stmts.get(key)
+        if stmt is None:
+            stmt = sql.SQL(_Q[name]).format(table=queue_table(queue)).as_string(None)  # type: ignore[arg-type]
+            self._stmts[key] = stmt
+        return stmt
+
+    # -- transactions -------------------------------------------------------------------
+
+    @contextmanager
+    def _converted(self, queue: str | None = None) -> Iterator[None]:
+        try:
+            yield
+        except psycopg.Error as exc:
+            if self._conn.broken or isinstance(exc, psycopg.OperationalError | psycopg.InterfaceError) and self._conn.closed:
+                self._connection_lost(exc)
+            raise from_psycopg(exc, dsn=self.dsn, queue=queue) from exc
+
+    def _connection_lost(self, exc: BaseException) -> None:
+        """The connection died mid-transaction: nothing committed; free our slots by the rows."""
+        ops, self._ops = self._ops, []
+        self._recover(ops, reason=str(exc))
+
+    def commit(self) -> None:
+        """Commit the transaction; then its enqueued entries become ready and
+        its dequeued entries consumed.
+
+        :raises InDoubt: the commit's answer was lost and the outcome could not
+            be read back (the rows decide later; nothing is lost or doubled).
+        :raises TransactionError: the transaction had failed; it was rolled back.
+        """
+        self._check()
+        if self._tpc_xid is not None:
+            raise TransactionError("a two-phase transaction is open: use tpc_commit()")
+        ops = self._ops
+        status = self._conn.info.transaction_status
+        if status == _INERROR:
+            self.rollback()
+            raise TransactionError("the transaction failed earlier and was rolled back")
+        try:
+            self._conn.commit()
+        except psycopg.Error as exc:
+            self._ops = []
+            if self._conn.broken or self._conn.closed:
+                committed = self._recover(ops, reason=f"commit answer lost: {exc}")
+                if committed is None:
+                    raise InDoubt(f"commit outcome unknown: {exc}") from exc
+                if committed:
+                    logger.warning("ringq: commit answer lost, but the rows show it committed")
+                    return
+                raise TransactionError(f"commit failed and was rolled back: {exc}") from exc
+            # The server refused the commit (deferred constraint, serialization): rolled back.
+            self._finish(ops, committed=False)
+            raise from_psycopg(exc, dsn=self.dsn) from exc
+        self._ops = []
+        self._finish(ops, committed=True)
+
+    def rollback(self) -> None:
+        """Roll back: enqueued entries are voided, dequeued ones become ready again
+        (and count a delivery; at the queue's max_deliveries they move to
+        ``ringq.exceptions``)."""
+        if self._closed:
+            raise SessionClosed("the session is closed")
+        if os.getpid() != self._pid:
+            self._after_fork()
+            return
+        if self._tpc_xid is not None:
+            self.tpc_rollback()
+            return
+        ops, self._ops = self._ops, []
+        try:
+            self._conn.rollback()
+        except psycopg.Error as exc:
+            self._recover(ops, reason=f"rollback failed: {exc}")
+            raise from_psycopg(exc, dsn=self.dsn) from exc
+        self._finish(ops, committed=False)
+
+    @contextmanager
+    def transaction(self) -> Iterator[Session]:
+        """Commit on normal exit, roll back on an exception (which propagates)."""
+        self._check()
+        try:
+            yield self
+        except BaseException:
+            if not self._closed:
+                self.rollback()
+            raise
+        self.commit()
+
+    def _finish(self, ops: list[_Op], *, committed: bool) -> None:
+        """Tell the section the outcome of ``ops`` (the database already decided)."""
+        if not ops:
+            return
+        poisoned: set[tuple[int, int]] = set()
+        if not committed:
+            poisoned = self._strike([op for op in ops if op.kind == "d"])
+        by_ring: dict[int, list[_Op]] = {}
+        for op in ops:
+            by_ring.setdefault(op.ring.qidx, []).append(op)
+        sec = self._section
+        posts: list[tuple[int, str, int]] = []
+        for qidx, group in by_ring.items():
+            ring = group[0].ring
+            exclusive = group[0].info.dequeue_mode == "single"
+            qb = qidx * L.QUEUE_WORDS
+            sec.lock_queue(qidx)
+            try:
+                n_ready = n_space = 0
+                for op in group:
+                    if op.kind == "e":
+                        ring.finish_enqueue(op.slot, committed)
+                        n_ready += committed
+                        _hist(sec, qb + L.Q_ENQ_HIST, qb + L.Q_ENQ_LAT_NS, op.latency_ns)
+                    else:
+                        consumed = committed or (op.slot, op.seq) in poisoned
+                        was_owner = sec.queues[qb + L.Q_DEQ_OWNER]
+                        ring.finish_dequeue(op.slot, consumed, exclusive=exclusive)
+                        n_space += consumed
+                        n_ready += (not consumed) or (exclusive and was_owner and not sec.queues[qb + L.Q_DEQ_OWNER])
+                        _hist(sec, qb + L.Q_DEQ_HIST, qb + L.Q_DEQ_LAT_NS, op.latency_ns)
+                if (poisoned_here := sum(1 for op in group if (op.slot, op.seq) in poisoned)):
+                    sec.queues[qb + L.Q_N_POISONED] += poisoned_here
+                wake_r = min(n_ready, sec.queues[qb + L.Q_WAIT_READY])
+                wake_s = min(n_space, sec.queues[qb + L.Q_WAIT_SPACE])
+                if n_space and sec.queues[qb + L.Q_FULL_SINCE_NS]:
+                    sec.queues[qb + L.Q_FULL_NS] += time.monotonic_ns() - sec.queues[qb + L.Q_FULL_SINCE_NS]
+                    sec.queues[qb + L.Q_FULL_SINCE_NS] = 0
+                if wake_r:
+                    sec.queues[qb + L.Q_N_WAKEUPS] += wake_r
+            finally:
+                sec.unlock_queue(qidx)
+            if wake_r:
+                posts.append((ring.qid, "r", wake_r))
+            if wake_s:
+                posts.append((ring.qid, "s", wake_s))
+        cb = self._cidx * L.CLIENT_WORDS
+        sec.clients[cb + (L.C_N_COMMIT if committed else L.C_N_ROLLBACK)] += 1
+        for qid, kind, n in posts:
+            sec.post(qid, kind, n)
+
+    def _strike(self, deq_ops: list[_Op]) -> set[tuple[int, int]]:
+        """Count a failed delivery on each rolled-back dequeue; returns the poisoned ones."""
+        if not deq_ops:
+            return set()
+        poisoned: set[tuple[int, int]] = set()
+        by_queue: dict[str, list[_Op]] = {}
+        for op in deq_ops:
+            by_queue.setdefault(op.info.name, []).append(op)
+        try:
+            for name, group in by_queue.items():
+                info = group[0].info
+                rows = self._conn.execute(
+                    self._stmt("strike", name),
+                    (
+                        info.max_deliveries,
+                        info.max_deliveries,
+                        [op.slot for op in group],
+                        [op.seq for op in group],
+                        info.id,
+                        POISON_REASON,
+                    ),
+                ).fetchall()
+                for slot, seq, state, _deliveries in rows:
+                    if state == 2:
+                        poisoned.add((slot, seq))
+                        logger.warning("ringq: entry %s/%s poisoned after %s deliveries", name, seq, _deliveries)
+            self._conn.commit()
+        except psycopg.Error:
+            # Losing a strike is harmless: the entry is redelivered; the
+            # monitor counts strikes of clients that die.
+            logger.warning("ringq: could not record a failed delivery", exc_info=True)
+            if not self._conn.closed:
+                try:
+                    self._conn.rollback()
+                except psycopg.Error:
+                    pass
+            return set()
+        return poisoned
+
+    # -- enqueue -----------------------------------------------------------------------
+
+    def enqueue(self, queue: str, payload: bytes, *, key: str | None = None, timeout: float | None = None) -> int:
+        """Put ``payload`` on ``queue`` in the current transaction; returns its sequence number.
+
+        The entry is on the queue only once the transaction commits. With
+        ``key``, a second enqueue of the same key returns the first entry's
+        sequence and adds nothing. A full queue blocks up to ``timeout``
+        seconds (default: the queue's full_timeout) under the 'block' policy.
+
+        :raises QueueNotFound, PayloadTooLarge, QueueFull, SessionClosed, DatabaseUnavailable:
+        """
+        self._check()
+        t0 = time.perf_counter_ns()
+        info = self.queue_info(queue)
+        payload = _as_bytes(payload)
+        if len(payload) > info.max_payload:
+            raise PayloadTooLarge(
+                f"payload of {len(payload):,} bytes exceeds queue {queue!r} max_payload {info.max_payload:,}",
+                queue=queue,
+            )
+        for _attempt in range(8):
+            slot, seq = self._reserve(info, timeout)
+            self._producer_seq += 1
+            op = _Op(self._ring(info), info, slot, seq, "e", 0)
+            self._ops.append(op)
+            with self._converted(queue):
+                if key is None:
+                    cur = self._conn.execute(
+                        self._stmt("enqueue", queue),
+                        (seq, payload, self.producer, self._producer_seq, slot, seq),
+                    )
+                    ok = cur.rowcount == 1
+                    existing = None
+                else:
+                    row = self._conn.execute(
+                        self._stmt("enqueue_key", queue),
+                        (info.id, key, seq, seq, payload, self.producer, self._producer_seq, slot, seq, info.id, key),
+                    ).fetchone()
+                    assert row is not None
+                    inserted, updated, existing = row
+                    ok = inserted == 1 and updated == 1
+                    if inserted == 1 and updated == 0:
+                        self._conn.execute(_Q["key_forget"], (info.id, key, seq))
+            if ok:
+                op.latency_ns = time.perf_counter_ns() - t0
+                self._section.clients[self._cidx * L.CLIENT_WORDS + L.C_N_ENQ] += 1
+                return seq
+            self._ops.remove(op)
+            self._void(op)
+            if key is not None and existing is not None and not (inserted == 1 and updated == 0):
+                return int(existing)  # idempotent repeat: the first entry's sequence
+            # The section was stale: the row holds something newer. Re-read the queue.
+            self._resync(info)
+        raise SectionError(f"queue {queue!r}: could not reserve a slot after 8 attempts (section unstable)")
+
+    def enqueue_many(self, queue: str, payloads: Iterable[bytes], *, timeout: float | None = None) -> list[int]:
+        """Enqueue several entries in one statement; returns their sequence numbers, in order."""
+        self._check()
+        t0 = time.perf_counter_ns()
+        info = self.queue_info(queue)
+        items = [_as_bytes(p) for p in payloads]
+        for p in items:
+            if len(p) > info.max_payload:
+                raise PayloadTooLarge(
+                    f"payload of {len(p):,} bytes exceeds queue {queue!r} max_payload {info.max_payload:,}",
+                    queue=queue,
+                )
+        if not items:
+            return []
+        ring = self._ring(info)
+        reserved: list[tuple[int, int]] = []
+        try:
+            while len(reserved) < len(items):
+                reserved.extend(self._reserve_many(info, len(items) - len(reserved), timeout))
+        except BaseException:
+            for slot, seq in reserved:
+                self._void(_Op(ring, info, slot, seq, "e", 0))
+            raise
+        ops = [_Op(ring, info, slot, seq, "e", 0) for slot, seq in reserved]
+        self._ops.extend(ops)
+        pseqs = list(range(self._producer_seq + 1, self._producer_seq + 1 + len(items)))
+        self._producer_seq += len(items)
+        with self._converted(queue):
+            rows = self._conn.execute(
+                self._stmt("enqueue_many", queue),
+                (self.producer, [s for s, _ in reserved], [q for _, q in reserved], items, pseqs),
+            ).fetchall()
+        written = {r[0] for r in rows}
+        if len(written) != len(ops):
+            # Stale section: give up the whole batch in this transaction's
+            # savepoint-free world by rolling back is too harsh; redo the
+            # failed ones one by one.
+            failed = [op for op in ops if op.slot not in written]
+            for op in failed:
+                self._ops.remove(op)
+                self._void(op)
+            self._resync(info)
+            for op, payload in zip(ops, items, strict=True):
+                if op in failed:
+                    self._producer_seq -= 0
+                    op.seq = self.enqueue(queue, payload, timeout=timeout)
+        lat = (time.perf_counter_ns() - t0) // max(1, len(ops))
+        for op in ops:
+            op.latency_ns = lat
+        self._section.clients[self._cidx * L.CLIENT_WORDS + L.C_N_ENQ] += len(ops)
+        return [op.seq for op in ops]
+
+    def _reserve(self, info: QueueInfo, timeout: float | None) -> tuple[int, int]:
+        got = self._reserve_many(info, 1, timeout)
+        return got[0]
+
+    def _reserve_many(self, info: QueueInfo, n: int, timeout: float | None) -> list[tuple[int, int]]:
+        ring = self._ring(info)
+        sec = self._section
+        qb = ring.qb
+        wait = info.full_timeout if timeout is None else timeout
+        if info.full_policy == "raise" and timeout is None:
+            wait = 0.0
+        deadline = time.monotonic() + wait
+        waiting = False
+        while True:
+            got: list[tuple[int, int]] = []
+            sec.lock_queue(ring.qidx)
+            try:
+                if waiting:
+                    sec.queues[qb + L.Q_WAIT_SPACE] -= 1
+                    waiting = False
+                while len(got) < n:
+                    r = ring.reserve(self.owner)
+                    if r is None:
+                        break
+                    got.append(r)
+                if not got:
+                    sec.queues[qb + L.Q_N_FULL] += 1
+                    if not sec.queues[qb + L.Q_FULL_SINCE_NS]:
+                        sec.queues[qb + L.Q_FULL_SINCE_NS] = time.monotonic_ns()
+                    remaining = deadline - time.monotonic()
+                    if remaining > 0:
+                        sec.queues[qb + L.Q_WAIT_SPACE] += 1
+                        waiting = True
+            finally:
+                sec.unlock_queue(ring.qidx)
+            if got:
+                return got
+            if not waiting:
+                raise QueueFull(
+                    f"queue {info.name!r} is full ({info.capacity:,} slots)"
+                    + (f" after waiting {wait:g}s" if wait else ""),
+                    queue=info.name,
+                )
+            try:
+                sec.semaphore(info.id, "s").acquire(min(remaining, 0.5))
+            except posix_ipc.BusyError:
+                pass  # timed out: look again (a reclaim by the monitor posts nothing)
+
+    def _void(self, op: _Op) -> None:
+        sec = self._section
+        sec.lock_queue(op.ring.qidx)
+        try:
+            op.ring.finish_enqueue(op.slot, committed=False)
+        finally:
+            sec.unlock_queue(op.ring.qidx)
+
+    # -- dequeue -----------------------------------------------------------------------
+
+    def dequeue(self, queue: str, *, wait: float | None = None) -> Message | None:
+        """Take the oldest ready entry of ``queue`` in the current transaction.
+
+        Returns None if nothing is ready (after sleeping up to ``wait`` seconds
+        on the queue's wake-up, if given). The entry is consumed only if the
+        transaction commits; on rollback it is delivered again.
+        """
+        got = self.dequeue_many(queue, 1, wait=wait)
+        return got[0] if got else None
+
+    def dequeue_many(self, queue: str, max_n: int, *, wait: float | None = None) -> list[Message]:
+        """Take up to ``max_n`` ready entries (oldest first) in one statement."""
+        self._check()
+        if max_n < 1:
+            raise ValueError("max_n must be >= 1")
+        t0 = time.perf_counter_ns()
+        info = self.queue_info(queue)
+        ring = self._ring(info)
+        exclusive = info.dequeue_mode == "single"
+        deadline = None if wait is None else time.monotonic() + max(0.0, wait)
+        for _attempt in range(64):
+            claimed = self._claim(ring, info, max_n, deadline, exclusive)
+            if not claimed:
+                return []
+            ops = [_Op(ring, info, slot, seq, "d", 0) for slot, seq in claimed]
+            self._ops.extend(ops)
+            with self._converted(queue):
+                if len(ops) == 1:
+                    row = self._conn.execute(
+                        self._stmt("dequeue", queue), (ops[0].slot, ops[0].seq), binary=True
+                    ).fetchone()
+                    rows = [] if row is None else [(ops[0].slot, ops[0].seq, *row)]
+                else:
+                    rows = self._conn.execute(
+                        self._stmt("dequeue_many", queue),
+                        ([op.slot for op in ops], [op.seq for op in ops]),
+                        binary=True,
+                    ).fetchall()
+            got = {r[0]: r for r in rows}
+            lat = (time.perf_counter_ns() - t0) // len(ops)
+            stale = [op for op in ops if op.slot not in got]
+            if stale:
+                self._repair_dequeue(info, ring, stale, exclusive)
+            messages = []
+            for op in ops:
+                if op.slot in got:
+                    _slot, seq, payload, producer, pseq, enq_at, deliveries = got[op.slot]
+                    op.latency_ns = lat
+                    messages.append(Message(queue, seq, bytes(payload), producer, pseq, enq_at, deliveries + 1))
+            if messages:
+                self._section.clients[self._cidx * L.CLIENT_WORDS + L.C_N_DEQ] += len(messages)
+                return messages
+        return []
+
+    def _claim(
+        self, ring: Ring, info: QueueInfo, max_n: int, deadline: float | None, exclusive: bool
+    ) -> list[tuple[int, int]]:
+        sec = self._section
+        qb = ring.qb
+        waiting = False
+        sem = None
+        while True:
+            got: list[tuple[int, int]] = []
+            sec.lock_queue(ring.qidx)
+            try:
+                if waiting:
+                    sec.queues[qb + L.Q_WAIT_READY] -= 1
+                    waiting = False
+                while len(got) < max_n:
+                    r = ring.claim(self.owner, exclusive=exclusive)
+                    if r is None:
+                        break
+                    got.append(r)
+                if not got:
+                    sec.queues[qb + L.Q_N_EMPTY] += 1
+                    if deadline is not None and deadline > time.monotonic():
+                        # Registered inside the same critical section as the
+                        # failed scan, so a commit right after cannot miss us.
+                        sec.queues[qb + L.Q_WAIT_READY] += 1
+                        waiting = True
+            finally:
+                sec.unlock_queue(ring.qidx)
+            if got or not waiting:
+                return got
+            assert deadline is not None
+            if sem is None:
+                sem = sec.semaphore(info.id, "r")
+            try:
+                sem.acquire(max(0.0, min(deadline - time.monotonic(), 1.0)))
+            except posix_ipc.BusyError:
+                pass
+
+    def _repair_dequeue(self, info: QueueInfo, ring: Ring, stale: list[_Op], exclusive: bool) -> None:
+        """The rows did not match the section: decide those slots from the rows."""
+        for op in stale:
+            self._ops.remove(op)
+        with self._converted(info.name):
+            rows = self._conn.execute(self._stmt("rows", info.name), ([op.slot for op in stale],)).fetchall()
+        by_slot = {slot: (state, seq) for slot, state, seq in rows}
+        need_resync = False
+        sec = self._section
+        sec.lock_queue(ring.qidx)
+        try:
+            for op in stale:
+                state, seq = by_slot.get(op.slot, (0, -1))
+                # Not there (void) or already consumed: the slot is done.
+                ring.finish_dequeue(op.slot, consumed=True, exclusive=exclusive)
+                sec.queues[ring.qb + L.Q_DEPTH_HINT] += 1  # it was not a consumption
+                sec.queues[ring.qb + L.Q_N_DEQ_COMMIT] -= 1
+                sec.queues[ring.qb + L.Q_N_REPAIRS] += 1
+                if state == 1 and seq != op.seq:
+                    need_resync = True  # an entry the section does not know about
+        finally:
+            sec.unlock_queue(ring.qidx)
+        logger.warning("ringq: queue %s: %d stale section entries repaired from rows", info.name, len(stale))
+        if need_resync:
+            self._resync(info)
+
+    def _resync(self, info: QueueInfo) -> None:
+        """Re-read the queue's rows into the section, keeping live clients' locked slots."""
+        resync_queue(self._section, self._ring(info), info, self.dsn)
+
+    # -- recovery ------------------------------------------------------------------------
+
+    def _recover(self, ops: list[_Op], *, reason: str) -> bool | None:
+        """Decide ``ops`` from the rows after the connection was lost.
+
+        Returns True if the transaction committed, False if not, None if it
+        could not be decided now (then the monitor decides later).
+        """
+        old_pid = self.backend_pid
+        try:
+            self._conn.close()
+        except Exception:  # noqa: BLE001 - already broken
+            pass
+        try:
+            new = self._open_connection()
+        except DatabaseUnavailable:
+            # Hand the slots over to the monitor: it decides them from the rows
+            # once the database is back.
+            if ops:
+                sec = self._section
+                sec.clients[self._cidx * L.CLIENT_WORDS + L.C_STATE] = L.CS_IN_DOUBT
+                self._cidx = sec.add_client(0)
+                self.owner = self._cidx + 1
+            self._closed = True
+            return None
+        self._conn = new
+        try:
+            with psycopg.connect(self.dsn, autocommit=True) as aux:
+                _wait_backend_gone(aux, old_pid)
+                committed = self._decide_from_rows(aux, ops)
+            row = self._conn.execute("SELECT pg_backend_pid()").fetchone()
+            self._conn.rollback()
+        except psycopg.Error as exc:
+            raise from_psycopg(exc, dsn=self.dsn) from exc
+        assert row is not None
+        self.backend_pid = row[0]
+        self._section.set_client_backend(self._cidx, self.backend_pid)
+        logger.warning("ringq: connection lost (%s); %d slots decided from rows", reason, len(ops))
+        return committed
+
+    def _decide_from_rows(self, conn: psycopg.Connection[Any], ops: list[_Op]) -> bool | None:
+        if not ops:
+            return None
+        committed = decide_ops(self._section, conn, [(op.ring, op.info, op.slot, op.seq, op.kind) for op in ops])
+        return committed
+
+    # -- two-phase commit -----------------------------------------------------------------
+
+    def xid(self, gtrid: str) -> Any:
+        return self._conn.xid(0, gtrid, "ringq")
+
+    def tpc_begin(self, xid: Any) -> None:
+        """Start a two-phase transaction (psycopg's ``tpc_begin``); the connection must be idle."""
+        self._check()
+        if self._ops:
+            raise TransactionError("tpc_begin inside a transaction with queue operations")
+        with self._converted():
+            if self._conn.info.transaction_status != _IDLE:
+                self._conn.rollback()
+            if isinstance(xid, str):
+                xid = self.xid(xid)
+            self._conn.tpc_begin(xid)
+        self._tpc_xid = xid
+
+    def tpc_prepare(self) -> None:
+        """Log the slots this transaction touches (committed on its own), then PREPARE."""
+        self._check()
+        if self._tpc_xid is None:
+            raise TransactionError("no two-phase transaction is open")
+        gid = self._gid()
+        if self._ops:
+            with self._converted(), psycopg.connect(self.dsn, autocommit=True) as aux:
+                aux.execute(
+                    _Q["tpc_log"],
+                    (
+                        gid,
+                        [op.info.id for op in self._ops],
+                        [op.slot for op in self._ops],
+                        [op.seq for op in self._ops],
+                        [op.kind for op in self._ops],
+                    ),
+                )
+        with self._converted():
+            self._conn.tpc_prepare()
+
+    def tpc_commit(self) -> None:
+        """COMMIT PREPARED (or one-phase commit if not prepared); then publish."""
+        self._tpc_end(commit=True)
+
+    def tpc_rollback(self) -> None:
+        self._tpc_end(commit=False)
+
+    def _gid(self) -> str:
+        x = self._tpc_xid
+        return f"{x.format_id}_{_b64(x.gtrid)}_{_b64(x.bqual)}"
+
+    def _tpc_end(self, *, commit: bool) -> None:
+        if self._tpc_xid is None:
+            raise TransactionError("no two-phase transaction is open")
+        ops, self._ops = self._ops, []
+        gid = self._gid()
+        try:
+            if commit:
+                self._conn.tpc_commit()
+            else:
+                self._conn.tpc_rollback()
+        except psycopg.Error as exc:
+            self._tpc_xid = None
+            outcome = self._recover(ops, reason=f"tpc end failed: {exc}")
+            raise from_psycopg(exc, dsn=self.dsn) from exc if outcome is None else exc
+        self._tpc_xid = None
+        self._finish(ops, committed=commit)
+        if ops:
+            try:
+                with psycopg.connect(self.dsn, autocommit=True) as aux:
+                    aux.execute(_Q["tpc_forget"], (gid,))
+            except psycopg.Error:
+                logger.warning("ringq: could not clear tpc_log for %s (the monitor will)", gid)
+
+    # -- introspection ---------------------------------------------------------------------
+
+    def stats(self, queue: str) -> dict[str, int]:
+        """The queue's counters in the section (see ringq.engine.metrics)."""
+        from .metrics import queue_stats
+
+        info = self.queue_info(queue)
+        return queue_stats(self._section, self._ring(info).qidx)
+
+    @property
+    def section(self) -> Section:
+        return self._section
+
+    def ring(self, queue: str) -> Ring:
+        return self._ring(self.queue_info(queue))
+
+
+# -- shared with the monitor ---------------------------------------------------------------
+
+
+def _b64(b: str) -> str:
+    import base64
+
+    return base64.b64encode(b.encode()).decode()
+
+
+def _as_bytes(payload: object) -> bytes:
+    if isinstance(payload, bytes):
+        return payload
+    if isinstance(payload, bytearray | memoryview):
+        return bytes(payload)
+    raise TypeError(f"payload must be bytes, not {type(payload).__name__}")
+
+
+def _hist(sec: Section, hist_word: int, sum_word: int, ns: int) -> None:
+    if ns <= 0:
+        return
+    us = ns // 1000
+    bucket = min(us.bit_length(), L.HIST_BUCKETS - 1)
+    sec.queues[hist_word + bucket] += 1
+    sec.queues[sum_word] += ns
+
+
+def _wait_backend_gone(conn: psycopg.Connection[Any], pid: int, timeout: float = 30.0) -> None:
+    """Until the old backend has ended its transaction may still commit: end it and wait."""
+    if not pid:
+        return
+    try:
+        conn.execute(_Q["terminate"], (pid,))
+    except psycopg.Error:
+        pass
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        row = conn.execute(_Q["backend_alive"], (pid,)).fetchone()
+        if not row or row[0] == 0:
+            return
+        time.sleep(0.01)
+    raise DatabaseUnavailable(f"backend {pid} did not end within {timeout:g}s")
+
+
+def _held_slots(conn: psycopg.Connection[Any], qid: int) -> list[tuple[int, int]]:
+    """(slot, seq) of prepared two-phase transactions in this queue: in doubt until resolved."""
+    rows = conn.execute(
+        "SELECT l.slot, l.seq FROM ringq.tpc_log l JOIN pg_prepared_xacts p ON p.gid = l.gid "
+        "WHERE l.queue_id = %s",
+        (qid,),
+    ).fetchall()
+    return [(int(s), int(q)) for s, q in rows]
+
+
+def _load_block(sec: Section, qidx: int, info: QueueInfo, rows: Sequence[tuple[int, int, int]], held: list[tuple[int, int]]) -> None:
+    """Fill a freshly allocated block (caller holds the section lock)."""
+    qb = qidx * L.QUEUE_WORDS
+    Q = sec.queues
+    Q[qb + L.Q_MAX_PAYLOAD] = info.max_payload
+    Q[qb + L.Q_POLICY] = 0 if info.full_policy == "block" else 1
+    Q[qb + L.Q_MODE] = 0 if info.dequeue_mode == "single" else 1
+    Q[qb + L.Q_FULL_TIMEOUT_MS] = int(info.full_timeout * 1000)
+    Q[qb + L.Q_MAX_DELIVERIES] = info.max_deliveries
+    Q[qb + L.Q_LOADED_NS] = time.time_ns()
+    ring = Ring(sec, qidx)
+    arr = np.array(rows, dtype=np.int64).reshape(-1, 3)
+    ring.load_rows(arr[:, 0], arr[:, 1], arr[:, 2], keep_locked=False, held=held)
+    Q[qb + L.Q_STATE] = L.QS_READY
+
+
+def resync_queue(sec: Section, ring: Ring, info: QueueInfo, dsn: str) -> None:
+    """Re-read a loaded queue's rows into the section, keeping slots locked by clients.
+
+    Holds the queue's lock while reading (rare: a repair), so no slot changes
+    hands between the read and the update.
+    """
+    with psycopg.connect(dsn, autocommit=True) as aux:
+        sql_rows = sql.SQL(_Q["all_rows"]).format(table=queue_table(info.name))  # type: ignore[arg-type]
+        held = _held_slots(aux, info.id)
+        sec.lock_queue(ring.qidx)
+        try:
+            rows = aux.execute(sql_rows).fetchall()
+            arr = np.array(rows, dtype=np.int64).reshape(-1, 3)
+            ring.load_rows(arr[:, 0], arr[:, 1], arr[:, 2], keep_locked=True, held=held)
+            sec.queues[ring.qb + L.Q_N_RESYNC] += 1
+        finally:
+            sec.unlock_queue(ring.qidx)
+
+
+def decide_ops(
+    sec: Section,
+    conn: psycopg.Connection[Any],
+    ops: Sequence[tuple[Ring, QueueInfo, int, int, str]],
+) -> bool | None:
+    """Decide in-flight slots from their rows (the old backend has ended).
+
+    An enqueue committed iff its row holds its sequence (queued or consumed);
+    a dequeue committed iff its row is consumed. Returns whether the
+    transaction committed (None if no op tells), after updating the section.
+    """
+    by_queue: dict[int, list[tuple[Ring, QueueInfo, int, int, str]]] = {}
+    for op in ops:
+        by_queue.setdefault(op[1].id, []).append(op)
+    outcome: bool | None = None
+    for group in by_queue.values():
+        ring, info = group[0][0], group[0][1]
+        rows = conn.execute(
+            sql.SQL(_Q["rows"]).format(table=queue_table(info.name)),  # type: ignore[arg-type]
+            ([op[2] for op in group],),
+        ).fetchall()
+        by_slot = {slot: (state, seq) for slot, state, seq in rows}
+        exclusive = info.dequeue_mode == "single"
+        sec.lock_queue(ring.qidx)
+        try:
+            for _ring, _info, slot, seq, kind in group:
+                state, row_seq = by_slot.get(slot, (0, -1))
+                if kind == "e":
+                    done = row_seq == seq and state in (1, 2)
+                    ring.finish_enqueue(slot, committed=done)
+                else:
+                    done = row_seq == seq and state == 2
+                    ring.finish_dequeue(slot, consumed=done, exclusive=exclusive)
+                outcome = done if outcome is None else (outcome or done)
+        finally:
+            sec.unlock_queue(ring.qidx)
+    return outcome

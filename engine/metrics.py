@@ -1,0 +1,88 @@
+"""Metric names: one place, read by the engine, the monitor and the viewer.
+
+``queue_stats(section, qidx)`` returns a dict with exactly these keys
+(counters are cumulative since the queue was loaded into the section).
+"""
+
+from __future__ import annotations
+
+from typing import Final
+
+from . import _layout as L
+from ._section import Section
+
+CAPACITY: Final = "capacity"
+DEPTH: Final = "depth"  # committed entries not yet consumed
+HEAD: Final = "head"
+TAIL: Final = "tail"
+ENQUEUED: Final = "enqueued"  # enqueue calls
+DEQUEUED: Final = "dequeued"  # dequeue calls that returned an entry
+ENQ_COMMITS: Final = "enq_commits"
+DEQ_COMMITS: Final = "deq_commits"
+ENQ_ROLLBACKS: Final = "enq_rollbacks"
+DEQ_ROLLBACKS: Final = "deq_rollbacks"  # delivery retries
+POISONED: Final = "poisoned"
+FULL_HITS: Final = "full_hits"
+EMPTY_HITS: Final = "empty_hits"
+REPAIRS: Final = "repairs"
+RESYNCS: Final = "resyncs"
+WAKEUPS: Final = "wakeups"
+FULL_NS: Final = "full_ns"
+ENQ_LAT_NS: Final = "enq_latency_ns_sum"
+DEQ_LAT_NS: Final = "deq_latency_ns_sum"
+WAIT_READY: Final = "waiting_dequeuers"
+WAIT_SPACE: Final = "waiting_enqueuers"
+
+_WORDS: Final = {
+    CAPACITY: L.Q_CAPACITY,
+    DEPTH: L.Q_DEPTH_HINT,
+    HEAD: L.Q_HEAD,
+    TAIL: L.Q_TAIL,
+    ENQUEUED: L.Q_N_ENQ,
+    DEQUEUED: L.Q_N_DEQ,
+    ENQ_COMMITS: L.Q_N_ENQ_COMMIT,
+    DEQ_COMMITS: L.Q_N_DEQ_COMMIT,
+    ENQ_ROLLBACKS: L.Q_N_ENQ_ROLLBACK,
+    DEQ_ROLLBACKS: L.Q_N_DEQ_ROLLBACK,
+    POISONED: L.Q_N_POISONED,
+    FULL_HITS: L.Q_N_FULL,
+    EMPTY_HITS: L.Q_N_EMPTY,
+    REPAIRS: L.Q_N_REPAIRS,
+    RESYNCS: L.Q_N_RESYNC,
+    WAKEUPS: L.Q_N_WAKEUPS,
+    FULL_NS: L.Q_FULL_NS,
+    ENQ_LAT_NS: L.Q_ENQ_LAT_NS,
+    DEQ_LAT_NS: L.Q_DEQ_LAT_NS,
+    WAIT_READY: L.Q_WAIT_READY,
+    WAIT_SPACE: L.Q_WAIT_SPACE,
+}
+
+HIST_BUCKETS: Final = L.HIST_BUCKETS
+
+
+def queue_stats(sec: Section, qidx: int) -> dict[str, int]:
+    base = qidx * L.QUEUE_WORDS
+    return {key: int(sec.queues[base + word]) for key, word in _WORDS.items()}
+
+
+def latency_histograms(sec: Section, qidx: int) -> tuple[list[int], list[int]]:
+    """(enqueue, dequeue) call-latency histograms: bucket b counts calls of
+    [2**(b-1), 2**b) microseconds (bucket 0: under 1 us)."""
+    base = qidx * L.QUEUE_WORDS
+    enq = [int(sec.queues[base + L.Q_ENQ_HIST + b]) for b in range(L.HIST_BUCKETS)]
+    deq = [int(sec.queues[base + L.Q_DEQ_HIST + b]) for b in range(L.HIST_BUCKETS)]
+    return enq, deq
+
+
+def percentile_us(hist: list[int], q: float) -> float:
+    """Upper bound (microseconds) of the bucket holding quantile ``q`` (0..1); 0 if empty."""
+    total = sum(hist)
+    if not total:
+        return 0.0
+    rank = q * total
+    run = 0
+    for b, n in enumerate(hist):
+        run += n
+        if run >= rank:
+            return float(1 << b)
+    return float(1 << (len(hist) - 1))
