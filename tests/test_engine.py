@@ -1,0 +1,455 @@
+"""The engine's promises, against a real PostgreSQL and real processes."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import threading
+import time
+import uuid
+from collections import defaultdict
+
+import psycopg
+import pytest
+
+from ringq.engine import (
+    DatabaseUnavailable,
+    InvalidQueueName,
+    PayloadTooLarge,
+    QueueFull,
+    QueueNotFound,
+    Section,
+    SessionClosed,
+    TransactionError,
+    connect,
+)
+from ringq.engine import _layout as L
+from ringq.scripting._ddl import QueueSpec, create_queue
+
+FORK = mp.get_context("fork")
+
+
+@pytest.fixture
+def make_queue(dsn):
+    made: list[str] = []
+
+    def make(capacity: int = 64, max_payload: int = 1024, **kw) -> str:
+        name = "q_" + uuid.uuid4().hex[:10]
+        with psycopg.connect(dsn) as conn:
+            create_queue(conn, QueueSpec(name, capacity, max_payload, **kw))
+        made.append(name)
+        return name
+
+    yield make
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        row = conn.execute("SELECT value FROM ringq.meta WHERE key = 'instance_id'").fetchone()
+        qids = [r[0] for r in conn.execute("SELECT id FROM ringq.queues").fetchall()]
+    if row:
+        Section.unlink(row[0])
+        Section.unlink_semaphores(row[0], qids)
+
+
+def drain(dsn: str, queue: str, *, wait: float | None = None) -> list:
+    out = []
+    with connect(dsn) as s:
+        while True:
+            m = s.dequeue(queue, wait=wait)
+            if m is None:
+                s.commit()
+                return out
+            out.append(m)
+            s.commit()
+
+
+def test_entry_is_invisible_until_commit(dsn, make_queue):
+    q = make_queue()
+    with connect(dsn) as producer, connect(dsn) as consumer:
+        seq = producer.enqueue(q, b"one")
+        assert consumer.dequeue(q) is None
+        consumer.commit()
+        producer.commit()
+        m = consumer.dequeue(q)
+        assert m is not None and m.seq == seq and m.payload == b"one" and m.deliveries == 1
+        consumer.commit()
+        assert consumer.dequeue(q) is None
+
+
+def test_rolled_back_enqueue_is_never_delivered_and_its_slot_reclaimed(dsn, make_queue):
+    q = make_queue(capacity=4)
+    with connect(dsn) as s:
+        for _ in range(10):  # more than the capacity: slots must come back
+            s.enqueue(q, b"void")
+            s.rollback()
+        s.enqueue(q, b"real")
+        s.commit()
+        ring = s.ring(q)
+        assert ring.head == 11  # 11 reservations went through 4 slots
+    got = drain(dsn, q)
+    assert [m.payload for m in got] == [b"real"]
+
+
+def test_rolled_back_dequeue_is_redelivered_with_a_higher_count(dsn, make_queue):
+    q = make_queue()
+    with connect(dsn) as s:
+        s.enqueue(q, b"x")
+        s.commit()
+        first = s.dequeue(q)
+        assert first is not None and first.deliveries == 1
+        s.rollback()
+        again = s.dequeue(q)
+        assert again is not None and again.seq == first.seq and again.deliveries == 2 and again.redelivered
+        s.commit()
+        assert s.dequeue(q) is None
+
+
+def test_poison_entry_moves_to_exceptions_after_max_deliveries(dsn, make_queue):
+    q = make_queue(max_deliveries=3)
+    with connect(dsn) as s:
+        seq = s.enqueue(q, b"poison")
+        s.commit()
+        for n in range(1, 4):
+            m = s.dequeue(q)
+            assert m is not None and m.deliveries == n
+            s.rollback()
+        assert s.dequeue(q) is None
+        s.commit()
+        row = s.connection.execute(
+            "SELECT e.seq, e.deliveries, e.reason FROM ringq.exceptions e JOIN ringq.queues q "
+            "ON q.id = e.queue_id WHERE q.name = %s",
+            (q,),
+        ).fetchone()
+        s.rollback()
+    assert row == (seq, 3, "max deliveries reached")
+
+
+def test_chaining_is_atomic(dsn, make_queue):
+    a, b = make_queue(), make_queue()
+    with connect(dsn) as s:
+        s.enqueue(a, b"step1")
+        s.commit()
+        m = s.dequeue(a)
+        s.enqueue(b, m.payload + b"->step2")
+        s.rollback()  # neither happened
+        assert drain(dsn, b) == []
+        m = s.dequeue(a)
+        assert m is not None and m.payload == b"step1"
+        s.enqueue(b, m.payload + b"->step2")
+        s.commit()  # both happened
+    assert drain(dsn, a) == []
+    assert [m.payload for m in drain(dsn, b)] == [b"step1->step2"]
+
+
+def test_user_sql_joins_the_transaction(dsn, make_queue):
+    q = make_queue()
+    with connect(dsn) as s:
+        s.connection.execute("CREATE TABLE ledger (v int)")
+        s.commit()
+        with pytest.raises(RuntimeError):
+            with s.transaction():
+                s.connection.execute("INSERT INTO ledger VALUES (1)")
+                s.enqueue(q, b"with ledger row")
+                raise RuntimeError("boom")
+        assert s.connection.execute("SELECT count(*) FROM ledger").fetchone() == (0,)
+        s.rollback()
+        with s.transaction():
+            s.connection.execute("INSERT INTO ledger VALUES (2)")
+            s.enqueue(q, b"with ledger row")
+        assert s.connection.execute("SELECT count(*) FROM ledger").fetchone() == (1,)
+        s.rollback()
+    assert len(drain(dsn, q)) == 1
+
+
+def _producer(dsn: str, queue: str, n: int, pid_tag: int, seed: int) -> None:
+    import random
+
+    rnd = random.Random(seed)
+    with connect(dsn, producer=f"p{pid_tag}") as s:
+        i = 0
+        while i < n:
+            batch = rnd.randint(1, 3)
+            for _ in range(batch):
+                s.enqueue(queue, f"{pid_tag}:{i}".encode(), timeout=60)
+                i += 1
+            if rnd.random() < 0.2:
+                s.rollback()
+                i -= batch
+            else:
+                s.commit()
+
+
+def test_producers_and_one_consumer_exactly_once_fifo_over_many_wraps(dsn, make_queue):
+    q = make_queue(capacity=16)
+    producers, per = 4, 120  # 480 entries through 16 slots: 30 wrap-arounds
+    procs = [FORK.Process(target=_producer, args=(dsn, q, per, p, p)) for p in range(producers)]
+    for p in procs:
+        p.start()
+    got = []
+    with connect(dsn) as s:
+        deadline = time.monotonic() + 120
+        while len(got) < producers * per and time.monotonic() < deadline:
+            m = s.dequeue(q, wait=1.0)
+            if m is None:
+                continue
+            got.append(m)
+            s.commit()
+    for p in procs:
+        p.join(30)
+        assert p.exitcode == 0
+    assert drain(dsn, q) == []
+    seen = defaultdict(list)
+    for m in got:
+        tag, i = m.payload.decode().split(":")
+        seen[tag].append(int(i))
+        assert m.producer == f"p{tag}"
+    assert sorted(seen) == [str(p) for p in range(producers)]
+    for tag, idx in seen.items():
+        assert idx == list(range(per)), f"producer {tag} out of order or incomplete"
+    assert len({m.seq for m in got}) == len(got)
+    assert max(m.seq for m in got) >= 20 * 16  # wrapped at least 20 times
+
+
+def test_shared_mode_consumers_read_past_each_other(dsn, make_queue):
+    q = make_queue(dequeue_mode="shared")
+    with connect(dsn) as p:
+        p.enqueue_many(q, [b"a", b"b", b"c"])
+        p.commit()
+    with connect(dsn) as c1, connect(dsn) as c2:
+        m1 = c1.dequeue(q)
+        t0 = time.monotonic()
+        m2 = c2.dequeue(q)  # must not wait for c1's lock
+        assert time.monotonic() - t0 < 1.0
+        assert m1.payload == b"a" and m2.payload == b"b"
+        c1.rollback()
+        m3 = c2.dequeue(q)
+        assert m3.payload == b"a" and m3.deliveries == 2
+        c2.commit()
+    assert [m.payload for m in drain(dsn, q)] == [b"c"]
+
+
+def test_single_mode_second_dequeuer_gets_nothing_while_first_holds(dsn, make_queue):
+    q = make_queue()
+    with connect(dsn) as p:
+        p.enqueue_many(q, [b"a", b"b"])
+        p.commit()
+    with connect(dsn) as c1, connect(dsn) as c2:
+        assert c1.dequeue(q).payload == b"a"
+        assert c2.dequeue(q) is None  # single dequeuer: FIFO is strict
+        c1.commit()
+        assert c2.dequeue(q).payload == b"b"
+        c2.commit()
+
+
+def test_full_queue_raises_or_blocks_until_space(dsn, make_queue):
+    q_raise = make_queue(capacity=2, full_policy="raise")
+    with connect(dsn) as s:
+        s.enqueue_many(q_raise, [b"1", b"2"])
+        s.commit()
+        with pytest.raises(QueueFull):
+            s.enqueue(q_raise, b"3")
+        s.rollback()
+    assert [m.payload for m in drain(dsn, q_raise)] == [b"1", b"2"]
+
+    q_block = make_queue(capacity=2, full_policy="block", full_timeout=0.2)
+    with connect(dsn) as s:
+        s.enqueue_many(q_block, [b"1", b"2"])
+        s.commit()
+        t0 = time.monotonic()
+        with pytest.raises(QueueFull):
+            s.enqueue(q_block, b"3")
+        assert time.monotonic() - t0 >= 0.2
+        s.rollback()
+        # A consumer that frees a slot wakes the blocked producer.
+        done = threading.Event()
+
+        def consume() -> None:
+            done.wait(5)
+            with connect(dsn) as c:
+                c.dequeue(q_block)
+                c.commit()
+
+        t = threading.Thread(target=consume)
+        t.start()
+        done.set()
+        s.enqueue(q_block, b"3", timeout=10)
+        s.commit()
+        t.join()
+    assert [m.payload for m in drain(dsn, q_block)] == [b"2", b"3"]
+
+
+def test_waiting_dequeuer_is_woken_by_commit(dsn, make_queue):
+    q = make_queue()
+    result: dict[str, object] = {}
+    started = threading.Event()
+
+    def consumer() -> None:
+        with connect(dsn) as c:
+            c.dequeue(q)  # attach before the producer starts
+            c.rollback()
+            started.set()
+            t0 = time.monotonic()
+            m = c.dequeue(q, wait=20)
+            result["elapsed"] = time.monotonic() - t0
+            result["msg"] = m
+            c.commit()
+
+    t = threading.Thread(target=consumer)
+    t.start()
+    assert started.wait(10)
+    with connect(dsn) as p:
+        p.enqueue(q, b"wake")
+        # The consumer is asleep now (or will find it ready); either way it returns promptly.
+        p.commit()
+    t.join(20)
+    assert result["msg"].payload == b"wake"
+    assert result["elapsed"] < 10
+
+
+def test_idempotent_enqueue_with_key(dsn, make_queue):
+    q = make_queue()
+    with connect(dsn) as s:
+        a = s.enqueue(q, b"x", key="order-1")
+        b = s.enqueue(q, b"x", key="order-1")
+        assert a == b
+        s.commit()
+        assert s.enqueue(q, b"x", key="order-1") == a
+        s.commit()
+        s.enqueue(q, b"y", key="order-2")
+        s.rollback()  # a rolled-back key can be used again
+        c = s.enqueue(q, b"y", key="order-2")
+        s.commit()
+        assert c != a
+    assert [m.payload for m in drain(dsn, q)] == [b"x", b"y"]
+
+
+def test_typed_errors(dsn, make_queue):
+    q = make_queue(max_payload=8)
+    with connect(dsn) as s:
+        with pytest.raises(QueueNotFound):
+            s.enqueue("no_such_queue", b"x")
+        with pytest.raises(InvalidQueueName):
+            s.enqueue("Bad-Name", b"x")
+        with pytest.raises(PayloadTooLarge):
+            s.enqueue(q, b"123456789")
+        with pytest.raises(TypeError):
+            s.enqueue(q, "text")  # type: ignore[arg-type]
+    with pytest.raises(SessionClosed):
+        s.enqueue(q, b"x")
+    s.close()  # twice is harmless
+    with pytest.raises(DatabaseUnavailable) as err:
+        connect("postgresql://u:secret@127.0.0.1:1/x", connect_timeout=1)
+    assert "secret" not in str(err.value)
+
+
+def test_corrupted_section_neither_duplicates_nor_loses(dsn, make_queue):
+    q = make_queue(capacity=32)
+    with connect(dsn) as s:
+        s.enqueue_many(q, [str(i).encode() for i in range(20)])
+        s.commit()
+        for _ in range(5):
+            s.dequeue(q)
+        s.commit()  # 0..4 consumed, 5..19 ready
+        ring = s.ring(q)
+        sec = s.section
+        # Corrupt: mark every slot ready (consumed and free ones too) and move
+        # the tail back, as a stale or damaged section would.
+        w0, nw = ring.w0, 1
+        sec.enq[w0 : w0 + nw] = (1 << 32) - 1
+        sec.deq[w0 : w0 + nw] = 0
+        sec.queues[ring.qb + L.Q_TAIL] = 0
+        sec.queues[ring.qb + L.Q_HEAD] = 32
+    got = drain(dsn, q)
+    payloads = [int(m.payload) for m in got]
+    assert payloads == list(range(5, 20))
+    with connect(dsn) as s:
+        # The head was moved too: enqueue must not overwrite, and must still work.
+        s.enqueue(q, b"after")
+        s.commit()
+    assert [m.payload for m in drain(dsn, q)] == [b"after"]
+
+
+def test_head_behind_rows_is_repaired_without_overwrite(dsn, make_queue):
+    q = make_queue(capacity=8)
+    with connect(dsn) as s:
+        s.enqueue_many(q, [b"a", b"b", b"c"])
+        s.commit()
+        ring = s.ring(q)
+        s.section.queues[ring.qb + L.Q_HEAD] = 0  # stale head: seq 0..2 are taken
+        s.section.queues[ring.qb + L.Q_TAIL] = 0
+        s.section.enq[ring.w0] = 0
+        s.enqueue(q, b"d")
+        s.commit()
+    assert [m.payload for m in drain(dsn, q)] == [b"a", b"b", b"c", b"d"]
+
+
+def test_section_lost_is_rebuilt_from_the_tables(dsn, make_queue):
+    q = make_queue(capacity=8)
+    with connect(dsn) as s:
+        s.enqueue_many(q, [b"a", b"b", b"c"])
+        s.commit()
+        s.dequeue(q)
+        s.commit()
+        instance = s.instance
+    Section.unlink(instance)  # as after a host reboot
+    assert [m.payload for m in drain(dsn, q)] == [b"b", b"c"]
+
+
+def _child_uses_inherited_session(s, queue, conn_q) -> None:
+    try:
+        s.enqueue(queue, b"from child")
+        s.commit()
+        conn_q.put("ok")
+    except Exception as exc:  # noqa: BLE001
+        conn_q.put(repr(exc))
+
+
+def test_session_is_fork_safe(dsn, make_queue):
+    q = make_queue()
+    with connect(dsn) as s:
+        s.enqueue(q, b"parent")
+        out = FORK.Queue()
+        p = FORK.Process(target=_child_uses_inherited_session, args=(s, q, out))
+        p.start()
+        assert out.get(timeout=30) == "ok"
+        p.join(10)
+        # The parent's connection and open transaction are untouched by the child.
+        s.commit()
+    assert sorted(m.payload for m in drain(dsn, q)) == [b"from child", b"parent"]
+
+
+def test_two_phase_commit_and_rollback(dsn, make_queue):
+    a, b = make_queue(), make_queue()
+    with connect(dsn) as s1, connect(dsn) as s2:
+        gid = uuid.uuid4().hex
+        s1.tpc_begin(s1.xid(gid + "-1"))
+        s2.tpc_begin(s2.xid(gid + "-2"))
+        s1.enqueue(a, b"2pc-a")
+        s2.enqueue(b, b"2pc-b")
+        s1.tpc_prepare()
+        s2.tpc_prepare()
+        assert drain(dsn, a) == []
+        s1.tpc_commit()
+        s2.tpc_commit()
+        s1.tpc_begin(s1.xid(gid + "-3"))
+        s1.enqueue(a, b"never")
+        s1.tpc_prepare()
+        s1.tpc_rollback()
+    assert [m.payload for m in drain(dsn, a)] == [b"2pc-a"]
+    assert [m.payload for m in drain(dsn, b)] == [b"2pc-b"]
+
+
+def test_connection_lost_mid_transaction_frees_slots(dsn, make_queue):
+    q = make_queue()
+    with connect(dsn) as s:
+        s.enqueue(q, b"keep")
+        s.commit()
+        m = s.dequeue(q)
+        assert m is not None
+        with psycopg.connect(dsn, autocommit=True) as admin:
+            admin.execute("SELECT pg_terminate_backend(%s)", (s.backend_pid,))
+        with pytest.raises(TransactionError):
+            s.commit()
+        # The session recovered: the entry is ready again (not lost, not consumed).
+        again = s.dequeue(q)
+        assert again is not None and again.payload == b"keep"
+        s.commit()
+    assert drain(dsn, q) == []
