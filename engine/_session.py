@@ -137,8 +137,15 @@ def connect(
     producer: str | None = None,
     connect_timeout: float = 10.0,
     application_name: str = "ringq",
+    eager_begin: bool = True,
 ) -> Session:
     """Open a session: DSN from the argument, else ``RINGQ_DSN``, else the embedded cluster.
+
+    With ``eager_begin`` (the default) the session sends the next ``BEGIN``
+    together with each ``COMMIT``/``ROLLBACK`` (one round trip), so an
+    enqueue or dequeue is one round trip; the connection then shows as
+    "idle in transaction" between transactions, holding no snapshot and no
+    transaction id (so it does not hold back vacuum).
 
     :raises DatabaseUnavailable: the database cannot be reached.
     :raises SchemaMissing: the database holds no ringq schema (create a queue first).
@@ -149,6 +156,7 @@ def connect(
         producer=producer,
         connect_timeout=connect_timeout,
         application_name=application_name,
+        eager_begin=eager_begin,
     )
 
 
@@ -168,8 +176,10 @@ class Session:
         producer: str | None = None,
         connect_timeout: float = 10.0,
         application_name: str = "ringq",
+        eager_begin: bool = True,
     ) -> None:
         self.dsn = dsn
+        self._eager = eager_begin
         self._connect_timeout = connect_timeout
         self._appname = application_name
         self._pid = os.getpid()
@@ -183,6 +193,7 @@ class Session:
         self._tpc_xid: Any = None
         self._conn = self._open_connection()
         self._attach()
+        self._begin()
 
     # -- life cycle -----------------------------------------------------------------
 
@@ -222,6 +233,27 @@ class Session:
         self.owner = self._cidx + 1
         self._rings = {}
 
+    def _begin(self) -> None:
+        """Start the next transaction now, if eager (psycopg would otherwise send
+        BEGIN as an extra round trip before the first statement)."""
+        if self._eager and self._conn.info.transaction_status == _IDLE:
+            self._conn.execute(self._begin_sql())
+
+    def _begin_sql(self) -> str:
+        iso = self._conn.isolation_level
+        if iso is None:
+            return "BEGIN"
+        return "BEGIN ISOLATION LEVEL " + iso.name.replace("_", " ")
+
+    def _end(self, verb: str) -> None:
+        """COMMIT or ROLLBACK, and with eager begin the next BEGIN in the same round trip."""
+        if self._eager and self._tpc_xid is None and self._conn.info.transaction_status != _IDLE:
+            self._conn.execute(f"{verb}; {self._begin_sql()}")  # simple protocol: one round trip
+        elif verb == "COMMIT":
+            self._conn.commit()
+        else:
+            self._conn.rollback()
+
     def close(self) -> None:
         """Roll back anything open and release the connection; a second call does nothing."""
         if self._closed:
@@ -230,6 +262,7 @@ class Session:
             self._closed = True  # the parent's connection and client entry are not ours
             return
         try:
+            self._eager = False  # no BEGIN after the last rollback
             if self._ops or self._conn.info.transaction_status != _IDLE:
                 self.rollback()
         except RingqError:
@@ -266,6 +299,7 @@ class Session:
             # learn the outcome from the rows.
             self._decide_from_rows(self._conn, self._ops)
             self._ops = []
+            self._begin()
         if self._section.unlinked() and not self._ops:
             self._reattach_section()
 
@@ -278,6 +312,7 @@ class Session:
         self.producer = f"{socket.gethostname()}:{os.getpid()}:{next(_producer_counter)}"
         self._conn = self._open_connection()
         self._attach()
+        self._begin()
 
     def _reattach_section(self) -> None:
         old = self._section
@@ -375,7 +410,7 @@ class Session:
             self.rollback()
             raise TransactionError("the transaction failed earlier and was rolled back")
         try:
-            self._conn.commit()
+            self._end("COMMIT")
         except psycopg.Error as exc:
             self._ops = []
             if self._conn.broken or self._conn.closed:
@@ -405,12 +440,21 @@ class Session:
             self.tpc_rollback()
             return
         ops, self._ops = self._ops, []
+        strikes = any(op.kind == "d" for op in ops)
         try:
-            self._conn.rollback()
+            if strikes:
+                self._conn.rollback()  # the strikes commit (and begin) afterwards
+            else:
+                self._end("ROLLBACK")
         except psycopg.Error as exc:
             self._recover(ops, reason=f"rollback failed: {exc}")
             raise from_psycopg(exc, dsn=self.dsn) from exc
         self._finish(ops, committed=False)
+        if strikes and not self._closed:
+            try:
+                self._begin()
+            except psycopg.Error as exc:
+                raise from_psycopg(exc, dsn=self.dsn) from exc
 
     @contextmanager
     def transaction(self) -> Iterator[Session]:
@@ -501,7 +545,7 @@ class Session:
                     if state == 2:
                         poisoned.add((slot, seq))
                         logger.warning("ringq: entry %s/%s poisoned after %s deliveries", name, seq, _deliveries)
-            self._conn.commit()
+            self._conn.commit()  # _begin() follows in rollback()
         except psycopg.Error:
             # Losing a strike is harmless: the entry is redelivered; the
             # monitor counts strikes of clients that die.
@@ -647,18 +691,30 @@ class Session:
                     if r is None:
                         break
                     got.append(r)
+                self_blocked = False
                 if not got:
                     sec.queues[qb + L.Q_N_FULL] += 1
                     if not sec.queues[qb + L.Q_FULL_SINCE_NS]:
                         sec.queues[qb + L.Q_FULL_SINCE_NS] = time.monotonic_ns()
+                    # The ring frees slots only in order: if the oldest busy
+                    # slot is our own uncommitted reservation, waiting can
+                    # never succeed (we would wait on ourselves).
+                    _e, _d, locked, holder = ring.bits(ring.tail % ring.cap)
+                    self_blocked = locked and holder == self.owner
                     remaining = deadline - time.monotonic()
-                    if remaining > 0:
+                    if remaining > 0 and not self_blocked:
                         sec.queues[qb + L.Q_WAIT_SPACE] += 1
                         waiting = True
             finally:
                 sec.unlock_queue(ring.qidx)
             if got:
                 return got
+            if self_blocked:
+                raise QueueFull(
+                    f"queue {info.name!r} is full ({info.capacity:,} slots) and its oldest slot is held "
+                    "by this transaction: commit or roll back (or raise the capacity); waiting cannot help",
+                    queue=info.name,
+                )
             if not waiting:
                 raise QueueFull(
                     f"queue {info.name!r} is full ({info.capacity:,} slots)"
@@ -839,6 +895,7 @@ class Session:
         assert row is not None
         self.backend_pid = row[0]
         self._section.set_client_backend(self._cidx, self.backend_pid)
+        self._begin()
         logger.warning("ringq: connection lost (%s); %d slots decided from rows", reason, len(ops))
         return committed
 
@@ -914,6 +971,7 @@ class Session:
             raise from_psycopg(exc, dsn=self.dsn) from exc if outcome is None else exc
         self._tpc_xid = None
         self._finish(ops, committed=commit)
+        self._begin()
         if ops:
             try:
                 with psycopg.connect(self.dsn, autocommit=True) as aux:
