@@ -1,0 +1,392 @@
+"""Recovery: what the monitor runs (and any linked client may run) to keep the
+section true to the rows after failures.
+
+- :func:`rebuild` attaches (or creates) a database's section and loads every queue.
+- :func:`recover_dead_clients` decides the slots of clients killed at any point,
+  once their PostgreSQL backend has ended, from the rows.
+- :func:`repair_lock_holders` re-reads a queue whose lock holder died inside
+  the critical section.
+- :func:`reclaim_all` advances tails and wakes blocked enqueuers.
+- :func:`resolve_prepared` finishes two-phase transactions whose coordinator died.
+- :func:`pump_inbox` moves entries enqueued through SQL into the rings.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import psycopg
+from psycopg import sql
+
+from . import _layout as L
+from ._errors import from_psycopg
+from ._names import queue_table
+from ._ring import Ring
+from ._section import Section, pid_alive
+from ._session import (
+    _Q,
+    POISON_REASON,
+    QueueInfo,
+    _held_slots,
+    _load_block,
+    connect,
+    decide_ops,
+    resync_queue,
+)
+
+logger = logging.getLogger("ringq.recovery")
+
+HELD = -1  # owner of slots of a prepared transaction whose client died: kept locked
+
+
+@dataclass
+class Recovered:
+    """One dead client whose slots were decided."""
+
+    cidx: int
+    pid: int
+    backend_pid: int
+    slots: int = 0
+    committed: int = 0
+    rolled_back: int = 0
+    held: int = 0
+    queues: list[str] = field(default_factory=list)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "pid": self.pid,
+            "backend_pid": self.backend_pid,
+            "slots": self.slots,
+            "committed": self.committed,
+            "rolled_back": self.rolled_back,
+            "held": self.held,
+            "queues": self.queues,
+        }
+
+
+def _connect(dsn: str) -> psycopg.Connection[Any]:
+    try:
+        return psycopg.connect(dsn, autocommit=True, connect_timeout=5)
+    except psycopg.Error as exc:
+        raise from_psycopg(exc, dsn=dsn) from exc
+
+
+def _instance(conn: psycopg.Connection[Any]) -> str:
+    row = conn.execute("SELECT value FROM ringq.meta WHERE key = 'instance_id'").fetchone()
+    if not row:
+        raise from_psycopg(psycopg.errors.UndefinedTable("ringq.meta has no instance_id"))
+    return str(row[0])
+
+
+def _queue_infos(conn: psycopg.Connection[Any]) -> dict[int, QueueInfo]:
+    rows = conn.execute(
+        "SELECT id, name, capacity, max_payload, full_policy, full_timeout, dequeue_mode, "
+        "max_deliveries, exception_queue FROM ringq.queues"
+    ).fetchall()
+    return {r[0]: QueueInfo(*r) for r in rows}
+
+
+def rebuild(dsn: str) -> Section:
+    """Attach (creating if absent) the database's section and load every queue not loaded.
+
+    Blocks of queues dropped from the database are marked dropped.
+    """
+    with _connect(dsn) as conn:
+        sec = Section.attach(_instance(conn))
+        infos = _queue_infos(conn)
+        for qidx in sec.loaded_queues():
+            qid = sec.q(qidx, L.Q_QID)
+            if qid not in infos:
+                sec.queues[qidx * L.QUEUE_WORDS + L.Q_STATE] = L.QS_DROPPED
+        for info in infos.values():
+            if sec.find_queue(info.id) is not None:
+                continue
+            sec.lock_section()
+            try:
+                if sec.find_queue(info.id) is not None:
+                    continue
+                qidx = sec.allocate_queue(info.id, info.name, info.capacity)
+                rows = conn.execute(
+                    sql.SQL(_Q["all_rows"]).format(table=queue_table(info.name))  # type: ignore[arg-type]
+                ).fetchall()
+                _load_block(sec, qidx, info, rows, _held_slots(conn, info.id))
+                logger.info("ringq: queue %s loaded into the section (%d slots)", info.name, info.capacity)
+            finally:
+                sec.unlock_section()
+    return sec
+
+
+def _backends_alive(conn: psycopg.Connection[Any], pids: list[int]) -> set[int]:
+    if not pids:
+        return set()
+    rows = conn.execute("SELECT pid FROM pg_stat_activity WHERE pid = ANY(%s)", (pids,)).fetchall()
+    return {r[0] for r in rows}
+
+
+def _locked_by(ring: Ring, owner: int) -> list[int]:
+    sec = ring.sec
+    owners = sec.owner[ring.base : ring.base + ring.cap]
+    cand = np.flatnonzero(owners == owner)
+    return [int(s) for s in cand if ring.bits(int(s))[2]]
+
+
+def recover_dead_clients(sec: Section, dsn: str, *, terminate: bool = True) -> list[Recovered]:
+    """Decide the slots of dead clients from the rows and free their entries.
+
+    A client is dead when its process is gone, or it handed its slots over
+    (in doubt). Its slots are decided only after its backend has ended (we
+    terminate a backend whose client process is gone, then wait for it);
+    until then its transaction might still commit. Slots of a prepared
+    two-phase transaction stay locked (owner HELD) for :func:`resolve_prepared`.
+    """
+    dead: list[int] = []
+    for cidx in sec.active_clients():
+        pid = sec.c(cidx, L.C_PID)
+        state = sec.c(cidx, L.C_STATE)
+        if state == L.CS_IN_DOUBT or not pid_alive(pid):
+            dead.append(cidx)
+    if not dead:
+        return []
+    out: list[Recovered] = []
+    with _connect(dsn) as conn:
+        infos = _queue_infos(conn)
+        backends = {cidx: sec.c(cidx, L.C_BACKEND_PID) for cidx in dead}
+        alive = _backends_alive(conn, [b for b in backends.values() if b])
+        if alive and terminate:
+            for b in alive:
+                conn.execute(_Q["terminate"], (b,))
+            deadline = time.monotonic() + 2.0
+            while alive and time.monotonic() < deadline:
+                time.sleep(0.005)
+                alive = _backends_alive(conn, list(alive))
+        prepared = _prepared_slots(conn)
+        for cidx in dead:
+            if backends[cidx] in alive:
+                continue  # its transaction may still end either way: next round
+            rec = Recovered(cidx, sec.c(cidx, L.C_PID), backends[cidx])
+            owner = cidx + 1
+            ops = []
+            for qidx in sec.loaded_queues():
+                ring = Ring(sec, qidx)
+                info = infos.get(ring.qid)
+                if info is None:
+                    continue
+                slots = _locked_by(ring, owner)
+                for slot in slots:
+                    enq, _deq, _lck, _owner = ring.bits(slot)
+                    seq = ring.seq_of(slot)
+                    if (info.id, slot) in prepared:
+                        sec.lock_queue(qidx)
+                        try:
+                            sec.owner_w[ring.base + slot] = HELD
+                        finally:
+                            sec.unlock_queue(qidx)
+                        rec.held += 1
+                        continue
+                    ops.append((ring, info, slot, seq, "d" if enq else "e"))
+                if slots and info.name not in rec.queues:
+                    rec.queues.append(info.name)
+                sec.lock_queue(qidx)
+                try:
+                    if sec.queues[ring.qb + L.Q_DEQ_OWNER] == owner:
+                        ring.release_role(owner)
+                finally:
+                    sec.unlock_queue(qidx)
+            rec.slots = len(ops) + rec.held
+            if ops:
+                _decide_and_strike(sec, conn, ops, rec)
+            sec.lock_section()
+            try:
+                base = cidx * L.CLIENT_WORDS
+                sec.clients[base + L.C_STATE] = L.CS_FREE
+                sec.clients[base + L.C_PID] = 0
+            finally:
+                sec.unlock_section()
+            logger.warning("ringq: dead client pid %s recovered: %s", rec.pid, rec.as_dict())
+            out.append(rec)
+    return out
+
+
+def _decide_and_strike(sec: Section, conn: psycopg.Connection[Any], ops: list[Any], rec: Recovered) -> None:
+    # Count a failed delivery on dequeues that did not commit, while the slots
+    # are still locked; poisoned ones become consumed rows.
+    for info_id in {op[1].id for op in ops if op[4] == "d"}:
+        group = [op for op in ops if op[1].id == info_id and op[4] == "d"]
+        info = group[0][1]
+        conn.execute(
+            sql.SQL(_Q["strike"]).format(table=queue_table(info.name)),  # type: ignore[arg-type]
+            (info.max_deliveries, info.max_deliveries, [o[2] for o in group], [o[3] for o in group],
+             info.id, POISON_REASON),
+        )
+    decide_ops(sec, conn, ops)
+    rows_by_q: dict[int, dict[int, tuple[int, int]]] = {}
+    for ring, info, slot, seq, _kind in ops:
+        if info.id not in rows_by_q:
+            rows = conn.execute(
+                sql.SQL(_Q["rows"]).format(table=queue_table(info.name)),  # type: ignore[arg-type]
+                ([o[2] for o in ops if o[1].id == info.id],),
+            ).fetchall()
+            rows_by_q[info.id] = {r[0]: (r[1], r[2]) for r in rows}
+        state, row_seq = rows_by_q[info.id].get(slot, (0, -1))
+        if row_seq == seq and state >= 1:
+            rec.committed += 1
+        else:
+            rec.rolled_back += 1
+        # Wake a sleeping dequeuer: the entry may be ready again.
+        if sec.queues[ring.qb + L.Q_WAIT_READY] > 0:
+            sec.post(ring.qid, "r", 1)
+
+
+def _prepared_slots(conn: psycopg.Connection[Any]) -> set[tuple[int, int]]:
+    rows = conn.execute(
+        "SELECT l.queue_id, l.slot FROM ringq.tpc_log l JOIN pg_prepared_xacts p ON p.gid = l.gid"
+    ).fetchall()
+    return {(int(q), int(s)) for q, s in rows}
+
+
+def repair_lock_holders(sec: Section, dsn: str) -> list[str]:
+    """Re-sync queues whose lock holder died inside the critical section."""
+    repaired: list[str] = []
+    suspects = [
+        qidx
+        for qidx in sec.loaded_queues()
+        if (h := sec.q(qidx, L.Q_LOCK_HOLDER)) and not pid_alive(h)
+    ]
+    if not suspects:
+        return repaired
+    with _connect(dsn) as conn:
+        infos = _queue_infos(conn)
+    for qidx in suspects:
+        ring = Ring(sec, qidx)
+        info = infos.get(ring.qid)
+        if info is None:
+            continue
+        # The kernel released the dead holder's fcntl lock; resync takes it.
+        resync_queue(sec, ring, info, dsn)
+        repaired.append(info.name)
+        logger.warning("ringq: queue %s re-read from rows: lock holder died inside", info.name)
+    return repaired
+
+
+def reclaim_all(sec: Section) -> dict[str, int]:
+    """Advance every queue's tail over consumed and void slots; wake blocked enqueuers."""
+    out: dict[str, int] = {}
+    for qidx in sec.loaded_queues():
+        ring = Ring(sec, qidx)
+        sec.lock_queue(qidx)
+        try:
+            n = ring.reclaim()
+            waiters = sec.q(qidx, L.Q_WAIT_SPACE)
+        finally:
+            sec.unlock_queue(qidx)
+        if n:
+            out[sec.queue_name(qidx)] = n
+            if waiters:
+                sec.post(ring.qid, "s", min(n, waiters))
+    return out
+
+
+def resolve_prepared(sec: Section, dsn: str, timeout_s: float = 60.0) -> list[tuple[str, str]]:
+    """Finish prepared transactions whose client is gone: commit if the
+    coordinator recorded its decision, else roll back once older than
+    ``timeout_s``; then decide their slots from the rows."""
+    done: list[tuple[str, str]] = []
+    with _connect(dsn) as conn:
+        rows = conn.execute(
+            "SELECT p.gid, extract(epoch FROM now() - p.prepared), d.gid IS NOT NULL "
+            "FROM pg_prepared_xacts p LEFT JOIN ringq.tpc_decisions d ON d.gid = p.gid "
+            "WHERE p.database = current_database() AND EXISTS "
+            "(SELECT 1 FROM ringq.tpc_log l WHERE l.gid = p.gid)"
+        ).fetchall()
+        if not rows:
+            return done
+        infos = _queue_infos(conn)
+        for gid, age, decided in rows:
+            slots = conn.execute(
+                "SELECT queue_id, slot, seq, kind FROM ringq.tpc_log WHERE gid = %s", (gid,)
+            ).fetchall()
+            # A live client still owns these slots: it is between prepare and commit.
+            live = False
+            ops = []
+            for qid, slot, seq, kind in slots:
+                qidx = sec.find_queue(qid)
+                if qidx is None or qid not in infos:
+                    continue
+                ring = Ring(sec, qidx)
+                owner = sec.owner_w[ring.base + slot]
+                if owner > 0:
+                    cpid = sec.c(owner - 1, L.C_PID)
+                    if sec.c(owner - 1, L.C_STATE) == L.CS_ACTIVE and pid_alive(cpid):
+                        live = True
+                        break
+                ops.append((ring, infos[qid], int(slot), int(seq), str(kind)))
+            if live:
+                continue
+            if decided:
+                verb = "commit"
+            elif age >= timeout_s:
+                verb = "rollback"
+            else:
+                continue
+            conn.execute(
+                sql.SQL("COMMIT PREPARED {}" if verb == "commit" else "ROLLBACK PREPARED {}").format(sql.Literal(gid))
+            )
+            if ops:
+                decide_ops(sec, conn, ops)
+            conn.execute(_Q["tpc_forget"], (gid,))
+            conn.execute(_Q["tpc_undecide"], (gid,))
+            done.append((gid, verb))
+            logger.warning("ringq: prepared transaction %s resolved: %s", gid, verb)
+    return done
+
+
+def pump_inbox(dsn: str, *, batch: int = 500) -> dict[str, int]:
+    """Move entries enqueued through ``ringq.enqueue()`` into their rings, in inbox order.
+
+    One pumper per queue at a time (advisory lock); each batch moves in one
+    transaction, so an entry is in the inbox or in the ring, never both.
+    """
+    moved: dict[str, int] = {}
+    with _connect(dsn) as conn:
+        pending = conn.execute(
+            "SELECT q.name, q.id FROM ringq.queues q WHERE EXISTS (SELECT 1 FROM ringq.inbox i WHERE i.queue_id = q.id)"
+        ).fetchall()
+    if not pending:
+        return moved
+    with connect(dsn, eager_begin=False) as s:
+        for name, qid in pending:
+            total = 0
+            while True:
+                c = s.connection
+                got = c.execute("SELECT pg_try_advisory_xact_lock(hashtext('ringq.inbox'), %s)", (qid,)).fetchone()
+                if not got or not got[0]:
+                    s.rollback()
+                    break
+                rows = c.execute(
+                    "DELETE FROM ringq.inbox WHERE id IN (SELECT id FROM ringq.inbox WHERE queue_id = %s "
+                    "ORDER BY id LIMIT %s) RETURNING id, payload, producer",
+                    (qid, batch),
+                ).fetchall()
+                if not rows:
+                    s.rollback()
+                    break
+                rows.sort(key=lambda r: r[0])
+                i = 0
+                while i < len(rows):
+                    j = i
+                    while j < len(rows) and rows[j][2] == rows[i][2]:
+                        j += 1
+                    s.producer = rows[i][2]
+                    s.enqueue_many(name, [bytes(r[1]) for r in rows[i:j]])
+                    i = j
+                s.commit()
+                total += len(rows)
+                if len(rows) < batch:
+                    break
+            if total:
+                moved[name] = total
+    return moved
