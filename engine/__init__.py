@@ -24,11 +24,17 @@ from ._errors import (
     TransactionError,
     redact_dsn,
 )
+from ._events import CHANNEL as EVENTS_CHANNEL
+from ._events import Event, Subscription, publish
 from ._names import validate_queue_name
 from ._section import Section
 from ._session import Message, QueueInfo, Session, connect
 
 __all__ = [
+    "EVENTS_CHANNEL",
+    "Event",
+    "Subscription",
+    "publish",
     "Message",
     "QueueInfo",
     "Section",

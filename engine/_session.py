@@ -27,6 +27,7 @@ from psycopg.pq import TransactionStatus
 
 from . import _layout as L
 from ._dsn import resolve_dsn
+from ._events import Subscription, publish
 from ._errors import (
     DatabaseUnavailable,
     InDoubt,
@@ -978,6 +979,20 @@ class Session:
                     aux.execute(_Q["tpc_forget"], (gid,))
             except psycopg.Error:
                 logger.warning("ringq: could not clear tpc_log for %s (the monitor will)", gid)
+
+    # -- events ----------------------------------------------------------------------------
+
+    def subscribe(self, *patterns: str) -> Subscription:
+        """Receive the monitor's named events matching shell-style ``patterns``
+        (``"queue.*.full"``, ``"consumer.died"``) on a connection of their own."""
+        self._check()
+        return Subscription(self.dsn, patterns)
+
+    def publish(self, name: str, **data: Any) -> None:
+        """Publish a named event in the current transaction (sent at commit)."""
+        self._check()
+        with self._converted():
+            publish(self._conn, name, **data)
 
     # -- introspection ---------------------------------------------------------------------
 

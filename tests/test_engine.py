@@ -166,7 +166,7 @@ def _producer(dsn: str, queue: str, n: int, pid_tag: int, seed: int) -> None:
     with connect(dsn, producer=f"p{pid_tag}") as s:
         i = 0
         while i < n:
-            batch = rnd.randint(1, 3)
+            batch = min(rnd.randint(1, 3), n - i)
             try:
                 for k in range(batch):
                     s.enqueue(queue, f"{pid_tag}:{i + k}".encode(), timeout=60)
@@ -457,3 +457,15 @@ def test_connection_lost_mid_transaction_frees_slots(dsn, make_queue):
         assert again is not None and again.payload == b"keep"
         s.commit()
     assert drain(dsn, q) == []
+
+
+def test_subscribe_receives_named_events_by_wildcard(dsn, make_queue):
+    q = make_queue()
+    with connect(dsn) as s, s.subscribe(f"queue.{q}.*") as sub:
+        with connect(dsn) as other:
+            other.publish("queue.other.full", depth=1)
+            other.publish(f"queue.{q}.full", depth=64)
+            other.commit()
+        event = sub.get(timeout=10)
+        assert event is not None and event.name == f"queue.{q}.full" and event.data["depth"] == 64
+        assert sub.get(timeout=0.2) is None
