@@ -32,30 +32,30 @@ from ._session import Message, QueueInfo, Session, connect
 
 __all__ = [
     "EVENTS_CHANNEL",
-    "Event",
-    "Subscription",
-    "publish",
-    "Message",
-    "QueueInfo",
-    "Section",
-    "Session",
-    "connect",
     "ConfigError",
     "DatabaseError",
     "DatabaseUnavailable",
+    "Event",
     "InDoubt",
     "InvalidQueueName",
+    "Message",
     "PayloadTooLarge",
     "QueueError",
     "QueueExists",
     "QueueFull",
+    "QueueInfo",
     "QueueNotFound",
     "RingqError",
     "SchemaMissing",
+    "Section",
     "SectionError",
     "SectionIncompatible",
+    "Session",
     "SessionClosed",
+    "Subscription",
     "TransactionError",
+    "connect",
+    "publish",
     "redact_dsn",
     "resolve_dsn",
     "ringq_home",
@@ -63,6 +63,6 @@ __all__ = [
 ]
 
 # Limits of the global section (a queue's capacity is checked against them).
-from ._layout import MAX_CAPACITY, MAX_QUEUES  # noqa: E402
+from ._layout import MAX_CAPACITY, MAX_QUEUES
 
 __all__ += ["MAX_CAPACITY", "MAX_QUEUES"]

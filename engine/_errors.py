@@ -90,7 +90,7 @@ class SectionIncompatible(SectionError):
     """The global section was made by another layout version; refuse to use it."""
 
 
-_PASSWORD_RE = re.compile(r"(password\s*=\s*)('[^']*'|\S+)|(://[^:/@]+:)([^@]+)(@)", re.I)
+_PASSWORD_RE = re.compile(r"(password\s*=\s*)('[^']*'|\S+)|(://[^:/@]+:)([^@]+)(@)", re.IGNORECASE)
 
 
 def redact_dsn(dsn: str) -> str:

@@ -95,6 +95,8 @@ CLIENT_WORDS = 16
 
 CS_FREE = 0
 CS_ACTIVE = 1
+OWNER_HELD = -1  # slot of a prepared transaction whose session is gone: recovery decides
+
 CS_IN_DOUBT = 2  # lost its connection with slots held: the rows decide (monitor)
 
 

@@ -40,7 +40,7 @@ from ._session import (
 
 logger = logging.getLogger("ringq.recovery")
 
-HELD = -1  # owner of slots of a prepared transaction whose client died: kept locked
+HELD = L.OWNER_HELD  # owner of slots of a prepared transaction whose client died: kept locked
 
 
 @dataclass

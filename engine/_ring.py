@@ -29,7 +29,7 @@ def _lowest_bit(x: int) -> int:
 class Ring:
     """A view of queue block ``qidx`` (cheap to make; holds no lock itself)."""
 
-    __slots__ = ("sec", "qidx", "qb", "Q", "qid", "cap", "base", "w0")
+    __slots__ = ("Q", "base", "cap", "qb", "qid", "qidx", "sec", "w0")
 
     def __init__(self, sec: Section, qidx: int) -> None:
         self.sec = sec

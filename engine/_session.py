@@ -27,7 +27,6 @@ from psycopg.pq import TransactionStatus
 
 from . import _layout as L
 from ._dsn import resolve_dsn
-from ._events import Subscription, publish
 from ._errors import (
     DatabaseUnavailable,
     InDoubt,
@@ -42,6 +41,7 @@ from ._errors import (
     from_psycopg,
     redact_dsn,
 )
+from ._events import Subscription, publish
 from ._names import queue_table, validate_queue_name
 from ._ring import Ring
 from ._section import Section
@@ -192,6 +192,7 @@ class Session:
         self._stmts: dict[tuple[str, str], str] = {}
         self._closed = False
         self._tpc_xid: Any = None
+        self._tpc_prepared = False
         self._conn = self._open_connection()
         self._attach()
         self._begin()
@@ -659,7 +660,6 @@ class Session:
             self._resync(info)
             for op, payload in zip(ops, items, strict=True):
                 if op in failed:
-                    self._producer_seq -= 0
                     op.seq = self.enqueue(queue, payload, timeout=timeout)
         lat = (time.perf_counter_ns() - t0) // max(1, len(ops))
         for op in ops:
@@ -944,6 +944,17 @@ class Session:
                 )
         with self._converted():
             self._conn.tpc_prepare()
+        self._tpc_prepared = True
+
+    def _hold(self, ops: list[_Op]) -> None:
+        """Keep slots locked with no live owner (in doubt) for recovery to decide."""
+        sec = self._section
+        for op in ops:
+            sec.lock_queue(op.ring.qidx)
+            try:
+                sec.owner_w[op.ring.base + op.slot] = L.OWNER_HELD
+            finally:
+                sec.unlock_queue(op.ring.qidx)
 
     def tpc_commit(self) -> None:
         """COMMIT PREPARED (or one-phase commit if not prepared); then publish."""
@@ -968,9 +979,18 @@ class Session:
                 self._conn.tpc_rollback()
         except psycopg.Error as exc:
             self._tpc_xid = None
-            outcome = self._recover(ops, reason=f"tpc end failed: {exc}")
-            raise from_psycopg(exc, dsn=self.dsn) from exc if outcome is None else exc
+            if self._tpc_prepared:
+                # A prepared transaction outlives the connection: its rows do
+                # not tell the outcome yet. Hold the slots for the monitor's
+                # resolve_prepared (the coordinator's decision decides).
+                self._tpc_prepared = False
+                self._hold(ops)
+                self._recover([], reason=f"tpc end failed: {exc}")
+                raise InDoubt(f"two-phase {'commit' if commit else 'rollback'} of {gid} in doubt: {exc}") from exc
+            self._recover(ops, reason=f"tpc end failed: {exc}")
+            raise from_psycopg(exc, dsn=self.dsn) from exc
         self._tpc_xid = None
+        self._tpc_prepared = False
         self._finish(ops, committed=commit)
         self._begin()
         if ops:

@@ -12,7 +12,7 @@ from importlib import resources
 
 from psycopg import sql
 
-_HEADER = re.compile(r"^-- ([a-z_][a-z0-9_]*) --\s*$", re.M)
+_HEADER = re.compile(r"^-- ([a-z_][a-z0-9_]*) --\s*$", re.MULTILINE)
 
 
 def load(package: str, filename: str) -> dict[str, str]:

@@ -11,7 +11,6 @@ import uuid
 
 import psycopg
 import pytest
-
 from ringq.engine import Section, connect
 from ringq.engine import _layout as L
 from ringq.engine._recovery import (
@@ -63,9 +62,6 @@ def _hold_and_wait(dsn, queue, kind, ready, stage) -> None:
         s.section.lck_w[w] |= m
     ready.set()
     stage.wait(60)
-    if kind == "commit":
-        pass
-    time.sleep(60)
 
 
 def _kill_holding(dsn, queue, kind):
@@ -222,8 +218,7 @@ def test_rebuild_after_section_loss_restores_queues(dsn, make_queue):
         instance = s.instance
     Section.unlink(instance)
     sec = rebuild(dsn)
-    qidx = sec.find_queue(Ring  # noqa: B018 - clarity
-                          and _qid(dsn, q))
+    qidx = sec.find_queue(_qid(dsn, q))
     ring = Ring(sec, qidx)
     assert ring.counts()["ready"] == 2
     assert [m.payload for m in drain(dsn, q)] == [b"2", b"3"]
