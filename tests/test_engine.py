@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import multiprocessing as mp
-import os
 import threading
 import time
 import uuid
@@ -11,7 +10,6 @@ from collections import defaultdict
 
 import psycopg
 import pytest
-
 from ringq.engine import (
     DatabaseUnavailable,
     InvalidQueueName,
@@ -144,11 +142,10 @@ def test_user_sql_joins_the_transaction(dsn, make_queue):
     with connect(dsn) as s:
         s.connection.execute("CREATE TABLE ledger (v int)")
         s.commit()
-        with pytest.raises(RuntimeError):
-            with s.transaction():
-                s.connection.execute("INSERT INTO ledger VALUES (1)")
-                s.enqueue(q, b"with ledger row")
-                raise RuntimeError("boom")
+        with pytest.raises(RuntimeError), s.transaction():
+            s.connection.execute("INSERT INTO ledger VALUES (1)")
+            s.enqueue(q, b"with ledger row")
+            raise RuntimeError("boom")
         assert s.connection.execute("SELECT count(*) FROM ledger").fetchone() == (0,)
         s.rollback()
         with s.transaction():
