@@ -222,7 +222,7 @@ def _decide_and_strike(sec: Section, conn: psycopg.Connection[Any], ops: list[An
             (info.max_deliveries, info.max_deliveries, [o[2] for o in group], [o[3] for o in group],
              info.id, POISON_REASON),
         )
-    decide_ops(sec, conn, ops)
+    decide_ops(sec, conn, ops, rec.cidx + 1)
     rows_by_q: dict[int, dict[int, tuple[int, int]]] = {}
     for ring, info, slot, seq, _kind in ops:
         if info.id not in rows_by_q:
@@ -336,7 +336,7 @@ def resolve_prepared(sec: Section, dsn: str, timeout_s: float = 60.0) -> list[tu
                 sql.SQL("COMMIT PREPARED {}" if verb == "commit" else "ROLLBACK PREPARED {}").format(sql.Literal(gid))
             )
             if ops:
-                decide_ops(sec, conn, ops)
+                decide_ops(sec, conn, ops, HELD)
             conn.execute(_Q["tpc_forget"], (gid,))
             conn.execute(_Q["tpc_undecide"], (gid,))
             done.append((gid, verb))

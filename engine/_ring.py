@@ -70,6 +70,11 @@ class Ring:
             s.owner_w[self.base + slot],
         )
 
+    def held_by(self, slot: int, owner: int) -> bool:
+        """True if ``owner`` holds the slot's entry lock (guards against finishing twice)."""
+        w, m = self._bit(slot)
+        return bool(self.sec.lck_w[w] & m) and self.sec.owner_w[self.base + slot] == owner
+
     # -- enqueue ------------------------------------------------------------------
 
     def reserve(self, owner: int) -> tuple[int, int] | None:

@@ -490,6 +490,8 @@ class Session:
             try:
                 n_ready = n_space = 0
                 for op in group:
+                    if not ring.held_by(op.slot, self.owner):
+                        continue  # already decided by recovery (never finish a slot twice)
                     if op.kind == "e":
                         ring.finish_enqueue(op.slot, committed)
                         n_ready += committed
@@ -731,7 +733,8 @@ class Session:
         sec = self._section
         sec.lock_queue(op.ring.qidx)
         try:
-            op.ring.finish_enqueue(op.slot, committed=False)
+            if op.ring.held_by(op.slot, self.owner):
+                op.ring.finish_enqueue(op.slot, committed=False)
         finally:
             sec.unlock_queue(op.ring.qidx)
 
@@ -841,6 +844,8 @@ class Session:
         sec.lock_queue(ring.qidx)
         try:
             for op in stale:
+                if not ring.held_by(op.slot, self.owner):
+                    continue
                 state, seq = by_slot.get(op.slot, (0, -1))
                 # Not there (void) or already consumed: the slot is done.
                 ring.finish_dequeue(op.slot, consumed=True, exclusive=exclusive)
@@ -903,7 +908,9 @@ class Session:
     def _decide_from_rows(self, conn: psycopg.Connection[Any], ops: list[_Op]) -> bool | None:
         if not ops:
             return None
-        committed = decide_ops(self._section, conn, [(op.ring, op.info, op.slot, op.seq, op.kind) for op in ops])
+        committed = decide_ops(
+            self._section, conn, [(op.ring, op.info, op.slot, op.seq, op.kind) for op in ops], self.owner
+        )
         return committed
 
     # -- two-phase commit -----------------------------------------------------------------
@@ -1123,6 +1130,7 @@ def decide_ops(
     sec: Section,
     conn: psycopg.Connection[Any],
     ops: Sequence[tuple[Ring, QueueInfo, int, int, str]],
+    owner: int | None = None,
 ) -> bool | None:
     """Decide in-flight slots from their rows (the old backend has ended).
 
@@ -1145,6 +1153,8 @@ def decide_ops(
         sec.lock_queue(ring.qidx)
         try:
             for _ring, _info, slot, seq, kind in group:
+                if owner is not None and not ring.held_by(slot, owner):
+                    continue  # someone else decided it already
                 state, row_seq = by_slot.get(slot, (0, -1))
                 if kind == "e":
                     done = row_seq == seq and state in (1, 2)
