@@ -13,6 +13,7 @@ import os
 import socket
 import threading
 import time
+import weakref
 from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -231,9 +232,17 @@ class Session:
         self.instance: str = instance
         self.backend_pid: int = backend_pid
         self._section = _Process.section(instance)
+        self._register_client(backend_pid)
+        self._rings = {}
+
+    def _register_client(self, backend_pid: int) -> None:
+        old = getattr(self, "_finalizer", None)
+        if old is not None:
+            old.detach()
         self._cidx = self._section.add_client(backend_pid)
         self.owner = self._cidx + 1
-        self._rings = {}
+        # A session dropped without close() hands its entry to recovery.
+        self._finalizer = weakref.finalize(self, _orphaned, self._section, self._cidx, os.getpid())
 
     def _begin(self) -> None:
         """Start the next transaction now, if eager (psycopg would otherwise send
@@ -273,6 +282,7 @@ class Session:
             self._closed = True
             if not self._ops:
                 self._section.remove_client(self._cidx)
+                self._finalizer.detach()
             self._conn.close()
 
     def __enter__(self) -> Session:
@@ -320,8 +330,7 @@ class Session:
         old = self._section
         self._section = _Process.section(self.instance)
         if self._section is not old:
-            self._cidx = self._section.add_client(self.backend_pid)
-            self.owner = self._cidx + 1
+            self._register_client(self.backend_pid)
             self._rings = {}
 
     # -- queues -------------------------------------------------------------------
@@ -885,8 +894,8 @@ class Session:
             if ops:
                 sec = self._section
                 sec.clients[self._cidx * L.CLIENT_WORDS + L.C_STATE] = L.CS_IN_DOUBT
-                self._cidx = sec.add_client(0)
-                self.owner = self._cidx + 1
+                self._finalizer.detach()
+                self._register_client(0)
             self._closed = True
             return None
         self._conn = new
@@ -1039,6 +1048,15 @@ class Session:
 
 
 # -- shared with the monitor ---------------------------------------------------------------
+
+
+def _orphaned(sec: Section, cidx: int, pid: int) -> None:
+    """Finalizer of a session never closed: let recovery decide its slots and free it."""
+    if os.getpid() != pid or sec.closed:
+        return
+    base = cidx * L.CLIENT_WORDS
+    if sec.clients[base + L.C_PID] == pid and sec.clients[base + L.C_STATE] == L.CS_ACTIVE:
+        sec.clients[base + L.C_STATE] = L.CS_IN_DOUBT
 
 
 def _b64(b: str) -> str:

@@ -275,3 +275,22 @@ def test_prepared_transaction_of_dead_coordinator_is_resolved(dsn, make_queue, d
         assert [v for _, v in done] == ["commit" if decide else "rollback"]
         assert ring.counts()["locked"] == 0
     assert [m.payload for m in drain(dsn, q)] == ([b"2pc"] if decide else [])
+
+
+def test_session_dropped_without_close_is_recovered(dsn, make_queue):
+    import gc
+
+    q = make_queue()
+    with connect(dsn) as s:
+        s.enqueue(q, b"keep")
+        s.commit()
+        sec, ring = s.section, s.ring(q)
+        leaked = connect(dsn)
+        assert leaked.dequeue(q) is not None
+        leaked._conn.close()  # as garbage collection would
+        del leaked
+        gc.collect()
+        _recover_until(sec, dsn, lambda: ring.counts()["locked"] == 0)
+        m = s.dequeue(q)
+        assert m is not None and m.payload == b"keep"
+        s.commit()
