@@ -1,0 +1,72 @@
+"""Fixtures shared by the test suite: a real PostgreSQL that the suite starts itself.
+
+- ``pg_cluster`` (session): the project's own embedded cluster, under a
+  temporary home, stopped when the session ends (even if it ends badly).
+- ``dsn`` (function): a fresh database ``t_<hex>`` on that cluster for each
+  test, dropped afterwards.
+- ``ringq_env`` (function): ``RINGQ_DSN``/``RINGQ_HOME`` set for the test and
+  its subprocesses (``ringq`` commands), pointing at that database.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+from collections.abc import Iterator
+
+import psycopg
+import pytest
+from psycopg import sql
+from ringq.scripting import Cluster
+
+# Spark (the regression analysis) must not go looking for the host's public
+# address in a sandbox; loopback is enough for a local master.
+os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
+
+
+@pytest.fixture(scope="session")
+def pg_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+    cluster = Cluster(tmp_path_factory.mktemp("pg_cluster"))
+    try:
+        cluster.start()
+        yield cluster
+    finally:
+        cluster.stop()  # also after a failed start or an interrupted session
+
+
+@pytest.fixture
+def dsn(pg_cluster: Cluster) -> Iterator[str]:
+    name = f"t_{secrets.token_hex(6)}"
+    admin = pg_cluster.url("postgres")
+    with psycopg.connect(admin, autocommit=True) as conn:
+        conn.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(name)))
+    try:
+        yield pg_cluster.url(name)
+    finally:
+        _drop_database(pg_cluster, name)
+
+
+def _drop_database(cluster: Cluster, name: str) -> None:
+    # A prepared transaction left by a test would block DROP DATABASE (FORCE
+    # ends sessions, not prepared transactions): roll those back first, from
+    # inside the database as PostgreSQL requires.
+    with psycopg.connect(cluster.url(name), autocommit=True) as conn:
+        gids = conn.execute(
+            "SELECT gid FROM pg_prepared_xacts WHERE database = current_database()"
+        ).fetchall()
+        for (gid,) in gids:
+            conn.execute(sql.SQL("ROLLBACK PREPARED {}").format(sql.Literal(gid)))
+    with psycopg.connect(cluster.url("postgres"), autocommit=True) as conn:
+        conn.execute(
+            sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(name))
+        )
+
+
+@pytest.fixture
+def ringq_env(
+    dsn: str, tmp_path: os.PathLike[str], monkeypatch: pytest.MonkeyPatch
+) -> dict[str, str]:
+    """The environment of a ``ringq`` command run against this test's database."""
+    monkeypatch.setenv("RINGQ_DSN", dsn)
+    monkeypatch.setenv("RINGQ_HOME", os.path.join(tmp_path, "ringq_home"))
+    return dict(os.environ)

@@ -1,0 +1,171 @@
+"""The embedded cluster, through ``ringq db`` and through :class:`ringq.scripting.Cluster`."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import psycopg
+import pytest
+from ringq.engine import DatabaseUnavailable, resolve_dsn
+from ringq.scripting import Cluster, PostgresNotFound
+from ringq.scripting._cluster import find_bindir
+
+_SCRIPT = Path(sys.executable).with_name("ringq")
+RINGQ = [str(_SCRIPT)] if _SCRIPT.exists() else [sys.executable, "-m", "ringq.cli"]
+PSQL = shutil.which("psql")
+
+
+def ringq(home: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    env = dict(os.environ, RINGQ_HOME=str(home))
+    env.pop("RINGQ_DSN", None)
+    return subprocess.run(
+        [*RINGQ, *args], env=env, capture_output=True, text=True, timeout=120, check=False
+    )
+
+
+def psql(*args: str) -> str:
+    assert PSQL, "psql is installed with the postgresql package"
+    out = subprocess.run(
+        [PSQL, "-X", "-A", "-t", *args], capture_output=True, text=True, timeout=30, check=True
+    )
+    return out.stdout.strip()
+
+
+def test_db_start_status_url_stop_round_trip(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    home = tmp_path / "home"
+
+    started = ringq(home, "db", "start")
+    assert started.returncode == 0, started.stderr
+    dsn = started.stdout.strip().splitlines()[-1]
+    assert dsn.startswith("postgresql://postgres@127.0.0.1:") and dsn.endswith("/ringq")
+    assert (home / "dsn").read_text().strip() == dsn
+
+    again = ringq(home, "db", "start")  # idempotent: same server, same DSN
+    assert again.returncode == 0 and again.stdout.strip().splitlines()[-1] == dsn
+    assert "already running" in again.stdout
+
+    status = ringq(home, "db", "status")
+    assert status.returncode == 0
+    assert (
+        "running" in status.stdout and "not running" not in status.stdout and dsn in status.stdout
+    )
+
+    url = ringq(home, "db", "url")
+    assert url.returncode == 0 and url.stdout == dsn + "\n"
+
+    # The DSN file is the contract the engine reads.
+    monkeypatch.setenv("RINGQ_HOME", str(home))
+    monkeypatch.delenv("RINGQ_DSN", raising=False)
+    assert resolve_dsn() == dsn
+
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        assert conn.execute("SELECT current_database(), current_user").fetchone() == (
+            "ringq",
+            "postgres",
+        )
+        conn.execute("CREATE TABLE kept (x int)")
+        conn.execute("INSERT INTO kept VALUES (42)")
+    assert psql(dsn, "-c", "SELECT x FROM kept") == "42"
+
+    stopped = ringq(home, "db", "stop")
+    assert stopped.returncode == 0, stopped.stderr
+    assert not (home / "dsn").exists()
+    status = ringq(home, "db", "status")
+    assert status.returncode == 1 and "not running" in status.stdout
+    url = ringq(home, "db", "url")
+    assert url.returncode == 3 and url.stdout == "" and "not running" in url.stderr
+    assert ringq(home, "db", "stop").returncode == 0  # harmless when stopped
+
+    # A restart keeps the data and, the port being free, the DSN.
+    restarted = ringq(home, "db", "start")
+    assert restarted.returncode == 0, restarted.stderr
+    assert restarted.stdout.strip().splitlines()[-1] == dsn
+    assert psql(dsn, "-c", "SELECT x FROM kept") == "42"
+    assert ringq(home, "db", "stop").returncode == 0
+
+
+def test_two_homes_side_by_side_and_concurrent_starts_make_one_server(tmp_path: Path):
+    home_a = tmp_path / "a"
+    # Too long for a unix socket path under it: the socket goes to a short /tmp dir.
+    home_b = tmp_path / ("b" * 90) / "home"
+    a, b = Cluster(home_a), Cluster(home_b)
+    try:
+        with ThreadPoolExecutor(3) as pool:
+            first = pool.submit(Cluster(home_a).start)
+            second = pool.submit(Cluster(home_a).start)
+            other = pool.submit(b.start)
+            dsn_a, dsn_a_again, dsn_b = first.result(), second.result(), other.result()
+        assert dsn_a == dsn_a_again == a.url()
+        sa, sb = a.status(), b.status()
+        assert sa.running and sb.running and sa.port != sb.port and sa.pid != sb.pid
+
+        with psycopg.connect(dsn_a, autocommit=True) as conn:
+            conn.execute("CREATE TABLE only_in_a (x int)")
+        with psycopg.connect(dsn_b, autocommit=True) as conn:
+            assert conn.execute("SELECT to_regclass('only_in_a')").fetchone() == (None,)
+
+        assert sb.socket_dir is not None
+        assert sb.socket_dir.parent == Path(tempfile.gettempdir())
+        assert sb.socket_dir.name.startswith("ringq-")
+        via_socket = ("-h", str(sb.socket_dir), "-p", str(sb.port), "-U", "postgres", "-d", "ringq")
+        assert psql(*via_socket, "-c", "SELECT 1") == "1"
+    finally:
+        a.stop()
+        b.stop()
+    assert not a.status().running and not b.status().running
+    assert not sb.socket_dir.exists()  # the short socket dir is removed on stop
+
+
+def test_context_manager_stops_only_what_it_started(pg_cluster: Cluster):
+    with Cluster(pg_cluster.home) as same:
+        assert same.url() == pg_cluster.url()
+    assert pg_cluster.status().running
+
+
+def test_server_settings(pg_cluster: Cluster, dsn: str):
+    expected = {
+        "max_prepared_transactions": "64",
+        "max_connections": "200",
+        "shared_buffers": "128MB",
+        "listen_addresses": "127.0.0.1",
+        "fsync": "on",
+        "synchronous_commit": "on",
+        "autovacuum_naptime": "10s",
+        "track_commit_timestamp": "on",
+        "logging_collector": "on",
+    }
+    with psycopg.connect(dsn) as conn:
+        actual = {name: conn.execute(f"SHOW {name}").fetchone()[0] for name in expected}
+        assert conn.execute("SELECT current_database()").fetchone()[0].startswith("t_")
+        assert actual == expected
+        # Two-phase commit works (max_prepared_transactions > 0).
+        conn.execute("CREATE TABLE t2pc (x int)")
+        conn.commit()
+        xid = conn.xid(1, "ringq-test", "branch")
+        conn.tpc_begin(xid)
+        conn.execute("INSERT INTO t2pc VALUES (1)")
+        conn.tpc_prepare()
+        conn.tpc_commit()
+        assert conn.execute("SELECT count(*) FROM t2pc").fetchone() == (1,)
+    assert any((pg_cluster.datadir / "log").glob("postgresql-*.log"))
+
+
+def test_a_cluster_never_started(tmp_path: Path):
+    cluster = Cluster(tmp_path / "nothing")
+    st = cluster.status()
+    assert not st.running and st.dsn is None and st.port is None
+    with pytest.raises(DatabaseUnavailable, match="ringq db start"):
+        cluster.url()
+    cluster.stop()  # harmless, and makes nothing
+    assert not (tmp_path / "nothing").exists()
+
+
+def test_no_server_installed_says_how_to_install(tmp_path: Path):
+    with pytest.raises(PostgresNotFound, match=r"apt-get install postgresql"):
+        find_bindir(search_path="", lib_root=tmp_path)
