@@ -1,0 +1,96 @@
+"""The monitor's settings: a frozen dataclass with named defaults, validated on creation.
+
+Only the command line reads ``RINGQ_*`` variables; a library caller passes
+every value it wants explicitly (``data_dir=None`` keeps everything in memory).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+from ringq.engine import ConfigError
+
+DEFAULT_INTERVAL = 1.0  # seconds between performance samples
+DEFAULT_RECOVERY_INTERVAL = 0.1  # seconds between recovery passes (dead clients, locks, reclaim)
+DEFAULT_PORT = 7480
+DEFAULT_HOST = "127.0.0.1"
+DEFAULT_PREPARED_TIMEOUT = 60.0  # seconds before an undecided prepared transaction is rolled back
+DEFAULT_HISTORY_SECONDS = 24 * 3600.0  # in-memory history kept per queue
+DEFAULT_T4_KEEP_DAYS = 14  # daily T4 files kept
+DEFAULT_HIGH_WATER = 0.8  # depth / capacity that raises queue.<name>.high_water
+
+MAX_INTERVAL = 3600.0
+MAX_HISTORY_POINTS = 86_400 * 7  # a hard bound on memory whatever the interval
+
+
+@dataclass(frozen=True)
+class MonitorConfig:
+    """What a :class:`~ringq.monitor.Monitor` does and where.
+
+    ``interval`` and ``recovery_interval`` are seconds; ``port`` 0 picks a free
+    port (read it back from ``Monitor.url``). ``data_dir`` holds the T4 CSV
+    files and the JSON-lines log ``monitor.log``; ``None`` writes no files.
+    ``token``, when set, is required by every HTTP path but ``/metrics``.
+
+    :raises ConfigError: a value is out of range (the message says which).
+    """
+
+    dsn: str
+    interval: float = DEFAULT_INTERVAL
+    recovery_interval: float = DEFAULT_RECOVERY_INTERVAL
+    port: int = DEFAULT_PORT
+    host: str = DEFAULT_HOST
+    token: str | None = None
+    data_dir: Path | None = None
+    prepared_timeout: float = DEFAULT_PREPARED_TIMEOUT
+    history_seconds: float = DEFAULT_HISTORY_SECONDS
+    t4_keep_days: int = DEFAULT_T4_KEEP_DAYS
+    high_water: float = DEFAULT_HIGH_WATER
+    http: bool = True  # serve HTTP at all (off for an embedded recovery-only monitor)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.dsn, str) or not self.dsn:
+            raise ConfigError("dsn must be a non-empty string")
+        _seconds("interval", self.interval, 0.01, MAX_INTERVAL)
+        _seconds("recovery_interval", self.recovery_interval, 0.01, MAX_INTERVAL)
+        if self.recovery_interval > self.interval:
+            raise ConfigError(
+                f"recovery_interval ({self.recovery_interval:g}s) must not exceed interval ({self.interval:g}s)"
+            )
+        _seconds("prepared_timeout", self.prepared_timeout, 0.0, 365 * 86_400.0)
+        _seconds("history_seconds", self.history_seconds, self.interval, 366 * 86_400.0)
+        if isinstance(self.port, bool) or not isinstance(self.port, int) or not 0 <= self.port <= 65535:
+            raise ConfigError(f"port must be an integer from 0 to 65535, not {self.port!r}")
+        if not isinstance(self.host, str) or not self.host or any(c.isspace() for c in self.host):
+            raise ConfigError(f"host must be an address or host name, not {self.host!r}")
+        if self.token is not None and (
+            not isinstance(self.token, str) or not self.token or any(c.isspace() for c in self.token)
+        ):
+            raise ConfigError("token must be a non-empty string without spaces (or None for no token)")
+        if isinstance(self.t4_keep_days, bool) or not isinstance(self.t4_keep_days, int) or self.t4_keep_days < 1:
+            raise ConfigError(f"t4_keep_days must be an integer >= 1, not {self.t4_keep_days!r}")
+        _seconds("high_water", self.high_water, 0.01, 1.0)
+        if self.data_dir is not None and not isinstance(self.data_dir, Path):
+            object.__setattr__(self, "data_dir", Path(self.data_dir))
+
+    @property
+    def history_points(self) -> int:
+        """Samples kept in memory per queue."""
+        return min(MAX_HISTORY_POINTS, math.ceil(self.history_seconds / self.interval))
+
+    def replace(self, **changes: Any) -> MonitorConfig:
+        """A validated copy with ``changes`` applied."""
+        return replace(self, **changes)
+
+
+def _seconds(what: str, value: object, low: float, high: float) -> None:
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, int | float)
+        or not math.isfinite(value)
+        or not low <= value <= high
+    ):
+        raise ConfigError(f"{what} must be a number from {low:g} to {high:g}, not {value!r}")

@@ -1,0 +1,255 @@
+"""The monitor's HTTP service (see ``monitor/API.md`` for every shape).
+
+The standard library's ``ThreadingHTTPServer`` in one thread: four read-only
+GET endpoints answered from memory need no framework, and the monitor
+stays installable with no dependency beyond the engine's (``prometheus_client``
+is used, when installed, only to render ``/metrics``).
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+import logging
+import math
+import threading
+import time
+import xml.etree.ElementTree as ET
+from http import HTTPStatus
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any, Protocol
+from urllib.parse import parse_qs, urlsplit
+
+from . import _sample as S
+
+logger = logging.getLogger("ringq.monitor.http")
+
+DEFAULT_HISTORY_WINDOW = 300.0  # seconds of history returned when ``since`` is absent
+MAX_HISTORY_POINTS = 100_000  # per request
+
+
+class ApiSource(Protocol):
+    """What the HTTP service reads (the :class:`Monitor` implements it)."""
+
+    def current_token(self) -> str | None: ...
+    def queues_doc(self) -> dict[str, Any]: ...
+    def history_points(self, queue: str, since: float, until: float, limit: int) -> list[dict[str, float]] | None: ...
+    def metrics_text(self) -> tuple[bytes, str]: ...
+
+
+class _Server(ThreadingHTTPServer):
+    daemon_threads = True
+    allow_reuse_address = True
+    source: ApiSource
+
+
+class _Handler(BaseHTTPRequestHandler):
+    server: _Server
+    server_version = "ringq-monitor"
+    protocol_version = "HTTP/1.1"
+
+    def log_message(self, format: str, *args: Any) -> None:
+        logger.debug("%s " + format, self.address_string(), *args)
+
+    # -- plumbing -------------------------------------------------------------------
+
+    def _send(self, status: int, body: bytes, ctype: str, extra: dict[str, str] | None = None) -> None:
+        self.send_response(status)
+        self.send_header("Content-Type", ctype)
+        self.send_header("Content-Length", str(len(body)))
+        self.send_header("Cache-Control", "no-store")
+        self.send_header("Access-Control-Allow-Origin", "*")
+        for k, v in (extra or {}).items():
+            self.send_header(k, v)
+        self.end_headers()
+        if self.command != "HEAD":
+            self.wfile.write(body)
+
+    def _json(self, status: int, obj: Any) -> None:
+        body = json.dumps(obj, separators=(",", ":"), allow_nan=False).encode()
+        self._send(status, body, "application/json")
+
+    def _error(self, status: HTTPStatus, message: str, extra: dict[str, str] | None = None) -> None:
+        body = json.dumps({"error": message, "status": int(status)}).encode()
+        self._send(status, body, "application/json", extra)
+
+    def _authorized(self, query: dict[str, list[str]]) -> bool:
+        token = self.server.source.current_token()
+        if token is None:
+            return True
+        given = ""
+        auth = self.headers.get("Authorization", "")
+        if auth[:7].lower() == "bearer ":
+            given = auth[7:].strip()
+        elif "token" in query:
+            given = query["token"][0]
+        return hmac.compare_digest(given.encode(), token.encode())
+
+    # -- methods ----------------------------------------------------------------------
+
+    def do_OPTIONS(self) -> None:
+        # CORS preflight, so a viewer page on another local port may send the token header.
+        self._send(
+            HTTPStatus.NO_CONTENT, b"", "text/plain",
+            {"Access-Control-Allow-Methods": "GET, HEAD, OPTIONS",
+             "Access-Control-Allow-Headers": "Authorization", "Access-Control-Max-Age": "600"},
+        )
+
+    def do_HEAD(self) -> None:
+        self.do_GET()
+
+    def do_GET(self) -> None:
+        url = urlsplit(self.path)
+        query = parse_qs(url.query)
+        path = url.path.rstrip("/") or "/"
+        try:
+            if path == "/metrics":
+                body, ctype = self.server.source.metrics_text()
+                self._send(HTTPStatus.OK, body, ctype)
+                return
+            if path not in ROUTES:
+                self._error(HTTPStatus.NOT_FOUND, f"no such path {url.path!r}; see /api")
+                return
+            if not self._authorized(query):
+                self._error(
+                    HTTPStatus.UNAUTHORIZED,
+                    "a token is required: Authorization: Bearer <token> or ?token=<token>",
+                    {"WWW-Authenticate": 'Bearer realm="ringq"'},
+                )
+                return
+            ROUTES[path](self, query)
+        except BadRequest as exc:
+            self._error(HTTPStatus.BAD_REQUEST, str(exc))
+        except (BrokenPipeError, ConnectionResetError):
+            pass
+        except Exception as exc:
+            logger.exception("ringq monitor: %s failed", self.path)
+            try:
+                self._error(HTTPStatus.INTERNAL_SERVER_ERROR, f"{type(exc).__name__}: {exc}")
+            except OSError:
+                pass
+
+    # -- routes ---------------------------------------------------------------------
+
+    def _index(self, query: dict[str, list[str]]) -> None:
+        self._json(HTTPStatus.OK, {"endpoints": sorted([*ROUTES, "/metrics"])})
+
+    def _queues(self, query: dict[str, list[str]]) -> None:
+        self._json(HTTPStatus.OK, self.server.source.queues_doc())
+
+    def _queues_xml(self, query: dict[str, list[str]]) -> None:
+        body = queues_xml(self.server.source.queues_doc())
+        self._send(HTTPStatus.OK, body, "application/xml; charset=utf-8")
+
+    def _history(self, query: dict[str, list[str]]) -> None:
+        queue = _one(query, "queue")
+        if not queue:
+            raise BadRequest("missing ?queue=<name>")
+        now = time.time()
+        since = _float(query, "since", now - DEFAULT_HISTORY_WINDOW)
+        until = _float(query, "until", float("inf"))
+        limit = int(_float(query, "limit", MAX_HISTORY_POINTS))
+        if not 1 <= limit <= MAX_HISTORY_POINTS:
+            raise BadRequest(f"limit must be from 1 to {MAX_HISTORY_POINTS}")
+        points = self.server.source.history_points(queue, since, until, limit)
+        if points is None:
+            self._error(HTTPStatus.NOT_FOUND, f"no history for queue {queue!r}")
+            return
+        doc = self.server.source.queues_doc()
+        self._json(HTTPStatus.OK, {"queue": queue, "interval": doc["monitor"]["interval"],
+                                   "since": since, "points": points})
+
+
+ROUTES = {
+    "/": _Handler._index,
+    "/api": _Handler._index,
+    "/api/queues": _Handler._queues,
+    "/api/queues.xml": _Handler._queues_xml,
+    "/api/history": _Handler._history,
+}
+
+
+class BadRequest(ValueError):
+    """A query parameter is missing or malformed (answered with 400)."""
+
+
+def _one(query: dict[str, list[str]], key: str) -> str | None:
+    vals = query.get(key)
+    return vals[0] if vals else None
+
+
+def _float(query: dict[str, list[str]], key: str, default: float) -> float:
+    raw = _one(query, key)
+    if raw is None or raw == "":
+        return default
+    try:
+        value = float(raw)
+    except ValueError:
+        raise BadRequest(f"{key} must be a number (unix seconds), not {raw!r}") from None
+    if math.isnan(value):
+        raise BadRequest(f"{key} must be a number")
+    return value
+
+
+def queues_xml(doc: dict[str, Any]) -> bytes:
+    """The ``/api/queues`` document as XML (the original viewer protocol's shape)."""
+    root = ET.Element("ringq", {"t": str(doc["t"])})
+    mon = ET.SubElement(root, "monitor")
+    for k, v in doc["monitor"].items():
+        if isinstance(v, dict | list):
+            continue
+        ET.SubElement(mon, k).text = _xml_text(v)
+    for q in doc["queues"]:
+        el = ET.SubElement(root, "queue", {"name": str(q[S.NAME])})
+        for k in S.NUMERIC_KEYS:
+            if k in q:
+                ET.SubElement(el, k).text = _xml_text(q[k])
+    body: bytes = ET.tostring(root, encoding="utf-8", xml_declaration=True)
+    return body
+
+
+def _xml_text(v: Any) -> str:
+    if v is None:
+        return ""
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    return str(v)
+
+
+class HttpService:
+    """The HTTP server in its own thread; ``start()``/``stop()`` are idempotent."""
+
+    def __init__(self, source: ApiSource, host: str, port: int) -> None:
+        self._source = source
+        self._host = host
+        self._port = port
+        self._server: _Server | None = None
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        if self._server is not None:
+            return
+        server = _Server((self._host, self._port), _Handler)
+        server.source = self._source
+        self._server = server
+        self._thread = threading.Thread(
+            target=server.serve_forever, kwargs={"poll_interval": 0.2}, name="ringq-monitor-http", daemon=True
+        )
+        self._thread.start()
+
+    @property
+    def address(self) -> tuple[str, int]:
+        if self._server is None:
+            raise RuntimeError("the HTTP service is not started")
+        host, port = self._server.server_address[:2]
+        return str(host), int(port)
+
+    def stop(self) -> None:
+        server, self._server = self._server, None
+        if server is None:
+            return
+        server.shutdown()
+        server.server_close()
+        if self._thread is not None:
+            self._thread.join(5)
+            self._thread = None

@@ -1,0 +1,165 @@
+"""``/metrics``: Prometheus text format from a custom collector that reads the section.
+
+Counters are the section's own cumulative counters (they restart when a
+queue is reloaded into a new section, which Prometheus treats as a counter
+reset). Latency histograms map the section's power-of-two buckets: bucket
+``b`` holds calls under ``2**b`` microseconds.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, Any, Final
+
+from ringq.engine import Section
+from ringq.engine import _layout as L
+from ringq.engine import metrics as M
+
+from . import _sample as S
+
+if TYPE_CHECKING:
+    from prometheus_client.metrics_core import Metric
+
+CONTENT_TYPE: Final = "text/plain; version=0.0.4; charset=utf-8"
+
+# section counter key -> (prometheus name without _total, help)
+_COUNTERS: Final = {
+    M.ENQUEUED: ("ringq_queue_enqueued", "Enqueue calls (slot reservations)."),
+    M.DEQUEUED: ("ringq_queue_dequeued", "Dequeue calls that returned an entry."),
+    M.ENQ_COMMITS: ("ringq_queue_enqueue_commits", "Enqueued entries committed."),
+    M.DEQ_COMMITS: ("ringq_queue_dequeue_commits", "Dequeued entries committed (consumed)."),
+    M.ENQ_ROLLBACKS: ("ringq_queue_enqueue_rollbacks", "Enqueues rolled back (void slots)."),
+    M.DEQ_ROLLBACKS: ("ringq_queue_dequeue_rollbacks", "Dequeues rolled back (delivery retries)."),
+    M.POISONED: ("ringq_queue_poisoned", "Entries moved to the exception queue."),
+    M.FULL_HITS: ("ringq_queue_full_hits", "Enqueue attempts that found the queue full."),
+    M.EMPTY_HITS: ("ringq_queue_empty_hits", "Dequeue attempts that found nothing ready."),
+    M.REPAIRS: ("ringq_queue_repairs", "Section entries corrected from the rows."),
+    M.RESYNCS: ("ringq_queue_resyncs", "Full re-reads of the queue from its table."),
+    M.WAKEUPS: ("ringq_queue_wakeups", "Posts on the queue's ready semaphore."),
+}
+_GAUGES: Final = {
+    M.CAPACITY: ("ringq_queue_capacity", "Slots in the ring."),
+    M.DEPTH: ("ringq_queue_depth", "Committed entries not yet consumed."),
+    M.HEAD: ("ringq_queue_head", "Next sequence number to reserve."),
+    M.TAIL: ("ringq_queue_tail", "Oldest sequence number not yet reclaimed."),
+    M.WAIT_READY: ("ringq_queue_waiting_dequeuers", "Dequeuers sleeping on the queue."),
+    M.WAIT_SPACE: ("ringq_queue_waiting_enqueuers", "Enqueuers sleeping on a full queue."),
+}
+# gauges from the monitor's last sample (need the database)
+_SAMPLED: Final = {
+    S.EXCEPTIONS: ("ringq_queue_exceptions", "Entries in the exception table."),
+    S.DEAD_ROWS: ("ringq_queue_dead_rows", "Dead row versions in the queue's table."),
+}
+
+
+def _bucket_bounds() -> list[str]:
+    return [repr((1 << b) / 1e6) for b in range(L.HIST_BUCKETS - 1)] + ["+Inf"]
+
+
+class SectionCollector:
+    """A ``prometheus_client`` collector: call :meth:`collect` per scrape.
+
+    ``read`` runs a function on the live section under the monitor's lock (None
+    if no section is attached); ``status`` returns the monitor's own figures.
+    """
+
+    def __init__(
+        self,
+        read: Callable[[Callable[[Section], Any]], Any],
+        status: Callable[[], dict[str, Any]],
+        sampled: Callable[[], dict[str, dict[str, float | str]]],
+    ) -> None:
+        self._read = read
+        self._status = status
+        self._sampled = sampled
+
+    def describe(self) -> list[Metric]:
+        return []  # dynamic: no describe-time registration checks
+
+    def collect(self) -> Iterator[Metric]:
+        from prometheus_client.core import (
+            CounterMetricFamily,
+            GaugeMetricFamily,
+            HistogramMetricFamily,
+        )
+
+        rows = self._read(_read_queues) or []
+        labels = ["queue"]
+        counters = {k: CounterMetricFamily(n, h, labels=labels) for k, (n, h) in _COUNTERS.items()}
+        gauges = {k: GaugeMetricFamily(n, h, labels=labels) for k, (n, h) in _GAUGES.items()}
+        full_s = CounterMetricFamily("ringq_queue_full_seconds", "Time the queue spent full.", labels=labels)
+        enq_lat = HistogramMetricFamily(
+            "ringq_queue_enqueue_latency_seconds", "Enqueue call latency.", labels=labels
+        )
+        deq_lat = HistogramMetricFamily(
+            "ringq_queue_dequeue_latency_seconds", "Dequeue call latency.", labels=labels
+        )
+        bounds = _bucket_bounds()
+        for name, stats, enq_h, deq_h in rows:
+            for k, fam in counters.items():
+                fam.add_metric([name], stats[k])
+            for k, g in gauges.items():
+                g.add_metric([name], stats[k])
+            full_s.add_metric([name], stats[M.FULL_NS] / 1e9)
+            for lat, hist, sum_key in ((enq_lat, enq_h, M.ENQ_LAT_NS), (deq_lat, deq_h, M.DEQ_LAT_NS)):
+                run, buckets = 0, []
+                for bound, n in zip(bounds, hist, strict=True):
+                    run += n
+                    buckets.append((bound, float(run)))
+                lat.add_metric([name], buckets, stats[sum_key] / 1e9)
+        yield from counters.values()
+        yield full_s
+        yield from gauges.values()
+        yield enq_lat
+        yield deq_lat
+
+        sampled = self._sampled()
+        for key, (n, h) in _SAMPLED.items():
+            g = GaugeMetricFamily(n, h, labels=labels)
+            for name, sample in sampled.items():
+                g.add_metric([name], float(sample.get(key, 0)))
+            yield g
+
+        st = self._status()
+        up = GaugeMetricFamily("ringq_monitor_up", "1 while the monitor's loop runs.")
+        up.add_metric([], 1.0 if st["running"] else 0.0)
+        yield up
+        beat = GaugeMetricFamily("ringq_monitor_heartbeat_timestamp_seconds", "Last pass of the monitor's loop.")
+        beat.add_metric([], st["beat"])
+        yield beat
+        clients = GaugeMetricFamily("ringq_monitor_clients", "Client entries in the section.")
+        clients.add_metric([], st["clients"])
+        yield clients
+        xmin = GaugeMetricFamily(
+            "ringq_xmin_horizon_age_seconds",
+            "Age of the oldest transaction holding back the xmin horizon (stops pruning).",
+        )
+        xmin.add_metric([], st["xmin_age_s"])
+        yield xmin
+        runs = CounterMetricFamily("ringq_monitor_step_runs", "Runs of each monitor step.", labels=["step"])
+        fails = CounterMetricFamily("ringq_monitor_step_failures", "Failed runs of each monitor step.", labels=["step"])
+        for step, s in st["steps"].items():
+            runs.add_metric([step], s["runs"])
+            fails.add_metric([step], s["failures"])
+        yield runs
+        yield fails
+        rec = CounterMetricFamily("ringq_monitor_recovered_clients", "Dead clients whose slots were recovered.")
+        rec.add_metric([], st["recovered_clients"])
+        yield rec
+
+
+def _read_queues(sec: Section) -> list[tuple[str, dict[str, int], list[int], list[int]]]:
+    out = []
+    for qidx in sec.loaded_queues():
+        enq, deq = M.latency_histograms(sec, qidx)
+        out.append((sec.queue_name(qidx), M.queue_stats(sec, qidx), enq, deq))
+    return out
+
+
+def render(collector: SectionCollector) -> bytes:
+    """The text exposition of ``collector`` alone (no process/platform collectors)."""
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(collector)
+    return generate_latest(registry)

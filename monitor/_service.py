@@ -1,0 +1,657 @@
+"""The monitor service: recovery, reclaim, inbox, samples, events, HTTP.
+
+One loop thread runs *steps*. Every ``recovery_interval`` (100 ms): heartbeat,
+section check, dead-client recovery, lock-holder repair, reclaim, and the
+watch that raises queue events. Every ``interval`` (1 s): queue list,
+exception table, prepared transactions, SQL inbox, performance sample (T4
+file, history). Entries enqueued through SQL are also pumped as soon as their
+NOTIFY arrives. A step that fails is logged (rate-limited), counted and
+retried on the next pass; it never stops the loop.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Self, TypeVar
+
+import psycopg
+from psycopg import sql
+from ringq import __version__
+from ringq.engine import DatabaseUnavailable, RingqError, SchemaMissing, Section, redact_dsn
+from ringq.engine import _layout as L
+from ringq.engine._errors import from_psycopg
+from ringq.engine._recovery import (
+    pump_inbox,
+    rebuild,
+    reclaim_all,
+    recover_dead_clients,
+    repair_lock_holders,
+    resolve_prepared,
+)
+
+from . import _events as E
+from . import _queries as Qy
+from . import _sample as S
+from ._config import MonitorConfig
+from ._http import HttpService
+from ._journal import LOG_NAME, Journal
+from ._prom import CONTENT_TYPE, SectionCollector, render
+from ._t4 import T4Writer
+
+logger = logging.getLogger("ringq.monitor")
+
+STATE_FILE = "monitor.json"  # data_dir: pid and URL of the running monitor (read by `ringq status`)
+_REPEAT_LOG_S = 60.0  # a step failing the same way is logged again at most this often
+_EXC_WINDOW_MIN_S = 60.0  # how far back new exception-table rows are looked for
+
+T = TypeVar("T")
+
+
+class MonitorError(RingqError):
+    """The monitor could not start (port taken, files not writable …)."""
+
+
+class MonitorRunning(MonitorError):
+    """Another monitor already serves this database (it holds the monitor lock)."""
+
+
+@dataclass
+class StepStats:
+    runs: int = 0
+    failures: int = 0
+    consecutive: int = 0
+    last_error: str | None = None
+    last_failure_t: float | None = None
+    last_logged: float = 0.0
+    seconds: float = 0.0  # time spent in the step, in all
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "runs": self.runs,
+            "failures": self.failures,
+            "last_error": self.last_error,
+            "last_failure_t": self.last_failure_t,
+            "seconds": round(self.seconds, 6),
+        }
+
+
+@dataclass
+class _Watch:
+    """Event state of one queue, so each condition is announced once per occurrence."""
+
+    full: bool = False
+    empty: bool = False
+    high: bool = False
+    empty_s: float = 0.0  # seconds nothing was ready since the last sample
+    full_s: float = 0.0  # seconds without a free slot since the last sample
+    seen_ns: int = 0
+
+
+class Monitor:
+    """The ringq monitor of one database. ``start()``/``stop()`` are idempotent;
+    it is also a context manager.
+
+    :raises DatabaseUnavailable: (start) the database cannot be reached.
+    :raises SchemaMissing: (start) the database holds no ringq schema.
+    :raises MonitorRunning: (start) another monitor serves this database.
+    :raises MonitorError: (start) the HTTP port or the data directory is unusable.
+    """
+
+    def __init__(self, config: MonitorConfig) -> None:
+        self.config = config
+        self._pending: MonitorConfig | None = None
+        self._sec: Section | None = None
+        self._sec_lock = threading.RLock()
+        self._conn: psycopg.Connection[Any] | None = None
+        self._conn_retry_at = 0.0
+        self._conn_error = "database unavailable"
+        self._journal: Journal | None = None
+        self._t4: T4Writer | None = None
+        self._http: HttpService | None = None
+        self._thread: threading.Thread | None = None
+        self._stop = threading.Event()
+        self._running = False
+        self._started_t = 0.0
+        self._beat_t = 0.0
+        self._steps: dict[str, StepStats] = {}
+        self.history = S.History(config.history_points)
+        self._latest: dict[str, dict[str, float | str]] = {}
+        self._latest_t = 0.0
+        self._snaps: dict[int, S._Snap] = {}
+        self._watch: dict[int, _Watch] = {}
+        self._inbox_due = True
+        self._exc_counts: dict[int, int] = {}
+        self._dead_rows: dict[str, int] = {}
+        self._seen_exc: dict[tuple[int, int], float] | None = None
+        self._client_errors: dict[tuple[int, int], int] = {}
+        self._xmin_age = 0.0
+        self._recovered_clients = 0
+        self._instance = ""
+        self._collector = SectionCollector(self.read_section, self.status, self._sampled)
+
+    # -- life cycle ---------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Attach the section (rebuilding it from the tables), serve HTTP, start the loop."""
+        if self._running:
+            return
+        cfg = self.config
+        self._stop.clear()
+        try:
+            if cfg.data_dir is not None:
+                try:
+                    cfg.data_dir.mkdir(parents=True, exist_ok=True)
+                    self._journal = Journal(cfg.data_dir / LOG_NAME)
+                    self._t4 = T4Writer(cfg.data_dir, cfg.t4_keep_days)
+                except OSError as exc:
+                    raise MonitorError(f"data directory {cfg.data_dir} is not usable: {exc}") from exc
+            else:
+                self._journal = Journal(None)
+            self._connect(first=True)
+            with self._sec_lock:
+                self._sec = rebuild(cfg.dsn)
+            self._heartbeat()
+            if cfg.http:
+                self._http = HttpService(self, cfg.host, cfg.port)
+                try:
+                    self._http.start()
+                except OSError as exc:
+                    self._http = None
+                    raise MonitorError(f"cannot serve HTTP on {cfg.host}:{cfg.port}: {exc}") from exc
+        except BaseException:
+            self._teardown()
+            raise
+        self._started_t = time.time()
+        self._running = True
+        self._thread = threading.Thread(target=self._run, name="ringq-monitor", daemon=True)
+        self._thread.start()
+        self._write_state_file()
+        self._journal_write(
+            "monitor.started", url=self.url, dsn=redact_dsn(cfg.dsn),
+            interval=cfg.interval, section=self._sec.name if self._sec else None, version=__version__,
+        )
+
+    def stop(self, timeout: float | None = 30.0) -> None:
+        """Finish the current step, stop the loop and the HTTP service, release everything."""
+        if not self._running:
+            return
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout)
+            self._thread = None
+        self._running = False
+        if self._journal is not None:
+            self._journal.write("monitor.stopped", uptime_s=round(time.time() - self._started_t, 3))
+        self._teardown()
+
+    def _teardown(self) -> None:
+        if self._http is not None:
+            self._http.stop()
+            self._http = None
+        with self._sec_lock:
+            sec, self._sec = self._sec, None
+            if sec is not None and not sec.closed:
+                if sec.header[L.H_MONITOR_PID] == os.getpid():
+                    sec.header[L.H_MONITOR_PID] = 0
+                sec.close()
+        if self._conn is not None:
+            self._conn.close()  # releases the monitor lock
+            self._conn = None
+        if self._t4 is not None:
+            self._t4.close()
+            self._t4 = None
+        self._remove_state_file()
+        if self._journal is not None:
+            self._journal.close()
+            self._journal = None
+
+    def __enter__(self) -> Self:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    @property
+    def running(self) -> bool:
+        """True while the loop runs (False once it ended, even if by itself)."""
+        return self._running and self._thread is not None and self._thread.is_alive()
+
+    @property
+    def url(self) -> str | None:
+        """The HTTP base URL (``http://127.0.0.1:7480``), None if HTTP is off or not started."""
+        if self._http is None:
+            return None
+        host, port = self._http.address
+        return f"http://{host}:{port}"
+
+    def reconfigure(self, **changes: Any) -> MonitorConfig:
+        """Apply new ``interval``, ``recovery_interval``, ``token``, ``prepared_timeout``
+        or ``high_water`` from the next pass on (others need a restart).
+
+        :raises ConfigError: a value is invalid or cannot change while running.
+        """
+        from ringq.engine import ConfigError
+
+        fixed = {"dsn", "port", "host", "data_dir", "history_seconds", "t4_keep_days", "http"}
+        bad = fixed & {k for k, v in changes.items() if getattr(self.config, k) != v}
+        if bad:
+            raise ConfigError(f"{', '.join(sorted(bad))} cannot change while the monitor runs: restart it")
+        new = self.config.replace(**changes)
+        if self._running:
+            self._pending = new
+        else:
+            self.config = new
+        return new
+
+    # -- the loop -----------------------------------------------------------------------
+
+    def _run(self) -> None:
+        next_sample = time.monotonic()
+        try:
+            while not self._stop.is_set():
+                tick = time.monotonic()
+                if self._pending is not None:
+                    old, self.config, self._pending = self.config, self._pending, None
+                    self._journal_write("monitor.reconfigured", interval=self.config.interval,
+                                        token_changed=old.token != self.config.token)
+                fast: list[tuple[str, Callable[[], object]]] = [
+                    ("heartbeat", self._heartbeat),
+                    ("section", self._check_section),
+                    ("recover", self._recover),
+                    ("repair", self._repair),
+                    ("reclaim", self._reclaim),
+                    ("watch", self._watch_queues),
+                ]
+                slow: list[tuple[str, Callable[[], object]]] = []
+                if tick >= next_sample:
+                    slow = [
+                        ("database", self._database_figures),
+                        ("prepared", self._resolve_prepared),
+                        ("inbox", self._pump_inbox),
+                        ("sample", self._sample),
+                    ]
+                    next_sample += self.config.interval
+                    if next_sample <= tick:  # fell behind (a long step): do not catch up in a burst
+                        next_sample = tick + self.config.interval
+                elif self._inbox_due:
+                    slow = [("inbox", self._pump_inbox)]
+                for name, fn in fast + slow:
+                    if self._stop.is_set():
+                        break  # drain: the step under way was finished
+                    self._step(name, fn)
+                delay = min(tick + self.config.recovery_interval, next_sample) - time.monotonic()
+                self._wait(delay)
+        finally:
+            self._running = False
+
+    def _step(self, name: str, fn: Callable[[], object]) -> None:
+        st = self._steps.setdefault(name, StepStats())
+        st.runs += 1
+        t0 = time.perf_counter()
+        try:
+            fn()
+        except Exception as exc:
+            st.failures += 1
+            st.consecutive += 1
+            text = f"{type(exc).__name__}: {exc}".strip()
+            now = time.time()
+            if st.consecutive == 1 or text != st.last_error or now - st.last_logged >= _REPEAT_LOG_S:
+                st.last_logged = now
+                self._journal_write(
+                    "step.failed", logging.WARNING, step=name, error=text,
+                    consecutive=st.consecutive, failures=st.failures,
+                )
+                logger.debug("ringq monitor: step %s failed", name, exc_info=True)
+            st.last_error = text
+            st.last_failure_t = now
+            if isinstance(exc, psycopg.Error | DatabaseUnavailable):
+                self._drop_connection()
+        else:
+            if st.consecutive:
+                self._journal_write("step.recovered", step=name, after_failures=st.consecutive)
+            st.consecutive = 0
+        finally:
+            st.seconds += time.perf_counter() - t0
+
+    def _wait(self, delay: float) -> None:
+        """Sleep up to ``delay`` seconds, waking early for a SQL inbox NOTIFY or a stop."""
+        if delay <= 0:
+            return
+        conn = self._conn
+        if conn is None or conn.closed or conn.broken:
+            self._stop.wait(delay)
+            return
+        try:
+            for n in conn.notifies(timeout=delay, stop_after=1):
+                if n.channel == Qy.INBOX_CHANNEL:
+                    self._inbox_due = True
+        except psycopg.Error:
+            self._drop_connection()
+            self._stop.wait(min(delay, 0.05))
+
+    def _journal_write(self, event: str, level: int = logging.INFO, **fields: Any) -> None:
+        if self._journal is not None:
+            self._journal.write(event, level, **fields)
+
+    # -- database connection ------------------------------------------------------------------
+
+    def _connect(self, *, first: bool = False) -> psycopg.Connection[Any]:
+        """The monitor's own connection: holds the monitor lock, LISTENs for the SQL inbox,
+        publishes events and reads figures. Re-made after a loss (at most once per interval)."""
+        conn = self._conn
+        if conn is not None and not conn.closed and not conn.broken:
+            return conn
+        if not first and time.monotonic() < self._conn_retry_at:
+            # The same text as the last attempt's, so the failed step is not logged anew.
+            raise DatabaseUnavailable(self._conn_error)
+        self._conn_retry_at = time.monotonic() + self.config.interval
+        dsn = self.config.dsn
+        try:
+            conn = psycopg.connect(dsn, autocommit=True, connect_timeout=5, application_name="ringq-monitor")
+        except psycopg.Error as exc:
+            err = from_psycopg(exc, dsn=dsn)
+            self._conn_error = str(err)
+            raise err from exc
+        try:
+            row = conn.execute(Qy.INSTANCE_ID).fetchone()
+            if not row or not row[0]:
+                raise SchemaMissing("ringq.meta holds no instance_id")
+            locked = conn.execute(Qy.TRY_MONITOR_LOCK).fetchone()
+            if not locked or not locked[0]:
+                holder = conn.execute(Qy.MONITOR_LOCK_HOLDER).fetchone()
+                who = f" (backend pid {holder[0]}, {holder[1] or 'no application name'})" if holder else ""
+                raise MonitorRunning(f"another ringq monitor serves this database{who}")
+            conn.execute(sql.SQL("LISTEN {}").format(sql.Identifier(Qy.INBOX_CHANNEL)))
+        except psycopg.errors.UndefinedTable as exc:
+            conn.close()
+            raise SchemaMissing(
+                f"no ringq schema in {redact_dsn(dsn)!r}: create a queue first (ringq queue create)"
+            ) from exc
+        except psycopg.Error as exc:
+            conn.close()
+            raise from_psycopg(exc, dsn=dsn) from exc
+        except BaseException:
+            conn.close()
+            raise
+        self._instance = str(row[0])
+        self._conn = conn
+        self._inbox_due = True  # NOTIFYs sent while we were away are lost: look once
+        if not first:
+            self._journal_write("database.reconnected")
+        return conn
+
+    def _drop_connection(self) -> None:
+        conn, self._conn = self._conn, None
+        if conn is not None:
+            try:
+                conn.close()
+            except Exception:  # noqa: BLE001, S110 - already broken; nothing to tell
+                pass
+
+    # -- fast steps -----------------------------------------------------------------------------
+
+    def _section(self) -> Section:
+        sec = self._sec
+        if sec is None or sec.closed:
+            raise RingqError("no global section attached")
+        return sec
+
+    def _heartbeat(self) -> None:
+        sec = self._sec
+        if sec is None or sec.closed:
+            return
+        now = time.time_ns()
+        sec.header[L.H_MONITOR_PID] = os.getpid()
+        sec.header[L.H_MONITOR_BEAT_NS] = now
+        self._beat_t = now / 1e9
+
+    def _check_section(self) -> None:
+        """Rebuild the section if it was removed (reboot, operator, reset)."""
+        sec = self._sec
+        if sec is not None and not sec.closed and not sec.unlinked():
+            return
+        self._swap_section(rebuild(self.config.dsn), reason="section missing")
+
+    def _swap_section(self, new: Section, *, reason: str) -> None:
+        with self._sec_lock:
+            old, self._sec = self._sec, new
+            if old is not None and old is not new and not old.closed:
+                old.close()
+        self._snaps.clear()  # counters restart with a new section
+        self._heartbeat()
+        self._journal_write("section.rebuilt", reason=reason, section=new.name,
+                            queues=[new.queue_name(i) for i in new.loaded_queues()])
+
+    def _recover(self) -> None:
+        sec = self._section()
+        for rec in recover_dead_clients(sec, self.config.dsn):
+            info = rec.as_dict()
+            self._recovered_clients += 1
+            self._journal_write("client.recovered", logging.WARNING, **info)
+            self._publish(E.make_event(E.CONSUMER_DIED, info["queues"][0] if len(info["queues"]) == 1 else None,
+                                       **info))
+
+    def _repair(self) -> None:
+        for name in repair_lock_holders(self._section(), self.config.dsn):
+            self._journal_write("queue.repaired", logging.WARNING, queue=name,
+                                reason="lock holder died inside the critical section")
+
+    def _reclaim(self) -> None:
+        reclaim_all(self._section())
+
+    def _watch_queues(self) -> None:
+        """Raise full / empty / high-water events on the edge, and time emptiness."""
+        sec = self._section()
+        now = time.monotonic_ns()
+        hw = self.config.high_water
+        for qidx in sec.loaded_queues():
+            qid = sec.q(qidx, L.Q_QID)
+            cap = sec.q(qidx, L.Q_CAPACITY)
+            depth = sec.q(qidx, L.Q_DEPTH_HINT)
+            window = sec.q(qidx, L.Q_HEAD) - sec.q(qidx, L.Q_TAIL)
+            name = sec.queue_name(qidx)
+            full = window >= cap
+            empty = depth <= 0
+            threshold = hw * cap
+            w = self._watch.get(qid)
+            first = w is None
+            if w is None:
+                w = self._watch[qid] = _Watch(empty=empty, seen_ns=now)
+            else:
+                # Time in a state, at this pass's resolution (a change counts half the pass).
+                dt = (now - w.seen_ns) / 1e9
+                w.empty_s += dt * ((w.empty + empty) / 2)
+                w.full_s += dt * ((w.full + full) / 2)
+                w.seen_ns = now
+            if full and not w.full:
+                self._publish(E.make_event(E.queue_event(name, E.QUEUE_FULL), name, depth=depth, capacity=cap))
+            w.full = full
+            if empty and not w.empty and not first:
+                self._publish(E.make_event(E.queue_event(name, E.QUEUE_EMPTY), name, capacity=cap))
+            w.empty = empty
+            if depth >= threshold and not w.high:
+                self._publish(E.make_event(E.queue_event(name, E.QUEUE_HIGH_WATER), name,
+                                           depth=depth, capacity=cap, threshold=round(threshold, 3)))
+                w.high = True
+            elif w.high and depth <= threshold - max(1.0, 0.1 * cap):  # hysteresis: no flapping
+                w.high = False
+
+    def _publish(self, event: E.Event) -> None:
+        E.publish(self._connect(), event)
+
+    # -- slow steps -----------------------------------------------------------------------------
+
+    def _database_figures(self) -> None:
+        """Queue list (load new queues), exception counts, new poison entries, vacuum enemies."""
+        conn = self._connect()
+        queues = conn.execute(Qy.QUEUES).fetchall()
+        sec = self._section()
+        loaded = {sec.q(i, L.Q_QID) for i in sec.loaded_queues()}
+        if {q[0] for q in queues} != loaded:
+            self._swap_section(rebuild(self.config.dsn), reason="queues created or dropped")
+        self._exc_counts = {int(q): int(n) for q, n in conn.execute(Qy.EXCEPTION_COUNTS).fetchall()}
+        self._dead_rows = {str(n): int(d) for n, d in conn.execute(Qy.DEAD_ROWS).fetchall()}
+        row = conn.execute(Qy.XMIN_HORIZON_AGE).fetchone()
+        self._xmin_age = float(row[0]) if row else 0.0
+        self._poisoned(conn)
+        self._client_error_counts()
+
+    def _poisoned(self, conn: psycopg.Connection[Any]) -> None:
+        window = max(_EXC_WINDOW_MIN_S, 10 * self.config.interval)
+        rows = conn.execute(Qy.RECENT_EXCEPTIONS, (window,)).fetchall()
+        first = self._seen_exc is None
+        seen = self._seen_exc if self._seen_exc is not None else {}
+        horizon = time.time() - 2 * window
+        for qid, qname, seq, producer, pseq, deliveries, reason, moved in rows:
+            key = (int(qid), int(seq))
+            if key in seen:
+                continue
+            seen[key] = float(moved)
+            if first:
+                continue  # moved before this monitor started: not news
+            fields = {"seq": int(seq), "producer": producer, "producer_seq": pseq,
+                      "deliveries": deliveries, "reason": reason}
+            self._journal_write("entry.poisoned", logging.WARNING, queue=qname, **fields)
+            self._publish(E.make_event(E.ENTRY_POISONED, qname, **fields))
+        self._seen_exc = {k: t for k, t in seen.items() if t >= horizon}
+
+    def _client_error_counts(self) -> None:
+        """Log clients whose error counter rose (``C_N_ERRORS``, kept by the clients)."""
+        sec = self._section()
+        live = set()
+        for cidx in sec.active_clients():
+            pid = sec.c(cidx, L.C_PID)
+            key = (cidx, pid)
+            live.add(key)
+            n = sec.c(cidx, L.C_N_ERRORS)
+            before = self._client_errors.get(key, 0)
+            if n > before:
+                self._journal_write("client.errors", logging.WARNING, pid=pid,
+                                    backend_pid=sec.c(cidx, L.C_BACKEND_PID), errors=n, new=n - before)
+            self._client_errors[key] = n
+        self._client_errors = {k: v for k, v in self._client_errors.items() if k in live}
+
+    def _resolve_prepared(self) -> None:
+        for gid, verb in resolve_prepared(self._section(), self.config.dsn, self.config.prepared_timeout):
+            self._journal_write("prepared.resolved", logging.WARNING, gid=gid, outcome=verb)
+
+    def _pump_inbox(self) -> None:
+        self._inbox_due = False
+        try:
+            moved = pump_inbox(self.config.dsn)
+        except BaseException:
+            self._inbox_due = True  # try again on the next pass
+            raise
+        if moved:
+            logger.debug("ringq monitor: inbox moved %s", moved)
+
+    def _sample(self) -> None:
+        sec = self._section()
+        t = time.time()
+        now = time.monotonic_ns()
+        samples = []
+        snaps: dict[int, S._Snap] = {}
+        for qidx in sec.loaded_queues():
+            qid = sec.q(qidx, L.Q_QID)
+            name = sec.queue_name(qidx)
+            cur = S.snapshot(sec, qidx, now)
+            w = self._watch.get(qid)
+            empty_s = full_s = 0.0
+            if w is not None:
+                empty_s, w.empty_s = w.empty_s, 0.0
+                full_s, w.full_s = w.full_s, 0.0
+            samples.append(
+                S.compute(name, self._snaps.get(qid), cur, t=t, empty_s=empty_s, full_s=full_s,
+                          exceptions=self._exc_counts.get(qid, 0), dead_rows=self._dead_rows.get(name, 0))
+            )
+            snaps[qid] = cur
+        self._snaps = snaps
+        samples.sort(key=lambda s: str(s[S.NAME]))
+        for s in samples:
+            self.history.add(s)
+        self._latest = {str(s[S.NAME]): s for s in samples}
+        self._latest_t = t
+        if self._t4 is not None:
+            self._t4.write(samples)
+
+    # -- what the HTTP service reads ------------------------------------------------------------
+
+    def read_section(self, fn: Callable[[Section], T]) -> T | None:
+        """Run ``fn`` on the attached section, under the lock that guards its replacement."""
+        with self._sec_lock:
+            sec = self._sec
+            if sec is None or sec.closed:
+                return None
+            return fn(sec)
+
+    def current_token(self) -> str | None:
+        return self.config.token
+
+    def status(self) -> dict[str, Any]:
+        """The monitor's own figures (the ``monitor`` object of ``/api/queues``)."""
+        clients = self.read_section(lambda s: len(s.active_clients()))
+        section = self.read_section(lambda s: s.name)
+        return {
+            "pid": os.getpid(),
+            "version": __version__,
+            "running": self.running,
+            "interval": self.config.interval,
+            "recovery_interval": self.config.recovery_interval,
+            "started": round(self._started_t, 3),
+            "beat": round(self._beat_t, 3),
+            "section": section,
+            "clients": clients or 0,
+            "recovered_clients": self._recovered_clients,
+            "xmin_age_s": round(self._xmin_age, 3),
+            "database": self._conn is not None and not self._conn.closed and not self._conn.broken,
+            "steps": {k: v.as_dict() for k, v in sorted(self._steps.items())},
+        }
+
+    def queues_doc(self) -> dict[str, Any]:
+        latest = self._latest
+        return {
+            "t": round(self._latest_t, 3),
+            "monitor": self.status(),
+            "queues": [dict(latest[name]) for name in sorted(latest)],
+        }
+
+    def history_points(self, queue: str, since: float, until: float, limit: int) -> list[dict[str, float]] | None:
+        return self.history.query(queue, since, until, limit)
+
+    def metrics_text(self) -> tuple[bytes, str]:
+        return render(self._collector), CONTENT_TYPE
+
+    def _sampled(self) -> dict[str, dict[str, float | str]]:
+        return self._latest
+
+    # -- state file -------------------------------------------------------------------------------
+
+    def _state_path(self) -> Path | None:
+        return None if self.config.data_dir is None else self.config.data_dir / STATE_FILE
+
+    def _write_state_file(self) -> None:
+        path = self._state_path()
+        if path is None:
+            return
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps({"pid": os.getpid(), "url": self.url, "started": self._started_t,
+                                   "dsn": redact_dsn(self.config.dsn)}))
+        tmp.replace(path)
+
+    def _remove_state_file(self) -> None:
+        path = self._state_path()
+        if path is None:
+            return
+        try:
+            if json.loads(path.read_text()).get("pid") == os.getpid():
+                path.unlink()
+        except (OSError, ValueError):
+            pass
