@@ -211,7 +211,6 @@ class Cluster:
                 self._ensure_database(st.port)
                 self._write_dsn(dsn)
                 return dsn
-            self._prepare_server_user()
             if not (self.datadir / "PG_VERSION").exists():
                 self._initdb()
             port = self._start_server()
@@ -232,7 +231,6 @@ class Cluster:
         with self._locked():
             st = self.status()
             if st.running:
-                self._prepare_server_user()
                 proc = self._pg_ctl("stop", "-m", "fast", "-t", str(STOP_TIMEOUT))
                 if proc.returncode != 0 and self.status().running:
                     proc = self._pg_ctl("stop", "-m", "immediate", "-t", str(STOP_TIMEOUT))
@@ -368,6 +366,9 @@ class Cluster:
         cmd = list(argv)
         user = self._server_user()
         if user is not None:
+            # Before every program, not once: a pytest session starting meanwhile
+            # resets /tmp/pytest-of-root to 0700, closing the path again.
+            self._prepare_server_user()
             runuser = shutil.which("runuser") or "/usr/sbin/runuser"
             cmd = [runuser, "-u", user.pw_name, "--", *cmd]
         env = dict(os.environ, LC_ALL="C", LANG="C")  # we read the messages; keep them English

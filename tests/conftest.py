@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import secrets
+import signal
 from collections.abc import Iterator
 
 import psycopg
@@ -27,11 +28,36 @@ os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
 @pytest.fixture(scope="session")
 def pg_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     cluster = Cluster(tmp_path_factory.mktemp("pg_cluster"))
+    previous = signal.getsignal(signal.SIGTERM)
+    if previous is signal.SIG_DFL:
+        signal.signal(signal.SIGTERM, _sigterm_as_interrupt)
     try:
         cluster.start()
         yield cluster
     finally:
-        cluster.stop()  # also after a failed start or an interrupted session
+        cluster.stop()  # also after a failed start, a failed test, Ctrl-C or SIGTERM
+        if signal.getsignal(signal.SIGTERM) is _sigterm_as_interrupt:
+            signal.signal(signal.SIGTERM, previous)
+
+
+def _sigterm_as_interrupt(signum: int, frame: object) -> None:
+    # pytest tears fixtures down on KeyboardInterrupt but simply dies on SIGTERM
+    # (what `timeout` and CI runners send), which would orphan the cluster's
+    # server. The first SIGTERM becomes an interrupt; a second one kills.
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
+def _default_sigterm_in_child() -> None:
+    # Processes forked by tests keep the default: killed at once by SIGTERM.
+    if signal.getsignal(signal.SIGTERM) is _sigterm_as_interrupt:
+        try:
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        except ValueError:  # not the main thread: nothing we can do
+            pass
+
+
+os.register_at_fork(after_in_child=_default_sigterm_in_child)
 
 
 @pytest.fixture
