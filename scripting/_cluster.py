@@ -494,17 +494,19 @@ class Cluster:
             port = _free_port()
         for attempt in range(PORT_ATTEMPTS):
             self._write_conf(port, socket_dir)
-            offset = startup_log.stat().st_size if startup_log.exists() else 0
+            offsets = _log_sizes(log)
             proc = self._pg_ctl("start", "-t", str(START_TIMEOUT), "-l", str(startup_log))
             if proc.returncode == 0:
                 return port
-            text = proc.stdout + _read_from(startup_log, offset)
+            # The logging collector may start before the sockets are bound, so
+            # the reason can be in its file rather than in startup.log.
+            text = proc.stdout + _log_text_since(log, offsets)
             if any(s in text for s in _BIND_FAILURE) and attempt + 1 < PORT_ATTEMPTS:
                 port = _free_port()  # someone took it between our probe and the server's bind
                 continue
             raise ClusterError(
                 f"the PostgreSQL server in {self.datadir} did not start "
-                f"(log: {startup_log}): {_tail(text)}"
+                f"(logs: {log}): {_tail(text)}"
             )
         raise AssertionError("unreachable")
 
@@ -610,13 +612,24 @@ def _free_port() -> int:
         return port
 
 
-def _read_from(path: Path, offset: int) -> str:
-    try:
-        with path.open("rb") as f:
-            f.seek(offset)
-            return f.read().decode(errors="replace")
-    except OSError:
-        return ""
+def _log_sizes(log: Path) -> dict[Path, int]:
+    return {p: p.stat().st_size for p in log.glob("*.log")}
+
+
+def _log_text_since(log: Path, sizes: dict[Path, int]) -> str:
+    """What the server wrote to the files of ``log`` since ``sizes`` were taken."""
+    parts = []
+    for path in sorted(log.glob("*.log")):
+        try:
+            with path.open("rb") as f:
+                offset = sizes.get(path, 0)
+                if f.seek(0, os.SEEK_END) < offset:
+                    offset = 0  # truncated by rotation
+                f.seek(offset)
+                parts.append(f.read().decode(errors="replace"))
+        except OSError:
+            pass
+    return "\n".join(parts)
 
 
 def _tail(text: str, lines: int = 15) -> str:

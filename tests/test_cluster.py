@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import socket
 import subprocess
 import sys
 import tempfile
@@ -169,3 +170,24 @@ def test_a_cluster_never_started(tmp_path: Path):
 def test_no_server_installed_says_how_to_install(tmp_path: Path):
     with pytest.raises(PostgresNotFound, match=r"apt-get install postgresql"):
         find_bindir(search_path="", lib_root=tmp_path)
+
+
+def test_a_port_taken_before_the_server_binds_is_retried(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+):
+    from ringq.scripting import _cluster
+
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        busy = taken.getsockname()[1]
+        real_free_port = _cluster._free_port
+        offered = iter([busy])  # the first "free" port is already someone else's
+        monkeypatch.setattr(_cluster, "_free_port", lambda: next(offered, None) or real_free_port())
+        cluster = Cluster(tmp_path / "home")
+        try:
+            dsn = cluster.start()
+            port = cluster.status().port
+            assert port is not None and port != busy and dsn.endswith(f":{port}/ringq")
+        finally:
+            cluster.stop()
