@@ -66,3 +66,21 @@ __all__ = [
 from ._layout import MAX_CAPACITY, MAX_QUEUES
 
 __all__ += ["MAX_CAPACITY", "MAX_QUEUES"]
+
+# Moving entries between databases, and exactly-once effects (issue 7).
+from ._applied import already_applied, applied_identity, create_applied_table
+from ._move import MoveConfig, Moved, MoveLockHeld, Mover, is_moved, move_key, unwrap, wrap
+
+__all__ += [
+    "MoveConfig",
+    "MoveLockHeld",
+    "Moved",
+    "Mover",
+    "already_applied",
+    "applied_identity",
+    "create_applied_table",
+    "is_moved",
+    "move_key",
+    "unwrap",
+    "wrap",
+]

@@ -1,0 +1,159 @@
+"""Exactly-once effects: the "updates applied" table.
+
+A consumer whose effect commits in the same transaction as its dequeue needs
+nothing more: the dequeue is the record (a delivery that rolled back applied
+nothing). This helper is for the other case, where the effect commits on its
+own and the dequeue after it: the effect lives in another database (a
+"peek, apply, then remove" consumer, as in the transfer example), or an
+entry can reach a consumer twice by another road (moved by a mover and also
+re-sent, re-queued from the exception table). Then the effect's transaction
+records which entries it applied, and a second delivery is recognized::
+
+    msg = queue_session.dequeue("deposits")
+    with bank.transaction():                       # the consumer's own transaction
+        if not already_applied(bank, "deposit", msg):
+            bank.execute("UPDATE accounts ...")    # the effect, once
+    queue_session.commit()                         # a crash before this redelivers
+
+``ringq.applied (consumer, queue, seq)`` is the record; a moved entry (see
+:func:`ringq.engine.unwrap`) is recorded by its origin (``instance:queue`` and
+the source sequence), which is the same however often and by whatever road it
+arrives. Rows are never deleted by ringq; prune old ones (``applied_at``) once
+no redelivery can be older.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import psycopg
+
+from ._errors import ConfigError, from_psycopg
+from ._move import Moved, is_moved, unwrap
+from ._session import Message, Session
+
+# -- named queries of the helper ----------------------------------------------------------------
+
+_SQL = {
+    # Idempotent DDL; run on a connection of its own, committed at once, so a
+    # consumer's transaction never waits on (or aborts on) the table's creation.
+    "create": """
+        CREATE SCHEMA IF NOT EXISTS ringq;
+        CREATE TABLE IF NOT EXISTS ringq.applied (
+            consumer   text        NOT NULL,
+            queue      text        NOT NULL,
+            seq        bigint      NOT NULL,
+            applied_at timestamptz NOT NULL DEFAULT now(),
+            PRIMARY KEY (consumer, queue, seq)
+        )""",
+    "exists": "SELECT to_regclass('ringq.applied') IS NOT NULL",
+    "record": (
+        "INSERT INTO ringq.applied (consumer, queue, seq) VALUES (%s, %s, %s) "
+        "ON CONFLICT DO NOTHING RETURNING 1"
+    ),
+}
+
+_ready: set[str] = set()  # DSNs whose table is known to exist (this process)
+_ready_lock = threading.Lock()
+_created_here: set[str] = set()  # DSNs where this process created it in a caller's transaction
+
+
+def create_applied_table(dsn: str) -> None:
+    """Create ``ringq.applied`` if absent (idempotent; safe from several processes at once).
+
+    :raises DatabaseUnavailable, DatabaseError:
+    """
+    try:
+        with psycopg.connect(dsn, autocommit=True, connect_timeout=10) as conn:
+            for _attempt in range(5):
+                try:
+                    conn.execute(_SQL["create"])
+                    break
+                except psycopg.errors.UniqueViolation:
+                    # Two first creations raced in the catalog: the other won.
+                    continue
+    except psycopg.Error as exc:
+        raise from_psycopg(exc, dsn=dsn) from exc
+    with _ready_lock:
+        _ready.add(dsn)
+
+
+def applied_identity(msg: Message | Moved) -> tuple[str, int]:
+    """``(queue, seq)`` recorded for an entry: its origin's if it was moved."""
+    if isinstance(msg, Moved):
+        return msg.origin, msg.origin_seq
+    if is_moved(msg.payload):
+        m = unwrap(msg.payload)
+        return m.origin, m.origin_seq
+    return msg.queue, msg.seq
+
+
+def already_applied(
+    session: Session | psycopg.Connection[Any], consumer: str, msg: Message | Moved
+) -> bool:
+    """Record ``msg`` as applied by ``consumer`` in the current transaction of
+    ``session``; return True if it was recorded before (skip the effect).
+
+    ``session`` is the transaction the effect commits in: a ringq
+    :class:`Session` (its connection) or a psycopg connection. The record
+    commits or rolls back with the effect. A concurrent transaction recording
+    the same entry waits for this one, then sees it.
+
+    :raises ConfigError: ``consumer`` is empty.
+    :raises DatabaseUnavailable, DatabaseError:
+    """
+    if not consumer:
+        raise ConfigError("consumer must be a non-empty name")
+    queue, seq = applied_identity(msg)
+    if isinstance(session, Session):
+        conn, dsn = session.connection, session.dsn
+        with _ready_lock:
+            known = dsn in _ready
+        if not known:
+            _ensure(conn, dsn)
+    else:
+        conn, dsn = session, session.info.dsn
+        with _ready_lock:
+            known = dsn in _ready
+        if not known:
+            _ensure_in_transaction(conn, dsn)
+    try:
+        row = conn.execute(_SQL["record"], (consumer, queue, seq)).fetchone()
+    except psycopg.Error as exc:
+        raise from_psycopg(exc, dsn=dsn) from exc
+    return row is None
+
+
+def _ensure(conn: psycopg.Connection[Any], dsn: str) -> None:
+    """Create the table on first use (checked on the caller's connection, created on another)."""
+    try:
+        row = conn.execute(_SQL["exists"]).fetchone()
+    except psycopg.Error as exc:
+        raise from_psycopg(exc, dsn=dsn) from exc
+    if row and row[0]:
+        with _ready_lock:
+            _ready.add(dsn)
+        return
+    create_applied_table(dsn)
+
+
+def _ensure_in_transaction(conn: psycopg.Connection[Any], dsn: str) -> None:
+    """For a bare connection (whose password we do not know): create the table in a
+    savepoint of the caller's transaction; it exists for others once that commits."""
+    try:
+        row = conn.execute(_SQL["exists"]).fetchone()
+        if row and row[0]:
+            if dsn not in _created_here:
+                # Not our own (maybe uncommitted) creation: it is there for good.
+                with _ready_lock:
+                    _ready.add(dsn)
+            return
+        try:
+            with conn.transaction():
+                conn.execute(_SQL["create"])
+            _created_here.add(dsn)  # exists for good only if the caller commits
+        except psycopg.errors.UniqueViolation:
+            pass  # created concurrently by another first user: it is there now
+    except psycopg.Error as exc:
+        raise from_psycopg(exc, dsn=dsn) from exc

@@ -1,0 +1,567 @@
+"""Moving entries from a queue in one database to a queue in another, without 2PC.
+
+A :class:`Mover` is a consumer of the source queue (database 1) and a producer
+of the destination queue (database 2). For each batch it
+
+1. dequeues up to N entries from the source, in a database-1 transaction;
+2. enqueues each in the destination, in a database-2 transaction, with an
+   idempotency key made from the entry's identity (:func:`move_key`);
+3. commits database 2 FIRST;
+4. then commits the dequeue in database 1.
+
+A mover killed between 3 and 4 leaves the entries committed in database 2
+and not consumed in database 1: once recovery (the monitor) has released
+them, they are delivered again, and the destination enqueue is a no-op by
+key. Nothing is lost (database 1 is committed last) and nothing arrives twice
+(the key). The two databases never learn that they took part in one move.
+
+Order: the source is dequeued oldest first by one mover at a time, so the
+destination receives entries in source order; per-producer order holds. The
+destination sees the mover as the producer; the original producer, its
+sequence, the source queue and sequence travel in an envelope around the
+payload (:func:`wrap`/:func:`unwrap`, :class:`Moved`) unless the mover is
+told to move bare payloads.
+
+Availability: several movers may run for one source queue; only the one that
+holds a PostgreSQL advisory lock on database 1 (on a connection of its own,
+released by the server when that connection ends) moves. The others are on
+standby and try the lock every ``standby_poll`` seconds.
+
+Retries cost strikes: a mover that dies, or rolls back a batch, counts a
+failed delivery on each entry of the batch in the source queue; give the
+source queue a ``max_deliveries`` well above the number of crashes you
+expect, or entries go to the exception table.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import struct
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import Any, Self
+
+import posix_ipc
+import psycopg
+
+from ._dsn import resolve_dsn
+from ._errors import (
+    ConfigError,
+    PayloadTooLarge,
+    QueueFull,
+    RingqError,
+    from_psycopg,
+    redact_dsn,
+)
+from ._names import validate_queue_name
+from ._session import Message, Session
+
+logger = logging.getLogger("ringq.move")
+
+# -- named queries of the mover (the only SQL in this module) ---------------------------------
+
+_SQL = {
+    # One lock per source queue: (hashtext('ringq.move'), queue id), the
+    # two-key form that keeps ringq's locks apart from an application's own
+    # (as the inbox pump does with 'ringq.inbox').
+    "try_lock": "SELECT pg_try_advisory_lock(hashtext('ringq.move'), %s), pg_backend_pid()",
+    "unlock": "SELECT pg_advisory_unlock(hashtext('ringq.move'), %s)",
+    "ping": "SELECT 1",
+    # Keys of entries already moved (read in the destination transaction, for
+    # redelivered entries only: they are the ones that may be there already).
+    "moved_keys": "SELECT key, seq FROM ringq.keys WHERE queue_id = %s AND key = ANY(%s::text[])",
+    # Keys are needed only until the source dequeue has committed; this mover's
+    # keys at or below a destination sequence whose source side committed go.
+    "prune_keys": (
+        "DELETE FROM ringq.keys WHERE queue_id = %s AND seq <= %s AND starts_with(key, %s)"
+    ),
+}
+
+ENVELOPE_MAGIC = b"\x00RQMV1"
+_LEN = struct.Struct(">I")
+
+
+class MoveLockHeld(RingqError):
+    """Another mover holds the source queue's move lock: this one is on standby."""
+
+
+# -- the envelope ----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Moved:
+    """An entry as it left its source queue (the content of a moved payload)."""
+
+    origin_instance: str
+    origin_queue: str
+    origin_queue_id: int
+    origin_seq: int
+    producer: str
+    producer_seq: int
+    enqueued_at: datetime
+    payload: bytes
+
+    @property
+    def key(self) -> str:
+        """The idempotency key the entry was moved with."""
+        return move_key(self.origin_instance, self.origin_queue_id, self.origin_seq)
+
+    @property
+    def origin(self) -> str:
+        """``instance:queue``, the entry's origin (unique across databases)."""
+        return f"{self.origin_instance}:{self.origin_queue}"
+
+
+def move_key(instance: str, queue_id: int, seq: int) -> str:
+    """The idempotency key of a source entry: unique across databases and queue wraps.
+
+    ``instance`` names the source database (``ringq.meta.instance_id``),
+    ``queue_id`` the source queue (a queue dropped and created again gets a new
+    id, its sequence starting over), ``seq`` the queue-wide sequence (never
+    reused: the slot is ``seq % capacity``, the sequence grows on).
+    """
+    return f"{_key_prefix(instance, queue_id)}{seq}"
+
+
+def _key_prefix(instance: str, queue_id: int) -> str:
+    return f"mv:{instance}:{queue_id}:"
+
+
+def wrap(msg: Message, instance: str, queue_id: int) -> bytes:
+    """The payload of a moved entry: a small JSON header, then the original bytes."""
+    head = json.dumps(
+        {
+            "i": instance,
+            "q": msg.queue,
+            "qid": queue_id,
+            "s": msg.seq,
+            "p": msg.producer,
+            "ps": msg.producer_seq,
+            "t": msg.enqueued_at.isoformat(),
+        },
+        separators=(",", ":"),
+    ).encode()
+    return b"".join((ENVELOPE_MAGIC, _LEN.pack(len(head)), head, msg.payload))
+
+
+def is_moved(payload: bytes) -> bool:
+    """True if ``payload`` is an envelope written by a mover."""
+    return payload[: len(ENVELOPE_MAGIC)] == ENVELOPE_MAGIC
+
+
+def unwrap(data: bytes | Message) -> Moved:
+    """Open a moved entry's envelope.
+
+    :raises ConfigError: ``data`` is not an envelope written by a mover.
+    """
+    payload = data.payload if isinstance(data, Message) else bytes(data)
+    if not is_moved(payload):
+        raise ConfigError("not a moved entry (no mover envelope)")
+    start = len(ENVELOPE_MAGIC) + _LEN.size
+    (n,) = _LEN.unpack_from(payload, len(ENVELOPE_MAGIC))
+    try:
+        h = json.loads(payload[start : start + n])
+        return Moved(
+            origin_instance=str(h["i"]),
+            origin_queue=str(h["q"]),
+            origin_queue_id=int(h["qid"]),
+            origin_seq=int(h["s"]),
+            producer=str(h["p"]),
+            producer_seq=int(h["ps"]),
+            enqueued_at=datetime.fromisoformat(h["t"]),
+            payload=payload[start + n :],
+        )
+    except (ValueError, KeyError, TypeError) as exc:
+        raise ConfigError(f"corrupt mover envelope: {exc}") from exc
+
+
+# -- configuration -----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class MoveConfig:
+    """How a mover works; validated on creation.
+
+    :raises ConfigError: a value is out of range.
+    """
+
+    batch: int = 100  # entries per move (one db2 and one db1 commit)
+    wait: float = 0.5  # seconds to sleep on the source's wake-up when it is empty
+    standby_poll: float = 1.0  # seconds between a standby's attempts at the lock
+    lock_check: float = 5.0  # seconds between checks that the lock connection lives
+    full_wait: float = 1.0  # seconds per wait for room when the destination is full
+    envelope: bool = True  # keep origin and producer in an envelope (else bare payloads)
+    prune_every: int = 64  # batches between prunes of this mover's spent keys (0: never)
+    retry_backoff: float = 1.0  # seconds to wait after a failed batch in run()
+
+    def __post_init__(self) -> None:
+        if isinstance(self.batch, bool) or not isinstance(self.batch, int) or not 1 <= self.batch <= 100_000:
+            raise ConfigError(f"batch must be an integer from 1 to 100,000, not {self.batch!r}")
+        if not isinstance(self.prune_every, int) or self.prune_every < 0:
+            raise ConfigError(f"prune_every must be an integer >= 0, not {self.prune_every!r}")
+        for name in ("wait", "standby_poll", "lock_check", "full_wait", "retry_backoff"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int | float) or not 0 <= v < 86_400:
+                raise ConfigError(f"{name} must be a number of seconds from 0 to 86,400, not {v!r}")
+
+
+# Stats keys (constant; see Mover.get_stats).
+STAT_BATCHES = "batches"
+STAT_MOVED = "moved"
+STAT_DUPLICATES = "duplicates"
+STAT_REDELIVERED = "redelivered"
+STAT_FAILURES = "failures"
+STAT_DST_FULL_WAITS = "dst_full_waits"
+STAT_PRUNED_KEYS = "pruned_keys"
+STAT_TAKEOVERS = "takeovers"
+
+Hook = Callable[[Sequence[Message]], None]
+
+
+@dataclass
+class _State:
+    active: bool = False
+    lock_conn: psycopg.Connection[Any] | None = None
+    lock_checked: float = 0.0
+    src: Session | None = None
+    dst: Session | None = None
+    src_qid: int = 0
+    dst_qid: int = 0
+    instance: str = ""
+    careful: int = 0  # entries still to move one at a time after a failed batch
+    batches_since_prune: int = 0
+    prune_upto: int = -1  # highest destination seq whose source dequeue committed
+    stats: dict[str, int] = field(default_factory=dict)
+
+
+class Mover:
+    """Moves entries from ``src_queue`` in ``src_dsn`` to ``dst_queue`` in ``dst_dsn``.
+
+    Use :meth:`run` as a service (standby until it holds the lock, then moves
+    until ``stop_event`` is set), or :meth:`move_batch` for one step. The
+    destination queue's ``max_payload`` must leave room for the envelope
+    (about 150 bytes plus the producer name).
+
+    ``between_commits`` (for tests and fault drills) is called with the batch
+    after database 2 committed and before database 1 commits.
+    """
+
+    def __init__(
+        self,
+        src_dsn: str | None,
+        src_queue: str,
+        dst_dsn: str | None,
+        dst_queue: str,
+        *,
+        config: MoveConfig | None = None,
+        between_commits: Hook | None = None,
+        application_name: str = "ringq-move",
+    ) -> None:
+        self.src_dsn = resolve_dsn(src_dsn)
+        self.dst_dsn = resolve_dsn(dst_dsn)
+        self.src_queue = validate_queue_name(src_queue)
+        self.dst_queue = validate_queue_name(dst_queue)
+        self.config = config or MoveConfig()
+        self._hook = between_commits
+        self._appname = application_name
+        self._s = _State()
+        self._s.stats = dict.fromkeys(
+            (STAT_BATCHES, STAT_MOVED, STAT_DUPLICATES, STAT_REDELIVERED, STAT_FAILURES,
+             STAT_DST_FULL_WAITS, STAT_PRUNED_KEYS, STAT_TAKEOVERS),
+            0,
+        )
+        self._stop: threading.Event | None = None
+        self._closed = False
+
+    def __repr__(self) -> str:
+        return (
+            f"<Mover {redact_dsn(self.src_dsn)}:{self.src_queue} -> "
+            f"{redact_dsn(self.dst_dsn)}:{self.dst_queue} {'active' if self.active else 'standby'}>"
+        )
+
+    # -- life cycle -------------------------------------------------------------------------
+
+    def open(self) -> Self:
+        """Connect to both databases (the lock is taken by :meth:`try_acquire`, :meth:`run`).
+
+        :raises DatabaseUnavailable, QueueNotFound, SchemaMissing:
+        """
+        s = self._s
+        if s.src is None or s.src.closed:
+            s.src = Session(self.src_dsn, application_name=self._appname)
+            s.instance = s.src.instance
+            s.src_qid = s.src.queue_info(self.src_queue).id
+        if s.dst is None or s.dst.closed:
+            s.dst = Session(self.dst_dsn, application_name=self._appname)
+            s.dst_qid = s.dst.queue_info(self.dst_queue).id
+        self._closed = False
+        return self
+
+    def close(self) -> None:
+        """Roll back anything open, give up the lock, disconnect; a second call does nothing."""
+        s = self._s
+        for sess in (s.src, s.dst):
+            if sess is not None:
+                try:
+                    sess.close()
+                except RingqError:
+                    logger.warning("ringq.move: close failed", exc_info=True)
+        s.src = s.dst = None
+        self._release()
+        self._closed = True
+
+    def __enter__(self) -> Self:
+        return self.open()
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    @property
+    def active(self) -> bool:
+        """True while this mover holds the source queue's move lock."""
+        return self._s.active
+
+    def get_stats(self) -> dict[str, int]:
+        """Counters since creation (keys are the ``STAT_*`` constants)."""
+        return dict(self._s.stats)
+
+    # -- the lock ---------------------------------------------------------------------------
+
+    def try_acquire(self) -> bool:
+        """Try once to become the active mover of the source queue; True if it is.
+
+        :raises DatabaseUnavailable: database 1 cannot be reached.
+        """
+        s = self._s
+        if s.active and not self._lock_lost():
+            return True
+        self.open()
+        if s.lock_conn is None or s.lock_conn.closed:
+            try:
+                s.lock_conn = psycopg.connect(
+                    self.src_dsn, autocommit=True, application_name=self._appname + "-lock",
+                    connect_timeout=10,
+                )
+            except psycopg.Error as exc:
+                raise from_psycopg(exc, dsn=self.src_dsn) from exc
+        try:
+            row = s.lock_conn.execute(_SQL["try_lock"], (s.src_qid,)).fetchone()
+        except psycopg.Error as exc:
+            self._release()
+            raise from_psycopg(exc, dsn=self.src_dsn) from exc
+        assert row is not None
+        if not row[0]:
+            return False
+        s.active = True
+        s.lock_checked = time.monotonic()
+        s.stats[STAT_TAKEOVERS] += 1
+        logger.info("ringq.move: %s: active (lock held by backend %s)", self.src_queue, row[1])
+        return True
+
+    def _lock_lost(self) -> bool:
+        """Check (at most every ``lock_check`` s) that the lock's connection still lives."""
+        s = self._s
+        now = time.monotonic()
+        if s.lock_conn is None or s.lock_conn.closed:
+            self._release()
+            return True
+        if now - s.lock_checked < self.config.lock_check:
+            return False
+        try:
+            s.lock_conn.execute(_SQL["ping"])
+        except psycopg.Error:
+            logger.warning("ringq.move: %s: lock connection lost; back to standby", self.src_queue)
+            self._release()
+            return True
+        s.lock_checked = now
+        return False
+
+    def _release(self) -> None:
+        s = self._s
+        s.active = False
+        conn, s.lock_conn = s.lock_conn, None
+        if conn is not None and not conn.closed:
+            try:
+                conn.execute(_SQL["unlock"], (s.src_qid,))
+            except psycopg.Error:
+                pass  # closing the connection releases it anyway
+            conn.close()
+
+    # -- moving -----------------------------------------------------------------------------
+
+    def move_batch(self, max_n: int | None = None, *, wait: float = 0.0) -> int:
+        """Move up to ``max_n`` entries (default: the configured batch); return how many.
+
+        Waits up to ``wait`` seconds for a first entry. Entries found already in
+        the destination (moved before a crash) are counted but not enqueued again.
+
+        :raises MoveLockHeld: another mover is active for this source queue.
+        :raises PayloadTooLarge: an entry (with its envelope) does not fit the
+            destination; the batch was rolled back (the entry counts a strike and
+            ends in the source's exception table after ``max_deliveries``).
+        :raises RingqError: a database failed; the batch was rolled back (or, if
+            database 2 had committed, it is redelivered and skipped by key).
+        """
+        if not self.try_acquire():
+            raise MoveLockHeld(f"another mover is active for queue {self.src_queue!r}")
+        s = self._s
+        src, dst = s.src, s.dst
+        assert src is not None and dst is not None
+        n = max_n or self.config.batch
+        if s.careful:
+            n = 1
+        try:
+            msgs = src.dequeue_many(self.src_queue, n, wait=wait)
+        except posix_ipc.SignalError:
+            return 0  # a signal woke the wait: let the caller look at its stop flag
+        if not msgs:
+            return 0
+        try:
+            dst_seqs = self._to_destination(dst, msgs)
+        except BaseException:
+            s.stats[STAT_FAILURES] += 1
+            s.careful = n if n > 1 else max(0, s.careful - 1)
+            self._rollback(dst)
+            self._rollback(src)
+            raise
+        # Database 2 has committed: from here a crash redelivers, the key skips.
+        if self._hook is not None:
+            try:
+                self._hook(msgs)
+            except BaseException:
+                self._rollback(src)  # as if we died here: redelivered, skipped by key
+                raise
+        try:
+            src.commit()
+        except RingqError:
+            s.stats[STAT_FAILURES] += 1
+            logger.warning(
+                "ringq.move: %s: source commit failed after the destination committed; "
+                "the batch will be delivered again and skipped by key", self.src_queue,
+                exc_info=True,
+            )
+            raise
+        if s.careful:
+            s.careful -= 1
+        s.prune_upto = max(s.prune_upto, *dst_seqs)
+        s.batches_since_prune += 1
+        s.stats[STAT_BATCHES] += 1
+        s.stats[STAT_MOVED] += len(msgs)
+        return len(msgs)
+
+    def _to_destination(self, dst: Session, msgs: list[Message]) -> list[int]:
+        """Enqueue the batch in database 2 and commit there; return destination seqs."""
+        s = self._s
+        cfg = self.config
+        dst_info = dst.queue_info(self.dst_queue)
+        bodies = [wrap(m, s.instance, s.src_qid) if cfg.envelope else m.payload for m in msgs]
+        keys = [move_key(s.instance, s.src_qid, m.seq) for m in msgs]
+        for m, body in zip(msgs, bodies, strict=True):
+            if len(body) > dst_info.max_payload:
+                raise PayloadTooLarge(
+                    f"entry {self.src_queue}/{m.seq}: {len(body):,} bytes"
+                    f"{' with its envelope' if cfg.envelope else ''} exceed queue "
+                    f"{self.dst_queue!r} max_payload {dst_info.max_payload:,}",
+                    queue=self.dst_queue,
+                )
+        conn = dst.connection
+        try:
+            if cfg.prune_every and s.batches_since_prune >= cfg.prune_every and s.prune_upto >= 0:
+                cur = conn.execute(
+                    _SQL["prune_keys"], (s.dst_qid, s.prune_upto, _key_prefix(s.instance, s.src_qid))
+                )
+                s.stats[STAT_PRUNED_KEYS] += max(0, cur.rowcount)
+                s.batches_since_prune = 0
+            redelivered = [k for m, k in zip(msgs, keys, strict=True) if m.redelivered]
+            found: dict[str, int] = {}
+            if redelivered:
+                s.stats[STAT_REDELIVERED] += len(redelivered)
+                rows = conn.execute(_SQL["moved_keys"], (s.dst_qid, redelivered)).fetchall()
+                found = {k: int(q) for k, q in rows}
+        except psycopg.Error as exc:
+            raise from_psycopg(exc, dsn=self.dst_dsn, queue=self.dst_queue) from exc
+        seqs: list[int] = []
+        for body, key in zip(bodies, keys, strict=True):
+            if key in found:
+                s.stats[STAT_DUPLICATES] += 1
+                seqs.append(found[key])
+                continue
+            seqs.append(self._enqueue(dst, body, key))
+        dst.commit()
+        return seqs
+
+    def _enqueue(self, dst: Session, body: bytes, key: str) -> int:
+        """Enqueue one entry; a full destination is waited out, never a reason to roll back.
+
+        What is enqueued so far is committed before waiting (the source side is
+        still uncommitted, so a crash meanwhile redelivers and the keys skip),
+        so our own reservations never block the room we wait for.
+        """
+        while True:
+            try:
+                return dst.enqueue(self.dst_queue, body, key=key, timeout=self.config.full_wait)
+            except QueueFull:
+                self._s.stats[STAT_DST_FULL_WAITS] += 1
+                dst.commit()
+                if self._stop is not None and self._stop.is_set():
+                    raise
+            except posix_ipc.SignalError:
+                dst.commit()
+                if self._stop is not None and self._stop.is_set():
+                    raise QueueFull("stopped while the destination was full", queue=self.dst_queue)
+
+    @staticmethod
+    def _rollback(sess: Session | None) -> None:
+        if sess is None or sess.closed:
+            return
+        try:
+            sess.rollback()
+        except RingqError:
+            logger.warning("ringq.move: rollback failed", exc_info=True)
+
+    # -- the service --------------------------------------------------------------------------
+
+    def run(self, stop_event: threading.Event) -> None:
+        """Stand by until active, then move until ``stop_event`` is set.
+
+        A batch in hand when the event is set is finished (both commits) before
+        returning; failures are logged and counted, and the mover reconnects.
+        """
+        self._stop = stop_event
+        cfg = self.config
+        try:
+            while not stop_event.is_set():
+                try:
+                    if not self.try_acquire():
+                        stop_event.wait(cfg.standby_poll)
+                        continue
+                    self.move_batch(cfg.batch, wait=cfg.wait)
+                except MoveLockHeld:
+                    continue
+                except RingqError as exc:
+                    self._s.stats[STAT_FAILURES] += 1
+                    logger.warning("ringq.move: %s: step failed: %s", self.src_queue, exc)
+                    self._reset_after_failure()
+                    stop_event.wait(cfg.retry_backoff)
+        finally:
+            self._stop = None
+            self.close()
+
+    def _reset_after_failure(self) -> None:
+        """Drop sessions whose connection broke, and the lock if its connection did."""
+        s = self._s
+        for name in ("src", "dst"):
+            sess: Session | None = getattr(s, name)
+            if sess is not None and (sess.closed or sess.connection.broken):
+                try:
+                    sess.close()
+                except RingqError:
+                    pass
+                setattr(s, name, None)
+        if s.src is None:
+            self._release()  # a new source session means a new standby round
+        self._lock_lost()

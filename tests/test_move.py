@@ -1,0 +1,436 @@
+"""The mover: outbox in database 1 to inbox in database 2, no 2PC, nothing twice.
+
+Two databases on the test cluster; processes killed with SIGKILL between the
+two commits (deterministically, through the mover's hook) and at random
+points; the test loop plays the monitor (recover_dead_clients, reclaim_all).
+"""
+
+from __future__ import annotations
+
+import json
+import multiprocessing as mp
+import os
+import random
+import secrets
+import select
+import signal
+import threading
+import time
+import uuid
+from collections import defaultdict
+from collections.abc import Iterator
+
+import psycopg
+import pytest
+from psycopg import sql
+from ringq.engine import (
+    MoveConfig,
+    MoveLockHeld,
+    Mover,
+    PayloadTooLarge,
+    Section,
+    connect,
+    is_moved,
+    move_key,
+    unwrap,
+    wrap,
+)
+from ringq.engine._recovery import reclaim_all, recover_dead_clients, repair_lock_holders
+from ringq.scripting._ddl import QueueSpec, create_queue
+
+FORK = mp.get_context("fork")
+
+
+@pytest.fixture
+def dsn2(pg_cluster) -> Iterator[str]:
+    """A second database next to ``dsn`` (database 2 of the move)."""
+    name = f"t_{secrets.token_hex(6)}"
+    with psycopg.connect(pg_cluster.url("postgres"), autocommit=True) as conn:
+        conn.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(name)))
+    try:
+        yield pg_cluster.url(name)
+    finally:
+        with psycopg.connect(pg_cluster.url("postgres"), autocommit=True) as conn:
+            conn.execute(
+                sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(name))
+            )
+
+
+def _unlink_sections(dsn: str) -> None:
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        if not conn.execute("SELECT to_regclass('ringq.meta') IS NOT NULL").fetchone()[0]:
+            return
+        row = conn.execute("SELECT value FROM ringq.meta WHERE key = 'instance_id'").fetchone()
+        qids = [r[0] for r in conn.execute("SELECT id FROM ringq.queues").fetchall()]
+    if row:
+        Section.unlink(row[0])
+        Section.unlink_semaphores(row[0], qids)
+
+
+@pytest.fixture
+def make_queue(dsn, dsn2):
+    def make(where: str, capacity: int = 256, max_payload: int = 1024, **kw) -> str:
+        name = "q_" + uuid.uuid4().hex[:10]
+        with psycopg.connect(where) as conn:
+            create_queue(conn, QueueSpec(name, capacity, max_payload, **kw))
+        return name
+
+    yield make
+    _unlink_sections(dsn)
+    _unlink_sections(dsn2)
+
+
+def produce(dsn: str, queue: str, producer: str, n: int, per_tx: int = 1) -> None:
+    with connect(dsn, producer=producer) as s:
+        for i in range(1, n + 1):
+            s.enqueue(queue, json.dumps({"p": producer, "i": i}).encode())
+            if i % per_tx == 0 or i == n:
+                s.commit()
+
+
+def drain(dsn: str, queue: str) -> list:
+    out = []
+    with connect(dsn) as s:
+        while (batch := s.dequeue_many(queue, 100)):
+            out.extend(batch)
+            s.commit()
+        s.commit()
+    return out
+
+
+def check_arrivals(msgs: list, expected: dict[str, int]) -> None:
+    """Every source entry exactly once, and per producer in order."""
+    by_producer: dict[str, list[int]] = defaultdict(list)
+    origins = set()
+    for m in msgs:
+        moved = unwrap(m)
+        assert (moved.origin, moved.origin_seq) not in origins, f"arrived twice: {moved}"
+        origins.add((moved.origin, moved.origin_seq))
+        body = json.loads(moved.payload)
+        assert body["p"] == moved.producer and body["i"] == moved.producer_seq
+        by_producer[moved.producer].append(moved.producer_seq)
+    assert set(by_producer) == set(expected)
+    for p, seqs in by_producer.items():
+        assert seqs == list(range(1, expected[p] + 1)), f"producer {p}: {seqs[:20]}..."
+
+
+# -- the envelope ---------------------------------------------------------------------------------
+
+
+def test_envelope_round_trip():
+    from datetime import UTC, datetime
+
+    from ringq.engine import Message
+
+    m = Message("outbox", 12345, b"\x00\xffbody", "host:1:2", 7, datetime.now(UTC), 1)
+    data = wrap(m, "abc123", 9)
+    assert is_moved(data) and not is_moved(b"plain")
+    got = unwrap(data)
+    assert got.payload == b"\x00\xffbody"
+    assert (got.origin_instance, got.origin_queue, got.origin_queue_id, got.origin_seq) == (
+        "abc123", "outbox", 9, 12345,
+    )
+    assert (got.producer, got.producer_seq, got.enqueued_at) == ("host:1:2", 7, m.enqueued_at)
+    assert got.key == move_key("abc123", 9, 12345) == "mv:abc123:9:12345"
+    with pytest.raises(ValueError):
+        unwrap(b"plain")
+
+
+# -- moving -----------------------------------------------------------------------------------------
+
+
+def test_moves_everything_once_in_order(dsn, dsn2, make_queue):
+    src, dst = make_queue(dsn), make_queue(dsn2)
+    for p in ("a", "b", "c"):
+        produce(dsn, src, p, 40, per_tx=7)
+    with Mover(dsn, src, dsn2, dst, config=MoveConfig(batch=16)) as mv:
+        total = 0
+        while (n := mv.move_batch()):
+            total += n
+        stats = mv.get_stats()
+    assert total == 120 and stats["moved"] == 120 and stats["duplicates"] == 0
+    msgs = drain(dsn2, dst)
+    check_arrivals(msgs, {"a": 40, "b": 40, "c": 40})
+    assert drain(dsn, src) == []
+
+
+def test_redelivered_after_destination_commit_is_skipped_by_key(dsn, dsn2, make_queue):
+    src, dst = make_queue(dsn, max_deliveries=10), make_queue(dsn2)
+    produce(dsn, src, "a", 10)
+
+    class Crash(Exception):
+        pass
+
+    fail = {"left": 1}
+
+    def between(msgs):
+        if fail["left"]:
+            fail["left"] -= 1
+            raise Crash  # database 2 committed, database 1 not: as if we died here
+
+    with Mover(dsn, src, dsn2, dst, config=MoveConfig(batch=4), between_commits=between) as mv:
+        with pytest.raises(Crash):
+            mv.move_batch()
+        while mv.move_batch():
+            pass
+        stats = mv.get_stats()
+    assert stats["redelivered"] == 4 and stats["duplicates"] == 4
+    check_arrivals(drain(dsn2, dst), {"a": 10})
+
+
+def test_key_is_unique_across_wraps(dsn, dsn2, make_queue):
+    """Slots are reused every `capacity` entries; the sequence (and the key) is not."""
+    src, dst = make_queue(dsn, capacity=4), make_queue(dsn2)
+    with connect(dsn, producer="a") as prod:
+        sec = prod.section
+        with Mover(dsn, src, dsn2, dst, config=MoveConfig(batch=3, prune_every=2)) as mv:
+            for i in range(1, 31):
+                prod.enqueue(src, json.dumps({"p": "a", "i": i}).encode())
+                if i % 3 == 0:
+                    prod.commit()
+                    while mv.move_batch():
+                        pass
+                    reclaim_all(sec)  # the monitor's reclaim: slots come round again
+            stats = mv.get_stats()
+    assert stats["moved"] == 30 and stats["duplicates"] == 0
+    assert stats["pruned_keys"] > 0  # spent keys do not pile up in database 2
+    check_arrivals(drain(dsn2, dst), {"a": 30})
+
+
+def test_too_large_for_destination_is_poison_not_a_stall(dsn, dsn2, make_queue):
+    src = make_queue(dsn, max_payload=4096, max_deliveries=2)
+    dst = make_queue(dsn2, max_payload=1024)
+    with connect(dsn, producer="a") as s:
+        s.enqueue(src, json.dumps({"p": "a", "i": 1}).encode())
+        s.enqueue(src, b"x" * 2000)
+        s.enqueue(src, json.dumps({"p": "a", "i": 3}).encode())
+        s.commit()
+    with Mover(dsn, src, dsn2, dst, config=MoveConfig(batch=10)) as mv:
+        failures = 0
+        for _ in range(10):
+            try:
+                if not mv.move_batch():
+                    break
+            except PayloadTooLarge:
+                failures += 1
+    # The big one failed its deliveries and went to the exception table; the
+    # others moved (after the failed batch, one at a time).
+    assert failures == 2  # the batch of 3, then the big one alone (its 2nd delivery)
+    got = [unwrap(m) for m in drain(dsn2, dst)]
+    assert [m.producer_seq for m in got] == [1, 3]
+    with psycopg.connect(dsn) as conn:
+        (n,) = conn.execute("SELECT count(*) FROM ringq.exceptions").fetchone()
+    assert n == 1
+
+
+def test_destination_full_waits_instead_of_rolling_back(dsn, dsn2, make_queue):
+    src, dst = make_queue(dsn), make_queue(dsn2, capacity=8)
+    produce(dsn, src, "a", 20, per_tx=20)
+    with connect(dsn2) as consumer:
+        sec2 = consumer.section
+        got: list = []
+
+        def consume():
+            deadline = time.monotonic() + 30
+            with connect(dsn2) as c:
+                while len(got) < 20 and time.monotonic() < deadline:
+                    got.extend(c.dequeue_many(dst, 4, wait=0.05))
+                    c.commit()
+                    reclaim_all(sec2)  # the monitor's reclaim frees the slots
+
+        with Mover(dsn, src, dsn2, dst, config=MoveConfig(batch=20, full_wait=0.05)) as mv:
+            t = threading.Thread(target=consume)
+            t.start()
+            assert mv.move_batch() == 20  # one batch, bigger than the destination
+            stats = mv.get_stats()
+            t.join(30)
+    assert stats["dst_full_waits"] > 0 and stats["failures"] == 0
+    check_arrivals(got, {"a": 20})
+    with psycopg.connect(dsn) as conn:
+        row = conn.execute(
+            sql.SQL("SELECT max(deliveries) FROM {}").format(sql.Identifier("ringq", "q_" + src))
+        ).fetchone()
+    assert row[0] == 0  # no strike: a full destination is not a failed delivery
+
+
+# -- one active mover ---------------------------------------------------------------------------------
+
+
+def _hold_lock(src, sq, dst, dq, ready) -> None:
+    mv = Mover(src, sq, dst, dq).open()
+    assert mv.try_acquire()
+    ready.set()
+    threading.Event().wait(120)
+
+
+def test_one_active_mover_and_standby_takes_over(dsn, dsn2, make_queue):
+    src, dst = make_queue(dsn), make_queue(dsn2)
+    ready = FORK.Event()
+    p = FORK.Process(target=_hold_lock, args=(dsn, src, dsn2, dst, ready))
+    p.start()
+    try:
+        assert ready.wait(30)
+        with Mover(dsn, src, dsn2, dst) as standby:
+            assert not standby.try_acquire()
+            with pytest.raises(MoveLockHeld):
+                standby.move_batch()
+            os.kill(p.pid, signal.SIGKILL)
+            p.join(10)
+            deadline = time.monotonic() + 10
+            while not standby.try_acquire():
+                assert time.monotonic() < deadline, "the standby never took over"
+                threading.Event().wait(0.01)
+            assert standby.active
+    finally:
+        if p.is_alive():
+            p.kill()
+        p.join()
+
+
+def test_run_stops_on_event(dsn, dsn2, make_queue):
+    src, dst = make_queue(dsn), make_queue(dsn2)
+    produce(dsn, src, "a", 25)
+    stop = threading.Event()
+    mv = Mover(dsn, src, dsn2, dst, config=MoveConfig(batch=10, wait=0.05))
+    t = threading.Thread(target=mv.run, args=(stop,))
+    t.start()
+    got: list = []
+    with connect(dsn2) as c:
+        while len(got) < 25:
+            got.extend(c.dequeue_many(dst, 25, wait=5))
+            c.commit()
+    stop.set()
+    t.join(10)
+    assert not t.is_alive() and not mv.active
+    check_arrivals(got, {"a": 25})
+
+
+# -- kill -9 between the two commits, many times --------------------------------------------------------
+
+
+def _mover_proc(src, sq, dst, dq, pause_at: int, paused_fd: int, stop) -> None:
+    """A mover that (if pause_at) stops for good between the commits of its
+    pause_at-th batch and writes its pid to the pipe, waiting to be killed.
+
+    (A raw pipe and one small write: atomic, and no lock that a process
+    killed at a random point could leave held, as a multiprocessing queue's.)"""
+    rnd = random.Random(os.getpid())
+    count = 0
+
+    def between(msgs):
+        nonlocal count
+        count += 1
+        if pause_at and count == pause_at:
+            os.write(paused_fd, os.getpid().to_bytes(8, "little"))
+            threading.Event().wait(600)
+
+    cfg = MoveConfig(batch=rnd.randint(1, 5), wait=0.05, standby_poll=0.02, prune_every=3)
+    Mover(src, sq, dst, dq, config=cfg, between_commits=between).run(stop)
+
+
+def _producer_proc(dsn, queue, producer, n) -> None:
+    rnd = random.Random(producer)
+    with connect(dsn, producer=producer) as s:
+        i = 0
+        while i < n:
+            k = min(n - i, rnd.randint(1, 4))
+            for _ in range(k):
+                i += 1
+                s.enqueue(queue, json.dumps({"p": producer, "i": i}).encode(), timeout=60)
+            s.commit()
+
+
+@pytest.mark.slow
+def test_mover_killed_between_commits_many_times(dsn, dsn2, make_queue):
+    rnd = random.Random(7)
+    PRODUCERS, PER, KILLS = ("p1", "p2", "p3"), 200, 20
+    # Strikes from killed movers must not poison entries: a roomy max_deliveries.
+    src = make_queue(dsn, capacity=64, max_deliveries=1000)
+    dst = make_queue(dsn2, capacity=128)
+    with connect(dsn) as s1, connect(dsn2) as s2:
+        s1.ring(src), s2.ring(dst)  # load both queues into their sections
+        sec1, sec2 = s1.section, s2.section
+    producers = [FORK.Process(target=_producer_proc, args=(dsn, src, p, PER)) for p in PRODUCERS]
+    for p in producers:
+        p.start()
+    paused_r, paused_w = os.pipe()
+    stop = FORK.Event()
+    movers: dict[int, mp.Process] = {}
+    consumed: list = []
+
+    def monitor() -> None:
+        """What the monitor does for both databases; plus a consumer of the inbox."""
+        for sec, where in ((sec1, dsn), (sec2, dsn2)):
+            repair_lock_holders(sec, where)  # a mover killed inside a critical section
+            recover_dead_clients(sec, where)
+        reclaim_all(sec1)
+        reclaim_all(sec2)
+        with connect(dsn2) as c:
+            consumed.extend(c.dequeue_many(dst, 100))
+            c.commit()
+        reclaim_all(sec2)
+
+    def start_mover(pause_at: int) -> None:
+        p = FORK.Process(target=_mover_proc, args=(dsn, src, dsn2, dst, pause_at, paused_w, stop))
+        p.start()
+        movers[p.pid] = p
+
+    def kill(pid: int) -> None:
+        os.kill(pid, signal.SIGKILL)
+        movers.pop(pid).join(10)
+
+    deterministic = random_kills = 0
+    try:
+        while deterministic < KILLS:
+            while len(movers) < 2:  # one active, one standby
+                start_mover(pause_at=rnd.randint(1, 3))
+            # Wait for the active one to stop between its commits, playing the
+            # monitor meanwhile (a predecessor's entries are locked until then).
+            while not select.select([paused_r], [], [], 0.05)[0]:
+                monitor()
+            pid = int.from_bytes(os.read(paused_r, 8), "little")
+            kill(pid)
+            deterministic += 1
+            if rnd.random() < 0.5:
+                # And one at a random point (maybe the standby just taking over,
+                # maybe mid-batch): a random wait on an event that never fires.
+                threading.Event().wait(rnd.uniform(0, 0.05))
+                victim = rnd.choice(list(movers))
+                kill(victim)
+                random_kills += 1
+            monitor()
+        # Let the last movers (unarmed) finish the work.
+        for pid in list(movers):
+            kill(pid)
+        start_mover(pause_at=0)
+        start_mover(pause_at=0)
+        deadline = time.monotonic() + 120
+        total = len(PRODUCERS) * PER
+        while len(consumed) < total:
+            assert time.monotonic() < deadline, f"only {len(consumed)} of {total} arrived"
+            monitor()
+        for p in producers:
+            p.join(30)
+            assert p.exitcode == 0
+    finally:
+        stop.set()
+        for pid, p in list(movers.items()):
+            p.join(10)
+            if p.is_alive():
+                os.kill(pid, signal.SIGKILL)
+                p.join()
+        for p in producers:
+            if p.is_alive():
+                p.kill()
+                p.join()
+        os.close(paused_r)
+        os.close(paused_w)
+    monitor()
+    assert deterministic == KILLS
+    print(f"kills: {deterministic} between commits, {random_kills} at random points")
+    check_arrivals(consumed, {p: PER for p in PRODUCERS})
+    with psycopg.connect(dsn) as conn:
+        assert conn.execute("SELECT count(*) FROM ringq.exceptions").fetchone()[0] == 0
+    with psycopg.connect(dsn2) as conn:
+        left = conn.execute("SELECT count(*) FROM ringq.keys").fetchone()[0]
+    assert left < total  # spent keys are pruned as the movers go
