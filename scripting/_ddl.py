@@ -9,20 +9,20 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import Any
 
 import psycopg
 from psycopg import sql
-
 from ringq.engine import (
+    MAX_CAPACITY,
     ConfigError,
     QueueExists,
     QueueNotFound,
     validate_queue_name,
 )
-from ringq.engine import MAX_CAPACITY
 from ringq.engine._errors import converted
 from ringq.engine._names import queue_table
-from ringq.engine._sqlfile import load
+from ringq.engine._sqlfile import compose, load
 
 SCHEMA_VERSION = 1
 MAX_PAYLOAD = 1 << 30  # PostgreSQL's limit for one bytea value (1 GiB)
@@ -79,17 +79,24 @@ def _int_in(what: str, value: object, low: int, high: int) -> None:
         raise ConfigError(f"{what} must be an integer from {low:,} to {high:,}, not {value!r}")
 
 
-def schema_sql() -> sql.Composable:
+def schema_sql() -> sql.SQL:
     """The management schema, tables and SQL functions (idempotent, versioned)."""
     return sql.SQL(_BLOCKS["schema"])  # type: ignore[arg-type]
 
 
 def queue_sql(spec: QueueSpec) -> sql.Composed:
     """The queue's management row, its pre-populated table and storage settings."""
+    # The table and its primary-key index (the only index) both go to the tablespace.
     tablespace_clause: sql.Composable = (
         sql.SQL("TABLESPACE {}").format(sql.Identifier(spec.tablespace)) if spec.tablespace else sql.SQL("")
     )
-    return sql.SQL(_BLOCKS["queue"]).format(  # type: ignore[arg-type]
+    index_tablespace_clause: sql.Composable = (
+        sql.SQL("USING INDEX TABLESPACE {}").format(sql.Identifier(spec.tablespace))
+        if spec.tablespace
+        else sql.SQL("")
+    )
+    return compose(
+        _BLOCKS["queue"],
         name=sql.Literal(spec.name),
         capacity=sql.Literal(spec.capacity),
         max_payload=sql.Literal(spec.max_payload),
@@ -101,13 +108,14 @@ def queue_sql(spec: QueueSpec) -> sql.Composed:
         fillfactor=sql.Literal(spec.fillfactor),
         tablespace=sql.Literal(spec.tablespace),
         tablespace_clause=tablespace_clause,
+        index_tablespace_clause=index_tablespace_clause,
         table=queue_table(spec.name),
     )
 
 
 def drop_queue_sql(name: str) -> sql.Composed:
-    return sql.SQL(_BLOCKS["drop_queue"]).format(  # type: ignore[arg-type]
-        name=sql.Literal(validate_queue_name(name)), table=queue_table(name)
+    return compose(
+        _BLOCKS["drop_queue"], name=sql.Literal(validate_queue_name(name)), table=queue_table(name)
     )
 
 
@@ -122,13 +130,13 @@ def create_queue_script(spec: QueueSpec) -> str:
     )
 
 
-def create_schema(conn: psycopg.Connection[object]) -> None:
+def create_schema(conn: psycopg.Connection[Any]) -> None:
     """Create (or migrate) the management schema in its own transaction."""
     with converted(), conn.transaction():
-        conn.execute(schema_sql())  # type: ignore[arg-type]
+        conn.execute(schema_sql())
 
 
-def create_queue(conn: psycopg.Connection[object], spec: QueueSpec) -> bool:
+def create_queue(conn: psycopg.Connection[Any], spec: QueueSpec) -> bool:
     """Create the queue (and the schema if absent) in one transaction.
 
     :returns: True if the queue was created, False if it already existed with these settings.
@@ -136,8 +144,10 @@ def create_queue(conn: psycopg.Connection[object], spec: QueueSpec) -> bool:
     """
     try:
         with conn.transaction():
+            # The schema block takes the DDL advisory lock: look only after it,
+            # so that of two concurrent creators exactly one reports "created".
+            conn.execute(schema_sql())
             existed = _queue_exists(conn, spec.name)
-            conn.execute(schema_sql())  # type: ignore[arg-type]
             conn.execute(queue_sql(spec))
     except psycopg.errors.DuplicateObject as exc:
         raise QueueExists(f"queue {spec.name!r} exists with different settings", queue=spec.name) from exc
@@ -148,7 +158,7 @@ def create_queue(conn: psycopg.Connection[object], spec: QueueSpec) -> bool:
     return not existed
 
 
-def drop_queue(conn: psycopg.Connection[object], name: str) -> None:
+def drop_queue(conn: psycopg.Connection[Any], name: str) -> None:
     """Drop the queue, its table and its side rows.
 
     :raises QueueNotFound: no such queue.
@@ -159,7 +169,7 @@ def drop_queue(conn: psycopg.Connection[object], name: str) -> None:
         conn.execute(drop_queue_sql(name))
 
 
-def _queue_exists(conn: psycopg.Connection[object], name: str) -> bool:
+def _queue_exists(conn: psycopg.Connection[Any], name: str) -> bool:
     row = conn.execute(
         "SELECT to_regclass('ringq.queues') IS NOT NULL"
     ).fetchone()

@@ -180,7 +180,7 @@ WHERE NOT EXISTS (SELECT 1 FROM ringq.queues WHERE name = {name});
 -- fillfactor below 100 so every enqueue and dequeue is a HOT update of one row
 -- and the table never grows. slot = seq % capacity.
 CREATE TABLE IF NOT EXISTS {table} (
-    slot         integer  NOT NULL PRIMARY KEY CHECK (slot >= 0 AND slot < {capacity}),
+    slot         integer  NOT NULL CHECK (slot >= 0 AND slot < {capacity}),
     state        smallint NOT NULL DEFAULT 0 CHECK (state IN (0, 1, 2)), -- 0 free, 1 queued, 2 consumed
     seq          bigint   NOT NULL DEFAULT -1,   -- queue-wide enqueue sequence of the entry held
     deliveries   integer  NOT NULL DEFAULT 0,    -- deliveries that did not commit (strikes)
@@ -190,7 +190,8 @@ CREATE TABLE IF NOT EXISTS {table} (
     producer     text,
     enq_user     text,
     deq_user     text,
-    payload      bytea
+    payload      bytea,
+    PRIMARY KEY (slot) {index_tablespace_clause}
 ) WITH (fillfactor = {fillfactor}) {tablespace_clause};
 
 INSERT INTO {table} (slot)

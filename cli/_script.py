@@ -1,0 +1,43 @@
+"""``ringq script create-queue``: print the SQL a DBA reviews and applies with psql."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Any
+
+from ringq.scripting._ddl import create_queue_script
+
+from . import _exit
+from ._args import subparser
+from ._spec import add_queue_options, spec_from_args
+
+DESCRIPTION = """\
+Print SQL for review; no database is needed. The script is one transaction and
+idempotent: applying it again changes nothing, and applying it where the queue
+exists with other settings fails without changing anything."""
+
+
+def register(sub: Any) -> None:
+    script = subparser(
+        sub, "script", "print SQL scripts to review and apply with psql", DESCRIPTION
+    )
+    script.set_defaults(_parser=script)
+    actions = script.add_subparsers(dest="script_command", metavar="ACTION")
+    create = subparser(
+        actions,
+        "create-queue",
+        "the schema (if absent) and one queue: its row, its pre-filled table",
+        "Print the management schema (created if absent, versioned) and the queue:\n"
+        "its row in ringq.queues and its ring table with exactly --capacity rows.\n\n"
+        "  ringq script create-queue orders --capacity 1000 --max-payload 512 \\\n"
+        '      | psql "$DSN" -v ON_ERROR_STOP=1',
+    )
+    add_queue_options(create)
+    create.set_defaults(func=_create_queue)
+
+
+def _create_queue(args: argparse.Namespace) -> int:
+    spec = spec_from_args(args)  # ConfigError -> exit 2 in _main
+    sys.stdout.write(create_queue_script(spec))
+    return _exit.OK

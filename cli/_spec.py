@@ -1,0 +1,102 @@
+"""The queue settings options shared by ``ringq script create-queue`` and ``ringq queue create``.
+
+Defaults come from :class:`ringq.scripting._ddl.QueueSpec` itself, so the
+help text and the library cannot disagree; the values are validated there.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from typing import Any
+
+from ringq.engine import MAX_CAPACITY
+from ringq.scripting._ddl import MAX_PAYLOAD, QueueSpec
+
+_DEFAULTS: dict[str, Any] = {f.name: f.default for f in dataclasses.fields(QueueSpec)}
+
+
+def add_queue_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "name",
+        metavar="NAME",
+        help="queue name: 1-48 characters, a lowercase letter first, then a-z, 0-9 or '_'",
+    )
+    parser.add_argument(
+        "--capacity",
+        type=int,
+        required=True,
+        metavar="N",
+        help=f"slots in the ring, 1 to {MAX_CAPACITY:,}; the table is created with exactly N rows",
+    )
+    parser.add_argument(
+        "--max-payload",
+        type=int,
+        required=True,
+        metavar="BYTES",
+        help=f"largest payload accepted, 1 to {MAX_PAYLOAD:,} bytes",
+    )
+    parser.add_argument(
+        "--tablespace",
+        metavar="T",
+        default=_DEFAULTS["tablespace"],
+        help="tablespace of the ring table and its index (default: the database's)",
+    )
+    parser.add_argument(
+        "--fillfactor",
+        type=int,
+        metavar="F",
+        default=_DEFAULTS["fillfactor"],
+        help="table fillfactor, 10 to 100; below 100 leaves room for HOT updates",
+    )
+    parser.add_argument(
+        "--exception-queue",
+        metavar="NAME",
+        default=_DEFAULTS["exception_queue"],
+        help="queue named as the destination of poison entries",
+    )
+    parser.add_argument(
+        "--max-deliveries",
+        type=int,
+        metavar="K",
+        default=_DEFAULTS["max_deliveries"],
+        help="deliveries that do not commit before an entry is moved aside as poison",
+    )
+    parser.add_argument(
+        "--full-policy",
+        choices=("block", "raise"),
+        default=_DEFAULTS["full_policy"],
+        help="when the ring is full: wait for a free slot, or raise QueueFull at once",
+    )
+    parser.add_argument(
+        "--full-timeout",
+        type=float,
+        metavar="S",
+        default=_DEFAULTS["full_timeout"],
+        help="seconds a 'block' enqueue waits for a free slot before QueueFull",
+    )
+    parser.add_argument(
+        "--dequeue-mode",
+        choices=("single", "shared"),
+        default=_DEFAULTS["dequeue_mode"],
+        help="one dequeuer at a time (strict FIFO), or several reading past each other",
+    )
+
+
+def spec_from_args(args: argparse.Namespace) -> QueueSpec:
+    """Build the validated settings.
+
+    :raises ConfigError: a value is out of range (the message says which).
+    """
+    return QueueSpec(
+        name=args.name,
+        capacity=args.capacity,
+        max_payload=args.max_payload,
+        full_policy=args.full_policy,
+        full_timeout=args.full_timeout,
+        dequeue_mode=args.dequeue_mode,
+        max_deliveries=args.max_deliveries,
+        exception_queue=args.exception_queue,
+        fillfactor=args.fillfactor,
+        tablespace=args.tablespace,
+    )

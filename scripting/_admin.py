@@ -1,0 +1,131 @@
+"""Queue administration: the admin connection, and what ``ringq queue list|show`` read.
+
+Data only: these functions return dataclasses and the CLI renders them. psycopg
+errors are converted here (and in :mod:`._ddl`), so callers handle ringq
+errors alone.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any
+
+import psycopg
+from psycopg.conninfo import conninfo_to_dict
+from ringq.engine import ConfigError, QueueNotFound, validate_queue_name
+from ringq.engine._errors import converted
+from ringq.engine._names import queue_table
+from ringq.engine._sqlfile import compose, load
+
+# A CLI waiting psycopg's default (130 s) on a host that drops packets looks
+# hung; a DSN's own connect_timeout (or PGCONNECT_TIMEOUT) still wins.
+DEFAULT_CONNECT_TIMEOUT = 10  # seconds
+APPLICATION_NAME = "ringq-admin"
+
+_Q = load("ringq.scripting", "admin.sql")
+
+
+@dataclass(frozen=True)
+class QueueSummary:
+    """One line of ``ringq queue list``. ``depth``: committed entries waiting (ring + inbox)."""
+
+    name: str
+    capacity: int
+    depth: int
+    max_payload: int  # bytes
+    dequeue_mode: str
+    full_policy: str
+
+
+@dataclass(frozen=True)
+class QueueDetails:
+    """Everything ``ringq queue show`` reports about one queue.
+
+    ``depth`` counts committed entries waiting, in the ring (``queued``) and in
+    the SQL inbox (``inbox``); ``exceptions`` counts poison entries moved aside.
+    Sizes are in bytes, ``full_timeout`` in seconds.
+    """
+
+    id: int
+    name: str
+    capacity: int
+    max_payload: int
+    full_policy: str
+    full_timeout: float
+    dequeue_mode: str
+    max_deliveries: int
+    exception_queue: str | None
+    fillfactor: int
+    tablespace: str | None
+    created_at: datetime
+    depth: int
+    inbox: int
+    exceptions: int
+    free: int
+    queued: int
+    consumed: int
+    table_bytes: int
+    dead_rows: int
+
+
+def connect_admin(dsn: str) -> psycopg.Connection[Any]:
+    """Open an autocommit connection for administration (use it as a context manager).
+
+    :raises ConfigError: ``dsn`` cannot be parsed.
+    :raises DatabaseUnavailable: the server cannot be reached or refuses the
+        connection; the message names the DSN without its password.
+    """
+    try:
+        params = conninfo_to_dict(dsn)
+    except psycopg.ProgrammingError as exc:
+        # Not echoed: a DSN that does not parse may hide its password from
+        # redact_dsn (``password secret``). libpq's message names the spot.
+        detail = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise ConfigError(f"invalid DSN (not shown, it may hold a password): {detail}") from exc
+    extra: dict[str, Any] = {}
+    if "connect_timeout" not in params and not os.environ.get("PGCONNECT_TIMEOUT"):
+        extra["connect_timeout"] = DEFAULT_CONNECT_TIMEOUT
+    if "application_name" not in params and not os.environ.get("PGAPPNAME"):
+        extra["application_name"] = APPLICATION_NAME
+    with converted(dsn=dsn):
+        return psycopg.connect(dsn, autocommit=True, **extra)
+
+
+def list_queues(conn: psycopg.Connection[Any]) -> list[QueueSummary]:
+    """Every queue, by name; an empty list when the ringq schema is absent.
+
+    :raises DatabaseUnavailable: the connection was lost.
+    """
+    with converted():
+        if not _schema_present(conn):
+            return []
+        rows = conn.execute(_Q["list_queues"]).fetchall()
+    return [QueueSummary(*row) for row in rows]
+
+
+def describe_queue(conn: psycopg.Connection[Any], name: str) -> QueueDetails:
+    """The queue's settings and its current figures, read in one snapshot.
+
+    :raises InvalidQueueName: ``name`` is not a valid queue name.
+    :raises QueueNotFound: no such queue (or no ringq schema at all).
+    """
+    table = queue_table(validate_queue_name(name))
+    with converted(queue=name), conn.transaction():
+        # One snapshot, so depth, inbox and slot counts agree with each other.
+        conn.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ READ ONLY")
+        if not _schema_present(conn):
+            raise QueueNotFound(f"queue {name!r} does not exist (no ringq schema)", queue=name)
+        row = conn.execute(_Q["describe_queue"], (name,)).fetchone()
+        if row is None:
+            raise QueueNotFound(f"queue {name!r} does not exist", queue=name)
+        states = conn.execute(compose(_Q["ring_states"], table=table)).fetchone()
+        storage = conn.execute(_Q["ring_storage"], (f"ringq.q_{name}",)).fetchone()
+    assert states is not None and storage is not None  # aggregates always return a row
+    return QueueDetails(*row, *states, *storage)
+
+
+def _schema_present(conn: psycopg.Connection[Any]) -> bool:
+    row = conn.execute(_Q["schema_present"]).fetchone()
+    return bool(row and row[0])
