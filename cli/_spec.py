@@ -26,6 +26,7 @@ def add_queue_options(parser: argparse.ArgumentParser) -> None:
         "--capacity",
         type=int,
         required=True,
+        default=argparse.SUPPRESS,
         metavar="N",
         help=f"slots in the ring, 1 to {MAX_CAPACITY:,}; the table is created with exactly N rows",
     )
@@ -33,13 +34,14 @@ def add_queue_options(parser: argparse.ArgumentParser) -> None:
         "--max-payload",
         type=int,
         required=True,
+        default=argparse.SUPPRESS,
         metavar="BYTES",
         help=f"largest payload accepted, 1 to {MAX_PAYLOAD:,} bytes",
     )
     parser.add_argument(
         "--tablespace",
         metavar="T",
-        default=_DEFAULTS["tablespace"],
+        default=argparse.SUPPRESS,  # None; SUPPRESS keeps "(default: None)" out of --help
         help="tablespace of the ring table and its index (default: the database's)",
     )
     parser.add_argument(
@@ -52,7 +54,7 @@ def add_queue_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--exception-queue",
         metavar="NAME",
-        default=_DEFAULTS["exception_queue"],
+        default=argparse.SUPPRESS,
         help="queue named as the destination of poison entries",
     )
     parser.add_argument(
@@ -96,7 +98,7 @@ def spec_from_args(args: argparse.Namespace) -> QueueSpec:
         full_timeout=args.full_timeout,
         dequeue_mode=args.dequeue_mode,
         max_deliveries=args.max_deliveries,
-        exception_queue=args.exception_queue,
+        exception_queue=getattr(args, "exception_queue", _DEFAULTS["exception_queue"]),
         fillfactor=args.fillfactor,
-        tablespace=args.tablespace,
+        tablespace=getattr(args, "tablespace", _DEFAULTS["tablespace"]),
     )
