@@ -8,7 +8,7 @@ what runs.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import psycopg
@@ -47,7 +47,6 @@ class QueueSpec:
     exception_queue: str | None = None
     fillfactor: int = 50
     tablespace: str | None = None
-    _checked: bool = field(default=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         validate_queue_name(self.name)
