@@ -1,1 +1,38 @@
-"""rtv"""
+"""The Real Time Viewer: live plots of every queue, read only from the monitor's HTTP API.
+
+- :class:`Viewer` serves the page (``start()/stop()``, a context manager);
+  the browser talks only to it, and it proxies the monitor's API.
+- :func:`run_tui` is the same figures in a terminal, refreshed in place.
+- :class:`MonitorClient` reads the monitor's API, normalized for both.
+
+The charts use uPlot, shipped in ``static/vendor`` (see its README there).
+"""
+
+from __future__ import annotations
+
+from ._config import (
+    DEFAULT_MONITOR_URL,
+    DEFAULT_PORT,
+    DEFAULT_REFRESH,
+    WINDOWS,
+    ViewerConfig,
+    new_token,
+)
+from ._server import Viewer, ViewerError
+from ._source import MonitorClient, MonitorError, MonitorUnavailable
+from ._tui import run_tui
+
+__all__ = [
+    "DEFAULT_MONITOR_URL",
+    "DEFAULT_PORT",
+    "DEFAULT_REFRESH",
+    "WINDOWS",
+    "MonitorClient",
+    "MonitorError",
+    "MonitorUnavailable",
+    "Viewer",
+    "ViewerConfig",
+    "ViewerError",
+    "new_token",
+    "run_tui",
+]

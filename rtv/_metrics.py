@@ -1,0 +1,96 @@
+"""The figures the viewer reads from the monitor's HTTP API, by name.
+
+Names shared with the engine's section come from :mod:`ringq.engine.metrics`;
+the rest are the monitor's derived figures, as ``GET /api/queues`` and
+``GET /api/history`` serve them (``monitor/_sample.py`` defines them there; the
+viewer does not import the monitor, and ``tests/test_rtv.py`` checks that the
+two lists agree). The page (``static/app.js``) and the terminal view read the
+normalized rows built by :mod:`ringq.rtv._source`.
+"""
+
+from __future__ import annotations
+
+from typing import Final
+
+from ringq.engine import metrics as M
+
+NAME: Final = "name"
+TIME: Final = "t"  # seconds since the epoch (float)
+
+CAPACITY: Final = M.CAPACITY
+DEPTH: Final = M.DEPTH
+HEAD: Final = M.HEAD
+TAIL: Final = M.TAIL
+ENQ_RATE: Final = "enq_rate"  # committed enqueues per second over the interval
+DEQ_RATE: Final = "deq_rate"  # committed dequeues per second over the interval
+ENQ_P50: Final = "enq_p50_us"  # enqueue call latency over the interval, microseconds (0: no call)
+ENQ_P99: Final = "enq_p99_us"
+DEQ_P50: Final = "deq_p50_us"
+DEQ_P99: Final = "deq_p99_us"
+FULL: Final = "full"  # seconds of the interval the queue had no free slot
+EMPTY: Final = "empty"  # seconds of the interval nothing was ready
+RETRIES: Final = "retries"  # dequeues rolled back in the interval (delivery retries)
+EXCEPTIONS: Final = "exceptions"  # entries in the exception queue now
+COMMITS: Final = "commits"  # enqueue + dequeue commits in the interval
+ROLLBACKS: Final = "rollbacks"  # enqueue + dequeue rollbacks in the interval
+WAITING_DEQUEUERS: Final = M.WAIT_READY  # dequeuers sleeping now
+WAITING_ENQUEUERS: Final = M.WAIT_SPACE  # enqueuers sleeping now
+POISONED: Final = "poisoned"  # entries poisoned in the interval
+DEAD_ROWS: Final = "dead_rows"  # dead row versions in the queue's table
+
+INTERVAL: Final = "interval"  # the monitor's sampling interval, seconds
+
+# Every numeric figure of a queue, in the order the table shows them.
+NUMERIC: Final = (
+    CAPACITY,
+    DEPTH,
+    HEAD,
+    TAIL,
+    ENQ_RATE,
+    DEQ_RATE,
+    ENQ_P50,
+    ENQ_P99,
+    DEQ_P50,
+    DEQ_P99,
+    FULL,
+    EMPTY,
+    RETRIES,
+    EXCEPTIONS,
+    COMMITS,
+    ROLLBACKS,
+    WAITING_DEQUEUERS,
+    WAITING_ENQUEUERS,
+    POISONED,
+    DEAD_ROWS,
+)
+
+# How a history bucket summarizes its points when a long window is thinned
+# for the page: the worst case where an operator looks for spikes (depth,
+# p99, retries, waiters), the mean for steady figures and for the full/empty
+# seconds (so a bucket reads as "seconds full per interval, on average"), the
+# last value for positions.
+MAX: Final = "max"
+MEAN: Final = "mean"
+LAST: Final = "last"
+BUCKET: Final = {
+    CAPACITY: LAST,
+    DEPTH: MAX,
+    HEAD: LAST,
+    TAIL: LAST,
+    ENQ_RATE: MEAN,
+    DEQ_RATE: MEAN,
+    ENQ_P50: MEAN,
+    ENQ_P99: MAX,
+    DEQ_P50: MEAN,
+    DEQ_P99: MAX,
+    FULL: MEAN,
+    EMPTY: MEAN,
+    RETRIES: MAX,
+    EXCEPTIONS: MAX,
+    COMMITS: MEAN,
+    ROLLBACKS: MEAN,
+    WAITING_DEQUEUERS: MAX,
+    WAITING_ENQUEUERS: MAX,
+    POISONED: MAX,
+    DEAD_ROWS: MAX,
+}

@@ -1,0 +1,207 @@
+"""Data access: the monitor's HTTP API, read and normalized (no rendering here).
+
+The page and the terminal view both read through :class:`MonitorClient`, so
+whatever shape the monitor serves is mended in one place: every row comes out
+with every key of :data:`~ringq.rtv._metrics.NUMERIC` as a float (missing ones
+``None``), queues sorted by name, history points sorted by time.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import urllib.error
+import urllib.request
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, TypeGuard
+from urllib.parse import urlencode
+
+from ringq.engine import RingqError
+
+from . import _metrics as K
+
+Row = dict[str, Any]
+
+
+class MonitorError(RingqError):
+    """The monitor answered, but not with what the viewer asked for (an HTTP
+    error status such as 401 for a wrong ``monitor_token``, or a body that is
+    not the API's JSON). ``status`` is the HTTP status, or ``None``."""
+
+    def __init__(self, message: str, *, status: int | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+class MonitorUnavailable(MonitorError):
+    """The monitor cannot be reached at its address (refused, timed out, reset)."""
+
+
+# The monitor's own figures passed on to the page (``monitor`` in /api/queues).
+MONITOR_FIELDS = ("interval", "beat", "started", "running", "database", "clients", "xmin_age_s", "version")
+
+
+@dataclass(frozen=True)
+class Overview:
+    """One answer of ``GET /api/queues``: the sample time ``t`` (epoch
+    seconds), the monitor's sampling ``interval`` (seconds), some of its own
+    figures (``monitor``) and every queue's row, sorted by name."""
+
+    t: float | None
+    interval: float | None
+    monitor: dict[str, Any]
+    queues: list[Row]
+
+    def as_json(self) -> dict[str, Any]:
+        return {"t": self.t, "interval": self.interval, "monitor": self.monitor, "queues": self.queues}
+
+
+@dataclass(frozen=True)
+class History:
+    """One answer of ``GET /api/history``: the monitor's sampling ``interval``
+    (seconds) and the points, oldest first."""
+
+    interval: float | None
+    points: list[Row]
+
+
+class MonitorClient:
+    """Reads ``GET /api/queues`` and ``GET /api/history`` from a monitor
+    (``monitor/API.md``).
+
+    Thread-safe: each call opens its own connection. ``timeout`` is seconds.
+
+    :raises MonitorUnavailable: from every call when the monitor cannot be reached.
+    :raises MonitorError: from every call when it answers with an error or bad JSON.
+    """
+
+    def __init__(self, url: str, token: str | None = None, *, timeout: float = 5.0) -> None:
+        self.url = url.rstrip("/")
+        self._token = token
+        self._timeout = timeout
+
+    def overview(self) -> Overview:
+        """Every queue's current figures and the monitor's own."""
+        body = self._get("/api/queues")
+        items = body.get("queues") if isinstance(body, Mapping) else body
+        if not _is_list(items):
+            raise MonitorError("GET /api/queues: expected a list of queues")
+        rows = [normalize(item) for item in items if isinstance(item, Mapping) and item.get(K.NAME)]
+        rows.sort(key=lambda r: str(r[K.NAME]))
+        status = body.get("monitor") if isinstance(body, Mapping) else None
+        monitor = {k: status[k] for k in MONITOR_FIELDS if k in status} if isinstance(status, Mapping) else {}
+        t = _number(body.get(K.TIME)) if isinstance(body, Mapping) else None
+        return Overview(t=t, interval=_number(monitor.get(K.INTERVAL)), monitor=monitor, queues=rows)
+
+    def queues(self) -> list[Row]:
+        """Every queue's current figures, sorted by name."""
+        return self.overview().queues
+
+    def history(self, queue: str, since: float) -> History:
+        """The queue's samples taken after ``since`` (seconds since the epoch), oldest first.
+
+        :raises MonitorError: with ``status`` 404 when the monitor never sampled ``queue``.
+        """
+        body = self._get("/api/history?" + urlencode({"queue": queue, "since": f"{since:.3f}"}))
+        items = body.get("points") if isinstance(body, Mapping) else body
+        if not _is_list(items):
+            raise MonitorError("GET /api/history: expected a list of points")
+        points = [normalize(p) for p in items if isinstance(p, Mapping)]
+        points = [p for p in points if p[K.TIME] is not None and p[K.TIME] > since]
+        points.sort(key=lambda p: p[K.TIME])
+        interval = _number(body.get(K.INTERVAL)) if isinstance(body, Mapping) else None
+        return History(interval=interval, points=points)
+
+    def _get(self, path: str) -> Any:
+        request = urllib.request.Request(self.url + path, headers={"Accept": "application/json"})
+        if self._token:
+            request.add_header("Authorization", f"Bearer {self._token}")
+        what = "GET " + path.split("?", 1)[0]
+        try:
+            with urllib.request.urlopen(request, timeout=self._timeout) as response:
+                raw = response.read()
+        except urllib.error.HTTPError as exc:
+            detail = exc.read(300).decode("utf-8", "replace").strip()
+            exc.close()
+            hint = " (check --monitor-token)" if exc.code in (401, 403) else ""
+            raise MonitorError(
+                f"monitor {self.url}: {what} answered {exc.code} {exc.reason}{hint}: {detail}",
+                status=exc.code,
+            ) from exc
+        except (urllib.error.URLError, OSError) as exc:
+            reason = getattr(exc, "reason", exc)
+            raise MonitorUnavailable(f"monitor {self.url} unreachable: {reason}") from exc
+        try:
+            return json.loads(raw)
+        except ValueError as exc:
+            raise MonitorError(f"monitor {self.url}: {what} did not answer JSON") from exc
+
+
+def _is_list(value: object) -> TypeGuard[Sequence[Any]]:
+    return isinstance(value, Sequence) and not isinstance(value, str | bytes)
+
+
+def normalize(item: Mapping[str, Any]) -> Row:
+    """One queue or one history point with every known figure as a float or ``None``."""
+    row: Row = {}
+    if K.NAME in item:
+        row[K.NAME] = str(item[K.NAME])
+    row[K.TIME] = _number(item.get(K.TIME))
+    for key in K.NUMERIC:
+        row[key] = _number(item.get(key))
+    return row
+
+
+def _number(value: object) -> float | None:
+    if isinstance(value, bool):
+        return 1.0 if value else 0.0
+    if isinstance(value, int | float):
+        f = float(value)
+        return f if math.isfinite(f) else None
+    if isinstance(value, str):
+        try:
+            f = float(value)
+        except ValueError:
+            return None
+        return f if math.isfinite(f) else None
+    return None
+
+
+def thin(points: Sequence[Row], max_points: int) -> list[Row]:
+    """At most about ``max_points`` points: equal time buckets over the span,
+    each summarized per :data:`~ringq.rtv._metrics.BUCKET` and stamped with
+    its last point's time (so later samples append after it)."""
+    if len(points) <= max_points:
+        return list(points)
+    first, last = points[0][K.TIME], points[-1][K.TIME]
+    width = (last - first) / max_points or 1.0
+    out: list[Row] = []
+    bucket: list[Row] = []
+    edge = first + width
+    for p in points:
+        if p[K.TIME] > edge and bucket:
+            out.append(_summarize(bucket))
+            bucket = []
+            edge += width * max(1, math.ceil((p[K.TIME] - edge) / width))
+        bucket.append(p)
+    if bucket:
+        out.append(_summarize(bucket))
+    return out
+
+
+def _summarize(bucket: Sequence[Row]) -> Row:
+    row: Row = {K.TIME: bucket[-1][K.TIME]}
+    for key in K.NUMERIC:
+        values = [p[key] for p in bucket if p[key] is not None]
+        if not values:
+            row[key] = None
+        elif K.BUCKET[key] == K.MAX:
+            row[key] = max(values)
+        elif K.BUCKET[key] == K.MEAN:
+            row[key] = sum(values) / len(values)
+        else:
+            row[key] = values[-1]
+    return row
+
+

@@ -1,0 +1,545 @@
+"""The Real Time Viewer: its token, its proxy of the monitor, the page in a real
+headless chromium (against a real monitor and a real workload), the terminal view."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import math
+import multiprocessing as mp
+import os
+import pty
+import re
+import select
+import signal
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+from urllib.parse import parse_qs, urlsplit
+
+import psycopg
+import pytest
+from ringq.engine import ConfigError, QueueFull, Section, connect
+from ringq.rtv import MonitorClient, MonitorError, MonitorUnavailable, Viewer, ViewerConfig
+from ringq.rtv import _metrics as K
+from ringq.rtv._source import thin
+from ringq.rtv._tui import TuiModel, render
+from ringq.scripting._ddl import QueueSpec, create_queue
+
+CHROMIUM = "/usr/bin/chromium"
+CHROMIUM_ARGS = [
+    "--no-sandbox",  # root in a container has no user namespace sandbox
+    "--disable-gpu",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--no-first-run",
+    "--disable-sync",
+]
+RINGQ = [sys.executable, "-m", "ringq.cli"]
+FORK = mp.get_context("fork")
+
+
+# -- a stand-in monitor: the real API's shapes, numbers that move with the clock -----
+
+
+class FakeMonitor:
+    """Serves ``/api/queues`` and ``/api/history`` as monitor/_http.py does,
+    for two queues whose figures change every second."""
+
+    QUEUES = ("alpha", "beta")
+    CAPACITY = 1000
+
+    def __init__(self, token: str | None = None, history_s: int = 1200) -> None:
+        self.token = token
+        self.started = time.time() - history_s
+        self.requests: list[tuple[str, str | None]] = []  # (path, Authorization header)
+        fake = self
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, format: str, *args: Any) -> None:
+                pass
+
+            def do_GET(self) -> None:
+                url = urlsplit(self.path)
+                query = parse_qs(url.query)
+                fake.requests.append((url.path, self.headers.get("Authorization")))
+                if fake.token and self.headers.get("Authorization") != f"Bearer {fake.token}":
+                    return self._json(401, {"error": "a token is required", "status": 401})
+                if url.path == "/api/queues":
+                    now = time.time()
+                    return self._json(200, {
+                        "t": now,
+                        "monitor": {"interval": 1.0, "beat": now, "database": True, "steps": {}},
+                        "queues": [fake.sample(q, math.floor(now)) for q in fake.QUEUES],
+                    })
+                if url.path == "/api/history":
+                    queue = query.get("queue", [""])[0]
+                    if queue not in fake.QUEUES:
+                        return self._json(404, {"error": f"no history for queue {queue!r}", "status": 404})
+                    since = float(query.get("since", [time.time() - 300])[0])
+                    first = max(math.floor(since) + 1, math.ceil(fake.started))
+                    points = [fake.sample(queue, t) for t in range(first, math.floor(time.time()) + 1)]
+                    for p in points:
+                        del p["name"]
+                    return self._json(200, {"queue": queue, "interval": 1.0, "since": since, "points": points})
+                self._json(404, {"error": "no such path", "status": 404})
+
+            def _json(self, status: int, body: Any) -> None:
+                data = json.dumps(body).encode()
+                self.send_response(status)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.httpd.daemon_threads = True
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
+        self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
+        self.thread.start()
+
+    def sample(self, queue: str, t: int) -> dict[str, Any]:
+        phase = 0.0 if queue == "alpha" else 2.0
+        depth = round(self.CAPACITY * (0.5 + 0.5 * math.sin(t / 20 + phase)))
+        return {
+            "name": queue, "t": float(t), "capacity": self.CAPACITY, "depth": depth,
+            "head": 10 * t, "tail": 10 * t - depth,
+            "enq_rate": 100 + 50 * math.sin(t / 7 + phase), "deq_rate": 100 + 50 * math.cos(t / 7),
+            "enq_p50_us": 150 + (t % 5) * 10, "enq_p99_us": 400 + (t % 11) * 40,
+            "deq_p50_us": 120 + (t % 3) * 10, "deq_p99_us": 300 + (t % 13) * 30,
+            "full": 0.5 if depth >= self.CAPACITY - 2 else 0.0, "empty": 1.0 if depth <= 2 else 0.0,
+            "retries": t % 4 == 0, "exceptions": (t // 60) % 5, "commits": 200, "rollbacks": t % 4 == 0,
+            "waiting_dequeuers": int(depth == 0), "waiting_enqueuers": 0, "poisoned": 0, "dead_rows": 3,
+        }
+
+    def close(self) -> None:
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
+@pytest.fixture
+def fake_monitor() -> Iterator[FakeMonitor]:
+    mon = FakeMonitor()
+    yield mon
+    mon.close()
+
+
+def _get(url: str, headers: dict[str, str] | None = None) -> tuple[int, dict[str, str], bytes]:
+    parts = urlsplit(url)
+    conn = http.client.HTTPConnection(parts.hostname, parts.port, timeout=10)
+    try:
+        path = parts.path + (f"?{parts.query}" if parts.query else "")
+        conn.request("GET", path or "/", headers=headers or {})
+        r = conn.getresponse()
+        return r.status, {k.lower(): v for k, v in r.getheaders()}, r.read()
+    finally:
+        conn.close()
+
+
+# -- configuration and authentication ------------------------------------------------------
+
+
+def test_config_is_validated() -> None:
+    assert ViewerConfig().port == 7481
+    assert len(ViewerConfig().token) >= 20 and ViewerConfig().token != ViewerConfig().token
+    for bad in (
+        {"monitor_url": "ftp://x"},
+        {"monitor_url": "http://127.0.0.1:7480/?token=x"},
+        {"token": ""},
+        {"token": "has space"},
+        {"port": 70000},
+        {"refresh": 0},
+        {"window": 60},
+    ):
+        with pytest.raises(ConfigError):
+            ViewerConfig(**bad)
+
+
+def test_every_path_needs_the_token(fake_monitor: FakeMonitor) -> None:
+    with Viewer(ViewerConfig(monitor_url=fake_monitor.url, token="s3cret", port=0)) as v:
+        base = v.base_url
+        for path in ("/", "/api/queues", "/api/history?queue=alpha", "/static/app.js", "/nope"):
+            status, headers, body = _get(base + path)
+            assert status == 401, path
+            assert headers["www-authenticate"].startswith("Bearer")
+            assert b"token" in body
+        assert _get(base + "/?token=wrong")[0] == 401
+        assert _get(base + "/api/queues", {"Authorization": "Bearer wrong"})[0] == 401
+        assert _get(base + "/api/queues", {"Cookie": f"ringq_rtv_{v.port}=wrong"})[0] == 401
+        # A wrong token in the address is not rescued by a good cookie.
+        assert _get(base + "/?token=wrong", {"Cookie": f"ringq_rtv_{v.port}=s3cret"})[0] == 401
+
+        status, headers, body = _get(v.url)
+        assert status == 200 and b"uPlot.iife.min.js" in body
+        assert v.url == f"{base}/?token=s3cret"
+        cookie = headers["set-cookie"]
+        assert cookie.startswith(f"ringq_rtv_{v.port}=s3cret;") and "HttpOnly" in cookie
+        assert "SameSite=Strict" in cookie
+        assert "default-src 'none'" in headers["content-security-policy"]
+        assert headers["referrer-policy"] == "no-referrer"
+        assert _get(base + "/api/queues", {"Authorization": "Bearer s3cret"})[0] == 200
+        assert _get(base + "/static/app.js", {"Cookie": f"ringq_rtv_{v.port}=s3cret"})[0] == 200
+        status, headers, _ = _get(base + "/static/vendor/uPlot.min.css", {"Authorization": "Bearer s3cret"})
+        assert status == 200 and headers["content-type"].startswith("text/css")
+        # Nothing outside static/ is served, however the path is spelled.
+        for path in ("/static/../_server.py", "/static/%2e%2e/_server.py", "/static//etc/passwd",
+                     "/static/vendor/../../_config.py"):
+            assert _get(base + path, {"Authorization": "Bearer s3cret"})[0] == 404, path
+
+
+def test_proxy_forwards_the_monitor_token_and_reports_its_failures() -> None:
+    mon = FakeMonitor(token="mon-token")
+    try:
+        cfg = ViewerConfig(monitor_url=mon.url, monitor_token="mon-token", token="t", port=0)
+        with Viewer(cfg) as v:
+            auth = {"Authorization": "Bearer t"}
+            status, _, body = _get(v.base_url + "/api/queues", auth)
+            assert status == 200
+            doc = json.loads(body)
+            assert [q["name"] for q in doc["queues"]] == ["alpha", "beta"]
+            assert doc["interval"] == 1.0
+            assert set(doc["queues"][0]) == {K.NAME, K.TIME, *K.NUMERIC}
+            assert doc["queues"][0]["retries"] in (0.0, 1.0)  # booleans come out as numbers
+            # The viewer's token never reaches the monitor; the monitor's does.
+            assert {h for _, h in mon.requests} == {"Bearer mon-token"}
+
+            status, _, body = _get(v.base_url + "/api/history?queue=alpha&window=300", auth)
+            hist = json.loads(body)
+            assert status == 200 and hist["queue"] == "alpha" and 290 <= len(hist["points"]) <= 301
+            ts = [p["t"] for p in hist["points"]]
+            assert ts == sorted(ts)
+            status, _, body = _get(v.base_url + f"/api/history?queue=alpha&since={ts[-3]}", auth)
+            assert [p["t"] for p in json.loads(body)["points"]][:2] == ts[-2:]
+            assert _get(v.base_url + "/api/history?queue=nosuch", auth)[0] == 404
+            assert _get(v.base_url + "/api/history", auth)[0] == 400
+            assert _get(v.base_url + "/api/history?queue=alpha&since=nan", auth)[0] == 400
+
+        with Viewer(cfg.replace(monitor_token="wrong")) as v:
+            status, _, body = _get(v.base_url + "/api/queues", {"Authorization": "Bearer t"})
+            assert status == 502 and "401" in json.loads(body)["error"]
+            assert "--monitor-token" in json.loads(body)["error"]
+    finally:
+        mon.close()
+    with Viewer(ViewerConfig(monitor_url=mon.url, token="t", port=0, timeout=1)) as v:
+        status, _, body = _get(v.base_url + "/api/queues", {"Authorization": "Bearer t"})
+        assert status == 502 and json.loads(body)["monitor"] == "unreachable"
+    with pytest.raises(MonitorUnavailable):
+        MonitorClient(mon.url, timeout=1).queues()
+    assert issubclass(MonitorUnavailable, MonitorError)
+
+
+def test_long_history_is_thinned_keeping_the_worst_moments() -> None:
+    points = [
+        {K.TIME: float(t), **{k: 1.0 for k in K.NUMERIC}} for t in range(86_400)
+    ]
+    points[50_000][K.ENQ_P99] = 9_999.0
+    points[50_001][K.FULL] = 1.0
+    thinned = thin(points, 1000)
+    assert 900 <= len(thinned) <= 1001
+    assert thinned[-1][K.TIME] == 86_399.0
+    assert max(p[K.ENQ_P99] for p in thinned) == 9_999.0  # the p99 spike survives
+    assert max(p[K.FULL] for p in thinned) > 1.0 - 1e-9  # averaged, but visible
+    assert thin(points[:10], 1000) == points[:10]
+
+
+def test_viewer_metric_names_are_the_monitors() -> None:
+    from ringq.monitor import _sample as S
+
+    assert set(K.NUMERIC) == set(S.NUMERIC_KEYS) - {S.T}
+    assert K.TIME == S.T and K.NAME == S.NAME
+    assert set(K.BUCKET) == set(K.NUMERIC)
+
+
+# -- the terminal view -------------------------------------------------------------------
+
+
+def test_tui_model_and_render(fake_monitor: FakeMonitor) -> None:
+    from rich.console import Console
+
+    model = TuiModel(MonitorClient(fake_monitor.url), window=300)
+    model.update()
+    assert model.error is None and [q["name"] for q in model.queues] == ["alpha", "beta"]
+    assert 290 <= len(model.history["alpha"]) <= 301
+    console = Console(record=True, width=160, color_system=None)
+    console.print(render(model, fake_monitor.url, width=160))
+    text = console.export_text()
+    print(text)
+    assert "…" not in text  # nothing cut at 160 columns
+    for needle in ("alpha", "beta", "Depth / cap", "EnQ p50 / p99", "DeQ p99", "Retries", "/ 1000",
+                   "Over the last 5 min", "Full █ / empty ░"):
+        assert needle in text, needle
+    assert re.search(r"[▁▂▃▄▅▆▇█]{5}", text)  # sparklines drawn
+    fake_monitor.close()
+    model.update()
+    assert model.error and "unreachable" in model.error
+    assert [q["name"] for q in model.queues] == ["alpha", "beta"]  # the last figures stay
+
+
+def test_tui_command_refreshes_in_place_and_ctrl_c_exits_0(fake_monitor: FakeMonitor) -> None:
+    pid, fd = pty.fork()
+    if pid == 0:  # the child: `ringq rtv --tui` on a terminal
+        os.environ.update(COLUMNS="220", LINES="30", TERM="xterm-256color")
+        os.execv(sys.executable, [*RINGQ, "rtv", "--tui", "--monitor", fake_monitor.url])
+    out = b""
+    deadline = time.monotonic() + 30
+    try:
+        # Two frames with a queue name: the second one redrawn over the first.
+        while out.count(b"alpha") < 2 and time.monotonic() < deadline:
+            ready, _, _ = select.select([fd], [], [], 1.0)
+            if ready:
+                try:
+                    out += os.read(fd, 65536)
+                except OSError:
+                    break
+        assert out.count(b"alpha") >= 2, out.decode(errors="replace")[-2000:]
+        assert b"\x1b[" in out  # cursor movement: redrawn in place, not scrolled
+        os.kill(pid, signal.SIGINT)
+        while True:
+            ready, _, _ = select.select([fd], [], [], 5.0)
+            if not ready:
+                break
+            try:
+                if not os.read(fd, 65536):
+                    break
+            except OSError:
+                break
+        _, status = os.waitpid(pid, 0)
+        assert os.waitstatus_to_exitcode(status) == 0
+    finally:
+        try:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+        except (ProcessLookupError, ChildProcessError):
+            pass
+        os.close(fd)
+
+
+# -- the page in a real headless browser ------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def browser() -> Iterator[Any]:
+    if not (os.path.exists(CHROMIUM) and os.access(CHROMIUM, os.X_OK)):
+        pytest.fail(
+            f"{CHROMIUM} is missing: the viewer's page is tested in Debian's chromium. "
+            "Install it with `apt-get install -y chromium chromium-driver` (.ci/setup does), "
+            "and Playwright into the venv with `pip install -e '.[dev]'`. "
+            "Never `playwright install`: the test uses the system browser.",
+            pytrace=False,
+        )
+    try:
+        from playwright.sync_api import sync_playwright
+    except ImportError:
+        pytest.fail(
+            "playwright is not installed in this Python: `pip install -e '.[dev]'` "
+            "(never `playwright install`: the test uses /usr/bin/chromium)",
+            pytrace=False,
+        )
+    with sync_playwright() as pw:
+        b = pw.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+        try:
+            yield b
+        finally:
+            b.close()
+
+
+def _start_rtv(monitor_url: str, *extra: str, env: dict[str, str] | None = None) -> tuple[subprocess.Popen[str], str]:
+    """``ringq rtv --port 0`` as a process; returns it and the address it printed."""
+    proc = subprocess.Popen(
+        [*RINGQ, "rtv", "--port", "0", "--monitor", monitor_url, *extra],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+    )
+    assert proc.stdout is not None
+    for line in proc.stdout:
+        m = re.search(r"(http://127\.0\.0\.1:\d+/\?token=\S+)", line)
+        if m:
+            return proc, m.group(1)
+    proc.kill()
+    raise AssertionError(f"ringq rtv printed no address; stderr: {proc.communicate()[1]!r}")
+
+
+def _stop(proc: subprocess.Popen[str]) -> int:
+    """Ctrl-C the viewer; its exit code (its output is printed for the record)."""
+    proc.send_signal(signal.SIGINT)
+    try:
+        out, err = proc.communicate(timeout=15)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        out, err = proc.communicate()
+    print(f"ringq rtv stdout: {out!r}\nringq rtv stderr: {err!r}")
+    return proc.returncode
+
+
+def _chart_data(page: Any, name: str) -> list[list[float | None]]:
+    data: list[list[float | None]] = page.evaluate(
+        "name => window.ringqRtv.charts[name].data.map(col => Array.from(col))", name
+    )
+    return data
+
+
+def _wait_until(page: Any, condition: str, timeout_s: float = 20) -> None:
+    """Wait until the page's own state satisfies ``condition`` (a JS expression).
+
+    Checked from outside with ``evaluate`` every 100 ms: ``wait_for_function``
+    would ``eval`` the condition inside the page, which the page's CSP forbids.
+    """
+    deadline = time.monotonic() + timeout_s
+    while not page.evaluate(f"() => !!(window.ringqRtv && ({condition}))"):
+        if time.monotonic() > deadline:
+            state = page.evaluate("() => window.ringqRtv && JSON.stringify({ticks: window.ringqRtv.state.ticks, "
+                                  "error: window.ringqRtv.state.error, n: window.ringqRtv.state.points.length})")
+            raise AssertionError(f"the page never reached {condition!r}; state {state}")
+        page.wait_for_timeout(100)
+
+
+def _wait_ticks(page: Any, more: int, timeout_s: float = 20) -> None:
+    """Wait (on the page's own counter) for ``more`` completed refreshes."""
+    now = page.evaluate("window.ringqRtv.state.ticks")
+    _wait_until(page, f"window.ringqRtv.state.ticks >= {now + more}", timeout_s)
+
+
+def _screenshot(page: Any, path: Path) -> None:
+    page.screenshot(path=str(path), full_page=True)
+    print(f"\nrtv screenshot: {path}")
+
+
+def test_page_against_a_stand_in_monitor(browser: Any, fake_monitor: FakeMonitor, tmp_path: Path) -> None:
+    proc, url = _start_rtv(fake_monitor.url, "--token", "page-token")
+    try:
+        assert url.endswith("/?token=page-token")
+        page = browser.new_page(viewport={"width": 1400, "height": 1100})
+        errors: list[str] = []
+        page.on("pageerror", lambda exc: errors.append(str(exc)))
+        page.on("console", lambda msg: errors.append(msg.text) if msg.type == "error" else None)
+        page.goto(url)
+        _wait_until(page, "window.ringqRtv.state.ticks >= 2")
+        assert "token=" not in page.url  # taken out of the address bar
+        assert page.locator("#queues tbody tr").count() == 2
+        assert page.inner_text("#detail-name") == "alpha"
+        for name in ("depth", "rates", "enq", "deq", "state", "faults"):
+            assert len(_chart_data(page, name)[0]) >= 290, name
+        before = _chart_data(page, "enq")
+        _wait_ticks(page, 3)
+        after = _chart_data(page, "enq")
+        assert after[0][-1] > before[0][-1]  # new samples arrived without a reload
+        # Choosing another window reloads that much history; another queue its own.
+        page.select_option("#window", "3600")
+        _wait_until(page, "window.ringqRtv.state.points.length >= 1100")
+        page.click("#queues tbody tr[data-queue=beta]")
+        _wait_until(page, "window.ringqRtv.state.queue === 'beta' && window.ringqRtv.state.points.length >= 1100")
+        assert errors == []
+        _screenshot(page, tmp_path / "rtv-stand-in.png")
+        page.close()
+    finally:
+        assert _stop(proc) == 0
+
+
+# -- the real thing: a monitor over a real database and a workload that runs --------------------
+
+
+def _workload(dsn: str, queues: list[str], stop: Any, started: Any) -> None:
+    """Fill the queues until they are full, then drain them until empty, over
+    and over, so depth, rates, latencies and the full/empty periods all move;
+    now and then a dequeue is rolled back (a retry on the page)."""
+    with connect(dsn) as s:
+        n = 0
+        started.set()
+        while not stop.is_set():
+            filling = int(time.monotonic() / 2.5) % 2 == 0
+            for q in queues:
+                for _ in range(40 if filling else 4):
+                    try:
+                        s.enqueue(q, b"x" * 64, timeout=0.02)
+                    except QueueFull:
+                        break
+                s.commit()
+                for _ in range(10 if filling else 50):
+                    if s.dequeue(q) is None:
+                        break
+                if n % 7 == 0:
+                    s.rollback()
+                else:
+                    s.commit()
+            n += 1
+            stop.wait(0.01)
+
+
+@pytest.fixture
+def live_queues(dsn: str) -> Iterator[list[str]]:
+    names = ["rtv_" + uuid.uuid4().hex[:8], "rtv_" + uuid.uuid4().hex[:8]]
+    with psycopg.connect(dsn) as conn:
+        for name in names:
+            create_queue(conn, QueueSpec(name, 400, 256))
+    yield names
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        row = conn.execute("SELECT value FROM ringq.meta WHERE key = 'instance_id'").fetchone()
+        qids = [r[0] for r in conn.execute("SELECT id FROM ringq.queues").fetchall()]
+    if row:
+        Section.unlink(row[0])
+        Section.unlink_semaphores(row[0], qids)
+
+
+def test_page_live_over_a_real_monitor_and_workload(
+    browser: Any, dsn: str, live_queues: list[str], tmp_path: Path
+) -> None:
+    from ringq.monitor import Monitor, MonitorConfig
+
+    stop, started = FORK.Event(), FORK.Event()
+    with Monitor(MonitorConfig(dsn, port=0, token="mon-secret", interval=0.5, recovery_interval=0.1)) as mon:
+        assert mon.url
+        worker = FORK.Process(target=_workload, args=(dsn, live_queues, stop, started), daemon=True)
+        worker.start()
+        env = {**os.environ, "RINGQ_MONITOR_TOKEN": "mon-secret"}
+        env.pop("RINGQ_RTV_TOKEN", None)
+        proc, url = _start_rtv(mon.url, "--refresh", "0.5", env=env)
+        try:
+            assert started.wait(30)
+            page = browser.new_page(viewport={"width": 1400, "height": 1100})
+            errors: list[str] = []
+            page.on("pageerror", lambda exc: errors.append(str(exc)))
+            page.goto(url)
+            _wait_until(page, "window.ringqRtv.state.ticks >= 2 && window.ringqRtv.state.points.length >= 2", 30)
+            assert sorted(page.locator("#queues tbody tr").evaluate_all(
+                "rows => rows.map(r => r.dataset.queue)")) == sorted(live_queues)
+            first = _chart_data(page, "rates")
+            _wait_ticks(page, 16)  # eight seconds of the workload: filled and drained
+            second = _chart_data(page, "rates")
+            assert len(second[0]) > len(first[0]) and second[0][-1] > first[0][-1]
+            assert second != first
+            assert max(v or 0 for v in second[1]) > 0, "no enqueue rate plotted"
+            depth = _chart_data(page, "depth")
+            assert max(v or 0 for v in depth[1]) > 0 and depth[2][-1] == 400  # depth, capacity
+            enq = _chart_data(page, "enq")
+            assert max(v or 0 for v in enq[2]) >= max(v or 0 for v in enq[1]) > 0  # p99 >= p50 > 0
+            assert errors == []
+            _screenshot(page, tmp_path / "rtv-live.png")
+
+            # A wrong token gets 401, in the browser as elsewhere.
+            bad = browser.new_page()
+            response = bad.goto(url.split("?")[0] + "?token=wrong")
+            assert response is not None and response.status == 401
+            assert "token" in bad.inner_text("body")
+            assert bad.goto(url.split("?")[0]).status == 401  # and no token at all
+            bad.close()
+            page.close()
+        finally:
+            stop.set()
+            worker.join(20)
+            if worker.is_alive():
+                worker.kill()
+            assert _stop(proc) == 0
+
+
+def test_rtv_command_help_lists_its_variables() -> None:
+    out = subprocess.run([*RINGQ, "rtv", "--help"], capture_output=True, text=True, check=True).stdout
+    for var in ("RINGQ_RTV_PORT", "RINGQ_MONITOR_URL", "RINGQ_MONITOR_TOKEN", "RINGQ_RTV_TOKEN"):
+        assert var in out
+    assert "--tui" in out
