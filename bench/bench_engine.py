@@ -1,0 +1,1166 @@
+"""Engine benchmarks (issue 3): ringq against a SKIP LOCKED queue and a one-row-update ceiling.
+
+Prints a table and writes JSON (``bench/results/engine-<timestamp>.json`` and
+``--out PATH``). It measures; it never asserts a timing. Each target is
+reported as met or not met.
+
+Everything runs in ONE process tree on ONE database: the project's embedded
+PostgreSQL (``ringq.scripting.Cluster``, started under a temporary home and
+removed afterwards) unless ``--dsn`` names another. The machine is noisy, so
+the short measurements run in interleaved rounds (ringq, SKIP LOCKED, ceiling,
+rotating the order each round) and the table shows the median of the rounds
+with their spread; ratios are taken within a round, then the median of those.
+
+Run ``python bench/bench_engine.py --help``; ``bench/README.md`` says what each
+figure means.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import multiprocessing as mp
+import os
+import platform
+import secrets
+import shutil
+import signal
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from multiprocessing.connection import Connection
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import posix_ipc
+import psycopg
+from psycopg import sql
+from ringq.engine import Section, connect, metrics
+from ringq.engine._names import queue_table
+from ringq.engine._sqlfile import load
+from ringq.scripting import Cluster
+from ringq.scripting._ddl import QueueSpec, create_queue, drop_queue
+
+RESULTS_DIR = Path(__file__).resolve().parent / "results"
+FORK = mp.get_context("fork")
+ENGINE_SQL = load(
+    "ringq.engine", "queries.sql"
+)  # the engine's own statements, for the SQL-only baseline
+
+# -- the SQL of the comparison queues (named blocks; tables only via sql.Identifier) --------
+
+SKQ_CREATE = (
+    "CREATE TABLE {t} (id bigserial PRIMARY KEY, payload bytea, enq_at timestamptz DEFAULT now())"
+)
+SKQ_ENQUEUE = "INSERT INTO {t} (payload) VALUES (%s)"
+SKQ_DEQUEUE = "DELETE FROM {t} WHERE id = (SELECT id FROM {t} ORDER BY id FOR UPDATE SKIP LOCKED LIMIT 1) RETURNING payload"
+SKQ_ENQUEUE_MANY = "INSERT INTO {t} (payload) SELECT unnest(%s::bytea[])"
+SKQ_DEQUEUE_MANY = "DELETE FROM {t} WHERE id IN (SELECT id FROM {t} ORDER BY id FOR UPDATE SKIP LOCKED LIMIT %s) RETURNING payload"
+CEIL_CREATE = "CREATE TABLE {t} (id integer PRIMARY KEY, v bigint NOT NULL)"
+CEIL_FILL = "INSERT INTO {t} VALUES (1, 0)"
+CEIL_UPDATE = "UPDATE {t} SET v = v + 1 WHERE id = 1"
+CEIL_UPDATE_EAGER = "COMMIT; BEGIN"  # ringq's eager-begin protocol: the next BEGIN rides on COMMIT
+SIZES = """
+SELECT pg_relation_size(c.oid),
+       COALESCE(pg_total_relation_size(NULLIF(c.reltoastrelid, 0)), 0),
+       pg_indexes_size(c.oid),
+       pg_total_relation_size(c.oid)
+FROM pg_class c WHERE c.oid = %s::regclass
+"""
+TABLE_STATS = """
+SELECT n_live_tup, n_dead_tup, n_tup_ins, n_tup_upd, n_tup_hot_upd, n_tup_del,
+       autovacuum_count, vacuum_count
+FROM pg_stat_user_tables WHERE relid = %s::regclass
+"""
+SERVER_SETTINGS = (
+    "server_version", "fsync", "synchronous_commit", "wal_sync_method", "shared_buffers",
+    "autovacuum", "autovacuum_naptime", "max_connections",
+)  # fmt: skip
+
+
+# -- figures -------------------------------------------------------------------------------
+
+
+def latency_summary(samples_ns: list[int]) -> dict[str, float]:
+    """p50/p90/p99/max/mean of call latencies, in microseconds."""
+    a = np.asarray(samples_ns, dtype=np.float64) / 1000.0
+    if a.size == 0:
+        return {"n": 0}
+    p50, p90, p99 = np.percentile(a, [50, 90, 99])
+    return {
+        "n": int(a.size),
+        "p50_us": float(p50),
+        "p90_us": float(p90),
+        "p99_us": float(p99),
+        "max_us": float(a.max()),
+        "mean_us": float(a.mean()),
+    }
+
+
+@dataclass(frozen=True)
+class Names:
+    """The objects one run creates (unique, so ``--dsn`` never touches anyone else's)."""
+
+    tag: str
+
+    @property
+    def ring(self) -> str:  # rounds
+        return f"bench_{self.tag}"
+
+    @property
+    def ring_wake(self) -> str:
+        return f"bench_{self.tag}_w"
+
+    @property
+    def ring_volume(self) -> str:
+        return f"bench_{self.tag}_v"
+
+    @property
+    def ring_sql(self) -> str:  # the SQL-only baseline: the engine never touches it
+        return f"bench_{self.tag}_s"
+
+    @property
+    def skq(self) -> str:
+        return f"skq_{self.tag}"
+
+    @property
+    def skq_volume(self) -> str:
+        return f"skq_{self.tag}_v"
+
+    @property
+    def ceiling(self) -> str:
+        return f"ceil_{self.tag}"
+
+
+def q(template: str, table: str) -> sql.Composed:
+    return sql.SQL(template).format(t=sql.Identifier(table))
+
+
+def ring_table(queue: str) -> str:
+    return f"ringq.q_{queue}"
+
+
+# -- ringq ---------------------------------------------------------------------------------
+
+
+def bench_ringq(
+    dsn: str, queue: str, payload: bytes, n_single: int, n_batches: int, batch: int
+) -> dict[str, Any]:
+    """Call latency each way, single-entry tx/s each way, batched entries/s each way."""
+    with connect(dsn) as prod, connect(dsn) as cons:
+        # Warm-up: queue info cached, section block loaded, statements prepared.
+        for _ in range(10):
+            prod.enqueue(queue, payload)
+            prod.commit()
+        for _ in range(10):
+            assert cons.dequeue(queue) is not None
+            cons.commit()
+
+        lat: list[int] = []
+        pc = time.perf_counter_ns
+        start = pc()
+        for _ in range(n_single):
+            t0 = pc()
+            prod.enqueue(queue, payload)
+            lat.append(pc() - t0)
+            prod.commit()
+        enq_elapsed = pc() - start
+        enq = latency_summary(lat)
+
+        lat = []
+        start = pc()
+        for _ in range(n_single):
+            t0 = pc()
+            m = cons.dequeue(queue)
+            lat.append(pc() - t0)
+            cons.commit()
+            if m is None:
+                raise RuntimeError(f"ringq: queue {queue} ran dry after {len(lat)} dequeues")
+        deq_elapsed = pc() - start
+        deq = latency_summary(lat)
+
+        batch_payloads = [payload] * batch
+        start = pc()
+        for _ in range(n_batches):
+            prod.enqueue_many(queue, batch_payloads)
+            prod.commit()
+        enq_many_elapsed = pc() - start
+        got = 0
+        start = pc()
+        for _ in range(n_batches):
+            got += len(cons.dequeue_many(queue, batch))
+            cons.commit()
+        deq_many_elapsed = pc() - start
+        if got != n_batches * batch:
+            raise RuntimeError(f"ringq: dequeued {got} of {n_batches * batch} batched entries")
+    return {
+        "enqueue_latency": enq,
+        "dequeue_latency": deq,
+        "enqueue_tx_per_s": n_single / (enq_elapsed / 1e9),
+        "dequeue_tx_per_s": n_single / (deq_elapsed / 1e9),
+        "enqueue_many_entries_per_s": n_batches * batch / (enq_many_elapsed / 1e9),
+        "dequeue_many_entries_per_s": n_batches * batch / (deq_many_elapsed / 1e9),
+    }
+
+
+def _wake_consumer(dsn: str, queue: str, n: int, pipe: Connection) -> None:
+    """Child process: block in dequeue(wait=...) n times; send back (seq, monotonic ns at return)."""
+    out: list[tuple[int, int]] = []
+    try:
+        with connect(dsn) as s:
+            s.queue_info(queue)
+            for _ in range(n):
+                pipe.send(("ready", None))
+                m = s.dequeue(queue, wait=10.0)
+                t = time.monotonic_ns()
+                s.commit()
+                if m is None:
+                    raise RuntimeError("wake-up: no entry within 10 s")
+                out.append((m.seq, t))
+        pipe.send(("done", out))
+    except BaseException as exc:  # report to the parent instead of hanging it
+        pipe.send(("error", repr(exc)))
+        raise
+
+
+def bench_wakeup(dsn: str, queue: str, payload: bytes, n: int) -> dict[str, Any]:
+    """Commit-to-dequeue latency: producer's clock after commit() returns, consumer's after dequeue() returns.
+
+    Both read CLOCK_MONOTONIC (time.monotonic_ns), which is shared by the
+    processes of one host. Before each enqueue the producer waits until the
+    section shows the consumer registered as a sleeping dequeuer, then 1 ms more
+    so that it is inside the semaphore wait, not between registering and sleeping.
+    """
+    parent, child = FORK.Pipe()
+    proc = FORK.Process(target=_wake_consumer, args=(dsn, queue, n, child), daemon=True)
+    proc.start()
+    sent: dict[int, int] = {}
+    confirmed = 0
+    try:
+        with connect(dsn) as prod:
+            prod.queue_info(queue)
+            for _ in range(n):
+                what, detail = parent.recv()
+                if what != "ready":
+                    raise RuntimeError(f"wake-up consumer: {detail}")
+                deadline = time.monotonic() + 2.0
+                while prod.stats(queue)[metrics.WAIT_READY] == 0 and time.monotonic() < deadline:
+                    time.sleep(0.0002)
+                confirmed += prod.stats(queue)[metrics.WAIT_READY] > 0
+                time.sleep(0.001)
+                seq = prod.enqueue(queue, payload)
+                prod.commit()
+                sent[seq] = time.monotonic_ns()
+        what, got = parent.recv()
+        if what != "done":
+            raise RuntimeError(f"wake-up consumer: {got}")
+    finally:
+        proc.join(30)
+        if proc.is_alive():
+            proc.kill()
+            proc.join()
+    diffs = [t - sent[seq] for seq, t in got if seq in sent]
+    out = latency_summary(diffs)
+    out["consumer_confirmed_asleep"] = confirmed
+    out["negative"] = sum(
+        d < 0 for d in diffs
+    )  # consumer returned before the producer's commit() did
+    return out
+
+
+class RingSQL:
+    """The engine's own statements (engine/queries.sql) issued straight through psycopg on a
+    queue table the engine never loads: what ringq would cost with a free section and no
+    Python around the SQL. Same protocol as a session (eager BEGIN riding on COMMIT).
+    Engine time = ringq - this."""
+
+    def __init__(self, queue: str) -> None:
+        self.queue = queue
+        self.next_seq = 0  # next sequence to enqueue (the table's rows start at seq -1)
+        self.next_deq = 0  # oldest sequence not yet dequeued
+
+    def stmt(self, name: str) -> str:
+        return sql.SQL(ENGINE_SQL[name]).format(table=queue_table(self.queue)).as_string(None)
+
+
+def bench_ring_sql(
+    dsn: str, st: RingSQL, capacity: int, payload: bytes, n_single: int, n_batches: int, batch: int
+) -> dict[str, Any]:
+    enq_sql, deq_sql = st.stmt("enqueue"), st.stmt("dequeue")
+    enq_many_sql, deq_many_sql = st.stmt("enqueue_many"), st.stmt("dequeue_many")
+    pc = time.perf_counter_ns
+
+    def enqueue(conn: psycopg.Connection[Any]) -> None:
+        s = st.next_seq
+        cur = conn.execute(enq_sql, (s, payload, "bench", s, s % capacity, s))
+        if cur.rowcount != 1:
+            raise RuntimeError(f"ringq SQL baseline: enqueue of seq {s} matched no row")
+        st.next_seq += 1
+
+    def dequeue(conn: psycopg.Connection[Any]) -> None:
+        s = st.next_deq
+        if conn.execute(deq_sql, (s % capacity, s), binary=True).fetchone() is None:
+            raise RuntimeError(f"ringq SQL baseline: dequeue of seq {s} matched no row")
+        st.next_deq += 1
+
+    with (
+        psycopg.connect(dsn, autocommit=True) as prod,
+        psycopg.connect(dsn, autocommit=True) as cons,
+    ):
+        prod.execute("BEGIN")
+        cons.execute("BEGIN")
+        for _ in range(10):
+            enqueue(prod)
+            prod.execute(CEIL_UPDATE_EAGER)
+        for _ in range(10):
+            dequeue(cons)
+            cons.execute(CEIL_UPDATE_EAGER)
+        out: dict[str, Any] = {}
+        for kind, conn, fn in (("enqueue", prod, enqueue), ("dequeue", cons, dequeue)):
+            lat: list[int] = []
+            start = pc()
+            for _ in range(n_single):
+                t0 = pc()
+                fn(conn)
+                lat.append(pc() - t0)
+                conn.execute(CEIL_UPDATE_EAGER)
+            out[f"{kind}_tx_per_s"] = n_single / ((pc() - start) / 1e9)
+            out[f"{kind}_latency"] = latency_summary(lat)
+
+        items = [payload] * batch
+        start = pc()
+        for _ in range(n_batches):
+            seqs = list(range(st.next_seq, st.next_seq + batch))
+            rows = prod.execute(
+                enq_many_sql, ("bench", [x % capacity for x in seqs], seqs, items, seqs)
+            ).fetchall()
+            if len(rows) != batch:
+                raise RuntimeError("ringq SQL baseline: a batched enqueue matched fewer rows")
+            st.next_seq += batch
+            prod.execute(CEIL_UPDATE_EAGER)
+        out["enqueue_many_entries_per_s"] = n_batches * batch / ((pc() - start) / 1e9)
+        start = pc()
+        for _ in range(n_batches):
+            seqs = list(range(st.next_deq, st.next_deq + batch))
+            rows = cons.execute(
+                deq_many_sql, ([x % capacity for x in seqs], seqs), binary=True
+            ).fetchall()
+            if len(rows) != batch:
+                raise RuntimeError("ringq SQL baseline: a batched dequeue matched fewer rows")
+            st.next_deq += batch
+            cons.execute(CEIL_UPDATE_EAGER)
+        out["dequeue_many_entries_per_s"] = n_batches * batch / ((pc() - start) / 1e9)
+        prod.execute("ROLLBACK")
+        cons.execute("ROLLBACK")
+    return out
+
+
+def _sem_waiter(name: str, n: int, pipe: Connection) -> None:
+    sem = posix_ipc.Semaphore(name)
+    out: list[int] = []
+    try:
+        for _ in range(n):
+            pipe.send("ready")
+            sem.acquire(10.0)
+            out.append(time.monotonic_ns())
+        pipe.send(out)
+    finally:
+        sem.close()
+
+
+def bench_sem_wakeup(n: int) -> dict[str, Any]:
+    """The floor under the wake-up figure: a bare posix-ipc semaphore post waking a sleeping
+    process (the kind of wake-up the engine uses), timed the same way, with no database."""
+    name = f"/ringq-bench-{os.getpid()}-{secrets.token_hex(4)}"
+    sem = posix_ipc.Semaphore(name, posix_ipc.O_CREX, initial_value=0)
+    parent, child = FORK.Pipe()
+    proc = FORK.Process(target=_sem_waiter, args=(name, n, child), daemon=True)
+    proc.start()
+    sent: list[int] = []
+    try:
+        for _ in range(n):
+            parent.recv()
+            time.sleep(0.001)
+            sem.release()
+            sent.append(time.monotonic_ns())
+        got = parent.recv()
+    finally:
+        proc.join(30)
+        if proc.is_alive():
+            proc.kill()
+            proc.join()
+        sem.unlink()
+        sem.close()
+    return latency_summary([g - s for g, s in zip(got, sent, strict=True)])
+
+
+# -- SKIP LOCKED textbook queue -----------------------------------------------------------------
+
+
+def create_skq(admin: psycopg.Connection[Any], table: str) -> None:
+    admin.execute(q(SKQ_CREATE, table))
+
+
+def bench_skq(
+    dsn: str, table: str, payload: bytes, n_single: int, n_batches: int, batch: int
+) -> dict[str, Any]:
+    """The same figures for INSERT / DELETE ... FOR UPDATE SKIP LOCKED, on a default psycopg connection."""
+    enq_sql, deq_sql = q(SKQ_ENQUEUE, table), q(SKQ_DEQUEUE, table)
+    enq_many_sql, deq_many_sql = q(SKQ_ENQUEUE_MANY, table), q(SKQ_DEQUEUE_MANY, table)
+    with psycopg.connect(dsn) as prod, psycopg.connect(dsn) as cons:
+        for _ in range(10):
+            prod.execute(enq_sql, (payload,))
+            prod.commit()
+        for _ in range(10):
+            assert cons.execute(deq_sql).fetchone() is not None
+            cons.commit()
+
+        pc = time.perf_counter_ns
+        lat: list[int] = []
+        start = pc()
+        for _ in range(n_single):
+            t0 = pc()
+            prod.execute(enq_sql, (payload,))
+            lat.append(pc() - t0)
+            prod.commit()
+        enq_elapsed = pc() - start
+        enq = latency_summary(lat)
+
+        lat = []
+        start = pc()
+        for _ in range(n_single):
+            t0 = pc()
+            row = cons.execute(deq_sql).fetchone()
+            lat.append(pc() - t0)
+            cons.commit()
+            if row is None:
+                raise RuntimeError(f"skq: table {table} ran dry after {len(lat)} dequeues")
+        deq_elapsed = pc() - start
+        deq = latency_summary(lat)
+
+        batch_payloads = [payload] * batch
+        start = pc()
+        for _ in range(n_batches):
+            prod.execute(enq_many_sql, (batch_payloads,))
+            prod.commit()
+        enq_many_elapsed = pc() - start
+        got = 0
+        start = pc()
+        for _ in range(n_batches):
+            got += len(cons.execute(deq_many_sql, (batch,)).fetchall())
+            cons.commit()
+        deq_many_elapsed = pc() - start
+        if got != n_batches * batch:
+            raise RuntimeError(f"skq: dequeued {got} of {n_batches * batch} batched entries")
+    return {
+        "enqueue_latency": enq,
+        "dequeue_latency": deq,
+        "enqueue_tx_per_s": n_single / (enq_elapsed / 1e9),
+        "dequeue_tx_per_s": n_single / (deq_elapsed / 1e9),
+        "enqueue_many_entries_per_s": n_batches * batch / (enq_many_elapsed / 1e9),
+        "dequeue_many_entries_per_s": n_batches * batch / (deq_many_elapsed / 1e9),
+    }
+
+
+# -- ceiling -------------------------------------------------------------------------------------
+
+
+def bench_ceiling(dsn: str, table: str, n: int) -> dict[str, float]:
+    """One-row UPDATE + COMMIT transactions/s, three ways.
+
+    ``one_rt``: autocommit, the UPDATE is its own transaction: one round trip,
+    one WAL flush, the least a durable one-row transaction costs from here (the
+    targets use this one). ``eager_2rt``: UPDATE, then ``COMMIT; BEGIN`` in one
+    message: ringq's own protocol (two round trips). ``psycopg_3rt``: a default
+    psycopg connection, BEGIN + UPDATE + COMMIT (three round trips).
+    """
+    upd = q(CEIL_UPDATE, table)
+    out: dict[str, float] = {}
+    pc = time.perf_counter_ns
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        for _ in range(10):
+            conn.execute(upd)
+        start = pc()
+        for _ in range(n):
+            conn.execute(upd)
+        out["one_rt_tx_per_s"] = n / ((pc() - start) / 1e9)
+
+        conn.execute("BEGIN")
+        for _ in range(10):
+            conn.execute(upd)
+            conn.execute(CEIL_UPDATE_EAGER)
+        start = pc()
+        for _ in range(n):
+            conn.execute(upd)
+            conn.execute(CEIL_UPDATE_EAGER)
+        out["eager_2rt_tx_per_s"] = n / ((pc() - start) / 1e9)
+        conn.execute("ROLLBACK")
+    with psycopg.connect(dsn) as conn:
+        for _ in range(10):
+            conn.execute(upd)
+            conn.commit()
+        start = pc()
+        for _ in range(n):
+            conn.execute(upd)
+            conn.commit()
+        out["psycopg_3rt_tx_per_s"] = n / ((pc() - start) / 1e9)
+    return out
+
+
+# -- volume: table size after many entries -----------------------------------------------------
+
+
+def table_sizes(conn: psycopg.Connection[Any], table: str) -> dict[str, int]:
+    row = conn.execute(SIZES, (table,)).fetchone()
+    assert row is not None
+    heap, toast, indexes, total = row
+    st = conn.execute(TABLE_STATS, (table,)).fetchone()
+    keys = ("n_live_tup", "n_dead_tup", "n_tup_ins", "n_tup_upd", "n_tup_hot_upd", "n_tup_del",
+            "autovacuum_count", "vacuum_count")  # fmt: skip
+    stats = dict(zip(keys, st, strict=True)) if st else {}
+    return {"heap": heap, "toast": toast, "indexes": indexes, "total": total, **stats}
+
+
+class Progress:
+    """One status line on a terminal (rewritten), a line every 10% otherwise."""
+
+    def __init__(self, label: str, total: int) -> None:
+        self.label, self.total = label, total
+        self.tty = sys.stderr.isatty()
+        self.start = time.perf_counter()
+        self.last_tenth = -1
+        self.last_draw = 0.0
+
+    def update(self, done: int) -> None:
+        now = time.perf_counter()
+        rate = done / max(now - self.start, 1e-9)
+        text = f"  {self.label}: {done:,}/{self.total:,} ({100 * done / self.total:3.0f}%) {rate:,.0f} entries/s"
+        if self.tty:
+            if now - self.last_draw > 0.25 or done == self.total:
+                sys.stderr.write("\r" + text + "   ")
+                sys.stderr.flush()
+                self.last_draw = now
+        else:
+            tenth = 10 * done // self.total
+            if tenth != self.last_tenth:
+                self.last_tenth = tenth
+                print(text, file=sys.stderr, flush=True)
+
+    def done(self) -> float:
+        if self.tty:
+            sys.stderr.write("\n")
+        return time.perf_counter() - self.start
+
+
+def settled_sizes(
+    conn: psycopg.Connection[Any], table: str, before: dict[str, int]
+) -> dict[str, int]:
+    """Sizes and statistics once the closed sessions' backends have flushed their counters
+    (they do at exit; until then pg_stat_user_tables lags): counters steady for 0.5 s, at most 10 s."""
+    deadline = time.monotonic() + 10.0
+    last = table_sizes(conn, table)
+    steady_since = time.monotonic()
+    while time.monotonic() < deadline:
+        time.sleep(0.1)
+        now = table_sizes(conn, table)
+        if now != last:
+            last, steady_since = now, time.monotonic()
+        elif time.monotonic() - steady_since >= 0.5 and now.get("n_tup_ins", 0) + now.get(
+            "n_tup_upd", 0
+        ) > before.get("n_tup_ins", 0) + before.get("n_tup_upd", 0):
+            break
+    return last
+
+
+def volume_ringq(
+    dsn: str, queue: str, payload: bytes, volume: int, batch: int, wrap_at: int
+) -> dict[str, Any]:
+    """``volume`` entries through the queue, ``batch`` per transaction each way; sizes before,
+    after ``wrap_at`` entries (the ring's first wrap: every row has held a payload) and after."""
+    table = ring_table(queue)
+    with psycopg.connect(dsn, autocommit=True) as admin:
+        before = table_sizes(admin, table)
+        wrap: dict[str, int] | None = None
+        with connect(dsn) as prod, connect(dsn) as cons:
+            items = [payload] * batch
+            prog = Progress("ringq volume", volume)
+            done = 0
+            while done < volume:
+                n = min(batch, volume - done)
+                prod.enqueue_many(queue, items[:n])
+                prod.commit()
+                got = len(cons.dequeue_many(queue, n))
+                cons.commit()
+                if got != n:
+                    raise RuntimeError(f"ringq volume: dequeued {got} of {n}")
+                if done < wrap_at <= done + n:
+                    wrap = table_sizes(admin, table)
+                done += n
+                prog.update(done)
+            elapsed = prog.done()
+        after = settled_sizes(admin, table, before)
+    return _volume_result(before, wrap, after, volume, elapsed)
+
+
+def volume_skq(
+    dsn: str, table: str, payload: bytes, volume: int, batch: int, wrap_at: int
+) -> dict[str, Any]:
+    enq_many_sql, deq_many_sql = q(SKQ_ENQUEUE_MANY, table), q(SKQ_DEQUEUE_MANY, table)
+    with psycopg.connect(dsn, autocommit=True) as admin:
+        before = table_sizes(admin, table)
+        wrap: dict[str, int] | None = None
+        with psycopg.connect(dsn) as prod, psycopg.connect(dsn) as cons:
+            items = [payload] * batch
+            prog = Progress("skip-locked volume", volume)
+            done = 0
+            while done < volume:
+                n = min(batch, volume - done)
+                prod.execute(enq_many_sql, (items[:n],))
+                prod.commit()
+                got = len(cons.execute(deq_many_sql, (n,)).fetchall())
+                cons.commit()
+                if got != n:
+                    raise RuntimeError(f"skq volume: dequeued {got} of {n}")
+                if done < wrap_at <= done + n:
+                    wrap = table_sizes(admin, table)
+                done += n
+                prog.update(done)
+            elapsed = prog.done()
+        after = settled_sizes(admin, table, before)
+    return _volume_result(before, wrap, after, volume, elapsed)
+
+
+def _volume_result(
+    before: dict[str, int],
+    wrap: dict[str, int] | None,
+    after: dict[str, int],
+    volume: int,
+    elapsed: float,
+) -> dict[str, Any]:
+    def growth(a: dict[str, int] | None, b: dict[str, int]) -> float | None:
+        return (b["total"] - a["total"]) / a["total"] if a and a["total"] else None
+
+    return {
+        "entries": volume,
+        "seconds": elapsed,
+        "entries_per_s_each_way": volume / elapsed,
+        "before": before,
+        "after_first_wrap": wrap,
+        "after": after,
+        "growth": growth(before, after),
+        "growth_after_first_wrap": growth(wrap, after),
+    }
+
+
+# -- the run -------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Config:
+    rounds: int
+    single: int
+    batches: int
+    batch: int
+    wakeups: int
+    volume: int
+    volume_capacity: int
+    payload: int
+    capacity: int
+
+
+def run(dsn: str, cfg: Config, names: Names) -> dict[str, Any]:
+    payload = secrets.token_bytes(cfg.payload)
+    with psycopg.connect(dsn, autocommit=True) as admin:
+        for name, cap in (
+            (names.ring, cfg.capacity),
+            (names.ring_sql, cfg.capacity),
+            (names.ring_wake, 1024),
+            (names.ring_volume, cfg.volume_capacity),
+        ):
+            create_queue(admin, QueueSpec(name, cap, max(cfg.payload, 1)))
+        create_skq(admin, names.skq)
+        create_skq(admin, names.skq_volume)
+        admin.execute(q(CEIL_CREATE, names.ceiling))
+        admin.execute(q(CEIL_FILL, names.ceiling))
+        env = environment(admin)
+
+    rounds: list[dict[str, Any]] = []
+    ring_sql = RingSQL(names.ring_sql)
+    kinds: list[tuple[str, Callable[[], Any]]] = [
+        (
+            "ringq",
+            lambda: bench_ringq(dsn, names.ring, payload, cfg.single, cfg.batches, cfg.batch),
+        ),
+        (
+            "skip_locked",
+            lambda: bench_skq(dsn, names.skq, payload, cfg.single, cfg.batches, cfg.batch),
+        ),
+        ("ceiling", lambda: bench_ceiling(dsn, names.ceiling, cfg.single)),
+        (
+            "ringq_sql",
+            lambda: bench_ring_sql(
+                dsn, ring_sql, cfg.capacity, payload, cfg.single, cfg.batches, cfg.batch
+            ),
+        ),
+    ]
+    for r in range(cfg.rounds):
+        order = kinds[r % len(kinds) :] + kinds[: r % len(kinds)]
+        res: dict[str, Any] = {"round": r + 1, "order": [k for k, _ in order]}
+        for kind, fn in order:
+            print(f"round {r + 1}/{cfg.rounds}: {kind} ...", file=sys.stderr, flush=True)
+            res[kind] = fn()
+            if kind == "ringq" and cfg.wakeups:
+                res["ringq"]["wakeup"] = bench_wakeup(dsn, names.ring_wake, payload, cfg.wakeups)
+                res["ringq"]["semaphore_wakeup"] = bench_sem_wakeup(cfg.wakeups)
+        rounds.append(res)
+
+    volume: dict[str, Any] = {}
+    if cfg.volume:
+        print(f"volume: {cfg.volume:,} entries through a {cfg.volume_capacity:,}-slot ringq queue, "
+              f"then through the SKIP LOCKED table, {cfg.batch} per transaction", file=sys.stderr, flush=True)  # fmt: skip
+        volume["ringq"] = volume_ringq(
+            dsn, names.ring_volume, payload, cfg.volume, cfg.batch, cfg.volume_capacity
+        )
+        volume["skip_locked"] = volume_skq(
+            dsn, names.skq_volume, payload, cfg.volume, cfg.batch, cfg.volume_capacity
+        )
+    env["loadavg_at_end"] = os.getloadavg()
+    env["cpu_pressure_at_end"] = cpu_pressure()
+    return {"environment": env, "rounds": rounds, "volume": volume}
+
+
+def environment(conn: psycopg.Connection[Any]) -> dict[str, Any]:
+    settings = {}
+    for name in SERVER_SETTINGS:
+        row = conn.execute("SELECT current_setting(%s)", (name,)).fetchone()
+        settings[name] = row[0] if row else None
+    return {
+        "server": settings,
+        "python": platform.python_version(),
+        "psycopg": psycopg.__version__,
+        "psycopg_impl": psycopg.pq.__impl__,
+        "numpy": np.__version__,
+        "platform": platform.platform(),
+        "cpus": os.cpu_count(),
+        "loadavg_at_start": os.getloadavg(),
+        "cpu_pressure_at_start": cpu_pressure(),
+    }
+
+
+def cpu_pressure() -> str | None:
+    """/proc/pressure/cpu's "some" line: how much runnable work waited for a CPU (other load)."""
+    try:
+        with open("/proc/pressure/cpu") as f:
+            return f.readline().strip()
+    except OSError:
+        return None
+
+
+# -- summary: medians, ratios, targets --------------------------------------------------------------
+
+# (key in the summary, path into a round's result)
+FIGURES: list[tuple[str, str, tuple[str, ...]]] = [
+    ("enqueue call p50 (us)", "enq_p50", ("enqueue_latency", "p50_us")),
+    ("enqueue call p99 (us)", "enq_p99", ("enqueue_latency", "p99_us")),
+    ("dequeue call p50 (us)", "deq_p50", ("dequeue_latency", "p50_us")),
+    ("dequeue call p99 (us)", "deq_p99", ("dequeue_latency", "p99_us")),
+    ("enqueue+commit tx/s", "enq_tps", ("enqueue_tx_per_s",)),
+    ("dequeue+commit tx/s", "deq_tps", ("dequeue_tx_per_s",)),
+    ("batched enqueue entries/s", "enq_many", ("enqueue_many_entries_per_s",)),
+    ("batched dequeue entries/s", "deq_many", ("dequeue_many_entries_per_s",)),
+]
+
+
+def _get(d: dict[str, Any], path: tuple[str, ...]) -> float:
+    for p in path:
+        d = d[p]
+    return float(d)  # type: ignore[arg-type]
+
+
+def _med(values: list[float]) -> dict[str, float]:
+    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
+
+
+def summarize(raw: dict[str, Any]) -> dict[str, Any]:
+    rounds = raw["rounds"]
+    fig: dict[str, dict[str, Any]] = {}
+    for _label, key, path in FIGURES:
+        fig[key] = {
+            kind: _med([_get(r[kind], path) for r in rounds])
+            for kind in ("ringq", "ringq_sql", "skip_locked")
+        }
+    for key in ("one_rt_tx_per_s", "eager_2rt_tx_per_s", "psycopg_3rt_tx_per_s"):
+        fig["ceiling_" + key] = {"ceiling": _med([r["ceiling"][key] for r in rounds])}
+    if "wakeup" in rounds[0]["ringq"]:
+        for p in ("p50_us", "p99_us"):
+            fig["wakeup_" + p] = {"ringq": _med([r["ringq"]["wakeup"][p] for r in rounds])}
+            fig["sem_wakeup_" + p] = {
+                "ringq": _med([r["ringq"]["semaphore_wakeup"][p] for r in rounds])
+            }
+
+    def ratio(fn: Callable[[dict[str, Any]], float]) -> dict[str, float]:
+        return _med([fn(r) for r in rounds])
+
+    R = "ringq"
+    S = "skip_locked"
+    ratios: dict[str, dict[str, float]] = {}
+    for _label, key, path in FIGURES:
+        for other, suffix in ((S, "skq"), ("ringq_sql", "sql")):
+            per_round = [_get(r[R], path) / _get(r[other], path) for r in rounds]
+            ratios[f"{key}_ringq_over_{suffix}"] = _med(per_round)
+    ratios |= {
+        "enq_tps_ringq_over_ceiling": ratio(
+            lambda r: r[R]["enqueue_tx_per_s"] / r["ceiling"]["one_rt_tx_per_s"]
+        ),
+        "deq_tps_ringq_over_ceiling": ratio(
+            lambda r: r[R]["dequeue_tx_per_s"] / r["ceiling"]["one_rt_tx_per_s"]
+        ),
+        "enq_tps_ringq_over_ceiling_2rt": ratio(
+            lambda r: r[R]["enqueue_tx_per_s"] / r["ceiling"]["eager_2rt_tx_per_s"]
+        ),
+        "deq_tps_ringq_over_ceiling_2rt": ratio(
+            lambda r: r[R]["dequeue_tx_per_s"] / r["ceiling"]["eager_2rt_tx_per_s"]
+        ),
+        "enq_tps_skq_over_ceiling": ratio(
+            lambda r: r[S]["enqueue_tx_per_s"] / r["ceiling"]["one_rt_tx_per_s"]
+        ),
+        "deq_tps_skq_over_ceiling": ratio(
+            lambda r: r[S]["dequeue_tx_per_s"] / r["ceiling"]["one_rt_tx_per_s"]
+        ),
+    }
+
+    # Time the engine adds around its own SQL (section, locks, Python), per call, median of rounds.
+    engine_us = {
+        key: _med([_get(r[R], path) - _get(r["ringq_sql"], path) for r in rounds])
+        for _label, key, path in FIGURES[:4]
+    }
+
+    targets: list[dict[str, Any]] = []
+
+    def target(name: str, value: float | None, op: str, bound: float, unit: str = "") -> None:
+        met = (
+            None
+            if value is None
+            else (value <= bound if op == "<=" else value < bound if op == "<" else value >= bound)
+        )
+        targets.append(
+            {"target": name, "value": value, "op": op, "bound": bound, "unit": unit, "met": met}
+        )
+
+    target(
+        "enqueue call p50, ringq/skip-locked", ratios["enq_p50_ringq_over_skq"]["median"], "<=", 0.6
+    )
+    target(
+        "enqueue call p99, ringq/skip-locked", ratios["enq_p99_ringq_over_skq"]["median"], "<=", 0.6
+    )
+    target(
+        "dequeue call p50, ringq/skip-locked", ratios["deq_p50_ringq_over_skq"]["median"], "<=", 0.6
+    )
+    target(
+        "dequeue call p99, ringq/skip-locked", ratios["deq_p99_ringq_over_skq"]["median"], "<=", 0.6
+    )
+    target(
+        "enqueue+commit tx/s, ringq/ceiling",
+        ratios["enq_tps_ringq_over_ceiling"]["median"],
+        ">=",
+        0.9,
+    )
+    target(
+        "dequeue+commit tx/s, ringq/ceiling",
+        ratios["deq_tps_ringq_over_ceiling"]["median"],
+        ">=",
+        0.9,
+    )
+    target("batched enqueue, ringq entries/s", fig["enq_many"]["ringq"]["median"], ">=", 50_000)
+    target("batched dequeue, ringq entries/s", fig["deq_many"]["ringq"]["median"], ">=", 50_000)
+    if "wakeup_p50_us" in fig:
+        target("wake-up p50 (us)", fig["wakeup_p50_us"]["ringq"]["median"], "<", 300, "us")
+    vol = raw["volume"]
+    if vol:
+        g = vol["ringq"]["growth"]
+        target("ringq table growth after volume", None if g is None else 100 * g, "<=", 10, "%")
+        g = vol["ringq"]["growth_after_first_wrap"]
+        target("  same, from the 1st wrap on (info)", None if g is None else 100 * g, "<=", 10, "%")
+    return {"figures": fig, "ratios": ratios, "engine_us": engine_us, "targets": targets}
+
+
+def _fmt(v: float, unit: str = "") -> str:
+    if unit == "B":
+        for u in ("B", "kB", "MB", "GB"):
+            if abs(v) < 1024 or u == "GB":
+                return f"{v:,.0f} {u}" if u == "B" else f"{v:,.1f} {u}"
+            v /= 1024
+    if abs(v) >= 1000:
+        return f"{v:,.0f}"
+    if abs(v) >= 10:
+        return f"{v:.1f}"
+    return f"{v:.2f}"
+
+
+def render(raw: dict[str, Any], summary: dict[str, Any], cfg: Config, seconds: float) -> str:
+    fig, ratios = summary["figures"], summary["ratios"]
+    lines: list[str] = []
+    env = raw["environment"]["server"]
+    lines.append(
+        f"ringq engine benchmark: PostgreSQL {env['server_version']}, synchronous_commit={env['synchronous_commit']}, "
+        f"fsync={env['fsync']}, {raw['environment']['cpus']} CPUs, payload {cfg.payload} B"
+    )
+    lines.append(
+        f"{cfg.rounds} interleaved rounds of {cfg.single:,} single-entry tx each way, {cfg.batches} x {cfg.batch} batched, "
+        f"{cfg.wakeups} wake-ups; median of rounds [min-max]; run took {seconds:.0f} s"
+    )
+    e = raw["environment"]
+    lines.append(
+        f"load average at start {e['loadavg_at_start'][0]:.2f}, at end {e['loadavg_at_end'][0]:.2f} "
+        "(anything else running on the machine inflates the figures)"
+    )
+    lines.append("")
+    w = 28
+    lines.append(
+        f"{'figure':<{w}} {'ringq':>24} {'ringq SQL only':>24} {'skip-locked':>24} {'ringq/skq':>10}"
+    )
+    lines.append("-" * (w + 86))
+
+    def cell(d: dict[str, float]) -> str:
+        return f"{_fmt(d['median'])} [{_fmt(d['min'])}-{_fmt(d['max'])}]"
+
+    for label, key, _path in FIGURES:
+        f = fig[key]
+        rat = ratios[f"{key}_ringq_over_skq"]["median"]
+        lines.append(
+            f"{label:<{w}} {cell(f['ringq']):>24} {cell(f['ringq_sql']):>24} {cell(f['skip_locked']):>24} {rat:>10.2f}"
+        )
+    for label, key in (
+        ("ceiling tx/s, 1 round trip", "ceiling_one_rt_tx_per_s"),
+        ("ceiling tx/s, 2 (ringq's)", "ceiling_eager_2rt_tx_per_s"),
+        ("ceiling tx/s, 3 (psycopg)", "ceiling_psycopg_3rt_tx_per_s"),
+    ):
+        lines.append(f"{label:<{w}} {cell(fig[key]['ceiling']):>24}")
+    if "wakeup_p50_us" in fig:
+        lines.append(f"{'wake-up p50 (us)':<{w}} {cell(fig['wakeup_p50_us']['ringq']):>24}")
+        lines.append(f"{'wake-up p99 (us)':<{w}} {cell(fig['wakeup_p99_us']['ringq']):>24}")
+        lines.append(
+            f"{'  bare semaphore p50 (us)':<{w}} {cell(fig['sem_wakeup_p50_us']['ringq']):>24}"
+        )
+        lines.append(
+            f"{'  bare semaphore p99 (us)':<{w}} {cell(fig['sem_wakeup_p99_us']['ringq']):>24}"
+        )
+    eng = summary["engine_us"]
+    lines.append("")
+    lines.append(
+        "engine time around its SQL (ringq - ringq SQL only), us per call: "
+        f"enqueue p50 {eng['enq_p50']['median']:+.0f}, p99 {eng['enq_p99']['median']:+.0f}; "
+        f"dequeue p50 {eng['deq_p50']['median']:+.0f}, p99 {eng['deq_p99']['median']:+.0f}"
+    )
+    lines.append(
+        "single-entry tx/s over the 1-round-trip ceiling: "
+        f"ringq enq {ratios['enq_tps_ringq_over_ceiling']['median']:.2f}, deq {ratios['deq_tps_ringq_over_ceiling']['median']:.2f}; "
+        f"skip-locked enq {ratios['enq_tps_skq_over_ceiling']['median']:.2f}, deq {ratios['deq_tps_skq_over_ceiling']['median']:.2f}; "
+        f"ringq over the 2-round-trip ceiling: enq {ratios['enq_tps_ringq_over_ceiling_2rt']['median']:.2f}, "
+        f"deq {ratios['deq_tps_ringq_over_ceiling_2rt']['median']:.2f}"
+    )
+    vol = raw["volume"]
+    if vol:
+        lines.append("")
+        lines.append(
+            f"volume: {cfg.volume:,} entries, {cfg.batch}/tx, ringq queue of {cfg.volume_capacity:,} slots "
+            "(table size = pg_total_relation_size: heap + toast + indexes)"
+        )
+        lines.append(f"{'':<{w}} {'ringq':>24} {'skip-locked':>24}")
+        lines.append("-" * (w + 50))
+        rq, sk = vol["ringq"], vol["skip_locked"]
+        for label, f in (
+            ("total before", lambda v: _fmt(v["before"]["total"], "B")),
+            (
+                "total after 1st wrap",
+                lambda v: (
+                    _fmt(v["after_first_wrap"]["total"], "B") if v["after_first_wrap"] else "-"
+                ),
+            ),
+            ("total after", lambda v: _fmt(v["after"]["total"], "B")),
+            ("  heap after", lambda v: _fmt(v["after"]["heap"], "B")),
+            ("  toast after", lambda v: _fmt(v["after"]["toast"], "B")),
+            ("  indexes before", lambda v: _fmt(v["before"]["indexes"], "B")),
+            ("  indexes after", lambda v: _fmt(v["after"]["indexes"], "B")),
+            ("growth", lambda v: _pct(v["growth"])),
+            ("growth since 1st wrap", lambda v: _pct(v["growth_after_first_wrap"])),
+            ("dead tuples after", lambda v: f"{v['after'].get('n_dead_tup') or 0:,}"),
+            ("HOT updates / updates", lambda v: _hot(v)),
+            (
+                "autovacuums during",
+                lambda v: str(
+                    (v["after"].get("autovacuum_count") or 0)
+                    - (v["before"].get("autovacuum_count") or 0)
+                ),
+            ),
+            ("entries/s each way", lambda v: _fmt(v["entries_per_s_each_way"])),
+        ):
+            lines.append(f"{label:<{w}} {f(rq):>24} {f(sk):>24}")
+    lines.append("")
+    lines.append("targets (issue 3)")
+    for t in summary["targets"]:
+        verdict = "n/a" if t["met"] is None else ("met" if t["met"] else "NOT MET")
+        val = "n/a" if t["value"] is None else f"{t['value']:,.2f}"
+        lines.append(
+            f"  {t['target']:<40} {val:>12} {t['op']} {t['bound']:<8,g} {t['unit']:<2} {verdict}"
+        )
+    return "\n".join(lines)
+
+
+def _pct(g: float | None) -> str:
+    return "n/a (was empty)" if g is None else f"{100 * g:+.1f}%"
+
+
+def _hot(v: dict[str, Any]) -> str:
+    a, b = v["after"], v["before"]
+    upd = (a.get("n_tup_upd") or 0) - (b.get("n_tup_upd") or 0)
+    hot = (a.get("n_tup_hot_upd") or 0) - (b.get("n_tup_hot_upd") or 0)
+    return f"{hot:,}/{upd:,}" if upd else "-"
+
+
+# -- set-up and tear-down ----------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def database(dsn: str | None) -> Iterator[tuple[str, str | None]]:
+    """Yield (dsn, embedded cluster home or None): the given database, or a private embedded cluster."""
+    if dsn is not None:
+        yield dsn, None
+        return
+    home = tempfile.mkdtemp(prefix="ringq-bench-")
+    cluster = Cluster(home)
+    try:
+        print(f"starting an embedded PostgreSQL under {home} ...", file=sys.stderr, flush=True)
+        yield cluster.start(), home
+    finally:
+        cluster.stop()
+        shutil.rmtree(home, ignore_errors=True)
+
+
+def cleanup(dsn: str, names: Names, *, embedded: bool) -> None:
+    with psycopg.connect(dsn, autocommit=True) as admin:
+        row = admin.execute("SELECT value FROM ringq.meta WHERE key = 'instance_id'").fetchone()
+        queues = [names.ring, names.ring_sql, names.ring_wake, names.ring_volume]
+        qids = [
+            r[0]
+            for r in admin.execute(
+                "SELECT id FROM ringq.queues WHERE name = ANY(%s)", (queues,)
+            ).fetchall()
+        ]
+        for name in queues:
+            with contextlib.suppress(Exception):
+                drop_queue(admin, name)
+        for table in (names.skq, names.skq_volume, names.ceiling):
+            admin.execute(sql.SQL("DROP TABLE IF EXISTS {}").format(sql.Identifier(table)))
+    if row and embedded:
+        # The database dies with the cluster: so do its section and semaphores.
+        Section.unlink(row[0])
+        Section.unlink_semaphores(row[0], qids)
+
+
+def _sigterm(signum: int, frame: object) -> None:
+    # Tear the embedded cluster down on SIGTERM too (the first one; a second kills).
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        description="ringq engine benchmarks: ringq vs a SKIP LOCKED queue vs a one-row-update ceiling.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    p.add_argument("--dsn", help="run in this database instead of a private embedded cluster")
+    p.add_argument("--out", type=Path, help="also write the JSON here")
+    p.add_argument(
+        "--rounds", type=int, default=3, help="interleaved rounds (medians are reported)"
+    )
+    p.add_argument(
+        "--single", type=int, default=2000, help="single-entry transactions each way, per round"
+    )
+    p.add_argument(
+        "--batches", type=int, default=100, help="batched transactions each way, per round"
+    )
+    p.add_argument("--batch", type=int, default=100, help="entries per batched transaction")
+    p.add_argument(
+        "--wakeups", type=int, default=200, help="commit-to-dequeue wake-ups per round (0: skip)"
+    )
+    p.add_argument(
+        "--volume", type=int, default=1_000_000, help="entries for the table-size test (0: skip)"
+    )
+    p.add_argument(
+        "--volume-capacity",
+        type=int,
+        default=50_000,
+        help="slots of the ringq queue in the table-size test",
+    )
+    p.add_argument("--payload", type=int, default=100, help="payload bytes")
+    a = p.parse_args(argv)
+    for name in ("rounds", "single", "batches", "batch", "volume_capacity", "payload"):
+        if getattr(a, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be >= 1")
+    if a.wakeups < 0 or a.volume < 0:
+        p.error("--wakeups and --volume must be >= 0")
+    if a.batch > a.volume_capacity:
+        p.error("--batch must not exceed --volume-capacity")
+    return a
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    cfg = Config(
+        rounds=args.rounds,
+        single=args.single,
+        batches=args.batches,
+        batch=args.batch,
+        wakeups=args.wakeups,
+        volume=args.volume,
+        volume_capacity=args.volume_capacity,
+        payload=args.payload,
+        # Entries of one round sit in the queue between its enqueue and dequeue passes.
+        capacity=max(args.single, args.batches * args.batch) + 64,
+    )
+    if signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
+        signal.signal(signal.SIGTERM, _sigterm)
+    started = datetime.now(UTC)
+    t0 = time.perf_counter()
+    names = Names(secrets.token_hex(4))
+    with database(args.dsn) as (dsn, home):
+        try:
+            raw = run(dsn, cfg, names)
+        finally:
+            with contextlib.suppress(Exception):
+                cleanup(dsn, names, embedded=home is not None)
+    seconds = time.perf_counter() - t0
+    summary = summarize(raw)
+    table = render(raw, summary, cfg, seconds)
+    print(table)
+    doc = {
+        "benchmark": "engine",
+        "started_at": started.isoformat(),
+        "seconds": seconds,
+        "command": [sys.executable, *sys.argv],
+        "database": "embedded" if args.dsn is None else "given (--dsn)",
+        "config": cfg.__dict__,
+        **raw,
+        **summary,
+        "table": table,
+    }
+    RESULTS_DIR.mkdir(parents=True, exist_ok=True)
+    paths = [RESULTS_DIR / f"engine-{started.strftime('%Y%m%dT%H%M%SZ')}.json"]
+    if args.out is not None:
+        paths.append(args.out)
+    for path in paths:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(doc, indent=2, default=str) + "\n")
+    print("\nwrote " + ", ".join(str(p) for p in paths), file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
