@@ -122,8 +122,12 @@ class MonitorClient:
             with urllib.request.urlopen(request, timeout=self._timeout) as response:
                 raw = response.read()
         except urllib.error.HTTPError as exc:
-            detail = exc.read(300).decode("utf-8", "replace").strip()
+            detail = exc.read(2000).decode("utf-8", "replace").strip()
             exc.close()
+            try:  # the monitor's error document: {"error": ..., "status": ...}
+                detail = str(json.loads(detail)["error"])
+            except (ValueError, KeyError, TypeError):
+                detail = detail[:300]
             hint = " (check --monitor-token)" if exc.code in (401, 403) else ""
             raise MonitorError(
                 f"monitor {self.url}: {what} answered {exc.code} {exc.reason}{hint}: {detail}",

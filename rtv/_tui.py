@@ -161,6 +161,14 @@ def _us(v: float | None) -> str:
     return f"{v:.0f}µs"
 
 
+def _duration(seconds: float) -> str:
+    if seconds < 120:
+        return f"{seconds:.0f} s"
+    if seconds < 7200:
+        return f"{seconds / 60:.0f} min"
+    return f"{seconds / 3600:.1f} h"
+
+
 def _window_label(seconds: float) -> str:
     if seconds >= 86_400:
         return "day"
@@ -174,6 +182,14 @@ def render(model: TuiModel, monitor_url: str, *, width: int = 160, now: float | 
     status line, the queues now, and their trends over the window."""
     now = time.time() if now is None else now
     start = now - model.window
+    # While the monitor's history is shorter than the window, the trends
+    # span what there is instead of squeezing it into the last columns.
+    firsts = [pts[0][K.TIME] for pts in model.history.values() if pts]
+    if firsts:
+        start = max(start, min(firsts) - (model.interval or 1.0))
+    span = f"the last {_window_label(model.window)}"
+    if now - start < model.window - 1:
+        span = f"the last {_duration(now - start)} (of {_window_label(model.window)}: the monitor has no more yet)"
     status = Text()
     status.append("ringq rtv ", style="bold")
     status.append(f"· monitor {monitor_url} · ")
@@ -194,7 +210,7 @@ def render(model: TuiModel, monitor_url: str, *, width: int = 160, now: float | 
     spark = max(8, min(60, (width - name_width - 2 * 7 - 4) // 6))  # 7 columns, 2 of padding each
     trends = Table(
         box=box.SIMPLE_HEAD, pad_edge=False, title_justify="left", title_style="bold",
-        title=f"Over the last {_window_label(model.window)}",
+        title=f"Over {span}",
     )
     trends.add_column("Queue", style="bold", overflow="ellipsis", min_width=name_width, max_width=32)
     for header, style in (("Depth", "magenta"), ("Full █ / empty ░", None), ("EnQ/s", "blue"),

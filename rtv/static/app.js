@@ -274,12 +274,13 @@
     var el = document.getElementById("status");
     el.className = "status " + kind;
     el.textContent = text;
+    el.title = text;
   }
 
   function showError(err) {
     state.error = err.message;
     if (err.status === 401) setStatus("bad", "token rejected: open the address printed by `ringq rtv`");
-    else if (err.status === 502) setStatus("bad", "monitor: " + err.message);
+    else if (err.status === 502) setStatus("bad", err.message);
     else setStatus("bad", "viewer unreachable: " + err.message);
   }
 
