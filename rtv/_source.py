@@ -70,16 +70,21 @@ class MonitorClient:
     """Reads ``GET /api/queues`` and ``GET /api/history`` from a monitor
     (``monitor/API.md``).
 
-    Thread-safe: each call opens its own connection. ``timeout`` is seconds.
+    Thread-safe: each call opens its own connection. ``timeout`` (seconds)
+    bounds each request; ``history_timeout`` a history request.
 
     :raises MonitorUnavailable: from every call when the monitor cannot be reached.
     :raises MonitorError: from every call when it answers with an error or bad JSON.
     """
 
-    def __init__(self, url: str, token: str | None = None, *, timeout: float = 5.0) -> None:
+    def __init__(
+        self, url: str, token: str | None = None, *, timeout: float = 5.0, history_timeout: float = 60.0
+    ) -> None:
         self.url = url.rstrip("/")
         self._token = token
         self._timeout = timeout
+        # A day of history is tens of megabytes of JSON: more time for it.
+        self._history_timeout = max(timeout, history_timeout)
 
     def overview(self) -> Overview:
         """Every queue's current figures and the monitor's own."""
@@ -103,7 +108,9 @@ class MonitorClient:
 
         :raises MonitorError: with ``status`` 404 when the monitor never sampled ``queue``.
         """
-        body = self._get("/api/history?" + urlencode({"queue": queue, "since": f"{since:.3f}"}))
+        body = self._get(
+            "/api/history?" + urlencode({"queue": queue, "since": f"{since:.3f}"}), self._history_timeout
+        )
         items = body.get("points") if isinstance(body, Mapping) else body
         if not _is_list(items):
             raise MonitorError("GET /api/history: expected a list of points")
@@ -113,13 +120,13 @@ class MonitorClient:
         interval = _number(body.get(K.INTERVAL)) if isinstance(body, Mapping) else None
         return History(interval=interval, points=points)
 
-    def _get(self, path: str) -> Any:
+    def _get(self, path: str, timeout: float | None = None) -> Any:
         request = urllib.request.Request(self.url + path, headers={"Accept": "application/json"})
         if self._token:
             request.add_header("Authorization", f"Bearer {self._token}")
         what = "GET " + path.split("?", 1)[0]
         try:
-            with urllib.request.urlopen(request, timeout=self._timeout) as response:
+            with urllib.request.urlopen(request, timeout=timeout or self._timeout) as response:
                 raw = response.read()
         except urllib.error.HTTPError as exc:
             detail = exc.read(2000).decode("utf-8", "replace").strip()
@@ -146,14 +153,23 @@ def _is_list(value: object) -> TypeGuard[Sequence[Any]]:
     return isinstance(value, Sequence) and not isinstance(value, str | bytes)
 
 
+_FIELDS = (K.TIME, *K.NUMERIC)
+
+
 def normalize(item: Mapping[str, Any]) -> Row:
     """One queue or one history point with every known figure as a float or ``None``."""
     row: Row = {}
     if K.NAME in item:
         row[K.NAME] = str(item[K.NAME])
-    row[K.TIME] = _number(item.get(K.TIME))
-    for key in K.NUMERIC:
-        row[key] = _number(item.get(key))
+    get = item.get
+    for key in _FIELDS:
+        value = get(key)
+        kind = type(value)
+        # The common case first: a day of history is 86,400 points per queue.
+        if (kind is float or kind is int) and math.isfinite(value):
+            row[key] = float(value)
+        else:
+            row[key] = _number(value)
     return row
 
 
