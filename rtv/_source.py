@@ -163,7 +163,7 @@ def normalize(item: Mapping[str, Any]) -> Row:
         row[K.NAME] = str(item[K.NAME])
     get = item.get
     for key in _FIELDS:
-        value = get(key)
+        value: Any = get(key)
         kind = type(value)
         # The common case first: a day of history is 86,400 points per queue.
         if (kind is float or kind is int) and math.isfinite(value):
