@@ -25,7 +25,15 @@ from ._args import Formatter
 
 # Subcommand modules, loaded lazily so `ringq --help` stays fast and a missing
 # optional dependency (pyspark) only affects its own command.
-COMMANDS = ("_db", "_script", "_queue", "_rtv")
+COMMANDS = (
+    "_db",
+    "_script",
+    "_queue",
+    "_monitor",
+    "_status",
+    "_rtv",
+    "_worker",
+)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -20,6 +20,7 @@ from __future__ import annotations
 import fnmatch
 import json
 import time
+from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any, Self
@@ -99,6 +100,7 @@ class Subscription:
         except psycopg.Error as exc:
             raise from_psycopg(exc, dsn=dsn) from exc
         self._closed = False
+        self._pending: deque[Event] = deque()
 
     def matches(self, name: str) -> bool:
         return fnmatch.fnmatchcase(name, self.pattern)
@@ -107,32 +109,37 @@ class Subscription:
         """The next matching event, or None after ``timeout`` seconds (None: wait forever).
 
         :raises DatabaseUnavailable: the connection was lost.
+        :raises RingqError: the subscription is closed.
         """
         deadline = None if timeout is None else time.monotonic() + timeout
-        while True:
+        while not self._pending:
             remaining = None if deadline is None else deadline - time.monotonic()
             if remaining is not None and remaining <= 0:
                 return None
-            for event in self._receive(remaining):
-                return event
+            self._receive(remaining)
+        return self._pending.popleft()
 
-    def _receive(self, timeout: float | None) -> Iterator[Event]:
+    def _receive(self, timeout: float | None) -> None:
         if self._closed:
             raise RingqError("the subscription is closed")
         try:
-            for n in self._conn.notifies(timeout=timeout):
+            # Run the generator to its end: notifications arriving in one packet
+            # come together, and leaving it early would drop the rest.
+            for n in self._conn.notifies(timeout=timeout, stop_after=1):
                 try:
                     event = Event.from_payload(n.payload)
                 except ValueError:
                     continue
                 if self.matches(event.name):
-                    yield event
+                    self._pending.append(event)
         except psycopg.OperationalError as exc:
             raise DatabaseUnavailable(f"event subscription lost its connection: {exc}") from exc
 
     def __iter__(self) -> Iterator[Event]:
         while True:
-            yield from self._receive(None)
+            event = self.get()
+            if event is not None:
+                yield event
 
     def close(self) -> None:
         if self._closed:

@@ -35,6 +35,7 @@ from ringq.engine._recovery import (
     repair_lock_holders,
     resolve_prepared,
 )
+from ringq.engine._session import _Process
 
 from . import _events as E
 from . import _queries as Qy
@@ -109,6 +110,7 @@ class Monitor:
         self._pending: MonitorConfig | None = None
         self._sec: Section | None = None
         self._sec_lock = threading.RLock()
+        self._rebuilt: list[Section] = []  # attachments made by rebuild(), closed at stop
         self._conn: psycopg.Connection[Any] | None = None
         self._conn_retry_at = 0.0
         self._conn_error = "database unavailable"
@@ -155,9 +157,7 @@ class Monitor:
             else:
                 self._journal = Journal(None)
             self._connect(first=True)
-            with self._sec_lock:
-                self._sec = rebuild(cfg.dsn)
-            self._heartbeat()
+            self._attach(reason=None)
             if cfg.http:
                 self._http = HttpService(self, cfg.host, cfg.port)
                 try:
@@ -197,10 +197,11 @@ class Monitor:
             self._http = None
         with self._sec_lock:
             sec, self._sec = self._sec, None
-            if sec is not None and not sec.closed:
-                if sec.header[L.H_MONITOR_PID] == os.getpid():
-                    sec.header[L.H_MONITOR_PID] = 0
-                sec.close()
+            if sec is not None and not sec.closed and sec.header[L.H_MONITOR_PID] == os.getpid():
+                sec.header[L.H_MONITOR_PID] = 0  # no monitor now (the process's attachment stays)
+        rebuilt, self._rebuilt = self._rebuilt, []
+        for extra in rebuilt:
+            extra.close()
         if self._conn is not None:
             self._conn.close()  # releases the monitor lock
             self._conn = None
@@ -231,6 +232,15 @@ class Monitor:
             return None
         host, port = self._http.address
         return f"http://{host}:{port}"
+
+    def note(self, event: str, level: int = logging.INFO, **fields: Any) -> None:
+        """Write a record to ``monitor.log`` (and the ``ringq.monitor`` logger)."""
+        self._journal_write(event, level, **fields)
+
+    def reopen_log(self) -> None:
+        """Reopen ``monitor.log`` (after logrotate moved it)."""
+        if self._journal is not None:
+            self._journal.reopen()
 
     def reconfigure(self, **changes: Any) -> MonitorConfig:
         """Apply new ``interval``, ``recovery_interval``, ``token``, ``prepared_timeout``
@@ -418,17 +428,31 @@ class Monitor:
         sec = self._sec
         if sec is not None and not sec.closed and not sec.unlinked():
             return
-        self._swap_section(rebuild(self.config.dsn), reason="section missing")
+        self._attach(reason="section missing")
 
-    def _swap_section(self, new: Section, *, reason: str) -> None:
+    def _attach(self, *, reason: str | None) -> None:
+        """Rebuild (load every queue not loaded, create the section if absent) and
+        work on this process's shared attachment of it.
+
+        The monitor uses the same :class:`Section` object as the sessions of its
+        process (the engine's per-process attachment), because a second
+        attachment in one process would not exclude them: fcntl locks belong to
+        the process and the thread locks to the object. For the same reason
+        the attachments :func:`rebuild` returns are closed only at ``stop()``
+        (closing any descriptor of the segment drops every fcntl lock this
+        process holds on it).
+        """
+        fresh = rebuild(self.config.dsn)
+        self._rebuilt.append(fresh)
+        shared = _Process.section(self._instance)
         with self._sec_lock:
-            old, self._sec = self._sec, new
-            if old is not None and old is not new and not old.closed:
-                old.close()
-        self._snaps.clear()  # counters restart with a new section
+            old, self._sec = self._sec, shared
+        if old is not shared:
+            self._snaps.clear()  # counters restart with a new segment
         self._heartbeat()
-        self._journal_write("section.rebuilt", reason=reason, section=new.name,
-                            queues=[new.queue_name(i) for i in new.loaded_queues()])
+        if reason is not None:
+            self._journal_write("section.rebuilt", reason=reason, section=shared.name,
+                                queues=[shared.queue_name(i) for i in shared.loaded_queues()])
 
     def _recover(self) -> None:
         sec = self._section()
@@ -496,7 +520,7 @@ class Monitor:
         sec = self._section()
         loaded = {sec.q(i, L.Q_QID) for i in sec.loaded_queues()}
         if {q[0] for q in queues} != loaded:
-            self._swap_section(rebuild(self.config.dsn), reason="queues created or dropped")
+            self._attach(reason="queues created or dropped")
         self._exc_counts = {int(q): int(n) for q, n in conn.execute(Qy.EXCEPTION_COUNTS).fetchall()}
         self._dead_rows = {str(n): int(d) for n, d in conn.execute(Qy.DEAD_ROWS).fetchall()}
         row = conn.execute(Qy.XMIN_HORIZON_AGE).fetchone()

@@ -22,7 +22,7 @@ from . import _sample as S
 
 COLUMNS = ("time", S.T, S.NAME, *[k for k in S.NUMERIC_KEYS if k != S.T])
 HEADER = ",".join(COLUMNS)
-_FILE_RE = re.compile(r"^t4-(\d{4}-\d{2}-\d{2})\.csv$")
+_FILE_RE = re.compile(r"^t4-(\d{4}-\d{2}-\d{2})(?:\.old-\d{6})?\.csv$")
 
 
 def file_for(data_dir: Path, day: date) -> Path:

@@ -1,0 +1,171 @@
+"""``ringq status``: every queue's state, from the running monitor's ``/api/queues``."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+from ringq.engine import ringq_home
+
+from . import _exit
+from ._args import env_option, subparser
+
+RET_OK = _exit.OK
+RET_UNREACHABLE = _exit.FAILURE  # no monitor answered, or it refused the token
+
+DEFAULT_URL = "http://127.0.0.1:7480"
+
+DESCRIPTION = """\
+Print every queue's state as the monitor sees it: capacity, depth, fill,
+committed enqueue/dequeue rates, call latencies (p50/p99, microseconds),
+delivery retries, entries in the exception table, sleeping dequeuers and
+enqueuers, and a state (full, high, empty, ok). The monitor is found at
+--monitor, else where a local `ringq monitor` recorded it
+($RINGQ_HOME/monitor/monitor.json), else at http://127.0.0.1:7480."""
+
+HIGH_WATER = 0.8
+
+
+def register(sub: Any) -> None:
+    p = subparser(sub, "status", "print every queue's state from the monitor", DESCRIPTION)
+    env_option(p, "--monitor", env="RINGQ_MONITOR_URL", default=None, help="the monitor's base URL")
+    env_option(p, "--token", env="RINGQ_MONITOR_TOKEN", default=None, help="the monitor's token, if it has one")
+    env_option(p, "--data-dir", env="RINGQ_MONITOR_DIR", default=None,
+               help="where a local monitor records its URL; default $RINGQ_HOME/monitor")
+    p.add_argument("--json", action="store_true", help="print the monitor's JSON document as it is")
+    p.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for the monitor")
+    p.set_defaults(func=run)
+
+
+def monitor_url(args: argparse.Namespace) -> str:
+    if args.monitor:
+        return str(args.monitor).rstrip("/")
+    data_dir = Path(args.data_dir) if args.data_dir else ringq_home() / "monitor"
+    try:
+        state = json.loads((data_dir / "monitor.json").read_text())
+        url = state.get("url") if isinstance(state, dict) else None
+        if isinstance(url, str) and url:
+            return url.rstrip("/")
+    except (OSError, ValueError):
+        pass
+    return DEFAULT_URL
+
+
+def fetch(url: str, token: str | None, timeout: float) -> dict[str, Any]:
+    """GET ``url/api/queues``. :raises OSError: unreachable or refused (the message says which)."""
+    req = urllib.request.Request(url + "/api/queues")
+    if token:
+        req.add_header("Authorization", f"Bearer {token}")
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as resp:
+            doc = json.loads(resp.read())
+    except urllib.error.HTTPError as exc:
+        if exc.code == 401:
+            raise OSError(f"the monitor at {url} wants a token (--token or RINGQ_MONITOR_TOKEN)") from exc
+        raise OSError(f"the monitor at {url} answered {exc.code} {exc.reason}") from exc
+    except (urllib.error.URLError, TimeoutError, ConnectionError) as exc:
+        reason = getattr(exc, "reason", exc)
+        raise OSError(f"no monitor answers at {url}: {reason} (is `ringq monitor` running?)") from exc
+    if not isinstance(doc, dict) or "queues" not in doc:
+        raise OSError(f"{url}/api/queues did not answer a ringq document")
+    return doc
+
+
+def run(args: argparse.Namespace) -> int:
+    url = monitor_url(args)
+    try:
+        doc = fetch(url, args.token, args.timeout)
+    except OSError as exc:
+        print(f"ringq status: {exc}", file=sys.stderr)
+        return RET_UNREACHABLE
+    if args.json:
+        json.dump(doc, sys.stdout, indent=2)
+        print()
+        return RET_OK
+    print(render(doc, url))
+    return RET_OK
+
+
+def queue_state(q: dict[str, Any]) -> str:
+    cap = q.get("capacity") or 0
+    depth = q.get("depth") or 0
+    if cap and q.get("head", 0) - q.get("tail", 0) >= cap:
+        return "full"
+    if cap and depth >= HIGH_WATER * cap:
+        return "high"
+    if depth <= 0:
+        return "empty"
+    return "ok"
+
+
+COLUMNS = ("QUEUE", "CAPACITY", "DEPTH", "FILL", "ENQ/S", "DEQ/S", "ENQ P50/P99", "DEQ P50/P99",
+           "RETRIES", "EXC", "WAIT D/E", "STATE")
+_LEFT = {"QUEUE", "STATE"}
+
+
+def _us(x: Any) -> str:
+    x = float(x or 0)
+    return "-" if x == 0 else (f"{x / 1000:.0f}ms" if x >= 10_000 else f"{x:.0f}")
+
+
+def render(doc: dict[str, Any], url: str) -> str:
+    """Plain aligned text: a line about the monitor, then one row per queue."""
+    mon = doc.get("monitor", {})
+    lines = []
+    age = time.time() - float(doc.get("t") or 0)
+    up = time.time() - float(mon.get("started") or time.time())
+    failing = [k for k, s in mon.get("steps", {}).items() if s.get("last_failure_t") and s.get("failures")
+               and s["last_failure_t"] > time.time() - 10 * float(mon.get("interval", 1))]
+    lines.append(
+        f"monitor {url}  pid {mon.get('pid', '?')}  up {_duration(up)}  every {mon.get('interval', '?')}s  "
+        f"clients {mon.get('clients', 0)}  sampled {age:.1f}s ago"
+        + (f"  FAILING: {', '.join(failing)}" if failing else "")
+        + ("" if mon.get("database", True) else "  DATABASE UNREACHABLE")
+    )
+    queues = doc.get("queues", [])
+    if not queues:
+        lines.append("no queues")
+        return "\n".join(lines)
+    rows = []
+    for q in queues:
+        cap = int(q.get("capacity") or 0)
+        depth = int(q.get("depth") or 0)
+        rows.append((
+            str(q.get("name")),
+            f"{cap:,}",
+            f"{depth:,}",
+            f"{100 * depth / cap:.0f}%" if cap else "-",
+            f"{float(q.get('enq_rate') or 0):,.1f}",
+            f"{float(q.get('deq_rate') or 0):,.1f}",
+            f"{_us(q.get('enq_p50_us'))}/{_us(q.get('enq_p99_us'))}",
+            f"{_us(q.get('deq_p50_us'))}/{_us(q.get('deq_p99_us'))}",
+            f"{int(q.get('retries') or 0):,}",
+            f"{int(q.get('exceptions') or 0):,}",
+            f"{int(q.get('waiting_dequeuers') or 0)}/{int(q.get('waiting_enqueuers') or 0)}",
+            queue_state(q),
+        ))
+    widths = [max(len(c), *(len(r[i]) for r in rows)) for i, c in enumerate(COLUMNS)]
+
+    def line(cells: tuple[str, ...]) -> str:
+        out = [c.ljust(w) if COLUMNS[i] in _LEFT else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths, strict=True))]
+        return "  ".join(out).rstrip()
+
+    lines.append(line(COLUMNS))
+    lines.extend(line(r) for r in rows)
+    lines.append("latencies in microseconds (p50/p99 of the last interval); rates are committed entries per second")
+    return "\n".join(lines)
+
+
+def _duration(s: float) -> str:
+    s = max(0, int(s))
+    if s < 120:
+        return f"{s}s"
+    if s < 7200:
+        return f"{s // 60}m"
+    return f"{s // 3600}h{(s % 3600) // 60:02d}m"

@@ -1,0 +1,662 @@
+"""The monitor's promises, against a real PostgreSQL and real processes.
+
+Every wait is a deadline loop on a condition read from the monitor's API,
+the section, a file or the database; never a fixed sleep.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+import uuid
+import xml.etree.ElementTree as ET
+from collections.abc import Callable, Iterator
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import psycopg
+import pytest
+from ringq.engine import ConfigError, Section, connect
+from ringq.engine import _layout as L
+from ringq.engine._section import pid_alive
+from ringq.monitor import Monitor, MonitorConfig, MonitorRunning, subscribe
+from ringq.monitor import _sample as S
+from ringq.monitor._t4 import HEADER, T4Writer
+from ringq.scripting._ddl import QueueSpec, create_queue
+
+API_QUEUE_KEYS = {
+    "name", "capacity", "depth", "head", "tail", "enq_rate", "deq_rate", "enq_p50_us", "enq_p99_us",
+    "deq_p50_us", "deq_p99_us", "full", "empty", "retries", "exceptions", "commits", "rollbacks",
+    "waiting_dequeuers", "waiting_enqueuers",
+}
+FAST = 0.2  # sample interval (s) used by the tests
+
+
+# -- helpers --------------------------------------------------------------------------------
+
+
+def wait_for(cond: Callable[[], Any], timeout: float = 10.0, what: str = "condition", every: float = 0.02) -> Any:
+    """Poll ``cond`` until it returns something truthy; fail after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    last_exc: BaseException | None = None
+    while time.monotonic() < deadline:
+        try:
+            got = cond()
+        except (OSError, KeyError, ValueError) as exc:  # not up yet
+            last_exc = exc
+            got = None
+        if got:
+            return got
+        time.sleep(every)
+    raise AssertionError(f"timed out after {timeout}s waiting for {what}" + (f" (last: {last_exc!r})" if last_exc else ""))
+
+
+def http(url: str, token: str | None = None, header: bool = True) -> tuple[int, bytes, dict[str, str]]:
+    req = urllib.request.Request(url)
+    if token and header:
+        req.add_header("Authorization", f"Bearer {token}")
+    try:
+        with urllib.request.urlopen(req, timeout=5) as resp:
+            return resp.status, resp.read(), dict(resp.headers)
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read(), dict(exc.headers)
+
+
+def get_json(url: str, token: str | None = None) -> Any:
+    status, body, _ = http(url, token)
+    assert status == 200, (status, body)
+    return json.loads(body)
+
+
+def queue_doc(base: str, name: str, token: str | None = None) -> dict[str, Any] | None:
+    doc = get_json(base + "/api/queues", token)
+    return next((q for q in doc["queues"] if q["name"] == name), None)
+
+
+@pytest.fixture
+def make_queue(dsn: str) -> Iterator[Callable[..., str]]:
+    def make(capacity: int = 64, max_payload: int = 1024, **kw: Any) -> str:
+        name = "q_" + uuid.uuid4().hex[:10]
+        with psycopg.connect(dsn) as conn:
+            create_queue(conn, QueueSpec(name, capacity, max_payload, **kw))
+        return name
+
+    yield make
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        row = conn.execute("SELECT value FROM ringq.meta WHERE key = 'instance_id'").fetchone()
+        qids = [r[0] for r in conn.execute("SELECT id FROM ringq.queues").fetchall()]
+    if row:
+        Section.unlink(row[0])
+        Section.unlink_semaphores(row[0], qids)
+
+
+@pytest.fixture
+def monitor(dsn: str, tmp_path: Path) -> Iterator[Callable[..., Monitor]]:
+    """In-process monitors, stopped after the test."""
+    made: list[Monitor] = []
+
+    def start(**kw: Any) -> Monitor:
+        kw.setdefault("port", 0)
+        kw.setdefault("interval", FAST)
+        kw.setdefault("data_dir", tmp_path / "monitor")
+        m = Monitor(MonitorConfig(dsn, **kw))
+        m.start()
+        made.append(m)
+        return m
+
+    yield start
+    for m in made:
+        m.stop()
+
+
+def ringq_cmd(*args: str) -> list[str]:
+    return [sys.executable, "-m", "ringq.cli", *args]
+
+
+def ringq_run(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(ringq_cmd(*args), capture_output=True, text=True, timeout=60, env=env, check=False)
+
+
+class MonitorProcess:
+    """``ringq monitor`` as a real process; ``url`` once it serves."""
+
+    def __init__(self, dsn: str, data_dir: Path, *extra: str, env: dict[str, str] | None = None) -> None:
+        self.data_dir = data_dir
+        self.proc = subprocess.Popen(
+            ringq_cmd("monitor", "--dsn", dsn, "--port", "0", "--data-dir", str(data_dir),
+                      "--interval", str(FAST), *extra),
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+        )
+        self.url = wait_for(self._url, 30, "the monitor to serve")
+
+    def _url(self) -> str | None:
+        if self.proc.poll() is not None:
+            raise AssertionError(f"monitor exited {self.proc.returncode}: {self.proc.stderr.read() if self.proc.stderr else ''}")
+        state = json.loads((self.data_dir / "monitor.json").read_text())
+        return state["url"] if state.get("pid") == self.proc.pid else None
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 30) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+        try:
+            return self.proc.wait(timeout)
+        finally:
+            for f in (self.proc.stdout, self.proc.stderr):
+                if f:
+                    f.close()
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.stop()
+
+
+@pytest.fixture
+def spawn_monitor(dsn: str, tmp_path: Path) -> Iterator[Callable[..., MonitorProcess]]:
+    procs: list[MonitorProcess] = []
+
+    def spawn(*extra: str, data_dir: Path | None = None, env: dict[str, str] | None = None) -> MonitorProcess:
+        p = MonitorProcess(dsn, data_dir or tmp_path / "monitor", *extra, env=env)
+        procs.append(p)
+        return p
+
+    yield spawn
+    for p in procs:
+        p.kill()
+
+
+def produce(dsn: str, queue: str, n: int, payload: bytes = b"x") -> list[int]:
+    with connect(dsn) as s:
+        seqs = [s.enqueue(queue, payload + str(i).encode()) for i in range(n)]
+        s.commit()
+    return seqs
+
+
+def consume_all(dsn: str, queue: str) -> list[Any]:
+    got = []
+    with connect(dsn) as s:
+        while (m := s.dequeue(queue)) is not None:
+            got.append(m)
+            s.commit()
+        s.commit()
+    return got
+
+
+# -- configuration ------------------------------------------------------------------------------
+
+
+def test_config_is_validated_with_named_defaults() -> None:
+    c = MonitorConfig("postgresql:///x")
+    assert (c.interval, c.port, c.host, c.token, c.prepared_timeout) == (1.0, 7480, "127.0.0.1", None, 60.0)
+    assert c.history_points == 86_400
+    for bad in ({"interval": 0}, {"interval": float("nan")}, {"port": 70000}, {"port": True},
+                {"token": ""}, {"token": "a b"}, {"host": ""}, {"recovery_interval": 2.0},
+                {"prepared_timeout": -1}, {"t4_keep_days": 0}, {"high_water": 1.5}):
+        with pytest.raises(ConfigError):
+            MonitorConfig("postgresql:///x", **bad)
+    with pytest.raises(ConfigError):
+        MonitorConfig("")
+
+
+def test_history_series_is_bounded_and_ordered() -> None:
+    h = S.History(max_points=5)
+    for i in range(12):
+        h.add({S.NAME: "a", **{k: float(i) for k in S.NUMERIC_KEYS}})
+    pts = h.query("a", -1)
+    assert pts is not None and [p["t"] for p in pts] == [7, 8, 9, 10, 11]
+    assert [p["t"] for p in h.query("a", 9) or []] == [10, 11]
+    assert [p["t"] for p in h.query("a", -1, limit=2) or []] == [10, 11]
+    assert h.query("b", 0) is None
+
+
+def test_t4_files_rotate_at_midnight_and_old_ones_go(tmp_path: Path) -> None:
+    old = tmp_path / "t4-2000-01-01.csv"
+    old.write_text("x\n")
+    w = T4Writer(tmp_path, keep_days=3)
+    day1 = datetime(2030, 5, 1, 23, 59, 59, tzinfo=UTC).timestamp()
+    day2 = datetime(2030, 5, 2, 0, 0, 1, tzinfo=UTC).timestamp()
+    for t in (day1, day2):
+        w.write([{S.NAME: "q", **{k: 1.0 for k in S.NUMERIC_KEYS}, S.T: t}])
+    w.close()
+    w.close()  # harmless
+    f1, f2 = tmp_path / "t4-2030-05-01.csv", tmp_path / "t4-2030-05-02.csv"
+    assert f1.read_text().splitlines()[0] == HEADER and len(f1.read_text().splitlines()) == 2
+    assert f2.read_text().splitlines()[0] == HEADER and len(f2.read_text().splitlines()) == 2
+    assert not old.exists()
+
+
+# -- HTTP ----------------------------------------------------------------------------------------
+
+
+def test_http_endpoints_answer_with_the_documented_shapes(dsn: str, make_queue: Any, monitor: Any) -> None:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    q = make_queue(capacity=32)
+    m = monitor()
+    base = m.url
+    produce(dsn, q, 10)
+    with connect(dsn) as s:
+        for _ in range(4):
+            assert s.dequeue(q) is not None
+            s.commit()
+
+    # A sample that saw the traffic: depth 6, and the interval quantities are numbers.
+    doc = wait_for(lambda: (d := queue_doc(base, q)) and d["depth"] == 6 and d, what="a sample with depth 6")
+    assert API_QUEUE_KEYS <= set(doc)
+    assert doc["capacity"] == 32 and doc["head"] - doc["tail"] <= 32
+    assert all(isinstance(doc[k], int | float) for k in API_QUEUE_KEYS - {"name"})
+    full_doc = get_json(base + "/api/queues")
+    assert {"t", "monitor", "queues"} <= set(full_doc)
+    assert full_doc["monitor"]["pid"] == os.getpid() and full_doc["monitor"]["running"] is True
+    assert {"recover", "reclaim", "sample"} <= set(full_doc["monitor"]["steps"])
+
+    # Rates and latencies show up in the history (the traffic fell in some interval).
+    def traffic_seen() -> list[dict[str, Any]] | None:
+        pts = get_json(base + f"/api/history?queue={q}&since=0")["points"]
+        return pts if sum(p["commits"] for p in pts) >= 1 and any(p["deq_rate"] > 0 for p in pts) else None
+
+    produce(dsn, q, 3)  # after the first sample, so some interval holds commits
+    consume_all(dsn, q)
+    points = wait_for(traffic_seen, what="history with commits")
+    assert all(set(p) == set(S.NUMERIC_KEYS) for p in points)
+    assert any(p["deq_p50_us"] > 0 for p in points)
+    if len(points) >= 3:  # since is exclusive, until inclusive
+        window = get_json(base + f"/api/history?queue={q}&since={points[-3]['t']}&until={points[-1]['t']}")
+        assert [p["t"] for p in window["points"]] == [points[-2]["t"], points[-1]["t"]]
+    assert get_json(base + f"/api/history?queue={q}&since=0&limit=1")["points"][0]["t"] >= points[-1]["t"]
+
+    # XML: the same queues and figures.
+    status, body, headers = http(base + "/api/queues.xml")
+    assert status == 200 and headers["Content-Type"].startswith("application/xml")
+    root = ET.fromstring(body)
+    el = next(e for e in root.findall("queue") if e.get("name") == q)
+    assert {c.tag for c in el} >= API_QUEUE_KEYS - {"name"}
+    assert int(el.findtext("capacity") or 0) == 32
+
+    # Prometheus text parses; the depth gauge is the section's.
+    status, body, headers = http(base + "/metrics")
+    assert status == 200 and headers["Content-Type"].startswith("text/plain")
+    fams = {f.name: f for f in text_string_to_metric_families(body.decode())}
+    depth = [s for s in fams["ringq_queue_depth"].samples if s.labels["queue"] == q]
+    assert depth and depth[0].value == 0
+    commits = [s for s in fams["ringq_queue_dequeue_commits"].samples if s.labels.get("queue") == q]
+    assert commits[0].value == 13
+    assert fams["ringq_queue_enqueue_latency_seconds"].type == "histogram"
+    assert fams["ringq_monitor_up"].samples[0].value == 1
+
+    # Bad requests.
+    assert http(base + "/api/history")[0] == 400
+    assert http(base + "/api/history?queue=nope")[0] == 404
+    assert http(base + f"/api/history?queue={q}&since=abc")[0] == 400
+    assert http(base + "/nothing")[0] == 404
+
+
+def test_token_protects_everything_but_metrics(dsn: str, make_queue: Any, monitor: Any) -> None:
+    make_queue()
+    m = monitor(token="s3cret-token")
+    base = m.url
+    for path in ("/api/queues", "/api/queues.xml", "/api/history?queue=x", "/api"):
+        status, body, headers = http(base + path)
+        assert status == 401, path
+        assert json.loads(body)["status"] == 401 and "Bearer" in headers["WWW-Authenticate"]
+        assert http(base + path, "wrong")[0] == 401
+    assert http(base + "/api/queues", "s3cret-token")[0] == 200
+    assert http(base + "/api/queues?token=s3cret-token")[0] == 200
+    assert http(base + "/metrics")[0] == 200
+    # A new token (SIGHUP's path) takes effect on the next request.
+    m.reconfigure(token="other-token")
+    wait_for(lambda: http(base + "/api/queues", "other-token")[0] == 200, what="the new token")
+    assert http(base + "/api/queues", "s3cret-token")[0] == 401
+    with pytest.raises(ConfigError):
+        m.reconfigure(port=1234)
+
+
+# -- events ------------------------------------------------------------------------------------
+
+
+def test_events_reach_wildcard_subscribers(dsn: str, make_queue: Any, monitor: Any) -> None:
+    q = make_queue(capacity=4, full_policy="raise")
+    other = make_queue(capacity=4)
+    monitor()
+    with subscribe(dsn, "queue.*.full") as fulls, subscribe(dsn, f"queue.{q}.*") as mine:
+        produce(dsn, other, 1)
+        produce(dsn, q, 4)  # fills it
+        ev = fulls.get(10)
+        assert ev is not None and ev.name == f"queue.{q}.full" and ev.queue == q
+        assert ev.data["capacity"] == 4 and ev.t > 0
+        names: set[str] = set()
+
+        def until(name: str) -> None:
+            deadline = time.monotonic() + 10
+            while name not in names and time.monotonic() < deadline:
+                e = mine.get(deadline - time.monotonic())
+                if e is not None:
+                    assert e.queue == q  # the pattern kept other queues' events out
+                    names.add(e.name)
+
+        # Conditions are seen by the monitor's 100 ms passes: wait for each one
+        # before changing the queue again.
+        until(f"queue.{q}.high_water")
+        consume_all(dsn, q)
+        until(f"queue.{q}.empty")
+        assert {f"queue.{q}.full", f"queue.{q}.high_water", f"queue.{q}.empty"} <= names
+
+
+def test_poisoned_entry_is_announced_and_logged(dsn: str, make_queue: Any, monitor: Any, tmp_path: Path) -> None:
+    q = make_queue(max_deliveries=2, dequeue_mode="shared")
+    m = monitor()
+    wait_for(lambda: queue_doc(m.url, q), what="the queue sampled")
+    [seq] = produce(dsn, q, 1)
+    with subscribe(dsn, "entry.*") as events:
+        with connect(dsn) as s:
+            for _ in range(2):
+                msg = s.dequeue(q)
+                assert msg is not None and msg.seq == seq
+                s.rollback()
+            assert s.dequeue(q) is None
+            s.commit()
+        ev = events.get(10)
+    assert ev is not None and ev.name == "entry.poisoned" and ev.queue == q and ev.data["seq"] == seq
+    assert ev.data["deliveries"] == 2
+    wait_for(lambda: queue_doc(m.url, q)["exceptions"] == 1, what="the exception counted")
+    log = [json.loads(line) for line in (tmp_path / "monitor" / "monitor.log").read_text().splitlines()]
+    assert any(r["event"] == "entry.poisoned" and r["queue"] == q and r["seq"] == seq for r in log)
+
+
+# -- T4 files, SQL inbox, failures of steps ------------------------------------------------------
+
+
+def test_t4_file_has_a_header_and_rows(dsn: str, make_queue: Any, monitor: Any, tmp_path: Path) -> None:
+    q = make_queue()
+    m = monitor()
+    produce(dsn, q, 5)
+    day = datetime.now(UTC).date().isoformat()
+    path = tmp_path / "monitor" / f"t4-{day}.csv"
+
+    def rows() -> list[dict[str, str]] | None:
+        with open(path, newline="") as f:
+            got = [r for r in csv.DictReader(f) if r["name"] == q]
+        return got if len(got) >= 3 and got[-1]["depth"] == "5" else None
+
+    got = wait_for(rows, what="three T4 rows")
+    assert path.read_text().splitlines()[0] == HEADER
+    assert set(got[0]) == set(HEADER.split(","))
+    assert float(got[-1]["t"]) > float(got[0]["t"])
+    assert m.running
+
+
+def test_sql_enqueue_reaches_the_ring_through_the_monitor(dsn: str, make_queue: Any, monitor: Any) -> None:
+    q = make_queue()
+    monitor()
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        for i in range(3):
+            conn.execute("SELECT ringq.enqueue(%s, %s)", (q, f"sql {i}".encode()))
+    t0 = time.monotonic()
+    got: list[bytes] = []
+    with connect(dsn) as s:
+        while len(got) < 3 and time.monotonic() - t0 < 10:
+            m = s.dequeue(q, wait=0.5)
+            if m is not None:
+                got.append(m.payload)
+            s.commit()
+    print(f"\nSQL enqueue -> dequeue through the monitor's pump: {time.monotonic() - t0:.3f} s")
+    assert got == [b"sql 0", b"sql 1", b"sql 2"]
+
+
+def test_a_failing_step_is_counted_and_logged_once_and_the_loop_goes_on(
+    dsn: str, make_queue: Any, monitor: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import ringq.monitor._service as svc
+
+    make_queue()
+    m = monitor()
+
+    def broken(sec: Any) -> Any:
+        raise RuntimeError("reclaim exploded")
+
+    real = svc.reclaim_all
+    monkeypatch.setattr(svc, "reclaim_all", broken)
+    wait_for(lambda: m.status()["steps"]["reclaim"]["failures"] >= 10, what="ten failures")
+    beat = m.status()["beat"]
+    wait_for(lambda: m.status()["beat"] > beat, what="the heartbeat to go on")
+    assert m.running
+    monkeypatch.setattr(svc, "reclaim_all", real)
+    log_path = tmp_path / "monitor" / "monitor.log"
+
+    def records() -> list[dict[str, Any]] | None:
+        recs = [json.loads(line) for line in log_path.read_text().splitlines()]
+        return recs if any(r["event"] == "step.recovered" for r in recs) else None
+
+    recs = wait_for(records, what="step.recovered in the log")
+    failed = [r for r in recs if r["event"] == "step.failed" and r["step"] == "reclaim"]
+    assert len(failed) == 1 and "reclaim exploded" in failed[0]["error"]
+
+
+def test_section_removed_under_the_monitor_is_rebuilt(dsn: str, make_queue: Any, monitor: Any) -> None:
+    q = make_queue()
+    m = monitor()
+    produce(dsn, q, 3)
+    doc = wait_for(lambda: (d := queue_doc(m.url, q)) and d["depth"] == 3 and d, what="depth 3")
+    instance = m.status()["section"].split(".", 1)[1]
+    gen = m.read_section(lambda s: s.generation)
+    assert Section.unlink(instance)
+    wait_for(lambda: m.read_section(lambda s: s.generation) not in (None, gen), what="a new section")
+    # The new section came from the rows: the three entries are there, and traffic goes on.
+    wait_for(lambda: (d := queue_doc(m.url, q)) and d["depth"] == 3, what="depth 3 again")
+    assert [x.payload for x in consume_all(dsn, q)] == [b"x0", b"x1", b"x2"]
+    produce(dsn, q, 1)
+    assert [x.payload for x in consume_all(dsn, q)] == [b"x0"]
+    assert doc["capacity"] == 64
+
+
+# -- real processes: CLI, signals, restart, kill -9 ---------------------------------------------
+
+
+def test_monitor_restart_keeps_queues_working(dsn: str, make_queue: Any, spawn_monitor: Any, tmp_path: Path) -> None:
+    q = make_queue()
+    mon = spawn_monitor()
+    produce(dsn, q, 5)
+    wait_for(lambda: (d := queue_doc(mon.url, q)) and d["depth"] == 5, what="depth 5")
+    assert mon.stop(signal.SIGTERM) == 0  # drained
+    assert not (tmp_path / "monitor" / "monitor.json").exists()
+
+    mon = spawn_monitor()  # a clean restart
+    produce(dsn, q, 2)
+    wait_for(lambda: (d := queue_doc(mon.url, q)) and d["depth"] == 7, what="depth 7")
+    mon.kill()  # kill -9: the next monitor takes over (its lock died with its connection)
+
+    mon = spawn_monitor()
+    got = consume_all(dsn, q)
+    assert [m.payload for m in got] == [b"x0", b"x1", b"x2", b"x3", b"x4", b"x0", b"x1"]
+    wait_for(lambda: (d := queue_doc(mon.url, q)) and d["depth"] == 0, what="depth 0")
+    log = (tmp_path / "monitor" / "monitor.log").read_text()
+    assert log.count('"monitor.started"') == 3 and log.count('"monitor.stopped"') == 1
+
+
+def test_a_second_monitor_is_refused(dsn: str, make_queue: Any, monitor: Any, tmp_path: Path) -> None:
+    make_queue()
+    monitor()
+    with pytest.raises(MonitorRunning):
+        Monitor(MonitorConfig(dsn, port=0, data_dir=tmp_path / "other")).start()
+    r = ringq_run("monitor", "--dsn", dsn, "--port", "0", "--data-dir", str(tmp_path / "cli"))
+    assert r.returncode == 5, r.stderr
+    assert "another ringq monitor" in r.stderr
+
+
+def test_status_prints_every_queue_in_a_table(dsn: str, make_queue: Any, spawn_monitor: Any, tmp_path: Path) -> None:
+    a, b = make_queue(capacity=10), make_queue(capacity=20)
+    mon = spawn_monitor()
+    produce(dsn, a, 10)
+    wait_for(lambda: (d := queue_doc(mon.url, a)) and d["depth"] == 10, what="depth 10")
+    r = ringq_run("status", "--monitor", mon.url)
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.splitlines()
+    header = next(i for i, line in enumerate(lines) if line.startswith("QUEUE"))
+    rows = {line.split()[0]: line.split() for line in lines[header + 1:] if line.split() and line.split()[0] in (a, b)}
+    assert rows[a][1] == "10" and rows[a][2] == "10" and rows[a][-1] == "full"
+    assert rows[b][1] == "20" and rows[b][-1] == "empty"
+    print("\n" + r.stdout)
+    # Found without --monitor through the state file; --json is the API document.
+    r = ringq_run("status", "--json", "--data-dir", str(mon.data_dir))
+    assert r.returncode == 0 and {q["name"] for q in json.loads(r.stdout)["queues"]} == {a, b}
+    mon.stop()
+    r = ringq_run("status", "--monitor", mon.url)
+    assert r.returncode == 1 and "no monitor answers" in r.stderr
+
+
+def test_status_with_a_token(dsn: str, make_queue: Any, spawn_monitor: Any) -> None:
+    make_queue()
+    env = {**os.environ, "RINGQ_MONITOR_TOKEN": "tok-123"}
+    mon = spawn_monitor(env=env)
+    assert http(mon.url + "/api/queues")[0] == 401
+    r = ringq_run("status", "--monitor", mon.url,
+                  env={k: v for k, v in os.environ.items() if k != "RINGQ_MONITOR_TOKEN"})
+    assert r.returncode == 1 and "token" in r.stderr
+    r = ringq_run("status", "--monitor", mon.url, env=env)
+    assert r.returncode == 0, r.stderr
+
+
+def test_sighup_rereads_the_config_file(dsn: str, make_queue: Any, spawn_monitor: Any, tmp_path: Path) -> None:
+    make_queue()
+    cfg = tmp_path / "monitor.toml"
+    cfg.write_text("interval = 0.5\n")
+    mon = spawn_monitor("--config", str(cfg))
+    assert get_json(mon.url + "/api/queues")["monitor"]["interval"] == 0.5
+    cfg.write_text('interval = 0.3\ntoken = "hup-token"\n')
+    mon.proc.send_signal(signal.SIGHUP)
+    wait_for(lambda: http(mon.url + "/api/queues")[0] == 401, what="the token from the file")
+    assert get_json(mon.url + "/api/queues", "hup-token")["monitor"]["interval"] == 0.3
+    cfg.write_text("bogus = 1\n")  # a bad file keeps the old settings
+    mon.proc.send_signal(signal.SIGHUP)
+    wait_for(lambda: '"config.rejected"' in (tmp_path / "monitor" / "monitor.log").read_text(), what="the refusal")
+    assert get_json(mon.url + "/api/queues", "hup-token")["monitor"]["interval"] == 0.3
+    assert mon.stop() == 0
+
+
+def test_detach_writes_a_pidfile_and_sigterm_stops_it(dsn: str, make_queue: Any, tmp_path: Path) -> None:
+    make_queue()
+    pidfile = tmp_path / "mon.pid"
+    data = tmp_path / "detached"
+    r = ringq_run("monitor", "--dsn", dsn, "--port", "0", "--data-dir", str(data), "--detach", "--pidfile", str(pidfile))
+    assert r.returncode == 0, r.stderr
+    pid = int(pidfile.read_text())
+    try:
+        assert pid_alive(pid) and f"pid {pid} serving http://" in r.stdout
+        url = json.loads((data / "monitor.json").read_text())["url"]
+        assert get_json(url + "/api/queues")["monitor"]["pid"] == pid
+        # A second detached one with the same pidfile is refused.
+        r2 = ringq_run("monitor", "--dsn", dsn, "--port", "0", "--data-dir", str(data), "--detach", "--pidfile", str(pidfile))
+        assert r2.returncode == 5 and "already running" in r2.stderr
+        os.kill(pid, signal.SIGTERM)
+        wait_for(lambda: not pid_alive(pid), 30, "the daemon to exit")
+        assert not pidfile.exists()
+    finally:
+        if pid_alive(pid):
+            os.kill(pid, signal.SIGKILL)
+
+
+def test_reset_section_refuses_live_clients_then_removes_it(dsn: str, make_queue: Any, tmp_path: Path) -> None:
+    q = make_queue()
+    produce(dsn, q, 2)
+    s = connect(dsn)  # a live client
+    s.enqueue(q, b"pending")  # holds a slot, uncommitted
+    gen = s.section.generation
+    r = ringq_run("monitor", "--dsn", dsn, "--port", "0", "--reset-section",
+                                 "--data-dir", str(tmp_path / "m"))
+    assert r.returncode == 5 and "live clients" in r.stderr
+    s.rollback()
+    s.close()
+    mon = MonitorProcess(dsn, tmp_path / "m2", "--reset-section")
+    try:
+        assert mon.url
+        with connect(dsn) as s2:
+            assert s2.section.generation != gen  # a new segment, rebuilt from the rows
+            assert [m.payload for m in consume_all(dsn, q)] == [b"x0", b"x1"]
+    finally:
+        assert mon.stop() == 0
+
+
+HOLDER = r"""
+import sys, time
+from ringq.engine import connect
+s = connect(sys.argv[1])
+m = s.dequeue(sys.argv[2])
+print(m.seq, flush=True)
+time.sleep(120)
+"""
+
+
+@pytest.mark.parametrize("mode", ["shared", "single"])
+def test_killed_consumer_entry_is_delivered_again_within_a_second_exactly_once(
+    dsn: str, make_queue: Any, spawn_monitor: Any, mode: str
+) -> None:
+    q = make_queue(capacity=64, dequeue_mode=mode)
+    mon = spawn_monitor("--interval", "1")
+    produce(dsn, q, 1)
+    assert [m.seq for m in consume_all(dsn, q)] == [0]
+    wait_for(lambda: queue_doc(mon.url, q), what="the queue sampled")
+    times = []
+    seqs: list[int] = [0]
+    delivered: list[int] = [0]
+    with subscribe(dsn, "consumer.*") as deaths, connect(dsn) as s:
+        for _ in range(3):
+            # One entry at a time, so that (in shared mode) nothing else is
+            # ready while the dead consumer holds it.
+            seqs += produce(dsn, q, 1)
+            holder = subprocess.Popen([sys.executable, "-c", HOLDER, dsn, q], stdout=subprocess.PIPE, text=True)
+            assert holder.stdout is not None
+            held = int(holder.stdout.readline())
+            assert held == seqs[-1]
+            t_kill = time.monotonic()
+            holder.kill()  # kill -9 while it holds the dequeued entry
+            got = None
+            while got is None and time.monotonic() - t_kill < 10:
+                got = s.dequeue(q, wait=0.01)
+                if got is None:
+                    s.commit()
+            elapsed = time.monotonic() - t_kill
+            holder.wait(10)
+            holder.stdout.close()
+            assert got is not None and got.seq == held and got.redelivered
+            s.commit()
+            delivered.append(got.seq)
+            times.append(elapsed)
+            ev = deaths.get(10)
+            assert ev is not None and ev.name == "consumer.died" and ev.data["pid"] == holder.pid
+            assert ev.data["slots"] == 1 and ev.data["queues"] == [q]
+        # The queue goes on, in order.
+        seqs += produce(dsn, q, 5)
+        while (m := s.dequeue(q)) is not None:
+            delivered.append(m.seq)
+            s.commit()
+        s.commit()
+    print(f"\n[{mode}] kill -9 -> entry delivered again: " + ", ".join(f"{t * 1000:.0f} ms" for t in times))
+    assert max(times) < 1.0
+    # Exactly once: every entry consumed once, in order, none left.
+    assert delivered == seqs
+    with psycopg.connect(dsn) as conn:
+        states = conn.execute(psycopg.sql.SQL("SELECT state, count(*) FROM ringq.{} GROUP BY 1").format(
+            psycopg.sql.Identifier("q_" + q))).fetchall()
+    assert dict(states).get(1, 0) == 0 and dict(states).get(2) == len(seqs)
+    wait_for(lambda: get_json(mon.url + "/api/queues")["monitor"]["recovered_clients"] == 3, what="3 recoveries")
+    log = [json.loads(x) for x in (mon.data_dir / "monitor.log").read_text().splitlines()]
+    assert sum(1 for r in log if r["event"] == "client.recovered" and r["queues"] == [q]) == 3
+
+
+def test_heartbeat_is_in_the_section_header(dsn: str, make_queue: Any, monitor: Any) -> None:
+    make_queue()
+    m = monitor()
+    beat0 = m.read_section(lambda s: int(s.header[L.H_MONITOR_BEAT_NS]))
+    assert m.read_section(lambda s: int(s.header[L.H_MONITOR_PID])) == os.getpid()
+    wait_for(lambda: m.read_section(lambda s: int(s.header[L.H_MONITOR_BEAT_NS])) > (beat0 or 0), what="a beat")
+    m.stop()
+    m.stop()  # idempotent
+    assert not m.running
