@@ -84,3 +84,34 @@ __all__ += [
     "unwrap",
     "wrap",
 ]
+
+# Workers: the container that runs an action for each message (issue 8).
+from ._worker import (
+    Action,
+    ActionAborted,
+    ActionInterrupted,
+    Actions,
+    ActionTimeout,
+    Decline,
+    PoolConfig,
+    Worker,
+    WorkerConfig,
+    WorkerExit,
+    WorkerPool,
+    load_actions,
+)
+
+__all__ += [
+    "Action",
+    "ActionAborted",
+    "ActionInterrupted",
+    "ActionTimeout",
+    "Actions",
+    "Decline",
+    "PoolConfig",
+    "Worker",
+    "WorkerConfig",
+    "WorkerExit",
+    "WorkerPool",
+    "load_actions",
+]

@@ -1,0 +1,554 @@
+"""Workers: one transaction per message, against a real PostgreSQL and real processes.
+
+In-process tests drive a :class:`Worker` in the test's main thread (its time
+limits need it); process tests run ``ringq worker`` and kill or signal the
+real processes. Nothing is synchronized by sleeping: tests wait on
+conditions (rows, files, log lines) with deadlines.
+"""
+
+from __future__ import annotations
+
+import os
+import queue as queue_mod
+import re
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import psycopg
+import pytest
+from ringq.engine import (
+    Actions,
+    ActionTimeout,
+    ConfigError,
+    Decline,
+    Message,
+    Section,
+    Session,
+    Worker,
+    WorkerExit,
+    connect,
+)
+from ringq.scripting._ddl import QueueSpec, create_queue
+
+# -- fixtures and helpers -------------------------------------------------------------------
+
+
+@pytest.fixture
+def make_queue(dsn: str) -> Iterator[Callable[..., str]]:
+    def make(capacity: int = 64, max_payload: int = 1024, **kw: Any) -> str:
+        name = "q_" + uuid.uuid4().hex[:10]
+        with psycopg.connect(dsn) as conn:
+            create_queue(conn, QueueSpec(name, capacity, max_payload, **kw))
+        return name
+
+    yield make
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        row = conn.execute("SELECT value FROM ringq.meta WHERE key = 'instance_id'").fetchone()
+        qids = [r[0] for r in conn.execute("SELECT id FROM ringq.queues").fetchall()]
+    if row:
+        Section.unlink(row[0])
+        Section.unlink_semaphores(row[0], qids)
+
+
+@pytest.fixture
+def effects(dsn: str) -> str:
+    """A table where actions record what they did (no key: duplicates would show)."""
+    with psycopg.connect(dsn) as conn:
+        conn.execute("CREATE TABLE effects (seq bigint, deliveries int, pid int, note text)")
+    return "effects"
+
+
+def enqueue(dsn: str, queue: str, *payloads: bytes) -> list[int]:
+    with connect(dsn) as s:
+        seqs = [s.enqueue(queue, p) for p in payloads]
+        s.commit()
+    return seqs
+
+
+def drain(dsn: str, queue: str) -> list[Message]:
+    out = []
+    with connect(dsn) as s:
+        while (m := s.dequeue(queue)) is not None:
+            out.append(m)
+            s.commit()
+        s.commit()
+    return out
+
+
+def rows(dsn: str, query: str, *params: Any) -> list[tuple[Any, ...]]:
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        return conn.execute(query, params).fetchall()
+
+
+def exceptions_of(dsn: str, queue: str) -> list[tuple[int, int, str]]:
+    return [
+        (r[0], r[1], r[2])
+        for r in rows(
+            dsn,
+            "SELECT e.seq, e.deliveries, e.reason FROM ringq.exceptions e "
+            "JOIN ringq.queues q ON q.id = e.queue_id WHERE q.name = %s ORDER BY e.seq",
+            queue,
+        )
+    ]
+
+
+def wait_until(predicate: Callable[[], Any], timeout: float = 30.0, what: str = "condition") -> Any:
+    deadline = time.monotonic() + timeout
+    while True:
+        got = predicate()
+        if got:
+            return got
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout:g}s waiting for {what}")
+        time.sleep(0.01)  # polling a condition with a deadline, not synchronizing by sleep
+
+
+# -- in-process: outcomes of one message ----------------------------------------------------
+
+
+def test_action_commits_its_writes_and_chained_messages_together(dsn, make_queue, effects):
+    a, b = make_queue(), make_queue()
+    app = Actions()
+
+    @app.action(a)
+    def step1(msg: Message, session: Session) -> None:
+        session.connection.execute(
+            "INSERT INTO effects VALUES (%s, %s, %s, 'step1')",
+            (msg.seq, msg.deliveries, os.getpid()),
+        )
+        session.enqueue(b, msg.payload + b"->step2")
+
+    (seq,) = enqueue(dsn, a, b"order-1")
+    with Worker(app, dsn) as w:
+        assert w.queues == [a]  # by default a worker serves every queue of its actions
+        assert w.run_one(wait=5)
+        assert w.stats()["handled"] == 1
+    assert rows(dsn, "SELECT seq, deliveries, note FROM effects") == [(seq, 1, "step1")]
+    assert [m.payload for m in drain(dsn, b)] == [b"order-1->step2"]
+    assert drain(dsn, a) == []
+
+
+def test_chaining_across_two_queues_is_atomic_when_the_action_fails(dsn, make_queue, effects):
+    a, b = make_queue(), make_queue()
+    app = Actions()
+    fail = {"yes": True}
+
+    @app.action(a)
+    def step1(msg: Message, session: Session) -> None:
+        session.connection.execute(
+            "INSERT INTO effects VALUES (%s, %s, %s, 'step1')",
+            (msg.seq, msg.deliveries, os.getpid()),
+        )
+        session.enqueue(b, b"chained")
+        if fail["yes"]:
+            raise RuntimeError("the next step could not be prepared")
+
+    (seq,) = enqueue(dsn, a, b"x")
+    with Worker(app, dsn) as w:
+        assert w.run_one(wait=5)  # fails: nothing of it stays
+        assert w.stats()["failed"] == 1
+        assert rows(dsn, "SELECT count(*) FROM effects") == [(0,)]
+        with connect(dsn) as s:  # nothing was chained
+            assert s.dequeue(b) is None
+            s.commit()
+        fail["yes"] = False
+        assert w.run_one(wait=5)  # delivered again, and now all of it commits
+        assert w.stats()["handled"] == 1
+    assert rows(dsn, "SELECT seq, deliveries FROM effects") == [(seq, 2)]
+    assert [m.payload for m in drain(dsn, b)] == [b"chained"]
+    assert drain(dsn, a) == []
+
+
+def test_always_raising_action_ends_in_the_exception_queue_after_max_deliveries(
+    dsn, make_queue, effects
+):
+    q = make_queue(max_deliveries=3)
+    app = Actions()
+    seen: list[int] = []
+
+    @app.action(q)
+    def broken(msg: Message, session: Session) -> None:
+        seen.append(msg.deliveries)
+        session.connection.execute(
+            "INSERT INTO effects VALUES (%s, %s, %s, 'broken')",
+            (msg.seq, msg.deliveries, os.getpid()),
+        )
+        raise ValueError("always")
+
+    (seq,) = enqueue(dsn, q, b"poison")
+    with Worker(app, dsn) as w:
+        while w.run_one(wait=0):
+            pass
+        st = w.stats()
+    assert seen == [1, 2, 3]
+    assert st["failed"] == 3 and st["poisoned"] == 1 and st["handled"] == 0
+    assert exceptions_of(dsn, q) == [(seq, 3, "max deliveries reached")]
+    assert rows(dsn, "SELECT count(*) FROM effects") == [(0,)]
+    assert drain(dsn, q) == []
+
+
+def test_a_decline_commits_and_enqueues_its_reply(dsn, make_queue, effects):
+    q, replies = make_queue(), make_queue()
+    app = Actions()
+
+    @app.action(q)
+    def pay(msg: Message, session: Session) -> Decline:
+        # The action records the refusal (an audit row) and declines: both commit.
+        session.connection.execute(
+            "INSERT INTO effects VALUES (%s, %s, %s, 'refused')",
+            (msg.seq, msg.deliveries, os.getpid()),
+        )
+        return Decline("insufficient funds", reply_to=replies, reply=b"refused:" + msg.payload)
+
+    (seq,) = enqueue(dsn, q, b"pay 100")
+    with Worker(app, dsn) as w:
+        assert w.run_one(wait=5)
+        st = w.stats()
+    assert st["handled"] == 1 and st["declined"] == 1 and st["failed"] == 0
+    assert rows(dsn, "SELECT seq, note FROM effects") == [(seq, "refused")]
+    assert [m.payload for m in drain(dsn, replies)] == [b"refused:pay 100"]
+    assert drain(dsn, q) == []  # consumed: a decline is not a failure
+    assert exceptions_of(dsn, q) == []
+
+
+def test_decline_needs_a_queue_for_its_reply():
+    with pytest.raises(ConfigError):
+        Decline("no", reply=b"x")
+
+
+def test_registry_rejects_a_second_action_for_a_queue_and_bad_timeouts():
+    app = Actions()
+    app.add("orders", lambda m, s: None)
+    with pytest.raises(ConfigError):
+        app.add("orders", lambda m, s: None)
+    with pytest.raises(ConfigError):
+        app.add("other", lambda m, s: None, timeout=0)
+    with pytest.raises(ConfigError):
+        Actions(timeout=-1)
+
+
+# -- in-process: time limits ----------------------------------------------------------------
+
+
+def _timed_app(q: str, body: Callable[[Message, Session], None], timeout: float) -> Actions:
+    app = Actions()
+
+    @app.action(q, timeout=timeout)
+    def act(msg: Message, session: Session) -> None:
+        session.connection.execute(
+            "INSERT INTO effects VALUES (%s, %s, %s, 'timed')",
+            (msg.seq, msg.deliveries, os.getpid()),
+        )
+        if msg.deliveries == 1:
+            body(msg, session)
+
+    return app
+
+
+def test_time_limit_aborts_a_python_loop_and_rolls_back(dsn, make_queue, effects):
+    q = make_queue()
+
+    def spin(msg: Message, session: Session) -> None:
+        try:
+            while True:
+                pass
+        except Exception:  # noqa: BLE001 - a time limit must not be swallowed by this
+            pytest.fail("ActionTimeout was caught as an Exception")
+
+    (seq,) = enqueue(dsn, q, b"slow")
+    with Worker(_timed_app(q, spin, 0.3), dsn) as w:
+        t0 = time.monotonic()
+        assert w.run_one(wait=5)
+        elapsed = time.monotonic() - t0
+        assert w.stats()["timeouts"] == 1
+        assert rows(dsn, "SELECT count(*) FROM effects") == [(0,)]  # its write is gone
+        assert w.run_one(wait=5)  # delivered again (the body only spins the first time)
+        assert w.stats()["handled"] == 1
+    assert 0.3 <= elapsed < 3.0
+    assert rows(dsn, "SELECT seq, deliveries FROM effects") == [(seq, 2)]
+
+
+def test_time_limit_cancels_sql_in_progress_and_the_session_goes_on(dsn, make_queue, effects):
+    q = make_queue()
+
+    def sleep_in_sql(msg: Message, session: Session) -> None:
+        session.connection.execute("SELECT pg_sleep(30)")
+
+    (seq,) = enqueue(dsn, q, b"slow sql")
+    with Worker(_timed_app(q, sleep_in_sql, 0.3), dsn) as w:
+        t0 = time.monotonic()
+        assert w.run_one(wait=5)
+        elapsed = time.monotonic() - t0
+        assert w.stats()["timeouts"] == 1
+        assert w.run_one(wait=5)
+        assert w.stats()["handled"] == 1
+        # No statement of this session is still running on the server.
+        backend = w.session.backend_pid
+        active = rows(dsn, "SELECT state FROM pg_stat_activity WHERE pid = %s", backend)
+        assert active and active[0][0] != "active"
+    assert elapsed < 3.0
+    assert rows(dsn, "SELECT seq, deliveries FROM effects") == [(seq, 2)]
+
+
+def test_time_limit_does_not_leak_slots_when_it_strikes_inside_engine_calls(
+    dsn, make_queue, effects
+):
+    q, big = make_queue(), make_queue(capacity=100_000, dequeue_mode="shared")
+
+    def flood(msg: Message, session: Session) -> None:
+        while True:  # most of the time is spent inside session.enqueue
+            session.enqueue(big, b"x" * 16)
+
+    seqs = enqueue(dsn, q, b"1", b"2", b"3")
+    app = Actions()
+
+    @app.action(q, timeout=0.2)
+    def act(msg: Message, session: Session) -> None:
+        flood(msg, session)
+
+    with Worker(app, dsn) as w:
+        for _ in seqs:  # three deliveries of the first message, three time-outs
+            assert w.run_one(wait=5)
+        assert w.stats()["timeouts"] == 3
+        ring = w.session.ring(big)
+        counts = ring.counts()
+    assert counts["locked"] == 0, counts  # no reservation was left behind
+    assert drain(dsn, big) == []
+
+
+def test_action_timeout_is_not_an_exception():
+    assert not issubclass(ActionTimeout, Exception)
+
+
+# -- processes: ringq worker ----------------------------------------------------------------
+
+ACTIONS_TEMPLATE = """
+import os, time
+from pathlib import Path
+from ringq.engine import Actions, Decline
+
+DIR = Path({dir!r})
+app = Actions()
+
+@app.action({queue!r})
+def act(msg, session):
+    session.connection.execute(
+        "INSERT INTO effects VALUES (%s, %s, %s, %s)",
+        (msg.seq, msg.deliveries, os.getpid(), msg.payload.decode()),
+    )
+    if msg.payload.startswith(b"block") and msg.deliveries == 1:
+        (DIR / f"ready-{{msg.seq}}").write_text(str(os.getpid()))
+        go = DIR / f"go-{{msg.seq}}"
+        while not go.exists():  # blocks until the test releases it (or kills us)
+            time.sleep(0.005)
+"""
+
+
+class WorkerProcess:
+    """``ringq worker`` in a subprocess, its stderr collected line by line."""
+
+    def __init__(self, tmp: Path, dsn: str, queue: str, *extra: str) -> None:
+        mod = "wact_" + uuid.uuid4().hex[:8]
+        (tmp / f"{mod}.py").write_text(
+            textwrap.dedent(ACTIONS_TEMPLATE.format(dir=str(tmp), queue=queue))
+        )
+        self.tmp = tmp
+        env = dict(
+            os.environ, PYTHONPATH=os.pathsep.join([str(tmp), os.environ.get("PYTHONPATH", "")])
+        )
+        env.pop("RINGQ_DSN", None)
+        self.proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "ringq.cli",
+                "worker",
+                f"{mod}:app",
+                "--dsn",
+                dsn,
+                "--log-level",
+                "INFO",
+                *extra,
+            ],
+            cwd=tmp,
+            env=env,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        self.lines: list[str] = []
+        self._new: queue_mod.Queue[str] = queue_mod.Queue()
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        assert self.proc.stderr is not None
+        for line in self.proc.stderr:
+            self.lines.append(line)
+
+    def wait_line(self, pattern: str, timeout: float = 30.0) -> str:
+        rx = re.compile(pattern)
+        return wait_until(
+            lambda: next((ln for ln in self.lines if rx.search(ln)), None),
+            timeout,
+            f"log line /{pattern}/",
+        )
+
+    def ready_pid(self, seq: int, timeout: float = 30.0) -> int:
+        f = self.tmp / f"ready-{seq}"
+        wait_until(lambda: f.exists() and f.read_text(), timeout, f"message {seq} in its action")
+        return int(f.read_text())
+
+    def release(self, seq: int) -> None:
+        (self.tmp / f"go-{seq}").write_text("go")
+
+    def signal(self, sig: int = signal.SIGTERM) -> None:
+        self.proc.send_signal(sig)
+
+    def wait(self, timeout: float = 30.0) -> int:
+        try:
+            return self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            raise AssertionError(
+                "ringq worker did not exit:\n" + "".join(self.lines[-40:])
+            ) from None
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(10)
+        self._reader.join(5)
+        if self.proc.stderr is not None:
+            self.proc.stderr.close()
+
+
+@pytest.fixture
+def worker_process(tmp_path: Path, dsn: str) -> Iterator[Callable[..., WorkerProcess]]:
+    made: list[WorkerProcess] = []
+
+    def start(queue: str, *extra: str) -> WorkerProcess:
+        wp = WorkerProcess(tmp_path, dsn, queue, *extra)
+        made.append(wp)
+        return wp
+
+    yield start
+    for wp in made:
+        wp.close()
+
+
+def test_kill9_mid_action_rolls_its_writes_back_and_the_message_is_handled_again(
+    dsn, make_queue, effects, worker_process
+):
+    q = make_queue()
+    seqs = enqueue(dsn, q, b"first", b"block", b"third", b"fourth")
+    blocked = seqs[1]
+    wp = worker_process(q, "--processes", "1")
+    victim = wp.ready_pid(blocked)
+    # The action wrote its row but has not committed: invisible to others.
+    assert rows(dsn, "SELECT seq FROM effects WHERE seq = %s", blocked) == []
+    os.kill(victim, signal.SIGKILL)
+    # The pool gives the slot back at once and restarts the worker, which
+    # handles the message again (deliveries 2) and the rest after it.
+    wait_until(
+        lambda: rows(dsn, "SELECT count(DISTINCT seq) FROM effects")[0][0] == 4,
+        60,
+        "all four handled",
+    )
+    got = rows(dsn, "SELECT seq, deliveries, pid FROM effects ORDER BY seq")
+    assert [r[0] for r in got] == seqs  # exactly one effect per message: the killed one left none
+    by_seq = {r[0]: r for r in got}
+    assert by_seq[blocked][1] == 2 and by_seq[blocked][2] != victim
+    assert by_seq[seqs[0]][1] == 1 and by_seq[seqs[2]][1] == 1
+    wp.wait_line(rf"worker 0 \(pid {victim}\) was killed by SIGKILL")
+    wp.signal(signal.SIGTERM)
+    assert wp.wait() == WorkerExit.OK
+    assert drain(dsn, q) == []
+    assert exceptions_of(dsn, q) == []
+
+
+def test_two_processes_on_a_shared_queue_handle_each_message_once(
+    dsn, make_queue, effects, worker_process
+):
+    q = make_queue(capacity=512, dequeue_mode="shared")
+    seqs = enqueue(dsn, q, *[f"m{i}".encode() for i in range(300)])
+    wp = worker_process(q, "--processes", "2")
+    wait_until(lambda: rows(dsn, "SELECT count(*) FROM effects")[0][0] >= 300, 60, "300 effects")
+    wp.signal(signal.SIGTERM)
+    assert wp.wait() == WorkerExit.OK
+    got = rows(dsn, "SELECT seq, count(*) FROM effects GROUP BY seq ORDER BY seq")
+    assert [r[0] for r in got] == seqs and all(r[1] == 1 for r in got)
+    pids = rows(dsn, "SELECT count(DISTINCT pid) FROM effects")[0][0]
+    assert pids in (1, 2)  # both may take part; correctness does not depend on it
+    assert wp.wait_line(r"stopped: handled=300 ")
+
+
+@pytest.mark.parametrize("start_method", ["fork", "spawn"])
+def test_sigterm_drains_the_message_in_flight_and_exits_0(
+    dsn, make_queue, effects, worker_process, start_method
+):
+    q = make_queue()
+    blocked, later = enqueue(dsn, q, b"block", b"later")
+    wp = worker_process(q, "--start-method", start_method)
+    child = wp.ready_pid(blocked)
+    wp.signal(signal.SIGTERM)
+    # The child heard it (and keeps going with its message) before we release the action.
+    wp.wait_line(
+        rf"{child} INFO ringq.worker: ringq worker: SIGTERM: finishing the message in flight"
+    )
+    wp.release(blocked)
+    assert wp.wait() == WorkerExit.OK
+    assert rows(dsn, "SELECT seq, deliveries FROM effects") == [(blocked, 1)]  # it committed
+    left = drain(dsn, q)  # the next message was not started
+    assert [(m.seq, m.deliveries) for m in left] == [(later, 1)]
+
+
+def test_second_sigterm_aborts_the_message_in_flight(dsn, make_queue, effects, worker_process):
+    q = make_queue()
+    (blocked,) = enqueue(dsn, q, b"block")
+    wp = worker_process(q)
+    child = wp.ready_pid(blocked)
+    wp.signal(signal.SIGTERM)
+    wp.wait_line(rf"{child} INFO .*finishing the message in flight")
+    wp.signal(signal.SIGTERM)
+    assert wp.wait() == WorkerExit.ABORTED
+    assert wp.wait_line(r"aborted \(rolled back\)")
+    assert rows(dsn, "SELECT count(*) FROM effects") == [(0,)]
+    back = drain(dsn, q)
+    assert [m.seq for m in back] == [blocked] and back[0].deliveries == 2
+
+
+def test_bad_target_and_missing_queue_exit_with_named_codes(dsn, make_queue, tmp_path):
+    env = dict(os.environ, PYTHONPATH=str(tmp_path))
+    r = subprocess.run(
+        [sys.executable, "-m", "ringq.cli", "worker", "no_such_module_here", "--dsn", dsn],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert r.returncode == WorkerExit.USAGE, r.stderr
+    assert "cannot import" in r.stderr
+    make_queue()  # the schema exists, the queue below does not
+    (tmp_path / "wact_missing.py").write_text(
+        "from ringq.engine import Actions\napp = Actions()\napp.add('q_not_there', lambda m, s: None)\n"
+    )
+    r = subprocess.run(
+        [sys.executable, "-m", "ringq.cli", "worker", "wact_missing", "--dsn", dsn],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert r.returncode == WorkerExit.NOT_FOUND, r.stderr
