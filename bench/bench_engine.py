@@ -690,8 +690,14 @@ def run(dsn: str, cfg: Config, names: Names) -> dict[str, Any]:
         admin.execute(q(CEIL_FILL, names.ceiling))
         env = environment(admin)
 
-    rounds: list[dict[str, Any]] = []
     ring_sql = RingSQL(names.ring_sql)
+    # Steady state first: every ring row has held a payload once (the first wrap widens
+    # the pre-populated rows, see the volume part), and the SKIP LOCKED table has had the
+    # same traffic. The rounds then measure a queue in use, not a fresh one.
+    print(f"warm-up: {cfg.capacity:,} entries through each queue ...", file=sys.stderr, flush=True)
+    warm_up(dsn, names, ring_sql, cfg, payload)
+
+    rounds: list[dict[str, Any]] = []
     kinds: list[tuple[str, Callable[[], Any]]] = [
         (
             "ringq",
@@ -733,6 +739,35 @@ def run(dsn: str, cfg: Config, names: Names) -> dict[str, Any]:
     env["loadavg_at_end"] = os.getloadavg()
     env["cpu_pressure_at_end"] = cpu_pressure()
     return {"environment": env, "rounds": rounds, "volume": volume}
+
+
+def warm_up(dsn: str, names: Names, ring_sql: RingSQL, cfg: Config, payload: bytes) -> None:
+    """Pass ``cfg.capacity`` entries through each contender, ``cfg.batch`` per transaction."""
+    items = [payload] * cfg.batch
+    passes = -(-cfg.capacity // cfg.batch)
+    with connect(dsn) as prod, connect(dsn) as cons:
+        for _ in range(passes):
+            prod.enqueue_many(names.ring, items)
+            prod.commit()
+            cons.dequeue_many(names.ring, cfg.batch)
+            cons.commit()
+    enq_many_sql, deq_many_sql = ring_sql.stmt("enqueue_many"), ring_sql.stmt("dequeue_many")
+    cap = cfg.capacity
+    with psycopg.connect(dsn) as conn:
+        for _ in range(passes):
+            seqs = list(range(ring_sql.next_seq, ring_sql.next_seq + cfg.batch))
+            slots = [x % cap for x in seqs]
+            conn.execute(enq_many_sql, ("bench", slots, seqs, items, seqs))
+            conn.commit()
+            conn.execute(deq_many_sql, (slots, seqs), binary=True)
+            conn.commit()
+            ring_sql.next_seq += cfg.batch
+            ring_sql.next_deq += cfg.batch
+        for _ in range(passes):
+            conn.execute(q(SKQ_ENQUEUE_MANY, names.skq), (items,))
+            conn.commit()
+            conn.execute(q(SKQ_DEQUEUE_MANY, names.skq), (cfg.batch,))
+            conn.commit()
 
 
 def environment(conn: psycopg.Connection[Any]) -> dict[str, Any]:
@@ -874,6 +909,15 @@ def summarize(raw: dict[str, Any]) -> dict[str, Any]:
     target(
         "dequeue+commit tx/s, ringq/ceiling",
         ratios["deq_tps_ringq_over_ceiling"]["median"],
+        ">=",
+        0.9,
+    )
+    target(
+        "  same two over the 2-rt ceiling (info)",
+        min(
+            ratios["enq_tps_ringq_over_ceiling_2rt"]["median"],
+            ratios["deq_tps_ringq_over_ceiling_2rt"]["median"],
+        ),
         ">=",
         0.9,
     )
