@@ -33,6 +33,7 @@ COMMANDS = (
     "_status",
     "_rtv",
     "_worker",
+    "_move",
 )
 
 

@@ -354,8 +354,14 @@ class Worker:
     # -- life cycle ----------------------------------------------------------------------
 
     def open(self) -> Worker:
+        """Connect and check the served queues (done by :meth:`run` if needed).
+
+        :raises SessionClosed: the worker was closed.
+        """
         if self._session is not None:
             return self
+        if self._closed:
+            raise SessionClosed("the worker is closed")
         session = connect(self._dsn, application_name="ringq worker")
         try:
             for q in self.queues:
@@ -896,6 +902,7 @@ class WorkerPool:
         self._restarts = 0
         self._fatal: WorkerExit | None = None
         self._aborted = False
+        self._killed = False
         self._to_recover: set[int] = set()
 
     # -- life cycle --------------------------------------------------------------------------
@@ -960,7 +967,8 @@ class WorkerPool:
 
     def request_stop(self) -> None:
         """Count a stop request (flag only; safe in a signal handler): the first
-        drains the children, the second aborts their messages in flight."""
+        drains the children, the second aborts their messages in flight, a
+        third kills them (their transactions roll back; entries are recovered)."""
         self._stop_requests += 1
 
     def pids(self) -> list[int]:
@@ -1040,6 +1048,16 @@ class WorkerPool:
         return int(WorkerExit.ABORTED if self._aborted else WorkerExit.OK)
 
     def _forward_stops(self) -> None:
+        if self._stop_requests >= 3 and not self._killed:
+            # An action that cannot be interrupted (stuck in C code, or blocking
+            # SIGALRM): kill. PostgreSQL rolls its transaction back and the
+            # recovery below gives its entries back.
+            self._killed = True
+            self._aborted = True
+            logger.warning("ringq worker pool: third stop request: killing the workers")
+            for ch in self._children:
+                if ch.proc is not None and ch.proc.exitcode is None:
+                    ch.proc.kill()
         while self._stops_sent < min(self._stop_requests, 2):
             self._stops_sent += 1
             what = (
@@ -1145,7 +1163,9 @@ class WorkerPool:
                 self._stop_requests = max(self._stop_requests, 1)
             return
         if stopping:
-            if code == -signal.SIGTERM and not ch.ready:
+            if code == -signal.SIGKILL and self._killed:
+                logger.warning("ringq worker pool: worker %d (pid %d) killed", ch.index, proc.pid)
+            elif code == -signal.SIGTERM and not ch.ready:
                 logger.info(
                     "ringq worker pool: worker %d (pid %d) stopped while starting",
                     ch.index,

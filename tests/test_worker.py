@@ -331,7 +331,7 @@ def test_action_timeout_is_not_an_exception():
 # -- processes: ringq worker ----------------------------------------------------------------
 
 ACTIONS_TEMPLATE = """
-import os, time
+import os, signal, time
 from pathlib import Path
 from ringq.engine import Actions, Decline
 
@@ -344,6 +344,8 @@ def act(msg, session):
         "INSERT INTO effects VALUES (%s, %s, %s, %s)",
         (msg.seq, msg.deliveries, os.getpid(), msg.payload.decode()),
     )
+    if msg.payload == b"block-noalarm":  # an action no interrupt can reach
+        signal.pthread_sigmask(signal.SIG_BLOCK, {{signal.SIGALRM}})
     if msg.payload.startswith(b"block") and msg.deliveries == 1:
         (DIR / f"ready-{{msg.seq}}").write_text(str(os.getpid()))
         go = DIR / f"go-{{msg.seq}}"
@@ -522,6 +524,25 @@ def test_second_sigterm_aborts_the_message_in_flight(dsn, make_queue, effects, w
     assert wp.wait_line(r"aborted \(rolled back\)")
     assert rows(dsn, "SELECT count(*) FROM effects") == [(0,)]
     back = drain(dsn, q)
+    assert [m.seq for m in back] == [blocked] and back[0].deliveries == 2
+
+
+def test_third_sigterm_kills_an_action_that_cannot_be_interrupted(
+    dsn, make_queue, effects, worker_process
+):
+    q = make_queue()
+    (blocked,) = enqueue(dsn, q, b"block-noalarm")
+    wp = worker_process(q)
+    child = wp.ready_pid(blocked)
+    wp.signal(signal.SIGTERM)
+    wp.wait_line(rf"{child} INFO .*finishing the message in flight")
+    wp.signal(signal.SIGTERM)
+    wp.wait_line(rf"{child} WARNING .*second SIGTERM")
+    wp.signal(signal.SIGTERM)
+    assert wp.wait() == WorkerExit.ABORTED
+    assert wp.wait_line(rf"worker 0 \(pid {child}\) killed")
+    assert rows(dsn, "SELECT count(*) FROM effects") == [(0,)]
+    back = drain(dsn, q)  # the pool recovered the dead child's slot before exiting
     assert [m.seq for m in back] == [blocked] and back[0].deliveries == 2
 
 
