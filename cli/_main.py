@@ -34,6 +34,7 @@ COMMANDS = (
     "_rtv",
     "_worker",
     "_move",
+    "_regress",
 )
 
 

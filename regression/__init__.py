@@ -1,1 +1,64 @@
-"""regression"""
+"""ringq.regression: the randomized multi-process workload and its Spark proof.
+
+A *run* lives in schema ``regress_<run id>`` of the queue database, with one
+ringq queue per payload size. Each *cycle* starts producer processes (random
+entries to random queues, several queues per transaction, simple or two-phase,
+some rolled back on purpose, bursts and pauses) and one consumer process per
+queue (dequeue and record in the same transaction); then Spark reads what was
+sent, rolled back and received through JDBC and proves exactly-once delivery,
+no delivered rollback, FIFO per (queue, producer) and intact payloads.
+
+    from ringq.regression import RegressConfig, Verifier, run, verify
+
+    with Verifier("local[*]") as v:
+        outcome = run(dsn, RegressConfig(capacity=2000, entries_per_queue=10000), cycles=1, verifier=v)
+        print(outcome.reports[0].summary())
+        again = verify(dsn, outcome.run_id, verifier=v)
+"""
+
+from ._config import DEFAULT_PAYLOAD_SIZES, RegressConfig, parse_sizes, validate_run_id
+from ._payload import MIN_PAYLOAD
+from ._report import VIOLATION_KINDS, Report
+from ._runner import RunOutcome, run, verify
+from ._store import (
+    CycleRow,
+    QueueRef,
+    RunInfo,
+    RunNotFound,
+    create_run,
+    cycles,
+    drop_run,
+    list_runs,
+    load_run,
+)
+from ._verify import DEFAULT_JDBC_JAR, SparkUnavailable, Verifier, jdbc_target
+from ._workload import CycleResult, Progress, run_cycle
+
+__all__ = [
+    "DEFAULT_JDBC_JAR",
+    "DEFAULT_PAYLOAD_SIZES",
+    "MIN_PAYLOAD",
+    "VIOLATION_KINDS",
+    "CycleResult",
+    "CycleRow",
+    "Progress",
+    "QueueRef",
+    "RegressConfig",
+    "Report",
+    "RunInfo",
+    "RunNotFound",
+    "RunOutcome",
+    "SparkUnavailable",
+    "Verifier",
+    "create_run",
+    "cycles",
+    "drop_run",
+    "jdbc_target",
+    "list_runs",
+    "load_run",
+    "parse_sizes",
+    "run",
+    "run_cycle",
+    "validate_run_id",
+    "verify",
+]

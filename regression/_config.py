@@ -1,0 +1,142 @@
+"""The regression cycle's settings: one frozen dataclass, validated on creation."""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from ringq.engine import MAX_CAPACITY, ConfigError
+
+from ._payload import MIN_PAYLOAD
+
+DEFAULT_PAYLOAD_SIZES = (16, 200, 2000, 20000, 200000)
+MAX_QUEUES = 255  # the payload header holds the queue index in one byte
+MAX_PRODUCERS = 1000
+MAX_PAYLOAD_SIZE = 16 << 20  # a regression entry is held in memory several times over
+FILLERS = ("random", "pattern")
+
+RUN_ID_RE = re.compile(r"^[a-z0-9][a-z0-9_]{0,29}$")
+
+
+def validate_run_id(run_id: object) -> str:
+    """Return ``run_id`` if it can name a run (its schema is ``regress_<run id>``).
+
+    :raises ConfigError: not 1-30 characters of lowercase letters, digits and '_'.
+    """
+    if not isinstance(run_id, str) or not RUN_ID_RE.fullmatch(run_id):
+        raise ConfigError(
+            f"invalid run id {run_id!r}: use 1-30 characters, lowercase letters, digits or '_' "
+            "(a letter or digit first)"
+        )
+    return run_id
+
+
+@dataclass(frozen=True)
+class RegressConfig:
+    """What one regression run does per cycle.
+
+    Sizes are bytes, times seconds, rates probabilities in [0, 1).
+
+    - ``payload_sizes``: one queue per size (at least 16 bytes: header and checksum).
+    - ``capacity``: slots per queue; ``entries_per_queue``: committed entries per queue per cycle.
+    - ``producers``: producer processes; each writes random counts to random queues,
+      often several queues in one transaction.
+    - ``rollback_rate``: producer transactions deliberately rolled back.
+    - ``two_phase_rate``: producer transactions run as two-phase (prepare, then commit).
+    - ``consumer_rollback_rate``: consumer transactions deliberately rolled back
+      (their entries are delivered again).
+    - ``filler``: ``random`` (incompressible) or ``pattern`` (compressible) payload bodies.
+    - ``enqueue_timeout``: how long an enqueue waits on a full queue before the
+      producer rolls its transaction back and tries later.
+    - ``stall_timeout``: a cycle with no progress for this long is aborted as stalled.
+    - ``seed``: for the random choices (None: from the clock).
+    - ``chaos``: kill -9 workers during the cycle and restart them; not implemented
+      yet (it waits for the monitor), so True raises ConfigError.
+
+    :raises ConfigError: a value is out of range (the message says which).
+    """
+
+    payload_sizes: tuple[int, ...] = DEFAULT_PAYLOAD_SIZES
+    capacity: int = 2000
+    entries_per_queue: int = 10000
+    producers: int = 5
+    rollback_rate: float = 0.05
+    two_phase_rate: float = 0.3
+    consumer_rollback_rate: float = 0.02
+    filler: str = "random"
+    enqueue_timeout: float = 2.0
+    stall_timeout: float = 120.0
+    seed: int | None = None
+    chaos: bool = False
+
+    def __post_init__(self) -> None:
+        if self.chaos:
+            # The hook: kill -9 of random producers and consumers (and the
+            # monitor) during a cycle, then restart them. It needs the monitor
+            # to recover the dead clients' slots, so it waits for it.
+            raise ConfigError("chaos (kill -9 of producers/consumers during a cycle) is not implemented yet: "
+                              "it needs the monitor to recover dead clients")
+        sizes = self.payload_sizes
+        if not isinstance(sizes, tuple) or not sizes:
+            raise ConfigError("payload_sizes must be a non-empty tuple of byte counts")
+        if len(sizes) > MAX_QUEUES:
+            raise ConfigError(f"at most {MAX_QUEUES} payload sizes (one queue each), not {len(sizes)}")
+        for s in sizes:
+            _int_in("a payload size", s, MIN_PAYLOAD, MAX_PAYLOAD_SIZE)
+        _int_in("capacity", self.capacity, 2, MAX_CAPACITY)
+        _int_in("entries_per_queue", self.entries_per_queue, 1, 1 << 40)
+        _int_in("producers", self.producers, 1, MAX_PRODUCERS)
+        for name in ("rollback_rate", "two_phase_rate", "consumer_rollback_rate"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int | float) or not 0 <= v < 1:
+                raise ConfigError(f"{name} must be a number from 0 to below 1, not {v!r}")
+        for name in ("enqueue_timeout", "stall_timeout"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v) or v <= 0:
+                raise ConfigError(f"{name} must be a positive number of seconds, not {v!r}")
+        if self.filler not in FILLERS:
+            raise ConfigError(f"filler must be one of {', '.join(FILLERS)}, not {self.filler!r}")
+        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
+            raise ConfigError(f"seed must be an integer, not {self.seed!r}")
+
+    @property
+    def queues(self) -> int:
+        return len(self.payload_sizes)
+
+    def to_json(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["payload_sizes"] = list(self.payload_sizes)
+        return d
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> RegressConfig:
+        known = {k: v for k, v in d.items() if k in cls.__dataclass_fields__}
+        if "payload_sizes" in known:
+            known["payload_sizes"] = tuple(known["payload_sizes"])
+        return cls(**known)
+
+
+def parse_sizes(text: str) -> tuple[int, ...]:
+    """``"16,200,2k,20k,200k"`` -> (16, 200, 2000, 20000, 200000); k=1000, m=1000000.
+
+    :raises ConfigError: not a comma-separated list of sizes.
+    """
+    out = []
+    for part in text.split(","):
+        p = part.strip().lower()
+        mult = 1
+        if p.endswith("k"):
+            mult, p = 1000, p[:-1]
+        elif p.endswith("m"):
+            mult, p = 1000_000, p[:-1]
+        if not p.isdigit():
+            raise ConfigError(f"payload sizes must be comma-separated byte counts (e.g. 16,200,2k), not {text!r}")
+        out.append(int(p) * mult)
+    return tuple(out)
+
+
+def _int_in(what: str, value: object, low: int, high: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+        raise ConfigError(f"{what} must be an integer from {low:,} to {high:,}, not {value!r}")

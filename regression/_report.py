@@ -1,0 +1,132 @@
+"""The verification report: what Spark proved, as text for people and JSON for tools."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Final
+
+# Violation kinds (the keys of ``Report.violations``; one place, like metric names).
+LOST: Final = "lost"  # committed, never dequeued
+DUPLICATE: Final = "duplicate"  # dequeued more than once (counts the extra deliveries)
+OUT_OF_ORDER: Final = "out_of_order"  # per (queue, producer), dequeued before an entry committed earlier
+CORRUPT: Final = "corrupt"  # payload differs from what was committed (checksum, digest, header, length)
+ROLLED_BACK_DELIVERED: Final = "rolled_back_delivered"  # an entry of a rolled-back transaction was dequeued
+PHANTOM: Final = "phantom"  # dequeued, but never sent (neither committed nor rolled back)
+SEQ_REUSED: Final = "seq_reused"  # two committed entries got the same queue sequence
+WORKLOAD: Final = "workload_error"  # a worker failed or the cycle stalled
+
+VIOLATION_KINDS: Final = (
+    LOST,
+    DUPLICATE,
+    OUT_OF_ORDER,
+    CORRUPT,
+    ROLLED_BACK_DELIVERED,
+    PHANTOM,
+    SEQ_REUSED,
+    WORKLOAD,
+)
+
+
+@dataclass
+class Report:
+    """The proof for some cycles of one run. ``ok`` iff every violation count is 0."""
+
+    run_id: str
+    cycles: list[int]
+    violations: dict[str, int] = field(default_factory=lambda: dict.fromkeys(VIOLATION_KINDS, 0))
+    examples: dict[str, list[dict[str, Any]]] = field(default_factory=dict)
+    counts: dict[str, Any] = field(default_factory=dict)
+    queues: list[dict[str, Any]] = field(default_factory=list)
+    throughput: dict[str, float] = field(default_factory=dict)
+    latency_ms: dict[str, float] = field(default_factory=dict)
+    latency_from: str = "sent row"
+    spark: dict[str, Any] = field(default_factory=dict)
+    workload_errors: list[str] = field(default_factory=list)
+    skipped_cycles: dict[int, str] = field(default_factory=dict)
+    path: str | None = None
+
+    @property
+    def ok(self) -> bool:
+        return not any(self.violations.values())
+
+    def to_json(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["ok"] = self.ok
+        d.pop("path", None)
+        d["skipped_cycles"] = {str(k): v for k, v in self.skipped_cycles.items()}
+        return d
+
+    def write(self, path: str | Path) -> Path:
+        p = Path(path)
+        p.parent.mkdir(parents=True, exist_ok=True)
+        tmp = p.with_name(p.name + ".tmp")
+        tmp.write_text(json.dumps(self.to_json(), indent=2, sort_keys=True, default=str) + "\n")
+        tmp.replace(p)
+        self.path = str(p)
+        return p
+
+    def summary(self) -> str:
+        """A short text report (about 15 lines plus one per queue)."""
+        c = self.counts
+        cyc = _cycles(self.cycles)
+        lines = [f"ringq regress: run {self.run_id}, {cyc}: {'PASS' if self.ok else 'FAIL'}"]
+        tx = c.get("transactions", {})
+        rb_reasons = ", ".join(f"{k} {v:,}" for k, v in sorted(tx.get("rolled_back_by_reason", {}).items()))
+        lines.append(
+            f"  entries     committed {c.get('committed', 0):,}   rolled back {c.get('rolled_back', 0):,}   "
+            f"dequeued {c.get('delivered', 0):,} ({c.get('received_rows', 0):,} rows, "
+            f"{c.get('redelivered', 0):,} after a consumer rollback)"
+        )
+        lines.append(
+            f"  tx          simple {tx.get('simple', 0):,}   two-phase {tx.get('two_phase', 0):,}   "
+            f"multi-queue {tx.get('multi_queue', 0):,}   rolled back {tx.get('rolled_back', 0):,}"
+            + (f" ({rb_reasons})" if rb_reasons else "")
+        )
+        lines.append(
+            f"  {'queue':<34} {'payload':>8} {'committed':>10} {'dequeued':>10} {'max depth':>10} "
+            f"{'full':>6} {'empty':>7} {'p50 ms':>8} {'p99 ms':>8}"
+        )
+        for q in self.queues:
+            lat = q.get("latency_ms", {})
+            lines.append(
+                f"  {q['name']:<34} {q['payload_size']:>8,} {q.get('committed', 0):>10,} "
+                f"{q.get('delivered', 0):>10,} {q.get('max_depth', 0):>10,} {q.get('full_hits', 0):>6,} "
+                f"{q.get('empty_hits', 0):>7,} {lat.get('p50', 0):>8.1f} {lat.get('p99', 0):>8.1f}"
+            )
+        lines.append("  violations  " + "   ".join(f"{k} {v:,}" for k, v in self.violations.items()))
+        for kind, rows in self.examples.items():
+            for row in rows[:3]:
+                lines.append(f"    {kind}: {_row(row)}")
+        for err in self.workload_errors[:5]:
+            lines.append(f"    workload: {err}")
+        t = self.throughput
+        lines.append(
+            f"  throughput  workload {t.get('workload_s', 0):.1f} s   {t.get('entries_per_s', 0):,.0f} entries/s   "
+            f"{t.get('mb_per_s', 0):,.1f} MB/s   spark {self.spark.get('analysis_s', 0):.1f} s"
+        )
+        lat = self.latency_ms
+        lines.append(
+            f"  latency ms  p50 {lat.get('p50', 0):.1f}   p95 {lat.get('p95', 0):.1f}   p99 {lat.get('p99', 0):.1f}   "
+            f"max {lat.get('max', 0):,.1f}   ({self.latency_from} -> dequeue)"
+        )
+        for n, why in sorted(self.skipped_cycles.items()):
+            lines.append(f"  skipped     cycle {n}: {why}")
+        if self.path:
+            lines.append(f"  report      {self.path}")
+        return "\n".join(lines)
+
+
+def _cycles(cycles: list[int]) -> str:
+    if not cycles:
+        return "no cycles"
+    if len(cycles) == 1:
+        return f"cycle {cycles[0]}"
+    if cycles == list(range(cycles[0], cycles[-1] + 1)):
+        return f"cycles {cycles[0]}-{cycles[-1]}"
+    return "cycles " + ",".join(map(str, cycles))
+
+
+def _row(row: dict[str, Any]) -> str:
+    return " ".join(f"{k}={v}" for k, v in row.items())

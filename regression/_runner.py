@@ -1,0 +1,123 @@
+"""Cycles of a run: workload, then proof, then again; the run stays in the database."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from . import _store
+from ._config import RegressConfig
+from ._report import Report
+from ._verify import Verifier
+from ._workload import CycleResult, Progress, run_cycle
+
+
+@dataclass
+class RunOutcome:
+    """How a run of cycles ended: ``done`` (all cycles ran), ``stopped`` (asked to
+    stop between cycles), ``aborted`` (stopped inside a cycle) or ``failed``
+    (a cycle's proof found violations, or its workload failed)."""
+
+    run_id: str
+    status: str
+    results: list[CycleResult] = field(default_factory=list)
+    reports: list[Report] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return all(r.ok for r in self.reports) and all(
+            r.ok or r.status == "aborted" for r in self.results
+        )
+
+
+def report_path(report_dir: Path, run_id: str, name: str) -> Path:
+    return report_dir / run_id / f"{name}.json"
+
+
+def run(
+    dsn: str,
+    config: RegressConfig,
+    *,
+    cycles: int = 1,
+    verifier: Verifier | None = None,
+    report_dir: Path | None = None,
+    run_id: str | None = None,
+    keep_going: bool = False,
+    keep_queues: bool = False,
+    progress: Callable[[Progress], None] | None = None,
+    notify: Callable[[str], None] | None = None,
+    on_report: Callable[[Report], None] | None = None,
+    stop_requested: Callable[[], bool] | None = None,
+    abort_requested: Callable[[], bool] | None = None,
+) -> RunOutcome:
+    """Create a run and repeat cycles (``cycles=0``: until ``stop_requested()``).
+
+    Each cycle's workload is followed by its proof with ``verifier`` (none: the
+    cycle is only stored, to be verified later). Stops at the first failing
+    cycle unless ``keep_going``. The run's queues are dropped at the end unless
+    ``keep_queues``; its evidence stays in schema ``regress_<run id>``.
+    """
+    say = notify or (lambda _msg: None)
+    info = _store.create_run(dsn, config, run_id)
+    say(f"run {info.run_id}: {len(info.queues)} queues x {config.capacity:,} slots, "
+        f"{config.entries_per_queue:,} entries per queue per cycle, {config.producers} producers")
+    outcome = RunOutcome(info.run_id, "done")
+    n = 0
+    try:
+        while cycles == 0 or n < cycles:
+            if stop_requested is not None and stop_requested():
+                outcome.status = "stopped"
+                break
+            n += 1
+            cycle = _store.start_cycle(dsn, info.run_id)
+            result = run_cycle(dsn, info, cycle, progress=progress, abort_requested=abort_requested)
+            _store.end_cycle(dsn, info.run_id, cycle, status=result.status, workload_s=result.workload_s,
+                             stats=result.stats, errors=result.errors)
+            outcome.results.append(result)
+            say(f"cycle {cycle}: workload {result.status} in {result.workload_s:.1f} s"
+                + (f" ({len(result.errors)} errors)" if result.errors else ""))
+            if result.status == "aborted":
+                outcome.status = "aborted"
+                break
+            if verifier is not None:
+                say(f"cycle {cycle}: proving with Spark ({verifier.master})")
+                report = verifier.verify(dsn, info.run_id, [cycle])
+                if report_dir is not None:
+                    report.write(report_path(report_dir, info.run_id, f"cycle-{cycle}"))
+                _store.record_verified(dsn, info.run_id, [cycle], report.ok, report.to_json())
+                outcome.reports.append(report)
+                if on_report is not None:
+                    on_report(report)
+                if not report.ok and not keep_going:
+                    outcome.status = "failed"
+                    break
+            elif not result.ok and not keep_going:
+                outcome.status = "failed"
+                break
+    finally:
+        final = outcome.status if outcome.ok or outcome.status != "done" else "failed"
+        _store.finish_run(dsn, info, final, drop_queues=not keep_queues)
+    return outcome
+
+
+def verify(
+    dsn: str,
+    run_id: str,
+    *,
+    verifier: Verifier,
+    cycles: list[int] | None = None,
+    report_dir: Path | None = None,
+) -> Report:
+    """Prove a stored run again (default: every complete cycle) and store the report.
+
+    :raises RunNotFound: no such run.
+    """
+    report = verifier.verify(dsn, run_id, cycles)
+    if report_dir is not None:
+        stamp = time.strftime("%Y%m%d_%H%M%S", time.gmtime())
+        report.write(report_path(report_dir, run_id, f"verify-{stamp}"))
+    if report.cycles:
+        _store.record_verified(dsn, run_id, report.cycles, report.ok, report.to_json())
+    return report

@@ -1,0 +1,485 @@
+"""The proof: Spark reads a stored run through JDBC and checks every promise.
+
+For the chosen cycles of a run it proves:
+
+- every committed entry (``sent``) was dequeued (``received_*``) exactly once
+  (else ``lost`` / ``duplicate``; ``seq_reused`` if two committed entries share
+  a queue sequence);
+- nothing rolled back was ever dequeued (``rolled_back_delivered``), and nothing
+  dequeued came from nowhere (``phantom``);
+- per (queue, producer) the dequeue order follows the commit order, i.e. the
+  producer sequence (``out_of_order``);
+- every payload is intact (``corrupt``): Spark recomputes SHA-256 over the bytes
+  it read and checks it against the producer's digest, the checksum embedded in
+  the payload, and the header (queue, producer, sequence, kind, length).
+
+Payloads are reduced to their digests as they are read, so Spark holds no
+payload in memory; tables of large payloads are read in several partitions.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import os
+import shutil
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Self
+
+import psycopg
+from psycopg import sql
+from psycopg.conninfo import conninfo_to_dict
+from ringq.engine import ConfigError
+from ringq.engine._errors import converted
+
+from . import _report as R
+from . import _sql as S
+from . import _store
+from ._store import RunInfo
+
+if TYPE_CHECKING:
+    from pyspark.sql import DataFrame, SparkSession
+
+logger = logging.getLogger("ringq.regression")
+
+DEFAULT_JDBC_JAR = "/usr/share/java/postgresql.jar"
+JDBC_DRIVER = "org.postgresql.Driver"
+PARTITION_BYTES = 64 << 20  # aim for this much payload per JDBC partition
+FETCH_BYTES = 4 << 20  # and this much per JDBC fetch
+EXAMPLES = 5
+VERIFIABLE = ("done", "failed", "stalled")  # cycle states whose data is complete
+
+
+class SparkUnavailable(ConfigError):
+    """PySpark, Java or the PostgreSQL JDBC driver is missing (the message says how to get it)."""
+
+
+def jdbc_target(dsn: str) -> tuple[str, dict[str, str]]:
+    """The JDBC URL and connection properties for a libpq DSN (URI or key=value).
+
+    :raises ConfigError: the DSN names a unix socket (JDBC speaks TCP only).
+    """
+    try:
+        d = conninfo_to_dict(dsn)
+    except psycopg.ProgrammingError as exc:
+        raise ConfigError(f"invalid DSN: {exc}") from exc
+    hosts = str(d.get("hostaddr") or d.get("host") or "localhost").split(",")
+    ports = str(d.get("port") or "5432").split(",")
+    if any(h.startswith(("/", "@")) for h in hosts):
+        raise ConfigError("the Spark analysis reads through JDBC, which needs a TCP host, not a unix socket; "
+                          "pass a DSN with host=127.0.0.1 (or the server's address)")
+    if len(ports) == 1:
+        ports = ports * len(hosts)
+    netloc = ",".join(f"[{h}]:{p}" if ":" in h else f"{h}:{p}" for h, p in zip(hosts, ports, strict=False))
+    db = str(d.get("dbname") or d.get("user") or os.environ.get("USER", "postgres"))
+    props: dict[str, str] = {}
+    for key, prop in (("user", "user"), ("password", "password"), ("sslmode", "sslmode"),
+                      ("sslrootcert", "sslrootcert"), ("sslcert", "sslcert"), ("sslkey", "sslkey")):
+        if d.get(key):
+            props[prop] = str(d[key])
+    props.setdefault("user", os.environ.get("PGUSER") or os.environ.get("USER") or "postgres")
+    if "password" not in props and os.environ.get("PGPASSWORD"):
+        props["password"] = os.environ["PGPASSWORD"]
+    props["ApplicationName"] = "ringq-regress-spark"
+    # Binary transfer from the first execution: bytea arrives as bytes, not hex text
+    # (about twice as fast for large payloads).
+    props["prepareThreshold"] = "-1"
+    return f"jdbc:postgresql://{netloc}/{db}", props
+
+
+class Verifier:
+    """A Spark session for proving runs; start it once, verify many cycles.
+
+    ``open()`` starts Spark (about 10 s for a local master); ``close()`` stops
+    it, unless the session was given to us or was already active in this
+    process (then its owner stops it). Works as
+    a context manager; a second ``close()`` does nothing.
+
+    :raises SparkUnavailable: from ``open()``, when PySpark, Java or the JDBC jar is missing.
+    """
+
+    def __init__(
+        self,
+        master: str = "local[*]",
+        *,
+        jdbc_jar: str = DEFAULT_JDBC_JAR,
+        driver_memory: str = "1g",
+        shuffle_partitions: int = 4,
+        spark: SparkSession | None = None,
+    ) -> None:
+        self.master = master
+        self.jdbc_jar = jdbc_jar
+        self.driver_memory = driver_memory
+        self.shuffle_partitions = shuffle_partitions
+        self._spark = spark
+        self._owned = False
+        self.startup_s = 0.0
+
+    def check(self) -> None:
+        """Check what Spark needs without starting it (cheap; ``open()`` calls it).
+
+        :raises SparkUnavailable: the JDBC jar, PySpark or Java is missing.
+        """
+        if self._spark is not None:
+            return
+        if not Path(self.jdbc_jar).is_file():
+            raise SparkUnavailable(
+                f"PostgreSQL JDBC driver not found at {self.jdbc_jar}: "
+                "apt-get install -y libpostgresql-jdbc-java (or pass --jdbc-jar)"
+            )
+        if importlib.util.find_spec("pyspark") is None:
+            raise SparkUnavailable("PySpark is not installed: pip install 'ringq[regression]'")
+        java_home = os.environ.get("JAVA_HOME")
+        if not (java_home and Path(java_home, "bin", "java").exists()) and shutil.which("java") is None:
+            raise SparkUnavailable("Java is not installed (Spark needs Java 17): apt-get install -y default-jre-headless")
+
+    def open(self) -> Verifier:
+        if self._spark is not None:
+            return self
+        self.check()
+        from pyspark.sql import SparkSession
+
+        active = SparkSession.getActiveSession()
+        if active is not None:
+            # Someone in this process already runs Spark (a test module, a
+            # notebook): use it, and leave stopping it to its owner.
+            self._spark = active
+            return self
+        if self.master.startswith("local"):
+            # Loopback is enough for a local master (and works in sandboxes
+            # where the host name does not resolve).
+            os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
+        t0 = time.monotonic()
+        try:
+            self._spark = (
+                SparkSession.builder.master(self.master)
+                .appName("ringq-regress")
+                .config("spark.jars", self.jdbc_jar)
+                .config("spark.driver.memory", self.driver_memory)
+                .config("spark.sql.shuffle.partitions", str(self.shuffle_partitions))
+                .config("spark.ui.enabled", "false")
+                .config("spark.ui.showConsoleProgress", "false")
+                .config("spark.sql.session.timeZone", "UTC")
+                .getOrCreate()
+            )
+        except Exception as exc:  # Java missing, bad master URL, ...
+            raise SparkUnavailable(f"could not start Spark ({self.master}): {exc}") from exc
+        self._spark.sparkContext.setLogLevel("ERROR")
+        self._owned = True
+        self.startup_s = time.monotonic() - t0
+        return self
+
+    def close(self) -> None:
+        spark, self._spark = self._spark, None
+        if spark is not None and self._owned:
+            spark.stop()
+        self._owned = False
+
+    def __enter__(self) -> Self:
+        self.open()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    @property
+    def spark(self) -> SparkSession:
+        if self._spark is None:
+            self.open()
+        assert self._spark is not None
+        return self._spark
+
+    # -- the proof -------------------------------------------------------------------------
+
+    def verify(self, dsn: str, run_id: str, cycles: list[int] | None = None) -> R.Report:
+        """Prove ``cycles`` of run ``run_id`` (default: every complete cycle).
+
+        :raises RunNotFound: no such run. :raises ConfigError: a cycle that does not exist.
+        :raises DatabaseUnavailable:
+        """
+        run = _store.load_run(dsn, run_id)
+        rows = {c.cycle: c for c in _store.cycles(dsn, run_id)}
+        report = R.Report(run_id, [])
+        if cycles is None:
+            chosen = [n for n, c in sorted(rows.items()) if c.status in VERIFIABLE]
+            report.skipped_cycles = {
+                n: f"status {c.status} (its data is incomplete)" for n, c in rows.items() if c.status not in VERIFIABLE
+            }
+        else:
+            missing = [n for n in cycles if n not in rows]
+            if missing:
+                raise ConfigError(f"run {run_id} has no cycle {', '.join(map(str, missing))}")
+            chosen = sorted(set(cycles))
+        report.cycles = chosen
+        for n in chosen:
+            report.workload_errors.extend(f"cycle {n}: {e}" for e in (rows[n].errors or []))
+        report.violations[R.WORKLOAD] = len(report.workload_errors)
+        workload_s = sum(rows[n].workload_s or 0.0 for n in chosen)
+        t0 = time.monotonic()
+        if chosen:
+            self._prove(dsn, run, chosen, report)
+        report.spark = {
+            "master": self.master,
+            "analysis_s": round(time.monotonic() - t0, 3),
+            "startup_s": round(self.startup_s, 3),
+        }
+        _add_section_stats(report, run, [rows[n] for n in chosen])
+        committed = int(report.counts.get("committed", 0))
+        nbytes = int(report.counts.get("committed_bytes", 0))
+        report.throughput = {
+            "workload_s": round(workload_s, 3),
+            "entries_per_s": round(committed / workload_s, 1) if workload_s else 0.0,
+            "mb_per_s": round(nbytes / workload_s / 1e6, 2) if workload_s else 0.0,
+        }
+        return report
+
+    def _read(self, url: str, props: dict[str, str], query: str, *, partitions: int = 1,
+              by: str = "qseq", fetch: int = 1000) -> DataFrame:
+        opts = dict(props, driver=JDBC_DRIVER, fetchsize=str(fetch))
+        table = f"({query}) AS t"
+        if partitions > 1:
+            preds = [f"{by} % {partitions} = {i}" for i in range(partitions)]
+            return self.spark.read.jdbc(url, table, predicates=preds, properties=opts)
+        return self.spark.read.format("jdbc").options(url=url, dbtable=table, **opts).load()
+
+    def _prove(self, dsn: str, run: RunInfo, chosen: list[int], report: R.Report) -> None:
+        from pyspark.sql import Window
+        from pyspark.sql import functions as F
+
+        url, props = jdbc_target(dsn)
+        schema = S.schema_of(run.run_id)
+        in_cycles = sql.SQL("cycle IN ({})").format(sql.SQL(", ").join(sql.Literal(n) for n in chosen))
+        commit_ts = _store.commit_timestamps_on(dsn)
+        report.latency_from = "commit timestamp" if commit_ts else "sent row (just before commit)"
+        committed_at = (
+            sql.SQL("coalesce(pg_xact_commit_timestamp(xmin), sent_at)") if commit_ts else sql.SQL("sent_at")
+        )
+
+        def text(q: sql.Composable) -> str:
+            return q.as_string(None)
+
+        sent = self._read(url, props, text(sql.SQL(
+            "SELECT cycle, queue, qseq, producer, pseq, tx, kind, length, digest, {} AS committed_at "
+            "FROM {}.sent WHERE {}").format(committed_at, schema, in_cycles)), fetch=10000)
+        rolled = self._read(url, props, text(sql.SQL(
+            "SELECT cycle, queue, qseq, producer, pseq, tx, kind, reason FROM {}.rolled_back WHERE {}"
+        ).format(schema, in_cycles)), fetch=10000)
+
+        sizes = _received_counts(dsn, run, in_cycles)
+        parts = []
+        for ref in run.queues:
+            nbytes = sizes.get(ref.idx, 0) * ref.payload_size
+            partitions = max(1, min(4 * self.spark.sparkContext.defaultParallelism, nbytes // PARTITION_BYTES))
+            parts.append(self._read(url, props, text(sql.SQL(
+                "SELECT {}::int2 AS queue, cycle, qseq, recv_order, deliveries, payload, deq_at FROM {}.{} WHERE {}"
+            ).format(sql.Literal(ref.idx), schema, S.received_table(ref.name), in_cycles)),
+                partitions=int(partitions), fetch=max(16, min(10000, FETCH_BYTES // ref.payload_size))))
+        raw = parts[0]
+        for p in parts[1:]:
+            raw = raw.unionByName(p)
+
+        def field(off: int, n: int) -> str:
+            return f"CASE WHEN plen >= 12 THEN CAST(conv(hex(substring(payload, {off + 1}, {n})), 16, 10) AS BIGINT) END"
+
+        # Reduce every payload to what the checks need, as it is read.
+        recv = (
+            raw.withColumn("plen", F.expr("length(payload)"))
+            .withColumn("k", F.expr("least(32, plen - 12)"))
+            .selectExpr(
+                "queue", "cycle", "qseq", "recv_order", "deliveries", "deq_at", "plen",
+                "sha2(payload, 256) AS sha",
+                "CASE WHEN plen >= 16 THEN lower(hex(substring(payload, plen - k + 1, k))) = "
+                "substring(sha2(substring(payload, 1, plen - k), 256), 1, 2 * k) ELSE false END AS check_ok",
+                f"{field(0, 1)} AS h_kind", f"{field(1, 1)} AS h_queue", f"{field(2, 2)} AS h_producer",
+                f"{field(4, 4)} AS h_pseq", f"{field(8, 4)} AS h_length",
+            )
+            .persist()
+        )
+        sent = sent.selectExpr(
+            "cycle", "queue", "qseq", "producer", "pseq", "tx", "kind", "length",
+            "lower(hex(digest)) AS sha_sent", "committed_at",
+        ).persist()
+        rolled = rolled.persist()
+        key = ["cycle", "queue", "qseq"]
+
+        nth = recv.withColumn("nth", F.row_number().over(Window.partitionBy(*key).orderBy("recv_order"))).persist()
+        first = nth.filter("nth = 1").drop("nth")
+        extra = nth.filter("nth > 1")
+        lost = sent.join(first.select(*key), key, "left_anti")
+        reused = sent.groupBy(*key).count().filter("count > 1")
+
+        rb_keys = rolled.select(*key).distinct().withColumn("rb_key", F.lit(True))
+        rb_ids = rolled.selectExpr(
+            "cycle", "queue AS h_queue", "producer AS h_producer", "pseq AS h_pseq"
+        ).distinct().withColumn("rb_hdr", F.lit(True))
+        judged = (
+            first.join(sent, key, "left")
+            .join(rb_keys, key, "left")
+            .join(rb_ids, ["cycle", "h_queue", "h_producer", "h_pseq"], "left")
+            .withColumn("sent_match", F.expr("producer IS NOT NULL"))
+            .withColumn("ident_ok", F.expr(
+                "coalesce(h_queue = queue AND h_producer = producer AND h_pseq = pseq AND h_kind = kind "
+                "AND h_length = plen, false)"))
+            .withColumn("intact", F.expr("coalesce(plen = length AND sha = sha_sent AND check_ok, false) AND ident_ok"))
+            .withColumn("verdict", F.expr(
+                f"CASE WHEN NOT sent_match AND (coalesce(rb_key, false) OR coalesce(rb_hdr, false)) "
+                f"THEN '{R.ROLLED_BACK_DELIVERED}' "
+                f"WHEN NOT sent_match THEN '{R.PHANTOM}' "
+                f"WHEN NOT ident_ok AND coalesce(rb_hdr, false) THEN '{R.ROLLED_BACK_DELIVERED}' "
+                f"WHEN NOT intact THEN '{R.CORRUPT}' ELSE 'ok' END"))
+            .withColumn("latency_ms", F.expr(
+                "CASE WHEN sent_match THEN (unix_micros(deq_at) - unix_micros(committed_at)) / 1000.0 END"))
+            .persist()
+        )
+        by_producer = Window.partitionBy("cycle", "queue", "producer").orderBy("recv_order")
+        ooo = (
+            judged.filter("sent_match")
+            .withColumn("prev_pseq", F.lag("pseq").over(by_producer))
+            .filter("prev_pseq IS NOT NULL AND pseq < prev_pseq")
+        )
+
+        # One job per question; the per-queue rows of a rollup carry the totals in the row
+        # whose queue is null.
+        recv_tot = nth.agg(
+            F.count("*").alias("rows"),
+            F.count_if(F.col("nth") > 1).alias("extra"),
+            F.count_if(F.col("deliveries") > 1).alias("redelivered"),
+        ).collect()[0]
+        verdict_cols = [R.CORRUPT, R.ROLLED_BACK_DELIVERED, R.PHANTOM]
+        per_queue = {
+            r["queue"]: r
+            for r in judged.rollup("queue").agg(
+                F.count("*").alias("delivered"),
+                *[F.count_if(F.col("verdict") == k).alias(k) for k in verdict_cols],
+                F.percentile_approx("latency_ms", [0.5, 0.95, 0.99], 10000).alias("pct"),
+                F.max("latency_ms").alias("max"),
+                F.avg("latency_ms").alias("avg"),
+            ).collect()
+        }
+        lost_q = {r["queue"]: int(r["count"]) for r in lost.groupBy("queue").count().collect()}
+        ooo_q = {r["queue"]: int(r["count"]) for r in ooo.groupBy("queue").count().collect()}
+        n_reused = reused.count()
+        sent_tx = sent.groupBy("cycle", "producer", "tx").agg(
+            F.first("kind").alias("kind"), F.countDistinct("queue").alias("nq")
+        ).groupBy("kind").agg(F.count("*").alias("n"), F.count_if(F.col("nq") > 1).alias("multi")).collect()
+        sent_q = {
+            r["queue"]: (int(r["n"]), int(r["bytes"] or 0))
+            for r in sent.groupBy("queue").agg(F.count("*").alias("n"), F.sum("length").alias("bytes")).collect()
+        }
+        rb_tx = rolled.groupBy("cycle", "producer", "tx", "reason").count().collect()
+
+        total = per_queue.get(None)
+        v = report.violations
+        v[R.LOST] = sum(lost_q.values())
+        v[R.DUPLICATE] = int(recv_tot["extra"] or 0)
+        v[R.OUT_OF_ORDER] = sum(ooo_q.values())
+        for k in verdict_cols:
+            v[k] = int(total[k]) if total else 0
+        v[R.SEQ_REUSED] = n_reused
+
+        names = {ref.idx: ref.name for ref in run.queues}
+
+        def rows(df: DataFrame, *cols: str) -> list[dict[str, Any]]:
+            out = []
+            for r in df.select(*cols).limit(EXAMPLES).collect():
+                d = r.asDict()
+                if "queue" in d:
+                    d["queue"] = names.get(d["queue"], d["queue"])
+                out.append(d)
+            return out
+
+        ex: dict[str, list[dict[str, Any]]] = {}
+        if v[R.LOST]:
+            ex[R.LOST] = rows(lost, "cycle", "queue", "qseq", "producer", "pseq", "tx")
+        if v[R.DUPLICATE]:
+            ex[R.DUPLICATE] = rows(extra, "cycle", "queue", "qseq", "recv_order", "deliveries")
+        if v[R.OUT_OF_ORDER]:
+            ex[R.OUT_OF_ORDER] = rows(ooo, "cycle", "queue", "producer", "pseq", "prev_pseq", "recv_order")
+        for kind in verdict_cols:
+            if v[kind]:
+                ex[kind] = rows(judged.filter(F.col("verdict") == kind), "cycle", "queue", "qseq", "plen", "length",
+                                "check_ok", "h_producer", "h_pseq", "producer", "pseq")
+        if v[R.SEQ_REUSED]:
+            ex[R.SEQ_REUSED] = rows(reused, "cycle", "queue", "qseq", "count")
+        report.examples = ex
+
+        # -- figures -------------------------------------------------------------------------
+        kinds = {int(r["kind"]): int(r["n"]) for r in sent_tx}
+        rb_by_reason: dict[str, int] = {}
+        for r in rb_tx:
+            rb_by_reason[str(r["reason"])] = rb_by_reason.get(str(r["reason"]), 0) + 1
+        report.counts = {
+            "committed": sum(n for n, _ in sent_q.values()),
+            "committed_bytes": sum(b for _, b in sent_q.values()),
+            "rolled_back": sum(int(r["count"]) for r in rb_tx),
+            "received_rows": int(recv_tot["rows"]),
+            "delivered": int(total["delivered"]) if total else 0,
+            "redelivered": int(recv_tot["redelivered"] or 0),
+            "transactions": {
+                "simple": kinds.get(1, 0),
+                "two_phase": kinds.get(2, 0),
+                "multi_queue": sum(int(r["multi"]) for r in sent_tx),
+                "rolled_back": len({(r["cycle"], r["producer"], r["tx"]) for r in rb_tx}),
+                "rolled_back_by_reason": rb_by_reason,
+            },
+        }
+        report.latency_ms = _lat(total) if total else {}
+        report.queues = []
+        for ref in run.queues:
+            n, nbytes = sent_q.get(ref.idx, (0, 0))
+            row = per_queue.get(ref.idx)
+            report.queues.append({
+                "name": ref.name,
+                "index": ref.idx,
+                "payload_size": ref.payload_size,
+                "capacity": ref.capacity,
+                "committed": n,
+                "committed_bytes": nbytes,
+                "delivered": int(row["delivered"]) if row else 0,
+                "violations": {
+                    R.LOST: lost_q.get(ref.idx, 0),
+                    R.OUT_OF_ORDER: ooo_q.get(ref.idx, 0),
+                    **{k: int(row[k]) if row else 0 for k in verdict_cols},
+                },
+                "latency_ms": _lat(row) if row else {},
+            })
+        for df in (recv, nth, sent, rolled, judged):
+            df.unpersist()
+
+
+def _lat(row: Any) -> dict[str, float]:
+    pct = row["pct"] or [0.0, 0.0, 0.0]
+    return {
+        "p50": round(float(pct[0]), 3),
+        "p95": round(float(pct[1]), 3),
+        "p99": round(float(pct[2]), 3),
+        "max": round(float(row["max"] or 0.0), 3),
+        "avg": round(float(row["avg"] or 0.0), 3),
+    }
+
+
+def _received_counts(dsn: str, run: RunInfo, in_cycles: sql.Composable) -> dict[int, int]:
+    """Rows per received table, to choose how many JDBC partitions to read with."""
+    out = {}
+    with converted(dsn=dsn), psycopg.connect(dsn, autocommit=True) as conn:
+        for ref in run.queues:
+            row = conn.execute(sql.SQL("SELECT count(*) FROM {}.{} WHERE {}").format(
+                S.schema_of(run.run_id), S.received_table(ref.name), in_cycles)).fetchone()
+            out[ref.idx] = int(row[0]) if row else 0
+    return out
+
+
+def _add_section_stats(report: R.Report, run: RunInfo, rows: list[_store.CycleRow]) -> None:
+    """Fold the workload's own counters (from the global section) into the per-queue figures."""
+    by_name = {q["name"]: q for q in report.queues}
+    for ref in run.queues:
+        q = by_name.get(ref.name)
+        if q is None:
+            q = {"name": ref.name, "index": ref.idx, "payload_size": ref.payload_size, "capacity": ref.capacity}
+            report.queues.append(q)
+        for row in rows:
+            st = ((row.stats or {}).get("queues") or {}).get(ref.name) or {}
+            q["max_depth"] = max(int(q.get("max_depth", 0)), int(st.get("max_depth", 0)))
+            for k in ("full_hits", "empty_hits", "poisoned", "repairs", "resyncs", "leftover"):
+                q[k] = int(q.get(k, 0)) + int(st.get(k, 0))

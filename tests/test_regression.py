@@ -1,0 +1,367 @@
+"""The regression cycle and its Spark proof, against a real PostgreSQL and real processes.
+
+One SparkSession and one stored run serve the whole module (Spark starts in
+about 10 s): a small cycle must be proven, then each kind of fault is planted
+into the stored run, caught with the right kind, and taken out again.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import secrets
+import signal
+import subprocess
+import sys
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import posix_ipc
+import psycopg
+import pytest
+from psycopg import sql
+from ringq.cli import main as cli_main
+from ringq.engine import ConfigError
+from ringq.engine._section import section_name
+from ringq.regression import (
+    MIN_PAYLOAD,
+    RegressConfig,
+    Report,
+    RunOutcome,
+    Verifier,
+    load_run,
+    parse_sizes,
+    run,
+    verify,
+)
+from ringq.regression import _payload as P
+from ringq.regression import _sql as S
+
+pytestmark = pytest.mark.slow
+
+SIZES = (16, 200, 2000, 20000, 200000)
+KINDS = ("lost", "duplicate", "out_of_order", "corrupt", "rolled_back_delivered")
+
+
+def _drop_database(admin: str, dsn: str, name: str) -> None:
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        for (gid,) in conn.execute(
+            "SELECT gid FROM pg_prepared_xacts WHERE database = current_database()"
+        ).fetchall():
+            conn.execute(sql.SQL("ROLLBACK PREPARED {}").format(sql.Literal(gid)))
+    _unlink_section(dsn)
+    with psycopg.connect(admin, autocommit=True) as conn:
+        conn.execute(sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(name)))
+
+
+def _unlink_section(dsn: str) -> None:
+    """Remove the database's global section and wake-up semaphores. The run's
+    queues are dropped, so their ids are gone: the semaphores go by name."""
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        if conn.execute("SELECT to_regclass('ringq.meta')").fetchone() == (None,):
+            return
+        row = conn.execute("SELECT value FROM ringq.meta WHERE key = 'instance_id'").fetchone()
+    if not row or not row[0]:
+        return
+    name = section_name(row[0])
+    for path in glob.glob(f"/dev/shm/sem.{name.lstrip('/')}.*"):
+        try:
+            posix_ipc.unlink_semaphore("/" + os.path.basename(path)[len("sem.") :])
+        except posix_ipc.ExistentialError:
+            pass
+    try:
+        posix_ipc.unlink_shared_memory(name)
+    except posix_ipc.ExistentialError:
+        pass
+
+
+@pytest.fixture(scope="module")
+def module_dsn(pg_cluster: Any) -> Iterator[str]:
+    """A database for this module's stored run (the suite's ``dsn`` is per test)."""
+    name = f"t_regress_{secrets.token_hex(4)}"
+    admin = pg_cluster.url("postgres")
+    with psycopg.connect(admin, autocommit=True) as conn:
+        conn.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(name)))
+    dsn = pg_cluster.url(name)
+    try:
+        yield dsn
+    finally:
+        _drop_database(admin, dsn, name)
+
+
+@pytest.fixture(scope="module")
+def verifier() -> Iterator[Verifier]:
+    with Verifier("local[2]") as v:
+        yield v
+
+
+@pytest.fixture(scope="module")
+def reports(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("regress_reports")
+
+
+@pytest.fixture(scope="module")
+def stored(module_dsn: str, verifier: Verifier, reports: Path) -> RunOutcome:
+    """One small cycle, run as ``--cycles 0`` stopped after its first proof."""
+    config = RegressConfig(
+        payload_sizes=SIZES,
+        capacity=64,
+        entries_per_queue=200,
+        producers=5,
+        rollback_rate=0.15,  # enough rolled-back entries to plant one as delivered
+        two_phase_rate=0.3,
+        seed=20261122,
+    )
+    proven: list[Report] = []
+    return run(
+        module_dsn,
+        config,
+        cycles=0,
+        verifier=verifier,
+        report_dir=reports,
+        on_report=proven.append,
+        stop_requested=lambda: bool(proven),
+    )
+
+
+def test_a_small_cycle_is_proven(module_dsn: str, stored: RunOutcome, reports: Path) -> None:
+    assert stored.status == "stopped" and len(stored.results) == 1, stored
+    result = stored.results[0]
+    assert result.status == "done" and not result.errors, result
+    report = stored.reports[0]
+    assert report.ok, report.summary()
+    assert set(report.violations) >= set(KINDS) and not any(report.violations.values())
+    c = report.counts
+    assert c["committed"] == c["delivered"] == 5 * 200
+    assert c["received_rows"] == c["delivered"]  # consumer rollbacks left no rows behind
+    tx = c["transactions"]
+    assert tx["simple"] > 0 and tx["two_phase"] > 0 and tx["multi_queue"] > 0
+    assert c["rolled_back"] > 0 and tx["rolled_back"] > 0
+    # The workload reached both ends of the rings.
+    assert all(q["empty_hits"] > 0 for q in report.queues), report.queues
+    assert any(q["full_hits"] > 0 for q in report.queues), report.queues
+    assert all(q.get("leftover", 0) == 0 for q in report.queues)
+    assert report.path and Path(report.path).is_file()
+    assert Path(report.path) == reports / stored.run_id / "cycle-1.json"
+    # The run stays in the database, its queues do not.
+    info = load_run(module_dsn, stored.run_id)
+    assert info.status == "stopped"
+    with psycopg.connect(module_dsn) as conn:
+        names = [r[0] for r in conn.execute("SELECT name FROM ringq.queues").fetchall()]
+        assert not any(stored.run_id in n for n in names)
+        (sent,) = conn.execute(sql.SQL("SELECT count(*) FROM {}.sent").format(S.schema_of(stored.run_id))).fetchone()
+        assert sent == 1000
+
+
+# -- planted faults ---------------------------------------------------------------------------
+
+
+def _received(run_id: str, queue: str) -> sql.Composed:
+    return sql.SQL("{}.{}").format(S.schema_of(run_id), S.received_table(queue))
+
+
+@contextmanager
+def planted(dsn: str, run_id: str, kind: str) -> Iterator[dict[str, Any]]:
+    """Plant one fault of ``kind`` into the stored run (committed, so Spark sees it);
+    take it out again afterwards. Yields what was planted."""
+    info = load_run(dsn, run_id)
+    queue = info.queues[2]  # 2,000-byte payloads
+    table = _received(run_id, queue.name)
+    schema = S.schema_of(run_id)
+    undo: Callable[[psycopg.Connection[Any]], None]
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        if kind == "lost":
+            row = conn.execute(sql.SQL(
+                "DELETE FROM {t} WHERE ctid = (SELECT ctid FROM {t} ORDER BY recv_order LIMIT 1 OFFSET 7) "
+                "RETURNING cycle, qseq, recv_order, deliveries, consumer, payload, deq_at").format(t=table)).fetchone()
+            assert row is not None
+
+            def undo(c: psycopg.Connection[Any]) -> None:
+                c.execute(sql.SQL("INSERT INTO {} (cycle, qseq, recv_order, deliveries, consumer, payload, deq_at) "
+                                  "VALUES (%s, %s, %s, %s, %s, %s, %s)").format(table), row)
+
+            what = {"qseq": row[1]}
+        elif kind == "duplicate":
+            row = conn.execute(sql.SQL(
+                "INSERT INTO {t} (cycle, qseq, recv_order, deliveries, consumer, payload) "
+                "SELECT cycle, qseq, (SELECT max(recv_order) + 1 FROM {t}), 1, consumer, payload FROM {t} "
+                "ORDER BY recv_order LIMIT 1 OFFSET 11 RETURNING qseq, recv_order").format(t=table)).fetchone()
+            assert row is not None
+
+            def undo(c: psycopg.Connection[Any]) -> None:
+                c.execute(sql.SQL("DELETE FROM {} WHERE recv_order = %s").format(table), (row[1],))
+
+            what = {"qseq": row[0]}
+        elif kind == "out_of_order":
+            # Two entries of one producer, next to each other in its dequeue order: swap them.
+            pair = conn.execute(sql.SQL(
+                "SELECT r.recv_order, s.producer, s.pseq FROM {t} r JOIN {s}.sent s "
+                "ON s.cycle = r.cycle AND s.queue = %s AND s.qseq = r.qseq "
+                "WHERE s.producer = (SELECT producer FROM {s}.sent WHERE queue = %s GROUP BY producer "
+                "ORDER BY count(*) DESC LIMIT 1) ORDER BY r.recv_order LIMIT 2 OFFSET 3"
+            ).format(t=table, s=schema), (queue.idx, queue.idx)).fetchall()
+            assert len(pair) == 2 and pair[0][2] < pair[1][2]
+            (a, _, _), (b, _, _) = pair
+            swap = sql.SQL(
+                "UPDATE {} SET recv_order = CASE recv_order WHEN %s THEN %s ELSE %s END "
+                "WHERE recv_order IN (%s, %s)").format(table)
+            conn.execute(swap, (a, b, a, a, b))
+
+            def undo(c: psycopg.Connection[Any]) -> None:
+                c.execute(swap, (a, b, a, a, b))
+
+            what = {"producer": pair[0][1], "pseq": pair[0][2]}
+        elif kind == "corrupt":
+            # One byte of the filler, in the middle of the payload.
+            row = conn.execute(sql.SQL(
+                "SELECT qseq, recv_order, payload FROM {} ORDER BY recv_order LIMIT 1 OFFSET 5").format(table)
+            ).fetchone()
+            assert row is not None
+            qseq, order, payload = row
+            bad = bytearray(payload)
+            bad[len(bad) // 2] ^= 0x01
+            conn.execute(sql.SQL("UPDATE {} SET payload = %s WHERE recv_order = %s").format(table), (bytes(bad), order))
+
+            def undo(c: psycopg.Connection[Any]) -> None:
+                c.execute(sql.SQL("UPDATE {} SET payload = %s WHERE recv_order = %s").format(table), (payload, order))
+
+            what = {"qseq": qseq}
+        elif kind == "rolled_back_delivered":
+            # An entry of a rolled-back transaction, delivered with a well-formed payload.
+            rb = conn.execute(sql.SQL(
+                "SELECT cycle, queue, qseq, producer, pseq, kind, length FROM {}.rolled_back "
+                "ORDER BY queue, qseq LIMIT 1").format(schema)).fetchone()
+            assert rb is not None, "the stored run has no rolled-back entry"
+            cycle, qidx, qseq, producer, pseq, tx_kind, length = rb
+            rb_table = _received(run_id, info.queues[qidx].name)
+            payload = P.build(tx_kind, qidx, producer, pseq, length)
+            order = conn.execute(sql.SQL(
+                "INSERT INTO {t} (cycle, qseq, recv_order, deliveries, consumer, payload) "
+                "VALUES (%s, %s, (SELECT coalesce(max(recv_order), 0) + 1 FROM {t}), 1, 0, %s) "
+                "RETURNING recv_order").format(t=rb_table), (cycle, qseq, payload)).fetchone()
+            assert order is not None
+
+            def undo(c: psycopg.Connection[Any]) -> None:
+                c.execute(sql.SQL("DELETE FROM {} WHERE recv_order = %s").format(rb_table), (order[0],))
+
+            what = {"qseq": qseq}
+        else:
+            raise AssertionError(kind)
+    try:
+        yield what
+    finally:
+        with psycopg.connect(dsn, autocommit=True) as conn:
+            undo(conn)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_planted_fault_is_caught_with_its_kind(
+    module_dsn: str, stored: RunOutcome, verifier: Verifier, kind: str
+) -> None:
+    with planted(module_dsn, stored.run_id, kind) as what:
+        report = verify(module_dsn, stored.run_id, verifier=verifier)
+    assert not report.ok
+    others = {k: n for k, n in report.violations.items() if k != kind and n}
+    assert report.violations[kind] == 1 and not others, report.summary()
+    example = report.examples[kind][0]
+    for key, value in what.items():
+        assert example[key] == value, (kind, example, what)
+    assert kind in report.summary()
+
+
+def test_verify_command_exits_non_zero_on_a_violation(
+    module_dsn: str, stored: RunOutcome, verifier: Verifier, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    argv = ["regress", "verify", stored.run_id, "--dsn", module_dsn, "--report-dir", str(tmp_path)]
+    with planted(module_dsn, stored.run_id, "lost"):
+        assert cli_main(argv) == 1
+    out = capsys.readouterr().out
+    assert "FAIL" in out and "lost 1" in out
+    assert len(list((tmp_path / stored.run_id).glob("verify-*.json"))) == 1
+    # The fault is out again; the same command proves the run; the shared Spark session survives.
+    assert cli_main(argv) == 0
+    assert "PASS" in capsys.readouterr().out
+    assert verifier.spark.range(1).count() == 1
+    assert cli_main(["regress", "verify", "nosuchrun", "--dsn", module_dsn]) == 4
+
+
+# -- the command: stop and abort by signal (real processes, no Spark) -----------------------------
+
+
+def _start_regress(dsn: str, tmp_path: Path, *extra: str) -> subprocess.Popen[str]:
+    env = dict(os.environ, RINGQ_HOME=str(tmp_path / "home"), PYTHONUNBUFFERED="1")
+    return subprocess.Popen(
+        [sys.executable, "-m", "ringq.cli", "regress", "--dsn", dsn, "--cycles", "0", "--no-verify",
+         "--capacity", "32", "--entries-per-queue", "150", "--payload-sizes", "16,2000", *extra],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+    )
+
+
+def _wait_for(proc: subprocess.Popen[str], text: str) -> list[str]:
+    assert proc.stderr is not None
+    seen = []
+    for line in proc.stderr:
+        seen.append(line)
+        if text in line:
+            return seen
+    raise AssertionError(f"{text!r} never appeared: {''.join(seen)}")
+
+
+def test_sigterm_stops_after_the_current_cycle(dsn: str, tmp_path: Path) -> None:
+    proc = _start_regress(dsn, tmp_path)
+    try:
+        _wait_for(proc, "regress: cycle 1")
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    _unlink_section(dsn)
+    assert proc.returncode == 0, err
+    assert "cycle 1: workload done" in err and "stopped after 1 cycle(s)" in err, err
+    assert "cycle 2:" not in err
+
+
+def test_second_signal_aborts_the_cycle(dsn: str, tmp_path: Path) -> None:
+    proc = _start_regress(dsn, tmp_path, "--entries-per-queue", "100000")
+    try:
+        _wait_for(proc, "regress: cycle 1")
+        proc.send_signal(signal.SIGINT)
+        _wait_for(proc, "stopping after this cycle")
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    _unlink_section(dsn)
+    assert proc.returncode == 130, err
+    assert "cycle 1: workload aborted" in err and "aborted after 1 cycle(s)" in err, err
+    with psycopg.connect(dsn) as conn:
+        # Nothing of the run is left in doubt or queued: the aborted workers' transactions rolled back
+        # and the run's queues were dropped.
+        assert conn.execute("SELECT count(*) FROM pg_prepared_xacts").fetchone() == (0,)
+        assert conn.execute("SELECT count(*) FROM ringq.queues").fetchone() == (0,)
+
+
+# -- small pieces -------------------------------------------------------------------------------
+
+
+def test_payload_carries_header_and_checksum() -> None:
+    for size in (MIN_PAYLOAD, 17, 44, 2000):
+        p = P.build(P.KIND_TWO_PHASE, 3, 4, 99, size)
+        assert len(p) == size and P.intact(p)
+        h = P.parse(p)
+        assert h == P.Header(P.KIND_TWO_PHASE, 3, 4, 99, size)
+        broken = bytearray(p)
+        broken[size // 2] ^= 0x80
+        assert not P.intact(bytes(broken))
+    with pytest.raises(ConfigError):
+        RegressConfig(payload_sizes=(MIN_PAYLOAD - 1,))
+    assert parse_sizes("16, 2k,200K,1m") == (16, 2000, 200000, 1000000)
+
+
+def test_chaos_is_refused_until_it_exists(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(ConfigError, match="not implemented yet"):
+        RegressConfig(chaos=True)
+    assert cli_main(["regress", "--chaos", "--dsn", "postgresql://nowhere.invalid/x"]) == 2
+    assert "not yet" in capsys.readouterr().err
