@@ -1,7 +1,7 @@
 # The two commands. Each does all its own set-up (.ci/setup: system packages
 # where missing, then .venv when pyproject.toml changed).
 #
-#   make run    start the embedded PostgreSQL cluster (./.ringq) and a demo queue
+#   make run    the main job: database, monitor, viewer, one regression cycle proven by Spark
 #   make test   the test suite, against clusters the tests start themselves
 
 SHELL = /bin/sh
@@ -15,17 +15,8 @@ setup:
 test: setup
 	.venv/bin/python -m pytest -q
 
-# Grows as the monitor and viewer land.
+# The main job: embedded PostgreSQL, queues, the monitor and the viewer in the
+# background (their addresses are printed), then one regression cycle proven
+# by Spark. `.venv/bin/ringq run --stop` stops what it started.
 run: setup
-	$(RINGQ) db start
-	@if $(RINGQ) queue --help >/dev/null 2>&1; then \
-		echo "$(RINGQ) queue create demo --capacity 1000 --max-payload 512"; \
-		$(RINGQ) queue create demo --capacity 1000 --max-payload 512 || exit $$?; \
-	else \
-		echo "run: skipped 'ringq queue create demo': this ringq has no 'queue' command yet" >&2; \
-	fi
-	@echo
-	@echo "ringq is running; the database is $$($(RINGQ) db url)"
-	@echo "  $(RINGQ) db status    # the cluster"
-	@echo "  psql \"\$$($(RINGQ) db url)\""
-	@echo "  $(RINGQ) db stop      # stop it"
+	$(RINGQ) run

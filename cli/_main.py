@@ -35,6 +35,7 @@ COMMANDS = (
     "_worker",
     "_move",
     "_regress",
+    "_run",
 )
 
 
