@@ -27,7 +27,10 @@ Time limits use both mechanisms, because neither covers everything alone:
   thread, which stops pure-Python work. The SIGALRM handler does not raise while
   the main thread is inside ringq's own engine code (a slot reserved but not yet
   recorded would leak) nor inside psycopg outside its network wait; it re-arms
-  the timer for :data:`INTERRUPT_RETRY` seconds and tries again. Inside
+  the timer for :data:`INTERRUPT_RETRY` seconds and tries again. An action
+  that spends nearly all its time inside engine calls (a tight enqueue loop)
+  is so interrupted up to about 0.1 s late; one doing its own SQL or Python
+  work is interrupted on time. Inside
   psycopg's wait the exception is safe: psycopg cancels the running query on
   ``KeyboardInterrupt``, which is why :class:`ActionInterrupted` derives from it
   (and so an action's ``except Exception:`` cannot swallow a time limit).
@@ -94,7 +97,7 @@ STATS_KEYS: Final = (HANDLED, DECLINED, FAILED, TIMEOUTS, ABORTED, POISONED, IN_
 RESTARTS: Final = "restarts"
 PROCESSES: Final = "processes"
 
-INTERRUPT_RETRY: Final = 0.005  # seconds before a deferred interrupt is tried again
+INTERRUPT_RETRY: Final = 0.001  # seconds before a deferred interrupt is tried again
 
 _ENGINE_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
 _THIS_FILE = os.path.abspath(__file__)
@@ -138,7 +141,8 @@ class Decline:
 
     Declining is a successful outcome (insufficient funds, an order already
     cancelled): the message is consumed, whatever the action wrote stays, and
-    ``reply`` (if given) is enqueued on ``reply_to`` in the same transaction.
+    ``reply`` is enqueued on ``reply_to`` in the same transaction (an empty
+    payload if only ``reply_to`` is given).
     Returning ``None`` after enqueueing a reply yourself is equivalent; a
     Decline is counted apart (``declined``) and logged at INFO.
     """
