@@ -317,7 +317,7 @@ def _daemonize(data_dir: Path) -> tuple[str, int]:
         if not text:
             print("ringq monitor: the background monitor died while starting; see "
                   f"{data_dir / 'monitor.out'}", file=sys.stderr)
-            return RET_FAILURE
+            return "parent", RET_FAILURE
         code_s, _, message = text.partition(" ")
         code = int(code_s)
         print(message, file=sys.stdout if code == RET_OK else sys.stderr, flush=True)

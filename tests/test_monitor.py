@@ -366,7 +366,7 @@ def test_poisoned_entry_is_announced_and_logged(dsn: str, make_queue: Any, monit
         ev = events.get(10)
     assert ev is not None and ev.name == "entry.poisoned" and ev.queue == q and ev.data["seq"] == seq
     assert ev.data["deliveries"] == 2
-    wait_for(lambda: queue_doc(m.url, q)["exceptions"] == 1, what="the exception counted")
+    wait_for(lambda: (queue_doc(m.url, q) or {}).get("exceptions") == 1, what="the exception counted")
     log = [json.loads(line) for line in (tmp_path / "monitor" / "monitor.log").read_text().splitlines()]
     assert any(r["event"] == "entry.poisoned" and r["queue"] == q and r["seq"] == seq for r in log)
 
@@ -643,9 +643,10 @@ def test_killed_consumer_entry_is_delivered_again_within_a_second_exactly_once(
     # Exactly once: every entry consumed once, in order, none left.
     assert delivered == seqs
     with psycopg.connect(dsn) as conn:
-        states = conn.execute(psycopg.sql.SQL("SELECT state, count(*) FROM ringq.{} GROUP BY 1").format(
+        rows = conn.execute(psycopg.sql.SQL("SELECT state, count(*) FROM ringq.{} GROUP BY 1").format(
             psycopg.sql.Identifier("q_" + q))).fetchall()
-    assert dict(states).get(1, 0) == 0 and dict(states).get(2) == len(seqs)
+    states: dict[int, int] = {int(k): int(n) for k, n in rows}
+    assert states.get(1, 0) == 0 and states.get(2) == len(seqs)
     wait_for(lambda: get_json(mon.url + "/api/queues")["monitor"]["recovered_clients"] == 3, what="3 recoveries")
     log = [json.loads(x) for x in (mon.data_dir / "monitor.log").read_text().splitlines()]
     assert sum(1 for r in log if r["event"] == "client.recovered" and r["queues"] == [q]) == 3
@@ -660,3 +661,44 @@ def test_heartbeat_is_in_the_section_header(dsn: str, make_queue: Any, monitor: 
     m.stop()
     m.stop()  # idempotent
     assert not m.running
+
+
+SLOW_DRAIN = r"""
+import logging, signal, sys, time
+from ringq.cli import _monitor as cm
+
+logging.basicConfig(level=logging.INFO, stream=sys.stderr)
+
+
+class SlowMonitor:
+    running = True
+
+    def stop(self):
+        time.sleep(60)  # a step that takes long to finish
+
+
+flags = cm._Flags()
+signal.signal(signal.SIGTERM, flags.on_term)
+print("ready", flush=True)
+sys.exit(cm._serve(SlowMonitor(), flags, None, None))
+"""
+
+
+def test_first_sigterm_drains_a_second_one_exits_at_once() -> None:
+    p = subprocess.Popen([sys.executable, "-c", SLOW_DRAIN], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert p.stdout is not None and p.stderr is not None
+    try:
+        assert p.stdout.readline().strip() == "ready"
+        p.send_signal(signal.SIGTERM)
+        line = wait_for(lambda: p.stderr.readline(), what="the drain to begin")  # type: ignore[union-attr]
+        assert "stopping" in line
+        t0 = time.monotonic()
+        p.send_signal(signal.SIGTERM)
+        assert p.wait(10) == 130
+        assert time.monotonic() - t0 < 5
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+        p.stdout.close()
+        p.stderr.close()
