@@ -438,10 +438,11 @@ class Session:
         self._ops = []
         self._finish(ops, committed=True)
 
-    def rollback(self) -> None:
+    def rollback(self, *, count_delivery: bool = True) -> None:
         """Roll back: enqueued entries are voided, dequeued ones become ready again
         (and count a delivery; at the queue's max_deliveries they move to
-        ``ringq.exceptions``)."""
+        ``ringq.exceptions``). ``count_delivery=False`` gives entries back
+        without a strike (a shutdown that aborts work, not the entry's fault)."""
         if self._closed:
             raise SessionClosed("the session is closed")
         if os.getpid() != self._pid:
@@ -451,7 +452,7 @@ class Session:
             self.tpc_rollback()
             return
         ops, self._ops = self._ops, []
-        strikes = any(op.kind == "d" for op in ops)
+        strikes = count_delivery and any(op.kind == "d" for op in ops)
         try:
             if strikes:
                 self._conn.rollback()  # the strikes commit (and begin) afterwards
@@ -460,7 +461,7 @@ class Session:
         except psycopg.Error as exc:
             self._recover(ops, reason=f"rollback failed: {exc}")
             raise from_psycopg(exc, dsn=self.dsn) from exc
-        self._finish(ops, committed=False)
+        self._finish(ops, committed=False, count_delivery=count_delivery)
         if strikes and not self._closed:
             try:
                 self._begin()
@@ -479,12 +480,12 @@ class Session:
             raise
         self.commit()
 
-    def _finish(self, ops: list[_Op], *, committed: bool) -> None:
+    def _finish(self, ops: list[_Op], *, committed: bool, count_delivery: bool = True) -> None:
         """Tell the section the outcome of ``ops`` (the database already decided)."""
         if not ops:
             return
         poisoned: set[tuple[int, int]] = set()
-        if not committed:
+        if not committed and count_delivery:
             poisoned = self._strike([op for op in ops if op.kind == "d"])
         by_ring: dict[int, list[_Op]] = {}
         for op in ops:
@@ -735,8 +736,11 @@ class Session:
                 )
             try:
                 sec.semaphore(info.id, "s").acquire(min(remaining, 0.5))
-            except posix_ipc.BusyError:
-                pass  # timed out: look again (a reclaim by the monitor posts nothing)
+            except (posix_ipc.BusyError, posix_ipc.SignalError):
+                pass  # timed out or a signal: look again (a reclaim by the monitor posts nothing)
+            except BaseException:
+                self._unwait(ring, L.Q_WAIT_SPACE)
+                raise
 
     def _void(self, op: _Op) -> None:
         sec = self._section
@@ -838,8 +842,21 @@ class Session:
                 sem = sec.semaphore(info.id, "r")
             try:
                 sem.acquire(max(0.0, min(deadline - time.monotonic(), 1.0)))
-            except posix_ipc.BusyError:
-                pass
+            except (posix_ipc.BusyError, posix_ipc.SignalError):
+                pass  # timed out, or a signal whose handler did not raise: look again
+            except BaseException:
+                self._unwait(ring, L.Q_WAIT_READY)
+                raise
+
+    def _unwait(self, ring: Ring, word: int) -> None:
+        """Undo a waiter registration when an exception leaves the wait."""
+        sec = self._section
+        sec.lock_queue(ring.qidx)
+        try:
+            if sec.queues[ring.qb + word] > 0:
+                sec.queues[ring.qb + word] -= 1
+        finally:
+            sec.unlock_queue(ring.qidx)
 
     def _repair_dequeue(self, info: QueueInfo, ring: Ring, stale: list[_Op], exclusive: bool) -> None:
         """The rows did not match the section: decide those slots from the rows."""

@@ -466,3 +466,38 @@ def test_subscribe_receives_named_events_by_wildcard(dsn, make_queue):
         event = sub.get(timeout=10)
         assert event is not None and event.name == f"queue.{q}.full" and event.data["depth"] == 64
         assert sub.get(timeout=0.2) is None
+
+
+def test_rollback_without_counting_a_delivery(dsn, make_queue):
+    q = make_queue(max_deliveries=2)
+    with connect(dsn) as s:
+        s.enqueue(q, b"x")
+        s.commit()
+        for _ in range(3):  # more than max_deliveries: never poisoned
+            assert s.dequeue(q) is not None
+            s.rollback(count_delivery=False)
+        m = s.dequeue(q)
+        assert m is not None and m.deliveries == 1
+        s.commit()
+
+
+def test_interrupted_wait_leaves_no_waiter_behind(dsn, make_queue):
+    import signal as sig
+
+    q = make_queue()
+
+    def interrupt(signum, frame):
+        raise KeyboardInterrupt
+
+    old = sig.signal(sig.SIGALRM, interrupt)
+    try:
+        with connect(dsn) as s:
+            sig.setitimer(sig.ITIMER_REAL, 0.2)
+            with pytest.raises(KeyboardInterrupt):
+                s.dequeue(q, wait=5)
+            ring = s.ring(q)
+            assert s.section.queues[ring.qb + L.Q_WAIT_READY] == 0
+            s.rollback()
+    finally:
+        sig.setitimer(sig.ITIMER_REAL, 0)
+        sig.signal(sig.SIGALRM, old)
