@@ -98,8 +98,8 @@ def _run(args: argparse.Namespace) -> int:
     try:
         mover.run(stop)
     finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
     _print_stats(mover)
     return _exit.OK
 

@@ -26,6 +26,7 @@ Run it (the embedded cluster: ``ringq db start``; or pass --dsn)::
     python examples/transfer.py work --chaos 0.05   # kill -9 itself sometimes between
                                                     # bank B's commit and the dequeue's
     python examples/transfer.py report          # balances; is money conserved?
+    cd examples && ringq worker transfer --processes 3   # or the worker pool (bank B = bank A)
 
 ``--bank-b DSN`` puts bank B in another database (default: the same one, on a
 connection of its own, which is what matters here).
@@ -100,8 +101,10 @@ def bank_b() -> psycopg.Connection[Any]:
     """This process's connection to bank B (never shared across fork)."""
     global _bank_b
     if _bank_b is None or _bank_b[0] != os.getpid() or _bank_b[1].closed or _bank_b[1].broken:
-        assert _bank_b_dsn is not None, "call configure() first"
-        _bank_b = (os.getpid(), psycopg.connect(_bank_b_dsn, application_name="transfer bank B"))
+        # Under `ringq worker transfer` nobody calls configure(): bank B is then
+        # the queues' database (RINGQ_DSN or the embedded cluster).
+        where = _bank_b_dsn or resolve_dsn()
+        _bank_b = (os.getpid(), psycopg.connect(where, application_name="transfer bank B"))
     return _bank_b[1]
 
 
@@ -267,7 +270,7 @@ def report(dsn: str, bank_b_dsn: str) -> dict[str, Any]:
             ).fetchall()
     with psycopg.connect(dsn) as conn:
         # Money in flight: withdrawn, not yet deposited or refunded.
-        amounts = dict(
+        amounts: dict[str, int] = dict(
             conn.execute(
                 "SELECT transfer, -amount FROM transfer_ledger WHERE kind = 'withdraw'"
             ).fetchall()

@@ -501,3 +501,18 @@ def test_cli_sigterm_drains(dsn, dsn2, make_queue):
     assert 20 <= len(got) < 1000 and len(got) + len(rest) == 1000
     seqs = [unwrap(m).producer_seq for m in got] + [json.loads(m.payload)["i"] for m in rest]
     assert seqs == list(range(1, 1001))
+
+
+def test_outbox_example_runs(dsn, dsn2, make_queue):
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    example = Path(__file__).resolve().parent.parent / "examples" / "outbox.py"
+    for _run in range(2):  # and again: it keeps working on its own leftovers
+        p = subprocess.run([sys.executable, str(example), "--dsn", dsn, "--to-dsn", dsn2],
+                           check=False, capture_output=True, text=True, timeout=120)
+        assert p.returncode == 0, p.stdout + p.stderr
+        assert "killed before database 1 commits" in p.stdout
+        assert "(skipped by key) 2" in p.stdout
+        assert "arrived once, in order: True" in p.stdout
