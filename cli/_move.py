@@ -81,6 +81,7 @@ def _run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s",
                         stream=sys.stderr)
     mover = Mover(src_dsn, src_q, dst_dsn, dst_q, config=cfg)
+    mover.open()  # a wrong DSN or queue name fails now, with its exit code
     if args.once:
         return _once(mover)
     stop = threading.Event()

@@ -380,9 +380,19 @@ class Mover:
         s.lock_checked = now
         return False
 
+    def _lock_held_now(self) -> bool:
+        """Check the lock's connection now (before deleting keys, which is safe
+        only if no other mover can have been active meanwhile)."""
+        self._s.lock_checked = 0.0
+        return not self._lock_lost()
+
     def _release(self) -> None:
         s = self._s
         s.active = False
+        # Spent keys may be pruned only up to what we moved while holding the
+        # lock without a break: start that count again.
+        s.prune_upto = -1
+        s.batches_since_prune = 0
         conn, s.lock_conn = s.lock_conn, None
         if conn is not None and not conn.closed:
             try:
@@ -470,7 +480,12 @@ class Mover:
                 )
         conn = dst.connection
         try:
-            if cfg.prune_every and s.batches_since_prune >= cfg.prune_every and s.prune_upto >= 0:
+            if (
+                cfg.prune_every
+                and s.batches_since_prune >= cfg.prune_every
+                and s.prune_upto >= 0
+                and self._lock_held_now()
+            ):
                 cur = conn.execute(
                     _SQL["prune_keys"], (s.dst_qid, s.prune_upto, _key_prefix(s.instance, s.src_qid))
                 )

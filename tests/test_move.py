@@ -287,6 +287,24 @@ def test_one_active_mover_and_standby_takes_over(dsn, dsn2, make_queue):
         p.join()
 
 
+def test_lost_lock_connection_is_noticed_and_the_lock_taken_again(dsn, dsn2, make_queue):
+    src, dst = make_queue(dsn), make_queue(dsn2)
+    produce(dsn, src, "a", 6)
+    cfg = MoveConfig(batch=2, lock_check=0, prune_every=1)
+    with Mover(dsn, src, dsn2, dst, config=cfg) as mv:
+        assert mv.move_batch() == 2
+        with psycopg.connect(dsn, autocommit=True) as admin:
+            admin.execute(
+                "SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
+                "WHERE application_name = 'ringq-move-lock'"
+            )
+        while mv.move_batch():
+            pass
+        stats = mv.get_stats()
+    assert stats["takeovers"] == 2 and stats["moved"] == 6
+    check_arrivals(drain(dsn2, dst), {"a": 6})
+
+
 def test_run_stops_on_event(dsn, dsn2, make_queue):
     src, dst = make_queue(dsn), make_queue(dsn2)
     produce(dsn, src, "a", 25)
