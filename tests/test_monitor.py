@@ -702,3 +702,42 @@ def test_first_sigterm_drains_a_second_one_exits_at_once() -> None:
             p.wait()
         p.stdout.close()
         p.stderr.close()
+
+
+@pytest.mark.slow
+def test_monitor_rides_out_a_database_restart(tmp_path: Path) -> None:
+    from ringq.scripting import Cluster
+
+    cluster = Cluster(tmp_path / "pg")  # its own server: this test stops it
+    instance = None
+    try:
+        dsn = cluster.start()
+        q = "q_" + uuid.uuid4().hex[:10]
+        with psycopg.connect(dsn) as conn:
+            create_queue(conn, QueueSpec(q, 16, 100))
+            instance = conn.execute("SELECT value FROM ringq.meta WHERE key = 'instance_id'").fetchone()
+        produce(dsn, q, 3)
+        with Monitor(MonitorConfig(dsn, port=0, interval=FAST, data_dir=tmp_path / "m")) as m:
+            assert m.url is not None
+            wait_for(lambda: (queue_doc(m.url or "", q) or {}).get("depth") == 3, what="depth 3")
+            cluster.stop()
+            wait_for(lambda: not m.status()["database"] and m.status()["steps"]["database"]["failures"],
+                     what="the outage noticed")
+            beat = m.status()["beat"]
+            wait_for(lambda: m.status()["beat"] > beat, what="the loop going on without the database")
+            assert m.running and http(m.url + "/api/queues")[0] == 200
+            # Start the server again on its configured port. (Cluster.start() would pick
+            # another port: its free-port probe binds without SO_REUSEADDR and sees the
+            # old port's TIME_WAIT sockets as busy; every client's DSN would go stale.)
+            started = cluster._pg_ctl("start", "-t", "60", "-l", str(cluster.datadir / "log" / "startup.log"))
+            assert started.returncode == 0, started.stdout
+            wait_for(lambda: m.status()["database"], 20, "the monitor reconnected")
+            produce(dsn, q, 1)
+            assert [x.payload for x in consume_all(dsn, q)] == [b"x0", b"x1", b"x2", b"x0"]
+            wait_for(lambda: (queue_doc(m.url or "", q) or {}).get("depth") == 0, what="depth 0")
+        log = (tmp_path / "m" / "monitor.log").read_text()
+        assert '"database.reconnected"' in log and '"step.failed"' in log
+    finally:
+        cluster.stop()
+        if instance:
+            Section.unlink(instance[0])
