@@ -20,6 +20,12 @@ records which entries it applied, and a second delivery is recognized::
 the source sequence), which is the same however often and by whatever road it
 arrives. Rows are never deleted by ringq; prune old ones (``applied_at``) once
 no redelivery can be older.
+
+A plain entry is recorded by its queue's *name* and sequence, which are unique
+within one database as long as the queue is not dropped and created again
+(its sequence starts over: delete its rows here when you do that). A consumer
+that applies entries of same-named queues from several databases should use
+one consumer name per source database.
 """
 
 from __future__ import annotations
