@@ -299,8 +299,11 @@ class Monitor:
                     self._step(name, fn)
                 delay = min(tick + self.config.recovery_interval, next_sample) - time.monotonic()
                 self._wait(delay)
-        finally:
-            self._running = False
+        except BaseException as exc:
+            # Steps catch Exception; only something graver gets here. stop() still
+            # tears everything down (``running`` is False from now on).
+            self._journal_write("monitor.loop_died", logging.CRITICAL, error=f"{type(exc).__name__}: {exc}")
+            raise
 
     def _step(self, name: str, fn: Callable[[], object]) -> None:
         st = self._steps.setdefault(name, StepStats())
