@@ -224,7 +224,7 @@ def _decide_and_strike(sec: Section, conn: psycopg.Connection[Any], ops: list[An
         )
     decide_ops(sec, conn, ops, rec.cidx + 1)
     rows_by_q: dict[int, dict[int, tuple[int, int]]] = {}
-    for ring, info, slot, seq, _kind in ops:
+    for ring, info, slot, seq, kind in ops:
         if info.id not in rows_by_q:
             rows = conn.execute(
                 sql.SQL(_Q["rows"]).format(table=queue_table(info.name)),  # type: ignore[arg-type]
@@ -232,7 +232,9 @@ def _decide_and_strike(sec: Section, conn: psycopg.Connection[Any], ops: list[An
             ).fetchall()
             rows_by_q[info.id] = {r[0]: (r[1], r[2]) for r in rows}
         state, row_seq = rows_by_q[info.id].get(slot, (0, -1))
-        if row_seq == seq and state >= 1:
+        # An enqueue committed if its row holds it; a dequeue only if consumed
+        # (a poisoned entry counts as consumed: it left the queue).
+        if row_seq == seq and (state >= 1 if kind == "e" else state == 2):
             rec.committed += 1
         else:
             rec.rolled_back += 1
