@@ -70,7 +70,11 @@ STATS_KEYS = (
 )
 
 POLL_S = 0.2  # the parent's loop: progress, depth samples, watchdog
-STALL_MAX_S = 3.0  # a consumer waits at most this long for its queue to fill
+# A consumer waits at most this long for producers to find its queue full. Long
+# enough for a 2,000-slot queue to fill at the ~100 entries/s a small-payload
+# queue gets while the producers are held back by the large-payload queue.
+STALL_MAX_S = 30.0
+STALL_IDLE_S = 3.0  # ... and gives up sooner when no producer writes to it any more
 JOIN_S = 10.0  # grace for workers after an abort before they are terminated
 
 
@@ -279,7 +283,10 @@ def _consume(args: WorkerArgs, counters: Any, producers_done: Any, abort: Any, e
     stmt = S.q(S.INSERT_RECEIVED, args.run_id, S.received_table(ref.name))
     # A few times per cycle the consumer stops until producers find the queue
     # full (or STALL_MAX_S passes): the queues are driven full, not just busy.
-    stalls = sorted(rng.sample(range(1, cfg.entries_per_queue + 1), min(cfg.entries_per_queue, rng.randint(1, 3))))
+    # In the first 60% of the cycle: later, producers may owe this queue too
+    # little to fill it.
+    early = max(1, cfg.entries_per_queue * 6 // 10)
+    stalls = sorted(rng.sample(range(1, early + 1), min(early, rng.randint(1, 2))))
     pid = os.getpid()
     order = 0
     taken = 0
@@ -319,12 +326,20 @@ def _consume(args: WorkerArgs, counters: Any, producers_done: Any, abort: Any, e
 
 
 def _wait_full(s: Session, queue: str, producers_done: Any, abort: Any) -> None:
-    start = s.stats(queue)[M.FULL_HITS]
-    deadline = time.monotonic() + STALL_MAX_S
-    while time.monotonic() < deadline and not producers_done.is_set() and not abort.is_set():
-        if s.stats(queue)[M.FULL_HITS] > start:
+    """Stop dequeuing until a producer finds the queue full, the producers stop
+    feeding it (its head has not moved for STALL_IDLE_S), or STALL_MAX_S passes."""
+    st = s.stats(queue)
+    start, head = st[M.FULL_HITS], st[M.HEAD]
+    now = time.monotonic()
+    deadline, moved = now + STALL_MAX_S, now
+    while now < deadline and now - moved < STALL_IDLE_S and not producers_done.is_set() and not abort.is_set():
+        st = s.stats(queue)
+        if st[M.FULL_HITS] > start:
             return
+        if st[M.HEAD] != head:
+            head, moved = st[M.HEAD], now
         time.sleep(0.02)
+        now = time.monotonic()
 
 
 # -- the cycle -----------------------------------------------------------------------------
