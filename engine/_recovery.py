@@ -32,6 +32,7 @@ from ._session import (
     POISON_REASON,
     QueueInfo,
     _held_slots,
+    _Process,
     _load_block,
     connect,
     decide_ops,
@@ -96,7 +97,10 @@ def rebuild(dsn: str) -> Section:
     Blocks of queues dropped from the database are marked dropped.
     """
     with _connect(dsn) as conn:
-        sec = Section.attach(_instance(conn))
+        # The process's one attachment: a second one would not exclude this
+        # process's other users (fcntl locks are per process, and closing any
+        # descriptor of the segment drops them all).
+        sec = _Process.section(_instance(conn))
         infos = _queue_infos(conn)
         for qidx in sec.loaded_queues():
             qid = sec.q(qidx, L.Q_QID)
@@ -120,11 +124,26 @@ def rebuild(dsn: str) -> Section:
     return sec
 
 
-def _backends_alive(conn: psycopg.Connection[Any], pids: list[int]) -> set[int]:
+def _backends_alive(
+    conn: psycopg.Connection[Any], pids: list[int], not_after_ns: dict[int, int] | None = None
+) -> set[int]:
+    """The pids among ``pids`` that are backends of this database. With
+    ``not_after_ns`` (pid -> client registration time), a backend that started
+    after its client registered is a reused pid, not the client's backend."""
     if not pids:
         return set()
-    rows = conn.execute("SELECT pid FROM pg_stat_activity WHERE pid = ANY(%s)", (pids,)).fetchall()
-    return {r[0] for r in rows}
+    rows = conn.execute(
+        "SELECT pid, extract(epoch FROM backend_start) FROM pg_stat_activity "
+        "WHERE pid = ANY(%s) AND datname = current_database()",
+        (pids,),
+    ).fetchall()
+    alive = set()
+    for pid, started in rows:
+        limit = (not_after_ns or {}).get(pid)
+        if limit is not None and started is not None and float(started) > limit / 1e9 + 1.0:
+            continue  # pid reused by a newer backend
+        alive.add(pid)
+    return alive
 
 
 def _locked_by(ring: Ring, owner: int) -> list[int]:
@@ -155,14 +174,15 @@ def recover_dead_clients(sec: Section, dsn: str, *, terminate: bool = True) -> l
     with _connect(dsn) as conn:
         infos = _queue_infos(conn)
         backends = {cidx: sec.c(cidx, L.C_BACKEND_PID) for cidx in dead}
-        alive = _backends_alive(conn, [b for b in backends.values() if b])
+        registered = {sec.c(cidx, L.C_BACKEND_PID): sec.c(cidx, L.C_STARTED_NS) for cidx in dead}
+        alive = _backends_alive(conn, [b for b in backends.values() if b], registered)
         if alive and terminate:
             for b in alive:
                 conn.execute(_Q["terminate"], (b,))
             deadline = time.monotonic() + 2.0
             while alive and time.monotonic() < deadline:
                 time.sleep(0.005)
-                alive = _backends_alive(conn, list(alive))
+                alive = _backends_alive(conn, list(alive), registered)
         prepared = _prepared_slots(conn)
         for cidx in dead:
             if backends[cidx] in alive:

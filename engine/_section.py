@@ -320,6 +320,8 @@ class Section:
         )
 
     def set_client_backend(self, cidx: int, backend_pid: int) -> None:
+        """A client's new backend (it reconnected); its time bounds the backend's start."""
+        self.clients[cidx * L.CLIENT_WORDS + L.C_STARTED_NS] = time.time_ns()
         self.clients[cidx * L.CLIENT_WORDS + L.C_BACKEND_PID] = backend_pid
 
     def remove_client(self, cidx: int) -> None:
