@@ -259,6 +259,7 @@ class Section:
         :raises SectionError: no free block, or the slot pool is exhausted.
         """
         free = None
+        dropped: list[int] = []
         for i in range(L.MAX_QUEUES):
             base = i * L.QUEUE_WORDS
             state = self.queues[base + L.Q_STATE]
@@ -268,10 +269,25 @@ class Section:
                 break
             if state == L.QS_UNUSED and self.queues[base + L.Q_QID] == 0 and free is None:
                 free = i
+            if state == L.QS_DROPPED:
+                dropped.append(i)
+        if free is None or self.queues[free * L.QUEUE_WORDS + L.Q_QID] != qid:
+            # Prefer a dropped queue's block whose pool space fits: dropped
+            # queues give their blocks and slots back.
+            fits = [
+                i for i in dropped
+                if (self.queues[i * L.QUEUE_WORDS + L.Q_CAPACITY] + 63) // 64 >= (capacity + 63) // 64
+            ]
+            if fits:
+                free = min(fits, key=lambda i: self.queues[i * L.QUEUE_WORDS + L.Q_CAPACITY])
+            elif free is None and dropped:
+                free = dropped[0]
+                self.queues[free * L.QUEUE_WORDS + L.Q_CAPACITY] = 0  # its pool space is too small
         if free is None:
             raise SectionError(f"global section full: {L.MAX_QUEUES} queues at most")
         base = free * L.QUEUE_WORDS
-        if self.queues[base + L.Q_QID] == qid and self.queues[base + L.Q_CAPACITY] >= capacity:
+        reuse = self.queues[base + L.Q_QID] == qid or self.queues[base + L.Q_STATE] == L.QS_DROPPED
+        if reuse and (self.queues[base + L.Q_CAPACITY] + 63) // 64 >= (capacity + 63) // 64 > 0:
             slot_base = self.queues[base + L.Q_BASE]
         else:
             slot_base = self.header[L.H_NEXT_BASE]
@@ -282,8 +298,13 @@ class Section:
                     f"{slot_base:,} used, queue needs {capacity:,}"
                 )
             self.header[L.H_NEXT_BASE] = end
+        self.queues[base + L.Q_STATE] = L.QS_UNUSED
         for w in range(L.QUEUE_WORDS):
             self.queues[base + w] = 0
+        # No stale locks or owners from a former occupant of this pool space.
+        words = (capacity + 63) // 64
+        self.lck[slot_base // 64 : slot_base // 64 + words] = 0
+        self.owner[slot_base : slot_base + capacity] = 0
         self.queues[base + L.Q_QID] = qid
         self.queues[base + L.Q_CAPACITY] = capacity
         self.queues[base + L.Q_BASE] = slot_base

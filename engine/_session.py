@@ -194,6 +194,7 @@ class Session:
         self._closed = False
         self._tpc_xid: Any = None
         self._tpc_prepared = False
+        self._aux: psycopg.Connection[Any] | None = None
         self._conn = self._open_connection()
         self._attach()
         self._begin()
@@ -284,6 +285,8 @@ class Session:
                 self._section.remove_client(self._cidx)
                 self._finalizer.detach()
             self._conn.close()
+            if self._aux is not None:
+                self._aux.close()
 
     def __enter__(self) -> Session:
         return self
@@ -320,6 +323,7 @@ class Session:
         # (psycopg does not finish a connection made in another process).
         self._pid = os.getpid()
         self._ops = []
+        self._aux = None  # the parent's: never close it here
         self._producer_seq = 0
         self.producer = f"{socket.gethostname()}:{os.getpid()}:{next(_producer_counter)}"
         self._conn = self._open_connection()
@@ -372,6 +376,7 @@ class Session:
                 qidx = sec.find_queue(info.id)
                 if qidx is not None:
                     return qidx
+                _mark_dropped(sec, {r[0] for r in aux.execute("SELECT id FROM ringq.queues").fetchall()})
                 qidx = sec.allocate_queue(info.id, info.name, info.capacity)
                 rows = aux.execute(self._stmt("all_rows", info.name)).fetchall()
                 held = _held_slots(aux, info.id)
@@ -964,8 +969,8 @@ class Session:
             raise TransactionError("no two-phase transaction is open")
         gid = self._gid()
         if self._ops:
-            with self._converted(), psycopg.connect(self.dsn, autocommit=True) as aux:
-                aux.execute(
+            with self._converted():
+                self._aux_conn().execute(
                     _Q["tpc_log"],
                     (
                         gid,
@@ -978,6 +983,18 @@ class Session:
         with self._converted():
             self._conn.tpc_prepare()
         self._tpc_prepared = True
+
+    def _aux_conn(self) -> psycopg.Connection[Any]:
+        """A second, autocommit connection for bookkeeping outside the
+        transaction (the two-phase slot log), opened once."""
+        aux = self._aux
+        if aux is None or aux.closed or aux.broken:
+            try:
+                aux = psycopg.connect(self.dsn, autocommit=True, connect_timeout=max(1, int(self._connect_timeout)))
+            except psycopg.Error as exc:
+                raise from_psycopg(exc, dsn=self.dsn) from exc
+            self._aux = aux
+        return aux
 
     def _hold(self, ops: list[_Op]) -> None:
         """Keep slots locked with no live owner (in doubt) for recovery to decide."""
@@ -1028,8 +1045,7 @@ class Session:
         self._begin()
         if ops:
             try:
-                with psycopg.connect(self.dsn, autocommit=True) as aux:
-                    aux.execute(_Q["tpc_forget"], (gid,))
+                self._aux_conn().execute(_Q["tpc_forget"], (gid,))
             except psycopg.Error:
                 logger.warning("ringq: could not clear tpc_log for %s (the monitor will)", gid)
 
@@ -1065,6 +1081,13 @@ class Session:
 
 
 # -- shared with the monitor ---------------------------------------------------------------
+
+
+def _mark_dropped(sec: Section, existing: set[int]) -> None:
+    """Mark blocks of queues no longer in the database as dropped (caller holds the section lock)."""
+    for qidx in sec.loaded_queues():
+        if sec.q(qidx, L.Q_QID) not in existing:
+            sec.queues[qidx * L.QUEUE_WORDS + L.Q_STATE] = L.QS_DROPPED
 
 
 def _orphaned(sec: Section, cidx: int, pid: int) -> None:

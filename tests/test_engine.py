@@ -501,3 +501,19 @@ def test_interrupted_wait_leaves_no_waiter_behind(dsn, make_queue):
     finally:
         sig.setitimer(sig.ITIMER_REAL, 0)
         sig.signal(sig.SIGALRM, old)
+
+
+def test_dropped_queues_give_their_section_blocks_back(dsn, make_queue):
+    from ringq.scripting import drop_queue
+
+    for i in range(L.MAX_QUEUES + 10):  # more queues over time than the section has blocks
+        name = f"churn_{i}"
+        with psycopg.connect(dsn) as conn:
+            create_queue(conn, QueueSpec(name, 64, 100))
+        with connect(dsn) as s:
+            s.enqueue(name, b"x")
+            s.commit()
+            assert s.dequeue(name).payload == b"x"
+            s.commit()
+        with psycopg.connect(dsn, autocommit=True) as conn:
+            drop_queue(conn, name)
