@@ -251,7 +251,11 @@ def bench_cost(
         order = ["without", "with"] if r % 2 == 0 else ["with", "without"]
         res: dict[str, Any] = {"round": r + 1, "order": order}
         for kind in order:
-            print(f"throughput round {r + 1}/{rounds}: {kind} the monitor ...", file=sys.stderr, flush=True)
+            print(
+                f"throughput round {r + 1}/{rounds}: {kind} the monitor ...",
+                file=sys.stderr,
+                flush=True,
+            )
             if kind == "with":
                 mon = MonitorProcess(dsn, mon_dir)
                 try:
@@ -285,14 +289,18 @@ def render(doc: dict[str, Any]) -> str:
     la0 = "/".join(f"{x:.2f}" for x in env["loadavg_at_start"])
     la1 = "/".join(f"{x:.2f}" for x in env["loadavg_at_end"])
     lines = [
-        f"ringq monitor benchmark (issue 4): {env['cpus']} CPUs, PostgreSQL {env['server_version']} "
-        f"({doc['database']}), Python {env['python']}, {doc['seconds']:.0f} s",
+        (
+            f"ringq monitor benchmark (issue 4): {env['cpus']} CPUs, PostgreSQL {env['server_version']} "
+            f"({doc['database']}), Python {env['python']}, {doc['seconds']:.0f} s"
+        ),
         f"load average (1/5/15 min) at start {la0}, at end {la1}",
         f"cpu pressure at start: {env['cpu_pressure_at_start']}",
         f"cpu pressure at end:   {env['cpu_pressure_at_end']}",
         "",
-        f"1. kill -9 of a consumer holding an entry -> entry dequeued again by another session "
-        f"({cfg['kills']} kills, {cfg['dequeue_mode']} mode, monitor process with default settings)",
+        (
+            f"1. kill -9 of a consumer holding an entry -> entry dequeued again by another session "
+            f"({cfg['kills']} kills, {cfg['dequeue_mode']} mode, monitor process with default settings)"
+        ),
     ]
     rd = kill["redelivery"]
     if rd.get("n"):
@@ -303,15 +311,21 @@ def render(doc: dict[str, Any]) -> str:
         )
     else:
         lines.append(f"   no kill was redelivered ({kill['failed']} failed)")
-    lines.append("   for reference (issue 4, not measured): graphile-worker 4 hours, pg-boss 15 minutes by default")
+    lines.append(
+        "   for reference (issue 4, not measured): graphile-worker 4 hours, pg-boss 15 minutes by default"
+    )
     lines.append("")
     lines.append(
         f"2. single-entry pairs/s (enqueue+commit, dequeue+commit; one process, one queue), "
         f"{cfg['rounds']} interleaved rounds of {cfg['seconds']:g} s each way"
     )
     w, wo = cost["with"], cost["without"]
-    lines.append(f"   {'without the monitor':<22} median {wo['median']:>8,.0f}   [min-max {wo['min']:,.0f}-{wo['max']:,.0f}]")
-    lines.append(f"   {'with the monitor':<22} median {w['median']:>8,.0f}   [min-max {w['min']:,.0f}-{w['max']:,.0f}]")
+    lines.append(
+        f"   {'without the monitor':<22} median {wo['median']:>8,.0f}   [min-max {wo['min']:,.0f}-{wo['max']:,.0f}]"
+    )
+    lines.append(
+        f"   {'with the monitor':<22} median {w['median']:>8,.0f}   [min-max {w['min']:,.0f}-{w['max']:,.0f}]"
+    )
     per = ", ".join(f"{r['ratio']:.3f}" for r in cost["rounds"])
     lines.append(
         f"   with/without: {cost['ratio_median_within_rounds']:.3f} (median of per-round ratios: {per}); "
@@ -338,7 +352,9 @@ def targets(kill: dict[str, Any], cost: dict[str, Any]) -> list[dict[str, Any]]:
         {
             "target": "kill -9 -> redelivered, max < 1000 ms",
             "value": "n/a" if mx is None else f"{mx:.0f} ms",
-            "met": None if mx is None else (mx < 1000 * TARGET_REDELIVERY_S and kill["failed"] == 0),
+            "met": None
+            if mx is None
+            else (mx < 1000 * TARGET_REDELIVERY_S and kill["failed"] == 0),
         },
         {
             "target": "monitor cost on pairs/s < 5% (median ratio)",
@@ -396,8 +412,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--dsn", help="run in this database instead of a private embedded cluster")
     p.add_argument("--out", type=Path, help="also write the JSON here")
     p.add_argument("--kills", type=int, default=20, help="consumers killed with kill -9 (0: skip)")
-    p.add_argument("--mode", choices=("single", "shared"), default="single", help="dequeue mode of the kill queue")
-    p.add_argument("--rounds", type=int, default=6, help="throughput rounds, each with and without the monitor")
+    p.add_argument(
+        "--mode",
+        choices=("single", "shared"),
+        default="single",
+        help="dequeue mode of the kill queue",
+    )
+    p.add_argument(
+        "--rounds", type=int, default=6, help="throughput rounds, each with and without the monitor"
+    )
     p.add_argument("--seconds", type=float, default=8.0, help="seconds of each throughput round")
     p.add_argument("--payload", type=int, default=100, help="payload bytes of the throughput test")
     a = p.parse_args(argv)
@@ -433,13 +456,19 @@ def main(argv: list[str] | None = None) -> int:
                     env["server_version"] = admin.execute("SHOW server_version").fetchone()[0]  # type: ignore[index]
                 kill: dict[str, Any] = {"kills": [], "redelivery": {"n": 0}, "failed": 0}
                 if args.kills:
-                    print(f"kill -9 to redelivery: {args.kills} kills ...", file=sys.stderr, flush=True)
+                    print(
+                        f"kill -9 to redelivery: {args.kills} kills ...",
+                        file=sys.stderr,
+                        flush=True,
+                    )
                     mon = MonitorProcess(dsn, work / "mon-kill")
                     try:
                         kill = bench_kills(dsn, q_kill, mon, args.kills)
                     finally:
                         kill["monitor_exit"] = mon.stop()
-                cost = bench_cost(dsn, q_tput, payload, args.rounds, args.seconds, work / "mon-cost")
+                cost = bench_cost(
+                    dsn, q_tput, payload, args.rounds, args.seconds, work / "mon-cost"
+                )
             finally:
                 with contextlib.suppress(Exception):
                     cleanup(dsn, [q_kill, q_tput], embedded=home is not None)
@@ -453,8 +482,13 @@ def main(argv: list[str] | None = None) -> int:
         "seconds": time.perf_counter() - t0,
         "command": [sys.executable, *sys.argv],
         "database": "embedded" if args.dsn is None else "given (--dsn)",
-        "config": {"kills": args.kills, "dequeue_mode": args.mode, "rounds": args.rounds,
-                   "seconds": args.seconds, "payload": args.payload},  # fmt: skip
+        "config": {
+            "kills": args.kills,
+            "dequeue_mode": args.mode,
+            "rounds": args.rounds,
+            "seconds": args.seconds,
+            "payload": args.payload,
+        },
         "environment": env,
         "references_not_measured": REFERENCES,
         "kill": kill,
