@@ -142,7 +142,67 @@ class Ring:
         Q[b + L.Q_N_DEQ] += 1
         return slot, tail + (slot - tail) % self.cap
 
-    def finish_dequeue(self, slot: int, consumed: bool, *, exclusive: bool) -> None:
+    def claim_many(self, owner: int, n: int, *, exclusive: bool) -> list[tuple[int, int]]:
+        """Lock up to ``n`` of the oldest ready entries for ``owner`` with one scan."""
+        Q, b = self.Q, self.qb
+        if exclusive:
+            holder = Q[b + L.Q_DEQ_OWNER]
+            if holder and holder != owner:
+                return []
+        tail = Q[b + L.Q_TAIL]
+        window = Q[b + L.Q_HEAD] - tail
+        if window <= 0:
+            return []
+        start = tail % self.cap
+        slots: list[int] = []
+        end = start + window
+        if end <= self.cap:
+            self._collect(start, end, n, slots)
+        else:
+            self._collect(start, self.cap, n, slots)
+            if len(slots) < n:
+                self._collect(0, end - self.cap, n, slots)
+        s = self.sec
+        out = []
+        for slot in slots:
+            w, m = self._bit(slot)
+            s.owner_w[self.base + slot] = owner
+            s.lck_w[w] |= m
+            s.deq_w[w] |= m
+            out.append((slot, tail + (slot - tail) % self.cap))
+        if out:
+            if exclusive:
+                Q[b + L.Q_DEQ_OWNER] = owner
+                Q[b + L.Q_DEQ_INFLIGHT] += len(out)
+            Q[b + L.Q_N_DEQ] += len(out)
+        return out
+
+    def _collect(self, a: int, b: int, n: int, out: list[int]) -> None:
+        """Append ready slots in [a, b) to ``out``, oldest first, until it holds ``n``."""
+        s = self.sec
+        wa, wl = a >> 6, (b - 1) >> 6
+        chunk = _FIRST_CHUNK
+        w = wa
+        while w <= wl and len(out) < n:
+            we = min(wl + 1, w + chunk)
+            g0, g1 = self.w0 + w, self.w0 + we
+            words = s.enq[g0:g1] & ~s.deq[g0:g1] & ~s.lck[g0:g1]
+            if w == wa and a & 63:
+                words[0] &= np.uint64((_U64 << (a & 63)) & _U64)
+            if we == wl + 1 and (b & 63):
+                words[-1] &= np.uint64((1 << (b & 63)) - 1)
+            for i in np.flatnonzero(words):
+                x = int(words[i])
+                while x and len(out) < n:
+                    low = x & -x
+                    out.append(((w + int(i)) << 6) + low.bit_length() - 1)
+                    x ^= low
+                if len(out) >= n:
+                    return
+            w = we
+            chunk = min(chunk * 4, _MAX_CHUNK)
+
+    def finish_dequeue(self, slot: int, consumed: bool, *, exclusive: bool, reclaim: bool = True) -> None:
         """Mark a dequeued entry consumed (DEQ stays) or ready again, then unlock."""
         w, m = self._bit(slot)
         s = self.sec
@@ -159,7 +219,7 @@ class Ring:
             Q[b + L.Q_DEQ_INFLIGHT] -= 1
             if Q[b + L.Q_DEQ_INFLIGHT] == 0:
                 Q[b + L.Q_DEQ_OWNER] = 0
-        if consumed and slot == Q[b + L.Q_TAIL] % self.cap:
+        if reclaim and consumed and slot == Q[b + L.Q_TAIL] % self.cap:
             self.reclaim()
 
     def release_role(self, owner: int) -> None:

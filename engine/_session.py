@@ -514,10 +514,12 @@ class Session:
                     else:
                         consumed = committed or (op.slot, op.seq) in poisoned
                         was_owner = sec.queues[qb + L.Q_DEQ_OWNER]
-                        ring.finish_dequeue(op.slot, consumed, exclusive=exclusive)
+                        ring.finish_dequeue(op.slot, consumed, exclusive=exclusive, reclaim=False)
                         n_space += consumed
                         n_ready += (not consumed) or (exclusive and was_owner and not sec.queues[qb + L.Q_DEQ_OWNER])
                         _hist(sec, qb + L.Q_DEQ_HIST, qb + L.Q_DEQ_LAT_NS, op.latency_ns)
+                if n_space:
+                    ring.reclaim()  # once per queue, not once per entry
                 if (poisoned_here := sum(1 for op in group if (op.slot, op.seq) in poisoned)):
                     sec.queues[qb + L.Q_N_POISONED] += poisoned_here
                 wake_r = min(n_ready, sec.queues[qb + L.Q_WAIT_READY])
@@ -826,11 +828,12 @@ class Session:
                 if waiting:
                     sec.queues[qb + L.Q_WAIT_READY] -= 1
                     waiting = False
-                while len(got) < max_n:
+                if max_n == 1:
                     r = ring.claim(self.owner, exclusive=exclusive)
-                    if r is None:
-                        break
-                    got.append(r)
+                    if r is not None:
+                        got.append(r)
+                else:
+                    got = ring.claim_many(self.owner, max_n, exclusive=exclusive)
                 if not got:
                     sec.queues[qb + L.Q_N_EMPTY] += 1
                     if deadline is not None and deadline > time.monotonic():

@@ -20,19 +20,19 @@ FROM ringq.queues WHERE id = %s
 -- Guarded: only a slot that holds no unconsumed entry and an older sequence
 -- is written, so a stale section can never overwrite an entry.
 UPDATE {table}
-SET state = 1, seq = %s, payload = %b, producer = %s, producer_seq = %s, deliveries = 0,
+SET state = 1, seq = %s::bigint, payload = %b, producer = %s, producer_seq = %s::bigint, deliveries = 0,
     enq_at = now(), enq_user = current_user, deq_at = NULL, deq_user = NULL
-WHERE slot = %s AND state <> 1 AND seq < %s
+WHERE slot = %s::integer AND state <> 1 AND seq < %s::bigint
 
 -- enqueue_key --
 WITH k AS (
-    INSERT INTO ringq.keys (queue_id, key, seq) VALUES (%s, %s, %s)
+    INSERT INTO ringq.keys (queue_id, key, seq) VALUES (%s::integer, %s, %s::bigint)
     ON CONFLICT DO NOTHING RETURNING seq
 ), u AS (
     UPDATE {table}
-    SET state = 1, seq = %s, payload = %b, producer = %s, producer_seq = %s, deliveries = 0,
+    SET state = 1, seq = %s::bigint, payload = %b, producer = %s, producer_seq = %s::bigint, deliveries = 0,
         enq_at = now(), enq_user = current_user, deq_at = NULL, deq_user = NULL
-    WHERE slot = %s AND state <> 1 AND seq < %s AND EXISTS (SELECT 1 FROM k)
+    WHERE slot = %s::integer AND state <> 1 AND seq < %s::bigint AND EXISTS (SELECT 1 FROM k)
     RETURNING slot
 )
 SELECT (SELECT count(*) FROM k), (SELECT count(*) FROM u),
@@ -53,7 +53,7 @@ RETURNING t.slot
 -- Guarded by (slot, seq, state): an entry is consumed at most once.
 UPDATE {table}
 SET state = 2, deq_at = now(), deq_user = current_user
-WHERE slot = %s AND seq = %s AND state = 1
+WHERE slot = %s::integer AND seq = %s::bigint AND state = 1
 RETURNING payload, producer, producer_seq, enq_at, deliveries
 
 -- dequeue_many --

@@ -194,8 +194,13 @@ CREATE TABLE IF NOT EXISTS {table} (
     PRIMARY KEY (slot) {index_tablespace_clause}
 ) WITH (fillfactor = {fillfactor}) {tablespace_clause};
 
-INSERT INTO {table} (slot)
-SELECT g FROM generate_series(0, {capacity} - 1) AS g
+-- Rows are made at their working width (a placeholder payload of up to 256
+-- bytes, the text and time columns filled), so the first lap of updates
+-- stays HOT in the page instead of moving rows and growing the table.
+INSERT INTO {table} (slot, producer, enq_user, deq_user, enq_at, deq_at, producer_seq, payload)
+SELECT g, repeat(' ', 24), current_user, current_user, now(), now(), 0,
+       decode(repeat('00', least({max_payload}, 256)), 'hex')
+FROM generate_series(0, {capacity} - 1) AS g
 WHERE NOT EXISTS (SELECT 1 FROM {table});
 
 -- drop_queue --
