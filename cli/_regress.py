@@ -33,8 +33,9 @@ Spark needs Java 17 and the PostgreSQL JDBC driver
 (apt-get install -y libpostgresql-jdbc-java)."""
 
 CHAOS_HELP = (
-    "not yet: kill -9 random producers and consumers during a cycle and restart them "
-    "(needs the monitor to recover their slots); refused for now"
+    "fault injection: every --chaos-interval seconds kill -9 a random producer, consumer or the "
+    "run's own monitor (run as a subprocess with --chaos) and restart it; restarted workers resume "
+    "from what the database recorded; the proof must still pass"
 )
 
 
@@ -63,6 +64,10 @@ def register(sub: Any) -> None:
     p.add_argument("--keep-going", action="store_true", help="continue after a cycle that fails its proof")
     p.add_argument("--keep-queues", action="store_true", help="keep the run's queues when it ends")
     p.add_argument("--chaos", action="store_true", help=CHAOS_HELP)
+    env_option(p, "--chaos-interval", env="RINGQ_REGRESS_CHAOS_INTERVAL", default="2,6",
+               help="with --chaos: seconds between kills, MIN,MAX (uniformly random) or one number")
+    p.add_argument("--chaos-pg-restart", action="store_true",
+                   help="with --chaos: also restart the embedded PostgreSQL once per cycle (pg_ctl restart -m fast)")
     _common(p)
 
     actions = p.add_subparsers(dest="regress_command", metavar="ACTION")
@@ -227,9 +232,8 @@ def _run(args: argparse.Namespace) -> int:
     from ringq.engine import ConfigError, resolve_dsn
     from ringq.regression import RegressConfig, parse_sizes, run
 
-    if args.chaos:
-        print(f"ringq regress: --chaos is {CHAOS_HELP}", file=sys.stderr)
-        return _exit.USAGE
+    if args.chaos_pg_restart and not args.chaos:
+        raise ConfigError("--chaos-pg-restart needs --chaos")
     if args.cycles < 0:
         raise ConfigError("--cycles must be 0 (until stopped) or more")
     config = RegressConfig(
@@ -241,6 +245,9 @@ def _run(args: argparse.Namespace) -> int:
         two_phase_rate=args.two_phase_rate,
         filler=args.filler,
         seed=args.seed,
+        chaos=args.chaos,
+        chaos_interval=_interval(args.chaos_interval),
+        chaos_pg_restart=args.chaos_pg_restart,
     )
     dsn = resolve_dsn(args.dsn)
     verifier = None if args.no_verify else _verifier(args)
@@ -288,6 +295,20 @@ def _run(args: argparse.Namespace) -> int:
     if outcome.status == "aborted":
         return _exit.INTERRUPTED
     return _exit.OK if outcome.ok else _exit.FAILURE
+
+
+def _interval(text: str) -> tuple[float, float]:
+    from ringq.engine import ConfigError
+
+    try:
+        parts = [float(x) for x in str(text).split(",")]
+    except ValueError:
+        parts = []
+    if len(parts) == 1:
+        parts *= 2
+    if len(parts) != 2:
+        raise ConfigError(f"--chaos-interval must be MIN,MAX seconds or one number, not {text!r}")
+    return parts[0], parts[1]
 
 
 def _verify(args: argparse.Namespace) -> int:

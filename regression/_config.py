@@ -52,8 +52,9 @@ class RegressConfig:
       producer rolls its transaction back and tries later.
     - ``stall_timeout``: a cycle with no progress for this long is aborted as stalled.
     - ``seed``: for the random choices (None: from the clock).
-    - ``chaos``: kill -9 workers during the cycle and restart them; not implemented
-      yet (it waits for the monitor), so True raises ConfigError.
+    - ``chaos``: kill -9 a random producer, consumer or the run's own monitor
+      every ``chaos_interval`` (min, max) seconds during a cycle and restart it;
+      with ``chaos_pg_restart`` also restart the embedded PostgreSQL once per cycle.
 
     :raises ConfigError: a value is out of range (the message says which).
     """
@@ -70,14 +71,19 @@ class RegressConfig:
     stall_timeout: float = 120.0
     seed: int | None = None
     chaos: bool = False
+    chaos_interval: tuple[float, float] = (2.0, 6.0)
+    chaos_pg_restart: bool = False
 
     def __post_init__(self) -> None:
-        if self.chaos:
-            # The hook: kill -9 of random producers and consumers (and the
-            # monitor) during a cycle, then restart them. It needs the monitor
-            # to recover the dead clients' slots, so it waits for it.
-            raise ConfigError("chaos (kill -9 of producers/consumers during a cycle) is not implemented yet: "
-                              "it needs the monitor to recover dead clients")
+        ci = self.chaos_interval
+        if (
+            not isinstance(ci, tuple) or len(ci) != 2
+            or any(isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v) for v in ci)
+            or not 0 < ci[0] <= ci[1]
+        ):
+            raise ConfigError(f"chaos_interval must be (min, max) seconds with 0 < min <= max, not {ci!r}")
+        if self.chaos_pg_restart and not self.chaos:
+            raise ConfigError("chaos_pg_restart needs chaos")
         sizes = self.payload_sizes
         if not isinstance(sizes, tuple) or not sizes:
             raise ConfigError("payload_sizes must be a non-empty tuple of byte counts")
@@ -108,6 +114,7 @@ class RegressConfig:
     def to_json(self) -> dict[str, Any]:
         d = asdict(self)
         d["payload_sizes"] = list(self.payload_sizes)
+        d["chaos_interval"] = list(self.chaos_interval)
         return d
 
     @classmethod
@@ -115,6 +122,8 @@ class RegressConfig:
         known = {k: v for k, v in d.items() if k in cls.__dataclass_fields__}
         if "payload_sizes" in known:
             known["payload_sizes"] = tuple(known["payload_sizes"])
+        if "chaos_interval" in known:
+            known["chaos_interval"] = tuple(known["chaos_interval"])
         return cls(**known)
 
 

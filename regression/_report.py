@@ -45,6 +45,7 @@ class Report:
     spark: dict[str, Any] = field(default_factory=dict)
     workload_errors: list[str] = field(default_factory=list)
     skipped_cycles: dict[int, str] = field(default_factory=dict)
+    chaos: dict[str, int] = field(default_factory=dict)  # kills per kind (cycles run with --chaos)
     path: str | None = None
 
     @property
@@ -94,6 +95,12 @@ class Report:
                 f"  {q['name']:<34} {q['payload_size']:>8,} {q.get('committed', 0):>10,} "
                 f"{q.get('delivered', 0):>10,} {q.get('max_depth', 0):>10,} {q.get('full_hits', 0):>6,} "
                 f"{q.get('empty_hits', 0):>7,} {lat.get('p50', 0):>8.1f} {lat.get('p99', 0):>8.1f}"
+            )
+        if self.chaos:
+            ch = self.chaos
+            lines.append(
+                f"  chaos       producers {ch.get('producers', 0):,}  consumers {ch.get('consumers', 0):,}  "
+                f"monitor {ch.get('monitor', 0):,}  pg restarts {ch.get('pg_restarts', 0):,}"
             )
         lines.append("  violations  " + "   ".join(f"{k} {v:,}" for k, v in self.violations.items()))
         for kind, rows in self.examples.items():

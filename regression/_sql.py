@@ -157,3 +157,16 @@ def q(text: str, run_id: str, table: sql.Composable | None = None) -> sql.Compos
     if table is not None:
         kw["table"] = table
     return sql.SQL(text).format(**kw)
+
+
+# What a restarted worker resumes from (chaos): only what is durably recorded.
+RESUME_PRODUCER = """
+SELECT coalesce(max(pseq), 0), coalesce(max(tx), 0) FROM (
+    SELECT pseq, tx FROM {schema}.sent WHERE cycle = %s AND producer = %s
+    UNION ALL
+    SELECT pseq, tx FROM {schema}.rolled_back WHERE cycle = %s AND producer = %s
+) AS x
+"""
+SENT_BY_QUEUE = "SELECT queue, count(*) FROM {schema}.sent WHERE cycle = %s AND producer = %s GROUP BY queue"
+RESUME_CONSUMER = "SELECT coalesce(max(recv_order), 0), count(*) FROM {schema}.{table} WHERE cycle = %s"
+PREPARED_GIDS = "SELECT gid FROM pg_prepared_xacts WHERE database = current_database()"

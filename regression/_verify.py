@@ -225,6 +225,7 @@ class Verifier:
             "startup_s": round(self.startup_s, 3),
         }
         _add_section_stats(report, run, [rows[n] for n in chosen])
+        report.chaos = _chaos_totals([rows[n] for n in chosen])
         committed = int(report.counts.get("committed", 0))
         nbytes = int(report.counts.get("committed_bytes", 0))
         report.throughput = {
@@ -483,3 +484,18 @@ def _add_section_stats(report: R.Report, run: RunInfo, rows: list[_store.CycleRo
             q["max_depth"] = max(int(q.get("max_depth", 0)), int(st.get("max_depth", 0)))
             for k in ("full_hits", "empty_hits", "poisoned", "repairs", "resyncs", "leftover"):
                 q[k] = int(q.get(k, 0)) + int(st.get(k, 0))
+
+
+CHAOS_COUNTS = ("producers", "consumers", "monitor", "pg_restarts", "reconnects", "resumed")
+
+
+def _chaos_totals(rows: list[_store.CycleRow]) -> dict[str, int]:
+    """Kills per kind over the cycles that ran with chaos (empty: none did)."""
+    out: dict[str, int] = {}
+    for row in rows:
+        ch = (row.stats or {}).get("chaos")
+        if not ch:
+            continue
+        for k in CHAOS_COUNTS:
+            out[k] = out.get(k, 0) + int(ch.get(k, 0))
+    return out

@@ -31,8 +31,12 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from ringq.engine import QueueFull, Session, connect
+import psycopg
+from ringq.engine import DatabaseError, DatabaseUnavailable, InDoubt, QueueFull, Session, connect
 from ringq.engine import metrics as M
+from ringq.engine import _layout as L
+from ringq.engine._names import queue_table
+from ringq.engine._section import pid_alive
 
 from . import _payload as P
 from . import _sql as S
@@ -41,7 +45,7 @@ from ._config import RegressConfig
 from ._store import QueueRef, RunInfo
 
 # -- shared counters: one block of WORDS int64 per worker (each writes only its own) --
-WORDS = 8
+WORDS = 10
 # producer words
 P_ENTRIES = 0  # committed entries
 P_TX = 1  # committed transactions
@@ -57,6 +61,13 @@ C_RB_TX = 2  # deliberately rolled-back dequeue transactions
 C_STALLS = 3  # times it stopped dequeuing to let its queue fill
 C_REDELIVERED = 4  # committed entries whose delivery count was > 1
 HEARTBEAT = 7  # any step at all (the watchdog's progress measure)
+RECONNECTS = 8  # both: sessions lost to a database restart and opened again (chaos)
+RESUMED = 9  # both: times the worker resumed from what the database holds (restarts)
+
+# Errors of a database going away under a session (chaos restarts PostgreSQL):
+# the worker backs off, opens a new session and resumes from the database.
+LOST_SESSION = (DatabaseUnavailable, InDoubt, DatabaseError, psycopg.OperationalError)
+BACKOFF_S = (0.1, 2.0)
 
 STATS_KEYS = (
     M.FULL_HITS,
@@ -163,10 +174,46 @@ class _Producer:
         # producers' open reservations alone cannot fill a queue.
         self.max_per_tx = max(1, min(50, self.cfg.capacity // (4 * self.cfg.producers)))
         self.sent_sql = S.q(S.INSERT_SENT, args.run_id)
+        self._decisions: psycopg.Connection[Any] | None = None
         self.rb_sql = S.q(S.INSERT_ROLLED_BACK, args.run_id)
 
     def bump(self, word: int, n: int = 1) -> None:
         self.c[self.base + word] += n
+
+    def gtrid(self, tx: int) -> str:
+        return f"regress_{self.a.run_id}_c{self.a.cycle}_p{self.a.index}_t{tx}"
+
+    def resume(self, abort: Any) -> bool:
+        """Continue from what the database durably holds for this producer in
+        this cycle (a killed predecessor's open transaction never committed,
+        so its entries and ``sent`` rows are gone together): the producer
+        sequence and transaction number go on from the highest recorded, the
+        quota shrinks by what was committed. Waits first until no prepared
+        transaction of this producer is left in doubt (the monitor commits or
+        rolls back a dead coordinator's), so nothing commits behind its back.
+        False if aborted meanwhile."""
+        conn = self.s.connection
+        prefix = self.gtrid(0)[:-1]
+        while True:
+            gids = [g for (g,) in conn.execute(S.PREPARED_GIDS).fetchall()]
+            if not any(_gtrid(g).startswith(prefix) for g in gids):
+                break
+            if abort.is_set():
+                return False
+            time.sleep(0.05)
+        key = (self.a.cycle, self.a.index)
+        row = conn.execute(S.q(S.RESUME_PRODUCER, self.a.run_id), key + key).fetchone()
+        assert row is not None
+        self.pseq, self.tx = int(row[0]), int(row[1])
+        committed = [0] * len(self.quota)
+        for q, n in conn.execute(S.q(S.SENT_BY_QUEUE, self.a.run_id), key).fetchall():
+            committed[q] = int(n)
+        self.s.commit()
+        self.quota = [max(0, owed - done) for owed, done in zip(self.a.quota, committed, strict=True)]
+        self.c[self.base + P_ENTRIES] = sum(committed)
+        if self.pseq or self.tx:
+            self.bump(RESUMED)
+        return True
 
     def plan(self) -> list[tuple[int, int]]:
         """(queue index, entries) for the next transaction."""
@@ -190,7 +237,7 @@ class _Producer:
         timeout = self.cfg.enqueue_timeout * rng.uniform(0.5, 1.0)
         done: list[tuple[int, int, int, int, bytes]] = []  # (queue, qseq, pseq, length, digest)
         if kind == P.KIND_TWO_PHASE:
-            s.tpc_begin(s.xid(f"regress_{self.a.run_id}_c{self.a.cycle}_p{self.a.index}_t{self.tx}"))
+            s.tpc_begin(s.xid(self.gtrid(self.tx)))
         try:
             if rng.random() < 0.5:
                 # One statement per queue.
@@ -224,7 +271,16 @@ class _Producer:
             return
         if kind == P.KIND_TWO_PHASE:
             s.tpc_prepare()
+            gid = None
+            if self.cfg.chaos and rng.random() < 0.5:
+                # Record the decision as a coordinator would: if this process
+                # dies before COMMIT PREPARED, the monitor commits for it.
+                gid = str(s.xid(self.gtrid(self.tx)))
+                self.decisions().execute("INSERT INTO ringq.tpc_decisions (gid) VALUES (%s) "
+                                         "ON CONFLICT DO NOTHING", (gid,))
             s.tpc_commit()
+            if gid is not None:
+                self.decisions().execute("DELETE FROM ringq.tpc_decisions WHERE gid = %s", (gid,))
             self.bump(P_TX_2PC)
         else:
             s.commit()
@@ -234,6 +290,16 @@ class _Producer:
         self.bump(P_TX)
         if len(plan) > 1:
             self.bump(P_MULTI_TX)
+
+    def decisions(self) -> psycopg.Connection[Any]:
+        """The coordinator's decision log connection (autocommit, chaos only)."""
+        if self._decisions is None or self._decisions.closed or self._decisions.broken:
+            self._decisions = psycopg.connect(self.a.dsn, autocommit=True, application_name="ringq-regress")
+        return self._decisions
+
+    def close(self) -> None:
+        if self._decisions is not None:
+            self._decisions.close()
 
     def record(self, stmt: Any, done: list[tuple[int, int, int, int, bytes]], kind: int, *extra: Any) -> None:
         if not done:
@@ -254,9 +320,66 @@ class _Producer:
         self.bump(P_RB_ENTRIES, len(done))
 
 
+def _wait_recovered(s: Session, abort: Any) -> bool:
+    """Wait until the monitor has recovered every dead (or in-doubt) client.
+
+    A restarted worker must not overtake its predecessor: entries a killed
+    producer committed but had not yet published, or entries a killed consumer
+    held, become visible only when the monitor decides the dead client's slots
+    from the rows. Resuming before that lets the new process's entries (or
+    dequeues) pass the old ones, which breaks per-producer order.
+    False if aborted meanwhile."""
+    sec = s.section
+    while True:
+        pending = [
+            c for c in sec.active_clients()
+            if sec.c(c, L.C_STATE) == L.CS_IN_DOUBT or not pid_alive(sec.c(c, L.C_PID))
+        ]
+        if not pending:
+            return True
+        if abort.is_set():
+            return False
+        time.sleep(0.02)
+
+
+def _gtrid(gid: str) -> str:
+    try:
+        return str(psycopg.Xid.from_string(gid).gtrid)
+    except Exception:  # noqa: BLE001 - not one of ours
+        return gid
+
+
+def _retrying(args: WorkerArgs, counters: Any, abort: Any, body: Callable[[], bool]) -> None:
+    """Run ``body`` until it returns True; with chaos, a lost database session
+    (PostgreSQL restarted) means: back off, reconnect, resume."""
+    delay = BACKOFF_S[0]
+    while not abort.is_set():
+        try:
+            if body():
+                return
+        except LOST_SESSION:
+            if not args.config.chaos:
+                raise
+            counters[args.slot * WORDS + RECONNECTS] += 1
+            counters[args.slot * WORDS + HEARTBEAT] += 1
+            abort.wait(delay)
+            delay = min(BACKOFF_S[1], delay * 2)
+
+
 def _produce(args: WorkerArgs, counters: Any, abort: Any, errors: Any) -> None:
+    _retrying(args, counters, abort, lambda: _produce_session(args, counters, abort))
+
+
+def _produce_session(args: WorkerArgs, counters: Any, abort: Any) -> bool:
     with connect(args.dsn, producer=f"regress-{args.run_id}-p{args.index}", application_name="ringq-regress") as s:
         p = _Producer(args, s, counters)
+        if args.config.chaos and not _wait_recovered(s, abort):
+            return True
+        if not p.resume(abort):
+            return True
+        # A restarted producer draws other random numbers than its predecessor.
+        if p.tx:
+            p.rng.seed(f"{args.seed}:{p.tx}:{p.pseq}")
         rng = p.rng
         mode, left = "burst", 0
         while any(q > 0 for q in p.quota) and not abort.is_set():
@@ -273,9 +396,16 @@ def _produce(args: WorkerArgs, counters: Any, abort: Any, errors: Any) -> None:
             left -= 1
             if mode == "trickle":
                 time.sleep(rng.uniform(0.0, 0.02))
+        p.close()
+    return True
 
 
 def _consume(args: WorkerArgs, counters: Any, producers_done: Any, abort: Any, errors: Any) -> None:
+    state: dict[str, Any] = {}
+    _retrying(args, counters, abort, lambda: _consume_session(args, counters, producers_done, abort, state))
+
+
+def _consume_session(args: WorkerArgs, counters: Any, producers_done: Any, abort: Any, state: dict[str, Any]) -> bool:
     ref = args.queues[args.index]
     cfg = args.config
     rng = random.Random(args.seed)
@@ -286,11 +416,25 @@ def _consume(args: WorkerArgs, counters: Any, producers_done: Any, abort: Any, e
     # In the first 60% of the cycle: later, producers may owe this queue too
     # little to fill it.
     early = max(1, cfg.entries_per_queue * 6 // 10)
-    stalls = sorted(rng.sample(range(1, early + 1), min(early, rng.randint(1, 2))))
+    stalls = state.setdefault("stalls", sorted(rng.sample(range(1, early + 1), min(early, rng.randint(1, 2)))))
     pid = os.getpid()
-    order = 0
-    taken = 0
+    left_sql = S.q(S.LEFTOVERS, args.run_id, queue_table(ref.name))
     with connect(args.dsn, producer=f"regress-{args.run_id}-c{args.index}", application_name="ringq-regress") as s:
+        # Resume from what the table durably holds: a killed predecessor's (or
+        # a lost session's) open dequeue rolled back with its rows.
+        if args.config.chaos and not _wait_recovered(s, abort):
+            return True
+        row = s.connection.execute(
+            S.q(S.RESUME_CONSUMER, args.run_id, S.received_table(ref.name)), (args.cycle,)
+        ).fetchone()
+        s.commit()
+        assert row is not None
+        order, taken = int(row[0]), int(row[1])
+        if taken:
+            counters[base + RESUMED] += 1
+            rng.seed(f"{args.seed}:{order}:{pid}")
+            stalls[:] = [n for n in stalls if n > taken]
+        counters[base + C_ENTRIES] = taken
         while not abort.is_set():
             finished = producers_done.is_set()  # read before the dequeue: no entry can come after
             n = rng.choice((1, 1, 4, 16, 32, 64))
@@ -298,7 +442,12 @@ def _consume(args: WorkerArgs, counters: Any, producers_done: Any, abort: Any, e
             counters[base + HEARTBEAT] += 1
             if not msgs:
                 if finished:
-                    break
+                    # Nothing left, unless a dead client (or a lost session)
+                    # still holds an entry that recovery has yet to give back.
+                    (left,) = s.connection.execute(left_sql).fetchone() or (0,)
+                    s.commit()
+                    if not left:
+                        return True
                 continue
             seqs, orders, dels, payloads = [], [], [], []
             for m in msgs:
@@ -323,6 +472,7 @@ def _consume(args: WorkerArgs, counters: Any, producers_done: Any, abort: Any, e
                 stalls.pop(0)
                 counters[base + C_STALLS] += 1
                 _wait_full(s, ref.name, producers_done, abort)
+    return True
 
 
 def _wait_full(s: Session, queue: str, producers_done: Any, abort: Any) -> None:
@@ -393,18 +543,17 @@ def run_cycle(
     def args(index: int, slot: int, quota: tuple[int, ...] = ()) -> WorkerArgs:
         return WorkerArgs(dsn, run.run_id, cycle, cfg, run.queues, index, slot, seeds.getrandbits(63), quota)
 
-    consumers = [
-        ctx.Process(
-            target=consumer_main,
-            args=(args(q, np_ + q), counters, producers_done, abort, errors_q),
-            name=f"regress-consumer-{q}",
-        )
+    # (target, args, name) of each worker: a killed one is started again from it.
+    specs: list[tuple[Any, tuple[Any, ...], str]] = [
+        (consumer_main, (args(q, np_ + q), counters, producers_done, abort, errors_q), f"regress-consumer-{q}")
         for q in range(nq)
-    ]
-    producers = [
-        ctx.Process(target=producer_main, args=(args(p, p, quota), counters, abort, errors_q), name=f"regress-producer-{p}")
+    ] + [
+        (producer_main, (args(p, p, quota), counters, abort, errors_q), f"regress-producer-{p}")
         for p, quota in enumerate(quotas(cfg.entries_per_queue, np_, nq))
     ]
+    workers = [ctx.Process(target=t, args=a, name=n) for t, a, n in specs]
+    consumers, producers = workers[:nq], workers[nq:]
+    chaos = _Chaos(dsn, cfg, random.Random(f"{base_seed}:{cycle}:chaos")) if cfg.chaos else None
     expected = cfg.entries_per_queue * nq
     status = "done"
     errors: list[str] = []
@@ -414,19 +563,39 @@ def run_cycle(
         before = [watcher.stats(ref.name) for ref in run.queues]
         watcher.commit()  # the queue lookups above opened a transaction; stats need none
         t0 = time.monotonic()
-        for proc in consumers + producers:
+        if chaos is not None:
+            chaos.start(t0)
+        for proc in workers:
             proc.start()
         last_beat, last_change = -1, time.monotonic()
+        depths = [0] * nq
         try:
             while True:
-                alive = [p for p in consumers + producers if p.exitcode is None]
-                if not producers_done.is_set() and all(p.exitcode is not None for p in producers):
+                if chaos is not None and status == "done":
+                    for i, proc in enumerate(workers):
+                        if proc.exitcode is not None and chaos.was_killed(proc):
+                            t, a, n = specs[i]
+                            workers[i] = ctx.Process(target=t, args=a, name=n)
+                            workers[i].start()
+                    consumers, producers = workers[:nq], workers[nq:]
+                alive = [p for p in workers if p.exitcode is None]
+                if not producers_done.is_set() and all(p.exitcode is not None for p in producers) and (
+                    chaos is None or all(p.exitcode == 0 for p in producers)
+                ):
                     producers_done.set()
                 if not alive:
                     break
                 multiprocessing.connection.wait([p.sentinel for p in alive], timeout=POLL_S)
                 now = time.monotonic()
-                depths = [watcher.stats(ref.name)[M.DEPTH] for ref in run.queues]
+                if chaos is not None and status == "done":
+                    chaos.tick(now, producers, consumers, producers_done.is_set())
+                try:
+                    depths = [watcher.stats(ref.name)[M.DEPTH] for ref in run.queues]
+                except LOST_SESSION:
+                    if chaos is None:
+                        raise
+                    watcher.close()
+                    watcher = _reconnect_watcher(dsn)
                 max_depth = [max(a, b) for a, b in zip(max_depth, depths, strict=True)]
                 beat = sum(counters[i * WORDS + HEARTBEAT] for i in range(np_ + nq))
                 if beat != last_beat:
@@ -460,9 +629,19 @@ def run_cycle(
         except BaseException:
             abort.set()
             _stop(consumers + producers)
+            if chaos is not None:
+                chaos.stop()
             raise
         workload_s = time.monotonic() - t0
-        after = [watcher.stats(ref.name) for ref in run.queues]
+        if chaos is not None:
+            chaos.stop()
+        try:
+            after = [watcher.stats(ref.name) for ref in run.queues]
+        except LOST_SESSION:
+            watcher.close()
+            watcher = _reconnect_watcher(dsn)
+            after = [watcher.stats(ref.name) for ref in run.queues]
+        watcher.close()
 
     while not errors_q.empty():
         errors.append(errors_q.get_nowait())
@@ -499,6 +678,7 @@ def run_cycle(
             "stalls": total(cons_slots, C_STALLS),
             "redelivered": total(cons_slots, C_REDELIVERED),
         },
+        "chaos": chaos.report(counters, range(np_ + nq)) if chaos is not None else None,
         "queues": {
             ref.name: {
                 "payload_size": ref.payload_size,
@@ -528,3 +708,168 @@ def _stop(procs: Sequence[Any]) -> None:
         if p.exitcode is None:
             p.kill()
             p.join()
+
+
+def _reconnect_watcher(dsn: str) -> Session:
+    """The parent's stats session, opened again after PostgreSQL restarted."""
+    deadline = time.monotonic() + 60.0
+    while True:
+        try:
+            w = connect(dsn, application_name="ringq-regress", eager_begin=False)
+            w.commit()
+            return w
+        except LOST_SESSION:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.2)
+
+
+# -- chaos -----------------------------------------------------------------------------------
+
+MONITOR_PREPARED_TIMEOUT_S = 2.0  # a dead coordinator's undecided prepared transaction rolls back soon
+
+
+class _Chaos:
+    """Fault injection of a cycle: every ``chaos_interval`` seconds kill -9 a
+    random producer, consumer or the run's own monitor (a subprocess, started
+    again at once; the workers are restarted by the cycle's loop), and with
+    ``chaos_pg_restart`` restart the embedded PostgreSQL once (``pg_ctl
+    restart -m fast``). Killing stops once the producers are done, so the
+    cycle can drain."""
+
+    def __init__(self, dsn: str, cfg: RegressConfig, rng: random.Random) -> None:
+        self.dsn = dsn
+        self.cfg = cfg
+        self.rng = rng
+        self.kills = {"producers": 0, "consumers": 0, "monitor": 0, "pg_restarts": 0}
+        self.killed: set[int] = set()  # pids we killed (their exit is not a failure)
+        self.monitor: Any = None
+        self.monitor_starts = 0
+        self.next_at = 0.0
+        self.events = 0
+        self.pg_event = rng.randint(2, 3) if cfg.chaos_pg_restart else -1
+        # The first kills cover every kind (in random order), then any kind.
+        self.first_kinds = ["producers", "consumers", "monitor"]
+        rng.shuffle(self.first_kinds)
+        self.pg_errors: list[str] = []
+        self.logdir = ""
+
+    def start(self, now: float) -> None:
+        import tempfile
+
+        self.logdir = tempfile.mkdtemp(prefix="ringq-regress-chaos-")
+        self._start_monitor()
+        self._schedule(now)
+
+    def _schedule(self, now: float) -> None:
+        lo, hi = self.cfg.chaos_interval
+        self.next_at = now + self.rng.uniform(lo, hi)
+
+    def _start_monitor(self) -> None:
+        import subprocess
+
+        self.monitor_starts += 1
+        log = open(os.path.join(self.logdir, "monitor.log"), "ab")  # noqa: SIM115 - the child owns it
+        try:
+            self.monitor = subprocess.Popen(
+                [sys.executable, "-m", "ringq.cli", "monitor", "--dsn", self.dsn, "--port", "0",
+                 "--data-dir", os.path.join(self.logdir, "monitor"),
+                 "--prepared-timeout", str(MONITOR_PREPARED_TIMEOUT_S), "--log-level", "warning"],
+                stdin=subprocess.DEVNULL, stdout=log, stderr=log, start_new_session=True,
+            )
+        finally:
+            log.close()
+
+    def was_killed(self, proc: Any) -> bool:
+        if proc.pid in self.killed:
+            self.killed.discard(proc.pid)
+            return True
+        return False
+
+    def tick(self, now: float, producers: Sequence[Any], consumers: Sequence[Any], producers_done: bool) -> None:
+        if self.monitor is not None and self.monitor.poll() is not None:
+            self._start_monitor()  # killed by us, or died: the run needs its monitor
+        if producers_done or now < self.next_at:
+            return
+        self.events += 1
+        if self.events == self.pg_event:
+            self._restart_pg()
+        else:
+            choices = {
+                "producers": [p for p in producers if p.exitcode is None and p.pid not in self.killed],
+                "consumers": [c for c in consumers if c.exitcode is None and c.pid not in self.killed],
+                "monitor": [self.monitor] if self.monitor is not None and self.monitor.poll() is None else [],
+            }
+            kinds = [k for k, v in choices.items() if v]
+            first = [k for k in self.first_kinds if k in kinds]
+            if first:
+                kinds = first[:1]
+                self.first_kinds.remove(first[0])
+            if kinds:
+                kind = self.rng.choice(kinds)
+                victim = self.rng.choice(choices[kind])
+                try:
+                    os.kill(victim.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+                else:
+                    self.kills[kind] += 1
+                    if kind == "monitor":
+                        victim.wait()
+                        self._start_monitor()
+                    else:
+                        self.killed.add(victim.pid)
+        self._schedule(time.monotonic())
+
+    def _restart_pg(self) -> None:
+        try:
+            cluster = _embedded_cluster(self.dsn)
+            if cluster is None:
+                self.pg_errors.append("the DSN is not the embedded cluster: PostgreSQL not restarted")
+                return
+            log = cluster.datadir / "log" / "startup.log"
+            proc = cluster._pg_ctl("restart", "-m", "fast", "-t", "60", "-l", str(log))
+            if proc.returncode != 0:
+                self.pg_errors.append(f"pg_ctl restart failed: {proc.stdout.strip()[-300:]}")
+                return
+            self.kills["pg_restarts"] += 1
+        except Exception as exc:  # noqa: BLE001 - reported, the cycle goes on
+            self.pg_errors.append(f"PostgreSQL restart failed: {type(exc).__name__}: {exc}")
+
+    def stop(self) -> None:
+        m, self.monitor = self.monitor, None
+        if m is not None and m.poll() is None:
+            m.terminate()
+            try:
+                m.wait(10)
+            except Exception:  # noqa: BLE001
+                m.kill()
+                m.wait()
+
+    def report(self, counters: Any, slots: Sequence[int]) -> dict[str, Any]:
+        return {
+            **self.kills,
+            "interval_s": list(self.cfg.chaos_interval),
+            "monitor_starts": self.monitor_starts,
+            "reconnects": int(sum(counters[i * WORDS + RECONNECTS] for i in slots)),
+            "resumed": int(sum(counters[i * WORDS + RESUMED] for i in slots)),
+            "errors": self.pg_errors,
+            "logs": self.logdir,
+        }
+
+
+def _embedded_cluster(dsn: str) -> Any:
+    """The ringq.scripting.Cluster serving ``dsn``, found by its data directory; None if not one."""
+    from pathlib import Path
+
+    from ringq.scripting import Cluster
+
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        row = conn.execute("SELECT current_setting('data_directory')").fetchone()
+    if not row:
+        return None
+    datadir = Path(row[0]).resolve()
+    if datadir.name != "pgdata":
+        return None
+    cluster = Cluster(datadir.parent)
+    return cluster if cluster.status().running else None

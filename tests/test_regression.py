@@ -8,7 +8,9 @@ into the stored run, caught with the right kind, and taken out again.
 from __future__ import annotations
 
 import glob
+import json
 import os
+import re
 import secrets
 import signal
 import subprocess
@@ -360,8 +362,47 @@ def test_payload_carries_header_and_checksum() -> None:
     assert parse_sizes("16, 2k,200K,1m") == (16, 2000, 200000, 1000000)
 
 
-def test_chaos_is_refused_until_it_exists(capsys: pytest.CaptureFixture[str]) -> None:
-    with pytest.raises(ConfigError, match="not implemented yet"):
-        RegressConfig(chaos=True)
-    assert cli_main(["regress", "--chaos", "--dsn", "postgresql://nowhere.invalid/x"]) == 2
-    assert "not yet" in capsys.readouterr().err
+def test_chaos_options_are_checked() -> None:
+    with pytest.raises(ConfigError, match="chaos_interval"):
+        RegressConfig(chaos=True, chaos_interval=(2.0, 1.0))
+    with pytest.raises(ConfigError, match="needs chaos"):
+        RegressConfig(chaos_pg_restart=True)
+    cfg = RegressConfig(chaos=True, chaos_interval=(0.5, 1.5), chaos_pg_restart=True)
+    assert RegressConfig.from_json(cfg.to_json()) == cfg
+    assert cli_main(["regress", "--chaos-pg-restart", "--dsn", "postgresql://nowhere.invalid/x"]) == 2
+
+
+def test_a_cycle_under_chaos_is_proven(dsn: str, verifier: Verifier, tmp_path: Path) -> None:
+    """kill -9 of producers, consumers and the monitor, and a PostgreSQL restart,
+    during one small cycle: the workers are restarted, resume from the database,
+    and the proof still passes."""
+    config = RegressConfig(
+        payload_sizes=SIZES,
+        capacity=64,
+        entries_per_queue=500,
+        producers=5,
+        two_phase_rate=0.4,
+        seed=20261123,
+        chaos=True,
+        chaos_interval=(0.2, 0.5),
+        chaos_pg_restart=True,
+    )
+    try:
+        outcome = run(dsn, config, cycles=1, verifier=verifier, report_dir=tmp_path)
+    finally:
+        _unlink_section(dsn)
+    result = outcome.results[0]
+    assert result.status == "done" and not result.errors, result
+    report = outcome.reports[0]
+    assert report.ok, report.summary()
+    assert report.counts["committed"] == report.counts["delivered"] == 5 * 500
+    chaos = result.stats["chaos"]
+    assert chaos["producers"] > 0 and chaos["consumers"] > 0 and chaos["monitor"] > 0, chaos
+    assert chaos["pg_restarts"] == 1 and not chaos["errors"], chaos
+    assert chaos["resumed"] > 0 and chaos["reconnects"] > 0, chaos
+    assert report.chaos["producers"] == chaos["producers"] and report.chaos["pg_restarts"] == 1
+    assert re.search(r"chaos +producers \d+  consumers \d+  monitor \d+  pg restarts 1", report.summary())
+    saved = json.loads(Path(report.path or "").read_text())
+    assert saved["chaos"]["monitor"] == chaos["monitor"]
+    with psycopg.connect(dsn) as conn:
+        assert conn.execute("SELECT count(*) FROM pg_prepared_xacts").fetchone() == (0,)
