@@ -28,6 +28,13 @@ order per (queue, producer) = commit order, every payload intact. A short report
 is printed and written as JSON; the run stays in the database for
 'ringq regress verify RUN'.
 
+--chaos: the run starts its own monitor (a subprocess) and, every
+--chaos-interval seconds while producers work, kills -9 a random producer,
+consumer or that monitor, and restarts it; --chaos-pg-restart also restarts the
+embedded PostgreSQL once per cycle (workers reconnect). Restarted workers wait
+until the monitor recovered the dead clients, then resume from what the database
+recorded. The report counts the kills per kind.
+
 SIGINT/SIGTERM: stop after the current cycle; a second one aborts the cycle.
 Spark needs Java 17 and the PostgreSQL JDBC driver
 (apt-get install -y libpostgresql-jdbc-java)."""

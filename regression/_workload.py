@@ -33,8 +33,8 @@ from typing import Any
 
 import psycopg
 from ringq.engine import DatabaseError, DatabaseUnavailable, InDoubt, QueueFull, Session, connect
-from ringq.engine import metrics as M
 from ringq.engine import _layout as L
+from ringq.engine import metrics as M
 from ringq.engine._names import queue_table
 from ringq.engine._section import pid_alive
 
