@@ -76,10 +76,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--home", help="home of the private embedded cluster (default: a temp dir)")
     p.add_argument("--out", type=Path, help="also write the JSON here")
     p.add_argument("--capacity", type=int, default=50_000, help="slots per queue")
-    p.add_argument("--entries-per-queue", type=int, default=500_000, help="committed entries per queue")
+    p.add_argument(
+        "--entries-per-queue", type=int, default=500_000, help="committed entries per queue"
+    )
     p.add_argument("--payload-sizes", default="16,200,2000,20000,200000", help="one queue per size")
     p.add_argument("--producers", type=int, default=5, help="producer processes")
-    p.add_argument("--filler", choices=("random", "pattern"), default="pattern", help="payload bodies")
+    p.add_argument(
+        "--filler", choices=("random", "pattern"), default="pattern", help="payload bodies"
+    )
     p.add_argument("--seed", type=int, default=1, help="seed of the workload's random choices")
     p.add_argument("--spark-driver-memory", default="2g", help="Spark driver memory")
     a = p.parse_args(argv)
@@ -121,7 +125,9 @@ def main(argv: list[str] | None = None) -> int:
             rc = subprocess.call(cmd, env={**os.environ, "SPARK_LOCAL_IP": "127.0.0.1"})
             wall = time.perf_counter() - t0
             with psycopg.connect(dsn, autocommit=True) as admin:
-                db_bytes = admin.execute("SELECT pg_database_size(current_database())").fetchone()[0]  # type: ignore[index]
+                db_bytes = admin.execute("SELECT pg_database_size(current_database())").fetchone()[
+                    0
+                ]  # type: ignore[index]
                 server = admin.execute("SHOW server_version").fetchone()[0]  # type: ignore[index]
             with contextlib.suppress(Exception):
                 subprocess.call(
@@ -159,14 +165,20 @@ def main(argv: list[str] | None = None) -> int:
         "report": report,
     }
     lines = [
-        f"ringq regress, one cycle: {len(args.payload_sizes.split(','))} queues x "
-        f"{args.capacity:,} slots x {args.entries_per_queue:,} entries, payloads "
-        f"{args.payload_sizes} B ({args.filler}), {args.producers} producers",
-        f"  proof          {'PASS' if report.get('ok') else 'FAIL'} (exit {rc})   "
-        f"committed {counts.get('committed', 0):,}   dequeued {counts.get('delivered', 0):,}   "
-        f"rolled back {counts.get('rolled_back', 0):,}",
-        f"  workload       {t.get('workload_s', 0):,.1f} s   {t.get('entries_per_s', 0):,.0f} entries/s   "
-        f"{t.get('mb_per_s', 0):,.1f} MB/s",
+        (
+            f"ringq regress, one cycle: {len(args.payload_sizes.split(','))} queues x "
+            f"{args.capacity:,} slots x {args.entries_per_queue:,} entries, payloads "
+            f"{args.payload_sizes} B ({args.filler}), {args.producers} producers"
+        ),
+        (
+            f"  proof          {'PASS' if report.get('ok') else 'FAIL'} (exit {rc})   "
+            f"committed {counts.get('committed', 0):,}   dequeued {counts.get('delivered', 0):,}   "
+            f"rolled back {counts.get('rolled_back', 0):,}"
+        ),
+        (
+            f"  workload       {t.get('workload_s', 0):,.1f} s   {t.get('entries_per_s', 0):,.0f} entries/s   "
+            f"{t.get('mb_per_s', 0):,.1f} MB/s"
+        ),
         f"  spark proof    {doc['spark_s'] or 0:,.1f} s",
         f"  whole command  {wall:,.1f} s (set-up, workload, proof, report)",
         f"  database       {db_bytes / 2**30:,.2f} GiB after the cycle",
