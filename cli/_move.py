@@ -10,10 +10,22 @@ import threading
 from types import FrameType
 from typing import Any
 
-from ringq.engine import ConfigError, MoveConfig, MoveLockHeld, Mover, validate_queue_name
+from ringq.engine import (
+    ConfigError,
+    MoveConfig,
+    MoveLockHeld,
+    Mover,
+    MoveSourceShared,
+    validate_queue_name,
+)
 
 from . import _exit
 from ._args import env_option, subparser
+
+# Exit codes of `ringq move` (the shared values of `ringq --help`).
+RET_OK = _exit.OK
+RET_SOURCE_SHARED = _exit.CONFLICT  # the source queue is in 'shared' dequeue mode
+RET_LOCK_HELD = _exit.CONFLICT  # --once: another mover is active for the source queue
 
 DESCRIPTION = """\
 Move every entry of a queue in database 1 to a queue in database 2, without
@@ -24,6 +36,11 @@ between the two commits and started again delivers nothing twice.
 
 Several movers may run for one source queue: one moves (it holds an advisory
 lock in database 1), the others stand by and take over when it dies.
+
+The source queue must be in 'single' dequeue mode (the default): with
+'shared', a mover taking over from a dead one would read past the entries
+the dead one held, breaking per-producer order, and could move them twice.
+A shared source is refused with exit 5.
 
 Moved payloads carry an envelope with the origin and the original producer
 and sequence (ringq.engine.unwrap() opens it); --bare moves payloads as they
@@ -81,7 +98,13 @@ def _run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s",
                         stream=sys.stderr)
     mover = Mover(src_dsn, src_q, dst_dsn, dst_q, config=cfg)
-    mover.open()  # a wrong DSN or queue name fails now, with its exit code
+    try:
+        mover.open()  # a wrong DSN or queue name fails now, with its exit code
+    except MoveSourceShared as exc:
+        mover.close()
+        print(f"ringq move: {exc}; recreate the source queue with --dequeue-mode single "
+              "(the default) to move from it", file=sys.stderr)
+        return RET_SOURCE_SHARED
     if args.once:
         return _once(mover)
     stop = threading.Event()
@@ -102,7 +125,7 @@ def _run(args: argparse.Namespace) -> int:
         for signum, handler in previous.items():
             signal.signal(signum, handler)
     _print_stats(mover)
-    return _exit.OK
+    return RET_OK
 
 
 def _once(mover: Mover) -> int:
@@ -112,9 +135,9 @@ def _once(mover: Mover) -> int:
                 pass
         except MoveLockHeld as exc:
             print(f"ringq move: {exc}", file=sys.stderr)
-            return _exit.CONFLICT
+            return RET_LOCK_HELD
     _print_stats(mover)
-    return _exit.OK
+    return RET_OK
 
 
 def _print_stats(mover: Mover) -> None:

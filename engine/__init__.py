@@ -69,11 +69,22 @@ __all__ += ["MAX_CAPACITY", "MAX_QUEUES"]
 
 # Moving entries between databases, and exactly-once effects (issue 7).
 from ._applied import already_applied, applied_identity, create_applied_table
-from ._move import MoveConfig, Moved, MoveLockHeld, Mover, is_moved, move_key, unwrap, wrap
+from ._move import (
+    MoveConfig,
+    Moved,
+    MoveLockHeld,
+    Mover,
+    MoveSourceShared,
+    is_moved,
+    move_key,
+    unwrap,
+    wrap,
+)
 
 __all__ += [
     "MoveConfig",
     "MoveLockHeld",
+    "MoveSourceShared",
     "Moved",
     "Mover",
     "already_applied",

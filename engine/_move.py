@@ -16,7 +16,13 @@ key. Nothing is lost (database 1 is committed last) and nothing arrives twice
 (the key). The two databases never learn that they took part in one move.
 
 Order: the source is dequeued oldest first by one mover at a time, so the
-destination receives entries in source order; per-producer order holds. The
+destination receives entries in source order; per-producer order holds. That
+needs a source queue in ``single`` dequeue mode, and the mover refuses any
+other (:class:`MoveSourceShared`): in ``shared`` mode a standby that takes
+over reads past the entries a dead mover still holds (they come back only
+when recovery releases them), so a producer's later entries would arrive
+before its earlier ones; and the new mover could prune the spent keys of
+those entries before they are delivered again, which would move them twice. The
 destination sees the mover as the producer; the original producer, its
 sequence, the source queue and sequence travel in an envelope around the
 payload (:func:`wrap`/:func:`unwrap`, :class:`Moved`) unless the mover is
@@ -87,6 +93,16 @@ _LEN = struct.Struct(">I")
 
 class MoveLockHeld(RingqError):
     """Another mover holds the source queue's move lock: this one is on standby."""
+
+
+class MoveSourceShared(ConfigError):
+    """The source queue is in ``shared`` dequeue mode; a mover needs ``single``.
+
+    In shared mode a mover taking over would read past the entries a dead
+    mover still holds (breaking per-producer order) and could prune their
+    idempotency keys before they are delivered again (moving them twice).
+    Move from a queue created with ``dequeue_mode='single'`` (the default).
+    """
 
 
 # -- the envelope ----------------------------------------------------------------------------
@@ -289,12 +305,25 @@ class Mover:
         """Connect to both databases (the lock is taken by :meth:`try_acquire`, :meth:`run`).
 
         :raises DatabaseUnavailable, QueueNotFound, SchemaMissing:
+        :raises MoveSourceShared: the source queue is not in ``single`` dequeue mode.
         """
         s = self._s
         if s.src is None or s.src.closed:
-            s.src = Session(self.src_dsn, application_name=self._appname)
-            s.instance = s.src.instance
-            s.src_qid = s.src.queue_info(self.src_queue).id
+            src = Session(self.src_dsn, application_name=self._appname)
+            try:
+                info = src.queue_info(self.src_queue)
+                if info.dequeue_mode != "single":
+                    raise MoveSourceShared(
+                        f"queue {self.src_queue!r} is in {info.dequeue_mode!r} dequeue mode: a mover "
+                        "needs a source in 'single' mode (one dequeuer at a time), or a standby "
+                        "taking over could break per-producer order and move an entry twice"
+                    )
+            except BaseException:
+                src.close()
+                raise
+            s.src = src
+            s.instance = src.instance
+            s.src_qid = info.id
         if s.dst is None or s.dst.closed:
             s.dst = Session(self.dst_dsn, application_name=self._appname)
             s.dst_qid = s.dst.queue_info(self.dst_queue).id
@@ -545,6 +574,8 @@ class Mover:
 
         A batch in hand when the event is set is finished (both commits) before
         returning; failures are logged and counted, and the mover reconnects.
+
+        :raises MoveSourceShared: the source queue is not in ``single`` dequeue mode.
         """
         self._stop = stop_event
         cfg = self.config
@@ -557,6 +588,8 @@ class Mover:
                     self.move_batch(cfg.batch, wait=cfg.wait)
                 except MoveLockHeld:
                     continue
+                except MoveSourceShared:
+                    raise  # a setting, not a failure: retrying cannot help
                 except RingqError as exc:
                     self._s.stats[STAT_FAILURES] += 1
                     logger.warning("ringq.move: %s: step failed: %s", self.src_queue, exc)

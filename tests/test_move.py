@@ -534,3 +534,30 @@ def test_outbox_example_runs(dsn, dsn2, make_queue):
         assert "killed before database 1 commits" in p.stdout
         assert "(skipped by key) 2" in p.stdout
         assert "arrived once, in order: True" in p.stdout
+
+
+def test_a_shared_mode_source_is_refused(dsn, dsn2, make_queue):
+    """A mover needs one dequeuer at a time: with a shared source, a standby taking
+    over would read past a dead mover's entries and could prune their keys."""
+    import subprocess
+
+    from ringq.engine import ConfigError, MoveSourceShared
+
+    src, dst = make_queue(dsn, dequeue_mode="shared"), make_queue(dsn2)
+    produce(dsn, src, "a", 3)
+    mv = Mover(dsn, src, dsn2, dst)
+    with pytest.raises(MoveSourceShared, match="'shared' dequeue mode") as info:
+        mv.open()
+    assert isinstance(info.value, ConfigError)
+    mv.close()
+    mv.close()
+    # run() refuses too, at once, instead of retrying a setting forever.
+    with pytest.raises(MoveSourceShared):
+        Mover(dsn, src, dsn2, dst).run(threading.Event())
+    p = _ringq("move", "--from", f"{dsn}:{src}", "--to", f"{dsn2}:{dst}", "--once",
+               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    _out, err = p.communicate(timeout=60)
+    assert p.returncode == 5, err
+    assert "'shared' dequeue mode" in err and "--dequeue-mode single" in err and "Traceback" not in err
+    # Nothing was taken: the entries are all still in the source.
+    assert len(drain(dsn, src)) == 3 and drain(dsn2, dst) == []
