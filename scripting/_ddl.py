@@ -21,6 +21,7 @@ from ringq.engine import (
     validate_queue_name,
 )
 from ringq.engine._errors import converted
+from ringq.engine._layout import MAX_QUEUES, SLOT_POOL
 from ringq.engine._names import queue_table
 from ringq.engine._sqlfile import compose, load
 
@@ -109,6 +110,8 @@ def queue_sql(spec: QueueSpec) -> sql.Composed:
         tablespace_clause=tablespace_clause,
         index_tablespace_clause=index_tablespace_clause,
         table=queue_table(spec.name),
+        max_queues=sql.Literal(MAX_QUEUES),
+        slot_pool=sql.Literal(SLOT_POOL),
     )
 
 
@@ -140,6 +143,8 @@ def create_queue(conn: psycopg.Connection[Any], spec: QueueSpec) -> bool:
 
     :returns: True if the queue was created, False if it already existed with these settings.
     :raises QueueExists: it exists with different settings.
+    :raises ConfigError: it would not fit in the global section beside the
+        queues already in the database (``MAX_QUEUES`` queues, ``SLOT_POOL`` slots).
     """
     try:
         with conn.transaction():
@@ -150,6 +155,12 @@ def create_queue(conn: psycopg.Connection[Any], spec: QueueSpec) -> bool:
             conn.execute(queue_sql(spec))
     except psycopg.errors.DuplicateObject as exc:
         raise QueueExists(f"queue {spec.name!r} exists with different settings", queue=spec.name) from exc
+    except psycopg.errors.ProgramLimitExceeded as exc:
+        # The section budget check of the queue block: a usage error, as a
+        # capacity over MAX_CAPACITY is (the message says what is taken).
+        primary = (exc.diag.message_primary or str(exc)).removeprefix("ringq: ")
+        hint = f"; {exc.diag.message_hint}" if exc.diag.message_hint else ""
+        raise ConfigError(primary + hint) from exc
     except psycopg.Error as exc:
         from ringq.engine._errors import from_psycopg
 

@@ -170,6 +170,31 @@ BEGIN
 END
 $ringq$;
 
+-- A new queue must fit in the global section beside the queues already here:
+-- at most {max_queues} queues, and {slot_pool} slots in all (each queue's share
+-- rounded up to a multiple of 64). Refused now, rather than on first use.
+DO $ringq$
+DECLARE
+    n    bigint;
+    used bigint;
+    need bigint := ({capacity} + 63) / 64 * 64;
+BEGIN
+    IF NOT EXISTS (SELECT 1 FROM ringq.queues WHERE name = {name}) THEN
+        SELECT count(*), coalesce(sum((capacity::bigint + 63) / 64 * 64), 0) INTO n, used FROM ringq.queues;
+        IF n >= {max_queues} THEN
+            RAISE EXCEPTION 'ringq: queue "%" does not fit in the global section: % queues exist, % at most',
+                {name}, n, {max_queues}
+                USING ERRCODE = 'program_limit_exceeded', HINT = 'drop a queue first, or use another database';
+        END IF;
+        IF used + need > {slot_pool} THEN
+            RAISE EXCEPTION 'ringq: queue "%" does not fit in the global section: it needs % slots, % of % are taken (% free)',
+                {name}, need, used, {slot_pool}, {slot_pool} - used
+                USING ERRCODE = 'program_limit_exceeded', HINT = 'drop a queue first, give this one a smaller capacity, or use another database';
+        END IF;
+    END IF;
+END
+$ringq$;
+
 INSERT INTO ringq.queues (name, capacity, max_payload, full_policy, full_timeout, dequeue_mode,
                           max_deliveries, exception_queue, fillfactor, tablespace)
 SELECT {name}, {capacity}, {max_payload}, {full_policy}, {full_timeout}, {dequeue_mode},

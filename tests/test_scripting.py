@@ -27,9 +27,10 @@ import pytest
 from psycopg import sql
 from ringq.cli import main
 from ringq.engine import MAX_CAPACITY, ConfigError, InvalidQueueName, QueueExists, QueueNotFound
+from ringq.engine._layout import MAX_QUEUES, SLOT_POOL
 from ringq.scripting import Cluster
 from ringq.scripting._admin import describe_queue, list_queues
-from ringq.scripting._ddl import QueueSpec, create_queue, create_queue_script
+from ringq.scripting._ddl import QueueSpec, create_queue, create_queue_script, create_schema
 
 RINGQ = [sys.executable, "-m", "ringq.cli"]
 BAD_NAMES = ["Orders", "1x", "", "a" * 49, "a-b", "a;drop"]
@@ -217,6 +218,60 @@ def test_issue_done_when_script_piped_to_psql_twice(dsn: str, psql: str) -> None
     assert ring_slots(dsn, "orders") == [(i, 0) for i in range(1000)]
     with psycopg.connect(dsn) as conn:
         assert [q.name for q in list_queues(conn)] == ["orders"]
+
+
+def fill_section(dsn: str, capacities: list[int]) -> None:
+    """Management rows of these capacities, without ring tables: only the
+    section budget check of the queue script reads them."""
+    with psycopg.connect(dsn) as conn:
+        create_schema(conn)
+        with conn.transaction():
+            for i, capacity in enumerate(capacities):
+                conn.execute(
+                    "INSERT INTO ringq.queues (name, capacity, max_payload) VALUES (%s, %s, 1)",
+                    (f"filler_{i}", capacity),
+                )
+
+
+def test_queue_that_does_not_fit_in_the_section_is_refused(
+    dsn: str, psql: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # Two full-size queues but 64 slots: exactly one more 64-slot share fits.
+    fill_section(dsn, [MAX_CAPACITY, SLOT_POOL - MAX_CAPACITY - 64])
+    code, out, err = cli(capsys, "queue", "create", *spec_args("last", 64, 8), "--dsn", dsn)
+    assert (code, err) == (0, ""), err
+    before = fingerprint(dsn)
+
+    code, out, err = cli(capsys, "queue", "create", *spec_args("one", 1, 8), "--dsn", dsn)
+    assert code == 2 and out == ""
+    assert err.startswith(
+        "ringq: queue \"one\" does not fit in the global section: it needs 64 slots, "
+        f"{SLOT_POOL} of {SLOT_POOL} are taken (0 free); drop a queue first"
+    ), err
+    # The reviewed script carries the same check: psql stops on it.
+    refused = apply_script(psql, dsn, create_queue_script(QueueSpec("one", 1, 8)))
+    assert refused.returncode == 3
+    assert 'queue "one" does not fit in the global section' in refused.stderr
+    assert fingerprint(dsn) == before  # nothing made by either attempt
+
+    # A queue that is already there is not counted twice: still idempotent.
+    code, out, err = cli(capsys, "queue", "create", *spec_args("last", 64, 8), "--dsn", dsn)
+    assert (code, out) == (0, "queue 'last' exists (unchanged)\n"), err
+    assert apply_script(psql, dsn, create_queue_script(QueueSpec("last", 64, 8))).returncode == 0
+
+
+def test_queue_beyond_the_section_queue_count_is_refused(
+    dsn: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    fill_section(dsn, [1] * (MAX_QUEUES - 1))
+    code, _, err = cli(capsys, "queue", "create", *spec_args("last", 1, 8), "--dsn", dsn)
+    assert (code, err) == (0, "")
+    code, out, err = cli(capsys, "queue", "create", *spec_args("one", 1, 8), "--dsn", dsn)
+    assert code == 2 and out == ""
+    assert err.startswith(
+        f"ringq: queue \"one\" does not fit in the global section: {MAX_QUEUES} queues exist, "
+        f"{MAX_QUEUES} at most"
+    ), err
 
 
 # Refused input -----------------------------------------------------------------
