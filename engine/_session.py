@@ -194,7 +194,9 @@ class Session:
         self._closed = False
         self._tpc_xid: Any = None
         self._tpc_prepared = False
+        self._tpc_decided = False
         self._aux: psycopg.Connection[Any] | None = None
+        self._role = L.CR_CLIENT  # C_ROLE of our client entry (a worker sets CR_WORKER)
         self._conn = self._open_connection()
         self._attach()
         self._begin()
@@ -242,8 +244,22 @@ class Session:
             old.detach()
         self._cidx = self._section.add_client(backend_pid)
         self.owner = self._cidx + 1
+        if self._role:
+            self._section.clients[self._cidx * L.CLIENT_WORDS + L.C_ROLE] = self._role
         # A session dropped without close() hands its entry to recovery.
         self._finalizer = weakref.finalize(self, _orphaned, self._section, self._cidx, os.getpid())
+
+    def _set_role(self, role: int) -> None:
+        """Mark our client entry with ``role`` (CR_*), kept across re-registrations."""
+        self._role = role
+        self._section.clients[self._cidx * L.CLIENT_WORDS + L.C_ROLE] = role
+
+    def _set_client_words(self, words: Iterable[tuple[int, int]]) -> None:
+        """Write (word, value) pairs into our client entry (a worker's counters)."""
+        C = self._section.clients
+        base = self._cidx * L.CLIENT_WORDS
+        for word, value in words:
+            C[base + word] = value
 
     def _begin(self) -> None:
         """Start the next transaction now, if eager (psycopg would otherwise send
@@ -309,9 +325,10 @@ class Session:
             raise SessionClosed("the session is closed")
         if os.getpid() != self._pid:
             self._after_fork()
-        if self._ops and self._conn.info.transaction_status == _IDLE:
+        if self._ops and self._conn.info.transaction_status == _IDLE and not self._tpc_prepared:
             # Someone committed or rolled back on the connection directly:
-            # learn the outcome from the rows.
+            # learn the outcome from the rows. (A prepared transaction is
+            # idle too, but undecided: tpc_commit/tpc_rollback finish it.)
             self._decide_from_rows(self._conn, self._ops)
             self._ops = []
             self._begin()
@@ -363,6 +380,7 @@ class Session:
                 qidx = self._load_queue(info)
             ring = Ring(self._section, qidx)
             self._rings[info.id] = ring
+            self._section.mark_client_queue(self._cidx, qidx)  # once per session and queue
         return ring
 
     def _load_queue(self, info: QueueInfo) -> int:
@@ -396,13 +414,32 @@ class Session:
     # -- transactions -------------------------------------------------------------------
 
     @contextmanager
-    def _converted(self, queue: str | None = None) -> Iterator[None]:
+    def _converted(self, queue: str | None = None, *, qid: int = 0, seq: int = -1) -> Iterator[None]:
+        """Convert psycopg errors; with ``qid`` (a queue statement of ours) the
+        error is also recorded in our client entry for the monitor."""
         try:
             yield
         except psycopg.Error as exc:
-            if self._conn.broken or isinstance(exc, psycopg.OperationalError | psycopg.InterfaceError) and self._conn.closed:
+            lost = self._conn.broken or isinstance(exc, psycopg.OperationalError | psycopg.InterfaceError) and self._conn.closed
+            # A statement refused because the caller's own SQL already failed
+            # the transaction is the caller's error, not ours.
+            if qid and not isinstance(exc, psycopg.errors.InFailedSqlTransaction):
+                self._record_error(L.ERR_CONNECTION_LOST if lost else L.ERR_DATABASE, qid, seq)
+            if lost:
                 self._connection_lost(exc)
             raise from_psycopg(exc, dsn=self.dsn, queue=queue) from exc
+
+    def _record_error(self, code: int, qid: int = 0, seq: int = -1) -> None:
+        """Record an error this client hit in its section entry (error paths only;
+        the monitor logs it with our pid, the queue and the seq)."""
+        try:
+            self._section.record_client_error(self._cidx, code, qid, seq)
+        except (ValueError, IndexError, TypeError):  # a released view: the section is gone
+            pass
+
+    def _record_ops_error(self, code: int, ops: Sequence[_Op]) -> None:
+        op = ops[0] if ops else None
+        self._record_error(code, op.info.id if op else 0, op.seq if op else -1)
 
     def _connection_lost(self, exc: BaseException) -> None:
         """The connection died mid-transaction: nothing committed; free our slots by the rows."""
@@ -432,13 +469,17 @@ class Session:
             if self._conn.broken or self._conn.closed:
                 committed = self._recover(ops, reason=f"commit answer lost: {exc}")
                 if committed is None:
+                    self._record_ops_error(L.ERR_IN_DOUBT, ops)
                     raise InDoubt(f"commit outcome unknown: {exc}") from exc
                 if committed:
                     logger.warning("ringq: commit answer lost, but the rows show it committed")
                     return
+                self._record_ops_error(L.ERR_COMMIT_FAILED, ops)
                 raise TransactionError(f"commit failed and was rolled back: {exc}") from exc
             # The server refused the commit (deferred constraint, serialization): rolled back.
             self._finish(ops, committed=False)
+            if ops:
+                self._record_ops_error(L.ERR_COMMIT_FAILED, ops)
             raise from_psycopg(exc, dsn=self.dsn) from exc
         self._ops = []
         self._finish(ops, committed=True)
@@ -562,10 +603,14 @@ class Session:
                         POISON_REASON,
                     ),
                 ).fetchall()
-                for slot, seq, state, _deliveries in rows:
+                for slot, seq, state, deliveries, moved_to, kept_because in rows:
                     if state == 2:
                         poisoned.add((slot, seq))
-                        logger.warning("ringq: entry %s/%s poisoned after %s deliveries", name, seq, _deliveries)
+                        logger.warning(
+                            "ringq: entry %s/%s poisoned after %s deliveries: moved to ringq.exceptions%s",
+                            name, seq, deliveries,
+                            f" and queue {moved_to}" if moved_to else f" only ({kept_because})" if kept_because else "",
+                        )
             self._conn.commit()  # _begin() follows in rollback()
         except psycopg.Error:
             # Losing a strike is harmless: the entry is redelivered; the
@@ -596,6 +641,7 @@ class Session:
         info = self.queue_info(queue)
         payload = _as_bytes(payload)
         if len(payload) > info.max_payload:
+            self._record_error(L.ERR_PAYLOAD_TOO_LARGE, info.id)
             raise PayloadTooLarge(
                 f"payload of {len(payload):,} bytes exceeds queue {queue!r} max_payload {info.max_payload:,}",
                 queue=queue,
@@ -605,7 +651,7 @@ class Session:
             self._producer_seq += 1
             op = _Op(self._ring(info), info, slot, seq, "e", 0)
             self._ops.append(op)
-            with self._converted(queue):
+            with self._converted(queue, qid=info.id, seq=seq):
                 if key is None:
                     cur = self._conn.execute(
                         self._stmt("enqueue", queue),
@@ -632,6 +678,7 @@ class Session:
             if key is not None and existing is not None and not (inserted == 1 and updated == 0):
                 return int(existing)  # idempotent repeat: the first entry's sequence
             # The section was stale: the row holds something newer. Re-read the queue.
+            self._record_error(L.ERR_ROW_MISMATCH, info.id, seq)
             self._resync(info)
         raise SectionError(f"queue {queue!r}: could not reserve a slot after 8 attempts (section unstable)")
 
@@ -643,6 +690,7 @@ class Session:
         items = [_as_bytes(p) for p in payloads]
         for p in items:
             if len(p) > info.max_payload:
+                self._record_error(L.ERR_PAYLOAD_TOO_LARGE, info.id)
                 raise PayloadTooLarge(
                     f"payload of {len(p):,} bytes exceeds queue {queue!r} max_payload {info.max_payload:,}",
                     queue=queue,
@@ -662,7 +710,7 @@ class Session:
         self._ops.extend(ops)
         pseqs = list(range(self._producer_seq + 1, self._producer_seq + 1 + len(items)))
         self._producer_seq += len(items)
-        with self._converted(queue):
+        with self._converted(queue, qid=info.id, seq=reserved[0][1]):
             rows = self._conn.execute(
                 self._stmt("enqueue_many", queue),
                 (self.producer, [s for s, _ in reserved], [q for _, q in reserved], items, pseqs),
@@ -673,6 +721,7 @@ class Session:
             # savepoint-free world by rolling back is too harsh; redo the
             # failed ones one by one.
             failed = [op for op in ops if op.slot not in written]
+            self._record_error(L.ERR_ROW_MISMATCH, info.id, failed[0].seq)
             for op in failed:
                 self._ops.remove(op)
                 self._void(op)
@@ -729,6 +778,8 @@ class Session:
                 sec.unlock_queue(ring.qidx)
             if got:
                 return got
+            if not waiting:
+                self._record_error(L.ERR_QUEUE_FULL, info.id, ring.head)
             if self_blocked:
                 raise QueueFull(
                     f"queue {info.name!r} is full ({info.capacity:,} slots) and its oldest slot is held "
@@ -786,7 +837,7 @@ class Session:
                 return []
             ops = [_Op(ring, info, slot, seq, "d", 0) for slot, seq in claimed]
             self._ops.extend(ops)
-            with self._converted(queue):
+            with self._converted(queue, qid=info.id, seq=ops[0].seq):
                 if len(ops) == 1:
                     row = self._conn.execute(
                         self._stmt("dequeue", queue), (ops[0].slot, ops[0].seq), binary=True
@@ -870,7 +921,8 @@ class Session:
         """The rows did not match the section: decide those slots from the rows."""
         for op in stale:
             self._ops.remove(op)
-        with self._converted(info.name):
+        self._record_error(L.ERR_ROW_MISMATCH, info.id, stale[0].seq)
+        with self._converted(info.name, qid=info.id, seq=stale[0].seq):
             rows = self._conn.execute(self._stmt("rows", info.name), ([op.slot for op in stale],)).fetchall()
         by_slot = {slot: (state, seq) for slot, state, seq in rows}
         need_resync = False
@@ -1009,11 +1061,44 @@ class Session:
             finally:
                 sec.unlock_queue(op.ring.qidx)
 
+    def tpc_decide(self) -> None:
+        """Record the coordinator's durable decision to commit the prepared transaction.
+
+        Call it after :meth:`tpc_prepare` (on every participant, once all have
+        prepared) and before :meth:`tpc_commit`. The decision is committed on
+        the session's side connection, on its own: if this process dies
+        before COMMIT PREPARED, recovery (the monitor's ``resolve_prepared``)
+        commits the transaction; without a decision it rolls it back once
+        older than its timeout. :meth:`tpc_commit` clears the decision after
+        COMMIT PREPARED; :meth:`tpc_rollback` withdraws it first.
+
+        :raises TransactionError: no prepared two-phase transaction.
+        :raises DatabaseUnavailable: the decision could not be recorded (then
+            it is not made: roll back, or retry).
+        """
+        self._check()
+        if self._tpc_xid is None or not self._tpc_prepared:
+            raise TransactionError("tpc_decide needs a prepared two-phase transaction (call tpc_prepare first)")
+        with self._converted():
+            self._aux_conn().execute(_Q["tpc_decide"], (self._gid(),))
+        self._tpc_decided = True
+
     def tpc_commit(self) -> None:
-        """COMMIT PREPARED (or one-phase commit if not prepared); then publish."""
+        """COMMIT PREPARED (or one-phase commit if not prepared); then publish.
+
+        :raises InDoubt: the answer to COMMIT PREPARED was lost; recovery
+            commits the transaction if :meth:`tpc_decide` recorded it, else
+            rolls it back after a timeout.
+        """
         self._tpc_end(commit=True)
 
     def tpc_rollback(self) -> None:
+        """ROLLBACK PREPARED (or a plain rollback if not prepared), withdrawing
+        any decision recorded by :meth:`tpc_decide` first."""
+        if self._tpc_decided:
+            with self._converted():
+                self._aux_conn().execute(_Q["tpc_undecide"], (self._gid(),))
+            self._tpc_decided = False
         self._tpc_end(commit=False)
 
     def _gid(self) -> str:
@@ -1032,24 +1117,34 @@ class Session:
                 self._conn.tpc_rollback()
         except psycopg.Error as exc:
             self._tpc_xid = None
+            self._tpc_decided = False  # a recorded decision stays for recovery
             if self._tpc_prepared:
                 # A prepared transaction outlives the connection: its rows do
                 # not tell the outcome yet. Hold the slots for the monitor's
                 # resolve_prepared (the coordinator's decision decides).
                 self._tpc_prepared = False
                 self._hold(ops)
+                self._record_ops_error(L.ERR_IN_DOUBT, ops)
                 self._recover([], reason=f"tpc end failed: {exc}")
                 raise InDoubt(f"two-phase {'commit' if commit else 'rollback'} of {gid} in doubt: {exc}") from exc
+            if commit:
+                self._record_ops_error(L.ERR_COMMIT_FAILED, ops)
             self._recover(ops, reason=f"tpc end failed: {exc}")
             raise from_psycopg(exc, dsn=self.dsn) from exc
         self._tpc_xid = None
         self._tpc_prepared = False
+        decided, self._tpc_decided = self._tpc_decided, False
         self._finish(ops, committed=commit)
         self._begin()
+        if decided:
+            try:
+                self._aux_conn().execute(_Q["tpc_undecide"], (gid,))
+            except (psycopg.Error, RingqError):
+                logger.warning("ringq: could not clear the decision for %s (harmless: it is committed)", gid)
         if ops:
             try:
                 self._aux_conn().execute(_Q["tpc_forget"], (gid,))
-            except psycopg.Error:
+            except (psycopg.Error, RingqError):
                 logger.warning("ringq: could not clear tpc_log for %s (the monitor will)", gid)
 
     # -- events ----------------------------------------------------------------------------

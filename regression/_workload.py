@@ -271,16 +271,11 @@ class _Producer:
             return
         if kind == P.KIND_TWO_PHASE:
             s.tpc_prepare()
-            gid = None
             if self.cfg.chaos and rng.random() < 0.5:
                 # Record the decision as a coordinator would: if this process
                 # dies before COMMIT PREPARED, the monitor commits for it.
-                gid = str(s.xid(self.gtrid(self.tx)))
-                self.decisions().execute("INSERT INTO ringq.tpc_decisions (gid) VALUES (%s) "
-                                         "ON CONFLICT DO NOTHING", (gid,))
-            s.tpc_commit()
-            if gid is not None:
-                self.decisions().execute("DELETE FROM ringq.tpc_decisions WHERE gid = %s", (gid,))
+                s.tpc_decide()
+            s.tpc_commit()  # clears a recorded decision
             self.bump(P_TX_2PC)
         else:
             s.commit()
@@ -413,9 +408,12 @@ def _consume_session(args: WorkerArgs, counters: Any, producers_done: Any, abort
     stmt = S.q(S.INSERT_RECEIVED, args.run_id, S.received_table(ref.name))
     # A few times per cycle the consumer stops until producers find the queue
     # full (or STALL_MAX_S passes): the queues are driven full, not just busy.
-    # In the first 60% of the cycle: later, producers may owe this queue too
-    # little to fill it.
-    early = max(1, cfg.entries_per_queue * 6 // 10)
+    # Each stop comes when exactly ``n`` entries were taken (the batches before
+    # it are cut to fit), with n at most 60% of the cycle and leaving more than
+    # a ring's worth still to take: while the consumer stands still the
+    # producers owe the queue more entries than it holds, so some enqueue must
+    # find it full. (Only with entries_per_queue > capacity can a queue fill.)
+    early = max(1, min(cfg.entries_per_queue * 6 // 10, cfg.entries_per_queue - cfg.capacity - 1))
     stalls = state.setdefault("stalls", sorted(rng.sample(range(1, early + 1), min(early, rng.randint(1, 2)))))
     pid = os.getpid()
     left_sql = S.q(S.LEFTOVERS, args.run_id, queue_table(ref.name))
@@ -438,6 +436,8 @@ def _consume_session(args: WorkerArgs, counters: Any, producers_done: Any, abort
         while not abort.is_set():
             finished = producers_done.is_set()  # read before the dequeue: no entry can come after
             n = rng.choice((1, 1, 4, 16, 32, 64))
+            if stalls:
+                n = max(1, min(n, stalls[0] - taken))
             msgs = s.dequeue_many(ref.name, n, wait=POLL_S)
             counters[base + HEARTBEAT] += 1
             if not msgs:

@@ -12,6 +12,7 @@ import psycopg
 import pytest
 from ringq.engine import (
     DatabaseUnavailable,
+    InDoubt,
     InvalidQueueName,
     PayloadTooLarge,
     QueueFull,
@@ -436,6 +437,57 @@ def test_two_phase_commit_and_rollback(dsn, make_queue):
         s1.tpc_rollback()
     assert [m.payload for m in drain(dsn, a)] == [b"2pc-a"]
     assert [m.payload for m in drain(dsn, b)] == [b"2pc-b"]
+
+
+def _decisions(dsn: str) -> list[str]:
+    with psycopg.connect(dsn, autocommit=True) as c:
+        return [r[0] for r in c.execute("SELECT gid FROM ringq.tpc_decisions").fetchall()]
+
+
+def test_tpc_decide_records_the_decision_until_commit_or_rollback(dsn, make_queue):
+    q = make_queue()
+    with connect(dsn) as s:
+        s.tpc_begin(s.xid(uuid.uuid4().hex))
+        s.enqueue(q, b"decided")
+        with pytest.raises(TransactionError):
+            s.tpc_decide()  # not prepared yet: nothing to decide
+        s.tpc_prepare()
+        s.tpc_decide()
+        with psycopg.connect(dsn, autocommit=True) as c:
+            prepared = [r[0] for r in c.execute("SELECT gid FROM pg_prepared_xacts").fetchall()]
+        assert _decisions(dsn) == prepared  # durable before COMMIT PREPARED, same gid
+        s.tpc_commit()
+        assert _decisions(dsn) == []
+        s.tpc_begin(s.xid(uuid.uuid4().hex))
+        s.enqueue(q, b"withdrawn")
+        s.tpc_prepare()
+        s.tpc_decide()
+        s.tpc_rollback()  # withdraws the decision before ROLLBACK PREPARED
+        assert _decisions(dsn) == []
+    assert [m.payload for m in drain(dsn, q)] == [b"decided"]
+
+
+@pytest.mark.parametrize("decide", [True, False])
+def test_tpc_commit_in_doubt_is_resolved_by_the_decision(dsn, make_queue, decide):
+    from ringq.engine._recovery import resolve_prepared
+
+    q = make_queue()
+    with connect(dsn) as s:
+        s.tpc_begin(s.xid(uuid.uuid4().hex))
+        s.enqueue(q, b"in doubt")
+        s.tpc_prepare()
+        if decide:
+            s.tpc_decide()
+        with psycopg.connect(dsn, autocommit=True) as admin:
+            admin.execute("SELECT pg_terminate_backend(%s)", (s.backend_pid,))
+        with pytest.raises(InDoubt):
+            s.tpc_commit()
+        assert s.ring(q).counts()["locked"] == 1  # held for recovery, not guessed
+        done = resolve_prepared(s.section, dsn, timeout_s=3600 if decide else 0)
+        assert [v for _, v in done] == ["commit" if decide else "rollback"]
+        assert s.ring(q).counts()["locked"] == 0
+        assert _decisions(dsn) == []
+    assert [m.payload for m in drain(dsn, q)] == ([b"in doubt"] if decide else [])
 
 
 def test_connection_lost_mid_transaction_frees_slots(dsn, make_queue):

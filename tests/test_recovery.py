@@ -247,8 +247,7 @@ def _prepare_and_die(dsn, queue, gid, decide, ready):
     s.enqueue(queue, b"2pc")
     s.tpc_prepare()
     if decide:
-        with psycopg.connect(dsn, autocommit=True) as c:
-            c.execute("INSERT INTO ringq.tpc_decisions (gid) SELECT gid FROM pg_prepared_xacts")
+        s.tpc_decide()  # the coordinator's durable decision, committed on its own
     ready.set()
     time.sleep(60)
 
