@@ -25,7 +25,7 @@ from ._errors import (
     redact_dsn,
 )
 from ._events import CHANNEL as EVENTS_CHANNEL
-from ._events import Event, Subscription, publish
+from ._events import Event, Subscription, publish, subscribe
 from ._names import validate_queue_name
 from ._section import Section
 from ._session import Message, QueueInfo, Session, connect
@@ -61,6 +61,7 @@ __all__ = [
     "ringq_home",
     "validate_queue_name",
 ]
+    "subscribe",
 
 # Limits of the global section (a queue's capacity is checked against them).
 from ._layout import MAX_CAPACITY, MAX_QUEUES

@@ -1,9 +1,16 @@
 """Named events (as RTR's named broadcasts) over PostgreSQL NOTIFY.
 
-The monitor publishes ``queue.<name>.full``, ``queue.<name>.empty``,
-``queue.<name>.high_water``, ``consumer.died`` and ``entry.poisoned`` on the
-channel ``ringq_events`` with a JSON payload ``{"name": ..., ...}``; a program
-subscribes by name with shell-style wildcards (``queue.*.full``).
+Events travel on the channel ``ringq_events`` as a JSON payload
+``{"name": ..., "queue": ..., "t": <unix seconds>, ...}``. The monitor
+publishes ``queue.<name>.full``, ``queue.<name>.empty``,
+``queue.<name>.high_water``, ``consumer.died`` and ``entry.poisoned``
+(``ringq.monitor`` names them); any program may publish its own. A program
+subscribes by name with shell-style wildcards (:func:`fnmatch.fnmatchcase`,
+``queue.*.full``).
+
+Delivery follows NOTIFY's rules: only to sessions listening when the event is
+published, after the publishing transaction commits, in order; nothing is
+replayed. This is the one implementation; the monitor uses it.
 """
 
 from __future__ import annotations
@@ -11,67 +18,157 @@ from __future__ import annotations
 import fnmatch
 import json
 import time
+from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Final, Self
 
 import psycopg
+from psycopg import sql
 
-from ._errors import from_psycopg
+from ._errors import DatabaseUnavailable, SessionClosed, from_psycopg, redact_dsn
 
-CHANNEL = "ringq_events"
-MAX_PAYLOAD = 7900  # NOTIFY payloads must stay under 8000 bytes
+CHANNEL: Final = "ringq_events"
+MAX_PAYLOAD: Final = 7900  # NOTIFY payloads must stay under 8000 bytes
+
+_LISTEN: Final = sql.SQL("LISTEN {}").format(sql.Identifier(CHANNEL))
+_NOTIFY: Final = "SELECT pg_notify(%s, %s)"
 
 
 @dataclass(frozen=True)
 class Event:
-    """One named event: ``name`` (e.g. ``queue.orders.full``) and its data."""
+    """One named event.
+
+    ``name`` (e.g. ``queue.orders.full``), the ``queue`` it concerns (or
+    None), the publication time ``t`` (unix seconds, 0.0 if the publisher
+    gave none), the other fields in ``data``, and ``received_at`` (unix
+    seconds, set by the subscriber; 0.0 on an event not received).
+    """
 
     name: str
     data: dict[str, Any] = field(default_factory=dict)
+    queue: str | None = None
+    t: float = 0.0
     received_at: float = 0.0
 
+    @classmethod
+    def make(cls, name: str, queue: str | None = None, **data: Any) -> Event:
+        """An event to publish now (``t`` is the current time)."""
+        return cls(name, data, queue, time.time())
 
-def publish(conn: psycopg.Connection[Any], name: str, **data: Any) -> None:
-    """Publish an event on ``conn`` (delivered when its transaction commits)."""
-    body = json.dumps({"name": name, **data}, default=str)
-    if len(body.encode()) > MAX_PAYLOAD:
-        body = json.dumps({"name": name, "truncated": True})
-    conn.execute("SELECT pg_notify(%s, %s)", (CHANNEL, body))
+    @classmethod
+    def from_payload(cls, payload: str, *, received_at: float = 0.0) -> Event:
+        """Parse a NOTIFY payload; :raises ValueError: it is not an event."""
+        obj = json.loads(payload)
+        if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
+            raise ValueError("not a ringq event")  # noqa: TRY004 - one error for any bad payload
+        name = obj.pop("name")
+        queue = obj.pop("queue", None)
+        try:
+            t = float(obj.pop("t", 0.0))
+        except (TypeError, ValueError):
+            t = 0.0
+        return cls(name, obj, queue if isinstance(queue, str) else None, t, received_at)
+
+    def payload(self) -> str:
+        """The JSON text published (long field values are cut to fit NOTIFY's limit)."""
+        body: dict[str, Any] = {**self.data, "name": self.name, "queue": self.queue, "t": self.t}
+        text = json.dumps(body, separators=(",", ":"), default=str)
+        if len(text.encode()) > MAX_PAYLOAD:
+            body = {"name": self.name, "queue": self.queue, "t": self.t, "truncated": True}
+            text = json.dumps(body, separators=(",", ":"))
+        return text
+
+
+def publish(conn: psycopg.Connection[Any], event: Event | str, **data: Any) -> None:
+    """NOTIFY ``event`` on ``conn``: delivered when its transaction commits.
+
+    ``event`` is an :class:`Event`, or a name whose event is made now from
+    ``data`` (a ``queue`` keyword fills :attr:`Event.queue`).
+
+    :raises psycopg.Error: the caller converts it (sessions do).
+    """
+    if isinstance(event, str):
+        queue = data.pop("queue", None)
+        event = Event.make(event, queue if isinstance(queue, str) else None, **data)
+    elif data:
+        raise TypeError("publish(conn, Event) takes no extra fields")
+    conn.execute(_NOTIFY, (CHANNEL, event.payload()))
 
 
 class Subscription:
-    """Events whose name matches any of ``patterns``, on a connection of its own.
+    """Events whose name matches any of ``patterns``, on a LISTEN connection of its own.
 
-    Iterate (blocks), or call :meth:`get` with a timeout. ``close()`` is idempotent.
+    Iterate it (blocks until the next matching event), or call :meth:`get`
+    with a timeout. ``close()`` is idempotent; it is also a context manager.
+    Notifications that arrive together (one network read may carry many,
+    e.g. several events committed in one transaction) are all kept, in order.
+
+    :raises ValueError: no pattern given.
+    :raises DatabaseUnavailable: the database cannot be reached.
     """
 
-    def __init__(self, dsn: str, patterns: tuple[str, ...]) -> None:
+    def __init__(self, dsn: str, patterns: str | tuple[str, ...], *, connect_timeout: float = 10.0) -> None:
+        if isinstance(patterns, str):
+            patterns = (patterns,)
         if not patterns:
             raise ValueError("subscribe to at least one pattern")
-        self.patterns = patterns
+        self.patterns: tuple[str, ...] = patterns
+        self._dsn = dsn
+        self._pending: deque[Event] = deque()
+        self._closed = False
         try:
-            self._conn: psycopg.Connection[Any] | None = psycopg.connect(dsn, autocommit=True)
-            self._conn.execute(f"LISTEN {CHANNEL}")
+            self._conn: psycopg.Connection[Any] = psycopg.connect(
+                dsn, autocommit=True, connect_timeout=max(1, int(connect_timeout)),
+                application_name="ringq-subscriber",
+            )
         except psycopg.Error as exc:
+            raise from_psycopg(exc, dsn=dsn) from exc
+        try:
+            # LISTEN has taken effect when this returns: later events reach us.
+            self._conn.execute(_LISTEN)
+        except psycopg.Error as exc:
+            self._conn.close()
             raise from_psycopg(exc, dsn=dsn) from exc
 
     def matches(self, name: str) -> bool:
+        """Whether ``name`` matches one of the subscription's patterns."""
         return any(fnmatch.fnmatchcase(name, p) for p in self.patterns)
 
     def get(self, timeout: float | None = None) -> Event | None:
-        """The next matching event, or None after ``timeout`` seconds."""
-        if self._conn is None:
-            raise ValueError("subscription closed")
+        """The next matching event, or None after ``timeout`` seconds (None: wait forever).
+
+        :raises DatabaseUnavailable: the connection was lost.
+        :raises SessionClosed: the subscription is closed.
+        """
         deadline = None if timeout is None else time.monotonic() + timeout
-        while True:
-            remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
-            for n in self._conn.notifies(timeout=remaining, stop_after=1):
-                event = _parse(n.payload)
-                if event is not None and self.matches(event.name):
-                    return event
-            if deadline is not None and time.monotonic() >= deadline:
-                return None
+        while not self._pending:
+            remaining = None if deadline is None else deadline - time.monotonic()
+            if remaining is not None and remaining <= 0:
+                # Still look once, without waiting: get(0) polls.
+                self._receive(0.0)
+                break
+            self._receive(remaining)
+        return self._pending.popleft() if self._pending else None
+
+    def _receive(self, timeout: float | None) -> None:
+        if self._closed:
+            raise SessionClosed("the subscription is closed")
+        try:
+            # Run the generator to its end, never return from inside it: the
+            # notifications of one packet are handed over together, and
+            # leaving early would drop the rest of the batch.
+            for n in self._conn.notifies(timeout=timeout, stop_after=1):
+                try:
+                    event = Event.from_payload(n.payload, received_at=time.time())
+                except ValueError:
+                    continue
+                if self.matches(event.name):
+                    self._pending.append(event)
+        except psycopg.OperationalError as exc:
+            raise DatabaseUnavailable(
+                f"event subscription to {redact_dsn(self._dsn)} lost its connection: {exc}"
+            ) from exc
 
     def __iter__(self) -> Iterator[Event]:
         while True:
@@ -80,23 +177,29 @@ class Subscription:
                 yield event
 
     def close(self) -> None:
-        if self._conn is not None:
-            self._conn.close()
-            self._conn = None
+        if self._closed:
+            return
+        self._closed = True
+        self._pending.clear()
+        self._conn.close()
 
-    def __enter__(self) -> Subscription:
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
 
 
-def _parse(payload: str) -> Event | None:
-    try:
-        data = json.loads(payload)
-    except ValueError:
-        return None
-    if not isinstance(data, dict) or not isinstance(data.get("name"), str):
-        return None
-    name = data.pop("name")
-    return Event(name, data, time.time())
+def subscribe(dsn: str, *patterns: str) -> Subscription:
+    """Listen for events whose name matches any of ``patterns`` (default: all).
+
+    ``subscribe(dsn, "queue.*.full")`` receives every queue's full events;
+    ``"queue.orders.*"`` every event of queue ``orders``.
+
+    :raises DatabaseUnavailable: the database cannot be reached.
+    """
+    return Subscription(dsn, patterns or ("*",))

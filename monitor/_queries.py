@@ -52,7 +52,4 @@ SELECT substr(relname, 3), n_dead_tup FROM pg_stat_user_tables
 WHERE schemaname = 'ringq' AND relname LIKE 'q\\_%'
 """
 
-NOTIFY: Final = "SELECT pg_notify(%s, %s)"
-
 INBOX_CHANNEL: Final = "ringq_inbox"  # ringq.enqueue() notifies it (scripting/ddl.sql)
-EVENTS_CHANNEL: Final = "ringq_events"
