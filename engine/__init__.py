@@ -59,9 +59,9 @@ __all__ = [
     "redact_dsn",
     "resolve_dsn",
     "ringq_home",
+    "subscribe",
     "validate_queue_name",
 ]
-    "subscribe",
 
 # Limits of the global section (a queue's capacity is checked against them).
 from ._layout import MAX_CAPACITY, MAX_QUEUES
