@@ -25,7 +25,9 @@ DESCRIPTION = """\
 Print every queue's state as the monitor sees it: capacity, depth, fill,
 committed enqueue/dequeue rates, call latencies (p50/p99, microseconds),
 delivery retries, entries in the exception table, sleeping dequeuers and
-enqueuers, and a state (full, high, empty, ok). The monitor is found at
+enqueuers, and a state (full, high, empty, ok); then one row per client
+session (pid, role, queues, commits, worker handled/failed/timeouts, errors
+and the last one). The monitor is found at
 --monitor, else where a local `ringq monitor` recorded it
 ($RINGQ_HOME/monitor/monitor.json), else at http://127.0.0.1:7480."""
 
@@ -57,9 +59,9 @@ def monitor_url(args: argparse.Namespace) -> str:
     return DEFAULT_URL
 
 
-def fetch(url: str, token: str | None, timeout: float) -> dict[str, Any]:
-    """GET ``url/api/queues``. :raises OSError: unreachable or refused (the message says which)."""
-    req = urllib.request.Request(url + "/api/queues")
+def fetch(url: str, token: str | None, timeout: float, path: str = "/api/queues") -> dict[str, Any]:
+    """GET ``url/api/queues`` (or ``path``). :raises OSError: unreachable or refused (the message says which)."""
+    req = urllib.request.Request(url + path)
     if token:
         req.add_header("Authorization", f"Bearer {token}")
     try:
@@ -72,9 +74,17 @@ def fetch(url: str, token: str | None, timeout: float) -> dict[str, Any]:
     except (urllib.error.URLError, TimeoutError, ConnectionError) as exc:
         reason = getattr(exc, "reason", exc)
         raise OSError(f"no monitor answers at {url}: {reason} (is `ringq monitor` running?)") from exc
-    if not isinstance(doc, dict) or "queues" not in doc:
-        raise OSError(f"{url}/api/queues did not answer a ringq document")
+    if not isinstance(doc, dict) or path.rsplit("/", 1)[-1] not in doc:
+        raise OSError(f"{url}{path} did not answer a ringq document")
     return doc
+
+
+def fetch_clients(url: str, token: str | None, timeout: float) -> list[dict[str, Any]] | None:
+    """The monitor's ``/api/clients`` list, None if it does not serve one (an older monitor)."""
+    try:
+        return list(fetch(url, token, timeout, "/api/clients")["clients"])
+    except OSError:
+        return None
 
 
 def run(args: argparse.Namespace) -> int:
@@ -84,11 +94,17 @@ def run(args: argparse.Namespace) -> int:
     except OSError as exc:
         print(f"ringq status: {exc}", file=sys.stderr)
         return RET_UNREACHABLE
+    clients = fetch_clients(url, args.token, args.timeout)
     if args.json:
+        if clients is not None:
+            doc = {**doc, "clients": clients}
         json.dump(doc, sys.stdout, indent=2)
         print()
         return RET_OK
     print(render(doc, url))
+    if clients is not None:
+        print()
+        print(render_clients(clients))
     return RET_OK
 
 
@@ -160,6 +176,49 @@ def render(doc: dict[str, Any], url: str) -> str:
     lines.extend(line(r) for r in rows)
     lines.append("latencies in microseconds (p50/p99 of the last interval); rates are committed entries per second")
     return "\n".join(lines)
+
+
+CLIENT_COLUMNS = ("PID", "ROLE", "QUEUES", "COMMITS", "ROLLBACKS", "COMMIT/S", "HANDLED", "FAILED",
+                  "TIMEOUTS", "ERRORS", "LAST ERROR")
+_CLIENT_LEFT = {"PID", "ROLE", "QUEUES", "LAST ERROR"}
+
+
+def render_clients(clients: list[dict[str, Any]]) -> str:
+    """One row per client entry of the section (from ``/api/clients``)."""
+    if not clients:
+        return "no clients"
+    rows = []
+    for c in clients:
+        last = c.get("last_error") or None
+        err = "-"
+        if last:
+            err = f"{last.get('kind')} {last.get('queue') or '-'}"
+            if last.get("seq") is not None:
+                err += f"#{last['seq']}"
+        role = str(c.get("role", "?")) + ("" if c.get("state", "active") == "active" else f" ({c['state']})")
+        worker = c.get("role") == "worker"
+        rows.append((
+            str(c.get("pid")),
+            role,
+            ",".join(c.get("queues") or []) or "-",
+            f"{int(c.get('commits') or 0):,}",
+            f"{int(c.get('rollbacks') or 0):,}",
+            f"{float(c.get('commit_rate') or 0):,.1f}",
+            f"{int(c.get('handled') or 0):,}" if worker else "-",
+            f"{int(c.get('failed') or 0):,}" if worker else "-",
+            f"{int(c.get('timeouts') or 0):,}" if worker else "-",
+            f"{int(c.get('errors') or 0):,}",
+            err,
+        ))
+    widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(CLIENT_COLUMNS)]
+
+    def line(cells: tuple[str, ...]) -> str:
+        return "  ".join(
+            c.ljust(w) if CLIENT_COLUMNS[i] in _CLIENT_LEFT else c.rjust(w)
+            for i, (c, w) in enumerate(zip(cells, widths, strict=True))
+        ).rstrip()
+
+    return "\n".join([line(CLIENT_COLUMNS), *(line(r) for r in rows)])
 
 
 def _duration(s: float) -> str:

@@ -12,7 +12,7 @@ magic or layout version differs is refused, never reinterpreted.
 
 from __future__ import annotations
 
-LAYOUT_VERSION = 1
+LAYOUT_VERSION = 2  # 2: client entries of 32 words (role, last error, queues, worker counters)
 MAGIC = 0x52494E47_51534543  # "RINGQSEC"
 
 MAX_QUEUES = 128
@@ -81,6 +81,8 @@ QS_DROPPED = 2
 NAME_BYTES = 64
 
 # -- client words -----------------------------------------------------------------
+# Each entry is written only by its own process (one session = one entry);
+# the monitor reads them. Counters are cumulative for the entry's life.
 C_PID = 0  # 0 = free entry
 C_BACKEND_PID = 1
 C_STATE = 2  # CS_*
@@ -89,9 +91,40 @@ C_N_ENQ = 4
 C_N_DEQ = 5
 C_N_COMMIT = 6
 C_N_ROLLBACK = 7
-C_N_ERRORS = 8
+C_N_ERRORS = 8  # errors the client hit (ERR_*), bumped after the last-error words are written
 C_BEAT_NS = 9
-CLIENT_WORDS = 16
+C_ROLE = 10  # CR_*
+C_ERR_GEN = 11  # last-error record generation: odd while being written (a seqlock for readers)
+C_ERR_CODE = 12  # ERR_* of the last error
+C_ERR_QID = 13  # its queue id (0: none)
+C_ERR_SEQ = 14  # its sequence number (-1: none)
+C_ERR_NS = 15  # its wall-clock time (time.time_ns())
+C_QUEUES = 16  # C_QUEUE_WORDS words: bit i set = the client used queue block i
+C_QUEUE_WORDS = 2  # MAX_QUEUES bits
+# Worker counters (role CR_WORKER), written by the worker process after each message.
+C_W_HANDLED = 18  # committed (declines included)
+C_W_DECLINED = 19
+C_W_FAILED = 20  # rolled back: the action raised, or the commit failed
+C_W_TIMEOUTS = 21
+C_W_ABORTED = 22
+C_W_POISONED = 23
+C_W_IN_DOUBT = 24
+C_W_BUSY_NS = 25  # time spent handling messages (ns)
+CLIENT_WORDS = 32
+
+# Client roles (C_ROLE).
+CR_CLIENT = 0  # a program's own session
+CR_WORKER = 1  # a ringq worker (engine/_worker.py)
+
+# Client error codes (C_ERR_CODE); their names are in ringq.engine.metrics.
+ERR_NONE = 0
+ERR_QUEUE_FULL = 1  # seq: the sequence the enqueue would have taken
+ERR_PAYLOAD_TOO_LARGE = 2  # seq: none
+ERR_ROW_MISMATCH = 3  # a guarded row update found another row: the section was stale (repaired)
+ERR_IN_DOUBT = 4  # a commit's answer was lost and the outcome could not be read back
+ERR_COMMIT_FAILED = 5  # the server refused the commit (or the connection died and it rolled back)
+ERR_DATABASE = 6  # PostgreSQL failed a queue statement (enqueue, dequeue)
+ERR_CONNECTION_LOST = 7  # the connection died under a queue statement or a commit
 
 CS_FREE = 0
 CS_ACTIVE = 1

@@ -356,6 +356,58 @@ class Section:
         finally:
             self.unlock_section()
 
+    def record_client_error(self, cidx: int, code: int, qid: int, seq: int) -> None:
+        """Record an error client ``cidx`` (this process's entry) hit: the last
+        error's code, queue id, sequence (-1: none) and time, then the count.
+
+        Called only on error paths. The generation word makes the record a
+        seqlock: odd while written, so a reader never takes a torn record.
+        """
+        base = cidx * L.CLIENT_WORDS
+        C = self.clients
+        if C[base + L.C_PID] != self.pid:
+            return  # not ours (freed by recovery): nothing to tell
+        gen = C[base + L.C_ERR_GEN]
+        C[base + L.C_ERR_GEN] = gen | 1
+        C[base + L.C_ERR_CODE] = code
+        C[base + L.C_ERR_QID] = qid
+        C[base + L.C_ERR_SEQ] = seq
+        C[base + L.C_ERR_NS] = time.time_ns()
+        C[base + L.C_N_ERRORS] += 1
+        C[base + L.C_ERR_GEN] = (gen | 1) + 1
+
+    def client_error(self, cidx: int) -> tuple[int, int, int, int, int] | None:
+        """(count, code, queue id, seq, time ns) of client ``cidx``'s last error,
+        read consistently; None if it could not be read between two writes."""
+        base = cidx * L.CLIENT_WORDS
+        C = self.clients
+        for _ in range(100):
+            g1 = C[base + L.C_ERR_GEN]
+            if g1 & 1:
+                continue
+            rec = (C[base + L.C_N_ERRORS], C[base + L.C_ERR_CODE], C[base + L.C_ERR_QID],
+                   C[base + L.C_ERR_SEQ], C[base + L.C_ERR_NS])
+            if C[base + L.C_ERR_GEN] == g1:
+                return rec
+        return None
+
+    def mark_client_queue(self, cidx: int, qidx: int) -> None:
+        """Note that client ``cidx`` uses queue block ``qidx`` (once per session and queue)."""
+        w = cidx * L.CLIENT_WORDS + L.C_QUEUES + qidx // 64
+        v = (self.clients[w] & _U64) | (1 << (qidx % 64))
+        self.clients[w] = v - (1 << 64) if v >= 1 << 63 else v
+
+    def client_queues(self, cidx: int) -> list[int]:
+        """Queue blocks client ``cidx`` used (see :meth:`mark_client_queue`)."""
+        out = []
+        for k in range(L.C_QUEUE_WORDS):
+            v = self.clients[cidx * L.CLIENT_WORDS + L.C_QUEUES + k] & _U64
+            while v:
+                low = v & -v
+                out.append(k * 64 + low.bit_length() - 1)
+                v ^= low
+        return out
+
     def active_clients(self) -> list[int]:
         return [
             i for i in range(L.MAX_CLIENTS) if self.clients[i * L.CLIENT_WORDS + L.C_STATE] != L.CS_FREE

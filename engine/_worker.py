@@ -67,6 +67,7 @@ import posix_ipc
 import psycopg
 
 from . import _layout as L
+from . import metrics as M
 from ._dsn import resolve_dsn
 from ._errors import (
     ConfigError,
@@ -82,17 +83,29 @@ from ._session import Message, Session, connect
 
 logger = logging.getLogger("ringq.worker")
 
-# -- stats keys (constant; the lead may move them to ringq.engine.metrics) ----------------
+# -- stats keys (the names of ringq.engine.metrics; also in the worker's section entry) ------
 
-HANDLED: Final = "handled"  # messages whose transaction committed (declines included)
-DECLINED: Final = "declined"  # of those, actions that returned a Decline
-FAILED: Final = "failed"  # rolled back: the action raised, or the commit failed
-TIMEOUTS: Final = "timeouts"  # rolled back: the action ran past its time limit
-ABORTED: Final = "aborted"  # rolled back: a second stop request interrupted the action
-POISONED: Final = "poisoned"  # failures at the queue's max_deliveries (moved to ringq.exceptions)
-IN_DOUBT: Final = "in_doubt"  # commits whose answer was lost (decided later from the rows)
-BUSY_NS: Final = "busy_ns"  # time spent handling messages (action + commit), nanoseconds
+HANDLED: Final = M.HANDLED  # messages whose transaction committed (declines included)
+DECLINED: Final = M.DECLINED  # of those, actions that returned a Decline
+FAILED: Final = M.FAILED  # rolled back: the action raised, or the commit failed
+TIMEOUTS: Final = M.TIMEOUTS  # rolled back: the action ran past its time limit
+ABORTED: Final = M.ABORTED  # rolled back: a second stop request interrupted the action
+POISONED: Final = M.POISONED  # failures at the queue's max_deliveries (moved to ringq.exceptions)
+IN_DOUBT: Final = M.IN_DOUBT  # commits whose answer was lost (decided later from the rows)
+BUSY_NS: Final = M.BUSY_NS  # time spent handling messages (action + commit), nanoseconds
 STATS_KEYS: Final = (HANDLED, DECLINED, FAILED, TIMEOUTS, ABORTED, POISONED, IN_DOUBT, BUSY_NS)
+# Where each counter lives in the worker's client entry of the section (the
+# monitor's /api/clients reads them there; the pool's pipe carries them too).
+_SECTION_WORDS: Final = (
+    (HANDLED, L.C_W_HANDLED),
+    (DECLINED, L.C_W_DECLINED),
+    (FAILED, L.C_W_FAILED),
+    (TIMEOUTS, L.C_W_TIMEOUTS),
+    (ABORTED, L.C_W_ABORTED),
+    (POISONED, L.C_W_POISONED),
+    (IN_DOUBT, L.C_W_IN_DOUBT),
+    (BUSY_NS, L.C_W_BUSY_NS),
+)
 # Pool-level keys (WorkerPool.stats()).
 RESTARTS: Final = "restarts"
 PROCESSES: Final = "processes"
@@ -381,6 +394,8 @@ class Worker:
         self._base_timeout = str(row[0])
         self._known_timeout = (session.backend_pid, self._base_timeout)
         self._session = session
+        session._set_role(L.CR_WORKER)
+        self._publish_stats()  # a re-opened session carries the totals on
         self._install_timer()
         self._opened_at = time.monotonic()
         return self
@@ -554,6 +569,20 @@ class Worker:
                 )
         finally:
             self._stats[BUSY_NS] += time.perf_counter_ns() - t0
+            self._publish_stats()
+
+    def _publish_stats(self) -> None:
+        """Copy the counters into our client entry of the section (a few word
+        writes per message; absolute values, so a new entry after a reconnect
+        starts from the totals)."""
+        s = self._session
+        if s is None or s.closed:
+            return
+        st = self._stats
+        try:
+            s._set_client_words((word, st[key]) for key, word in _SECTION_WORDS)
+        except (ValueError, IndexError):  # the section was released under us: the next open re-publishes
+            pass
 
     def _call(self, act: Action, msg: Message) -> object:
         timeout = act.timeout

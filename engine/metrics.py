@@ -86,3 +86,64 @@ def percentile_us(hist: list[int], q: float) -> float:
         if run >= rank:
             return float(1 << b)
     return float(1 << (len(hist) - 1))
+
+
+# -- clients (one entry per session in the section's client table) --------------------------
+
+COMMITS: Final = "commits"  # transactions committed through the session
+ROLLBACKS: Final = "rollbacks"
+ERRORS: Final = "errors"  # errors the client hit (ERROR_KINDS), see Session's error paths
+# worker counters (role "worker"; engine/_worker.py keeps the same names)
+HANDLED: Final = "handled"  # messages whose transaction committed (declines included)
+DECLINED: Final = "declined"  # of those, actions that returned a Decline
+FAILED: Final = "failed"  # rolled back: the action raised, or the commit failed
+TIMEOUTS: Final = "timeouts"  # rolled back: the action ran past its time limit
+ABORTED: Final = "aborted"  # rolled back: a second stop request interrupted the action
+IN_DOUBT: Final = "in_doubt"  # commits whose answer was lost (decided later from the rows)
+BUSY_NS: Final = "busy_ns"  # time spent handling messages (action + commit), nanoseconds
+
+_CLIENT_WORDS: Final = {
+    ENQUEUED: L.C_N_ENQ,
+    DEQUEUED: L.C_N_DEQ,
+    COMMITS: L.C_N_COMMIT,
+    ROLLBACKS: L.C_N_ROLLBACK,
+    ERRORS: L.C_N_ERRORS,
+    HANDLED: L.C_W_HANDLED,
+    DECLINED: L.C_W_DECLINED,
+    FAILED: L.C_W_FAILED,
+    TIMEOUTS: L.C_W_TIMEOUTS,
+    ABORTED: L.C_W_ABORTED,
+    POISONED: L.C_W_POISONED,
+    IN_DOUBT: L.C_W_IN_DOUBT,
+    BUSY_NS: L.C_W_BUSY_NS,
+}
+CLIENT_COUNTERS: Final = tuple(_CLIENT_WORDS)
+
+ROLE_CLIENT: Final = "client"
+ROLE_WORKER: Final = "worker"
+ROLES: Final = {L.CR_CLIENT: ROLE_CLIENT, L.CR_WORKER: ROLE_WORKER}
+
+# error kinds (the monitor's log and metrics use these names)
+ERROR_KINDS: Final = {
+    L.ERR_QUEUE_FULL: "queue_full",
+    L.ERR_PAYLOAD_TOO_LARGE: "payload_too_large",
+    L.ERR_ROW_MISMATCH: "row_mismatch",
+    L.ERR_IN_DOUBT: "in_doubt",
+    L.ERR_COMMIT_FAILED: "commit_failed",
+    L.ERR_DATABASE: "database_error",
+    L.ERR_CONNECTION_LOST: "connection_lost",
+}
+
+
+def client_stats(sec: Section, cidx: int) -> dict[str, int]:
+    """Client entry ``cidx``'s counters (keys: :data:`CLIENT_COUNTERS`)."""
+    base = cidx * L.CLIENT_WORDS
+    return {key: int(sec.clients[base + word]) for key, word in _CLIENT_WORDS.items()}
+
+
+def role_name(code: int) -> str:
+    return ROLES.get(code, f"role{code}")
+
+
+def error_kind(code: int) -> str:
+    return ERROR_KINDS.get(code, f"error{code}")

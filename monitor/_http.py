@@ -33,6 +33,7 @@ class ApiSource(Protocol):
 
     def current_token(self) -> str | None: ...
     def queues_doc(self) -> dict[str, Any]: ...
+    def clients_doc(self) -> dict[str, Any]: ...
     def history_points(self, queue: str, since: float, until: float, limit: int) -> list[dict[str, float]] | None: ...
     def metrics_text(self) -> tuple[bytes, str]: ...
 
@@ -141,6 +142,9 @@ class _Handler(BaseHTTPRequestHandler):
         body = queues_xml(self.server.source.queues_doc())
         self._send(HTTPStatus.OK, body, "application/xml; charset=utf-8")
 
+    def _clients(self, query: dict[str, list[str]]) -> None:
+        self._json(HTTPStatus.OK, self.server.source.clients_doc())
+
     def _history(self, query: dict[str, list[str]]) -> None:
         queue = _one(query, "queue")
         if not queue:
@@ -166,6 +170,7 @@ ROUTES = {
     "/api/queues": _Handler._queues,
     "/api/queues.xml": _Handler._queues_xml,
     "/api/history": _Handler._history,
+    "/api/clients": _Handler._clients,
 }
 
 

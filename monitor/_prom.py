@@ -15,6 +15,7 @@ from ringq.engine import Section
 from ringq.engine import _layout as L
 from ringq.engine import metrics as M
 
+from . import _clients as C
 from . import _sample as S
 
 if TYPE_CHECKING:
@@ -51,6 +52,18 @@ _SAMPLED: Final = {
     S.DEAD_ROWS: ("ringq_queue_dead_rows", "Dead row versions in the queue's table."),
 }
 
+# per-client counters, labels pid and role (client key -> (name without _total, help))
+_CLIENT_COUNTERS: Final = {
+    M.COMMITS: ("ringq_client_commits", "Transactions the client committed through its session."),
+    M.ROLLBACKS: ("ringq_client_rollbacks", "Transactions the client rolled back."),
+    M.ERRORS: ("ringq_client_errors", "Errors the client hit (queue full, payload too large, in doubt ...)."),
+    M.HANDLED: ("ringq_client_handled", "Messages a worker handled (committed, declines included)."),
+    M.FAILED: ("ringq_client_failed", "Messages whose action failed (rolled back)."),
+    M.TIMEOUTS: ("ringq_client_timeouts", "Messages whose action ran past its time limit."),
+}
+# Per-client series are bounded: workers first, then the busiest clients.
+MAX_CLIENT_SERIES: Final = 64
+
 
 def _bucket_bounds() -> list[str]:
     return [repr((1 << b) / 1e6) for b in range(L.HIST_BUCKETS - 1)] + ["+Inf"]
@@ -68,10 +81,14 @@ class SectionCollector:
         read: Callable[[Callable[[Section], Any]], Any],
         status: Callable[[], dict[str, Any]],
         sampled: Callable[[], dict[str, dict[str, float | str]]],
+        clients: Callable[[], dict[str, Any]] | None = None,
+        client_errors: Callable[[], dict[str, int]] | None = None,
     ) -> None:
         self._read = read
         self._status = status
         self._sampled = sampled
+        self._clients = clients
+        self._client_errors = client_errors
 
     def describe(self) -> list[Metric]:
         return []  # dynamic: no describe-time registration checks
@@ -146,6 +163,48 @@ class SectionCollector:
         rec = CounterMetricFamily("ringq_monitor_recovered_clients", "Dead clients whose slots were recovered.")
         rec.add_metric([], st["recovered_clients"])
         yield rec
+        if self._clients is not None:
+            yield from _client_metrics(self._clients()["clients"])
+        if self._client_errors is not None:
+            logged = CounterMetricFamily(
+                "ringq_monitor_client_errors", "Client errors the monitor logged, by kind.", labels=["kind"]
+            )
+            for kind, n in sorted(self._client_errors().items()):
+                logged.add_metric([kind], n)
+            yield logged
+
+
+def _client_metrics(clients: list[dict[str, Any]]) -> Iterator[Metric]:
+    from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+    by_role = GaugeMetricFamily("ringq_clients", "Client entries in the section, by role.", labels=["role"])
+    roles: dict[str, int] = {}
+    for c in clients:
+        roles[c[C.ROLE]] = roles.get(c[C.ROLE], 0) + 1
+    for role, n in sorted(roles.items()):
+        by_role.add_metric([role], n)
+    yield by_role
+    shown = sorted(clients, key=lambda c: (c[C.ROLE] != M.ROLE_WORKER, -c[M.COMMITS], c[C.PID]))[:MAX_CLIENT_SERIES]
+    omitted = GaugeMetricFamily(
+        "ringq_client_series_omitted", f"Clients left out of the per-client series (at most {MAX_CLIENT_SERIES})."
+    )
+    omitted.add_metric([], len(clients) - len(shown))
+    yield omitted
+    labels = ["pid", "role"]
+    fams = {k: CounterMetricFamily(n, h, labels=labels) for k, (n, h) in _CLIENT_COUNTERS.items()}
+    rate = GaugeMetricFamily("ringq_client_commit_rate", "Commits per second over the last interval.", labels=labels)
+    # One session per process is the usual case; several sessions of one process are summed.
+    merged: dict[tuple[str, str], dict[str, float]] = {}
+    for c in shown:
+        m = merged.setdefault((str(c[C.PID]), c[C.ROLE]), {})
+        for k in (*_CLIENT_COUNTERS, C.COMMIT_RATE):
+            m[k] = m.get(k, 0) + c[k]
+    for lv, m in merged.items():
+        for k, fam in fams.items():
+            fam.add_metric(list(lv), m[k])
+        rate.add_metric(list(lv), m[C.COMMIT_RATE])
+    yield from fams.values()
+    yield rate
 
 
 def _read_queues(sec: Section) -> list[tuple[str, dict[str, int], list[int], list[int]]]:

@@ -37,6 +37,7 @@ from ringq.engine._recovery import (
 )
 from ringq.engine._session import _Process
 
+from . import _clients as C
 from . import _events as E
 from . import _queries as Qy
 from . import _sample as S
@@ -132,11 +133,15 @@ class Monitor:
         self._exc_counts: dict[int, int] = {}
         self._dead_rows: dict[str, int] = {}
         self._seen_exc: dict[tuple[int, int], float] | None = None
-        self._client_errors: dict[tuple[int, int], int] = {}
+        self._error_watch = C.ErrorWatch()
+        self._client_rates = C.Rates()
+        self._client_errors_by_kind: dict[str, int] = {}  # errors of clients logged, by kind
+        self._queue_names: dict[int, str] = {}  # id -> name, from the last queue list
         self._xmin_age = 0.0
         self._recovered_clients = 0
         self._instance = ""
-        self._collector = SectionCollector(self.read_section, self.status, self._sampled)
+        self._collector = SectionCollector(self.read_section, self.status, self._sampled,
+                                           self.clients_doc, self.client_errors_by_kind)
 
     # -- life cycle ---------------------------------------------------------------------
 
@@ -279,6 +284,7 @@ class Monitor:
                     ("repair", self._repair),
                     ("reclaim", self._reclaim),
                     ("watch", self._watch_queues),
+                    ("clients", self._watch_clients),
                 ]
                 slow: list[tuple[str, Callable[[], object]]] = []
                 if tick >= next_sample:
@@ -511,6 +517,20 @@ class Monitor:
             elif w.high and depth <= threshold - max(1.0, 0.1 * cap):  # hysteresis: no flapping
                 w.high = False
 
+    def _watch_clients(self) -> None:
+        """Log each client whose error counter rose since the last pass: one JSON
+        record per client per pass (several errors in one pass are coalesced:
+        ``count`` says how many, the record describes the last)."""
+        sec = self._section()
+        for news in self._error_watch.scan(C.read_clients(sec)):
+            raw = news.raw
+            self._client_errors_by_kind[news.kind] = self._client_errors_by_kind.get(news.kind, 0) + news.count
+            self._journal_write(
+                "client.error", logging.WARNING, pid=raw.pid, backend_pid=raw.backend_pid, role=raw.role,
+                queue=C.queue_name_of(sec, news.qid, self._queue_names), queue_id=news.qid or None,
+                seq=news.seq, kind=news.kind, count=news.count, errors=news.total, at=round(news.t, 6),
+            )
+
     def _publish(self, event: E.Event) -> None:
         E.publish(self._connect(), event)
 
@@ -520,6 +540,7 @@ class Monitor:
         """Queue list (load new queues), exception counts, new poison entries, vacuum enemies."""
         conn = self._connect()
         queues = conn.execute(Qy.QUEUES).fetchall()
+        self._queue_names = {int(q[0]): str(q[1]) for q in queues}
         sec = self._section()
         loaded = {sec.q(i, L.Q_QID) for i in sec.loaded_queues()}
         if {q[0] for q in queues} != loaded:
@@ -529,7 +550,6 @@ class Monitor:
         row = conn.execute(Qy.XMIN_HORIZON_AGE).fetchone()
         self._xmin_age = float(row[0]) if row else 0.0
         self._poisoned(conn)
-        self._client_error_counts()
 
     def _poisoned(self, conn: psycopg.Connection[Any]) -> None:
         window = max(_EXC_WINDOW_MIN_S, 10 * self.config.interval)
@@ -549,22 +569,6 @@ class Monitor:
             self._journal_write("entry.poisoned", logging.WARNING, queue=qname, **fields)
             self._publish(E.make_event(E.ENTRY_POISONED, qname, **fields))
         self._seen_exc = {k: t for k, t in seen.items() if t >= horizon}
-
-    def _client_error_counts(self) -> None:
-        """Log clients whose error counter rose (``C_N_ERRORS``, kept by the clients)."""
-        sec = self._section()
-        live = set()
-        for cidx in sec.active_clients():
-            pid = sec.c(cidx, L.C_PID)
-            key = (cidx, pid)
-            live.add(key)
-            n = sec.c(cidx, L.C_N_ERRORS)
-            before = self._client_errors.get(key, 0)
-            if n > before:
-                self._journal_write("client.errors", logging.WARNING, pid=pid,
-                                    backend_pid=sec.c(cidx, L.C_BACKEND_PID), errors=n, new=n - before)
-            self._client_errors[key] = n
-        self._client_errors = {k: v for k, v in self._client_errors.items() if k in live}
 
     def _resolve_prepared(self) -> None:
         for gid, verb in resolve_prepared(self._section(), self.config.dsn, self.config.prepared_timeout):
@@ -601,6 +605,7 @@ class Monitor:
             )
             snaps[qid] = cur
         self._snaps = snaps
+        self._client_rates.sample(C.read_clients(sec), now)
         samples.sort(key=lambda s: str(s[S.NAME]))
         for s in samples:
             self.history.add(s)
@@ -637,6 +642,7 @@ class Monitor:
             "section": section,
             "clients": clients or 0,
             "recovered_clients": self._recovered_clients,
+            "client_errors": sum(self._client_errors_by_kind.values()),
             "xmin_age_s": round(self._xmin_age, 3),
             "database": self._conn is not None and not self._conn.closed and not self._conn.broken,
             "steps": {k: v.as_dict() for k, v in sorted(self._steps.items())},
@@ -649,6 +655,22 @@ class Monitor:
             "monitor": self.status(),
             "queues": [dict(latest[name]) for name in sorted(latest)],
         }
+
+    def clients_doc(self) -> dict[str, Any]:
+        """``/api/clients``: every client entry, counters read now, rates of the last interval."""
+        rates = self._client_rates.rates
+        known = self._queue_names
+
+        def read(sec: Section) -> list[dict[str, Any]]:
+            return [C.client_doc(c, rates.get(c.key), known, sec) for c in C.read_clients(sec)]
+
+        clients = self.read_section(read) or []
+        clients.sort(key=lambda c: (c[C.ROLE] != "worker", c[C.PID], c[C.STARTED]))
+        return {"t": round(time.time(), 3), "interval": self.config.interval, "clients": clients}
+
+    def client_errors_by_kind(self) -> dict[str, int]:
+        """Client errors the monitor logged since it started, by kind."""
+        return dict(self._client_errors_by_kind)
 
     def history_points(self, queue: str, since: float, until: float, limit: int) -> list[dict[str, float]] | None:
         return self.history.query(queue, since, until, limit)

@@ -741,3 +741,121 @@ def test_monitor_rides_out_a_database_restart(tmp_path: Path) -> None:
         cluster.stop()
         if instance:
             Section.unlink(instance[0])
+
+
+# -- clients: errors they hit, per-client counters (worker throughput and failures) -------------
+
+
+def _log_records(path: Path) -> list[dict[str, Any]]:
+    try:
+        return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    except OSError:
+        return []
+
+
+def test_client_errors_are_logged_with_pid_queue_and_seq(
+    dsn: str, make_queue: Any, monitor: Any, tmp_path: Path
+) -> None:
+    from ringq.engine import PayloadTooLarge, QueueFull
+
+    q = make_queue(capacity=2, max_payload=16, full_policy="raise")
+    m = monitor()
+    log = tmp_path / "monitor" / "monitor.log"
+
+    def errors(kind: str) -> list[dict[str, Any]]:
+        return [r for r in _log_records(log) if r["event"] == "client.error" and r["kind"] == kind]
+
+    with connect(dsn) as s:
+        with pytest.raises(PayloadTooLarge):
+            s.enqueue(q, b"x" * 17)
+        [big] = wait_for(lambda: errors("payload_too_large"), what="payload_too_large logged")
+        assert big["pid"] == os.getpid() and big["backend_pid"] == s.backend_pid
+        assert big["queue"] == q and big["seq"] is None and big["count"] == 1 and big["role"] == "client"
+        seqs = s.enqueue_many(q, [b"1", b"2"])
+        s.commit()
+        for _ in range(3):  # three in a row: may be coalesced into one record with a count
+            with pytest.raises(QueueFull):
+                s.enqueue(q, b"3")
+        full = wait_for(lambda: (r := errors("queue_full")) and sum(x["count"] for x in r) == 3 and r,
+                        what="queue_full logged")
+        assert all(r["pid"] == os.getpid() and r["queue"] == q for r in full)
+        assert full[-1]["seq"] == seqs[-1] + 1  # the sequence the enqueue would have taken
+        assert full[-1]["errors"] == 4  # the client's total
+        # The section entry says the same; /api/clients shows the last error.
+        doc = get_json(m.url + "/api/clients")
+        [me] = [c for c in doc["clients"] if c["pid"] == os.getpid() and c["backend_pid"] == s.backend_pid]
+        assert me["errors"] == 4 and me["last_error"]["kind"] == "queue_full"
+        assert me["last_error"]["queue"] == q and me["last_error"]["seq"] == seqs[-1] + 1
+        assert me["queues"] == [q]
+        s.rollback()
+    assert m.status()["client_errors"] == 4
+    from prometheus_client.parser import text_string_to_metric_families
+
+    fams = {f.name: f for f in text_string_to_metric_families(http(m.url + "/metrics")[1].decode())}
+    by_kind = {s.labels["kind"]: s.value for s in fams["ringq_monitor_client_errors"].samples
+               if s.name.endswith("_total")}
+    assert by_kind == {"payload_too_large": 1, "queue_full": 3}
+
+
+WORKER_ACTIONS = """
+from ringq.engine import Actions
+
+app = Actions()
+
+@app.action({queue!r})
+def act(msg, session):
+    if msg.payload.startswith(b"fail"):
+        raise RuntimeError("refused")
+"""
+
+
+def test_clients_api_shows_a_worker_pool_child_s_handled_and_failed(
+    dsn: str, make_queue: Any, monitor: Any, tmp_path: Path
+) -> None:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    q = make_queue(capacity=64, max_deliveries=2)
+    m = monitor()
+    payloads = [b"fail%d" % i if i % 4 == 0 else b"ok%d" % i for i in range(12)]  # 3 fail, 9 succeed
+    produce_payloads = list(payloads)
+    with connect(dsn) as s:
+        s.enqueue_many(q, produce_payloads)
+        s.commit()
+    mod = "wmon_" + uuid.uuid4().hex[:8]
+    (tmp_path / f"{mod}.py").write_text(WORKER_ACTIONS.format(queue=q))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")]))
+    env.pop("RINGQ_DSN", None)
+    proc = subprocess.Popen(ringq_cmd("worker", f"{mod}:app", "--dsn", dsn, "--processes", "1"),
+                            cwd=tmp_path, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        def worker_done() -> dict[str, Any] | None:
+            for c in get_json(m.url + "/api/clients")["clients"]:
+                if c["role"] == "worker" and c["handled"] == 9 and c["failed"] == 6:
+                    return c
+            return None
+
+        w = wait_for(worker_done, 60, "the worker's counts in /api/clients")
+        # That entry is the pool's child process.
+        with open(f"/proc/{w['pid']}/stat", "rb") as f:
+            assert int(f.read().rsplit(b")", 1)[1].split()[1]) == proc.pid
+        assert w["queues"] == [q] and w["poisoned"] == 3 and w["timeouts"] == 0
+        assert w["commits"] >= 9 and w["rollbacks"] >= 6 and w["busy_s"] > 0
+        assert {"commit_rate", "handled_rate", "failed_rate"} <= set(w)
+        # A later sample computes rates over an interval (zero now: the queue is drained).
+        fams = {f.name: f for f in text_string_to_metric_families(http(m.url + "/metrics")[1].decode())}
+        handled = [s for s in fams["ringq_client_handled"].samples
+                   if s.labels.get("pid") == str(w["pid"]) and s.name.endswith("_total")]
+        assert handled and handled[0].value == 9 and handled[0].labels["role"] == "worker"
+        failed = [s for s in fams["ringq_client_failed"].samples if s.labels.get("pid") == str(w["pid"])]
+        assert failed[0].value == 6
+        assert any(s.labels["role"] == "worker" and s.value >= 1 for s in fams["ringq_clients"].samples)
+        # ringq status shows the clients table.
+        r = ringq_run("status", "--monitor", m.url)
+        assert r.returncode == 0, r.stderr
+        lines = r.stdout.splitlines()
+        header = next(i for i, line in enumerate(lines) if line.startswith("PID"))
+        row = next(line.split() for line in lines[header + 1:] if line.split()[:1] == [str(w["pid"])])
+        assert row[1] == "worker" and row[2] == q and row[6] == "9" and row[7] == "6"
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(30)
