@@ -39,6 +39,7 @@ from ._errors import (
     SectionError,
     SessionClosed,
     TransactionError,
+    converted,
     from_psycopg,
     redact_dsn,
 )
@@ -265,7 +266,10 @@ class Session:
         """Start the next transaction now, if eager (psycopg would otherwise send
         BEGIN as an extra round trip before the first statement)."""
         if self._eager and self._conn.info.transaction_status == _IDLE:
-            self._conn.execute(self._begin_sql())
+            try:
+                self._conn.execute(self._begin_sql())
+            except psycopg.Error as exc:
+                raise from_psycopg(exc, dsn=self.dsn) from exc
 
     def _begin_sql(self) -> str:
         iso = self._conn.isolation_level
@@ -329,7 +333,10 @@ class Session:
             # Someone committed or rolled back on the connection directly:
             # learn the outcome from the rows. (A prepared transaction is
             # idle too, but undecided: tpc_commit/tpc_rollback finish it.)
-            self._decide_from_rows(self._conn, self._ops)
+            # If the connection is lost meanwhile, _converted decides them
+            # from a new one.
+            with self._converted():
+                self._decide_from_rows(self._conn, self._ops)
             self._ops = []
             self._begin()
         if self._section.unlinked() and not self._ops:
@@ -388,7 +395,9 @@ class Session:
         sec = self._section
         # Read the rows on a separate connection: outside the caller's
         # transaction, committed state only.
-        with psycopg.connect(self.dsn, autocommit=True, connect_timeout=max(1, int(self._connect_timeout))) as aux:
+        with converted(dsn=self.dsn, queue=info.name), psycopg.connect(
+            self.dsn, autocommit=True, connect_timeout=max(1, int(self._connect_timeout))
+        ) as aux:
             sec.lock_section()
             try:
                 qidx = sec.find_queue(info.id)
@@ -948,7 +957,9 @@ class Session:
 
     def _resync(self, info: QueueInfo) -> None:
         """Re-read the queue's rows into the section, keeping live clients' locked slots."""
-        resync_queue(self._section, self._ring(info), info, self.dsn)
+        ring = self._ring(info)
+        with converted(dsn=self.dsn, queue=info.name):
+            resync_queue(self._section, ring, info, self.dsn)
 
     # -- recovery ------------------------------------------------------------------------
 

@@ -7,6 +7,7 @@ import threading
 import time
 import uuid
 from collections import defaultdict
+from contextlib import contextmanager
 
 import psycopg
 import pytest
@@ -340,6 +341,70 @@ def test_typed_errors(dsn, make_queue):
     with pytest.raises(DatabaseUnavailable) as err:
         connect("postgresql://u:secret@127.0.0.1:1/x", connect_timeout=1)
     assert "secret" not in str(err.value)
+
+
+def _terminate(dsn: str, pid: int) -> None:
+    with psycopg.connect(dsn, autocommit=True) as admin:
+        admin.execute("SELECT pg_terminate_backend(%s)", (pid,))
+        while admin.execute("SELECT count(*) FROM pg_stat_activity WHERE pid = %s", (pid,)).fetchone()[0]:
+            pass
+
+
+@contextmanager
+def _no_new_connections(dsn: str):
+    """The database refuses new connections (existing ones keep working)."""
+    name = psycopg.conninfo.conninfo_to_dict(dsn)["dbname"]
+    with psycopg.connect(psycopg.conninfo.make_conninfo(dsn, dbname="postgres"), autocommit=True) as admin:
+        admin.execute(psycopg.sql.SQL("ALTER DATABASE {} ALLOW_CONNECTIONS false").format(psycopg.sql.Identifier(name)))
+        try:
+            yield
+        finally:
+            admin.execute(psycopg.sql.SQL("ALTER DATABASE {} ALLOW_CONNECTIONS true").format(psycopg.sql.Identifier(name)))
+
+
+def test_backend_terminated_before_first_enqueue_raises_database_unavailable(dsn, make_queue):
+    q = make_queue()
+    with connect(dsn) as s:
+        _terminate(dsn, s.backend_pid)
+        with pytest.raises(DatabaseUnavailable):
+            s.enqueue(q, b"x")
+        s.enqueue(q, b"after")  # the session reconnected
+        s.commit()
+    assert [m.payload for m in drain(dsn, q)] == [b"after"]
+
+
+def test_psycopg_errors_of_side_connections_are_converted(dsn, make_queue):
+    q = make_queue(capacity=8)
+    with connect(dsn) as s:
+        s.queue_info(q)  # cached: the next enqueue only loads the ring
+        with _no_new_connections(dsn), pytest.raises(DatabaseUnavailable):
+            s.enqueue(q, b"x")  # loading the queue into the section
+        s.enqueue_many(q, [b"a", b"b"])
+        s.commit()
+        ring = s.ring(q)
+        s.section.queues[ring.qb + L.Q_HEAD] = 0  # stale: the next enqueue must resync
+        s.section.queues[ring.qb + L.Q_TAIL] = 0
+        s.section.enq[ring.w0] = 0
+        with _no_new_connections(dsn), pytest.raises(DatabaseUnavailable):
+            s.enqueue(q, b"c")  # resync of the stale section
+        s.rollback()
+        s.enqueue(q, b"c")
+        s.commit()
+    assert [m.payload for m in drain(dsn, q)] == [b"a", b"b", b"c"]
+
+
+def test_connection_lost_after_a_commit_around_the_library_is_converted(dsn, make_queue):
+    q = make_queue()
+    with connect(dsn) as s:
+        conn = s.connection
+        s.enqueue(q, b"committed around")
+        conn.commit()  # not through the session: the next call learns it from the rows
+        _terminate(dsn, s.backend_pid)
+        with pytest.raises(DatabaseUnavailable):
+            s.dequeue(q)
+        m = s.dequeue(q)
+        assert m is not None and m.payload == b"committed around"
+        s.commit()
 
 
 def test_corrupted_section_neither_duplicates_nor_loses(dsn, make_queue):
