@@ -1,14 +1,81 @@
-"""Argument helpers: every option may come from a ``RINGQ_*`` variable, shown in ``--help``."""
+"""Argument helpers: options that may also come from a ``RINGQ_*`` variable.
+
+Such an option shows its variable in ``--help`` (``[env: RINGQ_X]``). A value
+on the command line wins over the variable, which wins over the default.
+
+A variable's text is converted (and checked against the option's choices)
+only when the command that has the option runs, by :func:`resolve_env`: a
+malformed ``RINGQ_MOVE_BATCH`` is a usage error naming the variable for
+``ringq move``, and does not concern ``ringq db status``.
+"""
 
 from __future__ import annotations
 
 import argparse
 import os
+from collections.abc import Callable, Sequence
 from typing import Any
+
+from ringq.engine import ConfigError, redact_dsn
 
 
 class Formatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
     pass
+
+
+class EnvValue:
+    """The unconverted text of a ``RINGQ_*`` variable, as an option's default.
+
+    argparse leaves a non-string default alone; :func:`resolve_env` converts it
+    after parsing, so that a bad value is reported against its variable.
+    """
+
+    __slots__ = ("choices", "convert", "env", "flag", "raw")
+
+    def __init__(
+        self,
+        env: str,
+        raw: str,
+        flag: str,
+        convert: Callable[[str], Any] | None,
+        choices: Sequence[Any] | None,
+    ) -> None:
+        self.env = env
+        self.raw = raw
+        self.flag = flag
+        self.convert = convert
+        self.choices = choices
+
+    def __str__(self) -> str:  # what --help shows as the default; no secrets
+        if "TOKEN" in self.env or "PASSWORD" in self.env:
+            shown = "***"
+        elif "DSN" in self.env:
+            shown = redact_dsn(self.raw)
+        else:
+            shown = self.raw
+        return f"{shown}, from {self.env}"
+
+    def __repr__(self) -> str:
+        return f"EnvValue({self.env}={self.raw!r})"
+
+    def value(self) -> Any:
+        """The converted value.
+
+        :raises ConfigError: the text does not convert, or is not one of the choices
+            (the message names the variable and the option).
+        """
+        where = f"environment variable {self.env}={self.raw!r} (for {self.flag})"
+        try:
+            value = self.convert(self.raw) if self.convert is not None else self.raw
+        except argparse.ArgumentTypeError as exc:
+            raise ConfigError(f"{where}: {exc}") from None
+        except (TypeError, ValueError):
+            what = getattr(self.convert, "__name__", repr(self.convert))
+            raise ConfigError(f"{where}: not a valid {what} value") from None
+        if self.choices is not None and value not in self.choices:
+            allowed = ", ".join(repr(c) for c in self.choices)
+            raise ConfigError(f"{where}: must be one of {allowed}")
+        return value
 
 
 def env_option(
@@ -16,18 +83,33 @@ def env_option(
     *flags: str,
     env: str,
     default: Any = None,
-    type: Any = str,  # noqa: A002 - mirrors argparse
-    help: str = "",  # noqa: A002
+    type: Any = str,
+    help: str = "",
     **kwargs: Any,
 ) -> None:
-    """Add an option whose default is read from the environment variable ``env``."""
+    """Add an option whose default is read from the environment variable ``env``.
+
+    The variable is read now and converted by :func:`resolve_env` after
+    parsing, only for the command that runs; an empty variable counts as unset.
+    """
     raw = os.environ.get(env)
     value = default
     if raw is not None and raw != "":
-        value = type(raw) if type is not None else raw
+        flag = next((f for f in flags if f.startswith("--")), flags[0])
+        value = EnvValue(env, raw, flag, type, kwargs.get("choices"))
     parser.add_argument(
         *flags, default=value, type=type, help=f"{help} [env: {env}]".strip(), **kwargs
     )
+
+
+def resolve_env(args: argparse.Namespace) -> None:
+    """Replace every variable-supplied default in ``args`` by its converted value.
+
+    :raises ConfigError: a variable's value is malformed (the message names it).
+    """
+    for name, value in vars(args).items():
+        if isinstance(value, EnvValue):
+            setattr(args, name, value.value())
 
 
 def add_dsn(parser: argparse.ArgumentParser) -> None:
@@ -40,7 +122,7 @@ def add_dsn(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def subparser(sub: Any, name: str, help: str, description: str | None = None) -> argparse.ArgumentParser:  # noqa: A002
+def subparser(sub: Any, name: str, help: str, description: str | None = None) -> argparse.ArgumentParser:
     from ._exit import EPILOG
 
     p: argparse.ArgumentParser = sub.add_parser(

@@ -21,7 +21,7 @@ from ringq.engine import (
 )
 
 from . import _exit
-from ._args import Formatter
+from ._args import Formatter, resolve_env
 
 # Subcommand modules, loaded lazily so `ringq --help` stays fast and a missing
 # optional dependency (pyspark) only affects its own command.
@@ -44,8 +44,12 @@ def build_parser() -> argparse.ArgumentParser:
         prog="ringq",
         description=(
             "ringq: transactional message queues inside PostgreSQL.\n\n"
-            "Environment: RINGQ_DSN (database), RINGQ_HOME (embedded cluster, default ./.ringq);\n"
-            "every option lists its own RINGQ_* variable in the command's --help."
+            "Environment: RINGQ_DSN (database), RINGQ_HOME (embedded cluster, default ./.ringq).\n"
+            "Options a deployment sets once (DSNs, homes, ports, hosts, tokens, intervals,\n"
+            "directories, log level, workload sizes) may also come from a RINGQ_*\n"
+            "variable, shown as [env: RINGQ_...] in each command's --help; a value on the\n"
+            "command line wins over the variable. Per-invocation choices (a queue's name\n"
+            "and settings, --json, --yes, --once, --tui, --detach, --chaos ...) have no variable."
         ),
         formatter_class=Formatter,
         epilog=_exit.EPILOG,
@@ -63,9 +67,25 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def parse_args(
+    argv: Sequence[str] | None = None, parser: argparse.ArgumentParser | None = None
+) -> argparse.Namespace:
+    """Parse the command line, then convert the values taken from ``RINGQ_*`` variables.
+
+    :raises ConfigError: a variable the chosen command reads is malformed.
+    """
+    args = (parser or build_parser()).parse_args(argv)
+    resolve_env(args)
+    return args
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    try:
+        args = parse_args(argv, parser)
+    except ConfigError as exc:  # a malformed RINGQ_* variable: named in the message
+        print(f"ringq: {exc}", file=sys.stderr)
+        return _exit.USAGE
     func = getattr(args, "func", None)
     if func is None:
         # `ringq` or `ringq db` alone: show the relevant help.
