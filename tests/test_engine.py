@@ -634,3 +634,43 @@ def test_dropped_queues_give_their_section_blocks_back(dsn, make_queue):
             s.commit()
         with psycopg.connect(dsn, autocommit=True) as conn:
             drop_queue(conn, name)
+
+
+def test_client_entry_records_the_errors_it_hits_not_the_callers_sql(dsn, make_queue):
+    from ringq.engine import RingqError
+    from ringq.engine import metrics as M
+
+    q = make_queue(capacity=8, max_payload=4)
+    with connect(dsn) as s:
+        cidx, sec = s._cidx, s.section
+        qid = s.queue_info(q).id
+        s.enqueue(q, b"a")
+        s.commit()
+        assert s.dequeue(q) is not None
+        s.commit()
+        assert sec.client_error(cidx) == (0, 0, 0, 0, 0)  # the fast path records nothing
+        with pytest.raises(PayloadTooLarge):
+            s.enqueue(q, b"12345")
+        n, code, eq, seq, ns = sec.client_error(cidx)
+        assert (n, M.error_kind(code), eq, seq) == (1, "payload_too_large", qid, -1)
+        assert abs(ns / 1e9 - time.time()) < 60
+        # The caller's own SQL failing, and a queue statement refused because of it: not ours.
+        with pytest.raises(psycopg.Error):
+            s.connection.execute("SELECT 1/0")
+        with pytest.raises(RingqError):
+            s.enqueue(q, b"b")
+        s.rollback()
+        assert sec.client_error(cidx)[0] == 1
+        # A stale section: the guarded row update does not match; repaired, recorded.
+        s.enqueue_many(q, [b"c", b"d"])
+        s.commit()
+        ring = s.ring(q)
+        sec.queues[ring.qb + L.Q_HEAD] = 0
+        sec.queues[ring.qb + L.Q_TAIL] = 0
+        sec.enq[ring.w0] = 0
+        s.enqueue(q, b"e")
+        s.commit()
+        n, code, eq, seq, _ns = sec.client_error(cidx)
+        assert n == 2 and M.error_kind(code) == "row_mismatch" and eq == qid and seq == 0
+        assert sec.client_queues(cidx) == [ring.qidx]
+        assert M.client_stats(sec, cidx)[M.ERRORS] == 2
