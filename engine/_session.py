@@ -367,7 +367,12 @@ class Session:
         """The queue's settings (cached for the session's life).
 
         :raises InvalidQueueName: bad name. :raises QueueNotFound: no such queue.
+        :raises SessionClosed: the session is closed.
         """
+        self._check()
+        return self._info(name)
+
+    def _info(self, name: str) -> QueueInfo:
         info = self._queues.get(name)
         if info is None:
             validate_queue_name(name)
@@ -647,7 +652,7 @@ class Session:
         """
         self._check()
         t0 = time.perf_counter_ns()
-        info = self.queue_info(queue)
+        info = self._info(queue)
         payload = _as_bytes(payload)
         if len(payload) > info.max_payload:
             self._record_error(L.ERR_PAYLOAD_TOO_LARGE, info.id)
@@ -695,7 +700,7 @@ class Session:
         """Enqueue several entries in one statement; returns their sequence numbers, in order."""
         self._check()
         t0 = time.perf_counter_ns()
-        info = self.queue_info(queue)
+        info = self._info(queue)
         items = [_as_bytes(p) for p in payloads]
         for p in items:
             if len(p) > info.max_payload:
@@ -836,7 +841,7 @@ class Session:
         if max_n < 1:
             raise ValueError("max_n must be >= 1")
         t0 = time.perf_counter_ns()
-        info = self.queue_info(queue)
+        info = self._info(queue)
         ring = self._ring(info)
         exclusive = info.dequeue_mode == "single"
         deadline = None if wait is None else time.monotonic() + max(0.0, wait)
@@ -1013,6 +1018,9 @@ class Session:
     # -- two-phase commit -----------------------------------------------------------------
 
     def xid(self, gtrid: str) -> Any:
+        """A transaction id for :meth:`tpc_begin` (format 0, branch ``ringq``)."""
+        if self._closed:
+            raise SessionClosed("the session is closed")
         return self._conn.xid(0, gtrid, "ringq")
 
     def tpc_begin(self, xid: Any) -> None:
@@ -1101,11 +1109,15 @@ class Session:
             commits the transaction if :meth:`tpc_decide` recorded it, else
             rolls it back after a timeout.
         """
+        if self._closed:
+            raise SessionClosed("the session is closed")
         self._tpc_end(commit=True)
 
     def tpc_rollback(self) -> None:
         """ROLLBACK PREPARED (or a plain rollback if not prepared), withdrawing
         any decision recorded by :meth:`tpc_decide` first."""
+        if self._closed:
+            raise SessionClosed("the session is closed")
         if self._tpc_decided:
             with self._converted():
                 self._aux_conn().execute(_Q["tpc_undecide"], (self._gid(),))
@@ -1178,7 +1190,8 @@ class Session:
         """The queue's counters in the section (see ringq.engine.metrics)."""
         from .metrics import queue_stats
 
-        info = self.queue_info(queue)
+        self._check()
+        info = self._info(queue)
         return queue_stats(self._section, self._ring(info).qidx)
 
     @property
@@ -1186,7 +1199,12 @@ class Session:
         return self._section
 
     def ring(self, queue: str) -> Ring:
-        return self._ring(self.queue_info(queue))
+        """The queue's block in the global section (for inspection).
+
+        :raises SessionClosed: the session is closed.
+        """
+        self._check()
+        return self._ring(self._info(queue))
 
 
 # -- shared with the monitor ---------------------------------------------------------------

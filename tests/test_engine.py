@@ -407,6 +407,46 @@ def test_connection_lost_after_a_commit_around_the_library_is_converted(dsn, mak
         s.commit()
 
 
+def test_every_public_method_of_a_closed_session_raises_session_closed(dsn, make_queue):
+    q = make_queue()
+    s = connect(dsn)
+    s.queue_info(q)  # cached, and the queue loaded: nothing left that needs the database
+    s.ring(q)
+    cidx = s._cidx
+    s.close()
+    entry = s.section.clients[cidx * L.CLIENT_WORDS : (cidx + 1) * L.CLIENT_WORDS].tolist()
+    calls = {
+        "queue_info": lambda: s.queue_info(q),
+        "stats": lambda: s.stats(q),
+        "ring": lambda: s.ring(q),
+        "enqueue": lambda: s.enqueue(q, b"x"),
+        "enqueue_many": lambda: s.enqueue_many(q, [b"x"]),
+        "dequeue": lambda: s.dequeue(q),
+        "dequeue_many": lambda: s.dequeue_many(q, 2),
+        "commit": s.commit,
+        "rollback": s.rollback,
+        "transaction": lambda: s.transaction().__enter__(),
+        "connection": lambda: s.connection,
+        "xid": lambda: s.xid("g"),
+        "tpc_begin": lambda: s.tpc_begin("g"),
+        "tpc_prepare": s.tpc_prepare,
+        "tpc_decide": s.tpc_decide,
+        "tpc_commit": s.tpc_commit,
+        "tpc_rollback": s.tpc_rollback,
+        "subscribe": lambda: s.subscribe("queue.*"),
+        "publish": lambda: s.publish("x.y"),
+    }
+    for name, call in calls.items():
+        with pytest.raises(SessionClosed):
+            call()
+            pytest.fail(f"{name} worked on a closed session")
+    # Nothing was written into the freed client entry (no backend pid, no reopening).
+    assert s.section.clients[cidx * L.CLIENT_WORDS : (cidx + 1) * L.CLIENT_WORDS].tolist() == entry
+    assert entry[L.C_PID] == 0
+    s.close()  # twice is harmless
+    assert s.closed
+
+
 def test_corrupted_section_neither_duplicates_nor_loses(dsn, make_queue):
     q = make_queue(capacity=32)
     with connect(dsn) as s:
