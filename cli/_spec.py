@@ -42,7 +42,8 @@ def add_queue_options(parser: argparse.ArgumentParser) -> None:
         "--tablespace",
         metavar="T",
         default=argparse.SUPPRESS,  # None; SUPPRESS keeps "(default: None)" out of --help
-        help="tablespace of the ring table and its index (default: the database's)",
+        help="tablespace of the ring table and its index (default: the database's); "
+        "used quoted, so case matters: Fast_SSD is not fast_ssd",
     )
     parser.add_argument(
         "--fillfactor",
@@ -55,7 +56,7 @@ def add_queue_options(parser: argparse.ArgumentParser) -> None:
         "--exception-queue",
         metavar="NAME",
         default=argparse.SUPPRESS,
-        help="queue named as the destination of poison entries",
+        help="an existing queue (max payload at least this one's) that also receives poison entries",
     )
     parser.add_argument(
         "--max-deliveries",

@@ -71,7 +71,29 @@ class QueueSpec:
             if self.exception_queue == self.name:
                 raise ConfigError("a queue cannot be its own exception queue")
         if self.tablespace is not None:
-            validate_queue_name(self.tablespace)  # same rule keeps it a plain identifier
+            validate_tablespace_name(self.tablespace)
+
+
+def validate_tablespace_name(name: object) -> str:
+    """Return ``name`` if it can name a PostgreSQL tablespace, else raise.
+
+    A tablespace is an identifier of 1 to 63 bytes (NAMEDATALEN - 1). It is
+    always used quoted (``psycopg.sql.Identifier``), so any other character is
+    safe and case is kept: ``Fast_SSD`` names the tablespace created as
+    ``"Fast_SSD"``, not one created unquoted (that one is ``fast_ssd``).
+
+    :raises ConfigError: empty, longer than 63 bytes, or with a control character.
+    """
+    if (
+        not isinstance(name, str)
+        or not 1 <= len(name.encode()) <= 63
+        or any(ord(c) < 32 or ord(c) == 127 for c in name)
+    ):
+        raise ConfigError(
+            f"invalid tablespace name {name!r}: a PostgreSQL identifier of 1 to 63 bytes "
+            "without control characters is expected"
+        )
+    return name
 
 
 def _int_in(what: str, value: object, low: int, high: int) -> None:

@@ -308,14 +308,42 @@ def test_bad_numbers_are_refused(
 def test_exception_queue_and_tablespace_are_validated(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(ConfigError, match="its own exception queue"):
         QueueSpec("q", 10, 10, exception_queue="q")
-    code, _, err = cli(
-        capsys, "script", "create-queue", *spec_args("q", 10, 10, "--tablespace", 'x"; drop')
+    for bad in ("", "a" * 64, "é" * 32, "fast\nssd"):
+        with pytest.raises(ConfigError, match="^invalid tablespace name"):
+            QueueSpec("q", 10, 10, tablespace=bad)
+    code, out, err = cli(
+        capsys, "script", "create-queue", *spec_args("q", 10, 10, "--tablespace", "a" * 64)
     )
-    assert code == 2 and "invalid queue name" in err
+    assert (code, out) == (2, "")
+    assert err.startswith(f"ringq: invalid tablespace name {'a' * 64!r}: a PostgreSQL identifier")
     code, _, err = cli(
         capsys, "script", "create-queue", *spec_args("q", 10, 10, "--full-policy", "drop")
     )
     assert code == 2 and "invalid choice" in err  # argparse's own refusal
+
+
+def test_tablespace_is_any_identifier_always_quoted(
+    dsn: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # Not the queue-name rule: capitals, a leading digit, 63 bytes are fine.
+    for name in ("Fast_SSD", "1st", "a" * 63, "é" * 31):
+        assert QueueSpec("q", 10, 10, tablespace=name).tablespace == name
+    code, out, err = cli(
+        capsys, "script", "create-queue", *spec_args("q", 10, 10, "--tablespace", "Fast_SSD")
+    )
+    assert (code, err) == (0, "")
+    assert 'TABLESPACE "Fast_SSD"' in out and 'USING INDEX TABLESPACE "Fast_SSD"' in out
+    # Whatever it holds, it stays one quoted identifier.
+    script = create_queue_script(QueueSpec("q", 10, 10, tablespace='x"; DROP TABLE t; --'))
+    assert 'TABLESPACE "x""; DROP TABLE t; --"' in script
+    # One that does not exist is PostgreSQL's to refuse, by its name; nothing is made.
+    code, out, err = cli(
+        capsys, "queue", "create", *spec_args("q", 10, 10, "--tablespace", "Fast_SSD"), "--dsn", dsn
+    )
+    assert code != 0 and out == ""
+    assert 'tablespace "Fast_SSD" does not exist' in err, err
+    with psycopg.connect(dsn) as conn:
+        assert list_queues(conn) == []
 
 
 # ringq queue create|list|show|drop ----------------------------------------------
