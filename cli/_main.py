@@ -15,6 +15,7 @@ from ringq import __version__
 from ringq.engine import (
     ConfigError,
     DatabaseUnavailable,
+    EntryNotFound,
     QueueExists,
     QueueNotFound,
     RingqError,
@@ -99,7 +100,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except DatabaseUnavailable as exc:
         print(f"ringq: {exc}", file=sys.stderr)
         return _exit.DB_UNAVAILABLE
-    except QueueNotFound as exc:
+    except (QueueNotFound, EntryNotFound) as exc:
         print(f"ringq: {exc}", file=sys.stderr)
         return _exit.NOT_FOUND
     except QueueExists as exc:

@@ -1,4 +1,5 @@
-"""``ringq queue create|list|show|drop``: queues in the database named by --dsn.
+"""``ringq queue create|list|show|drop|exceptions|requeue|discard``: queues in
+the database named by --dsn.
 
 Queries live in :mod:`ringq.scripting._admin`; this module only renders.
 """
@@ -14,11 +15,16 @@ from typing import Any
 
 from ringq.engine import ConfigError, resolve_dsn
 from ringq.scripting._admin import (
+    ExceptionEntry,
     QueueDetails,
     QueueSummary,
     connect_admin,
     describe_queue,
+    discard_exception,
+    exception_queue_of,
+    list_exceptions,
     list_queues,
+    requeue_exception,
 )
 from ringq.scripting._ddl import create_queue, drop_queue
 
@@ -27,12 +33,36 @@ from ._args import add_dsn, subparser
 from ._spec import add_queue_options, spec_from_args
 
 DESCRIPTION = """\
-Create, list, inspect and drop queues. The database is --dsn, else RINGQ_DSN,
-else the embedded cluster started by 'ringq db start'."""
+Create, list, inspect and drop queues; inspect, requeue and discard their
+poison entries. The database is --dsn, else RINGQ_DSN, else the embedded
+cluster started by 'ringq db start'."""
+
+EXCEPTIONS_HELP = """\
+The queue's poison entries: entries whose deliveries were rolled back
+max_deliveries times, moved aside to ringq.exceptions with the reason. If the
+queue has an exception queue, each was also put on it as a new entry for its
+consumers (the reason says when that was not possible). Columns: SEQ (the
+entry's sequence on NAME), DELIVERIES, MOVED (when), SIZE (payload bytes),
+REASON. Unknown queue: exit 4."""
+
+REQUEUE_HELP = """\
+Put exception entry SEQ back on queue NAME, in one transaction: it leaves
+ringq.exceptions and enters the queue's SQL inbox, so it is neither lost nor
+doubled. A running monitor moves it into the ring at once (woken by NOTIFY),
+as a new entry (new seq, deliveries from 0); until then it counts in the
+queue's depth. A copy already put on the exception queue is not touched.
+Unknown queue or SEQ: exit 4."""
+
+DISCARD_HELP = """\
+Delete exception entry SEQ of queue NAME for good (its payload is lost).
+A copy already put on the exception queue is not touched. Unknown queue or
+SEQ: exit 4."""
 
 
 def register(sub: Any) -> None:
-    queue = subparser(sub, "queue", "create, list, show and drop queues", DESCRIPTION)
+    queue = subparser(
+        sub, "queue", "create, list, show and drop queues; their poison entries", DESCRIPTION
+    )
     queue.set_defaults(_parser=queue)
     actions = queue.add_subparsers(dest="queue_command", metavar="ACTION")
 
@@ -42,7 +72,9 @@ def register(sub: Any) -> None:
         "create a queue (harmless if it exists with the same settings)",
         "Apply the SQL of 'ringq script create-queue' in one transaction.\n"
         "Prints 'created', or 'exists (unchanged)' when the queue already exists\n"
-        "with these settings; other settings are refused (exit 5), never altered.",
+        "with these settings; other settings are refused (exit 5), never altered.\n"
+        "A new queue's --exception-queue must exist (else exit 4) and take payloads\n"
+        "at least as large (else exit 2).",
     )
     add_queue_options(create)
     create.set_defaults(func=_create)
@@ -79,7 +111,33 @@ def register(sub: Any) -> None:
     drop.add_argument("--yes", "-y", action="store_true", help="do not ask for confirmation")
     drop.set_defaults(func=_drop)
 
-    for parser in (create, lst, show, drop):
+    exceptions = subparser(
+        actions,
+        "exceptions",
+        "list a queue's poison entries (seq, deliveries, reason, when, size)",
+        EXCEPTIONS_HELP,
+    )
+    exceptions.add_argument("name", metavar="NAME")
+    exceptions.add_argument(
+        "--json", action="store_true", help="print a JSON array instead of a table"
+    )
+    exceptions.set_defaults(func=_exceptions)
+
+    requeue = subparser(actions, "requeue", "put a poison entry back on its queue", REQUEUE_HELP)
+    requeue.add_argument("name", metavar="NAME")
+    requeue.add_argument(
+        "seq", metavar="SEQ", type=int, help="the entry's SEQ in 'ringq queue exceptions NAME'"
+    )
+    requeue.set_defaults(func=_requeue)
+
+    discard = subparser(actions, "discard", "delete a poison entry for good", DISCARD_HELP)
+    discard.add_argument("name", metavar="NAME")
+    discard.add_argument(
+        "seq", metavar="SEQ", type=int, help="the entry's SEQ in 'ringq queue exceptions NAME'"
+    )
+    discard.set_defaults(func=_discard)
+
+    for parser in (create, lst, show, drop, exceptions, requeue, discard):
         add_dsn(parser)
 
 
@@ -122,6 +180,12 @@ def _show(args: argparse.Namespace) -> int:
 def _drop(args: argparse.Namespace) -> int:
     with connect_admin(resolve_dsn(args.dsn)) as conn:
         details = describe_queue(conn, args.name)  # unknown: exit 4 before asking anything
+        if users := exception_queue_of(conn, args.name):
+            print(
+                f"ringq: queue {args.name!r} is the exception queue of {', '.join(map(repr, users))}: "
+                "once it is dropped, their poison entries stay in ringq.exceptions only",
+                file=sys.stderr,
+            )
         if not args.yes:
             if not sys.stdin.isatty():
                 raise ConfigError(
@@ -132,6 +196,35 @@ def _drop(args: argparse.Namespace) -> int:
                 return _exit.FAILURE
         drop_queue(conn, args.name)
     print(f"dropped queue {args.name!r}")
+    return _exit.OK
+
+
+def _exceptions(args: argparse.Namespace) -> int:
+    with connect_admin(resolve_dsn(args.dsn)) as conn:
+        entries = list_exceptions(conn, args.name)  # QueueNotFound -> exit 4 in _main
+    if args.json:
+        print(json.dumps([dataclasses.asdict(e) for e in entries], indent=2, default=str))
+    elif not entries:
+        print(f"queue {args.name!r} has no exception entries")
+    else:
+        print(render_exceptions(entries), end="")
+    return _exit.OK
+
+
+def _requeue(args: argparse.Namespace) -> int:
+    with connect_admin(resolve_dsn(args.dsn)) as conn:
+        inbox_id = requeue_exception(conn, args.name, args.seq)  # unknown: exit 4 in _main
+    print(
+        f"requeued entry {args.seq} on queue {args.name!r} (SQL inbox id {inbox_id}; "
+        "the monitor moves it into the ring)"
+    )
+    return _exit.OK
+
+
+def _discard(args: argparse.Namespace) -> int:
+    with connect_admin(resolve_dsn(args.dsn)) as conn:
+        discard_exception(conn, args.name, args.seq)  # unknown: exit 4 in _main
+    print(f"discarded exception entry {args.seq} of queue {args.name!r}")
     return _exit.OK
 
 
@@ -169,6 +262,34 @@ def render_list(queues: Sequence[QueueSummary]) -> str:
         return "  ".join(parts).rstrip() + "\n"
 
     return line(_LIST_COLUMNS) + "".join(line(r) for r in rows)
+
+
+_EXC_COLUMNS = ("SEQ", "DELIVERIES", "MOVED", "SIZE", "REASON")
+_EXC_NUMERIC = {"SEQ", "DELIVERIES", "SIZE"}
+
+
+def render_exceptions(entries: Sequence[ExceptionEntry]) -> str:
+    """An aligned text table of poison entries, numbers right-aligned, reason last."""
+    rows = [
+        (
+            str(e.seq),
+            str(e.deliveries),
+            e.moved_at.isoformat(sep=" ", timespec="seconds"),
+            "-" if e.size is None else str(e.size),
+            e.reason,
+        )
+        for e in entries
+    ]
+    widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(_EXC_COLUMNS)]
+
+    def line(cells: Sequence[str]) -> str:
+        parts = [
+            c.rjust(w) if h in _EXC_NUMERIC else c.ljust(w)
+            for c, w, h in zip(cells, widths, _EXC_COLUMNS, strict=True)
+        ]
+        return "  ".join(parts).rstrip() + "\n"
+
+    return line(_EXC_COLUMNS) + "".join(line(r) for r in rows)
 
 
 def render_details(d: QueueDetails) -> str:

@@ -38,6 +38,15 @@ class QueueNotFound(QueueError):
     """The named queue does not exist in the management table."""
 
 
+class EntryNotFound(QueueError):
+    """No entry with that sequence number where it was looked for (an exception
+    entry of the queue that was requeued, discarded or never there)."""
+
+    def __init__(self, message: str, *, queue: str | None = None, seq: int | None = None) -> None:
+        super().__init__(message, queue=queue)
+        self.seq = seq
+
+
 class QueueExists(QueueError):
     """A queue of that name exists with different settings."""
 

@@ -49,6 +49,14 @@ FROM unnest(%s::integer[], %s::bigint[], %b::bytea[], %s::bigint[]) AS v(slot, s
 WHERE t.slot = v.slot AND t.state <> 1 AND t.seq < v.seq
 RETURNING t.slot
 
+-- enqueue_void --
+-- Withdraw entries this transaction wrote (a batch redone after a stale
+-- section): the row keeps its sequence but is free, which reads as void.
+UPDATE {table} AS t
+SET state = 0
+FROM unnest(%s::integer[], %s::bigint[]) AS v(slot, seq)
+WHERE t.slot = v.slot AND t.seq = v.seq AND t.state = 1
+
 -- dequeue --
 -- Guarded by (slot, seq, state): an entry is consumed at most once.
 UPDATE {table}
@@ -65,7 +73,14 @@ RETURNING t.slot, t.seq, t.payload, t.producer, t.producer_seq, t.enq_at, t.deli
 
 -- strike --
 -- A delivery that did not commit: count it; at max_deliveries the entry moves
--- to ringq.exceptions and its slot is consumed.
+-- to ringq.exceptions (with the reason) and its slot is consumed. When the
+-- queue names an exception queue, the same statement also puts the entry on
+-- it: into ringq.inbox, which the monitor (or any linked client) moves into
+-- that queue's ring in order, since ring slots are reserved only through the
+-- section. An exception queue that does not exist (dropped after this queue
+-- was made) or takes smaller payloads is named in the reason, and the entry
+-- stays in ringq.exceptions only. Returns each struck row, the exception
+-- queue it was put on (or NULL) and why not (or NULL).
 WITH s AS (
     UPDATE {table}
     SET deliveries = deliveries + 1,
@@ -73,14 +88,45 @@ WITH s AS (
         deq_at = CASE WHEN deliveries + 1 >= %s THEN now() END
     WHERE slot = ANY(%s::integer[]) AND seq = ANY(%s::bigint[]) AND state = 1
     RETURNING slot, seq, state, deliveries, payload, producer, producer_seq, enq_at
+), d AS (
+    SELECT v.qid, src.exception_queue AS to_name, e.id AS to_id, e.max_payload AS to_max
+    FROM (VALUES (%s::integer)) AS v(qid)
+    LEFT JOIN ringq.queues src ON src.id = v.qid
+    LEFT JOIN ringq.queues e ON e.name = src.exception_queue
+), f AS (
+    SELECT s.seq, s.payload, s.producer, s.producer_seq, s.enq_at, s.deliveries, d.qid, d.to_name, d.to_id,
+           CASE WHEN d.to_name IS NULL THEN NULL
+                WHEN d.to_id IS NULL THEN 'exception queue "' || d.to_name || '" does not exist'
+                WHEN octet_length(s.payload) > d.to_max
+                    THEN 'exception queue "' || d.to_name || '" takes payloads up to ' || d.to_max || ' bytes'
+           END AS why_not
+    FROM s CROSS JOIN d
+    WHERE s.state = 2
 ), x AS (
     INSERT INTO ringq.exceptions (queue_id, seq, payload, producer, producer_seq, enq_at,
                                   deliveries, reason)
-    SELECT %s, seq, payload, producer, producer_seq, enq_at, deliveries, %s
-    FROM s WHERE state = 2
+    SELECT qid, seq, payload, producer, producer_seq, enq_at, deliveries,
+           %s || coalesce('; kept here only: ' || why_not, '')
+    FROM f
     ON CONFLICT DO NOTHING
+    RETURNING seq
+), i AS (
+    -- Only entries recorded just now (x), so a repeated strike adds nothing.
+    INSERT INTO ringq.inbox (queue_id, payload, producer)
+    SELECT f.to_id, f.payload, coalesce(f.producer, 'ringq:poison')
+    FROM f JOIN x ON x.seq = f.seq
+    WHERE f.to_id IS NOT NULL AND f.why_not IS NULL
+    ORDER BY f.seq
+    RETURNING queue_id
+), n AS (
+    -- Wake the monitor's inbox mover (delivered at commit), as ringq.enqueue() does.
+    SELECT count(*) AS n FROM (
+        SELECT pg_notify('ringq_inbox', d.to_name) FROM d WHERE EXISTS (SELECT 1 FROM i)
+    ) AS z
 )
-SELECT slot, seq, state, deliveries FROM s
+SELECT s.slot, s.seq, s.state, s.deliveries,
+       CASE WHEN f.why_not IS NULL THEN f.to_name END, f.why_not
+FROM s LEFT JOIN f ON f.seq = s.seq CROSS JOIN n
 
 -- rows --
 SELECT slot, state, seq FROM {table} WHERE slot = ANY(%s::integer[])

@@ -1,7 +1,17 @@
 """ringq.scripting: SQL generation for queues (queue scripting), queue
 administration, and the embedded PostgreSQL cluster."""
 
-from ._admin import QueueDetails, QueueSummary, connect_admin, describe_queue, list_queues
+from ._admin import (
+    ExceptionEntry,
+    QueueDetails,
+    QueueSummary,
+    connect_admin,
+    describe_queue,
+    discard_exception,
+    list_exceptions,
+    list_queues,
+    requeue_exception,
+)
 from ._cluster import Cluster, ClusterError, ClusterStatus, PostgresNotFound
 from ._ddl import (
     SCHEMA_VERSION,
@@ -17,6 +27,7 @@ __all__ = [
     "Cluster",
     "ClusterError",
     "ClusterStatus",
+    "ExceptionEntry",
     "PostgresNotFound",
     "QueueDetails",
     "QueueSpec",
@@ -26,6 +37,9 @@ __all__ = [
     "create_queue_script",
     "create_schema",
     "describe_queue",
+    "discard_exception",
     "drop_queue",
+    "list_exceptions",
     "list_queues",
+    "requeue_exception",
 ]

@@ -1,4 +1,5 @@
-"""Queue administration: the admin connection, and what ``ringq queue list|show`` read.
+"""Queue administration: the admin connection, what ``ringq queue list|show``
+read, and the exception entries (``ringq queue exceptions|requeue|discard``).
 
 Data only: these functions return dataclasses and the CLI renders them. psycopg
 errors are converted here (and in :mod:`._ddl`), so callers handle ringq
@@ -14,7 +15,7 @@ from typing import Any
 
 import psycopg
 from psycopg.conninfo import conninfo_to_dict
-from ringq.engine import ConfigError, QueueNotFound, validate_queue_name
+from ringq.engine import ConfigError, EntryNotFound, QueueNotFound, validate_queue_name
 from ringq.engine._errors import converted
 from ringq.engine._names import queue_table
 from ringq.engine._sqlfile import compose, load
@@ -124,6 +125,98 @@ def describe_queue(conn: psycopg.Connection[Any], name: str) -> QueueDetails:
         storage = conn.execute(_Q["ring_storage"], (f"ringq.q_{name}",)).fetchone()
     assert states is not None and storage is not None  # aggregates always return a row
     return QueueDetails(*row, *states, *storage)
+
+
+@dataclass(frozen=True)
+class ExceptionEntry:
+    """One poison entry of a queue, as ``ringq queue exceptions`` lists it.
+
+    ``deliveries``: deliveries that did not commit before it was moved;
+    ``size``: payload bytes; ``moved_at``: when it was moved aside.
+    """
+
+    seq: int
+    deliveries: int
+    reason: str
+    moved_at: datetime
+    size: int | None
+    producer: str | None
+    producer_seq: int | None
+    enqueued_at: datetime | None
+
+
+def list_exceptions(conn: psycopg.Connection[Any], name: str) -> list[ExceptionEntry]:
+    """The queue's entries in ``ringq.exceptions``, oldest move first.
+
+    :raises InvalidQueueName: ``name`` is not a valid queue name.
+    :raises QueueNotFound: no such queue (or no ringq schema at all).
+    """
+    with converted(queue=name), conn.transaction():
+        qid = _queue_id(conn, name)
+        rows = conn.execute(_Q["list_exceptions"], (qid,)).fetchall()
+    return [ExceptionEntry(*row) for row in rows]
+
+
+def requeue_exception(conn: psycopg.Connection[Any], name: str, seq: int) -> int:
+    """Put exception entry ``seq`` back on queue ``name``; returns its SQL inbox id.
+
+    In one transaction the entry leaves ``ringq.exceptions`` and enters the
+    queue's SQL inbox, so it can be neither lost nor doubled (two operators
+    requeueing it at once: one wins, the other gets :class:`EntryNotFound`).
+    The monitor (or any linked client) moves it into the ring, as a new
+    entry: a new seq, deliveries counted from 0.
+
+    :raises QueueNotFound: no such queue.
+    :raises EntryNotFound: the queue has no exception entry ``seq``.
+    """
+    with converted(queue=name), conn.transaction():
+        qid = _queue_id(conn, name)
+        row = conn.execute(_Q["requeue_exception"], (qid, seq)).fetchone()
+        if row is None:
+            raise _no_entry(name, seq)
+        conn.execute(_Q["inbox_notify"], (name,))
+    return int(row[0])
+
+
+def discard_exception(conn: psycopg.Connection[Any], name: str, seq: int) -> None:
+    """Delete exception entry ``seq`` of queue ``name`` for good.
+
+    :raises QueueNotFound: no such queue.
+    :raises EntryNotFound: the queue has no exception entry ``seq``.
+    """
+    with converted(queue=name), conn.transaction():
+        qid = _queue_id(conn, name)
+        if conn.execute(_Q["discard_exception"], (qid, seq)).fetchone() is None:
+            raise _no_entry(name, seq)
+
+
+def exception_queue_of(conn: psycopg.Connection[Any], name: str) -> list[str]:
+    """The queues that name ``name`` as their exception queue (by name).
+
+    Dropping ``name`` leaves their poison entries in ``ringq.exceptions`` only.
+    """
+    with converted(queue=name):
+        if not _schema_present(conn):
+            return []
+        return [str(r[0]) for r in conn.execute(_Q["exception_queue_of"], (name,)).fetchall()]
+
+
+def _queue_id(conn: psycopg.Connection[Any], name: str) -> int:
+    validate_queue_name(name)
+    if not _schema_present(conn):
+        raise QueueNotFound(f"queue {name!r} does not exist (no ringq schema)", queue=name)
+    row = conn.execute(_Q["queue_id"], (name,)).fetchone()
+    if row is None:
+        raise QueueNotFound(f"queue {name!r} does not exist", queue=name)
+    return int(row[0])
+
+
+def _no_entry(name: str, seq: int) -> EntryNotFound:
+    return EntryNotFound(
+        f"queue {name!r} has no exception entry {seq} (see 'ringq queue exceptions {name}')",
+        queue=name,
+        seq=seq,
+    )
 
 
 def _schema_present(conn: psycopg.Connection[Any]) -> bool:

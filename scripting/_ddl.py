@@ -165,6 +165,8 @@ def create_queue(conn: psycopg.Connection[Any], spec: QueueSpec) -> bool:
 
     :returns: True if the queue was created, False if it already existed with these settings.
     :raises QueueExists: it exists with different settings.
+    :raises QueueNotFound: a new queue names an exception queue that does not exist.
+    :raises ConfigError: the exception queue's max_payload is smaller than the queue's.
     :raises ConfigError: it would not fit in the global section beside the
         queues already in the database (``MAX_QUEUES`` queues, ``SLOT_POOL`` slots).
     """
@@ -177,6 +179,20 @@ def create_queue(conn: psycopg.Connection[Any], spec: QueueSpec) -> bool:
             conn.execute(queue_sql(spec))
     except psycopg.errors.DuplicateObject as exc:
         raise QueueExists(f"queue {spec.name!r} exists with different settings", queue=spec.name) from exc
+    except psycopg.errors.UndefinedObject as exc:
+        if spec.exception_queue is None or not (exc.diag.message_primary or "").startswith(
+            "ringq: exception queue"
+        ):  # not ours: e.g. an unknown tablespace, named by PostgreSQL's message
+            from ringq.engine._errors import from_psycopg
+
+            raise from_psycopg(exc, queue=spec.name) from exc
+        # The exception queue check of the queue block (ddl.sql).
+        raise QueueNotFound(
+            f"exception queue {spec.exception_queue!r} of queue {spec.name!r} does not exist (create it first)",
+            queue=spec.exception_queue,
+        ) from exc
+    except psycopg.errors.InvalidParameterValue as exc:
+        raise ConfigError((exc.diag.message_primary or str(exc)).removeprefix("ringq: ")) from exc
     except psycopg.errors.ProgramLimitExceeded as exc:
         # The section budget check of the queue block: a usage error, as a
         # capacity over MAX_CAPACITY is (the message says what is taken).

@@ -1,4 +1,4 @@
--- Read-only queries of queue administration (`ringq queue list|show`).
+-- Queries of queue administration (`ringq queue list|show|exceptions|requeue|discard`).
 -- {table} is the queue's table, filled only with psycopg.sql.Identifier from a
 -- validated name.
 
@@ -35,3 +35,42 @@ SELECT pg_total_relation_size(c.oid), coalesce(s.n_dead_tup, 0)
 FROM pg_class c
 LEFT JOIN pg_stat_user_tables s ON s.relid = c.oid
 WHERE c.oid = %s::regclass
+
+-- queue_id --
+SELECT id FROM ringq.queues WHERE name = %s
+
+-- list_exceptions --
+-- A queue's poison entries, oldest move first. size: payload bytes.
+SELECT seq, deliveries, reason, moved_at, octet_length(payload), producer, producer_seq, enq_at
+FROM ringq.exceptions
+WHERE queue_id = %s
+ORDER BY moved_at, seq
+
+-- requeue_exception --
+-- One statement, so the entry is in ringq.exceptions or in the inbox, never
+-- both and never neither. The inbox is the SQL path onto the ring: the
+-- monitor (or any linked client) moves it in, since ring slots are reserved
+-- only through the section. The entry comes back as a new one (a new seq,
+-- deliveries from 0), by its original producer.
+WITH x AS (
+    DELETE FROM ringq.exceptions
+    WHERE queue_id = %s AND seq = %s
+    RETURNING queue_id, payload, producer
+)
+INSERT INTO ringq.inbox (queue_id, payload, producer)
+SELECT queue_id, payload, coalesce(producer, 'sql:' || current_user)
+FROM x
+RETURNING id
+
+-- discard_exception --
+DELETE FROM ringq.exceptions
+WHERE queue_id = %s AND seq = %s
+RETURNING seq
+
+-- inbox_notify --
+-- Wakes the monitor's inbox mover (delivered at commit), as ringq.enqueue() does.
+SELECT pg_notify('ringq_inbox', %s)
+
+-- exception_queue_of --
+-- The queues that name this one as their exception queue.
+SELECT name FROM ringq.queues WHERE exception_queue = %s ORDER BY name

@@ -151,6 +151,30 @@ END
 $ringq$;
 
 -- queue --
+-- A new queue's exception queue must exist already and take its largest
+-- payload, or poison entries could not be put on it (a typo would only show
+-- on the first poison entry). Checked only when the queue is made, so that
+-- re-applying the script stays harmless.
+DO $ringq$
+DECLARE
+    e ringq.queues;
+BEGIN
+    IF {exception_queue}::text IS NOT NULL AND NOT EXISTS (SELECT 1 FROM ringq.queues WHERE name = {name}) THEN
+        SELECT * INTO e FROM ringq.queues WHERE name = {exception_queue}::text;
+        IF NOT FOUND THEN
+            RAISE EXCEPTION 'ringq: exception queue "%" of queue "%" does not exist', {exception_queue}, {name}
+                USING ERRCODE = 'undefined_object', HINT = 'create the exception queue first';
+        END IF;
+        IF e.max_payload < {max_payload} THEN
+            RAISE EXCEPTION 'ringq: exception queue "%" takes payloads up to % bytes, fewer than the % of queue "%"',
+                {exception_queue}, e.max_payload, {max_payload}, {name}
+                USING ERRCODE = 'invalid_parameter_value',
+                      HINT = 'give the exception queue a max_payload at least as large';
+        END IF;
+    END IF;
+END
+$ringq$;
+
 -- A queue that exists with other settings is an error, never silently altered.
 DO $ringq$
 BEGIN

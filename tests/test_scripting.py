@@ -155,6 +155,13 @@ def test_script_applies_to_empty_database_and_again_without_change(dsn: str, psq
     script = create_queue_script(spec)
     assert 'TABLESPACE "pg_default"' in script and 'USING INDEX TABLESPACE "pg_default"' in script
 
+    # The exception queue must exist first (and take payloads as large).
+    refused = apply_script(psql, dsn, script)
+    assert refused.returncode == 3
+    assert 'exception queue "orders_dead" of queue "orders" does not exist' in refused.stderr
+    dead = apply_script(psql, dsn, create_queue_script(QueueSpec("orders_dead", 10, 512)))
+    assert dead.returncode == 0, dead.stderr
+
     first = apply_script(psql, dsn, script)
     assert first.returncode == 0, first.stderr
     assert first.stderr == ""  # no notices either: "already exists, skipping" is silenced
