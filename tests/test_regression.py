@@ -141,9 +141,14 @@ def test_a_small_cycle_is_proven(module_dsn: str, stored: RunOutcome, reports: P
     tx = c["transactions"]
     assert tx["simple"] > 0 and tx["two_phase"] > 0 and tx["multi_queue"] > 0
     assert c["rolled_back"] > 0 and tx["rolled_back"] > 0
-    # The workload reached both ends of the rings.
+    # The workload reached both ends of every ring: each consumer stands still
+    # while the producers still owe its queue more than a ring's worth, so every
+    # queue is found full (entries_per_queue 200 > capacity 64), and found empty.
+    assert len(report.queues) == len(SIZES)
     assert all(q["empty_hits"] > 0 for q in report.queues), report.queues
-    assert any(q["full_hits"] > 0 for q in report.queues), report.queues
+    assert all(q["full_hits"] > 0 for q in report.queues), report.queues
+    assert all(q["max_depth"] > 0 for q in report.queues), report.queues
+    assert stored.results[0].stats["consumers"]["stalls"] >= len(SIZES)
     assert all(q.get("leftover", 0) == 0 for q in report.queues)
     assert report.path and Path(report.path).is_file()
     assert Path(report.path) == reports / stored.run_id / "cycle-1.json"
@@ -287,6 +292,47 @@ def test_verify_command_exits_non_zero_on_a_violation(
     assert "PASS" in capsys.readouterr().out
     assert verifier.spark.range(1).count() == 1
     assert cli_main(["regress", "verify", "nosuchrun", "--dsn", module_dsn]) == 4
+
+
+def _regress_argv(dsn: str, reports: Path, run_id: str) -> list[str]:
+    return ["regress", "--dsn", dsn, "--run-id", run_id, "--cycles", "1", "--capacity", "16",
+            "--entries-per-queue", "60", "--producers", "2", "--payload-sizes", "16,2000",
+            "--seed", "7", "--spark-master", "local[2]", "--report-dir", str(reports)]
+
+
+def test_regress_command_exits_by_its_proof(
+    module_dsn: str, stored: RunOutcome, verifier: Verifier, tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
+) -> None:
+    """``ringq regress`` itself (workload, then Spark, in one command): 0 when the
+    cycle is proven, 1 when the proof finds a violation (a received row deleted
+    between the workload and the proof)."""
+    from ringq.regression import _runner
+
+    clean = f"clean_{secrets.token_hex(3)}"
+    assert cli_main(_regress_argv(module_dsn, tmp_path, clean)) == 0
+    out = capsys.readouterr()
+    assert "PASS" in out.out and "all proven" in out.err, out
+
+    real = _runner.run_cycle
+
+    def losing_one(dsn: str, info: Any, cycle: int, **kw: Any) -> Any:
+        result = real(dsn, info, cycle, **kw)
+        with psycopg.connect(dsn, autocommit=True) as conn:
+            gone = conn.execute(sql.SQL(
+                "DELETE FROM {t} WHERE ctid = (SELECT ctid FROM {t} ORDER BY recv_order LIMIT 1 OFFSET 3) "
+                "RETURNING qseq").format(t=_received(info.run_id, info.queues[1].name))).fetchone()
+        assert gone is not None
+        return result
+
+    monkeypatch.setattr(_runner, "run_cycle", losing_one)
+    lossy = f"lossy_{secrets.token_hex(3)}"
+    assert cli_main(_regress_argv(module_dsn, tmp_path, lossy)) == 1
+    out = capsys.readouterr()
+    assert "FAIL" in out.out and "lost 1" in out.out and "1 failed" in out.err, out
+    assert load_run(module_dsn, lossy).status == "failed"
+    assert json.loads((tmp_path / lossy / "cycle-1.json").read_text())["violations"]["lost"] == 1
+    assert verifier.spark.range(1).count() == 1  # the module's Spark session survived both
 
 
 # -- the command: stop and abort by signal (real processes, no Spark) -----------------------------
