@@ -712,37 +712,46 @@ class Session:
         if not items:
             return []
         ring = self._ring(info)
-        reserved: list[tuple[int, int]] = []
-        try:
-            while len(reserved) < len(items):
-                reserved.extend(self._reserve_many(info, len(items) - len(reserved), timeout))
-        except BaseException:
-            for slot, seq in reserved:
-                self._void(_Op(ring, info, slot, seq, "e", 0))
-            raise
-        ops = [_Op(ring, info, slot, seq, "e", 0) for slot, seq in reserved]
-        self._ops.extend(ops)
         pseqs = list(range(self._producer_seq + 1, self._producer_seq + 1 + len(items)))
         self._producer_seq += len(items)
-        with self._converted(queue, qid=info.id, seq=reserved[0][1]):
-            rows = self._conn.execute(
-                self._stmt("enqueue_many", queue),
-                (self.producer, [s for s, _ in reserved], [q for _, q in reserved], items, pseqs),
-            ).fetchall()
-        written = {r[0] for r in rows}
-        if len(written) != len(ops):
-            # Stale section: give up the whole batch in this transaction's
-            # savepoint-free world by rolling back is too harsh; redo the
-            # failed ones one by one.
+        for _attempt in range(8):
+            reserved: list[tuple[int, int]] = []
+            try:
+                while len(reserved) < len(items):
+                    reserved.extend(self._reserve_many(info, len(items) - len(reserved), timeout))
+            except BaseException:
+                for slot, seq in reserved:
+                    self._void(_Op(ring, info, slot, seq, "e", 0))
+                raise
+            ops = [_Op(ring, info, slot, seq, "e", 0) for slot, seq in reserved]
+            self._ops.extend(ops)
+            with self._converted(queue, qid=info.id, seq=reserved[0][1]):
+                rows = self._conn.execute(
+                    self._stmt("enqueue_many", queue),
+                    (self.producer, [s for s, _ in reserved], [q for _, q in reserved], items, pseqs),
+                ).fetchall()
+            written = {r[0] for r in rows}
+            if len(written) == len(ops):
+                break
+            # Stale section: some rows hold newer entries. Redoing only the
+            # failed ones would put them after the rest of the batch, so the
+            # whole batch is redone in order: withdraw the rows written (in
+            # this transaction), void every slot of this try, re-read the
+            # queue and reserve the batch again.
             failed = [op for op in ops if op.slot not in written]
             self._record_error(L.ERR_ROW_MISMATCH, info.id, failed[0].seq)
-            for op in failed:
+            done = [op for op in ops if op.slot in written]
+            if done:
+                with self._converted(queue):
+                    self._conn.execute(
+                        self._stmt("enqueue_void", queue), ([op.slot for op in done], [op.seq for op in done])
+                    )
+            for op in ops:
                 self._ops.remove(op)
                 self._void(op)
             self._resync(info)
-            for op, payload in zip(ops, items, strict=True):
-                if op in failed:
-                    op.seq = self.enqueue(queue, payload, timeout=timeout)
+        else:
+            raise SectionError(f"queue {queue!r}: could not reserve the batch after 8 attempts (section unstable)")
         lat = (time.perf_counter_ns() - t0) // max(1, len(ops))
         for op in ops:
             op.latency_ns = lat

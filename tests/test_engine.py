@@ -488,6 +488,31 @@ def test_head_behind_rows_is_repaired_without_overwrite(dsn, make_queue):
     assert [m.payload for m in drain(dsn, q)] == [b"a", b"b", b"c", b"d"]
 
 
+def test_enqueue_many_on_a_partly_stale_section_keeps_the_batch_in_order(dsn, make_queue):
+    q = make_queue(capacity=16)
+    with connect(dsn) as s:
+        s.enqueue_many(q, [b"a", b"b", b"c"])  # seq 0..2 in slots 0..2
+        s.commit()
+        ring = s.ring(q)
+        # Stale head: the batch's first two slots (1, 2) hold queued entries,
+        # its last two (3, 4) are free, so only part of the batch is written.
+        s.section.queues[ring.qb + L.Q_HEAD] = 1
+        resyncs = s.section.queues[ring.qb + L.Q_N_RESYNC]
+        seqs = s.enqueue_many(q, [b"w", b"x", b"y", b"z"])
+        assert s.section.queues[ring.qb + L.Q_N_RESYNC] == resyncs + 1  # the batch was redone
+        assert seqs == sorted(seqs) and min(seqs) > 2
+        s.commit()
+        assert ring.counts()["locked"] == 0
+    got = drain(dsn, q)
+    assert [m.payload for m in got] == [b"a", b"b", b"c", b"w", b"x", b"y", b"z"]
+    assert [m.seq for m in got][3:] == seqs
+    assert [m.producer_seq for m in got][3:] == sorted(m.producer_seq for m in got[3:])
+    with connect(dsn) as s:
+        s.enqueue(q, b"after")  # the withdrawn rows are free slots again
+        s.commit()
+    assert [m.payload for m in drain(dsn, q)] == [b"after"]
+
+
 def test_section_lost_is_rebuilt_from_the_tables(dsn, make_queue):
     q = make_queue(capacity=8)
     with connect(dsn) as s:
