@@ -9,17 +9,24 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
+import socket
 import subprocess
 import sys
+import zipfile
 from pathlib import Path
 
+import psycopg
 import pytest
 from ringq.cli import main
 from ringq.cli._main import build_parser, parse_args
-from ringq.engine import ConfigError
+from ringq.engine import ConfigError, resolve_dsn
 from ringq.engine._move import MoveConfig
+from ringq.scripting import Cluster
+from ringq.scripting._ddl import QueueSpec, create_queue
 
 RINGQ = [sys.executable, "-m", "ringq.cli"]
+REPO = Path(__file__).resolve().parent.parent
 
 
 def cli(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
@@ -181,3 +188,93 @@ def test_malformed_variable_no_traceback_from_the_installed_command(tmp_path: Pa
     assert done.stderr == (
         "ringq: environment variable RINGQ_MONITOR_PORT='http' (for --port): not a valid int value\n"
     )
+
+
+# Where the database is: --dsn > RINGQ_DSN > $RINGQ_HOME's embedded cluster ---------------
+
+
+def closed_port_dsn() -> str:
+    """A DSN nothing answers at (a local port bound, then closed)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    return f"postgresql://nobody@127.0.0.1:{port}/nowhere?connect_timeout=5"
+
+
+def test_dsn_order_flag_then_variable_then_embedded_cluster(
+    pg_cluster: Cluster, dsn: str, tmp_path: Path,
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    clean_env(monkeypatch)
+    with psycopg.connect(dsn) as conn:
+        create_queue(conn, QueueSpec("in_test_db", 4, 4))
+    dead = closed_port_dsn()
+
+    def listed(*argv: str) -> tuple[int, str, str]:
+        return cli(capsys, "queue", "list", *argv)
+
+    # --dsn wins over a RINGQ_DSN and a RINGQ_HOME that lead nowhere.
+    monkeypatch.setenv("RINGQ_DSN", dead)
+    monkeypatch.setenv("RINGQ_HOME", str(tmp_path / "no_cluster"))
+    code, out, err = listed("--dsn", dsn)
+    assert (code, err) == (0, "") and "in_test_db" in out
+    # RINGQ_DSN is used without --dsn (here: it leads nowhere, and says so) ...
+    code, out, err = listed()
+    assert code == 3 and "127.0.0.1" in err and "nowhere" in err
+    # ... and wins over the embedded cluster of RINGQ_HOME.
+    monkeypatch.setenv("RINGQ_DSN", dsn)
+    monkeypatch.setenv("RINGQ_HOME", str(pg_cluster.home))
+    code, out, err = listed()
+    assert (code, err) == (0, "") and "in_test_db" in out
+    # Without either, the running embedded cluster under RINGQ_HOME (its own
+    # database 'ringq', which has no such queue).
+    monkeypatch.delenv("RINGQ_DSN")
+    code, out, err = listed()
+    assert (code, err) == (0, "") and "in_test_db" not in out
+    assert resolve_dsn() == pg_cluster.url()
+    # And none at all: exit 3, saying how to get one.
+    monkeypatch.setenv("RINGQ_HOME", str(tmp_path / "no_cluster"))
+    code, out, err = listed()
+    assert code == 3 and "ringq db start" in err
+
+
+# Packaging -----------------------------------------------------------------------------
+
+_NOT_SOURCE = shutil.ignore_patterns(
+    ".git", ".venv", ".ringq", "build", "dist", "*.egg-info", "__pycache__", "*.pyc",
+    ".pytest_cache", ".mypy_cache", ".ruff_cache", "runs", "results",
+)
+
+
+def test_wheel_holds_the_subpackages_and_their_data_and_no_top_level_engine(
+    tmp_path: Path,
+) -> None:
+    # A copy, so that building leaves nothing (build/, egg-info) in the working
+    # tree; setuptools' own PEP 517 hook, offline (what pip wheel calls, without pip).
+    src = tmp_path / "src"
+    shutil.copytree(REPO, src, ignore=_NOT_SOURCE)
+    done = subprocess.run(
+        [sys.executable, "-c",
+         "import sys; from setuptools import build_meta; print(build_meta.build_wheel(sys.argv[1]))",
+         str(tmp_path / "dist")],
+        cwd=src, capture_output=True, text=True, timeout=120, check=False,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    wheel = tmp_path / "dist" / done.stdout.strip().splitlines()[-1]
+    with zipfile.ZipFile(wheel) as zf:
+        names = set(zf.namelist())
+        entry_points = zf.read(next(n for n in names if n.endswith(".dist-info/entry_points.txt")))
+
+    tops = {n.split("/", 1)[0] for n in names}
+    assert tops == {"ringq", "ringq-0.1.0.dist-info"}, tops  # no bare engine/, cli/ ...
+    for package in ("engine", "monitor", "scripting", "rtv", "regression", "cli"):
+        assert f"ringq/{package}/__init__.py" in names
+        for py in (REPO / package).glob("*.py"):
+            assert f"ringq/{package}/{py.name}" in names
+    assert {"ringq/__init__.py", "ringq/py.typed"} <= names
+    sql_files = {f"ringq/{p.relative_to(REPO)}" for p in REPO.glob("*/*.sql")
+                 if p.parts[-2] not in ("tests", "bench", "examples")}
+    assert {"ringq/engine/queries.sql", "ringq/scripting/ddl.sql"} <= sql_files <= names
+    static = {f"ringq/{p.relative_to(REPO)}" for p in (REPO / "rtv" / "static").rglob("*") if p.is_file()}
+    assert "ringq/rtv/static/index.html" in static and static <= names
+    assert b"ringq = ringq.cli:main" in entry_points
