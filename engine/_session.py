@@ -58,6 +58,9 @@ _INERROR = TransactionStatus.INERROR
 
 SUPPORTED_SCHEMA = "1"
 POISON_REASON = "max deliveries reached"
+# A waiting dequeuer is woken by the commit that makes an entry ready (a
+# semaphore post); it also looks again this often, in seconds, as a safety net.
+CLAIM_RECHECK_S = 1.0
 
 
 @dataclass(frozen=True)
@@ -235,7 +238,11 @@ class Session:
             raise SchemaMissing(f"ringq schema version {version!r} is not supported (want {SUPPORTED_SCHEMA})")
         self.instance: str = instance
         self.backend_pid: int = backend_pid
-        self._section = _Process.section(instance)
+        try:
+            self._section = _Process.section(instance)
+        except RingqError:  # a foreign or unusable section: do not leak the connection
+            self._conn.close()
+            raise
         self._register_client(backend_pid)
         self._rings = {}
 
@@ -680,6 +687,13 @@ class Session:
                     ).fetchone()
                     assert row is not None
                     inserted, updated, existing = row
+                    if inserted == 0 and existing is None:
+                        # Another transaction held the key uncommitted; the
+                        # INSERT waited for its commit, but under READ
+                        # COMMITTED this statement's snapshot predates it:
+                        # read the key again (a new statement, a new snapshot).
+                        again = self._conn.execute(_Q["key_seq"], (info.id, key)).fetchone()
+                        existing = None if again is None else again[0]
                     ok = inserted == 1 and updated == 1
                     if inserted == 1 and updated == 0:
                         self._conn.execute(_Q["key_forget"], (info.id, key, seq))
@@ -923,7 +937,7 @@ class Session:
             if sem is None:
                 sem = sec.semaphore(info.id, "r")
             try:
-                sem.acquire(max(0.0, min(deadline - time.monotonic(), 1.0)))
+                sem.acquire(max(0.0, min(deadline - time.monotonic(), CLAIM_RECHECK_S)))
             except (posix_ipc.BusyError, posix_ipc.SignalError):
                 pass  # timed out, or a signal whose handler did not raise: look again
             except BaseException:

@@ -41,6 +41,9 @@ SELECT (SELECT count(*) FROM k), (SELECT count(*) FROM u),
 -- key_forget --
 DELETE FROM ringq.keys WHERE queue_id = %s AND key = %s AND seq = %s
 
+-- key_seq --
+SELECT seq FROM ringq.keys WHERE queue_id = %s AND key = %s
+
 -- enqueue_many --
 UPDATE {table} AS t
 SET state = 1, seq = v.seq, payload = v.payload, producer = %s, producer_seq = v.pseq,

@@ -18,7 +18,9 @@ from ringq.engine import (
     PayloadTooLarge,
     QueueFull,
     QueueNotFound,
+    SchemaMissing,
     Section,
+    SectionIncompatible,
     SessionClosed,
     TransactionError,
     connect,
@@ -279,32 +281,90 @@ def test_full_queue_raises_or_blocks_until_space(dsn, make_queue):
     assert [m.payload for m in drain(dsn, q_block)] == [b"2", b"3"]
 
 
-def test_waiting_dequeuer_is_woken_by_commit(dsn, make_queue):
+def test_own_uncommitted_entry_at_the_oldest_slot_is_queue_full_at_once(dsn, make_queue):
+    q = make_queue(capacity=4, full_policy="block", full_timeout=30)
+    with connect(dsn) as s:
+        s.enqueue_many(q, [b"1", b"2", b"3", b"4"])  # uncommitted: this transaction holds the tail
+        t0 = time.monotonic()
+        with pytest.raises(QueueFull, match="held by this transaction"):
+            s.enqueue(q, b"5", timeout=30)
+        assert time.monotonic() - t0 < 5  # not the 30 s timeout: waiting could only wait on itself
+        with pytest.raises(QueueFull, match="held by this transaction"):
+            s.enqueue_many(q, [b"5"], timeout=30)
+        s.commit()  # the four still commit
+        ring = s.ring(q)
+        assert ring.counts()["locked"] == 0 and ring.counts()["ready"] == 4
+    assert [m.payload for m in drain(dsn, q)] == [b"1", b"2", b"3", b"4"]
+
+
+def test_foreign_section_is_refused_with_section_incompatible(dsn, make_queue):
+    import mmap
+
+    import posix_ipc
+    from ringq.engine._section import section_name
+
+    make_queue()  # the schema and its instance id
+    with psycopg.connect(dsn) as c:
+        instance = c.execute("SELECT value FROM ringq.meta WHERE key = 'instance_id'").fetchone()[0]
+    for word, value in ((L.H_LAYOUT, L.LAYOUT_VERSION + 1), (L.H_MAGIC, 0x0BAD_F00D)):
+        Section.unlink(instance)
+        shm = posix_ipc.SharedMemory(section_name(instance), posix_ipc.O_CREX, mode=0o600, size=L.SECTION_SIZE)
+        mm = mmap.mmap(shm.fd, L.SECTION_SIZE)
+        header = memoryview(mm)[: L.HEADER_WORDS * 8].cast("q")
+        header[L.H_MAGIC], header[L.H_LAYOUT], header[L.H_READY] = L.MAGIC, L.LAYOUT_VERSION, 1
+        header[word] = value  # another ringq's layout, or not a ringq section at all
+        header.release()
+        mm.close()
+        shm.close_fd()
+        with pytest.raises(SectionIncompatible, match="layout"):
+            connect(dsn)
+    Section.unlink(instance)
+    with connect(dsn) as s:  # once removed, a fresh section is made
+        assert s.section is not None
+
+
+def test_database_without_ringq_schema_is_schema_missing(dsn, make_queue):
+    with pytest.raises(SchemaMissing, match="create a queue first"):
+        connect(dsn)  # a fresh database: no ringq schema at all
+    make_queue()
+    with psycopg.connect(dsn) as c:
+        c.execute("UPDATE ringq.meta SET value = '99' WHERE key = 'schema_version'")
+    with pytest.raises(SchemaMissing, match="not supported"):
+        connect(dsn)
+
+
+def test_waiting_dequeuer_is_woken_by_commit(dsn, make_queue, monkeypatch):
+    from ringq.engine import _session
+
+    # No safety-net recheck within the test: only the commit's post can wake it.
+    monkeypatch.setattr(_session, "CLAIM_RECHECK_S", 60.0)
     q = make_queue()
     result: dict[str, object] = {}
-    started = threading.Event()
 
     def consumer() -> None:
         with connect(dsn) as c:
-            c.dequeue(q)  # attach before the producer starts
-            c.rollback()
-            started.set()
-            t0 = time.monotonic()
-            m = c.dequeue(q, wait=20)
-            result["elapsed"] = time.monotonic() - t0
+            m = c.dequeue(q, wait=30)
+            result["woken_at"] = time.monotonic()
             result["msg"] = m
             c.commit()
 
-    t = threading.Thread(target=consumer)
-    t.start()
-    assert started.wait(10)
     with connect(dsn) as p:
+        ring = p.ring(q)
+        wakeups = p.section.queues[ring.qb + L.Q_N_WAKEUPS]
+        t = threading.Thread(target=consumer)
+        t.start()
+        # An explicit signal: the consumer registered itself as a waiter.
+        deadline = time.monotonic() + 10
+        while p.section.queues[ring.qb + L.Q_WAIT_READY] < 1:
+            assert time.monotonic() < deadline, "the consumer never went to sleep"
+            time.sleep(0.001)
         p.enqueue(q, b"wake")
-        # The consumer is asleep now (or will find it ready); either way it returns promptly.
         p.commit()
-    t.join(20)
+        committed_at = time.monotonic()
+        t.join(30)
+        assert p.section.queues[ring.qb + L.Q_N_WAKEUPS] == wakeups + 1  # one post, by the commit
     assert result["msg"].payload == b"wake"
-    assert result["elapsed"] < 10
+    assert result["woken_at"] - committed_at < 5  # far below the 30 s wait and the 60 s recheck
 
 
 def test_idempotent_enqueue_with_key(dsn, make_queue):
@@ -322,6 +382,46 @@ def test_idempotent_enqueue_with_key(dsn, make_queue):
         s.commit()
         assert c != a
     assert [m.payload for m in drain(dsn, q)] == [b"x", b"y"]
+
+
+@pytest.mark.parametrize("first_commits", [True, False])
+def test_same_key_from_two_sessions_at_once_yields_one_entry(dsn, make_queue, first_commits):
+    q = make_queue()
+    with connect(dsn) as a, connect(dsn) as b, psycopg.connect(dsn, autocommit=True) as admin:
+        ring = a.ring(q)
+        b.ring(q)
+        resyncs = a.section.queues[ring.qb + L.Q_N_RESYNC]
+        seq_a = a.enqueue(q, b"from a", key="retry-1")  # a holds the key, uncommitted
+        got: dict[str, object] = {}
+
+        def b_enqueues() -> None:
+            try:
+                got["seq"] = b.enqueue(q, b"from b", key="retry-1")
+            except BaseException as exc:  # noqa: BLE001 - reported below
+                got["error"] = exc
+
+        t = threading.Thread(target=b_enqueues)
+        t.start()
+        # Step by step: b is waiting on a's key (a row lock), then a ends.
+        deadline = time.monotonic() + 10
+        while admin.execute(
+            "SELECT count(*) FROM pg_stat_activity WHERE pid = %s AND wait_event_type = 'Lock'", (b.backend_pid,)
+        ).fetchone()[0] == 0:
+            assert t.is_alive() and time.monotonic() < deadline, got
+            time.sleep(0.001)
+        if first_commits:
+            a.commit()
+        else:
+            a.rollback()
+        t.join(10)
+        assert "error" not in got, got
+        if first_commits:
+            assert got["seq"] == seq_a  # the retry found the first entry
+        else:
+            assert got["seq"] != seq_a  # the first never happened: b's entry is the one
+        b.commit()
+        assert a.section.queues[ring.qb + L.Q_N_RESYNC] == resyncs  # not mistaken for a stale section
+    assert [m.payload for m in drain(dsn, q)] == [b"from a" if first_commits else b"from b"]
 
 
 def test_typed_errors(dsn, make_queue):
