@@ -1,5 +1,6 @@
 # The two commands. Each does all its own set-up (.ci/setup: system packages
-# where missing, then .venv when pyproject.toml changed).
+# where missing, then .venv when pyproject.toml changed); only `make test`
+# needs the browser the viewer's tests drive.
 #
 #   make run    the main job: database, monitor, viewer, one regression cycle proven by Spark
 #   make test   the test suite, against clusters the tests start themselves
@@ -7,10 +8,13 @@
 SHELL = /bin/sh
 RINGQ = .venv/bin/ringq
 
-.PHONY: run test setup
+.PHONY: run test setup setup-run
 
 setup:
-	@./.ci/setup
+	@./.ci/setup test
+
+setup-run:
+	@./.ci/setup run
 
 test: setup
 	.venv/bin/python -m pytest -q
@@ -18,5 +22,5 @@ test: setup
 # The main job: embedded PostgreSQL, queues, the monitor and the viewer in the
 # background (their addresses are printed), then one regression cycle proven
 # by Spark. `.venv/bin/ringq run --stop` stops what it started.
-run: setup
+run: setup-run
 	$(RINGQ) run
