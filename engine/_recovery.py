@@ -412,3 +412,32 @@ def pump_inbox(dsn: str, *, batch: int = 500) -> dict[str, int]:
             if total:
                 moved[name] = total
     return moved
+
+
+DEFAULT_KEY_RETENTION = 86_400.0  # seconds an idempotency key outlives its entry's consumption
+
+
+def prune_keys(dsn: str, retention_s: float = DEFAULT_KEY_RETENTION, *, batch: int = 10_000) -> dict[str, int]:
+    """Delete spent idempotency keys; returns {queue: keys deleted}.
+
+    A key goes once it is older than ``retention_s`` seconds *and* its entry
+    is no longer on the queue (consumed, reclaimed or overwritten): a
+    producer retrying within the retention still gets the first entry's
+    sequence, and a key never goes while its entry can still be delivered.
+    Keys of dropped queues go at once. At most ``batch`` keys per queue per
+    call, so a long backlog is pruned over several passes.
+    """
+    pruned: dict[str, int] = {}
+    with _connect(dsn) as conn:
+        dropped = conn.execute(_Q["keys_prune_dropped"]).rowcount
+        if dropped:
+            pruned[""] = dropped
+        queues = conn.execute(_Q["keys_queues"], (retention_s,)).fetchall()
+        for qid, name, capacity in queues:
+            n = conn.execute(
+                sql.SQL(_Q["keys_prune"]).format(table=queue_table(name)),
+                (qid, retention_s, capacity, batch),
+            ).rowcount
+            if n:
+                pruned[name] = n
+    return pruned

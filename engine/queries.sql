@@ -44,6 +44,26 @@ DELETE FROM ringq.keys WHERE queue_id = %s AND key = %s AND seq = %s
 -- key_seq --
 SELECT seq FROM ringq.keys WHERE queue_id = %s AND key = %s
 
+-- keys_queues --
+-- Queues with idempotency keys older than the retention (seconds).
+SELECT q.id, q.name, q.capacity FROM ringq.queues q
+WHERE EXISTS (SELECT 1 FROM ringq.keys k
+              WHERE k.queue_id = q.id AND k.created_at < now() - make_interval(secs => %s))
+
+-- keys_prune --
+-- Spent keys: older than the retention and their entry no longer queued
+-- (its row is consumed or holds a later sequence). A batch at a time.
+DELETE FROM ringq.keys
+WHERE ctid = ANY(ARRAY(
+    SELECT k.ctid FROM ringq.keys k
+    WHERE k.queue_id = %s AND k.created_at < now() - make_interval(secs => %s)
+      AND NOT EXISTS (SELECT 1 FROM {table} t
+                      WHERE t.slot = mod(k.seq, %s)::integer AND t.seq = k.seq AND t.state = 1)
+    LIMIT %s))
+
+-- keys_prune_dropped --
+DELETE FROM ringq.keys k WHERE NOT EXISTS (SELECT 1 FROM ringq.queues q WHERE q.id = k.queue_id)
+
 -- enqueue_many --
 UPDATE {table} AS t
 SET state = 1, seq = v.seq, payload = v.payload, producer = %s, producer_seq = v.pseq,

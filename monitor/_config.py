@@ -18,6 +18,7 @@ DEFAULT_RECOVERY_INTERVAL = 0.1  # seconds between recovery passes (dead clients
 DEFAULT_PORT = 7480
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PREPARED_TIMEOUT = 60.0  # seconds before an undecided prepared transaction is rolled back
+DEFAULT_KEY_RETENTION = 86_400.0  # seconds a spent idempotency key is kept (then pruned)
 DEFAULT_HISTORY_SECONDS = 24 * 3600.0  # in-memory history kept per queue
 DEFAULT_T4_KEEP_DAYS = 14  # daily T4 files kept
 DEFAULT_HIGH_WATER = 0.8  # depth / capacity that raises queue.<name>.high_water
@@ -46,6 +47,7 @@ class MonitorConfig:
     token: str | None = None
     data_dir: Path | None = None
     prepared_timeout: float = DEFAULT_PREPARED_TIMEOUT
+    key_retention: float = DEFAULT_KEY_RETENTION
     history_seconds: float = DEFAULT_HISTORY_SECONDS
     t4_keep_days: int = DEFAULT_T4_KEEP_DAYS
     high_water: float = DEFAULT_HIGH_WATER
@@ -61,6 +63,7 @@ class MonitorConfig:
                 f"recovery_interval ({self.recovery_interval:g}s) must not exceed interval ({self.interval:g}s)"
             )
         _seconds("prepared_timeout", self.prepared_timeout, 0.0, 365 * 86_400.0)
+        _seconds("key_retention", self.key_retention, 0.0, 3650 * 86_400.0)
         _seconds("history_seconds", self.history_seconds, self.interval, 366 * 86_400.0)
         if isinstance(self.port, bool) or not isinstance(self.port, int) or not 0 <= self.port <= 65535:
             raise ConfigError(f"port must be an integer from 0 to 65535, not {self.port!r}")

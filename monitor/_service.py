@@ -28,6 +28,7 @@ from ringq.engine import DatabaseUnavailable, RingqError, SchemaMissing, Section
 from ringq.engine import _layout as L
 from ringq.engine._errors import from_psycopg
 from ringq.engine._recovery import (
+    prune_keys,
     pump_inbox,
     rebuild,
     reclaim_all,
@@ -295,6 +296,7 @@ class Monitor:
                         ("sample", self._sample),
                     ]
                     next_sample += self.config.interval
+                        ("keys", self._prune_keys),
                     if next_sample <= tick:  # fell behind (a long step): do not catch up in a burst
                         next_sample = tick + self.config.interval
                 elif self._inbox_due:
@@ -578,6 +580,15 @@ class Monitor:
         self._inbox_due = False
         try:
             moved = pump_inbox(self.config.dsn)
+    def _prune_keys(self) -> None:
+        # A scan of ringq.keys: once a minute is plenty for a retention in hours.
+        now = time.monotonic()
+        if now < getattr(self, "_keys_due", 0.0):
+            return
+        self._keys_due = now + 60.0
+        for queue, n in prune_keys(self.config.dsn, self.config.key_retention).items():
+            self._journal_write("keys.pruned", queue=queue or None, keys=n)
+
         except BaseException:
             self._inbox_due = True  # try again on the next pass
             raise

@@ -14,6 +14,7 @@ import pytest
 from ringq.engine import Section, connect
 from ringq.engine import _layout as L
 from ringq.engine._recovery import (
+    prune_keys,
     pump_inbox,
     rebuild,
     reclaim_all,
@@ -292,4 +293,31 @@ def test_session_dropped_without_close_is_recovered(dsn, make_queue):
         _recover_until(sec, dsn, lambda: ring.counts()["locked"] == 0)
         m = s.dequeue(q)
         assert m is not None and m.payload == b"keep"
+        s.commit()
+
+
+def test_spent_idempotency_keys_are_pruned_after_the_retention(dsn, make_queue):
+    q = make_queue(capacity=8)
+    with connect(dsn) as s:
+        consumed = s.enqueue(q, b"consumed", key="k-consumed")
+        queued = s.enqueue(q, b"queued", key="k-queued")
+        s.commit()
+        assert s.dequeue(q).seq == consumed
+        s.commit()
+    with psycopg.connect(dsn, autocommit=True) as c:
+        c.execute("UPDATE ringq.keys SET created_at = now() - interval '2 days'")
+        qid = c.execute("SELECT id FROM ringq.queues WHERE name = %s", (q,)).fetchone()[0]
+        c.execute("INSERT INTO ringq.keys (queue_id, key, seq) VALUES (%s, 'k-dropped', 0)", (qid + 1000,))
+    with connect(dsn) as s:
+        recent = s.enqueue(q, b"recent", key="k-recent")  # within the retention
+        s.commit()
+    # Only the old key whose entry is gone goes (and the dropped queue's).
+    assert prune_keys(dsn, retention_s=86_400) == {q: 1, "": 1}
+    with psycopg.connect(dsn) as c:
+        keys = sorted(r[0] for r in c.execute("SELECT key FROM ringq.keys").fetchall())
+    assert keys == ["k-queued", "k-recent"]
+    assert prune_keys(dsn, retention_s=86_400) == {}
+    with connect(dsn) as s:
+        assert s.enqueue(q, b"queued", key="k-queued") == queued  # still deduplicated
+        assert s.enqueue(q, b"again", key="k-consumed") > recent  # spent: a new entry
         s.commit()
