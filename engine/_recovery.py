@@ -23,7 +23,7 @@ import psycopg
 from psycopg import sql
 
 from . import _layout as L
-from ._errors import from_psycopg
+from ._errors import SectionError, from_psycopg
 from ._names import queue_table
 from ._ring import Ring
 from ._section import Section, pid_alive
@@ -32,8 +32,8 @@ from ._session import (
     POISON_REASON,
     QueueInfo,
     _held_slots,
-    _Process,
     _load_block,
+    _Process,
     connect,
     decide_ops,
     resync_queue,
@@ -101,27 +101,98 @@ def rebuild(dsn: str) -> Section:
         # process's other users (fcntl locks are per process, and closing any
         # descriptor of the segment drops them all).
         sec = _Process.section(_instance(conn))
-        infos = _queue_infos(conn)
-        for qidx in sec.loaded_queues():
-            qid = sec.q(qidx, L.Q_QID)
-            if qid not in infos:
-                sec.queues[qidx * L.QUEUE_WORDS + L.Q_STATE] = L.QS_DROPPED
-        for info in infos.values():
+        _load_queues(sec, conn)
+    return sec
+
+
+def rebuild_into(dsn: str, instance_id: str) -> Section:
+    """Load every queue from the tables into the section named by ``instance_id``,
+    a reference to compare the database's live section with (see
+    :func:`section_differences`); never the database's own section.
+
+    The caller closes it and removes it (``Section.unlink(instance_id)``).
+    :raises SectionError: ``instance_id`` is the database's own, or already has queues.
+    """
+    with _connect(dsn) as conn:
+        if instance_id == _instance(conn):
+            raise SectionError("rebuild_into needs a section other than the database's own")
+        sec = Section.attach(instance_id)
+        if sec.loaded_queues():
+            sec.close()
+            raise SectionError(f"section {sec.name} is not fresh: it already has queues")
+        try:
+            _load_queues(sec, conn)
+        except BaseException:
+            sec.close()
+            raise
+    return sec
+
+
+def _load_queues(sec: Section, conn: psycopg.Connection[Any]) -> None:
+    infos = _queue_infos(conn)
+    for qidx in sec.loaded_queues():
+        qid = sec.q(qidx, L.Q_QID)
+        if qid not in infos:
+            sec.queues[qidx * L.QUEUE_WORDS + L.Q_STATE] = L.QS_DROPPED
+    for info in infos.values():
+        if sec.find_queue(info.id) is not None:
+            continue
+        sec.lock_section()
+        try:
             if sec.find_queue(info.id) is not None:
                 continue
-            sec.lock_section()
-            try:
-                if sec.find_queue(info.id) is not None:
-                    continue
-                qidx = sec.allocate_queue(info.id, info.name, info.capacity)
-                rows = conn.execute(
-                    sql.SQL(_Q["all_rows"]).format(table=queue_table(info.name))  # type: ignore[arg-type]
-                ).fetchall()
-                _load_block(sec, qidx, info, rows, _held_slots(conn, info.id))
-                logger.info("ringq: queue %s loaded into the section (%d slots)", info.name, info.capacity)
-            finally:
-                sec.unlock_section()
-    return sec
+            qidx = sec.allocate_queue(info.id, info.name, info.capacity)
+            rows = conn.execute(
+                sql.SQL(_Q["all_rows"]).format(table=queue_table(info.name))  # type: ignore[arg-type]
+            ).fetchall()
+            _load_block(sec, qidx, info, rows, _held_slots(conn, info.id))
+            logger.info("ringq: queue %s loaded into the section (%d slots)", info.name, info.capacity)
+        finally:
+            sec.unlock_section()
+
+
+def section_differences(live: Section, fresh: Section, qid: int) -> list[str]:
+    """How queue ``qid``'s block in ``live`` differs from ``fresh`` (a rebuild
+    from the tables, :func:`rebuild_into`); empty when they agree.
+
+    Meant for a quiet queue (no transaction in flight) whose tail both have
+    reclaimed. Compared: tail, head, and the ENQ, DEQ and LCK bits and entry
+    owners of every slot in the rebuilt window [tail, head), and that no slot
+    of the live window is locked, and the queue's lock holder and dequeuer
+    role. One difference is allowed: a reservation voided at the head (its
+    row never written) is absent from the rows, so the live head may be
+    ahead of the rebuilt one over slots that are void (DEQ only).
+    """
+    out: list[str] = []
+    li, fi = live.find_queue(qid), fresh.find_queue(qid)
+    if li is None or fi is None:
+        return [f"queue {qid} not loaded (live {li}, fresh {fi})"]
+    lr, fr = Ring(live, li), Ring(fresh, fi)
+    if lr.cap != fr.cap:
+        return [f"capacity {lr.cap} != {fr.cap}"]
+    if lr.head < fr.head or lr.head - fr.head > lr.cap:
+        out.append(f"head {lr.head} != rebuilt {fr.head}")
+        return out
+    for seq in range(fr.head, lr.head):
+        # Reclaim moves the tail without clearing bits: a void slot keeps DEQ alone.
+        if lr.bits(seq % lr.cap)[:3] != (False, True, False):
+            out.append(f"head {lr.head} ahead of rebuilt {fr.head} over seq {seq}, not void: {lr.bits(seq % lr.cap)}")
+    # With nothing pending the rebuilt tail is its head; the live one may have
+    # reclaimed the void slots beyond it too.
+    empty_ok = fr.tail == fr.head and fr.head <= lr.tail <= lr.head
+    if lr.tail != fr.tail and not empty_ok:
+        out.append(f"tail {lr.tail} != rebuilt {fr.tail}")
+    for seq in range(fr.tail, fr.head):
+        slot = seq % fr.cap
+        if lr.bits(slot) != fr.bits(slot):
+            out.append(f"seq {seq} (slot {slot}): live (ENQ, DEQ, LCK, owner) {lr.bits(slot)} != rebuilt {fr.bits(slot)}")
+    for seq in range(lr.tail, lr.head):
+        if lr.bits(seq % lr.cap)[2]:
+            out.append(f"seq {seq} (slot {seq % lr.cap}) locked in the live section")
+    for word in (L.Q_LOCK_HOLDER, L.Q_DEQ_OWNER):
+        if live.q(li, word) != fresh.q(fi, word):
+            out.append(f"queue word {word}: live {live.q(li, word)} != rebuilt {fresh.q(fi, word)}")
+    return out
 
 
 def _backends_alive(

@@ -1,0 +1,405 @@
+"""Failures under traffic, with the real ``ringq monitor`` process running.
+
+Producers and consumers are real processes (forked) that record what they
+sent and what they took in the same transaction as the enqueue or dequeue
+(tables ``sent`` and ``got``), so the database itself is the ground truth.
+They are killed with SIGKILL at random points, some of them from inside the
+queue's critical section; the monitor is killed and restarted; PostgreSQL is
+restarted (``pg_ctl restart`` of the suite's cluster); the global section is
+unlinked. Afterwards every committed entry is delivered exactly once and the
+live section equals one rebuilt from the tables into a separate segment.
+
+Every wait is on a condition (commit counters the workers publish, the
+section, the monitor's state file) with a deadline; never a bare sleep.
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import json
+import multiprocessing as mp
+import os
+import random
+import secrets
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from types import FrameType
+from typing import Any
+
+import psycopg
+import pytest
+from psycopg import sql
+from ringq.engine import RingqError, Section, connect
+from ringq.engine import _layout as L
+from ringq.engine._recovery import rebuild_into, section_differences
+from ringq.scripting import Cluster
+from ringq.scripting._ddl import QueueSpec, create_queue
+
+FORK = mp.get_context("fork")
+INTERVAL = "0.2"  # the monitor's pass (s)
+
+
+# -- helpers ----------------------------------------------------------------------------------
+
+
+def wait_for(cond: Callable[[], Any], timeout: float = 20.0, what: str = "condition") -> Any:
+    """Poll ``cond`` until it returns something truthy; fail after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        got = cond()
+        if got:
+            return got
+        time.sleep(0.02)
+    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+
+
+class MonitorProcess:
+    """``ringq monitor`` as a real process, serving once its state file names it."""
+
+    def __init__(self, dsn: str, data_dir: Path) -> None:
+        self.data_dir = data_dir
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "ringq.cli", "monitor", "--dsn", dsn, "--port", "0",
+             "--data-dir", str(data_dir), "--interval", INTERVAL],
+            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+        )
+        wait_for(self._serving, 30, "the monitor to serve")
+
+    def _serving(self) -> bool:
+        if self.proc.poll() is not None:
+            err = self.proc.stderr.read() if self.proc.stderr else ""
+            raise AssertionError(f"monitor exited {self.proc.returncode}: {err}")
+        try:
+            state = json.loads((self.data_dir / "monitor.json").read_text())
+        except (OSError, ValueError):
+            return False
+        return bool(state.get("pid") == self.proc.pid and state.get("url"))
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait(30)
+        if self.proc.stderr:
+            self.proc.stderr.close()
+
+
+@pytest.fixture
+def queues(dsn: str) -> Iterator[list[str]]:
+    """Two queues (shared and single dequeue mode) and the ground-truth tables."""
+    names = []
+    with psycopg.connect(dsn) as conn:
+        for mode in ("shared", "single"):
+            name = "q_" + uuid.uuid4().hex[:10]
+            create_queue(conn, QueueSpec(name, 32, 256, dequeue_mode=mode, full_timeout=2.0))
+            names.append(name)
+        conn.execute("CREATE TABLE sent (payload bytea PRIMARY KEY)")
+        conn.execute("CREATE TABLE got (payload bytea, queue text, seq bigint)")
+    yield names
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        row = conn.execute("SELECT value FROM ringq.meta WHERE key = 'instance_id'").fetchone()
+        qids = [r[0] for r in conn.execute("SELECT id FROM ringq.queues").fetchall()]
+    if row:
+        Section.unlink(row[0])
+        Section.unlink_semaphores(row[0], qids)
+
+
+@pytest.fixture
+def monitor(dsn: str, tmp_path: Path) -> Iterator[Callable[[], MonitorProcess]]:
+    made: list[MonitorProcess] = []
+
+    def start() -> MonitorProcess:
+        m = MonitorProcess(dsn, tmp_path / "monitor")
+        made.append(m)
+        return m
+
+    yield start
+    for m in made:
+        m.kill()
+
+
+# -- the workers --------------------------------------------------------------------------------
+
+
+def _die_inside_the_lock(after: int, deaths: Any) -> None:
+    """Trace this process and SIGKILL it at the ``after``-th line executed in
+    the ring operations (``_ring.py``, all run under the queue's lock) or in
+    ``lock_queue``/``unlock_queue``: a death at a random instruction of the
+    critical section. ``deaths`` counts those that held a queue lock."""
+    left = [after]
+
+    def local(frame: FrameType, event: str, arg: Any) -> Any:
+        if event == "line":
+            left[0] -= 1
+            if left[0] <= 0:
+                this = frame.f_locals.get("self")
+                sec = getattr(this, "sec", this)  # a Ring's section, or the Section itself
+                if isinstance(sec, Section) and any(
+                    sec.q(i, L.Q_LOCK_HOLDER) == os.getpid() for i in sec.loaded_queues()
+                ):
+                    with deaths.get_lock():
+                        deaths.value += 1
+                os.kill(os.getpid(), signal.SIGKILL)
+        return local
+
+    def on_call(frame: FrameType, event: str, arg: Any) -> Any:
+        code = frame.f_code
+        if code.co_filename.endswith(("engine/_ring.py", "engine\\_ring.py")) or code.co_name in (
+            "lock_queue", "unlock_queue"
+        ):
+            return local
+        return None
+
+    sys.settrace(on_call)
+
+
+def _worker(dsn: str, queues: list[str], role: str, seed: int, commits: Any, stop: Any,
+            die_after: int, deaths: Any) -> None:
+    """Produce or consume until stopped or killed, reconnecting after any failure.
+
+    ``commits`` counts this worker's committed transactions. A producer puts
+    1-3 entries on random queues per transaction; a consumer takes one.
+    """
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # the test asks for stacks when stuck
+    rnd = random.Random(seed)
+    if die_after:
+        _die_inside_the_lock(die_after, deaths)
+    i = 0
+    while not stop.is_set():
+        try:
+            with connect(dsn, producer=f"{role}{seed}") as s:
+                while not stop.is_set():
+                    if role == "p":
+                        for _ in range(rnd.randint(1, 3)):
+                            i += 1
+                            payload = f"{seed}:{i}".encode()
+                            s.enqueue(rnd.choice(queues), payload, timeout=1.0)
+                            s.connection.execute("INSERT INTO sent VALUES (%s)", (payload,))
+                    else:
+                        q = rnd.choice(queues)
+                        m = s.dequeue(q, wait=0.05)
+                        if m is None:
+                            s.commit()
+                            continue
+                        s.connection.execute("INSERT INTO got VALUES (%s, %s, %s)", (m.payload, q, m.seq))
+                    s.commit()
+                    with commits.get_lock():
+                        commits.value += 1
+        except (RingqError, psycopg.Error):
+            stop.wait(0.05)  # the database or the section went away: come back
+
+
+class Traffic:
+    """Producer and consumer processes, with counters to wait on."""
+
+    def __init__(self, dsn: str, queues: list[str]) -> None:
+        self.dsn, self.queues = dsn, queues
+        self.commits = FORK.Value("q", 0)
+        self.deaths = FORK.Value("q", 0)  # SIGKILLs taken inside a queue lock
+        self.stop = FORK.Event()
+        self.procs: list[Any] = []
+        self.roles: list[str] = []
+        self._seed = 0
+
+    def start(self, producers: int = 2, consumers: int = 2, die_after: Callable[[], int] = lambda: 0) -> None:
+        for role in "p" * producers + "c" * consumers:
+            self._seed += 1
+            p = FORK.Process(target=_worker, args=(self.dsn, self.queues, role, self._seed, self.commits,
+                                                   self.stop, die_after(), self.deaths), daemon=True)
+            p.start()
+            self.procs.append(p)
+            self.roles.append(role)
+
+    def count(self) -> int:
+        with self.commits.get_lock():
+            return int(self.commits.value)
+
+    def both_roles_alive(self) -> bool:
+        alive = {role for p, role in zip(self.procs, self.roles, strict=True) if p.is_alive()}
+        return alive == {"p", "c"}
+
+    def wait_commits(self, n: int, timeout: float = 20.0, what: str = "traffic") -> None:
+        """Wait until ``n`` more transactions committed, or (when workers kill
+        themselves) no producer or no consumer is left to make progress."""
+        target = self.count() + n
+        try:
+            wait_for(lambda: self.count() >= target or not self.both_roles_alive(),
+                     timeout, f"{n} commits: {what}")
+        except AssertionError as exc:
+            alive = [p.pid for p in self.procs if p.is_alive()]
+            for pid in alive:
+                os.kill(pid, signal.SIGUSR1)  # their stacks, on stderr
+            time.sleep(0.5)  # let them write before the report
+            raise AssertionError(f"{exc}; {self.count()} of {target} commits; workers alive: {alive}") from None
+
+    def kill(self) -> None:
+        for p in self.procs:
+            if p.is_alive():
+                os.kill(p.pid, signal.SIGKILL)
+        for p in self.procs:
+            p.join(10)
+        self.procs, self.roles = [], []
+
+    def finish(self) -> None:
+        """Stop gracefully (kill what does not stop within 10 s)."""
+        self.stop.set()
+        for p in self.procs:
+            p.join(10)
+        self.kill()
+        self.stop.clear()
+
+
+# -- what must be true afterwards -------------------------------------------------------------------
+
+
+def _quiet(dsn: str, own_pid: int) -> None:
+    """Wait until the monitor has recovered every dead client: no client but
+    ours, no slot locked, no queue lock holder."""
+    with connect(dsn) as s:
+
+        def done() -> bool:
+            s.commit()  # re-attaches if the section was replaced
+            sec = s.section
+            return (
+                all(sec.c(c, L.C_PID) == own_pid for c in sec.active_clients())
+                and not any(sec.q(i, L.Q_LOCK_HOLDER) for i in sec.loaded_queues())
+                and not sec.lck.any()
+            )
+
+        wait_for(done, 20, "the monitor to recover every dead client")
+
+
+def _qids(dsn: str) -> dict[str, int]:
+    with psycopg.connect(dsn) as c:
+        return {n: int(i) for i, n in c.execute("SELECT id, name FROM ringq.queues").fetchall()}
+
+
+def assert_section_equals_rebuild(dsn: str) -> None:
+    """The live section (after the monitor's reclaim) equals a fresh rebuild from the tables."""
+    instance = "verify" + secrets.token_hex(8)
+    fresh = rebuild_into(dsn, instance)
+    try:
+        with connect(dsn) as s:
+            s.commit()
+            qids = _qids(dsn)
+
+            def diffs() -> dict[str, list[str]]:
+                out = {n: section_differences(s.section, fresh, qid) for n, qid in qids.items()}
+                return {n: d for n, d in out.items() if d}
+
+            deadline = time.monotonic() + 5  # the monitor's reclaim, every pass
+            while (d := diffs()) and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert not d, f"the live section differs from a rebuild: {d}; queued rows: {_queued_rows(dsn, list(d))}"
+    finally:
+        fresh.close()
+        Section.unlink(instance)
+
+
+def _queued_rows(dsn: str, queues: list[str]) -> dict[str, list[Any]]:
+    """Rows in state queued, with whether ``got`` has their payload (a report on failure)."""
+    out = {}
+    with psycopg.connect(dsn) as c:
+        for q in queues:
+            table = sql.Identifier("ringq", "q_" + q)
+            out[q] = c.execute(
+                sql.SQL("SELECT r.*, EXISTS (SELECT 1 FROM got g WHERE g.payload = r.payload) "
+                        "FROM {} r WHERE state = 1 ORDER BY seq").format(table)
+            ).fetchall()
+    return out
+
+
+def assert_exactly_once(dsn: str, queues: list[str], min_sent: int) -> None:
+    """Drain every queue; every committed entry was delivered exactly once."""
+    drained: list[bytes] = []
+    with connect(dsn) as s:
+        for q in queues:
+            while (m := s.dequeue(q)) is not None:
+                drained.append(m.payload)
+                s.commit()
+        s.commit()
+    with psycopg.connect(dsn) as c:
+        got = [bytes(r[0]) for r in c.execute("SELECT payload FROM got").fetchall()]
+        sent = {bytes(r[0]) for r in c.execute("SELECT payload FROM sent").fetchall()}
+    delivered = got + drained
+    dup = {p for p in delivered if delivered.count(p) > 1}
+    assert not dup, f"delivered twice: {sorted(dup)[:10]}"
+    assert len(sent) >= min_sent, f"the workload did too little to prove anything ({len(sent)} sent)"
+    lost, phantom = sent - set(delivered), set(delivered) - sent
+    assert not lost and not phantom, f"lost {sorted(lost)[:10]}, phantom {sorted(phantom)[:10]}"
+
+
+def _check_all(dsn: str, queues: list[str], min_sent: int) -> None:
+    _quiet(dsn, os.getpid())
+    assert_section_equals_rebuild(dsn)  # with entries still queued
+    assert_exactly_once(dsn, queues, min_sent)
+    _quiet(dsn, os.getpid())
+    assert_section_equals_rebuild(dsn)  # drained
+
+
+# -- the tests -------------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_kill9_at_random_points_inside_and_outside_the_lock_under_the_monitor(
+    dsn: str, queues: list[str], monitor: Callable[[], MonitorProcess]
+) -> None:
+    monitor()
+    rnd = random.Random(int(os.environ.get("RINGQ_TEST_SEED", "4")))
+    traffic = Traffic(dsn, queues)
+    rounds = 10
+    for _ in range(rounds):
+        # Half the workers die by themselves at a random line of a ring
+        # operation (inside the queue's lock); the rest are killed from here
+        # at whatever they are doing once the round has committed enough.
+        traffic.start(die_after=lambda: rnd.choice([0, rnd.randint(1, 400)]))
+        traffic.wait_commits(rnd.randint(1, 25), what="a round")
+        traffic.kill()
+    assert traffic.deaths.value >= 3, f"only {traffic.deaths.value} deaths inside a queue lock"
+    _check_all(dsn, queues, min_sent=100)
+
+
+@pytest.mark.slow
+def test_monitor_restart_and_postgres_restart_in_the_middle_of_traffic(
+    dsn: str, queues: list[str], monitor: Callable[[], MonitorProcess], pg_cluster: Cluster
+) -> None:
+    mon = monitor()
+    traffic = Traffic(dsn, queues)
+    traffic.start()
+    try:
+        traffic.wait_commits(30, what="before the monitor restart")
+        mon.kill()  # kill -9, then a new one
+        traffic.wait_commits(10, what="without a monitor")
+        monitor()
+        traffic.wait_commits(30, what="under the new monitor")
+        log = pg_cluster.datadir / "log" / "startup.log"
+        restarted = pg_cluster._pg_ctl("restart", "-m", "fast", "-t", "60", "-l", str(log))
+        assert restarted.returncode == 0, restarted.stdout
+        traffic.wait_commits(30, 30, what="after the database restart")
+    finally:
+        traffic.finish()
+    _check_all(dsn, queues, min_sent=100)
+
+
+@pytest.mark.slow
+def test_section_unlinked_while_clients_run(
+    dsn: str, queues: list[str], monitor: Callable[[], MonitorProcess]
+) -> None:
+    monitor()
+    traffic = Traffic(dsn, queues)
+    traffic.start()
+    try:
+        with psycopg.connect(dsn) as c:
+            row = c.execute("SELECT value FROM ringq.meta WHERE key = 'instance_id'").fetchone()
+        assert row is not None
+        for _ in range(3):
+            traffic.wait_commits(20, what="before the section is removed")
+            assert Section.unlink(row[0])
+            traffic.wait_commits(20, what="after the section was removed")
+    finally:
+        traffic.finish()
+    _check_all(dsn, queues, min_sent=100)
