@@ -21,11 +21,13 @@ from typing import Any, Protocol
 from urllib.parse import parse_qs, urlsplit
 
 from . import _sample as S
+from ._history import Answer
 
 logger = logging.getLogger("ringq.monitor.http")
 
 DEFAULT_HISTORY_WINDOW = 300.0  # seconds of history returned when ``since`` is absent
 MAX_HISTORY_POINTS = 100_000  # per request
+MAX_HISTORY_STEP = 86_400.0  # seconds per bucket, at most
 
 
 class ApiSource(Protocol):
@@ -34,7 +36,9 @@ class ApiSource(Protocol):
     def current_token(self) -> str | None: ...
     def queues_doc(self) -> dict[str, Any]: ...
     def clients_doc(self) -> dict[str, Any]: ...
-    def history_points(self, queue: str, since: float, until: float, limit: int) -> list[dict[str, float]] | None: ...
+    def history_points(
+        self, queue: str, since: float, until: float, limit: int, step: float = 0.0, max_points: int | None = None
+    ) -> Answer | None: ...
     def metrics_text(self) -> tuple[bytes, str]: ...
 
 
@@ -155,13 +159,20 @@ class _Handler(BaseHTTPRequestHandler):
         limit = int(_float(query, "limit", MAX_HISTORY_POINTS))
         if not 1 <= limit <= MAX_HISTORY_POINTS:
             raise BadRequest(f"limit must be from 1 to {MAX_HISTORY_POINTS}")
-        points = self.server.source.history_points(queue, since, until, limit)
-        if points is None:
+        step = _float(query, "step", 0.0)
+        if not 0.0 <= step <= MAX_HISTORY_STEP:
+            raise BadRequest(f"step must be from 0 to {MAX_HISTORY_STEP:g} seconds")
+        max_points = _one(query, "max_points")
+        most = int(_float(query, "max_points", MAX_HISTORY_POINTS)) if max_points else None
+        if most is not None and not 2 <= most <= MAX_HISTORY_POINTS:
+            raise BadRequest(f"max_points must be from 2 to {MAX_HISTORY_POINTS}")
+        answer = self.server.source.history_points(queue, since, until, limit, step, most)
+        if answer is None:
             self._error(HTTPStatus.NOT_FOUND, f"no history for queue {queue!r}")
             return
         doc = self.server.source.queues_doc()
         self._json(HTTPStatus.OK, {"queue": queue, "interval": doc["monitor"]["interval"],
-                                   "since": since, "points": points})
+                                   "since": since, "step": answer.step, "points": answer.points})
 
 
 ROUTES = {

@@ -9,7 +9,7 @@ from __future__ import annotations
 import threading
 import time
 from dataclasses import dataclass
-from typing import Final
+from typing import Any, Final
 
 import numpy as np
 from ringq.engine import Section
@@ -160,16 +160,45 @@ class Series:
 
     def since(self, t0: float, t1: float = float("inf"), limit: int | None = None) -> list[dict[str, float]]:
         """Points with ``t0 < t <= t1``, oldest first (the newest ``limit`` if given)."""
+        sel = self.rows(t0, t1)
+        if limit is not None and len(sel) > limit:
+            sel = sel[-limit:]
+        return points(sel)
+
+    def rows(self, t0: float, t1: float = float("inf")) -> np.ndarray:
+        """Rows (a copy) with ``t0 < t <= t1``, oldest first; columns as :data:`NUMERIC_KEYS`."""
         rows = self._data.shape[0]
         if self._n < rows:
             ordered = self._data[: self._n]
         else:
             ordered = np.concatenate([self._data[self._next :], self._data[: self._next]])
         times = ordered[:, 0]
-        sel = ordered[(times > t0) & (times <= t1)]
-        if limit is not None and len(sel) > limit:
-            sel = sel[-limit:]
-        return [dict(zip(NUMERIC_KEYS, map(_num, row), strict=True)) for row in sel]
+        return ordered[(times > t0) & (times <= t1)]
+
+    def first_t(self) -> float | None:
+        """The oldest point's time (None while empty)."""
+        if self._n == 0:
+            return None
+        oldest = 0 if self._n < self._data.shape[0] else self._next
+        return float(self._data[oldest, 0])
+
+
+def points(rows: np.ndarray) -> list[dict[str, float]]:
+    """Rows (columns as :data:`NUMERIC_KEYS`) as the API's points (whole numbers as int)."""
+    if not len(rows):
+        return []
+    # Column by column (a day is 86,400 rows): a column of whole numbers at once.
+    whole = (rows == np.floor(rows)) & (np.abs(rows) < 2**53)
+    cols: list[list[Any]] = []
+    for j in range(rows.shape[1]):
+        col = rows[:, j]
+        if whole[:, j].all():
+            cols.append(col.astype(np.int64).tolist())
+        elif not whole[:, j].any():
+            cols.append(col.tolist())
+        else:
+            cols.append([_num(x) for x in col.tolist()])
+    return [dict(zip(NUMERIC_KEYS, vals, strict=True)) for vals in zip(*cols, strict=True)]
 
 
 def _num(x: float) -> float:
@@ -201,6 +230,16 @@ class History:
             if series is None:
                 return None
             return series.since(t0, t1, limit)
+
+    def rows(self, name: str, t0: float, t1: float = float("inf")) -> tuple[np.ndarray, float] | None:
+        """Rows of queue ``name`` with ``t0 < t <= t1`` and the time of the oldest
+        point held (what precedes it is only in the T4 files); None if never sampled."""
+        with self._lock:
+            series = self._series.get(name)
+            first = None if series is None else series.first_t()
+            if series is None or first is None:
+                return None
+            return series.rows(t0, t1), first
 
     def names(self) -> list[str]:
         with self._lock:

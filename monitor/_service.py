@@ -43,10 +43,11 @@ from . import _events as E
 from . import _queries as Qy
 from . import _sample as S
 from ._config import MonitorConfig
+from ._history import DAY, Answer, HistoryReader
 from ._http import HttpService
 from ._journal import LOG_NAME, Journal
 from ._prom import CONTENT_TYPE, SectionCollector, render
-from ._t4 import T4Writer
+from ._t4 import T4Reader, T4Writer
 
 logger = logging.getLogger("ringq.monitor")
 
@@ -126,6 +127,9 @@ class Monitor:
         self._beat_t = 0.0
         self._steps: dict[str, StepStats] = {}
         self.history = S.History(config.history_points)
+        # /api/history: the memory, and before it the T4 files (a restarted monitor still serves the day).
+        t4 = T4Reader(config.data_dir) if config.data_dir is not None else None
+        self._history = HistoryReader(self.history, t4, reach=max(DAY, config.history_seconds))
         self._latest: dict[str, dict[str, float | str]] = {}
         self._latest_t = 0.0
         self._snaps: dict[int, S._Snap] = {}
@@ -683,8 +687,10 @@ class Monitor:
         """Client errors the monitor logged since it started, by kind."""
         return dict(self._client_errors_by_kind)
 
-    def history_points(self, queue: str, since: float, until: float, limit: int) -> list[dict[str, float]] | None:
-        return self.history.query(queue, since, until, limit)
+    def history_points(
+        self, queue: str, since: float, until: float, limit: int, step: float = 0.0, max_points: int | None = None
+    ) -> Answer | None:
+        return self._history.query(queue, since, until, limit, step=step, max_points=max_points)
 
     def metrics_text(self) -> tuple[bytes, str]:
         return render(self._collector), CONTENT_TYPE

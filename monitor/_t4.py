@@ -7,22 +7,40 @@ One row per queue per interval ("long" form), so queues created or dropped
 during the day need no new columns. A new file starts at midnight UTC; files
 older than ``keep_days`` are deleted. A day file written by another version
 (different header) is moved aside, never appended to with other columns.
+
+:class:`T4Reader` reads a queue's rows back (for ``/api/history``, points
+older than the monitor's memory): one pass over the bytes, the queue's lines
+picked by their name field, the figures parsed by numpy in one call, and the
+result cached per (file, queue) by the file's identity and size, so a finished
+day is parsed once and today's file is read again only from where it was left
+(and only when a request needs rows newer than what was read).
 """
 
 from __future__ import annotations
 
 import csv
 import io
+import math
+import os
 import re
+import threading
+import warnings
+from collections import OrderedDict
+from dataclasses import dataclass, field
 from datetime import UTC, date, datetime, timedelta
 from pathlib import Path
 from typing import IO
+
+import numpy as np
 
 from . import _sample as S
 
 COLUMNS = ("time", S.T, S.NAME, *[k for k in S.NUMERIC_KEYS if k != S.T])
 HEADER = ",".join(COLUMNS)
 _FILE_RE = re.compile(r"^t4-(\d{4}-\d{2}-\d{2})(?:\.old-\d{6})?\.csv$")
+_WIDTH = len(S.NUMERIC_KEYS)  # figures per row as read back: t first, then the rest, as NUMERIC_KEYS
+_LAST_DAY_T = 253_402_300_799.0  # 9999-12-31T23:59:59Z, the last time a date holds
+CACHE_BYTES = 128 << 20  # parsed rows kept by a T4Reader (a queue-day at 1 s is about 14.5 MB)
 
 
 def file_for(data_dir: Path, day: date) -> Path:
@@ -69,9 +87,15 @@ class T4Writer:
                 stamp = datetime.now(UTC).strftime("%H%M%S")
                 path.rename(path.with_name(f"{path.stem}.old-{stamp}.csv"))
         fresh = not path.exists() or path.stat().st_size == 0
+        torn = not fresh and _ends_torn(path)
         self._f = open(path, "a", encoding="utf-8", newline="")  # noqa: SIM115
         if fresh:
             self._f.write(HEADER + "\n")
+            self._f.flush()
+        elif torn:
+            # A monitor killed in the middle of a row: end that row, so ours
+            # start on a line of their own (the reader skips the torn one).
+            self._f.write("\n")
             self._f.flush()
         self._day = day
         self.prune(day)
@@ -97,6 +121,225 @@ class T4Writer:
         if self._f is not None:
             self._f.close()
             self._f = None
+
+
+def _ends_torn(path: Path) -> bool:
+    with open(path, "rb") as f:
+        f.seek(-1, os.SEEK_END)
+        return f.read(1) != b"\n"
+
+
+def day_of(t: float) -> date:
+    """The UTC day of unix time ``t`` (the day whose file holds its row)."""
+    return datetime.fromtimestamp(t, UTC).date()
+
+
+@dataclass
+class _Parsed:
+    """One queue's rows of one file, as far as the file was read."""
+
+    ident: tuple[int, int]  # (st_dev, st_ino): a replaced file is read afresh
+    offset: int  # bytes consumed (always at a line start)
+    mtime_ns: int
+    cols: list[int | None] | None  # None: the file has our header (fast path)
+    chunks: list[np.ndarray] = field(default_factory=list)
+
+    def rows(self) -> np.ndarray:
+        if len(self.chunks) != 1:
+            joined = np.concatenate(self.chunks) if self.chunks else np.empty((0, _WIDTH))
+            self.chunks = [joined]
+        return self.chunks[0]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(c.nbytes for c in self.chunks)
+
+    def last_t(self) -> float:
+        for c in reversed(self.chunks):
+            if len(c):
+                return float(c[-1, 0])
+        return -math.inf
+
+
+class T4Reader:
+    """Reads queues' samples back from the day files in ``data_dir``.
+
+    Thread-safe (one lock: two requests for the same day do not parse it
+    twice). At most ``cache_bytes`` of parsed rows are kept, least recently
+    used first out. Rows are assumed appended in time order within a file
+    (they are, unless the clock steps back).
+    """
+
+    def __init__(self, data_dir: Path, cache_bytes: int = CACHE_BYTES) -> None:
+        self.data_dir = data_dir
+        self.cache_bytes = cache_bytes
+        self._lock = threading.Lock()
+        self._cache: OrderedDict[tuple[Path, str], _Parsed] = OrderedDict()
+        self.parsed_rows = 0  # rows parsed so far (tests and benchmarks read it)
+
+    def files(self, first: date, last: date) -> list[Path]:
+        """The day files (and moved-aside ones) of the days ``first`` … ``last``, oldest first."""
+        found: list[tuple[date, str, Path]] = []
+        try:
+            entries = list(os.scandir(self.data_dir))
+        except OSError:
+            return []
+        for e in entries:
+            m = _FILE_RE.match(e.name)
+            if not m:
+                continue
+            try:
+                day = date.fromisoformat(m.group(1))
+            except ValueError:
+                continue
+            if first <= day <= last:
+                # t4-D.old-HHMMSS.csv sorts before t4-D.csv: its rows are older.
+                found.append((day, "0" if ".old-" in e.name else "1", Path(e.path)))
+        return [p for _, _, p in sorted(found)]
+
+    def read(self, name: str, t0: float, t1: float) -> np.ndarray:
+        """Rows of queue ``name`` with ``t0 < t <= t1``, by time, one column per
+        :data:`~ringq.monitor._sample.NUMERIC_KEYS` (``t`` first). A row written
+        twice (two files of one day) comes once."""
+        return self.lookup(name, t0, t1)[0]
+
+    def lookup(self, name: str, t0: float, t1: float) -> tuple[np.ndarray, bool]:
+        """:meth:`read`, and whether the files of those days hold ``name`` at all."""
+        if not t1 > t0:
+            return np.empty((0, _WIDTH)), False
+        first = day_of(max(t0, 0.0))
+        last = day_of(min(t1, _LAST_DAY_T))
+        parts = []
+        seen = False
+        for path in self.files(first, last):
+            rows = self._rows(path, name, t1)
+            if len(rows):
+                seen = True
+                times = rows[:, 0]
+                lo, hi = np.searchsorted(times, t0, "right"), np.searchsorted(times, t1, "right")
+                if hi > lo:
+                    parts.append(rows[lo:hi])
+        if not parts:
+            return np.empty((0, _WIDTH)), seen
+        out = np.concatenate(parts) if len(parts) > 1 else parts[0].copy()
+        if len(parts) > 1:
+            out = out[np.argsort(out[:, 0], kind="stable")]
+            keep = np.r_[True, out[1:, 0] != out[:-1, 0]]
+            out = out[keep]
+        return out, seen
+
+    def clear(self) -> None:
+        with self._lock:
+            self._cache.clear()
+
+    def _rows(self, path: Path, name: str, need_t: float) -> np.ndarray:
+        key = (path, name)
+        with self._lock:
+            try:
+                st = path.stat()
+            except OSError:
+                self._cache.pop(key, None)
+                return np.empty((0, _WIDTH))
+            ident = (st.st_dev, st.st_ino)
+            got = self._cache.get(key)
+            if got is not None and (
+                got.ident != ident or st.st_size < got.offset
+                or (st.st_size == got.offset and st.st_mtime_ns != got.mtime_ns)
+            ):
+                got = None  # replaced, truncated or rewritten: read it afresh
+            if got is None:
+                got = _Parsed(ident, 0, st.st_mtime_ns, None)
+            # Read on only if the file grew and the request wants rows newer
+            # than those already read: today's file, asked for what precedes
+            # the monitor's memory, is read once.
+            if st.st_size > got.offset and (got.offset == 0 or got.last_t() < need_t):
+                self._read_on(path, name, got)
+                got.mtime_ns = st.st_mtime_ns
+            self._cache[key] = got
+            self._cache.move_to_end(key)
+            self._evict(keep=key)
+            return got.rows()
+
+    def _read_on(self, path: Path, name: str, got: _Parsed) -> None:
+        with open(path, "rb") as f:
+            f.seek(got.offset)
+            data = f.read()
+        end = data.rfind(b"\n") + 1  # a row being written is left for later
+        if end == 0:
+            return
+        data = data[:end]
+        start = 0
+        if got.offset == 0:
+            start = data.find(b"\n") + 1
+            header = data[: start - 1].decode("utf-8", "replace").rstrip("\r")
+            got.cols = None if header == HEADER else _column_map(header)
+        chunk = _parse_fast(data[start:], name) if got.cols is None else _parse_mapped(data[start:], name, got.cols)
+        got.offset += end
+        if len(chunk):
+            got.chunks.append(chunk)
+            self.parsed_rows += len(chunk)
+
+    def _evict(self, keep: tuple[Path, str]) -> None:
+        total = sum(p.nbytes for p in self._cache.values())
+        for key in list(self._cache):
+            if total <= self.cache_bytes:
+                break
+            if key != keep:
+                total -= self._cache.pop(key).nbytes
+
+
+def _parse_fast(data: bytes, name: str) -> np.ndarray:
+    """The rows of ``name`` in lines of our own header's columns."""
+    marker = f",{name},".encode()
+    lines = [ln for ln in data.split(b"\n") if marker in ln]
+    if not lines:
+        return np.empty((0, _WIDTH))
+    # time,t,name,rest -> t,rest (a name is [a-z][a-z0-9_]*: no quoting, no comma)
+    key = marker[1:-1]
+    good = [
+        p[1] + b"," + p[3]
+        for p in (ln.split(b",", 3) for ln in lines)
+        if len(p) == 4 and p[2] == key and p[3].count(b",") == _WIDTH - 2
+    ]
+    if not good:
+        return np.empty((0, _WIDTH))
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # numpy warns, not raises, on a bad number
+            flat = np.fromstring(b",".join(good), dtype=np.float64, sep=",")
+        if flat.size == len(good) * _WIDTH:
+            return flat.reshape(len(good), _WIDTH)
+    except (ValueError, DeprecationWarning):
+        pass
+    # A damaged row somewhere: parse row by row and skip the bad ones.
+    out = []
+    for row in good:
+        try:
+            out.append([float(x) for x in row.split(b",")])
+        except ValueError:
+            continue
+    return np.array(out, dtype=np.float64).reshape(-1, _WIDTH)
+
+
+def _column_map(header: str) -> list[int | None]:
+    """For a file of another version: where each NUMERIC_KEYS column is (None: absent, read 0)."""
+    names = next(csv.reader([header]), [])
+    return [names.index(k) if k in names else None for k in (S.NAME, *S.NUMERIC_KEYS)]
+
+
+def _parse_mapped(data: bytes, name: str, cols: list[int | None]) -> np.ndarray:
+    at_name, at = cols[0], cols[1:]
+    if at_name is None or at[0] is None:
+        return np.empty((0, _WIDTH))
+    out = []
+    for row in csv.reader(io.StringIO(data.decode("utf-8", "replace"))):
+        try:
+            if row[at_name] != name:
+                continue
+            out.append([float(row[i]) if i is not None and row[i] != "" else 0.0 for i in at])
+        except (IndexError, ValueError):
+            continue
+    return np.array(out, dtype=np.float64).reshape(-1, _WIDTH)
 
 
 def _cell(v: float | str) -> str:

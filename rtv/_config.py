@@ -19,10 +19,12 @@ DEFAULT_HOST = "127.0.0.1"
 DEFAULT_MONITOR_URL = "http://127.0.0.1:7480"
 DEFAULT_REFRESH = 1.0  # seconds between updates of the page and the terminal view
 DEFAULT_TIMEOUT = 5.0  # seconds allowed for one request to the monitor
-DEFAULT_MAX_POINTS = 1800  # a history longer than this is thinned into buckets for the page
+DEFAULT_MAX_POINTS = 1800  # at most this many points per history asked of the monitor (it thins)
 
-# The history windows the page offers: (label, seconds). The day is served by
-# the monitor from its T4 files when its memory holds less.
+# The history windows the page offers: (label, seconds). The monitor serves
+# what precedes its memory (it starts empty with the monitor) from its T4 day
+# files, so "day" is the last 24 hours even after a monitor restart; it thins
+# the answer into at most max_points buckets (1 min each for a day).
 WINDOWS: tuple[tuple[str, int], ...] = (("5 min", 300), ("1 h", 3600), ("day", 86_400))
 MAX_WINDOW = WINDOWS[-1][1]
 

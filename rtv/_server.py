@@ -140,18 +140,27 @@ class Viewer:
     def api_queues(self) -> dict[str, Any]:
         return self.client.overview().as_json()
 
-    def api_history(self, queue: str, since: float | None, window: float | None) -> dict[str, Any]:
+    def api_history(
+        self, queue: str, since: float | None, window: float | None, max_points: int | None = None
+    ) -> dict[str, Any]:
+        """The queue's history for the page: ``since`` (epoch seconds) or the last
+        ``window`` seconds, at most ``max_points`` points (the page's width in
+        pixels; never more than ``config.max_points``). The monitor thins a long
+        window itself (the day comes from its T4 files); ``thin`` only guards
+        against a monitor that does not."""
         now = time.time()
         if since is None:
             since = now - (window or WINDOWS[0][1])
         since = max(since, now - MAX_WINDOW)
-        history = self.client.history(queue, since)
+        most = self.config.max_points if max_points is None else max(10, min(max_points, self.config.max_points))
+        history = self.client.history(queue, since, max_points=most)
         return {
             "t": now,
             "queue": queue,
             "interval": history.interval,
-            "points": thin(history.points, self.config.max_points),
-            "thinned": len(history.points) > self.config.max_points,
+            "step": history.step,
+            "points": thin(history.points, most),
+            "thinned": history.step > 0 or len(history.points) > most,
         }
 
 
@@ -196,10 +205,12 @@ class _Handler(BaseHTTPRequestHandler):
             try:
                 since = _float(_first(query, "since"))
                 window = _float(_first(query, "window"))
+                most = _float(_first(query, "max_points"))
             except ValueError as exc:
                 self._send_json(HTTPStatus.BAD_REQUEST, {"error": str(exc)})
                 return
-            self._send_api(lambda: self.server.viewer.api_history(queue, since, window))
+            points = None if most is None else int(most)
+            self._send_api(lambda: self.server.viewer.api_history(queue, since, window, points))
         elif path == "/api/config":
             cfg = self.server.viewer.config
             self._send_json(

@@ -60,10 +60,12 @@ class Overview:
 @dataclass(frozen=True)
 class History:
     """One answer of ``GET /api/history``: the monitor's sampling ``interval``
-    (seconds) and the points, oldest first."""
+    (seconds), the points, oldest first, and ``step``: the seconds each point
+    summarizes when the monitor thinned them (0: raw samples)."""
 
     interval: float | None
     points: list[Row]
+    step: float = 0.0
 
 
 class MonitorClient:
@@ -103,14 +105,19 @@ class MonitorClient:
         """Every queue's current figures, sorted by name."""
         return self.overview().queues
 
-    def history(self, queue: str, since: float) -> History:
+    def history(self, queue: str, since: float, max_points: int | None = None) -> History:
         """The queue's samples taken after ``since`` (seconds since the epoch), oldest first.
+
+        With ``max_points`` the monitor thins a longer answer into at most that
+        many buckets (``History.step`` says how wide); the day it serves from its
+        T4 files is 86,400 points per queue at 1 s, so ask for what you can draw.
 
         :raises MonitorError: with ``status`` 404 when the monitor never sampled ``queue``.
         """
-        body = self._get(
-            "/api/history?" + urlencode({"queue": queue, "since": f"{since:.3f}"}), self._history_timeout
-        )
+        params: dict[str, str] = {"queue": queue, "since": f"{since:.3f}"}
+        if max_points is not None:
+            params["max_points"] = str(max_points)
+        body = self._get("/api/history?" + urlencode(params), self._history_timeout)
         items = body.get("points") if isinstance(body, Mapping) else body
         if not _is_list(items):
             raise MonitorError("GET /api/history: expected a list of points")
@@ -118,7 +125,8 @@ class MonitorClient:
         points = [p for p in points if p[K.TIME] is not None and p[K.TIME] > since]
         points.sort(key=lambda p: p[K.TIME])
         interval = _number(body.get(K.INTERVAL)) if isinstance(body, Mapping) else None
-        return History(interval=interval, points=points)
+        step = _number(body.get("step")) if isinstance(body, Mapping) else None
+        return History(interval=interval, points=points, step=step or 0.0)
 
     def _get(self, path: str, timeout: float | None = None) -> Any:
         request = urllib.request.Request(self.url + path, headers={"Accept": "application/json"})

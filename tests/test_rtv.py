@@ -59,6 +59,7 @@ class FakeMonitor:
         self.token = token
         self.started = time.time() - history_s
         self.requests: list[tuple[str, str | None]] = []  # (path, Authorization header)
+        self.history_queries: list[dict[str, list[str]]] = []
         fake = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -81,6 +82,7 @@ class FakeMonitor:
                         "queues": [fake.sample(q, math.floor(now)) for q in fake.QUEUES],
                     })
                 if url.path == "/api/history":
+                    fake.history_queries.append(query)
                     queue = query.get("queue", [""])[0]
                     if queue not in fake.QUEUES:
                         return self._json(404, {"error": f"no history for queue {queue!r}", "status": 404})
@@ -234,6 +236,22 @@ def test_proxy_forwards_the_monitor_token_and_reports_its_failures() -> None:
     with pytest.raises(MonitorUnavailable):
         MonitorClient(mon.url, timeout=1).queues()
     assert issubclass(MonitorUnavailable, MonitorError)
+
+
+def test_viewer_asks_the_monitor_for_what_the_page_can_draw(fake_monitor: FakeMonitor) -> None:
+    cfg = ViewerConfig(monitor_url=fake_monitor.url, token="t", port=0, max_points=1500)
+    with Viewer(cfg) as v:
+        auth = {"Authorization": "Bearer t"}
+        for asked, sent in ((None, "1500"), ("500", "500"), ("99999", "1500"), ("1", "10")):
+            extra = "" if asked is None else f"&max_points={asked}"
+            status, _, body = _get(v.base_url + f"/api/history?queue=alpha&window=86400{extra}", auth)
+            assert status == 200, body
+            assert fake_monitor.history_queries[-1]["max_points"] == [sent]
+            doc = json.loads(body)
+            # The fake monitor serves its 1200 s raw: the viewer thins what it did not.
+            assert len(doc["points"]) <= int(sent) and doc["thinned"] == (int(sent) < 1000)
+        assert _get(v.base_url + "/api/history?queue=alpha&max_points=x", auth)[0] == 400
+    assert MonitorClient(fake_monitor.url).history("alpha", time.time() - 60).step == 0.0
 
 
 def test_long_history_is_thinned_keeping_the_worst_moments() -> None:
@@ -430,11 +448,15 @@ def test_page_against_a_stand_in_monitor(browser: Any, fake_monitor: FakeMonitor
         _wait_ticks(page, 3)
         after = _chart_data(page, "enq")
         assert after[0][-1] > before[0][-1]  # new samples arrived without a reload
-        # Choosing another window reloads that much history; another queue its own.
+        # Choosing another window reloads that much history (the stand-in's 1200 s,
+        # thinned to no more points than the chart is wide); another queue its own.
+        spans = "s.points.length >= 100 && s.thinned && s.lastT - s.points[0].t >= 1100"
         page.select_option("#window", "3600")
-        _wait_until(page, "window.ringqRtv.state.points.length >= 1100")
+        _wait_until(page, f"(s => {spans})(window.ringqRtv.state)")
         page.click("#queues tbody tr[data-queue=beta]")
-        _wait_until(page, "window.ringqRtv.state.queue === 'beta' && window.ringqRtv.state.points.length >= 1100")
+        _wait_until(page, f"(s => s.queue === 'beta' && {spans})(window.ringqRtv.state)")
+        width = page.evaluate("document.getElementById('chart-depth').clientWidth")
+        assert page.evaluate("window.ringqRtv.state.points.length") <= width + 5
         assert errors == []
         _screenshot(page, tmp_path / "rtv-stand-in.png")
         page.close()

@@ -13,6 +13,7 @@
     lastT: null,             // time of the newest point
     queues: [],              // the latest /api/queues rows
     thinned: false,
+    step: 0,                 // seconds per bucket of the thinned part (0: raw samples)
     interval: null,          // the monitor's sampling interval, seconds
     ticks: 0,                // completed refreshes (read by the tests)
     error: null,
@@ -298,8 +299,15 @@
     redrawCharts();
   }
 
+  // Ask for no more points than the charts have pixels across: the monitor
+  // thins a long window (the day, from its T4 files) into that many buckets.
+  function drawablePoints() {
+    var el = document.getElementById("chart-depth") || document.body;
+    return Math.max(100, Math.round((el && el.clientWidth) || 1000));
+  }
+
   function historyURL() {
-    var q = "/api/history?queue=" + encodeURIComponent(state.queue);
+    var q = "/api/history?queue=" + encodeURIComponent(state.queue) + "&max_points=" + drawablePoints();
     if (state.lastT !== null) return q + "&since=" + state.lastT;
     return q + "&window=" + state.windowSec;
   }
@@ -307,7 +315,7 @@
   function mergeHistory(body) {
     var pts = body.points || [];
     if (body.interval) state.interval = body.interval;
-    if (state.lastT === null) state.thinned = !!body.thinned;
+    if (state.lastT === null) { state.thinned = !!body.thinned; state.step = body.step || 0; }
     for (var i = 0; i < pts.length; i++) {
       if (state.lastT === null || pts[i].t > state.lastT) {
         state.points.push(pts[i]);
@@ -319,7 +327,8 @@
     while (drop < state.points.length && state.points[drop].t < from) drop++;
     if (drop) state.points.splice(0, drop);
     document.getElementById("detail-note").textContent =
-      state.points.length + " samples" + (state.thinned ? ", older ones summarized per bucket" : "");
+      state.points.length + " samples" + (state.thinned ? ", older ones summarized per " +
+        (state.step ? state.step + " s " : "") + "bucket" : "");
   }
 
   function tick() {
