@@ -28,6 +28,9 @@ from ._source import MonitorClient, MonitorError, Row
 
 BLOCKS = " ▁▂▃▄▅▆▇█"
 SPARK_WIDTH = 24  # default columns of a sparkline
+# Points asked of the monitor per queue: far more than a sparkline has columns,
+# far fewer than a day of 1 s samples (86,400, which the monitor thins).
+HISTORY_POINTS = 600
 
 
 @dataclass
@@ -56,7 +59,7 @@ class TuiModel:
             for name in sorted(names):
                 points = self.history.setdefault(name, [])
                 since = points[-1][K.TIME] if points else now - self.window
-                points.extend(self.client.history(name, since).points)
+                points.extend(self.client.history(name, since, max_points=HISTORY_POINTS).points)
                 cut = 0
                 while cut < len(points) and points[cut][K.TIME] < now - self.window:
                     cut += 1
