@@ -296,11 +296,11 @@ class Monitor:
                     slow = [
                         ("database", self._database_figures),
                         ("prepared", self._resolve_prepared),
+                        ("keys", self._prune_keys),
                         ("inbox", self._pump_inbox),
                         ("sample", self._sample),
                     ]
                     next_sample += self.config.interval
-                        ("keys", self._prune_keys),
                     if next_sample <= tick:  # fell behind (a long step): do not catch up in a burst
                         next_sample = tick + self.config.interval
                 elif self._inbox_due:
@@ -580,10 +580,6 @@ class Monitor:
         for gid, verb in resolve_prepared(self._section(), self.config.dsn, self.config.prepared_timeout):
             self._journal_write("prepared.resolved", logging.WARNING, gid=gid, outcome=verb)
 
-    def _pump_inbox(self) -> None:
-        self._inbox_due = False
-        try:
-            moved = pump_inbox(self.config.dsn)
     def _prune_keys(self) -> None:
         # A scan of ringq.keys: once a minute is plenty for a retention in hours.
         now = time.monotonic()
@@ -593,6 +589,10 @@ class Monitor:
         for queue, n in prune_keys(self.config.dsn, self.config.key_retention).items():
             self._journal_write("keys.pruned", queue=queue or None, keys=n)
 
+    def _pump_inbox(self) -> None:
+        self._inbox_due = False
+        try:
+            moved = pump_inbox(self.config.dsn)
         except BaseException:
             self._inbox_due = True  # try again on the next pass
             raise
