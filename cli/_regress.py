@@ -16,6 +16,12 @@ from ringq.engine import ringq_home
 from . import _exit
 from ._args import add_dsn, env_option, subparser
 
+# Exit codes of `ringq regress` (the shared values of `ringq --help`).
+RET_OK = _exit.OK  # every cycle proven (or stored, with --no-verify)
+RET_FAILURE = _exit.FAILURE  # a proof found violations, or a cycle's workload failed
+RET_FOREIGN_MONITOR = _exit.CONFLICT  # --chaos: a monitor serves the database that cannot be taken over
+RET_INTERRUPTED = _exit.INTERRUPTED  # a second signal aborted a cycle
+
 DESCRIPTION = """\
 Create a run (schema regress_<run id>, one queue per payload size), then repeat
 cycles: producer processes write random numbers of entries to random queues
@@ -28,12 +34,17 @@ order per (queue, producer) = commit order, every payload intact. A short report
 is printed and written as JSON; the run stays in the database for
 'ringq regress verify RUN'.
 
---chaos: the run starts its own monitor (a subprocess) and, every
---chaos-interval seconds while producers work, kills -9 a random producer,
-consumer or that monitor, and restarts it; --chaos-pg-restart also restarts the
-embedded PostgreSQL once per cycle (workers reconnect). Restarted workers wait
-until the monitor recovered the dead clients, then resume from what the database
-recorded. The report counts the kills per kind.
+--chaos: every --chaos-interval seconds while producers work, kill -9 a random
+producer, consumer or the monitor, and restart it; --chaos-pg-restart also
+restarts the embedded PostgreSQL once per cycle (workers reconnect). Restarted
+workers wait until the monitor recovered the dead clients, then resume from
+what the database recorded. The report counts the kills per kind. The monitor
+killed is the one serving the database (for example the one 'ringq run' left
+running): found by its state file in --monitor-dir, killed and started again
+detached with its own options, data directory and port, so its viewer keeps
+reading it; it is left serving after the run. With no monitor serving, the
+run starts its own (a subprocess, stopped after each cycle). A monitor that
+serves the database but is not found in --monitor-dir is refused (exit 5).
 
 SIGINT/SIGTERM: stop after the current cycle; a second one aborts the cycle.
 Spark needs Java 17 and the PostgreSQL JDBC driver
@@ -41,8 +52,8 @@ Spark needs Java 17 and the PostgreSQL JDBC driver
 
 CHAOS_HELP = (
     "fault injection: every --chaos-interval seconds kill -9 a random producer, consumer or the "
-    "run's own monitor (run as a subprocess with --chaos) and restart it; restarted workers resume "
-    "from what the database recorded; the proof must still pass"
+    "monitor serving the database (the run's own if none serves) and restart it; restarted workers "
+    "resume from what the database recorded; the proof must still pass"
 )
 
 
@@ -75,6 +86,9 @@ def register(sub: Any) -> None:
                help="with --chaos: seconds between kills, MIN,MAX (uniformly random) or one number")
     p.add_argument("--chaos-pg-restart", action="store_true",
                    help="with --chaos: also restart the embedded PostgreSQL once per cycle (pg_ctl restart -m fast)")
+    env_option(p, "--monitor-dir", env="RINGQ_MONITOR_DIR", default=None,
+               help="with --chaos: data directory of the monitor serving the database, taken over "
+                    "(default $RINGQ_HOME/monitor, where 'ringq run' keeps it)")
     _common(p)
 
     actions = p.add_subparsers(dest="regress_command", metavar="ACTION")
@@ -237,7 +251,7 @@ def _verifier(args: argparse.Namespace) -> Any:
 
 def _run(args: argparse.Namespace) -> int:
     from ringq.engine import ConfigError, resolve_dsn
-    from ringq.regression import RegressConfig, parse_sizes, run
+    from ringq.regression import ForeignMonitor, RegressConfig, parse_sizes, run, serving_monitor
 
     if args.chaos_pg_restart and not args.chaos:
         raise ConfigError("--chaos-pg-restart needs --chaos")
@@ -257,6 +271,13 @@ def _run(args: argparse.Namespace) -> int:
         chaos_pg_restart=args.chaos_pg_restart,
     )
     dsn = resolve_dsn(args.dsn)
+    monitor_dir = Path(args.monitor_dir) if args.monitor_dir else ringq_home() / "monitor"
+    if config.chaos:
+        try:
+            serving_monitor(dsn, monitor_dir)  # before Spark starts: a refusal comes at once
+        except ForeignMonitor as exc:
+            print(f"ringq regress: {exc}", file=sys.stderr)
+            return RET_FOREIGN_MONITOR
     verifier = None if args.no_verify else _verifier(args)
     if verifier is not None:
         verifier.check()  # fail now, not after the first cycle's workload
@@ -282,6 +303,7 @@ def _run(args: argparse.Namespace) -> int:
                 on_report=on_report,
                 stop_requested=stopper.stop,
                 abort_requested=stopper.abort,
+                monitor_dir=monitor_dir,
             )
         finally:
             display.end()
@@ -300,8 +322,8 @@ def _run(args: argparse.Namespace) -> int:
     print(f"regress: run {outcome.run_id} {outcome.status} after {cycles} cycle(s); {verdict}; "
           f"verify: ringq regress verify {outcome.run_id}", file=sys.stderr)
     if outcome.status == "aborted":
-        return _exit.INTERRUPTED
-    return _exit.OK if outcome.ok else _exit.FAILURE
+        return RET_INTERRUPTED
+    return RET_OK if outcome.ok else RET_FAILURE
 
 
 def _interval(text: str) -> tuple[float, float]:

@@ -54,6 +54,9 @@ def register(sub: Any) -> None:
     env_option(p, "--rtv-port", env="RINGQ_RTV_PORT", default=7481, type=int,
                help="viewer port (another free port if taken)")
     env_option(p, "--home", env="RINGQ_HOME", default=None, help="embedded cluster home (default ./.ringq)")
+    p.add_argument("--chaos", action="store_true",
+                   help="run the cycle with fault injection (ringq regress --chaos): producers, consumers "
+                        "and this monitor are killed -9 and restarted; the monitor comes back on its port")
     p.add_argument("--stop", action="store_true", help="stop the viewer, the monitor and the embedded database")
     p.set_defaults(func=run, _parser=p)
 
@@ -122,7 +125,10 @@ def run(args: argparse.Namespace) -> int:
         "--entries-per-queue", str(args.entries_per_queue),
         "--capacity", str(args.capacity),
         "--payload-sizes", args.payload_sizes,
+        "--monitor-dir", str(home / "monitor"),  # where the monitor started above keeps its state
     )
+    if args.chaos:
+        cmd.append("--chaos")
     _say("regression: " + " ".join(cmd[3:5]) + " ... (Spark proves the cycle at its end)")
     t0 = time.monotonic()
     try:
@@ -157,7 +163,7 @@ def _start_monitor(home: Path, dsn: str, port: int) -> str:
 
 def _answers(url: str) -> bool:
     try:
-        with urllib.request.urlopen(url, timeout=2) as r:  # noqa: S310 - our own loopback URL
+        with urllib.request.urlopen(url, timeout=2) as r:
             return bool(r.status == 200)
     except OSError:
         return False

@@ -17,6 +17,7 @@ no delivered rollback, FIFO per (queue, producer) and intact payloads.
 """
 
 from ._config import DEFAULT_PAYLOAD_SIZES, RegressConfig, parse_sizes, validate_run_id
+from ._monitors import ForeignMonitor, ServingMonitor, serving_monitor
 from ._payload import MIN_PAYLOAD
 from ._report import VIOLATION_KINDS, Report
 from ._runner import RunOutcome, run, verify
@@ -41,6 +42,7 @@ __all__ = [
     "VIOLATION_KINDS",
     "CycleResult",
     "CycleRow",
+    "ForeignMonitor",
     "Progress",
     "QueueRef",
     "RegressConfig",
@@ -48,6 +50,7 @@ __all__ = [
     "RunInfo",
     "RunNotFound",
     "RunOutcome",
+    "ServingMonitor",
     "SparkUnavailable",
     "Verifier",
     "create_run",
@@ -59,6 +62,7 @@ __all__ = [
     "parse_sizes",
     "run",
     "run_cycle",
+    "serving_monitor",
     "validate_run_id",
     "verify",
 ]

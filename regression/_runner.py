@@ -9,6 +9,7 @@ from pathlib import Path
 
 from . import _store
 from ._config import RegressConfig
+from ._monitors import serving_monitor
 from ._report import Report
 from ._verify import Verifier
 from ._workload import CycleResult, Progress, run_cycle
@@ -51,6 +52,7 @@ def run(
     on_report: Callable[[Report], None] | None = None,
     stop_requested: Callable[[], bool] | None = None,
     abort_requested: Callable[[], bool] | None = None,
+    monitor_dir: Path | None = None,
 ) -> RunOutcome:
     """Create a run and repeat cycles (``cycles=0``: until ``stop_requested()``).
 
@@ -58,8 +60,19 @@ def run(
     cycle is only stored, to be verified later). Stops at the first failing
     cycle unless ``keep_going``. The run's queues are dropped at the end unless
     ``keep_queues``; its evidence stays in schema ``regress_<run id>``.
+
+    With ``config.chaos``, a monitor already serving the database is taken over
+    (killed and restarted as it was) if its state file is in ``monitor_dir``.
+
+    :raises ForeignMonitor: (chaos) a monitor serves the database that cannot
+        be taken over; checked before the run is created.
     """
     say = notify or (lambda _msg: None)
+    if config.chaos:
+        serving = serving_monitor(dsn, monitor_dir)
+        if serving is not None:
+            say(f"chaos: the monitor serving the database (pid {serving.pid}, {serving.url or 'no HTTP'}) "
+                "is killed and restarted as it was; it stays up after the run")
     info = _store.create_run(dsn, config, run_id)
     say(f"run {info.run_id}: {len(info.queues)} queues x {config.capacity:,} slots, "
         f"{config.entries_per_queue:,} entries per queue per cycle, {config.producers} producers")
@@ -72,7 +85,8 @@ def run(
                 break
             n += 1
             cycle = _store.start_cycle(dsn, info.run_id)
-            result = run_cycle(dsn, info, cycle, progress=progress, abort_requested=abort_requested)
+            result = run_cycle(dsn, info, cycle, progress=progress, abort_requested=abort_requested,
+                               monitor_dir=monitor_dir)
             _store.end_cycle(dsn, info.run_id, cycle, status=result.status, workload_s=result.workload_s,
                              stats=result.stats, errors=result.errors)
             outcome.results.append(result)

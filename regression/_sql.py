@@ -170,3 +170,12 @@ SELECT coalesce(max(pseq), 0), coalesce(max(tx), 0) FROM (
 SENT_BY_QUEUE = "SELECT queue, count(*) FROM {schema}.sent WHERE cycle = %s AND producer = %s GROUP BY queue"
 RESUME_CONSUMER = "SELECT coalesce(max(recv_order), 0), count(*) FROM {schema}.{table} WHERE cycle = %s"
 PREPARED_GIDS = "SELECT gid FROM pg_prepared_xacts WHERE database = current_database()"
+# The backend holding the monitor's lock (the same lock as ringq.monitor takes:
+# one serving monitor per database), if any.
+MONITOR_LOCK_HOLDER = """
+SELECT a.pid, a.application_name
+FROM pg_locks l JOIN pg_stat_activity a ON a.pid = l.pid
+WHERE l.locktype = 'advisory' AND l.objid = hashtext('ringq.monitor')::oid AND l.granted
+  AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())
+LIMIT 1
+"""

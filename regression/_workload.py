@@ -29,6 +29,7 @@ import time
 import traceback
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import psycopg
@@ -42,6 +43,7 @@ from . import _payload as P
 from . import _sql as S
 from . import _store
 from ._config import RegressConfig
+from ._monitors import OwnMonitor, TakenMonitor, serving_monitor
 from ._store import QueueRef, RunInfo
 
 # -- shared counters: one block of WORDS int64 per worker (each writes only its own) --
@@ -521,8 +523,13 @@ def run_cycle(
     *,
     progress: Callable[[Progress], None] | None = None,
     abort_requested: Callable[[], bool] | None = None,
+    monitor_dir: Path | None = None,
 ) -> CycleResult:
     """Run one cycle's workload to its end and return what it did.
+
+    With chaos, the monitor killed is the cycle's own, or, if one already
+    serves the database, that one, found by its state file in ``monitor_dir``
+    and restarted as it was (see :mod:`ringq.regression._monitors`).
 
     The cycle ends when every producer has committed its share and every
     consumer has found its queue empty after that. ``abort_requested`` is polled
@@ -553,7 +560,7 @@ def run_cycle(
     ]
     workers = [ctx.Process(target=t, args=a, name=n) for t, a, n in specs]
     consumers, producers = workers[:nq], workers[nq:]
-    chaos = _Chaos(dsn, cfg, random.Random(f"{base_seed}:{cycle}:chaos")) if cfg.chaos else None
+    chaos = _Chaos(dsn, cfg, random.Random(f"{base_seed}:{cycle}:chaos"), monitor_dir) if cfg.chaos else None
     expected = cfg.entries_per_queue * nq
     status = "done"
     errors: list[str] = []
@@ -690,8 +697,8 @@ def run_cycle(
     }
     if status != "aborted":
         left = _store.leftovers(dsn, run)
-        for name, n in left.items():
-            stats["queues"][name]["leftover"] = n
+        for name, count in left.items():
+            stats["queues"][name]["leftover"] = count
     return CycleResult(cycle, status, workload_s, stats, errors)
 
 
@@ -726,25 +733,27 @@ def _reconnect_watcher(dsn: str) -> Session:
 
 # -- chaos -----------------------------------------------------------------------------------
 
-MONITOR_PREPARED_TIMEOUT_S = 2.0  # a dead coordinator's undecided prepared transaction rolls back soon
-
 
 class _Chaos:
     """Fault injection of a cycle: every ``chaos_interval`` seconds kill -9 a
-    random producer, consumer or the run's own monitor (a subprocess, started
-    again at once; the workers are restarted by the cycle's loop), and with
-    ``chaos_pg_restart`` restart the embedded PostgreSQL once (``pg_ctl
-    restart -m fast``). Killing stops once the producers are done, so the
-    cycle can drain."""
+    random producer, consumer or the monitor (restarted at once; the workers
+    are restarted by the cycle's loop), and with ``chaos_pg_restart`` restart
+    the embedded PostgreSQL once (``pg_ctl restart -m fast``). The monitor is
+    the cycle's own, or the one already serving the database, taken over
+    (:mod:`._monitors`). Killing stops once the producers are done, so the
+    cycle can drain.
 
-    def __init__(self, dsn: str, cfg: RegressConfig, rng: random.Random) -> None:
+    :raises ForeignMonitor: (start) a monitor serves the database that cannot be taken over.
+    """
+
+    def __init__(self, dsn: str, cfg: RegressConfig, rng: random.Random, monitor_dir: Path | None = None) -> None:
         self.dsn = dsn
         self.cfg = cfg
         self.rng = rng
+        self.monitor_dir = monitor_dir
         self.kills = {"producers": 0, "consumers": 0, "monitor": 0, "pg_restarts": 0}
         self.killed: set[int] = set()  # pids we killed (their exit is not a failure)
-        self.monitor: Any = None
-        self.monitor_starts = 0
+        self.monitor: OwnMonitor | TakenMonitor | None = None
         self.next_at = 0.0
         self.events = 0
         self.pg_event = rng.randint(2, 3) if cfg.chaos_pg_restart else -1
@@ -757,28 +766,15 @@ class _Chaos:
     def start(self, now: float) -> None:
         import tempfile
 
+        serving = serving_monitor(self.dsn, self.monitor_dir)
         self.logdir = tempfile.mkdtemp(prefix="ringq-regress-chaos-")
-        self._start_monitor()
+        self.monitor = TakenMonitor(serving, self.logdir) if serving else OwnMonitor(self.dsn, self.logdir)
+        self.monitor.start()
         self._schedule(now)
 
     def _schedule(self, now: float) -> None:
         lo, hi = self.cfg.chaos_interval
         self.next_at = now + self.rng.uniform(lo, hi)
-
-    def _start_monitor(self) -> None:
-        import subprocess
-
-        self.monitor_starts += 1
-        log = open(os.path.join(self.logdir, "monitor.log"), "ab")  # noqa: SIM115 - the child owns it
-        try:
-            self.monitor = subprocess.Popen(
-                [sys.executable, "-m", "ringq.cli", "monitor", "--dsn", self.dsn, "--port", "0",
-                 "--data-dir", os.path.join(self.logdir, "monitor"),
-                 "--prepared-timeout", str(MONITOR_PREPARED_TIMEOUT_S), "--log-level", "warning"],
-                stdin=subprocess.DEVNULL, stdout=log, stderr=log, start_new_session=True,
-            )
-        finally:
-            log.close()
 
     def was_killed(self, proc: Any) -> bool:
         if proc.pid in self.killed:
@@ -787,8 +783,8 @@ class _Chaos:
         return False
 
     def tick(self, now: float, producers: Sequence[Any], consumers: Sequence[Any], producers_done: bool) -> None:
-        if self.monitor is not None and self.monitor.poll() is not None:
-            self._start_monitor()  # killed by us, or died: the run needs its monitor
+        if self.monitor is not None:
+            self.monitor.tick()  # restarts it if it died, follows a restart under way
         if producers_done or now < self.next_at:
             return
         self.events += 1
@@ -798,7 +794,7 @@ class _Chaos:
             choices = {
                 "producers": [p for p in producers if p.exitcode is None and p.pid not in self.killed],
                 "consumers": [c for c in consumers if c.exitcode is None and c.pid not in self.killed],
-                "monitor": [self.monitor] if self.monitor is not None and self.monitor.poll() is None else [],
+                "monitor": [self.monitor] if self.monitor is not None and self.monitor.alive() else [],
             }
             kinds = [k for k, v in choices.items() if v]
             first = [k for k in self.first_kinds if k in kinds]
@@ -808,16 +804,16 @@ class _Chaos:
             if kinds:
                 kind = self.rng.choice(kinds)
                 victim = self.rng.choice(choices[kind])
-                try:
-                    os.kill(victim.pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
+                if kind == "monitor":
+                    if victim.kill():  # and restart it
+                        self.kills[kind] += 1
                 else:
-                    self.kills[kind] += 1
-                    if kind == "monitor":
-                        victim.wait()
-                        self._start_monitor()
+                    try:
+                        os.kill(victim.pid, signal.SIGKILL)
+                    except ProcessLookupError:
+                        pass
                     else:
+                        self.kills[kind] += 1
                         self.killed.add(victim.pid)
         self._schedule(time.monotonic())
 
@@ -837,23 +833,20 @@ class _Chaos:
             self.pg_errors.append(f"PostgreSQL restart failed: {type(exc).__name__}: {exc}")
 
     def stop(self) -> None:
-        m, self.monitor = self.monitor, None
-        if m is not None and m.poll() is None:
-            m.terminate()
-            try:
-                m.wait(10)
-            except Exception:  # noqa: BLE001
-                m.kill()
-                m.wait()
+        """Stop the cycle's own monitor; leave a taken-over one serving (restarted if need be)."""
+        if self.monitor is not None:
+            self.monitor.stop()
 
     def report(self, counters: Any, slots: Sequence[int]) -> dict[str, Any]:
         return {
             **self.kills,
             "interval_s": list(self.cfg.chaos_interval),
-            "monitor_starts": self.monitor_starts,
+            "monitor_starts": self.monitor.starts if self.monitor is not None else 0,
+            "monitor_taken_over": bool(self.monitor is not None and self.monitor.taken_over),
+            "monitor_url": self.monitor.url if self.monitor is not None else None,
             "reconnects": int(sum(counters[i * WORDS + RECONNECTS] for i in slots)),
             "resumed": int(sum(counters[i * WORDS + RESUMED] for i in slots)),
-            "errors": self.pg_errors,
+            "errors": self.pg_errors + (self.monitor.errors if self.monitor is not None else []),
             "logs": self.logdir,
         }
 

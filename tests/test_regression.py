@@ -15,6 +15,7 @@ import secrets
 import signal
 import subprocess
 import sys
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -26,7 +27,7 @@ import pytest
 from psycopg import sql
 from ringq.cli import main as cli_main
 from ringq.engine import ConfigError
-from ringq.engine._section import section_name
+from ringq.engine._section import pid_alive, section_name
 from ringq.regression import (
     MIN_PAYLOAD,
     RegressConfig,
@@ -452,3 +453,85 @@ def test_a_cycle_under_chaos_is_proven(dsn: str, verifier: Verifier, tmp_path: P
     assert saved["chaos"]["monitor"] == chaos["monitor"]
     with psycopg.connect(dsn) as conn:
         assert conn.execute("SELECT count(*) FROM pg_prepared_xacts").fetchone() == (0,)
+
+
+# -- chaos takes over the monitor that serves the database -------------------------------------------
+
+
+def _monitor_state(data: Path) -> dict[str, Any]:
+    state = json.loads((data / "monitor.json").read_text())
+    assert isinstance(state, dict)
+    return state
+
+
+def _metrics_answer(url: str) -> bool:
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(url + "/metrics", timeout=5) as r:
+            return bool(r.status == 200)
+    except OSError:
+        return False
+
+
+def test_chaos_takes_over_the_serving_monitor(
+    dsn: str, verifier: Verifier, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """As after ``make run``: a detached monitor serves the database (a viewer reads
+    it at its port). --chaos kills that one, not a stand-in that cannot start, and
+    restarts it as it was: same port and data directory, left serving afterwards."""
+    from ringq.regression import ForeignMonitor
+    from ringq.scripting._ddl import QueueSpec, create_queue
+
+    with psycopg.connect(dsn) as conn:
+        create_queue(conn, QueueSpec("regress_bystander", 16, 64))  # the monitor needs the schema
+    data = tmp_path / "monitor"
+    env = dict(os.environ, RINGQ_HOME=str(tmp_path / "home"))
+    started = subprocess.run(
+        [sys.executable, "-m", "ringq.cli", "monitor", "--dsn", dsn, "--port", "0", "--data-dir", str(data),
+         "--prepared-timeout", "2", "--log-level", "warning", "--detach"],
+        env=env, capture_output=True, text=True, timeout=60, check=False,
+    )
+    assert started.returncode == 0, started.stderr
+    first = _monitor_state(data)
+    url = first["url"]
+    try:
+        assert _metrics_answer(url)
+        config = RegressConfig(
+            payload_sizes=(16, 2000), capacity=32, entries_per_queue=300, producers=3,
+            two_phase_rate=0.4, seed=20261124, chaos=True, chaos_interval=(0.2, 0.4),
+        )
+        # A serving monitor chaos cannot find is refused before anything is created.
+        with pytest.raises(ForeignMonitor, match="--monitor-dir"):
+            run(dsn, config, cycles=1, monitor_dir=tmp_path / "elsewhere")
+        argv = ["regress", "--dsn", dsn, "--chaos", "--no-verify", "--monitor-dir", str(tmp_path / "elsewhere")]
+        assert cli_main(argv) == 5
+        assert "a monitor serves this database" in capsys.readouterr().err
+        with psycopg.connect(dsn) as conn:
+            assert conn.execute("SELECT count(*) FROM pg_namespace WHERE nspname LIKE 'regress\\_%'").fetchone() == (0,)
+
+        outcome = run(dsn, config, cycles=1, verifier=verifier, report_dir=tmp_path, monitor_dir=data)
+        result = outcome.results[0]
+        assert result.status == "done" and not result.errors, result
+        assert outcome.reports[0].ok, outcome.reports[0].summary()
+        chaos = result.stats["chaos"]
+        assert chaos["monitor_taken_over"] and chaos["monitor"] >= 1, chaos
+        assert chaos["monitor_starts"] == chaos["monitor"] and not chaos["errors"], chaos
+        # The monitor serving now is a new process, at the same address, in the same directory.
+        now = _monitor_state(data)
+        assert now["pid"] != first["pid"] and pid_alive(now["pid"]) and not pid_alive(first["pid"])
+        assert now["url"] == url == chaos["monitor_url"]
+        assert _metrics_answer(url)
+        with psycopg.connect(dsn, autocommit=True) as conn:
+            holder = conn.execute(S.MONITOR_LOCK_HOLDER).fetchone()
+        assert holder is not None and holder[1] == "ringq-monitor"
+    finally:
+        pid = _monitor_state(data)["pid"] if (data / "monitor.json").exists() else first["pid"]
+        try:
+            os.kill(pid, signal.SIGTERM)
+        except ProcessLookupError:
+            pass
+        deadline = time.monotonic() + 20
+        while pid_alive(pid) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        _unlink_section(dsn)
