@@ -15,10 +15,10 @@ import threading
 import time
 import weakref
 from collections.abc import Iterable, Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from datetime import datetime
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal, Self
 
 import numpy as np
 import posix_ipc
@@ -114,7 +114,7 @@ class _Process:
 
     lock = threading.Lock()
     pid = os.getpid()
-    sections: dict[str, Section] = {}
+    sections: ClassVar[dict[str, Section]] = {}
 
     @classmethod
     def section(cls, instance: str) -> Section:
@@ -315,7 +315,7 @@ class Session:
             if self._aux is not None:
                 self._aux.close()
 
-    def __enter__(self) -> Session:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, exc_type: object, exc: object, tb: object) -> None:
@@ -998,10 +998,8 @@ class Session:
         could not be decided now (then the monitor decides later).
         """
         old_pid = self.backend_pid
-        try:
+        with suppress(Exception):  # already broken: closing is a courtesy
             self._conn.close()
-        except Exception:  # noqa: BLE001 - already broken
-            pass
         try:
             new = self._open_connection()
         except DatabaseUnavailable:
