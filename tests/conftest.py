@@ -6,6 +6,9 @@
   test, dropped afterwards.
 - ``ringq_env`` (function): ``RINGQ_DSN``/``RINGQ_HOME`` set for the test and
   its subprocesses (``ringq`` commands), pointing at that database.
+- ``make_queue`` (function): ``make_queue(capacity=64, max_payload=1024, **settings)``
+  creates a queue with a fresh name in that database; afterwards the global
+  section and semaphores of that database are removed.
 """
 
 from __future__ import annotations
@@ -13,12 +16,16 @@ from __future__ import annotations
 import os
 import secrets
 import signal
-from collections.abc import Iterator
+import uuid
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import psycopg
 import pytest
 from psycopg import sql
+from ringq.engine import Section
 from ringq.scripting import Cluster
+from ringq.scripting._ddl import QueueSpec, create_queue
 
 # Spark (the regression analysis) must not go looking for the host's public
 # address in a sandbox; loopback is enough for a local master.
@@ -96,3 +103,20 @@ def ringq_env(
     monkeypatch.setenv("RINGQ_DSN", dsn)
     monkeypatch.setenv("RINGQ_HOME", os.path.join(tmp_path, "ringq_home"))
     return dict(os.environ)
+
+
+@pytest.fixture
+def make_queue(dsn: str) -> Iterator[Callable[..., str]]:
+    def make(capacity: int = 64, max_payload: int = 1024, **settings: Any) -> str:
+        name = "q_" + uuid.uuid4().hex[:10]
+        with psycopg.connect(dsn) as conn:
+            create_queue(conn, QueueSpec(name, capacity, max_payload, **settings))
+        return name
+
+    yield make
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        row = conn.execute("SELECT value FROM ringq.meta WHERE key = 'instance_id'").fetchone()
+        qids = [r[0] for r in conn.execute("SELECT id FROM ringq.queues").fetchall()]
+    if row:
+        Section.unlink(row[0])
+        Section.unlink_semaphores(row[0], qids)

@@ -31,26 +31,6 @@ from ringq.scripting._ddl import QueueSpec, create_queue
 FORK = mp.get_context("fork")
 
 
-@pytest.fixture
-def make_queue(dsn):
-    made: list[str] = []
-
-    def make(capacity: int = 64, max_payload: int = 1024, **kw) -> str:
-        name = "q_" + uuid.uuid4().hex[:10]
-        with psycopg.connect(dsn) as conn:
-            create_queue(conn, QueueSpec(name, capacity, max_payload, **kw))
-        made.append(name)
-        return name
-
-    yield make
-    with psycopg.connect(dsn, autocommit=True) as conn:
-        row = conn.execute("SELECT value FROM ringq.meta WHERE key = 'instance_id'").fetchone()
-        qids = [r[0] for r in conn.execute("SELECT id FROM ringq.queues").fetchall()]
-    if row:
-        Section.unlink(row[0])
-        Section.unlink_semaphores(row[0], qids)
-
-
 def drain(dsn: str, queue: str, *, wait: float | None = None) -> list:
     out = []
     with connect(dsn) as s:

@@ -12,36 +12,16 @@ import array
 import fcntl
 import termios
 import time
-import uuid
-from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import psycopg
 import pytest
 from ringq.engine import EVENTS_CHANNEL as CHANNEL
-from ringq.engine import Event, Section, Subscription, connect, publish, subscribe
+from ringq.engine import Event, Subscription, connect, publish, subscribe
 from ringq.monitor import Monitor, MonitorConfig
 from ringq.monitor import _events as ME
 from ringq.monitor import subscribe as monitor_subscribe
-from ringq.scripting._ddl import QueueSpec, create_queue
-
-
-@pytest.fixture
-def make_queue(dsn: str) -> Iterator[Callable[..., str]]:
-    def make(capacity: int = 64, **kw: Any) -> str:
-        name = "q_" + uuid.uuid4().hex[:10]
-        with psycopg.connect(dsn) as conn:
-            create_queue(conn, QueueSpec(name, capacity, 1024, **kw))
-        return name
-
-    yield make
-    with psycopg.connect(dsn, autocommit=True) as conn:
-        row = conn.execute("SELECT value FROM ringq.meta WHERE key = 'instance_id'").fetchone()
-        qids = [r[0] for r in conn.execute("SELECT id FROM ringq.queues").fetchall()]
-    if row:
-        Section.unlink(row[0])
-        Section.unlink_semaphores(row[0], qids)
 
 
 def _all(sub: Subscription, n: int, timeout: float = 10.0) -> list[Event]:

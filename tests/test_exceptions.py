@@ -12,14 +12,13 @@ import multiprocessing as mp
 import os
 import signal
 import time
-import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import psycopg
 import pytest
 from ringq.cli import main
-from ringq.engine import ConfigError, EntryNotFound, QueueNotFound, Section, Session, connect
+from ringq.engine import ConfigError, EntryNotFound, QueueNotFound, Session, connect
 from ringq.engine._recovery import pump_inbox, recover_dead_clients
 from ringq.scripting import discard_exception, list_exceptions, requeue_exception
 from ringq.scripting._ddl import QueueSpec, create_queue, drop_queue
@@ -27,21 +26,6 @@ from ringq.scripting._ddl import QueueSpec, create_queue, drop_queue
 FORK = mp.get_context("fork")
 
 
-@pytest.fixture
-def make_queue(dsn: str) -> Iterator[Callable[..., str]]:
-    def make(capacity: int = 16, max_payload: int = 256, **kw: Any) -> str:
-        name = "q_" + uuid.uuid4().hex[:10]
-        with psycopg.connect(dsn) as conn:
-            create_queue(conn, QueueSpec(name, capacity, max_payload, **kw))
-        return name
-
-    yield make
-    with psycopg.connect(dsn, autocommit=True) as conn:
-        row = conn.execute("SELECT value FROM ringq.meta WHERE key = 'instance_id'").fetchone()
-        qids = [r[0] for r in conn.execute("SELECT id FROM ringq.queues").fetchall()]
-    if row:
-        Section.unlink(row[0])
-        Section.unlink_semaphores(row[0], qids)
 
 
 def cli(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:

@@ -81,21 +81,6 @@ def queue_doc(base: str, name: str, token: str | None = None) -> dict[str, Any] 
     return next((q for q in doc["queues"] if q["name"] == name), None)
 
 
-@pytest.fixture
-def make_queue(dsn: str) -> Iterator[Callable[..., str]]:
-    def make(capacity: int = 64, max_payload: int = 1024, **kw: Any) -> str:
-        name = "q_" + uuid.uuid4().hex[:10]
-        with psycopg.connect(dsn) as conn:
-            create_queue(conn, QueueSpec(name, capacity, max_payload, **kw))
-        return name
-
-    yield make
-    with psycopg.connect(dsn, autocommit=True) as conn:
-        row = conn.execute("SELECT value FROM ringq.meta WHERE key = 'instance_id'").fetchone()
-        qids = [r[0] for r in conn.execute("SELECT id FROM ringq.queues").fetchall()]
-    if row:
-        Section.unlink(row[0])
-        Section.unlink_semaphores(row[0], qids)
 
 
 @pytest.fixture

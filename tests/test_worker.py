@@ -8,6 +8,7 @@ conditions (rows, files, log lines) with deadlines.
 
 from __future__ import annotations
 
+import logging
 import os
 import queue as queue_mod
 import re
@@ -30,32 +31,15 @@ from ringq.engine import (
     ConfigError,
     Decline,
     Message,
-    Section,
     Session,
     Worker,
     WorkerExit,
     connect,
 )
-from ringq.scripting._ddl import QueueSpec, create_queue
 
 # -- fixtures and helpers -------------------------------------------------------------------
 
 
-@pytest.fixture
-def make_queue(dsn: str) -> Iterator[Callable[..., str]]:
-    def make(capacity: int = 64, max_payload: int = 1024, **kw: Any) -> str:
-        name = "q_" + uuid.uuid4().hex[:10]
-        with psycopg.connect(dsn) as conn:
-            create_queue(conn, QueueSpec(name, capacity, max_payload, **kw))
-        return name
-
-    yield make
-    with psycopg.connect(dsn, autocommit=True) as conn:
-        row = conn.execute("SELECT value FROM ringq.meta WHERE key = 'instance_id'").fetchone()
-        qids = [r[0] for r in conn.execute("SELECT id FROM ringq.queues").fetchall()]
-    if row:
-        Section.unlink(row[0])
-        Section.unlink_semaphores(row[0], qids)
 
 
 @pytest.fixture
@@ -168,7 +152,7 @@ def test_chaining_across_two_queues_is_atomic_when_the_action_fails(dsn, make_qu
 
 
 def test_always_raising_action_ends_in_the_exception_queue_after_max_deliveries(
-    dsn, make_queue, effects
+    dsn, make_queue, effects, caplog
 ):
     q = make_queue(max_deliveries=3)
     app = Actions()
@@ -184,12 +168,18 @@ def test_always_raising_action_ends_in_the_exception_queue_after_max_deliveries(
         raise ValueError("always")
 
     (seq,) = enqueue(dsn, q, b"poison")
+    caplog.set_level(logging.WARNING, logger="ringq.worker")
     with Worker(app, dsn) as w:
         while w.run_one(wait=0):
             pass
         st = w.stats()
     assert seen == [1, 2, 3]
     assert st["failed"] == 3 and st["poisoned"] == 1 and st["handled"] == 0
+    # Each failure is logged with its queue, seq and delivery count.
+    failures = [r.getMessage() for r in caplog.records if "ValueError: always" in r.getMessage()]
+    assert [f"queue {q} seq {seq} delivery {n}/3" in m for n, m in zip((1, 2, 3), failures, strict=True)] == [True] * 3
+    assert failures[-1].endswith("moved to ringq.exceptions")
+    assert failures[0].endswith("it will be delivered again")
     assert exceptions_of(dsn, q) == [(seq, 3, "max deliveries reached")]
     assert rows(dsn, "SELECT count(*) FROM effects") == [(0,)]
     assert drain(dsn, q) == []
