@@ -83,10 +83,14 @@ STATS_KEYS = (
 )
 
 POLL_S = 0.2  # the parent's loop: progress, depth samples, watchdog
-# A consumer waits at most this long for producers to find its queue full. Long
-# enough for a 2,000-slot queue to fill at the ~100 entries/s a small-payload
-# queue gets while the producers are held back by the large-payload queue.
+# A consumer waits for producers to find its queue full at most
+# max(STALL_MAX_S, capacity / STALL_MIN_RATE) seconds: long enough for a
+# 2,000-slot queue to fill at the ~100 entries/s a small-payload queue gets
+# while the producers are held back by the large-payload queue, and for a
+# 50,000-slot queue (the original's) at the same rate (a fixed 30 s left the
+# original's queues never full: ~640 entries/s per queue needs ~80 s).
 STALL_MAX_S = 30.0
+STALL_MIN_RATE = 100.0  # entries/s
 STALL_IDLE_S = 3.0  # ... and gives up sooner when no producer writes to it any more
 JOIN_S = 10.0  # grace for workers after an abort before they are terminated
 
@@ -473,17 +477,17 @@ def _consume_session(args: WorkerArgs, counters: Any, producers_done: Any, abort
             if stalls and taken >= stalls[0]:
                 stalls.pop(0)
                 counters[base + C_STALLS] += 1
-                _wait_full(s, ref.name, producers_done, abort)
+                _wait_full(s, ref.name, producers_done, abort, max(STALL_MAX_S, cfg.capacity / STALL_MIN_RATE))
     return True
 
 
-def _wait_full(s: Session, queue: str, producers_done: Any, abort: Any) -> None:
+def _wait_full(s: Session, queue: str, producers_done: Any, abort: Any, max_s: float) -> None:
     """Stop dequeuing until a producer finds the queue full, the producers stop
-    feeding it (its head has not moved for STALL_IDLE_S), or STALL_MAX_S passes."""
+    feeding it (its head has not moved for STALL_IDLE_S), or ``max_s`` seconds pass."""
     st = s.stats(queue)
     start, head = st[M.FULL_HITS], st[M.HEAD]
     now = time.monotonic()
-    deadline, moved = now + STALL_MAX_S, now
+    deadline, moved = now + max_s, now
     while now < deadline and now - moved < STALL_IDLE_S and not producers_done.is_set() and not abort.is_set():
         st = s.stats(queue)
         if st[M.FULL_HITS] > start:
