@@ -8,7 +8,7 @@
 SHELL = /bin/sh
 RINGQ = .venv/bin/ringq
 
-.PHONY: run test setup setup-run
+.PHONY: run test setup check setup-run
 
 setup:
 	@./.ci/setup test
@@ -24,3 +24,8 @@ test: setup
 # by Spark. `.venv/bin/ringq run --stop` stops what it started.
 run: setup-run
 	$(RINGQ) run
+
+# ruff and mypy --strict over the packages (not part of `make test`).
+check:
+	@./.ci/setup test
+	./.ci/typecheck

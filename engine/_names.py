@@ -25,6 +25,6 @@ def validate_queue_name(name: object) -> str:
     return name
 
 
-def queue_table(name: str) -> sql.Composed:
+def queue_table(name: str) -> sql.Identifier:
     """The queue's table, ``ringq.q_<name>``, as a quoted SQL identifier."""
     return sql.Identifier(SCHEMA, "q_" + validate_queue_name(name))

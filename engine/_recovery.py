@@ -143,7 +143,7 @@ def _load_queues(sec: Section, conn: psycopg.Connection[Any]) -> None:
                 continue
             qidx = sec.allocate_queue(info.id, info.name, info.capacity)
             rows = conn.execute(
-                sql.SQL(_Q["all_rows"]).format(table=queue_table(info.name))  # type: ignore[arg-type]
+                sql.SQL(_Q["all_rows"]).format(table=queue_table(info.name))
             ).fetchall()
             _load_block(sec, qidx, info, rows, _held_slots(conn, info.id))
             logger.info("ringq: queue %s loaded into the section (%d slots)", info.name, info.capacity)
@@ -313,7 +313,7 @@ def _decide_and_strike(sec: Section, conn: psycopg.Connection[Any], ops: list[An
         group = [op for op in ops if op[1].id == info_id and op[4] == "d"]
         info = group[0][1]
         conn.execute(
-            sql.SQL(_Q["strike"]).format(table=queue_table(info.name)),  # type: ignore[arg-type]
+            sql.SQL(_Q["strike"]).format(table=queue_table(info.name)),
             (info.max_deliveries, info.max_deliveries, [o[2] for o in group], [o[3] for o in group],
              info.id, POISON_REASON),
         )
@@ -322,7 +322,7 @@ def _decide_and_strike(sec: Section, conn: psycopg.Connection[Any], ops: list[An
     for ring, info, slot, seq, kind in ops:
         if info.id not in rows_by_q:
             rows = conn.execute(
-                sql.SQL(_Q["rows"]).format(table=queue_table(info.name)),  # type: ignore[arg-type]
+                sql.SQL(_Q["rows"]).format(table=queue_table(info.name)),
                 ([o[2] for o in ops if o[1].id == info.id],),
             ).fetchall()
             rows_by_q[info.id] = {r[0]: (r[1], r[2]) for r in rows}

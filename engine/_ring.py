@@ -359,10 +359,10 @@ class Ring:
         enq[at] = written & (state_by_slot[at] >= 1)
         deq[at] = ~(written & (state_by_slot[at] == 1))  # consumed, or void (never written)
         lck = np.zeros(cap, dtype=bool)
-        for slot, seq in held:
-            lck[slot] = True
-            enq[slot] = seq_by_slot[slot] == seq and state_by_slot[slot] >= 1
-            deq[slot] = bool(enq[slot])  # a held dequeue; a held enqueue has neither bit
+        for h_slot, h_seq in held:
+            lck[h_slot] = True
+            enq[h_slot] = seq_by_slot[h_slot] == h_seq and state_by_slot[h_slot] >= 1
+            deq[h_slot] = bool(enq[h_slot])  # a held dequeue; a held enqueue has neither bit
 
         def words(bits: np.ndarray) -> np.ndarray:
             padded = np.zeros(nwords * 64, dtype=bool)

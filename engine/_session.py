@@ -428,7 +428,7 @@ class Session:
         key = (name, queue)
         stmt = self._stmts.get(key)
         if stmt is None:
-            stmt = sql.SQL(_Q[name]).format(table=queue_table(queue)).as_string(None)  # type: ignore[arg-type]
+            stmt = sql.SQL(_Q[name]).format(table=queue_table(queue)).as_string(None)
             self._stmts[key] = stmt
         return stmt
 
@@ -1320,7 +1320,7 @@ def resync_queue(sec: Section, ring: Ring, info: QueueInfo, dsn: str) -> None:
     hands between the read and the update.
     """
     with psycopg.connect(dsn, autocommit=True) as aux:
-        sql_rows = sql.SQL(_Q["all_rows"]).format(table=queue_table(info.name))  # type: ignore[arg-type]
+        sql_rows = sql.SQL(_Q["all_rows"]).format(table=queue_table(info.name))
         held = _held_slots(aux, info.id)
         sec.lock_queue(ring.qidx)
         try:
@@ -1351,7 +1351,7 @@ def decide_ops(
     for group in by_queue.values():
         ring, info = group[0][0], group[0][1]
         rows = conn.execute(
-            sql.SQL(_Q["rows"]).format(table=queue_table(info.name)),  # type: ignore[arg-type]
+            sql.SQL(_Q["rows"]).format(table=queue_table(info.name)),
             ([op[2] for op in group],),
         ).fetchall()
         by_slot = {slot: (state, seq) for slot, state, seq in rows}

@@ -30,4 +30,4 @@ def load(package: str, filename: str) -> dict[str, str]:
 
 def compose(template: str, **identifiers: sql.Composable) -> sql.Composed:
     """Fill ``{name}`` placeholders of a block with composables (Identifier, Literal)."""
-    return sql.SQL(template).format(**identifiers)  # type: ignore[arg-type]
+    return sql.SQL(template).format(**identifiers)

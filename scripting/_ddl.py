@@ -103,7 +103,7 @@ def _int_in(what: str, value: object, low: int, high: int) -> None:
 
 def schema_sql() -> sql.SQL:
     """The management schema, tables and SQL functions (idempotent, versioned)."""
-    return sql.SQL(_BLOCKS["schema"])  # type: ignore[arg-type]
+    return sql.SQL(_BLOCKS["schema"])
 
 
 def queue_sql(spec: QueueSpec) -> sql.Composed:
