@@ -22,7 +22,7 @@ from ringq.monitor._t4 import HEADER, T4Reader, T4Writer, file_for
 from ringq.rtv import _metrics as K
 
 # The monitor test module's helpers and fixtures (monitor, make_queue).
-from test_monitor import get_json, http, make_queue, monitor, produce, queue_doc, wait_for  # noqa: F401
+from test_monitor import get_json, http, monitor, produce, queue_doc, wait_for  # noqa: F401
 
 WIDTH = len(S.NUMERIC_KEYS)
 
