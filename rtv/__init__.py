@@ -1,5 +1,10 @@
 """The Real Time Viewer: live plots of every queue, read only from the monitor's HTTP API.
 
+Below the queues, a table of the sessions attached to the section (the
+monitor's ``/api/clients``), workers first: each one's throughput (messages
+handled per second for a worker, commits per second for a plain client) and
+its handled, failed, timed-out and poisoned messages and errors.
+
 - :class:`Viewer` serves the page (``start()/stop()``, a context manager);
   the browser talks only to it, and it proxies the monitor's API.
 - :func:`run_tui` is the same figures in a terminal, refreshed in place.

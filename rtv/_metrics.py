@@ -4,8 +4,9 @@ Names shared with the engine's section come from :mod:`ringq.engine.metrics`;
 the rest are the monitor's derived figures, as ``GET /api/queues`` and
 ``GET /api/history`` serve them (``monitor/_sample.py`` defines them there; the
 viewer does not import the monitor, and ``tests/test_rtv.py`` checks that the
-two lists agree). The page (``static/app.js``) and the terminal view read the
-normalized rows built by :mod:`ringq.rtv._source`.
+two lists agree), and at the end the keys of ``GET /api/clients``
+(``monitor/_clients.py``, checked the same way). The page (``static/app.js``)
+and the terminal view read the normalized rows built by :mod:`ringq.rtv._source`.
 """
 
 from __future__ import annotations
@@ -94,3 +95,48 @@ BUCKET: Final = {
     POISONED: MAX,
     DEAD_ROWS: MAX,
 }
+
+# -- clients: ``GET /api/clients``, one row per session attached to the section -----------
+# The keys are the monitor's (monitor/_clients.py) and the counters the engine's
+# (engine/metrics.py); tests/test_rtv.py checks the three lists agree.
+
+PID: Final = "pid"
+BACKEND_PID: Final = "backend_pid"
+ROLE: Final = "role"  # ROLE_WORKER (a `ringq worker` process) or ROLE_CLIENT
+STATE: Final = "state"  # "active", or "in_doubt" (lost its connection holding slots)
+STARTED: Final = "started"  # seconds since the epoch the entry was registered
+QUEUES: Final = "queues"  # names of the queues the session used
+BUSY_S: Final = "busy_s"  # seconds spent handling messages (workers)
+COMMIT_RATE: Final = "commit_rate"  # commits per second over the monitor's last interval
+HANDLED_RATE: Final = "handled_rate"  # messages handled per second over that interval
+FAILED_RATE: Final = "failed_rate"  # messages failed, timed out or aborted per second
+ERROR_RATE: Final = "error_rate"  # client errors per second
+LAST_ERROR: Final = "last_error"  # {kind, queue, seq, t} of the last error, or None
+ERROR_KIND: Final = "kind"
+ERROR_QUEUE: Final = "queue"
+ERROR_SEQ: Final = "seq"
+
+ROLE_WORKER: Final = M.ROLE_WORKER
+ROLE_CLIENT: Final = M.ROLE_CLIENT
+STATE_ACTIVE: Final = "active"
+
+# Totals since the session opened (a worker's carry over a reconnect).
+ENQUEUED: Final = M.ENQUEUED
+DEQUEUED: Final = M.DEQUEUED
+CLIENT_COMMITS: Final = M.COMMITS
+CLIENT_ROLLBACKS: Final = M.ROLLBACKS
+ERRORS: Final = M.ERRORS
+HANDLED: Final = M.HANDLED
+DECLINED: Final = M.DECLINED
+FAILED: Final = M.FAILED
+TIMEOUTS: Final = M.TIMEOUTS
+ABORTED: Final = M.ABORTED
+CLIENT_POISONED: Final = M.POISONED
+IN_DOUBT: Final = M.IN_DOUBT
+
+CLIENT_COUNTERS: Final = tuple(k for k in M.CLIENT_COUNTERS if k != M.BUSY_NS)
+CLIENT_RATES: Final = (COMMIT_RATE, HANDLED_RATE, FAILED_RATE, ERROR_RATE)
+# Every numeric figure of a client (floats in the normalized rows, None when
+# missing); the pids are ints, the rest of CLIENT_KEYS text or lists.
+CLIENT_NUMERIC: Final = (STARTED, *CLIENT_COUNTERS, BUSY_S, *CLIENT_RATES)
+CLIENT_KEYS: Final = (PID, BACKEND_PID, ROLE, STATE, QUEUES, *CLIENT_NUMERIC, LAST_ERROR)

@@ -140,6 +140,11 @@ class Viewer:
     def api_queues(self) -> dict[str, Any]:
         return self.client.overview().as_json()
 
+    def api_clients(self) -> dict[str, Any]:
+        """Every session attached to the section, workers first (the monitor's
+        ``/api/clients``, normalized)."""
+        return self.client.clients().as_json()
+
     def api_history(
         self, queue: str, since: float | None, window: float | None, max_points: int | None = None
     ) -> dict[str, Any]:
@@ -197,6 +202,8 @@ class _Handler(BaseHTTPRequestHandler):
             self._send_static(path[len("/static/") :])
         elif path == "/api/queues":
             self._send_api(lambda: self.server.viewer.api_queues())
+        elif path == "/api/clients":
+            self._send_api(lambda: self.server.viewer.api_clients())
         elif path == "/api/history":
             queue = _first(query, "queue")
             if not queue:

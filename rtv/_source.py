@@ -3,7 +3,8 @@
 The page and the terminal view both read through :class:`MonitorClient`, so
 whatever shape the monitor serves is mended in one place: every row comes out
 with every key of :data:`~ringq.rtv._metrics.NUMERIC` as a float (missing ones
-``None``), queues sorted by name, history points sorted by time.
+``None``), queues sorted by name, history points sorted by time, clients
+with every key of :data:`~ringq.rtv._metrics.CLIENT_KEYS`, workers first.
 """
 
 from __future__ import annotations
@@ -58,6 +59,21 @@ class Overview:
 
 
 @dataclass(frozen=True)
+class Clients:
+    """One answer of ``GET /api/clients``: the time ``t`` (epoch seconds) the
+    counters were read, the monitor's sampling ``interval`` (seconds, the span
+    of the rates) and every session attached to the section, workers first,
+    then by pid (rows from :func:`normalize_client`)."""
+
+    t: float | None
+    interval: float | None
+    clients: list[Row]
+
+    def as_json(self) -> dict[str, Any]:
+        return {"t": self.t, "interval": self.interval, "clients": self.clients}
+
+
+@dataclass(frozen=True)
 class History:
     """One answer of ``GET /api/history``: the monitor's sampling ``interval``
     (seconds), the points, oldest first, and ``step``: the seconds each point
@@ -69,8 +85,8 @@ class History:
 
 
 class MonitorClient:
-    """Reads ``GET /api/queues`` and ``GET /api/history`` from a monitor
-    (``monitor/API.md``).
+    """Reads ``GET /api/queues``, ``GET /api/history`` and ``GET /api/clients``
+    from a monitor (``monitor/API.md``).
 
     Thread-safe: each call opens its own connection. ``timeout`` (seconds)
     bounds each request; ``history_timeout`` a history request.
@@ -104,6 +120,21 @@ class MonitorClient:
     def queues(self) -> list[Row]:
         """Every queue's current figures, sorted by name."""
         return self.overview().queues
+
+    def clients(self) -> Clients:
+        """Every session attached to the section (a program's own, or a worker
+        process): its counters now and its rates over the monitor's last
+        interval; workers first, then by pid."""
+        body = self._get("/api/clients")
+        items = body.get("clients") if isinstance(body, Mapping) else body
+        if not _is_list(items):
+            raise MonitorError("GET /api/clients: expected a list of clients")
+        rows = [normalize_client(item) for item in items if isinstance(item, Mapping)]
+        rows = [r for r in rows if r[K.PID] is not None]
+        rows.sort(key=client_order)
+        t = _number(body.get(K.TIME)) if isinstance(body, Mapping) else None
+        interval = _number(body.get(K.INTERVAL)) if isinstance(body, Mapping) else None
+        return Clients(t=t, interval=interval, clients=rows)
 
     def history(self, queue: str, since: float, max_points: int | None = None) -> History:
         """The queue's samples taken after ``since`` (seconds since the epoch), oldest first.
@@ -179,6 +210,42 @@ def normalize(item: Mapping[str, Any]) -> Row:
         else:
             row[key] = _number(value)
     return row
+
+
+def normalize_client(item: Mapping[str, Any]) -> Row:
+    """One client with every key of :data:`~ringq.rtv._metrics.CLIENT_KEYS`:
+    pids as ints, figures as floats (missing ones ``None``), ``role`` and
+    ``state`` as text, ``queues`` as a list of names, ``last_error`` as
+    ``{kind, queue, seq, t}`` or ``None``."""
+    row: Row = {K.PID: _int(item.get(K.PID)), K.BACKEND_PID: _int(item.get(K.BACKEND_PID))}
+    row[K.ROLE] = str(item.get(K.ROLE) or K.ROLE_CLIENT)
+    row[K.STATE] = str(item.get(K.STATE) or K.STATE_ACTIVE)
+    queues = item.get(K.QUEUES)
+    row[K.QUEUES] = sorted(str(q) for q in queues) if _is_list(queues) else []
+    for key in K.CLIENT_NUMERIC:
+        row[key] = _number(item.get(key))
+    last = item.get(K.LAST_ERROR)
+    row[K.LAST_ERROR] = (
+        {
+            K.ERROR_KIND: str(last.get(K.ERROR_KIND) or "error"),
+            K.ERROR_QUEUE: None if last.get(K.ERROR_QUEUE) is None else str(last[K.ERROR_QUEUE]),
+            K.ERROR_SEQ: _int(last.get(K.ERROR_SEQ)),
+            K.TIME: _number(last.get(K.TIME)),
+        }
+        if isinstance(last, Mapping)
+        else None
+    )
+    return row
+
+
+def client_order(row: Row) -> tuple[bool, int, float]:
+    """Workers first, then by pid (the monitor's own order)."""
+    return (row[K.ROLE] != K.ROLE_WORKER, row[K.PID] or 0, row[K.STARTED] or 0.0)
+
+
+def _int(value: object) -> int | None:
+    number = _number(value)
+    return None if number is None or isinstance(value, bool) else int(number)
 
 
 def _number(value: object) -> float | None:

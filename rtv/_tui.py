@@ -3,7 +3,10 @@
 Data comes from :class:`~ringq.rtv._source.MonitorClient` (kept apart from
 rendering: :class:`TuiModel` fetches, :func:`render` draws). Each queue row
 shows its current figures and, over the chosen window, sparklines of depth,
-rates and p99 latencies and a strip of its full/empty periods.
+rates and p99 latencies and a strip of its full/empty periods. Below the
+queues, one row per session attached to the section (workers first): its
+throughput over the monitor's last interval and its totals of handled and
+failed messages, time-outs, poisoned entries and errors.
 """
 
 from __future__ import annotations
@@ -35,16 +38,20 @@ HISTORY_POINTS = 600
 
 @dataclass
 class TuiModel:
-    """What the terminal view shows: the latest queue rows and each queue's
-    history over the last ``window`` seconds. ``update()`` never raises for a
-    monitor failure: it keeps the last figures and records ``error``."""
+    """What the terminal view shows: the latest queue rows, each queue's
+    history over the last ``window`` seconds and the clients attached.
+    ``update()`` never raises for a monitor failure: it keeps the last figures
+    and records ``error`` (or ``clients_error`` when only the clients could
+    not be read, e.g. from a monitor older than ``/api/clients``)."""
 
     client: MonitorClient
     window: float = 300.0
     queues: list[Row] = field(default_factory=list)
     history: dict[str, list[Row]] = field(default_factory=dict)
+    clients: list[Row] = field(default_factory=list)
     interval: float | None = None
     error: str | None = None
+    clients_error: str | None = None
     updated: float | None = None
 
     def update(self) -> None:
@@ -66,9 +73,15 @@ class TuiModel:
                 del points[:cut]
         except MonitorError as exc:
             self.error = str(exc)
+            return
+        self.error = None
+        self.updated = time.time()
+        try:
+            self.clients = self.client.clients().clients
+        except MonitorError as exc:
+            self.clients_error = str(exc)
         else:
-            self.error = None
-            self.updated = time.time()
+            self.clients_error = None
 
 
 def _columns(points: Sequence[Row], key: str, start: float, end: float, width: int) -> list[list[float]]:
@@ -140,6 +153,61 @@ def _state(q: Row) -> Text:
     return Text("flowing", style="green")
 
 
+def _client_state(c: Row) -> Text:
+    if c[K.STATE] == K.STATE_ACTIVE:
+        return Text(c[K.STATE], style="green")
+    return Text(str(c[K.STATE]), style="bold red")  # in_doubt: lost its connection holding slots
+
+
+def _throughput(c: Row) -> str:
+    """A worker's messages handled per second, a client's commits per second."""
+    if c[K.ROLE] == K.ROLE_WORKER:
+        return f"{_num(c[K.HANDLED_RATE], 1)} msg/s"
+    return f"{_num(c[K.COMMIT_RATE], 1)} commit/s"
+
+
+def _last_error(c: Row) -> str:
+    last = c[K.LAST_ERROR]
+    if not last:
+        return ""
+    where = f" on {last[K.ERROR_QUEUE]}" if last[K.ERROR_QUEUE] else ""
+    return f"{last[K.ERROR_KIND]}{where}"
+
+
+def clients_table(model: TuiModel) -> Table:
+    """The sessions attached to the section, workers first: throughput over
+    the monitor's last interval, then totals since each session opened (the
+    worker counters are shown for workers only)."""
+    table = Table(
+        box=box.SIMPLE_HEAD, pad_edge=False, title="Clients", title_justify="left", title_style="bold",
+        caption_justify="left",
+    )
+    table.add_column("PID", justify="right", no_wrap=True, style="bold")
+    table.add_column("Role", no_wrap=True)
+    table.add_column("Queues", overflow="ellipsis", max_width=40, no_wrap=True)
+    for header in ("Rate", "Handled", "Failed", "Timeouts", "Poisoned", "Errors"):
+        table.add_column(header, justify="right", no_wrap=True)
+    table.add_column("State", no_wrap=True)
+    table.add_column("Last error", overflow="ellipsis", max_width=40, no_wrap=True, style="red")
+    for c in model.clients:
+        worker = c[K.ROLE] == K.ROLE_WORKER
+        table.add_row(
+            str(c[K.PID]),
+            Text(str(c[K.ROLE]), style="cyan" if worker else ""),
+            ", ".join(c[K.QUEUES]) or "–",
+            _throughput(c),
+            *(_num(c[k]) if worker else "–" for k in (K.HANDLED, K.FAILED, K.TIMEOUTS, K.CLIENT_POISONED)),
+            Text(_num(c[K.ERRORS]), style="bold red" if c[K.ERRORS] else ""),
+            _client_state(c),
+            _last_error(c),
+        )
+    if model.clients_error:
+        table.caption = Text(model.clients_error, style="bold red")
+    elif not model.clients:
+        table.caption = Text("no client attached", style="grey50")
+    return table
+
+
 def _mean(values: list[float]) -> float:
     return sum(values) / len(values)
 
@@ -182,7 +250,7 @@ def _window_label(seconds: float) -> str:
 
 def render(model: TuiModel, monitor_url: str, *, width: int = 160, now: float | None = None) -> RenderableType:
     """The whole screen for ``model`` on a terminal ``width`` columns wide: a
-    status line, the queues now, and their trends over the window."""
+    status line, the queues now, their trends over the window, and the clients."""
     now = time.time() if now is None else now
     start = now - model.window
     # While the monitor's history is shorter than the window, the trends
@@ -249,8 +317,9 @@ def render(model: TuiModel, monitor_url: str, *, width: int = 160, now: float | 
     if not model.queues:
         current.add_row(Text("no queue reported yet", style="grey50"), *[""] * 12)
     footer = Text("Depth is drawn against capacity; rates and latencies against their own peak. "
+                  "Clients: rates over the monitor's last interval, counts since each session opened. "
                   "Ctrl-C to quit.", style="grey50")
-    return Group(status, current, trends, footer)
+    return Group(status, current, trends, clients_table(model), footer)
 
 
 class _StopFlag:

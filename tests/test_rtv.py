@@ -25,10 +25,10 @@ from urllib.parse import parse_qs, urlsplit
 
 import psycopg
 import pytest
-from ringq.engine import ConfigError, QueueFull, Section, connect
+from ringq.engine import Actions, ConfigError, QueueFull, Section, Worker, WorkerConfig, connect
 from ringq.rtv import MonitorClient, MonitorError, MonitorUnavailable, Viewer, ViewerConfig
 from ringq.rtv import _metrics as K
-from ringq.rtv._source import thin
+from ringq.rtv._source import normalize_client, thin
 from ringq.rtv._tui import TuiModel, render
 from ringq.scripting._ddl import QueueSpec, create_queue
 
@@ -49,14 +49,19 @@ FORK = mp.get_context("fork")
 
 
 class FakeMonitor:
-    """Serves ``/api/queues`` and ``/api/history`` as monitor/_http.py does,
-    for two queues whose figures change every second."""
+    """Serves ``/api/queues``, ``/api/history`` and ``/api/clients`` as
+    monitor/_http.py does, for two queues whose figures change every second,
+    one plain client and one worker (``clients=False``: a monitor without
+    ``/api/clients``)."""
 
     QUEUES = ("alpha", "beta")
     CAPACITY = 1000
+    WORKER_PID = 41233
+    CLIENT_PID = 41500
 
-    def __init__(self, token: str | None = None, history_s: int = 1200) -> None:
+    def __init__(self, token: str | None = None, history_s: int = 1200, clients: bool = True) -> None:
         self.token = token
+        self.serves_clients = clients
         self.started = time.time() - history_s
         self.requests: list[tuple[str, str | None]] = []  # (path, Authorization header)
         self.history_queries: list[dict[str, list[str]]] = []
@@ -92,6 +97,11 @@ class FakeMonitor:
                     for p in points:
                         del p["name"]
                     return self._json(200, {"queue": queue, "interval": 1.0, "since": since, "points": points})
+                if url.path == "/api/clients" and fake.serves_clients:
+                    now = time.time()
+                    # In the monitor's order (workers first), but the client listed
+                    # first here: the viewer sorts them itself.
+                    return self._json(200, {"t": now, "interval": 1.0, "clients": fake.clients(now)})
                 self._json(404, {"error": "no such path", "status": 404})
 
             def _json(self, status: int, body: Any) -> None:
@@ -121,6 +131,23 @@ class FakeMonitor:
             "retries": t % 4 == 0, "exceptions": (t // 60) % 5, "commits": 200, "rollbacks": t % 4 == 0,
             "waiting_dequeuers": int(depth == 0), "waiting_enqueuers": 0, "poisoned": 0, "dead_rows": 3,
         }
+
+    def clients(self, now: float) -> list[dict[str, Any]]:
+        n = math.floor(now - self.started)
+        zero = dict.fromkeys(("handled", "declined", "failed", "timeouts", "aborted", "poisoned", "in_doubt"), 0)
+        return [
+            {"pid": self.CLIENT_PID, "backend_pid": 88131, "role": "client", "state": "active",
+             "started": self.started, "queues": ["beta", "alpha"], "enqueued": 10 * n, "dequeued": 0,
+             "commits": n, "rollbacks": 0, "errors": 4, **zero, "busy_s": 0.0,
+             "commit_rate": 10.0, "handled_rate": 0.0, "failed_rate": 0.0, "error_rate": 0.0,
+             "last_error": {"kind": "queue_full", "queue": "alpha", "seq": 10400, "t": now - 1}},
+            {"pid": self.WORKER_PID, "backend_pid": 88120, "role": "worker", "state": "active",
+             "started": self.started, "queues": ["alpha"], "enqueued": 0, "dequeued": 100 * n,
+             "commits": 97 * n, "rollbacks": 3 * n, "errors": 0, **zero,
+             "handled": 97 * n, "declined": n, "failed": 2 * n, "timeouts": n, "poisoned": 7,
+             "busy_s": n / 10, "commit_rate": 97.0, "handled_rate": 97.0, "failed_rate": 3.0,
+             "error_rate": 0.0, "last_error": None},
+        ]
 
     def close(self) -> None:
         self.httpd.shutdown()
@@ -168,7 +195,7 @@ def test_config_is_validated() -> None:
 def test_every_path_needs_the_token(fake_monitor: FakeMonitor) -> None:
     with Viewer(ViewerConfig(monitor_url=fake_monitor.url, token="s3cret", port=0)) as v:
         base = v.base_url
-        for path in ("/", "/api/queues", "/api/history?queue=alpha", "/static/app.js", "/nope"):
+        for path in ("/", "/api/queues", "/api/clients", "/api/history?queue=alpha", "/static/app.js", "/nope"):
             status, headers, body = _get(base + path)
             assert status == 401, path
             assert headers["www-authenticate"].startswith("Bearer")
@@ -224,6 +251,24 @@ def test_proxy_forwards_the_monitor_token_and_reports_its_failures() -> None:
             assert _get(v.base_url + "/api/history", auth)[0] == 400
             assert _get(v.base_url + "/api/history?queue=alpha&since=nan", auth)[0] == 400
 
+            # The clients, workers first, every key there; without the token: 401.
+            status, _, body = _get(v.base_url + "/api/clients", auth)
+            assert status == 200, body
+            doc = json.loads(body)
+            assert doc["interval"] == 1.0 and doc["t"] > 0
+            assert [(c["pid"], c["role"]) for c in doc["clients"]] == [
+                (FakeMonitor.WORKER_PID, "worker"), (FakeMonitor.CLIENT_PID, "client")]
+            worker, client = doc["clients"]
+            assert set(worker) == set(K.CLIENT_KEYS)
+            assert worker["handled"] > 0 and worker["poisoned"] == 7 and worker["handled_rate"] == 97.0
+            assert client["queues"] == ["alpha", "beta"]
+            assert client["last_error"] == {"kind": "queue_full", "queue": "alpha", "seq": 10400,
+                                            "t": pytest.approx(doc["t"] - 1, abs=1)}
+            assert mon.requests[-1] == ("/api/clients", "Bearer mon-token")
+            status, _, body = _get(v.base_url + "/api/clients")
+            assert status == 401 and b"token" in body
+            assert _get(v.base_url + "/api/clients", {"Authorization": "Bearer wrong"})[0] == 401
+
         with Viewer(cfg.replace(monitor_token="wrong")) as v:
             status, _, body = _get(v.base_url + "/api/queues", {"Authorization": "Bearer t"})
             assert status == 502 and "401" in json.loads(body)["error"]
@@ -232,6 +277,8 @@ def test_proxy_forwards_the_monitor_token_and_reports_its_failures() -> None:
         mon.close()
     with Viewer(ViewerConfig(monitor_url=mon.url, token="t", port=0, timeout=1)) as v:
         status, _, body = _get(v.base_url + "/api/queues", {"Authorization": "Bearer t"})
+        assert status == 502 and json.loads(body)["monitor"] == "unreachable"
+        status, _, body = _get(v.base_url + "/api/clients", {"Authorization": "Bearer t"})
         assert status == 502 and json.loads(body)["monitor"] == "unreachable"
     with pytest.raises(MonitorUnavailable):
         MonitorClient(mon.url, timeout=1).queues()
@@ -276,6 +323,26 @@ def test_viewer_metric_names_are_the_monitors() -> None:
     assert set(K.BUCKET) == set(K.NUMERIC)
 
 
+def test_viewer_client_names_are_the_monitors() -> None:
+    from ringq.monitor import _clients as C
+
+    assert set(K.CLIENT_KEYS) == set(C.CLIENT_KEYS)
+    assert K.CLIENT_COUNTERS == C.COUNTER_KEYS and K.CLIENT_RATES == C.RATE_KEYS
+    assert (K.PID, K.ROLE, K.STATE, K.QUEUES, K.BUSY_S, K.LAST_ERROR) == (
+        C.PID, C.ROLE, C.STATE, C.QUEUES, C.BUSY_S, C.LAST_ERROR)
+    assert (K.ERROR_KIND, K.ERROR_QUEUE, K.ERROR_SEQ, K.TIME) == (C.KIND, C.QUEUE, C.SEQ, C.T)
+
+
+def test_clients_are_normalized() -> None:
+    row = normalize_client({"pid": "12", "role": "worker", "handled": True, "failed": float("nan"),
+                            "queues": "not-a-list", "last_error": {"kind": "queue_full", "seq": 3.0}})
+    assert row[K.PID] == 12 and row[K.BACKEND_PID] is None and row[K.STATE] == "active"
+    assert row[K.HANDLED] == 1.0 and row[K.FAILED] is None and row[K.TIMEOUTS] is None
+    assert row[K.QUEUES] == []
+    assert row[K.LAST_ERROR] == {"kind": "queue_full", "queue": None, "seq": 3, "t": None}
+    assert normalize_client({"pid": 5})[K.ROLE] == "client"
+
+
 # -- the terminal view -------------------------------------------------------------------
 
 
@@ -295,10 +362,37 @@ def test_tui_model_and_render(fake_monitor: FakeMonitor) -> None:
                    "Over the last 5 min", "Full █ / empty ░"):
         assert needle in text, needle
     assert re.search(r"[▁▂▃▄▅▆▇█]{5}", text)  # sparklines drawn
+    # The clients, below the queues: the worker's row first, with its throughput and failures.
+    assert text.index("Clients") > text.index("Over the last 5 min")
+    lines = text.splitlines()
+    worker = next(line for line in lines if str(FakeMonitor.WORKER_PID) in line)
+    client = next(line for line in lines if str(FakeMonitor.CLIENT_PID) in line)
+    assert lines.index(worker) < lines.index(client)
+    assert re.search(r"worker\s+alpha\s+97\.0 msg/s\s+\S+\s+\S+\s+\S+\s+7\s+0\s+active", worker), worker
+    assert re.search(r"client\s+alpha, beta\s+10\.0 commit/s(\s+–){4}\s+4\s+active\s+queue_full on alpha",
+                     client), client
     fake_monitor.close()
     model.update()
     assert model.error and "unreachable" in model.error
     assert [q["name"] for q in model.queues] == ["alpha", "beta"]  # the last figures stay
+    assert len(model.clients) == 2
+
+
+def test_tui_without_clients_still_shows_the_queues() -> None:
+    from rich.console import Console
+
+    mon = FakeMonitor(clients=False)  # a monitor older than /api/clients
+    try:
+        model = TuiModel(MonitorClient(mon.url), window=300)
+        model.update()
+        assert model.error is None and len(model.queues) == 2
+        assert model.clients == [] and model.clients_error and "404" in model.clients_error
+        console = Console(record=True, width=160, color_system=None)
+        console.print(render(model, mon.url, width=160))
+        text = console.export_text()
+        assert "alpha" in text and "Clients" in text and "/api/clients answered 404" in text
+    finally:
+        mon.close()
 
 
 def test_tui_command_refreshes_in_place_and_ctrl_c_exits_0(fake_monitor: FakeMonitor) -> None:
@@ -442,6 +536,10 @@ def test_page_against_a_stand_in_monitor(browser: Any, fake_monitor: FakeMonitor
         assert "token=" not in page.url  # taken out of the address bar
         assert page.locator("#queues tbody tr").count() == 2
         assert page.inner_text("#detail-name") == "alpha"
+        clients = page.locator("#clients tbody tr").evaluate_all(
+            "rows => rows.map(r => [r.dataset.pid, r.dataset.role, r.cells[3].textContent, r.cells[7].textContent])")
+        assert clients == [[str(FakeMonitor.WORKER_PID), "worker", "97.0 msg/s", "7"],
+                           [str(FakeMonitor.CLIENT_PID), "client", "10.0 commit/s", "–"]]
         for name in ("depth", "rates", "enq", "deq", "state", "faults"):
             assert len(_chart_data(page, name)[0]) >= 290, name
         before = _chart_data(page, "enq")
@@ -494,6 +592,17 @@ def _workload(dsn: str, queues: list[str], stop: Any, started: Any) -> None:
             stop.wait(0.01)
 
 
+def _no_op_worker(dsn: str, queue: str, stop: Any, started: Any) -> None:
+    """A worker (role "worker" in the section) handling ``queue``'s messages with a no-op action."""
+    app = Actions()
+    app.add(queue, lambda msg, session: None)
+    with Worker(app, dsn, config=WorkerConfig(idle_wait=0.1)) as w:
+        w.open()
+        started.set()
+        while not stop.is_set():
+            w.run_one(wait=0.1)
+
+
 @pytest.fixture
 def live_queues(dsn: str) -> Iterator[list[str]]:
     names = ["rtv_" + uuid.uuid4().hex[:8], "rtv_" + uuid.uuid4().hex[:8]]
@@ -514,16 +623,20 @@ def test_page_live_over_a_real_monitor_and_workload(
 ) -> None:
     from ringq.monitor import Monitor, MonitorConfig
 
-    stop, started = FORK.Event(), FORK.Event()
+    stop, started, handling = FORK.Event(), FORK.Event(), FORK.Event()
     with Monitor(MonitorConfig(dsn, port=0, token="mon-secret", interval=0.5, recovery_interval=0.1)) as mon:
         assert mon.url
         worker = FORK.Process(target=_workload, args=(dsn, live_queues, stop, started), daemon=True)
         worker.start()
+        # A no-op worker on the queue the page does not chart (the first by name is charted).
+        served = sorted(live_queues)[1]
+        handler = FORK.Process(target=_no_op_worker, args=(dsn, served, stop, handling), daemon=True)
+        handler.start()
         env = {**os.environ, "RINGQ_MONITOR_TOKEN": "mon-secret"}
         env.pop("RINGQ_RTV_TOKEN", None)
         proc, url = _start_rtv(mon.url, "--refresh", "0.5", env=env)
         try:
-            assert started.wait(30)
+            assert started.wait(30) and handling.wait(30)
             page = browser.new_page(viewport={"width": 1400, "height": 1100})
             errors: list[str] = []
             page.on("pageerror", lambda exc: errors.append(str(exc)))
@@ -541,6 +654,15 @@ def test_page_live_over_a_real_monitor_and_workload(
             assert max(v or 0 for v in depth[1]) > 0 and depth[2][-1] == 400  # depth, capacity
             enq = _chart_data(page, "enq")
             assert max(v or 0 for v in enq[2]) >= max(v or 0 for v in enq[1]) > 0  # p99 >= p50 > 0
+            # The clients table: the worker first, having handled messages, then the workload's session.
+            _wait_until(page, f"window.ringqRtv.state.clients.some(c => c.pid === {handler.pid} && c.handled > 0)")
+            _wait_ticks(page, 1)
+            rows = page.locator("#clients tbody tr").evaluate_all(
+                "rows => rows.map(r => [Number(r.dataset.pid), r.dataset.role, r.cells[2].textContent,"
+                " r.cells[4].textContent])")
+            print(f"clients table: {rows}")
+            assert rows[0][:3] == [handler.pid, "worker", served] and rows[0][3] not in ("0", "–")
+            assert [worker.pid, "client"] in [r[:2] for r in rows]
             assert errors == []
             _screenshot(page, tmp_path / "rtv-live.png")
 
@@ -554,9 +676,10 @@ def test_page_live_over_a_real_monitor_and_workload(
             page.close()
         finally:
             stop.set()
-            worker.join(20)
-            if worker.is_alive():
-                worker.kill()
+            for child in (worker, handler):
+                child.join(20)
+                if child.is_alive():
+                    child.kill()
             assert _stop(proc) == 0
 
 

@@ -12,6 +12,8 @@
     points: [],              // its history, oldest first
     lastT: null,             // time of the newest point
     queues: [],              // the latest /api/queues rows
+    clients: [],             // the latest /api/clients rows, workers first
+    clientsError: null,      // why they could not be read (the queues still show)
     thinned: false,
     step: 0,                 // seconds per bucket of the thinned part (0: raw samples)
     interval: null,          // the monitor's sampling interval, seconds
@@ -264,6 +266,49 @@
     }).join("");
   }
 
+  // A worker's throughput is messages handled per second; a plain client's,
+  // commits per second. The worker counters mean nothing for a client: "–".
+  function renderClients() {
+    var body = document.querySelector("#clients tbody");
+    if (state.clientsError) {
+      body.innerHTML = '<tr><td colspan="10" class="empty-note">clients unavailable: ' + esc(state.clientsError) + "</td></tr>";
+      return;
+    }
+    if (!state.clients.length) {
+      body.innerHTML = '<tr><td colspan="10" class="empty-note">no session attached</td></tr>';
+      return;
+    }
+    body.innerHTML = state.clients.map(function (c) {
+      var worker = c.role === "worker";
+      function counter(v, bad) {
+        if (!worker) return "<td>–</td>";
+        return "<td" + (bad && v > 0 ? ' class="bad"' : "") + ">" + num(v) + "</td>";
+      }
+      var rate = worker ? num(c.handled_rate, 1) + " msg/s" : num(c.commit_rate, 1) + " commit/s";
+      var last = c.last_error, errTitle = "";
+      if (last) {
+        errTitle = ' title="last: ' + esc(last.kind) + (last.queue ? " on " + esc(last.queue) : "") +
+          (last.seq !== null && last.seq !== undefined ? " seq " + last.seq : "") +
+          (last.t ? " at " + clock(last.t) : "") + '"';
+      }
+      var active = c.state === "active";
+      return (
+        '<tr data-pid="' + esc(c.pid) + '" data-role="' + esc(c.role) + '">' +
+        "<td>" + esc(c.pid) + "</td>" +
+        '<td class="name"><span class="badge ' + (worker ? "worker" : "client") + '">' + esc(c.role) + "</span></td>" +
+        '<td class="name">' + (c.queues.length ? esc(c.queues.join(", ")) : "–") + "</td>" +
+        "<td>" + rate + "</td>" +
+        counter(c.handled, false) +
+        counter(c.failed, true) +
+        counter(c.timeouts, true) +
+        counter(c.poisoned, true) +
+        "<td" + (c.errors > 0 ? ' class="bad"' : "") + errTitle + ">" + num(c.errors) + "</td>" +
+        '<td class="name"><span class="badge ' + (active ? "ok" : "doubt") + '">' + esc(c.state) + "</span></td>" +
+        "</tr>"
+      );
+    }).join("");
+  }
+
   document.querySelector("#queues tbody").addEventListener("click", function (ev) {
     var tr = ev.target.closest("tr[data-queue]");
     if (tr) select(tr.getAttribute("data-queue"));
@@ -331,8 +376,20 @@
         (state.step ? state.step + " s " : "") + "bucket" : "");
   }
 
+  // The clients are read alongside the queues; their failure (a monitor
+  // older than /api/clients) is shown in their table and spares the rest.
+  function fetchClients() {
+    return getJSON("/api/clients").then(function (body) {
+      state.clients = body.clients || [];
+      state.clientsError = null;
+    }, function (err) {
+      state.clientsError = err.message;  // a 401 also fails /api/queues, which says so
+    });
+  }
+
   function tick() {
     var gen = generation;
+    var clients = fetchClients();
     return getJSON("/api/queues").then(function (body) {
       state.queues = body.queues || [];
       if (body.interval) state.interval = body.interval;
@@ -350,6 +407,9 @@
         mergeHistory(hist);
         redrawCharts();
       }
+      return clients;
+    }).then(function () {
+      renderClients();
       state.error = null;
       state.ticks++;
       document.body.setAttribute("data-ticks", String(state.ticks));
