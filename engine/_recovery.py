@@ -36,6 +36,7 @@ from ._session import (
     _Process,
     connect,
     decide_ops,
+    is_ringq_gid,
     resync_queue,
 )
 
@@ -387,18 +388,46 @@ def reclaim_all(sec: Section) -> dict[str, int]:
     return out
 
 
-def resolve_prepared(sec: Section, dsn: str, timeout_s: float = 60.0) -> list[tuple[str, str]]:
-    """Finish prepared transactions whose client is gone: commit if the
-    coordinator recorded its decision, else roll back once older than
-    ``timeout_s``; then decide their slots from the rows."""
+DECIDED_GRACE_S = 30.0  # seconds a decided branch with no queue operations is left to its own session
+
+
+def resolve_prepared(
+    sec: Section, dsn: str, timeout_s: float = 60.0, *, decided_grace_s: float = DECIDED_GRACE_S
+) -> list[tuple[str, str]]:
+    """Finish ringq's prepared transactions whose client is gone: commit if
+    the coordinator recorded its decision, else roll back once older than
+    ``timeout_s`` seconds; then decide their slots from the rows. Returns
+    [(gid, "commit" | "rollback")].
+
+    A prepared transaction is ringq's if it logged slots (``tpc_log``), has a
+    decision (``tpc_decisions``), or is named by ``Session.xid``; any other
+    is the user's own and never touched. A branch with queue operations is
+    left alone while a live session owns its slots; one without has no slots
+    to tell, so it is committed only once its decision is ``decided_grace_s``
+    seconds old (rolled back, undecided, after ``timeout_s`` as the others).
+    Decisions whose gid is no longer prepared are deleted once older than
+    ``timeout_s`` (their transaction committed; the session died before
+    clearing them).
+    """
     done: list[tuple[str, str]] = []
     with _connect(dsn) as conn:
-        rows = conn.execute(
-            "SELECT p.gid, extract(epoch FROM now() - p.prepared), d.gid IS NOT NULL "
+        conn.execute(
+            "DELETE FROM ringq.tpc_decisions d WHERE d.decided_at < now() - make_interval(secs => %s) "
+            "AND NOT EXISTS (SELECT 1 FROM pg_prepared_xacts p WHERE p.gid = d.gid)",
+            (timeout_s,),
+        )
+        found = conn.execute(
+            "SELECT p.gid, extract(epoch FROM now() - p.prepared), d.gid IS NOT NULL, "
+            "coalesce(extract(epoch FROM now() - d.decided_at), 0), "
+            "EXISTS (SELECT 1 FROM ringq.tpc_log l WHERE l.gid = p.gid) "
             "FROM pg_prepared_xacts p LEFT JOIN ringq.tpc_decisions d ON d.gid = p.gid "
-            "WHERE p.database = current_database() AND EXISTS "
-            "(SELECT 1 FROM ringq.tpc_log l WHERE l.gid = p.gid)"
+            "WHERE p.database = current_database()"
         ).fetchall()
+        rows = [
+            (gid, age, decided)
+            for gid, age, decided, decided_age, logged in found
+            if logged or (decided and decided_age >= decided_grace_s) or (not decided and is_ringq_gid(gid))
+        ]
         if not rows:
             return done
         infos = _queue_infos(conn)

@@ -294,7 +294,12 @@ class Session:
             self._conn.rollback()
 
     def close(self) -> None:
-        """Roll back anything open and release the connection; a second call does nothing."""
+        """Roll back anything open and release the connection; a second call does nothing.
+
+        A prepared two-phase transaction decided by :meth:`tpc_decide` is not
+        rolled back (other participants may have committed): it stays
+        prepared, its slots held, for recovery (``resolve_prepared``) to commit.
+        """
         if self._closed:
             return
         if os.getpid() != self._pid:
@@ -302,7 +307,9 @@ class Session:
             return
         try:
             self._eager = False  # no BEGIN after the last rollback
-            if self._ops or self._conn.info.transaction_status != _IDLE:
+            if self._tpc_decided:
+                self._leave_decided()
+            elif self._ops or self._conn.info.transaction_status != _IDLE:
                 self.rollback()
         except RingqError:
             logger.warning("ringq: rollback at close failed", exc_info=True)
@@ -516,7 +523,7 @@ class Session:
             self._after_fork()
             return
         if self._tpc_xid is not None:
-            self.tpc_rollback()
+            self.tpc_rollback()  # refuses once decided
             return
         ops, self._ops = self._ops, []
         strikes = count_delivery and any(op.kind == "d" for op in ops)
@@ -537,12 +544,17 @@ class Session:
 
     @contextmanager
     def transaction(self) -> Iterator[Session]:
-        """Commit on normal exit, roll back on an exception (which propagates)."""
+        """Commit on normal exit, roll back on an exception (which propagates).
+
+        A two-phase transaction decided by :meth:`tpc_decide` is never rolled
+        back: on an exception it stays prepared (call :meth:`tpc_commit`, or
+        leave it to recovery).
+        """
         self._check()
         try:
             yield self
         except BaseException:
-            if not self._closed:
+            if not self._closed and not self._tpc_decided:
                 self.rollback()
             raise
         self.commit()
@@ -1042,7 +1054,7 @@ class Session:
         """A transaction id for :meth:`tpc_begin` (format 0, branch ``ringq``)."""
         if self._closed:
             raise SessionClosed("the session is closed")
-        return self._conn.xid(0, gtrid, "ringq")
+        return self._conn.xid(0, gtrid, TPC_BRANCH)
 
     def tpc_begin(self, xid: Any) -> None:
         """Start a two-phase transaction (psycopg's ``tpc_begin``); the connection must be idle."""
@@ -1109,8 +1121,10 @@ class Session:
         the session's side connection, on its own: if this process dies
         before COMMIT PREPARED, recovery (the monitor's ``resolve_prepared``)
         commits the transaction; without a decision it rolls it back once
-        older than its timeout. :meth:`tpc_commit` clears the decision after
-        COMMIT PREPARED; :meth:`tpc_rollback` withdraws it first.
+        older than its timeout. :meth:`tpc_commit` clears the decision right
+        after COMMIT PREPARED. Once decided, the transaction only commits:
+        :meth:`tpc_rollback` (and :meth:`rollback`) refuse, and :meth:`close`
+        leaves it prepared for recovery.
 
         :raises TransactionError: no prepared two-phase transaction.
         :raises DatabaseUnavailable: the decision could not be recorded (then
@@ -1135,15 +1149,32 @@ class Session:
         self._tpc_end(commit=True)
 
     def tpc_rollback(self) -> None:
-        """ROLLBACK PREPARED (or a plain rollback if not prepared), withdrawing
-        any decision recorded by :meth:`tpc_decide` first."""
+        """ROLLBACK PREPARED (or a plain rollback if not prepared).
+
+        :raises TransactionError: :meth:`tpc_decide` recorded the decision to
+            commit: once durable it stands (other participants may have
+            committed already), so only :meth:`tpc_commit` or recovery may
+            finish the transaction, and both commit it.
+        """
         if self._closed:
             raise SessionClosed("the session is closed")
         if self._tpc_decided:
-            with self._converted():
-                self._aux_conn().execute(_Q["tpc_undecide"], (self._gid(),))
-            self._tpc_decided = False
+            raise TransactionError(
+                f"{self._gid()} is decided to commit: call tpc_commit(), or leave it to recovery"
+            )
         self._tpc_end(commit=False)
+
+    def _leave_decided(self) -> None:
+        """At close: leave a decided prepared transaction to recovery. Its
+        slots stay locked with no live owner (as an in-doubt one's do), and
+        ``resolve_prepared`` commits it from the recorded decision."""
+        ops, self._ops = self._ops, []
+        gid = self._gid()
+        self._tpc_xid = None
+        self._tpc_prepared = False
+        self._tpc_decided = False
+        self._hold(ops)
+        logger.warning("ringq: session closed with %s decided but not committed: left to recovery", gid)
 
     def _gid(self) -> str:
         x = self._tpc_xid
@@ -1178,18 +1209,24 @@ class Session:
         self._tpc_xid = None
         self._tpc_prepared = False
         decided, self._tpc_decided = self._tpc_decided, False
-        self._finish(ops, committed=commit)
-        self._begin()
         if decided:
+            # Clear the decision at once: committed, it has done its work, and
+            # a row left behind would commit a later transaction reusing the
+            # gid. (If we die first, recovery drops it once the gid is no
+            # longer prepared.)
             try:
                 self._aux_conn().execute(_Q["tpc_undecide"], (gid,))
             except (psycopg.Error, RingqError):
-                logger.warning("ringq: could not clear the decision for %s (harmless: it is committed)", gid)
-        if ops:
-            try:
-                self._aux_conn().execute(_Q["tpc_forget"], (gid,))
-            except (psycopg.Error, RingqError):
-                logger.warning("ringq: could not clear tpc_log for %s (the monitor will)", gid)
+                logger.warning("ringq: could not clear the decision for %s (recovery will)", gid)
+        try:
+            self._finish(ops, committed=commit)
+            self._begin()
+        finally:
+            if ops:
+                try:
+                    self._aux_conn().execute(_Q["tpc_forget"], (gid,))
+                except (psycopg.Error, RingqError):
+                    logger.warning("ringq: could not clear tpc_log for %s", gid)
 
     # -- events ----------------------------------------------------------------------------
 
@@ -1251,6 +1288,17 @@ def _b64(b: str) -> str:
     import base64
 
     return base64.b64encode(b.encode()).decode()
+
+
+TPC_BRANCH = "ringq"  # the branch qualifier of Session.xid(): marks the gids ringq made
+
+
+def is_ringq_gid(gid: str) -> bool:
+    """Whether ``gid`` is one :meth:`Session.xid` makes (format 0, branch
+    ``ringq``, as psycopg spells an xid), so recovery may roll it back.
+    Prepared transactions named otherwise are the user's own."""
+    parts = gid.split("_")  # base64 never holds "_"
+    return len(parts) == 3 and parts[0] == "0" and parts[2] == _b64(TPC_BRANCH)
 
 
 def _as_bytes(payload: object) -> bytes:

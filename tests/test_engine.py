@@ -669,12 +669,100 @@ def test_tpc_decide_records_the_decision_until_commit_or_rollback(dsn, make_queu
         s.tpc_commit()
         assert _decisions(dsn) == []
         s.tpc_begin(s.xid(uuid.uuid4().hex))
-        s.enqueue(q, b"withdrawn")
+        s.enqueue(q, b"undecided")
         s.tpc_prepare()
-        s.tpc_decide()
-        s.tpc_rollback()  # withdraws the decision before ROLLBACK PREPARED
+        s.tpc_rollback()  # no decision yet: the participant may still vote no
         assert _decisions(dsn) == []
     assert [m.payload for m in drain(dsn, q)] == [b"decided"]
+
+
+def _prepared(dsn: str) -> list[str]:
+    with psycopg.connect(dsn, autocommit=True) as c:
+        return [r[0] for r in c.execute("SELECT gid FROM pg_prepared_xacts WHERE database = current_database()")]
+
+
+def test_a_decided_transaction_refuses_rollback(dsn, make_queue):
+    q = make_queue()
+    with connect(dsn) as s:
+        s.tpc_begin(s.xid(uuid.uuid4().hex))
+        s.enqueue(q, b"decided")
+        s.tpc_prepare()
+        s.tpc_decide()
+        gid = _prepared(dsn)
+        for undo in (s.tpc_rollback, s.rollback):
+            with pytest.raises(TransactionError, match="decided to commit"):
+                undo()
+        # Nothing was withdrawn or rolled back: commit still finishes it.
+        assert _prepared(dsn) == gid and _decisions(dsn) == gid
+        s.tpc_commit()
+        assert _prepared(dsn) == [] and _decisions(dsn) == []
+    assert [m.payload for m in drain(dsn, q)] == [b"decided"]
+
+
+class _Boom(Exception):
+    pass
+
+
+@pytest.mark.parametrize("exit", ["close", "with", "transaction"])
+def test_a_decided_transaction_left_at_close_is_committed_by_recovery(dsn, make_queue, exit):
+    from ringq.engine._recovery import resolve_prepared
+
+    q = make_queue()
+    s = connect(dsn)
+    sec, ring = s.section, s.ring(q)
+
+    def prepare_and_decide() -> None:
+        s.tpc_begin(s.xid(uuid.uuid4().hex))
+        s.enqueue(q, b"decided")
+        s.tpc_prepare()
+        s.tpc_decide()
+
+    if exit == "close":
+        prepare_and_decide()
+        s.close()
+    elif exit == "with":
+        with pytest.raises(_Boom), s:
+            prepare_and_decide()
+            raise _Boom
+    else:
+        with pytest.raises(_Boom), s.transaction():  # the caller's exception, not a TransactionError
+            prepare_and_decide()
+            raise _Boom
+        assert len(_prepared(dsn)) == 1  # not rolled back; the session still owns it
+        s.close()
+    assert s.closed
+    # Left prepared, decision kept, its slot held for recovery (not voided).
+    gids = _prepared(dsn)
+    assert len(gids) == 1 and _decisions(dsn) == gids
+    assert ring.counts()["locked"] == 1
+    assert sec.owner_w[ring.base + ring.tail % ring.cap] == L.OWNER_HELD
+    assert drain(dsn, q) == []
+    done = resolve_prepared(sec, dsn, timeout_s=3600)
+    assert done == [(gids[0], "commit")]
+    assert ring.counts()["locked"] == 0
+    assert _prepared(dsn) == [] and _decisions(dsn) == []
+    assert [m.payload for m in drain(dsn, q)] == [b"decided"]  # exactly once
+    assert drain(dsn, q) == []
+    assert resolve_prepared(sec, dsn, timeout_s=0) == []
+
+
+def test_tpc_commit_clears_the_decision_even_if_the_next_begin_fails(dsn, make_queue, monkeypatch):
+    q = make_queue()
+    with connect(dsn) as s:
+        s.tpc_begin(s.xid(uuid.uuid4().hex))
+        s.enqueue(q, b"committed")
+        s.tpc_prepare()
+        s.tpc_decide()
+
+        def begin_fails() -> None:
+            raise DatabaseUnavailable("no BEGIN after COMMIT PREPARED")
+
+        monkeypatch.setattr(s, "_begin", begin_fails)
+        with pytest.raises(DatabaseUnavailable):
+            s.tpc_commit()
+        assert _prepared(dsn) == [] and _decisions(dsn) == []
+        monkeypatch.undo()
+    assert [m.payload for m in drain(dsn, q)] == [b"committed"]
 
 
 @pytest.mark.parametrize("decide", [True, False])

@@ -259,6 +259,86 @@ def test_prepared_transaction_of_dead_coordinator_is_resolved(dsn, make_queue, d
     assert [m.payload for m in drain(dsn, q)] == ([b"2pc"] if decide else [])
 
 
+def _prepared(dsn):
+    with psycopg.connect(dsn, autocommit=True) as c:
+        return sorted(r[0] for r in c.execute("SELECT gid FROM pg_prepared_xacts WHERE database = current_database()"))
+
+
+def _decisions(dsn):
+    with psycopg.connect(dsn, autocommit=True) as c:
+        return sorted(r[0] for r in c.execute("SELECT gid FROM ringq.tpc_decisions"))
+
+
+def _prepare_elsewhere(dsn, gtrid, bqual=None):
+    """PREPARE an empty transaction on a plain connection, then drop the
+    connection (as a dead process would); returns the gid."""
+    c = psycopg.connect(dsn)
+    try:
+        xid = c.xid(0, gtrid, bqual) if bqual is not None else gtrid
+        c.tpc_begin(xid)
+        c.tpc_prepare()
+        return xid if isinstance(xid, str) else xid._as_tid()
+    finally:
+        c.close()  # not through `with`: that would commit
+
+
+def test_decided_prepared_transaction_without_queue_operations_is_committed(dsn, make_queue):
+    make_queue()  # the ringq schema
+    with psycopg.connect(dsn, autocommit=True) as c:
+        c.execute("CREATE TABLE app_orders (id int)")
+    s = connect(dsn)
+    sec = s.section
+    s.tpc_begin(s.xid(uuid.uuid4().hex))
+    s.connection.execute("INSERT INTO app_orders VALUES (1)")  # only the caller's SQL: no tpc_log
+    s.tpc_prepare()
+    s.tpc_decide()
+    s.close()  # decided: left prepared for recovery
+    gids = _prepared(dsn)
+    assert len(gids) == 1 and _decisions(dsn) == gids
+    # No slots tell whether its session is alive: the decision gets a grace period.
+    assert resolve_prepared(sec, dsn, timeout_s=0) == []
+    assert resolve_prepared(sec, dsn, timeout_s=0, decided_grace_s=0) == [(gids[0], "commit")]
+    assert _prepared(dsn) == [] and _decisions(dsn) == []
+    with psycopg.connect(dsn) as c:
+        assert c.execute("SELECT id FROM app_orders").fetchall() == [(1,)]
+
+
+def test_only_ringq_prepared_transactions_are_rolled_back(dsn, make_queue):
+    make_queue()
+    with connect(dsn) as s:
+        sec = s.section
+    ours = uuid.uuid4().hex
+    ringq_gid = _prepare_elsewhere(dsn, ours, "ringq")  # a dead session's op-less branch, as Session.xid names it
+    # The user's own, outside ringq: another branch qualifier, a plain name.
+    foreign = sorted([_prepare_elsewhere(dsn, ours, "app"), _prepare_elsewhere(dsn, "plain-" + ours)])
+    assert _prepared(dsn) == sorted([ringq_gid, *foreign])
+    assert resolve_prepared(sec, dsn, timeout_s=3600) == []  # not old enough yet
+    assert resolve_prepared(sec, dsn, timeout_s=0) == [(ringq_gid, "rollback")]
+    assert _prepared(dsn) == foreign  # never touched, however old
+
+
+def test_stale_decisions_are_dropped_after_the_timeout(dsn, make_queue):
+    make_queue()
+    with connect(dsn) as s:
+        sec = s.section
+        gid = s._conn.xid(0, uuid.uuid4().hex, "ringq")
+    with psycopg.connect(dsn, autocommit=True) as c:
+        # A session died between COMMIT PREPARED and clearing its decision.
+        c.execute(
+            "INSERT INTO ringq.tpc_decisions (gid, decided_at) VALUES (%s, now() - interval '2 hours')",
+            (gid._as_tid(),),
+        )
+        c.execute("INSERT INTO ringq.tpc_decisions (gid) VALUES ('recent')")
+    assert resolve_prepared(sec, dsn, timeout_s=3600) == []
+    assert _decisions(dsn) == ["recent"]  # within the grace: its commit may still be on the way
+    # The gid reused later: no decision left to commit it by mistake.
+    assert _prepare_elsewhere(dsn, gid.gtrid, "ringq") == gid._as_tid()
+    assert resolve_prepared(sec, dsn, timeout_s=3600) == []
+    assert _prepared(dsn) == [gid._as_tid()]
+    assert resolve_prepared(sec, dsn, timeout_s=0) == [(gid._as_tid(), "rollback")]
+    assert _decisions(dsn) == []  # 'recent' too, once older than the timeout
+
+
 def test_session_dropped_without_close_is_recovered(dsn, make_queue):
     import gc
 
