@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -23,7 +24,7 @@ import psycopg
 from psycopg import sql
 
 from . import _layout as L
-from ._errors import SectionError, from_psycopg
+from ._errors import QueueFull, SectionError, from_psycopg
 from ._names import queue_table
 from ._ring import Ring
 from ._section import Section, pid_alive
@@ -470,20 +471,55 @@ def resolve_prepared(
     return done
 
 
-def pump_inbox(dsn: str, *, batch: int = 500) -> dict[str, int]:
-    """Move entries enqueued through ``ringq.enqueue()`` into their rings, in inbox order.
+def queue_room(sec: Section, qid: int) -> int | None:
+    """Free slots of queue ``qid`` in the section now, after advancing its tail
+    over consumed slots; None if the queue is not loaded in the section."""
+    qidx = sec.find_queue(qid)
+    if qidx is None:
+        return None
+    ring = Ring(sec, qidx)
+    sec.lock_queue(qidx)
+    try:
+        freed = ring.reclaim()
+        room = ring.cap - (ring.head - ring.tail)
+        waiters = sec.q(qidx, L.Q_WAIT_SPACE)
+    finally:
+        sec.unlock_queue(qidx)
+    if freed and waiters:
+        sec.post(ring.qid, "s", min(freed, waiters))
+    return room
+
+
+def pump_inbox(
+    dsn: str,
+    *,
+    batch: int = 500,
+    skip: Collection[str] = (),
+    full: dict[str, int] | None = None,
+) -> dict[str, int]:
+    """Move entries enqueued through ``ringq.enqueue()`` into their rings, in inbox order;
+    returns {queue: entries moved}.
 
     One pumper per queue at a time (advisory lock); each batch moves in one
     transaction, so an entry is in the inbox or in the ring, never both.
+
+    Never waits for space: a batch takes at most the ring's free slots and
+    enqueues with ``timeout=0``. A queue that is full while entries still wait
+    for it keeps them in the inbox (its batch rolled back, nothing lost), is
+    added to ``full`` ({name: queue id}) and is left for a later call; the
+    other queues go on. Queues named in ``skip`` are not looked at.
     """
     moved: dict[str, int] = {}
     with _connect(dsn) as conn:
         pending = conn.execute(
-            "SELECT q.name, q.id FROM ringq.queues q WHERE EXISTS (SELECT 1 FROM ringq.inbox i WHERE i.queue_id = q.id)"
+            "SELECT q.name, q.id FROM ringq.queues q WHERE q.name <> ALL(%s) AND EXISTS "
+            "(SELECT 1 FROM ringq.inbox i WHERE i.queue_id = q.id) ORDER BY q.id",
+            (list(skip),),
         ).fetchall()
     if not pending:
         return moved
     with connect(dsn, eager_begin=False) as s:
+        sec = s.section  # the process's attachment: the ring enqueue_many reserves in
         for name, qid in pending:
             total = 0
             while True:
@@ -492,26 +528,44 @@ def pump_inbox(dsn: str, *, batch: int = 500) -> dict[str, int]:
                 if not got or not got[0]:
                     s.rollback()
                     break
+                room = queue_room(sec, qid)  # None: not loaded yet, enqueue_many loads it
+                limit = batch if room is None else min(batch, room)
+                if limit <= 0:
+                    waiting = c.execute("SELECT EXISTS (SELECT 1 FROM ringq.inbox WHERE queue_id = %s)", (qid,))
+                    row = waiting.fetchone()
+                    s.rollback()
+                    if full is not None and row and row[0]:
+                        full[name] = qid
+                    break
                 rows = c.execute(
                     "DELETE FROM ringq.inbox WHERE id IN (SELECT id FROM ringq.inbox WHERE queue_id = %s "
                     "ORDER BY id LIMIT %s) RETURNING id, payload, producer",
-                    (qid, batch),
+                    (qid, limit),
                 ).fetchall()
                 if not rows:
                     s.rollback()
                     break
                 rows.sort(key=lambda r: r[0])
-                i = 0
-                while i < len(rows):
-                    j = i
-                    while j < len(rows) and rows[j][2] == rows[i][2]:
-                        j += 1
-                    s.producer = rows[i][2]
-                    s.enqueue_many(name, [bytes(r[1]) for r in rows[i:j]])
-                    i = j
+                try:
+                    i = 0
+                    while i < len(rows):
+                        j = i
+                        while j < len(rows) and rows[j][2] == rows[i][2]:
+                            j += 1
+                        s.producer = rows[i][2]
+                        # timeout=0: the monitor's loop must never sleep on a full queue.
+                        s.enqueue_many(name, [bytes(r[1]) for r in rows[i:j]], timeout=0)
+                        i = j
+                except QueueFull:
+                    # Space went between the look and the reservation (another
+                    # producer): the rows go back to the inbox with the rollback.
+                    s.rollback()
+                    if full is not None:
+                        full[name] = qid
+                    break
                 s.commit()
                 total += len(rows)
-                if len(rows) < batch:
+                if len(rows) < limit:
                     break
             if total:
                 moved[name] = total

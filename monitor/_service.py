@@ -5,7 +5,9 @@ section check, dead-client recovery, lock-holder repair, reclaim, and the
 watch that raises queue events. Every ``interval`` (1 s): queue list,
 exception table, prepared transactions, SQL inbox, performance sample (T4
 file, history). Entries enqueued through SQL are also pumped as soon as their
-NOTIFY arrives. A step that fails is logged (rate-limited), counted and
+NOTIFY arrives; the pump never waits for space: a full queue keeps its SQL
+entries in the inbox and is tried again on the next sample, or as soon as a
+reclaim finds room in it. A step that fails is logged (rate-limited), counted and
 retried on the next pass; it never stops the loop.
 """
 
@@ -30,6 +32,7 @@ from ringq.engine._errors import from_psycopg
 from ringq.engine._recovery import (
     prune_keys,
     pump_inbox,
+    queue_room,
     rebuild,
     reclaim_all,
     recover_dead_clients,
@@ -135,6 +138,10 @@ class Monitor:
         self._snaps: dict[int, S._Snap] = {}
         self._watch: dict[int, _Watch] = {}
         self._inbox_due = True
+        # Full queues with SQL entries waiting: {name: queue id}, left out of the
+        # NOTIFY-driven pumps until the next sample or until a reclaim finds room.
+        self._inbox_full: dict[str, int] = {}
+        self._inbox_full_logged: dict[str, float] = {}  # name -> when "inbox.queue_full" was written
         self._exc_counts: dict[int, int] = {}
         self._dead_rows: dict[str, int] = {}
         self._seen_exc: dict[tuple[int, int], float] | None = None
@@ -297,7 +304,7 @@ class Monitor:
                         ("database", self._database_figures),
                         ("prepared", self._resolve_prepared),
                         ("keys", self._prune_keys),
-                        ("inbox", self._pump_inbox),
+                        ("inbox", self._pump_inbox_all),
                         ("sample", self._sample),
                     ]
                     next_sample += self.config.interval
@@ -484,7 +491,13 @@ class Monitor:
                                 reason="lock holder died inside the critical section")
 
     def _reclaim(self) -> None:
-        reclaim_all(self._section())
+        sec = self._section()
+        reclaim_all(sec)
+        for name, qid in list(self._inbox_full.items()):
+            room = queue_room(sec, qid)
+            if room is None or room > 0:  # consumed (or dropped): its inbox entries can move now
+                del self._inbox_full[name]
+                self._inbox_due = True
 
     def _watch_queues(self) -> None:
         """Raise full / empty / high-water events on the edge, and time emptiness."""
@@ -589,15 +602,41 @@ class Monitor:
         for queue, n in prune_keys(self.config.dsn, self.config.key_retention).items():
             self._journal_write("keys.pruned", queue=queue or None, keys=n)
 
-    def _pump_inbox(self) -> None:
+    def _pump_inbox_all(self) -> None:
+        """The sample's pump: full queues are looked at again too."""
+        self._pump_inbox(retry_full=True)
+
+    def _pump_inbox(self, *, retry_full: bool = False) -> None:
+        """Move SQL entries into the rings. Never waits: a full queue is reported
+        by the pump, skipped until the next sample (or a reclaim that finds room),
+        and does not make the next pass try again at once."""
         self._inbox_due = False
+        full: dict[str, int] = {}
+        skip = () if retry_full else tuple(self._inbox_full)
         try:
-            moved = pump_inbox(self.config.dsn)
+            moved = pump_inbox(self.config.dsn, skip=skip, full=full)
         except BaseException:
             self._inbox_due = True  # try again on the next pass
             raise
+        if retry_full:
+            self._inbox_full = full
+        else:
+            self._inbox_full.update(full)
         if moved:
             logger.debug("ringq monitor: inbox moved %s", moved)
+        # Logged on the edge, then again at most every _REPEAT_LOG_S while it
+        # lasts: an exception queue nobody drains would otherwise write a line
+        # every sample, for hours.
+        now = time.monotonic()
+        for name in full:
+            last = self._inbox_full_logged.get(name)
+            if last is None or now - last >= _REPEAT_LOG_S:
+                self._inbox_full_logged[name] = now
+                self._journal_write("inbox.queue_full", logging.WARNING, queue=name,
+                                    reason="queue full: its SQL entries wait in ringq.inbox")
+        for name in [n for n in self._inbox_full_logged if n not in self._inbox_full]:
+            del self._inbox_full_logged[name]
+            self._journal_write("inbox.resumed", queue=name, moved=moved.get(name, 0))
 
     def _sample(self) -> None:
         sec = self._section()

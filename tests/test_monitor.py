@@ -637,6 +637,71 @@ def test_killed_consumer_entry_is_delivered_again_within_a_second_exactly_once(
     assert sum(1 for r in log if r["event"] == "client.recovered" and r["queues"] == [q]) == 3
 
 
+def test_a_full_queue_does_not_stall_recovery_and_its_sql_entries_wait_in_order(
+    dsn: str, make_queue: Any, monitor: Any, tmp_path: Path
+) -> None:
+    """SQL entries for a full queue (default 'block' policy, 30 s full_timeout)
+    must not hold the monitor's loop: a consumer killed -9 on another queue is
+    still recovered within a second, and the waiting entries reach the full
+    queue once it is drained, exactly once and in order."""
+    full = make_queue(capacity=4)
+    other = make_queue(capacity=64)
+    produce(dsn, full, 4, b"ring ")  # full, and nobody drains it yet
+    m = monitor()
+    log = tmp_path / "monitor" / "monitor.log"
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        for i in range(10):  # more than the capacity: moved over several partial batches
+            conn.execute("SELECT ringq.enqueue(%s, %s)", (full, f"sql {i}".encode()))
+    wait_for(lambda: any(r["event"] == "inbox.queue_full" and r["queue"] == full for r in _log_records(log)),
+             what="the pump finding the queue full")
+
+    seq = produce(dsn, other, 1)[0]
+    holder = subprocess.Popen([sys.executable, "-c", HOLDER, dsn, other], stdout=subprocess.PIPE, text=True)
+    assert holder.stdout is not None
+    assert int(holder.stdout.readline()) == seq
+    # A few sample intervals with the queue full and SQL entries still waiting.
+    passes = m.status()["steps"]["inbox"]["runs"]
+    wait_for(lambda: m.status()["steps"]["inbox"]["runs"] >= passes + 3, what="three more inbox passes")
+    t_kill = time.monotonic()
+    holder.kill()
+    got = None
+    with connect(dsn) as s:
+        while got is None and time.monotonic() - t_kill < 10:
+            got = s.dequeue(other, wait=0.01)
+            if got is None:
+                s.commit()
+        elapsed = time.monotonic() - t_kill
+        s.commit()
+    holder.wait(10)
+    holder.stdout.close()
+    print(f"\nkill -9 -> redelivered beside a full queue with SQL entries waiting: {elapsed * 1000:.0f} ms")
+    assert got is not None and got.seq == seq and got.redelivered
+    assert elapsed < 1.0
+
+    # Drain the full queue: the ring's own entries, then the SQL ones as room appears.
+    payloads: list[bytes] = []
+    with connect(dsn) as s:
+        deadline = time.monotonic() + 20
+        while len(payloads) < 14 and time.monotonic() < deadline:
+            msg = s.dequeue(full, wait=0.2)
+            if msg is not None:
+                payloads.append(msg.payload)
+            s.commit()
+        assert s.dequeue(full) is None
+        s.commit()
+    assert payloads == [f"ring {i}".encode() for i in range(4)] + [f"sql {i}".encode() for i in range(10)]
+    with psycopg.connect(dsn) as conn:
+        left = conn.execute("SELECT count(*) FROM ringq.inbox i JOIN ringq.queues q ON q.id = i.queue_id "
+                            "WHERE q.name = %s", (full,)).fetchone()
+    assert left == (0,)
+    records = _log_records(log)
+    # Logged once (the queue was full for far less than the repeat period), not per pass.
+    assert sum(1 for r in records if r["event"] == "inbox.queue_full" and r["queue"] == full) == 1
+    wait_for(lambda: any(r["event"] == "inbox.resumed" and r["queue"] == full for r in _log_records(log)),
+             what="the resumed line")
+    assert m.status()["steps"]["inbox"]["failures"] == 0
+
+
 def test_heartbeat_is_in_the_section_header(dsn: str, make_queue: Any, monitor: Any) -> None:
     make_queue()
     m = monitor()

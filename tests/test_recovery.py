@@ -224,6 +224,37 @@ def test_sql_enqueue_reaches_the_ring_in_order(dsn, make_queue):
     assert got[0].producer.startswith("sql:")
 
 
+def test_pump_never_waits_on_a_full_queue_and_keeps_its_rows(dsn, make_queue):
+    # 'block' policy with a 30 s full_timeout: the pump must not wait it out.
+    full = make_queue(capacity=3)
+    other = make_queue()
+    with connect(dsn) as s:
+        for i in range(2):
+            s.enqueue(full, f"ring{i}".encode())
+        s.commit()
+    with psycopg.connect(dsn, autocommit=True) as c:
+        for i in range(4):
+            c.execute("SELECT ringq.enqueue(%s, %s)", (full, f"sql{i}".encode()))
+        c.execute("SELECT ringq.enqueue(%s, %s)", (other, b"other"))
+    reported: dict[str, int] = {}
+    t0 = time.monotonic()
+    moved = pump_inbox(dsn, full=reported)
+    assert time.monotonic() - t0 < 5
+    # The one free slot took the first SQL entry; the rest wait; the other queue went on.
+    assert moved == {full: 1, other: 1}
+    assert reported == {full: _qid(dsn, full)}
+    assert pump_inbox(dsn, skip=[full]) == {}
+    reported.clear()
+    assert pump_inbox(dsn, full=reported) == {} and reported == {full: _qid(dsn, full)}
+    got = [m.payload for m in drain(dsn, full)]
+    assert got == [b"ring0", b"ring1", b"sql0"]
+    reported.clear()
+    assert pump_inbox(dsn, full=reported) == {full: 3} and reported == {}
+    assert [m.payload for m in drain(dsn, full)] == [b"sql1", b"sql2", b"sql3"]
+    with psycopg.connect(dsn) as c:
+        assert c.execute("SELECT count(*) FROM ringq.inbox").fetchone() == (0,)
+
+
 def _prepare_and_die(dsn, queue, gid, decide, ready):
     s = connect(dsn)
     s.tpc_begin(s.xid(gid))
