@@ -24,7 +24,7 @@ import psycopg
 from psycopg import sql
 
 from . import _layout as L
-from ._errors import QueueFull, SectionError, from_psycopg
+from ._errors import QueueFull, SectionError, converted, from_psycopg
 from ._names import queue_table
 from ._ring import Ring
 from ._section import Section, pid_alive
@@ -572,22 +572,30 @@ def pump_inbox(
     return moved
 
 
-DEFAULT_KEY_RETENTION = 86_400.0  # seconds an idempotency key outlives its entry's consumption
+# Seconds an idempotency key is kept at least, counted from the key's creation
+# (the enqueue that made it), not from its entry's consumption; a key whose
+# entry is still on the queue is kept past it, however old.
+DEFAULT_KEY_RETENTION = 86_400.0
 
 
 def prune_keys(dsn: str, retention_s: float = DEFAULT_KEY_RETENTION, *, batch: int = 10_000) -> dict[str, int]:
-    """Delete spent idempotency keys; returns {queue: keys deleted}.
+    """Delete spent idempotency keys; returns {queue: keys deleted} ("" for dropped queues).
 
-    A key goes once it is older than ``retention_s`` seconds *and* its entry
-    is no longer on the queue (consumed, reclaimed or overwritten): a
-    producer retrying within the retention still gets the first entry's
+    A key goes once it was made more than ``retention_s`` seconds ago *and*
+    its entry is no longer on the queue (consumed, reclaimed or overwritten):
+    a producer retrying within the retention still gets the first entry's
     sequence, and a key never goes while its entry can still be delivered.
-    Keys of dropped queues go at once. At most ``batch`` keys per queue per
-    call, so a long backlog is pruned over several passes.
+    Keys of dropped queues go regardless of age. At most ``batch`` keys per
+    queue (and ``batch`` of dropped queues) per call, oldest first, so a long
+    backlog is pruned over several passes. Every query runs along the index
+    ``ringq.keys (queue_id, created_at)``.
+
+    :raises DatabaseUnavailable: the database cannot be reached.
+    :raises RingqError: any other database error, converted.
     """
     pruned: dict[str, int] = {}
-    with _connect(dsn) as conn:
-        dropped = conn.execute(_Q["keys_prune_dropped"]).rowcount
+    with _connect(dsn) as conn, converted(dsn=dsn):
+        dropped = conn.execute(_Q["keys_prune_dropped"], (batch,)).rowcount
         if dropped:
             pruned[""] = dropped
         queues = conn.execute(_Q["keys_queues"], (retention_s,)).fetchall()

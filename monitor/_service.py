@@ -594,7 +594,8 @@ class Monitor:
             self._journal_write("prepared.resolved", logging.WARNING, gid=gid, outcome=verb)
 
     def _prune_keys(self) -> None:
-        # A scan of ringq.keys: once a minute is plenty for a retention in hours.
+        # Index probes per queue (ringq.keys (queue_id, created_at)), not a scan;
+        # still, once a minute is plenty for a retention in hours.
         now = time.monotonic()
         if now < getattr(self, "_keys_due", 0.0):
             return

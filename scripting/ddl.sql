@@ -62,6 +62,13 @@ CREATE TABLE IF NOT EXISTS ringq.keys (
     created_at timestamptz NOT NULL DEFAULT now(),
     PRIMARY KEY (queue_id, key)
 );
+-- The monitor's pruning walks each queue's keys oldest first (engine/queries.sql
+-- keys_queues, keys_prune, keys_prune_dropped). Added after schema version 1
+-- without a version bump: like every object here it is created if missing,
+-- so a version-1 database gets it the next time this block is applied
+-- (`ringq queue create`, `ringq script create-queue`), and an older script
+-- applied later neither needs nor drops it.
+CREATE INDEX IF NOT EXISTS keys_queue_id_created_at ON ringq.keys (queue_id, created_at);
 
 -- Entries enqueued through SQL (other hosts, other languages, psql). Ring
 -- slots are reserved only through the global section, so these wait here

@@ -414,3 +414,50 @@ def test_spent_idempotency_keys_are_pruned_after_the_retention(dsn, make_queue):
         assert s.enqueue(q, b"queued", key="k-queued") == queued  # still deduplicated
         assert s.enqueue(q, b"again", key="k-consumed") > recent  # spent: a new entry
         s.commit()
+
+
+def test_key_pruning_runs_along_the_created_at_index(dsn, make_queue):
+    from ringq.engine._names import queue_table
+    from ringq.engine._session import _Q
+
+    q = make_queue(capacity=8)
+    with psycopg.connect(dsn, autocommit=True) as c:
+        qid = c.execute("SELECT id FROM ringq.queues WHERE name = %s", (q,)).fetchone()[0]
+        idx = c.execute(
+            "SELECT indexdef FROM pg_indexes WHERE schemaname = 'ringq' AND indexname = 'keys_queue_id_created_at'"
+        ).fetchone()
+        assert idx is not None and "(queue_id, created_at)" in idx[0]
+        # Keys of a dropped queue, more than one batch of them.
+        c.execute("INSERT INTO ringq.keys (queue_id, key, seq, created_at) "
+                  "SELECT %s, 'd' || g, g, now() - interval '2 days' FROM generate_series(1, 5) g", (qid + 1000,))
+        c.execute("ANALYZE ringq.keys")
+        # The index can serve every pruning query (the planner would pick a
+        # sequential scan of so small a table, so that one is ruled out).
+        c.execute("SET enable_seqscan = off")
+        for query, args in [
+            (psycopg.sql.SQL(_Q["keys_queues"]), (86_400,)),
+            (psycopg.sql.SQL(_Q["keys_prune"]).format(table=queue_table(q)), (qid, 86_400, 8, 10)),
+        ]:
+            plan = "\n".join(r[0] for r in c.execute(psycopg.sql.SQL("EXPLAIN ") + query, args).fetchall())
+            assert "keys_queue_id_created_at" in plan, plan
+            assert "Seq Scan on keys" not in plan, plan
+        plan = "\n".join(r[0] for r in c.execute("EXPLAIN " + _Q["keys_prune_dropped"], (10,)).fetchall())
+        assert "Seq Scan on keys" not in plan, plan
+    assert prune_keys(dsn, retention_s=86_400, batch=3) == {"": 3}
+    assert prune_keys(dsn, retention_s=86_400, batch=3) == {"": 2}
+    assert prune_keys(dsn, retention_s=86_400, batch=3) == {}
+
+
+def test_key_pruning_errors_are_ringq_errors(dsn, make_queue):
+    from ringq.engine import RingqError
+
+    make_queue()
+    with psycopg.connect(dsn, autocommit=True) as c:
+        c.execute("ALTER TABLE ringq.keys RENAME TO keys_gone")
+    try:
+        with pytest.raises(RingqError) as info:
+            prune_keys(dsn)
+        assert isinstance(info.value.__cause__, psycopg.Error)
+    finally:
+        with psycopg.connect(dsn, autocommit=True) as c:
+            c.execute("ALTER TABLE ringq.keys_gone RENAME TO keys")
