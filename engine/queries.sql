@@ -159,7 +159,7 @@ WITH s AS (
 ), i AS (
     -- Only entries recorded just now (x), so a repeated strike adds nothing.
     INSERT INTO ringq.inbox (queue_id, payload, producer)
-    SELECT f.to_id, f.payload, coalesce(f.producer, 'ringq:poison')
+    SELECT f.to_id, f.payload, 'ringq:poison:' || coalesce(f.producer, '-')
     FROM f JOIN x ON x.seq = f.seq
     WHERE f.to_id IS NOT NULL AND f.why_not IS NULL
     ORDER BY f.seq

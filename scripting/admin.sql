@@ -58,7 +58,7 @@ WITH x AS (
     RETURNING queue_id, payload, producer
 )
 INSERT INTO ringq.inbox (queue_id, payload, producer)
-SELECT queue_id, payload, coalesce(producer, 'sql:' || current_user)
+SELECT queue_id, payload, 'ringq:requeue:' || coalesce(producer, 'sql:' || current_user)
 FROM x
 RETURNING id
 

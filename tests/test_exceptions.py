@@ -168,6 +168,7 @@ def test_poison_entry_lands_on_the_exception_queue(
             s.enqueue(q, b"bad order")
             s.enqueue(q, b"good order")
             s.commit()
+            producer = s.producer
             seq = poison(s, q, 2)
             m = s.dequeue(q)
             assert m is not None and m.payload == b"good order"
@@ -188,6 +189,8 @@ def test_poison_entry_lands_on_the_exception_queue(
     with connect(dsn) as consumer:  # a consumer of the exception queue takes it
         m = consumer.dequeue(dead)
         assert m is not None and m.payload == b"bad order" and m.deliveries == 1
+        # Marked as a poison copy: never taken for one of its producer's own entries.
+        assert m.producer == "ringq:poison:" + producer
         consumer.commit()
     assert drain(dsn, dead) == [] and drain(dsn, q) == []
 
@@ -197,8 +200,12 @@ def test_poison_entry_lands_on_the_exception_queue(
         requeue_exception(conn, q, seq)
         assert list_exceptions(conn, q) == []
     assert pump_inbox(dsn) == {q: 1}
-    assert [p for _, p, _ in drain(dsn, q)] == [b"bad order"]
-    assert drain(dsn, dead) == []
+    with connect(dsn) as consumer:  # back as a new entry, marked as requeued
+        m = consumer.dequeue(q)
+        assert m is not None and m.payload == b"bad order" and m.deliveries == 1
+        assert m.producer == "ringq:requeue:" + producer
+        consumer.commit()
+    assert drain(dsn, q) == [] and drain(dsn, dead) == []
 
 
 def test_exception_queue_must_exist_and_take_the_payloads(

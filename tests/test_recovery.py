@@ -219,9 +219,15 @@ def test_sql_enqueue_reaches_the_ring_in_order(dsn, make_queue):
             c.execute("SELECT ringq.enqueue(%s, %s)", (q, f"sql{i}".encode()))
     moved = pump_inbox(dsn)
     assert moved == {q: 5}
+    with psycopg.connect(dsn, autocommit=True) as c:  # a second pass, by a new pump session
+        c.execute("SELECT ringq.enqueue(%s, %s)", (q, b"sql5"))
+    assert pump_inbox(dsn) == {q: 1}
     got = drain(dsn, q)
-    assert [m.payload for m in got] == [f"sql{i}".encode() for i in range(5)]
-    assert got[0].producer.startswith("sql:")
+    assert [m.payload for m in got] == [f"sql{i}".encode() for i in range(6)]
+    assert {m.producer for m in got} == {got[0].producer} and got[0].producer.startswith("sql:")
+    # One producer's sequence keeps rising across pump passes (it follows the inbox ids).
+    pseqs = [m.producer_seq for m in got]
+    assert pseqs == sorted(set(pseqs))
 
 
 def test_pump_never_waits_on_a_full_queue_and_keeps_its_rows(dsn, make_queue):
