@@ -180,7 +180,6 @@ class _Producer:
         # producers' open reservations alone cannot fill a queue.
         self.max_per_tx = max(1, min(50, self.cfg.capacity // (4 * self.cfg.producers)))
         self.sent_sql = S.q(S.INSERT_SENT, args.run_id)
-        self._decisions: psycopg.Connection[Any] | None = None
         self.rb_sql = S.q(S.INSERT_ROLLED_BACK, args.run_id)
 
     def bump(self, word: int, n: int = 1) -> None:
@@ -292,16 +291,6 @@ class _Producer:
         if len(plan) > 1:
             self.bump(P_MULTI_TX)
 
-    def decisions(self) -> psycopg.Connection[Any]:
-        """The coordinator's decision log connection (autocommit, chaos only)."""
-        if self._decisions is None or self._decisions.closed or self._decisions.broken:
-            self._decisions = psycopg.connect(self.a.dsn, autocommit=True, application_name="ringq-regress")
-        return self._decisions
-
-    def close(self) -> None:
-        if self._decisions is not None:
-            self._decisions.close()
-
     def record(self, stmt: Any, done: list[tuple[int, int, int, int, bytes]], kind: int, *extra: Any) -> None:
         if not done:
             return
@@ -397,7 +386,6 @@ def _produce_session(args: WorkerArgs, counters: Any, abort: Any) -> bool:
             left -= 1
             if mode == "trickle":
                 time.sleep(rng.uniform(0.0, 0.02))
-        p.close()
     return True
 
 
