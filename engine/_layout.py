@@ -86,7 +86,7 @@ NAME_BYTES = 64
 C_PID = 0  # 0 = free entry
 C_BACKEND_PID = 1
 C_STATE = 2  # CS_*
-C_STARTED_NS = 3
+C_STARTED_NS = 3  # registration time, rewritten when the client reconnects (it bounds the backend's start)
 C_N_ENQ = 4
 C_N_DEQ = 5
 C_N_COMMIT = 6
@@ -110,6 +110,10 @@ C_W_ABORTED = 22
 C_W_POISONED = 23
 C_W_IN_DOUBT = 24
 C_W_BUSY_NS = 25  # time spent handling messages (ns)
+# Registration time (time.time_ns()), never rewritten: with the index and pid it
+# names one session across its reconnects. A spare word of version 2 (offsets
+# unchanged): entries registered by older code read 0 here, still stable.
+C_REGISTERED_NS = 26
 CLIENT_WORDS = 32
 
 # Client roles (C_ROLE).

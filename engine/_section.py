@@ -331,7 +331,9 @@ class Section:
                         self.clients[base + w] = 0
                     self.clients[base + L.C_PID] = self.pid
                     self.clients[base + L.C_BACKEND_PID] = backend_pid
-                    self.clients[base + L.C_STARTED_NS] = time.time_ns()
+                    now = time.time_ns()
+                    self.clients[base + L.C_STARTED_NS] = now
+                    self.clients[base + L.C_REGISTERED_NS] = now
                     self.clients[base + L.C_STATE] = L.CS_ACTIVE
                     return i
         finally:
@@ -341,7 +343,10 @@ class Section:
         )
 
     def set_client_backend(self, cidx: int, backend_pid: int) -> None:
-        """A client's new backend (it reconnected); its time bounds the backend's start."""
+        """A client's new backend (it reconnected); its time bounds the backend's start.
+
+        ``C_REGISTERED_NS`` is left alone: the monitor knows the client by it.
+        """
         self.clients[cidx * L.CLIENT_WORDS + L.C_STARTED_NS] = time.time_ns()
         self.clients[cidx * L.CLIENT_WORDS + L.C_BACKEND_PID] = backend_pid
 

@@ -8,7 +8,10 @@ reads them; nothing here touches the database.
 
 Errors are read from each entry's last-error record and its counter: errors
 a client hits between two passes of the monitor (100 ms) are coalesced into
-one log record carrying the last error's queue and seq and ``count``.
+one log record carrying the last error's queue and seq and ``count``. A client
+is known by its entry index, pid and registration time, which its reconnects
+do not change. The monitor's first pass only takes the counters as they are:
+errors hit while no monitor watched are counted (``seen_at_start``), not logged.
 """
 
 from __future__ import annotations
@@ -50,7 +53,9 @@ _RATE_OF: Final = {
     ERROR_RATE: (M.ERRORS,),
 }
 
-Key = tuple[int, int, int]  # (entry index, pid, started ns): tells a re-used entry apart
+# (entry index, pid, registration ns): tells a re-used entry apart, and stays the
+# same over the client's reconnects (which rewrite ``started_ns``).
+Key = tuple[int, int, int]
 
 
 @dataclass
@@ -63,13 +68,14 @@ class Raw:
     role: str
     state: str
     started_ns: int
+    registered_ns: int
     qids: list[tuple[int, str]]  # (queue id, name) of the queues it used
     stats: dict[str, int]
     error: tuple[int, int, int, int, int] | None  # (count, code, qid, seq, ns)
 
     @property
     def key(self) -> Key:
-        return (self.cidx, self.pid, self.started_ns)
+        return (self.cidx, self.pid, self.registered_ns)
 
 
 def read_clients(sec: Section) -> list[Raw]:
@@ -92,6 +98,7 @@ def read_clients(sec: Section) -> list[Raw]:
             role=M.role_name(sec.clients[base + L.C_ROLE]),
             state="in_doubt" if state == L.CS_IN_DOUBT else "active",
             started_ns=int(sec.clients[base + L.C_STARTED_NS]),
+            registered_ns=int(sec.clients[base + L.C_REGISTERED_NS]),
             qids=qids,
             stats=M.client_stats(sec, cidx),
             error=sec.client_error(cidx),
@@ -126,9 +133,17 @@ class ErrorWatch:
     """Finds the clients whose error counter rose since the last pass."""
 
     def __init__(self) -> None:
-        self._seen: dict[Key, int] = {}
+        self._seen: dict[Key, int] | None = None  # None until the first pass
+        self.seen_at_start = 0  # errors the clients already had at the first pass (not logged)
 
     def scan(self, clients: list[Raw]) -> list[ErrorNews]:
+        if self._seen is None:
+            # A (re)started monitor: what the counters hold happened before it
+            # watched, and was logged by its predecessor if one ran. The bare
+            # counter word is enough here (no record to describe).
+            self._seen = {c.key: c.stats[M.ERRORS] for c in clients}
+            self.seen_at_start = sum(self._seen.values())
+            return []
         news = []
         seen: dict[Key, int] = {}
         for c in clients:

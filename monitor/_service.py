@@ -138,6 +138,7 @@ class Monitor:
         self._snaps: dict[int, S._Snap] = {}
         self._watch: dict[int, _Watch] = {}
         self._inbox_due = True
+        self._inbox_retry_at = 0.0  # monotonic: after a failed pump, NOTIFYs wait for this (or the sample)
         # Full queues with SQL entries waiting: {name: queue id}, left out of the
         # NOTIFY-driven pumps until the next sample or until a reclaim finds room.
         self._inbox_full: dict[str, int] = {}
@@ -175,6 +176,11 @@ class Monitor:
                 self._journal = Journal(None)
             self._connect(first=True)
             self._attach(reason=None)
+            # Take the clients' error counters as they are now, before the loop
+            # runs: errors from before this start are not news (a predecessor
+            # logged them), errors from after it are.
+            self._error_watch = C.ErrorWatch()
+            self.read_section(lambda sec: self._error_watch.scan(C.read_clients(sec)))
             if cfg.http:
                 self._http = HttpService(self, cfg.host, cfg.port)
                 try:
@@ -310,7 +316,7 @@ class Monitor:
                     next_sample += self.config.interval
                     if next_sample <= tick:  # fell behind (a long step): do not catch up in a burst
                         next_sample = tick + self.config.interval
-                elif self._inbox_due:
+                elif self._inbox_due and tick >= self._inbox_retry_at:
                     slow = [("inbox", self._pump_inbox)]
                 for name, fn in fast + slow:
                     if self._stop.is_set():
@@ -610,15 +616,19 @@ class Monitor:
     def _pump_inbox(self, *, retry_full: bool = False) -> None:
         """Move SQL entries into the rings. Never waits: a full queue is reported
         by the pump, skipped until the next sample (or a reclaim that finds room),
-        and does not make the next pass try again at once."""
+        and does not make the next pass try again at once. A pump that fails
+        (the database unreachable …) is tried again at the next sample, not on
+        every pass."""
         self._inbox_due = False
         full: dict[str, int] = {}
         skip = () if retry_full else tuple(self._inbox_full)
         try:
             moved = pump_inbox(self.config.dsn, skip=skip, full=full)
         except BaseException:
-            self._inbox_due = True  # try again on the next pass
+            # Retried by the next sample's pump; until then NOTIFYs only mark it due.
+            self._inbox_retry_at = time.monotonic() + self.config.interval
             raise
+        self._inbox_retry_at = 0.0
         if retry_full:
             self._inbox_full = full
         else:
@@ -698,6 +708,7 @@ class Monitor:
             "clients": clients or 0,
             "recovered_clients": self._recovered_clients,
             "client_errors": sum(self._client_errors_by_kind.values()),
+            "client_errors_at_start": self._error_watch.seen_at_start,
             "xmin_age_s": round(self._xmin_age, 3),
             "database": self._conn is not None and not self._conn.closed and not self._conn.broken,
             "steps": {k: v.as_dict() for k, v in sorted(self._steps.items())},

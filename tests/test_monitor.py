@@ -847,6 +847,116 @@ def test_client_errors_are_logged_with_pid_queue_and_seq(
     assert by_kind == {"payload_too_large": 1, "queue_full": 3}
 
 
+def test_client_errors_are_not_logged_again_after_a_reconnect_or_a_monitor_restart(
+    dsn: str, make_queue: Any, monitor: Any, tmp_path: Path
+) -> None:
+    from ringq.engine import PayloadTooLarge, RingqError
+
+    q = make_queue(capacity=8, max_payload=16)
+    m = monitor()
+    log = tmp_path / "monitor" / "monitor.log"
+
+    def lines() -> list[dict[str, Any]]:
+        return [r for r in _log_records(log) if r["event"] == "client.error" and r["pid"] == os.getpid()]
+
+    def passes(mon: Monitor, n: int = 3) -> None:
+        def runs() -> int:  # no "clients" entry before the loop's first pass
+            return int(mon.status()["steps"].get("clients", {}).get("runs", 0))
+
+        before = runs()
+        wait_for(lambda: runs() >= before + n, what=f"{n} client passes")
+
+    with connect(dsn) as s:
+        with pytest.raises(PayloadTooLarge):
+            s.enqueue(q, b"x" * 17)
+        [first] = wait_for(lambda: lines(), what="the error logged")
+        assert first["kind"] == "payload_too_large" and first["errors"] == 1
+
+        # The session's backend dies; its next operation finds out and reconnects.
+        old_backend = s.backend_pid
+        with psycopg.connect(dsn, autocommit=True) as admin:
+            admin.execute("SELECT pg_terminate_backend(%s)", (old_backend,))
+        with pytest.raises(RingqError):
+            s.enqueue(q, b"a")
+        assert s.backend_pid != old_backend
+        s.enqueue(q, b"b")
+        s.commit()
+        # The lost connection is a new error (one line); the first one is not logged again.
+        wait_for(lambda: len(lines()) >= 2, what="the connection_lost line")
+        passes(m)
+        recs = lines()
+        assert [(r["kind"], r["count"], r["errors"]) for r in recs] == [
+            ("payload_too_large", 1, 1), ("connection_lost", 1, 2)]
+        assert recs[1]["backend_pid"] == s.backend_pid
+
+        with pytest.raises(PayloadTooLarge):  # a new error: exactly one new line
+            s.enqueue(q, b"y" * 17)
+        wait_for(lambda: len(lines()) >= 3, what="the new error logged")
+        passes(m)
+        assert [(r["kind"], r["count"], r["errors"]) for r in lines()[2:]] == [("payload_too_large", 1, 3)]
+        assert m.status()["client_errors"] == 3
+
+        s.rollback()
+
+    # Restart the monitor. (A session in this process does not outlive an in-process
+    # monitor's stop: the section attachment it shares is released, so use a new one.)
+    m.stop()
+    with connect(dsn) as s2:
+        with pytest.raises(PayloadTooLarge):  # while no monitor runs
+            s2.enqueue(q, b"z" * 17)
+        m2 = monitor()
+        passes(m2)
+        assert len(lines()) == 3  # not logged: it happened before this monitor watched
+        st = m2.status()
+        assert st["client_errors"] == 0 and st["client_errors_at_start"] >= 1
+        with pytest.raises(PayloadTooLarge):  # after the restart, new errors are logged once
+            s2.enqueue(q, b"w" * 17)
+        wait_for(lambda: len(lines()) >= 4, what="the error after the restart logged")
+        passes(m2)
+        assert [(r["kind"], r["count"], r["errors"]) for r in lines()[3:]] == [("payload_too_large", 1, 2)]
+        assert m2.status()["client_errors"] == 1
+        s2.rollback()
+
+
+def test_error_watch_knows_a_client_across_reconnects_and_starts_from_the_counters() -> None:
+    from ringq.engine import metrics as M
+    from ringq.monitor import _clients as C
+
+    def raw(errors: int, started_ns: int, backend_pid: int) -> C.Raw:
+        return C.Raw(cidx=3, pid=100, backend_pid=backend_pid, role="client", state="active",
+                     started_ns=started_ns, registered_ns=1, qids=[],
+                     stats={M.ERRORS: errors}, error=(errors, L.ERR_PAYLOAD_TOO_LARGE, 0, -1, 0))
+
+    w = C.ErrorWatch()
+    assert w.scan([raw(2, 1, 10)]) == [] and w.seen_at_start == 2  # before this monitor: counted only
+    assert w.scan([raw(2, 5, 11)]) == []  # reconnected (new backend, new started_ns): nothing new
+    [news] = w.scan([raw(3, 5, 11)])
+    assert news.count == 1 and news.total == 3
+
+
+def test_a_failing_inbox_pump_waits_for_the_next_sample(
+    dsn: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from ringq.engine import DatabaseUnavailable
+    from ringq.monitor import _service
+
+    def down(*_a: Any, **_kw: Any) -> dict[str, int]:
+        raise DatabaseUnavailable("database unreachable")
+
+    m = Monitor(MonitorConfig(dsn, port=0, interval=5.0, data_dir=tmp_path / "m"))  # never started
+    monkeypatch.setattr(_service, "pump_inbox", down)
+    m._inbox_due = True
+    before = time.monotonic()
+    with pytest.raises(DatabaseUnavailable):
+        m._pump_inbox()
+    # Not due on the next 100 ms pass: the next attempt is a sample interval away.
+    assert not m._inbox_due
+    assert m._inbox_retry_at >= before + 5.0
+    monkeypatch.setattr(_service, "pump_inbox", lambda *_a, **_kw: {})
+    m._pump_inbox_all()  # the sample's pump works again: NOTIFYs count at once
+    assert m._inbox_retry_at == 0.0
+
+
 WORKER_ACTIONS = """
 from ringq.engine import Actions
 
