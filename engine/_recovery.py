@@ -287,15 +287,23 @@ def recover_dead_clients(sec: Section, dsn: str, *, terminate: bool = True) -> l
                     ops.append((ring, info, slot, seq, "d" if enq else "e"))
                 if slots and info.name not in rec.queues:
                     rec.queues.append(info.name)
+            rec.slots = len(ops) + rec.held
+            if ops:
+                _decide_and_strike(sec, conn, ops, rec)
+            # The single-dequeuer role is given up only now that the dead
+            # client's entries are decided (ready again, or consumed). Given up
+            # before, another dequeuer could take the queue while those entries
+            # were still locked, read past them and take later ones first: out
+            # of order, and a mover would then prune the idempotency keys of
+            # entries it had not yet seen come back (moved twice).
+            for qidx in sec.loaded_queues():
+                ring = Ring(sec, qidx)
                 sec.lock_queue(qidx)
                 try:
                     if sec.queues[ring.qb + L.Q_DEQ_OWNER] == owner:
                         ring.release_role(owner)
                 finally:
                     sec.unlock_queue(qidx)
-            rec.slots = len(ops) + rec.held
-            if ops:
-                _decide_and_strike(sec, conn, ops, rec)
             sec.lock_section()
             try:
                 base = cidx * L.CLIENT_WORDS
