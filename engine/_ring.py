@@ -260,8 +260,23 @@ class Ring:
     def _find_in(self, a: int, b: int, ready: bool) -> int | None:
         s = self.sec
         wa, wl = a >> 6, (b - 1) >> 6  # first and last word (inclusive), queue-relative
-        chunk = _FIRST_CHUNK
+        # The answer is nearly always within a word or two of the tail: read
+        # those as plain ints through the memoryviews (numpy's per-call cost,
+        # a microsecond per operation, is the larger part of a short scan).
+        E, D, K, w0 = s.enq_w, s.deq_w, s.lck_w, self.w0
         w = wa
+        stop = min(wl + 1, wa + _FIRST_CHUNK)
+        while w < stop:
+            g = w0 + w
+            word = (E[g] & ~D[g] & ~K[g]) if ready else ((~D[g] | K[g]) & _U64)
+            if w == wa and a & 63:
+                word &= (_U64 << (a & 63)) & _U64
+            if w == wl and b & 63:
+                word &= (1 << (b & 63)) - 1
+            if word:
+                return (w << 6) + _lowest_bit(word)
+            w += 1
+        chunk = _FIRST_CHUNK * 4
         while w <= wl:
             we = min(wl + 1, w + chunk)
             g0, g1 = self.w0 + w, self.w0 + we

@@ -1,8 +1,9 @@
 """The ring's bitmap scans against a brute-force reading of the same bits.
 
 No database: a private global section is made for the test and removed after.
-Random bitmaps of every density, capacities around word edges and windows
-that wrap exercise the chunked numpy scan and its first- and last-word masks.
+The scan has a plain-int fast path for the first words and a numpy path for
+the rest; random bitmaps of every density, capacities around word edges and
+windows that wrap exercise both and their seam.
 """
 
 from __future__ import annotations
