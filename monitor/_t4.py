@@ -105,14 +105,8 @@ class T4Writer:
         oldest = today - timedelta(days=self.keep_days - 1)
         gone = []
         for p in self.data_dir.glob("t4-*.csv"):
-            m = _FILE_RE.match(p.name)
-            if not m:
-                continue
-            try:
-                day = date.fromisoformat(m.group(1))
-            except ValueError:
-                continue
-            if day < oldest:
+            day = _day_of(p.name)
+            if day is not None and day < oldest:
                 p.unlink(missing_ok=True)
                 gone.append(p)
         return gone
@@ -185,14 +179,8 @@ class T4Reader:
         except OSError:
             return []
         for e in entries:
-            m = _FILE_RE.match(e.name)
-            if not m:
-                continue
-            try:
-                day = date.fromisoformat(m.group(1))
-            except ValueError:
-                continue
-            if first <= day <= last:
+            day = _day_of(e.name)
+            if day is not None and first <= day <= last:
                 # t4-D.old-HHMMSS.csv sorts before t4-D.csv: its rows are older.
                 found.append((day, "0" if ".old-" in e.name else "1", Path(e.path)))
         return [p for _, _, p in sorted(found)]
@@ -348,3 +336,14 @@ def _cell(v: float | str) -> str:
     if isinstance(v, float) and v.is_integer():
         return str(int(v))
     return str(v)
+
+
+def _day_of(name: str) -> date | None:
+    """The UTC day a T4 file name stands for (``t4-YYYY-MM-DD[.old-HHMMSS].csv``), or None."""
+    m = _FILE_RE.match(name)
+    if not m:
+        return None
+    try:
+        return date.fromisoformat(m.group(1))
+    except ValueError:
+        return None

@@ -114,6 +114,12 @@ def make_queue(dsn: str) -> Iterator[Callable[..., str]]:
         return name
 
     yield make
+    remove_section(dsn)
+
+
+def remove_section(dsn: str) -> None:
+    """Remove the global section and semaphores of the database at ``dsn``
+    (the tests' queues live in shared memory beyond the database's life)."""
     with psycopg.connect(dsn, autocommit=True) as conn:
         row = conn.execute("SELECT value FROM ringq.meta WHERE key = 'instance_id'").fetchone()
         qids = [r[0] for r in conn.execute("SELECT id FROM ringq.queues").fetchall()]

@@ -33,6 +33,7 @@ from typing import Any
 
 import psycopg
 import pytest
+from conftest import remove_section
 from psycopg import sql
 from ringq.engine import RingqError, Section, connect
 from ringq.engine import _layout as L
@@ -100,12 +101,7 @@ def queues(dsn: str) -> Iterator[list[str]]:
         conn.execute("CREATE TABLE sent (payload bytea PRIMARY KEY)")
         conn.execute("CREATE TABLE got (payload bytea, queue text, seq bigint)")
     yield names
-    with psycopg.connect(dsn, autocommit=True) as conn:
-        row = conn.execute("SELECT value FROM ringq.meta WHERE key = 'instance_id'").fetchone()
-        qids = [r[0] for r in conn.execute("SELECT id FROM ringq.queues").fetchall()]
-    if row:
-        Section.unlink(row[0])
-        Section.unlink_semaphores(row[0], qids)
+    remove_section(dsn)
 
 
 @pytest.fixture

@@ -25,7 +25,8 @@ from urllib.parse import parse_qs, urlsplit
 
 import psycopg
 import pytest
-from ringq.engine import Actions, ConfigError, QueueFull, Section, Worker, WorkerConfig, connect
+from conftest import remove_section
+from ringq.engine import Actions, ConfigError, QueueFull, Worker, WorkerConfig, connect
 from ringq.rtv import MonitorClient, MonitorError, MonitorUnavailable, Viewer, ViewerConfig
 from ringq.rtv import _metrics as K
 from ringq.rtv._source import normalize_client, thin
@@ -610,12 +611,7 @@ def live_queues(dsn: str) -> Iterator[list[str]]:
         for name in names:
             create_queue(conn, QueueSpec(name, 400, 256))
     yield names
-    with psycopg.connect(dsn, autocommit=True) as conn:
-        row = conn.execute("SELECT value FROM ringq.meta WHERE key = 'instance_id'").fetchone()
-        qids = [r[0] for r in conn.execute("SELECT id FROM ringq.queues").fetchall()]
-    if row:
-        Section.unlink(row[0])
-        Section.unlink_semaphores(row[0], qids)
+    remove_section(dsn)
 
 
 def test_page_live_over_a_real_monitor_and_workload(
