@@ -11,13 +11,12 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from ringq.engine import ringq_home
+from ringq.engine import exits, ringq_home
 
-from . import _exit
 from ._args import env_option, subparser
 
-RET_OK = _exit.OK
-RET_UNREACHABLE = _exit.FAILURE  # no monitor answered, or it refused the token
+RET_OK = exits.OK
+RET_UNREACHABLE = exits.FAILURE  # no monitor answered, or it refused the token
 
 DEFAULT_URL = "http://127.0.0.1:7480"
 

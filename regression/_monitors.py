@@ -31,9 +31,7 @@ from pathlib import Path
 from typing import Any
 
 import psycopg
-from ringq.engine import RingqError, redact_dsn
-from ringq.engine._errors import from_psycopg
-from ringq.engine._section import pid_alive
+from ringq.engine import RingqError, from_psycopg, pid_alive, redact_dsn
 
 from . import _sql as S
 

@@ -33,11 +33,18 @@ from pathlib import Path
 from typing import Any
 
 import psycopg
-from ringq.engine import DatabaseError, DatabaseUnavailable, InDoubt, QueueFull, Session, connect
-from ringq.engine import _layout as L
+from ringq.engine import (
+    DatabaseError,
+    DatabaseUnavailable,
+    InDoubt,
+    QueueFull,
+    Session,
+    connect,
+    pid_alive,
+    queue_table,
+)
+from ringq.engine import layout as L
 from ringq.engine import metrics as M
-from ringq.engine._names import queue_table
-from ringq.engine._section import pid_alive
 
 from . import _payload as P
 from . import _sql as S
