@@ -40,6 +40,7 @@ from ringq.engine import (
     QueueFull,
     Session,
     connect,
+    exits,
     pid_alive,
     queue_table,
 )
@@ -161,7 +162,7 @@ def _worker(role: str, body: Callable[..., None], args: WorkerArgs, *rest: Any) 
         errors.join_thread()  # os._exit does not wait for the queue's feeder thread
         traceback.print_exc(file=sys.stderr)
         sys.stderr.flush()
-        os._exit(1)
+        os._exit(exits.FAILURE)
 
 
 def producer_main(args: WorkerArgs, counters: Any, abort: Any, errors: Any) -> None:
