@@ -1,8 +1,9 @@
 """ringq: transactional message queues inside PostgreSQL.
 
-The public API lives in :mod:`ringq.engine`; the other subpackages are the
-monitor, queue scripting, the real time viewer, the regression harness and the
-``ringq`` command.
+The client API lives in :mod:`ringq.engine`; the other subpackages build on
+it: workers (:mod:`ringq.worker`), moving between databases
+(:mod:`ringq.move`), the monitor, queue scripting, the real time viewer, the
+regression harness and the ``ringq`` command.
 """
 
 __version__ = "0.1.0"

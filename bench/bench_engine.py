@@ -41,11 +41,9 @@ import numpy as np
 import posix_ipc
 import psycopg
 from psycopg import sql
-from ringq.engine import Section, connect, metrics
-from ringq.engine._names import queue_table
-from ringq.engine._sqlfile import load
-from ringq.scripting import Cluster
-from ringq.scripting._ddl import QueueSpec, create_queue, drop_queue
+from ringq.engine import Section, connect, metrics, queue_table
+from ringq.engine.sqlfile import load
+from ringq.scripting import Cluster, QueueSpec, create_queue, drop_queue
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 FORK = mp.get_context("fork")

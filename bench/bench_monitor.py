@@ -48,8 +48,7 @@ from typing import Any
 import numpy as np
 import psycopg
 from ringq.engine import Section, connect
-from ringq.scripting import Cluster
-from ringq.scripting._ddl import QueueSpec, create_queue, drop_queue
+from ringq.scripting import Cluster, QueueSpec, create_queue, drop_queue
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 

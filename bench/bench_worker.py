@@ -4,7 +4,7 @@ Contenders, all on ONE database (a private embedded PostgreSQL under a
 temporary home, the same server settings as ``ringq db start``, unless
 ``--dsn`` names another):
 
-- **ringq p=1 / p=2**: a :class:`ringq.engine.WorkerPool` with 1 or 2 worker
+- **ringq p=1 / p=2**: a :class:`ringq.worker.WorkerPool` with 1 or 2 worker
   processes ("fork") on a shared-mode queue; each message is one transaction
   (dequeue UPDATE, then ``COMMIT; BEGIN`` in one round trip).
 - **ringq p=1 +limit**: p=1 with a 30 s time limit on the action (an
@@ -55,19 +55,9 @@ from pathlib import Path
 from typing import Any
 
 import psycopg
-from ringq.engine import (
-    Actions,
-    Message,
-    PoolConfig,
-    Section,
-    Session,
-    WorkerConfig,
-    WorkerPool,
-    connect,
-    metrics,
-)
-from ringq.scripting import Cluster
-from ringq.scripting._ddl import QueueSpec, create_queue, drop_queue
+from ringq.engine import Message, Section, Session, connect, metrics
+from ringq.scripting import Cluster, QueueSpec, create_queue, drop_queue
+from ringq.worker import Actions, PoolConfig, WorkerConfig, WorkerPool
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 ISSUE_PROCRASTINATE = "350-420 jobs/s (issue 8, concurrency 1, measured earlier on this machine)"

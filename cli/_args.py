@@ -123,7 +123,7 @@ def add_dsn(parser: argparse.ArgumentParser) -> None:
 
 
 def subparser(sub: Any, name: str, help: str, description: str | None = None) -> argparse.ArgumentParser:
-    from ._exit import EPILOG
+    from ringq.engine.exits import EPILOG
 
     p: argparse.ArgumentParser = sub.add_parser(
         name, help=help, description=description or help, formatter_class=Formatter, epilog=EPILOG

@@ -8,9 +8,9 @@ import time
 from pathlib import Path
 from typing import Any
 
+from ringq.engine import exits
 from ringq.scripting import Cluster
 
-from . import _exit
 from ._args import env_option, subparser
 
 DESCRIPTION = """\
@@ -82,7 +82,7 @@ def _start(args: argparse.Namespace) -> int:
             f"(pid {st.pid}, port {st.port}) in {time.monotonic() - began:.1f} s"
         )
     print(dsn)
-    return _exit.OK
+    return exits.OK
 
 
 def _stop(args: argparse.Namespace) -> int:
@@ -90,10 +90,10 @@ def _stop(args: argparse.Namespace) -> int:
     if not cluster.status().running:
         cluster.stop()  # still tidies a stale DSN file
         print(f"not running under {cluster.home}")
-        return _exit.OK
+        return exits.OK
     cluster.stop()
     print(f"stopped (under {cluster.home})")
-    return _exit.OK
+    return exits.OK
 
 
 def _status(args: argparse.Namespace) -> int:
@@ -110,10 +110,10 @@ def _status(args: argparse.Namespace) -> int:
     width = max(len(k) for k, _ in rows)
     for key, value in rows:
         print(f"{key:<{width}}  {value}")
-    return _exit.OK if st.running else _exit.FAILURE
+    return exits.OK if st.running else exits.FAILURE
 
 
 def _url(args: argparse.Namespace) -> int:
     print(_cluster(args).url())  # DatabaseUnavailable -> exit 3 in _main
     sys.stdout.flush()
-    return _exit.OK
+    return exits.OK

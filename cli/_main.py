@@ -19,9 +19,9 @@ from ringq.engine import (
     QueueExists,
     QueueNotFound,
     RingqError,
+    exits,
 )
 
-from . import _exit
 from ._args import Formatter, resolve_env
 
 # Subcommand modules, loaded lazily so `ringq --help` stays fast and a missing
@@ -53,7 +53,7 @@ def build_parser() -> argparse.ArgumentParser:
             "and settings, --json, --yes, --once, --tui, --detach, --chaos ...) have no variable."
         ),
         formatter_class=Formatter,
-        epilog=_exit.EPILOG,
+        epilog=exits.EPILOG,
     )
     parser.add_argument("--version", action="version", version=f"ringq {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
@@ -86,29 +86,29 @@ def main(argv: Sequence[str] | None = None) -> int:
         args = parse_args(argv, parser)
     except ConfigError as exc:  # a malformed RINGQ_* variable: named in the message
         print(f"ringq: {exc}", file=sys.stderr)
-        return _exit.USAGE
+        return exits.USAGE
     func = getattr(args, "func", None)
     if func is None:
         # `ringq` or `ringq db` alone: show the relevant help.
         (getattr(args, "_parser", None) or parser).print_help()
-        return _exit.USAGE
+        return exits.USAGE
     try:
         return int(func(args) or 0)
     except KeyboardInterrupt:
         print("ringq: interrupted", file=sys.stderr)
-        return _exit.INTERRUPTED
+        return exits.INTERRUPTED
     except DatabaseUnavailable as exc:
         print(f"ringq: {exc}", file=sys.stderr)
-        return _exit.DB_UNAVAILABLE
+        return exits.DB_UNAVAILABLE
     except (QueueNotFound, EntryNotFound) as exc:
         print(f"ringq: {exc}", file=sys.stderr)
-        return _exit.NOT_FOUND
+        return exits.NOT_FOUND
     except QueueExists as exc:
         print(f"ringq: {exc}", file=sys.stderr)
-        return _exit.CONFLICT
+        return exits.CONFLICT
     except ConfigError as exc:
         print(f"ringq: {exc}", file=sys.stderr)
-        return _exit.USAGE
+        return exits.USAGE
     except RingqError as exc:
         print(f"ringq: {exc}", file=sys.stderr)
-        return _exit.FAILURE
+        return exits.FAILURE

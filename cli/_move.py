@@ -10,22 +10,15 @@ import threading
 from types import FrameType
 from typing import Any
 
-from ringq.engine import (
-    ConfigError,
-    MoveConfig,
-    MoveLockHeld,
-    Mover,
-    MoveSourceShared,
-    validate_queue_name,
-)
+from ringq.engine import ConfigError, exits, validate_queue_name
+from ringq.move import MoveConfig, MoveLockHeld, Mover, MoveSourceShared
 
-from . import _exit
 from ._args import env_option, subparser
 
 # Exit codes of `ringq move` (the shared values of `ringq --help`).
-RET_OK = _exit.OK
-RET_SOURCE_SHARED = _exit.CONFLICT  # the source queue is in 'shared' dequeue mode
-RET_LOCK_HELD = _exit.CONFLICT  # --once: another mover is active for the source queue
+RET_OK = exits.OK
+RET_SOURCE_SHARED = exits.CONFLICT  # the source queue is in 'shared' dequeue mode
+RET_LOCK_HELD = exits.CONFLICT  # --once: another mover is active for the source queue
 
 DESCRIPTION = """\
 Move every entry of a queue in database 1 to a queue in database 2, without
@@ -43,7 +36,7 @@ the dead one held, breaking per-producer order, and could move them twice.
 A shared source is refused with exit 5.
 
 Moved payloads carry an envelope with the origin and the original producer
-and sequence (ringq.engine.unwrap() opens it); --bare moves payloads as they
+and sequence (ringq.move.unwrap() opens it); --bare moves payloads as they
 are. Give the source queue a roomy max_deliveries: each crash or failed batch
 counts a delivery on the entries in hand.
 

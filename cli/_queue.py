@@ -1,7 +1,7 @@
 """``ringq queue create|list|show|drop|exceptions|requeue|discard``: queues in
 the database named by --dsn.
 
-Queries live in :mod:`ringq.scripting._admin`; this module only renders.
+Queries live in :mod:`ringq.scripting` (its admin functions); this module only renders.
 """
 
 from __future__ import annotations
@@ -13,22 +13,22 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from ringq.engine import ConfigError, resolve_dsn
-from ringq.scripting._admin import (
+from ringq.engine import ConfigError, exits, resolve_dsn
+from ringq.scripting import (
     ExceptionEntry,
     QueueDetails,
     QueueSummary,
     connect_admin,
+    create_queue,
     describe_queue,
     discard_exception,
+    drop_queue,
     exception_queue_of,
     list_exceptions,
     list_queues,
     requeue_exception,
 )
-from ringq.scripting._ddl import create_queue, drop_queue
 
-from . import _exit
 from ._args import add_dsn, subparser
 from ._spec import add_queue_options, spec_from_args
 
@@ -152,7 +152,7 @@ def _create(args: argparse.Namespace) -> int:
         )
     else:
         print(f"queue {spec.name!r} exists (unchanged)")
-    return _exit.OK
+    return exits.OK
 
 
 def _list(args: argparse.Namespace) -> int:
@@ -164,7 +164,7 @@ def _list(args: argparse.Namespace) -> int:
         print("no queues")
     else:
         print(render_list(queues), end="")
-    return _exit.OK
+    return exits.OK
 
 
 def _show(args: argparse.Namespace) -> int:
@@ -174,7 +174,7 @@ def _show(args: argparse.Namespace) -> int:
         print(json.dumps(dataclasses.asdict(details), indent=2, default=str))
     else:
         print(render_details(details), end="")
-    return _exit.OK
+    return exits.OK
 
 
 def _drop(args: argparse.Namespace) -> int:
@@ -193,10 +193,10 @@ def _drop(args: argparse.Namespace) -> int:
                 )
             if not _confirm(details):
                 print("not dropped")
-                return _exit.FAILURE
+                return exits.FAILURE
         drop_queue(conn, args.name)
     print(f"dropped queue {args.name!r}")
-    return _exit.OK
+    return exits.OK
 
 
 def _exceptions(args: argparse.Namespace) -> int:
@@ -208,7 +208,7 @@ def _exceptions(args: argparse.Namespace) -> int:
         print(f"queue {args.name!r} has no exception entries")
     else:
         print(render_exceptions(entries), end="")
-    return _exit.OK
+    return exits.OK
 
 
 def _requeue(args: argparse.Namespace) -> int:
@@ -218,14 +218,14 @@ def _requeue(args: argparse.Namespace) -> int:
         f"requeued entry {args.seq} on queue {args.name!r} (SQL inbox id {inbox_id}; "
         "the monitor moves it into the ring)"
     )
-    return _exit.OK
+    return exits.OK
 
 
 def _discard(args: argparse.Namespace) -> int:
     with connect_admin(resolve_dsn(args.dsn)) as conn:
         discard_exception(conn, args.name, args.seq)  # unknown: exit 4 in _main
     print(f"discarded exception entry {args.seq} of queue {args.name!r}")
-    return _exit.OK
+    return exits.OK
 
 
 def _confirm(details: QueueDetails) -> bool:

@@ -11,16 +11,15 @@ from pathlib import Path
 from types import FrameType
 from typing import Any, Self
 
-from ringq.engine import ringq_home
+from ringq.engine import exits, ringq_home
 
-from . import _exit
 from ._args import add_dsn, env_option, subparser
 
 # Exit codes of `ringq regress` (the shared values of `ringq --help`).
-RET_OK = _exit.OK  # every cycle proven (or stored, with --no-verify)
-RET_FAILURE = _exit.FAILURE  # a proof found violations, or a cycle's workload failed
-RET_FOREIGN_MONITOR = _exit.CONFLICT  # --chaos: a monitor serves the database that cannot be taken over
-RET_INTERRUPTED = _exit.INTERRUPTED  # a second signal aborted a cycle
+RET_OK = exits.OK  # every cycle proven (or stored, with --no-verify)
+RET_FAILURE = exits.FAILURE  # a proof found violations, or a cycle's workload failed
+RET_FOREIGN_MONITOR = exits.CONFLICT  # --chaos: a monitor serves the database that cannot be taken over
+RET_INTERRUPTED = exits.INTERRUPTED  # a second signal aborted a cycle
 
 DESCRIPTION = """\
 Create a run (schema regress_<run id>, one queue per payload size), then repeat
@@ -349,11 +348,11 @@ def _verify(args: argparse.Namespace) -> int:
         load_run(dsn, args.run)  # before Spark starts: an unknown run fails in a moment
     except RunNotFound as exc:
         print(f"ringq: {exc}", file=sys.stderr)
-        return _exit.NOT_FOUND
+        return exits.NOT_FOUND
     with _verifier(args) as verifier:
         report = verify(dsn, args.run, verifier=verifier, cycles=args.cycle, report_dir=_report_dir(args))
     print(report.summary(), flush=True)
-    return _exit.OK if report.ok else _exit.FAILURE
+    return exits.OK if report.ok else exits.FAILURE
 
 
 def _list(args: argparse.Namespace) -> int:
@@ -364,7 +363,7 @@ def _list(args: argparse.Namespace) -> int:
     runs = list_runs(dsn)
     if not runs:
         print("no regression runs in this database")
-        return _exit.OK
+        return exits.OK
     print(f"{'run':<22} {'created (UTC)':<20} {'status':<9} {'cycles':>6} {'proven':>7} {'failed':>7}  queues")
     for r in runs:
         cs = cycles(dsn, r.run_id)
@@ -373,7 +372,7 @@ def _list(args: argparse.Namespace) -> int:
         sizes = ",".join(str(q.payload_size) for q in r.queues)
         print(f"{r.run_id:<22} {r.created_at.astimezone(UTC):%Y-%m-%d %H:%M:%S}  {r.status:<9} {len(cs):>6} {proven:>7} "
               f"{failed:>7}  {len(r.queues)} x {r.config.capacity:,} slots ({sizes} B)")
-    return _exit.OK
+    return exits.OK
 
 
 def _drop(args: argparse.Namespace) -> int:
@@ -384,6 +383,6 @@ def _drop(args: argparse.Namespace) -> int:
         drop_run(resolve_dsn(args.dsn), args.run)
     except RunNotFound as exc:
         print(f"ringq: {exc}", file=sys.stderr)
-        return _exit.NOT_FOUND
+        return exits.NOT_FOUND
     print(f"dropped run {args.run}")
-    return _exit.OK
+    return exits.OK

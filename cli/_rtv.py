@@ -9,6 +9,7 @@ import threading
 from types import FrameType
 from typing import Any
 
+from ringq.engine import exits
 from ringq.rtv import (
     DEFAULT_MONITOR_URL,
     DEFAULT_PORT,
@@ -22,7 +23,6 @@ from ringq.rtv import (
     run_tui,
 )
 
-from . import _exit
 from ._args import env_option, subparser
 
 DESCRIPTION = """\
@@ -96,4 +96,4 @@ def _serve(config: ViewerConfig, client: MonitorClient) -> int:
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
-    return _exit.OK
+    return exits.OK

@@ -23,9 +23,8 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from ringq.engine import ringq_home
+from ringq.engine import exits, ringq_home
 
-from . import _exit
 from ._args import add_dsn, env_option, subparser
 
 RTV_PIDFILE = "rtv.pid"
@@ -134,7 +133,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         rc = subprocess.call(cmd)
     except KeyboardInterrupt:
-        rc = _exit.INTERRUPTED
+        rc = exits.INTERRUPTED
     _say(f"regression finished in {time.monotonic() - t0:.0f}s with exit code {rc} "
          f"({'proven: no violations' if rc == 0 else 'see the report above'})")
     print(
@@ -227,4 +226,4 @@ def _stop(home: Path, *, stop_db: bool) -> int:
 
         Cluster(home).stop()
         _say("embedded database stopped")
-    return _exit.OK
+    return exits.OK

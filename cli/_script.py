@@ -6,9 +6,9 @@ import argparse
 import sys
 from typing import Any
 
-from ringq.scripting._ddl import create_queue_script
+from ringq.engine import exits
+from ringq.scripting import create_queue_script
 
-from . import _exit
 from ._args import subparser
 from ._spec import add_queue_options, spec_from_args
 
@@ -40,4 +40,4 @@ def register(sub: Any) -> None:
 def _create_queue(args: argparse.Namespace) -> int:
     spec = spec_from_args(args)  # ConfigError -> exit 2 in _main
     sys.stdout.write(create_queue_script(spec))
-    return _exit.OK
+    return exits.OK

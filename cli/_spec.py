@@ -1,6 +1,6 @@
 """The queue settings options shared by ``ringq script create-queue`` and ``ringq queue create``.
 
-Defaults come from :class:`ringq.scripting._ddl.QueueSpec` itself, so the
+Defaults come from :class:`ringq.scripting.QueueSpec` itself, so the
 help text and the library cannot disagree; the values are validated there.
 """
 
@@ -11,7 +11,7 @@ import dataclasses
 from typing import Any
 
 from ringq.engine import MAX_CAPACITY
-from ringq.scripting._ddl import MAX_PAYLOAD, QueueSpec
+from ringq.scripting import MAX_PAYLOAD, QueueSpec
 
 _DEFAULTS: dict[str, Any] = {f.name: f.default for f in dataclasses.fields(QueueSpec)}
 

@@ -11,13 +11,12 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from ringq.engine import ringq_home
+from ringq.engine import exits, ringq_home
 
-from . import _exit
 from ._args import env_option, subparser
 
-RET_OK = _exit.OK
-RET_UNREACHABLE = _exit.FAILURE  # no monitor answered, or it refused the token
+RET_OK = exits.OK
+RET_UNREACHABLE = exits.FAILURE  # no monitor answered, or it refused the token
 
 DEFAULT_URL = "http://127.0.0.1:7480"
 
@@ -48,14 +47,12 @@ def register(sub: Any) -> None:
 def monitor_url(args: argparse.Namespace) -> str:
     if args.monitor:
         return str(args.monitor).rstrip("/")
+    from ringq.monitor import read_state
+
     data_dir = Path(args.data_dir) if args.data_dir else ringq_home() / "monitor"
-    try:
-        state = json.loads((data_dir / "monitor.json").read_text())
-        url = state.get("url") if isinstance(state, dict) else None
-        if isinstance(url, str) and url:
-            return url.rstrip("/")
-    except (OSError, ValueError):
-        pass
+    url = (read_state(data_dir) or {}).get("url")
+    if isinstance(url, str) and url:
+        return url.rstrip("/")
     return DEFAULT_URL
 
 

@@ -8,13 +8,13 @@ import os
 import sys
 from typing import Any
 
-from ringq.engine import PoolConfig, WorkerConfig, WorkerExit, WorkerPool
+from ringq.worker import PoolConfig, WorkerConfig, WorkerExit, WorkerPool
 
 from ._args import add_dsn, env_option, subparser
 
 DESCRIPTION = """\
 Run the actions that MODULE[:ATTR] pairs with queues (ATTR defaults to `app`,
-a ringq.engine.Actions, or a function returning one), each message in one
+a ringq.worker.Actions, or a function returning one), each message in one
 transaction: the dequeue, the action's SQL and anything it enqueues commit
 together or not at all. An action that raises is rolled back (the message comes
 back; after the queue's max_deliveries it moves to ringq.exceptions).

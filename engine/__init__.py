@@ -2,6 +2,13 @@
 
 Sessions enqueue and dequeue inside the caller's own PostgreSQL transaction;
 a shared-memory global section finds ready slots without scanning tables.
+
+The engine imports no other ringq package; the others build on it. Beside
+the names below, its public submodules are :mod:`~ringq.engine.layout` (the
+section's word indexes and limits), :mod:`~ringq.engine.recovery` (rebuild,
+reclaim, dead clients, prepared transactions), :mod:`~ringq.engine.metrics`
+(counter names), :mod:`~ringq.engine.exits` (exit codes) and
+:mod:`~ringq.engine.sqlfile` (named SQL blocks in ``.sql`` files).
 """
 
 from ._dsn import resolve_dsn, ringq_home
@@ -23,16 +30,23 @@ from ._errors import (
     SectionIncompatible,
     SessionClosed,
     TransactionError,
+    converted,
+    from_psycopg,
     redact_dsn,
 )
 from ._events import CHANNEL as EVENTS_CHANNEL
 from ._events import Event, Subscription, publish, subscribe
-from ._names import validate_queue_name
-from ._section import Section
+from ._layout import MAX_CAPACITY, MAX_QUEUES
+from ._names import queue_table, validate_queue_name
+from ._ring import Ring
+from ._section import Section, pid_alive, section_name
 from ._session import Message, QueueInfo, Session, connect
+from ._validate import validate_seconds
 
 __all__ = [
     "EVENTS_CHANNEL",
+    "MAX_CAPACITY",
+    "MAX_QUEUES",
     "ConfigError",
     "DatabaseError",
     "DatabaseUnavailable",
@@ -47,6 +61,7 @@ __all__ = [
     "QueueFull",
     "QueueInfo",
     "QueueNotFound",
+    "Ring",
     "RingqError",
     "SchemaMissing",
     "Section",
@@ -57,75 +72,16 @@ __all__ = [
     "Subscription",
     "TransactionError",
     "connect",
+    "converted",
+    "from_psycopg",
+    "pid_alive",
     "publish",
+    "queue_table",
     "redact_dsn",
     "resolve_dsn",
     "ringq_home",
+    "section_name",
     "subscribe",
     "validate_queue_name",
-]
-
-# Limits of the global section (a queue's capacity is checked against them).
-from ._layout import MAX_CAPACITY, MAX_QUEUES
-
-__all__ += ["MAX_CAPACITY", "MAX_QUEUES"]
-
-# Moving entries between databases, and exactly-once effects (issue 7).
-from ._applied import already_applied, applied_identity, create_applied_table
-from ._move import (
-    MoveConfig,
-    Moved,
-    MoveLockHeld,
-    Mover,
-    MoveSourceShared,
-    is_moved,
-    move_key,
-    unwrap,
-    wrap,
-)
-
-__all__ += [
-    "MoveConfig",
-    "MoveLockHeld",
-    "MoveSourceShared",
-    "Moved",
-    "Mover",
-    "already_applied",
-    "applied_identity",
-    "create_applied_table",
-    "is_moved",
-    "move_key",
-    "unwrap",
-    "wrap",
-]
-
-# Workers: the container that runs an action for each message (issue 8).
-from ._worker import (
-    Action,
-    ActionAborted,
-    ActionInterrupted,
-    Actions,
-    ActionTimeout,
-    Decline,
-    PoolConfig,
-    Worker,
-    WorkerConfig,
-    WorkerExit,
-    WorkerPool,
-    load_actions,
-)
-
-__all__ += [
-    "Action",
-    "ActionAborted",
-    "ActionInterrupted",
-    "ActionTimeout",
-    "Actions",
-    "Decline",
-    "PoolConfig",
-    "Worker",
-    "WorkerConfig",
-    "WorkerExit",
-    "WorkerPool",
-    "load_actions",
+    "validate_seconds",
 ]

@@ -8,14 +8,12 @@ section true to the rows after failures.
   the critical section.
 - :func:`reclaim_all` advances tails and wakes blocked enqueuers.
 - :func:`resolve_prepared` finishes two-phase transactions whose coordinator died.
-- :func:`pump_inbox` moves entries enqueued through SQL into the rings.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -24,7 +22,7 @@ import psycopg
 from psycopg import sql
 
 from . import _layout as L
-from ._errors import QueueFull, SectionError, converted, from_psycopg
+from ._errors import SectionError, from_psycopg
 from ._names import queue_table
 from ._ring import Ring
 from ._section import Section, pid_alive
@@ -35,7 +33,6 @@ from ._session import (
     _held_slots,
     _load_block,
     _Process,
-    connect,
     decide_ops,
     is_ringq_gid,
     resync_queue,
@@ -496,127 +493,3 @@ def queue_room(sec: Section, qid: int) -> int | None:
     if freed and waiters:
         sec.post(ring.qid, "s", min(freed, waiters))
     return room
-
-
-def pump_inbox(
-    dsn: str,
-    *,
-    batch: int = 500,
-    skip: Collection[str] = (),
-    full: dict[str, int] | None = None,
-) -> dict[str, int]:
-    """Move entries enqueued through ``ringq.enqueue()`` into their rings, in inbox order;
-    returns {queue: entries moved}.
-
-    One pumper per queue at a time (advisory lock); each batch moves in one
-    transaction, so an entry is in the inbox or in the ring, never both.
-
-    Never waits for space: a batch takes at most the ring's free slots and
-    enqueues with ``timeout=0``. A queue that is full while entries still wait
-    for it keeps them in the inbox (its batch rolled back, nothing lost), is
-    added to ``full`` ({name: queue id}) and is left for a later call; the
-    other queues go on. Queues named in ``skip`` are not looked at.
-    """
-    moved: dict[str, int] = {}
-    with _connect(dsn) as conn:
-        pending = conn.execute(
-            "SELECT q.name, q.id FROM ringq.queues q WHERE q.name <> ALL(%s) AND EXISTS "
-            "(SELECT 1 FROM ringq.inbox i WHERE i.queue_id = q.id) ORDER BY q.id",
-            (list(skip),),
-        ).fetchall()
-    if not pending:
-        return moved
-    with connect(dsn, eager_begin=False) as s:
-        sec = s.section  # the process's attachment: the ring enqueue_many reserves in
-        for name, qid in pending:
-            total = 0
-            while True:
-                c = s.connection
-                got = c.execute("SELECT pg_try_advisory_xact_lock(hashtext('ringq.inbox'), %s)", (qid,)).fetchone()
-                if not got or not got[0]:
-                    s.rollback()
-                    break
-                room = queue_room(sec, qid)  # None: not loaded yet, enqueue_many loads it
-                limit = batch if room is None else min(batch, room)
-                if limit <= 0:
-                    waiting = c.execute("SELECT EXISTS (SELECT 1 FROM ringq.inbox WHERE queue_id = %s)", (qid,))
-                    row = waiting.fetchone()
-                    s.rollback()
-                    if full is not None and row and row[0]:
-                        full[name] = qid
-                    break
-                rows = c.execute(
-                    "DELETE FROM ringq.inbox WHERE id IN (SELECT id FROM ringq.inbox WHERE queue_id = %s "
-                    "ORDER BY id LIMIT %s) RETURNING id, payload, producer",
-                    (qid, limit),
-                ).fetchall()
-                if not rows:
-                    s.rollback()
-                    break
-                rows.sort(key=lambda r: r[0])
-                try:
-                    i = 0
-                    while i < len(rows):
-                        j = i
-                        while j < len(rows) and rows[j][2] == rows[i][2]:
-                            j += 1
-                        s.producer = rows[i][2]
-                        # Producer sequences follow the inbox ids (first id of the
-                        # run, then +1 each): they rise for a producer across
-                        # passes and pump sessions, where the session's own
-                        # counter would start again at 1 on every pass.
-                        s._producer_seq = rows[i][0] - 1
-                        # timeout=0: the monitor's loop must never sleep on a full queue.
-                        s.enqueue_many(name, [bytes(r[1]) for r in rows[i:j]], timeout=0)
-                        i = j
-                except QueueFull:
-                    # Space went between the look and the reservation (another
-                    # producer): the rows go back to the inbox with the rollback.
-                    s.rollback()
-                    if full is not None:
-                        full[name] = qid
-                    break
-                s.commit()
-                total += len(rows)
-                if len(rows) < limit:
-                    break
-            if total:
-                moved[name] = total
-    return moved
-
-
-# Seconds an idempotency key is kept at least, counted from the key's creation
-# (the enqueue that made it), not from its entry's consumption; a key whose
-# entry is still on the queue is kept past it, however old.
-DEFAULT_KEY_RETENTION = 86_400.0
-
-
-def prune_keys(dsn: str, retention_s: float = DEFAULT_KEY_RETENTION, *, batch: int = 10_000) -> dict[str, int]:
-    """Delete spent idempotency keys; returns {queue: keys deleted} ("" for dropped queues).
-
-    A key goes once it was made more than ``retention_s`` seconds ago *and*
-    its entry is no longer on the queue (consumed, reclaimed or overwritten):
-    a producer retrying within the retention still gets the first entry's
-    sequence, and a key never goes while its entry can still be delivered.
-    Keys of dropped queues go regardless of age. At most ``batch`` keys per
-    queue (and ``batch`` of dropped queues) per call, oldest first, so a long
-    backlog is pruned over several passes. Every query runs along the index
-    ``ringq.keys (queue_id, created_at)``.
-
-    :raises DatabaseUnavailable: the database cannot be reached.
-    :raises RingqError: any other database error, converted.
-    """
-    pruned: dict[str, int] = {}
-    with _connect(dsn) as conn, converted(dsn=dsn):
-        dropped = conn.execute(_Q["keys_prune_dropped"], (batch,)).rowcount
-        if dropped:
-            pruned[""] = dropped
-        queues = conn.execute(_Q["keys_queues"], (retention_s,)).fetchall()
-        for qid, name, capacity in queues:
-            n = conn.execute(
-                sql.SQL(_Q["keys_prune"]).format(table=queue_table(name)),
-                (qid, retention_s, capacity, batch),
-            ).rowcount
-            if n:
-                pruned[name] = n
-    return pruned

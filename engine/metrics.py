@@ -93,7 +93,7 @@ def percentile_us(hist: list[int], q: float) -> float:
 COMMITS: Final = "commits"  # transactions committed through the session
 ROLLBACKS: Final = "rollbacks"
 ERRORS: Final = "errors"  # errors the client hit (ERROR_KINDS), see Session's error paths
-# worker counters (role "worker"; engine/_worker.py keeps the same names)
+# worker counters (role "worker"; ringq.worker keeps the same names)
 HANDLED: Final = "handled"  # messages whose transaction committed (declines included)
 DECLINED: Final = "declined"  # of those, actions that returned a Decline
 FAILED: Final = "failed"  # rolled back: the action raised, or the commit failed

@@ -44,49 +44,6 @@ DELETE FROM ringq.keys WHERE queue_id = %s AND key = %s AND seq = %s
 -- key_seq --
 SELECT seq FROM ringq.keys WHERE queue_id = %s AND key = %s
 
--- keys_queues --
--- Queues with idempotency keys older than the retention (seconds): one probe
--- of keys_queue_id_created_at per queue (its oldest key), not a scan of
--- ringq.keys. A scalar subquery, because the planner flattens EXISTS into a
--- semi-join that reads every key.
-SELECT q.id, q.name, q.capacity FROM ringq.queues q
-WHERE (SELECT min(k.created_at) FROM ringq.keys k WHERE k.queue_id = q.id)
-      < now() - make_interval(secs => %s)
-ORDER BY q.id
-
--- keys_prune --
--- Spent keys: older than the retention and their entry no longer queued
--- (its row is consumed or holds a later sequence). Oldest first, a batch at a
--- time, along keys_queue_id_created_at: the walk stops at the batch, passing
--- at most the keys whose entries are still queued (at most the capacity).
-DELETE FROM ringq.keys
-WHERE ctid = ANY(ARRAY(
-    SELECT k.ctid FROM ringq.keys k
-    WHERE k.queue_id = %s AND k.created_at < now() - make_interval(secs => %s)
-      AND NOT EXISTS (SELECT 1 FROM {table} t
-                      WHERE t.slot = mod(k.seq, %s)::integer AND t.seq = k.seq AND t.state = 1)
-    ORDER BY k.created_at
-    LIMIT %s))
-
--- keys_prune_dropped --
--- Keys of queues that no longer exist (the drop script deletes them; these
--- are left by drops made otherwise), a batch at a time. The distinct
--- queue ids are found by a skip scan of the index (one probe per queue id),
--- not by an anti-join over every key.
-WITH RECURSIVE ids(queue_id) AS (
-    (SELECT queue_id FROM ringq.keys ORDER BY queue_id LIMIT 1)
-    UNION ALL
-    SELECT (SELECT k.queue_id FROM ringq.keys k WHERE k.queue_id > ids.queue_id ORDER BY k.queue_id LIMIT 1)
-    FROM ids WHERE ids.queue_id IS NOT NULL
-)
-DELETE FROM ringq.keys
-WHERE ctid = ANY(ARRAY(
-    SELECT k.ctid FROM ringq.keys k
-    WHERE k.queue_id IN (SELECT ids.queue_id FROM ids
-                         WHERE ids.queue_id IS NOT NULL
-                           AND NOT EXISTS (SELECT 1 FROM ringq.queues q WHERE q.id = ids.queue_id))
-    LIMIT %s))
-
 -- enqueue_many --
 UPDATE {table} AS t
 SET state = 1, seq = v.seq, payload = v.payload, producer = %s, producer_seq = v.pseq,

@@ -33,9 +33,10 @@ from collections.abc import Sequence
 import psycopg
 from psycopg import sql
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
-from ringq.engine import Message, MoveConfig, Mover, connect, resolve_dsn, unwrap
-from ringq.engine._recovery import reclaim_all, recover_dead_clients
-from ringq.scripting._ddl import QueueSpec, create_queue
+from ringq.engine import Message, connect, resolve_dsn
+from ringq.engine.recovery import reclaim_all, recover_dead_clients
+from ringq.move import MoveConfig, Mover, unwrap
+from ringq.scripting import QueueSpec, create_queue
 
 OUTBOX, INBOX = "orders_outbox", "orders_inbox"
 

@@ -10,7 +10,7 @@ transfer of x from y to z is a business transaction made of ACID transactions:
    transaction, then commit the dequeue. Bank B may be another database, so
    these are two commits; a crash between them delivers the note again, and
    the "updates applied" table (``ringq.applied``, through
-   :func:`ringq.engine.already_applied`), written in bank B's transaction,
+   :func:`ringq.move.already_applied`), written in bank B's transaction,
    recognizes it: the deposit happens once.
 3. **compensation**: if z is closed, bank B records the money as returned and
    the deposit step enqueues a refund note; **refund** (bank A) dequeues it and
@@ -44,19 +44,10 @@ import uuid
 from typing import Any
 
 import psycopg
-from ringq.engine import (
-    Actions,
-    Decline,
-    Message,
-    QueueNotFound,
-    Session,
-    Worker,
-    WorkerConfig,
-    already_applied,
-    connect,
-    resolve_dsn,
-)
-from ringq.scripting._ddl import QueueSpec, create_queue
+from ringq.engine import Message, QueueNotFound, Session, connect, resolve_dsn
+from ringq.move import already_applied
+from ringq.scripting import QueueSpec, create_queue
+from ringq.worker import Actions, Decline, Worker, WorkerConfig
 
 REQUESTS, DEPOSITS, REFUNDS, REPLIES = (
     "transfer_requests",

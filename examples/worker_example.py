@@ -19,8 +19,9 @@ import json
 import sys
 
 import psycopg
-from ringq.engine import Actions, Decline, Message, Session, connect, resolve_dsn
+from ringq.engine import Message, Session, connect, resolve_dsn
 from ringq.scripting import QueueSpec, create_queue
+from ringq.worker import Actions, Decline
 
 ORDERS, SHIPMENTS, REPLIES = "ex_orders", "ex_shipments", "ex_replies"
 

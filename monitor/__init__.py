@@ -14,23 +14,33 @@ HTTP (``monitor/API.md``).
     with subscribe(dsn, "queue.*.full") as events:
         for event in events:
             print(event.name, event.queue)
+
+:func:`run_daemon` is the body of ``ringq monitor`` (signals, pidfile,
+``--detach``, SIGHUP reload of a config file); :func:`pump_inbox` and
+:func:`prune_keys` are two of the monitor's steps, callable on their own.
 """
 
 from ._config import (
     DEFAULT_HOST,
     DEFAULT_INTERVAL,
+    DEFAULT_KEY_RETENTION,
     DEFAULT_PORT,
     DEFAULT_PREPARED_TIMEOUT,
     MonitorConfig,
 )
+from ._daemon import RELOADABLE, read_config, read_state, reset_section, run_daemon
 from ._events import Event, Subscription, subscribe
+from ._inbox import pump_inbox
+from ._keys import prune_keys
 from ._service import STATE_FILE, Monitor, MonitorError, MonitorRunning
 
 __all__ = [
     "DEFAULT_HOST",
     "DEFAULT_INTERVAL",
+    "DEFAULT_KEY_RETENTION",
     "DEFAULT_PORT",
     "DEFAULT_PREPARED_TIMEOUT",
+    "RELOADABLE",
     "STATE_FILE",
     "Event",
     "Monitor",
@@ -38,5 +48,11 @@ __all__ = [
     "MonitorError",
     "MonitorRunning",
     "Subscription",
+    "prune_keys",
+    "pump_inbox",
+    "read_config",
+    "read_state",
+    "reset_section",
+    "run_daemon",
     "subscribe",
 ]

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from typing import Any, Final
 
 from ringq.engine import Section
-from ringq.engine import _layout as L
+from ringq.engine import layout as L
 from ringq.engine import metrics as M
 
 # -- keys of one client in /api/clients (counters are the engine's names) -----------

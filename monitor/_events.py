@@ -1,7 +1,7 @@
 """The monitor's named events, published through the engine's events.
 
 The channel, the payload and the subscription are the engine's
-(:mod:`ringq.engine._events`, exported as ``ringq.engine.Event``,
+(exported as ``ringq.engine.Event``,
 ``Subscription``, ``subscribe``, ``publish``); this module only names what
 the monitor publishes:
 

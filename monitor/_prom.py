@@ -12,7 +12,7 @@ from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any, Final
 
 from ringq.engine import Section
-from ringq.engine import _layout as L
+from ringq.engine import layout as L
 from ringq.engine import metrics as M
 
 from . import _clients as C

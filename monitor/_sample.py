@@ -13,7 +13,7 @@ from typing import Any, Final
 
 import numpy as np
 from ringq.engine import Section
-from ringq.engine import _layout as L
+from ringq.engine import layout as L
 from ringq.engine import metrics as M
 
 # -- sample keys (numeric; also the T4 columns and the history point keys) --------

@@ -26,20 +26,24 @@ from typing import Any, Self, TypeVar
 import psycopg
 from psycopg import sql
 from ringq import __version__
-from ringq.engine import DatabaseUnavailable, RingqError, SchemaMissing, Section, redact_dsn
-from ringq.engine import _layout as L
-from ringq.engine._errors import from_psycopg
-from ringq.engine._recovery import (
-    prune_keys,
-    pump_inbox,
+from ringq.engine import (
+    DatabaseUnavailable,
+    RingqError,
+    SchemaMissing,
+    Section,
+    from_psycopg,
+    redact_dsn,
+)
+from ringq.engine import layout as L
+from ringq.engine.recovery import (
     queue_room,
     rebuild,
     reclaim_all,
     recover_dead_clients,
     repair_lock_holders,
     resolve_prepared,
+    shared_section,
 )
-from ringq.engine._session import _Process
 
 from . import _clients as C
 from . import _events as E
@@ -48,7 +52,9 @@ from . import _sample as S
 from ._config import MonitorConfig
 from ._history import DAY, Answer, HistoryReader
 from ._http import HttpService
+from ._inbox import pump_inbox
 from ._journal import LOG_NAME, Journal
+from ._keys import prune_keys
 from ._prom import CONTENT_TYPE, SectionCollector, render
 from ._t4 import T4Reader, T4Writer
 
@@ -472,7 +478,7 @@ class Monitor:
         """
         fresh = rebuild(self.config.dsn)
         self._rebuilt.append(fresh)
-        shared = _Process.section(self._instance)
+        shared = shared_section(self._instance)
         with self._sec_lock:
             old, self._sec = self._sec, shared
         if old is not shared:

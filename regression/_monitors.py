@@ -31,14 +31,12 @@ from pathlib import Path
 from typing import Any
 
 import psycopg
-from ringq.engine import RingqError, redact_dsn
-from ringq.engine._errors import from_psycopg
-from ringq.engine._section import pid_alive
+from ringq.engine import RingqError, exits, from_psycopg, pid_alive, redact_dsn
 
 from . import _sql as S
 
 STATE_FILE = "monitor.json"  # written by the monitor in its data directory: pid, url, dsn
-RET_ALREADY_RUNNING = 5  # `ringq monitor`: the previous monitor's lock is not released yet
+RET_ALREADY_RUNNING = exits.CONFLICT  # `ringq monitor`: the previous monitor's lock is not released yet
 KILL_WAIT_S = 5.0  # for a SIGKILLed monitor to be gone
 RESTART_RETRY_S = 0.2  # between attempts while the dead monitor's lock is released
 RESTART_LIMIT_S = 60.0  # a monitor not serving again after this long is an error of the cycle

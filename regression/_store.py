@@ -21,10 +21,8 @@ from typing import Any
 import psycopg
 from psycopg.types.json import Jsonb
 from ringq import __version__
-from ringq.engine import QueueNotFound, RingqError
-from ringq.engine._errors import converted
-from ringq.engine._names import queue_table
-from ringq.scripting._ddl import QueueSpec, create_queue, drop_queue
+from ringq.engine import QueueNotFound, RingqError, converted, queue_table
+from ringq.scripting import QueueSpec, create_queue, drop_queue
 
 from . import _sql as S
 from ._config import RegressConfig, validate_run_id

@@ -30,8 +30,7 @@ from typing import TYPE_CHECKING, Any, Self
 import psycopg
 from psycopg import sql
 from psycopg.conninfo import conninfo_to_dict
-from ringq.engine import ConfigError
-from ringq.engine._errors import converted
+from ringq.engine import ConfigError, converted
 
 from . import _report as R
 from . import _sql as S

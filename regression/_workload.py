@@ -33,11 +33,19 @@ from pathlib import Path
 from typing import Any
 
 import psycopg
-from ringq.engine import DatabaseError, DatabaseUnavailable, InDoubt, QueueFull, Session, connect
-from ringq.engine import _layout as L
+from ringq.engine import (
+    DatabaseError,
+    DatabaseUnavailable,
+    InDoubt,
+    QueueFull,
+    Session,
+    connect,
+    exits,
+    pid_alive,
+    queue_table,
+)
+from ringq.engine import layout as L
 from ringq.engine import metrics as M
-from ringq.engine._names import queue_table
-from ringq.engine._section import pid_alive
 
 from . import _payload as P
 from . import _sql as S
@@ -154,7 +162,7 @@ def _worker(role: str, body: Callable[..., None], args: WorkerArgs, *rest: Any) 
         errors.join_thread()  # os._exit does not wait for the queue's feeder thread
         traceback.print_exc(file=sys.stderr)
         sys.stderr.flush()
-        os._exit(1)
+        os._exit(exits.FAILURE)
 
 
 def producer_main(args: WorkerArgs, counters: Any, abort: Any, errors: Any) -> None:

@@ -6,13 +6,12 @@ every value explicitly.
 
 from __future__ import annotations
 
-import math
 import secrets
 from dataclasses import dataclass, field, replace
 from typing import Any
 from urllib.parse import urlsplit
 
-from ringq.engine import ConfigError
+from ringq.engine import ConfigError, validate_seconds
 
 DEFAULT_PORT = 7481
 DEFAULT_HOST = "127.0.0.1"
@@ -71,8 +70,8 @@ class ViewerConfig:
             raise ConfigError(f"port must be an integer from 0 to 65535, not {self.port!r}")
         if not isinstance(self.host, str) or not self.host or any(c.isspace() for c in self.host):
             raise ConfigError(f"host must be an address or host name, not {self.host!r}")
-        _seconds("refresh", self.refresh, 0.1, 3600.0)
-        _seconds("timeout", self.timeout, 0.1, 600.0)
+        validate_seconds("refresh", self.refresh, 0.1, 3600.0)
+        validate_seconds("timeout", self.timeout, 0.1, 600.0)
         if isinstance(self.max_points, bool) or not isinstance(self.max_points, int) or self.max_points < 10:
             raise ConfigError(f"max_points must be an integer >= 10, not {self.max_points!r}")
         if self.window not in [seconds for _, seconds in WINDOWS]:
@@ -87,13 +86,3 @@ class ViewerConfig:
 def _token(what: str, value: object) -> None:
     if not isinstance(value, str) or not value or any(c.isspace() or not c.isprintable() for c in value):
         raise ConfigError(f"{what} must be a non-empty string of printable characters without spaces")
-
-
-def _seconds(what: str, value: object, low: float, high: float) -> None:
-    if (
-        isinstance(value, bool)
-        or not isinstance(value, int | float)
-        or not math.isfinite(value)
-        or not low <= value <= high
-    ):
-        raise ConfigError(f"{what} must be a number from {low:g} to {high:g}, not {value!r}")

@@ -8,12 +8,14 @@ from ._admin import (
     connect_admin,
     describe_queue,
     discard_exception,
+    exception_queue_of,
     list_exceptions,
     list_queues,
     requeue_exception,
 )
 from ._cluster import Cluster, ClusterError, ClusterStatus, PostgresNotFound
 from ._ddl import (
+    MAX_PAYLOAD,
     SCHEMA_VERSION,
     QueueSpec,
     create_queue,
@@ -23,6 +25,7 @@ from ._ddl import (
 )
 
 __all__ = [
+    "MAX_PAYLOAD",
     "SCHEMA_VERSION",
     "Cluster",
     "ClusterError",
@@ -39,6 +42,7 @@ __all__ = [
     "describe_queue",
     "discard_exception",
     "drop_queue",
+    "exception_queue_of",
     "list_exceptions",
     "list_queues",
     "requeue_exception",

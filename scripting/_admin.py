@@ -15,10 +15,15 @@ from typing import Any
 
 import psycopg
 from psycopg.conninfo import conninfo_to_dict
-from ringq.engine import ConfigError, EntryNotFound, QueueNotFound, validate_queue_name
-from ringq.engine._errors import converted
-from ringq.engine._names import queue_table
-from ringq.engine._sqlfile import compose, load
+from ringq.engine import (
+    ConfigError,
+    EntryNotFound,
+    QueueNotFound,
+    converted,
+    queue_table,
+    validate_queue_name,
+)
+from ringq.engine.sqlfile import compose, load
 
 # A CLI waiting psycopg's default (130 s) on a host that drops packets looks
 # hung; a DSN's own connect_timeout (or PGCONNECT_TIMEOUT) still wins.

@@ -43,8 +43,7 @@ from typing import Self
 
 import psycopg
 from psycopg import sql
-from ringq.engine import DatabaseUnavailable, RingqError, ringq_home
-from ringq.engine._errors import converted
+from ringq.engine import DatabaseUnavailable, RingqError, converted, ringq_home
 
 DATABASE = "ringq"
 SUPERUSER = "postgres"

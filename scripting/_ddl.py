@@ -18,12 +18,12 @@ from ringq.engine import (
     ConfigError,
     QueueExists,
     QueueNotFound,
+    converted,
+    queue_table,
     validate_queue_name,
 )
-from ringq.engine._errors import converted
-from ringq.engine._layout import MAX_QUEUES, SLOT_POOL
-from ringq.engine._names import queue_table
-from ringq.engine._sqlfile import compose, load
+from ringq.engine.layout import MAX_QUEUES, SLOT_POOL
+from ringq.engine.sqlfile import compose, load
 
 SCHEMA_VERSION = 1
 MAX_PAYLOAD = 1 << 30  # PostgreSQL's limit for one bytea value (1 GiB)
@@ -183,7 +183,7 @@ def create_queue(conn: psycopg.Connection[Any], spec: QueueSpec) -> bool:
         if spec.exception_queue is None or not (exc.diag.message_primary or "").startswith(
             "ringq: exception queue"
         ):  # not ours: e.g. an unknown tablespace, named by PostgreSQL's message
-            from ringq.engine._errors import from_psycopg
+            from ringq.engine import from_psycopg
 
             raise from_psycopg(exc, queue=spec.name) from exc
         # The exception queue check of the queue block (ddl.sql).
@@ -200,7 +200,7 @@ def create_queue(conn: psycopg.Connection[Any], spec: QueueSpec) -> bool:
         hint = f"; {exc.diag.message_hint}" if exc.diag.message_hint else ""
         raise ConfigError(primary + hint) from exc
     except psycopg.Error as exc:
-        from ringq.engine._errors import from_psycopg
+        from ringq.engine import from_psycopg
 
         raise from_psycopg(exc, queue=spec.name) from exc
     return not existed

@@ -24,8 +24,7 @@ import psycopg
 import pytest
 from psycopg import sql
 from ringq.engine import Section
-from ringq.scripting import Cluster
-from ringq.scripting._ddl import QueueSpec, create_queue
+from ringq.scripting import Cluster, QueueSpec, create_queue
 
 # Spark (the regression analysis) must not go looking for the host's public
 # address in a sandbox; loopback is enough for a local master.

@@ -18,12 +18,10 @@ from pathlib import Path
 
 import psycopg
 import pytest
-from ringq.cli import main
-from ringq.cli._main import build_parser, parse_args
+from ringq.cli import build_parser, main, parse_args
 from ringq.engine import ConfigError, resolve_dsn
-from ringq.engine._move import MoveConfig
-from ringq.scripting import Cluster
-from ringq.scripting._ddl import QueueSpec, create_queue
+from ringq.move import MoveConfig
+from ringq.scripting import Cluster, QueueSpec, create_queue
 
 RINGQ = [sys.executable, "-m", "ringq.cli"]
 REPO = Path(__file__).resolve().parent.parent

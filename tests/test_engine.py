@@ -25,8 +25,8 @@ from ringq.engine import (
     TransactionError,
     connect,
 )
-from ringq.engine import _layout as L
-from ringq.scripting._ddl import QueueSpec, create_queue
+from ringq.engine import layout as L
+from ringq.scripting import QueueSpec, create_queue
 
 FORK = mp.get_context("fork")
 
@@ -281,7 +281,7 @@ def test_foreign_section_is_refused_with_section_incompatible(dsn, make_queue):
     import mmap
 
     import posix_ipc
-    from ringq.engine._section import section_name
+    from ringq.engine import section_name
 
     make_queue()  # the schema and its instance id
     with psycopg.connect(dsn) as c:
@@ -705,7 +705,7 @@ class _Boom(Exception):
 
 @pytest.mark.parametrize("exit", ["close", "with", "transaction"])
 def test_a_decided_transaction_left_at_close_is_committed_by_recovery(dsn, make_queue, exit):
-    from ringq.engine._recovery import resolve_prepared
+    from ringq.engine.recovery import resolve_prepared
 
     q = make_queue()
     s = connect(dsn)
@@ -767,7 +767,7 @@ def test_tpc_commit_clears_the_decision_even_if_the_next_begin_fails(dsn, make_q
 
 @pytest.mark.parametrize("decide", [True, False])
 def test_tpc_commit_in_doubt_is_resolved_by_the_decision(dsn, make_queue, decide):
-    from ringq.engine._recovery import resolve_prepared
+    from ringq.engine.recovery import resolve_prepared
 
     q = make_queue()
     with connect(dsn) as s:

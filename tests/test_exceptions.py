@@ -1,7 +1,7 @@
 """Poison entries: the exception table, the exception queue, and
 ``ringq queue exceptions|requeue|discard``, against a real PostgreSQL.
 
-The monitor's inbox step is :func:`ringq.engine._recovery.pump_inbox`; the
+The monitor's inbox step is :func:`ringq.monitor.pump_inbox`; the
 tests call it directly where a running monitor would, so they wait on no timer.
 """
 
@@ -19,9 +19,16 @@ import psycopg
 import pytest
 from ringq.cli import main
 from ringq.engine import ConfigError, EntryNotFound, QueueNotFound, Session, connect
-from ringq.engine._recovery import pump_inbox, recover_dead_clients
-from ringq.scripting import discard_exception, list_exceptions, requeue_exception
-from ringq.scripting._ddl import QueueSpec, create_queue, drop_queue
+from ringq.engine.recovery import recover_dead_clients
+from ringq.monitor import pump_inbox
+from ringq.scripting import (
+    QueueSpec,
+    create_queue,
+    discard_exception,
+    drop_queue,
+    list_exceptions,
+    requeue_exception,
+)
 
 FORK = mp.get_context("fork")
 

@@ -36,10 +36,9 @@ import pytest
 from conftest import remove_section
 from psycopg import sql
 from ringq.engine import RingqError, Section, connect
-from ringq.engine import _layout as L
-from ringq.engine._recovery import rebuild_into, section_differences
-from ringq.scripting import Cluster
-from ringq.scripting._ddl import QueueSpec, create_queue
+from ringq.engine import layout as L
+from ringq.engine.recovery import rebuild_into, section_differences
+from ringq.scripting import Cluster, QueueSpec, create_queue
 
 FORK = mp.get_context("fork")
 INTERVAL = "0.2"  # the monitor's pass (s)

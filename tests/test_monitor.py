@@ -24,13 +24,12 @@ from typing import Any
 
 import psycopg
 import pytest
-from ringq.engine import ConfigError, Section, connect
-from ringq.engine import _layout as L
-from ringq.engine._section import pid_alive
+from ringq.engine import ConfigError, Section, connect, pid_alive
+from ringq.engine import layout as L
 from ringq.monitor import Monitor, MonitorConfig, MonitorRunning, subscribe
 from ringq.monitor import _sample as S
 from ringq.monitor._t4 import HEADER, T4Writer
-from ringq.scripting._ddl import QueueSpec, create_queue
+from ringq.scripting import QueueSpec, create_queue
 
 API_QUEUE_KEYS = {
     "name", "capacity", "depth", "head", "tail", "enq_rate", "deq_rate", "enq_p50_us", "enq_p99_us",
@@ -715,7 +714,7 @@ def test_heartbeat_is_in_the_section_header(dsn: str, make_queue: Any, monitor: 
 
 SLOW_DRAIN = r"""
 import logging, signal, sys, time
-from ringq.cli import _monitor as cm
+from ringq.monitor import _daemon as daemon
 
 logging.basicConfig(level=logging.INFO, stream=sys.stderr)
 
@@ -727,10 +726,10 @@ class SlowMonitor:
         time.sleep(60)  # a step that takes long to finish
 
 
-flags = cm._Flags()
+flags = daemon._Flags()
 signal.signal(signal.SIGTERM, flags.on_term)
 print("ready", flush=True)
-sys.exit(cm._serve(SlowMonitor(), flags, None, None))
+sys.exit(daemon._serve(SlowMonitor(), flags, None, None))
 """
 
 
@@ -958,7 +957,7 @@ def test_a_failing_inbox_pump_waits_for_the_next_sample(
 
 
 WORKER_ACTIONS = """
-from ringq.engine import Actions
+from ringq.worker import Actions
 
 app = Actions()
 

@@ -23,20 +23,10 @@ from collections.abc import Iterator
 import psycopg
 import pytest
 from psycopg import sql
-from ringq.engine import (
-    MoveConfig,
-    MoveLockHeld,
-    Mover,
-    PayloadTooLarge,
-    Section,
-    connect,
-    is_moved,
-    move_key,
-    unwrap,
-    wrap,
-)
-from ringq.engine._recovery import reclaim_all, recover_dead_clients, repair_lock_holders
-from ringq.scripting._ddl import QueueSpec, create_queue
+from ringq.engine import PayloadTooLarge, Section, connect
+from ringq.engine.recovery import reclaim_all, recover_dead_clients, repair_lock_holders
+from ringq.move import MoveConfig, MoveLockHeld, Mover, is_moved, move_key, unwrap, wrap
+from ringq.scripting import QueueSpec, create_queue
 
 FORK = mp.get_context("fork")
 
@@ -545,7 +535,8 @@ def test_a_shared_mode_source_is_refused(dsn, dsn2, make_queue):
     over would read past a dead mover's entries and could prune their keys."""
     import subprocess
 
-    from ringq.engine import ConfigError, MoveSourceShared
+    from ringq.engine import ConfigError
+    from ringq.move import MoveSourceShared
 
     src, dst = make_queue(dsn, dequeue_mode="shared"), make_queue(dsn2)
     produce(dsn, src, "a", 3)

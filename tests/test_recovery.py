@@ -11,18 +11,16 @@ import uuid
 
 import psycopg
 import pytest
-from ringq.engine import Section, connect
-from ringq.engine import _layout as L
-from ringq.engine._recovery import (
-    prune_keys,
-    pump_inbox,
+from ringq.engine import Ring, Section, connect
+from ringq.engine import layout as L
+from ringq.engine.recovery import (
     rebuild,
     reclaim_all,
     recover_dead_clients,
     repair_lock_holders,
     resolve_prepared,
 )
-from ringq.engine._ring import Ring
+from ringq.monitor import prune_keys, pump_inbox
 
 FORK = mp.get_context("fork")
 
@@ -423,8 +421,10 @@ def test_spent_idempotency_keys_are_pruned_after_the_retention(dsn, make_queue):
 
 
 def test_key_pruning_runs_along_the_created_at_index(dsn, make_queue):
-    from ringq.engine._names import queue_table
-    from ringq.engine._session import _Q
+    from ringq.engine import queue_table
+    from ringq.engine.sqlfile import load
+
+    _Q = load("ringq.monitor", "queries.sql")  # the monitor's key-pruning queries
 
     q = make_queue(capacity=8)
     with psycopg.connect(dsn, autocommit=True) as c:

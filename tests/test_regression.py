@@ -26,8 +26,7 @@ import psycopg
 import pytest
 from psycopg import sql
 from ringq.cli import main as cli_main
-from ringq.engine import ConfigError
-from ringq.engine._section import pid_alive, section_name
+from ringq.engine import ConfigError, pid_alive, section_name
 from ringq.regression import (
     MIN_PAYLOAD,
     RegressConfig,
@@ -481,7 +480,7 @@ def test_chaos_takes_over_the_serving_monitor(
     it at its port). --chaos kills that one, not a stand-in that cannot start, and
     restarts it as it was: same port and data directory, left serving afterwards."""
     from ringq.regression import ForeignMonitor
-    from ringq.scripting._ddl import QueueSpec, create_queue
+    from ringq.scripting import QueueSpec, create_queue
 
     with psycopg.connect(dsn) as conn:
         create_queue(conn, QueueSpec("regress_bystander", 16, 64))  # the monitor needs the schema

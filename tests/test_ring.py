@@ -13,8 +13,7 @@ import secrets
 from collections.abc import Iterator
 
 import pytest
-from ringq.engine import Section
-from ringq.engine._ring import Ring
+from ringq.engine import Ring, Section
 
 
 @pytest.fixture

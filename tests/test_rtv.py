@@ -26,12 +26,13 @@ from urllib.parse import parse_qs, urlsplit
 import psycopg
 import pytest
 from conftest import remove_section
-from ringq.engine import Actions, ConfigError, QueueFull, Worker, WorkerConfig, connect
+from ringq.engine import ConfigError, QueueFull, connect
 from ringq.rtv import MonitorClient, MonitorError, MonitorUnavailable, Viewer, ViewerConfig
 from ringq.rtv import _metrics as K
 from ringq.rtv._source import normalize_client, thin
 from ringq.rtv._tui import TuiModel, render
-from ringq.scripting._ddl import QueueSpec, create_queue
+from ringq.scripting import QueueSpec, create_queue
+from ringq.worker import Actions, Worker, WorkerConfig
 
 CHROMIUM = "/usr/bin/chromium"
 CHROMIUM_ARGS = [

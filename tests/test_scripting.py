@@ -27,10 +27,16 @@ import pytest
 from psycopg import sql
 from ringq.cli import main
 from ringq.engine import MAX_CAPACITY, ConfigError, InvalidQueueName, QueueExists, QueueNotFound
-from ringq.engine._layout import MAX_QUEUES, SLOT_POOL
-from ringq.scripting import Cluster
-from ringq.scripting._admin import describe_queue, list_queues
-from ringq.scripting._ddl import QueueSpec, create_queue, create_queue_script, create_schema
+from ringq.engine.layout import MAX_QUEUES, SLOT_POOL
+from ringq.scripting import (
+    Cluster,
+    QueueSpec,
+    create_queue,
+    create_queue_script,
+    create_schema,
+    describe_queue,
+    list_queues,
+)
 
 RINGQ = [sys.executable, "-m", "ringq.cli"]
 BAD_NAMES = ["Orders", "1x", "", "a" * 49, "a-b", "a;drop"]

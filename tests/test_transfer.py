@@ -22,9 +22,10 @@ from pathlib import Path
 import psycopg
 import pytest
 from psycopg import sql
-from ringq.engine import Section, already_applied, connect, create_applied_table
-from ringq.engine._recovery import reclaim_all, recover_dead_clients, repair_lock_holders
-from ringq.scripting._ddl import QueueSpec, create_queue
+from ringq.engine import Section, connect
+from ringq.engine.recovery import reclaim_all, recover_dead_clients, repair_lock_holders
+from ringq.move import already_applied, create_applied_table
+from ringq.scripting import QueueSpec, create_queue
 
 EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "transfer.py"
 
@@ -117,7 +118,7 @@ def test_effect_rolled_back_is_not_recorded(dsn, sections):
 def test_moved_entry_is_recorded_by_its_origin(dsn, dsn2, sections):
     """The same source entry arriving twice by two roads (moved, then moved
     again after being re-sent) is one entry for the applied table."""
-    from ringq.engine import wrap
+    from ringq.move import wrap
 
     q = _queue(dsn2, max_payload=2048)
     _queue(dsn)  # database 1's schema, for its instance id

@@ -25,17 +25,8 @@ from typing import Any
 
 import psycopg
 import pytest
-from ringq.engine import (
-    Actions,
-    ActionTimeout,
-    ConfigError,
-    Decline,
-    Message,
-    Session,
-    Worker,
-    WorkerExit,
-    connect,
-)
+from ringq.engine import ConfigError, Message, Session, connect
+from ringq.worker import Actions, ActionTimeout, Decline, Worker, WorkerExit
 
 # -- fixtures and helpers -------------------------------------------------------------------
 
@@ -323,7 +314,7 @@ def test_action_timeout_is_not_an_exception():
 ACTIONS_TEMPLATE = """
 import os, signal, time
 from pathlib import Path
-from ringq.engine import Actions, Decline
+from ringq.worker import Actions, Decline
 
 DIR = Path({dir!r})
 app = Actions()
@@ -551,7 +542,7 @@ def test_bad_target_and_missing_queue_exit_with_named_codes(dsn, make_queue, tmp
     assert "cannot import" in r.stderr
     make_queue()  # the schema exists, the queue below does not
     (tmp_path / "wact_missing.py").write_text(
-        "from ringq.engine import Actions\napp = Actions()\napp.add('q_not_there', lambda m, s: None)\n"
+        "from ringq.worker import Actions\napp = Actions()\napp.add('q_not_there', lambda m, s: None)\n"
     )
     r = subprocess.run(
         [sys.executable, "-m", "ringq.cli", "worker", "wact_missing", "--dsn", dsn],

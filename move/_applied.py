@@ -16,7 +16,7 @@ records which entries it applied, and a second delivery is recognized::
     queue_session.commit()                         # a crash before this redelivers
 
 ``ringq.applied (consumer, queue, seq)`` is the record; a moved entry (see
-:func:`ringq.engine.unwrap`) is recorded by its origin (``instance:queue`` and
+:func:`ringq.move.unwrap`) is recorded by its origin (``instance:queue`` and
 the source sequence), which is the same however often and by whatever road it
 arrives. Rows are never deleted by ringq; prune old ones (``applied_at``) once
 no redelivery can be older.
@@ -34,31 +34,10 @@ import threading
 from typing import Any
 
 import psycopg
+from ringq.engine import ConfigError, Message, Session, from_psycopg
 
-from ._errors import ConfigError, from_psycopg
-from ._move import Moved, is_moved, unwrap
-from ._session import Message, Session
-
-# -- named queries of the helper ----------------------------------------------------------------
-
-_SQL = {
-    # Idempotent DDL; run on a connection of its own, committed at once, so a
-    # consumer's transaction never waits on (or aborts on) the table's creation.
-    "create": """
-        CREATE SCHEMA IF NOT EXISTS ringq;
-        CREATE TABLE IF NOT EXISTS ringq.applied (
-            consumer   text        NOT NULL,
-            queue      text        NOT NULL,
-            seq        bigint      NOT NULL,
-            applied_at timestamptz NOT NULL DEFAULT now(),
-            PRIMARY KEY (consumer, queue, seq)
-        )""",
-    "exists": "SELECT to_regclass('ringq.applied') IS NOT NULL",
-    "record": (
-        "INSERT INTO ringq.applied (consumer, queue, seq) VALUES (%s, %s, %s) "
-        "ON CONFLICT DO NOTHING RETURNING 1"
-    ),
-}
+from ._mover import Moved, is_moved, unwrap
+from ._queries import SQL
 
 _ready: set[str] = set()  # DSNs whose table is known to exist (this process)
 _ready_lock = threading.Lock()
@@ -74,7 +53,7 @@ def create_applied_table(dsn: str) -> None:
         with psycopg.connect(dsn, autocommit=True, connect_timeout=10) as conn:
             for _attempt in range(5):
                 try:
-                    conn.execute(_SQL["create"])
+                    conn.execute(SQL["applied_create"])
                     break
                 except psycopg.errors.UniqueViolation:
                     # Two first creations raced in the catalog: the other won.
@@ -125,7 +104,7 @@ def already_applied(
         if not known:
             _ensure_in_transaction(conn, dsn)
     try:
-        row = conn.execute(_SQL["record"], (consumer, queue, seq)).fetchone()
+        row = conn.execute(SQL["applied_record"], (consumer, queue, seq)).fetchone()
     except psycopg.Error as exc:
         raise from_psycopg(exc, dsn=dsn) from exc
     return row is None
@@ -134,7 +113,7 @@ def already_applied(
 def _ensure(conn: psycopg.Connection[Any], dsn: str) -> None:
     """Create the table on first use (checked on the caller's connection, created on another)."""
     try:
-        row = conn.execute(_SQL["exists"]).fetchone()
+        row = conn.execute(SQL["applied_exists"]).fetchone()
     except psycopg.Error as exc:
         raise from_psycopg(exc, dsn=dsn) from exc
     if row and row[0]:
@@ -148,7 +127,7 @@ def _ensure_in_transaction(conn: psycopg.Connection[Any], dsn: str) -> None:
     """For a bare connection (whose password we do not know): create the table in a
     savepoint of the caller's transaction; it exists for others once that commits."""
     try:
-        row = conn.execute(_SQL["exists"]).fetchone()
+        row = conn.execute(SQL["applied_exists"]).fetchone()
         if row and row[0]:
             if dsn not in _created_here:
                 # Not our own (maybe uncommitted) creation: it is there for good.
@@ -157,7 +136,7 @@ def _ensure_in_transaction(conn: psycopg.Connection[Any], dsn: str) -> None:
             return
         try:
             with conn.transaction():
-                conn.execute(_SQL["create"])
+                conn.execute(SQL["applied_create"])
             _created_here.add(dsn)  # exists for good only if the caller commits
         except psycopg.errors.UniqueViolation:
             pass  # created concurrently by another first user: it is there now

@@ -53,39 +53,22 @@ from typing import Any, Self
 
 import posix_ipc
 import psycopg
-
-from ._dsn import resolve_dsn
-from ._errors import (
+from ringq.engine import (
     ConfigError,
+    Message,
     PayloadTooLarge,
     QueueFull,
     RingqError,
+    Session,
     from_psycopg,
     redact_dsn,
+    resolve_dsn,
+    validate_queue_name,
 )
-from ._names import validate_queue_name
-from ._session import Message, Session
+
+from ._queries import SQL
 
 logger = logging.getLogger("ringq.move")
-
-# -- named queries of the mover (the only SQL in this module) ---------------------------------
-
-_SQL = {
-    # One lock per source queue: (hashtext('ringq.move'), queue id), the
-    # two-key form that keeps ringq's locks apart from an application's own
-    # (as the inbox pump does with 'ringq.inbox').
-    "try_lock": "SELECT pg_try_advisory_lock(hashtext('ringq.move'), %s), pg_backend_pid()",
-    "unlock": "SELECT pg_advisory_unlock(hashtext('ringq.move'), %s)",
-    "ping": "SELECT 1",
-    # Keys of entries already moved (read in the destination transaction, for
-    # redelivered entries only: they are the ones that may be there already).
-    "moved_keys": "SELECT key, seq FROM ringq.keys WHERE queue_id = %s AND key = ANY(%s::text[])",
-    # Keys are needed only until the source dequeue has committed; this mover's
-    # keys at or below a destination sequence whose source side committed go.
-    "prune_keys": (
-        "DELETE FROM ringq.keys WHERE queue_id = %s AND seq <= %s AND starts_with(key, %s)"
-    ),
-}
 
 ENVELOPE_MAGIC = b"\x00RQMV1"
 _LEN = struct.Struct(">I")
@@ -378,7 +361,7 @@ class Mover:
             except psycopg.Error as exc:
                 raise from_psycopg(exc, dsn=self.src_dsn) from exc
         try:
-            row = s.lock_conn.execute(_SQL["try_lock"], (s.src_qid,)).fetchone()
+            row = s.lock_conn.execute(SQL["try_lock"], (s.src_qid,)).fetchone()
         except psycopg.Error as exc:
             self._release()
             raise from_psycopg(exc, dsn=self.src_dsn) from exc
@@ -401,7 +384,7 @@ class Mover:
         if now - s.lock_checked < self.config.lock_check:
             return False
         try:
-            s.lock_conn.execute(_SQL["ping"])
+            s.lock_conn.execute(SQL["ping"])
         except psycopg.Error:
             logger.warning("ringq.move: %s: lock connection lost; back to standby", self.src_queue)
             self._release()
@@ -425,7 +408,7 @@ class Mover:
         conn, s.lock_conn = s.lock_conn, None
         if conn is not None and not conn.closed:
             try:
-                conn.execute(_SQL["unlock"], (s.src_qid,))
+                conn.execute(SQL["unlock"], (s.src_qid,))
             except psycopg.Error:
                 pass  # closing the connection releases it anyway
             conn.close()
@@ -516,7 +499,7 @@ class Mover:
                 and self._lock_held_now()
             ):
                 cur = conn.execute(
-                    _SQL["prune_keys"], (s.dst_qid, s.prune_upto, _key_prefix(s.instance, s.src_qid))
+                    SQL["prune_keys"], (s.dst_qid, s.prune_upto, _key_prefix(s.instance, s.src_qid))
                 )
                 s.stats[STAT_PRUNED_KEYS] += max(0, cur.rowcount)
                 s.batches_since_prune = 0
@@ -524,7 +507,7 @@ class Mover:
             found: dict[str, int] = {}
             if redelivered:
                 s.stats[STAT_REDELIVERED] += len(redelivered)
-                rows = conn.execute(_SQL["moved_keys"], (s.dst_qid, redelivered)).fetchall()
+                rows = conn.execute(SQL["moved_keys"], (s.dst_qid, redelivered)).fetchall()
                 found = {k: int(q) for k, q in rows}
         except psycopg.Error as exc:
             raise from_psycopg(exc, dsn=self.dst_dsn, queue=self.dst_queue) from exc

@@ -1,0 +1,55 @@
+"""Recovery, public: what the monitor runs (and any linked client may run) to
+keep the global section true to the rows after failures::
+
+    from ringq.engine.recovery import rebuild, reclaim_all, recover_dead_clients
+
+    sec = rebuild(dsn)               # attach (or create) the section, load every queue
+    recover_dead_clients(sec, dsn)   # decide the slots of clients killed at any point
+    reclaim_all(sec)                 # advance tails, wake blocked enqueuers
+
+The functions are defined in ``ringq/engine/_recovery.py``.
+"""
+
+from __future__ import annotations
+
+from ._recovery import (
+    DECIDED_GRACE_S,
+    Recovered,
+    queue_room,
+    rebuild,
+    rebuild_into,
+    reclaim_all,
+    recover_dead_clients,
+    repair_lock_holders,
+    resolve_prepared,
+    section_differences,
+)
+from ._section import Section
+from ._session import _Process
+
+__all__ = [
+    "DECIDED_GRACE_S",
+    "Recovered",
+    "queue_room",
+    "rebuild",
+    "rebuild_into",
+    "reclaim_all",
+    "recover_dead_clients",
+    "repair_lock_holders",
+    "resolve_prepared",
+    "section_differences",
+    "shared_section",
+]
+
+
+def shared_section(instance_id: str) -> Section:
+    """This process's one attachment of the section of ``instance_id`` (created
+    if absent), the same object its sessions use; made again after ``fork()``.
+
+    A second attachment in one process would not exclude the first one's
+    users: fcntl locks belong to the process, and closing any descriptor of
+    the segment drops them all.
+
+    :raises SectionIncompatible: the host's section has a foreign layout.
+    """
+    return _Process.section(instance_id)

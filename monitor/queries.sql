@@ -1,0 +1,109 @@
+-- SQL of the monitor (ringq.monitor), loaded once by monitor/_queries.py.
+-- {table} is a queue's table, filled only with psycopg.sql.Identifier from a
+-- validated name.
+
+-- try_monitor_lock --
+-- One monitor per database: a session-level advisory lock, released by the
+-- server when the monitor's connection ends (kill -9 included).
+SELECT pg_try_advisory_lock(hashtext('ringq.monitor'))
+
+-- monitor_lock_holder --
+SELECT a.pid, a.application_name, a.client_addr::text, a.backend_start
+FROM pg_locks l JOIN pg_stat_activity a ON a.pid = l.pid
+WHERE l.locktype = 'advisory' AND l.objid = hashtext('ringq.monitor')::oid AND l.granted
+  AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())
+LIMIT 1
+
+-- instance_id --
+SELECT value FROM ringq.meta WHERE key = 'instance_id'
+
+-- queues --
+SELECT id, name, capacity FROM ringq.queues ORDER BY id
+
+-- exception_counts --
+SELECT queue_id, count(*) FROM ringq.exceptions GROUP BY queue_id
+
+-- recent_exceptions --
+-- Entries moved to the exception table lately (the window is wider than any
+-- transaction the monitor could miss between two passes; the caller keeps
+-- the keys it has already announced).
+SELECT e.queue_id, q.name, e.seq, e.producer, e.producer_seq, e.deliveries, e.reason,
+       extract(epoch FROM e.moved_at)::float8
+FROM ringq.exceptions e LEFT JOIN ringq.queues q ON q.id = e.queue_id
+WHERE e.moved_at > now() - make_interval(secs => %s)
+ORDER BY e.moved_at, e.queue_id, e.seq
+
+-- xmin_horizon_age --
+-- The design's known enemy: an open snapshot stops pruning, so even a fixed
+-- size ring table grows. Age (seconds) of the oldest transaction holding back
+-- the xmin horizon in this database.
+SELECT coalesce(max(extract(epoch FROM now() - xact_start)), 0)::float8
+FROM pg_stat_activity
+WHERE datname = current_database() AND backend_xmin IS NOT NULL AND pid <> pg_backend_pid()
+
+-- dead_rows --
+-- Dead row versions per queue table.
+SELECT substr(relname, 3), n_dead_tup FROM pg_stat_user_tables
+WHERE schemaname = 'ringq' AND relname LIKE 'q\_%'
+
+-- inbox_pending --
+-- Queues with entries enqueued through SQL (ringq.enqueue()) waiting in the
+-- inbox, but those named in the array.
+SELECT q.name, q.id FROM ringq.queues q WHERE q.name <> ALL(%s) AND EXISTS
+(SELECT 1 FROM ringq.inbox i WHERE i.queue_id = q.id) ORDER BY q.id
+
+-- inbox_lock --
+-- One pumper per queue at a time, for the pump's transaction.
+SELECT pg_try_advisory_xact_lock(hashtext('ringq.inbox'), %s)
+
+-- inbox_waiting --
+SELECT EXISTS (SELECT 1 FROM ringq.inbox WHERE queue_id = %s)
+
+-- inbox_batch --
+-- The oldest entries of a queue's inbox, at most a batch, taken out in the
+-- pump's transaction (they go back with a rollback).
+DELETE FROM ringq.inbox WHERE id IN (SELECT id FROM ringq.inbox WHERE queue_id = %s
+ORDER BY id LIMIT %s) RETURNING id, payload, producer
+
+-- keys_queues --
+-- Queues with idempotency keys older than the retention (seconds): one probe
+-- of keys_queue_id_created_at per queue (its oldest key), not a scan of
+-- ringq.keys. A scalar subquery, because the planner flattens EXISTS into a
+-- semi-join that reads every key.
+SELECT q.id, q.name, q.capacity FROM ringq.queues q
+WHERE (SELECT min(k.created_at) FROM ringq.keys k WHERE k.queue_id = q.id)
+      < now() - make_interval(secs => %s)
+ORDER BY q.id
+
+-- keys_prune --
+-- Spent keys: older than the retention and their entry no longer queued
+-- (its row is consumed or holds a later sequence). Oldest first, a batch at a
+-- time, along keys_queue_id_created_at: the walk stops at the batch, passing
+-- at most the keys whose entries are still queued (at most the capacity).
+DELETE FROM ringq.keys
+WHERE ctid = ANY(ARRAY(
+    SELECT k.ctid FROM ringq.keys k
+    WHERE k.queue_id = %s AND k.created_at < now() - make_interval(secs => %s)
+      AND NOT EXISTS (SELECT 1 FROM {table} t
+                      WHERE t.slot = mod(k.seq, %s)::integer AND t.seq = k.seq AND t.state = 1)
+    ORDER BY k.created_at
+    LIMIT %s))
+
+-- keys_prune_dropped --
+-- Keys of queues that no longer exist (the drop script deletes them; these
+-- are left by drops made otherwise), a batch at a time. The distinct
+-- queue ids are found by a skip scan of the index (one probe per queue id),
+-- not by an anti-join over every key.
+WITH RECURSIVE ids(queue_id) AS (
+    (SELECT queue_id FROM ringq.keys ORDER BY queue_id LIMIT 1)
+    UNION ALL
+    SELECT (SELECT k.queue_id FROM ringq.keys k WHERE k.queue_id > ids.queue_id ORDER BY k.queue_id LIMIT 1)
+    FROM ids WHERE ids.queue_id IS NOT NULL
+)
+DELETE FROM ringq.keys
+WHERE ctid = ANY(ARRAY(
+    SELECT k.ctid FROM ringq.keys k
+    WHERE k.queue_id IN (SELECT ids.queue_id FROM ids
+                         WHERE ids.queue_id IS NOT NULL
+                           AND NOT EXISTS (SELECT 1 FROM ringq.queues q WHERE q.id = ids.queue_id))
+    LIMIT %s))

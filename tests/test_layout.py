@@ -1,0 +1,172 @@
+"""The packages' layout: dependencies point one way, and only public faces are shared.
+
+cli -> (worker, move, monitor, rtv, regression, scripting) -> engine. The
+engine imports no other ringq package, and no module imports a private
+``_x`` module of another ringq package (tests, benchmarks and examples
+included: for them every ringq package is another). Read from the source
+with ``ast``, so imports inside functions count too.
+"""
+
+from __future__ import annotations
+
+import ast
+import tomllib
+from collections.abc import Iterator
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+OUTSIDE = ("tests", "bench", "examples")  # not ringq packages: every ringq package is another
+ENGINE = "ringq.engine"
+
+# White-box tests: these test files reach into the named private modules on
+# purpose (the monitor's T4 files and samples, the viewer's models, the
+# regression's SQL, a timing constant of the engine patched to rule out its
+# safety net). Nothing else may: not a package, a benchmark or an example.
+WHITE_BOX: dict[str, set[str]] = {
+    "tests/test_cluster.py": {"ringq.scripting._cluster"},
+    "tests/test_engine.py": {"ringq.engine._session"},
+    "tests/test_events.py": {"ringq.monitor._events"},
+    "tests/test_history.py": {"ringq.monitor._sample", "ringq.monitor._history", "ringq.monitor._t4",
+                              "ringq.rtv._metrics"},
+    # (and ringq.monitor._daemon, from the script of a subprocess, which this check does not read)
+    "tests/test_monitor.py": {"ringq.monitor._sample", "ringq.monitor._t4", "ringq.monitor._service",
+                              "ringq.monitor._clients"},
+    "tests/test_regression.py": {"ringq.regression._payload", "ringq.regression._sql", "ringq.regression._runner"},
+    "tests/test_rtv.py": {"ringq.rtv._metrics", "ringq.rtv._source", "ringq.rtv._tui", "ringq.monitor._sample",
+                          "ringq.monitor._clients"},
+}
+
+
+def _packages() -> dict[str, Path]:
+    """{package: folder} from pyproject's package-dir (the root ``ringq`` excluded)."""
+    with open(ROOT / "pyproject.toml", "rb") as f:
+        dirs = tomllib.load(f)["tool"]["setuptools"]["package-dir"]
+    return {name: ROOT / folder for name, folder in dirs.items() if name != "ringq"}
+
+
+PACKAGES = _packages()
+
+
+def _files() -> Iterator[tuple[str | None, Path]]:
+    """(owning package or None, file) for every .py file of the packages and of OUTSIDE."""
+    for package, folder in PACKAGES.items():
+        for path in sorted(folder.rglob("*.py")):
+            yield package, path
+    for folder in OUTSIDE:
+        for path in sorted((ROOT / folder).rglob("*.py")):
+            yield None, path
+
+
+def _package_parts(package: str, path: Path) -> list[str]:
+    """The dotted parts of the (sub)package that holds ``path``, for relative imports."""
+    rel = path.parent.relative_to(PACKAGES[package])
+    return package.split(".") + [p for p in rel.parts if p]
+
+
+def _imported(source: str, base: list[str] | None) -> Iterator[tuple[int, str]]:
+    """(line, dotted module) for every module the source imports, names imported
+    from a package included (``from ringq.engine import _layout``). ``base`` is
+    the dotted parts of the source's own package (None outside the packages)."""
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                yield node.lineno, alias.name
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                if base is None:
+                    continue  # a test importing a sibling test module
+                parts = base[: len(base) - node.level + 1]
+                target = ".".join(parts + ([node.module] if node.module else []))
+            else:
+                target = node.module or ""
+            yield node.lineno, target
+            for alias in node.names:
+                yield node.lineno, f"{target}.{alias.name}"
+
+
+def _owner(module: str) -> str | None:
+    """The ringq package a dotted module belongs to (the longest match), if any."""
+    best = None
+    for package in PACKAGES:
+        if (module == package or module.startswith(package + ".")) and (best is None or len(package) > len(best)):
+            best = package
+    return best
+
+
+def _private_part(module: str, owner: str) -> str | None:
+    """The leading part of ``module`` up to its first private ``_x`` name under
+    ``owner`` (dunders are public), or None when every part is public."""
+    parts = module.split(".")
+    for i in range(len(owner.split(".")), len(parts)):
+        p = parts[i]
+        if p.startswith("_") and not (p.startswith("__") and p.endswith("__")):
+            return ".".join(parts[: i + 1])
+    return None
+
+
+def check(package: str | None, base: list[str] | None, source: str, where: str) -> list[str]:
+    """The layout violations of one module's source, one per import and module named."""
+    found: list[str] = []
+    for line, module in _imported(source, base):
+        owner = _owner(module)
+        if owner is None or owner == package:
+            continue
+        private = _private_part(module, owner)
+        if private is not None and private not in WHITE_BOX.get(where, ()):
+            found.append(f"{where}:{line}: imports {private}, private to {owner}")
+        if package == ENGINE:
+            found.append(f"{where}:{line}: the engine imports {module}")
+    return list(dict.fromkeys(found))
+
+
+def _private_imports(path: Path) -> set[str]:
+    """The private modules of ringq packages that a test file imports."""
+    used = set()
+    for _line, module in _imported(path.read_text(encoding="utf-8"), None):
+        owner = _owner(module)
+        private = _private_part(module, owner) if owner is not None else None
+        if private is not None:
+            used.add(private)
+    return used
+
+
+def violations() -> list[str]:
+    found: list[str] = []
+    for package, path in _files():
+        base = _package_parts(package, path) if package is not None else None
+        found += check(package, base, path.read_text(encoding="utf-8"), str(path.relative_to(ROOT)))
+    return found
+
+
+def test_every_package_is_mapped_and_has_a_public_face() -> None:
+    for package, folder in PACKAGES.items():
+        init = folder / "__init__.py"
+        assert init.is_file(), f"{package}: no {init}"
+        tree = ast.parse(init.read_text(encoding="utf-8"))
+        names = [t.id for n in tree.body if isinstance(n, ast.Assign) for t in n.targets if isinstance(t, ast.Name)]
+        assert "__all__" in names, f"{package}: __init__.py has no __all__"
+
+
+def test_no_module_imports_another_packages_private_modules_and_the_engine_imports_no_other() -> None:
+    found = violations()
+    assert not found, "layout violations:\n" + "\n".join(found)
+
+
+def test_every_white_box_exception_is_still_used() -> None:
+    for where, allowed in WHITE_BOX.items():
+        unused = allowed - _private_imports(ROOT / where)
+        assert not unused, f"{where} no longer imports {sorted(unused)}: drop them from WHITE_BOX"
+
+
+def test_the_check_sees_private_imports_and_an_engine_importing_another_package() -> None:
+    monitor = ["ringq", "monitor"]
+    source = "from ringq.engine._session import Session\nfrom ..engine import _layout\nfrom . import _t4\n"
+    found = check("ringq.monitor", monitor, source, "probe.py")
+    assert found == [
+        "probe.py:1: imports ringq.engine._session, private to ringq.engine",
+        "probe.py:2: imports ringq.engine._layout, private to ringq.engine",
+    ], found
+    engine = ["ringq", "engine"]
+    found = check(ENGINE, engine, "def f():\n    import ringq.monitor\nfrom ringq import __version__\n", "e.py")
+    assert found == ["e.py:2: the engine imports ringq.monitor"], found
+    assert check(None, None, "from ringq.engine import Session, layout\nimport ringq.engine.recovery\n", "t.py") == []
