@@ -37,9 +37,9 @@ from ._session import (
     _Process,
     connect,
     decide_ops,
-    is_ringq_gid,
     resync_queue,
 )
+from ._tpc import is_ringq_gid
 
 logger = logging.getLogger("ringq.recovery")
 
