@@ -24,21 +24,15 @@ import psycopg
 from psycopg import sql
 
 from . import _layout as L
+from ._decide import decide_ops, held_slots, load_block, mark_dropped, resync_queue
 from ._errors import QueueFull, SectionError, converted, from_psycopg
 from ._names import queue_table
+from ._ops import Op, OpKind, RowState
+from ._queries import QUERIES as _Q
+from ._queue_info import QueueInfo
 from ._ring import Ring
 from ._section import Section, pid_alive
-from ._session import (
-    _Q,
-    POISON_REASON,
-    QueueInfo,
-    _held_slots,
-    _load_block,
-    _Process,
-    connect,
-    decide_ops,
-    resync_queue,
-)
+from ._session import POISON_REASON, _Process, connect
 from ._tpc import is_ringq_gid
 
 logger = logging.getLogger("ringq.recovery")
@@ -132,10 +126,7 @@ def rebuild_into(dsn: str, instance_id: str) -> Section:
 
 def _load_queues(sec: Section, conn: psycopg.Connection[Any]) -> None:
     infos = _queue_infos(conn)
-    for qidx in sec.loaded_queues():
-        qid = sec.q(qidx, L.Q_QID)
-        if qid not in infos:
-            sec.queues[qidx * L.QUEUE_WORDS + L.Q_STATE] = L.QS_DROPPED
+    mark_dropped(sec, set(infos))
     for info in infos.values():
         if sec.find_queue(info.id) is not None:
             continue
@@ -147,7 +138,7 @@ def _load_queues(sec: Section, conn: psycopg.Connection[Any]) -> None:
             rows = conn.execute(
                 sql.SQL(_Q["all_rows"]).format(table=queue_table(info.name))
             ).fetchall()
-            _load_block(sec, qidx, info, rows, _held_slots(conn, info.id))
+            load_block(sec, qidx, info, rows, held_slots(conn, info.id))
             logger.info("ringq: queue %s loaded into the section (%d slots)", info.name, info.capacity)
         finally:
             sec.unlock_section()
@@ -266,7 +257,7 @@ def recover_dead_clients(sec: Section, dsn: str, *, terminate: bool = True) -> l
                 continue  # its transaction may still end either way: next round
             rec = Recovered(cidx, sec.c(cidx, L.C_PID), backends[cidx])
             owner = cidx + 1
-            ops = []
+            ops: list[Op] = []
             for qidx in sec.loaded_queues():
                 ring = Ring(sec, qidx)
                 info = infos.get(ring.qid)
@@ -284,7 +275,7 @@ def recover_dead_clients(sec: Section, dsn: str, *, terminate: bool = True) -> l
                             sec.unlock_queue(qidx)
                         rec.held += 1
                         continue
-                    ops.append((ring, info, slot, seq, "d" if enq else "e"))
+                    ops.append(Op(ring, info, slot, seq, OpKind.DEQUEUE if enq else OpKind.ENQUEUE))
                 if slots and info.name not in rec.queues:
                     rec.queues.append(info.name)
             rec.slots = len(ops) + rec.held
@@ -316,36 +307,37 @@ def recover_dead_clients(sec: Section, dsn: str, *, terminate: bool = True) -> l
     return out
 
 
-def _decide_and_strike(sec: Section, conn: psycopg.Connection[Any], ops: list[Any], rec: Recovered) -> None:
+def _decide_and_strike(sec: Section, conn: psycopg.Connection[Any], ops: list[Op], rec: Recovered) -> None:
     # Count a failed delivery on dequeues that did not commit, while the slots
     # are still locked; poisoned ones become consumed rows.
-    for info_id in {op[1].id for op in ops if op[4] == "d"}:
-        group = [op for op in ops if op[1].id == info_id and op[4] == "d"]
-        info = group[0][1]
+    for info_id in {op.info.id for op in ops if op.kind == OpKind.DEQUEUE}:
+        group = [op for op in ops if op.info.id == info_id and op.kind == OpKind.DEQUEUE]
+        info = group[0].info
         conn.execute(
             sql.SQL(_Q["strike"]).format(table=queue_table(info.name)),
-            (info.max_deliveries, info.max_deliveries, [o[2] for o in group], [o[3] for o in group],
+            (info.max_deliveries, info.max_deliveries, [o.slot for o in group], [o.seq for o in group],
              info.id, POISON_REASON),
         )
     decide_ops(sec, conn, ops, rec.cidx + 1)
     rows_by_q: dict[int, dict[int, tuple[int, int]]] = {}
-    for ring, info, slot, seq, kind in ops:
+    for op in ops:
+        info = op.info
         if info.id not in rows_by_q:
             rows = conn.execute(
                 sql.SQL(_Q["rows"]).format(table=queue_table(info.name)),
-                ([o[2] for o in ops if o[1].id == info.id],),
+                ([o.slot for o in ops if o.info.id == info.id],),
             ).fetchall()
             rows_by_q[info.id] = {r[0]: (r[1], r[2]) for r in rows}
-        state, row_seq = rows_by_q[info.id].get(slot, (0, -1))
+        state, row_seq = rows_by_q[info.id].get(op.slot, (RowState.FREE, -1))
         # An enqueue committed if its row holds it; a dequeue only if consumed
         # (a poisoned entry counts as consumed: it left the queue).
-        if row_seq == seq and (state >= 1 if kind == "e" else state == 2):
+        if op.committed_in(state, row_seq):
             rec.committed += 1
         else:
             rec.rolled_back += 1
         # Wake a sleeping dequeuer: the entry may be ready again.
-        if sec.queues[ring.qb + L.Q_WAIT_READY] > 0:
-            sec.post(ring.qid, "r", 1)
+        if sec.queues[op.ring.qb + L.Q_WAIT_READY] > 0:
+            sec.post(op.ring.qid, "r", 1)
 
 
 def _prepared_slots(conn: psycopg.Connection[Any]) -> set[tuple[int, int]]:
@@ -446,7 +438,7 @@ def resolve_prepared(
             ).fetchall()
             # A live client still owns these slots: it is between prepare and commit.
             live = False
-            ops = []
+            ops: list[Op] = []
             for qid, slot, seq, kind in slots:
                 qidx = sec.find_queue(qid)
                 if qidx is None or qid not in infos:
@@ -458,7 +450,7 @@ def resolve_prepared(
                     if sec.c(owner - 1, L.C_STATE) == L.CS_ACTIVE and pid_alive(cpid):
                         live = True
                         break
-                ops.append((ring, infos[qid], int(slot), int(seq), str(kind)))
+                ops.append(Op(ring, infos[qid], int(slot), int(seq), OpKind(str(kind))))
             if live:
                 continue
             if decided:

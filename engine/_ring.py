@@ -15,6 +15,7 @@ from __future__ import annotations
 import numpy as np
 
 from . import _layout as L
+from ._ops import RowState
 from ._section import Section
 
 _U64 = (1 << 64) - 1
@@ -360,7 +361,7 @@ class Ring:
         held = held or []
         for _slot, seq in held:
             head = max(head, seq + 1)
-        queued = seq_by_slot[state_by_slot == 1]
+        queued = seq_by_slot[state_by_slot == RowState.QUEUED]
         candidates = [int(queued.min())] if queued.size else []
         candidates += locked_seqs + [seq for _slot, seq in held]
         tail = min(candidates) if candidates else head
@@ -371,12 +372,12 @@ class Ring:
         written = seq_by_slot[at] == pos
         enq = np.zeros(cap, dtype=bool)
         deq = np.zeros(cap, dtype=bool)
-        enq[at] = written & (state_by_slot[at] >= 1)
-        deq[at] = ~(written & (state_by_slot[at] == 1))  # consumed, or void (never written)
+        enq[at] = written & (state_by_slot[at] >= RowState.QUEUED)
+        deq[at] = ~(written & (state_by_slot[at] == RowState.QUEUED))  # consumed, or void (never written)
         lck = np.zeros(cap, dtype=bool)
         for h_slot, h_seq in held:
             lck[h_slot] = True
-            enq[h_slot] = seq_by_slot[h_slot] == h_seq and state_by_slot[h_slot] >= 1
+            enq[h_slot] = seq_by_slot[h_slot] == h_seq and state_by_slot[h_slot] >= RowState.QUEUED
             deq[h_slot] = bool(enq[h_slot])  # a held dequeue; a held enqueue has neither bit
 
         def words(bits: np.ndarray) -> np.ndarray:
@@ -399,5 +400,5 @@ class Ring:
         s.deq[g0:g1] = new_deq
         s.lck[g0:g1] = new_lck
         Q[b + L.Q_HEAD] = head
-        Q[b + L.Q_DEPTH_HINT] = int(np.count_nonzero(state_by_slot == 1))
+        Q[b + L.Q_DEPTH_HINT] = int(np.count_nonzero(state_by_slot == RowState.QUEUED))
         self.reclaim()

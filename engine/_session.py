@@ -18,15 +18,15 @@ from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from datetime import datetime
-from typing import Any, ClassVar, Literal, Self
+from typing import Any, ClassVar, Self
 
-import numpy as np
 import posix_ipc
 import psycopg
 from psycopg import sql
 from psycopg.pq import TransactionStatus
 
 from . import _layout as L
+from ._decide import decide_ops, load_queue, resync_queue, wait_backend_gone
 from ._dsn import resolve_dsn
 from ._errors import (
     DatabaseUnavailable,
@@ -45,14 +45,15 @@ from ._errors import (
 )
 from ._events import Subscription, publish
 from ._names import queue_table, validate_queue_name
+from ._ops import Op, OpKind, RowState
+from ._queries import QUERIES as _Q
+from ._queue_info import QueueInfo as QueueInfo  # noqa: PLC0414 (re-exported for ringq.engine)
 from ._ring import Ring
 from ._section import Section
-from ._sqlfile import load
 from ._tpc import TwoPhase
 
 logger = logging.getLogger("ringq.engine")
 
-_Q = load("ringq.engine", "queries.sql")
 _IDLE = TransactionStatus.IDLE
 _INTRANS = TransactionStatus.INTRANS
 _INERROR = TransactionStatus.INERROR
@@ -62,21 +63,6 @@ POISON_REASON = "max deliveries reached"
 # A waiting dequeuer is woken by the commit that makes an entry ready (a
 # semaphore post); it also looks again this often, in seconds, as a safety net.
 CLAIM_RECHECK_S = 1.0
-
-
-@dataclass(frozen=True)
-class QueueInfo:
-    """A queue's settings, as stored in ``ringq.queues``."""
-
-    id: int
-    name: str
-    capacity: int
-    max_payload: int
-    full_policy: str
-    full_timeout: float
-    dequeue_mode: str
-    max_deliveries: int
-    exception_queue: str | None
 
 
 @dataclass(frozen=True)
@@ -98,16 +84,6 @@ class Message:
     @property
     def redelivered(self) -> bool:
         return self.deliveries > 1
-
-
-@dataclass
-class _Op:
-    ring: Ring
-    info: QueueInfo
-    slot: int
-    seq: int
-    kind: Literal["e", "d"]
-    latency_ns: int
 
 
 class _Process:
@@ -192,7 +168,7 @@ class Session(TwoPhase):
         self._pid = os.getpid()
         self.producer = producer or f"{socket.gethostname()}:{os.getpid()}:{next(_producer_counter)}"
         self._producer_seq = 0
-        self._ops: list[_Op] = []
+        self._ops: list[Op] = []
         self._queues: dict[str, QueueInfo] = {}
         self._rings: dict[int, Ring] = {}
         self._stmts: dict[tuple[str, str], str] = {}
@@ -409,25 +385,12 @@ class Session(TwoPhase):
 
     def _load_queue(self, info: QueueInfo) -> int:
         """Bring a queue into the section from its table (first user on this host)."""
-        sec = self._section
         # Read the rows on a separate connection: outside the caller's
         # transaction, committed state only.
         with converted(dsn=self.dsn, queue=info.name), psycopg.connect(
             self.dsn, autocommit=True, connect_timeout=max(1, int(self._connect_timeout))
         ) as aux:
-            sec.lock_section()
-            try:
-                qidx = sec.find_queue(info.id)
-                if qidx is not None:
-                    return qidx
-                _mark_dropped(sec, {r[0] for r in aux.execute("SELECT id FROM ringq.queues").fetchall()})
-                qidx = sec.allocate_queue(info.id, info.name, info.capacity)
-                rows = aux.execute(self._stmt("all_rows", info.name)).fetchall()
-                held = _held_slots(aux, info.id)
-                _load_block(sec, qidx, info, rows, held)
-                return qidx
-            finally:
-                sec.unlock_section()
+            return load_queue(self._section, aux, info)
 
     def _stmt(self, name: str, queue: str) -> str:
         key = (name, queue)
@@ -463,7 +426,7 @@ class Session(TwoPhase):
         except (ValueError, IndexError, TypeError):  # a released view: the section is gone
             pass
 
-    def _record_ops_error(self, code: int, ops: Sequence[_Op]) -> None:
+    def _record_ops_error(self, code: int, ops: Sequence[Op]) -> None:
         op = ops[0] if ops else None
         self._record_error(code, op.info.id if op else 0, op.seq if op else -1)
 
@@ -524,7 +487,7 @@ class Session(TwoPhase):
             self.tpc_rollback()  # refuses once decided
             return
         ops, self._ops = self._ops, []
-        strikes = count_delivery and any(op.kind == "d" for op in ops)
+        strikes = count_delivery and any(op.kind == OpKind.DEQUEUE for op in ops)
         try:
             if strikes:
                 self._conn.rollback()  # the strikes commit (and begin) afterwards
@@ -557,14 +520,14 @@ class Session(TwoPhase):
             raise
         self.commit()
 
-    def _finish(self, ops: list[_Op], *, committed: bool, count_delivery: bool = True) -> None:
+    def _finish(self, ops: list[Op], *, committed: bool, count_delivery: bool = True) -> None:
         """Tell the section the outcome of ``ops`` (the database already decided)."""
         if not ops:
             return
         poisoned: set[tuple[int, int]] = set()
         if not committed and count_delivery:
-            poisoned = self._strike([op for op in ops if op.kind == "d"])
-        by_ring: dict[int, list[_Op]] = {}
+            poisoned = self._strike([op for op in ops if op.kind == OpKind.DEQUEUE])
+        by_ring: dict[int, list[Op]] = {}
         for op in ops:
             by_ring.setdefault(op.ring.qidx, []).append(op)
         sec = self._section
@@ -579,7 +542,7 @@ class Session(TwoPhase):
                 for op in group:
                     if not ring.held_by(op.slot, self.owner):
                         continue  # already decided by recovery (never finish a slot twice)
-                    if op.kind == "e":
+                    if op.kind == OpKind.ENQUEUE:
                         ring.finish_enqueue(op.slot, committed)
                         n_ready += committed
                         _hist(sec, qb + L.Q_ENQ_HIST, qb + L.Q_ENQ_LAT_NS, op.latency_ns)
@@ -612,12 +575,12 @@ class Session(TwoPhase):
         for qid, kind, n in posts:
             sec.post(qid, kind, n)
 
-    def _strike(self, deq_ops: list[_Op]) -> set[tuple[int, int]]:
+    def _strike(self, deq_ops: list[Op]) -> set[tuple[int, int]]:
         """Count a failed delivery on each rolled-back dequeue; returns the poisoned ones."""
         if not deq_ops:
             return set()
         poisoned: set[tuple[int, int]] = set()
-        by_queue: dict[str, list[_Op]] = {}
+        by_queue: dict[str, list[Op]] = {}
         for op in deq_ops:
             by_queue.setdefault(op.info.name, []).append(op)
         try:
@@ -635,7 +598,7 @@ class Session(TwoPhase):
                     ),
                 ).fetchall()
                 for slot, seq, state, deliveries, moved_to, kept_because in rows:
-                    if state == 2:
+                    if state == RowState.CONSUMED:
                         poisoned.add((slot, seq))
                         logger.warning(
                             "ringq: entry %s/%s poisoned after %s deliveries: moved to ringq.exceptions%s",
@@ -680,7 +643,7 @@ class Session(TwoPhase):
         for _attempt in range(8):
             slot, seq = self._reserve(info, timeout)
             self._producer_seq += 1
-            op = _Op(self._ring(info), info, slot, seq, "e", 0)
+            op = Op(self._ring(info), info, slot, seq, OpKind.ENQUEUE)
             self._ops.append(op)
             with self._converted(queue, qid=info.id, seq=seq):
                 if key is None:
@@ -745,9 +708,9 @@ class Session(TwoPhase):
                     reserved.extend(self._reserve_many(info, len(items) - len(reserved), timeout))
             except BaseException:
                 for slot, seq in reserved:
-                    self._void(_Op(ring, info, slot, seq, "e", 0))
+                    self._void(Op(ring, info, slot, seq, OpKind.ENQUEUE))
                 raise
-            ops = [_Op(ring, info, slot, seq, "e", 0) for slot, seq in reserved]
+            ops = [Op(ring, info, slot, seq, OpKind.ENQUEUE) for slot, seq in reserved]
             self._ops.extend(ops)
             with self._converted(queue, qid=info.id, seq=reserved[0][1]):
                 rows = self._conn.execute(
@@ -847,7 +810,7 @@ class Session(TwoPhase):
                 self._unwait(ring, L.Q_WAIT_SPACE)
                 raise
 
-    def _void(self, op: _Op) -> None:
+    def _void(self, op: Op) -> None:
         sec = self._section
         sec.lock_queue(op.ring.qidx)
         try:
@@ -882,7 +845,7 @@ class Session(TwoPhase):
             claimed = self._claim(ring, info, max_n, deadline, exclusive)
             if not claimed:
                 return []
-            ops = [_Op(ring, info, slot, seq, "d", 0) for slot, seq in claimed]
+            ops = [Op(ring, info, slot, seq, OpKind.DEQUEUE) for slot, seq in claimed]
             self._ops.extend(ops)
             with self._converted(queue, qid=info.id, seq=ops[0].seq):
                 if len(ops) == 1:
@@ -964,7 +927,7 @@ class Session(TwoPhase):
         finally:
             sec.unlock_queue(ring.qidx)
 
-    def _repair_dequeue(self, info: QueueInfo, ring: Ring, stale: list[_Op], exclusive: bool) -> None:
+    def _repair_dequeue(self, info: QueueInfo, ring: Ring, stale: list[Op], exclusive: bool) -> None:
         """The rows did not match the section: decide those slots from the rows."""
         for op in stale:
             self._ops.remove(op)
@@ -979,13 +942,13 @@ class Session(TwoPhase):
             for op in stale:
                 if not ring.held_by(op.slot, self.owner):
                     continue
-                state, seq = by_slot.get(op.slot, (0, -1))
+                state, seq = by_slot.get(op.slot, (RowState.FREE, -1))
                 # Not there (void) or already consumed: the slot is done.
                 ring.finish_dequeue(op.slot, consumed=True, exclusive=exclusive)
                 sec.queues[ring.qb + L.Q_DEPTH_HINT] += 1  # it was not a consumption
                 sec.queues[ring.qb + L.Q_N_DEQ_COMMIT] -= 1
                 sec.queues[ring.qb + L.Q_N_REPAIRS] += 1
-                if state == 1 and seq != op.seq:
+                if state == RowState.QUEUED and seq != op.seq:
                     need_resync = True  # an entry the section does not know about
         finally:
             sec.unlock_queue(ring.qidx)
@@ -1001,7 +964,7 @@ class Session(TwoPhase):
 
     # -- recovery ------------------------------------------------------------------------
 
-    def _recover(self, ops: list[_Op], *, reason: str) -> bool | None:
+    def _recover(self, ops: list[Op], *, reason: str) -> bool | None:
         """Decide ``ops`` from the rows after the connection was lost.
 
         Returns True if the transaction committed, False if not, None if it
@@ -1025,7 +988,7 @@ class Session(TwoPhase):
         self._conn = new
         try:
             with psycopg.connect(self.dsn, autocommit=True) as aux:
-                _wait_backend_gone(aux, old_pid)
+                wait_backend_gone(aux, old_pid)
                 committed = self._decide_from_rows(aux, ops)
             row = self._conn.execute("SELECT pg_backend_pid()").fetchone()
             self._conn.rollback()
@@ -1038,13 +1001,10 @@ class Session(TwoPhase):
         logger.warning("ringq: connection lost (%s); %d slots decided from rows", reason, len(ops))
         return committed
 
-    def _decide_from_rows(self, conn: psycopg.Connection[Any], ops: list[_Op]) -> bool | None:
+    def _decide_from_rows(self, conn: psycopg.Connection[Any], ops: list[Op]) -> bool | None:
         if not ops:
             return None
-        committed = decide_ops(
-            self._section, conn, [(op.ring, op.info, op.slot, op.seq, op.kind) for op in ops], self.owner
-        )
-        return committed
+        return decide_ops(self._section, conn, ops, self.owner)
 
     # -- events ----------------------------------------------------------------------------
 
@@ -1086,13 +1046,6 @@ class Session(TwoPhase):
 # -- shared with the monitor ---------------------------------------------------------------
 
 
-def _mark_dropped(sec: Section, existing: set[int]) -> None:
-    """Mark blocks of queues no longer in the database as dropped (caller holds the section lock)."""
-    for qidx in sec.loaded_queues():
-        if sec.q(qidx, L.Q_QID) not in existing:
-            sec.queues[qidx * L.QUEUE_WORDS + L.Q_STATE] = L.QS_DROPPED
-
-
 def _orphaned(sec: Section, cidx: int, pid: int) -> None:
     """Finalizer of a session never closed: let recovery decide its slots and free it."""
     if os.getpid() != pid or sec.closed:
@@ -1117,107 +1070,3 @@ def _hist(sec: Section, hist_word: int, sum_word: int, ns: int) -> None:
     bucket = min(us.bit_length(), L.HIST_BUCKETS - 1)
     sec.queues[hist_word + bucket] += 1
     sec.queues[sum_word] += ns
-
-
-def _wait_backend_gone(conn: psycopg.Connection[Any], pid: int, timeout: float = 30.0) -> None:
-    """Until the old backend has ended its transaction may still commit: end it and wait."""
-    if not pid:
-        return
-    try:
-        conn.execute(_Q["terminate"], (pid,))
-    except psycopg.Error:
-        pass
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        row = conn.execute(_Q["backend_alive"], (pid,)).fetchone()
-        if not row or row[0] == 0:
-            return
-        time.sleep(0.01)
-    raise DatabaseUnavailable(f"backend {pid} did not end within {timeout:g}s")
-
-
-def _held_slots(conn: psycopg.Connection[Any], qid: int) -> list[tuple[int, int]]:
-    """(slot, seq) of prepared two-phase transactions in this queue: in doubt until resolved."""
-    rows = conn.execute(
-        "SELECT l.slot, l.seq FROM ringq.tpc_log l JOIN pg_prepared_xacts p ON p.gid = l.gid "
-        "WHERE l.queue_id = %s",
-        (qid,),
-    ).fetchall()
-    return [(int(s), int(q)) for s, q in rows]
-
-
-def _load_block(sec: Section, qidx: int, info: QueueInfo, rows: Sequence[tuple[int, int, int]], held: list[tuple[int, int]]) -> None:
-    """Fill a freshly allocated block (caller holds the section lock)."""
-    qb = qidx * L.QUEUE_WORDS
-    Q = sec.queues
-    Q[qb + L.Q_MAX_PAYLOAD] = info.max_payload
-    Q[qb + L.Q_POLICY] = 0 if info.full_policy == "block" else 1
-    Q[qb + L.Q_MODE] = 0 if info.dequeue_mode == "single" else 1
-    Q[qb + L.Q_FULL_TIMEOUT_MS] = int(info.full_timeout * 1000)
-    Q[qb + L.Q_MAX_DELIVERIES] = info.max_deliveries
-    Q[qb + L.Q_LOADED_NS] = time.time_ns()
-    ring = Ring(sec, qidx)
-    arr = np.array(rows, dtype=np.int64).reshape(-1, 3)
-    ring.load_rows(arr[:, 0], arr[:, 1], arr[:, 2], keep_locked=False, held=held)
-    Q[qb + L.Q_STATE] = L.QS_READY
-
-
-def resync_queue(sec: Section, ring: Ring, info: QueueInfo, dsn: str) -> None:
-    """Re-read a loaded queue's rows into the section, keeping slots locked by clients.
-
-    Holds the queue's lock while reading (rare: a repair), so no slot changes
-    hands between the read and the update.
-    """
-    with psycopg.connect(dsn, autocommit=True) as aux:
-        sql_rows = sql.SQL(_Q["all_rows"]).format(table=queue_table(info.name))
-        held = _held_slots(aux, info.id)
-        sec.lock_queue(ring.qidx)
-        try:
-            rows = aux.execute(sql_rows).fetchall()
-            arr = np.array(rows, dtype=np.int64).reshape(-1, 3)
-            ring.load_rows(arr[:, 0], arr[:, 1], arr[:, 2], keep_locked=True, held=held)
-            sec.queues[ring.qb + L.Q_N_RESYNC] += 1
-        finally:
-            sec.unlock_queue(ring.qidx)
-
-
-def decide_ops(
-    sec: Section,
-    conn: psycopg.Connection[Any],
-    ops: Sequence[tuple[Ring, QueueInfo, int, int, str]],
-    owner: int | None = None,
-) -> bool | None:
-    """Decide in-flight slots from their rows (the old backend has ended).
-
-    An enqueue committed iff its row holds its sequence (queued or consumed);
-    a dequeue committed iff its row is consumed. Returns whether the
-    transaction committed (None if no op tells), after updating the section.
-    """
-    by_queue: dict[int, list[tuple[Ring, QueueInfo, int, int, str]]] = {}
-    for op in ops:
-        by_queue.setdefault(op[1].id, []).append(op)
-    outcome: bool | None = None
-    for group in by_queue.values():
-        ring, info = group[0][0], group[0][1]
-        rows = conn.execute(
-            sql.SQL(_Q["rows"]).format(table=queue_table(info.name)),
-            ([op[2] for op in group],),
-        ).fetchall()
-        by_slot = {slot: (state, seq) for slot, state, seq in rows}
-        exclusive = info.dequeue_mode == "single"
-        sec.lock_queue(ring.qidx)
-        try:
-            for _ring, _info, slot, seq, kind in group:
-                if owner is not None and not ring.held_by(slot, owner):
-                    continue  # someone else decided it already
-                state, row_seq = by_slot.get(slot, (0, -1))
-                if kind == "e":
-                    done = row_seq == seq and state in (1, 2)
-                    ring.finish_enqueue(slot, committed=done)
-                else:
-                    done = row_seq == seq and state == 2
-                    ring.finish_dequeue(slot, consumed=done, exclusive=exclusive)
-                outcome = done if outcome is None else (outcome or done)
-        finally:
-            sec.unlock_queue(ring.qidx)
-    return outcome

@@ -20,17 +20,16 @@ from psycopg.pq import TransactionStatus
 
 from . import _layout as L
 from ._errors import InDoubt, RingqError, SessionClosed, TransactionError, from_psycopg
+from ._queries import QUERIES as _Q
 from ._section import Section
-from ._sqlfile import load
 
 if TYPE_CHECKING:
     from contextlib import AbstractContextManager
 
-    from ._session import _Op
+    from ._ops import Op
 
 logger = logging.getLogger("ringq.engine")
 
-_Q = load("ringq.engine", "queries.sql")
 _IDLE = TransactionStatus.IDLE
 
 TPC_BRANCH = "ringq"  # the branch qualifier of Session.xid(): marks the gids ringq made
@@ -67,15 +66,15 @@ class TwoPhase:
         _closed: bool
         _connect_timeout: float
         _conn: psycopg.Connection[Any]
-        _ops: list[_Op]
+        _ops: list[Op]
         _section: Section
 
         def _check(self) -> None: ...
         def _converted(self, queue: str | None = None, *, qid: int = 0, seq: int = -1) -> AbstractContextManager[None]: ...
         def _begin(self) -> None: ...
-        def _finish(self, ops: list[_Op], *, committed: bool, count_delivery: bool = True) -> None: ...
-        def _recover(self, ops: list[_Op], *, reason: str) -> bool | None: ...
-        def _record_ops_error(self, code: int, ops: list[_Op]) -> None: ...
+        def _finish(self, ops: list[Op], *, committed: bool, count_delivery: bool = True) -> None: ...
+        def _recover(self, ops: list[Op], *, reason: str) -> bool | None: ...
+        def _record_ops_error(self, code: int, ops: list[Op]) -> None: ...
 
     def _tpc_reset(self) -> None:
         """No two-phase transaction open (a new session, or one after fork)."""
@@ -119,7 +118,7 @@ class TwoPhase:
                         [op.info.id for op in self._ops],
                         [op.slot for op in self._ops],
                         [op.seq for op in self._ops],
-                        [op.kind for op in self._ops],
+                        [op.kind.value for op in self._ops],
                     ),
                 )
         with self._converted():
@@ -138,7 +137,7 @@ class TwoPhase:
             self._aux = aux
         return aux
 
-    def _hold(self, ops: list[_Op]) -> None:
+    def _hold(self, ops: list[Op]) -> None:
         """Keep slots locked with no live owner (in doubt) for recovery to decide."""
         sec = self._section
         for op in ops:
