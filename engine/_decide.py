@@ -31,7 +31,7 @@ def mark_dropped(sec: Section, existing: set[int]) -> None:
     """Mark blocks of queues no longer in the database as dropped (caller holds the section lock)."""
     for qidx in sec.loaded_queues():
         if sec.q(qidx, L.Q_QID) not in existing:
-            sec.queues[qidx * L.QUEUE_WORDS + L.Q_STATE] = L.QS_DROPPED
+            sec.mark_queue_dropped(qidx)
 
 
 def wait_backend_gone(conn: psycopg.Connection[Any], pid: int, timeout: float = 30.0) -> None:
@@ -65,18 +65,17 @@ def load_block(
     sec: Section, qidx: int, info: QueueInfo, rows: Sequence[tuple[int, int, int]], held: list[tuple[int, int]]
 ) -> None:
     """Fill a freshly allocated block (caller holds the section lock)."""
-    qb = qidx * L.QUEUE_WORDS
-    Q = sec.queues
-    Q[qb + L.Q_MAX_PAYLOAD] = info.max_payload
-    Q[qb + L.Q_POLICY] = 0 if info.full_policy == "block" else 1
-    Q[qb + L.Q_MODE] = 0 if info.dequeue_mode == "single" else 1
-    Q[qb + L.Q_FULL_TIMEOUT_MS] = int(info.full_timeout * 1000)
-    Q[qb + L.Q_MAX_DELIVERIES] = info.max_deliveries
-    Q[qb + L.Q_LOADED_NS] = time.time_ns()
     ring = Ring(sec, qidx)
+    ring.configure(
+        max_payload=info.max_payload,
+        block_when_full=info.full_policy == "block",
+        single_dequeuer=info.dequeue_mode == "single",
+        full_timeout_ms=int(info.full_timeout * 1000),
+        max_deliveries=info.max_deliveries,
+    )
     arr = np.array(rows, dtype=np.int64).reshape(-1, 3)
     ring.load_rows(arr[:, 0], arr[:, 1], arr[:, 2], keep_locked=False, held=held)
-    Q[qb + L.Q_STATE] = L.QS_READY
+    sec.mark_queue_ready(qidx)
 
 
 def load_queue(sec: Section, conn: psycopg.Connection[Any], info: QueueInfo) -> int:
@@ -115,7 +114,7 @@ def resync_queue(sec: Section, ring: Ring, info: QueueInfo, dsn: str) -> None:
             rows = aux.execute(sql_rows).fetchall()
             arr = np.array(rows, dtype=np.int64).reshape(-1, 3)
             ring.load_rows(arr[:, 0], arr[:, 1], arr[:, 2], keep_locked=True, held=held)
-            sec.queues[ring.qb + L.Q_N_RESYNC] += 1
+            ring.note_resync()
         finally:
             sec.unlock_queue(ring.qidx)
 

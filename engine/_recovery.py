@@ -270,7 +270,7 @@ def recover_dead_clients(sec: Section, dsn: str, *, terminate: bool = True) -> l
                     if (info.id, slot) in prepared:
                         sec.lock_queue(qidx)
                         try:
-                            sec.owner_w[ring.base + slot] = HELD
+                            ring.hold(slot)
                         finally:
                             sec.unlock_queue(qidx)
                         rec.held += 1
@@ -291,17 +291,10 @@ def recover_dead_clients(sec: Section, dsn: str, *, terminate: bool = True) -> l
                 ring = Ring(sec, qidx)
                 sec.lock_queue(qidx)
                 try:
-                    if sec.queues[ring.qb + L.Q_DEQ_OWNER] == owner:
-                        ring.release_role(owner)
+                    ring.release_role(owner)
                 finally:
                     sec.unlock_queue(qidx)
-            sec.lock_section()
-            try:
-                base = cidx * L.CLIENT_WORDS
-                sec.clients[base + L.C_STATE] = L.CS_FREE
-                sec.clients[base + L.C_PID] = 0
-            finally:
-                sec.unlock_section()
+            sec.free_client(cidx)
             logger.warning("ringq: dead client pid %s recovered: %s", rec.pid, rec.as_dict())
             out.append(rec)
     return out
@@ -336,7 +329,7 @@ def _decide_and_strike(sec: Section, conn: psycopg.Connection[Any], ops: list[Op
         else:
             rec.rolled_back += 1
         # Wake a sleeping dequeuer: the entry may be ready again.
-        if sec.queues[op.ring.qb + L.Q_WAIT_READY] > 0:
+        if op.ring.waiters(OpKind.DEQUEUE) > 0:
             sec.post(op.ring.qid, "r", 1)
 
 
@@ -379,7 +372,7 @@ def reclaim_all(sec: Section) -> dict[str, int]:
         sec.lock_queue(qidx)
         try:
             n = ring.reclaim()
-            waiters = sec.q(qidx, L.Q_WAIT_SPACE)
+            waiters = ring.waiters(OpKind.ENQUEUE)
         finally:
             sec.unlock_queue(qidx)
         if n:

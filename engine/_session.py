@@ -227,21 +227,18 @@ class Session(TwoPhase):
         self._cidx = self._section.add_client(backend_pid)
         self.owner = self._cidx + 1
         if self._role:
-            self._section.clients[self._cidx * L.CLIENT_WORDS + L.C_ROLE] = self._role
+            self._section.set_client_role(self._cidx, self._role)
         # A session dropped without close() hands its entry to recovery.
         self._finalizer = weakref.finalize(self, _orphaned, self._section, self._cidx, os.getpid())
 
     def _set_role(self, role: int) -> None:
         """Mark our client entry with ``role`` (CR_*), kept across re-registrations."""
         self._role = role
-        self._section.clients[self._cidx * L.CLIENT_WORDS + L.C_ROLE] = role
+        self._section.set_client_role(self._cidx, role)
 
     def _set_client_words(self, words: Iterable[tuple[int, int]]) -> None:
         """Write (word, value) pairs into our client entry (a worker's counters)."""
-        C = self._section.clients
-        base = self._cidx * L.CLIENT_WORDS
-        for word, value in words:
-            C[base + word] = value
+        self._section.set_client_words(self._cidx, words)
 
     def _begin(self) -> None:
         """Start the next transaction now, if eager (psycopg would otherwise send
@@ -535,43 +532,18 @@ class Session(TwoPhase):
         for qidx, group in by_ring.items():
             ring = group[0].ring
             exclusive = group[0].info.dequeue_mode == "single"
-            qb = qidx * L.QUEUE_WORDS
             sec.lock_queue(qidx)
             try:
-                n_ready = n_space = 0
-                for op in group:
-                    if not ring.held_by(op.slot, self.owner):
-                        continue  # already decided by recovery (never finish a slot twice)
-                    if op.kind == OpKind.ENQUEUE:
-                        ring.finish_enqueue(op.slot, committed)
-                        n_ready += committed
-                        _hist(sec, qb + L.Q_ENQ_HIST, qb + L.Q_ENQ_LAT_NS, op.latency_ns)
-                    else:
-                        consumed = committed or (op.slot, op.seq) in poisoned
-                        was_owner = sec.queues[qb + L.Q_DEQ_OWNER]
-                        ring.finish_dequeue(op.slot, consumed, exclusive=exclusive, reclaim=False)
-                        n_space += consumed
-                        n_ready += (not consumed) or (exclusive and was_owner and not sec.queues[qb + L.Q_DEQ_OWNER])
-                        _hist(sec, qb + L.Q_DEQ_HIST, qb + L.Q_DEQ_LAT_NS, op.latency_ns)
-                if n_space:
-                    ring.reclaim()  # once per queue, not once per entry
-                if (poisoned_here := sum(1 for op in group if (op.slot, op.seq) in poisoned)):
-                    sec.queues[qb + L.Q_N_POISONED] += poisoned_here
-                wake_r = min(n_ready, sec.queues[qb + L.Q_WAIT_READY])
-                wake_s = min(n_space, sec.queues[qb + L.Q_WAIT_SPACE])
-                if n_space and sec.queues[qb + L.Q_FULL_SINCE_NS]:
-                    sec.queues[qb + L.Q_FULL_NS] += time.monotonic_ns() - sec.queues[qb + L.Q_FULL_SINCE_NS]
-                    sec.queues[qb + L.Q_FULL_SINCE_NS] = 0
-                if wake_r:
-                    sec.queues[qb + L.Q_N_WAKEUPS] += wake_r
+                wake_r, wake_s = ring.finish_batch(
+                    group, self.owner, committed=committed, poisoned=poisoned, exclusive=exclusive
+                )
             finally:
                 sec.unlock_queue(qidx)
             if wake_r:
                 posts.append((ring.qid, "r", wake_r))
             if wake_s:
                 posts.append((ring.qid, "s", wake_s))
-        cb = self._cidx * L.CLIENT_WORDS
-        sec.clients[cb + (L.C_N_COMMIT if committed else L.C_N_ROLLBACK)] += 1
+        sec.count_client(self._cidx, L.C_N_COMMIT if committed else L.C_N_ROLLBACK)
         for qid, kind, n in posts:
             sec.post(qid, kind, n)
 
@@ -672,7 +644,7 @@ class Session(TwoPhase):
                         self._conn.execute(_Q["key_forget"], (info.id, key, seq))
             if ok:
                 op.latency_ns = time.perf_counter_ns() - t0
-                self._section.clients[self._cidx * L.CLIENT_WORDS + L.C_N_ENQ] += 1
+                self._section.count_client(self._cidx, L.C_N_ENQ)
                 return seq
             self._ops.remove(op)
             self._void(op)
@@ -742,7 +714,7 @@ class Session(TwoPhase):
         lat = (time.perf_counter_ns() - t0) // max(1, len(ops))
         for op in ops:
             op.latency_ns = lat
-        self._section.clients[self._cidx * L.CLIENT_WORDS + L.C_N_ENQ] += len(ops)
+        self._section.count_client(self._cidx, L.C_N_ENQ, len(ops))
         return [op.seq for op in ops]
 
     def _reserve(self, info: QueueInfo, timeout: float | None) -> tuple[int, int]:
@@ -752,7 +724,6 @@ class Session(TwoPhase):
     def _reserve_many(self, info: QueueInfo, n: int, timeout: float | None) -> list[tuple[int, int]]:
         ring = self._ring(info)
         sec = self._section
-        qb = ring.qb
         wait = info.full_timeout if timeout is None else timeout
         if info.full_policy == "raise" and timeout is None:
             wait = 0.0
@@ -763,7 +734,7 @@ class Session(TwoPhase):
             sec.lock_queue(ring.qidx)
             try:
                 if waiting:
-                    sec.queues[qb + L.Q_WAIT_SPACE] -= 1
+                    ring.remove_waiter(OpKind.ENQUEUE)
                     waiting = False
                 while len(got) < n:
                     r = ring.reserve(self.owner)
@@ -772,9 +743,7 @@ class Session(TwoPhase):
                     got.append(r)
                 self_blocked = False
                 if not got:
-                    sec.queues[qb + L.Q_N_FULL] += 1
-                    if not sec.queues[qb + L.Q_FULL_SINCE_NS]:
-                        sec.queues[qb + L.Q_FULL_SINCE_NS] = time.monotonic_ns()
+                    ring.note_full()
                     # The ring frees slots only in order: if the oldest busy
                     # slot is our own uncommitted reservation, waiting can
                     # never succeed (we would wait on ourselves).
@@ -782,7 +751,7 @@ class Session(TwoPhase):
                     self_blocked = locked and holder == self.owner
                     remaining = deadline - time.monotonic()
                     if remaining > 0 and not self_blocked:
-                        sec.queues[qb + L.Q_WAIT_SPACE] += 1
+                        ring.add_waiter(OpKind.ENQUEUE)
                         waiting = True
             finally:
                 sec.unlock_queue(ring.qidx)
@@ -807,7 +776,7 @@ class Session(TwoPhase):
             except (posix_ipc.BusyError, posix_ipc.SignalError):
                 pass  # timed out or a signal: look again (a reclaim by the monitor posts nothing)
             except BaseException:
-                self._unwait(ring, L.Q_WAIT_SPACE)
+                self._unwait(ring, OpKind.ENQUEUE)
                 raise
 
     def _void(self, op: Op) -> None:
@@ -871,7 +840,7 @@ class Session(TwoPhase):
                     op.latency_ns = lat
                     messages.append(Message(queue, seq, bytes(payload), producer, pseq, enq_at, deliveries + 1))
             if messages:
-                self._section.clients[self._cidx * L.CLIENT_WORDS + L.C_N_DEQ] += len(messages)
+                self._section.count_client(self._cidx, L.C_N_DEQ, len(messages))
                 return messages
         return []
 
@@ -879,7 +848,6 @@ class Session(TwoPhase):
         self, ring: Ring, info: QueueInfo, max_n: int, deadline: float | None, exclusive: bool
     ) -> list[tuple[int, int]]:
         sec = self._section
-        qb = ring.qb
         waiting = False
         sem = None
         while True:
@@ -887,7 +855,7 @@ class Session(TwoPhase):
             sec.lock_queue(ring.qidx)
             try:
                 if waiting:
-                    sec.queues[qb + L.Q_WAIT_READY] -= 1
+                    ring.remove_waiter(OpKind.DEQUEUE)
                     waiting = False
                 if max_n == 1:
                     r = ring.claim(self.owner, exclusive=exclusive)
@@ -896,11 +864,11 @@ class Session(TwoPhase):
                 else:
                     got = ring.claim_many(self.owner, max_n, exclusive=exclusive)
                 if not got:
-                    sec.queues[qb + L.Q_N_EMPTY] += 1
+                    ring.note_empty()
                     if deadline is not None and deadline > time.monotonic():
                         # Registered inside the same critical section as the
                         # failed scan, so a commit right after cannot miss us.
-                        sec.queues[qb + L.Q_WAIT_READY] += 1
+                        ring.add_waiter(OpKind.DEQUEUE)
                         waiting = True
             finally:
                 sec.unlock_queue(ring.qidx)
@@ -914,16 +882,15 @@ class Session(TwoPhase):
             except (posix_ipc.BusyError, posix_ipc.SignalError):
                 pass  # timed out, or a signal whose handler did not raise: look again
             except BaseException:
-                self._unwait(ring, L.Q_WAIT_READY)
+                self._unwait(ring, OpKind.DEQUEUE)
                 raise
 
-    def _unwait(self, ring: Ring, word: int) -> None:
+    def _unwait(self, ring: Ring, kind: OpKind) -> None:
         """Undo a waiter registration when an exception leaves the wait."""
         sec = self._section
         sec.lock_queue(ring.qidx)
         try:
-            if sec.queues[ring.qb + word] > 0:
-                sec.queues[ring.qb + word] -= 1
+            ring.abandon_wait(kind)
         finally:
             sec.unlock_queue(ring.qidx)
 
@@ -944,10 +911,7 @@ class Session(TwoPhase):
                     continue
                 state, seq = by_slot.get(op.slot, (RowState.FREE, -1))
                 # Not there (void) or already consumed: the slot is done.
-                ring.finish_dequeue(op.slot, consumed=True, exclusive=exclusive)
-                sec.queues[ring.qb + L.Q_DEPTH_HINT] += 1  # it was not a consumption
-                sec.queues[ring.qb + L.Q_N_DEQ_COMMIT] -= 1
-                sec.queues[ring.qb + L.Q_N_REPAIRS] += 1
+                ring.finish_stale(op.slot, exclusive=exclusive)
                 if state == RowState.QUEUED and seq != op.seq:
                     need_resync = True  # an entry the section does not know about
         finally:
@@ -979,8 +943,7 @@ class Session(TwoPhase):
             # Hand the slots over to the monitor: it decides them from the rows
             # once the database is back.
             if ops:
-                sec = self._section
-                sec.clients[self._cidx * L.CLIENT_WORDS + L.C_STATE] = L.CS_IN_DOUBT
+                self._section.hand_over_client(self._cidx)
                 self._finalizer.detach()
                 self._register_client(0)
             self._closed = True
@@ -1043,16 +1006,11 @@ class Session(TwoPhase):
         return self._ring(self._info(queue))
 
 
-# -- shared with the monitor ---------------------------------------------------------------
-
-
 def _orphaned(sec: Section, cidx: int, pid: int) -> None:
     """Finalizer of a session never closed: let recovery decide its slots and free it."""
     if os.getpid() != pid or sec.closed:
         return
-    base = cidx * L.CLIENT_WORDS
-    if sec.clients[base + L.C_PID] == pid and sec.clients[base + L.C_STATE] == L.CS_ACTIVE:
-        sec.clients[base + L.C_STATE] = L.CS_IN_DOUBT
+    sec.hand_over_client(cidx, pid=pid)
 
 
 def _as_bytes(payload: object) -> bytes:
@@ -1061,12 +1019,3 @@ def _as_bytes(payload: object) -> bytes:
     if isinstance(payload, bytearray | memoryview):
         return bytes(payload)
     raise TypeError(f"payload must be bytes, not {type(payload).__name__}")
-
-
-def _hist(sec: Section, hist_word: int, sum_word: int, ns: int) -> None:
-    if ns <= 0:
-        return
-    us = ns // 1000
-    bucket = min(us.bit_length(), L.HIST_BUCKETS - 1)
-    sec.queues[hist_word + bucket] += 1
-    sec.queues[sum_word] += ns

@@ -143,7 +143,7 @@ class TwoPhase:
         for op in ops:
             sec.lock_queue(op.ring.qidx)
             try:
-                sec.owner_w[op.ring.base + op.slot] = L.OWNER_HELD
+                op.ring.hold(op.slot)
             finally:
                 sec.unlock_queue(op.ring.qidx)
 
