@@ -53,11 +53,7 @@ def wait_backend_gone(conn: psycopg.Connection[Any], pid: int, timeout: float = 
 
 def held_slots(conn: psycopg.Connection[Any], qid: int) -> list[tuple[int, int]]:
     """(slot, seq) of prepared two-phase transactions in this queue: in doubt until resolved."""
-    rows = conn.execute(
-        "SELECT l.slot, l.seq FROM ringq.tpc_log l JOIN pg_prepared_xacts p ON p.gid = l.gid "
-        "WHERE l.queue_id = %s",
-        (qid,),
-    ).fetchall()
+    rows = conn.execute(_Q["held_slots"], (qid,)).fetchall()
     return [(int(s), int(q)) for s, q in rows]
 
 
@@ -90,7 +86,7 @@ def load_queue(sec: Section, conn: psycopg.Connection[Any], info: QueueInfo) -> 
         qidx = sec.find_queue(info.id)
         if qidx is not None:
             return qidx
-        mark_dropped(sec, {r[0] for r in conn.execute("SELECT id FROM ringq.queues").fetchall()})
+        mark_dropped(sec, {r[0] for r in conn.execute(_Q["queue_ids"]).fetchall()})
         qidx = sec.allocate_queue(info.id, info.name, info.capacity)
         rows = conn.execute(sql.SQL(_Q["all_rows"]).format(table=queue_table(info.name))).fetchall()
         held = held_slots(conn, info.id)

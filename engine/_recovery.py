@@ -73,17 +73,14 @@ def _connect(dsn: str) -> psycopg.Connection[Any]:
 
 
 def _instance(conn: psycopg.Connection[Any]) -> str:
-    row = conn.execute("SELECT value FROM ringq.meta WHERE key = 'instance_id'").fetchone()
-    if not row:
+    row = conn.execute(_Q["instance"]).fetchone()  # (instance id, schema version, backend pid)
+    if not row or row[0] is None:
         raise from_psycopg(psycopg.errors.UndefinedTable("ringq.meta has no instance_id"))
     return str(row[0])
 
 
 def _queue_infos(conn: psycopg.Connection[Any]) -> dict[int, QueueInfo]:
-    rows = conn.execute(
-        "SELECT id, name, capacity, max_payload, full_policy, full_timeout, dequeue_mode, "
-        "max_deliveries, exception_queue FROM ringq.queues"
-    ).fetchall()
+    rows = conn.execute(_Q["queue_infos"]).fetchall()
     return {r[0]: QueueInfo(*r) for r in rows}
 
 
@@ -200,11 +197,7 @@ def _backends_alive(
     after its client registered is a reused pid, not the client's backend."""
     if not pids:
         return set()
-    rows = conn.execute(
-        "SELECT pid, extract(epoch FROM backend_start) FROM pg_stat_activity "
-        "WHERE pid = ANY(%s) AND datname = current_database()",
-        (pids,),
-    ).fetchall()
+    rows = conn.execute(_Q["backends_started"], (pids,)).fetchall()
     alive = set()
     for pid, started in rows:
         limit = (not_after_ns or {}).get(pid)
@@ -308,8 +301,13 @@ def _decide_and_strike(sec: Section, conn: psycopg.Connection[Any], ops: list[Op
         info = group[0].info
         conn.execute(
             sql.SQL(_Q["strike"]).format(table=queue_table(info.name)),
-            (info.max_deliveries, info.max_deliveries, [o.slot for o in group], [o.seq for o in group],
-             info.id, POISON_REASON),
+            {
+                "max_deliveries": info.max_deliveries,
+                "slots": [o.slot for o in group],
+                "seqs": [o.seq for o in group],
+                "queue_id": info.id,
+                "reason": POISON_REASON,
+            },
         )
     decide_ops(sec, conn, ops, rec.cidx + 1)
     rows_by_q: dict[int, dict[int, tuple[int, int]]] = {}
@@ -334,9 +332,7 @@ def _decide_and_strike(sec: Section, conn: psycopg.Connection[Any], ops: list[Op
 
 
 def _prepared_slots(conn: psycopg.Connection[Any]) -> set[tuple[int, int]]:
-    rows = conn.execute(
-        "SELECT l.queue_id, l.slot FROM ringq.tpc_log l JOIN pg_prepared_xacts p ON p.gid = l.gid"
-    ).fetchall()
+    rows = conn.execute(_Q["prepared_slots"]).fetchall()
     return {(int(q), int(s)) for q, s in rows}
 
 
@@ -405,18 +401,8 @@ def resolve_prepared(
     """
     done: list[tuple[str, str]] = []
     with _connect(dsn) as conn:
-        conn.execute(
-            "DELETE FROM ringq.tpc_decisions d WHERE d.decided_at < now() - make_interval(secs => %s) "
-            "AND NOT EXISTS (SELECT 1 FROM pg_prepared_xacts p WHERE p.gid = d.gid)",
-            (timeout_s,),
-        )
-        found = conn.execute(
-            "SELECT p.gid, extract(epoch FROM now() - p.prepared), d.gid IS NOT NULL, "
-            "coalesce(extract(epoch FROM now() - d.decided_at), 0), "
-            "EXISTS (SELECT 1 FROM ringq.tpc_log l WHERE l.gid = p.gid) "
-            "FROM pg_prepared_xacts p LEFT JOIN ringq.tpc_decisions d ON d.gid = p.gid "
-            "WHERE p.database = current_database()"
-        ).fetchall()
+        conn.execute(_Q["tpc_decisions_expire"], (timeout_s,))
+        found = conn.execute(_Q["tpc_prepared"]).fetchall()
         rows = [
             (gid, age, decided)
             for gid, age, decided, decided_age, logged in found
@@ -426,9 +412,7 @@ def resolve_prepared(
             return done
         infos = _queue_infos(conn)
         for gid, age, decided in rows:
-            slots = conn.execute(
-                "SELECT queue_id, slot, seq, kind FROM ringq.tpc_log WHERE gid = %s", (gid,)
-            ).fetchall()
+            slots = conn.execute(_Q["tpc_slots"], (gid,)).fetchall()
             # A live client still owns these slots: it is between prepare and commit.
             live = False
             ops: list[Op] = []
@@ -452,9 +436,7 @@ def resolve_prepared(
                 verb = "rollback"
             else:
                 continue
-            conn.execute(
-                sql.SQL("COMMIT PREPARED {}" if verb == "commit" else "ROLLBACK PREPARED {}").format(sql.Literal(gid))
-            )
+            conn.execute(sql.SQL(_Q["commit_prepared" if verb == "commit" else "rollback_prepared"]).format(gid=sql.Literal(gid)))
             if ops:
                 decide_ops(sec, conn, ops, HELD)
             conn.execute(_Q["tpc_forget"], (gid,))

@@ -560,14 +560,13 @@ class Session(TwoPhase):
                 info = group[0].info
                 rows = self._conn.execute(
                     self._stmt("strike", name),
-                    (
-                        info.max_deliveries,
-                        info.max_deliveries,
-                        [op.slot for op in group],
-                        [op.seq for op in group],
-                        info.id,
-                        POISON_REASON,
-                    ),
+                    {
+                        "max_deliveries": info.max_deliveries,
+                        "slots": [op.slot for op in group],
+                        "seqs": [op.seq for op in group],
+                        "queue_id": info.id,
+                        "reason": POISON_REASON,
+                    },
                 ).fetchall()
                 for slot, seq, state, deliveries, moved_to, kept_because in rows:
                     if state == RowState.CONSUMED:
@@ -628,7 +627,15 @@ class Session(TwoPhase):
                 else:
                     row = self._conn.execute(
                         self._stmt("enqueue_key", queue),
-                        (info.id, key, seq, seq, payload, self.producer, self._producer_seq, slot, seq, info.id, key),
+                        {
+                            "queue_id": info.id,
+                            "key": key,
+                            "seq": seq,
+                            "payload": payload,
+                            "producer": self.producer,
+                            "producer_seq": self._producer_seq,
+                            "slot": slot,
+                        },
                     ).fetchone()
                     assert row is not None
                     inserted, updated, existing = row
@@ -953,7 +960,7 @@ class Session(TwoPhase):
             with psycopg.connect(self.dsn, autocommit=True) as aux:
                 wait_backend_gone(aux, old_pid)
                 committed = self._decide_from_rows(aux, ops)
-            row = self._conn.execute("SELECT pg_backend_pid()").fetchone()
+            row = self._conn.execute(_Q["backend_pid"]).fetchone()
             self._conn.rollback()
         except psycopg.Error as exc:
             raise from_psycopg(exc, dsn=self.dsn) from exc

@@ -113,13 +113,13 @@ class TwoPhase:
             with self._converted():
                 self._aux_conn().execute(
                     _Q["tpc_log"],
-                    (
-                        gid,
-                        [op.info.id for op in self._ops],
-                        [op.slot for op in self._ops],
-                        [op.seq for op in self._ops],
-                        [op.kind.value for op in self._ops],
-                    ),
+                    {
+                        "gid": gid,
+                        "queue_ids": [op.info.id for op in self._ops],
+                        "slots": [op.slot for op in self._ops],
+                        "seqs": [op.seq for op in self._ops],
+                        "kinds": [op.kind.value for op in self._ops],
+                    },
                 )
         with self._converted():
             self._conn.tpc_prepare()
