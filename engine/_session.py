@@ -14,11 +14,11 @@ import socket
 import threading
 import time
 import weakref
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from datetime import datetime
-from typing import Any, ClassVar, Self
+from typing import Any, ClassVar, Self, TypeVar
 
 import posix_ipc
 import psycopg
@@ -39,7 +39,6 @@ from ._errors import (
     SectionError,
     SessionClosed,
     TransactionError,
-    converted,
     from_psycopg,
     redact_dsn,
 )
@@ -57,6 +56,7 @@ logger = logging.getLogger("ringq.engine")
 _IDLE = TransactionStatus.IDLE
 _INTRANS = TransactionStatus.INTRANS
 _INERROR = TransactionStatus.INERROR
+T = TypeVar("T")
 
 SUPPORTED_SCHEMA = "1"
 POISON_REASON = "max deliveries reached"
@@ -182,29 +182,31 @@ class Session(TwoPhase):
     # -- life cycle -----------------------------------------------------------------
 
     def _open_connection(self) -> psycopg.Connection[Any]:
-        try:
-            conn = psycopg.connect(
+        return self._call(
+            lambda: psycopg.connect(
                 self.dsn,
                 autocommit=False,
                 connect_timeout=max(1, int(self._connect_timeout)),
                 application_name=self._appname,
-            )
-        except psycopg.Error as exc:
-            raise from_psycopg(exc, dsn=self.dsn) from exc
-        return conn
+            ),
+            recover=False,
+        )
 
     def _attach(self) -> None:
-        try:
+        def read_instance() -> tuple[Any, ...] | None:
             row = self._conn.execute(_Q["instance"]).fetchone()
             self._conn.rollback()
-        except psycopg.errors.UndefinedTable as exc:
+            return row
+
+        try:
+            row = self._call(read_instance, recover=False)
+        except RingqError as exc:
             self._conn.close()
-            raise SchemaMissing(
-                f"no ringq schema in {redact_dsn(self.dsn)!r}: create a queue first (ringq queue create)"
-            ) from exc
-        except psycopg.Error as exc:
-            self._conn.close()
-            raise from_psycopg(exc, dsn=self.dsn) from exc
+            if isinstance(exc.__cause__, psycopg.errors.UndefinedTable):
+                raise SchemaMissing(
+                    f"no ringq schema in {redact_dsn(self.dsn)!r}: create a queue first (ringq queue create)"
+                ) from exc.__cause__
+            raise
         assert row is not None
         instance, version, backend_pid = row
         if version != SUPPORTED_SCHEMA or not instance:
@@ -244,10 +246,7 @@ class Session(TwoPhase):
         """Start the next transaction now, if eager (psycopg would otherwise send
         BEGIN as an extra round trip before the first statement)."""
         if self._eager and self._conn.info.transaction_status == _IDLE:
-            try:
-                self._conn.execute(self._begin_sql())
-            except psycopg.Error as exc:
-                raise from_psycopg(exc, dsn=self.dsn) from exc
+            self._execute(self._begin_sql(), recover=False)
 
     def _begin_sql(self) -> str:
         iso = self._conn.isolation_level
@@ -256,13 +255,16 @@ class Session(TwoPhase):
         return "BEGIN ISOLATION LEVEL " + iso.name.replace("_", " ")
 
     def _end(self, verb: str) -> None:
-        """COMMIT or ROLLBACK, and with eager begin the next BEGIN in the same round trip."""
+        """COMMIT or ROLLBACK, and with eager begin the next BEGIN in the same round trip.
+
+        :raises RingqError: converted, not recovered: the caller decides what the failure means.
+        """
         if self._eager and self._tpc_xid is None and self._conn.info.transaction_status != _IDLE:
-            self._conn.execute(f"{verb}; {self._begin_sql()}")  # simple protocol: one round trip
+            self._execute(f"{verb}; {self._begin_sql()}", recover=False)  # simple protocol: one round trip
         elif verb == "COMMIT":
-            self._conn.commit()
+            self._call(self._conn.commit, recover=False)
         else:
-            self._conn.rollback()
+            self._call(self._conn.rollback, recover=False)
 
     def close(self) -> None:
         """Roll back anything open and release the connection; a second call does nothing.
@@ -318,10 +320,9 @@ class Session(TwoPhase):
             # Someone committed or rolled back on the connection directly:
             # learn the outcome from the rows. (A prepared transaction is
             # idle too, but undecided: tpc_commit/tpc_rollback finish it.)
-            # If the connection is lost meanwhile, _converted decides them
+            # If the connection is lost meanwhile, _call decides them
             # from a new one.
-            with self._converted():
-                self._decide_from_rows(self._conn, self._ops)
+            self._call(lambda: self._decide_from_rows(self._conn, self._ops))
             self._ops = []
             self._begin()
         if self._section.unlinked() and not self._ops:
@@ -361,8 +362,7 @@ class Session(TwoPhase):
         info = self._queues.get(name)
         if info is None:
             validate_queue_name(name)
-            with self._converted():
-                row = self._conn.execute(_Q["queue_info"], (name,)).fetchone()
+            row = self._execute(_Q["queue_info"], (name,)).fetchone()
             if row is None:
                 raise QueueNotFound(f"queue {name!r} does not exist", queue=name)
             info = QueueInfo(*row)
@@ -384,10 +384,11 @@ class Session(TwoPhase):
         """Bring a queue into the section from its table (first user on this host)."""
         # Read the rows on a separate connection: outside the caller's
         # transaction, committed state only.
-        with converted(dsn=self.dsn, queue=info.name), psycopg.connect(
-            self.dsn, autocommit=True, connect_timeout=max(1, int(self._connect_timeout))
-        ) as aux:
-            return load_queue(self._section, aux, info)
+        def load() -> int:
+            with psycopg.connect(self.dsn, autocommit=True, connect_timeout=max(1, int(self._connect_timeout))) as aux:
+                return load_queue(self._section, aux, info)
+
+        return self._call(load, queue=info.name, recover=False)
 
     def _stmt(self, name: str, queue: str) -> str:
         key = (name, queue)
@@ -397,23 +398,54 @@ class Session(TwoPhase):
             self._stmts[key] = stmt
         return stmt
 
-    # -- transactions -------------------------------------------------------------------
+    # -- the database -------------------------------------------------------------------
 
-    @contextmanager
-    def _converted(self, queue: str | None = None, *, qid: int = 0, seq: int = -1) -> Iterator[None]:
-        """Convert psycopg errors; with ``qid`` (a queue statement of ours) the
-        error is also recorded in our client entry for the monitor."""
+    def _call(
+        self, fn: Callable[[], T], *, queue: str | None = None, qid: int = 0, seq: int = -1, recover: bool = True
+    ) -> T:
+        """Run ``fn``, the session's database work: the one place where its
+        psycopg errors become ringq errors (``raise X from exc``: the psycopg
+        error stays as ``__cause__``).
+
+        With ``qid`` (a queue statement of ours) the error is also recorded in
+        our client entry for the monitor. With ``recover`` (the default) a lost
+        connection is handled here: our in-flight slots are decided from the
+        rows on a new connection. ``recover=False`` only converts: for opening
+        connections, and for the paths that decide themselves what a failure
+        means (commit, rollback, strikes, recovery itself).
+        """
         try:
-            yield
+            return fn()
         except psycopg.Error as exc:
-            lost = self._conn.broken or isinstance(exc, psycopg.OperationalError | psycopg.InterfaceError) and self._conn.closed
-            # A statement refused because the caller's own SQL already failed
-            # the transaction is the caller's error, not ours.
-            if qid and not isinstance(exc, psycopg.errors.InFailedSqlTransaction):
-                self._record_error(L.ERR_CONNECTION_LOST if lost else L.ERR_DATABASE, qid, seq)
-            if lost:
-                self._connection_lost(exc)
+            if recover:
+                lost = self._conn.broken or isinstance(exc, psycopg.OperationalError | psycopg.InterfaceError) and self._conn.closed
+                # A statement refused because the caller's own SQL already failed
+                # the transaction is the caller's error, not ours.
+                if qid and not isinstance(exc, psycopg.errors.InFailedSqlTransaction):
+                    self._record_error(L.ERR_CONNECTION_LOST if lost else L.ERR_DATABASE, qid, seq)
+                if lost:
+                    self._connection_lost(exc)
             raise from_psycopg(exc, dsn=self.dsn, queue=queue) from exc
+
+    def _execute(
+        self,
+        query: str,
+        params: Sequence[Any] | Mapping[str, Any] | None = None,
+        *,
+        conn: psycopg.Connection[Any] | None = None,
+        binary: bool = False,
+        queue: str | None = None,
+        qid: int = 0,
+        seq: int = -1,
+        recover: bool = True,
+    ) -> psycopg.Cursor[Any]:
+        """Run one statement on the session's connection (or ``conn``); errors as in :meth:`_call`."""
+        c = self._conn if conn is None else conn
+        return self._call(
+            lambda: c.execute(query, params, binary=binary), queue=queue, qid=qid, seq=seq, recover=recover
+        )
+
+    # -- transactions -------------------------------------------------------------------
 
     def _record_error(self, code: int, qid: int = 0, seq: int = -1) -> None:
         """Record an error this client hit in its section entry (error paths only;
@@ -450,7 +482,8 @@ class Session(TwoPhase):
             raise TransactionError("the transaction failed earlier and was rolled back")
         try:
             self._end("COMMIT")
-        except psycopg.Error as exc:
+        except RingqError as err:
+            exc = err.__cause__
             self._ops = []
             if self._conn.broken or self._conn.closed:
                 committed = self._recover(ops, reason=f"commit answer lost: {exc}")
@@ -466,7 +499,7 @@ class Session(TwoPhase):
             self._finish(ops, committed=False)
             if ops:
                 self._record_ops_error(L.ERR_COMMIT_FAILED, ops)
-            raise from_psycopg(exc, dsn=self.dsn) from exc
+            raise
         self._ops = []
         self._finish(ops, committed=True)
 
@@ -487,18 +520,15 @@ class Session(TwoPhase):
         strikes = count_delivery and any(op.kind == OpKind.DEQUEUE for op in ops)
         try:
             if strikes:
-                self._conn.rollback()  # the strikes commit (and begin) afterwards
+                self._call(self._conn.rollback, recover=False)  # the strikes commit (and begin) afterwards
             else:
                 self._end("ROLLBACK")
-        except psycopg.Error as exc:
-            self._recover(ops, reason=f"rollback failed: {exc}")
-            raise from_psycopg(exc, dsn=self.dsn) from exc
+        except RingqError as err:
+            self._recover(ops, reason=f"rollback failed: {err.__cause__}")
+            raise
         self._finish(ops, committed=False, count_delivery=count_delivery)
         if strikes and not self._closed:
-            try:
-                self._begin()
-            except psycopg.Error as exc:
-                raise from_psycopg(exc, dsn=self.dsn) from exc
+            self._begin()
 
     @contextmanager
     def transaction(self) -> Iterator[Session]:
@@ -558,7 +588,7 @@ class Session(TwoPhase):
         try:
             for name, group in by_queue.items():
                 info = group[0].info
-                rows = self._conn.execute(
+                rows = self._execute(
                     self._stmt("strike", name),
                     {
                         "max_deliveries": info.max_deliveries,
@@ -567,6 +597,7 @@ class Session(TwoPhase):
                         "queue_id": info.id,
                         "reason": POISON_REASON,
                     },
+                    recover=False,
                 ).fetchall()
                 for slot, seq, state, deliveries, moved_to, kept_because in rows:
                     if state == RowState.CONSUMED:
@@ -576,16 +607,14 @@ class Session(TwoPhase):
                             name, seq, deliveries,
                             f" and queue {moved_to}" if moved_to else f" only ({kept_because})" if kept_because else "",
                         )
-            self._conn.commit()  # _begin() follows in rollback()
-        except psycopg.Error:
+            self._call(self._conn.commit, recover=False)  # _begin() follows in rollback()
+        except RingqError:
             # Losing a strike is harmless: the entry is redelivered; the
             # monitor counts strikes of clients that die.
             logger.warning("ringq: could not record a failed delivery", exc_info=True)
             if not self._conn.closed:
-                try:
-                    self._conn.rollback()
-                except psycopg.Error:
-                    pass
+                with suppress(RingqError):
+                    self._call(self._conn.rollback, recover=False)
             return set()
         return poisoned
 
@@ -616,39 +645,44 @@ class Session(TwoPhase):
             self._producer_seq += 1
             op = Op(self._ring(info), info, slot, seq, OpKind.ENQUEUE)
             self._ops.append(op)
-            with self._converted(queue, qid=info.id, seq=seq):
-                if key is None:
-                    cur = self._conn.execute(
-                        self._stmt("enqueue", queue),
-                        (seq, payload, self.producer, self._producer_seq, slot, seq),
-                    )
-                    ok = cur.rowcount == 1
-                    existing = None
-                else:
-                    row = self._conn.execute(
-                        self._stmt("enqueue_key", queue),
-                        {
-                            "queue_id": info.id,
-                            "key": key,
-                            "seq": seq,
-                            "payload": payload,
-                            "producer": self.producer,
-                            "producer_seq": self._producer_seq,
-                            "slot": slot,
-                        },
-                    ).fetchone()
-                    assert row is not None
-                    inserted, updated, existing = row
-                    if inserted == 0 and existing is None:
-                        # Another transaction held the key uncommitted; the
-                        # INSERT waited for its commit, but under READ
-                        # COMMITTED this statement's snapshot predates it:
-                        # read the key again (a new statement, a new snapshot).
-                        again = self._conn.execute(_Q["key_seq"], (info.id, key)).fetchone()
-                        existing = None if again is None else again[0]
-                    ok = inserted == 1 and updated == 1
-                    if inserted == 1 and updated == 0:
-                        self._conn.execute(_Q["key_forget"], (info.id, key, seq))
+            if key is None:
+                cur = self._execute(
+                    self._stmt("enqueue", queue),
+                    (seq, payload, self.producer, self._producer_seq, slot, seq),
+                    queue=queue,
+                    qid=info.id,
+                    seq=seq,
+                )
+                ok = cur.rowcount == 1
+                existing = None
+            else:
+                row = self._execute(
+                    self._stmt("enqueue_key", queue),
+                    {
+                        "queue_id": info.id,
+                        "key": key,
+                        "seq": seq,
+                        "payload": payload,
+                        "producer": self.producer,
+                        "producer_seq": self._producer_seq,
+                        "slot": slot,
+                    },
+                    queue=queue,
+                    qid=info.id,
+                    seq=seq,
+                ).fetchone()
+                assert row is not None
+                inserted, updated, existing = row
+                if inserted == 0 and existing is None:
+                    # Another transaction held the key uncommitted; the
+                    # INSERT waited for its commit, but under READ
+                    # COMMITTED this statement's snapshot predates it:
+                    # read the key again (a new statement, a new snapshot).
+                    again = self._execute(_Q["key_seq"], (info.id, key), queue=queue, qid=info.id, seq=seq).fetchone()
+                    existing = None if again is None else again[0]
+                ok = inserted == 1 and updated == 1
+                if inserted == 1 and updated == 0:
+                    self._execute(_Q["key_forget"], (info.id, key, seq), queue=queue, qid=info.id, seq=seq)
             if ok:
                 op.latency_ns = time.perf_counter_ns() - t0
                 self._section.count_client(self._cidx, L.C_N_ENQ)
@@ -691,11 +725,13 @@ class Session(TwoPhase):
                 raise
             ops = [Op(ring, info, slot, seq, OpKind.ENQUEUE) for slot, seq in reserved]
             self._ops.extend(ops)
-            with self._converted(queue, qid=info.id, seq=reserved[0][1]):
-                rows = self._conn.execute(
-                    self._stmt("enqueue_many", queue),
-                    (self.producer, [s for s, _ in reserved], [q for _, q in reserved], items, pseqs),
-                ).fetchall()
+            rows = self._execute(
+                self._stmt("enqueue_many", queue),
+                (self.producer, [s for s, _ in reserved], [q for _, q in reserved], items, pseqs),
+                queue=queue,
+                qid=info.id,
+                seq=reserved[0][1],
+            ).fetchall()
             written = {r[0] for r in rows}
             if len(written) == len(ops):
                 break
@@ -708,10 +744,9 @@ class Session(TwoPhase):
             self._record_error(L.ERR_ROW_MISMATCH, info.id, failed[0].seq)
             done = [op for op in ops if op.slot in written]
             if done:
-                with self._converted(queue):
-                    self._conn.execute(
-                        self._stmt("enqueue_void", queue), ([op.slot for op in done], [op.seq for op in done])
-                    )
+                self._execute(
+                    self._stmt("enqueue_void", queue), ([op.slot for op in done], [op.seq for op in done]), queue=queue
+                )
             for op in ops:
                 self._ops.remove(op)
                 self._void(op)
@@ -823,18 +858,17 @@ class Session(TwoPhase):
                 return []
             ops = [Op(ring, info, slot, seq, OpKind.DEQUEUE) for slot, seq in claimed]
             self._ops.extend(ops)
-            with self._converted(queue, qid=info.id, seq=ops[0].seq):
-                if len(ops) == 1:
-                    row = self._conn.execute(
-                        self._stmt("dequeue", queue), (ops[0].slot, ops[0].seq), binary=True
-                    ).fetchone()
-                    rows = [] if row is None else [(ops[0].slot, ops[0].seq, *row)]
-                else:
-                    rows = self._conn.execute(
-                        self._stmt("dequeue_many", queue),
-                        ([op.slot for op in ops], [op.seq for op in ops]),
-                        binary=True,
-                    ).fetchall()
+            if len(ops) == 1:
+                row = self._execute(
+                    self._stmt("dequeue", queue), (ops[0].slot, ops[0].seq),
+                    binary=True, queue=queue, qid=info.id, seq=ops[0].seq,
+                ).fetchone()
+                rows = [] if row is None else [(ops[0].slot, ops[0].seq, *row)]
+            else:
+                rows = self._execute(
+                    self._stmt("dequeue_many", queue), ([op.slot for op in ops], [op.seq for op in ops]),
+                    binary=True, queue=queue, qid=info.id, seq=ops[0].seq,
+                ).fetchall()
             got = {r[0]: r for r in rows}
             lat = (time.perf_counter_ns() - t0) // len(ops)
             stale = [op for op in ops if op.slot not in got]
@@ -906,8 +940,9 @@ class Session(TwoPhase):
         for op in stale:
             self._ops.remove(op)
         self._record_error(L.ERR_ROW_MISMATCH, info.id, stale[0].seq)
-        with self._converted(info.name, qid=info.id, seq=stale[0].seq):
-            rows = self._conn.execute(self._stmt("rows", info.name), ([op.slot for op in stale],)).fetchall()
+        rows = self._execute(
+            self._stmt("rows", info.name), ([op.slot for op in stale],), queue=info.name, qid=info.id, seq=stale[0].seq
+        ).fetchall()
         by_slot = {slot: (state, seq) for slot, state, seq in rows}
         need_resync = False
         sec = self._section
@@ -930,8 +965,7 @@ class Session(TwoPhase):
     def _resync(self, info: QueueInfo) -> None:
         """Re-read the queue's rows into the section, keeping live clients' locked slots."""
         ring = self._ring(info)
-        with converted(dsn=self.dsn, queue=info.name):
-            resync_queue(self._section, ring, info, self.dsn)
+        self._call(lambda: resync_queue(self._section, ring, info, self.dsn), queue=info.name, recover=False)
 
     # -- recovery ------------------------------------------------------------------------
 
@@ -956,14 +990,16 @@ class Session(TwoPhase):
             self._closed = True
             return None
         self._conn = new
-        try:
+
+        def decide() -> tuple[bool | None, tuple[Any, ...] | None]:
             with psycopg.connect(self.dsn, autocommit=True) as aux:
                 wait_backend_gone(aux, old_pid)
                 committed = self._decide_from_rows(aux, ops)
             row = self._conn.execute(_Q["backend_pid"]).fetchone()
             self._conn.rollback()
-        except psycopg.Error as exc:
-            raise from_psycopg(exc, dsn=self.dsn) from exc
+            return committed, row
+
+        committed, row = self._call(decide, recover=False)
         assert row is not None
         self.backend_pid = row[0]
         self._section.set_client_backend(self._cidx, self.backend_pid)
@@ -987,8 +1023,7 @@ class Session(TwoPhase):
     def publish(self, name: str, **data: Any) -> None:
         """Publish a named event in the current transaction (sent at commit)."""
         self._check()
-        with self._converted():
-            publish(self._conn, name, **data)
+        self._call(lambda: publish(self._conn, name, **data))
 
     # -- introspection ---------------------------------------------------------------------
 

@@ -13,24 +13,25 @@ from __future__ import annotations
 
 import base64
 import logging
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import psycopg
 from psycopg.pq import TransactionStatus
 
 from . import _layout as L
-from ._errors import InDoubt, RingqError, SessionClosed, TransactionError, from_psycopg
+from ._errors import InDoubt, RingqError, SessionClosed, TransactionError
 from ._queries import QUERIES as _Q
 from ._section import Section
 
 if TYPE_CHECKING:
-    from contextlib import AbstractContextManager
 
     from ._ops import Op
 
 logger = logging.getLogger("ringq.engine")
 
 _IDLE = TransactionStatus.IDLE
+T = TypeVar("T")
 
 TPC_BRANCH = "ringq"  # the branch qualifier of Session.xid(): marks the gids ringq made
 
@@ -70,7 +71,21 @@ class TwoPhase:
         _section: Section
 
         def _check(self) -> None: ...
-        def _converted(self, queue: str | None = None, *, qid: int = 0, seq: int = -1) -> AbstractContextManager[None]: ...
+        def _call(
+            self, fn: Callable[[], T], *, queue: str | None = None, qid: int = 0, seq: int = -1, recover: bool = True
+        ) -> T: ...
+        def _execute(
+            self,
+            query: str,
+            params: Sequence[Any] | Mapping[str, Any] | None = None,
+            *,
+            conn: psycopg.Connection[Any] | None = None,
+            binary: bool = False,
+            queue: str | None = None,
+            qid: int = 0,
+            seq: int = -1,
+            recover: bool = True,
+        ) -> psycopg.Cursor[Any]: ...
         def _begin(self) -> None: ...
         def _finish(self, ops: list[Op], *, committed: bool, count_delivery: bool = True) -> None: ...
         def _recover(self, ops: list[Op], *, reason: str) -> bool | None: ...
@@ -83,7 +98,6 @@ class TwoPhase:
         self._tpc_decided = False
         self._aux = None
 
-
     def xid(self, gtrid: str) -> Any:
         """A transaction id for :meth:`tpc_begin` (format 0, branch ``ringq``)."""
         if self._closed:
@@ -95,13 +109,15 @@ class TwoPhase:
         self._check()
         if self._ops:
             raise TransactionError("tpc_begin inside a transaction with queue operations")
-        with self._converted():
+
+        def begin() -> Any:
             if self._conn.info.transaction_status != _IDLE:
                 self._conn.rollback()
-            if isinstance(xid, str):
-                xid = self.xid(xid)
-            self._conn.tpc_begin(xid)
-        self._tpc_xid = xid
+            x = self.xid(xid) if isinstance(xid, str) else xid
+            self._conn.tpc_begin(x)
+            return x
+
+        self._tpc_xid = self._call(begin)
 
     def tpc_prepare(self) -> None:
         """Log the slots this transaction touches (committed on its own), then PREPARE."""
@@ -110,19 +126,18 @@ class TwoPhase:
             raise TransactionError("no two-phase transaction is open")
         gid = self._gid()
         if self._ops:
-            with self._converted():
-                self._aux_conn().execute(
-                    _Q["tpc_log"],
-                    {
-                        "gid": gid,
-                        "queue_ids": [op.info.id for op in self._ops],
-                        "slots": [op.slot for op in self._ops],
-                        "seqs": [op.seq for op in self._ops],
-                        "kinds": [op.kind.value for op in self._ops],
-                    },
-                )
-        with self._converted():
-            self._conn.tpc_prepare()
+            self._execute(
+                _Q["tpc_log"],
+                {
+                    "gid": gid,
+                    "queue_ids": [op.info.id for op in self._ops],
+                    "slots": [op.slot for op in self._ops],
+                    "seqs": [op.seq for op in self._ops],
+                    "kinds": [op.kind.value for op in self._ops],
+                },
+                conn=self._aux_conn(),
+            )
+        self._call(self._conn.tpc_prepare)
         self._tpc_prepared = True
 
     def _aux_conn(self) -> psycopg.Connection[Any]:
@@ -130,10 +145,10 @@ class TwoPhase:
         transaction (the two-phase slot log), opened once."""
         aux = self._aux
         if aux is None or aux.closed or aux.broken:
-            try:
-                aux = psycopg.connect(self.dsn, autocommit=True, connect_timeout=max(1, int(self._connect_timeout)))
-            except psycopg.Error as exc:
-                raise from_psycopg(exc, dsn=self.dsn) from exc
+            aux = self._call(
+                lambda: psycopg.connect(self.dsn, autocommit=True, connect_timeout=max(1, int(self._connect_timeout))),
+                recover=False,
+            )
             self._aux = aux
         return aux
 
@@ -167,8 +182,7 @@ class TwoPhase:
         self._check()
         if self._tpc_xid is None or not self._tpc_prepared:
             raise TransactionError("tpc_decide needs a prepared two-phase transaction (call tpc_prepare first)")
-        with self._converted():
-            self._aux_conn().execute(_Q["tpc_decide"], (self._gid(),))
+        self._execute(_Q["tpc_decide"], (self._gid(),), conn=self._aux_conn())
         self._tpc_decided = True
 
     def tpc_commit(self) -> None:
@@ -220,11 +234,9 @@ class TwoPhase:
         ops, self._ops = self._ops, []
         gid = self._gid()
         try:
-            if commit:
-                self._conn.tpc_commit()
-            else:
-                self._conn.tpc_rollback()
-        except psycopg.Error as exc:
+            self._call(self._conn.tpc_commit if commit else self._conn.tpc_rollback, recover=False)
+        except RingqError as err:
+            exc = err.__cause__
             self._tpc_xid = None
             self._tpc_decided = False  # a recorded decision stays for recovery
             if self._tpc_prepared:
@@ -239,7 +251,7 @@ class TwoPhase:
             if commit:
                 self._record_ops_error(L.ERR_COMMIT_FAILED, ops)
             self._recover(ops, reason=f"tpc end failed: {exc}")
-            raise from_psycopg(exc, dsn=self.dsn) from exc
+            raise
         self._tpc_xid = None
         self._tpc_prepared = False
         decided, self._tpc_decided = self._tpc_decided, False
@@ -249,8 +261,8 @@ class TwoPhase:
             # gid. (If we die first, recovery drops it once the gid is no
             # longer prepared.)
             try:
-                self._aux_conn().execute(_Q["tpc_undecide"], (gid,))
-            except (psycopg.Error, RingqError):
+                self._execute(_Q["tpc_undecide"], (gid,), conn=self._aux_conn(), recover=False)
+            except RingqError:
                 logger.warning("ringq: could not clear the decision for %s (recovery will)", gid)
         try:
             self._finish(ops, committed=commit)
@@ -258,7 +270,7 @@ class TwoPhase:
         finally:
             if ops:
                 try:
-                    self._aux_conn().execute(_Q["tpc_forget"], (gid,))
-                except (psycopg.Error, RingqError):
+                    self._execute(_Q["tpc_forget"], (gid,), conn=self._aux_conn(), recover=False)
+                except RingqError:
                     logger.warning("ringq: could not clear tpc_log for %s", gid)
 
