@@ -22,21 +22,16 @@ import psycopg
 from psycopg import sql
 
 from . import _layout as L
+from ._decide import decide_ops, held_slots, load_block, mark_dropped, resync_queue
 from ._errors import SectionError, from_psycopg
 from ._names import queue_table
+from ._ops import Op, OpKind, RowState
+from ._queries import QUERIES as _Q
+from ._queue_info import QueueInfo
 from ._ring import Ring
 from ._section import Section, pid_alive
-from ._session import (
-    _Q,
-    POISON_REASON,
-    QueueInfo,
-    _held_slots,
-    _load_block,
-    _Process,
-    decide_ops,
-    is_ringq_gid,
-    resync_queue,
-)
+from ._session import POISON_REASON, _Process
+from ._tpc import is_ringq_gid
 
 logger = logging.getLogger("ringq.recovery")
 
@@ -76,17 +71,14 @@ def _connect(dsn: str) -> psycopg.Connection[Any]:
 
 
 def _instance(conn: psycopg.Connection[Any]) -> str:
-    row = conn.execute("SELECT value FROM ringq.meta WHERE key = 'instance_id'").fetchone()
-    if not row:
+    row = conn.execute(_Q["instance"]).fetchone()  # (instance id, schema version, backend pid)
+    if not row or row[0] is None:
         raise from_psycopg(psycopg.errors.UndefinedTable("ringq.meta has no instance_id"))
     return str(row[0])
 
 
 def _queue_infos(conn: psycopg.Connection[Any]) -> dict[int, QueueInfo]:
-    rows = conn.execute(
-        "SELECT id, name, capacity, max_payload, full_policy, full_timeout, dequeue_mode, "
-        "max_deliveries, exception_queue FROM ringq.queues"
-    ).fetchall()
+    rows = conn.execute(_Q["queue_infos"]).fetchall()
     return {r[0]: QueueInfo(*r) for r in rows}
 
 
@@ -129,10 +121,7 @@ def rebuild_into(dsn: str, instance_id: str) -> Section:
 
 def _load_queues(sec: Section, conn: psycopg.Connection[Any]) -> None:
     infos = _queue_infos(conn)
-    for qidx in sec.loaded_queues():
-        qid = sec.q(qidx, L.Q_QID)
-        if qid not in infos:
-            sec.queues[qidx * L.QUEUE_WORDS + L.Q_STATE] = L.QS_DROPPED
+    mark_dropped(sec, set(infos))
     for info in infos.values():
         if sec.find_queue(info.id) is not None:
             continue
@@ -144,7 +133,7 @@ def _load_queues(sec: Section, conn: psycopg.Connection[Any]) -> None:
             rows = conn.execute(
                 sql.SQL(_Q["all_rows"]).format(table=queue_table(info.name))
             ).fetchall()
-            _load_block(sec, qidx, info, rows, _held_slots(conn, info.id))
+            load_block(sec, qidx, info, rows, held_slots(conn, info.id))
             logger.info("ringq: queue %s loaded into the section (%d slots)", info.name, info.capacity)
         finally:
             sec.unlock_section()
@@ -206,11 +195,7 @@ def _backends_alive(
     after its client registered is a reused pid, not the client's backend."""
     if not pids:
         return set()
-    rows = conn.execute(
-        "SELECT pid, extract(epoch FROM backend_start) FROM pg_stat_activity "
-        "WHERE pid = ANY(%s) AND datname = current_database()",
-        (pids,),
-    ).fetchall()
+    rows = conn.execute(_Q["backends_started"], (pids,)).fetchall()
     alive = set()
     for pid, started in rows:
         limit = (not_after_ns or {}).get(pid)
@@ -263,7 +248,7 @@ def recover_dead_clients(sec: Section, dsn: str, *, terminate: bool = True) -> l
                 continue  # its transaction may still end either way: next round
             rec = Recovered(cidx, sec.c(cidx, L.C_PID), backends[cidx])
             owner = cidx + 1
-            ops = []
+            ops: list[Op] = []
             for qidx in sec.loaded_queues():
                 ring = Ring(sec, qidx)
                 info = infos.get(ring.qid)
@@ -276,12 +261,12 @@ def recover_dead_clients(sec: Section, dsn: str, *, terminate: bool = True) -> l
                     if (info.id, slot) in prepared:
                         sec.lock_queue(qidx)
                         try:
-                            sec.owner_w[ring.base + slot] = HELD
+                            ring.hold(slot)
                         finally:
                             sec.unlock_queue(qidx)
                         rec.held += 1
                         continue
-                    ops.append((ring, info, slot, seq, "d" if enq else "e"))
+                    ops.append(Op(ring, info, slot, seq, OpKind.DEQUEUE if enq else OpKind.ENQUEUE))
                 if slots and info.name not in rec.queues:
                     rec.queues.append(info.name)
             rec.slots = len(ops) + rec.held
@@ -297,58 +282,55 @@ def recover_dead_clients(sec: Section, dsn: str, *, terminate: bool = True) -> l
                 ring = Ring(sec, qidx)
                 sec.lock_queue(qidx)
                 try:
-                    if sec.queues[ring.qb + L.Q_DEQ_OWNER] == owner:
-                        ring.release_role(owner)
+                    ring.release_role(owner)
                 finally:
                     sec.unlock_queue(qidx)
-            sec.lock_section()
-            try:
-                base = cidx * L.CLIENT_WORDS
-                sec.clients[base + L.C_STATE] = L.CS_FREE
-                sec.clients[base + L.C_PID] = 0
-            finally:
-                sec.unlock_section()
+            sec.free_client(cidx)
             logger.warning("ringq: dead client pid %s recovered: %s", rec.pid, rec.as_dict())
             out.append(rec)
     return out
 
 
-def _decide_and_strike(sec: Section, conn: psycopg.Connection[Any], ops: list[Any], rec: Recovered) -> None:
+def _decide_and_strike(sec: Section, conn: psycopg.Connection[Any], ops: list[Op], rec: Recovered) -> None:
     # Count a failed delivery on dequeues that did not commit, while the slots
     # are still locked; poisoned ones become consumed rows.
-    for info_id in {op[1].id for op in ops if op[4] == "d"}:
-        group = [op for op in ops if op[1].id == info_id and op[4] == "d"]
-        info = group[0][1]
+    for info_id in {op.info.id for op in ops if op.kind == OpKind.DEQUEUE}:
+        group = [op for op in ops if op.info.id == info_id and op.kind == OpKind.DEQUEUE]
+        info = group[0].info
         conn.execute(
             sql.SQL(_Q["strike"]).format(table=queue_table(info.name)),
-            (info.max_deliveries, info.max_deliveries, [o[2] for o in group], [o[3] for o in group],
-             info.id, POISON_REASON),
+            {
+                "max_deliveries": info.max_deliveries,
+                "slots": [o.slot for o in group],
+                "seqs": [o.seq for o in group],
+                "queue_id": info.id,
+                "reason": POISON_REASON,
+            },
         )
     decide_ops(sec, conn, ops, rec.cidx + 1)
     rows_by_q: dict[int, dict[int, tuple[int, int]]] = {}
-    for ring, info, slot, seq, kind in ops:
+    for op in ops:
+        info = op.info
         if info.id not in rows_by_q:
             rows = conn.execute(
                 sql.SQL(_Q["rows"]).format(table=queue_table(info.name)),
-                ([o[2] for o in ops if o[1].id == info.id],),
+                ([o.slot for o in ops if o.info.id == info.id],),
             ).fetchall()
             rows_by_q[info.id] = {r[0]: (r[1], r[2]) for r in rows}
-        state, row_seq = rows_by_q[info.id].get(slot, (0, -1))
+        state, row_seq = rows_by_q[info.id].get(op.slot, (RowState.FREE, -1))
         # An enqueue committed if its row holds it; a dequeue only if consumed
         # (a poisoned entry counts as consumed: it left the queue).
-        if row_seq == seq and (state >= 1 if kind == "e" else state == 2):
+        if op.committed_in(state, row_seq):
             rec.committed += 1
         else:
             rec.rolled_back += 1
         # Wake a sleeping dequeuer: the entry may be ready again.
-        if sec.queues[ring.qb + L.Q_WAIT_READY] > 0:
-            sec.post(ring.qid, "r", 1)
+        if op.ring.waiters(OpKind.DEQUEUE) > 0:
+            sec.post(op.ring.qid, "r", 1)
 
 
 def _prepared_slots(conn: psycopg.Connection[Any]) -> set[tuple[int, int]]:
-    rows = conn.execute(
-        "SELECT l.queue_id, l.slot FROM ringq.tpc_log l JOIN pg_prepared_xacts p ON p.gid = l.gid"
-    ).fetchall()
+    rows = conn.execute(_Q["prepared_slots"]).fetchall()
     return {(int(q), int(s)) for q, s in rows}
 
 
@@ -384,7 +366,7 @@ def reclaim_all(sec: Section) -> dict[str, int]:
         sec.lock_queue(qidx)
         try:
             n = ring.reclaim()
-            waiters = sec.q(qidx, L.Q_WAIT_SPACE)
+            waiters = ring.waiters(OpKind.ENQUEUE)
         finally:
             sec.unlock_queue(qidx)
         if n:
@@ -417,18 +399,8 @@ def resolve_prepared(
     """
     done: list[tuple[str, str]] = []
     with _connect(dsn) as conn:
-        conn.execute(
-            "DELETE FROM ringq.tpc_decisions d WHERE d.decided_at < now() - make_interval(secs => %s) "
-            "AND NOT EXISTS (SELECT 1 FROM pg_prepared_xacts p WHERE p.gid = d.gid)",
-            (timeout_s,),
-        )
-        found = conn.execute(
-            "SELECT p.gid, extract(epoch FROM now() - p.prepared), d.gid IS NOT NULL, "
-            "coalesce(extract(epoch FROM now() - d.decided_at), 0), "
-            "EXISTS (SELECT 1 FROM ringq.tpc_log l WHERE l.gid = p.gid) "
-            "FROM pg_prepared_xacts p LEFT JOIN ringq.tpc_decisions d ON d.gid = p.gid "
-            "WHERE p.database = current_database()"
-        ).fetchall()
+        conn.execute(_Q["tpc_decisions_expire"], (timeout_s,))
+        found = conn.execute(_Q["tpc_prepared"]).fetchall()
         rows = [
             (gid, age, decided)
             for gid, age, decided, decided_age, logged in found
@@ -438,12 +410,10 @@ def resolve_prepared(
             return done
         infos = _queue_infos(conn)
         for gid, age, decided in rows:
-            slots = conn.execute(
-                "SELECT queue_id, slot, seq, kind FROM ringq.tpc_log WHERE gid = %s", (gid,)
-            ).fetchall()
+            slots = conn.execute(_Q["tpc_slots"], (gid,)).fetchall()
             # A live client still owns these slots: it is between prepare and commit.
             live = False
-            ops = []
+            ops: list[Op] = []
             for qid, slot, seq, kind in slots:
                 qidx = sec.find_queue(qid)
                 if qidx is None or qid not in infos:
@@ -455,7 +425,7 @@ def resolve_prepared(
                     if sec.c(owner - 1, L.C_STATE) == L.CS_ACTIVE and pid_alive(cpid):
                         live = True
                         break
-                ops.append((ring, infos[qid], int(slot), int(seq), str(kind)))
+                ops.append(Op(ring, infos[qid], int(slot), int(seq), OpKind(str(kind))))
             if live:
                 continue
             if decided:
@@ -464,9 +434,7 @@ def resolve_prepared(
                 verb = "rollback"
             else:
                 continue
-            conn.execute(
-                sql.SQL("COMMIT PREPARED {}" if verb == "commit" else "ROLLBACK PREPARED {}").format(sql.Literal(gid))
-            )
+            conn.execute(sql.SQL(_Q["commit_prepared" if verb == "commit" else "rollback_prepared"]).format(gid=sql.Literal(gid)))
             if ops:
                 decide_ops(sec, conn, ops, HELD)
             conn.execute(_Q["tpc_forget"], (gid,))

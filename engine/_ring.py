@@ -8,14 +8,26 @@ before LCK is cleared, and the tail only passes slots that are done.
 
 Slot ``s`` of the queue is bit ``base + s`` of the pool bitmaps; ``base`` is a
 multiple of 64, so a queue never shares a bitmap word with another queue.
+
+The Ring is the only writer of its block's words after allocation
+(``Section.allocate_queue``): positions, counters, waiters, latency
+histograms, the dequeuer role and the configuration.
 """
 
 from __future__ import annotations
 
+import time
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
 import numpy as np
 
 from . import _layout as L
+from ._ops import OpKind, RowState
 from ._section import Section
+
+if TYPE_CHECKING:
+    from ._ops import Op
 
 _U64 = (1 << 64) - 1
 _FIRST_CHUNK = 2
@@ -229,6 +241,129 @@ class Ring:
             self.Q[b + L.Q_DEQ_INFLIGHT] = 0
             self.Q[b + L.Q_DEQ_OWNER] = 0
 
+    def hold(self, slot: int) -> None:
+        """Keep a slot locked with no live owner (``OWNER_HELD``: a prepared
+        two-phase transaction whose session is gone), for recovery to decide."""
+        self.sec.owner_w[self.base + slot] = L.OWNER_HELD
+
+    def finish_stale(self, slot: int, *, exclusive: bool) -> None:
+        """Finish a dequeue whose row did not match the section (void, or
+        consumed already): the slot is done, but it was not a consumption;
+        counted as a repair."""
+        self.finish_dequeue(slot, consumed=True, exclusive=exclusive)
+        Q, b = self.Q, self.qb
+        Q[b + L.Q_DEPTH_HINT] += 1
+        Q[b + L.Q_N_DEQ_COMMIT] -= 1
+        Q[b + L.Q_N_REPAIRS] += 1
+
+    def finish_batch(
+        self, ops: Sequence[Op], owner: int, *, committed: bool, poisoned: set[tuple[int, int]], exclusive: bool
+    ) -> tuple[int, int]:
+        """Finish ``owner``'s slots ``ops`` once the database has decided:
+        enqueued entries become ready (``committed``) or void, dequeued ones
+        consumed (committed, or ``poisoned``: (slot, seq) pairs) or ready again.
+
+        Slots ``owner`` no longer holds (decided by recovery) are passed over.
+        Records the latencies, reclaims once, and counts poisoned entries and
+        wake-ups. Returns (ready, space): how many sleeping dequeuers and
+        enqueuers the caller wakes (after releasing the lock).
+        """
+        Q, b = self.Q, self.qb
+        n_ready = n_space = 0
+        for op in ops:
+            if not self.held_by(op.slot, owner):
+                continue  # already decided by recovery (never finish a slot twice)
+            if op.kind == OpKind.ENQUEUE:
+                self.finish_enqueue(op.slot, committed)
+                n_ready += committed
+            else:
+                consumed = committed or (op.slot, op.seq) in poisoned
+                was_owner = Q[b + L.Q_DEQ_OWNER]
+                self.finish_dequeue(op.slot, consumed, exclusive=exclusive, reclaim=False)
+                n_space += consumed
+                n_ready += (not consumed) or (exclusive and was_owner and not Q[b + L.Q_DEQ_OWNER])
+            self.record_latency(op.kind, op.latency_ns)
+        if n_space:
+            self.reclaim()  # once per queue, not once per entry
+        if (poisoned_here := sum(1 for op in ops if (op.slot, op.seq) in poisoned)):
+            Q[b + L.Q_N_POISONED] += poisoned_here
+        wake_r = min(n_ready, Q[b + L.Q_WAIT_READY])
+        wake_s = min(n_space, Q[b + L.Q_WAIT_SPACE])
+        if n_space and Q[b + L.Q_FULL_SINCE_NS]:
+            Q[b + L.Q_FULL_NS] += time.monotonic_ns() - Q[b + L.Q_FULL_SINCE_NS]
+            Q[b + L.Q_FULL_SINCE_NS] = 0
+        if wake_r:
+            Q[b + L.Q_N_WAKEUPS] += wake_r
+        return wake_r, wake_s
+
+    # -- counters and waiters ---------------------------------------------------------
+
+    def record_latency(self, kind: OpKind, ns: int) -> None:
+        """Add an enqueue or dequeue call's latency (ns) to its histogram and sum."""
+        if ns <= 0:
+            return
+        if kind == OpKind.ENQUEUE:
+            hist_word, sum_word = L.Q_ENQ_HIST, L.Q_ENQ_LAT_NS
+        else:
+            hist_word, sum_word = L.Q_DEQ_HIST, L.Q_DEQ_LAT_NS
+        us = ns // 1000
+        bucket = min(us.bit_length(), L.HIST_BUCKETS - 1)
+        self.Q[self.qb + hist_word + bucket] += 1
+        self.Q[self.qb + sum_word] += ns
+
+    def note_full(self) -> None:
+        """An enqueue found no free slot: count it; the queue is full from now if it was not."""
+        Q, b = self.Q, self.qb
+        Q[b + L.Q_N_FULL] += 1
+        if not Q[b + L.Q_FULL_SINCE_NS]:
+            Q[b + L.Q_FULL_SINCE_NS] = time.monotonic_ns()
+
+    def note_empty(self) -> None:
+        """A dequeue found nothing ready: count it."""
+        self.Q[self.qb + L.Q_N_EMPTY] += 1
+
+    def note_resync(self) -> None:
+        """The queue was re-read from its table: count it."""
+        self.Q[self.qb + L.Q_N_RESYNC] += 1
+
+    @staticmethod
+    def _wait_word(kind: OpKind) -> int:
+        # An enqueuer waits for space, a dequeuer for a ready entry.
+        return L.Q_WAIT_SPACE if kind == OpKind.ENQUEUE else L.Q_WAIT_READY
+
+    def waiters(self, kind: OpKind) -> int:
+        """How many ``kind`` callers (enqueuers or dequeuers) sleep on the queue's wake-up."""
+        return self.Q[self.qb + self._wait_word(kind)]
+
+    def add_waiter(self, kind: OpKind) -> None:
+        """A ``kind`` caller is about to sleep on the queue's wake-up."""
+        self.Q[self.qb + self._wait_word(kind)] += 1
+
+    def remove_waiter(self, kind: OpKind) -> None:
+        """A ``kind`` caller woke up (registered by :meth:`add_waiter`)."""
+        self.Q[self.qb + self._wait_word(kind)] -= 1
+
+    def abandon_wait(self, kind: OpKind) -> None:
+        """A ``kind`` caller left its wait by an exception: undo its registration, if any is left."""
+        word = self.qb + self._wait_word(kind)
+        if self.Q[word] > 0:
+            self.Q[word] -= 1
+
+    # -- configuration ------------------------------------------------------------------
+
+    def configure(
+        self, *, max_payload: int, block_when_full: bool, single_dequeuer: bool, full_timeout_ms: int,
+        max_deliveries: int,
+    ) -> None:
+        """Write the queue's settings into a freshly allocated block (section lock held)."""
+        Q, b = self.Q, self.qb
+        Q[b + L.Q_MAX_PAYLOAD] = max_payload
+        Q[b + L.Q_POLICY] = 0 if block_when_full else 1
+        Q[b + L.Q_MODE] = 0 if single_dequeuer else 1
+        Q[b + L.Q_FULL_TIMEOUT_MS] = full_timeout_ms
+        Q[b + L.Q_MAX_DELIVERIES] = max_deliveries
+        Q[b + L.Q_LOADED_NS] = time.time_ns()
+
     # -- reclaim ------------------------------------------------------------------
 
     def reclaim(self) -> int:
@@ -360,7 +495,7 @@ class Ring:
         held = held or []
         for _slot, seq in held:
             head = max(head, seq + 1)
-        queued = seq_by_slot[state_by_slot == 1]
+        queued = seq_by_slot[state_by_slot == RowState.QUEUED]
         candidates = [int(queued.min())] if queued.size else []
         candidates += locked_seqs + [seq for _slot, seq in held]
         tail = min(candidates) if candidates else head
@@ -371,12 +506,12 @@ class Ring:
         written = seq_by_slot[at] == pos
         enq = np.zeros(cap, dtype=bool)
         deq = np.zeros(cap, dtype=bool)
-        enq[at] = written & (state_by_slot[at] >= 1)
-        deq[at] = ~(written & (state_by_slot[at] == 1))  # consumed, or void (never written)
+        enq[at] = written & (state_by_slot[at] >= RowState.QUEUED)
+        deq[at] = ~(written & (state_by_slot[at] == RowState.QUEUED))  # consumed, or void (never written)
         lck = np.zeros(cap, dtype=bool)
         for h_slot, h_seq in held:
             lck[h_slot] = True
-            enq[h_slot] = seq_by_slot[h_slot] == h_seq and state_by_slot[h_slot] >= 1
+            enq[h_slot] = seq_by_slot[h_slot] == h_seq and state_by_slot[h_slot] >= RowState.QUEUED
             deq[h_slot] = bool(enq[h_slot])  # a held dequeue; a held enqueue has neither bit
 
         def words(bits: np.ndarray) -> np.ndarray:
@@ -399,5 +534,5 @@ class Ring:
         s.deq[g0:g1] = new_deq
         s.lck[g0:g1] = new_lck
         Q[b + L.Q_HEAD] = head
-        Q[b + L.Q_DEPTH_HINT] = int(np.count_nonzero(state_by_slot == 1))
+        Q[b + L.Q_DEPTH_HINT] = int(np.count_nonzero(state_by_slot == RowState.QUEUED))
         self.reclaim()

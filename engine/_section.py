@@ -22,6 +22,7 @@ import os
 import secrets
 import threading
 import time
+from collections.abc import Iterable
 from typing import Final
 
 import numpy as np
@@ -312,6 +313,14 @@ class Section:
         self.names[free * L.NAME_BYTES : (free + 1) * L.NAME_BYTES] = raw.ljust(L.NAME_BYTES, b"\0")
         return free
 
+    def mark_queue_ready(self, qidx: int) -> None:
+        """Open a loaded block to clients (caller holds the section lock)."""
+        self.queues[qidx * L.QUEUE_WORDS + L.Q_STATE] = L.QS_READY
+
+    def mark_queue_dropped(self, qidx: int) -> None:
+        """Retire the block of a queue dropped from the database; its space is reused."""
+        self.queues[qidx * L.QUEUE_WORDS + L.Q_STATE] = L.QS_DROPPED
+
     # -- clients ------------------------------------------------------------------
 
     def c(self, cidx: int, word: int) -> int:
@@ -349,6 +358,40 @@ class Section:
         """
         self.clients[cidx * L.CLIENT_WORDS + L.C_STARTED_NS] = time.time_ns()
         self.clients[cidx * L.CLIENT_WORDS + L.C_BACKEND_PID] = backend_pid
+
+    def set_client_role(self, cidx: int, role: int) -> None:
+        """Mark client ``cidx`` (this process's entry) with ``role`` (CR_*)."""
+        self.clients[cidx * L.CLIENT_WORDS + L.C_ROLE] = role
+
+    def set_client_words(self, cidx: int, words: Iterable[tuple[int, int]]) -> None:
+        """Write (word, value) pairs into client ``cidx``'s entry (a worker's counters)."""
+        C = self.clients
+        base = cidx * L.CLIENT_WORDS
+        for word, value in words:
+            C[base + word] = value
+
+    def count_client(self, cidx: int, word: int, n: int = 1) -> None:
+        """Add ``n`` to counter ``word`` (C_N_*) of client ``cidx``."""
+        self.clients[cidx * L.CLIENT_WORDS + word] += n
+
+    def hand_over_client(self, cidx: int, *, pid: int | None = None) -> None:
+        """Mark client ``cidx`` in doubt: recovery decides its slots from the
+        rows and frees it. With ``pid``, only if the entry is still that
+        process's and active (a finalizer that runs late)."""
+        base = cidx * L.CLIENT_WORDS
+        C = self.clients
+        if pid is None or (C[base + L.C_PID] == pid and C[base + L.C_STATE] == L.CS_ACTIVE):
+            C[base + L.C_STATE] = L.CS_IN_DOUBT
+
+    def free_client(self, cidx: int) -> None:
+        """Free client ``cidx``'s entry, whoever made it (recovery, once its slots are decided)."""
+        self.lock_section()
+        try:
+            base = cidx * L.CLIENT_WORDS
+            self.clients[base + L.C_STATE] = L.CS_FREE
+            self.clients[base + L.C_PID] = 0
+        finally:
+            self.unlock_section()
 
     def remove_client(self, cidx: int) -> None:
         """Free a client entry; the caller must hold no entry locks under it."""

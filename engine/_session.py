@@ -14,19 +14,19 @@ import socket
 import threading
 import time
 import weakref
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from datetime import datetime
-from typing import Any, ClassVar, Literal, Self
+from typing import Any, ClassVar, Self, TypeVar
 
-import numpy as np
 import posix_ipc
 import psycopg
 from psycopg import sql
 from psycopg.pq import TransactionStatus
 
 from . import _layout as L
+from ._decide import decide_ops, load_queue, resync_queue, wait_backend_gone
 from ._dsn import resolve_dsn
 from ._errors import (
     DatabaseUnavailable,
@@ -39,43 +39,30 @@ from ._errors import (
     SectionError,
     SessionClosed,
     TransactionError,
-    converted,
     from_psycopg,
     redact_dsn,
 )
 from ._events import Subscription, publish
 from ._names import queue_table, validate_queue_name
+from ._ops import Op, OpKind, RowState
+from ._queries import QUERIES as _Q
+from ._queue_info import QueueInfo as QueueInfo  # noqa: PLC0414 (re-exported for ringq.engine)
 from ._ring import Ring
 from ._section import Section
-from ._sqlfile import load
+from ._tpc import TwoPhase
 
 logger = logging.getLogger("ringq.engine")
 
-_Q = load("ringq.engine", "queries.sql")
 _IDLE = TransactionStatus.IDLE
 _INTRANS = TransactionStatus.INTRANS
 _INERROR = TransactionStatus.INERROR
+T = TypeVar("T")
 
 SUPPORTED_SCHEMA = "1"
 POISON_REASON = "max deliveries reached"
 # A waiting dequeuer is woken by the commit that makes an entry ready (a
 # semaphore post); it also looks again this often, in seconds, as a safety net.
 CLAIM_RECHECK_S = 1.0
-
-
-@dataclass(frozen=True)
-class QueueInfo:
-    """A queue's settings, as stored in ``ringq.queues``."""
-
-    id: int
-    name: str
-    capacity: int
-    max_payload: int
-    full_policy: str
-    full_timeout: float
-    dequeue_mode: str
-    max_deliveries: int
-    exception_queue: str | None
 
 
 @dataclass(frozen=True)
@@ -97,16 +84,6 @@ class Message:
     @property
     def redelivered(self) -> bool:
         return self.deliveries > 1
-
-
-@dataclass
-class _Op:
-    ring: Ring
-    info: QueueInfo
-    slot: int
-    seq: int
-    kind: Literal["e", "d"]
-    latency_ns: int
 
 
 class _Process:
@@ -166,7 +143,7 @@ def connect(
     )
 
 
-class Session:
+class Session(TwoPhase):
     """A connection to one database's queues. Not thread-safe: one per thread.
 
     ``session.connection`` is the psycopg connection whose transaction the
@@ -191,15 +168,12 @@ class Session:
         self._pid = os.getpid()
         self.producer = producer or f"{socket.gethostname()}:{os.getpid()}:{next(_producer_counter)}"
         self._producer_seq = 0
-        self._ops: list[_Op] = []
+        self._ops: list[Op] = []
         self._queues: dict[str, QueueInfo] = {}
         self._rings: dict[int, Ring] = {}
         self._stmts: dict[tuple[str, str], str] = {}
         self._closed = False
-        self._tpc_xid: Any = None
-        self._tpc_prepared = False
-        self._tpc_decided = False
-        self._aux: psycopg.Connection[Any] | None = None
+        self._tpc_reset()
         self._role = L.CR_CLIENT  # C_ROLE of our client entry (a worker sets CR_WORKER)
         self._conn = self._open_connection()
         self._attach()
@@ -208,29 +182,31 @@ class Session:
     # -- life cycle -----------------------------------------------------------------
 
     def _open_connection(self) -> psycopg.Connection[Any]:
-        try:
-            conn = psycopg.connect(
+        return self._call(
+            lambda: psycopg.connect(
                 self.dsn,
                 autocommit=False,
                 connect_timeout=max(1, int(self._connect_timeout)),
                 application_name=self._appname,
-            )
-        except psycopg.Error as exc:
-            raise from_psycopg(exc, dsn=self.dsn) from exc
-        return conn
+            ),
+            recover=False,
+        )
 
     def _attach(self) -> None:
-        try:
+        def read_instance() -> tuple[Any, ...] | None:
             row = self._conn.execute(_Q["instance"]).fetchone()
             self._conn.rollback()
-        except psycopg.errors.UndefinedTable as exc:
+            return row
+
+        try:
+            row = self._call(read_instance, recover=False)
+        except RingqError as exc:
             self._conn.close()
-            raise SchemaMissing(
-                f"no ringq schema in {redact_dsn(self.dsn)!r}: create a queue first (ringq queue create)"
-            ) from exc
-        except psycopg.Error as exc:
-            self._conn.close()
-            raise from_psycopg(exc, dsn=self.dsn) from exc
+            if isinstance(exc.__cause__, psycopg.errors.UndefinedTable):
+                raise SchemaMissing(
+                    f"no ringq schema in {redact_dsn(self.dsn)!r}: create a queue first (ringq queue create)"
+                ) from exc.__cause__
+            raise
         assert row is not None
         instance, version, backend_pid = row
         if version != SUPPORTED_SCHEMA or not instance:
@@ -253,30 +229,24 @@ class Session:
         self._cidx = self._section.add_client(backend_pid)
         self.owner = self._cidx + 1
         if self._role:
-            self._section.clients[self._cidx * L.CLIENT_WORDS + L.C_ROLE] = self._role
+            self._section.set_client_role(self._cidx, self._role)
         # A session dropped without close() hands its entry to recovery.
         self._finalizer = weakref.finalize(self, _orphaned, self._section, self._cidx, os.getpid())
 
     def _set_role(self, role: int) -> None:
         """Mark our client entry with ``role`` (CR_*), kept across re-registrations."""
         self._role = role
-        self._section.clients[self._cidx * L.CLIENT_WORDS + L.C_ROLE] = role
+        self._section.set_client_role(self._cidx, role)
 
     def _set_client_words(self, words: Iterable[tuple[int, int]]) -> None:
         """Write (word, value) pairs into our client entry (a worker's counters)."""
-        C = self._section.clients
-        base = self._cidx * L.CLIENT_WORDS
-        for word, value in words:
-            C[base + word] = value
+        self._section.set_client_words(self._cidx, words)
 
     def _begin(self) -> None:
         """Start the next transaction now, if eager (psycopg would otherwise send
         BEGIN as an extra round trip before the first statement)."""
         if self._eager and self._conn.info.transaction_status == _IDLE:
-            try:
-                self._conn.execute(self._begin_sql())
-            except psycopg.Error as exc:
-                raise from_psycopg(exc, dsn=self.dsn) from exc
+            self._execute(self._begin_sql(), recover=False)
 
     def _begin_sql(self) -> str:
         iso = self._conn.isolation_level
@@ -285,13 +255,16 @@ class Session:
         return "BEGIN ISOLATION LEVEL " + iso.name.replace("_", " ")
 
     def _end(self, verb: str) -> None:
-        """COMMIT or ROLLBACK, and with eager begin the next BEGIN in the same round trip."""
+        """COMMIT or ROLLBACK, and with eager begin the next BEGIN in the same round trip.
+
+        :raises RingqError: converted, not recovered: the caller decides what the failure means.
+        """
         if self._eager and self._tpc_xid is None and self._conn.info.transaction_status != _IDLE:
-            self._conn.execute(f"{verb}; {self._begin_sql()}")  # simple protocol: one round trip
+            self._execute(f"{verb}; {self._begin_sql()}", recover=False)  # simple protocol: one round trip
         elif verb == "COMMIT":
-            self._conn.commit()
+            self._call(self._conn.commit, recover=False)
         else:
-            self._conn.rollback()
+            self._call(self._conn.rollback, recover=False)
 
     def close(self) -> None:
         """Roll back anything open and release the connection; a second call does nothing.
@@ -347,10 +320,9 @@ class Session:
             # Someone committed or rolled back on the connection directly:
             # learn the outcome from the rows. (A prepared transaction is
             # idle too, but undecided: tpc_commit/tpc_rollback finish it.)
-            # If the connection is lost meanwhile, _converted decides them
+            # If the connection is lost meanwhile, _call decides them
             # from a new one.
-            with self._converted():
-                self._decide_from_rows(self._conn, self._ops)
+            self._call(lambda: self._decide_from_rows(self._conn, self._ops))
             self._ops = []
             self._begin()
         if self._section.unlinked() and not self._ops:
@@ -390,8 +362,7 @@ class Session:
         info = self._queues.get(name)
         if info is None:
             validate_queue_name(name)
-            with self._converted():
-                row = self._conn.execute(_Q["queue_info"], (name,)).fetchone()
+            row = self._execute(_Q["queue_info"], (name,)).fetchone()
             if row is None:
                 raise QueueNotFound(f"queue {name!r} does not exist", queue=name)
             info = QueueInfo(*row)
@@ -411,25 +382,13 @@ class Session:
 
     def _load_queue(self, info: QueueInfo) -> int:
         """Bring a queue into the section from its table (first user on this host)."""
-        sec = self._section
         # Read the rows on a separate connection: outside the caller's
         # transaction, committed state only.
-        with converted(dsn=self.dsn, queue=info.name), psycopg.connect(
-            self.dsn, autocommit=True, connect_timeout=max(1, int(self._connect_timeout))
-        ) as aux:
-            sec.lock_section()
-            try:
-                qidx = sec.find_queue(info.id)
-                if qidx is not None:
-                    return qidx
-                _mark_dropped(sec, {r[0] for r in aux.execute("SELECT id FROM ringq.queues").fetchall()})
-                qidx = sec.allocate_queue(info.id, info.name, info.capacity)
-                rows = aux.execute(self._stmt("all_rows", info.name)).fetchall()
-                held = _held_slots(aux, info.id)
-                _load_block(sec, qidx, info, rows, held)
-                return qidx
-            finally:
-                sec.unlock_section()
+        def load() -> int:
+            with psycopg.connect(self.dsn, autocommit=True, connect_timeout=max(1, int(self._connect_timeout))) as aux:
+                return load_queue(self._section, aux, info)
+
+        return self._call(load, queue=info.name, recover=False)
 
     def _stmt(self, name: str, queue: str) -> str:
         key = (name, queue)
@@ -439,23 +398,54 @@ class Session:
             self._stmts[key] = stmt
         return stmt
 
-    # -- transactions -------------------------------------------------------------------
+    # -- the database -------------------------------------------------------------------
 
-    @contextmanager
-    def _converted(self, queue: str | None = None, *, qid: int = 0, seq: int = -1) -> Iterator[None]:
-        """Convert psycopg errors; with ``qid`` (a queue statement of ours) the
-        error is also recorded in our client entry for the monitor."""
+    def _call(
+        self, fn: Callable[[], T], *, queue: str | None = None, qid: int = 0, seq: int = -1, recover: bool = True
+    ) -> T:
+        """Run ``fn``, the session's database work: the one place where its
+        psycopg errors become ringq errors (``raise X from exc``: the psycopg
+        error stays as ``__cause__``).
+
+        With ``qid`` (a queue statement of ours) the error is also recorded in
+        our client entry for the monitor. With ``recover`` (the default) a lost
+        connection is handled here: our in-flight slots are decided from the
+        rows on a new connection. ``recover=False`` only converts: for opening
+        connections, and for the paths that decide themselves what a failure
+        means (commit, rollback, strikes, recovery itself).
+        """
         try:
-            yield
+            return fn()
         except psycopg.Error as exc:
-            lost = self._conn.broken or isinstance(exc, psycopg.OperationalError | psycopg.InterfaceError) and self._conn.closed
-            # A statement refused because the caller's own SQL already failed
-            # the transaction is the caller's error, not ours.
-            if qid and not isinstance(exc, psycopg.errors.InFailedSqlTransaction):
-                self._record_error(L.ERR_CONNECTION_LOST if lost else L.ERR_DATABASE, qid, seq)
-            if lost:
-                self._connection_lost(exc)
+            if recover:
+                lost = self._conn.broken or isinstance(exc, psycopg.OperationalError | psycopg.InterfaceError) and self._conn.closed
+                # A statement refused because the caller's own SQL already failed
+                # the transaction is the caller's error, not ours.
+                if qid and not isinstance(exc, psycopg.errors.InFailedSqlTransaction):
+                    self._record_error(L.ERR_CONNECTION_LOST if lost else L.ERR_DATABASE, qid, seq)
+                if lost:
+                    self._connection_lost(exc)
             raise from_psycopg(exc, dsn=self.dsn, queue=queue) from exc
+
+    def _execute(
+        self,
+        query: str,
+        params: Sequence[Any] | Mapping[str, Any] | None = None,
+        *,
+        conn: psycopg.Connection[Any] | None = None,
+        binary: bool = False,
+        queue: str | None = None,
+        qid: int = 0,
+        seq: int = -1,
+        recover: bool = True,
+    ) -> psycopg.Cursor[Any]:
+        """Run one statement on the session's connection (or ``conn``); errors as in :meth:`_call`."""
+        c = self._conn if conn is None else conn
+        return self._call(
+            lambda: c.execute(query, params, binary=binary), queue=queue, qid=qid, seq=seq, recover=recover
+        )
+
+    # -- transactions -------------------------------------------------------------------
 
     def _record_error(self, code: int, qid: int = 0, seq: int = -1) -> None:
         """Record an error this client hit in its section entry (error paths only;
@@ -465,7 +455,7 @@ class Session:
         except (ValueError, IndexError, TypeError):  # a released view: the section is gone
             pass
 
-    def _record_ops_error(self, code: int, ops: Sequence[_Op]) -> None:
+    def _record_ops_error(self, code: int, ops: Sequence[Op]) -> None:
         op = ops[0] if ops else None
         self._record_error(code, op.info.id if op else 0, op.seq if op else -1)
 
@@ -492,7 +482,8 @@ class Session:
             raise TransactionError("the transaction failed earlier and was rolled back")
         try:
             self._end("COMMIT")
-        except psycopg.Error as exc:
+        except RingqError as err:
+            exc = err.__cause__
             self._ops = []
             if self._conn.broken or self._conn.closed:
                 committed = self._recover(ops, reason=f"commit answer lost: {exc}")
@@ -508,7 +499,7 @@ class Session:
             self._finish(ops, committed=False)
             if ops:
                 self._record_ops_error(L.ERR_COMMIT_FAILED, ops)
-            raise from_psycopg(exc, dsn=self.dsn) from exc
+            raise
         self._ops = []
         self._finish(ops, committed=True)
 
@@ -526,21 +517,18 @@ class Session:
             self.tpc_rollback()  # refuses once decided
             return
         ops, self._ops = self._ops, []
-        strikes = count_delivery and any(op.kind == "d" for op in ops)
+        strikes = count_delivery and any(op.kind == OpKind.DEQUEUE for op in ops)
         try:
             if strikes:
-                self._conn.rollback()  # the strikes commit (and begin) afterwards
+                self._call(self._conn.rollback, recover=False)  # the strikes commit (and begin) afterwards
             else:
                 self._end("ROLLBACK")
-        except psycopg.Error as exc:
-            self._recover(ops, reason=f"rollback failed: {exc}")
-            raise from_psycopg(exc, dsn=self.dsn) from exc
+        except RingqError as err:
+            self._recover(ops, reason=f"rollback failed: {err.__cause__}")
+            raise
         self._finish(ops, committed=False, count_delivery=count_delivery)
         if strikes and not self._closed:
-            try:
-                self._begin()
-            except psycopg.Error as exc:
-                raise from_psycopg(exc, dsn=self.dsn) from exc
+            self._begin()
 
     @contextmanager
     def transaction(self) -> Iterator[Session]:
@@ -559,14 +547,14 @@ class Session:
             raise
         self.commit()
 
-    def _finish(self, ops: list[_Op], *, committed: bool, count_delivery: bool = True) -> None:
+    def _finish(self, ops: list[Op], *, committed: bool, count_delivery: bool = True) -> None:
         """Tell the section the outcome of ``ops`` (the database already decided)."""
         if not ops:
             return
         poisoned: set[tuple[int, int]] = set()
         if not committed and count_delivery:
-            poisoned = self._strike([op for op in ops if op.kind == "d"])
-        by_ring: dict[int, list[_Op]] = {}
+            poisoned = self._strike([op for op in ops if op.kind == OpKind.DEQUEUE])
+        by_ring: dict[int, list[Op]] = {}
         for op in ops:
             by_ring.setdefault(op.ring.qidx, []).append(op)
         sec = self._section
@@ -574,86 +562,59 @@ class Session:
         for qidx, group in by_ring.items():
             ring = group[0].ring
             exclusive = group[0].info.dequeue_mode == "single"
-            qb = qidx * L.QUEUE_WORDS
             sec.lock_queue(qidx)
             try:
-                n_ready = n_space = 0
-                for op in group:
-                    if not ring.held_by(op.slot, self.owner):
-                        continue  # already decided by recovery (never finish a slot twice)
-                    if op.kind == "e":
-                        ring.finish_enqueue(op.slot, committed)
-                        n_ready += committed
-                        _hist(sec, qb + L.Q_ENQ_HIST, qb + L.Q_ENQ_LAT_NS, op.latency_ns)
-                    else:
-                        consumed = committed or (op.slot, op.seq) in poisoned
-                        was_owner = sec.queues[qb + L.Q_DEQ_OWNER]
-                        ring.finish_dequeue(op.slot, consumed, exclusive=exclusive, reclaim=False)
-                        n_space += consumed
-                        n_ready += (not consumed) or (exclusive and was_owner and not sec.queues[qb + L.Q_DEQ_OWNER])
-                        _hist(sec, qb + L.Q_DEQ_HIST, qb + L.Q_DEQ_LAT_NS, op.latency_ns)
-                if n_space:
-                    ring.reclaim()  # once per queue, not once per entry
-                if (poisoned_here := sum(1 for op in group if (op.slot, op.seq) in poisoned)):
-                    sec.queues[qb + L.Q_N_POISONED] += poisoned_here
-                wake_r = min(n_ready, sec.queues[qb + L.Q_WAIT_READY])
-                wake_s = min(n_space, sec.queues[qb + L.Q_WAIT_SPACE])
-                if n_space and sec.queues[qb + L.Q_FULL_SINCE_NS]:
-                    sec.queues[qb + L.Q_FULL_NS] += time.monotonic_ns() - sec.queues[qb + L.Q_FULL_SINCE_NS]
-                    sec.queues[qb + L.Q_FULL_SINCE_NS] = 0
-                if wake_r:
-                    sec.queues[qb + L.Q_N_WAKEUPS] += wake_r
+                wake_r, wake_s = ring.finish_batch(
+                    group, self.owner, committed=committed, poisoned=poisoned, exclusive=exclusive
+                )
             finally:
                 sec.unlock_queue(qidx)
             if wake_r:
                 posts.append((ring.qid, "r", wake_r))
             if wake_s:
                 posts.append((ring.qid, "s", wake_s))
-        cb = self._cidx * L.CLIENT_WORDS
-        sec.clients[cb + (L.C_N_COMMIT if committed else L.C_N_ROLLBACK)] += 1
+        sec.count_client(self._cidx, L.C_N_COMMIT if committed else L.C_N_ROLLBACK)
         for qid, kind, n in posts:
             sec.post(qid, kind, n)
 
-    def _strike(self, deq_ops: list[_Op]) -> set[tuple[int, int]]:
+    def _strike(self, deq_ops: list[Op]) -> set[tuple[int, int]]:
         """Count a failed delivery on each rolled-back dequeue; returns the poisoned ones."""
         if not deq_ops:
             return set()
         poisoned: set[tuple[int, int]] = set()
-        by_queue: dict[str, list[_Op]] = {}
+        by_queue: dict[str, list[Op]] = {}
         for op in deq_ops:
             by_queue.setdefault(op.info.name, []).append(op)
         try:
             for name, group in by_queue.items():
                 info = group[0].info
-                rows = self._conn.execute(
+                rows = self._execute(
                     self._stmt("strike", name),
-                    (
-                        info.max_deliveries,
-                        info.max_deliveries,
-                        [op.slot for op in group],
-                        [op.seq for op in group],
-                        info.id,
-                        POISON_REASON,
-                    ),
+                    {
+                        "max_deliveries": info.max_deliveries,
+                        "slots": [op.slot for op in group],
+                        "seqs": [op.seq for op in group],
+                        "queue_id": info.id,
+                        "reason": POISON_REASON,
+                    },
+                    recover=False,
                 ).fetchall()
                 for slot, seq, state, deliveries, moved_to, kept_because in rows:
-                    if state == 2:
+                    if state == RowState.CONSUMED:
                         poisoned.add((slot, seq))
                         logger.warning(
                             "ringq: entry %s/%s poisoned after %s deliveries: moved to ringq.exceptions%s",
                             name, seq, deliveries,
                             f" and queue {moved_to}" if moved_to else f" only ({kept_because})" if kept_because else "",
                         )
-            self._conn.commit()  # _begin() follows in rollback()
-        except psycopg.Error:
+            self._call(self._conn.commit, recover=False)  # _begin() follows in rollback()
+        except RingqError:
             # Losing a strike is harmless: the entry is redelivered; the
             # monitor counts strikes of clients that die.
             logger.warning("ringq: could not record a failed delivery", exc_info=True)
             if not self._conn.closed:
-                try:
-                    self._conn.rollback()
-                except psycopg.Error:
-                    pass
+                with suppress(RingqError):
+                    self._call(self._conn.rollback, recover=False)
             return set()
         return poisoned
 
@@ -682,36 +643,49 @@ class Session:
         for _attempt in range(8):
             slot, seq = self._reserve(info, timeout)
             self._producer_seq += 1
-            op = _Op(self._ring(info), info, slot, seq, "e", 0)
+            op = Op(self._ring(info), info, slot, seq, OpKind.ENQUEUE)
             self._ops.append(op)
-            with self._converted(queue, qid=info.id, seq=seq):
-                if key is None:
-                    cur = self._conn.execute(
-                        self._stmt("enqueue", queue),
-                        (seq, payload, self.producer, self._producer_seq, slot, seq),
-                    )
-                    ok = cur.rowcount == 1
-                    existing = None
-                else:
-                    row = self._conn.execute(
-                        self._stmt("enqueue_key", queue),
-                        (info.id, key, seq, seq, payload, self.producer, self._producer_seq, slot, seq, info.id, key),
-                    ).fetchone()
-                    assert row is not None
-                    inserted, updated, existing = row
-                    if inserted == 0 and existing is None:
-                        # Another transaction held the key uncommitted; the
-                        # INSERT waited for its commit, but under READ
-                        # COMMITTED this statement's snapshot predates it:
-                        # read the key again (a new statement, a new snapshot).
-                        again = self._conn.execute(_Q["key_seq"], (info.id, key)).fetchone()
-                        existing = None if again is None else again[0]
-                    ok = inserted == 1 and updated == 1
-                    if inserted == 1 and updated == 0:
-                        self._conn.execute(_Q["key_forget"], (info.id, key, seq))
+            if key is None:
+                cur = self._execute(
+                    self._stmt("enqueue", queue),
+                    (seq, payload, self.producer, self._producer_seq, slot, seq),
+                    queue=queue,
+                    qid=info.id,
+                    seq=seq,
+                )
+                ok = cur.rowcount == 1
+                existing = None
+            else:
+                row = self._execute(
+                    self._stmt("enqueue_key", queue),
+                    {
+                        "queue_id": info.id,
+                        "key": key,
+                        "seq": seq,
+                        "payload": payload,
+                        "producer": self.producer,
+                        "producer_seq": self._producer_seq,
+                        "slot": slot,
+                    },
+                    queue=queue,
+                    qid=info.id,
+                    seq=seq,
+                ).fetchone()
+                assert row is not None
+                inserted, updated, existing = row
+                if inserted == 0 and existing is None:
+                    # Another transaction held the key uncommitted; the
+                    # INSERT waited for its commit, but under READ
+                    # COMMITTED this statement's snapshot predates it:
+                    # read the key again (a new statement, a new snapshot).
+                    again = self._execute(_Q["key_seq"], (info.id, key), queue=queue, qid=info.id, seq=seq).fetchone()
+                    existing = None if again is None else again[0]
+                ok = inserted == 1 and updated == 1
+                if inserted == 1 and updated == 0:
+                    self._execute(_Q["key_forget"], (info.id, key, seq), queue=queue, qid=info.id, seq=seq)
             if ok:
                 op.latency_ns = time.perf_counter_ns() - t0
-                self._section.clients[self._cidx * L.CLIENT_WORDS + L.C_N_ENQ] += 1
+                self._section.count_client(self._cidx, L.C_N_ENQ)
                 return seq
             self._ops.remove(op)
             self._void(op)
@@ -747,15 +721,17 @@ class Session:
                     reserved.extend(self._reserve_many(info, len(items) - len(reserved), timeout))
             except BaseException:
                 for slot, seq in reserved:
-                    self._void(_Op(ring, info, slot, seq, "e", 0))
+                    self._void(Op(ring, info, slot, seq, OpKind.ENQUEUE))
                 raise
-            ops = [_Op(ring, info, slot, seq, "e", 0) for slot, seq in reserved]
+            ops = [Op(ring, info, slot, seq, OpKind.ENQUEUE) for slot, seq in reserved]
             self._ops.extend(ops)
-            with self._converted(queue, qid=info.id, seq=reserved[0][1]):
-                rows = self._conn.execute(
-                    self._stmt("enqueue_many", queue),
-                    (self.producer, [s for s, _ in reserved], [q for _, q in reserved], items, pseqs),
-                ).fetchall()
+            rows = self._execute(
+                self._stmt("enqueue_many", queue),
+                (self.producer, [s for s, _ in reserved], [q for _, q in reserved], items, pseqs),
+                queue=queue,
+                qid=info.id,
+                seq=reserved[0][1],
+            ).fetchall()
             written = {r[0] for r in rows}
             if len(written) == len(ops):
                 break
@@ -768,10 +744,9 @@ class Session:
             self._record_error(L.ERR_ROW_MISMATCH, info.id, failed[0].seq)
             done = [op for op in ops if op.slot in written]
             if done:
-                with self._converted(queue):
-                    self._conn.execute(
-                        self._stmt("enqueue_void", queue), ([op.slot for op in done], [op.seq for op in done])
-                    )
+                self._execute(
+                    self._stmt("enqueue_void", queue), ([op.slot for op in done], [op.seq for op in done]), queue=queue
+                )
             for op in ops:
                 self._ops.remove(op)
                 self._void(op)
@@ -781,7 +756,7 @@ class Session:
         lat = (time.perf_counter_ns() - t0) // max(1, len(ops))
         for op in ops:
             op.latency_ns = lat
-        self._section.clients[self._cidx * L.CLIENT_WORDS + L.C_N_ENQ] += len(ops)
+        self._section.count_client(self._cidx, L.C_N_ENQ, len(ops))
         return [op.seq for op in ops]
 
     def _reserve(self, info: QueueInfo, timeout: float | None) -> tuple[int, int]:
@@ -791,7 +766,6 @@ class Session:
     def _reserve_many(self, info: QueueInfo, n: int, timeout: float | None) -> list[tuple[int, int]]:
         ring = self._ring(info)
         sec = self._section
-        qb = ring.qb
         wait = info.full_timeout if timeout is None else timeout
         if info.full_policy == "raise" and timeout is None:
             wait = 0.0
@@ -802,7 +776,7 @@ class Session:
             sec.lock_queue(ring.qidx)
             try:
                 if waiting:
-                    sec.queues[qb + L.Q_WAIT_SPACE] -= 1
+                    ring.remove_waiter(OpKind.ENQUEUE)
                     waiting = False
                 while len(got) < n:
                     r = ring.reserve(self.owner)
@@ -811,9 +785,7 @@ class Session:
                     got.append(r)
                 self_blocked = False
                 if not got:
-                    sec.queues[qb + L.Q_N_FULL] += 1
-                    if not sec.queues[qb + L.Q_FULL_SINCE_NS]:
-                        sec.queues[qb + L.Q_FULL_SINCE_NS] = time.monotonic_ns()
+                    ring.note_full()
                     # The ring frees slots only in order: if the oldest busy
                     # slot is our own uncommitted reservation, waiting can
                     # never succeed (we would wait on ourselves).
@@ -821,7 +793,7 @@ class Session:
                     self_blocked = locked and holder == self.owner
                     remaining = deadline - time.monotonic()
                     if remaining > 0 and not self_blocked:
-                        sec.queues[qb + L.Q_WAIT_SPACE] += 1
+                        ring.add_waiter(OpKind.ENQUEUE)
                         waiting = True
             finally:
                 sec.unlock_queue(ring.qidx)
@@ -846,10 +818,10 @@ class Session:
             except (posix_ipc.BusyError, posix_ipc.SignalError):
                 pass  # timed out or a signal: look again (a reclaim by the monitor posts nothing)
             except BaseException:
-                self._unwait(ring, L.Q_WAIT_SPACE)
+                self._unwait(ring, OpKind.ENQUEUE)
                 raise
 
-    def _void(self, op: _Op) -> None:
+    def _void(self, op: Op) -> None:
         sec = self._section
         sec.lock_queue(op.ring.qidx)
         try:
@@ -884,20 +856,19 @@ class Session:
             claimed = self._claim(ring, info, max_n, deadline, exclusive)
             if not claimed:
                 return []
-            ops = [_Op(ring, info, slot, seq, "d", 0) for slot, seq in claimed]
+            ops = [Op(ring, info, slot, seq, OpKind.DEQUEUE) for slot, seq in claimed]
             self._ops.extend(ops)
-            with self._converted(queue, qid=info.id, seq=ops[0].seq):
-                if len(ops) == 1:
-                    row = self._conn.execute(
-                        self._stmt("dequeue", queue), (ops[0].slot, ops[0].seq), binary=True
-                    ).fetchone()
-                    rows = [] if row is None else [(ops[0].slot, ops[0].seq, *row)]
-                else:
-                    rows = self._conn.execute(
-                        self._stmt("dequeue_many", queue),
-                        ([op.slot for op in ops], [op.seq for op in ops]),
-                        binary=True,
-                    ).fetchall()
+            if len(ops) == 1:
+                row = self._execute(
+                    self._stmt("dequeue", queue), (ops[0].slot, ops[0].seq),
+                    binary=True, queue=queue, qid=info.id, seq=ops[0].seq,
+                ).fetchone()
+                rows = [] if row is None else [(ops[0].slot, ops[0].seq, *row)]
+            else:
+                rows = self._execute(
+                    self._stmt("dequeue_many", queue), ([op.slot for op in ops], [op.seq for op in ops]),
+                    binary=True, queue=queue, qid=info.id, seq=ops[0].seq,
+                ).fetchall()
             got = {r[0]: r for r in rows}
             lat = (time.perf_counter_ns() - t0) // len(ops)
             stale = [op for op in ops if op.slot not in got]
@@ -910,7 +881,7 @@ class Session:
                     op.latency_ns = lat
                     messages.append(Message(queue, seq, bytes(payload), producer, pseq, enq_at, deliveries + 1))
             if messages:
-                self._section.clients[self._cidx * L.CLIENT_WORDS + L.C_N_DEQ] += len(messages)
+                self._section.count_client(self._cidx, L.C_N_DEQ, len(messages))
                 return messages
         return []
 
@@ -918,7 +889,6 @@ class Session:
         self, ring: Ring, info: QueueInfo, max_n: int, deadline: float | None, exclusive: bool
     ) -> list[tuple[int, int]]:
         sec = self._section
-        qb = ring.qb
         waiting = False
         sem = None
         while True:
@@ -926,7 +896,7 @@ class Session:
             sec.lock_queue(ring.qidx)
             try:
                 if waiting:
-                    sec.queues[qb + L.Q_WAIT_READY] -= 1
+                    ring.remove_waiter(OpKind.DEQUEUE)
                     waiting = False
                 if max_n == 1:
                     r = ring.claim(self.owner, exclusive=exclusive)
@@ -935,11 +905,11 @@ class Session:
                 else:
                     got = ring.claim_many(self.owner, max_n, exclusive=exclusive)
                 if not got:
-                    sec.queues[qb + L.Q_N_EMPTY] += 1
+                    ring.note_empty()
                     if deadline is not None and deadline > time.monotonic():
                         # Registered inside the same critical section as the
                         # failed scan, so a commit right after cannot miss us.
-                        sec.queues[qb + L.Q_WAIT_READY] += 1
+                        ring.add_waiter(OpKind.DEQUEUE)
                         waiting = True
             finally:
                 sec.unlock_queue(ring.qidx)
@@ -953,26 +923,26 @@ class Session:
             except (posix_ipc.BusyError, posix_ipc.SignalError):
                 pass  # timed out, or a signal whose handler did not raise: look again
             except BaseException:
-                self._unwait(ring, L.Q_WAIT_READY)
+                self._unwait(ring, OpKind.DEQUEUE)
                 raise
 
-    def _unwait(self, ring: Ring, word: int) -> None:
+    def _unwait(self, ring: Ring, kind: OpKind) -> None:
         """Undo a waiter registration when an exception leaves the wait."""
         sec = self._section
         sec.lock_queue(ring.qidx)
         try:
-            if sec.queues[ring.qb + word] > 0:
-                sec.queues[ring.qb + word] -= 1
+            ring.abandon_wait(kind)
         finally:
             sec.unlock_queue(ring.qidx)
 
-    def _repair_dequeue(self, info: QueueInfo, ring: Ring, stale: list[_Op], exclusive: bool) -> None:
+    def _repair_dequeue(self, info: QueueInfo, ring: Ring, stale: list[Op], exclusive: bool) -> None:
         """The rows did not match the section: decide those slots from the rows."""
         for op in stale:
             self._ops.remove(op)
         self._record_error(L.ERR_ROW_MISMATCH, info.id, stale[0].seq)
-        with self._converted(info.name, qid=info.id, seq=stale[0].seq):
-            rows = self._conn.execute(self._stmt("rows", info.name), ([op.slot for op in stale],)).fetchall()
+        rows = self._execute(
+            self._stmt("rows", info.name), ([op.slot for op in stale],), queue=info.name, qid=info.id, seq=stale[0].seq
+        ).fetchall()
         by_slot = {slot: (state, seq) for slot, state, seq in rows}
         need_resync = False
         sec = self._section
@@ -981,13 +951,10 @@ class Session:
             for op in stale:
                 if not ring.held_by(op.slot, self.owner):
                     continue
-                state, seq = by_slot.get(op.slot, (0, -1))
+                state, seq = by_slot.get(op.slot, (RowState.FREE, -1))
                 # Not there (void) or already consumed: the slot is done.
-                ring.finish_dequeue(op.slot, consumed=True, exclusive=exclusive)
-                sec.queues[ring.qb + L.Q_DEPTH_HINT] += 1  # it was not a consumption
-                sec.queues[ring.qb + L.Q_N_DEQ_COMMIT] -= 1
-                sec.queues[ring.qb + L.Q_N_REPAIRS] += 1
-                if state == 1 and seq != op.seq:
+                ring.finish_stale(op.slot, exclusive=exclusive)
+                if state == RowState.QUEUED and seq != op.seq:
                     need_resync = True  # an entry the section does not know about
         finally:
             sec.unlock_queue(ring.qidx)
@@ -998,12 +965,11 @@ class Session:
     def _resync(self, info: QueueInfo) -> None:
         """Re-read the queue's rows into the section, keeping live clients' locked slots."""
         ring = self._ring(info)
-        with converted(dsn=self.dsn, queue=info.name):
-            resync_queue(self._section, ring, info, self.dsn)
+        self._call(lambda: resync_queue(self._section, ring, info, self.dsn), queue=info.name, recover=False)
 
     # -- recovery ------------------------------------------------------------------------
 
-    def _recover(self, ops: list[_Op], *, reason: str) -> bool | None:
+    def _recover(self, ops: list[Op], *, reason: str) -> bool | None:
         """Decide ``ops`` from the rows after the connection was lost.
 
         Returns True if the transaction committed, False if not, None if it
@@ -1018,21 +984,22 @@ class Session:
             # Hand the slots over to the monitor: it decides them from the rows
             # once the database is back.
             if ops:
-                sec = self._section
-                sec.clients[self._cidx * L.CLIENT_WORDS + L.C_STATE] = L.CS_IN_DOUBT
+                self._section.hand_over_client(self._cidx)
                 self._finalizer.detach()
                 self._register_client(0)
             self._closed = True
             return None
         self._conn = new
-        try:
+
+        def decide() -> tuple[bool | None, tuple[Any, ...] | None]:
             with psycopg.connect(self.dsn, autocommit=True) as aux:
-                _wait_backend_gone(aux, old_pid)
+                wait_backend_gone(aux, old_pid)
                 committed = self._decide_from_rows(aux, ops)
-            row = self._conn.execute("SELECT pg_backend_pid()").fetchone()
+            row = self._conn.execute(_Q["backend_pid"]).fetchone()
             self._conn.rollback()
-        except psycopg.Error as exc:
-            raise from_psycopg(exc, dsn=self.dsn) from exc
+            return committed, row
+
+        committed, row = self._call(decide, recover=False)
         assert row is not None
         self.backend_pid = row[0]
         self._section.set_client_backend(self._cidx, self.backend_pid)
@@ -1040,193 +1007,10 @@ class Session:
         logger.warning("ringq: connection lost (%s); %d slots decided from rows", reason, len(ops))
         return committed
 
-    def _decide_from_rows(self, conn: psycopg.Connection[Any], ops: list[_Op]) -> bool | None:
+    def _decide_from_rows(self, conn: psycopg.Connection[Any], ops: list[Op]) -> bool | None:
         if not ops:
             return None
-        committed = decide_ops(
-            self._section, conn, [(op.ring, op.info, op.slot, op.seq, op.kind) for op in ops], self.owner
-        )
-        return committed
-
-    # -- two-phase commit -----------------------------------------------------------------
-
-    def xid(self, gtrid: str) -> Any:
-        """A transaction id for :meth:`tpc_begin` (format 0, branch ``ringq``)."""
-        if self._closed:
-            raise SessionClosed("the session is closed")
-        return self._conn.xid(0, gtrid, TPC_BRANCH)
-
-    def tpc_begin(self, xid: Any) -> None:
-        """Start a two-phase transaction (psycopg's ``tpc_begin``); the connection must be idle."""
-        self._check()
-        if self._ops:
-            raise TransactionError("tpc_begin inside a transaction with queue operations")
-        with self._converted():
-            if self._conn.info.transaction_status != _IDLE:
-                self._conn.rollback()
-            if isinstance(xid, str):
-                xid = self.xid(xid)
-            self._conn.tpc_begin(xid)
-        self._tpc_xid = xid
-
-    def tpc_prepare(self) -> None:
-        """Log the slots this transaction touches (committed on its own), then PREPARE."""
-        self._check()
-        if self._tpc_xid is None:
-            raise TransactionError("no two-phase transaction is open")
-        gid = self._gid()
-        if self._ops:
-            with self._converted():
-                self._aux_conn().execute(
-                    _Q["tpc_log"],
-                    (
-                        gid,
-                        [op.info.id for op in self._ops],
-                        [op.slot for op in self._ops],
-                        [op.seq for op in self._ops],
-                        [op.kind for op in self._ops],
-                    ),
-                )
-        with self._converted():
-            self._conn.tpc_prepare()
-        self._tpc_prepared = True
-
-    def _aux_conn(self) -> psycopg.Connection[Any]:
-        """A second, autocommit connection for bookkeeping outside the
-        transaction (the two-phase slot log), opened once."""
-        aux = self._aux
-        if aux is None or aux.closed or aux.broken:
-            try:
-                aux = psycopg.connect(self.dsn, autocommit=True, connect_timeout=max(1, int(self._connect_timeout)))
-            except psycopg.Error as exc:
-                raise from_psycopg(exc, dsn=self.dsn) from exc
-            self._aux = aux
-        return aux
-
-    def _hold(self, ops: list[_Op]) -> None:
-        """Keep slots locked with no live owner (in doubt) for recovery to decide."""
-        sec = self._section
-        for op in ops:
-            sec.lock_queue(op.ring.qidx)
-            try:
-                sec.owner_w[op.ring.base + op.slot] = L.OWNER_HELD
-            finally:
-                sec.unlock_queue(op.ring.qidx)
-
-    def tpc_decide(self) -> None:
-        """Record the coordinator's durable decision to commit the prepared transaction.
-
-        Call it after :meth:`tpc_prepare` (on every participant, once all have
-        prepared) and before :meth:`tpc_commit`. The decision is committed on
-        the session's side connection, on its own: if this process dies
-        before COMMIT PREPARED, recovery (the monitor's ``resolve_prepared``)
-        commits the transaction; without a decision it rolls it back once
-        older than its timeout. :meth:`tpc_commit` clears the decision right
-        after COMMIT PREPARED. Once decided, the transaction only commits:
-        :meth:`tpc_rollback` (and :meth:`rollback`) refuse, and :meth:`close`
-        leaves it prepared for recovery.
-
-        :raises TransactionError: no prepared two-phase transaction.
-        :raises DatabaseUnavailable: the decision could not be recorded (then
-            it is not made: roll back, or retry).
-        """
-        self._check()
-        if self._tpc_xid is None or not self._tpc_prepared:
-            raise TransactionError("tpc_decide needs a prepared two-phase transaction (call tpc_prepare first)")
-        with self._converted():
-            self._aux_conn().execute(_Q["tpc_decide"], (self._gid(),))
-        self._tpc_decided = True
-
-    def tpc_commit(self) -> None:
-        """COMMIT PREPARED (or one-phase commit if not prepared); then publish.
-
-        :raises InDoubt: the answer to COMMIT PREPARED was lost; recovery
-            commits the transaction if :meth:`tpc_decide` recorded it, else
-            rolls it back after a timeout.
-        """
-        if self._closed:
-            raise SessionClosed("the session is closed")
-        self._tpc_end(commit=True)
-
-    def tpc_rollback(self) -> None:
-        """ROLLBACK PREPARED (or a plain rollback if not prepared).
-
-        :raises TransactionError: :meth:`tpc_decide` recorded the decision to
-            commit: once durable it stands (other participants may have
-            committed already), so only :meth:`tpc_commit` or recovery may
-            finish the transaction, and both commit it.
-        """
-        if self._closed:
-            raise SessionClosed("the session is closed")
-        if self._tpc_decided:
-            raise TransactionError(
-                f"{self._gid()} is decided to commit: call tpc_commit(), or leave it to recovery"
-            )
-        self._tpc_end(commit=False)
-
-    def _leave_decided(self) -> None:
-        """At close: leave a decided prepared transaction to recovery. Its
-        slots stay locked with no live owner (as an in-doubt one's do), and
-        ``resolve_prepared`` commits it from the recorded decision."""
-        ops, self._ops = self._ops, []
-        gid = self._gid()
-        self._tpc_xid = None
-        self._tpc_prepared = False
-        self._tpc_decided = False
-        self._hold(ops)
-        logger.warning("ringq: session closed with %s decided but not committed: left to recovery", gid)
-
-    def _gid(self) -> str:
-        x = self._tpc_xid
-        return f"{x.format_id}_{_b64(x.gtrid)}_{_b64(x.bqual)}"
-
-    def _tpc_end(self, *, commit: bool) -> None:
-        if self._tpc_xid is None:
-            raise TransactionError("no two-phase transaction is open")
-        ops, self._ops = self._ops, []
-        gid = self._gid()
-        try:
-            if commit:
-                self._conn.tpc_commit()
-            else:
-                self._conn.tpc_rollback()
-        except psycopg.Error as exc:
-            self._tpc_xid = None
-            self._tpc_decided = False  # a recorded decision stays for recovery
-            if self._tpc_prepared:
-                # A prepared transaction outlives the connection: its rows do
-                # not tell the outcome yet. Hold the slots for the monitor's
-                # resolve_prepared (the coordinator's decision decides).
-                self._tpc_prepared = False
-                self._hold(ops)
-                self._record_ops_error(L.ERR_IN_DOUBT, ops)
-                self._recover([], reason=f"tpc end failed: {exc}")
-                raise InDoubt(f"two-phase {'commit' if commit else 'rollback'} of {gid} in doubt: {exc}") from exc
-            if commit:
-                self._record_ops_error(L.ERR_COMMIT_FAILED, ops)
-            self._recover(ops, reason=f"tpc end failed: {exc}")
-            raise from_psycopg(exc, dsn=self.dsn) from exc
-        self._tpc_xid = None
-        self._tpc_prepared = False
-        decided, self._tpc_decided = self._tpc_decided, False
-        if decided:
-            # Clear the decision at once: committed, it has done its work, and
-            # a row left behind would commit a later transaction reusing the
-            # gid. (If we die first, recovery drops it once the gid is no
-            # longer prepared.)
-            try:
-                self._aux_conn().execute(_Q["tpc_undecide"], (gid,))
-            except (psycopg.Error, RingqError):
-                logger.warning("ringq: could not clear the decision for %s (recovery will)", gid)
-        try:
-            self._finish(ops, committed=commit)
-            self._begin()
-        finally:
-            if ops:
-                try:
-                    self._aux_conn().execute(_Q["tpc_forget"], (gid,))
-                except (psycopg.Error, RingqError):
-                    logger.warning("ringq: could not clear tpc_log for %s", gid)
+        return decide_ops(self._section, conn, ops, self.owner)
 
     # -- events ----------------------------------------------------------------------------
 
@@ -1239,8 +1023,7 @@ class Session:
     def publish(self, name: str, **data: Any) -> None:
         """Publish a named event in the current transaction (sent at commit)."""
         self._check()
-        with self._converted():
-            publish(self._conn, name, **data)
+        self._call(lambda: publish(self._conn, name, **data))
 
     # -- introspection ---------------------------------------------------------------------
 
@@ -1265,40 +1048,11 @@ class Session:
         return self._ring(self._info(queue))
 
 
-# -- shared with the monitor ---------------------------------------------------------------
-
-
-def _mark_dropped(sec: Section, existing: set[int]) -> None:
-    """Mark blocks of queues no longer in the database as dropped (caller holds the section lock)."""
-    for qidx in sec.loaded_queues():
-        if sec.q(qidx, L.Q_QID) not in existing:
-            sec.queues[qidx * L.QUEUE_WORDS + L.Q_STATE] = L.QS_DROPPED
-
-
 def _orphaned(sec: Section, cidx: int, pid: int) -> None:
     """Finalizer of a session never closed: let recovery decide its slots and free it."""
     if os.getpid() != pid or sec.closed:
         return
-    base = cidx * L.CLIENT_WORDS
-    if sec.clients[base + L.C_PID] == pid and sec.clients[base + L.C_STATE] == L.CS_ACTIVE:
-        sec.clients[base + L.C_STATE] = L.CS_IN_DOUBT
-
-
-def _b64(b: str) -> str:
-    import base64
-
-    return base64.b64encode(b.encode()).decode()
-
-
-TPC_BRANCH = "ringq"  # the branch qualifier of Session.xid(): marks the gids ringq made
-
-
-def is_ringq_gid(gid: str) -> bool:
-    """Whether ``gid`` is one :meth:`Session.xid` makes (format 0, branch
-    ``ringq``, as psycopg spells an xid), so recovery may roll it back.
-    Prepared transactions named otherwise are the user's own."""
-    parts = gid.split("_")  # base64 never holds "_"
-    return len(parts) == 3 and parts[0] == "0" and parts[2] == _b64(TPC_BRANCH)
+    sec.hand_over_client(cidx, pid=pid)
 
 
 def _as_bytes(payload: object) -> bytes:
@@ -1307,116 +1061,3 @@ def _as_bytes(payload: object) -> bytes:
     if isinstance(payload, bytearray | memoryview):
         return bytes(payload)
     raise TypeError(f"payload must be bytes, not {type(payload).__name__}")
-
-
-def _hist(sec: Section, hist_word: int, sum_word: int, ns: int) -> None:
-    if ns <= 0:
-        return
-    us = ns // 1000
-    bucket = min(us.bit_length(), L.HIST_BUCKETS - 1)
-    sec.queues[hist_word + bucket] += 1
-    sec.queues[sum_word] += ns
-
-
-def _wait_backend_gone(conn: psycopg.Connection[Any], pid: int, timeout: float = 30.0) -> None:
-    """Until the old backend has ended its transaction may still commit: end it and wait."""
-    if not pid:
-        return
-    try:
-        conn.execute(_Q["terminate"], (pid,))
-    except psycopg.Error:
-        pass
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        row = conn.execute(_Q["backend_alive"], (pid,)).fetchone()
-        if not row or row[0] == 0:
-            return
-        time.sleep(0.01)
-    raise DatabaseUnavailable(f"backend {pid} did not end within {timeout:g}s")
-
-
-def _held_slots(conn: psycopg.Connection[Any], qid: int) -> list[tuple[int, int]]:
-    """(slot, seq) of prepared two-phase transactions in this queue: in doubt until resolved."""
-    rows = conn.execute(
-        "SELECT l.slot, l.seq FROM ringq.tpc_log l JOIN pg_prepared_xacts p ON p.gid = l.gid "
-        "WHERE l.queue_id = %s",
-        (qid,),
-    ).fetchall()
-    return [(int(s), int(q)) for s, q in rows]
-
-
-def _load_block(sec: Section, qidx: int, info: QueueInfo, rows: Sequence[tuple[int, int, int]], held: list[tuple[int, int]]) -> None:
-    """Fill a freshly allocated block (caller holds the section lock)."""
-    qb = qidx * L.QUEUE_WORDS
-    Q = sec.queues
-    Q[qb + L.Q_MAX_PAYLOAD] = info.max_payload
-    Q[qb + L.Q_POLICY] = 0 if info.full_policy == "block" else 1
-    Q[qb + L.Q_MODE] = 0 if info.dequeue_mode == "single" else 1
-    Q[qb + L.Q_FULL_TIMEOUT_MS] = int(info.full_timeout * 1000)
-    Q[qb + L.Q_MAX_DELIVERIES] = info.max_deliveries
-    Q[qb + L.Q_LOADED_NS] = time.time_ns()
-    ring = Ring(sec, qidx)
-    arr = np.array(rows, dtype=np.int64).reshape(-1, 3)
-    ring.load_rows(arr[:, 0], arr[:, 1], arr[:, 2], keep_locked=False, held=held)
-    Q[qb + L.Q_STATE] = L.QS_READY
-
-
-def resync_queue(sec: Section, ring: Ring, info: QueueInfo, dsn: str) -> None:
-    """Re-read a loaded queue's rows into the section, keeping slots locked by clients.
-
-    Holds the queue's lock while reading (rare: a repair), so no slot changes
-    hands between the read and the update.
-    """
-    with psycopg.connect(dsn, autocommit=True) as aux:
-        sql_rows = sql.SQL(_Q["all_rows"]).format(table=queue_table(info.name))
-        held = _held_slots(aux, info.id)
-        sec.lock_queue(ring.qidx)
-        try:
-            rows = aux.execute(sql_rows).fetchall()
-            arr = np.array(rows, dtype=np.int64).reshape(-1, 3)
-            ring.load_rows(arr[:, 0], arr[:, 1], arr[:, 2], keep_locked=True, held=held)
-            sec.queues[ring.qb + L.Q_N_RESYNC] += 1
-        finally:
-            sec.unlock_queue(ring.qidx)
-
-
-def decide_ops(
-    sec: Section,
-    conn: psycopg.Connection[Any],
-    ops: Sequence[tuple[Ring, QueueInfo, int, int, str]],
-    owner: int | None = None,
-) -> bool | None:
-    """Decide in-flight slots from their rows (the old backend has ended).
-
-    An enqueue committed iff its row holds its sequence (queued or consumed);
-    a dequeue committed iff its row is consumed. Returns whether the
-    transaction committed (None if no op tells), after updating the section.
-    """
-    by_queue: dict[int, list[tuple[Ring, QueueInfo, int, int, str]]] = {}
-    for op in ops:
-        by_queue.setdefault(op[1].id, []).append(op)
-    outcome: bool | None = None
-    for group in by_queue.values():
-        ring, info = group[0][0], group[0][1]
-        rows = conn.execute(
-            sql.SQL(_Q["rows"]).format(table=queue_table(info.name)),
-            ([op[2] for op in group],),
-        ).fetchall()
-        by_slot = {slot: (state, seq) for slot, state, seq in rows}
-        exclusive = info.dequeue_mode == "single"
-        sec.lock_queue(ring.qidx)
-        try:
-            for _ring, _info, slot, seq, kind in group:
-                if owner is not None and not ring.held_by(slot, owner):
-                    continue  # someone else decided it already
-                state, row_seq = by_slot.get(slot, (0, -1))
-                if kind == "e":
-                    done = row_seq == seq and state in (1, 2)
-                    ring.finish_enqueue(slot, committed=done)
-                else:
-                    done = row_seq == seq and state == 2
-                    ring.finish_dequeue(slot, consumed=done, exclusive=exclusive)
-                outcome = done if outcome is None else (outcome or done)
-        finally:
-            sec.unlock_queue(ring.qidx)
-    return outcome

@@ -1,5 +1,7 @@
 -- Runtime SQL of the engine. {table} is the queue's table, filled only with
--- psycopg.sql.Identifier from a validated name. %b marks binary parameters.
+-- psycopg.sql.Identifier from a validated name; {gid} a prepared transaction's
+-- name, filled only with psycopg.sql.Literal. %b marks binary parameters; a
+-- statement of more than four parameters names them (%(name)s).
 
 -- instance --
 SELECT (SELECT value FROM ringq.meta WHERE key = 'instance_id'),
@@ -10,6 +12,14 @@ SELECT (SELECT value FROM ringq.meta WHERE key = 'instance_id'),
 SELECT id, name, capacity, max_payload, full_policy, full_timeout, dequeue_mode,
        max_deliveries, exception_queue
 FROM ringq.queues WHERE name = %s
+
+-- queue_infos --
+SELECT id, name, capacity, max_payload, full_policy, full_timeout, dequeue_mode,
+       max_deliveries, exception_queue
+FROM ringq.queues
+
+-- queue_ids --
+SELECT id FROM ringq.queues
 
 -- queue_by_id --
 SELECT id, name, capacity, max_payload, full_policy, full_timeout, dequeue_mode,
@@ -26,17 +36,18 @@ WHERE slot = %s::integer AND state <> 1 AND seq < %s::bigint
 
 -- enqueue_key --
 WITH k AS (
-    INSERT INTO ringq.keys (queue_id, key, seq) VALUES (%s::integer, %s, %s::bigint)
+    INSERT INTO ringq.keys (queue_id, key, seq) VALUES (%(queue_id)s::integer, %(key)s, %(seq)s::bigint)
     ON CONFLICT DO NOTHING RETURNING seq
 ), u AS (
     UPDATE {table}
-    SET state = 1, seq = %s::bigint, payload = %b, producer = %s, producer_seq = %s::bigint, deliveries = 0,
+    SET state = 1, seq = %(seq)s::bigint, payload = %(payload)b, producer = %(producer)s,
+        producer_seq = %(producer_seq)s::bigint, deliveries = 0,
         enq_at = now(), enq_user = current_user, deq_at = NULL, deq_user = NULL
-    WHERE slot = %s::integer AND state <> 1 AND seq < %s::bigint AND EXISTS (SELECT 1 FROM k)
+    WHERE slot = %(slot)s::integer AND state <> 1 AND seq < %(seq)s::bigint AND EXISTS (SELECT 1 FROM k)
     RETURNING slot
 )
 SELECT (SELECT count(*) FROM k), (SELECT count(*) FROM u),
-       (SELECT seq FROM ringq.keys WHERE queue_id = %s AND key = %s)
+       (SELECT seq FROM ringq.keys WHERE queue_id = %(queue_id)s AND key = %(key)s)
 
 -- key_forget --
 DELETE FROM ringq.keys WHERE queue_id = %s AND key = %s AND seq = %s
@@ -87,13 +98,13 @@ RETURNING t.slot, t.seq, t.payload, t.producer, t.producer_seq, t.enq_at, t.deli
 WITH s AS (
     UPDATE {table}
     SET deliveries = deliveries + 1,
-        state = CASE WHEN deliveries + 1 >= %s THEN 2 ELSE 1 END,
-        deq_at = CASE WHEN deliveries + 1 >= %s THEN now() END
-    WHERE slot = ANY(%s::integer[]) AND seq = ANY(%s::bigint[]) AND state = 1
+        state = CASE WHEN deliveries + 1 >= %(max_deliveries)s THEN 2 ELSE 1 END,
+        deq_at = CASE WHEN deliveries + 1 >= %(max_deliveries)s THEN now() END
+    WHERE slot = ANY(%(slots)s::integer[]) AND seq = ANY(%(seqs)s::bigint[]) AND state = 1
     RETURNING slot, seq, state, deliveries, payload, producer, producer_seq, enq_at
 ), d AS (
     SELECT v.qid, src.exception_queue AS to_name, e.id AS to_id, e.max_payload AS to_max
-    FROM (VALUES (%s::integer)) AS v(qid)
+    FROM (VALUES (%(queue_id)s::integer)) AS v(qid)
     LEFT JOIN ringq.queues src ON src.id = v.qid
     LEFT JOIN ringq.queues e ON e.name = src.exception_queue
 ), f AS (
@@ -109,7 +120,7 @@ WITH s AS (
     INSERT INTO ringq.exceptions (queue_id, seq, payload, producer, producer_seq, enq_at,
                                   deliveries, reason)
     SELECT qid, seq, payload, producer, producer_seq, enq_at, deliveries,
-           %s || coalesce('; kept here only: ' || why_not, '')
+           %(reason)s || coalesce('; kept here only: ' || why_not, '')
     FROM f
     ON CONFLICT DO NOTHING
     RETURNING seq
@@ -137,6 +148,23 @@ SELECT slot, state, seq FROM {table} WHERE slot = ANY(%s::integer[])
 -- all_rows --
 SELECT slot, state, seq FROM {table}
 
+-- held_slots --
+-- (slot, seq) of prepared two-phase transactions in one queue: in doubt until resolved.
+SELECT l.slot, l.seq FROM ringq.tpc_log l JOIN pg_prepared_xacts p ON p.gid = l.gid
+WHERE l.queue_id = %s
+
+-- prepared_slots --
+-- (queue id, slot) of every prepared two-phase transaction's slots.
+SELECT l.queue_id, l.slot FROM ringq.tpc_log l JOIN pg_prepared_xacts p ON p.gid = l.gid
+
+-- backend_pid --
+SELECT pg_backend_pid()
+
+-- backends_started --
+-- The backends of this database among the pids, and when each started (epoch seconds).
+SELECT pid, extract(epoch FROM backend_start) FROM pg_stat_activity
+WHERE pid = ANY(%s) AND datname = current_database()
+
 -- backend_alive --
 SELECT count(*) FROM pg_stat_activity WHERE pid = %s
 
@@ -149,8 +177,13 @@ SELECT pg_terminate_backend(%s)
 
 -- tpc_log --
 INSERT INTO ringq.tpc_log (gid, queue_id, slot, seq, kind)
-SELECT %s, q, s, n, k FROM unnest(%s::integer[], %s::integer[], %s::bigint[], %s::"char"[]) AS v(q, s, n, k)
+SELECT %(gid)s, q, s, n, k
+FROM unnest(%(queue_ids)s::integer[], %(slots)s::integer[], %(seqs)s::bigint[], %(kinds)s::"char"[])
+    AS v(q, s, n, k)
 ON CONFLICT DO NOTHING
+
+-- tpc_slots --
+SELECT queue_id, slot, seq, kind FROM ringq.tpc_log WHERE gid = %s
 
 -- tpc_forget --
 DELETE FROM ringq.tpc_log WHERE gid = %s
@@ -160,6 +193,26 @@ INSERT INTO ringq.tpc_decisions (gid) VALUES (%s) ON CONFLICT DO NOTHING
 
 -- tpc_undecide --
 DELETE FROM ringq.tpc_decisions WHERE gid = %s
+
+-- tpc_decisions_expire --
+-- Decisions older than the timeout (seconds) whose gid is no longer prepared.
+DELETE FROM ringq.tpc_decisions d WHERE d.decided_at < now() - make_interval(secs => %s)
+AND NOT EXISTS (SELECT 1 FROM pg_prepared_xacts p WHERE p.gid = d.gid)
+
+-- tpc_prepared --
+-- This database's prepared transactions: gid, age (s), whether a decision is
+-- recorded, its age (s), and whether it logged slots.
+SELECT p.gid, extract(epoch FROM now() - p.prepared), d.gid IS NOT NULL,
+       coalesce(extract(epoch FROM now() - d.decided_at), 0),
+       EXISTS (SELECT 1 FROM ringq.tpc_log l WHERE l.gid = p.gid)
+FROM pg_prepared_xacts p LEFT JOIN ringq.tpc_decisions d ON d.gid = p.gid
+WHERE p.database = current_database()
+
+-- commit_prepared --
+COMMIT PREPARED {gid}
+
+-- rollback_prepared --
+ROLLBACK PREPARED {gid}
 
 -- inbox_take --
 DELETE FROM ringq.inbox

@@ -1,0 +1,157 @@
+"""Deciding slots from rows: the section is a cache, the queue tables are the truth.
+
+What a session runs after its connection was lost, and what recovery (the
+monitor, or any linked client) runs for a dead client: once the old backend
+has ended, each in-flight slot is decided from its row (:func:`decide_ops`).
+Also here: loading a queue's block from its table (:func:`load_queue`) and
+re-reading a loaded one (:func:`resync_queue`).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import psycopg
+from psycopg import sql
+
+from . import _layout as L
+from ._errors import DatabaseUnavailable
+from ._names import queue_table
+from ._ops import Op, OpKind, RowState
+from ._queries import QUERIES as _Q
+from ._queue_info import QueueInfo
+from ._ring import Ring
+from ._section import Section
+
+
+def mark_dropped(sec: Section, existing: set[int]) -> None:
+    """Mark blocks of queues no longer in the database as dropped (caller holds the section lock)."""
+    for qidx in sec.loaded_queues():
+        if sec.q(qidx, L.Q_QID) not in existing:
+            sec.mark_queue_dropped(qidx)
+
+
+def wait_backend_gone(conn: psycopg.Connection[Any], pid: int, timeout: float = 30.0) -> None:
+    """Until the old backend has ended its transaction may still commit: end it and wait."""
+    if not pid:
+        return
+    try:
+        conn.execute(_Q["terminate"], (pid,))
+    except psycopg.Error:
+        pass
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        row = conn.execute(_Q["backend_alive"], (pid,)).fetchone()
+        if not row or row[0] == 0:
+            return
+        time.sleep(0.01)
+    raise DatabaseUnavailable(f"backend {pid} did not end within {timeout:g}s")
+
+
+def held_slots(conn: psycopg.Connection[Any], qid: int) -> list[tuple[int, int]]:
+    """(slot, seq) of prepared two-phase transactions in this queue: in doubt until resolved."""
+    rows = conn.execute(_Q["held_slots"], (qid,)).fetchall()
+    return [(int(s), int(q)) for s, q in rows]
+
+
+def load_block(
+    sec: Section, qidx: int, info: QueueInfo, rows: Sequence[tuple[int, int, int]], held: list[tuple[int, int]]
+) -> None:
+    """Fill a freshly allocated block (caller holds the section lock)."""
+    ring = Ring(sec, qidx)
+    ring.configure(
+        max_payload=info.max_payload,
+        block_when_full=info.full_policy == "block",
+        single_dequeuer=info.dequeue_mode == "single",
+        full_timeout_ms=int(info.full_timeout * 1000),
+        max_deliveries=info.max_deliveries,
+    )
+    arr = np.array(rows, dtype=np.int64).reshape(-1, 3)
+    ring.load_rows(arr[:, 0], arr[:, 1], arr[:, 2], keep_locked=False, held=held)
+    sec.mark_queue_ready(qidx)
+
+
+def load_queue(sec: Section, conn: psycopg.Connection[Any], info: QueueInfo) -> int:
+    """Bring a queue into the section from its table (its first user on this
+    host); returns its block. ``conn`` reads committed rows (autocommit).
+
+    Takes the section lock; a queue another process loaded meanwhile is not
+    loaded again.
+    """
+    sec.lock_section()
+    try:
+        qidx = sec.find_queue(info.id)
+        if qidx is not None:
+            return qidx
+        mark_dropped(sec, {r[0] for r in conn.execute(_Q["queue_ids"]).fetchall()})
+        qidx = sec.allocate_queue(info.id, info.name, info.capacity)
+        rows = conn.execute(sql.SQL(_Q["all_rows"]).format(table=queue_table(info.name))).fetchall()
+        held = held_slots(conn, info.id)
+        load_block(sec, qidx, info, rows, held)
+        return qidx
+    finally:
+        sec.unlock_section()
+
+
+def resync_queue(sec: Section, ring: Ring, info: QueueInfo, dsn: str) -> None:
+    """Re-read a loaded queue's rows into the section, keeping slots locked by clients.
+
+    Holds the queue's lock while reading (rare: a repair), so no slot changes
+    hands between the read and the update.
+    """
+    with psycopg.connect(dsn, autocommit=True) as aux:
+        sql_rows = sql.SQL(_Q["all_rows"]).format(table=queue_table(info.name))
+        held = held_slots(aux, info.id)
+        sec.lock_queue(ring.qidx)
+        try:
+            rows = aux.execute(sql_rows).fetchall()
+            arr = np.array(rows, dtype=np.int64).reshape(-1, 3)
+            ring.load_rows(arr[:, 0], arr[:, 1], arr[:, 2], keep_locked=True, held=held)
+            ring.note_resync()
+        finally:
+            sec.unlock_queue(ring.qidx)
+
+
+def decide_ops(
+    sec: Section,
+    conn: psycopg.Connection[Any],
+    ops: Sequence[Op],
+    owner: int | None = None,
+) -> bool | None:
+    """Decide in-flight slots from their rows (the old backend has ended).
+
+    An enqueue committed iff its row holds its sequence (queued or consumed);
+    a dequeue committed iff its row is consumed. With ``owner``, only slots
+    it still holds are decided. Returns whether the transaction committed
+    (None if no op tells), after updating the section.
+    """
+    by_queue: dict[int, list[Op]] = {}
+    for op in ops:
+        by_queue.setdefault(op.info.id, []).append(op)
+    outcome: bool | None = None
+    for group in by_queue.values():
+        ring, info = group[0].ring, group[0].info
+        rows = conn.execute(
+            sql.SQL(_Q["rows"]).format(table=queue_table(info.name)),
+            ([op.slot for op in group],),
+        ).fetchall()
+        by_slot = {slot: (state, seq) for slot, state, seq in rows}
+        exclusive = info.dequeue_mode == "single"
+        sec.lock_queue(ring.qidx)
+        try:
+            for op in group:
+                if owner is not None and not ring.held_by(op.slot, owner):
+                    continue  # someone else decided it already
+                state, row_seq = by_slot.get(op.slot, (RowState.FREE, -1))
+                done = op.committed_in(state, row_seq)
+                if op.kind == OpKind.ENQUEUE:
+                    ring.finish_enqueue(op.slot, committed=done)
+                else:
+                    ring.finish_dequeue(op.slot, consumed=done, exclusive=exclusive)
+                outcome = done if outcome is None else (outcome or done)
+        finally:
+            sec.unlock_queue(ring.qidx)
+    return outcome

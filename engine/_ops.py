@@ -1,0 +1,58 @@
+"""Operations a session holds in flight, and the row states that decide them.
+
+A queue row's ``state`` and a ``tpc_log`` row's ``kind`` are stored as small
+codes (see scripting/ddl.sql); these enums name them. Their values are the
+stored ones and never change.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import IntEnum, StrEnum
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from ._queue_info import QueueInfo
+    from ._ring import Ring
+
+
+class RowState(IntEnum):
+    """``state`` of a queue table row."""
+
+    FREE = 0  # never written, or withdrawn (void): holds no entry
+    QUEUED = 1  # holds a committed entry not yet consumed
+    CONSUMED = 2  # its entry was dequeued and the dequeue committed (or it was poisoned)
+
+
+class OpKind(StrEnum):
+    """What a session does to a slot (stored as ``tpc_log.kind``)."""
+
+    ENQUEUE = "e"  # the slot is reserved for a new entry
+    DEQUEUE = "d"  # the slot's entry is locked for consumption
+
+
+@dataclass(slots=True)
+class Op:
+    """One slot in flight: reserved for an enqueue or locked for a dequeue.
+
+    Fixed once made, except ``latency_ns``: the call's latency (ns), filled in
+    once its statement has answered (0 until then, and for ops that recovery
+    rebuilds).
+    """
+
+    ring: Ring
+    info: QueueInfo
+    slot: int
+    seq: int
+    kind: OpKind
+    latency_ns: int = 0
+
+    def committed_in(self, state: int, row_seq: int) -> bool:
+        """Whether the row (its ``state`` and ``seq``) shows this op committed:
+        an enqueue iff the row holds its sequence (queued or consumed), a
+        dequeue iff the row is consumed."""
+        if row_seq != self.seq:
+            return False
+        if self.kind == OpKind.ENQUEUE:
+            return state in (RowState.QUEUED, RowState.CONSUMED)
+        return state == RowState.CONSUMED
