@@ -14,8 +14,8 @@ from datetime import datetime
 from typing import Any
 
 import psycopg
-from psycopg.conninfo import conninfo_to_dict
 from ringq.engine import ConfigError, EntryNotFound, QueueNotFound, validate_queue_name
+from ringq.engine._dsn import check_dsn
 from ringq.engine._errors import converted
 from ringq.engine._names import queue_table
 from ringq.engine._sqlfile import compose, load
@@ -78,13 +78,7 @@ def connect_admin(dsn: str) -> psycopg.Connection[Any]:
     :raises DatabaseUnavailable: the server cannot be reached or refuses the
         connection; the message names the DSN without its password.
     """
-    try:
-        params = conninfo_to_dict(dsn)
-    except psycopg.ProgrammingError as exc:
-        # Not echoed: a DSN that does not parse may hide its password from
-        # redact_dsn (``password secret``). libpq's message names the spot.
-        detail = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise ConfigError(f"invalid DSN (not shown, it may hold a password): {detail}") from exc
+    params = check_dsn(dsn)  # a malformed DSN is a ConfigError, before any connection
     extra: dict[str, Any] = {}
     if "connect_timeout" not in params and not os.environ.get("PGCONNECT_TIMEOUT"):
         extra["connect_timeout"] = DEFAULT_CONNECT_TIMEOUT

@@ -27,6 +27,11 @@ from ringq.engine._sqlfile import compose, load
 
 SCHEMA_VERSION = 1
 MAX_PAYLOAD = 1 << 30  # PostgreSQL's limit for one bytea value (1 GiB)
+MAX_DELIVERIES = 1_000_000
+# The global section keeps full_timeout in milliseconds in an int64 word (at
+# most 2**63 - 1 ms, about 9.22e15 s); 9e15 s leaves room for float rounding.
+MAX_FULL_TIMEOUT = 9e15  # seconds
+# The same bounds are written in ddl.sql's queues_fit_section constraint.
 
 _BLOCKS = load("ringq.scripting", "ddl.sql")
 
@@ -53,7 +58,7 @@ class QueueSpec:
         validate_queue_name(self.name)
         _int_in("capacity", self.capacity, 1, MAX_CAPACITY)
         _int_in("max_payload", self.max_payload, 1, MAX_PAYLOAD)
-        _int_in("max_deliveries", self.max_deliveries, 1, 1_000_000)
+        _int_in("max_deliveries", self.max_deliveries, 1, MAX_DELIVERIES)
         _int_in("fillfactor", self.fillfactor, 10, 100)
         if self.full_policy not in ("block", "raise"):
             raise ConfigError(f"full_policy must be 'block' or 'raise', not {self.full_policy!r}")
@@ -63,9 +68,11 @@ class QueueSpec:
             isinstance(self.full_timeout, bool)
             or not isinstance(self.full_timeout, int | float)
             or not math.isfinite(self.full_timeout)
-            or self.full_timeout < 0
+            or not 0 <= self.full_timeout <= MAX_FULL_TIMEOUT
         ):
-            raise ConfigError(f"full_timeout must be a finite number of seconds >= 0, not {self.full_timeout!r}")
+            raise ConfigError(
+                f"full_timeout must be a number of seconds from 0 to {MAX_FULL_TIMEOUT:g}, not {self.full_timeout!r}"
+            )
         if self.exception_queue is not None:
             validate_queue_name(self.exception_queue)
             if self.exception_queue == self.name:
@@ -132,6 +139,10 @@ def queue_sql(spec: QueueSpec) -> sql.Composed:
         tablespace_clause=tablespace_clause,
         index_tablespace_clause=index_tablespace_clause,
         table=queue_table(spec.name),
+        max_capacity=sql.Literal(MAX_CAPACITY),
+        max_payload_limit=sql.Literal(MAX_PAYLOAD),
+        max_deliveries_limit=sql.Literal(MAX_DELIVERIES),
+        max_full_timeout=sql.Literal(MAX_FULL_TIMEOUT),
         max_queues=sql.Literal(MAX_QUEUES),
         slot_pool=sql.Literal(SLOT_POOL),
     )
