@@ -14,7 +14,7 @@ from datetime import datetime
 from typing import Any
 
 import psycopg
-from ringq.engine import ConfigError, EntryNotFound, QueueNotFound, validate_queue_name
+from ringq.engine import EntryNotFound, QueueNotFound, Section, validate_queue_name
 from ringq.engine._dsn import check_dsn
 from ringq.engine._errors import converted
 from ringq.engine._names import queue_table
@@ -86,6 +86,27 @@ def connect_admin(dsn: str) -> psycopg.Connection[Any]:
         extra["application_name"] = APPLICATION_NAME
     with converted(dsn=dsn):
         return psycopg.connect(dsn, autocommit=True, **extra)
+
+
+def remove_section(conn: psycopg.Connection[Any]) -> str | None:
+    """Remove the database's global section and the wake-up semaphores of
+    every queue it ever had (dropped ones too) from this host's shared memory.
+    For when nothing uses them any more (``ringq run --stop``, after its
+    monitor stopped): a client still attached keeps its mapping, and the next
+    one rebuilds the section from the tables.
+
+    :returns: the section's instance id, or None when there is no ringq schema.
+    """
+    with converted():
+        if not _schema_present(conn):
+            return None
+        row = conn.execute(_Q["section_ids"]).fetchone()
+    if row is None or not row[0]:
+        return None
+    instance, last_id = str(row[0]), int(row[1])
+    Section.unlink(instance)
+    Section.unlink_semaphores(instance, list(range(1, last_id + 1)))
+    return instance
 
 
 def list_queues(conn: psycopg.Connection[Any]) -> list[QueueSummary]:

@@ -18,6 +18,7 @@ from ringq.engine import (
     ConfigError,
     QueueExists,
     QueueNotFound,
+    Section,
     validate_queue_name,
 )
 from ringq.engine._errors import converted
@@ -218,14 +219,23 @@ def create_queue(conn: psycopg.Connection[Any], spec: QueueSpec) -> bool:
 
 
 def drop_queue(conn: psycopg.Connection[Any], name: str) -> None:
-    """Drop the queue, its table and its side rows.
+    """Drop the queue, its table and its side rows; then remove its wake-up
+    semaphores on this host (they would outlive it in /dev/shm). A process
+    still waiting on one keeps it until it lets go.
 
     :raises QueueNotFound: no such queue.
     """
     with converted(queue=name), conn.transaction():
         if not _queue_exists(conn, name):
             raise QueueNotFound(f"queue {name!r} does not exist", queue=name)
+        row = conn.execute(
+            "SELECT q.id, m.value FROM ringq.queues q LEFT JOIN ringq.meta m ON m.key = 'instance_id' "
+            "WHERE q.name = %s",
+            (name,),
+        ).fetchone()
         conn.execute(drop_queue_sql(name))
+    if row is not None and row[1]:
+        Section.unlink_semaphores(str(row[1]), [int(row[0])])
 
 
 def _queue_exists(conn: psycopg.Connection[Any], name: str) -> bool:
