@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 from collections.abc import Sequence
 
@@ -93,7 +94,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         (getattr(args, "_parser", None) or parser).print_help()
         return exits.USAGE
     try:
-        return int(func(args) or 0)
+        code = int(func(args) or 0)
+        sys.stdout.flush()  # a closed pipe shows here, not at exit as a traceback
+        return code
+    except BrokenPipeError:
+        # The reader went away (`| head`): stop quietly, as Unix tools do, and
+        # keep Python from failing again when it flushes stdout at exit.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+        return exits.BROKEN_PIPE
     except KeyboardInterrupt:
         print("ringq: interrupted", file=sys.stderr)
         return exits.INTERRUPTED
@@ -111,4 +121,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return exits.USAGE
     except RingqError as exc:
         print(f"ringq: {exc}", file=sys.stderr)
+        return exits.FAILURE
+    except OSError as exc:  # a file or directory in the way, a device full: one line, no traceback
+        print(f"ringq: {exc.strerror or exc}" + (f": {exc.filename}" if exc.filename else ""), file=sys.stderr)
         return exits.FAILURE

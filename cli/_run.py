@@ -23,7 +23,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from ringq.engine import exits, ringq_home
+from ringq.engine import ConfigError, RingqError, exits, ringq_home
 
 from ._args import add_dsn, env_option, subparser
 
@@ -93,7 +93,10 @@ def run(args: argparse.Namespace) -> int:
     if args.home:
         os.environ["RINGQ_HOME"] = args.home
     home = ringq_home()
-    home.mkdir(parents=True, exist_ok=True)
+    try:
+        home.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ConfigError(f"cannot use {home} as the home: {exc.strerror or exc}") from exc
     if args.stop:
         return _stop(home, stop_db=not args.dsn)
 
@@ -224,6 +227,25 @@ def _stop(home: Path, *, stop_db: bool) -> int:
     if stop_db:
         from ringq.scripting import Cluster
 
-        Cluster(home).stop()
+        cluster = Cluster(home)
+        _remove_section(cluster)
+        cluster.stop()
         _say("embedded database stopped")
     return exits.OK
+
+
+def _remove_section(cluster: Any) -> None:
+    """The run's global section and semaphores go with its database (they would
+    outlive it in /dev/shm); the monitor and the viewer are stopped already."""
+    from ringq.scripting import connect_admin, remove_section
+
+    if not cluster.status().running:
+        return
+    try:
+        with connect_admin(cluster.url()) as conn:
+            instance = remove_section(conn)
+    except RingqError as exc:
+        _say(f"global section not removed: {exc}")
+        return
+    if instance:
+        _say(f"global section {instance} and its semaphores removed")

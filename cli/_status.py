@@ -4,14 +4,16 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 from pathlib import Path
 from typing import Any
 
-from ringq.engine import exits, ringq_home
+from ringq.engine import ConfigError, exits, ringq_home
 
 from ._args import env_option, subparser
 
@@ -31,6 +33,7 @@ and the last one). The monitor is found at
 ($RINGQ_HOME/monitor/monitor.json), else at http://127.0.0.1:7480."""
 
 HIGH_WATER = 0.8
+MAX_TIMEOUT = 3600.0  # seconds
 
 
 def register(sub: Any) -> None:
@@ -40,7 +43,7 @@ def register(sub: Any) -> None:
     env_option(p, "--data-dir", env="RINGQ_MONITOR_DIR", default=None,
                help="where a local monitor records its URL; default $RINGQ_HOME/monitor")
     p.add_argument("--json", action="store_true", help="print the monitor's JSON document as it is")
-    p.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for the monitor")
+    p.add_argument("--timeout", type=float, default=5.0, help=f"seconds to wait for the monitor (at most {MAX_TIMEOUT:g})")
     p.set_defaults(func=run)
 
 
@@ -84,8 +87,25 @@ def fetch_clients(url: str, token: str | None, timeout: float) -> list[dict[str,
         return None
 
 
+def check_monitor_url(url: str, where: str = "--monitor") -> str:
+    """Return ``url`` if it can address a monitor (``http(s)://host[:port]``).
+
+    :raises ConfigError: another scheme, no host, or a port that is not a number.
+    """
+    try:
+        parts = urllib.parse.urlsplit(url)
+        port = parts.port
+    except ValueError as exc:  # a port that is not a number, a bad IPv6 address
+        raise ConfigError(f"{where}: not a monitor address {url!r}: {exc}") from None
+    if parts.scheme not in ("http", "https") or not parts.hostname or port == 0:
+        raise ConfigError(f"{where}: not a monitor address {url!r} (expected http://HOST:PORT)")
+    return url
+
+
 def run(args: argparse.Namespace) -> int:
-    url = monitor_url(args)
+    if not (math.isfinite(args.timeout) and 0 < args.timeout <= MAX_TIMEOUT):
+        raise ConfigError(f"--timeout must be a number of seconds above 0, at most {MAX_TIMEOUT:g}, not {args.timeout:g}")
+    url = check_monitor_url(monitor_url(args), "--monitor (or RINGQ_MONITOR_URL)" if args.monitor else "the recorded monitor URL")
     try:
         doc = fetch(url, args.token, args.timeout)
     except OSError as exc:

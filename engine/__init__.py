@@ -11,7 +11,7 @@ reclaim, dead clients, prepared transactions), :mod:`~ringq.engine.metrics`
 :mod:`~ringq.engine.sqlfile` (named SQL blocks in ``.sql`` files).
 """
 
-from ._dsn import resolve_dsn, ringq_home
+from ._dsn import check_dsn, resolve_dsn, ringq_home
 from ._errors import (
     ConfigError,
     DatabaseError,
@@ -29,6 +29,8 @@ from ._errors import (
     SectionError,
     SectionIncompatible,
     SessionClosed,
+    StatementRejected,
+    TransactionConflict,
     TransactionError,
     converted,
     from_psycopg,
@@ -69,8 +71,11 @@ __all__ = [
     "SectionIncompatible",
     "Session",
     "SessionClosed",
+    "StatementRejected",
     "Subscription",
+    "TransactionConflict",
     "TransactionError",
+    "check_dsn",
     "connect",
     "converted",
     "from_psycopg",

@@ -8,12 +8,19 @@ than importing the cluster code, so the engine depends on no other package.
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
+from typing import Any
 
-from ._errors import DatabaseUnavailable
+import psycopg
+from psycopg.conninfo import conninfo_to_dict
+
+from ._errors import ConfigError, DatabaseUnavailable
 
 DEFAULT_HOME = ".ringq"
 DSN_FILE = "dsn"
+
+_PORT_RE = re.compile(r"\s*[0-9]{1,5}\s*")
 
 
 def ringq_home() -> Path:
@@ -24,21 +31,54 @@ def ringq_home() -> Path:
 def resolve_dsn(dsn: str | None = None) -> str:
     """Return the DSN to use: ``dsn`` > ``$RINGQ_DSN`` > the embedded cluster's.
 
+    :raises ConfigError: the DSN is malformed (see :func:`check_dsn`).
     :raises DatabaseUnavailable: none is given and no embedded cluster runs.
     """
     if dsn:
+        check_dsn(dsn)
         return dsn
     env = os.environ.get("RINGQ_DSN")
     if env:
+        check_dsn(env, where="RINGQ_DSN")
         return env
     path = ringq_home() / DSN_FILE
     try:
         text = path.read_text().strip()
-    except FileNotFoundError:
+    except (FileNotFoundError, NotADirectoryError):
         text = ""
+    except OSError as exc:
+        raise DatabaseUnavailable(f"no database: cannot read {path}: {exc.strerror or exc}") from exc
     if not text:
         raise DatabaseUnavailable(
             f"no database: pass --dsn, set RINGQ_DSN, or start the embedded cluster "
             f"with 'ringq db start' (looked for {path})"
         )
+    check_dsn(text, where=str(path))
     return text
+
+
+def check_dsn(dsn: str, *, where: str = "DSN") -> dict[str, Any]:
+    """Parse ``dsn`` as libpq does (URL or key=value) and check its ports,
+    before any connection is tried: a malformed DSN is bad input, not an
+    unavailable database. Returns the parsed parameters.
+
+    :raises ConfigError: it does not parse, a port is not a number from 1 to
+        65535, or several ports do not pair with the hosts. The DSN itself is
+        not echoed (one that does not parse may hide its password from
+        :func:`redact_dsn`); libpq's message names the spot.
+    """
+    try:
+        params = conninfo_to_dict(dsn)
+    except psycopg.Error as exc:
+        detail = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise ConfigError(f"invalid {where} (not shown, it may hold a password): {detail}") from None
+    ports = str(params.get("port") or "")
+    port_list = ports.split(",") if ports else []
+    for port in port_list:
+        if port.strip() and not (_PORT_RE.fullmatch(port) and 1 <= int(port) <= 65535):
+            raise ConfigError(f"invalid {where}: port {port.strip()!r} is not a number from 1 to 65535")
+    hosts = str(params.get("host") or params.get("hostaddr") or "")
+    n_hosts = len(hosts.split(",")) if hosts else 1
+    if len(port_list) > 1 and len(port_list) != n_hosts:
+        raise ConfigError(f"invalid {where}: {len(port_list)} ports for {n_hosts} hosts")
+    return params

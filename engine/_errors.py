@@ -71,6 +71,17 @@ class TransactionError(RingqError):
     """The transaction is in a state that does not allow the operation."""
 
 
+class TransactionConflict(TransactionError):
+    """PostgreSQL rolled the transaction back to resolve a conflict with a
+    concurrent one (SQLSTATE class 40: serialization failure, deadlock; or
+    55P03 lock not available). Nothing of it committed: retry the transaction.
+    ``sqlstate`` is PostgreSQL's code."""
+
+    def __init__(self, message: str, *, sqlstate: str | None = None) -> None:
+        super().__init__(message)
+        self.sqlstate = sqlstate
+
+
 class InDoubt(TransactionError):
     """The commit's answer was lost: the outcome is decided later from the rows.
 
@@ -84,7 +95,20 @@ class DatabaseUnavailable(RingqError):
 
 
 class DatabaseError(RingqError):
-    """PostgreSQL reported an error that ringq does not map to a more precise class."""
+    """PostgreSQL reported an error that ringq does not map to a more precise
+    class. ``sqlstate`` is PostgreSQL's code when it gave one."""
+
+    def __init__(self, message: str, *, sqlstate: str | None = None) -> None:
+        super().__init__(message)
+        self.sqlstate = sqlstate
+
+
+class StatementRejected(DatabaseError):
+    """PostgreSQL refused a statement for its data or a limit (SQLSTATE class
+    22 data exception, 23 integrity violation, 42 syntax or access rule, 54
+    program limit exceeded, e.g. an idempotency key too long for its index).
+    Retrying the same call fails the same way. The message is PostgreSQL's
+    primary message and code, never the statement or its values."""
 
 
 class SchemaMissing(RingqError):
@@ -99,33 +123,92 @@ class SectionIncompatible(SectionError):
     """The global section was made by another layout version; refuse to use it."""
 
 
-_PASSWORD_RE = re.compile(r"(password\s*=\s*)('[^']*'|\S+)|(://[^:/@]+:)([^@]+)(@)", re.IGNORECASE)
+# A URL's user information ends at the last "@" before the host part: a
+# password with an unescaped "@" (or "/") is hidden whole, not cut at its
+# first "@". The host part runs to the path, the query or the end.
+_URL_PASSWORD_RE = re.compile(r"(://[^:/@?#\s]*:)(\S*?)(@[^@/?#\s]*(?:[/?#\s]|$))")
+# key=value DSNs and query strings: password='it''s \' quoted' or password=word,
+# and a token in a URL or request line (?token=..., &token=...).
+_KEYWORD_SECRET_RE = re.compile(
+    r"\b((?:ssl)?password\s*=\s*)('(?:[^'\\]|\\.)*'?|\S*)|([?&;]token=)([^&#\s\"']*)", re.IGNORECASE
+)
 
 
 def redact_dsn(dsn: str) -> str:
-    """Return ``dsn`` with any password replaced by ``***``."""
+    """Return ``dsn`` with any password replaced by ``***``.
 
-    def _sub(m: re.Match[str]) -> str:
+    Covers URL DSNs (``postgresql://user:***@host``, the password running to
+    the last ``@`` before the host), key=value DSNs and query parameters
+    (``password=***``), and tokens in URLs or logged request lines
+    (``?token=***``), so that the text may be printed or logged.
+    """
+    text = _URL_PASSWORD_RE.sub(lambda m: m.group(1) + "***" + m.group(3), dsn)
+
+    def _keyword(m: re.Match[str]) -> str:
         if m.group(1):
             return m.group(1) + "***"
-        return m.group(3) + "***" + m.group(5)
+        return m.group(3) + "***"
 
-    return _PASSWORD_RE.sub(_sub, dsn)
+    return _KEYWORD_SECRET_RE.sub(_keyword, text)
+
+
+# SQLSTATEs (and classes) that say the database, or this connection to it,
+# is gone: retrying later (reconnecting) may succeed.
+_UNAVAILABLE_CLASSES = ("08", "53")  # connection exception; insufficient resources (too many connections)
+_UNAVAILABLE_STATES = frozenset(
+    {
+        "57P01",  # admin_shutdown
+        "57P02",  # crash_shutdown
+        "57P03",  # cannot_connect_now
+        "57P04",  # database_dropped
+        "57P05",  # idle_session_timeout
+        "25P03",  # idle_in_transaction_session_timeout: the server closed the session
+    }
+)
+# The transaction lost a conflict: retrying the whole transaction may succeed.
+_CONFLICT_STATES = frozenset({"40001", "40P01", "55P03"})
+# The statement itself is refused: the same call fails the same way.
+_REJECTED_CLASSES = ("22", "23", "42", "54")
 
 
 def from_psycopg(exc: BaseException, *, dsn: str | None = None, queue: str | None = None) -> RingqError:
-    """Map a psycopg exception to the ringq class a user can act on."""
+    """Map a psycopg exception to the ringq class a user can act on.
+
+    By SQLSTATE: 08 (connection), 53 (resources), 57P01-57P05 (shutdown,
+    crash, cannot connect now, database dropped, session timeout) ->
+    :class:`DatabaseUnavailable`; 40001, 40P01, 55P03 (serialization,
+    deadlock, lock not available) -> :class:`TransactionConflict`; 22, 23,
+    42, 54 (data, integrity, syntax/access, limits) -> :class:`StatementRejected`.
+    A driver error without a code (refused connection, lost connection) is
+    :class:`DatabaseUnavailable`; any other is :class:`DatabaseError`.
+    """
     if isinstance(exc, RingqError):
         return exc
     if isinstance(exc, psycopg.errors.UndefinedTable) and queue:
         return QueueNotFound(f"queue {queue!r} does not exist", queue=queue)
     if isinstance(exc, psycopg.errors.InvalidSchemaName | psycopg.errors.UndefinedTable):
         return SchemaMissing(f"ringq schema missing or incomplete: {exc}")
-    if isinstance(exc, psycopg.OperationalError | psycopg.InterfaceError):
+    state: str | None = getattr(exc, "sqlstate", None)
+    if state is None and isinstance(exc, psycopg.OperationalError | psycopg.InterfaceError) or (
+        state is not None and (state[:2] in _UNAVAILABLE_CLASSES or state in _UNAVAILABLE_STATES)
+    ):
         where = f" at {redact_dsn(dsn)!r}" if dsn else ""
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        return DatabaseUnavailable(f"database unavailable{where}: {first}")
-    return DatabaseError(str(exc).strip() or type(exc).__name__)
+        return DatabaseUnavailable(f"database unavailable{where}: {redact_dsn(first)}")
+    if state is not None and (state in _CONFLICT_STATES or state[:2] == "40" and state != "40002"):
+        return TransactionConflict(f"transaction rolled back, retry it: {_primary(exc)}", sqlstate=state)
+    if state is not None and state[:2] in _REJECTED_CLASSES:
+        return StatementRejected(_primary(exc), sqlstate=state)
+    return DatabaseError(str(exc).strip() or type(exc).__name__, sqlstate=state)
+
+
+def _primary(exc: BaseException) -> str:
+    """PostgreSQL's primary message and its code: never the statement (psycopg's
+    text may quote it, with its values, after the first line)."""
+    diag = getattr(exc, "diag", None)
+    primary = getattr(diag, "message_primary", None) or (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+    state = getattr(exc, "sqlstate", None)
+    return f"{primary} (SQLSTATE {state})" if state else primary
 
 
 @contextmanager

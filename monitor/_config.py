@@ -10,6 +10,7 @@ import math
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 from ringq.engine import ConfigError, validate_seconds
 
@@ -38,6 +39,8 @@ class MonitorConfig:
     port (read it back from ``Monitor.url``). ``data_dir`` holds the T4 CSV
     files and the JSON-lines log ``monitor.log``; ``None`` writes no files.
     ``token``, when set, is required by every HTTP path but ``/metrics``.
+    ``cors_origin`` (``None``: no cross-origin reads) is the one origin, such as
+    ``http://127.0.0.1:7481``, or ``*``, whose pages may read the API from a browser.
 
     :raises ConfigError: a value is out of range (the message says which).
     """
@@ -55,6 +58,7 @@ class MonitorConfig:
     t4_keep_days: int = DEFAULT_T4_KEEP_DAYS
     high_water: float = DEFAULT_HIGH_WATER
     http: bool = True  # serve HTTP at all (off for an embedded recovery-only monitor)
+    cors_origin: str | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.dsn, str) or not self.dsn:
@@ -79,6 +83,11 @@ class MonitorConfig:
         if isinstance(self.t4_keep_days, bool) or not isinstance(self.t4_keep_days, int) or self.t4_keep_days < 1:
             raise ConfigError(f"t4_keep_days must be an integer >= 1, not {self.t4_keep_days!r}")
         validate_seconds("high_water", self.high_water, 0.01, 1.0)
+        if self.cors_origin is not None and not _is_origin(self.cors_origin):
+            raise ConfigError(
+                f"cors_origin must be '*' or an origin such as http://127.0.0.1:7481 "
+                f"(scheme, host, optional port; no path), not {self.cors_origin!r}"
+            )
         if self.data_dir is not None and not isinstance(self.data_dir, Path):
             object.__setattr__(self, "data_dir", Path(self.data_dir))
 
@@ -90,3 +99,20 @@ class MonitorConfig:
     def replace(self, **changes: Any) -> MonitorConfig:
         """A validated copy with ``changes`` applied."""
         return replace(self, **changes)
+
+
+def _is_origin(value: object) -> bool:
+    if value == "*":
+        return True
+    if not isinstance(value, str) or any(c.isspace() or not c.isprintable() for c in value):
+        return False
+    parts = urlsplit(value)
+    try:
+        parts.port  # noqa: B018  (raises for a port that is not a number)
+    except ValueError:
+        return False
+    return (
+        parts.scheme in ("http", "https") and bool(parts.hostname)
+        and not parts.path and not parts.query and not parts.fragment and "@" not in parts.netloc
+    )
+

@@ -9,6 +9,7 @@ is used, when installed, only to render ``/metrics``).
 from __future__ import annotations
 
 import hmac
+import ipaddress
 import json
 import logging
 import math
@@ -20,7 +21,10 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, Protocol
 from urllib.parse import parse_qs, urlsplit
 
+from ringq.engine import redact_dsn
+
 from . import _sample as S
+from ._config import MonitorConfig
 from ._history import Answer
 
 logger = logging.getLogger("ringq.monitor.http")
@@ -28,11 +32,16 @@ logger = logging.getLogger("ringq.monitor.http")
 DEFAULT_HISTORY_WINDOW = 300.0  # seconds of history returned when ``since`` is absent
 MAX_HISTORY_POINTS = 100_000  # per request
 MAX_HISTORY_STEP = 86_400.0  # seconds per bucket, at most
+# Connections waiting to be accepted (the standard library's 5 made half of
+# 500 concurrent requests time out).
+LISTEN_BACKLOG = 128
 
 
 class ApiSource(Protocol):
     """What the HTTP service reads (the :class:`Monitor` implements it)."""
 
+    @property
+    def config(self) -> MonitorConfig: ...  # read per request: cors_origin
     def current_token(self) -> str | None: ...
     def queues_doc(self) -> dict[str, Any]: ...
     def clients_doc(self) -> dict[str, Any]: ...
@@ -45,6 +54,7 @@ class ApiSource(Protocol):
 class _Server(ThreadingHTTPServer):
     daemon_threads = True
     allow_reuse_address = True
+    request_queue_size = LISTEN_BACKLOG
     source: ApiSource
 
 
@@ -54,7 +64,9 @@ class _Handler(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
 
     def log_message(self, format: str, *args: Any) -> None:
-        logger.debug("%s " + format, self.address_string(), *args)
+        # The request line may carry ?token=: never logged as it came.
+        if logger.isEnabledFor(logging.DEBUG):
+            logger.debug("%s %s", self.address_string(), redact_dsn(format % args))
 
     # -- plumbing -------------------------------------------------------------------
 
@@ -63,7 +75,11 @@ class _Handler(BaseHTTPRequestHandler):
         self.send_header("Content-Type", ctype)
         self.send_header("Content-Length", str(len(body)))
         self.send_header("Cache-Control", "no-store")
-        self.send_header("Access-Control-Allow-Origin", "*")
+        origin = self.server.source.config.cors_origin
+        if origin is not None:  # cross-origin reads only when configured
+            self.send_header("Access-Control-Allow-Origin", origin)
+            if origin != "*":
+                self.send_header("Vary", "Origin")
         for k, v in (extra or {}).items():
             self.send_header(k, v)
         self.end_headers()
@@ -93,12 +109,11 @@ class _Handler(BaseHTTPRequestHandler):
     # -- methods ----------------------------------------------------------------------
 
     def do_OPTIONS(self) -> None:
-        # CORS preflight, so a viewer page on another local port may send the token header.
-        self._send(
-            HTTPStatus.NO_CONTENT, b"", "text/plain",
-            {"Access-Control-Allow-Methods": "GET, HEAD, OPTIONS",
-             "Access-Control-Allow-Headers": "Authorization", "Access-Control-Max-Age": "600"},
-        )
+        # CORS preflight, so a page of the configured origin may send the token header.
+        preflight = {"Access-Control-Allow-Methods": "GET, HEAD, OPTIONS",
+                     "Access-Control-Allow-Headers": "Authorization", "Access-Control-Max-Age": "600"}
+        cors = self.server.source.config.cors_origin is not None
+        self._send(HTTPStatus.NO_CONTENT, b"", "text/plain", preflight if cors else {"Allow": "GET, HEAD, OPTIONS"})
 
     def do_HEAD(self) -> None:
         self.do_GET()
@@ -128,7 +143,7 @@ class _Handler(BaseHTTPRequestHandler):
         except (BrokenPipeError, ConnectionResetError):
             pass
         except Exception as exc:
-            logger.exception("ringq monitor: %s failed", self.path)
+            logger.exception("ringq monitor: %s failed", redact_dsn(self.path))
             try:
                 self._error(HTTPStatus.INTERNAL_SERVER_ERROR, f"{type(exc).__name__}: {exc}")
             except OSError:
@@ -154,8 +169,8 @@ class _Handler(BaseHTTPRequestHandler):
         if not queue:
             raise BadRequest("missing ?queue=<name>")
         now = time.time()
-        since = _float(query, "since", now - DEFAULT_HISTORY_WINDOW)
-        until = _float(query, "until", float("inf"))
+        since = _time(query, "since", now - DEFAULT_HISTORY_WINDOW)
+        until = _time(query, "until", float("inf"))
         limit = int(_float(query, "limit", MAX_HISTORY_POINTS))
         if not 1 <= limit <= MAX_HISTORY_POINTS:
             raise BadRequest(f"limit must be from 1 to {MAX_HISTORY_POINTS}")
@@ -195,16 +210,36 @@ def _one(query: dict[str, list[str]], key: str) -> str | None:
 
 
 def _float(query: dict[str, list[str]], key: str, default: float) -> float:
+    """The parameter as a finite number (``default`` when absent): inf, nan and
+    1e400 are refused here, never met later as an overflow (a 500)."""
     raw = _one(query, key)
     if raw is None or raw == "":
         return default
     try:
         value = float(raw)
     except ValueError:
-        raise BadRequest(f"{key} must be a number (unix seconds), not {raw!r}") from None
-    if math.isnan(value):
-        raise BadRequest(f"{key} must be a number")
+        raise BadRequest(f"{key} must be a number, not {raw!r}") from None
+    if not math.isfinite(value):
+        raise BadRequest(f"{key} must be a finite number, not {raw!r}")
     return value
+
+
+def _time(query: dict[str, list[str]], key: str, default: float) -> float:
+    """A time parameter (unix seconds), finite."""
+    try:
+        return _float(query, key, default)
+    except BadRequest:
+        raise BadRequest(f"{key} must be a finite number of unix seconds, not {_one(query, key)!r}") from None
+
+
+def is_loopback(host: str) -> bool:
+    """True if ``host`` (an address or name) is reachable only from this machine."""
+    if host.lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False  # a name, or "" / 0.0.0.0-like wildcards: reachable from elsewhere
 
 
 def queues_xml(doc: dict[str, Any]) -> bytes:
@@ -248,6 +283,12 @@ class HttpService:
         server = _Server((self._host, self._port), _Handler)
         server.source = self._source
         self._server = server
+        if not is_loopback(self._host) and self._source.current_token() is None:
+            logger.warning(
+                "ringq monitor: serving HTTP on %s:%d, beyond loopback, without a token: whoever "
+                "reaches it reads every queue's figures (set a token: --token or RINGQ_MONITOR_TOKEN)",
+                self._host, self.address[1],
+            )
         self._thread = threading.Thread(
             target=server.serve_forever, kwargs={"poll_interval": 0.2}, name="ringq-monitor-http", daemon=True
         )

@@ -58,8 +58,14 @@ class ViewerConfig:
 
     def __post_init__(self) -> None:
         parts = urlsplit(self.monitor_url) if isinstance(self.monitor_url, str) else None
-        if parts is None or parts.scheme not in ("http", "https") or not parts.hostname:
-            raise ConfigError(f"monitor_url must be an http:// or https:// address, not {self.monitor_url!r}")
+        try:
+            port = parts.port if parts is not None else None
+        except ValueError:  # a port that is not a number: urllib would fail on every request
+            port = 0
+        if parts is None or parts.scheme not in ("http", "https") or not parts.hostname or port == 0:
+            raise ConfigError(
+                f"monitor_url must be an http:// or https:// address (a numeric port, if any), not {self.monitor_url!r}"
+            )
         if parts.query or parts.fragment:
             raise ConfigError("monitor_url must not carry a query or fragment (pass the token as monitor_token)")
         object.__setattr__(self, "monitor_url", self.monitor_url.rstrip("/"))

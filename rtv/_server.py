@@ -24,7 +24,7 @@ from types import TracebackType
 from typing import Any, Self
 from urllib.parse import parse_qs, quote, unquote, urlsplit
 
-from ringq.engine import RingqError
+from ringq.engine import RingqError, redact_dsn
 
 from ._config import MAX_WINDOW, WINDOWS, ViewerConfig
 from ._source import MonitorClient, MonitorError, MonitorUnavailable, thin
@@ -172,6 +172,7 @@ class Viewer:
 class _Server(ThreadingHTTPServer):
     daemon_threads = True
     allow_reuse_address = True
+    request_queue_size = 128  # connections waiting to be accepted (the standard library's 5 is too few)
     viewer: Viewer
 
 
@@ -330,7 +331,9 @@ class _Handler(BaseHTTPRequestHandler):
         pass
 
     def log_error(self, format: str, *args: Any) -> None:
-        log.debug("rtv http: " + format, *args)
+        # A malformed request is quoted in the message, ?token= included: redacted.
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug("rtv http: %s", redact_dsn(format % args))
 
 
 def _static(name: str) -> Traversable | None:

@@ -11,10 +11,12 @@ from ._admin import (
     exception_queue_of,
     list_exceptions,
     list_queues,
+    remove_section,
     requeue_exception,
 )
 from ._cluster import Cluster, ClusterError, ClusterStatus, PostgresNotFound
 from ._ddl import (
+    MAX_FULL_TIMEOUT,
     MAX_PAYLOAD,
     SCHEMA_VERSION,
     QueueSpec,
@@ -25,6 +27,7 @@ from ._ddl import (
 )
 
 __all__ = [
+    "MAX_FULL_TIMEOUT",
     "MAX_PAYLOAD",
     "SCHEMA_VERSION",
     "Cluster",
@@ -45,5 +48,6 @@ __all__ = [
     "exception_queue_of",
     "list_exceptions",
     "list_queues",
+    "remove_section",
     "requeue_exception",
 ]

@@ -14,11 +14,11 @@ from datetime import datetime
 from typing import Any
 
 import psycopg
-from psycopg.conninfo import conninfo_to_dict
 from ringq.engine import (
-    ConfigError,
     EntryNotFound,
     QueueNotFound,
+    Section,
+    check_dsn,
     converted,
     queue_table,
     validate_queue_name,
@@ -83,13 +83,7 @@ def connect_admin(dsn: str) -> psycopg.Connection[Any]:
     :raises DatabaseUnavailable: the server cannot be reached or refuses the
         connection; the message names the DSN without its password.
     """
-    try:
-        params = conninfo_to_dict(dsn)
-    except psycopg.ProgrammingError as exc:
-        # Not echoed: a DSN that does not parse may hide its password from
-        # redact_dsn (``password secret``). libpq's message names the spot.
-        detail = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise ConfigError(f"invalid DSN (not shown, it may hold a password): {detail}") from exc
+    params = check_dsn(dsn)  # a malformed DSN is a ConfigError, before any connection
     extra: dict[str, Any] = {}
     if "connect_timeout" not in params and not os.environ.get("PGCONNECT_TIMEOUT"):
         extra["connect_timeout"] = DEFAULT_CONNECT_TIMEOUT
@@ -97,6 +91,27 @@ def connect_admin(dsn: str) -> psycopg.Connection[Any]:
         extra["application_name"] = APPLICATION_NAME
     with converted(dsn=dsn):
         return psycopg.connect(dsn, autocommit=True, **extra)
+
+
+def remove_section(conn: psycopg.Connection[Any]) -> str | None:
+    """Remove the database's global section and the wake-up semaphores of
+    every queue it ever had (dropped ones too) from this host's shared memory.
+    For when nothing uses them any more (``ringq run --stop``, after its
+    monitor stopped): a client still attached keeps its mapping, and the next
+    one rebuilds the section from the tables.
+
+    :returns: the section's instance id, or None when there is no ringq schema.
+    """
+    with converted():
+        if not _schema_present(conn):
+            return None
+        row = conn.execute(_Q["section_ids"]).fetchone()
+    if row is None or not row[0]:
+        return None
+    instance, last_id = str(row[0]), int(row[1])
+    Section.unlink(instance)
+    Section.unlink_semaphores(instance, list(range(1, last_id + 1)))
+    return instance
 
 
 def list_queues(conn: psycopg.Connection[Any]) -> list[QueueSummary]:

@@ -43,7 +43,7 @@ from typing import Self
 
 import psycopg
 from psycopg import sql
-from ringq.engine import DatabaseUnavailable, RingqError, converted, ringq_home
+from ringq.engine import ConfigError, DatabaseUnavailable, RingqError, converted, ringq_home
 
 DATABASE = "ringq"
 SUPERUSER = "postgres"
@@ -201,8 +201,12 @@ class Cluster:
 
         :raises PostgresNotFound: no PostgreSQL server is installed.
         :raises ClusterError: initdb or the server failed (the message has the log's tail).
+        :raises ConfigError: the home cannot be a directory (a file is in the way, no permission).
         """
-        self.home.mkdir(parents=True, exist_ok=True)
+        try:
+            self.home.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise ConfigError(f"cannot use {self.home} as the cluster's home: {exc.strerror or exc}") from exc
         with self._locked():
             st = self.status()
             if st.running and st.port is not None:

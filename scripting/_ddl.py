@@ -18,6 +18,7 @@ from ringq.engine import (
     ConfigError,
     QueueExists,
     QueueNotFound,
+    Section,
     converted,
     queue_table,
     validate_queue_name,
@@ -27,6 +28,11 @@ from ringq.engine.sqlfile import compose, load
 
 SCHEMA_VERSION = 1
 MAX_PAYLOAD = 1 << 30  # PostgreSQL's limit for one bytea value (1 GiB)
+MAX_DELIVERIES = 1_000_000
+# The global section keeps full_timeout in milliseconds in an int64 word (at
+# most 2**63 - 1 ms, about 9.22e15 s); 9e15 s leaves room for float rounding.
+MAX_FULL_TIMEOUT = 9e15  # seconds
+# The same bounds are written in ddl.sql's queues_fit_section constraint.
 
 _BLOCKS = load("ringq.scripting", "ddl.sql")
 
@@ -53,7 +59,7 @@ class QueueSpec:
         validate_queue_name(self.name)
         _int_in("capacity", self.capacity, 1, MAX_CAPACITY)
         _int_in("max_payload", self.max_payload, 1, MAX_PAYLOAD)
-        _int_in("max_deliveries", self.max_deliveries, 1, 1_000_000)
+        _int_in("max_deliveries", self.max_deliveries, 1, MAX_DELIVERIES)
         _int_in("fillfactor", self.fillfactor, 10, 100)
         if self.full_policy not in ("block", "raise"):
             raise ConfigError(f"full_policy must be 'block' or 'raise', not {self.full_policy!r}")
@@ -63,9 +69,11 @@ class QueueSpec:
             isinstance(self.full_timeout, bool)
             or not isinstance(self.full_timeout, int | float)
             or not math.isfinite(self.full_timeout)
-            or self.full_timeout < 0
+            or not 0 <= self.full_timeout <= MAX_FULL_TIMEOUT
         ):
-            raise ConfigError(f"full_timeout must be a finite number of seconds >= 0, not {self.full_timeout!r}")
+            raise ConfigError(
+                f"full_timeout must be a number of seconds from 0 to {MAX_FULL_TIMEOUT:g}, not {self.full_timeout!r}"
+            )
         if self.exception_queue is not None:
             validate_queue_name(self.exception_queue)
             if self.exception_queue == self.name:
@@ -132,6 +140,10 @@ def queue_sql(spec: QueueSpec) -> sql.Composed:
         tablespace_clause=tablespace_clause,
         index_tablespace_clause=index_tablespace_clause,
         table=queue_table(spec.name),
+        max_capacity=sql.Literal(MAX_CAPACITY),
+        max_payload_limit=sql.Literal(MAX_PAYLOAD),
+        max_deliveries_limit=sql.Literal(MAX_DELIVERIES),
+        max_full_timeout=sql.Literal(MAX_FULL_TIMEOUT),
         max_queues=sql.Literal(MAX_QUEUES),
         slot_pool=sql.Literal(SLOT_POOL),
     )
@@ -207,14 +219,23 @@ def create_queue(conn: psycopg.Connection[Any], spec: QueueSpec) -> bool:
 
 
 def drop_queue(conn: psycopg.Connection[Any], name: str) -> None:
-    """Drop the queue, its table and its side rows.
+    """Drop the queue, its table and its side rows; then remove its wake-up
+    semaphores on this host (they would outlive it in /dev/shm). A process
+    still waiting on one keeps it until it lets go.
 
     :raises QueueNotFound: no such queue.
     """
     with converted(queue=name), conn.transaction():
         if not _queue_exists(conn, name):
             raise QueueNotFound(f"queue {name!r} does not exist", queue=name)
+        row = conn.execute(
+            "SELECT q.id, m.value FROM ringq.queues q LEFT JOIN ringq.meta m ON m.key = 'instance_id' "
+            "WHERE q.name = %s",
+            (name,),
+        ).fetchone()
         conn.execute(drop_queue_sql(name))
+    if row is not None and row[1]:
+        Section.unlink_semaphores(str(row[1]), [int(row[0])])
 
 
 def _queue_exists(conn: psycopg.Connection[Any], name: str) -> bool:

@@ -74,3 +74,9 @@ SELECT pg_notify('ringq_inbox', %s)
 -- exception_queue_of --
 -- The queues that name this one as their exception queue.
 SELECT name FROM ringq.queues WHERE exception_queue = %s ORDER BY name
+
+-- section_ids --
+-- The database's section name and every queue id it ever gave (dropped
+-- queues' too: their wake-up semaphores may still be on this host).
+SELECT (SELECT value FROM ringq.meta WHERE key = 'instance_id'),
+       coalesce(pg_sequence_last_value(pg_get_serial_sequence('ringq.queues', 'id')), 0)

@@ -54,6 +54,21 @@ CREATE TABLE IF NOT EXISTS ringq.queues (
     created_at      timestamptz NOT NULL DEFAULT now()
 );
 
+-- What the global section can hold, for rows written by hand as well (the
+-- queue block checks a new queue's settings with a message). Added after
+-- schema version 1 without a version bump, like keys_queue_id_created_at
+-- below; NOT VALID: rows already there are not re-checked.
+DO $ringq$
+BEGIN
+    IF NOT EXISTS (SELECT 1 FROM pg_constraint
+                   WHERE conrelid = 'ringq.queues'::regclass AND conname = 'queues_fit_section') THEN
+        ALTER TABLE ringq.queues ADD CONSTRAINT queues_fit_section
+            CHECK (capacity <= 4194304 AND max_payload <= 1073741824 AND max_deliveries <= 1000000
+                   AND full_timeout BETWEEN 0 AND 9e15) NOT VALID;
+    END IF;
+END
+$ringq$;
+
 -- Idempotency keys, paid for only by producers that pass a key.
 CREATE TABLE IF NOT EXISTS ringq.keys (
     queue_id   integer NOT NULL,
@@ -158,6 +173,33 @@ END
 $ringq$;
 
 -- queue --
+-- Every setting within what the management table and the global section
+-- hold (the section keeps full_timeout in milliseconds in an int64 word).
+-- QueueSpec checks the same ranges; this block makes psql refuse a script
+-- edited by hand as well, before anything is made.
+DO $ringq$
+BEGIN
+    IF NOT ({capacity}::numeric BETWEEN 1 AND {max_capacity}) THEN
+        RAISE EXCEPTION 'ringq: capacity must be an integer from 1 to %, not %', {max_capacity}, {capacity}
+            USING ERRCODE = 'invalid_parameter_value';
+    END IF;
+    IF NOT ({max_payload}::numeric BETWEEN 1 AND {max_payload_limit}) THEN
+        RAISE EXCEPTION 'ringq: max_payload must be an integer from 1 to %, not %', {max_payload_limit}, {max_payload}
+            USING ERRCODE = 'invalid_parameter_value';
+    END IF;
+    IF NOT ({max_deliveries}::numeric BETWEEN 1 AND {max_deliveries_limit}) THEN
+        RAISE EXCEPTION 'ringq: max_deliveries must be an integer from 1 to %, not %', {max_deliveries_limit}, {max_deliveries}
+            USING ERRCODE = 'invalid_parameter_value';
+    END IF;
+    -- NaN and Infinity are above every number in PostgreSQL: refused here too.
+    IF NOT ({full_timeout}::double precision BETWEEN 0 AND {max_full_timeout}) THEN
+        RAISE EXCEPTION 'ringq: full_timeout must be a number of seconds from 0 to %, not %',
+            {max_full_timeout}::double precision, {full_timeout}::double precision
+            USING ERRCODE = 'invalid_parameter_value';
+    END IF;
+END
+$ringq$;
+
 -- A new queue's exception queue must exist already and take its largest
 -- payload, or poison entries could not be put on it (a typo would only show
 -- on the first poison entry). Checked only when the queue is made, so that

@@ -3,7 +3,7 @@
 - ``pg_cluster`` (session): the project's own embedded cluster, under a
   temporary home, stopped when the session ends (even if it ends badly).
 - ``dsn`` (function): a fresh database ``t_<hex>`` on that cluster for each
-  test, dropped afterwards.
+  test, dropped afterwards with its global section and semaphores.
 - ``ringq_env`` (function): ``RINGQ_DSN``/``RINGQ_HOME`` set for the test and
   its subprocesses (``ringq`` commands), pointing at that database.
 - ``make_queue`` (function): ``make_queue(capacity=64, max_payload=1024, **settings)``
@@ -23,8 +23,8 @@ from typing import Any
 import psycopg
 import pytest
 from psycopg import sql
-from ringq.engine import Section
 from ringq.scripting import Cluster, QueueSpec, create_queue
+from ringq.scripting import remove_section as remove_section_of
 
 # Spark (the regression analysis) must not go looking for the host's public
 # address in a sandbox; loopback is enough for a local master.
@@ -79,6 +79,8 @@ def dsn(pg_cluster: Cluster) -> Iterator[str]:
 
 
 def _drop_database(cluster: Cluster, name: str) -> None:
+    # Whatever the test made in shared memory goes with its database.
+    remove_section(cluster.url(name))
     # A prepared transaction left by a test would block DROP DATABASE (FORCE
     # ends sessions, not prepared transactions): roll those back first, from
     # inside the database as PostgreSQL requires.
@@ -117,11 +119,8 @@ def make_queue(dsn: str) -> Iterator[Callable[..., str]]:
 
 
 def remove_section(dsn: str) -> None:
-    """Remove the global section and semaphores of the database at ``dsn``
-    (the tests' queues live in shared memory beyond the database's life)."""
+    """Remove the global section and semaphores of the database at ``dsn``,
+    those of its dropped queues too (the tests' queues live in shared memory
+    beyond the database's life). Harmless without a ringq schema, and twice."""
     with psycopg.connect(dsn, autocommit=True) as conn:
-        row = conn.execute("SELECT value FROM ringq.meta WHERE key = 'instance_id'").fetchone()
-        qids = [r[0] for r in conn.execute("SELECT id FROM ringq.queues").fetchall()]
-    if row:
-        Section.unlink(row[0])
-        Section.unlink_semaphores(row[0], qids)
+        remove_section_of(conn)

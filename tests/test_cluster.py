@@ -40,55 +40,57 @@ def psql(*args: str) -> str:
 
 def test_db_start_status_url_stop_round_trip(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
     home = tmp_path / "home"
+    try:
+        started = ringq(home, "db", "start")
+        assert started.returncode == 0, started.stderr
+        dsn = started.stdout.strip().splitlines()[-1]
+        assert dsn.startswith("postgresql://postgres@127.0.0.1:") and dsn.endswith("/ringq")
+        assert (home / "dsn").read_text().strip() == dsn
 
-    started = ringq(home, "db", "start")
-    assert started.returncode == 0, started.stderr
-    dsn = started.stdout.strip().splitlines()[-1]
-    assert dsn.startswith("postgresql://postgres@127.0.0.1:") and dsn.endswith("/ringq")
-    assert (home / "dsn").read_text().strip() == dsn
+        again = ringq(home, "db", "start")  # idempotent: same server, same DSN
+        assert again.returncode == 0 and again.stdout.strip().splitlines()[-1] == dsn
+        assert "already running" in again.stdout
 
-    again = ringq(home, "db", "start")  # idempotent: same server, same DSN
-    assert again.returncode == 0 and again.stdout.strip().splitlines()[-1] == dsn
-    assert "already running" in again.stdout
-
-    status = ringq(home, "db", "status")
-    assert status.returncode == 0
-    assert (
-        "running" in status.stdout and "not running" not in status.stdout and dsn in status.stdout
-    )
-
-    url = ringq(home, "db", "url")
-    assert url.returncode == 0 and url.stdout == dsn + "\n"
-
-    # The DSN file is the contract the engine reads.
-    monkeypatch.setenv("RINGQ_HOME", str(home))
-    monkeypatch.delenv("RINGQ_DSN", raising=False)
-    assert resolve_dsn() == dsn
-
-    with psycopg.connect(dsn, autocommit=True) as conn:
-        assert conn.execute("SELECT current_database(), current_user").fetchone() == (
-            "ringq",
-            "postgres",
+        status = ringq(home, "db", "status")
+        assert status.returncode == 0
+        assert (
+            "running" in status.stdout and "not running" not in status.stdout and dsn in status.stdout
         )
-        conn.execute("CREATE TABLE kept (x int)")
-        conn.execute("INSERT INTO kept VALUES (42)")
-    assert psql(dsn, "-c", "SELECT x FROM kept") == "42"
 
-    stopped = ringq(home, "db", "stop")
-    assert stopped.returncode == 0, stopped.stderr
-    assert not (home / "dsn").exists()
-    status = ringq(home, "db", "status")
-    assert status.returncode == 1 and "not running" in status.stdout
-    url = ringq(home, "db", "url")
-    assert url.returncode == 3 and url.stdout == "" and "not running" in url.stderr
-    assert ringq(home, "db", "stop").returncode == 0  # harmless when stopped
+        url = ringq(home, "db", "url")
+        assert url.returncode == 0 and url.stdout == dsn + "\n"
 
-    # A restart keeps the data and, the port being free, the DSN.
-    restarted = ringq(home, "db", "start")
-    assert restarted.returncode == 0, restarted.stderr
-    assert restarted.stdout.strip().splitlines()[-1] == dsn
-    assert psql(dsn, "-c", "SELECT x FROM kept") == "42"
-    assert ringq(home, "db", "stop").returncode == 0
+        # The DSN file is the contract the engine reads.
+        monkeypatch.setenv("RINGQ_HOME", str(home))
+        monkeypatch.delenv("RINGQ_DSN", raising=False)
+        assert resolve_dsn() == dsn
+
+        with psycopg.connect(dsn, autocommit=True) as conn:
+            assert conn.execute("SELECT current_database(), current_user").fetchone() == (
+                "ringq",
+                "postgres",
+            )
+            conn.execute("CREATE TABLE kept (x int)")
+            conn.execute("INSERT INTO kept VALUES (42)")
+        assert psql(dsn, "-c", "SELECT x FROM kept") == "42"
+
+        stopped = ringq(home, "db", "stop")
+        assert stopped.returncode == 0, stopped.stderr
+        assert not (home / "dsn").exists()
+        status = ringq(home, "db", "status")
+        assert status.returncode == 1 and "not running" in status.stdout
+        url = ringq(home, "db", "url")
+        assert url.returncode == 3 and url.stdout == "" and "not running" in url.stderr
+        assert ringq(home, "db", "stop").returncode == 0  # harmless when stopped
+
+        # A restart keeps the data and, the port being free, the DSN.
+        restarted = ringq(home, "db", "start")
+        assert restarted.returncode == 0, restarted.stderr
+        assert restarted.stdout.strip().splitlines()[-1] == dsn
+        assert psql(dsn, "-c", "SELECT x FROM kept") == "42"
+        assert ringq(home, "db", "stop").returncode == 0
+    finally:
+        Cluster(home).stop()  # a failed assertion must not leave the server running
 
 
 def test_two_homes_side_by_side_and_concurrent_starts_make_one_server(tmp_path: Path):

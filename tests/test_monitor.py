@@ -24,6 +24,7 @@ from typing import Any
 
 import psycopg
 import pytest
+from conftest import remove_section
 from ringq.engine import ConfigError, Section, connect, pid_alive
 from ringq.engine import layout as L
 from ringq.monitor import Monitor, MonitorConfig, MonitorRunning, subscribe
@@ -787,6 +788,8 @@ def test_monitor_rides_out_a_database_restart(tmp_path: Path) -> None:
         log = (tmp_path / "m" / "monitor.log").read_text()
         assert '"database.reconnected"' in log and '"step.failed"' in log
     finally:
+        if instance and cluster.status().running:
+            remove_section(dsn)  # the section and the queue's semaphores
         cluster.stop()
         if instance:
             Section.unlink(instance[0])
