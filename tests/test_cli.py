@@ -10,7 +10,6 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import zipfile
@@ -18,7 +17,7 @@ from pathlib import Path
 
 import psycopg
 import pytest
-from ringq.cli import main
+from conftest import cli, closed_port
 from ringq.cli._main import build_parser, parse_args
 from ringq.engine import ConfigError, resolve_dsn
 from ringq.engine._move import MoveConfig
@@ -27,17 +26,6 @@ from ringq.scripting._ddl import QueueSpec, create_queue
 
 RINGQ = [sys.executable, "-m", "ringq.cli"]
 REPO = Path(__file__).resolve().parent.parent
-
-
-def cli(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
-    """Run ``ringq ARGV`` in-process: (exit code, stdout, stderr)."""
-    capsys.readouterr()
-    try:
-        code = main(list(argv))
-    except SystemExit as exc:  # argparse's own --help and usage errors
-        code = int(exc.code or 0)
-    out, err = capsys.readouterr()
-    return code, out, err
 
 
 def clean_env(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -195,10 +183,7 @@ def test_malformed_variable_no_traceback_from_the_installed_command(tmp_path: Pa
 
 def closed_port_dsn() -> str:
     """A DSN nothing answers at (a local port bound, then closed)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    return f"postgresql://nobody@127.0.0.1:{port}/nowhere?connect_timeout=5"
+    return f"postgresql://nobody@127.0.0.1:{closed_port()}/nowhere?connect_timeout=5"
 
 
 def test_dsn_order_flag_then_variable_then_embedded_cluster(

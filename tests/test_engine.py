@@ -11,6 +11,7 @@ from contextlib import contextmanager
 
 import psycopg
 import pytest
+from conftest import decided_gids, drain, prepared_gids
 from ringq.engine import (
     DatabaseUnavailable,
     InDoubt,
@@ -29,18 +30,6 @@ from ringq.engine import _layout as L
 from ringq.scripting._ddl import QueueSpec, create_queue
 
 FORK = mp.get_context("fork")
-
-
-def drain(dsn: str, queue: str, *, wait: float | None = None) -> list:
-    out = []
-    with connect(dsn) as s:
-        while True:
-            m = s.dequeue(queue, wait=wait)
-            if m is None:
-                s.commit()
-                return out
-            out.append(m)
-            s.commit()
 
 
 def test_entry_is_invisible_until_commit(dsn, make_queue):
@@ -649,11 +638,6 @@ def test_two_phase_commit_and_rollback(dsn, make_queue):
     assert [m.payload for m in drain(dsn, b)] == [b"2pc-b"]
 
 
-def _decisions(dsn: str) -> list[str]:
-    with psycopg.connect(dsn, autocommit=True) as c:
-        return [r[0] for r in c.execute("SELECT gid FROM ringq.tpc_decisions").fetchall()]
-
-
 def test_tpc_decide_records_the_decision_until_commit_or_rollback(dsn, make_queue):
     q = make_queue()
     with connect(dsn) as s:
@@ -665,20 +649,15 @@ def test_tpc_decide_records_the_decision_until_commit_or_rollback(dsn, make_queu
         s.tpc_decide()
         with psycopg.connect(dsn, autocommit=True) as c:
             prepared = [r[0] for r in c.execute("SELECT gid FROM pg_prepared_xacts").fetchall()]
-        assert _decisions(dsn) == prepared  # durable before COMMIT PREPARED, same gid
+        assert decided_gids(dsn) == prepared  # durable before COMMIT PREPARED, same gid
         s.tpc_commit()
-        assert _decisions(dsn) == []
+        assert decided_gids(dsn) == []
         s.tpc_begin(s.xid(uuid.uuid4().hex))
         s.enqueue(q, b"undecided")
         s.tpc_prepare()
         s.tpc_rollback()  # no decision yet: the participant may still vote no
-        assert _decisions(dsn) == []
+        assert decided_gids(dsn) == []
     assert [m.payload for m in drain(dsn, q)] == [b"decided"]
-
-
-def _prepared(dsn: str) -> list[str]:
-    with psycopg.connect(dsn, autocommit=True) as c:
-        return [r[0] for r in c.execute("SELECT gid FROM pg_prepared_xacts WHERE database = current_database()")]
 
 
 def test_a_decided_transaction_refuses_rollback(dsn, make_queue):
@@ -688,14 +667,14 @@ def test_a_decided_transaction_refuses_rollback(dsn, make_queue):
         s.enqueue(q, b"decided")
         s.tpc_prepare()
         s.tpc_decide()
-        gid = _prepared(dsn)
+        gid = prepared_gids(dsn)
         for undo in (s.tpc_rollback, s.rollback):
             with pytest.raises(TransactionError, match="decided to commit"):
                 undo()
         # Nothing was withdrawn or rolled back: commit still finishes it.
-        assert _prepared(dsn) == gid and _decisions(dsn) == gid
+        assert prepared_gids(dsn) == gid and decided_gids(dsn) == gid
         s.tpc_commit()
-        assert _prepared(dsn) == [] and _decisions(dsn) == []
+        assert prepared_gids(dsn) == [] and decided_gids(dsn) == []
     assert [m.payload for m in drain(dsn, q)] == [b"decided"]
 
 
@@ -728,19 +707,19 @@ def test_a_decided_transaction_left_at_close_is_committed_by_recovery(dsn, make_
         with pytest.raises(_Boom), s.transaction():  # the caller's exception, not a TransactionError
             prepare_and_decide()
             raise _Boom
-        assert len(_prepared(dsn)) == 1  # not rolled back; the session still owns it
+        assert len(prepared_gids(dsn)) == 1  # not rolled back; the session still owns it
         s.close()
     assert s.closed
     # Left prepared, decision kept, its slot held for recovery (not voided).
-    gids = _prepared(dsn)
-    assert len(gids) == 1 and _decisions(dsn) == gids
+    gids = prepared_gids(dsn)
+    assert len(gids) == 1 and decided_gids(dsn) == gids
     assert ring.counts()["locked"] == 1
     assert sec.owner_w[ring.base + ring.tail % ring.cap] == L.OWNER_HELD
     assert drain(dsn, q) == []
     done = resolve_prepared(sec, dsn, timeout_s=3600)
     assert done == [(gids[0], "commit")]
     assert ring.counts()["locked"] == 0
-    assert _prepared(dsn) == [] and _decisions(dsn) == []
+    assert prepared_gids(dsn) == [] and decided_gids(dsn) == []
     assert [m.payload for m in drain(dsn, q)] == [b"decided"]  # exactly once
     assert drain(dsn, q) == []
     assert resolve_prepared(sec, dsn, timeout_s=0) == []
@@ -760,7 +739,7 @@ def test_tpc_commit_clears_the_decision_even_if_the_next_begin_fails(dsn, make_q
         monkeypatch.setattr(s, "_begin", begin_fails)
         with pytest.raises(DatabaseUnavailable):
             s.tpc_commit()
-        assert _prepared(dsn) == [] and _decisions(dsn) == []
+        assert prepared_gids(dsn) == [] and decided_gids(dsn) == []
         monkeypatch.undo()
     assert [m.payload for m in drain(dsn, q)] == [b"committed"]
 
@@ -784,7 +763,7 @@ def test_tpc_commit_in_doubt_is_resolved_by_the_decision(dsn, make_queue, decide
         done = resolve_prepared(s.section, dsn, timeout_s=3600 if decide else 0)
         assert [v for _, v in done] == ["commit" if decide else "rollback"]
         assert s.ring(q).counts()["locked"] == 0
-        assert _decisions(dsn) == []
+        assert decided_gids(dsn) == []
     assert [m.payload for m in drain(dsn, q)] == ([b"in doubt"] if decide else [])
 
 

@@ -16,13 +16,11 @@ section, the monitor's state file) with a deadline; never a bare sleep.
 from __future__ import annotations
 
 import faulthandler
-import json
 import multiprocessing as mp
 import os
 import random
 import secrets
 import signal
-import subprocess
 import sys
 import time
 import uuid
@@ -33,7 +31,7 @@ from typing import Any
 
 import psycopg
 import pytest
-from conftest import remove_section
+from conftest import MonitorProcess, remove_section, wait_for
 from psycopg import sql
 from ringq.engine import RingqError, Section, connect
 from ringq.engine import _layout as L
@@ -42,51 +40,9 @@ from ringq.scripting import Cluster
 from ringq.scripting._ddl import QueueSpec, create_queue
 
 FORK = mp.get_context("fork")
-INTERVAL = "0.2"  # the monitor's pass (s)
 
 
 # -- helpers ----------------------------------------------------------------------------------
-
-
-def wait_for(cond: Callable[[], Any], timeout: float = 20.0, what: str = "condition") -> Any:
-    """Poll ``cond`` until it returns something truthy; fail after ``timeout`` seconds."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        got = cond()
-        if got:
-            return got
-        time.sleep(0.02)
-    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
-
-
-class MonitorProcess:
-    """``ringq monitor`` as a real process, serving once its state file names it."""
-
-    def __init__(self, dsn: str, data_dir: Path) -> None:
-        self.data_dir = data_dir
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "ringq.cli", "monitor", "--dsn", dsn, "--port", "0",
-             "--data-dir", str(data_dir), "--interval", INTERVAL],
-            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-        )
-        wait_for(self._serving, 30, "the monitor to serve")
-
-    def _serving(self) -> bool:
-        if self.proc.poll() is not None:
-            err = self.proc.stderr.read() if self.proc.stderr else ""
-            raise AssertionError(f"monitor exited {self.proc.returncode}: {err}")
-        try:
-            state = json.loads((self.data_dir / "monitor.json").read_text())
-        except (OSError, ValueError):
-            return False
-        return bool(state.get("pid") == self.proc.pid and state.get("url"))
-
-    def kill(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-        self.proc.wait(30)
-        if self.proc.stderr:
-            self.proc.stderr.close()
 
 
 @pytest.fixture

@@ -16,13 +16,14 @@ from typing import Any
 
 import numpy as np
 import pytest
+from conftest import wait_for
 from ringq.monitor import _sample as S
 from ringq.monitor._history import BUCKET, HistoryReader, downsample
 from ringq.monitor._t4 import HEADER, T4Reader, T4Writer, file_for
 from ringq.rtv import _metrics as K
 
 # The monitor test module's helpers and fixtures (monitor, make_queue).
-from test_monitor import get_json, http, monitor, produce, queue_doc, wait_for  # noqa: F401
+from test_monitor import get_json, http, monitor, produce, queue_doc  # noqa: F401
 
 WIDTH = len(S.NUMERIC_KEYS)
 

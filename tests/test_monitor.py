@@ -24,6 +24,7 @@ from typing import Any
 
 import psycopg
 import pytest
+from conftest import MonitorProcess, drain, wait_for
 from ringq.engine import ConfigError, Section, connect
 from ringq.engine import _layout as L
 from ringq.engine._section import pid_alive
@@ -41,22 +42,6 @@ FAST = 0.2  # sample interval (s) used by the tests
 
 
 # -- helpers --------------------------------------------------------------------------------
-
-
-def wait_for(cond: Callable[[], Any], timeout: float = 10.0, what: str = "condition", every: float = 0.02) -> Any:
-    """Poll ``cond`` until it returns something truthy; fail after ``timeout`` seconds."""
-    deadline = time.monotonic() + timeout
-    last_exc: BaseException | None = None
-    while time.monotonic() < deadline:
-        try:
-            got = cond()
-        except (OSError, KeyError, ValueError) as exc:  # not up yet
-            last_exc = exc
-            got = None
-        if got:
-            return got
-        time.sleep(every)
-    raise AssertionError(f"timed out after {timeout}s waiting for {what}" + (f" (last: {last_exc!r})" if last_exc else ""))
 
 
 def http(url: str, token: str | None = None, header: bool = True) -> tuple[int, bytes, dict[str, str]]:
@@ -79,8 +64,6 @@ def get_json(url: str, token: str | None = None) -> Any:
 def queue_doc(base: str, name: str, token: str | None = None) -> dict[str, Any] | None:
     doc = get_json(base + "/api/queues", token)
     return next((q for q in doc["queues"] if q["name"] == name), None)
-
-
 
 
 @pytest.fixture
@@ -110,40 +93,6 @@ def ringq_run(*args: str, env: dict[str, str] | None = None) -> subprocess.Compl
     return subprocess.run(ringq_cmd(*args), capture_output=True, text=True, timeout=60, env=env, check=False)
 
 
-class MonitorProcess:
-    """``ringq monitor`` as a real process; ``url`` once it serves."""
-
-    def __init__(self, dsn: str, data_dir: Path, *extra: str, env: dict[str, str] | None = None) -> None:
-        self.data_dir = data_dir
-        self.proc = subprocess.Popen(
-            ringq_cmd("monitor", "--dsn", dsn, "--port", "0", "--data-dir", str(data_dir),
-                      "--interval", str(FAST), *extra),
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
-        )
-        self.url = wait_for(self._url, 30, "the monitor to serve")
-
-    def _url(self) -> str | None:
-        if self.proc.poll() is not None:
-            raise AssertionError(f"monitor exited {self.proc.returncode}: {self.proc.stderr.read() if self.proc.stderr else ''}")
-        state = json.loads((self.data_dir / "monitor.json").read_text())
-        return state["url"] if state.get("pid") == self.proc.pid else None
-
-    def stop(self, sig: int = signal.SIGTERM, timeout: float = 30) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(sig)
-        try:
-            return self.proc.wait(timeout)
-        finally:
-            for f in (self.proc.stdout, self.proc.stderr):
-                if f:
-                    f.close()
-
-    def kill(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-        self.stop()
-
-
 @pytest.fixture
 def spawn_monitor(dsn: str, tmp_path: Path) -> Iterator[Callable[..., MonitorProcess]]:
     procs: list[MonitorProcess] = []
@@ -163,16 +112,6 @@ def produce(dsn: str, queue: str, n: int, payload: bytes = b"x") -> list[int]:
         seqs = [s.enqueue(queue, payload + str(i).encode()) for i in range(n)]
         s.commit()
     return seqs
-
-
-def consume_all(dsn: str, queue: str) -> list[Any]:
-    got = []
-    with connect(dsn) as s:
-        while (m := s.dequeue(queue)) is not None:
-            got.append(m)
-            s.commit()
-        s.commit()
-    return got
 
 
 # -- configuration ------------------------------------------------------------------------------
@@ -249,7 +188,7 @@ def test_http_endpoints_answer_with_the_documented_shapes(dsn: str, make_queue: 
         return pts if sum(p["commits"] for p in pts) >= 1 and any(p["deq_rate"] > 0 for p in pts) else None
 
     produce(dsn, q, 3)  # after the first sample, so some interval holds commits
-    consume_all(dsn, q)
+    drain(dsn, q)
     points = wait_for(traffic_seen, what="history with commits")
     assert all(set(p) == set(S.NUMERIC_KEYS) for p in points)
     assert any(p["deq_p50_us"] > 0 for p in points)
@@ -330,7 +269,7 @@ def test_events_reach_wildcard_subscribers(dsn: str, make_queue: Any, monitor: A
         # Conditions are seen by the monitor's 100 ms passes: wait for each one
         # before changing the queue again.
         until(f"queue.{q}.high_water")
-        consume_all(dsn, q)
+        drain(dsn, q)
         until(f"queue.{q}.empty")
         assert {f"queue.{q}.full", f"queue.{q}.high_water", f"queue.{q}.empty"} <= names
 
@@ -436,9 +375,9 @@ def test_section_removed_under_the_monitor_is_rebuilt(dsn: str, make_queue: Any,
     wait_for(lambda: m.read_section(lambda s: s.generation) not in (None, gen), what="a new section")
     # The new section came from the rows: the three entries are there, and traffic goes on.
     wait_for(lambda: (d := queue_doc(m.url, q)) and d["depth"] == 3, what="depth 3 again")
-    assert [x.payload for x in consume_all(dsn, q)] == [b"x0", b"x1", b"x2"]
+    assert [x.payload for x in drain(dsn, q)] == [b"x0", b"x1", b"x2"]
     produce(dsn, q, 1)
-    assert [x.payload for x in consume_all(dsn, q)] == [b"x0"]
+    assert [x.payload for x in drain(dsn, q)] == [b"x0"]
     assert doc["capacity"] == 64
 
 
@@ -459,7 +398,7 @@ def test_monitor_restart_keeps_queues_working(dsn: str, make_queue: Any, spawn_m
     mon.kill()  # kill -9: the next monitor takes over (its lock died with its connection)
 
     mon = spawn_monitor()
-    got = consume_all(dsn, q)
+    got = drain(dsn, q)
     assert [m.payload for m in got] == [b"x0", b"x1", b"x2", b"x3", b"x4", b"x0", b"x1"]
     wait_for(lambda: (d := queue_doc(mon.url, q)) and d["depth"] == 0, what="depth 0")
     log = (tmp_path / "monitor" / "monitor.log").read_text()
@@ -564,7 +503,7 @@ def test_reset_section_refuses_live_clients_then_removes_it(dsn: str, make_queue
         assert mon.url
         with connect(dsn) as s2:
             assert s2.section.generation != gen  # a new segment, rebuilt from the rows
-            assert [m.payload for m in consume_all(dsn, q)] == [b"x0", b"x1"]
+            assert [m.payload for m in drain(dsn, q)] == [b"x0", b"x1"]
     finally:
         assert mon.stop() == 0
 
@@ -586,7 +525,7 @@ def test_killed_consumer_entry_is_delivered_again_within_a_second_exactly_once(
     q = make_queue(capacity=64, dequeue_mode=mode)
     mon = spawn_monitor("--interval", "1")
     produce(dsn, q, 1)
-    assert [m.seq for m in consume_all(dsn, q)] == [0]
+    assert [m.seq for m in drain(dsn, q)] == [0]
     wait_for(lambda: queue_doc(mon.url, q), what="the queue sampled")
     times = []
     seqs: list[int] = [0]
@@ -783,7 +722,7 @@ def test_monitor_rides_out_a_database_restart(tmp_path: Path) -> None:
             assert started.returncode == 0, started.stdout
             wait_for(lambda: m.status()["database"], 20, "the monitor reconnected")
             produce(dsn, q, 1)
-            assert [x.payload for x in consume_all(dsn, q)] == [b"x0", b"x1", b"x2", b"x0"]
+            assert [x.payload for x in drain(dsn, q)] == [b"x0", b"x1", b"x2", b"x0"]
             wait_for(lambda: (queue_doc(m.url or "", q) or {}).get("depth") == 0, what="depth 0")
         log = (tmp_path / "m" / "monitor.log").read_text()
         assert '"database.reconnected"' in log and '"step.failed"' in log

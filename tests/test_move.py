@@ -11,17 +11,16 @@ import json
 import multiprocessing as mp
 import os
 import random
-import secrets
 import select
 import signal
 import threading
 import time
 import uuid
 from collections import defaultdict
-from collections.abc import Iterator
 
 import psycopg
 import pytest
+from conftest import drain
 from psycopg import sql
 from ringq.engine import (
     MoveConfig,
@@ -39,21 +38,6 @@ from ringq.engine._recovery import reclaim_all, recover_dead_clients, repair_loc
 from ringq.scripting._ddl import QueueSpec, create_queue
 
 FORK = mp.get_context("fork")
-
-
-@pytest.fixture
-def dsn2(pg_cluster) -> Iterator[str]:
-    """A second database next to ``dsn`` (database 2 of the move)."""
-    name = f"t_{secrets.token_hex(6)}"
-    with psycopg.connect(pg_cluster.url("postgres"), autocommit=True) as conn:
-        conn.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(name)))
-    try:
-        yield pg_cluster.url(name)
-    finally:
-        with psycopg.connect(pg_cluster.url("postgres"), autocommit=True) as conn:
-            conn.execute(
-                sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(name))
-            )
 
 
 def _unlink_sections(dsn: str) -> None:
@@ -86,16 +70,6 @@ def produce(dsn: str, queue: str, producer: str, n: int, per_tx: int = 1) -> Non
             s.enqueue(queue, json.dumps({"p": producer, "i": i}).encode())
             if i % per_tx == 0 or i == n:
                 s.commit()
-
-
-def drain(dsn: str, queue: str) -> list:
-    out = []
-    with connect(dsn) as s:
-        while (batch := s.dequeue_many(queue, 100)):
-            out.extend(batch)
-            s.commit()
-        s.commit()
-    return out
 
 
 def check_arrivals(msgs: list, expected: dict[str, int]) -> None:
@@ -149,9 +123,9 @@ def test_moves_everything_once_in_order(dsn, dsn2, make_queue):
             total += n
         stats = mv.get_stats()
     assert total == 120 and stats["moved"] == 120 and stats["duplicates"] == 0
-    msgs = drain(dsn2, dst)
+    msgs = drain(dsn2, dst, batch=100)
     check_arrivals(msgs, {"a": 40, "b": 40, "c": 40})
-    assert drain(dsn, src) == []
+    assert drain(dsn, src, batch=100) == []
 
 
 def test_redelivered_after_destination_commit_is_skipped_by_key(dsn, dsn2, make_queue):
@@ -175,7 +149,7 @@ def test_redelivered_after_destination_commit_is_skipped_by_key(dsn, dsn2, make_
             pass
         stats = mv.get_stats()
     assert stats["redelivered"] == 4 and stats["duplicates"] == 4
-    check_arrivals(drain(dsn2, dst), {"a": 10})
+    check_arrivals(drain(dsn2, dst, batch=100), {"a": 10})
 
 
 def test_key_is_unique_across_wraps(dsn, dsn2, make_queue):
@@ -194,7 +168,7 @@ def test_key_is_unique_across_wraps(dsn, dsn2, make_queue):
             stats = mv.get_stats()
     assert stats["moved"] == 30 and stats["duplicates"] == 0
     assert stats["pruned_keys"] > 0  # spent keys do not pile up in database 2
-    check_arrivals(drain(dsn2, dst), {"a": 30})
+    check_arrivals(drain(dsn2, dst, batch=100), {"a": 30})
 
 
 def test_too_large_for_destination_is_poison_not_a_stall(dsn, dsn2, make_queue):
@@ -216,7 +190,7 @@ def test_too_large_for_destination_is_poison_not_a_stall(dsn, dsn2, make_queue):
     # The big one failed its deliveries and went to the exception table; the
     # others moved (after the failed batch, one at a time).
     assert failures == 2  # the batch of 3, then the big one alone (its 2nd delivery)
-    got = [unwrap(m) for m in drain(dsn2, dst)]
+    got = [unwrap(m) for m in drain(dsn2, dst, batch=100)]
     assert [m.producer_seq for m in got] == [1, 3]
     with psycopg.connect(dsn) as conn:
         (n,) = conn.execute("SELECT count(*) FROM ringq.exceptions").fetchone()
@@ -302,7 +276,7 @@ def test_lost_lock_connection_is_noticed_and_the_lock_taken_again(dsn, dsn2, mak
             pass
         stats = mv.get_stats()
     assert stats["takeovers"] == 2 and stats["moved"] == 6
-    check_arrivals(drain(dsn2, dst), {"a": 6})
+    check_arrivals(drain(dsn2, dst, batch=100), {"a": 6})
 
 
 def test_run_stops_on_event(dsn, dsn2, make_queue):
@@ -484,7 +458,7 @@ def test_cli_move_once(dsn, dsn2, make_queue):
     out, err = p.communicate(timeout=60)
     assert p.returncode == 0, err
     assert "moved 30" in out
-    check_arrivals(drain(dsn2, dst), {"a": 30})
+    check_arrivals(drain(dsn2, dst, batch=100), {"a": 30})
 
 
 def test_cli_rejects_a_dsn_without_queue(dsn):
@@ -518,8 +492,8 @@ def test_cli_sigterm_drains(dsn, dsn2, make_queue):
     assert p.returncode == 0, err
     assert "ringq move: batches" in out
     # Graceful: whatever left database 1 is in database 2, once; the rest is still there.
-    got.extend(drain(dsn2, dst))
-    rest = drain(dsn, src)
+    got.extend(drain(dsn2, dst, batch=100))
+    rest = drain(dsn, src, batch=100)
     assert 20 <= len(got) < 1000 and len(got) + len(rest) == 1000
     seqs = [unwrap(m).producer_seq for m in got] + [json.loads(m.payload)["i"] for m in rest]
     assert seqs == list(range(1, 1001))
@@ -564,4 +538,4 @@ def test_a_shared_mode_source_is_refused(dsn, dsn2, make_queue):
     assert p.returncode == 5, err
     assert "'shared' dequeue mode" in err and "--dequeue-mode single" in err and "Traceback" not in err
     # Nothing was taken: the entries are all still in the source.
-    assert len(drain(dsn, src)) == 3 and drain(dsn2, dst) == []
+    assert len(drain(dsn, src, batch=100)) == 3 and drain(dsn2, dst, batch=100) == []

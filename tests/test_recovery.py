@@ -11,6 +11,7 @@ import uuid
 
 import psycopg
 import pytest
+from conftest import decided_gids, drain, prepared_gids
 from ringq.engine import Section, connect
 from ringq.engine import _layout as L
 from ringq.engine._recovery import (
@@ -55,16 +56,6 @@ def _kill_holding(dsn, queue, kind):
     os.kill(p.pid, signal.SIGKILL)
     p.join(10)
     return p
-
-
-def drain(dsn, queue):
-    out = []
-    with connect(dsn) as s:
-        while (m := s.dequeue(queue)) is not None:
-            out.append(m)
-            s.commit()
-        s.commit()
-    return out
 
 
 def _recover_until(sec, dsn, predicate, timeout=5.0):
@@ -296,16 +287,6 @@ def test_prepared_transaction_of_dead_coordinator_is_resolved(dsn, make_queue, d
     assert [m.payload for m in drain(dsn, q)] == ([b"2pc"] if decide else [])
 
 
-def _prepared(dsn):
-    with psycopg.connect(dsn, autocommit=True) as c:
-        return sorted(r[0] for r in c.execute("SELECT gid FROM pg_prepared_xacts WHERE database = current_database()"))
-
-
-def _decisions(dsn):
-    with psycopg.connect(dsn, autocommit=True) as c:
-        return sorted(r[0] for r in c.execute("SELECT gid FROM ringq.tpc_decisions"))
-
-
 def _prepare_elsewhere(dsn, gtrid, bqual=None):
     """PREPARE an empty transaction on a plain connection, then drop the
     connection (as a dead process would); returns the gid."""
@@ -330,12 +311,12 @@ def test_decided_prepared_transaction_without_queue_operations_is_committed(dsn,
     s.tpc_prepare()
     s.tpc_decide()
     s.close()  # decided: left prepared for recovery
-    gids = _prepared(dsn)
-    assert len(gids) == 1 and _decisions(dsn) == gids
+    gids = prepared_gids(dsn)
+    assert len(gids) == 1 and decided_gids(dsn) == gids
     # No slots tell whether its session is alive: the decision gets a grace period.
     assert resolve_prepared(sec, dsn, timeout_s=0) == []
     assert resolve_prepared(sec, dsn, timeout_s=0, decided_grace_s=0) == [(gids[0], "commit")]
-    assert _prepared(dsn) == [] and _decisions(dsn) == []
+    assert prepared_gids(dsn) == [] and decided_gids(dsn) == []
     with psycopg.connect(dsn) as c:
         assert c.execute("SELECT id FROM app_orders").fetchall() == [(1,)]
 
@@ -348,10 +329,10 @@ def test_only_ringq_prepared_transactions_are_rolled_back(dsn, make_queue):
     ringq_gid = _prepare_elsewhere(dsn, ours, "ringq")  # a dead session's op-less branch, as Session.xid names it
     # The user's own, outside ringq: another branch qualifier, a plain name.
     foreign = sorted([_prepare_elsewhere(dsn, ours, "app"), _prepare_elsewhere(dsn, "plain-" + ours)])
-    assert _prepared(dsn) == sorted([ringq_gid, *foreign])
+    assert prepared_gids(dsn) == sorted([ringq_gid, *foreign])
     assert resolve_prepared(sec, dsn, timeout_s=3600) == []  # not old enough yet
     assert resolve_prepared(sec, dsn, timeout_s=0) == [(ringq_gid, "rollback")]
-    assert _prepared(dsn) == foreign  # never touched, however old
+    assert prepared_gids(dsn) == foreign  # never touched, however old
 
 
 def test_stale_decisions_are_dropped_after_the_timeout(dsn, make_queue):
@@ -367,13 +348,13 @@ def test_stale_decisions_are_dropped_after_the_timeout(dsn, make_queue):
         )
         c.execute("INSERT INTO ringq.tpc_decisions (gid) VALUES ('recent')")
     assert resolve_prepared(sec, dsn, timeout_s=3600) == []
-    assert _decisions(dsn) == ["recent"]  # within the grace: its commit may still be on the way
+    assert decided_gids(dsn) == ["recent"]  # within the grace: its commit may still be on the way
     # The gid reused later: no decision left to commit it by mistake.
     assert _prepare_elsewhere(dsn, gid.gtrid, "ringq") == gid._as_tid()
     assert resolve_prepared(sec, dsn, timeout_s=3600) == []
-    assert _prepared(dsn) == [gid._as_tid()]
+    assert prepared_gids(dsn) == [gid._as_tid()]
     assert resolve_prepared(sec, dsn, timeout_s=0) == [(gid._as_tid(), "rollback")]
-    assert _decisions(dsn) == []  # 'recent' too, once older than the timeout
+    assert decided_gids(dsn) == []  # 'recent' too, once older than the timeout
 
 
 def test_session_dropped_without_close_is_recovered(dsn, make_queue):

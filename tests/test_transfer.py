@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import os
 import random
-import secrets
 import signal
 import subprocess
 import sys
@@ -21,27 +20,11 @@ from pathlib import Path
 
 import psycopg
 import pytest
-from psycopg import sql
 from ringq.engine import Section, already_applied, connect, create_applied_table
 from ringq.engine._recovery import reclaim_all, recover_dead_clients, repair_lock_holders
 from ringq.scripting._ddl import QueueSpec, create_queue
 
 EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "transfer.py"
-
-
-@pytest.fixture
-def dsn2(pg_cluster) -> Iterator[str]:
-    """A second database next to ``dsn`` (bank B)."""
-    name = f"t_{secrets.token_hex(6)}"
-    with psycopg.connect(pg_cluster.url("postgres"), autocommit=True) as conn:
-        conn.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(name)))
-    try:
-        yield pg_cluster.url(name)
-    finally:
-        with psycopg.connect(pg_cluster.url("postgres"), autocommit=True) as conn:
-            conn.execute(
-                sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(name))
-            )
 
 
 def _unlink_section(where: str) -> None:

@@ -25,6 +25,7 @@ from typing import Any
 
 import psycopg
 import pytest
+from conftest import drain, wait_for
 from ringq.engine import (
     Actions,
     ActionTimeout,
@@ -38,8 +39,6 @@ from ringq.engine import (
 )
 
 # -- fixtures and helpers -------------------------------------------------------------------
-
-
 
 
 @pytest.fixture
@@ -57,16 +56,6 @@ def enqueue(dsn: str, queue: str, *payloads: bytes) -> list[int]:
     return seqs
 
 
-def drain(dsn: str, queue: str) -> list[Message]:
-    out = []
-    with connect(dsn) as s:
-        while (m := s.dequeue(queue)) is not None:
-            out.append(m)
-            s.commit()
-        s.commit()
-    return out
-
-
 def rows(dsn: str, query: str, *params: Any) -> list[tuple[Any, ...]]:
     with psycopg.connect(dsn, autocommit=True) as conn:
         return conn.execute(query, params).fetchall()
@@ -82,17 +71,6 @@ def exceptions_of(dsn: str, queue: str) -> list[tuple[int, int, str]]:
             queue,
         )
     ]
-
-
-def wait_until(predicate: Callable[[], Any], timeout: float = 30.0, what: str = "condition") -> Any:
-    deadline = time.monotonic() + timeout
-    while True:
-        got = predicate()
-        if got:
-            return got
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout:g}s waiting for {what}")
-        time.sleep(0.01)  # polling a condition with a deadline, not synchronizing by sleep
 
 
 # -- in-process: outcomes of one message ----------------------------------------------------
@@ -387,7 +365,7 @@ class WorkerProcess:
 
     def wait_line(self, pattern: str, timeout: float = 30.0) -> str:
         rx = re.compile(pattern)
-        return wait_until(
+        return wait_for(
             lambda: next((ln for ln in self.lines if rx.search(ln)), None),
             timeout,
             f"log line /{pattern}/",
@@ -395,7 +373,7 @@ class WorkerProcess:
 
     def ready_pid(self, seq: int, timeout: float = 30.0) -> int:
         f = self.tmp / f"ready-{seq}"
-        wait_until(lambda: f.exists() and f.read_text(), timeout, f"message {seq} in its action")
+        wait_for(lambda: f.exists() and f.read_text(), timeout, f"message {seq} in its action")
         return int(f.read_text())
 
     def release(self, seq: int) -> None:
@@ -449,7 +427,7 @@ def test_kill9_mid_action_rolls_its_writes_back_and_the_message_is_handled_again
     os.kill(victim, signal.SIGKILL)
     # The pool gives the slot back at once and restarts the worker, which
     # handles the message again (deliveries 2) and the rest after it.
-    wait_until(
+    wait_for(
         lambda: rows(dsn, "SELECT count(DISTINCT seq) FROM effects")[0][0] == 4,
         60,
         "all four handled",
@@ -472,7 +450,7 @@ def test_two_processes_on_a_shared_queue_handle_each_message_once(
     q = make_queue(capacity=512, dequeue_mode="shared")
     seqs = enqueue(dsn, q, *[f"m{i}".encode() for i in range(300)])
     wp = worker_process(q, "--processes", "2")
-    wait_until(lambda: rows(dsn, "SELECT count(*) FROM effects")[0][0] >= 300, 60, "300 effects")
+    wait_for(lambda: rows(dsn, "SELECT count(*) FROM effects")[0][0] >= 300, 60, "300 effects")
     wp.signal(signal.SIGTERM)
     assert wp.wait() == WorkerExit.OK
     got = rows(dsn, "SELECT seq, count(*) FROM effects GROUP BY seq ORDER BY seq")
