@@ -19,35 +19,37 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import multiprocessing as mp
 import os
-import platform
 import secrets
-import shutil
-import signal
 import statistics
 import sys
-import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from multiprocessing.connection import Connection
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 import posix_ipc
 import psycopg
+from _benchlib import (
+    argument_parser,
+    cpu_load,
+    database,
+    drop_queues,
+    machine,
+    server_settings,
+    sigterm_tears_down,
+    write_results,
+)
 from psycopg import sql
-from ringq.engine import Section, connect, metrics
+from ringq.engine import connect, metrics
 from ringq.engine._names import queue_table
 from ringq.engine._sqlfile import load
-from ringq.scripting import Cluster
-from ringq.scripting._ddl import QueueSpec, create_queue, drop_queue
+from ringq.scripting._ddl import QueueSpec, create_queue
 
-RESULTS_DIR = Path(__file__).resolve().parent / "results"
 FORK = mp.get_context("fork")
 ENGINE_SQL = load(
     "ringq.engine", "queries.sql"
@@ -78,10 +80,6 @@ SELECT n_live_tup, n_dead_tup, n_tup_ins, n_tup_upd, n_tup_hot_upd, n_tup_del,
        autovacuum_count, vacuum_count
 FROM pg_stat_user_tables WHERE relid = %s::regclass
 """
-SERVER_SETTINGS = (
-    "server_version", "fsync", "synchronous_commit", "wal_sync_method", "shared_buffers",
-    "autovacuum", "autovacuum_naptime", "max_connections",
-)  # fmt: skip
 
 
 # -- figures -------------------------------------------------------------------------------
@@ -736,8 +734,7 @@ def run(dsn: str, cfg: Config, names: Names) -> dict[str, Any]:
         volume["skip_locked"] = volume_skq(
             dsn, names.skq_volume, payload, cfg.volume, cfg.batch, cfg.volume_capacity
         )
-    env["loadavg_at_end"] = os.getloadavg()
-    env["cpu_pressure_at_end"] = cpu_pressure()
+    env.update(cpu_load("end"))
     return {"environment": env, "rounds": rounds, "volume": volume}
 
 
@@ -771,30 +768,13 @@ def warm_up(dsn: str, names: Names, ring_sql: RingSQL, cfg: Config, payload: byt
 
 
 def environment(conn: psycopg.Connection[Any]) -> dict[str, Any]:
-    settings = {}
-    for name in SERVER_SETTINGS:
-        row = conn.execute("SELECT current_setting(%s)", (name,)).fetchone()
-        settings[name] = row[0] if row else None
     return {
-        "server": settings,
-        "python": platform.python_version(),
-        "psycopg": psycopg.__version__,
+        "server": server_settings(conn),
+        **machine(),
         "psycopg_impl": psycopg.pq.__impl__,
         "numpy": np.__version__,
-        "platform": platform.platform(),
-        "cpus": os.cpu_count(),
-        "loadavg_at_start": os.getloadavg(),
-        "cpu_pressure_at_start": cpu_pressure(),
+        **cpu_load("start"),
     }
-
-
-def cpu_pressure() -> str | None:
-    """/proc/pressure/cpu's "some" line: how much runnable work waited for a CPU (other load)."""
-    try:
-        with open("/proc/pressure/cpu") as f:
-            return f.readline().strip()
-    except OSError:
-        return None
 
 
 # -- summary: medians, ratios, targets --------------------------------------------------------------
@@ -1071,56 +1051,19 @@ def _hot(v: dict[str, Any]) -> str:
 # -- set-up and tear-down ----------------------------------------------------------------------
 
 
-@contextlib.contextmanager
-def database(dsn: str | None) -> Iterator[tuple[str, str | None]]:
-    """Yield (dsn, embedded cluster home or None): the given database, or a private embedded cluster."""
-    if dsn is not None:
-        yield dsn, None
-        return
-    home = tempfile.mkdtemp(prefix="ringq-bench-")
-    cluster = Cluster(home)
-    try:
-        print(f"starting an embedded PostgreSQL under {home} ...", file=sys.stderr, flush=True)
-        yield cluster.start(), home
-    finally:
-        cluster.stop()
-        shutil.rmtree(home, ignore_errors=True)
-
-
 def cleanup(dsn: str, names: Names, *, embedded: bool) -> None:
-    with psycopg.connect(dsn, autocommit=True) as admin:
-        row = admin.execute("SELECT value FROM ringq.meta WHERE key = 'instance_id'").fetchone()
-        queues = [names.ring, names.ring_sql, names.ring_wake, names.ring_volume]
-        qids = [
-            r[0]
-            for r in admin.execute(
-                "SELECT id FROM ringq.queues WHERE name = ANY(%s)", (queues,)
-            ).fetchall()
-        ]
-        for name in queues:
-            with contextlib.suppress(Exception):
-                drop_queue(admin, name)
-        for table in (names.skq, names.skq_volume, names.ceiling):
-            admin.execute(sql.SQL("DROP TABLE IF EXISTS {}").format(sql.Identifier(table)))
-    if row and embedded:
-        # The database dies with the cluster: so do its section and semaphores.
-        Section.unlink(row[0])
-        Section.unlink_semaphores(row[0], qids)
-
-
-def _sigterm(signum: int, frame: object) -> None:
-    # Tear the embedded cluster down on SIGTERM too (the first one; a second kills).
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)
-    raise KeyboardInterrupt(f"signal {signum}")
+    drop_queues(
+        dsn,
+        [names.ring, names.ring_sql, names.ring_wake, names.ring_volume],
+        embedded=embedded,
+        tables=[names.skq, names.skq_volume, names.ceiling],
+    )
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(
-        description="ringq engine benchmarks: ringq vs a SKIP LOCKED queue vs a one-row-update ceiling.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    p = argument_parser(
+        "ringq engine benchmarks: ringq vs a SKIP LOCKED queue vs a one-row-update ceiling."
     )
-    p.add_argument("--dsn", help="run in this database instead of a private embedded cluster")
-    p.add_argument("--out", type=Path, help="also write the JSON here")
     p.add_argument(
         "--rounds", type=int, default=3, help="interleaved rounds (medians are reported)"
     )
@@ -1169,8 +1112,7 @@ def main(argv: list[str] | None = None) -> int:
         # Entries of one round sit in the queue between its enqueue and dequeue passes.
         capacity=max(args.single, args.batches * args.batch) + 64,
     )
-    if signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
-        signal.signal(signal.SIGTERM, _sigterm)
+    sigterm_tears_down()
     started = datetime.now(UTC)
     t0 = time.perf_counter()
     names = Names(secrets.token_hex(4))
@@ -1195,14 +1137,7 @@ def main(argv: list[str] | None = None) -> int:
         **summary,
         "table": table,
     }
-    RESULTS_DIR.mkdir(parents=True, exist_ok=True)
-    paths = [RESULTS_DIR / f"engine-{started.strftime('%Y%m%dT%H%M%SZ')}.json"]
-    if args.out is not None:
-        paths.append(args.out)
-    for path in paths:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(doc, indent=2, default=str) + "\n")
-    print("\nwrote " + ", ".join(str(p) for p in paths), file=sys.stderr)
+    write_results("engine", started, doc, args.out)
     return 0
 
 

@@ -31,7 +31,6 @@ import argparse
 import contextlib
 import json
 import os
-import platform
 import secrets
 import shutil
 import signal
@@ -40,18 +39,23 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import psycopg
-from ringq.engine import Section, connect
-from ringq.scripting import Cluster
-from ringq.scripting._ddl import QueueSpec, create_queue, drop_queue
-
-RESULTS_DIR = Path(__file__).resolve().parent / "results"
+from _benchlib import (
+    argument_parser,
+    cpu_load,
+    database,
+    drop_queues,
+    machine,
+    sigterm_tears_down,
+    write_results,
+)
+from ringq.engine import connect
+from ringq.scripting._ddl import QueueSpec, create_queue
 
 # References quoted from issue 4, NOT measured here: how long the default
 # settings of two PostgreSQL job queues leave a job taken by a dead worker.
@@ -71,15 +75,6 @@ m = s.dequeue(sys.argv[2], wait=10.0)
 print(-1 if m is None else m.seq, flush=True)
 time.sleep(120)
 """
-
-
-def cpu_pressure() -> str | None:
-    """/proc/pressure/cpu's "some" line: how much runnable work waited for a CPU."""
-    try:
-        with open("/proc/pressure/cpu") as f:
-            return f.readline().strip()
-    except OSError:
-        return None
 
 
 def ms_summary(samples_ns: list[int]) -> dict[str, Any]:
@@ -364,53 +359,13 @@ def targets(kill: dict[str, Any], cost: dict[str, Any]) -> list[dict[str, Any]]:
     ]
 
 
-# -- set-up and tear-down -------------------------------------------------------------------------------
-
-
-@contextlib.contextmanager
-def database(dsn: str | None) -> Iterator[tuple[str, str | None]]:
-    if dsn is not None:
-        yield dsn, None
-        return
-    home = tempfile.mkdtemp(prefix="ringq-bench-")
-    cluster = Cluster(home)
-    try:
-        print(f"starting an embedded PostgreSQL under {home} ...", file=sys.stderr, flush=True)
-        yield cluster.start(), home
-    finally:
-        cluster.stop()
-        shutil.rmtree(home, ignore_errors=True)
-
-
-def cleanup(dsn: str, queues: list[str], *, embedded: bool) -> None:
-    with psycopg.connect(dsn, autocommit=True) as admin:
-        row = admin.execute("SELECT value FROM ringq.meta WHERE key = 'instance_id'").fetchone()
-        qids = [
-            r[0]
-            for r in admin.execute(
-                "SELECT id FROM ringq.queues WHERE name = ANY(%s)", (queues,)
-            ).fetchall()
-        ]
-        for name in queues:
-            with contextlib.suppress(Exception):
-                drop_queue(admin, name)
-    if row and embedded:
-        Section.unlink(row[0])
-        Section.unlink_semaphores(row[0], qids)
-
-
-def _sigterm(signum: int, frame: object) -> None:
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)
-    raise KeyboardInterrupt(f"signal {signum}")
+# -- the command -------------------------------------------------------------------------------------
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(
-        description="ringq monitor benchmarks: kill -9 to redelivery, and the monitor's cost on throughput.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    p = argument_parser(
+        "ringq monitor benchmarks: kill -9 to redelivery, and the monitor's cost on throughput."
     )
-    p.add_argument("--dsn", help="run in this database instead of a private embedded cluster")
-    p.add_argument("--out", type=Path, help="also write the JSON here")
     p.add_argument("--kills", type=int, default=20, help="consumers killed with kill -9 (0: skip)")
     p.add_argument(
         "--mode",
@@ -431,22 +386,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    if signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
-        signal.signal(signal.SIGTERM, _sigterm)
+    sigterm_tears_down()
     started = datetime.now(UTC)
     t0 = time.perf_counter()
     tag = secrets.token_hex(4)
     q_kill, q_tput = f"bench_{tag}_k", f"bench_{tag}_t"
     payload = secrets.token_bytes(args.payload)
     work = Path(tempfile.mkdtemp(prefix="ringq-bench-monitor-"))
-    env: dict[str, Any] = {
-        "python": platform.python_version(),
-        "psycopg": psycopg.__version__,
-        "platform": platform.platform(),
-        "cpus": os.cpu_count(),
-        "loadavg_at_start": os.getloadavg(),
-        "cpu_pressure_at_start": cpu_pressure(),
-    }
+    env: dict[str, Any] = {**machine(), **cpu_load("start")}
     try:
         with database(args.dsn) as (dsn, home):
             try:
@@ -471,11 +418,10 @@ def main(argv: list[str] | None = None) -> int:
                 )
             finally:
                 with contextlib.suppress(Exception):
-                    cleanup(dsn, [q_kill, q_tput], embedded=home is not None)
+                    drop_queues(dsn, [q_kill, q_tput], embedded=home is not None)
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    env["loadavg_at_end"] = os.getloadavg()
-    env["cpu_pressure_at_end"] = cpu_pressure()
+    env.update(cpu_load("end"))
     doc: dict[str, Any] = {
         "benchmark": "monitor",
         "started_at": started.isoformat(),
@@ -498,14 +444,7 @@ def main(argv: list[str] | None = None) -> int:
     table = render(doc)
     doc["table"] = table
     print(table)
-    RESULTS_DIR.mkdir(parents=True, exist_ok=True)
-    paths = [RESULTS_DIR / f"monitor-{started.strftime('%Y%m%dT%H%M%SZ')}.json"]
-    if args.out is not None:
-        paths.append(args.out)
-    for path in paths:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(doc, indent=2, default=str) + "\n")
-    print("\nwrote " + ", ".join(str(p) for p in paths), file=sys.stderr)
+    write_results("monitor", started, doc, args.out)
     return 0
 
 
