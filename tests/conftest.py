@@ -11,7 +11,7 @@
   section and semaphores of that database are removed.
 
 And the helpers that several test modules share (``from conftest import ...``):
-:func:`wait_for`, :func:`drain`, :func:`remove_section`,
+:func:`present`, :func:`wait_for`, :func:`drain`, :func:`remove_section`,
 :func:`cli`, :func:`closed_port`, :func:`prepared_gids`, :func:`decided_gids`
 and :class:`MonitorProcess`.
 """
@@ -30,7 +30,7 @@ import uuid
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import psycopg
 import pytest
@@ -43,6 +43,8 @@ from ringq.scripting._ddl import QueueSpec, create_queue
 # Spark (the regression analysis) must not go looking for the host's public
 # address in a sandbox; loopback is enough for a local master.
 os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
+
+T = TypeVar("T")
 
 
 @pytest.fixture(scope="session")
@@ -155,6 +157,13 @@ def remove_section(dsn: str) -> None:
     if row:
         Section.unlink(row[0])
         Section.unlink_semaphores(row[0], qids)
+
+
+def present(value: T | None) -> T:
+    """``value``, which the test expects to be there (a row, an entry, a pid):
+    fails the test where it is None."""
+    assert value is not None, "expected a value, got None"
+    return value
 
 
 def wait_for(

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import psycopg
 import pytest
-from conftest import cli
+from conftest import cli, present
 from ringq.engine import DatabaseUnavailable, resolve_dsn
 from ringq.scripting import Cluster, PostgresNotFound
 from ringq.scripting._cluster import find_bindir
@@ -42,7 +42,9 @@ def psql(*args: str) -> str:
     return out.stdout.strip()
 
 
-def test_db_start_status_url_stop_round_trip(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+def test_db_start_status_url_stop_round_trip(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     home = tmp_path / "home"
 
     started = ringq(home, "db", "start")
@@ -180,7 +182,7 @@ def test_a_restart_whose_port_was_taken_starts_on_another_and_says_so(tmp_path: 
         Cluster(home).stop()
 
 
-def test_two_homes_side_by_side_and_concurrent_starts_make_one_server(tmp_path: Path):
+def test_two_homes_side_by_side_and_concurrent_starts_make_one_server(tmp_path: Path) -> None:
     home_a = tmp_path / "a"
     # Too long for a unix socket path under it: the socket goes to a short /tmp dir.
     home_b = tmp_path / ("b" * 90) / "home"
@@ -212,13 +214,13 @@ def test_two_homes_side_by_side_and_concurrent_starts_make_one_server(tmp_path: 
     assert not sb.socket_dir.exists()  # the short socket dir is removed on stop
 
 
-def test_context_manager_stops_only_what_it_started(pg_cluster: Cluster):
+def test_context_manager_stops_only_what_it_started(pg_cluster: Cluster) -> None:
     with Cluster(pg_cluster.home) as same:
         assert same.url() == pg_cluster.url()
     assert pg_cluster.status().running
 
 
-def test_server_settings(pg_cluster: Cluster, dsn: str):
+def test_server_settings(pg_cluster: Cluster, dsn: str) -> None:
     expected = {
         "max_prepared_transactions": "64",
         "max_connections": "200",
@@ -231,8 +233,8 @@ def test_server_settings(pg_cluster: Cluster, dsn: str):
         "logging_collector": "on",
     }
     with psycopg.connect(dsn) as conn:
-        actual = {name: conn.execute(f"SHOW {name}").fetchone()[0] for name in expected}
-        assert conn.execute("SELECT current_database()").fetchone()[0].startswith("t_")
+        actual = {name: present(conn.execute(f"SHOW {name}").fetchone())[0] for name in expected}
+        assert present(conn.execute("SELECT current_database()").fetchone())[0].startswith("t_")
         assert actual == expected
         # Two-phase commit works (max_prepared_transactions > 0).
         conn.execute("CREATE TABLE t2pc (x int)")
@@ -246,7 +248,7 @@ def test_server_settings(pg_cluster: Cluster, dsn: str):
     assert any((pg_cluster.datadir / "log").glob("postgresql-*.log"))
 
 
-def test_a_cluster_never_started(tmp_path: Path):
+def test_a_cluster_never_started(tmp_path: Path) -> None:
     cluster = Cluster(tmp_path / "nothing")
     st = cluster.status()
     assert not st.running and st.dsn is None and st.port is None
@@ -256,14 +258,14 @@ def test_a_cluster_never_started(tmp_path: Path):
     assert not (tmp_path / "nothing").exists()
 
 
-def test_no_server_installed_says_how_to_install(tmp_path: Path):
+def test_no_server_installed_says_how_to_install(tmp_path: Path) -> None:
     with pytest.raises(PostgresNotFound, match=r"apt-get install postgresql"):
         find_bindir(search_path="", lib_root=tmp_path)
 
 
 def test_a_port_taken_before_the_server_binds_is_retried(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-):
+) -> None:
     from ringq.scripting import _cluster
 
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as taken:

@@ -346,7 +346,7 @@ def test_a_failing_step_is_counted_and_logged_once_and_the_loop_goes_on(
     def broken(sec: Any) -> Any:
         raise RuntimeError("reclaim exploded")
 
-    real = svc.reclaim_all
+    real = vars(svc)["reclaim_all"]  # the name the service calls, patched below
     monkeypatch.setattr(svc, "reclaim_all", broken)
     wait_for(lambda: m.status()["steps"]["reclaim"]["failures"] >= 10, what="ten failures")
     beat = m.status()["beat"]
@@ -928,7 +928,8 @@ def test_clients_api_shows_a_worker_pool_child_s_handled_and_failed(
                             cwd=tmp_path, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         def worker_done() -> dict[str, Any] | None:
-            for c in get_json(m.url + "/api/clients")["clients"]:
+            clients: list[dict[str, Any]] = get_json(m.url + "/api/clients")["clients"]
+            for c in clients:
                 if c["role"] == "worker" and c["handled"] == 9 and c["failed"] == 6:
                     return c
             return None

@@ -76,7 +76,9 @@ def exceptions_of(dsn: str, queue: str) -> list[tuple[int, int, str]]:
 # -- in-process: outcomes of one message ----------------------------------------------------
 
 
-def test_action_commits_its_writes_and_chained_messages_together(dsn, make_queue, effects):
+def test_action_commits_its_writes_and_chained_messages_together(
+    dsn: str, make_queue: Callable[..., str], effects: str
+) -> None:
     a, b = make_queue(), make_queue()
     app = Actions()
 
@@ -98,7 +100,9 @@ def test_action_commits_its_writes_and_chained_messages_together(dsn, make_queue
     assert drain(dsn, a) == []
 
 
-def test_chaining_across_two_queues_is_atomic_when_the_action_fails(dsn, make_queue, effects):
+def test_chaining_across_two_queues_is_atomic_when_the_action_fails(
+    dsn: str, make_queue: Callable[..., str], effects: str
+) -> None:
     a, b = make_queue(), make_queue()
     app = Actions()
     fail = {"yes": True}
@@ -130,8 +134,8 @@ def test_chaining_across_two_queues_is_atomic_when_the_action_fails(dsn, make_qu
 
 
 def test_always_raising_action_ends_in_the_exception_queue_after_max_deliveries(
-    dsn, make_queue, effects, caplog
-):
+    dsn: str, make_queue: Callable[..., str], effects: str, caplog: pytest.LogCaptureFixture
+) -> None:
     q = make_queue(max_deliveries=3)
     app = Actions()
     seen: list[int] = []
@@ -163,7 +167,9 @@ def test_always_raising_action_ends_in_the_exception_queue_after_max_deliveries(
     assert drain(dsn, q) == []
 
 
-def test_a_decline_commits_and_enqueues_its_reply(dsn, make_queue, effects):
+def test_a_decline_commits_and_enqueues_its_reply(
+    dsn: str, make_queue: Callable[..., str], effects: str
+) -> None:
     q, replies = make_queue(), make_queue()
     app = Actions()
 
@@ -187,12 +193,12 @@ def test_a_decline_commits_and_enqueues_its_reply(dsn, make_queue, effects):
     assert exceptions_of(dsn, q) == []
 
 
-def test_decline_needs_a_queue_for_its_reply():
+def test_decline_needs_a_queue_for_its_reply() -> None:
     with pytest.raises(ConfigError):
         Decline("no", reply=b"x")
 
 
-def test_registry_rejects_a_second_action_for_a_queue_and_bad_timeouts():
+def test_registry_rejects_a_second_action_for_a_queue_and_bad_timeouts() -> None:
     app = Actions()
     app.add("orders", lambda m, s: None)
     with pytest.raises(ConfigError):
@@ -221,7 +227,9 @@ def _timed_app(q: str, body: Callable[[Message, Session], None], timeout: float)
     return app
 
 
-def test_time_limit_aborts_a_python_loop_and_rolls_back(dsn, make_queue, effects):
+def test_time_limit_aborts_a_python_loop_and_rolls_back(
+    dsn: str, make_queue: Callable[..., str], effects: str
+) -> None:
     q = make_queue()
 
     def spin(msg: Message, session: Session) -> None:
@@ -244,7 +252,9 @@ def test_time_limit_aborts_a_python_loop_and_rolls_back(dsn, make_queue, effects
     assert rows(dsn, "SELECT seq, deliveries FROM effects") == [(seq, 2)]
 
 
-def test_time_limit_cancels_sql_in_progress_and_the_session_goes_on(dsn, make_queue, effects):
+def test_time_limit_cancels_sql_in_progress_and_the_session_goes_on(
+    dsn: str, make_queue: Callable[..., str], effects: str
+) -> None:
     q = make_queue()
 
     def sleep_in_sql(msg: Message, session: Session) -> None:
@@ -267,8 +277,8 @@ def test_time_limit_cancels_sql_in_progress_and_the_session_goes_on(dsn, make_qu
 
 
 def test_time_limit_does_not_leak_slots_when_it_strikes_inside_engine_calls(
-    dsn, make_queue, effects
-):
+    dsn: str, make_queue: Callable[..., str], effects: str
+) -> None:
     q, big = make_queue(), make_queue(capacity=100_000, dequeue_mode="shared")
 
     def flood(msg: Message, session: Session) -> None:
@@ -292,7 +302,7 @@ def test_time_limit_does_not_leak_slots_when_it_strikes_inside_engine_calls(
     assert drain(dsn, big) == []
 
 
-def test_action_timeout_is_not_an_exception():
+def test_action_timeout_is_not_an_exception() -> None:
     assert not issubclass(ActionTimeout, Exception)
 
 
@@ -365,11 +375,12 @@ class WorkerProcess:
 
     def wait_line(self, pattern: str, timeout: float = 30.0) -> str:
         rx = re.compile(pattern)
-        return wait_for(
+        line: str = wait_for(
             lambda: next((ln for ln in self.lines if rx.search(ln)), None),
             timeout,
             f"log line /{pattern}/",
         )
+        return line
 
     def ready_pid(self, seq: int, timeout: float = 30.0) -> int:
         f = self.tmp / f"ready-{seq}"
@@ -415,8 +426,11 @@ def worker_process(tmp_path: Path, dsn: str) -> Iterator[Callable[..., WorkerPro
 
 
 def test_kill9_mid_action_rolls_its_writes_back_and_the_message_is_handled_again(
-    dsn, make_queue, effects, worker_process
-):
+    dsn: str,
+    make_queue: Callable[..., str],
+    effects: str,
+    worker_process: Callable[..., WorkerProcess],
+) -> None:
     q = make_queue()
     seqs = enqueue(dsn, q, b"first", b"block", b"third", b"fourth")
     blocked = seqs[1]
@@ -445,8 +459,11 @@ def test_kill9_mid_action_rolls_its_writes_back_and_the_message_is_handled_again
 
 
 def test_two_processes_on_a_shared_queue_handle_each_message_once(
-    dsn, make_queue, effects, worker_process
-):
+    dsn: str,
+    make_queue: Callable[..., str],
+    effects: str,
+    worker_process: Callable[..., WorkerProcess],
+) -> None:
     q = make_queue(capacity=512, dequeue_mode="shared")
     seqs = enqueue(dsn, q, *[f"m{i}".encode() for i in range(300)])
     wp = worker_process(q, "--processes", "2")
@@ -462,8 +479,12 @@ def test_two_processes_on_a_shared_queue_handle_each_message_once(
 
 @pytest.mark.parametrize("start_method", ["fork", "spawn"])
 def test_sigterm_drains_the_message_in_flight_and_exits_0(
-    dsn, make_queue, effects, worker_process, start_method
-):
+    dsn: str,
+    make_queue: Callable[..., str],
+    effects: str,
+    worker_process: Callable[..., WorkerProcess],
+    start_method: str,
+) -> None:
     q = make_queue()
     blocked, later = enqueue(dsn, q, b"block", b"later")
     wp = worker_process(q, "--start-method", start_method)
@@ -480,7 +501,12 @@ def test_sigterm_drains_the_message_in_flight_and_exits_0(
     assert [(m.seq, m.deliveries) for m in left] == [(later, 1)]
 
 
-def test_second_sigterm_aborts_the_message_in_flight(dsn, make_queue, effects, worker_process):
+def test_second_sigterm_aborts_the_message_in_flight(
+    dsn: str,
+    make_queue: Callable[..., str],
+    effects: str,
+    worker_process: Callable[..., WorkerProcess],
+) -> None:
     q = make_queue()
     (blocked,) = enqueue(dsn, q, b"block")
     wp = worker_process(q)
@@ -496,8 +522,11 @@ def test_second_sigterm_aborts_the_message_in_flight(dsn, make_queue, effects, w
 
 
 def test_third_sigterm_kills_an_action_that_cannot_be_interrupted(
-    dsn, make_queue, effects, worker_process
-):
+    dsn: str,
+    make_queue: Callable[..., str],
+    effects: str,
+    worker_process: Callable[..., WorkerProcess],
+) -> None:
     q = make_queue()
     (blocked,) = enqueue(dsn, q, b"block-noalarm")
     wp = worker_process(q)
@@ -514,7 +543,9 @@ def test_third_sigterm_kills_an_action_that_cannot_be_interrupted(
     assert [m.seq for m in back] == [blocked] and back[0].deliveries == 2
 
 
-def test_bad_target_and_missing_queue_exit_with_named_codes(dsn, make_queue, tmp_path):
+def test_bad_target_and_missing_queue_exit_with_named_codes(
+    dsn: str, make_queue: Callable[..., str], tmp_path: Path
+) -> None:
     env = dict(os.environ, PYTHONPATH=str(tmp_path))
     r = subprocess.run(
         [sys.executable, "-m", "ringq.cli", "worker", "no_such_module_here", "--dsn", dsn],
