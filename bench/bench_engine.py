@@ -61,9 +61,15 @@ SKQ_CREATE = (
     "CREATE TABLE {t} (id bigserial PRIMARY KEY, payload bytea, enq_at timestamptz DEFAULT now())"
 )
 SKQ_ENQUEUE = "INSERT INTO {t} (payload) VALUES (%s)"
-SKQ_DEQUEUE = "DELETE FROM {t} WHERE id = (SELECT id FROM {t} ORDER BY id FOR UPDATE SKIP LOCKED LIMIT 1) RETURNING payload"
+SKQ_DEQUEUE = (
+    "DELETE FROM {t} WHERE id = (SELECT id FROM {t} ORDER BY id FOR UPDATE SKIP LOCKED LIMIT 1) "
+    "RETURNING payload"
+)
 SKQ_ENQUEUE_MANY = "INSERT INTO {t} (payload) SELECT unnest(%s::bytea[])"
-SKQ_DEQUEUE_MANY = "DELETE FROM {t} WHERE id IN (SELECT id FROM {t} ORDER BY id FOR UPDATE SKIP LOCKED LIMIT %s) RETURNING payload"
+SKQ_DEQUEUE_MANY = (
+    "DELETE FROM {t} WHERE id IN (SELECT id FROM {t} ORDER BY id FOR UPDATE SKIP LOCKED LIMIT %s) "
+    "RETURNING payload"
+)
 CEIL_CREATE = "CREATE TABLE {t} (id integer PRIMARY KEY, v bigint NOT NULL)"
 CEIL_FILL = "INSERT INTO {t} VALUES (1, 0)"
 CEIL_UPDATE = "UPDATE {t} SET v = v + 1 WHERE id = 1"
@@ -208,7 +214,8 @@ def bench_ringq(
 
 
 def _wake_consumer(dsn: str, queue: str, n: int, pipe: Connection) -> None:
-    """Child process: block in dequeue(wait=...) n times; send back (seq, monotonic ns at return)."""
+    """Child process: block in dequeue(wait=...) n times; send back (seq, monotonic ns at
+    return)."""
     out: list[tuple[int, int]] = []
     try:
         with connect(dsn) as s:
@@ -228,7 +235,8 @@ def _wake_consumer(dsn: str, queue: str, n: int, pipe: Connection) -> None:
 
 
 def bench_wakeup(dsn: str, queue: str, payload: bytes, n: int) -> dict[str, Any]:
-    """Commit-to-dequeue latency: producer's clock after commit() returns, consumer's after dequeue() returns.
+    """Commit-to-dequeue latency: producer's clock after commit() returns, consumer's after
+    dequeue() returns.
 
     Both read CLOCK_MONOTONIC (time.monotonic_ns), which is shared by the
     processes of one host. Before each enqueue the producer waits until the
@@ -408,7 +416,8 @@ def create_skq(admin: psycopg.Connection[Any], table: str) -> None:
 def bench_skq(
     dsn: str, table: str, payload: bytes, n_single: int, n_batches: int, batch: int
 ) -> dict[str, Any]:
-    """The same figures for INSERT / DELETE ... FOR UPDATE SKIP LOCKED, on a default psycopg connection."""
+    """The same figures for INSERT / DELETE ... FOR UPDATE SKIP LOCKED, on a default psycopg
+    connection."""
     enq_sql, deq_sql = q(SKQ_ENQUEUE, table), q(SKQ_DEQUEUE, table)
     enq_many_sql, deq_many_sql = q(SKQ_ENQUEUE_MANY, table), q(SKQ_DEQUEUE_MANY, table)
     with psycopg.connect(dsn) as prod, psycopg.connect(dsn) as cons:
@@ -538,7 +547,10 @@ class Progress:
     def update(self, done: int) -> None:
         now = time.perf_counter()
         rate = done / max(now - self.start, 1e-9)
-        text = f"  {self.label}: {done:,}/{self.total:,} ({100 * done / self.total:3.0f}%) {rate:,.0f} entries/s"
+        text = (
+            f"  {self.label}: {done:,}/{self.total:,} ({100 * done / self.total:3.0f}%) "
+            f"{rate:,.0f} entries/s"
+        )
         if self.tty:
             if now - self.last_draw > 0.25 or done == self.total:
                 sys.stderr.write("\r" + text + "   ")
@@ -560,7 +572,8 @@ def settled_sizes(
     conn: psycopg.Connection[Any], table: str, before: dict[str, int]
 ) -> dict[str, int]:
     """Sizes and statistics once the closed sessions' backends have flushed their counters
-    (they do at exit; until then pg_stat_user_tables lags): counters steady for 0.5 s, at most 10 s."""
+    (they do at exit; until then pg_stat_user_tables lags): counters steady for 0.5 s, at most
+    10 s."""
     deadline = time.monotonic() + 10.0
     last = table_sizes(conn, table)
     steady_since = time.monotonic()
@@ -727,7 +740,8 @@ def run(dsn: str, cfg: Config, names: Names) -> dict[str, Any]:
     volume: dict[str, Any] = {}
     if cfg.volume:
         print(f"volume: {cfg.volume:,} entries through a {cfg.volume_capacity:,}-slot ringq queue, "
-              f"then through the SKIP LOCKED table, {cfg.batch} per transaction", file=sys.stderr, flush=True)  # fmt: skip
+              f"then through the SKIP LOCKED table, {cfg.batch} per transaction",
+              file=sys.stderr, flush=True)  # fmt: skip
         volume["ringq"] = volume_ringq(
             dsn, names.ring_volume, payload, cfg.volume, cfg.batch, cfg.volume_capacity
         )
@@ -777,7 +791,7 @@ def environment(conn: psycopg.Connection[Any]) -> dict[str, Any]:
     }
 
 
-# -- summary: medians, ratios, targets --------------------------------------------------------------
+# -- summary: medians, ratios, targets -------------------------------------------------------------
 
 # (key in the summary, path into a round's result)
 FIGURES: list[tuple[str, str, tuple[str, ...]]] = [
@@ -932,22 +946,26 @@ def render(raw: dict[str, Any], summary: dict[str, Any], cfg: Config, seconds: f
     lines: list[str] = []
     env = raw["environment"]["server"]
     lines.append(
-        f"ringq engine benchmark: PostgreSQL {env['server_version']}, synchronous_commit={env['synchronous_commit']}, "
+        f"ringq engine benchmark: PostgreSQL {env['server_version']}, "
+        f"synchronous_commit={env['synchronous_commit']}, "
         f"fsync={env['fsync']}, {raw['environment']['cpus']} CPUs, payload {cfg.payload} B"
     )
     lines.append(
-        f"{cfg.rounds} interleaved rounds of {cfg.single:,} single-entry tx each way, {cfg.batches} x {cfg.batch} batched, "
+        f"{cfg.rounds} interleaved rounds of {cfg.single:,} single-entry tx each way, "
+        f"{cfg.batches} x {cfg.batch} batched, "
         f"{cfg.wakeups} wake-ups; median of rounds [min-max]; run took {seconds:.0f} s"
     )
     e = raw["environment"]
     lines.append(
-        f"load average at start {e['loadavg_at_start'][0]:.2f}, at end {e['loadavg_at_end'][0]:.2f} "
+        f"load average at start {e['loadavg_at_start'][0]:.2f}, "
+        f"at end {e['loadavg_at_end'][0]:.2f} "
         "(anything else running on the machine inflates the figures)"
     )
     lines.append("")
     w = 28
     lines.append(
-        f"{'figure':<{w}} {'ringq':>24} {'ringq SQL only':>24} {'skip-locked':>24} {'ringq/skq':>10}"
+        f"{'figure':<{w}} {'ringq':>24} {'ringq SQL only':>24} {'skip-locked':>24} "
+        f"{'ringq/skq':>10}"
     )
     lines.append("-" * (w + 86))
 
@@ -958,7 +976,8 @@ def render(raw: dict[str, Any], summary: dict[str, Any], cfg: Config, seconds: f
         f = fig[key]
         rat = ratios[f"{key}_ringq_over_skq"]["median"]
         lines.append(
-            f"{label:<{w}} {cell(f['ringq']):>24} {cell(f['ringq_sql']):>24} {cell(f['skip_locked']):>24} {rat:>10.2f}"
+            f"{label:<{w}} {cell(f['ringq']):>24} {cell(f['ringq_sql']):>24} "
+            f"{cell(f['skip_locked']):>24} {rat:>10.2f}"
         )
     for label, key in (
         ("ceiling tx/s, 1 round trip", "ceiling_one_rt_tx_per_s"),
@@ -984,16 +1003,20 @@ def render(raw: dict[str, Any], summary: dict[str, Any], cfg: Config, seconds: f
     )
     lines.append(
         "single-entry tx/s over the 1-round-trip ceiling: "
-        f"ringq enq {ratios['enq_tps_ringq_over_ceiling']['median']:.2f}, deq {ratios['deq_tps_ringq_over_ceiling']['median']:.2f}; "
-        f"skip-locked enq {ratios['enq_tps_skq_over_ceiling']['median']:.2f}, deq {ratios['deq_tps_skq_over_ceiling']['median']:.2f}; "
-        f"ringq over the 2-round-trip ceiling: enq {ratios['enq_tps_ringq_over_ceiling_2rt']['median']:.2f}, "
+        f"ringq enq {ratios['enq_tps_ringq_over_ceiling']['median']:.2f}, "
+        f"deq {ratios['deq_tps_ringq_over_ceiling']['median']:.2f}; "
+        f"skip-locked enq {ratios['enq_tps_skq_over_ceiling']['median']:.2f}, "
+        f"deq {ratios['deq_tps_skq_over_ceiling']['median']:.2f}; "
+        "ringq over the 2-round-trip ceiling: enq "
+        f"{ratios['enq_tps_ringq_over_ceiling_2rt']['median']:.2f}, "
         f"deq {ratios['deq_tps_ringq_over_ceiling_2rt']['median']:.2f}"
     )
     vol = raw["volume"]
     if vol:
         lines.append("")
         lines.append(
-            f"volume: {cfg.volume:,} entries, {cfg.batch}/tx, ringq queue of {cfg.volume_capacity:,} slots "
+            f"volume: {cfg.volume:,} entries, {cfg.batch}/tx, ringq queue of "
+            f"{cfg.volume_capacity:,} slots "
             "(table size = pg_total_relation_size: heap + toast + indexes)"
         )
         lines.append(f"{'':<{w}} {'ringq':>24} {'skip-locked':>24}")

@@ -115,7 +115,8 @@ class MonitorProcess:
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 raise RuntimeError(
-                    f"ringq monitor exited {self.proc.returncode} while starting; see {self.log.name}"
+                    f"ringq monitor exited {self.proc.returncode} while starting; see "
+                    f"{self.log.name}"
                 )
             with contextlib.suppress(OSError, ValueError):
                 state = json.loads((self.data_dir / "monitor.json").read_text())
@@ -142,7 +143,7 @@ class MonitorProcess:
             self.log.close()
 
 
-# -- 1. kill -9 to redelivery -------------------------------------------------------------------------
+# -- 1. kill -9 to redelivery ----------------------------------------------------------------------
 
 
 def bench_kills(dsn: str, queue: str, mon: MonitorProcess, n: int) -> dict[str, Any]:
@@ -276,7 +277,7 @@ def bench_cost(
     }
 
 
-# -- table ---------------------------------------------------------------------------------------------
+# -- table -----------------------------------------------------------------------------------------
 
 
 def render(doc: dict[str, Any]) -> str:
@@ -285,7 +286,8 @@ def render(doc: dict[str, Any]) -> str:
     la1 = "/".join(f"{x:.2f}" for x in env["loadavg_at_end"])
     lines = [
         (
-            f"ringq monitor benchmark (issue 4): {env['cpus']} CPUs, PostgreSQL {env['server_version']} "
+            f"ringq monitor benchmark (issue 4): {env['cpus']} CPUs, PostgreSQL "
+            f"{env['server_version']} "
             f"({doc['database']}), Python {env['python']}, {doc['seconds']:.0f} s"
         ),
         f"load average (1/5/15 min) at start {la0}, at end {la1}",
@@ -294,20 +296,23 @@ def render(doc: dict[str, Any]) -> str:
         "",
         (
             f"1. kill -9 of a consumer holding an entry -> entry dequeued again by another session "
-            f"({cfg['kills']} kills, {cfg['dequeue_mode']} mode, monitor process with default settings)"
+            f"({cfg['kills']} kills, {cfg['dequeue_mode']} mode, "
+            "monitor process with default settings)"
         ),
     ]
     rd = kill["redelivery"]
     if rd.get("n"):
         lines.append(
-            f"   min {rd['min_ms']:.0f} ms   p50 {rd['p50_ms']:.0f} ms   p90 {rd['p90_ms']:.0f} ms   "
-            f"max {rd['max_ms']:.0f} ms   (mean {rd['mean_ms']:.0f} ms; n={rd['n']}, "
+            f"   min {rd['min_ms']:.0f} ms   p50 {rd['p50_ms']:.0f} ms   "
+            f"p90 {rd['p90_ms']:.0f} ms   max {rd['max_ms']:.0f} ms   "
+            f"(mean {rd['mean_ms']:.0f} ms; n={rd['n']}, "
             f"{kill['failed']} not redelivered as the same entry)"
         )
     else:
         lines.append(f"   no kill was redelivered ({kill['failed']} failed)")
     lines.append(
-        "   for reference (issue 4, not measured): graphile-worker 4 hours, pg-boss 15 minutes by default"
+        "   for reference (issue 4, not measured): "
+        "graphile-worker 4 hours, pg-boss 15 minutes by default"
     )
     lines.append("")
     lines.append(
@@ -316,14 +321,17 @@ def render(doc: dict[str, Any]) -> str:
     )
     w, wo = cost["with"], cost["without"]
     lines.append(
-        f"   {'without the monitor':<22} median {wo['median']:>8,.0f}   [min-max {wo['min']:,.0f}-{wo['max']:,.0f}]"
+        f"   {'without the monitor':<22} median {wo['median']:>8,.0f}   "
+        f"[min-max {wo['min']:,.0f}-{wo['max']:,.0f}]"
     )
     lines.append(
-        f"   {'with the monitor':<22} median {w['median']:>8,.0f}   [min-max {w['min']:,.0f}-{w['max']:,.0f}]"
+        f"   {'with the monitor':<22} median {w['median']:>8,.0f}   "
+        f"[min-max {w['min']:,.0f}-{w['max']:,.0f}]"
     )
     per = ", ".join(f"{r['ratio']:.3f}" for r in cost["rounds"])
     lines.append(
-        f"   with/without: {cost['ratio_median_within_rounds']:.3f} (median of per-round ratios: {per}); "
+        f"   with/without: {cost['ratio_median_within_rounds']:.3f} "
+        f"(median of per-round ratios: {per}); "
         f"ratio of medians {cost['ratio_of_medians']:.3f}"
     )
     spread = max(wo["max"] / wo["min"], w["max"] / w["min"]) - 1
@@ -359,7 +367,7 @@ def targets(kill: dict[str, Any], cost: dict[str, Any]) -> list[dict[str, Any]]:
     ]
 
 
-# -- the command -------------------------------------------------------------------------------------
+# -- the command -----------------------------------------------------------------------------------
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:

@@ -139,13 +139,16 @@ def main(argv: list[str] | None = None) -> int:
             f"rolled back {counts.get('rolled_back', 0):,}"
         ),
         (
-            f"  workload       {t.get('workload_s', 0):,.1f} s   {t.get('entries_per_s', 0):,.0f} entries/s   "
-            f"{t.get('mb_per_s', 0):,.1f} MB/s"
+            f"  workload       {t.get('workload_s', 0):,.1f} s   "
+            f"{t.get('entries_per_s', 0):,.0f} entries/s   {t.get('mb_per_s', 0):,.1f} MB/s"
         ),
         f"  spark proof    {doc['spark_s'] or 0:,.1f} s",
         f"  whole command  {wall:,.1f} s (set-up, workload, proof, report)",
         f"  database       {db_bytes / 2**30:,.2f} GiB after the cycle",
-        f"  load average   {env['loadavg_at_start'][0]:.2f} at start, {env['loadavg_at_end'][0]:.2f} at end",
+        (
+            f"  load average   {env['loadavg_at_start'][0]:.2f} at start, "
+            f"{env['loadavg_at_end'][0]:.2f} at end"
+        ),
     ]
     doc["table"] = "\n".join(lines)
     print(doc["table"])

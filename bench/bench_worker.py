@@ -200,7 +200,8 @@ def procrastinate_round(dsn: str, queue: str, n: int, kind: str) -> dict[str, An
             elapsed = time.perf_counter() - t0
             async with app.connector.pool.connection() as conn, conn.cursor() as cur:
                 await cur.execute(
-                    "SELECT status, count(*) FROM procrastinate_jobs WHERE queue_name = %s GROUP BY status",
+                    "SELECT status, count(*) FROM procrastinate_jobs "
+                    "WHERE queue_name = %s GROUP BY status",
                     (queue,),
                 )
                 statuses = dict(await cur.fetchall())

@@ -113,7 +113,9 @@ def redact_dsn(dsn: str) -> str:
     return _PASSWORD_RE.sub(_sub, dsn)
 
 
-def from_psycopg(exc: BaseException, *, dsn: str | None = None, queue: str | None = None) -> RingqError:
+def from_psycopg(
+    exc: BaseException, *, dsn: str | None = None, queue: str | None = None
+) -> RingqError:
     """Map a psycopg exception to the ringq class a user can act on."""
     if isinstance(exc, RingqError):
         return exc

@@ -18,7 +18,8 @@ DEFAULT_RECOVERY_INTERVAL = 0.1  # seconds between recovery passes (dead clients
 DEFAULT_PORT = 7480
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PREPARED_TIMEOUT = 60.0  # seconds before an undecided prepared transaction is rolled back
-DEFAULT_KEY_RETENTION = 86_400.0  # seconds from a key's creation before it may go (once its entry is gone)
+# seconds from a key's creation before it may go (once its entry is gone)
+DEFAULT_KEY_RETENTION = 86_400.0
 DEFAULT_HISTORY_SECONDS = 24 * 3600.0  # in-memory history kept per queue
 DEFAULT_T4_KEEP_DAYS = 14  # daily T4 files kept
 DEFAULT_HIGH_WATER = 0.8  # depth / capacity that raises queue.<name>.high_water
@@ -60,20 +61,33 @@ class MonitorConfig:
         _seconds("recovery_interval", self.recovery_interval, 0.01, MAX_INTERVAL)
         if self.recovery_interval > self.interval:
             raise ConfigError(
-                f"recovery_interval ({self.recovery_interval:g}s) must not exceed interval ({self.interval:g}s)"
+                f"recovery_interval ({self.recovery_interval:g}s) must not exceed interval "
+                f"({self.interval:g}s)"
             )
         _seconds("prepared_timeout", self.prepared_timeout, 0.0, 365 * 86_400.0)
         _seconds("key_retention", self.key_retention, 0.0, 3650 * 86_400.0)
         _seconds("history_seconds", self.history_seconds, self.interval, 366 * 86_400.0)
-        if isinstance(self.port, bool) or not isinstance(self.port, int) or not 0 <= self.port <= 65535:
+        if (
+            isinstance(self.port, bool)
+            or not isinstance(self.port, int)
+            or not 0 <= self.port <= 65535
+        ):
             raise ConfigError(f"port must be an integer from 0 to 65535, not {self.port!r}")
         if not isinstance(self.host, str) or not self.host or any(c.isspace() for c in self.host):
             raise ConfigError(f"host must be an address or host name, not {self.host!r}")
         if self.token is not None and (
-            not isinstance(self.token, str) or not self.token or any(c.isspace() for c in self.token)
+            not isinstance(self.token, str)
+            or not self.token
+            or any(c.isspace() for c in self.token)
         ):
-            raise ConfigError("token must be a non-empty string without spaces (or None for no token)")
-        if isinstance(self.t4_keep_days, bool) or not isinstance(self.t4_keep_days, int) or self.t4_keep_days < 1:
+            raise ConfigError(
+                "token must be a non-empty string without spaces (or None for no token)"
+            )
+        if (
+            isinstance(self.t4_keep_days, bool)
+            or not isinstance(self.t4_keep_days, int)
+            or self.t4_keep_days < 1
+        ):
             raise ConfigError(f"t4_keep_days must be an integer >= 1, not {self.t4_keep_days!r}")
         _seconds("high_water", self.high_water, 0.01, 1.0)
         if self.data_dir is not None and not isinstance(self.data_dir, Path):

@@ -37,7 +37,13 @@ class ApiSource(Protocol):
     def queues_doc(self) -> dict[str, Any]: ...
     def clients_doc(self) -> dict[str, Any]: ...
     def history_points(
-        self, queue: str, since: float, until: float, limit: int, step: float = 0.0, max_points: int | None = None
+        self,
+        queue: str,
+        since: float,
+        until: float,
+        limit: int,
+        step: float = 0.0,
+        max_points: int | None = None,
     ) -> Answer | None: ...
     def metrics_text(self) -> tuple[bytes, str]: ...
 
@@ -58,7 +64,9 @@ class _Handler(BaseHTTPRequestHandler):
 
     # -- plumbing -------------------------------------------------------------------
 
-    def _send(self, status: int, body: bytes, ctype: str, extra: dict[str, str] | None = None) -> None:
+    def _send(
+        self, status: int, body: bytes, ctype: str, extra: dict[str, str] | None = None
+    ) -> None:
         self.send_response(status)
         self.send_header("Content-Type", ctype)
         self.send_header("Content-Length", str(len(body)))
@@ -249,7 +257,10 @@ class HttpService:
         server.source = self._source
         self._server = server
         self._thread = threading.Thread(
-            target=server.serve_forever, kwargs={"poll_interval": 0.2}, name="ringq-monitor-http", daemon=True
+            target=server.serve_forever,
+            kwargs={"poll_interval": 0.2},
+            name="ringq-monitor-http",
+            daemon=True,
         )
         self._thread.start()
 

@@ -428,7 +428,8 @@ class Cluster:
             raise ClusterError(f"initdb failed in {staging}: {_tail(proc.stdout)}")
         with (staging / "postgresql.conf").open("a") as f:
             f.write(
-                f"\n# ringq's settings (rewritten at every 'ringq db start')\ninclude = '{CONF_FILE}'\n"
+                "\n# ringq's settings (rewritten at every 'ringq db start')\n"
+                f"include = '{CONF_FILE}'\n"
             )
         (staging / "log").mkdir(mode=0o700, exist_ok=True)
         self._give(staging / "log")
@@ -560,8 +561,9 @@ class Cluster:
         """Remove a /tmp/ringq-* socket directory made for a too-long home path."""
         if socket_dir is None or socket_dir == self.home / "run":
             return
-        if socket_dir.parent == Path(tempfile.gettempdir()) and socket_dir.name.startswith(
-            "ringq-"
+        if (
+            socket_dir.parent == Path(tempfile.gettempdir())
+            and socket_dir.name.startswith("ringq-")
         ):
             shutil.rmtree(socket_dir, ignore_errors=True)
 

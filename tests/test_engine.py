@@ -74,7 +74,12 @@ def test_rolled_back_dequeue_is_redelivered_with_a_higher_count(
         assert first is not None and first.deliveries == 1
         s.rollback()
         again = s.dequeue(q)
-        assert again is not None and again.seq == first.seq and again.deliveries == 2 and again.redelivered
+        assert (
+            again is not None
+            and again.seq == first.seq
+            and again.deliveries == 2
+            and again.redelivered
+        )
         s.commit()
         assert s.dequeue(q) is None
 
@@ -292,10 +297,14 @@ def test_foreign_section_is_refused_with_section_incompatible(
 
     make_queue()  # the schema and its instance id
     with psycopg.connect(dsn) as c:
-        instance = present(c.execute("SELECT value FROM ringq.meta WHERE key = 'instance_id'").fetchone())[0]
+        instance = present(
+            c.execute("SELECT value FROM ringq.meta WHERE key = 'instance_id'").fetchone()
+        )[0]
     for word, value in ((L.H_LAYOUT, L.LAYOUT_VERSION + 1), (L.H_MAGIC, 0x0BAD_F00D)):
         Section.unlink(instance)
-        shm = posix_ipc.SharedMemory(section_name(instance), posix_ipc.O_CREX, mode=0o600, size=L.SECTION_SIZE)
+        shm = posix_ipc.SharedMemory(
+            section_name(instance), posix_ipc.O_CREX, mode=0o600, size=L.SECTION_SIZE
+        )
         mm = mmap.mmap(shm.fd, L.SECTION_SIZE)
         header = memoryview(mm)[: L.HEADER_WORDS * 8].cast("q")
         header[L.H_MAGIC], header[L.H_LAYOUT], header[L.H_READY] = L.MAGIC, L.LAYOUT_VERSION, 1
@@ -397,9 +406,10 @@ def test_same_key_from_two_sessions_at_once_yields_one_entry(
         t.start()
         # Step by step: b is waiting on a's key (a row lock), then a ends.
         deadline = time.monotonic() + 10
-        while present(admin.execute(
-            "SELECT count(*) FROM pg_stat_activity WHERE pid = %s AND wait_event_type = 'Lock'", (b.backend_pid,)
-        ).fetchone())[0] == 0:
+        waiting = (
+            "SELECT count(*) FROM pg_stat_activity WHERE pid = %s AND wait_event_type = 'Lock'"
+        )
+        while present(admin.execute(waiting, (b.backend_pid,)).fetchone())[0] == 0:
             assert t.is_alive() and time.monotonic() < deadline, got
             time.sleep(0.001)
         if first_commits:
@@ -413,7 +423,8 @@ def test_same_key_from_two_sessions_at_once_yields_one_entry(
         else:
             assert got["seq"] != seq_a  # the first never happened: b's entry is the one
         b.commit()
-        assert a.section.queues[ring.qb + L.Q_N_RESYNC] == resyncs  # not mistaken for a stale section
+        # not mistaken for a stale section
+        assert a.section.queues[ring.qb + L.Q_N_RESYNC] == resyncs
     assert [m.payload for m in drain(dsn, q)] == [b"from a" if first_commits else b"from b"]
 
 
@@ -439,7 +450,9 @@ def test_typed_errors(dsn: str, make_queue: Callable[..., str]) -> None:
 def _terminate(dsn: str, pid: int) -> None:
     with psycopg.connect(dsn, autocommit=True) as admin:
         admin.execute("SELECT pg_terminate_backend(%s)", (pid,))
-        while present(admin.execute("SELECT count(*) FROM pg_stat_activity WHERE pid = %s", (pid,)).fetchone())[0]:
+        while present(
+            admin.execute("SELECT count(*) FROM pg_stat_activity WHERE pid = %s", (pid,)).fetchone()
+        )[0]:
             pass
 
 
@@ -447,12 +460,22 @@ def _terminate(dsn: str, pid: int) -> None:
 def _no_new_connections(dsn: str) -> Iterator[None]:
     """The database refuses new connections (existing ones keep working)."""
     name = str(psycopg.conninfo.conninfo_to_dict(dsn)["dbname"])
-    with psycopg.connect(psycopg.conninfo.make_conninfo(dsn, dbname="postgres"), autocommit=True) as admin:
-        admin.execute(psycopg.sql.SQL("ALTER DATABASE {} ALLOW_CONNECTIONS false").format(psycopg.sql.Identifier(name)))
+    with psycopg.connect(
+        psycopg.conninfo.make_conninfo(dsn, dbname="postgres"), autocommit=True
+    ) as admin:
+        admin.execute(
+            psycopg.sql.SQL("ALTER DATABASE {} ALLOW_CONNECTIONS false").format(
+                psycopg.sql.Identifier(name)
+            )
+        )
         try:
             yield
         finally:
-            admin.execute(psycopg.sql.SQL("ALTER DATABASE {} ALLOW_CONNECTIONS true").format(psycopg.sql.Identifier(name)))
+            admin.execute(
+                psycopg.sql.SQL("ALTER DATABASE {} ALLOW_CONNECTIONS true").format(
+                    psycopg.sql.Identifier(name)
+                )
+            )
 
 
 def test_backend_terminated_before_first_enqueue_raises_database_unavailable(
@@ -746,7 +769,10 @@ def test_a_decided_transaction_left_at_close_is_committed_by_recovery(
             prepare_and_decide()
             raise _Boom
     else:
-        with pytest.raises(_Boom), s.transaction():  # the caller's exception, not a TransactionError
+        with (
+            pytest.raises(_Boom),
+            s.transaction(),
+        ):  # the caller's exception, not a TransactionError
             prepare_and_decide()
             raise _Boom
         assert len(prepared_gids(dsn)) == 1  # not rolled back; the session still owns it

@@ -40,7 +40,8 @@ def poison(s: Session, queue: str, times: int) -> int:
 def inbox(dsn: str) -> list[tuple[str, bytes]]:
     with psycopg.connect(dsn) as conn:
         rows = conn.execute(
-            "SELECT q.name, i.payload FROM ringq.inbox i JOIN ringq.queues q ON q.id = i.queue_id ORDER BY i.id"
+            "SELECT q.name, i.payload FROM ringq.inbox i JOIN ringq.queues q ON q.id = i.queue_id "
+            "ORDER BY i.id"
         ).fetchall()
     return [(name, bytes(p)) for name, p in rows]
 

@@ -137,7 +137,9 @@ def _worker(dsn: str, queues: list[str], role: str, seed: int, commits: Any, sto
                         if m is None:
                             s.commit()
                             continue
-                        s.connection.execute("INSERT INTO got VALUES (%s, %s, %s)", (m.payload, q, m.seq))
+                        s.connection.execute(
+                            "INSERT INTO got VALUES (%s, %s, %s)", (m.payload, q, m.seq)
+                        )
                     s.commit()
                     with commits.get_lock():
                         commits.value += 1
@@ -157,11 +159,25 @@ class Traffic:
         self.roles: list[str] = []
         self._seed = 0
 
-    def start(self, producers: int = 2, consumers: int = 2, die_after: Callable[[], int] = lambda: 0) -> None:
+    def start(
+        self, producers: int = 2, consumers: int = 2, die_after: Callable[[], int] = lambda: 0
+    ) -> None:
         for role in "p" * producers + "c" * consumers:
             self._seed += 1
-            p = FORK.Process(target=_worker, args=(self.dsn, self.queues, role, self._seed, self.commits,
-                                                   self.stop, die_after(), self.deaths), daemon=True)
+            p = FORK.Process(
+                target=_worker,
+                args=(
+                    self.dsn,
+                    self.queues,
+                    role,
+                    self._seed,
+                    self.commits,
+                    self.stop,
+                    die_after(),
+                    self.deaths,
+                ),
+                daemon=True,
+            )
             p.start()
             self.procs.append(p)
             self.roles.append(role)
@@ -186,7 +202,9 @@ class Traffic:
             for pid in alive:
                 os.kill(pid, signal.SIGUSR1)  # their stacks, on stderr
             time.sleep(0.5)  # let them write before the report
-            raise AssertionError(f"{exc}; {self.count()} of {target} commits; workers alive: {alive}") from None
+            raise AssertionError(
+                f"{exc}; {self.count()} of {target} commits; workers alive: {alive}"
+            ) from None
 
     def kill(self) -> None:
         for p in self.procs:
@@ -205,7 +223,7 @@ class Traffic:
         self.stop.clear()
 
 
-# -- what must be true afterwards -------------------------------------------------------------------
+# -- what must be true afterwards ------------------------------------------------------------------
 
 
 def _quiet(dsn: str, own_pid: int) -> None:
@@ -246,7 +264,10 @@ def assert_section_equals_rebuild(dsn: str) -> None:
             deadline = time.monotonic() + 5  # the monitor's reclaim, every pass
             while (d := diffs()) and time.monotonic() < deadline:
                 time.sleep(0.05)
-            assert not d, f"the live section differs from a rebuild: {d}; queued rows: {_queued_rows(dsn, list(d))}"
+            assert not d, (
+                f"the live section differs from a rebuild: {d}; queued rows: "
+                f"{_queued_rows(dsn, list(d))}"
+            )
     finally:
         fresh.close()
         Section.unlink(instance)
@@ -280,7 +301,9 @@ def assert_exactly_once(dsn: str, queues: list[str], min_sent: int) -> None:
     delivered = got + drained
     dup = {p for p in delivered if delivered.count(p) > 1}
     assert not dup, f"delivered twice: {sorted(dup)[:10]}"
-    assert len(sent) >= min_sent, f"the workload did too little to prove anything ({len(sent)} sent)"
+    assert len(sent) >= min_sent, (
+        f"the workload did too little to prove anything ({len(sent)} sent)"
+    )
     lost, phantom = sent - set(delivered), set(delivered) - sent
     assert not lost and not phantom, f"lost {sorted(lost)[:10]}, phantom {sorted(phantom)[:10]}"
 

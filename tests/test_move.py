@@ -115,7 +115,7 @@ def test_envelope_round_trip() -> None:
         unwrap(b"plain")
 
 
-# -- moving -----------------------------------------------------------------------------------------
+# -- moving ----------------------------------------------------------------------------------------
 
 
 def test_moves_everything_once_in_order(
@@ -240,7 +240,7 @@ def test_destination_full_waits_instead_of_rolling_back(
     assert row[0] == 0  # no strike: a full destination is not a failed delivery
 
 
-# -- one active mover ---------------------------------------------------------------------------------
+# -- one active mover ------------------------------------------------------------------------------
 
 
 def _hold_lock(src: str, sq: str, dst: str, dq: str, ready: Any) -> None:
@@ -314,7 +314,7 @@ def test_run_stops_on_event(dsn: str, dsn2: str, make_queue: Callable[..., str])
     check_arrivals(got, {"a": 25})
 
 
-# -- kill -9 between the two commits, many times --------------------------------------------------------
+# -- kill -9 between the two commits, many times ---------------------------------------------------
 
 
 def _mover_proc(src: str, sq: str, dst: str, dq: str, pause_at: int, paused_fd: int) -> None:
@@ -457,7 +457,7 @@ def test_mover_killed_between_commits_many_times(
     assert left < total  # spent keys are pruned as the movers go
 
 
-# -- the command ----------------------------------------------------------------------------------------
+# -- the command -----------------------------------------------------------------------------------
 
 
 def _ringq(*args: str, **kw: Any) -> subprocess.Popen[Any]:
@@ -544,6 +544,8 @@ def test_a_shared_mode_source_is_refused(
                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     _out, err = p.communicate(timeout=60)
     assert p.returncode == 5, err
-    assert "'shared' dequeue mode" in err and "--dequeue-mode single" in err and "Traceback" not in err
+    assert (
+        "'shared' dequeue mode" in err and "--dequeue-mode single" in err and "Traceback" not in err
+    )
     # Nothing was taken: the entries are all still in the source.
     assert len(drain(dsn, src, batch=100)) == 3 and drain(dsn2, dst, batch=100) == []

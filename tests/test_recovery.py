@@ -149,7 +149,9 @@ def _worker_loop(dsn: str, queue: str, role: str, seed: int) -> None:
                 if m is None:
                     s.commit()
                     continue
-                s.connection.execute("INSERT INTO got (payload, seq) VALUES (%s, %s)", (m.payload, m.seq))
+                s.connection.execute(
+                    "INSERT INTO got (payload, seq) VALUES (%s, %s)", (m.payload, m.seq)
+                )
                 s.commit()
 
 
@@ -165,8 +167,14 @@ def test_kill9_producers_and_consumers_at_random_points_loses_and_doubles_nothin
     with connect(dsn) as s:
         sec = s.section
         for r in range(rounds):
-            procs = [FORK.Process(target=_worker_loop, args=(dsn, q, "p", 100 + r * 10 + k)) for k in range(2)]
-            procs += [FORK.Process(target=_worker_loop, args=(dsn, q, "c", 900 + r * 10 + k)) for k in range(2)]
+            procs = [
+                FORK.Process(target=_worker_loop, args=(dsn, q, "p", 100 + r * 10 + k))
+                for k in range(2)
+            ]
+            procs += [
+                FORK.Process(target=_worker_loop, args=(dsn, q, "c", 900 + r * 10 + k))
+                for k in range(2)
+            ]
             for p in procs:
                 p.start()
             time.sleep(rnd.uniform(0.2, 0.6))
@@ -211,7 +219,9 @@ def test_rebuild_after_section_loss_restores_queues(
 
 def _qid(dsn: str, q: str) -> int:
     with psycopg.connect(dsn) as c:
-        qid: int = present(c.execute("SELECT id FROM ringq.queues WHERE name = %s", (q,)).fetchone())[0]
+        qid: int = present(
+            c.execute("SELECT id FROM ringq.queues WHERE name = %s", (q,)).fetchone()
+        )[0]
     return qid
 
 
@@ -346,9 +356,12 @@ def test_only_ringq_prepared_transactions_are_rolled_back(
     with connect(dsn) as s:
         sec = s.section
     ours = uuid.uuid4().hex
-    ringq_gid = _prepare_elsewhere(dsn, ours, "ringq")  # a dead session's op-less branch, as Session.xid names it
+    # a dead session's op-less branch, as Session.xid names it
+    ringq_gid = _prepare_elsewhere(dsn, ours, "ringq")
     # The user's own, outside ringq: another branch qualifier, a plain name.
-    foreign = sorted([_prepare_elsewhere(dsn, ours, "app"), _prepare_elsewhere(dsn, "plain-" + ours)])
+    foreign = sorted(
+        [_prepare_elsewhere(dsn, ours, "app"), _prepare_elsewhere(dsn, "plain-" + ours)]
+    )
     assert prepared_gids(dsn) == sorted([ringq_gid, *foreign])
     assert resolve_prepared(sec, dsn, timeout_s=3600) == []  # not old enough yet
     assert resolve_prepared(sec, dsn, timeout_s=0) == [(ringq_gid, "rollback")]
@@ -365,7 +378,8 @@ def test_stale_decisions_are_dropped_after_the_timeout(
     with psycopg.connect(dsn, autocommit=True) as c:
         # A session died between COMMIT PREPARED and clearing its decision.
         c.execute(
-            "INSERT INTO ringq.tpc_decisions (gid, decided_at) VALUES (%s, now() - interval '2 hours')",
+            "INSERT INTO ringq.tpc_decisions (gid, decided_at) "
+            "VALUES (%s, now() - interval '2 hours')",
             (gid._as_tid(),),
         )
         c.execute("INSERT INTO ringq.tpc_decisions (gid) VALUES ('recent')")
@@ -413,7 +427,9 @@ def test_spent_idempotency_keys_are_pruned_after_the_retention(
     with psycopg.connect(dsn, autocommit=True) as c:
         c.execute("UPDATE ringq.keys SET created_at = now() - interval '2 days'")
         qid = present(c.execute("SELECT id FROM ringq.queues WHERE name = %s", (q,)).fetchone())[0]
-        c.execute("INSERT INTO ringq.keys (queue_id, key, seq) VALUES (%s, 'k-dropped', 0)", (qid + 1000,))
+        c.execute(
+            "INSERT INTO ringq.keys (queue_id, key, seq) VALUES (%s, 'k-dropped', 0)", (qid + 1000,)
+        )
     with connect(dsn) as s:
         recent = s.enqueue(q, b"recent", key="k-recent")  # within the retention
         s.commit()
@@ -439,12 +455,16 @@ def test_key_pruning_runs_along_the_created_at_index(
     with psycopg.connect(dsn, autocommit=True) as c:
         qid = present(c.execute("SELECT id FROM ringq.queues WHERE name = %s", (q,)).fetchone())[0]
         idx = c.execute(
-            "SELECT indexdef FROM pg_indexes WHERE schemaname = 'ringq' AND indexname = 'keys_queue_id_created_at'"
+            "SELECT indexdef FROM pg_indexes WHERE schemaname = 'ringq' AND indexname = "
+            "'keys_queue_id_created_at'"
         ).fetchone()
         assert idx is not None and "(queue_id, created_at)" in idx[0]
         # Keys of a dropped queue, more than one batch of them.
-        c.execute("INSERT INTO ringq.keys (queue_id, key, seq, created_at) "
-                  "SELECT %s, 'd' || g, g, now() - interval '2 days' FROM generate_series(1, 5) g", (qid + 1000,))
+        c.execute(
+            "INSERT INTO ringq.keys (queue_id, key, seq, created_at) "
+            "SELECT %s, 'd' || g, g, now() - interval '2 days' FROM generate_series(1, 5) g",
+            (qid + 1000,),
+        )
         c.execute("ANALYZE ringq.keys")
         # The index can serve every pruning query (the planner would pick a
         # sequential scan of so small a table, so that one is ruled out).
@@ -453,10 +473,14 @@ def test_key_pruning_runs_along_the_created_at_index(
             (psycopg.sql.SQL(_Q["keys_queues"]), (86_400,)),
             (psycopg.sql.SQL(_Q["keys_prune"]).format(table=queue_table(q)), (qid, 86_400, 8, 10)),
         ]:
-            plan = "\n".join(r[0] for r in c.execute(psycopg.sql.SQL("EXPLAIN ") + query, args).fetchall())
+            plan = "\n".join(
+                r[0] for r in c.execute(psycopg.sql.SQL("EXPLAIN ") + query, args).fetchall()
+            )
             assert "keys_queue_id_created_at" in plan, plan
             assert "Seq Scan on keys" not in plan, plan
-        plan = "\n".join(r[0] for r in c.execute("EXPLAIN " + _Q["keys_prune_dropped"], (10,)).fetchall())
+        plan = "\n".join(
+            r[0] for r in c.execute("EXPLAIN " + _Q["keys_prune_dropped"], (10,)).fetchall()
+        )
         assert "Seq Scan on keys" not in plan, plan
     assert prune_keys(dsn, retention_s=86_400, batch=3) == {"": 3}
     assert prune_keys(dsn, retention_s=86_400, batch=3) == {"": 2}

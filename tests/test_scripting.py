@@ -95,7 +95,8 @@ def fingerprint(dsn: str) -> dict[str, Any]:
             if kind == "r":
                 fp[name] = conn.execute(
                     sql.SQL(
-                        "SELECT count(*), md5(coalesce(string_agg(t::text, '|' ORDER BY t::text), ''))"
+                        "SELECT count(*), "
+                        "md5(coalesce(string_agg(t::text, '|' ORDER BY t::text), ''))"
                         " FROM {} AS t"
                     ).format(ident)
                 ).fetchone()

@@ -149,7 +149,7 @@ def test_create_is_idempotent_and_concurrent(dsn: str) -> None:
     create_applied_table(dsn)
 
 
-# -- the example -------------------------------------------------------------------------------------
+# -- the example -----------------------------------------------------------------------------------
 
 
 def _example(*args: str, **kw: Any) -> subprocess.Popen[Any]:

@@ -159,7 +159,9 @@ def test_always_raising_action_ends_in_the_exception_queue_after_max_deliveries(
     assert st["failed"] == 3 and st["poisoned"] == 1 and st["handled"] == 0
     # Each failure is logged with its queue, seq and delivery count.
     failures = [r.getMessage() for r in caplog.records if "ValueError: always" in r.getMessage()]
-    assert [f"queue {q} seq {seq} delivery {n}/3" in m for n, m in zip((1, 2, 3), failures, strict=True)] == [True] * 3
+    assert [
+        f"queue {q} seq {seq} delivery {n}/3" in m for n, m in zip((1, 2, 3), failures, strict=True)
+    ] == [True] * 3
     assert failures[-1].endswith("moved to ringq.exceptions")
     assert failures[0].endswith("it will be delivered again")
     assert exceptions_of(dsn, q) == [(seq, 3, "max deliveries reached")]
@@ -560,7 +562,8 @@ def test_bad_target_and_missing_queue_exit_with_named_codes(
     assert "cannot import" in r.stderr
     make_queue()  # the schema exists, the queue below does not
     (tmp_path / "wact_missing.py").write_text(
-        "from ringq.engine import Actions\napp = Actions()\napp.add('q_not_there', lambda m, s: None)\n"
+        "from ringq.engine import Actions\napp = Actions()\n"
+        "app.add('q_not_there', lambda m, s: None)\n"
     )
     r = subprocess.run(
         [sys.executable, "-m", "ringq.cli", "worker", "wact_missing", "--dsn", dsn],
