@@ -528,16 +528,8 @@ def test_detach_writes_a_pidfile_and_sigterm_stops_it(
     pidfile = tmp_path / "mon.pid"
     data = tmp_path / "detached"
     r = ringq_run(
-        "monitor",
-        "--dsn",
-        dsn,
-        "--port",
-        "0",
-        "--data-dir",
-        str(data),
-        "--detach",
-        "--pidfile",
-        str(pidfile),
+        "monitor", "--dsn", dsn, "--port", "0", "--data-dir", str(data), "--detach",
+        "--pidfile", str(pidfile),
     )
     assert r.returncode == 0, r.stderr
     pid = int(pidfile.read_text())
@@ -547,16 +539,8 @@ def test_detach_writes_a_pidfile_and_sigterm_stops_it(
         assert get_json(url + "/api/queues")["monitor"]["pid"] == pid
         # A second detached one with the same pidfile is refused.
         r2 = ringq_run(
-            "monitor",
-            "--dsn",
-            dsn,
-            "--port",
-            "0",
-            "--data-dir",
-            str(data),
-            "--detach",
-            "--pidfile",
-            str(pidfile),
+            "monitor", "--dsn", dsn, "--port", "0", "--data-dir", str(data), "--detach",
+            "--pidfile", str(pidfile),
         )
         assert r2.returncode == 5 and "already running" in r2.stderr
         os.kill(pid, signal.SIGTERM)

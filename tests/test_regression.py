@@ -540,20 +540,8 @@ def test_chaos_takes_over_the_serving_monitor(
     env = dict(os.environ, RINGQ_HOME=str(tmp_path / "home"))
     started = subprocess.run(
         [
-            sys.executable,
-            "-m",
-            "ringq.cli",
-            "monitor",
-            "--dsn",
-            dsn,
-            "--port",
-            "0",
-            "--data-dir",
-            str(data),
-            "--prepared-timeout",
-            "2",
-            "--log-level",
-            "warning",
+            sys.executable, "-m", "ringq.cli", "monitor", "--dsn", dsn, "--port", "0",
+            "--data-dir", str(data), "--prepared-timeout", "2", "--log-level", "warning",
             "--detach",
         ],
         env=env,
@@ -575,13 +563,8 @@ def test_chaos_takes_over_the_serving_monitor(
         with pytest.raises(ForeignMonitor, match="--monitor-dir"):
             run(dsn, config, cycles=1, monitor_dir=tmp_path / "elsewhere")
         argv = [
-            "regress",
-            "--dsn",
-            dsn,
-            "--chaos",
-            "--no-verify",
-            "--monitor-dir",
-            str(tmp_path / "elsewhere"),
+            "regress", "--dsn", dsn, "--chaos", "--no-verify",
+            "--monitor-dir", str(tmp_path / "elsewhere"),
         ]
         assert cli_main(argv) == 5
         assert "a monitor serves this database" in capsys.readouterr().err

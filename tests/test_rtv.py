@@ -36,11 +36,8 @@ from ringq.scripting._ddl import QueueSpec, create_queue
 CHROMIUM = "/usr/bin/chromium"
 CHROMIUM_ARGS = [
     "--no-sandbox",  # root in a container has no user namespace sandbox
-    "--disable-gpu",
-    "--disable-background-networking",
-    "--disable-component-update",
-    "--no-first-run",
-    "--disable-sync",
+    "--disable-gpu", "--disable-background-networking", "--disable-component-update",
+    "--no-first-run", "--disable-sync",
 ]
 RINGQ = [sys.executable, "-m", "ringq.cli"]
 FORK = mp.get_context("fork")

@@ -349,16 +349,8 @@ class WorkerProcess:
         env.pop("RINGQ_DSN", None)
         self.proc = subprocess.Popen(
             [
-                sys.executable,
-                "-m",
-                "ringq.cli",
-                "worker",
-                f"{mod}:app",
-                "--dsn",
-                dsn,
-                "--log-level",
-                "INFO",
-                *extra,
+                sys.executable, "-m", "ringq.cli", "worker", f"{mod}:app", "--dsn", dsn,
+                "--log-level", "INFO", *extra,
             ],
             cwd=tmp,
             env=env,
