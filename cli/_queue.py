@@ -182,7 +182,8 @@ def _drop(args: argparse.Namespace) -> int:
         details = describe_queue(conn, args.name)  # unknown: exit 4 before asking anything
         if users := exception_queue_of(conn, args.name):
             print(
-                f"ringq: queue {args.name!r} is the exception queue of {', '.join(map(repr, users))}: "
+                f"ringq: queue {args.name!r} is the exception queue of "
+                f"{', '.join(map(repr, users))}: "
                 "once it is dropped, their poison entries stay in ringq.exceptions only",
                 file=sys.stderr,
             )

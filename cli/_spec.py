@@ -56,7 +56,9 @@ def add_queue_options(parser: argparse.ArgumentParser) -> None:
         "--exception-queue",
         metavar="NAME",
         default=argparse.SUPPRESS,
-        help="an existing queue (max payload at least this one's) that also receives poison entries",
+        help=(
+            "an existing queue (max payload at least this one's) that also receives poison entries"
+        ),
     )
     parser.add_argument(
         "--max-deliveries",

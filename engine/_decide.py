@@ -28,7 +28,8 @@ from ._section import Section
 
 
 def mark_dropped(sec: Section, existing: set[int]) -> None:
-    """Mark blocks of queues no longer in the database as dropped (caller holds the section lock)."""
+    """Mark blocks of queues no longer in the database as dropped (caller holds the
+    section lock)."""
     for qidx in sec.loaded_queues():
         if sec.q(qidx, L.Q_QID) not in existing:
             sec.mark_queue_dropped(qidx)
@@ -58,7 +59,11 @@ def held_slots(conn: psycopg.Connection[Any], qid: int) -> list[tuple[int, int]]
 
 
 def load_block(
-    sec: Section, qidx: int, info: QueueInfo, rows: Sequence[tuple[int, int, int]], held: list[tuple[int, int]]
+    sec: Section,
+    qidx: int,
+    info: QueueInfo,
+    rows: Sequence[tuple[int, int, int]],
+    held: list[tuple[int, int]],
 ) -> None:
     """Fill a freshly allocated block (caller holds the section lock)."""
     ring = Ring(sec, qidx)

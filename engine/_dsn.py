@@ -47,7 +47,9 @@ def resolve_dsn(dsn: str | None = None) -> str:
     except (FileNotFoundError, NotADirectoryError):
         text = ""
     except OSError as exc:
-        raise DatabaseUnavailable(f"no database: cannot read {path}: {exc.strerror or exc}") from exc
+        raise DatabaseUnavailable(
+            f"no database: cannot read {path}: {exc.strerror or exc}"
+        ) from exc
     if not text:
         raise DatabaseUnavailable(
             f"no database: pass --dsn, set RINGQ_DSN, or start the embedded cluster "
@@ -71,12 +73,16 @@ def check_dsn(dsn: str, *, where: str = "DSN") -> dict[str, Any]:
         params = conninfo_to_dict(dsn)
     except psycopg.Error as exc:
         detail = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise ConfigError(f"invalid {where} (not shown, it may hold a password): {detail}") from None
+        raise ConfigError(
+            f"invalid {where} (not shown, it may hold a password): {detail}"
+        ) from None
     ports = str(params.get("port") or "")
     port_list = ports.split(",") if ports else []
     for port in port_list:
         if port.strip() and not (_PORT_RE.fullmatch(port) and 1 <= int(port) <= 65535):
-            raise ConfigError(f"invalid {where}: port {port.strip()!r} is not a number from 1 to 65535")
+            raise ConfigError(
+                f"invalid {where}: port {port.strip()!r} is not a number from 1 to 65535"
+            )
     hosts = str(params.get("host") or params.get("hostaddr") or "")
     n_hosts = len(hosts.split(",")) if hosts else 1
     if len(port_list) > 1 and len(port_list) != n_hosts:

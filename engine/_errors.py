@@ -154,7 +154,8 @@ def redact_dsn(dsn: str) -> str:
 
 # SQLSTATEs (and classes) that say the database, or this connection to it,
 # is gone: retrying later (reconnecting) may succeed.
-_UNAVAILABLE_CLASSES = ("08", "53")  # connection exception; insufficient resources (too many connections)
+# connection exception; insufficient resources (too many connections)
+_UNAVAILABLE_CLASSES = ("08", "53")
 _UNAVAILABLE_STATES = frozenset(
     {
         "57P01",  # admin_shutdown
@@ -171,7 +172,9 @@ _CONFLICT_STATES = frozenset({"40001", "40P01", "55P03"})
 _REJECTED_CLASSES = ("22", "23", "42", "54")
 
 
-def from_psycopg(exc: BaseException, *, dsn: str | None = None, queue: str | None = None) -> RingqError:
+def from_psycopg(
+    exc: BaseException, *, dsn: str | None = None, queue: str | None = None
+) -> RingqError:
     """Map a psycopg exception to the ringq class a user can act on.
 
     By SQLSTATE: 08 (connection), 53 (resources), 57P01-57P05 (shutdown,
@@ -196,7 +199,9 @@ def from_psycopg(exc: BaseException, *, dsn: str | None = None, queue: str | Non
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         return DatabaseUnavailable(f"database unavailable{where}: {redact_dsn(first)}")
     if state is not None and (state in _CONFLICT_STATES or state[:2] == "40" and state != "40002"):
-        return TransactionConflict(f"transaction rolled back, retry it: {_primary(exc)}", sqlstate=state)
+        return TransactionConflict(
+            f"transaction rolled back, retry it: {_primary(exc)}", sqlstate=state
+        )
     if state is not None and state[:2] in _REJECTED_CLASSES:
         return StatementRejected(_primary(exc), sqlstate=state)
     return DatabaseError(str(exc).strip() or type(exc).__name__, sqlstate=state)
@@ -206,7 +211,10 @@ def _primary(exc: BaseException) -> str:
     """PostgreSQL's primary message and its code: never the statement (psycopg's
     text may quote it, with its values, after the first line)."""
     diag = getattr(exc, "diag", None)
-    primary = getattr(diag, "message_primary", None) or (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+    primary = (
+        getattr(diag, "message_primary", None)
+        or (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+    )
     state = getattr(exc, "sqlstate", None)
     return f"{primary} (SQLSTATE {state})" if state else primary
 

@@ -108,7 +108,9 @@ class Subscription:
     :raises DatabaseUnavailable: the database cannot be reached.
     """
 
-    def __init__(self, dsn: str, patterns: str | tuple[str, ...], *, connect_timeout: float = 10.0) -> None:
+    def __init__(
+        self, dsn: str, patterns: str | tuple[str, ...], *, connect_timeout: float = 10.0
+    ) -> None:
         if isinstance(patterns, str):
             patterns = (patterns,)
         if not patterns:

@@ -86,7 +86,8 @@ NAME_BYTES = 64
 C_PID = 0  # 0 = free entry
 C_BACKEND_PID = 1
 C_STATE = 2  # CS_*
-C_STARTED_NS = 3  # registration time, rewritten when the client reconnects (it bounds the backend's start)
+# registration time, rewritten when the client reconnects (it bounds the backend's start)
+C_STARTED_NS = 3
 C_N_ENQ = 4
 C_N_DEQ = 5
 C_N_COMMIT = 6

@@ -76,7 +76,9 @@ class Section:
         self._buf = buf
         self.header = buf[L.OFF_HEADER : L.OFF_HEADER + L.HEADER_WORDS * 8].cast("q")
         self.queues = buf[L.OFF_QUEUES : L.OFF_QUEUES + L.MAX_QUEUES * L.QUEUE_WORDS * 8].cast("q")
-        self.clients = buf[L.OFF_CLIENTS : L.OFF_CLIENTS + L.MAX_CLIENTS * L.CLIENT_WORDS * 8].cast("q")
+        self.clients = buf[
+            L.OFF_CLIENTS : L.OFF_CLIENTS + L.MAX_CLIENTS * L.CLIENT_WORDS * 8
+        ].cast("q")
         self.names = buf[L.OFF_NAMES : L.OFF_NAMES + L.MAX_QUEUES * L.NAME_BYTES]
         # Word views for single-bit updates (fast) and numpy views for scans.
         self.enq_w = buf[L.OFF_ENQ : L.OFF_ENQ + L.BITMAP_WORDS * 8].cast("Q")
@@ -104,7 +106,9 @@ class Section:
         try:
             shm = posix_ipc.SharedMemory(name, posix_ipc.O_CREAT if create else 0, mode=0o660)
         except posix_ipc.ExistentialError as exc:
-            raise SectionError(f"global section {name} does not exist (is the monitor running?)") from exc
+            raise SectionError(
+                f"global section {name} does not exist (is the monitor running?)"
+            ) from exc
         except OSError as exc:
             raise SectionError(f"cannot open global section {name}: {exc}") from exc
         try:
@@ -124,7 +128,9 @@ class Section:
                 header = memoryview(mm)[: L.HEADER_WORDS * 8].cast("q")
                 if header[L.H_READY] == 0 and header[L.H_MAGIC] == 0:
                     if size != L.SECTION_SIZE:
-                        raise SectionIncompatible(f"global section {name} has a foreign size {size}")
+                        raise SectionIncompatible(
+                            f"global section {name} has a foreign size {size}"
+                        )
                     header[L.H_LAYOUT] = L.LAYOUT_VERSION
                     header[L.H_SIZE] = L.SECTION_SIZE
                     header[L.H_GENERATION] = secrets.randbits(62) | 1
@@ -132,14 +138,19 @@ class Section:
                     header[L.H_CREATED_NS] = time.time_ns()
                     header[L.H_MAGIC] = L.MAGIC
                     header[L.H_READY] = 1
-                if header[L.H_MAGIC] != L.MAGIC or header[L.H_LAYOUT] != L.LAYOUT_VERSION or size != L.SECTION_SIZE:
+                if (
+                    header[L.H_MAGIC] != L.MAGIC
+                    or header[L.H_LAYOUT] != L.LAYOUT_VERSION
+                    or size != L.SECTION_SIZE
+                ):
                     found = (header[L.H_MAGIC], header[L.H_LAYOUT], size)
                     header.release()
                     mm.close()
                     raise SectionIncompatible(
                         f"global section {name} has layout {found[1]} (magic {found[0]:#x}, "
                         f"{found[2]} bytes); this ringq uses layout {L.LAYOUT_VERSION}: "
-                        "stop every client and the monitor, then remove it (ringq monitor --reset-section)"
+                        "stop every client and the monitor, then remove it "
+                        "(ringq monitor --reset-section)"
                     )
                 header.release()
             finally:
@@ -276,8 +287,10 @@ class Section:
             # Prefer a dropped queue's block whose pool space fits: dropped
             # queues give their blocks and slots back.
             fits = [
-                i for i in dropped
-                if (self.queues[i * L.QUEUE_WORDS + L.Q_CAPACITY] + 63) // 64 >= (capacity + 63) // 64
+                i
+                for i in dropped
+                if (self.queues[i * L.QUEUE_WORDS + L.Q_CAPACITY] + 63) // 64
+                >= (capacity + 63) // 64
             ]
             if fits:
                 free = min(fits, key=lambda i: self.queues[i * L.QUEUE_WORDS + L.Q_CAPACITY])
@@ -458,7 +471,9 @@ class Section:
 
     def active_clients(self) -> list[int]:
         return [
-            i for i in range(L.MAX_CLIENTS) if self.clients[i * L.CLIENT_WORDS + L.C_STATE] != L.CS_FREE
+            i
+            for i in range(L.MAX_CLIENTS)
+            if self.clients[i * L.CLIENT_WORDS + L.C_STATE] != L.CS_FREE
         ]
 
     # -- wake-ups -----------------------------------------------------------------

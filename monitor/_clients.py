@@ -27,7 +27,8 @@ from ringq.engine import metrics as M
 PID: Final = "pid"
 BACKEND_PID: Final = "backend_pid"
 ROLE: Final = "role"  # "client" or "worker"
-STATE: Final = "state"  # "active" or "in_doubt" (lost its connection; the monitor decides its slots)
+# "active" or "in_doubt" (lost its connection; the monitor decides its slots)
+STATE: Final = "state"
 STARTED: Final = "started"  # unix seconds the entry was registered (or its backend last changed)
 QUEUES: Final = "queues"  # names of the queues it used
 BUSY_S: Final = "busy_s"  # seconds spent handling messages (workers)
@@ -44,7 +45,18 @@ T: Final = "t"
 
 COUNTER_KEYS: Final = tuple(k for k in M.CLIENT_COUNTERS if k != M.BUSY_NS)
 RATE_KEYS: Final = (COMMIT_RATE, HANDLED_RATE, FAILED_RATE, ERROR_RATE)
-CLIENT_KEYS: Final = (PID, BACKEND_PID, ROLE, STATE, STARTED, QUEUES, *COUNTER_KEYS, BUSY_S, *RATE_KEYS, LAST_ERROR)
+CLIENT_KEYS: Final = (
+    PID,
+    BACKEND_PID,
+    ROLE,
+    STATE,
+    STARTED,
+    QUEUES,
+    *COUNTER_KEYS,
+    BUSY_S,
+    *RATE_KEYS,
+    LAST_ERROR,
+)
 
 _RATE_OF: Final = {
     COMMIT_RATE: (M.COMMITS,),
@@ -155,7 +167,17 @@ class ErrorWatch:
             before = self._seen.get(c.key, 0)
             seen[c.key] = n
             if n > before:
-                news.append(ErrorNews(c, n - before, n, M.error_kind(code), qid, seq if seq >= 0 else None, ns / 1e9))
+                news.append(
+                    ErrorNews(
+                        c,
+                        n - before,
+                        n,
+                        M.error_kind(code),
+                        qid,
+                        seq if seq >= 0 else None,
+                        ns / 1e9,
+                    )
+                )
         self._seen = seen
         return news
 
@@ -177,13 +199,16 @@ class Rates:
                 continue
             dt = (mono_ns - p[0]) / 1e9
             rates[c.key] = {
-                rk: round(sum(max(0, c.stats[k] - p[1][k]) for k in keys) / dt, 3) for rk, keys in _RATE_OF.items()
+                rk: round(sum(max(0, c.stats[k] - p[1][k]) for k in keys) / dt, 3)
+                for rk, keys in _RATE_OF.items()
             }
         self._prev = cur
         self.rates = rates
 
 
-def client_doc(c: Raw, rates: dict[str, float] | None, known: dict[int, str], sec: Section) -> dict[str, Any]:
+def client_doc(
+    c: Raw, rates: dict[str, float] | None, known: dict[int, str], sec: Section
+) -> dict[str, Any]:
     """One client as ``/api/clients`` shows it (keys: :data:`CLIENT_KEYS`)."""
     doc: dict[str, Any] = {
         PID: c.pid,

@@ -67,20 +67,33 @@ class MonitorConfig:
         validate_seconds("recovery_interval", self.recovery_interval, 0.01, MAX_INTERVAL)
         if self.recovery_interval > self.interval:
             raise ConfigError(
-                f"recovery_interval ({self.recovery_interval:g}s) must not exceed interval ({self.interval:g}s)"
+                f"recovery_interval ({self.recovery_interval:g}s) must not exceed interval "
+                f"({self.interval:g}s)"
             )
         validate_seconds("prepared_timeout", self.prepared_timeout, 0.0, 365 * 86_400.0)
         validate_seconds("key_retention", self.key_retention, 0.0, 3650 * 86_400.0)
         validate_seconds("history_seconds", self.history_seconds, self.interval, 366 * 86_400.0)
-        if isinstance(self.port, bool) or not isinstance(self.port, int) or not 0 <= self.port <= 65535:
+        if (
+            isinstance(self.port, bool)
+            or not isinstance(self.port, int)
+            or not 0 <= self.port <= 65535
+        ):
             raise ConfigError(f"port must be an integer from 0 to 65535, not {self.port!r}")
         if not isinstance(self.host, str) or not self.host or any(c.isspace() for c in self.host):
             raise ConfigError(f"host must be an address or host name, not {self.host!r}")
         if self.token is not None and (
-            not isinstance(self.token, str) or not self.token or any(c.isspace() for c in self.token)
+            not isinstance(self.token, str)
+            or not self.token
+            or any(c.isspace() for c in self.token)
         ):
-            raise ConfigError("token must be a non-empty string without spaces (or None for no token)")
-        if isinstance(self.t4_keep_days, bool) or not isinstance(self.t4_keep_days, int) or self.t4_keep_days < 1:
+            raise ConfigError(
+                "token must be a non-empty string without spaces (or None for no token)"
+            )
+        if (
+            isinstance(self.t4_keep_days, bool)
+            or not isinstance(self.t4_keep_days, int)
+            or self.t4_keep_days < 1
+        ):
             raise ConfigError(f"t4_keep_days must be an integer >= 1, not {self.t4_keep_days!r}")
         validate_seconds("high_water", self.high_water, 0.01, 1.0)
         if self.cors_origin is not None and not _is_origin(self.cors_origin):

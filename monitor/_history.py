@@ -33,10 +33,27 @@ MEAN: Final = "mean"
 LAST: Final = "last"
 # How a bucket summarizes each key (t: the last point's time).
 BUCKET: Final = {
-    S.T: LAST, S.CAPACITY: LAST, S.DEPTH: MAX, S.HEAD: LAST, S.TAIL: LAST,
-    S.ENQ_RATE: MEAN, S.DEQ_RATE: MEAN, S.ENQ_P50: MEAN, S.ENQ_P99: MAX, S.DEQ_P50: MEAN, S.DEQ_P99: MAX,
-    S.FULL: MEAN, S.EMPTY: MEAN, S.RETRIES: MAX, S.EXCEPTIONS: MAX, S.COMMITS: MEAN, S.ROLLBACKS: MEAN,
-    S.WAIT_READY: MAX, S.WAIT_SPACE: MAX, S.POISONED: MAX, S.DEAD_ROWS: MAX,
+    S.T: LAST,
+    S.CAPACITY: LAST,
+    S.DEPTH: MAX,
+    S.HEAD: LAST,
+    S.TAIL: LAST,
+    S.ENQ_RATE: MEAN,
+    S.DEQ_RATE: MEAN,
+    S.ENQ_P50: MEAN,
+    S.ENQ_P99: MAX,
+    S.DEQ_P50: MEAN,
+    S.DEQ_P99: MAX,
+    S.FULL: MEAN,
+    S.EMPTY: MEAN,
+    S.RETRIES: MAX,
+    S.EXCEPTIONS: MAX,
+    S.COMMITS: MEAN,
+    S.ROLLBACKS: MEAN,
+    S.WAIT_READY: MAX,
+    S.WAIT_SPACE: MAX,
+    S.POISONED: MAX,
+    S.DEAD_ROWS: MAX,
 }
 _RULES = [BUCKET[k] for k in S.NUMERIC_KEYS]
 _MAX_COLS = [i for i, r in enumerate(_RULES) if r == MAX]
@@ -66,7 +83,9 @@ def nice_step(raw: float) -> float:
     return float(math.ceil(raw / 3600.0) * 3600)
 
 
-def downsample(rows: np.ndarray, step: float = 0.0, max_points: int | None = None) -> tuple[np.ndarray, float]:
+def downsample(
+    rows: np.ndarray, step: float = 0.0, max_points: int | None = None
+) -> tuple[np.ndarray, float]:
     """``rows`` (by time, columns as ``NUMERIC_KEYS``) in buckets of ``step``
     seconds on round times, widened so that at most ``max_points`` come out.
     Returns the rows and the step used (0.0 when the rows are returned as they are)."""
@@ -76,7 +95,8 @@ def downsample(rows: np.ndarray, step: float = 0.0, max_points: int | None = Non
     t = rows[:, 0]
     if max_points is not None and n > max_points:
         # k buckets on round times cover a span of at most (k - 1) * step + step:
-        # a step of span / (max_points - 1) leaves at most max_points + 1; the clip below makes it max_points.
+        # a step of span / (max_points - 1) leaves at most max_points + 1; the clip below
+        # makes it max_points.
         step = max(step, nice_step((t[-1] - t[0]) / max(1, max_points - 1)))
     idx = np.floor(t / step).astype(np.int64)
     idx -= idx[0]
@@ -88,7 +108,9 @@ def downsample(rows: np.ndarray, step: float = 0.0, max_points: int | None = Non
     ends = np.r_[starts[1:], n]
     out = np.empty((len(starts), rows.shape[1]))
     out[:, _MAX_COLS] = np.maximum.reduceat(rows[:, _MAX_COLS], starts, axis=0)
-    out[:, _MEAN_COLS] = np.add.reduceat(rows[:, _MEAN_COLS], starts, axis=0) / (ends - starts)[:, None]
+    out[:, _MEAN_COLS] = (
+        np.add.reduceat(rows[:, _MEAN_COLS], starts, axis=0) / (ends - starts)[:, None]
+    )
     out[:, _LAST_COLS] = rows[ends - 1][:, _LAST_COLS]
     return out, step
 

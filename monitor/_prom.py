@@ -56,8 +56,14 @@ _SAMPLED: Final = {
 _CLIENT_COUNTERS: Final = {
     M.COMMITS: ("ringq_client_commits", "Transactions the client committed through its session."),
     M.ROLLBACKS: ("ringq_client_rollbacks", "Transactions the client rolled back."),
-    M.ERRORS: ("ringq_client_errors", "Errors the client hit (queue full, payload too large, in doubt ...)."),
-    M.HANDLED: ("ringq_client_handled", "Messages a worker handled (committed, declines included)."),
+    M.ERRORS: (
+        "ringq_client_errors",
+        "Errors the client hit (queue full, payload too large, in doubt ...).",
+    ),
+    M.HANDLED: (
+        "ringq_client_handled",
+        "Messages a worker handled (committed, declines included).",
+    ),
     M.FAILED: ("ringq_client_failed", "Messages whose action failed (rolled back)."),
     M.TIMEOUTS: ("ringq_client_timeouts", "Messages whose action ran past its time limit."),
 }
@@ -104,7 +110,9 @@ class SectionCollector:
         labels = ["queue"]
         counters = {k: CounterMetricFamily(n, h, labels=labels) for k, (n, h) in _COUNTERS.items()}
         gauges = {k: GaugeMetricFamily(n, h, labels=labels) for k, (n, h) in _GAUGES.items()}
-        full_s = CounterMetricFamily("ringq_queue_full_seconds", "Time the queue spent full.", labels=labels)
+        full_s = CounterMetricFamily(
+            "ringq_queue_full_seconds", "Time the queue spent full.", labels=labels
+        )
         enq_lat = HistogramMetricFamily(
             "ringq_queue_enqueue_latency_seconds", "Enqueue call latency.", labels=labels
         )
@@ -118,7 +126,10 @@ class SectionCollector:
             for k, g in gauges.items():
                 g.add_metric([name], stats[k])
             full_s.add_metric([name], stats[M.FULL_NS] / 1e9)
-            for lat, hist, sum_key in ((enq_lat, enq_h, M.ENQ_LAT_NS), (deq_lat, deq_h, M.DEQ_LAT_NS)):
+            for lat, hist, sum_key in (
+                (enq_lat, enq_h, M.ENQ_LAT_NS),
+                (deq_lat, deq_h, M.DEQ_LAT_NS),
+            ):
                 run, buckets = 0, []
                 for bound, n in zip(bounds, hist, strict=True):
                     run += n
@@ -141,7 +152,9 @@ class SectionCollector:
         up = GaugeMetricFamily("ringq_monitor_up", "1 while the monitor's loop runs.")
         up.add_metric([], 1.0 if st["running"] else 0.0)
         yield up
-        beat = GaugeMetricFamily("ringq_monitor_heartbeat_timestamp_seconds", "Last pass of the monitor's loop.")
+        beat = GaugeMetricFamily(
+            "ringq_monitor_heartbeat_timestamp_seconds", "Last pass of the monitor's loop."
+        )
         beat.add_metric([], st["beat"])
         yield beat
         clients = GaugeMetricFamily("ringq_monitor_clients", "Client entries in the section.")
@@ -153,21 +166,29 @@ class SectionCollector:
         )
         xmin.add_metric([], st["xmin_age_s"])
         yield xmin
-        runs = CounterMetricFamily("ringq_monitor_step_runs", "Runs of each monitor step.", labels=["step"])
-        fails = CounterMetricFamily("ringq_monitor_step_failures", "Failed runs of each monitor step.", labels=["step"])
+        runs = CounterMetricFamily(
+            "ringq_monitor_step_runs", "Runs of each monitor step.", labels=["step"]
+        )
+        fails = CounterMetricFamily(
+            "ringq_monitor_step_failures", "Failed runs of each monitor step.", labels=["step"]
+        )
         for step, s in st["steps"].items():
             runs.add_metric([step], s["runs"])
             fails.add_metric([step], s["failures"])
         yield runs
         yield fails
-        rec = CounterMetricFamily("ringq_monitor_recovered_clients", "Dead clients whose slots were recovered.")
+        rec = CounterMetricFamily(
+            "ringq_monitor_recovered_clients", "Dead clients whose slots were recovered."
+        )
         rec.add_metric([], st["recovered_clients"])
         yield rec
         if self._clients is not None:
             yield from _client_metrics(self._clients()["clients"])
         if self._client_errors is not None:
             logged = CounterMetricFamily(
-                "ringq_monitor_client_errors", "Client errors the monitor logged, by kind.", labels=["kind"]
+                "ringq_monitor_client_errors",
+                "Client errors the monitor logged, by kind.",
+                labels=["kind"],
             )
             for kind, n in sorted(self._client_errors().items()):
                 logged.add_metric([kind], n)
@@ -177,22 +198,29 @@ class SectionCollector:
 def _client_metrics(clients: list[dict[str, Any]]) -> Iterator[Metric]:
     from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-    by_role = GaugeMetricFamily("ringq_clients", "Client entries in the section, by role.", labels=["role"])
+    by_role = GaugeMetricFamily(
+        "ringq_clients", "Client entries in the section, by role.", labels=["role"]
+    )
     roles: dict[str, int] = {}
     for c in clients:
         roles[c[C.ROLE]] = roles.get(c[C.ROLE], 0) + 1
     for role, n in sorted(roles.items()):
         by_role.add_metric([role], n)
     yield by_role
-    shown = sorted(clients, key=lambda c: (c[C.ROLE] != M.ROLE_WORKER, -c[M.COMMITS], c[C.PID]))[:MAX_CLIENT_SERIES]
+    shown = sorted(
+        clients, key=lambda c: (c[C.ROLE] != M.ROLE_WORKER, -c[M.COMMITS], c[C.PID])
+    )[:MAX_CLIENT_SERIES]
     omitted = GaugeMetricFamily(
-        "ringq_client_series_omitted", f"Clients left out of the per-client series (at most {MAX_CLIENT_SERIES})."
+        "ringq_client_series_omitted",
+        f"Clients left out of the per-client series (at most {MAX_CLIENT_SERIES}).",
     )
     omitted.add_metric([], len(clients) - len(shown))
     yield omitted
     labels = ["pid", "role"]
     fams = {k: CounterMetricFamily(n, h, labels=labels) for k, (n, h) in _CLIENT_COUNTERS.items()}
-    rate = GaugeMetricFamily("ringq_client_commit_rate", "Commits per second over the last interval.", labels=labels)
+    rate = GaugeMetricFamily(
+        "ringq_client_commit_rate", "Commits per second over the last interval.", labels=labels
+    )
     # One session per process is the usual case; several sessions of one process are summed.
     merged: dict[tuple[str, str], dict[str, float]] = {}
     for c in shown:

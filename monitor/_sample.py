@@ -66,7 +66,9 @@ def snapshot(sec: Section, qidx: int, now_ns: int) -> _Snap:
     since = sec.q(qidx, L.Q_FULL_SINCE_NS)
     full_cum = stats[M.FULL_NS] + (max(0, now_ns - since) if since else 0)
     ident = (sec.q(qidx, L.Q_QID), sec.q(qidx, L.Q_LOADED_NS), int(sec.generation))
-    return _Snap(now_ns, ident, stats, np.array(enq, dtype=np.int64), np.array(deq, dtype=np.int64), full_cum)
+    return _Snap(
+        now_ns, ident, stats, np.array(enq, dtype=np.int64), np.array(deq, dtype=np.int64), full_cum
+    )
 
 
 def _pct(hist: np.ndarray, q: float) -> float:
@@ -158,7 +160,9 @@ class Series:
         self._next = (self._next + 1) % rows
         self._n = min(self._n + 1, rows)
 
-    def since(self, t0: float, t1: float = float("inf"), limit: int | None = None) -> list[dict[str, float]]:
+    def since(
+        self, t0: float, t1: float = float("inf"), limit: int | None = None
+    ) -> list[dict[str, float]]:
         """Points with ``t0 < t <= t1``, oldest first (the newest ``limit`` if given)."""
         sel = self.rows(t0, t1)
         if limit is not None and len(sel) > limit:
@@ -223,7 +227,9 @@ class History:
                 series = self._series[name] = Series(self.max_points)
             series.append(sample)
 
-    def query(self, name: str, t0: float, t1: float = float("inf"), limit: int | None = None) -> list[dict[str, float]] | None:
+    def query(
+        self, name: str, t0: float, t1: float = float("inf"), limit: int | None = None
+    ) -> list[dict[str, float]] | None:
         """Points of queue ``name`` (None if it was never sampled)."""
         with self._lock:
             series = self._series.get(name)
@@ -231,7 +237,9 @@ class History:
                 return None
             return series.since(t0, t1, limit)
 
-    def rows(self, name: str, t0: float, t1: float = float("inf")) -> tuple[np.ndarray, float] | None:
+    def rows(
+        self, name: str, t0: float, t1: float = float("inf")
+    ) -> tuple[np.ndarray, float] | None:
         """Rows of queue ``name`` with ``t0 < t <= t1`` and the time of the oldest
         point held (what precedes it is only in the T4 files); None if never sampled."""
         with self._lock:

@@ -136,7 +136,8 @@ class Monitor:
         self._beat_t = 0.0
         self._steps: dict[str, StepStats] = {}
         self.history = S.History(config.history_points)
-        # /api/history: the memory, and before it the T4 files (a restarted monitor still serves the day).
+        # /api/history: the memory, and before it the T4 files (a restarted monitor still
+        # serves the day).
         t4 = T4Reader(config.data_dir) if config.data_dir is not None else None
         self._history = HistoryReader(self.history, t4, reach=max(DAY, config.history_seconds))
         self._latest: dict[str, dict[str, float | str]] = {}
@@ -144,11 +145,13 @@ class Monitor:
         self._snaps: dict[int, S._Snap] = {}
         self._watch: dict[int, _Watch] = {}
         self._inbox_due = True
-        self._inbox_retry_at = 0.0  # monotonic: after a failed pump, NOTIFYs wait for this (or the sample)
+        # monotonic: after a failed pump, NOTIFYs wait for this (or the sample)
+        self._inbox_retry_at = 0.0
         # Full queues with SQL entries waiting: {name: queue id}, left out of the
         # NOTIFY-driven pumps until the next sample or until a reclaim finds room.
         self._inbox_full: dict[str, int] = {}
-        self._inbox_full_logged: dict[str, float] = {}  # name -> when "inbox.queue_full" was written
+        # name -> when "inbox.queue_full" was written
+        self._inbox_full_logged: dict[str, float] = {}
         self._exc_counts: dict[int, int] = {}
         self._dead_rows: dict[str, int] = {}
         self._seen_exc: dict[tuple[int, int], float] | None = None
@@ -177,7 +180,9 @@ class Monitor:
                     self._journal = Journal(cfg.data_dir / LOG_NAME)
                     self._t4 = T4Writer(cfg.data_dir, cfg.t4_keep_days)
                 except OSError as exc:
-                    raise MonitorError(f"data directory {cfg.data_dir} is not usable: {exc}") from exc
+                    raise MonitorError(
+                        f"data directory {cfg.data_dir} is not usable: {exc}"
+                    ) from exc
             else:
                 self._journal = Journal(None)
             self._connect(first=True)
@@ -193,7 +198,9 @@ class Monitor:
                     self._http.start()
                 except OSError as exc:
                     self._http = None
-                    raise MonitorError(f"cannot serve HTTP on {cfg.host}:{cfg.port}: {exc}") from exc
+                    raise MonitorError(
+                        f"cannot serve HTTP on {cfg.host}:{cfg.port}: {exc}"
+                    ) from exc
         except BaseException:
             self._teardown()
             raise
@@ -203,8 +210,12 @@ class Monitor:
         self._thread.start()
         self._write_state_file()
         self._journal_write(
-            "monitor.started", url=self.url, dsn=redact_dsn(cfg.dsn),
-            interval=cfg.interval, section=self._sec.name if self._sec else None, version=__version__,
+            "monitor.started",
+            url=self.url,
+            dsn=redact_dsn(cfg.dsn),
+            interval=cfg.interval,
+            section=self._sec.name if self._sec else None,
+            version=__version__,
         )
 
     def stop(self, timeout: float | None = 30.0) -> None:
@@ -282,7 +293,9 @@ class Monitor:
         fixed = {"dsn", "port", "host", "data_dir", "history_seconds", "t4_keep_days", "http"}
         bad = fixed & {k for k, v in changes.items() if getattr(self.config, k) != v}
         if bad:
-            raise ConfigError(f"{', '.join(sorted(bad))} cannot change while the monitor runs: restart it")
+            raise ConfigError(
+                f"{', '.join(sorted(bad))} cannot change while the monitor runs: restart it"
+            )
         new = self.config.replace(**changes)
         if self._running:
             self._pending = new
@@ -333,7 +346,9 @@ class Monitor:
         except BaseException as exc:
             # Steps catch Exception; only something graver gets here. stop() still
             # tears everything down (``running`` is False from now on).
-            self._journal_write("monitor.loop_died", logging.CRITICAL, error=f"{type(exc).__name__}: {exc}")
+            self._journal_write(
+                "monitor.loop_died", logging.CRITICAL, error=f"{type(exc).__name__}: {exc}"
+            )
             raise
 
     def _step(self, name: str, fn: Callable[[], object]) -> None:
@@ -347,7 +362,11 @@ class Monitor:
             st.consecutive += 1
             text = f"{type(exc).__name__}: {exc}".strip()
             now = time.time()
-            if st.consecutive == 1 or text != st.last_error or now - st.last_logged >= _REPEAT_LOG_S:
+            if (
+                st.consecutive == 1
+                or text != st.last_error
+                or now - st.last_logged >= _REPEAT_LOG_S
+            ):
                 st.last_logged = now
                 self._journal_write(
                     "step.failed", logging.WARNING, step=name, error=text,
@@ -399,7 +418,9 @@ class Monitor:
         self._conn_retry_at = time.monotonic() + self.config.interval
         dsn = self.config.dsn
         try:
-            conn = psycopg.connect(dsn, autocommit=True, connect_timeout=5, application_name="ringq-monitor")
+            conn = psycopg.connect(
+                dsn, autocommit=True, connect_timeout=5, application_name="ringq-monitor"
+            )
         except psycopg.Error as exc:
             err = from_psycopg(exc, dsn=dsn)
             self._conn_error = str(err)
@@ -411,7 +432,11 @@ class Monitor:
             locked = conn.execute(Qy.TRY_MONITOR_LOCK).fetchone()
             if not locked or not locked[0]:
                 holder = conn.execute(Qy.MONITOR_LOCK_HOLDER).fetchone()
-                who = f" (backend pid {holder[0]}, {holder[1] or 'no application name'})" if holder else ""
+                who = (
+                    f" (backend pid {holder[0]}, {holder[1] or 'no application name'})"
+                    if holder
+                    else ""
+                )
                 raise MonitorRunning(f"another ringq monitor serves this database{who}")
             conn.execute(sql.SQL("LISTEN {}").format(sql.Identifier(Qy.INBOX_CHANNEL)))
         except psycopg.errors.UndefinedTable as exc:
@@ -494,8 +519,11 @@ class Monitor:
             info = rec.as_dict()
             self._recovered_clients += 1
             self._journal_write("client.recovered", logging.WARNING, **info)
-            self._publish(E.make_event(E.CONSUMER_DIED, info["queues"][0] if len(info["queues"]) == 1 else None,
-                                       **info))
+            self._publish(
+                E.make_event(
+                    E.CONSUMER_DIED, info["queues"][0] if len(info["queues"]) == 1 else None, **info
+                )
+            )
 
     def _repair(self) -> None:
         for name in repair_lock_holders(self._section(), self.config.dsn):
@@ -536,14 +564,23 @@ class Monitor:
                 w.full_s += dt * ((w.full + full) / 2)
                 w.seen_ns = now
             if full and not w.full:
-                self._publish(E.make_event(E.queue_event(name, E.QUEUE_FULL), name, depth=depth, capacity=cap))
+                self._publish(
+                    E.make_event(E.queue_event(name, E.QUEUE_FULL), name, depth=depth, capacity=cap)
+                )
             w.full = full
             if empty and not w.empty and not first:
                 self._publish(E.make_event(E.queue_event(name, E.QUEUE_EMPTY), name, capacity=cap))
             w.empty = empty
             if depth >= threshold and not w.high:
-                self._publish(E.make_event(E.queue_event(name, E.QUEUE_HIGH_WATER), name,
-                                           depth=depth, capacity=cap, threshold=round(threshold, 3)))
+                self._publish(
+                    E.make_event(
+                        E.queue_event(name, E.QUEUE_HIGH_WATER),
+                        name,
+                        depth=depth,
+                        capacity=cap,
+                        threshold=round(threshold, 3),
+                    )
+                )
                 w.high = True
             elif w.high and depth <= threshold - max(1.0, 0.1 * cap):  # hysteresis: no flapping
                 w.high = False
@@ -555,11 +592,22 @@ class Monitor:
         sec = self._section()
         for news in self._error_watch.scan(C.read_clients(sec)):
             raw = news.raw
-            self._client_errors_by_kind[news.kind] = self._client_errors_by_kind.get(news.kind, 0) + news.count
+            self._client_errors_by_kind[news.kind] = (
+                self._client_errors_by_kind.get(news.kind, 0) + news.count
+            )
             self._journal_write(
-                "client.error", logging.WARNING, pid=raw.pid, backend_pid=raw.backend_pid, role=raw.role,
-                queue=C.queue_name_of(sec, news.qid, self._queue_names), queue_id=news.qid or None,
-                seq=news.seq, kind=news.kind, count=news.count, errors=news.total, at=round(news.t, 6),
+                "client.error",
+                logging.WARNING,
+                pid=raw.pid,
+                backend_pid=raw.backend_pid,
+                role=raw.role,
+                queue=C.queue_name_of(sec, news.qid, self._queue_names),
+                queue_id=news.qid or None,
+                seq=news.seq,
+                kind=news.kind,
+                count=news.count,
+                errors=news.total,
+                at=round(news.t, 6),
             )
 
     def _publish(self, event: E.Event) -> None:
@@ -602,7 +650,9 @@ class Monitor:
         self._seen_exc = {k: t for k, t in seen.items() if t >= horizon}
 
     def _resolve_prepared(self) -> None:
-        for gid, verb in resolve_prepared(self._section(), self.config.dsn, self.config.prepared_timeout):
+        for gid, verb in resolve_prepared(
+            self._section(), self.config.dsn, self.config.prepared_timeout
+        ):
             self._journal_write("prepared.resolved", logging.WARNING, gid=gid, outcome=verb)
 
     def _prune_keys(self) -> None:
@@ -671,8 +721,16 @@ class Monitor:
                 empty_s, w.empty_s = w.empty_s, 0.0
                 full_s, w.full_s = w.full_s, 0.0
             samples.append(
-                S.compute(name, self._snaps.get(qid), cur, t=t, empty_s=empty_s, full_s=full_s,
-                          exceptions=self._exc_counts.get(qid, 0), dead_rows=self._dead_rows.get(name, 0))
+                S.compute(
+                    name,
+                    self._snaps.get(qid),
+                    cur,
+                    t=t,
+                    empty_s=empty_s,
+                    full_s=full_s,
+                    exceptions=self._exc_counts.get(qid, 0),
+                    dead_rows=self._dead_rows.get(name, 0),
+                )
             )
             snaps[qid] = cur
         self._snaps = snaps
@@ -745,7 +803,13 @@ class Monitor:
         return dict(self._client_errors_by_kind)
 
     def history_points(
-        self, queue: str, since: float, until: float, limit: int, step: float = 0.0, max_points: int | None = None
+        self,
+        queue: str,
+        since: float,
+        until: float,
+        limit: int,
+        step: float = 0.0,
+        max_points: int | None = None,
     ) -> Answer | None:
         return self._history.query(queue, since, until, limit, step=step, max_points=max_points)
 

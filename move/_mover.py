@@ -198,7 +198,11 @@ class MoveConfig:
     retry_backoff: float = 1.0  # seconds to wait after a failed batch in run()
 
     def __post_init__(self) -> None:
-        if isinstance(self.batch, bool) or not isinstance(self.batch, int) or not 1 <= self.batch <= 100_000:
+        if (
+            isinstance(self.batch, bool)
+            or not isinstance(self.batch, int)
+            or not 1 <= self.batch <= 100_000
+        ):
             raise ConfigError(f"batch must be an integer from 1 to 100,000, not {self.batch!r}")
         if not isinstance(self.prune_every, int) or self.prune_every < 0:
             raise ConfigError(f"prune_every must be an integer >= 0, not {self.prune_every!r}")
@@ -297,9 +301,10 @@ class Mover:
                 info = src.queue_info(self.src_queue)
                 if info.dequeue_mode != "single":
                     raise MoveSourceShared(
-                        f"queue {self.src_queue!r} is in {info.dequeue_mode!r} dequeue mode: a mover "
-                        "needs a source in 'single' mode (one dequeuer at a time), or a standby "
-                        "taking over could break per-producer order and move an entry twice"
+                        f"queue {self.src_queue!r} is in {info.dequeue_mode!r} dequeue mode: "
+                        "a mover needs a source in 'single' mode (one dequeuer at a time), "
+                        "or a standby taking over could break per-producer order and move an "
+                        "entry twice"
                     )
             except BaseException:
                 src.close()

@@ -92,8 +92,12 @@ CREATE TABLE {schema}.{table} (
 )
 """
 
-INSERT_RUN = "INSERT INTO {schema}.run (run_id, host, ringq_version, config) VALUES (%s, %s, %s, %s)"
-INSERT_QUEUE = "INSERT INTO {schema}.queues (idx, name, payload_size, capacity) VALUES (%s, %s, %s, %s)"
+INSERT_RUN = (
+    "INSERT INTO {schema}.run (run_id, host, ringq_version, config) VALUES (%s, %s, %s, %s)"
+)
+INSERT_QUEUE = (
+    "INSERT INTO {schema}.queues (idx, name, payload_size, capacity) VALUES (%s, %s, %s, %s)"
+)
 SELECT_RUN = "SELECT run_id, created_at, finished_at, status, config FROM {schema}.run"
 SELECT_QUEUES = "SELECT idx, name, payload_size, capacity FROM {schema}.queues ORDER BY idx"
 FINISH_RUN = "UPDATE {schema}.run SET finished_at = now(), status = %s"
@@ -104,7 +108,9 @@ END_CYCLE = """
 UPDATE {schema}.cycles SET ended_at = now(), status = %s, workload_s = %s, stats = %s, errors = %s
 WHERE cycle = %s
 """
-VERIFIED_CYCLE = "UPDATE {schema}.cycles SET verified_at = now(), ok = %s, report = %s WHERE cycle = ANY(%s)"
+VERIFIED_CYCLE = (
+    "UPDATE {schema}.cycles SET verified_at = now(), ok = %s, report = %s WHERE cycle = ANY(%s)"
+)
 SELECT_CYCLES = """
 SELECT cycle, started_at, ended_at, status, workload_s, stats, errors, ok
 FROM {schema}.cycles ORDER BY cycle
@@ -118,7 +124,8 @@ FROM unnest(%s::int2[], %s::int8[], %s::int8[], %s::int4[], %b::bytea[]) AS v(q,
 """
 
 INSERT_ROLLED_BACK = """
-INSERT INTO {schema}.rolled_back (cycle, queue, qseq, producer, pseq, tx, kind, length, digest, reason)
+INSERT INTO {schema}.rolled_back
+    (cycle, queue, qseq, producer, pseq, tx, kind, length, digest, reason)
 SELECT %s, v.q, v.s, %s, v.p, %s, %s, v.l, v.d, %s
 FROM unnest(%s::int2[], %s::int8[], %s::int8[], %s::int4[], %b::bytea[]) AS v(q, s, p, l, d)
 """
@@ -167,8 +174,12 @@ SELECT coalesce(max(pseq), 0), coalesce(max(tx), 0) FROM (
     SELECT pseq, tx FROM {schema}.rolled_back WHERE cycle = %s AND producer = %s
 ) AS x
 """
-SENT_BY_QUEUE = "SELECT queue, count(*) FROM {schema}.sent WHERE cycle = %s AND producer = %s GROUP BY queue"
-RESUME_CONSUMER = "SELECT coalesce(max(recv_order), 0), count(*) FROM {schema}.{table} WHERE cycle = %s"
+SENT_BY_QUEUE = (
+    "SELECT queue, count(*) FROM {schema}.sent WHERE cycle = %s AND producer = %s GROUP BY queue"
+)
+RESUME_CONSUMER = (
+    "SELECT coalesce(max(recv_order), 0), count(*) FROM {schema}.{table} WHERE cycle = %s"
+)
 PREPARED_GIDS = "SELECT gid FROM pg_prepared_xacts WHERE database = current_database()"
 # The backend holding the monitor's lock (the same lock as ringq.monitor takes:
 # one serving monitor per database), if any.

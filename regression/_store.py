@@ -34,7 +34,8 @@ class RunNotFound(RingqError):
 
 @dataclass(frozen=True)
 class QueueRef:
-    """One queue of a run: its index in payload headers, its ringq name, its payload size (bytes)."""
+    """One queue of a run: its index in payload headers, its ringq name, its payload size
+    (bytes)."""
 
     idx: int
     name: str
@@ -98,13 +99,16 @@ def create_run(dsn: str, config: RegressConfig, run_id: str | None = None) -> Ru
     """
     run_id = validate_run_id(run_id or new_run_id())
     queues = tuple(
-        QueueRef(i, queue_name(run_id, i), size, config.capacity) for i, size in enumerate(config.payload_sizes)
+        QueueRef(i, queue_name(run_id, i), size, config.capacity)
+        for i, size in enumerate(config.payload_sizes)
     )
     with _connect(dsn, autocommit=False) as conn:
         for ref in queues:
             # Blocking policy: a full queue makes producers wait (up to their own
             # enqueue timeout), which is what "driven full" should exercise.
-            create_queue(conn, QueueSpec(ref.name, ref.capacity, ref.payload_size, full_policy="block"))
+            create_queue(
+                conn, QueueSpec(ref.name, ref.capacity, ref.payload_size, full_policy="block")
+            )
         with conn.transaction():
             conn.execute(S.q(S.CREATE_RUN, run_id))
             conn.execute(
@@ -112,7 +116,9 @@ def create_run(dsn: str, config: RegressConfig, run_id: str | None = None) -> Ru
                 (run_id, socket.gethostname(), __version__, Jsonb(config.to_json())),
             )
             for ref in queues:
-                conn.execute(S.q(S.INSERT_QUEUE, run_id), (ref.idx, ref.name, ref.payload_size, ref.capacity))
+                conn.execute(
+                    S.q(S.INSERT_QUEUE, run_id), (ref.idx, ref.name, ref.payload_size, ref.capacity)
+                )
                 conn.execute(S.q(S.CREATE_RECEIVED, run_id, S.received_table(ref.name)))
     return load_run(dsn, run_id)
 
@@ -127,7 +133,9 @@ def load_run(dsn: str, run_id: str) -> RunInfo:
 def _load(conn: psycopg.Connection[Any], run_id: str) -> RunInfo:
     row = conn.execute(S.RUN_EXISTS, (f'"{S.SCHEMA_PREFIX}{run_id}".run',)).fetchone()
     if not row or not row[0]:
-        raise RunNotFound(f"no regression run {run_id!r} in this database (see 'ringq regress list')")
+        raise RunNotFound(
+            f"no regression run {run_id!r} in this database (see 'ringq regress list')"
+        )
     run = conn.execute(S.q(S.SELECT_RUN, run_id)).fetchone()
     assert run is not None
     queues = tuple(QueueRef(*r) for r in conn.execute(S.q(S.SELECT_QUEUES, run_id)).fetchall())
@@ -163,7 +171,14 @@ def start_cycle(dsn: str, run_id: str) -> int:
 
 
 def end_cycle(
-    dsn: str, run_id: str, cycle: int, *, status: str, workload_s: float, stats: dict[str, Any], errors: list[str]
+    dsn: str,
+    run_id: str,
+    cycle: int,
+    *,
+    status: str,
+    workload_s: float,
+    stats: dict[str, Any],
+    errors: list[str],
 ) -> None:
     with _connect(dsn) as conn:
         conn.execute(
@@ -171,7 +186,9 @@ def end_cycle(
         )
 
 
-def record_verified(dsn: str, run_id: str, cycles_: list[int], ok: bool, report: dict[str, Any]) -> None:
+def record_verified(
+    dsn: str, run_id: str, cycles_: list[int], ok: bool, report: dict[str, Any]
+) -> None:
     with _connect(dsn) as conn:
         conn.execute(S.q(S.VERIFIED_CYCLE, run_id), (ok, Jsonb(report), cycles_))
 

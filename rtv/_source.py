@@ -40,7 +40,16 @@ class MonitorUnavailable(MonitorError):
 
 
 # The monitor's own figures passed on to the page (``monitor`` in /api/queues).
-MONITOR_FIELDS = ("interval", "beat", "started", "running", "database", "clients", "xmin_age_s", "version")
+MONITOR_FIELDS = (
+    "interval",
+    "beat",
+    "started",
+    "running",
+    "database",
+    "clients",
+    "xmin_age_s",
+    "version",
+)
 
 
 @dataclass(frozen=True)
@@ -55,7 +64,12 @@ class Overview:
     queues: list[Row]
 
     def as_json(self) -> dict[str, Any]:
-        return {"t": self.t, "interval": self.interval, "monitor": self.monitor, "queues": self.queues}
+        return {
+            "t": self.t,
+            "interval": self.interval,
+            "monitor": self.monitor,
+            "queues": self.queues,
+        }
 
 
 @dataclass(frozen=True)
@@ -96,7 +110,12 @@ class MonitorClient:
     """
 
     def __init__(
-        self, url: str, token: str | None = None, *, timeout: float = 5.0, history_timeout: float = 60.0
+        self,
+        url: str,
+        token: str | None = None,
+        *,
+        timeout: float = 5.0,
+        history_timeout: float = 60.0,
     ) -> None:
         self.url = url.rstrip("/")
         self._token = token
@@ -113,9 +132,15 @@ class MonitorClient:
         rows = [normalize(item) for item in items if isinstance(item, Mapping) and item.get(K.NAME)]
         rows.sort(key=lambda r: str(r[K.NAME]))
         status = body.get("monitor") if isinstance(body, Mapping) else None
-        monitor = {k: status[k] for k in MONITOR_FIELDS if k in status} if isinstance(status, Mapping) else {}
+        monitor = (
+            {k: status[k] for k in MONITOR_FIELDS if k in status}
+            if isinstance(status, Mapping)
+            else {}
+        )
         t = _number(body.get(K.TIME)) if isinstance(body, Mapping) else None
-        return Overview(t=t, interval=_number(monitor.get(K.INTERVAL)), monitor=monitor, queues=rows)
+        return Overview(
+            t=t, interval=_number(monitor.get(K.INTERVAL)), monitor=monitor, queues=rows
+        )
 
     def queues(self) -> list[Row]:
         """Every queue's current figures, sorted by name."""

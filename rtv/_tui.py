@@ -84,7 +84,9 @@ class TuiModel:
             self.clients_error = None
 
 
-def _columns(points: Sequence[Row], key: str, start: float, end: float, width: int) -> list[list[float]]:
+def _columns(
+    points: Sequence[Row], key: str, start: float, end: float, width: int
+) -> list[list[float]]:
     """The values of ``key`` in ``width`` equal time columns over [start, end]."""
     columns: list[list[float]] = [[] for _ in range(width)]
     span = max(end - start, 1e-9)
@@ -123,7 +125,12 @@ def sparkline(
 
 
 def state_strip(
-    points: Sequence[Row], *, start: float, end: float, interval: float | None, width: int = SPARK_WIDTH
+    points: Sequence[Row],
+    *,
+    start: float,
+    end: float,
+    interval: float | None,
+    width: int = SPARK_WIDTH,
 ) -> Text:
     """One character per column: red █ if the queue was full at any time in
     it, grey ░ if it was empty most of the time, green ─ otherwise."""
@@ -179,7 +186,11 @@ def clients_table(model: TuiModel) -> Table:
     the monitor's last interval, then totals since each session opened (the
     worker counters are shown for workers only)."""
     table = Table(
-        box=box.SIMPLE_HEAD, pad_edge=False, title="Clients", title_justify="left", title_style="bold",
+        box=box.SIMPLE_HEAD,
+        pad_edge=False,
+        title="Clients",
+        title_justify="left",
+        title_style="bold",
         caption_justify="left",
     )
     table.add_column("PID", justify="right", no_wrap=True, style="bold")
@@ -196,7 +207,10 @@ def clients_table(model: TuiModel) -> Table:
             Text(str(c[K.ROLE]), style="cyan" if worker else ""),
             ", ".join(c[K.QUEUES]) or "–",
             _throughput(c),
-            *(_num(c[k]) if worker else "–" for k in (K.HANDLED, K.FAILED, K.TIMEOUTS, K.CLIENT_POISONED)),
+            *(
+                _num(c[k]) if worker else "–"
+                for k in (K.HANDLED, K.FAILED, K.TIMEOUTS, K.CLIENT_POISONED)
+            ),
             Text(_num(c[K.ERRORS]), style="bold red" if c[K.ERRORS] else ""),
             _client_state(c),
             _last_error(c),
@@ -248,7 +262,9 @@ def _window_label(seconds: float) -> str:
     return f"{seconds / 60:g} min"
 
 
-def render(model: TuiModel, monitor_url: str, *, width: int = 160, now: float | None = None) -> RenderableType:
+def render(
+    model: TuiModel, monitor_url: str, *, width: int = 160, now: float | None = None
+) -> RenderableType:
     """The whole screen for ``model`` on a terminal ``width`` columns wide: a
     status line, the queues now, their trends over the window, and the clients."""
     now = time.time() if now is None else now
@@ -260,20 +276,29 @@ def render(model: TuiModel, monitor_url: str, *, width: int = 160, now: float | 
         start = max(start, min(firsts) - (model.interval or 1.0))
     span = f"the last {_window_label(model.window)}"
     if now - start < model.window - 1:
-        span = f"the last {_duration(now - start)} (of {_window_label(model.window)}: the monitor has no more yet)"
+        span = (
+            f"the last {_duration(now - start)} (of {_window_label(model.window)}: "
+            "the monitor has no more yet)"
+        )
     status = Text()
     status.append("ringq rtv ", style="bold")
     status.append(f"· monitor {monitor_url} · ")
     if model.error:
         status.append(model.error, style="bold red")
     elif model.updated:
-        status.append(f"updated {time.strftime('%H:%M:%S', time.localtime(model.updated))}", style="green")
+        status.append(
+            f"updated {time.strftime('%H:%M:%S', time.localtime(model.updated))}", style="green"
+        )
     else:
         status.append("connecting…", style="yellow")
 
     name_width = min(32, max([5, *(len(str(q[K.NAME])) for q in model.queues)]))
-    current = Table(box=box.SIMPLE_HEAD, pad_edge=False, title="Now", title_justify="left", title_style="bold")
-    current.add_column("Queue", style="bold", overflow="ellipsis", min_width=name_width, max_width=32)
+    current = Table(
+        box=box.SIMPLE_HEAD, pad_edge=False, title="Now", title_justify="left", title_style="bold"
+    )
+    current.add_column(
+        "Queue", style="bold", overflow="ellipsis", min_width=name_width, max_width=32
+    )
     for header in ("Depth / cap", "State", "EnQ/s", "DeQ/s", "EnQ p50 / p99", "DeQ p50 / p99",
                    "Retries", "Exc", "Commits", "Rollbk", "Wait d/e", "Dead rows"):
         current.add_column(header, justify="right", no_wrap=True)
@@ -283,7 +308,9 @@ def render(model: TuiModel, monitor_url: str, *, width: int = 160, now: float | 
         box=box.SIMPLE_HEAD, pad_edge=False, title_justify="left", title_style="bold",
         title=f"Over {span}",
     )
-    trends.add_column("Queue", style="bold", overflow="ellipsis", min_width=name_width, max_width=32)
+    trends.add_column(
+        "Queue", style="bold", overflow="ellipsis", min_width=name_width, max_width=32
+    )
     for header, style in (("Depth", "magenta"), ("Full █ / empty ░", None), ("EnQ/s", "blue"),
                           ("DeQ/s", "green"), ("EnQ p99", "red"), ("DeQ p99", "red")):
         trends.add_column(header, no_wrap=True, style=style, min_width=spark, max_width=spark)
@@ -316,9 +343,12 @@ def render(model: TuiModel, monitor_url: str, *, width: int = 160, now: float | 
         )
     if not model.queues:
         current.add_row(Text("no queue reported yet", style="grey50"), *[""] * 12)
-    footer = Text("Depth is drawn against capacity; rates and latencies against their own peak. "
-                  "Clients: rates over the monitor's last interval, counts since each session opened. "
-                  "Ctrl-C to quit.", style="grey50")
+    footer = Text(
+        "Depth is drawn against capacity; rates and latencies against their own peak. "
+        "Clients: rates over the monitor's last interval, counts since each session opened. "
+        "Ctrl-C to quit.",
+        style="grey50",
+    )
     return Group(status, current, trends, clients_table(model), footer)
 
 
@@ -354,9 +384,15 @@ def run_tui(
     """Show the terminal view until Ctrl-C (or SIGTERM, or ``stop`` is set); returns 0."""
     model = TuiModel(client, window=window)
     console = console or Console()
-    with _StopFlag() as flag, Live(
-        render(model, client.url, width=console.width), console=console, auto_refresh=False, transient=False
-    ) as live:
+    with (
+        _StopFlag() as flag,
+        Live(
+            render(model, client.url, width=console.width),
+            console=console,
+            auto_refresh=False,
+            transient=False,
+        ) as live,
+    ):
         while not (flag.is_set() or (stop is not None and stop.is_set())):
             began = time.monotonic()
             model.update()

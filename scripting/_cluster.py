@@ -206,7 +206,9 @@ class Cluster:
         try:
             self.home.mkdir(parents=True, exist_ok=True)
         except OSError as exc:
-            raise ConfigError(f"cannot use {self.home} as the cluster's home: {exc.strerror or exc}") from exc
+            raise ConfigError(
+                f"cannot use {self.home} as the cluster's home: {exc.strerror or exc}"
+            ) from exc
         with self._locked():
             st = self.status()
             if st.running and st.port is not None:
@@ -431,7 +433,8 @@ class Cluster:
             raise ClusterError(f"initdb failed in {staging}: {_tail(proc.stdout)}")
         with (staging / "postgresql.conf").open("a") as f:
             f.write(
-                f"\n# ringq's settings (rewritten at every 'ringq db start')\ninclude = '{CONF_FILE}'\n"
+                "\n# ringq's settings (rewritten at every 'ringq db start')\n"
+                f"include = '{CONF_FILE}'\n"
             )
         (staging / "log").mkdir(mode=0o700, exist_ok=True)
         self._give(staging / "log")
@@ -563,8 +566,9 @@ class Cluster:
         """Remove a /tmp/ringq-* socket directory made for a too-long home path."""
         if socket_dir is None or socket_dir == self.home / "run":
             return
-        if socket_dir.parent == Path(tempfile.gettempdir()) and socket_dir.name.startswith(
-            "ringq-"
+        if (
+            socket_dir.parent == Path(tempfile.gettempdir())
+            and socket_dir.name.startswith("ringq-")
         ):
             shutil.rmtree(socket_dir, ignore_errors=True)
 

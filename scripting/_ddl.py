@@ -64,7 +64,9 @@ class QueueSpec:
         if self.full_policy not in ("block", "raise"):
             raise ConfigError(f"full_policy must be 'block' or 'raise', not {self.full_policy!r}")
         if self.dequeue_mode not in ("single", "shared"):
-            raise ConfigError(f"dequeue_mode must be 'single' or 'shared', not {self.dequeue_mode!r}")
+            raise ConfigError(
+                f"dequeue_mode must be 'single' or 'shared', not {self.dequeue_mode!r}"
+            )
         if (
             isinstance(self.full_timeout, bool)
             or not isinstance(self.full_timeout, int | float)
@@ -72,7 +74,8 @@ class QueueSpec:
             or not 0 <= self.full_timeout <= MAX_FULL_TIMEOUT
         ):
             raise ConfigError(
-                f"full_timeout must be a number of seconds from 0 to {MAX_FULL_TIMEOUT:g}, not {self.full_timeout!r}"
+                f"full_timeout must be a number of seconds from 0 to {MAX_FULL_TIMEOUT:g}, "
+                f"not {self.full_timeout!r}"
             )
         if self.exception_queue is not None:
             validate_queue_name(self.exception_queue)
@@ -118,7 +121,9 @@ def queue_sql(spec: QueueSpec) -> sql.Composed:
     """The queue's management row, its pre-populated table and storage settings."""
     # The table and its primary-key index (the only index) both go to the tablespace.
     tablespace_clause: sql.Composable = (
-        sql.SQL("TABLESPACE {}").format(sql.Identifier(spec.tablespace)) if spec.tablespace else sql.SQL("")
+        sql.SQL("TABLESPACE {}").format(sql.Identifier(spec.tablespace))
+        if spec.tablespace
+        else sql.SQL("")
     )
     index_tablespace_clause: sql.Composable = (
         sql.SQL("USING INDEX TABLESPACE {}").format(sql.Identifier(spec.tablespace))
@@ -161,7 +166,7 @@ def create_queue_script(spec: QueueSpec) -> str:
     return (
         f"-- ringq queue script (schema version {SCHEMA_VERSION}): queue {spec.name!r}, "
         f"{spec.capacity:,} slots, max payload {spec.max_payload:,} bytes\n"
-        "-- Apply with: psql \"$DSN\" -v ON_ERROR_STOP=1 -f this.sql  (re-applying changes nothing)\n"
+        '-- Apply with: psql "$DSN" -v ON_ERROR_STOP=1 -f this.sql  (re-applying changes nothing)\n'
         "BEGIN;\n\n" + body + "\n\nCOMMIT;\n"
     )
 
@@ -190,7 +195,9 @@ def create_queue(conn: psycopg.Connection[Any], spec: QueueSpec) -> bool:
             existed = _queue_exists(conn, spec.name)
             conn.execute(queue_sql(spec))
     except psycopg.errors.DuplicateObject as exc:
-        raise QueueExists(f"queue {spec.name!r} exists with different settings", queue=spec.name) from exc
+        raise QueueExists(
+            f"queue {spec.name!r} exists with different settings", queue=spec.name
+        ) from exc
     except psycopg.errors.UndefinedObject as exc:
         if spec.exception_queue is None or not (exc.diag.message_primary or "").startswith(
             "ringq: exception queue"
@@ -200,7 +207,8 @@ def create_queue(conn: psycopg.Connection[Any], spec: QueueSpec) -> bool:
             raise from_psycopg(exc, queue=spec.name) from exc
         # The exception queue check of the queue block (ddl.sql).
         raise QueueNotFound(
-            f"exception queue {spec.exception_queue!r} of queue {spec.name!r} does not exist (create it first)",
+            f"exception queue {spec.exception_queue!r} of queue {spec.name!r} does not exist "
+            "(create it first)",
             queue=spec.exception_queue,
         ) from exc
     except psycopg.errors.InvalidParameterValue as exc:
@@ -229,7 +237,8 @@ def drop_queue(conn: psycopg.Connection[Any], name: str) -> None:
         if not _queue_exists(conn, name):
             raise QueueNotFound(f"queue {name!r} does not exist", queue=name)
         row = conn.execute(
-            "SELECT q.id, m.value FROM ringq.queues q LEFT JOIN ringq.meta m ON m.key = 'instance_id' "
+            "SELECT q.id, m.value FROM ringq.queues q "
+            "LEFT JOIN ringq.meta m ON m.key = 'instance_id' "
             "WHERE q.name = %s",
             (name,),
         ).fetchone()
@@ -244,4 +253,6 @@ def _queue_exists(conn: psycopg.Connection[Any], name: str) -> bool:
     ).fetchone()
     if not row or not row[0]:
         return False
-    return conn.execute("SELECT 1 FROM ringq.queues WHERE name = %s", (name,)).fetchone() is not None
+    return (
+        conn.execute("SELECT 1 FROM ringq.queues WHERE name = %s", (name,)).fetchone() is not None
+    )

@@ -16,13 +16,11 @@ section, the monitor's state file) with a deadline; never a bare sleep.
 from __future__ import annotations
 
 import faulthandler
-import json
 import multiprocessing as mp
 import os
 import random
 import secrets
 import signal
-import subprocess
 import sys
 import time
 import uuid
@@ -33,7 +31,7 @@ from typing import Any
 
 import psycopg
 import pytest
-from conftest import remove_section
+from conftest import MonitorProcess, remove_section, wait_for
 from psycopg import sql
 from ringq.engine import RingqError, Section, connect
 from ringq.engine import layout as L
@@ -41,51 +39,9 @@ from ringq.engine.recovery import rebuild_into, section_differences
 from ringq.scripting import Cluster, QueueSpec, create_queue
 
 FORK = mp.get_context("fork")
-INTERVAL = "0.2"  # the monitor's pass (s)
 
 
 # -- helpers ----------------------------------------------------------------------------------
-
-
-def wait_for(cond: Callable[[], Any], timeout: float = 20.0, what: str = "condition") -> Any:
-    """Poll ``cond`` until it returns something truthy; fail after ``timeout`` seconds."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        got = cond()
-        if got:
-            return got
-        time.sleep(0.02)
-    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
-
-
-class MonitorProcess:
-    """``ringq monitor`` as a real process, serving once its state file names it."""
-
-    def __init__(self, dsn: str, data_dir: Path) -> None:
-        self.data_dir = data_dir
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "ringq.cli", "monitor", "--dsn", dsn, "--port", "0",
-             "--data-dir", str(data_dir), "--interval", INTERVAL],
-            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-        )
-        wait_for(self._serving, 30, "the monitor to serve")
-
-    def _serving(self) -> bool:
-        if self.proc.poll() is not None:
-            err = self.proc.stderr.read() if self.proc.stderr else ""
-            raise AssertionError(f"monitor exited {self.proc.returncode}: {err}")
-        try:
-            state = json.loads((self.data_dir / "monitor.json").read_text())
-        except (OSError, ValueError):
-            return False
-        return bool(state.get("pid") == self.proc.pid and state.get("url"))
-
-    def kill(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-        self.proc.wait(30)
-        if self.proc.stderr:
-            self.proc.stderr.close()
 
 
 @pytest.fixture
@@ -180,7 +136,9 @@ def _worker(dsn: str, queues: list[str], role: str, seed: int, commits: Any, sto
                         if m is None:
                             s.commit()
                             continue
-                        s.connection.execute("INSERT INTO got VALUES (%s, %s, %s)", (m.payload, q, m.seq))
+                        s.connection.execute(
+                            "INSERT INTO got VALUES (%s, %s, %s)", (m.payload, q, m.seq)
+                        )
                     s.commit()
                     with commits.get_lock():
                         commits.value += 1
@@ -200,11 +158,25 @@ class Traffic:
         self.roles: list[str] = []
         self._seed = 0
 
-    def start(self, producers: int = 2, consumers: int = 2, die_after: Callable[[], int] = lambda: 0) -> None:
+    def start(
+        self, producers: int = 2, consumers: int = 2, die_after: Callable[[], int] = lambda: 0
+    ) -> None:
         for role in "p" * producers + "c" * consumers:
             self._seed += 1
-            p = FORK.Process(target=_worker, args=(self.dsn, self.queues, role, self._seed, self.commits,
-                                                   self.stop, die_after(), self.deaths), daemon=True)
+            p = FORK.Process(
+                target=_worker,
+                args=(
+                    self.dsn,
+                    self.queues,
+                    role,
+                    self._seed,
+                    self.commits,
+                    self.stop,
+                    die_after(),
+                    self.deaths,
+                ),
+                daemon=True,
+            )
             p.start()
             self.procs.append(p)
             self.roles.append(role)
@@ -229,7 +201,9 @@ class Traffic:
             for pid in alive:
                 os.kill(pid, signal.SIGUSR1)  # their stacks, on stderr
             time.sleep(0.5)  # let them write before the report
-            raise AssertionError(f"{exc}; {self.count()} of {target} commits; workers alive: {alive}") from None
+            raise AssertionError(
+                f"{exc}; {self.count()} of {target} commits; workers alive: {alive}"
+            ) from None
 
     def kill(self) -> None:
         for p in self.procs:
@@ -248,7 +222,7 @@ class Traffic:
         self.stop.clear()
 
 
-# -- what must be true afterwards -------------------------------------------------------------------
+# -- what must be true afterwards ------------------------------------------------------------------
 
 
 def _quiet(dsn: str, own_pid: int) -> None:
@@ -289,7 +263,10 @@ def assert_section_equals_rebuild(dsn: str) -> None:
             deadline = time.monotonic() + 5  # the monitor's reclaim, every pass
             while (d := diffs()) and time.monotonic() < deadline:
                 time.sleep(0.05)
-            assert not d, f"the live section differs from a rebuild: {d}; queued rows: {_queued_rows(dsn, list(d))}"
+            assert not d, (
+                f"the live section differs from a rebuild: {d}; queued rows: "
+                f"{_queued_rows(dsn, list(d))}"
+            )
     finally:
         fresh.close()
         Section.unlink(instance)
@@ -323,7 +300,9 @@ def assert_exactly_once(dsn: str, queues: list[str], min_sent: int) -> None:
     delivered = got + drained
     dup = {p for p in delivered if delivered.count(p) > 1}
     assert not dup, f"delivered twice: {sorted(dup)[:10]}"
-    assert len(sent) >= min_sent, f"the workload did too little to prove anything ({len(sent)} sent)"
+    assert len(sent) >= min_sent, (
+        f"the workload did too little to prove anything ({len(sent)} sent)"
+    )
     lost, phantom = sent - set(delivered), set(delivered) - sent
     assert not lost and not phantom, f"lost {sorted(lost)[:10]}, phantom {sorted(phantom)[:10]}"
 

@@ -27,15 +27,25 @@ WHITE_BOX: dict[str, set[str]] = {
     "tests/test_engine.py": {"ringq.engine._session"},
     "tests/test_events.py": {"ringq.monitor._events"},
     # schema_sql (the script's own text); the HTTP servers' backlog and request logging
-    "tests/test_hardening_inputs.py": {"ringq.scripting._ddl", "ringq.monitor._http", "ringq.rtv._server"},
-    "tests/test_history.py": {"ringq.monitor._sample", "ringq.monitor._history", "ringq.monitor._t4",
-                              "ringq.rtv._metrics"},
+    "tests/test_hardening_inputs.py": {
+        "ringq.scripting._ddl", "ringq.monitor._http", "ringq.rtv._server",
+    },
+    "tests/test_history.py": {
+        "ringq.monitor._sample", "ringq.monitor._history", "ringq.monitor._t4",
+        "ringq.rtv._metrics",
+    },
     # (and ringq.monitor._daemon, from the script of a subprocess, which this check does not read)
-    "tests/test_monitor.py": {"ringq.monitor._sample", "ringq.monitor._t4", "ringq.monitor._service",
-                              "ringq.monitor._clients"},
-    "tests/test_regression.py": {"ringq.regression._payload", "ringq.regression._sql", "ringq.regression._runner"},
-    "tests/test_rtv.py": {"ringq.rtv._metrics", "ringq.rtv._source", "ringq.rtv._tui", "ringq.monitor._sample",
-                          "ringq.monitor._clients"},
+    "tests/test_monitor.py": {
+        "ringq.monitor._sample", "ringq.monitor._t4", "ringq.monitor._service",
+        "ringq.monitor._clients",
+    },
+    "tests/test_regression.py": {
+        "ringq.regression._payload", "ringq.regression._sql", "ringq.regression._runner",
+    },
+    "tests/test_rtv.py": {
+        "ringq.rtv._metrics", "ringq.rtv._source", "ringq.rtv._tui", "ringq.monitor._sample",
+        "ringq.monitor._clients",
+    },
 }
 
 
@@ -54,8 +64,8 @@ def _files() -> Iterator[tuple[str | None, Path]]:
     for package, folder in PACKAGES.items():
         for path in sorted(folder.rglob("*.py")):
             yield package, path
-    for folder in OUTSIDE:
-        for path in sorted((ROOT / folder).rglob("*.py")):
+    for outside in OUTSIDE:
+        for path in sorted((ROOT / outside).rglob("*.py")):
             yield None, path
 
 
@@ -90,7 +100,8 @@ def _owner(module: str) -> str | None:
     """The ringq package a dotted module belongs to (the longest match), if any."""
     best = None
     for package in PACKAGES:
-        if (module == package or module.startswith(package + ".")) and (best is None or len(package) > len(best)):
+        inside = module == package or module.startswith(package + ".")
+        if inside and (best is None or len(package) > len(best)):
             best = package
     return best
 
@@ -145,11 +156,18 @@ def test_every_package_is_mapped_and_has_a_public_face() -> None:
         init = folder / "__init__.py"
         assert init.is_file(), f"{package}: no {init}"
         tree = ast.parse(init.read_text(encoding="utf-8"))
-        names = [t.id for n in tree.body if isinstance(n, ast.Assign) for t in n.targets if isinstance(t, ast.Name)]
+        names = [
+            t.id
+            for n in tree.body
+            if isinstance(n, ast.Assign)
+            for t in n.targets
+            if isinstance(t, ast.Name)
+        ]
         assert "__all__" in names, f"{package}: __init__.py has no __all__"
 
 
-def test_no_module_imports_another_packages_private_modules_and_the_engine_imports_no_other() -> None:
+def test_no_module_imports_another_packages_private_modules_and_the_engine_imports_no_other(
+) -> None:
     found = violations()
     assert not found, "layout violations:\n" + "\n".join(found)
 
@@ -162,13 +180,18 @@ def test_every_white_box_exception_is_still_used() -> None:
 
 def test_the_check_sees_private_imports_and_an_engine_importing_another_package() -> None:
     monitor = ["ringq", "monitor"]
-    source = "from ringq.engine._session import Session\nfrom ..engine import _layout\nfrom . import _t4\n"
+    source = (
+        "from ringq.engine._session import Session\nfrom ..engine import _layout\n"
+        "from . import _t4\n"
+    )
     found = check("ringq.monitor", monitor, source, "probe.py")
     assert found == [
         "probe.py:1: imports ringq.engine._session, private to ringq.engine",
         "probe.py:2: imports ringq.engine._layout, private to ringq.engine",
     ], found
     engine = ["ringq", "engine"]
-    found = check(ENGINE, engine, "def f():\n    import ringq.monitor\nfrom ringq import __version__\n", "e.py")
+    source = "def f():\n    import ringq.monitor\nfrom ringq import __version__\n"
+    found = check(ENGINE, engine, source, "e.py")
     assert found == ["e.py:2: the engine imports ringq.monitor"], found
-    assert check(None, None, "from ringq.engine import Session, layout\nimport ringq.engine.recovery\n", "t.py") == []
+    source = "from ringq.engine import Session, layout\nimport ringq.engine.recovery\n"
+    assert check(None, None, source, "t.py") == []

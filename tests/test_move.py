@@ -11,17 +11,21 @@ import json
 import multiprocessing as mp
 import os
 import random
-import secrets
 import select
 import signal
+import subprocess
+import sys
 import threading
 import time
 import uuid
 from collections import defaultdict
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
+from multiprocessing.process import BaseProcess
+from typing import Any
 
 import psycopg
 import pytest
+from conftest import drain, present
 from psycopg import sql
 from ringq.engine import PayloadTooLarge, Section, connect
 from ringq.engine.recovery import reclaim_all, recover_dead_clients, repair_lock_holders
@@ -31,24 +35,9 @@ from ringq.scripting import QueueSpec, create_queue
 FORK = mp.get_context("fork")
 
 
-@pytest.fixture
-def dsn2(pg_cluster) -> Iterator[str]:
-    """A second database next to ``dsn`` (database 2 of the move)."""
-    name = f"t_{secrets.token_hex(6)}"
-    with psycopg.connect(pg_cluster.url("postgres"), autocommit=True) as conn:
-        conn.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(name)))
-    try:
-        yield pg_cluster.url(name)
-    finally:
-        with psycopg.connect(pg_cluster.url("postgres"), autocommit=True) as conn:
-            conn.execute(
-                sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(name))
-            )
-
-
 def _unlink_sections(dsn: str) -> None:
     with psycopg.connect(dsn, autocommit=True) as conn:
-        if not conn.execute("SELECT to_regclass('ringq.meta') IS NOT NULL").fetchone()[0]:
+        if not present(conn.execute("SELECT to_regclass('ringq.meta') IS NOT NULL").fetchone())[0]:
             return
         row = conn.execute("SELECT value FROM ringq.meta WHERE key = 'instance_id'").fetchone()
         qids = [r[0] for r in conn.execute("SELECT id FROM ringq.queues").fetchall()]
@@ -58,8 +47,8 @@ def _unlink_sections(dsn: str) -> None:
 
 
 @pytest.fixture
-def make_queue(dsn, dsn2):
-    def make(where: str, capacity: int = 256, max_payload: int = 1024, **kw) -> str:
+def make_queue(dsn: str, dsn2: str) -> Iterator[Callable[..., str]]:
+    def make(where: str, capacity: int = 256, max_payload: int = 1024, **kw: Any) -> str:
         name = "q_" + uuid.uuid4().hex[:10]
         with psycopg.connect(where) as conn:
             create_queue(conn, QueueSpec(name, capacity, max_payload, **kw))
@@ -78,17 +67,7 @@ def produce(dsn: str, queue: str, producer: str, n: int, per_tx: int = 1) -> Non
                 s.commit()
 
 
-def drain(dsn: str, queue: str) -> list:
-    out = []
-    with connect(dsn) as s:
-        while (batch := s.dequeue_many(queue, 100)):
-            out.extend(batch)
-            s.commit()
-        s.commit()
-    return out
-
-
-def check_arrivals(msgs: list, expected: dict[str, int]) -> None:
+def check_arrivals(msgs: list[Any], expected: dict[str, int]) -> None:
     """Every source entry exactly once, and per producer in order."""
     by_producer: dict[str, list[int]] = defaultdict(list)
     origins = set()
@@ -107,7 +86,7 @@ def check_arrivals(msgs: list, expected: dict[str, int]) -> None:
 # -- the envelope ---------------------------------------------------------------------------------
 
 
-def test_envelope_round_trip():
+def test_envelope_round_trip() -> None:
     from datetime import UTC, datetime
 
     from ringq.engine import Message
@@ -126,10 +105,12 @@ def test_envelope_round_trip():
         unwrap(b"plain")
 
 
-# -- moving -----------------------------------------------------------------------------------------
+# -- moving ----------------------------------------------------------------------------------------
 
 
-def test_moves_everything_once_in_order(dsn, dsn2, make_queue):
+def test_moves_everything_once_in_order(
+    dsn: str, dsn2: str, make_queue: Callable[..., str]
+) -> None:
     src, dst = make_queue(dsn), make_queue(dsn2)
     for p in ("a", "b", "c"):
         produce(dsn, src, p, 40, per_tx=7)
@@ -139,12 +120,14 @@ def test_moves_everything_once_in_order(dsn, dsn2, make_queue):
             total += n
         stats = mv.get_stats()
     assert total == 120 and stats["moved"] == 120 and stats["duplicates"] == 0
-    msgs = drain(dsn2, dst)
+    msgs = drain(dsn2, dst, batch=100)
     check_arrivals(msgs, {"a": 40, "b": 40, "c": 40})
-    assert drain(dsn, src) == []
+    assert drain(dsn, src, batch=100) == []
 
 
-def test_redelivered_after_destination_commit_is_skipped_by_key(dsn, dsn2, make_queue):
+def test_redelivered_after_destination_commit_is_skipped_by_key(
+    dsn: str, dsn2: str, make_queue: Callable[..., str]
+) -> None:
     src, dst = make_queue(dsn, max_deliveries=10), make_queue(dsn2)
     produce(dsn, src, "a", 10)
 
@@ -153,7 +136,7 @@ def test_redelivered_after_destination_commit_is_skipped_by_key(dsn, dsn2, make_
 
     fail = {"left": 1}
 
-    def between(msgs):
+    def between(msgs: Sequence[Any]) -> None:
         if fail["left"]:
             fail["left"] -= 1
             raise Crash  # database 2 committed, database 1 not: as if we died here
@@ -165,10 +148,10 @@ def test_redelivered_after_destination_commit_is_skipped_by_key(dsn, dsn2, make_
             pass
         stats = mv.get_stats()
     assert stats["redelivered"] == 4 and stats["duplicates"] == 4
-    check_arrivals(drain(dsn2, dst), {"a": 10})
+    check_arrivals(drain(dsn2, dst, batch=100), {"a": 10})
 
 
-def test_key_is_unique_across_wraps(dsn, dsn2, make_queue):
+def test_key_is_unique_across_wraps(dsn: str, dsn2: str, make_queue: Callable[..., str]) -> None:
     """Slots are reused every `capacity` entries; the sequence (and the key) is not."""
     src, dst = make_queue(dsn, capacity=4), make_queue(dsn2)
     with connect(dsn, producer="a") as prod:
@@ -184,10 +167,12 @@ def test_key_is_unique_across_wraps(dsn, dsn2, make_queue):
             stats = mv.get_stats()
     assert stats["moved"] == 30 and stats["duplicates"] == 0
     assert stats["pruned_keys"] > 0  # spent keys do not pile up in database 2
-    check_arrivals(drain(dsn2, dst), {"a": 30})
+    check_arrivals(drain(dsn2, dst, batch=100), {"a": 30})
 
 
-def test_too_large_for_destination_is_poison_not_a_stall(dsn, dsn2, make_queue):
+def test_too_large_for_destination_is_poison_not_a_stall(
+    dsn: str, dsn2: str, make_queue: Callable[..., str]
+) -> None:
     src = make_queue(dsn, max_payload=4096, max_deliveries=2)
     dst = make_queue(dsn2, max_payload=1024)
     with connect(dsn, producer="a") as s:
@@ -206,21 +191,23 @@ def test_too_large_for_destination_is_poison_not_a_stall(dsn, dsn2, make_queue):
     # The big one failed its deliveries and went to the exception table; the
     # others moved (after the failed batch, one at a time).
     assert failures == 2  # the batch of 3, then the big one alone (its 2nd delivery)
-    got = [unwrap(m) for m in drain(dsn2, dst)]
+    got = [unwrap(m) for m in drain(dsn2, dst, batch=100)]
     assert [m.producer_seq for m in got] == [1, 3]
     with psycopg.connect(dsn) as conn:
-        (n,) = conn.execute("SELECT count(*) FROM ringq.exceptions").fetchone()
+        (n,) = present(conn.execute("SELECT count(*) FROM ringq.exceptions").fetchone())
     assert n == 1
 
 
-def test_destination_full_waits_instead_of_rolling_back(dsn, dsn2, make_queue):
+def test_destination_full_waits_instead_of_rolling_back(
+    dsn: str, dsn2: str, make_queue: Callable[..., str]
+) -> None:
     src, dst = make_queue(dsn), make_queue(dsn2, capacity=8)
     produce(dsn, src, "a", 20, per_tx=20)
     with connect(dsn2) as consumer:
         sec2 = consumer.section
-        got: list = []
+        got: list[Any] = []
 
-        def consume():
+        def consume() -> None:
             deadline = time.monotonic() + 30
             with connect(dsn2) as c:
                 while len(got) < 20 and time.monotonic() < deadline:
@@ -237,23 +224,25 @@ def test_destination_full_waits_instead_of_rolling_back(dsn, dsn2, make_queue):
     assert stats["dst_full_waits"] > 0 and stats["failures"] == 0
     check_arrivals(got, {"a": 20})
     with psycopg.connect(dsn) as conn:
-        row = conn.execute(
+        row = present(conn.execute(
             sql.SQL("SELECT max(deliveries) FROM {}").format(sql.Identifier("ringq", "q_" + src))
-        ).fetchone()
+        ).fetchone())
     assert row[0] == 0  # no strike: a full destination is not a failed delivery
 
 
-# -- one active mover ---------------------------------------------------------------------------------
+# -- one active mover ------------------------------------------------------------------------------
 
 
-def _hold_lock(src, sq, dst, dq, ready) -> None:
+def _hold_lock(src: str, sq: str, dst: str, dq: str, ready: Any) -> None:
     mv = Mover(src, sq, dst, dq).open()
     assert mv.try_acquire()
     ready.set()
     threading.Event().wait(120)
 
 
-def test_one_active_mover_and_standby_takes_over(dsn, dsn2, make_queue):
+def test_one_active_mover_and_standby_takes_over(
+    dsn: str, dsn2: str, make_queue: Callable[..., str]
+) -> None:
     src, dst = make_queue(dsn), make_queue(dsn2)
     ready = FORK.Event()
     p = FORK.Process(target=_hold_lock, args=(dsn, src, dsn2, dst, ready))
@@ -264,7 +253,7 @@ def test_one_active_mover_and_standby_takes_over(dsn, dsn2, make_queue):
             assert not standby.try_acquire()
             with pytest.raises(MoveLockHeld):
                 standby.move_batch()
-            os.kill(p.pid, signal.SIGKILL)
+            os.kill(present(p.pid), signal.SIGKILL)
             p.join(10)
             deadline = time.monotonic() + 10
             while not standby.try_acquire():
@@ -277,7 +266,9 @@ def test_one_active_mover_and_standby_takes_over(dsn, dsn2, make_queue):
         p.join()
 
 
-def test_lost_lock_connection_is_noticed_and_the_lock_taken_again(dsn, dsn2, make_queue):
+def test_lost_lock_connection_is_noticed_and_the_lock_taken_again(
+    dsn: str, dsn2: str, make_queue: Callable[..., str]
+) -> None:
     src, dst = make_queue(dsn), make_queue(dsn2)
     produce(dsn, src, "a", 6)
     cfg = MoveConfig(batch=2, lock_check=0, prune_every=1)
@@ -292,17 +283,17 @@ def test_lost_lock_connection_is_noticed_and_the_lock_taken_again(dsn, dsn2, mak
             pass
         stats = mv.get_stats()
     assert stats["takeovers"] == 2 and stats["moved"] == 6
-    check_arrivals(drain(dsn2, dst), {"a": 6})
+    check_arrivals(drain(dsn2, dst, batch=100), {"a": 6})
 
 
-def test_run_stops_on_event(dsn, dsn2, make_queue):
+def test_run_stops_on_event(dsn: str, dsn2: str, make_queue: Callable[..., str]) -> None:
     src, dst = make_queue(dsn), make_queue(dsn2)
     produce(dsn, src, "a", 25)
     stop = threading.Event()
     mv = Mover(dsn, src, dsn2, dst, config=MoveConfig(batch=10, wait=0.05))
     t = threading.Thread(target=mv.run, args=(stop,))
     t.start()
-    got: list = []
+    got: list[Any] = []
     with connect(dsn2) as c:
         while len(got) < 25:
             got.extend(c.dequeue_many(dst, 25, wait=5))
@@ -313,10 +304,10 @@ def test_run_stops_on_event(dsn, dsn2, make_queue):
     check_arrivals(got, {"a": 25})
 
 
-# -- kill -9 between the two commits, many times --------------------------------------------------------
+# -- kill -9 between the two commits, many times ---------------------------------------------------
 
 
-def _mover_proc(src, sq, dst, dq, pause_at: int, paused_fd: int) -> None:
+def _mover_proc(src: str, sq: str, dst: str, dq: str, pause_at: int, paused_fd: int) -> None:
     """A mover that (if pause_at) stops for good between the commits of its
     pause_at-th batch and writes its pid to the pipe, waiting to be killed.
 
@@ -328,7 +319,7 @@ def _mover_proc(src, sq, dst, dq, pause_at: int, paused_fd: int) -> None:
     rnd = random.Random(os.getpid())
     count = 0
 
-    def between(msgs):
+    def between(msgs: Sequence[Any]) -> None:
         nonlocal count
         count += 1
         if pause_at and count == pause_at:
@@ -339,7 +330,7 @@ def _mover_proc(src, sq, dst, dq, pause_at: int, paused_fd: int) -> None:
     Mover(src, sq, dst, dq, config=cfg, between_commits=between).run(stop)
 
 
-def _producer_proc(dsn, queue, producer, n) -> None:
+def _producer_proc(dsn: str, queue: str, producer: str, n: int) -> None:
     rnd = random.Random(producer)
     with connect(dsn, producer=producer) as s:
         i = 0
@@ -352,7 +343,9 @@ def _producer_proc(dsn, queue, producer, n) -> None:
 
 
 @pytest.mark.slow
-def test_mover_killed_between_commits_many_times(dsn, dsn2, make_queue):
+def test_mover_killed_between_commits_many_times(
+    dsn: str, dsn2: str, make_queue: Callable[..., str]
+) -> None:
     seed = random.randrange(1 << 30)
     print(f"seed {seed}")
     rnd = random.Random(seed)
@@ -367,8 +360,8 @@ def test_mover_killed_between_commits_many_times(dsn, dsn2, make_queue):
     for p in producers:
         p.start()
     paused_r, paused_w = os.pipe()
-    movers: dict[int, mp.Process] = {}
-    consumed: list = []
+    movers: dict[int, BaseProcess] = {}
+    consumed: list[Any] = []
 
     def monitor() -> None:
         """What the monitor does for both databases; plus a consumer of the inbox."""
@@ -385,7 +378,7 @@ def test_mover_killed_between_commits_many_times(dsn, dsn2, make_queue):
     def start_mover(pause_at: int) -> None:
         p = FORK.Process(target=_mover_proc, args=(dsn, src, dsn2, dst, pause_at, paused_w))
         p.start()
-        movers[p.pid] = p
+        movers[present(p.pid)] = p
 
     def kill(pid: int) -> None:
         os.kill(pid, signal.SIGKILL)
@@ -428,15 +421,15 @@ def test_mover_killed_between_commits_many_times(dsn, dsn2, make_queue):
         for p in producers:
             p.join(30)
             assert p.exitcode == 0
-        for pid, p in list(movers.items()):
+        for pid, mover in list(movers.items()):
             os.kill(pid, signal.SIGTERM)  # graceful: the batch in hand is finished
-            p.join(10)
-            assert p.exitcode == 0
+            mover.join(10)
+            assert mover.exitcode == 0
     finally:
-        for pid, p in list(movers.items()):
-            if p.is_alive():
+        for pid, mover in list(movers.items()):
+            if mover.is_alive():
                 os.kill(pid, signal.SIGKILL)
-                p.join()
+                mover.join()
         for p in producers:
             if p.is_alive():
                 p.kill()
@@ -448,25 +441,20 @@ def test_mover_killed_between_commits_many_times(dsn, dsn2, make_queue):
     print(f"kills: {deterministic} between commits, {random_kills} at random points")
     check_arrivals(consumed, {p: PER for p in PRODUCERS})
     with psycopg.connect(dsn) as conn:
-        assert conn.execute("SELECT count(*) FROM ringq.exceptions").fetchone()[0] == 0
+        assert present(conn.execute("SELECT count(*) FROM ringq.exceptions").fetchone())[0] == 0
     with psycopg.connect(dsn2) as conn:
-        left = conn.execute("SELECT count(*) FROM ringq.keys").fetchone()[0]
+        left = present(conn.execute("SELECT count(*) FROM ringq.keys").fetchone())[0]
     assert left < total  # spent keys are pruned as the movers go
 
 
-# -- the command ----------------------------------------------------------------------------------------
+# -- the command -----------------------------------------------------------------------------------
 
 
-def _ringq(*args: str, **kw):
-    import subprocess
-    import sys
-
+def _ringq(*args: str, **kw: Any) -> subprocess.Popen[Any]:
     return subprocess.Popen([sys.executable, "-m", "ringq.cli", *args], **kw)
 
 
-def test_cli_move_once(dsn, dsn2, make_queue):
-    import subprocess
-
+def test_cli_move_once(dsn: str, dsn2: str, make_queue: Callable[..., str]) -> None:
     src, dst = make_queue(dsn), make_queue(dsn2)
     produce(dsn, src, "a", 30, per_tx=5)
     p = _ringq("move", "--from", f"{dsn}:{src}", "--to", f"{dsn2}:{dst}", "--batch", "7", "--once",
@@ -474,27 +462,23 @@ def test_cli_move_once(dsn, dsn2, make_queue):
     out, err = p.communicate(timeout=60)
     assert p.returncode == 0, err
     assert "moved 30" in out
-    check_arrivals(drain(dsn2, dst), {"a": 30})
+    check_arrivals(drain(dsn2, dst, batch=100), {"a": 30})
 
 
-def test_cli_rejects_a_dsn_without_queue(dsn):
-    import subprocess
-
+def test_cli_rejects_a_dsn_without_queue(dsn: str) -> None:
     p = _ringq("move", "--from", "postgresql://h:5432/db", "--to", "inbox", "--once",
                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     _out, err = p.communicate(timeout=60)
     assert p.returncode == 2 and "DSN:queue" in err
 
 
-def test_cli_sigterm_drains(dsn, dsn2, make_queue):
-    import subprocess
-
+def test_cli_sigterm_drains(dsn: str, dsn2: str, make_queue: Callable[..., str]) -> None:
     src, dst = make_queue(dsn, capacity=2048), make_queue(dsn2, capacity=2048)
     produce(dsn, src, "a", 1000, per_tx=50)
     p = _ringq("move", "--from", f"{dsn}:{src}", "--to", f"{dsn2}:{dst}", "--batch", "5",
                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        got: list = []
+        got: list[Any] = []
         with connect(dsn2) as c:
             while len(got) < 20:  # it is moving
                 got.extend(c.dequeue_many(dst, 100, wait=10))
@@ -508,16 +492,14 @@ def test_cli_sigterm_drains(dsn, dsn2, make_queue):
     assert p.returncode == 0, err
     assert "ringq move: batches" in out
     # Graceful: whatever left database 1 is in database 2, once; the rest is still there.
-    got.extend(drain(dsn2, dst))
-    rest = drain(dsn, src)
+    got.extend(drain(dsn2, dst, batch=100))
+    rest = drain(dsn, src, batch=100)
     assert 20 <= len(got) < 1000 and len(got) + len(rest) == 1000
     seqs = [unwrap(m).producer_seq for m in got] + [json.loads(m.payload)["i"] for m in rest]
     assert seqs == list(range(1, 1001))
 
 
-def test_outbox_example_runs(dsn, dsn2, make_queue):
-    import subprocess
-    import sys
+def test_outbox_example_runs(dsn: str, dsn2: str, make_queue: Callable[..., str]) -> None:
     from pathlib import Path
 
     example = Path(__file__).resolve().parent.parent / "examples" / "outbox.py"
@@ -530,11 +512,11 @@ def test_outbox_example_runs(dsn, dsn2, make_queue):
         assert "arrived once, in order: True" in p.stdout
 
 
-def test_a_shared_mode_source_is_refused(dsn, dsn2, make_queue):
+def test_a_shared_mode_source_is_refused(
+    dsn: str, dsn2: str, make_queue: Callable[..., str]
+) -> None:
     """A mover needs one dequeuer at a time: with a shared source, a standby taking
     over would read past a dead mover's entries and could prune their keys."""
-    import subprocess
-
     from ringq.engine import ConfigError
     from ringq.move import MoveSourceShared
 
@@ -553,6 +535,8 @@ def test_a_shared_mode_source_is_refused(dsn, dsn2, make_queue):
                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     _out, err = p.communicate(timeout=60)
     assert p.returncode == 5, err
-    assert "'shared' dequeue mode" in err and "--dequeue-mode single" in err and "Traceback" not in err
+    assert (
+        "'shared' dequeue mode" in err and "--dequeue-mode single" in err and "Traceback" not in err
+    )
     # Nothing was taken: the entries are all still in the source.
-    assert len(drain(dsn, src)) == 3 and drain(dsn2, dst) == []
+    assert len(drain(dsn, src, batch=100)) == 3 and drain(dsn2, dst, batch=100) == []

@@ -14,7 +14,6 @@ import json
 import os
 import re
 import shutil
-import socket
 import subprocess
 import sys
 import threading
@@ -24,8 +23,8 @@ from typing import Any
 
 import psycopg
 import pytest
+from conftest import cli, closed_port
 from psycopg import sql
-from ringq.cli import main
 from ringq.engine import MAX_CAPACITY, ConfigError, InvalidQueueName, QueueExists, QueueNotFound
 from ringq.engine.layout import MAX_QUEUES, SLOT_POOL
 from ringq.scripting import (
@@ -55,17 +54,6 @@ BAD_NUMBERS = [
 @pytest.fixture(scope="module")
 def psql(pg_cluster: Cluster) -> str:
     return shutil.which("psql") or str(pg_cluster.bindir / "psql")
-
-
-def cli(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
-    """Run ``ringq ARGV`` in-process: (exit code, stdout, stderr)."""
-    capsys.readouterr()
-    try:
-        code = main(list(argv))
-    except SystemExit as exc:  # argparse's own usage errors
-        code = int(exc.code or 0)
-    out, err = capsys.readouterr()
-    return code, out, err
 
 
 def run(argv: list[str], **kw: Any) -> subprocess.CompletedProcess[str]:
@@ -113,7 +101,8 @@ def fingerprint(dsn: str) -> dict[str, Any]:
             if kind == "r":
                 fp[name] = conn.execute(
                     sql.SQL(
-                        "SELECT count(*), md5(coalesce(string_agg(t::text, '|' ORDER BY t::text), ''))"
+                        "SELECT count(*), "
+                        "md5(coalesce(string_agg(t::text, '|' ORDER BY t::text), ''))"
                         " FROM {} AS t"
                     ).format(ident)
                 ).fetchone()
@@ -132,14 +121,6 @@ def ring_slots(dsn: str, name: str) -> list[tuple[int, int]]:
             )
         ).fetchall()
     return [(slot, state) for slot, state in rows]
-
-
-def closed_port() -> int:
-    """A local port that nothing listens on (bound, then closed)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-    return port
 
 
 # The psql script -------------------------------------------------------------

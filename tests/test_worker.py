@@ -25,12 +25,11 @@ from typing import Any
 
 import psycopg
 import pytest
+from conftest import drain, wait_for
 from ringq.engine import ConfigError, Message, Session, connect
 from ringq.worker import Actions, ActionTimeout, Decline, Worker, WorkerExit
 
 # -- fixtures and helpers -------------------------------------------------------------------
-
-
 
 
 @pytest.fixture
@@ -46,16 +45,6 @@ def enqueue(dsn: str, queue: str, *payloads: bytes) -> list[int]:
         seqs = [s.enqueue(queue, p) for p in payloads]
         s.commit()
     return seqs
-
-
-def drain(dsn: str, queue: str) -> list[Message]:
-    out = []
-    with connect(dsn) as s:
-        while (m := s.dequeue(queue)) is not None:
-            out.append(m)
-            s.commit()
-        s.commit()
-    return out
 
 
 def rows(dsn: str, query: str, *params: Any) -> list[tuple[Any, ...]]:
@@ -75,21 +64,12 @@ def exceptions_of(dsn: str, queue: str) -> list[tuple[int, int, str]]:
     ]
 
 
-def wait_until(predicate: Callable[[], Any], timeout: float = 30.0, what: str = "condition") -> Any:
-    deadline = time.monotonic() + timeout
-    while True:
-        got = predicate()
-        if got:
-            return got
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout:g}s waiting for {what}")
-        time.sleep(0.01)  # polling a condition with a deadline, not synchronizing by sleep
-
-
 # -- in-process: outcomes of one message ----------------------------------------------------
 
 
-def test_action_commits_its_writes_and_chained_messages_together(dsn, make_queue, effects):
+def test_action_commits_its_writes_and_chained_messages_together(
+    dsn: str, make_queue: Callable[..., str], effects: str
+) -> None:
     a, b = make_queue(), make_queue()
     app = Actions()
 
@@ -111,7 +91,9 @@ def test_action_commits_its_writes_and_chained_messages_together(dsn, make_queue
     assert drain(dsn, a) == []
 
 
-def test_chaining_across_two_queues_is_atomic_when_the_action_fails(dsn, make_queue, effects):
+def test_chaining_across_two_queues_is_atomic_when_the_action_fails(
+    dsn: str, make_queue: Callable[..., str], effects: str
+) -> None:
     a, b = make_queue(), make_queue()
     app = Actions()
     fail = {"yes": True}
@@ -143,8 +125,8 @@ def test_chaining_across_two_queues_is_atomic_when_the_action_fails(dsn, make_qu
 
 
 def test_always_raising_action_ends_in_the_exception_queue_after_max_deliveries(
-    dsn, make_queue, effects, caplog
-):
+    dsn: str, make_queue: Callable[..., str], effects: str, caplog: pytest.LogCaptureFixture
+) -> None:
     q = make_queue(max_deliveries=3)
     app = Actions()
     seen: list[int] = []
@@ -168,7 +150,9 @@ def test_always_raising_action_ends_in_the_exception_queue_after_max_deliveries(
     assert st["failed"] == 3 and st["poisoned"] == 1 and st["handled"] == 0
     # Each failure is logged with its queue, seq and delivery count.
     failures = [r.getMessage() for r in caplog.records if "ValueError: always" in r.getMessage()]
-    assert [f"queue {q} seq {seq} delivery {n}/3" in m for n, m in zip((1, 2, 3), failures, strict=True)] == [True] * 3
+    assert [
+        f"queue {q} seq {seq} delivery {n}/3" in m for n, m in zip((1, 2, 3), failures, strict=True)
+    ] == [True] * 3
     assert failures[-1].endswith("moved to ringq.exceptions")
     assert failures[0].endswith("it will be delivered again")
     assert exceptions_of(dsn, q) == [(seq, 3, "max deliveries reached")]
@@ -176,7 +160,9 @@ def test_always_raising_action_ends_in_the_exception_queue_after_max_deliveries(
     assert drain(dsn, q) == []
 
 
-def test_a_decline_commits_and_enqueues_its_reply(dsn, make_queue, effects):
+def test_a_decline_commits_and_enqueues_its_reply(
+    dsn: str, make_queue: Callable[..., str], effects: str
+) -> None:
     q, replies = make_queue(), make_queue()
     app = Actions()
 
@@ -200,12 +186,12 @@ def test_a_decline_commits_and_enqueues_its_reply(dsn, make_queue, effects):
     assert exceptions_of(dsn, q) == []
 
 
-def test_decline_needs_a_queue_for_its_reply():
+def test_decline_needs_a_queue_for_its_reply() -> None:
     with pytest.raises(ConfigError):
         Decline("no", reply=b"x")
 
 
-def test_registry_rejects_a_second_action_for_a_queue_and_bad_timeouts():
+def test_registry_rejects_a_second_action_for_a_queue_and_bad_timeouts() -> None:
     app = Actions()
     app.add("orders", lambda m, s: None)
     with pytest.raises(ConfigError):
@@ -234,7 +220,9 @@ def _timed_app(q: str, body: Callable[[Message, Session], None], timeout: float)
     return app
 
 
-def test_time_limit_aborts_a_python_loop_and_rolls_back(dsn, make_queue, effects):
+def test_time_limit_aborts_a_python_loop_and_rolls_back(
+    dsn: str, make_queue: Callable[..., str], effects: str
+) -> None:
     q = make_queue()
 
     def spin(msg: Message, session: Session) -> None:
@@ -257,7 +245,9 @@ def test_time_limit_aborts_a_python_loop_and_rolls_back(dsn, make_queue, effects
     assert rows(dsn, "SELECT seq, deliveries FROM effects") == [(seq, 2)]
 
 
-def test_time_limit_cancels_sql_in_progress_and_the_session_goes_on(dsn, make_queue, effects):
+def test_time_limit_cancels_sql_in_progress_and_the_session_goes_on(
+    dsn: str, make_queue: Callable[..., str], effects: str
+) -> None:
     q = make_queue()
 
     def sleep_in_sql(msg: Message, session: Session) -> None:
@@ -280,8 +270,8 @@ def test_time_limit_cancels_sql_in_progress_and_the_session_goes_on(dsn, make_qu
 
 
 def test_time_limit_does_not_leak_slots_when_it_strikes_inside_engine_calls(
-    dsn, make_queue, effects
-):
+    dsn: str, make_queue: Callable[..., str], effects: str
+) -> None:
     q, big = make_queue(), make_queue(capacity=100_000, dequeue_mode="shared")
 
     def flood(msg: Message, session: Session) -> None:
@@ -305,7 +295,7 @@ def test_time_limit_does_not_leak_slots_when_it_strikes_inside_engine_calls(
     assert drain(dsn, big) == []
 
 
-def test_action_timeout_is_not_an_exception():
+def test_action_timeout_is_not_an_exception() -> None:
     assert not issubclass(ActionTimeout, Exception)
 
 
@@ -350,16 +340,8 @@ class WorkerProcess:
         env.pop("RINGQ_DSN", None)
         self.proc = subprocess.Popen(
             [
-                sys.executable,
-                "-m",
-                "ringq.cli",
-                "worker",
-                f"{mod}:app",
-                "--dsn",
-                dsn,
-                "--log-level",
-                "INFO",
-                *extra,
+                sys.executable, "-m", "ringq.cli", "worker", f"{mod}:app", "--dsn", dsn,
+                "--log-level", "INFO", *extra,
             ],
             cwd=tmp,
             env=env,
@@ -378,15 +360,16 @@ class WorkerProcess:
 
     def wait_line(self, pattern: str, timeout: float = 30.0) -> str:
         rx = re.compile(pattern)
-        return wait_until(
+        line: str = wait_for(
             lambda: next((ln for ln in self.lines if rx.search(ln)), None),
             timeout,
             f"log line /{pattern}/",
         )
+        return line
 
     def ready_pid(self, seq: int, timeout: float = 30.0) -> int:
         f = self.tmp / f"ready-{seq}"
-        wait_until(lambda: f.exists() and f.read_text(), timeout, f"message {seq} in its action")
+        wait_for(lambda: f.exists() and f.read_text(), timeout, f"message {seq} in its action")
         return int(f.read_text())
 
     def release(self, seq: int) -> None:
@@ -428,8 +411,11 @@ def worker_process(tmp_path: Path, dsn: str) -> Iterator[Callable[..., WorkerPro
 
 
 def test_kill9_mid_action_rolls_its_writes_back_and_the_message_is_handled_again(
-    dsn, make_queue, effects, worker_process
-):
+    dsn: str,
+    make_queue: Callable[..., str],
+    effects: str,
+    worker_process: Callable[..., WorkerProcess],
+) -> None:
     q = make_queue()
     seqs = enqueue(dsn, q, b"first", b"block", b"third", b"fourth")
     blocked = seqs[1]
@@ -440,7 +426,7 @@ def test_kill9_mid_action_rolls_its_writes_back_and_the_message_is_handled_again
     os.kill(victim, signal.SIGKILL)
     # The pool gives the slot back at once and restarts the worker, which
     # handles the message again (deliveries 2) and the rest after it.
-    wait_until(
+    wait_for(
         lambda: rows(dsn, "SELECT count(DISTINCT seq) FROM effects")[0][0] == 4,
         60,
         "all four handled",
@@ -458,12 +444,15 @@ def test_kill9_mid_action_rolls_its_writes_back_and_the_message_is_handled_again
 
 
 def test_two_processes_on_a_shared_queue_handle_each_message_once(
-    dsn, make_queue, effects, worker_process
-):
+    dsn: str,
+    make_queue: Callable[..., str],
+    effects: str,
+    worker_process: Callable[..., WorkerProcess],
+) -> None:
     q = make_queue(capacity=512, dequeue_mode="shared")
     seqs = enqueue(dsn, q, *[f"m{i}".encode() for i in range(300)])
     wp = worker_process(q, "--processes", "2")
-    wait_until(lambda: rows(dsn, "SELECT count(*) FROM effects")[0][0] >= 300, 60, "300 effects")
+    wait_for(lambda: rows(dsn, "SELECT count(*) FROM effects")[0][0] >= 300, 60, "300 effects")
     wp.signal(signal.SIGTERM)
     assert wp.wait() == WorkerExit.OK
     got = rows(dsn, "SELECT seq, count(*) FROM effects GROUP BY seq ORDER BY seq")
@@ -475,8 +464,12 @@ def test_two_processes_on_a_shared_queue_handle_each_message_once(
 
 @pytest.mark.parametrize("start_method", ["fork", "spawn"])
 def test_sigterm_drains_the_message_in_flight_and_exits_0(
-    dsn, make_queue, effects, worker_process, start_method
-):
+    dsn: str,
+    make_queue: Callable[..., str],
+    effects: str,
+    worker_process: Callable[..., WorkerProcess],
+    start_method: str,
+) -> None:
     q = make_queue()
     blocked, later = enqueue(dsn, q, b"block", b"later")
     wp = worker_process(q, "--start-method", start_method)
@@ -493,7 +486,12 @@ def test_sigterm_drains_the_message_in_flight_and_exits_0(
     assert [(m.seq, m.deliveries) for m in left] == [(later, 1)]
 
 
-def test_second_sigterm_aborts_the_message_in_flight(dsn, make_queue, effects, worker_process):
+def test_second_sigterm_aborts_the_message_in_flight(
+    dsn: str,
+    make_queue: Callable[..., str],
+    effects: str,
+    worker_process: Callable[..., WorkerProcess],
+) -> None:
     q = make_queue()
     (blocked,) = enqueue(dsn, q, b"block")
     wp = worker_process(q)
@@ -509,8 +507,11 @@ def test_second_sigterm_aborts_the_message_in_flight(dsn, make_queue, effects, w
 
 
 def test_third_sigterm_kills_an_action_that_cannot_be_interrupted(
-    dsn, make_queue, effects, worker_process
-):
+    dsn: str,
+    make_queue: Callable[..., str],
+    effects: str,
+    worker_process: Callable[..., WorkerProcess],
+) -> None:
     q = make_queue()
     (blocked,) = enqueue(dsn, q, b"block-noalarm")
     wp = worker_process(q)
@@ -527,7 +528,9 @@ def test_third_sigterm_kills_an_action_that_cannot_be_interrupted(
     assert [m.seq for m in back] == [blocked] and back[0].deliveries == 2
 
 
-def test_bad_target_and_missing_queue_exit_with_named_codes(dsn, make_queue, tmp_path):
+def test_bad_target_and_missing_queue_exit_with_named_codes(
+    dsn: str, make_queue: Callable[..., str], tmp_path: Path
+) -> None:
     env = dict(os.environ, PYTHONPATH=str(tmp_path))
     r = subprocess.run(
         [sys.executable, "-m", "ringq.cli", "worker", "no_such_module_here", "--dsn", dsn],
@@ -542,7 +545,8 @@ def test_bad_target_and_missing_queue_exit_with_named_codes(dsn, make_queue, tmp
     assert "cannot import" in r.stderr
     make_queue()  # the schema exists, the queue below does not
     (tmp_path / "wact_missing.py").write_text(
-        "from ringq.worker import Actions\napp = Actions()\napp.add('q_not_there', lambda m, s: None)\n"
+        "from ringq.worker import Actions\napp = Actions()\n"
+        "app.add('q_not_there', lambda m, s: None)\n"
     )
     r = subprocess.run(
         [sys.executable, "-m", "ringq.cli", "worker", "wact_missing", "--dsn", dsn],

@@ -287,16 +287,17 @@ class WorkerPool:
         unknown = [q for q in served.queues if q not in actions]
         if unknown:
             raise ConfigError(
-                f"no action for queue(s) {', '.join(unknown)} (actions: {', '.join(actions.queues)})"
+                f"no action for queue(s) {', '.join(unknown)} "
+                f"(actions: {', '.join(actions.queues)})"
             )
         with connect(self.dsn, application_name="ringq worker pool") as s:
             for q in served.queues or tuple(actions.queues):
                 info = s.queue_info(q)
                 if info.dequeue_mode == "single" and self.config.processes > 1:
                     logger.warning(
-                        "ringq worker: queue %s is in single-dequeuer mode: its messages are handled one "
-                        "at a time, in order, whatever the number of processes (create it with "
-                        "dequeue_mode=shared for parallel handling)",
+                        "ringq worker: queue %s is in single-dequeuer mode: its messages are "
+                        "handled one at a time, in order, whatever the number of processes "
+                        "(create it with dequeue_mode=shared for parallel handling)",
                         q,
                     )
             instance = s.instance
@@ -554,7 +555,8 @@ class WorkerPool:
         ch.restart_at = time.monotonic() + delay
         self._restarts += 1
         logger.warning(
-            "ringq worker pool: worker %d (pid %d) %s after %.1fs; its entries are given back; restarting in %.2gs",
+            "ringq worker pool: worker %d (pid %d) %s after %.1fs; its entries are given back; "
+            "restarting in %.2gs",
             ch.index,
             proc.pid,
             _how(code),

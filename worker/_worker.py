@@ -153,7 +153,8 @@ class Worker:
         unknown = [q for q in self.config.queues if q not in actions]
         if unknown:
             raise ConfigError(
-                f"no action for queue(s) {', '.join(unknown)} (actions: {', '.join(actions.queues)})"
+                f"no action for queue(s) {', '.join(unknown)} "
+                f"(actions: {', '.join(actions.queues)})"
             )
         self.queues: list[str] = list(self.config.queues or actions.queues)
         self._session: Session | None = None
@@ -359,7 +360,8 @@ class Worker:
                 self._reopen_if_closed()
                 return
             except RingqError as exc:
-                # Refused at commit (deferred constraint, serialization): rolled back by the session.
+                # Refused at commit (deferred constraint, serialization): rolled back by the
+                # session.
                 self._pending_timeout = None
                 self._count_failure(msg, FAILED, exc, "commit failed")
                 self._reopen_if_closed()
@@ -388,7 +390,8 @@ class Worker:
         st = self._stats
         try:
             s._set_client_words((word, st[key]) for key, word in _SECTION_WORDS)
-        except (ValueError, IndexError):  # the section was released under us: the next open re-publishes
+        except (ValueError, IndexError):
+            # the section was released under us: the next open re-publishes
             pass
 
     def _call(self, act: Action, msg: Message) -> object:
@@ -479,7 +482,8 @@ class Worker:
             )
 
     def _reopen_if_closed(self) -> None:
-        """The session was lost (database gone): reconnect, or let DatabaseUnavailable end the run."""
+        """The session was lost (database gone): reconnect, or let DatabaseUnavailable end
+        the run."""
         s = self._session
         if s is not None and s.closed and not self._closed:
             self._session = None
