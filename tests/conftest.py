@@ -12,9 +12,9 @@
   section and semaphores of that database are removed.
 
 And the helpers that several test modules share (``from conftest import ...``):
-:func:`present`, :func:`wait_for`, :func:`drain`, :func:`remove_section`,
-:func:`cli`, :func:`closed_port`, :func:`prepared_gids`, :func:`decided_gids`
-and :class:`MonitorProcess`.
+:func:`present`, :func:`wait_for`, :func:`drain`, :func:`queue_in`,
+:func:`remove_section`, :func:`cli`, :func:`closed_port`, :func:`prepared_gids`,
+:func:`decided_gids` and :class:`MonitorProcess`.
 """
 
 from __future__ import annotations
@@ -139,16 +139,22 @@ def ringq_env(
 @pytest.fixture
 def make_queue(dsn: str) -> Iterator[Callable[..., str]]:
     def make(capacity: int = 64, max_payload: int = 1024, **settings: Any) -> str:
-        name = "q_" + uuid.uuid4().hex[:10]
-        with psycopg.connect(dsn) as conn:
-            create_queue(conn, QueueSpec(name, capacity, max_payload, **settings))
-        return name
+        return queue_in(dsn, capacity, max_payload, **settings)
 
     yield make
     remove_section(dsn)
 
 
 # -- helpers shared by the test modules ----------------------------------------------------
+
+
+def queue_in(dsn: str, capacity: int = 64, max_payload: int = 1024, **settings: Any) -> str:
+    """Create a queue with a fresh name in the database at ``dsn`` (``dsn`` or
+    ``dsn2``, whose teardown removes its section) and return the name."""
+    name = "q_" + uuid.uuid4().hex[:10]
+    with psycopg.connect(dsn) as conn:
+        create_queue(conn, QueueSpec(name, capacity, max_payload, **settings))
+    return name
 
 
 def remove_section(dsn: str) -> None:

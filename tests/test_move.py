@@ -7,6 +7,7 @@ points; the test loop plays the monitor (recover_dead_clients, reclaim_all).
 
 from __future__ import annotations
 
+import functools
 import json
 import multiprocessing as mp
 import os
@@ -17,46 +18,25 @@ import subprocess
 import sys
 import threading
 import time
-import uuid
 from collections import defaultdict
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Sequence
 from multiprocessing.process import BaseProcess
 from typing import Any
 
 import psycopg
 import pytest
-from conftest import drain, present
+from conftest import drain, present, queue_in
 from psycopg import sql
-from ringq.engine import PayloadTooLarge, Section, connect
+from ringq.engine import PayloadTooLarge, connect
 from ringq.engine.recovery import reclaim_all, recover_dead_clients, repair_lock_holders
 from ringq.move import MoveConfig, MoveLockHeld, Mover, is_moved, move_key, unwrap, wrap
-from ringq.scripting import QueueSpec, create_queue
 
 FORK = mp.get_context("fork")
 
 
-def _unlink_sections(dsn: str) -> None:
-    with psycopg.connect(dsn, autocommit=True) as conn:
-        if not present(conn.execute("SELECT to_regclass('ringq.meta') IS NOT NULL").fetchone())[0]:
-            return
-        row = conn.execute("SELECT value FROM ringq.meta WHERE key = 'instance_id'").fetchone()
-        qids = [r[0] for r in conn.execute("SELECT id FROM ringq.queues").fetchall()]
-    if row:
-        Section.unlink(row[0])
-        Section.unlink_semaphores(row[0], qids)
-
-
-@pytest.fixture
-def make_queue(dsn: str, dsn2: str) -> Iterator[Callable[..., str]]:
-    def make(where: str, capacity: int = 256, max_payload: int = 1024, **kw: Any) -> str:
-        name = "q_" + uuid.uuid4().hex[:10]
-        with psycopg.connect(where) as conn:
-            create_queue(conn, QueueSpec(name, capacity, max_payload, **kw))
-        return name
-
-    yield make
-    _unlink_sections(dsn)
-    _unlink_sections(dsn2)
+# The mover's queues: 256 slots unless told (either database; both sections go
+# with the databases).
+_queue = functools.partial(queue_in, capacity=256)
 
 
 def produce(dsn: str, queue: str, producer: str, n: int, per_tx: int = 1) -> None:
@@ -108,10 +88,8 @@ def test_envelope_round_trip() -> None:
 # -- moving ----------------------------------------------------------------------------------------
 
 
-def test_moves_everything_once_in_order(
-    dsn: str, dsn2: str, make_queue: Callable[..., str]
-) -> None:
-    src, dst = make_queue(dsn), make_queue(dsn2)
+def test_moves_everything_once_in_order(dsn: str, dsn2: str) -> None:
+    src, dst = _queue(dsn), _queue(dsn2)
     for p in ("a", "b", "c"):
         produce(dsn, src, p, 40, per_tx=7)
     with Mover(dsn, src, dsn2, dst, config=MoveConfig(batch=16)) as mv:
@@ -125,10 +103,8 @@ def test_moves_everything_once_in_order(
     assert drain(dsn, src, batch=100) == []
 
 
-def test_redelivered_after_destination_commit_is_skipped_by_key(
-    dsn: str, dsn2: str, make_queue: Callable[..., str]
-) -> None:
-    src, dst = make_queue(dsn, max_deliveries=10), make_queue(dsn2)
+def test_redelivered_after_destination_commit_is_skipped_by_key(dsn: str, dsn2: str) -> None:
+    src, dst = _queue(dsn, max_deliveries=10), _queue(dsn2)
     produce(dsn, src, "a", 10)
 
     class Crash(Exception):
@@ -151,9 +127,9 @@ def test_redelivered_after_destination_commit_is_skipped_by_key(
     check_arrivals(drain(dsn2, dst, batch=100), {"a": 10})
 
 
-def test_key_is_unique_across_wraps(dsn: str, dsn2: str, make_queue: Callable[..., str]) -> None:
+def test_key_is_unique_across_wraps(dsn: str, dsn2: str) -> None:
     """Slots are reused every `capacity` entries; the sequence (and the key) is not."""
-    src, dst = make_queue(dsn, capacity=4), make_queue(dsn2)
+    src, dst = _queue(dsn, capacity=4), _queue(dsn2)
     with connect(dsn, producer="a") as prod:
         sec = prod.section
         with Mover(dsn, src, dsn2, dst, config=MoveConfig(batch=3, prune_every=2)) as mv:
@@ -170,11 +146,9 @@ def test_key_is_unique_across_wraps(dsn: str, dsn2: str, make_queue: Callable[..
     check_arrivals(drain(dsn2, dst, batch=100), {"a": 30})
 
 
-def test_too_large_for_destination_is_poison_not_a_stall(
-    dsn: str, dsn2: str, make_queue: Callable[..., str]
-) -> None:
-    src = make_queue(dsn, max_payload=4096, max_deliveries=2)
-    dst = make_queue(dsn2, max_payload=1024)
+def test_too_large_for_destination_is_poison_not_a_stall(dsn: str, dsn2: str) -> None:
+    src = _queue(dsn, max_payload=4096, max_deliveries=2)
+    dst = _queue(dsn2, max_payload=1024)
     with connect(dsn, producer="a") as s:
         s.enqueue(src, json.dumps({"p": "a", "i": 1}).encode())
         s.enqueue(src, b"x" * 2000)
@@ -198,10 +172,8 @@ def test_too_large_for_destination_is_poison_not_a_stall(
     assert n == 1
 
 
-def test_destination_full_waits_instead_of_rolling_back(
-    dsn: str, dsn2: str, make_queue: Callable[..., str]
-) -> None:
-    src, dst = make_queue(dsn), make_queue(dsn2, capacity=8)
+def test_destination_full_waits_instead_of_rolling_back(dsn: str, dsn2: str) -> None:
+    src, dst = _queue(dsn), _queue(dsn2, capacity=8)
     produce(dsn, src, "a", 20, per_tx=20)
     with connect(dsn2) as consumer:
         sec2 = consumer.section
@@ -240,10 +212,8 @@ def _hold_lock(src: str, sq: str, dst: str, dq: str, ready: Any) -> None:
     threading.Event().wait(120)
 
 
-def test_one_active_mover_and_standby_takes_over(
-    dsn: str, dsn2: str, make_queue: Callable[..., str]
-) -> None:
-    src, dst = make_queue(dsn), make_queue(dsn2)
+def test_one_active_mover_and_standby_takes_over(dsn: str, dsn2: str) -> None:
+    src, dst = _queue(dsn), _queue(dsn2)
     ready = FORK.Event()
     p = FORK.Process(target=_hold_lock, args=(dsn, src, dsn2, dst, ready))
     p.start()
@@ -266,10 +236,8 @@ def test_one_active_mover_and_standby_takes_over(
         p.join()
 
 
-def test_lost_lock_connection_is_noticed_and_the_lock_taken_again(
-    dsn: str, dsn2: str, make_queue: Callable[..., str]
-) -> None:
-    src, dst = make_queue(dsn), make_queue(dsn2)
+def test_lost_lock_connection_is_noticed_and_the_lock_taken_again(dsn: str, dsn2: str) -> None:
+    src, dst = _queue(dsn), _queue(dsn2)
     produce(dsn, src, "a", 6)
     cfg = MoveConfig(batch=2, lock_check=0, prune_every=1)
     with Mover(dsn, src, dsn2, dst, config=cfg) as mv:
@@ -286,8 +254,8 @@ def test_lost_lock_connection_is_noticed_and_the_lock_taken_again(
     check_arrivals(drain(dsn2, dst, batch=100), {"a": 6})
 
 
-def test_run_stops_on_event(dsn: str, dsn2: str, make_queue: Callable[..., str]) -> None:
-    src, dst = make_queue(dsn), make_queue(dsn2)
+def test_run_stops_on_event(dsn: str, dsn2: str) -> None:
+    src, dst = _queue(dsn), _queue(dsn2)
     produce(dsn, src, "a", 25)
     stop = threading.Event()
     mv = Mover(dsn, src, dsn2, dst, config=MoveConfig(batch=10, wait=0.05))
@@ -343,16 +311,14 @@ def _producer_proc(dsn: str, queue: str, producer: str, n: int) -> None:
 
 
 @pytest.mark.slow
-def test_mover_killed_between_commits_many_times(
-    dsn: str, dsn2: str, make_queue: Callable[..., str]
-) -> None:
+def test_mover_killed_between_commits_many_times(dsn: str, dsn2: str) -> None:
     seed = random.randrange(1 << 30)
     print(f"seed {seed}")
     rnd = random.Random(seed)
     PRODUCERS, PER, KILLS = ("p1", "p2", "p3"), 200, 20
     # Strikes from killed movers must not poison entries: a roomy max_deliveries.
-    src = make_queue(dsn, capacity=64, max_deliveries=1000)
-    dst = make_queue(dsn2, capacity=128)
+    src = _queue(dsn, capacity=64, max_deliveries=1000)
+    dst = _queue(dsn2, capacity=128)
     with connect(dsn) as s1, connect(dsn2) as s2:
         s1.ring(src), s2.ring(dst)  # load both queues into their sections
         sec1, sec2 = s1.section, s2.section
@@ -454,8 +420,8 @@ def _ringq(*args: str, **kw: Any) -> subprocess.Popen[Any]:
     return subprocess.Popen([sys.executable, "-m", "ringq.cli", *args], **kw)
 
 
-def test_cli_move_once(dsn: str, dsn2: str, make_queue: Callable[..., str]) -> None:
-    src, dst = make_queue(dsn), make_queue(dsn2)
+def test_cli_move_once(dsn: str, dsn2: str) -> None:
+    src, dst = _queue(dsn), _queue(dsn2)
     produce(dsn, src, "a", 30, per_tx=5)
     p = _ringq("move", "--from", f"{dsn}:{src}", "--to", f"{dsn2}:{dst}", "--batch", "7", "--once",
                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -472,8 +438,8 @@ def test_cli_rejects_a_dsn_without_queue(dsn: str) -> None:
     assert p.returncode == 2 and "DSN:queue" in err
 
 
-def test_cli_sigterm_drains(dsn: str, dsn2: str, make_queue: Callable[..., str]) -> None:
-    src, dst = make_queue(dsn, capacity=2048), make_queue(dsn2, capacity=2048)
+def test_cli_sigterm_drains(dsn: str, dsn2: str) -> None:
+    src, dst = _queue(dsn, capacity=2048), _queue(dsn2, capacity=2048)
     produce(dsn, src, "a", 1000, per_tx=50)
     p = _ringq("move", "--from", f"{dsn}:{src}", "--to", f"{dsn2}:{dst}", "--batch", "5",
                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -499,7 +465,7 @@ def test_cli_sigterm_drains(dsn: str, dsn2: str, make_queue: Callable[..., str])
     assert seqs == list(range(1, 1001))
 
 
-def test_outbox_example_runs(dsn: str, dsn2: str, make_queue: Callable[..., str]) -> None:
+def test_outbox_example_runs(dsn: str, dsn2: str) -> None:
     from pathlib import Path
 
     example = Path(__file__).resolve().parent.parent / "examples" / "outbox.py"
@@ -512,15 +478,13 @@ def test_outbox_example_runs(dsn: str, dsn2: str, make_queue: Callable[..., str]
         assert "arrived once, in order: True" in p.stdout
 
 
-def test_a_shared_mode_source_is_refused(
-    dsn: str, dsn2: str, make_queue: Callable[..., str]
-) -> None:
+def test_a_shared_mode_source_is_refused(dsn: str, dsn2: str) -> None:
     """A mover needs one dequeuer at a time: with a shared source, a standby taking
     over would read past a dead mover's entries and could prune their keys."""
     from ringq.engine import ConfigError
     from ringq.move import MoveSourceShared
 
-    src, dst = make_queue(dsn, dequeue_mode="shared"), make_queue(dsn2)
+    src, dst = _queue(dsn, dequeue_mode="shared"), _queue(dsn2)
     produce(dsn, src, "a", 3)
     mv = Mover(dsn, src, dsn2, dst)
     with pytest.raises(MoveSourceShared, match="'shared' dequeue mode") as info:

@@ -14,57 +14,26 @@ import signal
 import subprocess
 import sys
 import time
-import uuid
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import psycopg
 import pytest
-from conftest import present
-from ringq.engine import Section, connect
+from conftest import present, queue_in
+from ringq.engine import connect
 from ringq.engine.recovery import reclaim_all, recover_dead_clients, repair_lock_holders
 from ringq.move import already_applied, create_applied_table
-from ringq.scripting import QueueSpec, create_queue
 
 EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "transfer.py"
-
-
-def _unlink_section(where: str) -> None:
-    with psycopg.connect(where, autocommit=True) as conn:
-        if not present(conn.execute("SELECT to_regclass('ringq.meta') IS NOT NULL").fetchone())[0]:
-            return
-        row = conn.execute("SELECT value FROM ringq.meta WHERE key = 'instance_id'").fetchone()
-        qids = [r[0] for r in conn.execute("SELECT id FROM ringq.queues").fetchall()]
-    if row:
-        Section.unlink(row[0])
-        Section.unlink_semaphores(row[0], qids)
-
-
-@pytest.fixture
-def sections(dsn: str, dsn2: str) -> Iterator[None]:
-    """Remove both databases' global sections (and semaphores) afterwards."""
-    yield
-    _unlink_section(dsn)
-    _unlink_section(dsn2)
-
-
-def _queue(dsn: str, capacity: int = 64, max_payload: int = 1024, **kw: Any) -> str:
-    name = "q_" + uuid.uuid4().hex[:10]
-    with psycopg.connect(dsn) as conn:
-        create_queue(conn, QueueSpec(name, capacity, max_payload, **kw))
-    return name
 
 
 # -- the helper ------------------------------------------------------------------------------------
 
 
-def test_redelivered_entry_is_recognized_in_another_database(
-    dsn: str, dsn2: str, sections: None
-) -> None:
+def test_redelivered_entry_is_recognized_in_another_database(dsn: str, dsn2: str) -> None:
     """Peek, apply in another database's transaction, then remove: a crash
     between the two commits redelivers, and the record says "applied"."""
-    q = _queue(dsn, max_deliveries=10)
+    q = queue_in(dsn, max_deliveries=10)
     with connect(dsn) as s:
         s.enqueue(q, b"credit 10")
         s.commit()
@@ -87,8 +56,8 @@ def test_redelivered_entry_is_recognized_in_another_database(
         assert rows == [("acct", q, present(msg).seq)]
 
 
-def test_effect_rolled_back_is_not_recorded(dsn: str, sections: None) -> None:
-    q = _queue(dsn)
+def test_effect_rolled_back_is_not_recorded(dsn: str) -> None:
+    q = queue_in(dsn)
     with connect(dsn) as s:
         s.enqueue(q, b"x")
         s.commit()
@@ -102,13 +71,13 @@ def test_effect_rolled_back_is_not_recorded(dsn: str, sections: None) -> None:
         s.commit()
 
 
-def test_moved_entry_is_recorded_by_its_origin(dsn: str, dsn2: str, sections: None) -> None:
+def test_moved_entry_is_recorded_by_its_origin(dsn: str, dsn2: str) -> None:
     """The same source entry arriving twice by two roads (moved, then moved
     again after being re-sent) is one entry for the applied table."""
     from ringq.move import wrap
 
-    q = _queue(dsn2, max_payload=2048)
-    _queue(dsn)  # database 1's schema, for its instance id
+    q = queue_in(dsn2, max_payload=2048)
+    queue_in(dsn)  # database 1's schema, for its instance id
     with connect(dsn) as src:
         instance = src.instance
     with connect(dsn2) as s:
@@ -157,7 +126,7 @@ def _example(*args: str, **kw: Any) -> subprocess.Popen[Any]:
     return subprocess.Popen([sys.executable, str(EXAMPLE), *args], **kw)
 
 
-def test_demo_runs(dsn: str, sections: None) -> None:
+def test_demo_runs(dsn: str) -> None:
     p = _example("--dsn", dsn, "demo", stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     out, err = p.communicate(timeout=120)
     assert p.returncode == 0, err
@@ -168,9 +137,7 @@ def test_demo_runs(dsn: str, sections: None) -> None:
 
 
 @pytest.mark.slow
-def test_transfers_under_load_with_crashes(
-    dsn: str, dsn2: str, sections: None, tmp_path: Path
-) -> None:
+def test_transfers_under_load_with_crashes(dsn: str, dsn2: str, tmp_path: Path) -> None:
     """3 workers, random kill -9 and self-kills between the commits: money is
     conserved and no transfer is applied twice."""
     seed = random.randrange(1 << 30)
