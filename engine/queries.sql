@@ -218,3 +218,11 @@ ROLLBACK PREPARED {gid}
 DELETE FROM ringq.inbox
 WHERE id IN (SELECT id FROM ringq.inbox WHERE queue_id = %s ORDER BY id LIMIT %s FOR UPDATE SKIP LOCKED)
 RETURNING id, payload, producer
+
+-- listen_events --
+-- Named events (engine/_events.py) travel on one channel: {channel}, filled
+-- only with psycopg.sql.Identifier.
+LISTEN {channel}
+
+-- notify_event --
+SELECT pg_notify(%s, %s)

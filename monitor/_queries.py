@@ -31,5 +31,6 @@ INBOX_BATCH: Final = _Q["inbox_batch"]
 KEYS_QUEUES: Final = _Q["keys_queues"]
 KEYS_PRUNE: Final = _Q["keys_prune"]  # {table}
 KEYS_PRUNE_DROPPED: Final = _Q["keys_prune_dropped"]
+LISTEN_INBOX: Final = _Q["listen_inbox"]  # {channel}
 
 INBOX_CHANNEL: Final = "ringq_inbox"  # ringq.enqueue() notifies it (scripting/ddl.sql)

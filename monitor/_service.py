@@ -44,6 +44,7 @@ from ringq.engine.recovery import (
     resolve_prepared,
     shared_section,
 )
+from ringq.engine.sqlfile import compose
 
 from . import _clients as C
 from . import _events as E
@@ -438,7 +439,7 @@ class Monitor:
                     else ""
                 )
                 raise MonitorRunning(f"another ringq monitor serves this database{who}")
-            conn.execute(sql.SQL("LISTEN {}").format(sql.Identifier(Qy.INBOX_CHANNEL)))
+            conn.execute(compose(Qy.LISTEN_INBOX, channel=sql.Identifier(Qy.INBOX_CHANNEL)))
         except psycopg.errors.UndefinedTable as exc:
             conn.close()
             raise SchemaMissing(

@@ -107,3 +107,8 @@ WHERE ctid = ANY(ARRAY(
                          WHERE ids.queue_id IS NOT NULL
                            AND NOT EXISTS (SELECT 1 FROM ringq.queues q WHERE q.id = ids.queue_id))
     LIMIT %s))
+
+-- listen_inbox --
+-- Wakes the inbox pump: ringq.enqueue() notifies {channel} (filled only with
+-- psycopg.sql.Identifier).
+LISTEN {channel}
