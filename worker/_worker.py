@@ -66,6 +66,7 @@ from ringq.engine import (
 from ringq.engine import layout as L
 from ringq.engine import metrics as M
 
+from . import _queries as Qy
 from ._actions import Action, ActionAborted, ActionInterrupted, Actions, ActionTimeout, Decline
 
 logger = logging.getLogger("ringq.worker")
@@ -191,9 +192,7 @@ class Worker:
         try:
             for q in self.queues:
                 self._max_deliveries[q] = session.queue_info(q).max_deliveries
-            row = session.connection.execute(
-                "SELECT current_setting('statement_timeout')"
-            ).fetchone()
+            row = session.connection.execute(Qy.STATEMENT_TIMEOUT).fetchone()
             session.commit()  # hold no transaction open while idle
         except BaseException:
             session.close()
@@ -498,7 +497,7 @@ class Worker:
         known = self._known_timeout
         if known is not None and known == (s.backend_pid, want):
             return
-        s.connection.execute("SELECT set_config('statement_timeout', %s, false)", (want,))
+        s.connection.execute(Qy.SET_STATEMENT_TIMEOUT, (want,))
         self._pending_timeout = want
 
     def _committed_timeout(self) -> None:
