@@ -25,6 +25,8 @@ from ringq.engine import (
 )
 from ringq.engine.sqlfile import compose, load
 
+from . import _queries as Qy
+
 # A CLI waiting psycopg's default (130 s) on a host that drops packets looks
 # hung; a DSN's own connect_timeout (or PGCONNECT_TIMEOUT) still wins.
 DEFAULT_CONNECT_TIMEOUT = 10  # seconds
@@ -135,7 +137,7 @@ def describe_queue(conn: psycopg.Connection[Any], name: str) -> QueueDetails:
     table = queue_table(validate_queue_name(name))
     with converted(queue=name), conn.transaction():
         # One snapshot, so depth, inbox and slot counts agree with each other.
-        conn.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ READ ONLY")
+        conn.execute(_Q["snapshot"])
         if not _schema_present(conn):
             raise QueueNotFound(f"queue {name!r} does not exist (no ringq schema)", queue=name)
         row = conn.execute(_Q["describe_queue"], (name,)).fetchone()
@@ -240,5 +242,5 @@ def _no_entry(name: str, seq: int) -> EntryNotFound:
 
 
 def _schema_present(conn: psycopg.Connection[Any]) -> bool:
-    row = conn.execute(_Q["schema_present"]).fetchone()
+    row = conn.execute(Qy.SCHEMA_PRESENT).fetchone()
     return bool(row and row[0])

@@ -44,6 +44,9 @@ from typing import Self
 import psycopg
 from psycopg import sql
 from ringq.engine import ConfigError, DatabaseUnavailable, RingqError, converted, ringq_home
+from ringq.engine.sqlfile import compose
+
+from . import _queries as Qy
 
 DATABASE = "ringq"
 SUPERUSER = "postgres"
@@ -522,11 +525,9 @@ class Cluster:
             converted(dsn=admin),
             psycopg.connect(admin, autocommit=True, connect_timeout=10) as conn,
         ):
-            found = conn.execute(
-                "SELECT 1 FROM pg_database WHERE datname = %s", (DATABASE,)
-            ).fetchone()
+            found = conn.execute(Qy.DATABASE_EXISTS, (DATABASE,)).fetchone()
             if found is None:
-                conn.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(DATABASE)))
+                conn.execute(compose(Qy.CREATE_DATABASE, database=sql.Identifier(DATABASE)))
 
     # -- state files ---------------------------------------------------------
 

@@ -26,6 +26,8 @@ from ringq.engine import (
 from ringq.engine.layout import MAX_QUEUES, SLOT_POOL
 from ringq.engine.sqlfile import compose, load
 
+from . import _queries as Qy
+
 SCHEMA_VERSION = 1
 MAX_PAYLOAD = 1 << 30  # PostgreSQL's limit for one bytea value (1 GiB)
 MAX_DELIVERIES = 1_000_000
@@ -236,23 +238,14 @@ def drop_queue(conn: psycopg.Connection[Any], name: str) -> None:
     with converted(queue=name), conn.transaction():
         if not _queue_exists(conn, name):
             raise QueueNotFound(f"queue {name!r} does not exist", queue=name)
-        row = conn.execute(
-            "SELECT q.id, m.value FROM ringq.queues q "
-            "LEFT JOIN ringq.meta m ON m.key = 'instance_id' "
-            "WHERE q.name = %s",
-            (name,),
-        ).fetchone()
+        row = conn.execute(Qy.QUEUE_SECTION, (name,)).fetchone()
         conn.execute(drop_queue_sql(name))
     if row is not None and row[1]:
         Section.unlink_semaphores(str(row[1]), [int(row[0])])
 
 
 def _queue_exists(conn: psycopg.Connection[Any], name: str) -> bool:
-    row = conn.execute(
-        "SELECT to_regclass('ringq.queues') IS NOT NULL"
-    ).fetchone()
+    row = conn.execute(Qy.SCHEMA_PRESENT).fetchone()
     if not row or not row[0]:
         return False
-    return (
-        conn.execute("SELECT 1 FROM ringq.queues WHERE name = %s", (name,)).fetchone() is not None
-    )
+    return conn.execute(Qy.QUEUE_EXISTS, (name,)).fetchone() is not None

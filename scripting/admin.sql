@@ -2,9 +2,6 @@
 -- {table} is the queue's table, filled only with psycopg.sql.Identifier from a
 -- validated name.
 
--- schema_present --
-SELECT to_regclass('ringq.queues') IS NOT NULL
-
 -- list_queues --
 -- depth: committed entries waiting, in the ring and in the SQL inbox.
 SELECT name, capacity, ringq.depth(name), max_payload, dequeue_mode, full_policy
@@ -80,3 +77,8 @@ SELECT name FROM ringq.queues WHERE exception_queue = %s ORDER BY name
 -- queues' too: their wake-up semaphores may still be on this host).
 SELECT (SELECT value FROM ringq.meta WHERE key = 'instance_id'),
        coalesce(pg_sequence_last_value(pg_get_serial_sequence('ringq.queues', 'id')), 0)
+
+-- snapshot --
+-- The first statement of a transaction that reads several figures which must
+-- agree with each other: one snapshot, and nothing written.
+SET TRANSACTION ISOLATION LEVEL REPEATABLE READ READ ONLY
