@@ -33,7 +33,7 @@ from typing import Any
 import psycopg
 from ringq.engine import RingqError, exits, from_psycopg, pid_alive, redact_dsn
 
-from . import _sql as S
+from . import _queries as S
 
 STATE_FILE = "monitor.json"  # written by the monitor in its data directory: pid, url, dsn
 # `ringq monitor`: the previous monitor's lock is not released yet

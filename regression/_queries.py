@@ -1,6 +1,8 @@
-"""Named SQL of the regression run store (the one module of SQL in this package).
+"""The regression run store's named SQL (``queries.sql``), parsed once at import.
 
-``{schema}`` is ``regress_<run id>`` and ``{table}`` a received table, both
+Every block is named here as a constant, so that a block missing from the
+file fails at import and not in the middle of a cycle. ``{schema}`` is
+``regress_<run id>`` and ``{table}`` a received table (or a queue's), both
 filled only through :func:`psycopg.sql.Identifier` from validated names.
 Everything a run needs to be verified again lives in its schema:
 
@@ -20,134 +22,53 @@ Spark does the joins.
 
 from __future__ import annotations
 
+from typing import Final
+
 from psycopg import sql
+from ringq.engine.sqlfile import compose, load
 
 SCHEMA_PREFIX = "regress_"
 
-CREATE_RUN = """
-CREATE SCHEMA {schema};
-CREATE TABLE {schema}.run (
-    run_id        text PRIMARY KEY,
-    created_at    timestamptz NOT NULL DEFAULT now(),
-    finished_at   timestamptz,
-    status        text NOT NULL DEFAULT 'running',
-    host          text,
-    ringq_version text,
-    config        jsonb NOT NULL
-);
-CREATE TABLE {schema}.queues (
-    idx           int2 PRIMARY KEY,
-    name          text NOT NULL UNIQUE,
-    payload_size  int4 NOT NULL,
-    capacity      int4 NOT NULL
-);
-CREATE TABLE {schema}.cycles (
-    cycle         int4 PRIMARY KEY,
-    started_at    timestamptz NOT NULL DEFAULT now(),
-    ended_at      timestamptz,
-    status        text NOT NULL DEFAULT 'running',
-    workload_s    float8,
-    stats         jsonb,
-    errors        jsonb,
-    verified_at   timestamptz,
-    ok            boolean,
-    report        jsonb
-);
-CREATE TABLE {schema}.sent (
-    cycle         int4 NOT NULL,
-    queue         int2 NOT NULL,
-    qseq          int8 NOT NULL,
-    producer      int2 NOT NULL,
-    pseq          int8 NOT NULL,
-    tx            int8 NOT NULL,
-    kind          int2 NOT NULL,
-    length        int4 NOT NULL,
-    digest        bytea NOT NULL,
-    sent_at       timestamptz NOT NULL DEFAULT clock_timestamp()
-);
-CREATE TABLE {schema}.rolled_back (
-    cycle         int4 NOT NULL,
-    queue         int2 NOT NULL,
-    qseq          int8 NOT NULL,
-    producer      int2 NOT NULL,
-    pseq          int8 NOT NULL,
-    tx            int8 NOT NULL,
-    kind          int2 NOT NULL,
-    length        int4 NOT NULL,
-    digest        bytea NOT NULL,
-    reason        text NOT NULL,
-    logged_at     timestamptz NOT NULL DEFAULT clock_timestamp()
-);
-"""
+_Q: Final = load("ringq.regression", "queries.sql")
 
-CREATE_RECEIVED = """
-CREATE TABLE {schema}.{table} (
-    cycle         int4 NOT NULL,
-    qseq          int8 NOT NULL,
-    recv_order    int8 NOT NULL,
-    deliveries    int4 NOT NULL,
-    consumer      int4 NOT NULL,
-    payload       bytea NOT NULL,
-    deq_at        timestamptz NOT NULL DEFAULT clock_timestamp()
-)
-"""
-
-INSERT_RUN = (
-    "INSERT INTO {schema}.run (run_id, host, ringq_version, config) VALUES (%s, %s, %s, %s)"
-)
-INSERT_QUEUE = (
-    "INSERT INTO {schema}.queues (idx, name, payload_size, capacity) VALUES (%s, %s, %s, %s)"
-)
-SELECT_RUN = "SELECT run_id, created_at, finished_at, status, config FROM {schema}.run"
-SELECT_QUEUES = "SELECT idx, name, payload_size, capacity FROM {schema}.queues ORDER BY idx"
-FINISH_RUN = "UPDATE {schema}.run SET finished_at = now(), status = %s"
-
-START_CYCLE = "INSERT INTO {schema}.cycles (cycle) VALUES (%s)"
-NEXT_CYCLE = "SELECT coalesce(max(cycle), 0) + 1 FROM {schema}.cycles"
-END_CYCLE = """
-UPDATE {schema}.cycles SET ended_at = now(), status = %s, workload_s = %s, stats = %s, errors = %s
-WHERE cycle = %s
-"""
-VERIFIED_CYCLE = (
-    "UPDATE {schema}.cycles SET verified_at = now(), ok = %s, report = %s WHERE cycle = ANY(%s)"
-)
-SELECT_CYCLES = """
-SELECT cycle, started_at, ended_at, status, workload_s, stats, errors, ok
-FROM {schema}.cycles ORDER BY cycle
-"""
-
-# The producer's ground truth, in the enqueue's own transaction.
-INSERT_SENT = """
-INSERT INTO {schema}.sent (cycle, queue, qseq, producer, pseq, tx, kind, length, digest)
-SELECT %s, v.q, v.s, %s, v.p, %s, %s, v.l, v.d
-FROM unnest(%s::int2[], %s::int8[], %s::int8[], %s::int4[], %b::bytea[]) AS v(q, s, p, l, d)
-"""
-
-INSERT_ROLLED_BACK = """
-INSERT INTO {schema}.rolled_back
-    (cycle, queue, qseq, producer, pseq, tx, kind, length, digest, reason)
-SELECT %s, v.q, v.s, %s, v.p, %s, %s, v.l, v.d, %s
-FROM unnest(%s::int2[], %s::int8[], %s::int8[], %s::int4[], %b::bytea[]) AS v(q, s, p, l, d)
-"""
-
-# The consumer's record, in the dequeue's own transaction.
-INSERT_RECEIVED = """
-INSERT INTO {schema}.{table} (cycle, qseq, recv_order, deliveries, consumer, payload)
-SELECT %s, v.s, v.o, v.d, %s, v.p
-FROM unnest(%s::int8[], %s::int8[], %s::int4[], %b::bytea[]) AS v(s, o, d, p)
-"""
-
-# Executed without parameters, so % is a literal LIKE wildcard.
-LIST_RUNS = r"""
-SELECT nspname FROM pg_namespace n
-WHERE nspname LIKE 'regress\_%'
-  AND EXISTS (SELECT 1 FROM pg_class c WHERE c.relnamespace = n.oid AND c.relname = 'run')
-ORDER BY nspname
-"""
-RUN_EXISTS = "SELECT to_regclass(%s) IS NOT NULL"
-DROP_RUN = "DROP SCHEMA {schema} CASCADE"
-COMMIT_TS_ON = "SELECT current_setting('track_commit_timestamp')::boolean"
-LEFTOVERS = "SELECT count(*) FILTER (WHERE state = 1) FROM {table}"
+# the run store ({schema}, and {table} where noted)
+CREATE_RUN: Final = _Q["create_run"]
+CREATE_RECEIVED: Final = _Q["create_received"]  # {table}
+INSERT_RUN: Final = _Q["insert_run"]
+INSERT_QUEUE: Final = _Q["insert_queue"]
+SELECT_RUN: Final = _Q["select_run"]
+SELECT_QUEUES: Final = _Q["select_queues"]
+FINISH_RUN: Final = _Q["finish_run"]
+START_CYCLE: Final = _Q["start_cycle"]
+NEXT_CYCLE: Final = _Q["next_cycle"]
+END_CYCLE: Final = _Q["end_cycle"]
+VERIFIED_CYCLE: Final = _Q["verified_cycle"]
+SELECT_CYCLES: Final = _Q["select_cycles"]
+LIST_RUNS: Final = _Q["list_runs"]
+RUN_EXISTS: Final = _Q["run_exists"]
+DROP_RUN: Final = _Q["drop_run"]
+COMMIT_TS_ON: Final = _Q["commit_ts_on"]
+LEFTOVERS: Final = _Q["leftovers"]  # {table}: a queue's table, no {schema}
+# the workload's writers: the ground truth and the consumers' records
+INSERT_SENT: Final = _Q["insert_sent"]
+INSERT_ROLLED_BACK: Final = _Q["insert_rolled_back"]
+INSERT_RECEIVED: Final = _Q["insert_received"]  # {table}
+# what a restarted worker resumes from (chaos)
+RESUME_PRODUCER: Final = _Q["resume_producer"]
+SENT_BY_QUEUE: Final = _Q["sent_by_queue"]
+RESUME_CONSUMER: Final = _Q["resume_consumer"]  # {table}
+PREPARED_GIDS: Final = _Q["prepared_gids"]
+MONITOR_LOCK_HOLDER: Final = _Q["monitor_lock_holder"]
+DATA_DIRECTORY: Final = _Q["data_directory"]
+# the proof: what Spark reads through JDBC, and how many rows there are ({cycles})
+RECEIVED_COUNT: Final = _Q["received_count"]  # {table}
+JDBC_SENT: Final = _Q["jdbc_sent"]  # {committed_at}
+COMMITTED_AT_COMMIT_TS: Final = _Q["committed_at_commit_ts"]
+COMMITTED_AT_SENT: Final = _Q["committed_at_sent"]
+JDBC_ROLLED_BACK: Final = _Q["jdbc_rolled_back"]
+JDBC_RECEIVED: Final = _Q["jdbc_received"]  # {table}, {idx}
+JDBC_DBTABLE: Final = _Q["jdbc_dbtable"]  # {query}
+JDBC_PARTITION: Final = _Q["jdbc_partition"]  # {column}, {partitions}, {part}
 
 
 def schema_of(run_id: str) -> sql.Identifier:
@@ -163,30 +84,4 @@ def q(text: str, run_id: str, table: sql.Composable | None = None) -> sql.Compos
     kw: dict[str, sql.Composable] = {"schema": schema_of(run_id)}
     if table is not None:
         kw["table"] = table
-    return sql.SQL(text).format(**kw)
-
-
-# What a restarted worker resumes from (chaos): only what is durably recorded.
-RESUME_PRODUCER = """
-SELECT coalesce(max(pseq), 0), coalesce(max(tx), 0) FROM (
-    SELECT pseq, tx FROM {schema}.sent WHERE cycle = %s AND producer = %s
-    UNION ALL
-    SELECT pseq, tx FROM {schema}.rolled_back WHERE cycle = %s AND producer = %s
-) AS x
-"""
-SENT_BY_QUEUE = (
-    "SELECT queue, count(*) FROM {schema}.sent WHERE cycle = %s AND producer = %s GROUP BY queue"
-)
-RESUME_CONSUMER = (
-    "SELECT coalesce(max(recv_order), 0), count(*) FROM {schema}.{table} WHERE cycle = %s"
-)
-PREPARED_GIDS = "SELECT gid FROM pg_prepared_xacts WHERE database = current_database()"
-# The backend holding the monitor's lock (the same lock as ringq.monitor takes:
-# one serving monitor per database), if any.
-MONITOR_LOCK_HOLDER = """
-SELECT a.pid, a.application_name
-FROM pg_locks l JOIN pg_stat_activity a ON a.pid = l.pid
-WHERE l.locktype = 'advisory' AND l.objid = hashtext('ringq.monitor')::oid AND l.granted
-  AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())
-LIMIT 1
-"""
+    return compose(text, **kw)

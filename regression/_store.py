@@ -22,9 +22,10 @@ import psycopg
 from psycopg.types.json import Jsonb
 from ringq import __version__
 from ringq.engine import QueueNotFound, RingqError, converted, queue_table
+from ringq.engine.sqlfile import compose
 from ringq.scripting import QueueSpec, create_queue, drop_queue
 
-from . import _sql as S
+from . import _queries as S
 from ._config import RegressConfig, validate_run_id
 
 
@@ -131,7 +132,7 @@ def load_run(dsn: str, run_id: str) -> RunInfo:
 
 
 def _load(conn: psycopg.Connection[Any], run_id: str) -> RunInfo:
-    row = conn.execute(S.RUN_EXISTS, (f'"{S.SCHEMA_PREFIX}{run_id}".run',)).fetchone()
+    row = conn.execute(S.RUN_EXISTS, (S.SCHEMA_PREFIX + run_id,)).fetchone()
     if not row or not row[0]:
         raise RunNotFound(
             f"no regression run {run_id!r} in this database (see 'ringq regress list')"
@@ -182,7 +183,14 @@ def end_cycle(
 ) -> None:
     with _connect(dsn) as conn:
         conn.execute(
-            S.q(S.END_CYCLE, run_id), (status, workload_s, Jsonb(stats), Jsonb(errors), cycle)
+            S.q(S.END_CYCLE, run_id),
+            {
+                "status": status,
+                "workload_s": workload_s,
+                "stats": Jsonb(stats),
+                "errors": Jsonb(errors),
+                "cycle": cycle,
+            },
         )
 
 
@@ -222,12 +230,10 @@ def _drop_queues(conn: psycopg.Connection[Any], run: RunInfo) -> None:
 
 def leftovers(dsn: str, run: RunInfo) -> dict[str, int]:
     """Entries still queued (committed, never consumed) in each of the run's queues."""
-    from psycopg import sql
-
     out: dict[str, int] = {}
     with _connect(dsn) as conn:
         for ref in run.queues:
-            row = conn.execute(sql.SQL(S.LEFTOVERS).format(table=queue_table(ref.name))).fetchone()
+            row = conn.execute(compose(S.LEFTOVERS, table=queue_table(ref.name))).fetchone()
             out[ref.name] = int(row[0]) if row else 0
     return out
 

@@ -31,9 +31,10 @@ import psycopg
 from psycopg import sql
 from psycopg.conninfo import conninfo_to_dict
 from ringq.engine import ConfigError, converted
+from ringq.engine.sqlfile import compose
 
+from . import _queries as S
 from . import _report as R
-from . import _sql as S
 from . import _store
 from ._store import RunInfo
 
@@ -246,12 +247,20 @@ class Verifier:
         }
         return report
 
-    def _read(self, url: str, props: dict[str, str], query: str, *, partitions: int = 1,
-              by: str = "qseq", fetch: int = 1000) -> DataFrame:
+    def _read(self, url: str, props: dict[str, str], query: sql.Composable, *,
+              partitions: int = 1, by: str = "qseq", fetch: int = 1000) -> DataFrame:
         opts = dict(props, driver=JDBC_DRIVER, fetchsize=str(fetch))
-        table = f"({query}) AS t"
+        table = compose(S.JDBC_DBTABLE, query=query).as_string(None)
         if partitions > 1:
-            preds = [f"{by} % {partitions} = {i}" for i in range(partitions)]
+            preds = [
+                compose(
+                    S.JDBC_PARTITION,
+                    column=sql.Identifier(by),
+                    partitions=sql.Literal(partitions),
+                    part=sql.Literal(i),
+                ).as_string(None)
+                for i in range(partitions)
+            ]
             return self.spark.read.jdbc(url, table, predicates=preds, properties=opts)
         return self.spark.read.format("jdbc").options(url=url, dbtable=table, **opts).load()
 
@@ -261,45 +270,22 @@ class Verifier:
 
         url, props = jdbc_target(dsn)
         schema = S.schema_of(run.run_id)
-        in_cycles = sql.SQL("cycle IN ({})").format(
-            sql.SQL(", ").join(sql.Literal(n) for n in chosen)
-        )
+        cycles = sql.SQL(", ").join(sql.Literal(n) for n in chosen)
         commit_ts = _store.commit_timestamps_on(dsn)
         report.latency_from = "commit timestamp" if commit_ts else "sent row (just before commit)"
-        committed_at = (
-            sql.SQL("coalesce(pg_xact_commit_timestamp(xmin), sent_at)")
-            if commit_ts
-            else sql.SQL("sent_at")
-        )
-
-        def text(q: sql.Composable) -> str:
-            return q.as_string(None)
+        committed_at = sql.SQL(S.COMMITTED_AT_COMMIT_TS if commit_ts else S.COMMITTED_AT_SENT)
 
         sent = self._read(
             url,
             props,
-            text(
-                sql.SQL(
-                    "SELECT cycle, queue, qseq, producer, pseq, tx, kind, length, digest, "
-                    "{} AS committed_at "
-                    "FROM {}.sent WHERE {}"
-                ).format(committed_at, schema, in_cycles)
-            ),
+            compose(S.JDBC_SENT, committed_at=committed_at, schema=schema, cycles=cycles),
             fetch=10000,
         )
         rolled = self._read(
-            url,
-            props,
-            text(
-                sql.SQL(
-                    "SELECT cycle, queue, qseq, producer, pseq, tx, kind, reason FROM "
-                    "{}.rolled_back WHERE {}"
-                ).format(schema, in_cycles)
-            ),
-            fetch=10000,
+            url, props, compose(S.JDBC_ROLLED_BACK, schema=schema, cycles=cycles), fetch=10000
         )
 
-        sizes = _received_counts(dsn, run, in_cycles)
+        sizes = _received_counts(dsn, run, cycles)
         parts = []
         for ref in run.queues:
             nbytes = sizes.get(ref.idx, 0) * ref.payload_size
@@ -310,13 +296,12 @@ class Verifier:
                 self._read(
                     url,
                     props,
-                    text(
-                        sql.SQL(
-                            "SELECT {}::int2 AS queue, cycle, qseq, recv_order, deliveries, "
-                            "payload, deq_at FROM {}.{} WHERE {}"
-                        ).format(
-                            sql.Literal(ref.idx), schema, S.received_table(ref.name), in_cycles
-                        )
+                    compose(
+                        S.JDBC_RECEIVED,
+                        idx=sql.Literal(ref.idx),
+                        schema=schema,
+                        table=S.received_table(ref.name),
+                        cycles=cycles,
                     ),
                     partitions=int(partitions),
                     fetch=max(16, min(10000, FETCH_BYTES // ref.payload_size)),
@@ -561,13 +546,20 @@ def _lat(row: Any) -> dict[str, float]:
     }
 
 
-def _received_counts(dsn: str, run: RunInfo, in_cycles: sql.Composable) -> dict[int, int]:
-    """Rows per received table, to choose how many JDBC partitions to read with."""
+def _received_counts(dsn: str, run: RunInfo, cycles: sql.Composable) -> dict[int, int]:
+    """Rows per received table in ``cycles`` (a list of literals), to choose how many
+    JDBC partitions to read with."""
     out = {}
     with converted(dsn=dsn), psycopg.connect(dsn, autocommit=True) as conn:
         for ref in run.queues:
-            row = conn.execute(sql.SQL("SELECT count(*) FROM {}.{} WHERE {}").format(
-                S.schema_of(run.run_id), S.received_table(ref.name), in_cycles)).fetchone()
+            row = conn.execute(
+                compose(
+                    S.RECEIVED_COUNT,
+                    schema=S.schema_of(run.run_id),
+                    table=S.received_table(ref.name),
+                    cycles=cycles,
+                )
+            ).fetchone()
             out[ref.idx] = int(row[0]) if row else 0
     return out
 

@@ -48,7 +48,7 @@ from ringq.engine import layout as L
 from ringq.engine import metrics as M
 
 from . import _payload as P
-from . import _sql as S
+from . import _queries as S
 from . import _store
 from ._config import RegressConfig
 from ._monitors import OwnMonitor, TakenMonitor, serving_monitor
@@ -217,7 +217,9 @@ class _Producer:
                 return False
             time.sleep(0.05)
         key = (self.a.cycle, self.a.index)
-        row = conn.execute(S.q(S.RESUME_PRODUCER, self.a.run_id), key + key).fetchone()
+        row = conn.execute(
+            S.q(S.RESUME_PRODUCER, self.a.run_id), {"cycle": self.a.cycle, "producer": self.a.index}
+        ).fetchone()
         assert row is not None
         self.pseq, self.tx = int(row[0]), int(row[1])
         committed = [0] * len(self.quota)
@@ -309,27 +311,24 @@ class _Producer:
             self.bump(P_MULTI_TX)
 
     def record(
-        self, stmt: Any, done: list[tuple[int, int, int, int, bytes]], kind: int, *extra: Any
+        self, stmt: Any, done: list[tuple[int, int, int, int, bytes]], kind: int, **extra: Any
     ) -> None:
+        """Write ``done`` with ``stmt`` (INSERT_SENT, or INSERT_ROLLED_BACK with a ``reason``)."""
         if not done:
             return
         qs, seqs, pseqs, lens, digests = (list(col) for col in zip(*done, strict=True))
-        params: tuple[Any, ...]
-        if extra:
-            params = (
-                self.a.cycle,
-                self.a.index,
-                self.tx,
-                kind,
-                *extra,
-                qs,
-                seqs,
-                pseqs,
-                lens,
-                digests,
-            )
-        else:
-            params = (self.a.cycle, self.a.index, self.tx, kind, qs, seqs, pseqs, lens, digests)
+        params = {
+            "cycle": self.a.cycle,
+            "producer": self.a.index,
+            "tx": self.tx,
+            "kind": kind,
+            "queues": qs,
+            "qseqs": seqs,
+            "pseqs": pseqs,
+            "lengths": lens,
+            "digests": digests,
+            **extra,
+        }
         self.s.connection.execute(stmt, params)
 
     def log_rolled_back(
@@ -337,7 +336,7 @@ class _Producer:
     ) -> None:
         if not done:
             return
-        self.record(self.rb_sql, done, kind, reason)
+        self.record(self.rb_sql, done, kind, reason=reason)
         self.s.commit()
         self.bump(P_RB_ENTRIES, len(done))
 
@@ -495,7 +494,17 @@ def _consume_session(
                 orders.append(order)
                 dels.append(m.deliveries)
                 payloads.append(m.payload)
-            s.connection.execute(stmt, (args.cycle, pid, seqs, orders, dels, payloads))
+            s.connection.execute(
+                stmt,
+                {
+                    "cycle": args.cycle,
+                    "consumer": pid,
+                    "qseqs": seqs,
+                    "orders": orders,
+                    "deliveries": dels,
+                    "payloads": payloads,
+                },
+            )
             if rng.random() < cfg.consumer_rollback_rate and all(m.deliveries == 1 for m in msgs):
                 # Only first deliveries: an entry is never struck out to the
                 # exception queue by our own choice.
@@ -934,7 +943,7 @@ def _embedded_cluster(dsn: str) -> Any:
     from ringq.scripting import Cluster
 
     with psycopg.connect(dsn, autocommit=True) as conn:
-        row = conn.execute("SELECT current_setting('data_directory')").fetchone()
+        row = conn.execute(S.DATA_DIRECTORY).fetchone()
     if not row:
         return None
     datadir = Path(row[0]).resolve()

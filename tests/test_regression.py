@@ -40,7 +40,7 @@ from ringq.regression import (
     verify,
 )
 from ringq.regression import _payload as P
-from ringq.regression import _sql as S
+from ringq.regression import _queries as S
 
 pytestmark = pytest.mark.slow
 
