@@ -10,6 +10,7 @@ with ``ast``, so imports inside functions count too.
 from __future__ import annotations
 
 import ast
+import re
 import tomllib
 from collections.abc import Iterator
 from pathlib import Path
@@ -40,7 +41,7 @@ WHITE_BOX: dict[str, set[str]] = {
         "ringq.monitor._clients",
     },
     "tests/test_regression.py": {
-        "ringq.regression._payload", "ringq.regression._sql", "ringq.regression._runner",
+        "ringq.regression._payload", "ringq.regression._queries", "ringq.regression._runner",
     },
     "tests/test_rtv.py": {
         "ringq.rtv._metrics", "ringq.rtv._source", "ringq.rtv._tui", "ringq.monitor._sample",
@@ -195,3 +196,60 @@ def test_the_check_sees_private_imports_and_an_engine_importing_another_package(
     assert found == ["e.py:2: the engine imports ringq.monitor"], found
     source = "from ringq.engine import Session, layout\nimport ringq.engine.recovery\n"
     assert check(None, None, source, "t.py") == []
+
+
+# A statement's first word, upper case as ringq writes SQL, then more SQL-ish
+# text: enough to tell "SELECT 1 FROM ..." from a help text's "create a queue".
+_SQL_START = re.compile(
+    r"\s*(SELECT|INSERT|UPDATE|DELETE|WITH|CREATE|ALTER|DROP|LISTEN|NOTIFY|SET|TRUNCATE)"
+    r"\s+[\w\"({*'%]"
+)
+
+
+def sql_strings(source: str, where: str) -> list[str]:
+    """The string literals of a module's source that start as a SQL statement.
+
+    Documentation is not code: a bare string statement (a docstring, or the
+    string after an attribute) is skipped, examples in it included. An
+    f-string is read with ``{}`` for each of its fields.
+    """
+    tree = ast.parse(source)
+    skip: set[int] = set()
+    texts: list[tuple[ast.expr, str]] = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant | ast.JoinedStr):
+            skip.add(id(node.value))
+        elif isinstance(node, ast.JoinedStr):
+            skip.update(id(v) for v in node.values)  # read whole, here
+            parts = [v.value if isinstance(v, ast.Constant) else "{}" for v in node.values]
+            texts.append((node, "".join(str(p) for p in parts)))
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str):
+            texts.append((node, node.value))
+    return [
+        f"{where}:{node.lineno}: {(text.strip().splitlines() or [''])[0][:60]!r}"
+        for node, text in sorted(texts, key=lambda t: t[0].lineno)
+        if id(node) not in skip and _SQL_START.match(text)
+    ]
+
+
+def test_no_sql_string_outside_the_packages_sql_files() -> None:
+    # SQL lives in each package's .sql files as named blocks, loaded once
+    # (ringq.engine.sqlfile); a .py file of a ringq package holds none.
+    probe = (
+        '"""SELECT 1 FROM doc"""\n'
+        'Q = "SELECT 1 FROM t WHERE a = %s"\n'
+        "def f(conn):\n"
+        '    """DELETE FROM in a docstring."""\n'
+        '    conn.execute(f"UPDATE {t} SET a = 1")\n'
+        '    conn.execute(sql.SQL("\\n  CREATE TABLE {} (a int)").format(t))\n'
+        '    parser.add_parser("create", help="create a queue; with --yes: drop it")\n'
+        '    print("Delete exception entry SEQ", "WITH --chaos: kill", "SET-Cookie")\n'
+    )
+    assert [line.split(":")[1] for line in sql_strings(probe, "probe.py")] == ["2", "5", "6"]
+    found = [
+        hit
+        for package, path in _files()
+        if package is not None
+        for hit in sql_strings(path.read_text(encoding="utf-8"), str(path.relative_to(ROOT)))
+    ]
+    assert not found, "SQL outside the .sql files:\n" + "\n".join(found)
