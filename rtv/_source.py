@@ -14,7 +14,7 @@ import math
 import urllib.error
 import urllib.request
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Any, TypeGuard
 from urllib.parse import urlencode
 
@@ -64,12 +64,7 @@ class Overview:
     queues: list[Row]
 
     def as_json(self) -> dict[str, Any]:
-        return {
-            "t": self.t,
-            "interval": self.interval,
-            "monitor": self.monitor,
-            "queues": self.queues,
-        }
+        return asdict(self)
 
 
 @dataclass(frozen=True)
@@ -84,7 +79,7 @@ class Clients:
     clients: list[Row]
 
     def as_json(self) -> dict[str, Any]:
-        return {"t": self.t, "interval": self.interval, "clients": self.clients}
+        return asdict(self)
 
 
 @dataclass(frozen=True)
