@@ -44,6 +44,9 @@ def register(sub: Any) -> None:
                help="seconds between performance samples")
     env_option(p, "--token", env="RINGQ_MONITOR_TOKEN", default=None,
                help="token required by every HTTP path but /metrics")
+    env_option(p, "--cors-origin", env="RINGQ_MONITOR_CORS_ORIGIN", default=None,
+               help="the origin (such as http://127.0.0.1:7481) or '*' whose pages may read the "
+                    "API from a browser; None: no cross-origin reads")
     env_option(p, "--data-dir", env="RINGQ_MONITOR_DIR", default=None,
                help="T4 files, monitor.log, monitor.json; default $RINGQ_HOME/monitor")
     env_option(p, "--prepared-timeout", env="RINGQ_MONITOR_PREPARED_TIMEOUT", default=60.0,
@@ -85,6 +88,7 @@ def run(args: argparse.Namespace) -> int:
         config = MonitorConfig(
             dsn=dsn, interval=args.interval, port=args.port, host=args.host,
             token=args.token or None, data_dir=data_dir, prepared_timeout=args.prepared_timeout,
+            cors_origin=args.cors_origin or None,
         )
         if config_path is not None:
             config = config.replace(**read_config(config_path))

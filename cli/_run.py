@@ -23,7 +23,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from ringq.engine import ConfigError, RingqError, exits, ringq_home
+from ringq.engine import ConfigError, RingqError, exits, pid_alive, ringq_home
 
 from ._args import add_dsn, env_option, subparser
 
@@ -91,16 +91,6 @@ def _port_or_any(port: int) -> int:
     return port
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def run(args: argparse.Namespace) -> int:
     if args.home:
         os.environ["RINGQ_HOME"] = args.home
@@ -163,7 +153,7 @@ def _start_monitor(home: Path, dsn: str, port: int) -> str:
     state_file = home / "monitor" / "monitor.json"
     try:
         state = json.loads(state_file.read_text())
-        if _alive(int(state["pid"])) and _answers(state["url"] + "/metrics"):
+        if pid_alive(int(state["pid"])) and _answers(state["url"] + "/metrics"):
             return str(state["url"])
     except (OSError, ValueError, KeyError, TypeError):
         pass
@@ -190,7 +180,7 @@ def _start_viewer(home: Path, monitor_url: str, port: int) -> str:
     try:
         pid = int(pidfile.read_text())
         url = urlfile.read_text().strip()
-        if _alive(pid) and url:
+        if pid_alive(pid) and url:
             return url
     except (OSError, ValueError):
         pass
@@ -235,7 +225,7 @@ def _stop(home: Path, *, stop_db: bool) -> int:
         pid = int(json.loads(state_file.read_text())["pid"])
         os.kill(pid, signal.SIGTERM)
         deadline = time.monotonic() + 10
-        while _alive(pid) and time.monotonic() < deadline:
+        while pid_alive(pid) and time.monotonic() < deadline:
             time.sleep(0.05)
         _say(f"monitor (pid {pid}) stopped")
     except (OSError, ValueError, KeyError, TypeError):

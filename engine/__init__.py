@@ -43,7 +43,7 @@ from ._names import queue_table, validate_queue_name
 from ._ring import Ring
 from ._section import Section, pid_alive, section_name
 from ._session import Message, QueueInfo, Session, connect
-from ._validate import validate_seconds
+from ._validate import validate_int, validate_seconds
 
 __all__ = [
     "EVENTS_CHANNEL",
@@ -87,6 +87,7 @@ __all__ = [
     "ringq_home",
     "section_name",
     "subscribe",
+    "validate_int",
     "validate_queue_name",
     "validate_seconds",
 ]

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
-from ringq.engine import ConfigError, validate_seconds
+from ringq.engine import ConfigError, validate_int, validate_seconds
 
 DEFAULT_INTERVAL = 1.0  # seconds between performance samples
 DEFAULT_RECOVERY_INTERVAL = 0.1  # seconds between recovery passes (dead clients, locks, reclaim)
@@ -73,12 +73,7 @@ class MonitorConfig:
         validate_seconds("prepared_timeout", self.prepared_timeout, 0.0, 365 * 86_400.0)
         validate_seconds("key_retention", self.key_retention, 0.0, 3650 * 86_400.0)
         validate_seconds("history_seconds", self.history_seconds, self.interval, 366 * 86_400.0)
-        if (
-            isinstance(self.port, bool)
-            or not isinstance(self.port, int)
-            or not 0 <= self.port <= 65535
-        ):
-            raise ConfigError(f"port must be an integer from 0 to 65535, not {self.port!r}")
+        validate_int("port", self.port, 0, 65535)
         if not isinstance(self.host, str) or not self.host or any(c.isspace() for c in self.host):
             raise ConfigError(f"host must be an address or host name, not {self.host!r}")
         if self.token is not None and (
@@ -89,12 +84,7 @@ class MonitorConfig:
             raise ConfigError(
                 "token must be a non-empty string without spaces (or None for no token)"
             )
-        if (
-            isinstance(self.t4_keep_days, bool)
-            or not isinstance(self.t4_keep_days, int)
-            or self.t4_keep_days < 1
-        ):
-            raise ConfigError(f"t4_keep_days must be an integer >= 1, not {self.t4_keep_days!r}")
+        validate_int("t4_keep_days", self.t4_keep_days, 1)
         validate_seconds("high_water", self.high_water, 0.01, 1.0)
         if self.cors_origin is not None and not _is_origin(self.cors_origin):
             raise ConfigError(

@@ -12,7 +12,7 @@ A long answer is thinned on request (``step`` seconds per bucket, or at most
 depth, p99, retries, waiters), the mean (rates, full/empty seconds) or the last
 value (positions), stamped with its last point's time so that a caller asking
 ``since=<that t>`` next gets the raw points that follow. The viewer
-(``rtv/_metrics.py``) summarizes by the same rules.
+summarizes by the same rules (:data:`ringq.engine.metrics.BUCKET`).
 """
 
 from __future__ import annotations
@@ -23,42 +23,17 @@ from dataclasses import dataclass
 from typing import Final
 
 import numpy as np
+from ringq.engine import metrics as M
 
 from . import _sample as S
 from ._t4 import T4Reader
 
 DAY: Final = 86_400.0
-MAX: Final = "max"
-MEAN: Final = "mean"
-LAST: Final = "last"
-# How a bucket summarizes each key (t: the last point's time).
-BUCKET: Final = {
-    S.T: LAST,
-    S.CAPACITY: LAST,
-    S.DEPTH: MAX,
-    S.HEAD: LAST,
-    S.TAIL: LAST,
-    S.ENQ_RATE: MEAN,
-    S.DEQ_RATE: MEAN,
-    S.ENQ_P50: MEAN,
-    S.ENQ_P99: MAX,
-    S.DEQ_P50: MEAN,
-    S.DEQ_P99: MAX,
-    S.FULL: MEAN,
-    S.EMPTY: MEAN,
-    S.RETRIES: MAX,
-    S.EXCEPTIONS: MAX,
-    S.COMMITS: MEAN,
-    S.ROLLBACKS: MEAN,
-    S.WAIT_READY: MAX,
-    S.WAIT_SPACE: MAX,
-    S.POISONED: MAX,
-    S.DEAD_ROWS: MAX,
-}
+BUCKET: Final = M.BUCKET  # how a bucket sums up each key (t: the last point's time)
 _RULES = [BUCKET[k] for k in S.NUMERIC_KEYS]
-_MAX_COLS = [i for i, r in enumerate(_RULES) if r == MAX]
-_MEAN_COLS = [i for i, r in enumerate(_RULES) if r == MEAN]
-_LAST_COLS = [i for i, r in enumerate(_RULES) if r == LAST]
+_MAX_COLS = [i for i, r in enumerate(_RULES) if r == M.MAX]
+_MEAN_COLS = [i for i, r in enumerate(_RULES) if r == M.MEAN]
+_LAST_COLS = [i for i, r in enumerate(_RULES) if r == M.LAST]
 # Bucket widths, seconds: a thinned answer uses the smallest one wide enough,
 # so buckets fall on round times and stay put from one request to the next.
 NICE_STEPS: Final = (1, 2, 5, 10, 15, 20, 30, 60, 120, 300, 600, 900, 1800, 3600)

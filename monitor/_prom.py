@@ -15,9 +15,6 @@ from ringq.engine import Section
 from ringq.engine import layout as L
 from ringq.engine import metrics as M
 
-from . import _clients as C
-from . import _sample as S
-
 if TYPE_CHECKING:
     from prometheus_client.metrics_core import Metric
 
@@ -48,8 +45,8 @@ _GAUGES: Final = {
 }
 # gauges from the monitor's last sample (need the database)
 _SAMPLED: Final = {
-    S.EXCEPTIONS: ("ringq_queue_exceptions", "Entries in the exception table."),
-    S.DEAD_ROWS: ("ringq_queue_dead_rows", "Dead row versions in the queue's table."),
+    M.EXCEPTIONS: ("ringq_queue_exceptions", "Entries in the exception table."),
+    M.DEAD_ROWS: ("ringq_queue_dead_rows", "Dead row versions in the queue's table."),
 }
 
 # per-client counters, labels pid and role (client key -> (name without _total, help))
@@ -203,12 +200,12 @@ def _client_metrics(clients: list[dict[str, Any]]) -> Iterator[Metric]:
     )
     roles: dict[str, int] = {}
     for c in clients:
-        roles[c[C.ROLE]] = roles.get(c[C.ROLE], 0) + 1
+        roles[c[M.ROLE]] = roles.get(c[M.ROLE], 0) + 1
     for role, n in sorted(roles.items()):
         by_role.add_metric([role], n)
     yield by_role
     shown = sorted(
-        clients, key=lambda c: (c[C.ROLE] != M.ROLE_WORKER, -c[M.COMMITS], c[C.PID])
+        clients, key=lambda c: (c[M.ROLE] != M.ROLE_WORKER, -c[M.COMMITS], c[M.PID])
     )[:MAX_CLIENT_SERIES]
     omitted = GaugeMetricFamily(
         "ringq_client_series_omitted",
@@ -224,13 +221,13 @@ def _client_metrics(clients: list[dict[str, Any]]) -> Iterator[Metric]:
     # One session per process is the usual case; several sessions of one process are summed.
     merged: dict[tuple[str, str], dict[str, float]] = {}
     for c in shown:
-        m = merged.setdefault((str(c[C.PID]), c[C.ROLE]), {})
-        for k in (*_CLIENT_COUNTERS, C.COMMIT_RATE):
+        m = merged.setdefault((str(c[M.PID]), c[M.ROLE]), {})
+        for k in (*_CLIENT_COUNTERS, M.COMMIT_RATE):
             m[k] = m.get(k, 0) + c[k]
     for lv, m in merged.items():
         for k, fam in fams.items():
             fam.add_metric(list(lv), m[k])
-        rate.add_metric(list(lv), m[C.COMMIT_RATE])
+        rate.add_metric(list(lv), m[M.COMMIT_RATE])
     yield from fams.values()
     yield rate
 

@@ -7,7 +7,7 @@ import re
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from ringq.engine import MAX_CAPACITY, ConfigError
+from ringq.engine import MAX_CAPACITY, ConfigError, validate_int
 
 from ._payload import MIN_PAYLOAD
 
@@ -98,10 +98,10 @@ class RegressConfig:
                 f"at most {MAX_QUEUES} payload sizes (one queue each), not {len(sizes)}"
             )
         for s in sizes:
-            _int_in("a payload size", s, MIN_PAYLOAD, MAX_PAYLOAD_SIZE)
-        _int_in("capacity", self.capacity, 2, MAX_CAPACITY)
-        _int_in("entries_per_queue", self.entries_per_queue, 1, 1 << 40)
-        _int_in("producers", self.producers, 1, MAX_PRODUCERS)
+            validate_int("a payload size", s, MIN_PAYLOAD, MAX_PAYLOAD_SIZE)
+        validate_int("capacity", self.capacity, 2, MAX_CAPACITY)
+        validate_int("entries_per_queue", self.entries_per_queue, 1, 1 << 40)
+        validate_int("producers", self.producers, 1, MAX_PRODUCERS)
         for name in ("rollback_rate", "two_phase_rate", "consumer_rollback_rate"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int | float) or not 0 <= v < 1:
@@ -161,8 +161,3 @@ def parse_sizes(text: str) -> tuple[int, ...]:
             )
         out.append(int(p) * mult)
     return tuple(out)
-
-
-def _int_in(what: str, value: object, low: int, high: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
-        raise ConfigError(f"{what} must be an integer from {low:,} to {high:,}, not {value!r}")

@@ -16,6 +16,7 @@ from typing import Any
 import psycopg
 from ringq.engine import (
     EntryNotFound,
+    QueueInfo,
     QueueNotFound,
     Section,
     check_dsn,
@@ -48,23 +49,16 @@ class QueueSummary:
 
 
 @dataclass(frozen=True)
-class QueueDetails:
-    """Everything ``ringq queue show`` reports about one queue.
+class QueueDetails(QueueInfo):
+    """Everything ``ringq queue show`` reports about one queue: its settings
+    (the fields of :class:`~ringq.engine.QueueInfo`), then the storage settings
+    and the figures of this moment.
 
     ``depth`` counts committed entries waiting, in the ring (``queued``) and in
     the SQL inbox (``inbox``); ``exceptions`` counts poison entries moved aside.
     Sizes are in bytes, ``full_timeout`` in seconds.
     """
 
-    id: int
-    name: str
-    capacity: int
-    max_payload: int
-    full_policy: str
-    full_timeout: float
-    dequeue_mode: str
-    max_deliveries: int
-    exception_queue: str | None
     fillfactor: int
     tablespace: str | None
     created_at: datetime

@@ -25,7 +25,7 @@ from typing import Any
 
 import psycopg
 import pytest
-from conftest import present
+from conftest import MonitorProcess, cli, present
 from ringq.cli import main
 from ringq.engine import (
     ConfigError,
@@ -37,6 +37,7 @@ from ringq.engine import (
     TransactionConflict,
     TransactionError,
     connect,
+    exits,
     from_psycopg,
     redact_dsn,
     section_name,
@@ -216,6 +217,33 @@ def test_cross_origin_reads_only_when_configured(
     for bad in ("http://h/path", "ftp://h", "http://h:abc", "yes"):
         with pytest.raises(ConfigError, match="cors_origin"):
             MonitorConfig(dsn, cors_origin=bad)
+
+
+def test_monitor_command_takes_the_cors_origin_from_its_option_or_variable(
+    dsn: str, make_queue: Callable[..., str], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    code, out, _ = cli(capsys, "monitor", "--help")
+    flat = " ".join(out.split())  # argparse wraps lines
+    assert code == 0 and "--cors-origin" in flat and "[env: RINGQ_MONITOR_CORS_ORIGIN]" in flat
+    code, _, err = cli(capsys, "monitor", "--dsn", dsn, "--cors-origin", "http://h/path")
+    assert code == exits.USAGE and "cors_origin" in err
+    make_queue()
+    origin = "http://127.0.0.1:7481"
+    env = {k: v for k, v in os.environ.items() if k != "RINGQ_MONITOR_CORS_ORIGIN"}
+    for name, extra, env_origin, sent in (
+        ("without", (), None, None),
+        ("option", ("--cors-origin", origin), None, origin),
+        ("variable", (), origin, origin),
+    ):
+        mon = MonitorProcess(
+            dsn, tmp_path / name, *extra,
+            env=env if env_origin is None else {**env, "RINGQ_MONITOR_CORS_ORIGIN": env_origin},
+        )
+        try:
+            status, headers = _get(mon.url + "/api/queues", origin=origin)
+        finally:
+            assert mon.stop() == exits.OK
+        assert status == 200 and headers.get("Access-Control-Allow-Origin") == sent, name
 
 
 def test_monitor_beyond_loopback_without_a_token_warns_and_queues_connections(

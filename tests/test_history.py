@@ -17,6 +17,7 @@ from typing import Any
 import numpy as np
 import pytest
 from conftest import wait_for
+from ringq.engine import metrics as M
 from ringq.monitor import _sample as S
 from ringq.monitor._history import BUCKET, HistoryReader, downsample
 from ringq.monitor._t4 import HEADER, T4Reader, T4Writer, file_for
@@ -76,8 +77,8 @@ def test_history_downsampling_never_exceeds_max_points(max_points: int) -> None:
     t = 1_900_000_000.0 + np.cumsum(rng.uniform(0.5, 1.5, 86_400))
     rows = np.ones((len(t), WIDTH))
     rows[:, 0] = t
-    p99 = S.NUMERIC_KEYS.index(S.ENQ_P99)
-    rate = S.NUMERIC_KEYS.index(S.ENQ_RATE)
+    p99 = S.NUMERIC_KEYS.index(M.ENQ_P99)
+    rate = S.NUMERIC_KEYS.index(M.ENQ_RATE)
     rows[40_000, p99] = 9_999.0
     rows[:, rate] = np.arange(len(t)) % 2 * 2.0  # alternating 0, 2: mean 1
     out, step = downsample(rows, max_points=max_points)
@@ -112,7 +113,7 @@ def test_history_t4_reader_reads_back_caches_and_reads_on(tmp_path: Path) -> Non
     r = T4Reader(tmp_path)
     rows = r.read("qa", midnight - 100, midnight + 100)
     assert rows[:, 0].tolist() == times
-    assert set(rows[:, S.NUMERIC_KEYS.index(S.DEPTH)]) == {3.0}
+    assert set(rows[:, S.NUMERIC_KEYS.index(M.DEPTH)]) == {3.0}
     assert r.read("qa", times[2], times[6])[:, 0].tolist() == times[3:7]  # since < t <= until
     parsed = r.parsed_rows
     assert r.read("qa", midnight - 100, midnight + 100).shape == (10, WIDTH)

@@ -25,7 +25,7 @@ from typing import Any
 import psycopg
 import pytest
 from conftest import MonitorProcess, drain, remove_section, wait_for
-from ringq.engine import ConfigError, Section, connect, pid_alive
+from ringq.engine import ConfigError, Section, Session, connect, pid_alive
 from ringq.engine import layout as L
 from ringq.monitor import Monitor, MonitorConfig, MonitorRunning, subscribe
 from ringq.monitor import _sample as S
@@ -932,6 +932,17 @@ def test_client_errors_are_not_logged_again_after_a_reconnect_or_a_monitor_resta
         before = runs()
         wait_for(lambda: runs() >= before + n, what=f"{n} client passes")
 
+    def too_large_logged_once(s: Session, mon: Monitor, logged: int, errors: int) -> None:
+        """A payload too large: one line after the ``logged`` ones, which says it was
+        the session's ``errors``-th error."""
+        with pytest.raises(PayloadTooLarge):
+            s.enqueue(q, b"y" * 17)
+        wait_for(lambda: len(lines()) >= logged + 1, what="the new error logged")
+        passes(mon)
+        assert [(r["kind"], r["count"], r["errors"]) for r in lines()[logged:]] == [
+            ("payload_too_large", 1, errors)
+        ]
+
     with connect(dsn) as s:
         with pytest.raises(PayloadTooLarge):
             s.enqueue(q, b"x" * 17)
@@ -955,13 +966,7 @@ def test_client_errors_are_not_logged_again_after_a_reconnect_or_a_monitor_resta
             ("payload_too_large", 1, 1), ("connection_lost", 1, 2)]
         assert recs[1]["backend_pid"] == s.backend_pid
 
-        with pytest.raises(PayloadTooLarge):  # a new error: exactly one new line
-            s.enqueue(q, b"y" * 17)
-        wait_for(lambda: len(lines()) >= 3, what="the new error logged")
-        passes(m)
-        assert [(r["kind"], r["count"], r["errors"]) for r in lines()[2:]] == [
-            ("payload_too_large", 1, 3)
-        ]
+        too_large_logged_once(s, m, logged=2, errors=3)  # a new error: exactly one new line
         assert m.status()["client_errors"] == 3
 
         s.rollback()
@@ -977,13 +982,8 @@ def test_client_errors_are_not_logged_again_after_a_reconnect_or_a_monitor_resta
         assert len(lines()) == 3  # not logged: it happened before this monitor watched
         st = m2.status()
         assert st["client_errors"] == 0 and st["client_errors_at_start"] >= 1
-        with pytest.raises(PayloadTooLarge):  # after the restart, new errors are logged once
-            s2.enqueue(q, b"w" * 17)
-        wait_for(lambda: len(lines()) >= 4, what="the error after the restart logged")
-        passes(m2)
-        assert [(r["kind"], r["count"], r["errors"]) for r in lines()[3:]] == [
-            ("payload_too_large", 1, 2)
-        ]
+        # after the restart, new errors are logged once
+        too_large_logged_once(s2, m2, logged=3, errors=2)
         assert m2.status()["client_errors"] == 1
         s2.rollback()
 

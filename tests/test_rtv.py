@@ -27,6 +27,7 @@ import psycopg
 import pytest
 from conftest import present, remove_section
 from ringq.engine import ConfigError, QueueFull, connect
+from ringq.engine import metrics as M
 from ringq.rtv import MonitorClient, MonitorError, MonitorUnavailable, Viewer, ViewerConfig
 from ringq.rtv import _metrics as K
 from ringq.rtv._source import normalize_client, thin
@@ -303,7 +304,7 @@ def test_proxy_forwards_the_monitor_token_and_reports_its_failures() -> None:
             doc = json.loads(body)
             assert [q["name"] for q in doc["queues"]] == ["alpha", "beta"]
             assert doc["interval"] == 1.0
-            assert set(doc["queues"][0]) == {K.NAME, K.TIME, *K.NUMERIC}
+            assert set(doc["queues"][0]) == {M.NAME, M.T, *K.NUMERIC}
             assert doc["queues"][0]["retries"] in (0.0, 1.0)  # booleans come out as numbers
             # The viewer's token never reaches the monitor; the monitor's does.
             assert {h for _, h in mon.requests} == {"Bearer mon-token"}
@@ -327,7 +328,7 @@ def test_proxy_forwards_the_monitor_token_and_reports_its_failures() -> None:
             assert [(c["pid"], c["role"]) for c in doc["clients"]] == [
                 (FakeMonitor.WORKER_PID, "worker"), (FakeMonitor.CLIENT_PID, "client")]
             worker, client = doc["clients"]
-            assert set(worker) == set(K.CLIENT_KEYS)
+            assert set(worker) == set(M.CLIENT_KEYS)
             assert (
                 worker["handled"] > 0 and worker["poisoned"] == 7 and worker["handled_rate"] == 97.0
             )
@@ -375,15 +376,15 @@ def test_viewer_asks_the_monitor_for_what_the_page_can_draw(fake_monitor: FakeMo
 
 def test_long_history_is_thinned_keeping_the_worst_moments() -> None:
     points = [
-        {K.TIME: float(t), **{k: 1.0 for k in K.NUMERIC}} for t in range(86_400)
+        {M.T: float(t), **{k: 1.0 for k in K.NUMERIC}} for t in range(86_400)
     ]
-    points[50_000][K.ENQ_P99] = 9_999.0
-    points[50_001][K.FULL] = 1.0
+    points[50_000][M.ENQ_P99] = 9_999.0
+    points[50_001][M.FULL] = 1.0
     thinned = thin(points, 1000)
     assert 900 <= len(thinned) <= 1001
-    assert thinned[-1][K.TIME] == 86_399.0
-    assert max(p[K.ENQ_P99] for p in thinned) == 9_999.0  # the p99 spike survives
-    assert max(p[K.FULL] for p in thinned) > 1.0 - 1e-9  # averaged, but visible
+    assert thinned[-1][M.T] == 86_399.0
+    assert max(p[M.ENQ_P99] for p in thinned) == 9_999.0  # the p99 spike survives
+    assert max(p[M.FULL] for p in thinned) > 1.0 - 1e-9  # averaged, but visible
     assert thin(points[:10], 1000) == points[:10]
 
 
@@ -391,18 +392,23 @@ def test_viewer_metric_names_are_the_monitors() -> None:
     from ringq.monitor import _sample as S
 
     assert set(K.NUMERIC) == set(S.NUMERIC_KEYS) - {S.T}
-    assert K.TIME == S.T and K.NAME == S.NAME
+    assert M.T == S.T and M.NAME == S.NAME
     assert set(K.BUCKET) == set(K.NUMERIC)
 
 
 def test_viewer_client_names_are_the_monitors() -> None:
     from ringq.monitor import _clients as C
 
-    assert set(K.CLIENT_KEYS) == set(C.CLIENT_KEYS)
-    assert K.CLIENT_COUNTERS == C.COUNTER_KEYS and K.CLIENT_RATES == C.RATE_KEYS
-    assert (K.PID, K.ROLE, K.STATE, K.QUEUES, K.BUSY_S, K.LAST_ERROR) == (
-        C.PID, C.ROLE, C.STATE, C.QUEUES, C.BUSY_S, C.LAST_ERROR)
-    assert (K.ERROR_KIND, K.ERROR_QUEUE, K.ERROR_SEQ, K.TIME) == (C.KIND, C.QUEUE, C.SEQ, C.T)
+    # The document the monitor serves for a client, and the viewer's row of it.
+    raw = C.Raw(cidx=0, pid=7, backend_pid=8, role=M.ROLE_WORKER, state=M.STATE_ACTIVE,
+                started_ns=1, registered_ns=1, qids=[(1, "q")],
+                stats={k: 1 for k in M.CLIENT_COUNTERS}, error=(1, 1, 0, 5, 1))
+    no_section: Any = None  # read only for the name of a queue id > 0
+    doc = C.client_doc(raw, None, {}, no_section)
+    assert set(doc) == set(normalize_client(doc)) == set(M.CLIENT_KEYS)
+    assert set(doc[M.LAST_ERROR]) == set(normalize_client(doc)[M.LAST_ERROR]) == {
+        M.ERROR_KIND, M.ERROR_QUEUE, M.ERROR_SEQ, M.T}
+    assert set(K.CLIENT_NUMERIC) <= set(M.CLIENT_KEYS)
 
 
 def test_clients_are_normalized() -> None:
@@ -416,11 +422,11 @@ def test_clients_are_normalized() -> None:
             "last_error": {"kind": "queue_full", "seq": 3.0},
         }
     )
-    assert row[K.PID] == 12 and row[K.BACKEND_PID] is None and row[K.STATE] == "active"
-    assert row[K.HANDLED] == 1.0 and row[K.FAILED] is None and row[K.TIMEOUTS] is None
-    assert row[K.QUEUES] == []
-    assert row[K.LAST_ERROR] == {"kind": "queue_full", "queue": None, "seq": 3, "t": None}
-    assert normalize_client({"pid": 5})[K.ROLE] == "client"
+    assert row[M.PID] == 12 and row[M.BACKEND_PID] is None and row[M.STATE] == "active"
+    assert row[M.HANDLED] == 1.0 and row[M.FAILED] is None and row[M.TIMEOUTS] is None
+    assert row[M.QUEUES] == []
+    assert row[M.LAST_ERROR] == {"kind": "queue_full", "queue": None, "seq": 3, "t": None}
+    assert normalize_client({"pid": 5})[M.ROLE] == "client"
 
 
 # -- the terminal view -------------------------------------------------------------------

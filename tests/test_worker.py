@@ -47,6 +47,14 @@ def enqueue(dsn: str, queue: str, *payloads: bytes) -> list[int]:
     return seqs
 
 
+def record_effect(session: Session, msg: Message, note: str) -> None:
+    """What an action did, a row of ``effects`` written in the message's transaction."""
+    session.connection.execute(
+        "INSERT INTO effects VALUES (%s, %s, %s, %s)",
+        (msg.seq, msg.deliveries, os.getpid(), note),
+    )
+
+
 def rows(dsn: str, query: str, *params: Any) -> list[tuple[Any, ...]]:
     with psycopg.connect(dsn, autocommit=True) as conn:
         return conn.execute(query, params).fetchall()
@@ -75,10 +83,7 @@ def test_action_commits_its_writes_and_chained_messages_together(
 
     @app.action(a)
     def step1(msg: Message, session: Session) -> None:
-        session.connection.execute(
-            "INSERT INTO effects VALUES (%s, %s, %s, 'step1')",
-            (msg.seq, msg.deliveries, os.getpid()),
-        )
+        record_effect(session, msg, "step1")
         session.enqueue(b, msg.payload + b"->step2")
 
     (seq,) = enqueue(dsn, a, b"order-1")
@@ -100,10 +105,7 @@ def test_chaining_across_two_queues_is_atomic_when_the_action_fails(
 
     @app.action(a)
     def step1(msg: Message, session: Session) -> None:
-        session.connection.execute(
-            "INSERT INTO effects VALUES (%s, %s, %s, 'step1')",
-            (msg.seq, msg.deliveries, os.getpid()),
-        )
+        record_effect(session, msg, "step1")
         session.enqueue(b, b"chained")
         if fail["yes"]:
             raise RuntimeError("the next step could not be prepared")
@@ -134,10 +136,7 @@ def test_always_raising_action_ends_in_the_exception_queue_after_max_deliveries(
     @app.action(q)
     def broken(msg: Message, session: Session) -> None:
         seen.append(msg.deliveries)
-        session.connection.execute(
-            "INSERT INTO effects VALUES (%s, %s, %s, 'broken')",
-            (msg.seq, msg.deliveries, os.getpid()),
-        )
+        record_effect(session, msg, "broken")
         raise ValueError("always")
 
     (seq,) = enqueue(dsn, q, b"poison")
@@ -169,10 +168,7 @@ def test_a_decline_commits_and_enqueues_its_reply(
     @app.action(q)
     def pay(msg: Message, session: Session) -> Decline:
         # The action records the refusal (an audit row) and declines: both commit.
-        session.connection.execute(
-            "INSERT INTO effects VALUES (%s, %s, %s, 'refused')",
-            (msg.seq, msg.deliveries, os.getpid()),
-        )
+        record_effect(session, msg, "refused")
         return Decline("insufficient funds", reply_to=replies, reply=b"refused:" + msg.payload)
 
     (seq,) = enqueue(dsn, q, b"pay 100")
@@ -210,14 +206,20 @@ def _timed_app(q: str, body: Callable[[Message, Session], None], timeout: float)
 
     @app.action(q, timeout=timeout)
     def act(msg: Message, session: Session) -> None:
-        session.connection.execute(
-            "INSERT INTO effects VALUES (%s, %s, %s, 'timed')",
-            (msg.seq, msg.deliveries, os.getpid()),
-        )
+        record_effect(session, msg, "timed")
         if msg.deliveries == 1:
             body(msg, session)
 
     return app
+
+
+def _timed_out_delivery(w: Worker) -> float:
+    """Run one delivery, which the time limit strikes: its seconds."""
+    t0 = time.monotonic()
+    assert w.run_one(wait=5)
+    elapsed = time.monotonic() - t0
+    assert w.stats()["timeouts"] == 1
+    return elapsed
 
 
 def test_time_limit_aborts_a_python_loop_and_rolls_back(
@@ -234,10 +236,7 @@ def test_time_limit_aborts_a_python_loop_and_rolls_back(
 
     (seq,) = enqueue(dsn, q, b"slow")
     with Worker(_timed_app(q, spin, 0.3), dsn) as w:
-        t0 = time.monotonic()
-        assert w.run_one(wait=5)
-        elapsed = time.monotonic() - t0
-        assert w.stats()["timeouts"] == 1
+        elapsed = _timed_out_delivery(w)
         assert rows(dsn, "SELECT count(*) FROM effects") == [(0,)]  # its write is gone
         assert w.run_one(wait=5)  # delivered again (the body only spins the first time)
         assert w.stats()["handled"] == 1
@@ -255,10 +254,7 @@ def test_time_limit_cancels_sql_in_progress_and_the_session_goes_on(
 
     (seq,) = enqueue(dsn, q, b"slow sql")
     with Worker(_timed_app(q, sleep_in_sql, 0.3), dsn) as w:
-        t0 = time.monotonic()
-        assert w.run_one(wait=5)
-        elapsed = time.monotonic() - t0
-        assert w.stats()["timeouts"] == 1
+        elapsed = _timed_out_delivery(w)
         assert w.run_one(wait=5)
         assert w.stats()["handled"] == 1
         # No statement of this session is still running on the server.
@@ -486,24 +482,40 @@ def test_sigterm_drains_the_message_in_flight_and_exits_0(
     assert [(m.seq, m.deliveries) for m in left] == [(later, 1)]
 
 
+def _second_sigterm_mid_action(
+    dsn: str,
+    make_queue: Callable[..., str],
+    worker_process: Callable[..., WorkerProcess],
+    payload: bytes,
+) -> tuple[WorkerProcess, str, int, int]:
+    """A worker handling ``payload``'s message gets SIGTERM, says it finishes
+    the message, then gets a second SIGTERM: (worker, queue, seq, child pid)."""
+    q = make_queue()
+    (blocked,) = enqueue(dsn, q, payload)
+    wp = worker_process(q)
+    child = wp.ready_pid(blocked)
+    wp.signal(signal.SIGTERM)
+    wp.wait_line(rf"{child} INFO .*finishing the message in flight")
+    wp.signal(signal.SIGTERM)
+    return wp, q, blocked, child
+
+
+def _rolled_back_and_back_on_the_queue(dsn: str, q: str, seq: int) -> None:
+    assert rows(dsn, "SELECT count(*) FROM effects") == [(0,)]
+    back = drain(dsn, q)
+    assert [m.seq for m in back] == [seq] and back[0].deliveries == 2
+
+
 def test_second_sigterm_aborts_the_message_in_flight(
     dsn: str,
     make_queue: Callable[..., str],
     effects: str,
     worker_process: Callable[..., WorkerProcess],
 ) -> None:
-    q = make_queue()
-    (blocked,) = enqueue(dsn, q, b"block")
-    wp = worker_process(q)
-    child = wp.ready_pid(blocked)
-    wp.signal(signal.SIGTERM)
-    wp.wait_line(rf"{child} INFO .*finishing the message in flight")
-    wp.signal(signal.SIGTERM)
+    wp, q, blocked, _ = _second_sigterm_mid_action(dsn, make_queue, worker_process, b"block")
     assert wp.wait() == WorkerExit.ABORTED
     assert wp.wait_line(r"aborted \(rolled back\)")
-    assert rows(dsn, "SELECT count(*) FROM effects") == [(0,)]
-    back = drain(dsn, q)
-    assert [m.seq for m in back] == [blocked] and back[0].deliveries == 2
+    _rolled_back_and_back_on_the_queue(dsn, q, blocked)
 
 
 def test_third_sigterm_kills_an_action_that_cannot_be_interrupted(
@@ -512,35 +524,32 @@ def test_third_sigterm_kills_an_action_that_cannot_be_interrupted(
     effects: str,
     worker_process: Callable[..., WorkerProcess],
 ) -> None:
-    q = make_queue()
-    (blocked,) = enqueue(dsn, q, b"block-noalarm")
-    wp = worker_process(q)
-    child = wp.ready_pid(blocked)
-    wp.signal(signal.SIGTERM)
-    wp.wait_line(rf"{child} INFO .*finishing the message in flight")
-    wp.signal(signal.SIGTERM)
+    wp, q, blocked, child = _second_sigterm_mid_action(
+        dsn, make_queue, worker_process, b"block-noalarm"
+    )
     wp.wait_line(rf"{child} WARNING .*second SIGTERM")
     wp.signal(signal.SIGTERM)
     assert wp.wait() == WorkerExit.ABORTED
     assert wp.wait_line(rf"worker 0 \(pid {child}\) killed")
-    assert rows(dsn, "SELECT count(*) FROM effects") == [(0,)]
-    back = drain(dsn, q)  # the pool recovered the dead child's slot before exiting
-    assert [m.seq for m in back] == [blocked] and back[0].deliveries == 2
+    # the pool recovered the dead child's slot before exiting
+    _rolled_back_and_back_on_the_queue(dsn, q, blocked)
 
 
 def test_bad_target_and_missing_queue_exit_with_named_codes(
     dsn: str, make_queue: Callable[..., str], tmp_path: Path
 ) -> None:
-    env = dict(os.environ, PYTHONPATH=str(tmp_path))
-    r = subprocess.run(
-        [sys.executable, "-m", "ringq.cli", "worker", "no_such_module_here", "--dsn", dsn],
-        cwd=tmp_path,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-    )
+    def worker(target: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [sys.executable, "-m", "ringq.cli", "worker", target, "--dsn", dsn],
+            cwd=tmp_path,
+            env=dict(os.environ, PYTHONPATH=str(tmp_path)),
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=False,
+        )
+
+    r = worker("no_such_module_here")
     assert r.returncode == WorkerExit.USAGE, r.stderr
     assert "cannot import" in r.stderr
     make_queue()  # the schema exists, the queue below does not
@@ -548,13 +557,5 @@ def test_bad_target_and_missing_queue_exit_with_named_codes(
         "from ringq.worker import Actions\napp = Actions()\n"
         "app.add('q_not_there', lambda m, s: None)\n"
     )
-    r = subprocess.run(
-        [sys.executable, "-m", "ringq.cli", "worker", "wact_missing", "--dsn", dsn],
-        cwd=tmp_path,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-    )
+    r = worker("wact_missing")
     assert r.returncode == WorkerExit.NOT_FOUND, r.stderr

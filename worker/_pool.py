@@ -34,6 +34,7 @@ from ringq.engine import (
     exits,
     pid_alive,
     resolve_dsn,
+    validate_int,
 )
 from ringq.engine import layout as L
 from ringq.engine.recovery import recover_dead_clients
@@ -82,12 +83,7 @@ class PoolConfig:
     worker: WorkerConfig = field(default_factory=WorkerConfig)
 
     def __post_init__(self) -> None:
-        if (
-            isinstance(self.processes, bool)
-            or not isinstance(self.processes, int)
-            or not 1 <= self.processes <= 256
-        ):
-            raise ConfigError(f"processes must be 1..256, not {self.processes!r}")
+        validate_int("processes", self.processes, 1, 256)
         if self.start_method not in ("spawn", "fork", "forkserver"):
             raise ConfigError(
                 f"start_method must be spawn, fork or forkserver, not {self.start_method!r}"
