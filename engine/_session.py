@@ -11,14 +11,13 @@ from __future__ import annotations
 import logging
 import os
 import socket
-import threading
 import time
 import weakref
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from datetime import datetime
-from typing import Any, ClassVar, Self, TypeVar
+from typing import Any, Self, TypeVar
 
 import posix_ipc
 import psycopg
@@ -29,7 +28,6 @@ from . import _layout as L
 from ._decide import decide_ops, load_queue, resync_queue, wait_backend_gone
 from ._dsn import resolve_dsn
 from ._errors import (
-    DatabaseUnavailable,
     InDoubt,
     PayloadTooLarge,
     QueueFull,
@@ -44,7 +42,8 @@ from ._errors import (
 )
 from ._events import Subscription, publish
 from ._names import queue_table, validate_queue_name
-from ._ops import Op, OpKind, RowState
+from ._ops import POISON_REASON, Op, OpKind, RowState
+from ._process import _Process
 from ._queries import QUERIES as _Q
 from ._queue_info import QueueInfo as QueueInfo  # noqa: PLC0414 (re-exported for ringq.engine)
 from ._ring import Ring
@@ -59,7 +58,6 @@ _INERROR = TransactionStatus.INERROR
 T = TypeVar("T")
 
 SUPPORTED_SCHEMA = "1"
-POISON_REASON = "max deliveries reached"
 # A waiting dequeuer is woken by the commit that makes an entry ready (a
 # semaphore post); it also looks again this often, in seconds, as a safety net.
 CLAIM_RECHECK_S = 1.0
@@ -84,31 +82,6 @@ class Message:
     @property
     def redelivered(self) -> bool:
         return self.deliveries > 1
-
-
-class _Process:
-    """Per-process attachment: one Section per database instance, re-made after fork()."""
-
-    lock = threading.Lock()
-    pid = os.getpid()
-    sections: ClassVar[dict[str, Section]] = {}
-
-    @classmethod
-    def section(cls, instance: str) -> Section:
-        with cls.lock:
-            if cls.pid != os.getpid():
-                # Forked: the parent's mapping stays valid but its locks and
-                # client entries are not ours; start afresh.
-                cls.sections = {}
-                cls.pid = os.getpid()
-            sec = cls.sections.get(instance)
-            if sec is not None and (sec.closed or sec.unlinked()):
-                cls.sections.pop(instance, None)
-                sec = None
-            if sec is None:
-                sec = Section.attach(instance)
-                cls.sections[instance] = sec
-            return sec
 
 
 _producer_counter = iter(range(1, 1 << 62))
@@ -226,12 +199,16 @@ class Session(TwoPhase):
         old = getattr(self, "_finalizer", None)
         if old is not None:
             old.detach()
-        self._cidx = self._section.add_client(backend_pid)
-        self.owner = self._cidx + 1
+        sec = self._section
+        # owner: our token, written in the OWNER word of every slot we lock
+        # (with our backend pid in its HOLDER word); renewed at every reconnect.
+        self._cidx, self.owner = sec.add_client(backend_pid)
         if self._role:
-            self._section.set_client_role(self._cidx, self._role)
+            sec.set_client_role(self._cidx, self._role)
         # A session dropped without close() hands its entry to recovery.
-        self._finalizer = weakref.finalize(self, _orphaned, self._section, self._cidx, os.getpid())
+        self._finalizer = weakref.finalize(
+            self, _orphaned, sec, self._cidx, os.getpid(), sec.c(self._cidx, L.C_REGISTERED_NS)
+        )
 
     def _set_role(self, role: int) -> None:
         """Mark our client entry with ``role`` (CR_*), kept across re-registrations."""
@@ -273,27 +250,46 @@ class Session(TwoPhase):
         rolled back (other participants may have committed): it stays
         prepared, its slots held, for recovery (``resolve_prepared``) to commit.
         """
-        if self._closed:
-            return
         if os.getpid() != self._pid:
             self._closed = True  # the parent's connection and client entry are not ours
+            return
+        if self._closed:
+            self._release_entry()  # closed by a lost connection: the entry it took since
             return
         try:
             self._eager = False  # no BEGIN after the last rollback
             if self._tpc_decided:
                 self._leave_decided()
+            elif self._conn.closed or self._conn.broken:
+                # The server ended the connection and rolled back: nothing to
+                # send. Slots still held go to recovery (_release_entry).
+                logger.info("ringq: session closed after its connection was lost (%d slots left to recovery)",
+                            len(self._ops))
             elif self._ops or self._conn.info.transaction_status != _IDLE:
                 self.rollback()
-        except RingqError:
-            logger.warning("ringq: rollback at close failed", exc_info=True)
+        except RingqError as exc:
+            logger.info("ringq: rollback at close failed (slots left to recovery): %s", exc)
         finally:
             self._closed = True
-            if not self._ops:
-                self._section.remove_client(self._cidx)
-                self._finalizer.detach()
+            self._release_entry()
             self._conn.close()
             if self._aux is not None:
                 self._aux.close()
+
+    def _release_entry(self) -> None:
+        """Give up our client entry (once): freed if no slot is locked under
+        our token, else handed over to recovery, never freed: a later session
+        taking the entry must not inherit slots it knows nothing of."""
+        if not self._finalizer.alive:
+            return
+        self._finalizer.detach()
+        sec = self._section
+        if sec.closed:
+            return
+        if self._ops or sec.locked_under(self.owner, sec.client_queues(self._cidx)):
+            sec.hand_over_client(self._cidx)
+        else:
+            sec.remove_client(self._cidx)
 
     def __enter__(self) -> Self:
         return self
@@ -779,7 +775,7 @@ class Session(TwoPhase):
                     ring.remove_waiter(OpKind.ENQUEUE)
                     waiting = False
                 while len(got) < n:
-                    r = ring.reserve(self.owner)
+                    r = ring.reserve(self.owner, self.backend_pid)
                     if r is None:
                         break
                     got.append(r)
@@ -899,11 +895,11 @@ class Session(TwoPhase):
                     ring.remove_waiter(OpKind.DEQUEUE)
                     waiting = False
                 if max_n == 1:
-                    r = ring.claim(self.owner, exclusive=exclusive)
+                    r = ring.claim(self.owner, self.backend_pid, exclusive=exclusive)
                     if r is not None:
                         got.append(r)
                 else:
-                    got = ring.claim_many(self.owner, max_n, exclusive=exclusive)
+                    got = ring.claim_many(self.owner, self.backend_pid, max_n, exclusive=exclusive)
                 if not got:
                     ring.note_empty()
                     if deadline is not None and deadline > time.monotonic():
@@ -970,42 +966,70 @@ class Session(TwoPhase):
     # -- recovery ------------------------------------------------------------------------
 
     def _recover(self, ops: list[Op], *, reason: str) -> bool | None:
-        """Decide ``ops`` from the rows after the connection was lost.
+        """Decide ``ops`` from the rows after the connection was lost, then go
+        on with a new connection under a new token.
+
+        Our old backend must end first (its transaction may still be
+        committing): it is ended and waited for, then ``ops`` are decided under
+        our old token. If anything fails on the way, that identity (the entry,
+        its token and old backend, the slots) is handed over to recovery,
+        which decides later, and the session takes a fresh entry; it stays
+        open if its new connection works, else it is closed.
 
         Returns True if the transaction committed, False if not, None if it
-        could not be decided now (then the monitor decides later).
+        could not be decided now.
         """
-        old_pid = self.backend_pid
+        old_pid, old_token, old_conn = self.backend_pid, self.owner, self._conn
         with suppress(Exception):  # already broken: closing is a courtesy
-            self._conn.close()
+            old_conn.close()
         try:
-            new = self._open_connection()
-        except DatabaseUnavailable:
-            # Hand the slots over to the monitor: it decides them from the rows
-            # once the database is back.
-            if ops:
-                self._section.hand_over_client(self._cidx)
-                self._finalizer.detach()
-                self._register_client(0)
-            self._closed = True
+            self._conn = self._open_connection()
+            committed = self._call(lambda: self._decide_lost(ops, old_pid, old_token), recover=False)
+        except Exception as exc:  # noqa: BLE001 - whatever failed, recovery decides, never a later session
+            self._hand_over(old_conn, reason=f"{reason}; deciding failed: {exc}", slots=len(ops))
             return None
-        self._conn = new
-
-        def decide() -> tuple[bool | None, tuple[Any, ...] | None]:
-            with psycopg.connect(self.dsn, autocommit=True) as aux:
-                wait_backend_gone(aux, old_pid)
-                committed = self._decide_from_rows(aux, ops)
-            row = self._conn.execute(_Q["backend_pid"]).fetchone()
-            self._conn.rollback()
-            return committed, row
-
-        committed, row = self._call(decide, recover=False)
-        assert row is not None
-        self.backend_pid = row[0]
-        self._section.set_client_backend(self._cidx, self.backend_pid)
-        self._begin()
+        self.backend_pid = self._conn.info.backend_pid
+        self.owner = self._section.renew_client(self._cidx, self.backend_pid)
         logger.warning("ringq: connection lost (%s); %d slots decided from rows", reason, len(ops))
+        self._begin()
         return committed
+
+    def _decide_lost(self, ops: list[Op], old_pid: int, old_token: int) -> bool | None:
+        """Decide the slots of our lost connection (backend ``old_pid``) that
+        ``old_token`` still holds, once that backend has ended; then give up a
+        single-dequeuer role that token holds with nothing left in flight."""
+        if not ops:
+            return None
+        with psycopg.connect(self.dsn, autocommit=True, connect_timeout=max(1, int(self._connect_timeout))) as aux:
+            wait_backend_gone(aux, old_pid)
+            committed = decide_ops(self._section, aux, ops, old_token)
+        sec = self._section
+        for op in ops:
+            sec.lock_queue(op.ring.qidx)
+            try:
+                if op.ring.role_owner() == old_token and not sec.locked_under(old_token, [op.ring.qidx]):
+                    op.ring.release_role(old_token)
+            finally:
+                sec.unlock_queue(op.ring.qidx)
+        return committed
+
+    def _hand_over(self, old_conn: psycopg.Connection[Any], *, reason: str, slots: int) -> None:
+        """Deciding our lost connection's slots failed: hand our entry (its
+        token and old backend) over to recovery and take a fresh one; closed
+        unless the new connection works."""
+        self._release_entry()  # handed over if anything is locked under our token, else freed
+        conn = self._conn
+        healthy = conn is not old_conn and not conn.closed and not conn.broken
+        if not healthy:
+            with suppress(Exception):
+                conn.close()
+        self.backend_pid = conn.info.backend_pid if healthy else 0
+        self._register_client(self.backend_pid)
+        if not healthy:
+            self._release_entry()  # a closed session needs no entry
+            self._closed = True
+        logger.warning("ringq: connection lost (%s); %d slots left to recovery%s",
+                       reason, slots, "" if healthy else "; session closed")
 
     def _decide_from_rows(self, conn: psycopg.Connection[Any], ops: list[Op]) -> bool | None:
         if not ops:
@@ -1048,11 +1072,11 @@ class Session(TwoPhase):
         return self._ring(self._info(queue))
 
 
-def _orphaned(sec: Section, cidx: int, pid: int) -> None:
+def _orphaned(sec: Section, cidx: int, pid: int, registered_ns: int) -> None:
     """Finalizer of a session never closed: let recovery decide its slots and free it."""
     if os.getpid() != pid or sec.closed:
         return
-    sec.hand_over_client(cidx, pid=pid)
+    sec.hand_over_client(cidx, pid=pid, registered_ns=registered_ns)
 
 
 def _as_bytes(payload: object) -> bytes:
