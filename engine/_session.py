@@ -146,6 +146,7 @@ class Session(TwoPhase):
         self._rings: dict[int, Ring] = {}
         self._stmts: dict[tuple[str, str], str] = {}
         self._closed = False
+        self._closing = False
         self._tpc_reset()
         self._role = L.CR_CLIENT  # C_ROLE of our client entry (a worker sets CR_WORKER)
         self._conn = self._open_connection()
@@ -266,6 +267,7 @@ class Session(TwoPhase):
                 logger.info("ringq: session closed after its connection was lost (%d slots left to recovery)",
                             len(self._ops))
             elif self._ops or self._conn.info.transaction_status != _IDLE:
+                self._closing = True  # a rollback that finds the connection lost does not reconnect
                 self.rollback()
         except RingqError as exc:
             logger.info("ringq: rollback at close failed (slots left to recovery): %s", exc)
@@ -982,6 +984,8 @@ class Session(TwoPhase):
         old_pid, old_token, old_conn = self.backend_pid, self.owner, self._conn
         with suppress(Exception):  # already broken: closing is a courtesy
             old_conn.close()
+        if self._closing:
+            return None  # close() hands what we hold over to recovery
         try:
             self._conn = self._open_connection()
             committed = self._call(lambda: self._decide_lost(ops, old_pid, old_token), recover=False)
@@ -990,7 +994,8 @@ class Session(TwoPhase):
             return None
         self.backend_pid = self._conn.info.backend_pid
         self.owner = self._section.renew_client(self._cidx, self.backend_pid)
-        logger.warning("ringq: connection lost (%s); %d slots decided from rows", reason, len(ops))
+        logger.log(logging.WARNING if ops else logging.INFO,
+                   "ringq: connection lost (%s); %d slots decided from rows", reason, len(ops))
         self._begin()
         return committed
 

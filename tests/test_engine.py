@@ -907,3 +907,35 @@ def test_client_entry_records_the_errors_it_hits_not_the_callers_sql(dsn, make_q
         assert n == 2 and M.error_kind(code) == "row_mismatch" and eq == qid and seq == 0
         assert sec.client_queues(cidx) == [ring.qidx]
         assert M.client_stats(sec, cidx)[M.ERRORS] == 2
+
+
+@pytest.mark.parametrize("holding", [False, True])
+def test_close_after_the_server_ended_the_connection_is_quiet(dsn, make_queue, caplog, holding):
+    """Issue point 11: no ROLLBACK tried on a dead connection, no traceback at
+    WARNING; at most one INFO line. A held entry goes to recovery."""
+    import logging
+
+    from ringq.engine.recovery import recover_dead_clients
+
+    q = make_queue()
+    with connect(dsn) as p:
+        p.enqueue(q, b"x")
+        p.commit()
+    s = connect(dsn)
+    sec, ring = s.section, s.ring(q)
+    if holding:
+        assert s.dequeue(q) is not None
+    _terminate(dsn, s.backend_pid)
+    with caplog.at_level(logging.INFO, logger="ringq"):
+        s.close()
+    ours = [r for r in caplog.records if r.name.startswith("ringq")]
+    assert [r.levelno for r in ours] == [logging.INFO] and not ours[0].exc_info
+    assert s.closed
+    deadline = time.monotonic() + 5
+    while ring.counts()["locked"] and time.monotonic() < deadline:
+        recover_dead_clients(sec, dsn)
+    assert ring.counts()["locked"] == 0
+    with connect(dsn) as c:
+        m = c.dequeue(q)
+        assert m is not None and m.deliveries == (2 if holding else 1)
+        c.commit()

@@ -508,6 +508,10 @@ def test_backends_terminated_under_load_leave_no_slot_stuck(
             got = {bytes(r[0]) for r in c.execute("SELECT payload FROM got").fetchall()}
         return sent, got
 
+    def drained() -> bool:
+        sent, got = sent_and_got()
+        return sent <= got
+
     def locked() -> int:
         with connect(dsn) as s:
             return s.ring(queue).counts()["locked"]
@@ -529,7 +533,7 @@ def test_backends_terminated_under_load_leave_no_slot_stuck(
         # The consumers keep running: they (and the monitor) must drain the
         # queue, every committed entry, while the processes stay alive.
         try:
-            wait_for(lambda: (lambda s, g: s <= g)(*sent_and_got()) and not locked(), 30,
+            wait_for(lambda: drained() and not locked(), 30,
                      "the queue to drain while its clients live")
         except AssertionError:
             sent, got = sent_and_got()
