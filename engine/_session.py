@@ -93,15 +93,14 @@ def connect(
     producer: str | None = None,
     connect_timeout: float = 10.0,
     application_name: str = "ringq",
-    eager_begin: bool = True,
 ) -> Session:
     """Open a session: DSN from the argument, else ``RINGQ_DSN``, else the embedded cluster.
 
-    With ``eager_begin`` (the default) the session sends the next ``BEGIN``
-    together with each ``COMMIT``/``ROLLBACK`` (one round trip), so an
-    enqueue or dequeue is one round trip; the connection then shows as
-    "idle in transaction" between transactions, holding no snapshot and no
-    transaction id (so it does not hold back vacuum).
+    Between transactions the session's connection is idle, never "idle in
+    transaction": it holds no snapshot, its table statistics reach
+    PostgreSQL, and ``idle_in_transaction_session_timeout`` cannot end it.
+    A transaction's BEGIN travels with its first queue statement (one round
+    trip), so a single-entry enqueue or dequeue and its commit cost two.
 
     :raises DatabaseUnavailable: the database cannot be reached.
     :raises SchemaMissing: the database holds no ringq schema (create a queue first).
@@ -112,7 +111,6 @@ def connect(
         producer=producer,
         connect_timeout=connect_timeout,
         application_name=application_name,
-        eager_begin=eager_begin,
     )
 
 
@@ -132,10 +130,8 @@ class Session(TwoPhase):
         producer: str | None = None,
         connect_timeout: float = 10.0,
         application_name: str = "ringq",
-        eager_begin: bool = True,
     ) -> None:
         self.dsn = dsn
-        self._eager = eager_begin
         self._connect_timeout = connect_timeout
         self._appname = application_name
         self._pid = os.getpid()
@@ -151,7 +147,6 @@ class Session(TwoPhase):
         self._role = L.CR_CLIENT  # C_ROLE of our client entry (a worker sets CR_WORKER)
         self._conn = self._open_connection()
         self._attach()
-        self._begin()
 
     # -- life cycle -----------------------------------------------------------------
 
@@ -168,9 +163,8 @@ class Session(TwoPhase):
 
     def _attach(self) -> None:
         def read_instance() -> tuple[Any, ...] | None:
-            row = self._conn.execute(_Q["instance"]).fetchone()
-            self._conn.rollback()
-            return row
+            with self._outside_transaction() as conn:
+                return conn.execute(_Q["instance"]).fetchone()
 
         try:
             row = self._call(read_instance, recover=False)
@@ -220,29 +214,21 @@ class Session(TwoPhase):
         """Write (word, value) pairs into our client entry (a worker's counters)."""
         self._section.set_client_words(self._cidx, words)
 
-    def _begin(self) -> None:
-        """Start the next transaction now, if eager (psycopg would otherwise send
-        BEGIN as an extra round trip before the first statement)."""
-        if self._eager and self._conn.info.transaction_status == _IDLE:
-            self._execute(self._begin_sql(), recover=False)
-
-    def _begin_sql(self) -> str:
-        iso = self._conn.isolation_level
-        if iso is None:
-            return "BEGIN"
-        return "BEGIN ISOLATION LEVEL " + iso.name.replace("_", " ")
-
-    def _end(self, verb: str) -> None:
-        """COMMIT or ROLLBACK, and with eager begin the next BEGIN in the same round trip.
-
-        :raises RingqError: converted, not recovered: the caller decides what the failure means.
-        """
-        if self._eager and self._tpc_xid is None and self._conn.info.transaction_status != _IDLE:
-            self._execute(f"{verb}; {self._begin_sql()}", recover=False)  # simple protocol: one round trip
-        elif verb == "COMMIT":
-            self._call(self._conn.commit, recover=False)
-        else:
-            self._call(self._conn.rollback, recover=False)
+    @contextmanager
+    def _outside_transaction(self) -> Iterator[psycopg.Connection[Any]]:
+        """The session's connection in autocommit while no transaction is open
+        (each statement its own: nothing left open afterwards, no snapshot
+        held); inside the caller's transaction, the connection as it is."""
+        conn = self._conn
+        if conn.info.transaction_status != _IDLE or conn.autocommit:
+            yield conn
+            return
+        conn.autocommit = True  # no round trip: psycopg only stops sending BEGIN
+        try:
+            yield conn
+        finally:
+            if not conn.closed:
+                conn.autocommit = False
 
     def close(self) -> None:
         """Roll back anything open and release the connection; a second call does nothing.
@@ -258,7 +244,6 @@ class Session(TwoPhase):
             self._release_entry()  # closed by a lost connection: the entry it took since
             return
         try:
-            self._eager = False  # no BEGIN after the last rollback
             if self._tpc_decided:
                 self._leave_decided()
             elif self._conn.closed or self._conn.broken:
@@ -320,9 +305,12 @@ class Session(TwoPhase):
             # idle too, but undecided: tpc_commit/tpc_rollback finish it.)
             # If the connection is lost meanwhile, _call decides them
             # from a new one.
-            self._call(lambda: self._decide_from_rows(self._conn, self._ops))
+            def decide() -> None:
+                with self._outside_transaction() as conn:
+                    self._decide_from_rows(conn, self._ops)
+
+            self._call(decide)
             self._ops = []
-            self._begin()
         if self._section.unlinked() and not self._ops:
             self._reattach_section()
 
@@ -336,7 +324,6 @@ class Session(TwoPhase):
         self.producer = f"{socket.gethostname()}:{os.getpid()}:{next(_producer_counter)}"
         self._conn = self._open_connection()
         self._attach()
-        self._begin()
 
     def _reattach_section(self) -> None:
         old = self._section
@@ -360,7 +347,12 @@ class Session(TwoPhase):
         info = self._queues.get(name)
         if info is None:
             validate_queue_name(name)
-            row = self._execute(_Q["queue_info"], (name,)).fetchone()
+
+            def lookup() -> tuple[Any, ...] | None:
+                with self._outside_transaction() as conn:
+                    return conn.execute(_Q["queue_info"], (name,)).fetchone()
+
+            row = self._call(lookup)
             if row is None:
                 raise QueueNotFound(f"queue {name!r} does not exist", queue=name)
             info = QueueInfo(*row)
@@ -437,11 +429,19 @@ class Session(TwoPhase):
         seq: int = -1,
         recover: bool = True,
     ) -> psycopg.Cursor[Any]:
-        """Run one statement on the session's connection (or ``conn``); errors as in :meth:`_call`."""
+        """Run one statement on the session's connection (or ``conn``); errors as in :meth:`_call`.
+
+        The first statement of a transaction on the session's connection
+        carries its BEGIN in the same round trip (a pipeline), not one of its own.
+        """
         c = self._conn if conn is None else conn
-        return self._call(
-            lambda: c.execute(query, params, binary=binary), queue=queue, qid=qid, seq=seq, recover=recover
-        )
+
+        def run() -> psycopg.Cursor[Any]:
+            if c.info.transaction_status != _IDLE or c.autocommit:
+                return c.execute(query, params, binary=binary)
+            return _begin_with(c, query, params, binary)
+
+        return self._call(run, queue=queue, qid=qid, seq=seq, recover=recover)
 
     # -- transactions -------------------------------------------------------------------
 
@@ -479,7 +479,7 @@ class Session(TwoPhase):
             self.rollback()
             raise TransactionError("the transaction failed earlier and was rolled back")
         try:
-            self._end("COMMIT")
+            self._call(self._conn.commit, recover=False)
         except RingqError as err:
             exc = err.__cause__
             self._ops = []
@@ -515,18 +515,12 @@ class Session(TwoPhase):
             self.tpc_rollback()  # refuses once decided
             return
         ops, self._ops = self._ops, []
-        strikes = count_delivery and any(op.kind == OpKind.DEQUEUE for op in ops)
         try:
-            if strikes:
-                self._call(self._conn.rollback, recover=False)  # the strikes commit (and begin) afterwards
-            else:
-                self._end("ROLLBACK")
+            self._call(self._conn.rollback, recover=False)
         except RingqError as err:
             self._recover(ops, reason=f"rollback failed: {err.__cause__}")
             raise
         self._finish(ops, committed=False, count_delivery=count_delivery)
-        if strikes and not self._closed:
-            self._begin()
 
     @contextmanager
     def transaction(self) -> Iterator[Session]:
@@ -584,36 +578,41 @@ class Session(TwoPhase):
         for op in deq_ops:
             by_queue.setdefault(op.info.name, []).append(op)
         try:
-            for name, group in by_queue.items():
-                info = group[0].info
-                rows = self._execute(
-                    self._stmt("strike", name),
-                    {
-                        "max_deliveries": info.max_deliveries,
-                        "slots": [op.slot for op in group],
-                        "seqs": [op.seq for op in group],
-                        "queue_id": info.id,
-                        "reason": POISON_REASON,
-                    },
-                    recover=False,
-                ).fetchall()
-                for slot, seq, state, deliveries, moved_to, kept_because in rows:
-                    if state == RowState.CONSUMED:
-                        poisoned.add((slot, seq))
-                        logger.warning(
-                            "ringq: entry %s/%s poisoned after %s deliveries: moved to ringq.exceptions%s",
-                            name, seq, deliveries,
-                            f" and queue {moved_to}" if moved_to else f" only ({kept_because})" if kept_because else "",
-                        )
-            self._call(self._conn.commit, recover=False)  # _begin() follows in rollback()
+            # After the rollback, outside any transaction: each queue's strike
+            # is one statement that commits on its own (one round trip).
+            with self._outside_transaction():
+                for name, group in by_queue.items():
+                    poisoned |= self._strike_queue(name, group)
         except RingqError:
             # Losing a strike is harmless: the entry is redelivered; the
             # monitor counts strikes of clients that die.
             logger.warning("ringq: could not record a failed delivery", exc_info=True)
-            if not self._conn.closed:
-                with suppress(RingqError):
-                    self._call(self._conn.rollback, recover=False)
             return set()
+        return poisoned
+
+    def _strike_queue(self, name: str, group: list[Op]) -> set[tuple[int, int]]:
+        """Count a failed delivery on ``group``, rolled-back dequeues of queue ``name``."""
+        poisoned: set[tuple[int, int]] = set()
+        info = group[0].info
+        rows = self._execute(
+            self._stmt("strike", name),
+            {
+                "max_deliveries": info.max_deliveries,
+                "slots": [op.slot for op in group],
+                "seqs": [op.seq for op in group],
+                "queue_id": info.id,
+                "reason": POISON_REASON,
+            },
+            recover=False,
+        ).fetchall()
+        for slot, seq, state, deliveries, moved_to, kept_because in rows:
+            if state == RowState.CONSUMED:
+                poisoned.add((slot, seq))
+                logger.warning(
+                    "ringq: entry %s/%s poisoned after %s deliveries: moved to ringq.exceptions%s",
+                    name, seq, deliveries,
+                    f" and queue {moved_to}" if moved_to else f" only ({kept_because})" if kept_because else "",
+                )
         return poisoned
 
     # -- enqueue -----------------------------------------------------------------------
@@ -996,7 +995,6 @@ class Session(TwoPhase):
         self.owner = self._section.renew_client(self._cidx, self.backend_pid)
         logger.log(logging.WARNING if ops else logging.INFO,
                    "ringq: connection lost (%s); %d slots decided from rows", reason, len(ops))
-        self._begin()
         return committed
 
     def _decide_lost(self, ops: list[Op], old_pid: int, old_token: int) -> bool | None:
@@ -1075,6 +1073,40 @@ class Session(TwoPhase):
         """
         self._check()
         return self._ring(self._info(queue))
+
+
+def _begin_sql(conn: psycopg.Connection[Any]) -> str:
+    """The BEGIN psycopg would send, with the connection's transaction characteristics."""
+    parts = ["BEGIN"]
+    if conn.isolation_level is not None:
+        parts.append("ISOLATION LEVEL " + conn.isolation_level.name.replace("_", " "))
+    if conn.read_only is not None:
+        parts.append("READ ONLY" if conn.read_only else "READ WRITE")
+    if conn.deferrable is not None:
+        parts.append("DEFERRABLE" if conn.deferrable else "NOT DEFERRABLE")
+    return " ".join(parts)
+
+
+def _begin_with(
+    conn: psycopg.Connection[Any], query: str, params: Sequence[Any] | Mapping[str, Any] | None, binary: bool
+) -> psycopg.Cursor[Any]:
+    """Open a transaction on an idle connection with BEGIN and ``query`` in one round trip.
+
+    psycopg sends its implicit BEGIN on a round trip of its own (it waits for
+    the answer even in pipeline mode). In autocommit it sends none: we send
+    BEGIN ourselves, pipelined with the statement, then put the connection
+    back in the state psycopg's own BEGIN leaves it in (in a transaction,
+    autocommit off). The public setter refuses inside a transaction, hence
+    the private attribute, set to what it held before.
+    """
+    conn.autocommit = True
+    try:
+        with conn.pipeline():
+            conn.execute(_begin_sql(conn))
+            cur = conn.execute(query, params, binary=binary)
+    finally:
+        conn._autocommit = False  # see above
+    return cur
 
 
 def _orphaned(sec: Section, cidx: int, pid: int, registered_ns: int) -> None:
