@@ -30,6 +30,7 @@ from ._dsn import resolve_dsn
 from ._errors import (
     InDoubt,
     PayloadTooLarge,
+    QueueError,
     QueueFull,
     QueueNotFound,
     RingqError,
@@ -46,9 +47,11 @@ from ._ops import POISON_REASON, Op, OpKind, RowState
 from ._process import _Process
 from ._queries import QUERIES as _Q
 from ._queue_info import QueueInfo as QueueInfo  # noqa: PLC0414 (re-exported for ringq.engine)
+from ._recovery import recover_dead_clients
 from ._ring import Ring
 from ._section import Section
 from ._tpc import TwoPhase
+from ._validate import validate_seconds
 
 logger = logging.getLogger("ringq.engine")
 
@@ -61,6 +64,10 @@ SUPPORTED_SCHEMA = "1"
 # A waiting dequeuer is woken by the commit that makes an entry ready (a
 # semaphore post); it also looks again this often, in seconds, as a safety net.
 CLAIM_RECHECK_S = 1.0
+# A session that finds nothing ready (or no room) looks for dead holders in
+# the queue's way at most this often, in seconds, per process and queue.
+HELP_RECOVER_S = 1.0
+_last_help: dict[tuple[str, int], float] = {}  # (instance, queue id) -> monotonic time of the last look
 
 
 @dataclass(frozen=True)
@@ -796,6 +803,13 @@ class Session(TwoPhase):
                 sec.unlock_queue(ring.qidx)
             if got:
                 return got
+            try:
+                if not self_blocked and self._help_recover(ring, info):
+                    continue  # a dead holder's slots were decided: try again now
+            except BaseException:
+                if waiting:
+                    self._unwait(ring, OpKind.ENQUEUE)
+                raise
             if not waiting:
                 self._record_error(L.ERR_QUEUE_FULL, info.id, ring.head)
             if self_blocked:
@@ -910,7 +924,16 @@ class Session(TwoPhase):
                         waiting = True
             finally:
                 sec.unlock_queue(ring.qidx)
-            if got or not waiting:
+            if got:
+                return got
+            try:
+                if self._help_recover(ring, info):
+                    continue  # a dead holder's slots were decided: look again now
+            except BaseException:
+                if waiting:
+                    self._unwait(ring, OpKind.DEQUEUE)
+                raise
+            if not waiting:
                 return got
             assert deadline is not None
             if sem is None:
@@ -965,6 +988,64 @@ class Session(TwoPhase):
         self._call(lambda: resync_queue(self._section, ring, info, self.dsn), queue=info.name, recover=False)
 
     # -- recovery ------------------------------------------------------------------------
+
+    def _help_recover(self, ring: Ring, info: QueueInfo) -> bool:
+        """Nothing ready (or no room): if a dead holder's slot or dequeuer role
+        is in the queue's way, run recovery for it now rather than wait for a
+        monitor. Looked at most every ``HELP_RECOVER_S`` per process and
+        queue; returns True if recovery decided anything.
+
+        Failures are logged, not raised: the caller only found nothing.
+        """
+        key = (self.instance, ring.qid)
+        now = time.monotonic()
+        if now - _last_help.get(key, -HELP_RECOVER_S) < HELP_RECOVER_S:
+            return False
+        _last_help[key] = now
+        if not self._dead_in_the_way(ring):
+            return False
+        try:
+            recovered = recover_dead_clients(self._section, self.dsn)
+        except RingqError as exc:
+            logger.info("ringq: queue %s: recovering a dead holder in its way failed: %s", info.name, exc)
+            return False
+        if recovered:
+            logger.info("ringq: queue %s: a session recovered %d dead holders in its way", info.name, len(recovered))
+        return bool(recovered)
+
+    def _dead_in_the_way(self, ring: Ring) -> bool:
+        """Whether a slot of the queue, or its dequeuer role, is held under a
+        token whose holder is dead as the section tells (see Section.token_dead)."""
+        sec = self._section
+        tokens = {owner for _slot, owner, _holder in ring.locked_slots() if owner > 0}
+        tokens.add(ring.role_owner())
+        tokens -= {0, self.owner}
+        return any(sec.token_dead(t) for t in tokens)
+
+    def recover_dead_holders(self, queue: str, *, timeout: float = 30.0) -> None:
+        """Decide the slots of ``queue`` held by dead clients (a killed process,
+        a session that handed its slots over, an orphaned token), and its
+        dequeuer role, as the monitor would, and wait until none is left.
+
+        For a client taking over from a dead one (a mover) before it adds
+        anything behind those slots. Recovery waits for the dead holders'
+        backends to end, so this takes at least that long.
+
+        :raises QueueError: dead holders remain after ``timeout`` seconds.
+        :raises DatabaseUnavailable: the database cannot be reached.
+        """
+        self._check()
+        validate_seconds("timeout", timeout, 0.0, 86400.0)
+        info = self._info(queue)
+        ring = self._ring(info)
+        deadline = time.monotonic() + timeout
+        while self._dead_in_the_way(ring):
+            recover_dead_clients(self._section, self.dsn)
+            if not self._dead_in_the_way(ring):
+                return
+            if time.monotonic() >= deadline:
+                raise QueueError(f"queue {queue!r}: slots of dead clients still held after {timeout:g}s", queue=queue)
+            time.sleep(0.05)  # their backends are ending, or another process is recovering
 
     def _recover(self, ops: list[Op], *, reason: str) -> bool | None:
         """Decide ``ops`` from the rows after the connection was lost, then go

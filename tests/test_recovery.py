@@ -558,3 +558,56 @@ def test_close_never_frees_an_entry_with_slots_locked_under_it(dsn, make_queue):
     _recover_until(sec, dsn, lambda: ring.counts()["locked"] == 0)
     assert sec.c(cidx, L.C_STATE) == L.CS_FREE
     assert [m.payload for m in drain(dsn, q)] == [b"leaked"]
+
+
+# -- recovery does not need a monitor (issue point 1) ----------------------------------------------
+
+
+@pytest.mark.parametrize("mode", ["single", "shared"])
+def test_killed_consumer_entry_is_taken_by_another_consumer_without_a_monitor(dsn, make_queue, mode):
+    """No monitor runs: a consumer that finds nothing ready while a dead
+    client holds the queue's entry (and, in single mode, its dequeuer role)
+    decides it itself, within a few seconds."""
+    q = make_queue(dequeue_mode=mode)
+    with connect(dsn) as p:
+        p.enqueue(q, b"held by the dead")
+        p.commit()
+    _kill_holding(dsn, q, "deq")
+    with connect(dsn) as s:
+        t0 = time.monotonic()
+        m = s.dequeue(q, wait=10)
+        assert m is not None and m.payload == b"held by the dead" and m.deliveries == 2
+        assert time.monotonic() - t0 < 5
+        s.commit()
+        assert s.ring(q).counts()["locked"] == 0
+
+
+def test_a_full_queue_blocked_by_a_dead_producer_is_recovered_by_the_next_enqueue(dsn, make_queue):
+    q = make_queue(capacity=4)
+    with connect(dsn) as p:
+        for i in range(3):
+            p.enqueue(q, b"%d" % i)
+            p.commit()
+        assert [p.dequeue(q) is not None for _ in range(3)] == [True] * 3
+        p.commit()
+    _kill_holding(dsn, q, "enq")  # reserves the 4th slot, then dies: the tail cannot pass it
+    with connect(dsn) as s:
+        for i in range(4):
+            s.enqueue(q, b"after %d" % i, timeout=10)
+            s.commit()
+    assert [m.payload for m in drain(dsn, q)] == [b"after %d" % i for i in range(4)]
+
+
+def test_recover_dead_holders_waits_until_the_queue_is_clear(dsn, make_queue):
+    q = make_queue()
+    with connect(dsn) as p:
+        p.enqueue(q, b"x")
+        p.commit()
+    _kill_holding(dsn, q, "enq")
+    _kill_holding(dsn, q, "deq")
+    with connect(dsn) as s:
+        assert s.ring(q).counts()["locked"] == 2
+        s.recover_dead_holders(q, timeout=10)
+        assert s.ring(q).counts()["locked"] == 0
+        assert s.dequeue(q).deliveries == 2
+        s.commit()
