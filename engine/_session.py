@@ -51,7 +51,7 @@ from ._recovery import recover_dead_clients
 from ._ring import Ring
 from ._section import Section
 from ._tpc import TwoPhase
-from ._validate import validate_seconds
+from ._validate import as_payload, as_payloads, check_count, check_key, check_wait, validate_seconds
 
 logger = logging.getLogger("ringq.engine")
 
@@ -633,11 +633,15 @@ class Session(TwoPhase):
         seconds (default: the queue's full_timeout) under the 'block' policy.
 
         :raises QueueNotFound, PayloadTooLarge, QueueFull, SessionClosed, DatabaseUnavailable:
+        :raises InvalidArgumentType: the payload is not bytes-like, the key not a str.
+        :raises InvalidArgument: the key is over 1,000 bytes, the timeout negative.
         """
         self._check()
+        payload = as_payload(payload)
+        check_key(key)
+        check_wait("timeout", timeout)
         t0 = time.perf_counter_ns()
         info = self._info(queue)
-        payload = _as_bytes(payload)
         if len(payload) > info.max_payload:
             self._record_error(L.ERR_PAYLOAD_TOO_LARGE, info.id)
             raise PayloadTooLarge(
@@ -701,11 +705,16 @@ class Session(TwoPhase):
         raise SectionError(f"queue {queue!r}: could not reserve a slot after 8 attempts (section unstable)")
 
     def enqueue_many(self, queue: str, payloads: Iterable[bytes], *, timeout: float | None = None) -> list[int]:
-        """Enqueue several entries in one statement; returns their sequence numbers, in order."""
+        """Enqueue several entries in one statement; returns their sequence numbers, in order.
+
+        :raises InvalidArgumentType: ``payloads`` is not an iterable of bytes-like payloads.
+        :raises InvalidArgument: the timeout is negative.
+        """
         self._check()
+        items = as_payloads(payloads)
+        check_wait("timeout", timeout)
         t0 = time.perf_counter_ns()
         info = self._info(queue)
-        items = [_as_bytes(p) for p in payloads]
         for p in items:
             if len(p) > info.max_payload:
                 self._record_error(L.ERR_PAYLOAD_TOO_LARGE, info.id)
@@ -854,15 +863,19 @@ class Session(TwoPhase):
         return got[0] if got else None
 
     def dequeue_many(self, queue: str, max_n: int, *, wait: float | None = None) -> list[Message]:
-        """Take up to ``max_n`` ready entries (oldest first) in one statement."""
+        """Take up to ``max_n`` ready entries (oldest first) in one statement.
+
+        :raises InvalidArgumentType: ``max_n`` is not an int, ``wait`` not a number.
+        :raises InvalidArgument: ``max_n`` is below 1, ``wait`` negative.
+        """
         self._check()
-        if max_n < 1:
-            raise ValueError("max_n must be >= 1")
+        check_count("max_n", max_n)
+        check_wait("wait", wait)
         t0 = time.perf_counter_ns()
         info = self._info(queue)
         ring = self._ring(info)
         exclusive = info.dequeue_mode == "single"
-        deadline = None if wait is None else time.monotonic() + max(0.0, wait)
+        deadline = None if wait is None else time.monotonic() + wait
         for _attempt in range(64):
             claimed = self._claim(ring, info, max_n, deadline, exclusive)
             if not claimed:
@@ -1196,10 +1209,3 @@ def _orphaned(sec: Section, cidx: int, pid: int, registered_ns: int) -> None:
         return
     sec.hand_over_client(cidx, pid=pid, registered_ns=registered_ns)
 
-
-def _as_bytes(payload: object) -> bytes:
-    if isinstance(payload, bytes):
-        return payload
-    if isinstance(payload, bytearray | memoryview):
-        return bytes(payload)
-    raise TypeError(f"payload must be bytes, not {type(payload).__name__}")

@@ -1014,3 +1014,47 @@ def test_table_statistics_reach_postgresql_while_the_session_stays_open(dsn, mak
                 assert time.monotonic() < deadline, f"statistics not flushed: {row}"
                 time.sleep(0.1)
         assert not s.closed
+
+
+# -- arguments are checked up front, inside the RingqError tree (issue point 8) -----------------
+
+
+@pytest.mark.parametrize(
+    ("call", "error"),
+    [
+        (lambda s, q: s.enqueue(q, b"x", key=5), "type"),
+        (lambda s, q: s.enqueue(q, b"x", key="k" * 1001), "value"),
+        (lambda s, q: s.enqueue(q, b"x", key="a\x00b"), "value"),
+        (lambda s, q: s.enqueue(q, "text"), "type"),
+        (lambda s, q: s.enqueue(q, 5), "type"),
+        (lambda s, q: s.enqueue(q, None), "type"),
+        (lambda s, q: s.enqueue(q, b"x", timeout=-1), "value"),
+        (lambda s, q: s.enqueue(q, b"x", timeout=float("nan")), "value"),
+        (lambda s, q: s.enqueue(q, b"x", timeout="1"), "type"),
+        (lambda s, q: s.enqueue_many(q, b"abc"), "type"),
+        (lambda s, q: s.enqueue_many(q, ["a", "b"]), "type"),
+        (lambda s, q: s.enqueue_many(q, 5), "type"),
+        (lambda s, q: s.dequeue_many(q, 0), "value"),
+        (lambda s, q: s.dequeue_many(q, -3), "value"),
+        (lambda s, q: s.dequeue_many(q, 2.5), "type"),
+        (lambda s, q: s.dequeue_many(q, True), "type"),
+        (lambda s, q: s.dequeue(q, wait=-0.5), "value"),
+        (lambda s, q: s.dequeue(q, wait=float("inf")), "value"),
+    ],
+)
+def test_bad_arguments_raise_ringq_errors_before_anything_is_done(dsn, make_queue, call, error):
+    from ringq.engine import InvalidArgument, InvalidArgumentType, RingqError
+
+    q = make_queue()
+    with connect(dsn) as s:
+        with pytest.raises(InvalidArgument) as info:
+            call(s, q)
+        assert isinstance(info.value, RingqError)
+        assert isinstance(info.value, TypeError if error == "type" else ValueError)
+        assert isinstance(info.value, InvalidArgumentType) == (error == "type")
+        assert "UPDATE" not in str(info.value) and "SELECT" not in str(info.value)
+        assert s.ring(q).counts()["locked"] == 0  # nothing reserved
+        s.enqueue(q, b"ok", key="k" * 1000)  # the session goes on
+        s.commit()
+        assert s.dequeue(q).payload == b"ok"
+        s.commit()
