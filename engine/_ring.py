@@ -449,10 +449,11 @@ class Ring:
         """(slot, owner, holder) of every locked slot of the queue (a vectorized scan)."""
         s = self.sec
         words = s.lck[self.w0 : self.w0 + (self.cap + 63) // 64]
-        if not words.any():
+        nz = np.flatnonzero(words)  # few words hold a locked slot: unpack only those
+        if not nz.size:
             return []
-        bits = np.unpackbits(words.view(np.uint8), bitorder="little")[: self.cap]
-        slots = np.flatnonzero(bits)
+        rows, cols = np.nonzero(np.unpackbits(words[nz].view(np.uint8), bitorder="little").reshape(-1, 64))
+        slots = nz[rows] * 64 + cols
         owners = s.owner[self.base + slots]
         holders = s.holder[self.base + slots]
         return [(int(a), int(b), int(c)) for a, b, c in zip(slots, owners, holders, strict=True)]

@@ -550,6 +550,12 @@ class Section:
             i for i in range(L.MAX_CLIENTS) if self.clients[i * L.CLIENT_WORDS + L.C_STATE] != L.CS_FREE
         ]
 
+    def monitor_serving(self, fresh_s: float) -> bool:
+        """Whether a monitor's heartbeat is fresher than ``fresh_s`` seconds and its process lives."""
+        pid = self.header[L.H_MONITOR_PID]
+        beat = self.header[L.H_MONITOR_BEAT_NS]
+        return bool(pid) and time.time_ns() - beat < fresh_s * 1e9 and pid_alive(pid)
+
     # -- wake-ups -----------------------------------------------------------------
 
     def semaphore(self, qid: int, kind: str) -> posix_ipc.Semaphore:

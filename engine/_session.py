@@ -67,7 +67,13 @@ CLAIM_RECHECK_S = 1.0
 # A session that finds nothing ready (or no room) looks for dead holders in
 # the queue's way at most this often, in seconds, per process and queue.
 HELP_RECOVER_S = 1.0
+# With a monitor serving (its heartbeat fresher than MONITOR_FRESH_S), a
+# session leaves a dead holder to it (it recovers every 100 ms, and reports
+# the death) for MONITOR_GRACE_S seconds before it recovers it itself.
+MONITOR_FRESH_S = 2.0
+MONITOR_GRACE_S = 2.0
 _last_help: dict[tuple[str, int], float] = {}  # (instance, queue id) -> monotonic time of the last look
+_dead_since: dict[tuple[str, int], float] = {}  # (instance, queue id) -> when a dead holder was first seen
 
 
 @dataclass(frozen=True)
@@ -1004,9 +1010,10 @@ class Session(TwoPhase):
 
     def _help_recover(self, ring: Ring, info: QueueInfo) -> bool:
         """Nothing ready (or no room): if a dead holder's slot or dequeuer role
-        is in the queue's way, run recovery for it now rather than wait for a
-        monitor. Looked at most every ``HELP_RECOVER_S`` per process and
-        queue; returns True if recovery decided anything.
+        is in the queue's way, run recovery for it, at once when no monitor
+        serves, else after ``MONITOR_GRACE_S`` if the monitor has not. Looked
+        at most every ``HELP_RECOVER_S`` per process and queue; returns True
+        if recovery decided anything.
 
         Failures are logged, not raised: the caller only found nothing.
         """
@@ -1016,6 +1023,10 @@ class Session(TwoPhase):
             return False
         _last_help[key] = now
         if not self._dead_in_the_way(ring):
+            _dead_since.pop(key, None)
+            return False
+        since = _dead_since.setdefault(key, now)
+        if now - since < MONITOR_GRACE_S and self._section.monitor_serving(MONITOR_FRESH_S):
             return False
         try:
             recovered = recover_dead_clients(self._section, self.dsn)
