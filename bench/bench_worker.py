@@ -6,7 +6,7 @@ temporary home, the same server settings as ``ringq db start``, unless
 
 - **ringq p=1 / p=2**: a :class:`ringq.worker.WorkerPool` with 1 or 2 worker
   processes ("fork") on a shared-mode queue; each message is one transaction
-  (dequeue UPDATE, then ``COMMIT; BEGIN`` in one round trip).
+  (BEGIN with the dequeue UPDATE, then COMMIT: two round trips).
 - **ringq p=1 +limit**: p=1 with a 30 s time limit on the action (an
   ``ITIMER_REAL`` armed and disarmed per message; ``statement_timeout`` is set
   once per session), to show what the limit costs.

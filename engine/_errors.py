@@ -22,6 +22,16 @@ class ConfigError(RingqError, ValueError):
     """A setting or argument is invalid (bad name, bad number, bad mode)."""
 
 
+class InvalidArgument(ConfigError):
+    """An argument of a call has a value it cannot take (a negative wait,
+    ``max_n`` below 1, an idempotency key too long); nothing was done."""
+
+
+class InvalidArgumentType(InvalidArgument, TypeError):
+    """An argument of a call has a type it cannot take (a ``str`` payload, an
+    ``int`` key); nothing was done."""
+
+
 class InvalidQueueName(ConfigError):
     """A queue name does not match ``^[a-z][a-z0-9_]{0,47}$``."""
 

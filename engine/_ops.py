@@ -11,6 +11,8 @@ from dataclasses import dataclass
 from enum import IntEnum, StrEnum
 from typing import TYPE_CHECKING
 
+POISON_REASON = "max deliveries reached"  # the reason recorded with an entry moved to ringq.exceptions
+
 if TYPE_CHECKING:
     from ._queue_info import QueueInfo
     from ._ring import Ring

@@ -92,7 +92,6 @@ class TwoPhase:
             seq: int = -1,
             recover: bool = True,
         ) -> psycopg.Cursor[Any]: ...
-        def _begin(self) -> None: ...
         def _finish(
             self, ops: list[Op], *, committed: bool, count_delivery: bool = True
         ) -> None: ...
@@ -282,7 +281,6 @@ class TwoPhase:
                 logger.warning("ringq: could not clear the decision for %s (recovery will)", gid)
         try:
             self._finish(ops, committed=commit)
-            self._begin()
         finally:
             if ops:
                 try:

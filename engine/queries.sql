@@ -165,6 +165,13 @@ SELECT pg_backend_pid()
 SELECT pid, extract(epoch FROM backend_start) FROM pg_stat_activity
 WHERE pid = ANY(%s) AND datname = current_database()
 
+-- backends_in_transaction --
+-- The backends among the pids that may still end a transaction (committing or
+-- not): any state but idle. A pid not listed has ended, or sits outside any
+-- transaction, so rows it wrote are decided.
+SELECT pid, state IS DISTINCT FROM 'idle' OR backend_xid IS NOT NULL
+FROM pg_stat_activity WHERE pid = ANY(%s::integer[])
+
 -- backend_alive --
 SELECT count(*) FROM pg_stat_activity WHERE pid = %s
 

@@ -12,6 +12,7 @@ The functions are defined in ``ringq/engine/_recovery.py``.
 
 from __future__ import annotations
 
+from ._process import _Process
 from ._recovery import (
     DECIDED_GRACE_S,
     Recovered,
@@ -25,7 +26,6 @@ from ._recovery import (
     section_differences,
 )
 from ._section import Section
-from ._session import _Process
 
 __all__ = [
     "DECIDED_GRACE_S",

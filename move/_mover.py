@@ -10,9 +10,10 @@ of the destination queue (database 2). For each batch it
 4. then commits the dequeue in database 1.
 
 A mover killed between 3 and 4 leaves the entries committed in database 2
-and not consumed in database 1: once recovery (the monitor) has released
-them, they are delivered again, and the destination enqueue is a no-op by
-key. Nothing is lost (database 1 is committed last) and nothing arrives twice
+and not consumed in database 1: once recovery (the monitor, or the next
+mover: a mover taking over decides a dead predecessor's slots in both queues
+before it moves anything) has released them, they are delivered again, and
+the destination enqueue is a no-op by key. Nothing is lost (database 1 is committed last) and nothing arrives twice
 (the key). The two databases never learn that they took part in one move.
 
 Order: the source is dequeued oldest first by one mover at a time, so the
@@ -236,6 +237,7 @@ class _State:
     dst_qid: int = 0
     instance: str = ""
     careful: int = 0  # entries still to move one at a time after a failed batch
+    settled: bool = False  # a dead predecessor's slots in both queues decided since we became active
     batches_since_prune: int = 0
     prune_upto: int = -1  # highest destination seq whose source dequeue committed
     stats: dict[str, int] = field(default_factory=dict)
@@ -406,6 +408,7 @@ class Mover:
     def _release(self) -> None:
         s = self._s
         s.active = False
+        s.settled = False
         # Spent keys may be pruned only up to what we moved while holding the
         # lock without a break: start that count again.
         s.prune_upto = -1
@@ -438,6 +441,15 @@ class Mover:
         s = self._s
         src, dst = s.src, s.dst
         assert src is not None and dst is not None
+        if not s.settled:
+            # A mover that died before us may hold slots in both queues: in
+            # the destination, entries it committed but had not yet published.
+            # Anything we moved now would come out before them (a consumer
+            # reads past locked slots): a producer's order broken. So decide
+            # them first (no monitor needed), then move.
+            src.recover_dead_holders(self.src_queue)
+            dst.recover_dead_holders(self.dst_queue)
+            s.settled = True
         n = max_n or self.config.batch
         if s.careful:
             n = 1

@@ -633,7 +633,7 @@ def run_cycle(
     errors: list[str] = []
     max_depth = [0] * nq
 
-    with connect(dsn, application_name="ringq-regress", eager_begin=False) as watcher:
+    with connect(dsn, application_name="ringq-regress") as watcher:
         before = [watcher.stats(ref.name) for ref in run.queues]
         watcher.commit()  # the queue lookups above opened a transaction; stats need none
         t0 = time.monotonic()
@@ -793,7 +793,7 @@ def _reconnect_watcher(dsn: str) -> Session:
     deadline = time.monotonic() + 60.0
     while True:
         try:
-            w = connect(dsn, application_name="ringq-regress", eager_begin=False)
+            w = connect(dsn, application_name="ringq-regress")
             w.commit()
             return w
         except LOST_SESSION:

@@ -793,9 +793,11 @@ def test_a_decided_transaction_left_at_close_is_committed_by_recovery(
     assert resolve_prepared(sec, dsn, timeout_s=0) == []
 
 
-def test_tpc_commit_clears_the_decision_even_if_the_next_begin_fails(
+def test_tpc_commit_clears_the_decision_even_if_what_follows_fails(
     dsn: str, make_queue: Callable[..., str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    from ringq.engine.recovery import recover_dead_clients
+
     q = make_queue()
     with connect(dsn) as s:
         s.tpc_begin(s.xid(uuid.uuid4().hex))
@@ -803,14 +805,19 @@ def test_tpc_commit_clears_the_decision_even_if_the_next_begin_fails(
         s.tpc_prepare()
         s.tpc_decide()
 
-        def begin_fails() -> None:
-            raise DatabaseUnavailable("no BEGIN after COMMIT PREPARED")
+        def finish_fails(*args: object, **kwargs: object) -> None:
+            raise DatabaseUnavailable("failed after COMMIT PREPARED")
 
-        monkeypatch.setattr(s, "_begin", begin_fails)
+        monkeypatch.setattr(s, "_finish", finish_fails)
         with pytest.raises(DatabaseUnavailable):
             s.tpc_commit()
         assert prepared_gids(dsn) == [] and decided_gids(dsn) == []
         monkeypatch.undo()
+        sec, ring = s.section, s.ring(q)
+    # The slot the session could not finish went to recovery at close.
+    deadline = time.monotonic() + 5
+    while ring.counts()["locked"] and time.monotonic() < deadline:
+        recover_dead_clients(sec, dsn)
     assert [m.payload for m in drain(dsn, q)] == [b"committed"]
 
 
@@ -966,3 +973,147 @@ def test_client_entry_records_the_errors_it_hits_not_the_callers_sql(
         assert n == 2 and M.error_kind(code) == "row_mismatch" and eq == qid and seq == 0
         assert sec.client_queues(cidx) == [ring.qidx]
         assert M.client_stats(sec, cidx)[M.ERRORS] == 2
+
+
+@pytest.mark.parametrize("holding", [False, True])
+def test_close_after_the_server_ended_the_connection_is_quiet(dsn, make_queue, caplog, holding):
+    """Issue point 11: no ROLLBACK tried on a dead connection, no traceback at
+    WARNING; at most one INFO line. A held entry goes to recovery."""
+    import logging
+
+    from ringq.engine.recovery import recover_dead_clients
+
+    q = make_queue()
+    with connect(dsn) as p:
+        p.enqueue(q, b"x")
+        p.commit()
+    s = connect(dsn)
+    sec, ring = s.section, s.ring(q)
+    if holding:
+        assert s.dequeue(q) is not None
+    _terminate(dsn, s.backend_pid)
+    with caplog.at_level(logging.INFO, logger="ringq"):
+        s.close()
+    ours = [r for r in caplog.records if r.name.startswith("ringq")]
+    assert len(ours) <= 1 and all(r.levelno == logging.INFO and not r.exc_info for r in ours)
+    assert s.closed
+    deadline = time.monotonic() + 5
+    while ring.counts()["locked"] and time.monotonic() < deadline:
+        recover_dead_clients(sec, dsn)
+    assert ring.counts()["locked"] == 0
+    with connect(dsn) as c:
+        m = c.dequeue(q)
+        assert m is not None and m.deliveries == (2 if holding else 1)
+        c.commit()
+
+
+# -- no session idles in a transaction (issue point 3) ------------------------------------------
+
+
+def _activity(dsn: str, pid: int) -> tuple[str, object]:
+    with psycopg.connect(dsn, autocommit=True) as admin:
+        row = admin.execute("SELECT state, backend_xmin FROM pg_stat_activity WHERE pid = %s", (pid,)).fetchone()
+    assert row is not None
+    return row
+
+
+def test_a_session_is_idle_outside_any_transaction_between_transactions(dsn, make_queue):
+    q = make_queue()
+    with connect(dsn) as s:
+        assert _activity(dsn, s.backend_pid) == ("idle", None)  # after connecting
+        s.queue_info(q)
+        assert _activity(dsn, s.backend_pid) == ("idle", None)  # a queue lookup leaves nothing open
+        s.enqueue(q, b"a")
+        assert _activity(dsn, s.backend_pid)[0] == "idle in transaction"  # inside the caller's transaction
+        s.commit()
+        assert _activity(dsn, s.backend_pid) == ("idle", None)
+        s.stats(q)
+        assert s.dequeue(q) is not None
+        s.rollback()  # with a strike (its own statement)
+        assert _activity(dsn, s.backend_pid) == ("idle", None)
+        assert s.dequeue(q).deliveries == 2
+        s.commit()
+        assert s.dequeue(q) is None
+        s.commit()
+        assert _activity(dsn, s.backend_pid) == ("idle", None)
+
+
+def test_idle_in_transaction_timeout_does_not_end_an_idle_session(dsn, make_queue):
+    q = make_queue()
+    with psycopg.connect(dsn, autocommit=True) as admin:
+        db = admin.info.dbname
+        admin.execute(f'ALTER DATABASE "{db}" SET idle_in_transaction_session_timeout = \'1s\'')
+    with connect(dsn) as s:
+        s.enqueue(q, b"a")
+        s.commit()
+        backend = s.backend_pid
+        time.sleep(2)  # idle longer than the timeout: the point of the test
+        s.enqueue(q, b"b")
+        s.commit()
+        assert s.backend_pid == backend  # the same connection: never ended
+        assert [s.dequeue(q).payload, s.dequeue(q).payload] == [b"a", b"b"]
+        s.commit()
+
+
+def test_table_statistics_reach_postgresql_while_the_session_stays_open(dsn, make_queue):
+    q = make_queue()
+    with connect(dsn) as s:
+        for i in range(20):
+            s.enqueue(q, b"%d" % i)
+            s.commit()
+        deadline = time.monotonic() + 15
+        with psycopg.connect(dsn, autocommit=True) as admin:
+            while True:
+                row = admin.execute(
+                    "SELECT n_tup_upd FROM pg_stat_user_tables WHERE schemaname = 'ringq' AND relname = %s",
+                    ("q_" + q,),
+                ).fetchone()
+                if row and row[0] >= 20:
+                    break
+                assert time.monotonic() < deadline, f"statistics not flushed: {row}"
+                time.sleep(0.1)
+        assert not s.closed
+
+
+# -- arguments are checked up front, inside the RingqError tree (issue point 8) -----------------
+
+
+@pytest.mark.parametrize(
+    ("call", "error"),
+    [
+        (lambda s, q: s.enqueue(q, b"x", key=5), "type"),
+        (lambda s, q: s.enqueue(q, b"x", key="k" * 1001), "value"),
+        (lambda s, q: s.enqueue(q, b"x", key="a\x00b"), "value"),
+        (lambda s, q: s.enqueue(q, "text"), "type"),
+        (lambda s, q: s.enqueue(q, 5), "type"),
+        (lambda s, q: s.enqueue(q, None), "type"),
+        (lambda s, q: s.enqueue(q, b"x", timeout=-1), "value"),
+        (lambda s, q: s.enqueue(q, b"x", timeout=float("nan")), "value"),
+        (lambda s, q: s.enqueue(q, b"x", timeout="1"), "type"),
+        (lambda s, q: s.enqueue_many(q, b"abc"), "type"),
+        (lambda s, q: s.enqueue_many(q, ["a", "b"]), "type"),
+        (lambda s, q: s.enqueue_many(q, 5), "type"),
+        (lambda s, q: s.dequeue_many(q, 0), "value"),
+        (lambda s, q: s.dequeue_many(q, -3), "value"),
+        (lambda s, q: s.dequeue_many(q, 2.5), "type"),
+        (lambda s, q: s.dequeue_many(q, True), "type"),
+        (lambda s, q: s.dequeue(q, wait=-0.5), "value"),
+        (lambda s, q: s.dequeue(q, wait=float("inf")), "value"),
+    ],
+)
+def test_bad_arguments_raise_ringq_errors_before_anything_is_done(dsn, make_queue, call, error):
+    from ringq.engine import InvalidArgument, InvalidArgumentType, RingqError
+
+    q = make_queue()
+    with connect(dsn) as s:
+        with pytest.raises(InvalidArgument) as info:
+            call(s, q)
+        assert isinstance(info.value, RingqError)
+        assert isinstance(info.value, TypeError if error == "type" else ValueError)
+        assert isinstance(info.value, InvalidArgumentType) == (error == "type")
+        assert "UPDATE" not in str(info.value) and "SELECT" not in str(info.value)
+        assert s.ring(q).counts()["locked"] == 0  # nothing reserved
+        s.enqueue(q, b"ok", key="k" * 1000)  # the session goes on
+        s.commit()
+        assert s.dequeue(q).payload == b"ok"
+        s.commit()

@@ -413,6 +413,59 @@ def test_mover_killed_between_commits_many_times(dsn: str, dsn2: str) -> None:
     assert left < total  # spent keys are pruned as the movers go
 
 
+# -- no monitor: a mover taking over decides its dead predecessor's slots (issue point 1) -------------
+
+
+def _mover_dies_publishing(src, sq, dst, dq, paused_fd: int) -> None:
+    """A mover that dies after its destination COMMIT was answered and before
+    the section learnt it: its destination entries are committed, but their
+    slots stay locked under a dead holder until someone decides them."""
+    from ringq.engine import Session
+
+    publish = Session._finish
+
+    def finish(self, ops, *, committed, count_delivery=True):
+        if committed and self.dsn == dst and ops:
+            os.write(paused_fd, os.getpid().to_bytes(8, "little"))
+            threading.Event().wait(600)  # killed here
+        publish(self, ops, committed=committed, count_delivery=count_delivery)
+
+    Session._finish = finish
+    Mover(src, sq, dst, dq, config=MoveConfig(batch=5, wait=0.05)).move_batch()
+
+
+def test_a_mover_taking_over_decides_the_dead_movers_destination_slots_first(dsn, dsn2, make_queue):
+    """No monitor on either database: the destination entries a killed mover
+    committed but never published arrive before anything the next mover
+    moves (per-producer order holds), and nothing arrives twice."""
+    src = make_queue(dsn, dequeue_mode="single")
+    dst = make_queue(dsn2)
+    produce(dsn, src, "a", 20)
+    paused_r, paused_w = os.pipe()
+    p = FORK.Process(target=_mover_dies_publishing, args=(dsn, src, dsn2, dst, paused_w))
+    p.start()
+    try:
+        assert select.select([paused_r], [], [], 30)[0], "the first mover never reached its commit"
+        os.kill(p.pid, signal.SIGKILL)
+        p.join(10)
+    finally:
+        if p.is_alive():
+            p.kill()
+            p.join()
+        os.close(paused_r)
+        os.close(paused_w)
+    with connect(dsn2) as c:
+        assert c.ring(dst).counts()["locked"] == 5  # committed, unpublished, held by the dead
+    with Mover(dsn, src, dsn2, dst, config=MoveConfig(batch=5, wait=0.05)) as mv:
+        taken = 0
+        deadline = time.monotonic() + 30
+        while taken < 20:  # the 5 the dead mover took come back, and are skipped by key
+            assert time.monotonic() < deadline, f"only {taken} taken"
+            taken += mv.move_batch(wait=0.5)
+        assert mv.get_stats()["duplicates"] == 5
+    check_arrivals(drain(dsn2, dst), {"a": 20})
+
+
 # -- the command -----------------------------------------------------------------------------------
 
 

@@ -500,3 +500,147 @@ def test_key_pruning_errors_are_ringq_errors(dsn: str, make_queue: Callable[...,
     finally:
         with psycopg.connect(dsn, autocommit=True) as c:
             c.execute("ALTER TABLE ringq.keys_gone RENAME TO keys")
+
+
+# -- owner tokens: slots are decided by the identity of the connection that held them -------------
+
+
+def _terminate(dsn, pid):
+    with psycopg.connect(dsn, autocommit=True) as admin:
+        admin.execute("SELECT pg_terminate_backend(%s)", (pid,))
+        while admin.execute("SELECT count(*) FROM pg_stat_activity WHERE pid = %s", (pid,)).fetchone()[0]:
+            time.sleep(0.01)
+
+
+def test_session_that_cannot_decide_its_lost_slots_hands_them_over(dsn, make_queue, monkeypatch):
+    """The issue's point 0: a session loses its connection while holding an
+    entry and deciding it fails too; the entry must not stay locked under a
+    client entry that a later session of the same process takes over."""
+    from ringq.engine import DatabaseUnavailable, InDoubt
+
+    q = make_queue()
+    with connect(dsn) as p:
+        p.enqueue(q, b"held")
+        p.commit()
+    s = connect(dsn)
+    old_token, cidx = s.owner, s._cidx
+    assert s.dequeue(q) is not None
+
+    def fails(*args):
+        raise DatabaseUnavailable("the new connection was terminated too")
+
+    monkeypatch.setattr(s, "_decide_lost", fails)
+    _terminate(dsn, s.backend_pid)
+    with pytest.raises(InDoubt):
+        s.commit()
+    monkeypatch.undo()
+    sec, ring = s.section, s.ring(q)
+    assert sec.c(cidx, L.C_STATE) == L.CS_IN_DOUBT and sec.c(cidx, L.C_TOKEN) == old_token
+    assert s.owner != old_token  # the session goes on under a fresh identity
+    s.close()
+    with connect(dsn) as later:  # a later session of this process
+        assert later.owner != old_token
+        assert ring.counts()["locked"] == 1
+        _recover_until(sec, dsn, lambda: ring.counts()["locked"] == 0)
+        m = later.dequeue(q)
+        assert m is not None and m.payload == b"held" and m.deliveries == 2
+        later.commit()
+
+
+@pytest.mark.parametrize("mode", ["shared", "single"])
+def test_orphaned_slot_is_decided_once_its_holder_backend_is_gone(dsn, make_queue, mode):
+    """A slot whose token no entry carries any more (here: the session's token
+    renewed behind its back) is decided by recovery once the backend recorded
+    with it has ended, though the entry it came from is live and in use."""
+    q = make_queue(dequeue_mode=mode)
+    with connect(dsn) as p:
+        p.enqueue_many(q, [b"first", b"second"])
+        p.commit()
+    with connect(dsn) as s, connect(dsn) as other:
+        sec, ring = s.section, s.ring(q)
+        assert s.dequeue(q).payload == b"first"
+        held_by = s.backend_pid
+        slot = ring.tail % ring.cap
+        assert ring.holder(slot) == held_by and ring.bits(slot)[3] == s.owner
+        s.owner = sec.renew_client(s._cidx, held_by)  # the old token is orphaned; its backend lives
+        s._ops = []
+        assert recover_dead_clients(sec, dsn) == []  # its transaction is open: it may still commit
+        assert ring.counts()["locked"] == 1
+        if mode == "single":
+            assert other.dequeue(q) is None  # the orphaned token holds the dequeuer role
+        _terminate(dsn, held_by)
+        [rec] = recover_dead_clients(sec, dsn)
+        assert (rec.slots, rec.rolled_back, rec.backend_pid) == (1, 1, held_by)
+        assert sec.c(s._cidx, L.C_STATE) == L.CS_ACTIVE  # the entry is not touched
+        m = other.dequeue(q)
+        assert m is not None and m.payload == b"first" and m.deliveries == 2
+        other.commit()
+
+
+def test_close_never_frees_an_entry_with_slots_locked_under_it(dsn, make_queue):
+    q = make_queue()
+    with connect(dsn) as p:
+        p.enqueue(q, b"leaked")
+        p.commit()
+    s = connect(dsn)
+    sec, ring, cidx = s.section, s.ring(q), s._cidx
+    assert s.dequeue(q) is not None
+    s._ops = []  # the session lost track of it (as an interrupted call could)
+    s.close()
+    assert sec.c(cidx, L.C_STATE) == L.CS_IN_DOUBT
+    _recover_until(sec, dsn, lambda: ring.counts()["locked"] == 0)
+    assert sec.c(cidx, L.C_STATE) == L.CS_FREE
+    assert [m.payload for m in drain(dsn, q)] == [b"leaked"]
+
+
+# -- recovery does not need a monitor (issue point 1) ----------------------------------------------
+
+
+@pytest.mark.parametrize("mode", ["single", "shared"])
+def test_killed_consumer_entry_is_taken_by_another_consumer_without_a_monitor(dsn, make_queue, mode):
+    """No monitor runs: a consumer that finds nothing ready while a dead
+    client holds the queue's entry (and, in single mode, its dequeuer role)
+    decides it itself, within a few seconds."""
+    q = make_queue(dequeue_mode=mode)
+    with connect(dsn) as p:
+        p.enqueue(q, b"held by the dead")
+        p.commit()
+    _kill_holding(dsn, q, "deq")
+    with connect(dsn) as s:
+        t0 = time.monotonic()
+        m = s.dequeue(q, wait=10)
+        assert m is not None and m.payload == b"held by the dead" and m.deliveries == 2
+        assert time.monotonic() - t0 < 5
+        s.commit()
+        assert s.ring(q).counts()["locked"] == 0
+
+
+def test_a_full_queue_blocked_by_a_dead_producer_is_recovered_by_the_next_enqueue(dsn, make_queue):
+    q = make_queue(capacity=4)
+    with connect(dsn) as p:
+        for i in range(3):
+            p.enqueue(q, b"%d" % i)
+            p.commit()
+        assert [p.dequeue(q) is not None for _ in range(3)] == [True] * 3
+        p.commit()
+    _kill_holding(dsn, q, "enq")  # reserves the 4th slot, then dies: the tail cannot pass it
+    with connect(dsn) as s:
+        for i in range(4):
+            s.enqueue(q, b"after %d" % i, timeout=10)
+            s.commit()
+    assert [m.payload for m in drain(dsn, q)] == [b"after %d" % i for i in range(4)]
+
+
+def test_recover_dead_holders_waits_until_the_queue_is_clear(dsn, make_queue):
+    q = make_queue()
+    with connect(dsn) as p:
+        p.enqueue(q, b"x")
+        p.commit()
+    _kill_holding(dsn, q, "enq")
+    _kill_holding(dsn, q, "deq")
+    with connect(dsn) as s:
+        assert s.ring(q).counts()["locked"] == 2
+        s.recover_dead_holders(q, timeout=10)
+        assert s.ring(q).counts()["locked"] == 0
+        assert s.dequeue(q).deliveries == 2
+        s.commit()
