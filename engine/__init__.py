@@ -40,12 +40,14 @@ from ._events import CHANNEL as EVENTS_CHANNEL
 from ._events import Event, Subscription, publish, subscribe
 from ._layout import MAX_CAPACITY, MAX_QUEUES
 from ._names import queue_table, validate_queue_name
+from ._queue_info import DEFAULT_LEASE
 from ._ring import Ring
 from ._section import Section, pid_alive, section_name
 from ._session import Message, QueueInfo, Session, connect
 from ._validate import validate_seconds
 
 __all__ = [
+    "DEFAULT_LEASE",
     "EVENTS_CHANNEL",
     "MAX_CAPACITY",
     "MAX_QUEUES",

@@ -487,6 +487,8 @@ class Session(TwoPhase):
             self._ops = []
             if self._conn.broken or self._conn.closed:
                 committed = self._recover(ops, reason=f"commit answer lost: {exc}")
+                if committed is None and self._section.lease_ended(self._cidx):
+                    committed = False if any(op.kind == OpKind.DEQUEUE for op in ops) else None  # past the lease
                 if committed is None:
                     self._record_ops_error(L.ERR_IN_DOUBT, ops)
                     raise InDoubt(f"commit outcome unknown: {exc}") from exc
@@ -551,6 +553,7 @@ class Session(TwoPhase):
         """Tell the section the outcome of ``ops`` (the database already decided)."""
         if not ops:
             return
+        self._section.clear_hold(self._cidx)
         poisoned: set[tuple[int, int]] = set()
         if not committed and count_delivery:
             poisoned = self._strike([op for op in ops if op.kind == OpKind.DEQUEUE])
@@ -852,10 +855,14 @@ class Session(TwoPhase):
         ring = self._ring(info)
         exclusive = info.dequeue_mode == "single"
         deadline = None if wait is None else time.monotonic() + max(0.0, wait)
+        holding = any(op.kind == OpKind.DEQUEUE for op in self._ops)
         for _attempt in range(64):
             claimed = self._claim(ring, info, max_n, deadline, exclusive)
             if not claimed:
                 return []
+            if not holding:  # the queue's lease runs from the transaction's first entry
+                self._section.note_hold(self._cidx)
+                holding = True
             ops = [Op(ring, info, slot, seq, OpKind.DEQUEUE) for slot, seq in claimed]
             self._ops.extend(ops)
             if len(ops) == 1:

@@ -36,10 +36,13 @@ from ringq.engine import (
 )
 from ringq.engine import layout as L
 from ringq.engine.recovery import (
+    end_holders,
+    overdue_holders,
     queue_room,
     rebuild,
     reclaim_all,
     recover_dead_clients,
+    recover_lost_backends,
     repair_lock_holders,
     resolve_prepared,
     shared_section,
@@ -158,6 +161,7 @@ class Monitor:
         self._queue_names: dict[int, str] = {}  # id -> name, from the last queue list
         self._xmin_age = 0.0
         self._recovered_clients = 0
+        self._expired_leases = 0
         self._instance = ""
         self._collector = SectionCollector(self.read_section, self.status, self._sampled,
                                            self.clients_doc, self.client_errors_by_kind)
@@ -305,6 +309,7 @@ class Monitor:
                     ("heartbeat", self._heartbeat),
                     ("section", self._check_section),
                     ("recover", self._recover),
+                    ("leases", self._expire_leases),
                     ("repair", self._repair),
                     ("reclaim", self._reclaim),
                     ("watch", self._watch_queues),
@@ -314,6 +319,7 @@ class Monitor:
                 if tick >= next_sample:
                     slow = [
                         ("database", self._database_figures),
+                        ("backends", self._recover_lost_backends),
                         ("prepared", self._resolve_prepared),
                         ("keys", self._prune_keys),
                         ("inbox", self._pump_inbox_all),
@@ -497,6 +503,30 @@ class Monitor:
             self._publish(E.make_event(E.CONSUMER_DIED, info["queues"][0] if len(info["queues"]) == 1 else None,
                                        **info))
 
+    def _expire_leases(self) -> None:
+        """End the sessions that hold a dequeued entry past its queue's lease."""
+        sec = self._section()
+        holders = overdue_holders(sec)
+        if not holders:
+            return
+        for holder, rec in end_holders(sec, self.config.dsn, holders):
+            self._expired_leases += 1
+            info = {**holder.as_dict(), "slots": rec.slots, "rolled_back": rec.rolled_back,
+                    "committed": rec.committed}
+            self._journal_write("entry.lease_expired", logging.WARNING,
+                                reason="held a dequeued entry past the queue's lease: backend terminated",
+                                **info)
+            self._publish(E.make_event(E.ENTRY_LEASE_EXPIRED, holder.queues[0] if holder.queues else None,
+                                       **info))
+
+    def _recover_lost_backends(self) -> None:
+        """Decide the slots of live clients whose backend ended under them (a
+        database restart, a backend terminated by someone else)."""
+        for rec in recover_lost_backends(self._section(), self.config.dsn):
+            self._journal_write("client.backend_lost", logging.WARNING,
+                                reason="its backend ended while it held slots: decided from the rows",
+                                **rec.as_dict())
+
     def _repair(self) -> None:
         for name in repair_lock_holders(self._section(), self.config.dsn):
             self._journal_write("queue.repaired", logging.WARNING, queue=name,
@@ -576,6 +606,13 @@ class Monitor:
         loaded = {sec.q(i, L.Q_QID) for i in sec.loaded_queues()}
         if {q[0] for q in queues} != loaded:
             self._attach(reason="queues created or dropped")
+            sec = self._section()
+        # A lease changed in ringq.queues (or a block loaded by older code) takes effect here.
+        leases = {int(q[0]): float(q[3]) for q in queues}
+        for qidx in sec.loaded_queues():
+            lease = leases.get(sec.q(qidx, L.Q_QID))
+            if lease is not None and sec.q(qidx, L.Q_LEASE_MS) != max(0, round(lease * 1000)):
+                sec.set_lease(qidx, lease)
         self._exc_counts = {int(q): int(n) for q, n in conn.execute(Qy.EXCEPTION_COUNTS).fetchall()}
         self._dead_rows = {str(n): int(d) for n, d in conn.execute(Qy.DEAD_ROWS).fetchall()}
         row = conn.execute(Qy.XMIN_HORIZON_AGE).fetchone()
@@ -713,6 +750,7 @@ class Monitor:
             "section": section,
             "clients": clients or 0,
             "recovered_clients": self._recovered_clients,
+            "expired_leases": self._expired_leases,
             "client_errors": sum(self._client_errors_by_kind.values()),
             "client_errors_at_start": self._error_watch.seen_at_start,
             "xmin_age_s": round(self._xmin_age, 3),

@@ -18,7 +18,8 @@ LIMIT 1
 SELECT value FROM ringq.meta WHERE key = 'instance_id'
 
 -- queues --
-SELECT id, name, capacity FROM ringq.queues ORDER BY id
+-- lease (seconds) through to_jsonb: a schema made before the column reads the default.
+SELECT id, name, capacity, coalesce((to_jsonb(q) ->> 'lease')::float8, 300) FROM ringq.queues q ORDER BY id
 
 -- exception_counts --
 SELECT queue_id, count(*) FROM ringq.exceptions GROUP BY queue_id

@@ -65,6 +65,7 @@ class QueueDetails:
     exception_queue: str | None
     fillfactor: int
     tablespace: str | None
+    lease: float  # seconds a dequeued entry may be held without committing; 0: none
     created_at: datetime
     depth: int
     inbox: int

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import csv
 import json
+import logging
 import os
 import signal
 import subprocess
@@ -25,7 +26,7 @@ from typing import Any
 import psycopg
 import pytest
 from conftest import remove_section
-from ringq.engine import ConfigError, Section, connect, pid_alive
+from ringq.engine import ConfigError, Section, TransactionError, connect, pid_alive
 from ringq.engine import layout as L
 from ringq.monitor import Monitor, MonitorConfig, MonitorRunning, subscribe
 from ringq.monitor import _sample as S
@@ -635,6 +636,53 @@ def test_killed_consumer_entry_is_delivered_again_within_a_second_exactly_once(
     wait_for(lambda: get_json(mon.url + "/api/queues")["monitor"]["recovered_clients"] == 3, what="3 recoveries")
     log = [json.loads(x) for x in (mon.data_dir / "monitor.log").read_text().splitlines()]
     assert sum(1 for r in log if r["event"] == "client.recovered" and r["queues"] == [q]) == 3
+
+
+def test_a_session_holding_an_entry_past_the_lease_is_ended_and_the_entry_comes_back(
+    dsn: str, make_queue: Any, monitor: Any, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.WARNING, logger="ringq.monitor")
+    lease = 1.0
+    q = make_queue(capacity=16, lease=lease)  # single dequeuer: the idle holder blocks the queue
+    monitor()
+    delays = []
+    with subscribe(dsn, "entry.lease_expired") as events, connect(dsn) as taker:
+        for _ in range(5):
+            [seq] = produce(dsn, q, 1)
+            holder = connect(dsn)
+            backend = holder.backend_pid
+            msg = holder.dequeue(q)
+            t_taken = time.monotonic()
+            assert msg is not None and msg.seq == seq and msg.deliveries == 1
+            # The holder goes idle. Until its lease ends, nobody else gets the entry.
+            got = taker.dequeue(q, wait=lease + 3.0)
+            back = time.monotonic() - t_taken
+            assert got is not None and got.seq == seq, "the entry did not come back after the lease"
+            assert got.deliveries == 2  # the expired delivery was counted
+            assert back >= lease
+            delays.append(back - lease)
+            taker.commit()
+            ev = events.get(5)
+            assert ev is not None and ev.name == "entry.lease_expired" and ev.queue == q
+            assert ev.data["pid"] == os.getpid() and ev.data["backend_pid"] == backend
+            assert ev.data["queues"] == [q] and ev.data["slots"] == 1 and ev.data["lease_s"] == lease
+            assert ev.data["held_s"] >= lease
+            # The holder finds its transaction rolled back: it cannot consume the entry again.
+            with pytest.raises(TransactionError, match="rolled back"):
+                holder.commit()
+            holder.close()
+    delays.sort()
+    print(f"\nlease {lease:g} s -> entry back after the lease: median {delays[2] * 1000:.0f} ms, "
+          + ", ".join(f"{d * 1000:.0f}" for d in delays) + " ms")
+    assert delays[2] < 1.0
+    log = _log_records(tmp_path / "monitor" / "monitor.log")
+    expired = [r for r in log if r["event"] == "entry.lease_expired"]
+    assert len(expired) == 5 and all(r["queues"] == [q] for r in expired)
+    assert any(r.levelno == logging.WARNING and "entry.lease_expired" in r.getMessage() for r in caplog.records)
+    with psycopg.connect(dsn) as conn:
+        rows = conn.execute(psycopg.sql.SQL("SELECT state, deliveries FROM ringq.{} WHERE seq >= 0").format(
+            psycopg.sql.Identifier("q_" + q))).fetchall()
+    assert sorted(rows) == [(2, 1)] * 5  # each consumed once, after one counted failed delivery
 
 
 def test_a_full_queue_does_not_stall_recovery_and_its_sql_entries_wait_in_order(
