@@ -152,14 +152,17 @@ def end_holders(sec: Section, dsn: str, holders: list[Holder]) -> list[tuple[Hol
     return done
 
 
-def recover_lost_backends(sec: Section, dsn: str) -> list[Recovered]:
+def recover_lost_backends(sec: Section, conn: psycopg.Connection[Any]) -> list[Recovered]:
     """Decide the slots of live clients whose backend has ended (the database
     restarted, or someone terminated it) while they hold slots: they would
     otherwise stay locked until the client calls again, and a single-dequeuer
     queue would deliver nothing meanwhile. Dequeued entries come back counted
     as a delivery. Returns the clients decided (those that held slots).
 
-    :raises DatabaseUnavailable: the database cannot be reached.
+    ``conn`` is an autocommit connection to the database (one query when no
+    backend was lost, so a monitor can run this every interval on its own).
+
+    :raises psycopg.Error: the caller converts it.
     """
     found = {
         cidx: int(sec.c(cidx, L.C_BACKEND_PID))
@@ -169,23 +172,22 @@ def recover_lost_backends(sec: Section, dsn: str) -> list[Recovered]:
     if not found:
         return []
     out: list[Recovered] = []
-    with _connect(dsn) as conn:
-        registered = {b: sec.c(cidx, L.C_STARTED_NS) for cidx, b in found.items()}
-        alive = _backends_alive(conn, list(found.values()), registered)
-        lost = {
-            cidx: b for cidx, b in found.items()
-            if b not in alive and any(_locked_slots(r, cidx + 1) for r in _client_rings(sec, cidx))
-        }
-        if not lost:
-            return []
-        infos = _queue_infos(conn)
-        prepared = _prepared_slots(conn)
-        for cidx, backend in lost.items():
-            if sec.c(cidx, L.C_BACKEND_PID) != backend or not pid_alive(sec.c(cidx, L.C_PID)):
-                continue  # reconnected meanwhile (its own recovery decides), or dead (recover_dead_clients)
-            rec = _decide_client(sec, conn, infos, prepared, cidx, backend)
-            if rec.slots:
-                out.append(rec)
+    registered = {b: sec.c(cidx, L.C_STARTED_NS) for cidx, b in found.items()}
+    alive = _backends_alive(conn, list(found.values()), registered)
+    lost = {
+        cidx: b for cidx, b in found.items()
+        if b not in alive and any(_locked_slots(r, cidx + 1) for r in _client_rings(sec, cidx))
+    }
+    if not lost:
+        return []
+    infos = _queue_infos(conn)
+    prepared = _prepared_slots(conn)
+    for cidx, backend in lost.items():
+        if sec.c(cidx, L.C_BACKEND_PID) != backend or not pid_alive(sec.c(cidx, L.C_PID)):
+            continue  # reconnected meanwhile (its own recovery decides), or dead (recover_dead_clients)
+        rec = _decide_client(sec, conn, infos, prepared, cidx, backend)
+        if rec.slots:
+            out.append(rec)
     return out
 
 

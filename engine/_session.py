@@ -421,10 +421,13 @@ class Session(TwoPhase):
                 lost = self._conn.broken or isinstance(exc, psycopg.OperationalError | psycopg.InterfaceError) and self._conn.closed
                 # A statement refused because the caller's own SQL already failed
                 # the transaction is the caller's error, not ours.
-                if qid and not isinstance(exc, psycopg.errors.InFailedSqlTransaction):
-                    self._record_error(L.ERR_CONNECTION_LOST if lost else L.ERR_DATABASE, qid, seq)
-                if lost:
-                    self._connection_lost(exc)
+                record = qid and not isinstance(exc, psycopg.errors.InFailedSqlTransaction)
+                try:
+                    if lost:
+                        self._connection_lost(exc)  # first: the error is told with the new backend
+                finally:
+                    if record:
+                        self._record_error(L.ERR_CONNECTION_LOST if lost else L.ERR_DATABASE, qid, seq)
             raise from_psycopg(exc, dsn=self.dsn, queue=queue) from exc
 
     def _execute(

@@ -6,7 +6,7 @@ keep the global section true to the rows after failures::
     sec = rebuild(dsn)               # attach (or create) the section, load every queue
     recover_dead_clients(sec, dsn)   # decide the slots of clients killed at any point
     end_holders(sec, dsn, overdue_holders(sec))  # end sessions holding entries past the lease
-    recover_lost_backends(sec, dsn)  # decide slots of live clients whose backend ended
+    recover_lost_backends(sec, conn) # decide slots of live clients whose backend ended
     reclaim_all(sec)                 # advance tails, wake blocked enqueuers
 
 The functions are defined in ``ringq/engine/_recovery.py`` and ``_lease.py``.

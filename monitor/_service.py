@@ -35,6 +35,7 @@ from ringq.engine import (
     redact_dsn,
 )
 from ringq.engine import layout as L
+from ringq.engine import metrics as M
 from ringq.engine.recovery import (
     end_holders,
     overdue_holders,
@@ -53,7 +54,9 @@ from . import _events as E
 from . import _queries as Qy
 from . import _sample as S
 from ._config import MonitorConfig
+from ._db import connect_step
 from ._history import DAY, Answer, HistoryReader
+from ._horizon import HorizonNews, HorizonWatch, read_holders, vacuum_rings
 from ._http import HttpService
 from ._inbox import pump_inbox
 from ._journal import LOG_NAME, Journal
@@ -160,6 +163,9 @@ class Monitor:
         self._client_errors_by_kind: dict[str, int] = {}  # errors of clients logged, by kind
         self._queue_names: dict[int, str] = {}  # id -> name, from the last queue list
         self._xmin_age = 0.0
+        self._horizon = HorizonWatch()
+        self._vacuum_thread: threading.Thread | None = None
+        self._vacuums = 0  # ring tables vacuumed after a held snapshot was released
         self._recovered_clients = 0
         self._expired_leases = 0
         self._instance = ""
@@ -220,6 +226,9 @@ class Monitor:
             self._thread.join(timeout)
             self._thread = None
         self._running = False
+        vacuum = self._vacuum_thread
+        if vacuum is not None:
+            vacuum.join(timeout)  # its record goes to the journal before it closes
         if self._journal is not None:
             self._journal.write("monitor.stopped", uptime_s=round(time.time() - self._started_t, 3))
         self._teardown()
@@ -522,7 +531,7 @@ class Monitor:
     def _recover_lost_backends(self) -> None:
         """Decide the slots of live clients whose backend ended under them (a
         database restart, a backend terminated by someone else)."""
-        for rec in recover_lost_backends(self._section(), self.config.dsn):
+        for rec in recover_lost_backends(self._section(), self._connect()):
             self._journal_write("client.backend_lost", logging.WARNING,
                                 reason="its backend ended while it held slots: decided from the rows",
                                 **rec.as_dict())
@@ -615,9 +624,46 @@ class Monitor:
                 sec.set_lease(qidx, lease)
         self._exc_counts = {int(q): int(n) for q, n in conn.execute(Qy.EXCEPTION_COUNTS).fetchall()}
         self._dead_rows = {str(n): int(d) for n, d in conn.execute(Qy.DEAD_ROWS).fetchall()}
-        row = conn.execute(Qy.XMIN_HORIZON_AGE).fetchone()
-        self._xmin_age = float(row[0]) if row else 0.0
+        news = self._horizon.update(read_holders(conn), self._dead_rows, self.config.xmin_warn_s)
+        oldest = self._horizon.oldest
+        self._xmin_age = oldest.age_s if oldest is not None else 0.0
+        if news is not None:
+            self._tell_horizon(news)
         self._poisoned(conn)
+
+    def _tell_horizon(self, news: HorizonNews) -> None:
+        """Warn of a held snapshot; after its release, vacuum the rings it bloated."""
+        if news.what == "held":
+            fields = {**news.holder.as_dict(), "threshold_s": self.config.xmin_warn_s,
+                      "reason": "holds back the xmin horizon: every ring update leaves a dead row, rings grow"}
+            self._journal_write("database.snapshot_held", logging.WARNING, **fields)
+            self._publish(E.make_event(E.SNAPSHOT_HELD, None, **fields))
+            return
+        bloated = sorted(q for q, n in news.dead_rows.items() if n >= self.config.vacuum_dead_rows)
+        if self._vacuum_thread is not None and self._vacuum_thread.is_alive():
+            self._journal_write("database.snapshot_released", held_s=round(news.held_s, 3),
+                                pid=news.holder.pid, vacuumed=[], skipped=bloated,
+                                reason="a vacuum is still running")
+            return
+        # VACUUM of a bloated ring may take a while: not in the loop that recovers clients.
+        self._vacuum_thread = threading.Thread(target=self._vacuum_after_release, args=(news, bloated),
+                                               name="ringq-monitor-vacuum", daemon=True)
+        self._vacuum_thread.start()
+
+    def _vacuum_after_release(self, news: HorizonNews, queues: list[str]) -> None:
+        try:
+            with connect_step(self.config.dsn) as conn:
+                done = vacuum_rings(conn, queues)
+                self._vacuums += len(done)
+                fields: dict[str, Any] = {
+                    "held_s": round(news.held_s, 3), "pid": news.holder.pid, "kind": news.holder.kind,
+                    "application": news.holder.application, "vacuumed": done,
+                }
+                self._journal_write("database.snapshot_released", logging.INFO, **fields)
+                E.publish(conn, E.make_event(E.SNAPSHOT_RELEASED, None, **fields))
+        except Exception as exc:  # noqa: BLE001 - logged; autovacuum remains the fallback
+            self._journal_write("step.failed", logging.WARNING, step="vacuum",
+                                error=f"{type(exc).__name__}: {exc}", queues=queues)
 
     def _poisoned(self, conn: psycopg.Connection[Any]) -> None:
         window = max(_EXC_WINDOW_MIN_S, 10 * self.config.interval)
@@ -750,10 +796,13 @@ class Monitor:
             "section": section,
             "clients": clients or 0,
             "recovered_clients": self._recovered_clients,
-            "expired_leases": self._expired_leases,
+            M.EXPIRED_LEASES: self._expired_leases,
             "client_errors": sum(self._client_errors_by_kind.values()),
             "client_errors_at_start": self._error_watch.seen_at_start,
-            "xmin_age_s": round(self._xmin_age, 3),
+            M.XMIN_AGE_S: round(self._xmin_age, 3),
+            M.SNAPSHOT_HELD: self._horizon.held,
+            M.XMIN_HOLDER: self._horizon.oldest.as_dict() if self._horizon.oldest is not None else None,
+            M.VACUUMS: self._vacuums,
             "database": self._conn is not None and not self._conn.closed and not self._conn.broken,
             "steps": {k: v.as_dict() for k, v in sorted(self._steps.items())},
         }

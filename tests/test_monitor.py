@@ -685,6 +685,59 @@ def test_a_session_holding_an_entry_past_the_lease_is_ended_and_the_entry_comes_
     assert sorted(rows) == [(2, 1)] * 5  # each consumed once, after one counted failed delivery
 
 
+def test_a_held_snapshot_is_named_and_the_ring_is_vacuumed_after_its_release(
+    dsn: str, make_queue: Any, monitor: Any, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.WARNING, logger="ringq.monitor")
+    q = make_queue(capacity=64, dequeue_mode="shared")
+    m = monitor(xmin_warn_s=1.0, vacuum_dead_rows=50)
+    wait_for(lambda: queue_doc(m.url, q), what="the queue sampled")
+
+    def vacuum_count() -> int:
+        with psycopg.connect(dsn, autocommit=True) as conn:
+            row = conn.execute("SELECT vacuum_count FROM pg_stat_user_tables WHERE relid = to_regclass(%s)",
+                               ("ringq.q_" + q,)).fetchone()
+        return int(row[0]) if row else 0
+
+    with subscribe(dsn, "database.*") as events, connect(dsn, eager_begin=False) as s:
+        report = psycopg.connect(dsn, application_name="long report")
+        report.isolation_level = psycopg.IsolationLevel.REPEATABLE_READ
+        report.execute("SELECT count(*) FROM ringq.queues").fetchone()  # its snapshot, held from here
+        held_pid = report.info.backend_pid
+        # Traffic under the snapshot: every enqueue and dequeue leaves a dead row version.
+        pairs = 0
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline and (pairs < 200 or (queue_doc(m.url, q) or {}).get("dead_rows", 0) < 50):
+            s.enqueue(q, b"x")
+            s.commit()
+            assert s.dequeue(q) is not None
+            s.commit()
+            pairs += 1
+        ev = events.get(10)
+        assert ev is not None and ev.name == "database.snapshot_held", ev
+        assert ev.data["pid"] == held_pid and ev.data["application"] == "long report"
+        assert ev.data["kind"] == "backend" and ev.data["age_s"] >= 1.0 and ev.data["xact_start"] > 0
+        assert "query" not in ev.data  # never the query text
+        status = get_json(m.url + "/api/queues")["monitor"]
+        assert status["snapshot_held"] and status["xmin_holder"]["pid"] == held_pid
+        metrics = http(m.url + "/metrics")[1].decode()
+        assert "ringq_snapshot_held 1.0" in metrics and f'pid="{held_pid}"' in metrics
+        before = vacuum_count()
+        report.commit()  # the report ends: the horizon moves on
+        report.close()
+        ev = events.get(10)
+    assert ev is not None and ev.name == "database.snapshot_released", ev
+    assert ev.data["pid"] == held_pid and ev.data["held_s"] >= 1.0
+    assert [v["queue"] for v in ev.data["vacuumed"]] == [q]
+    assert vacuum_count() > before  # the ring was vacuumed: its space is reused
+    assert not get_json(m.url + "/api/queues")["monitor"]["snapshot_held"]
+    assert any(r.levelno == logging.WARNING and "database.snapshot_held" in r.getMessage()
+               and f'"pid":{held_pid}' in r.getMessage() for r in caplog.records)
+    log = _log_records(tmp_path / "monitor" / "monitor.log")
+    assert [r["event"] for r in log if r["event"].startswith("database.snapshot")] == [
+        "database.snapshot_held", "database.snapshot_released"]
+
+
 def test_a_full_queue_does_not_stall_recovery_and_its_sql_entries_wait_in_order(
     dsn: str, make_queue: Any, monitor: Any, tmp_path: Path
 ) -> None:
