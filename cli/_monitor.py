@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from ringq.engine import ConfigError, exits, resolve_dsn, ringq_home
+from ringq.engine import ConfigError, dsn_file, exits, resolve_dsn, ringq_home
 
 from ._args import env_option, subparser
 
@@ -82,6 +82,7 @@ def run(args: argparse.Namespace) -> int:
         config = MonitorConfig(
             dsn=dsn, interval=args.interval, port=args.port, host=args.host, token=args.token or None,
             data_dir=data_dir, prepared_timeout=args.prepared_timeout, xmin_warn_s=args.xmin_warn,
+            dsn_file=dsn_file(args.dsn),  # the embedded cluster's: followed if it comes back elsewhere
         )
         if config_path is not None:
             config = config.replace(**read_config(config_path))

@@ -11,7 +11,7 @@ reclaim, dead clients, prepared transactions), :mod:`~ringq.engine.metrics`
 :mod:`~ringq.engine.sqlfile` (named SQL blocks in ``.sql`` files).
 """
 
-from ._dsn import check_dsn, resolve_dsn, ringq_home
+from ._dsn import check_dsn, dsn_file, read_dsn_file, resolve_dsn, ringq_home
 from ._errors import (
     ConfigError,
     DatabaseError,
@@ -80,10 +80,12 @@ __all__ = [
     "check_dsn",
     "connect",
     "converted",
+    "dsn_file",
     "from_psycopg",
     "pid_alive",
     "publish",
     "queue_table",
+    "read_dsn_file",
     "redact_dsn",
     "resolve_dsn",
     "ringq_home",

@@ -50,7 +50,10 @@ class MonitorConfig:
     ``xmin_warn_s``: seconds a transaction may hold back the xmin horizon
     before the monitor warns (log, event, metric) and names it; once it is
     gone, the rings that gained at least ``vacuum_dead_rows`` dead rows
-    meanwhile are vacuumed.
+    meanwhile are vacuumed. ``dsn_file`` names the file ``dsn`` was read
+    from (the embedded cluster's, :func:`ringq.engine.dsn_file`): when the
+    database cannot be reached, the monitor reads it again and follows a
+    cluster that came back under another DSN.
 
     :raises ConfigError: a value is out of range (the message says which).
     """
@@ -71,6 +74,7 @@ class MonitorConfig:
     cors_origin: str | None = None
     xmin_warn_s: float = DEFAULT_XMIN_WARN_S
     vacuum_dead_rows: int = DEFAULT_VACUUM_DEAD_ROWS
+    dsn_file: Path | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.dsn, str) or not self.dsn:
@@ -108,6 +112,8 @@ class MonitorConfig:
             )
         if self.data_dir is not None and not isinstance(self.data_dir, Path):
             object.__setattr__(self, "data_dir", Path(self.data_dir))
+        if self.dsn_file is not None and not isinstance(self.dsn_file, Path):
+            object.__setattr__(self, "dsn_file", Path(self.dsn_file))
 
     @property
     def history_points(self) -> int:

@@ -32,6 +32,7 @@ from ringq.engine import (
     SchemaMissing,
     Section,
     from_psycopg,
+    read_dsn_file,
     redact_dsn,
 )
 from ringq.engine import layout as L
@@ -292,7 +293,7 @@ class Monitor:
         """
         from ringq.engine import ConfigError
 
-        fixed = {"dsn", "port", "host", "data_dir", "history_seconds", "t4_keep_days", "http"}
+        fixed = {"dsn", "dsn_file", "port", "host", "data_dir", "history_seconds", "t4_keep_days", "http"}
         bad = fixed & {k for k, v in changes.items() if getattr(self.config, k) != v}
         if bad:
             raise ConfigError(f"{', '.join(sorted(bad))} cannot change while the monitor runs: restart it")
@@ -412,13 +413,17 @@ class Monitor:
             # The same text as the last attempt's, so the failed step is not logged anew.
             raise DatabaseUnavailable(self._conn_error)
         self._conn_retry_at = time.monotonic() + self.config.interval
-        dsn = self.config.dsn
-        try:
-            conn = psycopg.connect(dsn, autocommit=True, connect_timeout=5, application_name="ringq-monitor")
-        except psycopg.Error as exc:
-            err = from_psycopg(exc, dsn=dsn)
-            self._conn_error = str(err)
-            raise err from exc
+        while True:
+            dsn = self.config.dsn
+            try:
+                conn = psycopg.connect(dsn, autocommit=True, connect_timeout=5, application_name="ringq-monitor")
+                break
+            except psycopg.Error as exc:
+                if self._follow_dsn():
+                    continue  # the embedded cluster came back under another DSN: try that one
+                err = from_psycopg(exc, dsn=dsn)
+                self._conn_error = str(err)
+                raise err from exc
         try:
             row = conn.execute(Qy.INSTANCE_ID).fetchone()
             if not row or not row[0]:
@@ -446,6 +451,24 @@ class Monitor:
         if not first:
             self._journal_write("database.reconnected")
         return conn
+
+    def _follow_dsn(self) -> bool:
+        """Read the DSN file again (``config.dsn_file``, the embedded cluster's);
+        True if it names another DSN, which every step uses from now on."""
+        path = self.config.dsn_file
+        new = None if path is None else read_dsn_file(path)
+        old = self.config.dsn
+        if new is None or new == old:
+            return False
+        self.config = self.config.replace(dsn=new)
+        pending = self._pending
+        if pending is not None:
+            self._pending = pending.replace(dsn=new)
+        self._journal_write("database.dsn_changed", logging.WARNING, old=redact_dsn(old), new=redact_dsn(new),
+                            file=str(path))
+        if self._running:
+            self._write_state_file()
+        return True
 
     def _drop_connection(self) -> None:
         conn, self._conn = self._conn, None

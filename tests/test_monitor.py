@@ -11,6 +11,7 @@ import json
 import logging
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -31,7 +32,7 @@ from ringq.engine import layout as L
 from ringq.monitor import Monitor, MonitorConfig, MonitorRunning, subscribe
 from ringq.monitor import _sample as S
 from ringq.monitor._t4 import HEADER, T4Writer
-from ringq.scripting import QueueSpec, create_queue
+from ringq.scripting import Cluster, QueueSpec, create_queue
 
 API_QUEUE_KEYS = {
     "name", "capacity", "depth", "head", "tail", "enq_rate", "deq_rate", "enq_p50_us", "enq_p99_us",
@@ -877,11 +878,10 @@ def test_monitor_rides_out_a_database_restart(tmp_path: Path) -> None:
             beat = m.status()["beat"]
             wait_for(lambda: m.status()["beat"] > beat, what="the loop going on without the database")
             assert m.running and http(m.url + "/api/queues")[0] == 200
-            # Start the server again on its configured port. (Cluster.start() would pick
-            # another port: its free-port probe binds without SO_REUSEADDR and sees the
-            # old port's TIME_WAIT sockets as busy; every client's DSN would go stale.)
-            started = cluster._pg_ctl("start", "-t", "60", "-l", str(cluster.datadir / "log" / "startup.log"))
-            assert started.returncode == 0, started.stdout
+            # Start the server again: on the same port (its free-port probe binds with
+            # SO_REUSEADDR, as the server does, so the old port's TIME_WAIT sockets
+            # do not count), so every client's DSN still holds.
+            assert cluster.start() == dsn
             wait_for(lambda: m.status()["database"], 20, "the monitor reconnected")
             produce(dsn, q, 1)
             assert [x.payload for x in consume_all(dsn, q)] == [b"x0", b"x1", b"x2", b"x0"]
@@ -894,6 +894,82 @@ def test_monitor_rides_out_a_database_restart(tmp_path: Path) -> None:
         cluster.stop()
         if instance:
             Section.unlink(instance[0])
+
+
+def test_an_entry_held_across_a_database_restart_is_decided_and_the_monitor_follows_the_dsn(
+    tmp_path: Path,
+) -> None:
+    """``ringq db stop; ringq db start`` keeps the port (the old one's TIME_WAIT
+    sockets do not count as busy); a monitor that found the DSN in the embedded
+    cluster's file follows it when the cluster does come back elsewhere; and an
+    entry whose holder's backend died with the server is decided from the rows."""
+    home = tmp_path / "home"
+    env = dict(os.environ, RINGQ_HOME=str(home))
+    env.pop("RINGQ_DSN", None)
+
+    def db(*args: str) -> str:
+        done = subprocess.run(ringq_cmd("db", *args), env=env, capture_output=True, text=True, timeout=120,
+                              check=False)
+        assert done.returncode == 0, done.stderr
+        return (home / "dsn").read_text().strip() if args[0] == "start" else ""
+
+    mon: subprocess.Popen[str] | None = None
+    instance = None
+    try:
+        dsn = db("start")
+        q = "q_" + uuid.uuid4().hex[:10]
+        with psycopg.connect(dsn) as conn:
+            create_queue(conn, QueueSpec(q, 16, 100))  # single dequeuer: a held entry blocks it
+            instance = conn.execute("SELECT value FROM ringq.meta WHERE key = 'instance_id'").fetchone()
+        data = tmp_path / "m"
+        mon = subprocess.Popen(ringq_cmd("monitor", "--port", "0", "--data-dir", str(data), "--interval", str(FAST)),
+                               env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, text=True)
+        url = wait_for(lambda: json.loads((data / "monitor.json").read_text())["url"], 30, "the monitor to serve")
+        [seq] = produce(dsn, q, 1)
+        holder = connect(dsn)
+        msg = holder.dequeue(q)
+        assert msg is not None and msg.seq == seq  # held, and the holder goes idle
+
+        db("stop")  # its sessions are ended: the server's side of them lingers in TIME_WAIT
+        assert db("start") == dsn  # the same port, so every client's DSN still holds
+        t0 = time.monotonic()
+        with connect(dsn) as taker:
+            got = taker.dequeue(q, wait=10.0)
+            back = time.monotonic() - t0
+            assert got is not None and got.seq == seq and got.deliveries == 2, "the held entry was not decided"
+            taker.commit()
+        print(f"\nheld entry decided {back * 1000:.0f} ms after the database came back")
+        assert back < 5.0
+        log = _log_records(data / "monitor.log")
+        assert any(r["event"] == "client.backend_lost" and r["queues"] == [q] for r in log)
+        holder.close()
+
+        # The port taken by someone else while the cluster is down: it comes back
+        # elsewhere, and the monitor reads the new DSN from the cluster's file.
+        port = int(dsn.rsplit(":", 1)[1].split("/")[0])
+        db("stop")
+        wait_for(lambda: not get_json(url + "/api/queues")["monitor"]["database"], 20, "the outage noticed")
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as squatter:
+            squatter.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            squatter.bind(("127.0.0.1", port))
+            squatter.listen()
+            moved = db("start")
+        assert moved != dsn
+        wait_for(lambda: get_json(url + "/api/queues")["monitor"]["database"], 20, "the monitor on the new DSN")
+        produce(moved, q, 2)
+        wait_for(lambda: (queue_doc(url, q) or {}).get("depth") == 2, 20, "the queue sampled again")
+        log = _log_records(data / "monitor.log")
+        assert any(r["event"] == "database.dsn_changed" for r in log)
+        assert json.loads((data / "monitor.json").read_text())["dsn"] == moved
+        dsn = moved
+    finally:
+        if mon is not None:
+            mon.terminate()
+            mon.wait(30)
+        if instance is not None:
+            Section.unlink(instance[0])
+            Section.unlink_semaphores(instance[0], [1])
+        Cluster(home).stop()
 
 
 # -- clients: errors they hit, per-client counters (worker throughput and failures) -------------
