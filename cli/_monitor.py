@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from ringq.engine import ConfigError, exits, resolve_dsn, ringq_home
+from ringq.engine import ConfigError, dsn_file, exits, resolve_dsn, ringq_home
 
 from ._args import env_option, subparser
 
@@ -28,7 +28,10 @@ into the rings, resolves prepared transactions, samples per-queue performance
 Runs in the foreground until SIGTERM or Ctrl-C (drains: the step under way
 finishes; a second signal exits at once). SIGHUP reopens monitor.log and
 re-reads --config, whose keys (interval, recovery_interval, token,
-prepared_timeout, high_water) override the options. Prefer RINGQ_MONITOR_TOKEN
+prepared_timeout, high_water, xmin_warn_s, vacuum_dead_rows) override the
+options. A transaction holding back the xmin horizon past --xmin-warn is
+named in a WARNING (and an event, and /metrics); once it ends, the rings it
+bloated are vacuumed. Prefer RINGQ_MONITOR_TOKEN
 or the config file to --token, which other users can see in ps."""
 
 
@@ -51,6 +54,8 @@ def register(sub: Any) -> None:
                help="T4 files, monitor.log, monitor.json; default $RINGQ_HOME/monitor")
     env_option(p, "--prepared-timeout", env="RINGQ_MONITOR_PREPARED_TIMEOUT", default=60.0,
                type=float, help="seconds before an undecided prepared transaction is rolled back")
+    env_option(p, "--xmin-warn", env="RINGQ_MONITOR_XMIN_WARN", default=30.0, type=float,
+               help="seconds a transaction may hold back the xmin horizon before a warning")
     env_option(p, "--config", env="RINGQ_MONITOR_CONFIG", default=None,
                help="TOML file of reloadable settings, re-read on SIGHUP")
     env_option(p, "--pidfile", env="RINGQ_MONITOR_PIDFILE", default=None,
@@ -89,6 +94,8 @@ def run(args: argparse.Namespace) -> int:
             dsn=dsn, interval=args.interval, port=args.port, host=args.host,
             token=args.token or None, data_dir=data_dir, prepared_timeout=args.prepared_timeout,
             cors_origin=args.cors_origin or None,
+            xmin_warn_s=args.xmin_warn,
+            dsn_file=dsn_file(args.dsn),  # the embedded cluster's: followed if it comes back elsewhere
         )
         if config_path is not None:
             config = config.replace(**read_config(config_path))

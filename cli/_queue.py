@@ -302,6 +302,7 @@ def render_details(d: QueueDetails) -> str:
         ("full policy", d.full_policy),
         ("full timeout", f"{d.full_timeout:g} s"),
         ("max deliveries", str(d.max_deliveries)),
+        ("lease", f"{d.lease:g} s" if d.lease else "none"),
         ("exception queue", d.exception_queue or "-"),
         ("fillfactor", str(d.fillfactor)),
         ("tablespace", d.tablespace or "(database default)"),

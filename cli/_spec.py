@@ -81,6 +81,14 @@ def add_queue_options(parser: argparse.ArgumentParser) -> None:
         help="seconds a 'block' enqueue waits for a free slot before QueueFull",
     )
     parser.add_argument(
+        "--lease",
+        type=float,
+        metavar="S",
+        default=_DEFAULTS["lease"],
+        help="seconds a session may hold a dequeued entry without committing; past it the monitor "
+        "ends the session and the entry comes back, counted as a delivery (0: no lease)",
+    )
+    parser.add_argument(
         "--dequeue-mode",
         choices=("single", "shared"),
         default=_DEFAULTS["dequeue_mode"],
@@ -104,4 +112,5 @@ def spec_from_args(args: argparse.Namespace) -> QueueSpec:
         exception_queue=getattr(args, "exception_queue", _DEFAULTS["exception_queue"]),
         fillfactor=args.fillfactor,
         tablespace=getattr(args, "tablespace", _DEFAULTS["tablespace"]),
+        lease=args.lease,
     )

@@ -74,6 +74,7 @@ def load_block(
         full_timeout_ms=int(info.full_timeout * 1000),
         max_deliveries=info.max_deliveries,
     )
+    sec.set_lease(qidx, info.lease)
     arr = np.array(rows, dtype=np.int64).reshape(-1, 3)
     ring.load_rows(arr[:, 0], arr[:, 1], arr[:, 2], keep_locked=False, held=held)
     sec.mark_queue_ready(qidx)

@@ -59,6 +59,29 @@ def resolve_dsn(dsn: str | None = None) -> str:
     return text
 
 
+def dsn_file(dsn: str | None = None) -> Path | None:
+    """The file :func:`resolve_dsn` reads the DSN from, given ``dsn``: the
+    embedded cluster's ``$RINGQ_HOME/dsn``, or None when the DSN is given
+    (``dsn`` or ``RINGQ_DSN``). A long-running process re-reads it (see
+    :func:`read_dsn_file`) to follow a cluster that came back on another port.
+    """
+    if dsn or os.environ.get("RINGQ_DSN"):
+        return None
+    return ringq_home() / DSN_FILE
+
+
+def read_dsn_file(path: Path) -> str | None:
+    """The DSN in ``path`` (see :func:`dsn_file`), or None if it is absent,
+    empty, unreadable or malformed (the cluster is stopped, or being started)."""
+    try:
+        text = path.read_text().strip()
+        if text:
+            check_dsn(text, where=str(path))
+    except (OSError, ConfigError):
+        return None
+    return text or None
+
+
 def check_dsn(dsn: str, *, where: str = "DSN") -> dict[str, Any]:
     """Parse ``dsn`` as libpq does (URL or key=value) and check its ports,
     before any connection is tried: a malformed DSN is bad input, not an

@@ -72,6 +72,7 @@ Q_N_RESYNC = 30  # full re-reads of the queue from its table
 Q_DEQ_OWNER = 31  # single mode: owner token holding the dequeuer role, 0 if none
 Q_DEQ_INFLIGHT = 32  # single mode: entries that owner has dequeued and not finished
 Q_DEPTH_HINT = 33  # committed ready entries (approximate between resyncs; exact under the lock)
+Q_LEASE_MS = 34  # ringq.queues.lease in ms: a dequeued entry held longer ends its session (0: none)
 Q_ENQ_HIST = 64  # HIST_BUCKETS words
 Q_DEQ_HIST = 96  # HIST_BUCKETS words
 QUEUE_WORDS = 128
@@ -126,6 +127,11 @@ C_REGISTERED_NS = 26
 # the slot's HOLDER backend has ended.
 C_GEN = 27
 C_TOKEN = 28  # the entry's current token; 0 while free
+# time.monotonic_ns() when the session dequeued the first entry of its current
+# transaction, 0 when it holds none; the monitor ends a session that holds one
+# past its queue's lease (Q_LEASE_MS), and then writes -1 here if that transaction
+# rolled back. Spare word of version 2, 0 in older code.
+C_HOLD_SINCE_NS = 29
 CLIENT_WORDS = 32
 
 # Client roles (C_ROLE).

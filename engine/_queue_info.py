@@ -4,6 +4,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+# Seconds a session may hold a dequeued entry without committing before the
+# monitor ends it (the entry comes back, counted as a delivery); 0: no lease.
+DEFAULT_LEASE = 300.0
+
 
 @dataclass(frozen=True)
 class QueueInfo:
@@ -18,3 +22,4 @@ class QueueInfo:
     dequeue_mode: str
     max_deliveries: int
     exception_queue: str | None
+    lease: float = DEFAULT_LEASE  # seconds; 0: none

@@ -558,6 +558,32 @@ class Section:
                 v ^= low
         return out
 
+    # -- leases -------------------------------------------------------------------
+
+    def set_lease(self, qidx: int, lease_s: float) -> None:
+        """Queue block ``qidx``'s lease (``Q_LEASE_MS``), in seconds; 0: none."""
+        self.queues[qidx * L.QUEUE_WORDS + L.Q_LEASE_MS] = max(0, round(lease_s * 1000))
+
+    def note_hold(self, cidx: int) -> None:
+        """Client ``cidx`` took the first dequeued entry of its transaction now."""
+        self.clients[cidx * L.CLIENT_WORDS + L.C_HOLD_SINCE_NS] = time.monotonic_ns()
+
+    def end_hold(self, cidx: int, since_ns: int) -> None:
+        """Record that the monitor ended client ``cidx``'s transaction that took
+        its first entry at ``since_ns``, past the lease, and that it rolled back."""
+        w = cidx * L.CLIENT_WORDS + L.C_HOLD_SINCE_NS
+        if self.clients[w] == since_ns:
+            self.clients[w] = -1
+
+    def lease_ended(self, cidx: int) -> bool:
+        """True if the monitor ended client ``cidx``'s transaction past the lease (see
+        :meth:`end_hold`); the word is set anew by the next transaction's first entry."""
+        return self.clients[cidx * L.CLIENT_WORDS + L.C_HOLD_SINCE_NS] < 0
+
+    def clear_hold(self, cidx: int) -> None:
+        """Client ``cidx``'s transaction finished: it holds no dequeued entry."""
+        self.clients[cidx * L.CLIENT_WORDS + L.C_HOLD_SINCE_NS] = 0
+
     def active_clients(self) -> list[int]:
         return [
             i

@@ -424,10 +424,13 @@ class Session(TwoPhase):
                 lost = self._conn.broken or isinstance(exc, psycopg.OperationalError | psycopg.InterfaceError) and self._conn.closed
                 # A statement refused because the caller's own SQL already failed
                 # the transaction is the caller's error, not ours.
-                if qid and not isinstance(exc, psycopg.errors.InFailedSqlTransaction):
-                    self._record_error(L.ERR_CONNECTION_LOST if lost else L.ERR_DATABASE, qid, seq)
-                if lost:
-                    self._connection_lost(exc)
+                record = qid and not isinstance(exc, psycopg.errors.InFailedSqlTransaction)
+                try:
+                    if lost:
+                        self._connection_lost(exc)  # first: the error is told with the new backend
+                finally:
+                    if record:
+                        self._record_error(L.ERR_CONNECTION_LOST if lost else L.ERR_DATABASE, qid, seq)
             raise from_psycopg(exc, dsn=self.dsn, queue=queue) from exc
 
     def _execute(
@@ -498,6 +501,8 @@ class Session(TwoPhase):
             self._ops = []
             if self._conn.broken or self._conn.closed:
                 committed = self._recover(ops, reason=f"commit answer lost: {exc}")
+                if committed is None and self._section.lease_ended(self._cidx):
+                    committed = False if any(op.kind == OpKind.DEQUEUE for op in ops) else None  # past the lease
                 if committed is None:
                     self._record_ops_error(L.ERR_IN_DOUBT, ops)
                     raise InDoubt(f"commit outcome unknown: {exc}") from exc
@@ -556,6 +561,7 @@ class Session(TwoPhase):
         """Tell the section the outcome of ``ops`` (the database already decided)."""
         if not ops:
             return
+        self._section.clear_hold(self._cidx)
         poisoned: set[tuple[int, int]] = set()
         if not committed and count_delivery:
             poisoned = self._strike([op for op in ops if op.kind == OpKind.DEQUEUE])
@@ -882,10 +888,14 @@ class Session(TwoPhase):
         ring = self._ring(info)
         exclusive = info.dequeue_mode == "single"
         deadline = None if wait is None else time.monotonic() + wait
+        holding = any(op.kind == OpKind.DEQUEUE for op in self._ops)
         for _attempt in range(64):
             claimed = self._claim(ring, info, max_n, deadline, exclusive)
             if not claimed:
                 return []
+            if not holding:  # the queue's lease runs from the transaction's first entry
+                self._section.note_hold(self._cidx)
+                holding = True
             ops = [Op(ring, info, slot, seq, OpKind.DEQUEUE) for slot, seq in claimed]
             self._ops.extend(ops)
             if len(ops) == 1:

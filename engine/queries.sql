@@ -9,22 +9,24 @@ SELECT (SELECT value FROM ringq.meta WHERE key = 'instance_id'),
        pg_backend_pid()
 
 -- queue_info --
+-- lease is read through to_jsonb: a database whose schema predates the column
+-- (the schema block adds it) reads the default, 300 s.
 SELECT id, name, capacity, max_payload, full_policy, full_timeout, dequeue_mode,
-       max_deliveries, exception_queue
-FROM ringq.queues WHERE name = %s
+       max_deliveries, exception_queue, coalesce((to_jsonb(q) ->> 'lease')::float8, 300)
+FROM ringq.queues q WHERE name = %s
 
 -- queue_infos --
 SELECT id, name, capacity, max_payload, full_policy, full_timeout, dequeue_mode,
-       max_deliveries, exception_queue
-FROM ringq.queues
+       max_deliveries, exception_queue, coalesce((to_jsonb(q) ->> 'lease')::float8, 300)
+FROM ringq.queues q
 
 -- queue_ids --
 SELECT id FROM ringq.queues
 
 -- queue_by_id --
 SELECT id, name, capacity, max_payload, full_policy, full_timeout, dequeue_mode,
-       max_deliveries, exception_queue
-FROM ringq.queues WHERE id = %s
+       max_deliveries, exception_queue, coalesce((to_jsonb(q) ->> 'lease')::float8, 300)
+FROM ringq.queues q WHERE id = %s
 
 -- enqueue --
 -- Guarded: only a slot that holds no unconsumed entry and an older sequence

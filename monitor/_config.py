@@ -26,6 +26,12 @@ DEFAULT_KEY_RETENTION = 86_400.0
 DEFAULT_HISTORY_SECONDS = 24 * 3600.0  # in-memory history kept per queue
 DEFAULT_T4_KEEP_DAYS = 14  # daily T4 files kept
 DEFAULT_HIGH_WATER = 0.8  # depth / capacity that raises queue.<name>.high_water
+# Seconds a transaction may hold back the xmin horizon (stopping the rings'
+# pruning) before the monitor warns and names it.
+DEFAULT_XMIN_WARN_S = 30.0
+# Dead rows a ring must have gained while the horizon was held for the monitor
+# to vacuum it once the holder is gone.
+DEFAULT_VACUUM_DEAD_ROWS = 1000
 
 MAX_INTERVAL = 3600.0
 MAX_HISTORY_POINTS = 86_400 * 7  # a hard bound on memory whatever the interval
@@ -41,6 +47,13 @@ class MonitorConfig:
     ``token``, when set, is required by every HTTP path but ``/metrics``.
     ``cors_origin`` (``None``: no cross-origin reads) is the one origin, such as
     ``http://127.0.0.1:7481``, or ``*``, whose pages may read the API from a browser.
+    ``xmin_warn_s``: seconds a transaction may hold back the xmin horizon
+    before the monitor warns (log, event, metric) and names it; once it is
+    gone, the rings that gained at least ``vacuum_dead_rows`` dead rows
+    meanwhile are vacuumed. ``dsn_file`` names the file ``dsn`` was read
+    from (the embedded cluster's, :func:`ringq.engine.dsn_file`): when the
+    database cannot be reached, the monitor reads it again and follows a
+    cluster that came back under another DSN.
 
     :raises ConfigError: a value is out of range (the message says which).
     """
@@ -59,6 +72,9 @@ class MonitorConfig:
     high_water: float = DEFAULT_HIGH_WATER
     http: bool = True  # serve HTTP at all (off for an embedded recovery-only monitor)
     cors_origin: str | None = None
+    xmin_warn_s: float = DEFAULT_XMIN_WARN_S
+    vacuum_dead_rows: int = DEFAULT_VACUUM_DEAD_ROWS
+    dsn_file: Path | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.dsn, str) or not self.dsn:
@@ -86,6 +102,12 @@ class MonitorConfig:
             )
         validate_int("t4_keep_days", self.t4_keep_days, 1)
         validate_seconds("high_water", self.high_water, 0.01, 1.0)
+        validate_seconds("xmin_warn_s", self.xmin_warn_s, 0.0, 365 * 86_400.0)
+        if (
+            isinstance(self.vacuum_dead_rows, bool) or not isinstance(self.vacuum_dead_rows, int)
+            or self.vacuum_dead_rows < 0
+        ):
+            raise ConfigError(f"vacuum_dead_rows must be an integer >= 0, not {self.vacuum_dead_rows!r}")
         if self.cors_origin is not None and not _is_origin(self.cors_origin):
             raise ConfigError(
                 f"cors_origin must be '*' or an origin such as http://127.0.0.1:7481 "
@@ -93,6 +115,8 @@ class MonitorConfig:
             )
         if self.data_dir is not None and not isinstance(self.data_dir, Path):
             object.__setattr__(self, "data_dir", Path(self.data_dir))
+        if self.dsn_file is not None and not isinstance(self.dsn_file, Path):
+            object.__setattr__(self, "dsn_file", Path(self.dsn_file))
 
     @property
     def history_points(self) -> int:

@@ -161,8 +161,9 @@ class SectionCollector:
             "ringq_xmin_horizon_age_seconds",
             "Age of the oldest transaction holding back the xmin horizon (stops pruning).",
         )
-        xmin.add_metric([], st["xmin_age_s"])
+        xmin.add_metric([], st[M.XMIN_AGE_S])
         yield xmin
+        yield from _horizon_metrics(st)
         runs = CounterMetricFamily(
             "ringq_monitor_step_runs", "Runs of each monitor step.", labels=["step"]
         )
@@ -230,6 +231,36 @@ def _client_metrics(clients: list[dict[str, Any]]) -> Iterator[Metric]:
         rate.add_metric(list(lv), m[M.COMMIT_RATE])
     yield from fams.values()
     yield rate
+
+
+def _horizon_metrics(st: dict[str, Any]) -> Iterator[Metric]:
+    """A held snapshot, its holder (one series, only while held), vacuums and leases."""
+    from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+    held = GaugeMetricFamily(
+        "ringq_snapshot_held", "1 while a transaction holds back the xmin horizon past xmin_warn_s."
+    )
+    held.add_metric([], 1.0 if st[M.SNAPSHOT_HELD] else 0.0)
+    yield held
+    holder = GaugeMetricFamily(
+        "ringq_snapshot_holder_age_seconds",
+        "Age of the transaction holding back the xmin horizon past xmin_warn_s (present only then).",
+        labels=["kind", "pid", "application", "user"],
+    )
+    h = st[M.XMIN_HOLDER]
+    if st[M.SNAPSHOT_HELD] and h is not None:
+        holder.add_metric([h["kind"], str(h["pid"] or ""), h["application"] or "", h["user"] or ""], h["age_s"])
+    yield holder
+    vac = CounterMetricFamily(
+        "ringq_monitor_vacuums", "Ring tables vacuumed after a held snapshot was released."
+    )
+    vac.add_metric([], st[M.VACUUMS])
+    yield vac
+    leases = CounterMetricFamily(
+        "ringq_monitor_expired_leases", "Sessions ended for holding a dequeued entry past the queue's lease."
+    )
+    leases.add_metric([], st[M.EXPIRED_LEASES])
+    yield leases
 
 
 def _read_queues(sec: Section) -> list[tuple[str, dict[str, int], list[int], list[int]]]:

@@ -61,7 +61,9 @@ from ringq.engine import (
     QueueFull,
     RingqError,
     Session,
+    dsn_file,
     from_psycopg,
+    read_dsn_file,
     redact_dsn,
     resolve_dsn,
     validate_queue_name,
@@ -268,6 +270,8 @@ class Mover:
     ) -> None:
         self.src_dsn = resolve_dsn(src_dsn)
         self.dst_dsn = resolve_dsn(dst_dsn)
+        # Where a DSN came from the embedded cluster's file: re-read after a failure.
+        self._dsn_files = {"src_dsn": dsn_file(src_dsn), "dst_dsn": dsn_file(dst_dsn)}
         self.src_queue = validate_queue_name(src_queue)
         self.dst_queue = validate_queue_name(dst_queue)
         self.config = config or MoveConfig()
@@ -613,3 +617,8 @@ class Mover:
         if s.src is None:
             self._release()  # a new source session means a new standby round
         self._lock_lost()
+        for attr, path in self._dsn_files.items():
+            new = None if path is None else read_dsn_file(path)
+            if new is not None and new != getattr(self, attr):
+                logger.warning("ringq.move: the embedded cluster came back at %s", redact_dsn(new))
+                setattr(self, attr, new)

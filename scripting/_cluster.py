@@ -602,7 +602,11 @@ def _is_postmaster(pid: int) -> bool:
 
 
 def _port_free(port: int) -> bool:
+    """True if the server could listen on ``port`` now. Probed as the server
+    binds (SO_REUSEADDR): a stopped server's connections in TIME_WAIT do not
+    make its port busy, so a restart keeps its port and every client's DSN."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             s.bind((HOST, port))
         except OSError as exc:

@@ -14,6 +14,7 @@ from typing import Any
 import psycopg
 from psycopg import sql
 from ringq.engine import (
+    DEFAULT_LEASE,
     MAX_CAPACITY,
     ConfigError,
     QueueExists,
@@ -34,6 +35,7 @@ MAX_DELIVERIES = 1_000_000
 # The global section keeps full_timeout in milliseconds in an int64 word (at
 # most 2**63 - 1 ms, about 9.22e15 s); 9e15 s leaves room for float rounding.
 MAX_FULL_TIMEOUT = 9e15  # seconds
+MAX_LEASE = 9e15  # seconds: the section keeps the lease in milliseconds too
 # The same bounds are written in ddl.sql's queues_fit_section constraint.
 
 _BLOCKS = load("ringq.scripting", "ddl.sql")
@@ -56,6 +58,7 @@ class QueueSpec:
     exception_queue: str | None = None
     fillfactor: int = 50
     tablespace: str | None = None
+    lease: float = DEFAULT_LEASE
 
     def __post_init__(self) -> None:
         validate_queue_name(self.name)
@@ -79,6 +82,13 @@ class QueueSpec:
                 f"full_timeout must be a number of seconds from 0 to {MAX_FULL_TIMEOUT:g}, "
                 f"not {self.full_timeout!r}"
             )
+        if (
+            isinstance(self.lease, bool)
+            or not isinstance(self.lease, int | float)
+            or not math.isfinite(self.lease)
+            or not 0 <= self.lease <= MAX_LEASE
+        ):
+            raise ConfigError(f"lease must be a number of seconds from 0 to {MAX_LEASE:g} (0: none), not {self.lease!r}")
         if self.exception_queue is not None:
             validate_queue_name(self.exception_queue)
             if self.exception_queue == self.name:
@@ -151,6 +161,8 @@ def queue_sql(spec: QueueSpec) -> sql.Composed:
         max_payload_limit=sql.Literal(MAX_PAYLOAD),
         max_deliveries_limit=sql.Literal(MAX_DELIVERIES),
         max_full_timeout=sql.Literal(MAX_FULL_TIMEOUT),
+        lease=sql.Literal(float(spec.lease)),
+        max_lease=sql.Literal(MAX_LEASE),
         max_queues=sql.Literal(MAX_QUEUES),
         slot_pool=sql.Literal(SLOT_POOL),
     )

@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import csv
 import json
+import logging
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -25,12 +27,12 @@ from typing import Any
 import psycopg
 import pytest
 from conftest import MonitorProcess, drain, remove_section, wait_for
-from ringq.engine import ConfigError, Section, Session, connect, pid_alive
+from ringq.engine import ConfigError, Section, Session, TransactionError, connect, pid_alive
 from ringq.engine import layout as L
 from ringq.monitor import Monitor, MonitorConfig, MonitorRunning, subscribe
 from ringq.monitor import _sample as S
 from ringq.monitor._t4 import HEADER, T4Writer
-from ringq.scripting import QueueSpec, create_queue
+from ringq.scripting import Cluster, QueueSpec, create_queue
 
 API_QUEUE_KEYS = {
     "name", "capacity", "depth", "head", "tail", "enq_rate", "deq_rate", "enq_p50_us", "enq_p99_us",
@@ -652,6 +654,106 @@ def test_killed_consumer_entry_is_delivered_again_within_a_second_exactly_once(
     assert sum(1 for r in log if r["event"] == "client.recovered" and r["queues"] == [q]) == 3
 
 
+def test_a_session_holding_an_entry_past_the_lease_is_ended_and_the_entry_comes_back(
+    dsn: str, make_queue: Any, monitor: Any, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.WARNING, logger="ringq.monitor")
+    lease = 1.0
+    q = make_queue(capacity=16, lease=lease)  # single dequeuer: the idle holder blocks the queue
+    monitor()
+    delays = []
+    with subscribe(dsn, "entry.lease_expired") as events, connect(dsn) as taker:
+        for _ in range(5):
+            [seq] = produce(dsn, q, 1)
+            holder = connect(dsn)
+            backend = holder.backend_pid
+            msg = holder.dequeue(q)
+            t_taken = time.monotonic()
+            assert msg is not None and msg.seq == seq and msg.deliveries == 1
+            # The holder goes idle. Until its lease ends, nobody else gets the entry.
+            got = taker.dequeue(q, wait=lease + 3.0)
+            back = time.monotonic() - t_taken
+            assert got is not None and got.seq == seq, "the entry did not come back after the lease"
+            assert got.deliveries == 2  # the expired delivery was counted
+            assert back >= lease
+            delays.append(back - lease)
+            taker.commit()
+            ev = events.get(5)
+            assert ev is not None and ev.name == "entry.lease_expired" and ev.queue == q
+            assert ev.data["pid"] == os.getpid() and ev.data["backend_pid"] == backend
+            assert ev.data["queues"] == [q] and ev.data["slots"] == 1 and ev.data["lease_s"] == lease
+            assert ev.data["held_s"] >= lease
+            # The holder finds its transaction rolled back: it cannot consume the entry again.
+            with pytest.raises(TransactionError, match="rolled back"):
+                holder.commit()
+            holder.close()
+    delays.sort()
+    print(f"\nlease {lease:g} s -> entry back after the lease: median {delays[2] * 1000:.0f} ms, "
+          + ", ".join(f"{d * 1000:.0f}" for d in delays) + " ms")
+    assert delays[2] < 1.0
+    log = _log_records(tmp_path / "monitor" / "monitor.log")
+    expired = [r for r in log if r["event"] == "entry.lease_expired"]
+    assert len(expired) == 5 and all(r["queues"] == [q] for r in expired)
+    assert any(r.levelno == logging.WARNING and "entry.lease_expired" in r.getMessage() for r in caplog.records)
+    with psycopg.connect(dsn) as conn:
+        rows = conn.execute(psycopg.sql.SQL("SELECT state, deliveries FROM ringq.{} WHERE seq >= 0").format(
+            psycopg.sql.Identifier("q_" + q))).fetchall()
+    assert sorted(rows) == [(2, 1)] * 5  # each consumed once, after one counted failed delivery
+
+
+def test_a_held_snapshot_is_named_and_the_ring_is_vacuumed_after_its_release(
+    dsn: str, make_queue: Any, monitor: Any, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.WARNING, logger="ringq.monitor")
+    q = make_queue(capacity=64, dequeue_mode="shared")
+    m = monitor(xmin_warn_s=1.0, vacuum_dead_rows=50)
+    wait_for(lambda: queue_doc(m.url, q), what="the queue sampled")
+
+    def vacuum_count() -> int:
+        with psycopg.connect(dsn, autocommit=True) as conn:
+            row = conn.execute("SELECT vacuum_count FROM pg_stat_user_tables WHERE relid = to_regclass(%s)",
+                               ("ringq.q_" + q,)).fetchone()
+        return int(row[0]) if row else 0
+
+    with subscribe(dsn, "database.*") as events, connect(dsn, eager_begin=False) as s:
+        report = psycopg.connect(dsn, application_name="long report")
+        report.isolation_level = psycopg.IsolationLevel.REPEATABLE_READ
+        report.execute("SELECT count(*) FROM ringq.queues").fetchone()  # its snapshot, held from here
+        held_pid = report.info.backend_pid
+        # Traffic under the snapshot: every enqueue and dequeue leaves a dead row version.
+        pairs = 0
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline and (pairs < 200 or (queue_doc(m.url, q) or {}).get("dead_rows", 0) < 50):
+            s.enqueue(q, b"x")
+            s.commit()
+            assert s.dequeue(q) is not None
+            s.commit()
+            pairs += 1
+        ev = events.get(10)
+        assert ev is not None and ev.name == "database.snapshot_held", ev
+        assert ev.data["pid"] == held_pid and ev.data["application"] == "long report"
+        assert ev.data["kind"] == "backend" and ev.data["age_s"] >= 1.0 and ev.data["xact_start"] > 0
+        assert "query" not in ev.data  # never the query text
+        status = get_json(m.url + "/api/queues")["monitor"]
+        assert status["snapshot_held"] and status["xmin_holder"]["pid"] == held_pid
+        metrics = http(m.url + "/metrics")[1].decode()
+        assert "ringq_snapshot_held 1.0" in metrics and f'pid="{held_pid}"' in metrics
+        before = vacuum_count()
+        report.commit()  # the report ends: the horizon moves on
+        report.close()
+        ev = events.get(10)
+    assert ev is not None and ev.name == "database.snapshot_released", ev
+    assert ev.data["pid"] == held_pid and ev.data["held_s"] >= 1.0
+    assert [v["queue"] for v in ev.data["vacuumed"]] == [q]
+    assert vacuum_count() > before  # the ring was vacuumed: its space is reused
+    assert not get_json(m.url + "/api/queues")["monitor"]["snapshot_held"]
+    assert any(r.levelno == logging.WARNING and "database.snapshot_held" in r.getMessage()
+               and f'"pid":{held_pid}' in r.getMessage() for r in caplog.records)
+    log = _log_records(tmp_path / "monitor" / "monitor.log")
+    assert [r["event"] for r in log if r["event"].startswith("database.snapshot")] == [
+        "database.snapshot_held", "database.snapshot_released"]
+
+
 def test_a_full_queue_does_not_stall_recovery_and_its_sql_entries_wait_in_order(
     dsn: str, make_queue: Any, monitor: Any, tmp_path: Path
 ) -> None:
@@ -825,13 +927,10 @@ def test_monitor_rides_out_a_database_restart(tmp_path: Path) -> None:
                 lambda: m.status()["beat"] > beat, what="the loop going on without the database"
             )
             assert m.running and http(m.url + "/api/queues")[0] == 200
-            # Start the server again on its configured port. (Cluster.start() would pick
-            # another port: its free-port probe binds without SO_REUSEADDR and sees the
-            # old port's TIME_WAIT sockets as busy; every client's DSN would go stale.)
-            started = cluster._pg_ctl(
-                "start", "-t", "60", "-l", str(cluster.datadir / "log" / "startup.log")
-            )
-            assert started.returncode == 0, started.stdout
+            # Start the server again: on the same port (its free-port probe binds with
+            # SO_REUSEADDR, as the server does, so the old port's TIME_WAIT sockets
+            # do not count), so every client's DSN still holds.
+            assert cluster.start() == dsn
             wait_for(lambda: m.status()["database"], 20, "the monitor reconnected")
             produce(dsn, q, 1)
             assert [x.payload for x in drain(dsn, q)] == [b"x0", b"x1", b"x2", b"x0"]
@@ -844,6 +943,82 @@ def test_monitor_rides_out_a_database_restart(tmp_path: Path) -> None:
         cluster.stop()
         if instance:
             Section.unlink(instance[0])
+
+
+def test_an_entry_held_across_a_database_restart_is_decided_and_the_monitor_follows_the_dsn(
+    tmp_path: Path,
+) -> None:
+    """``ringq db stop; ringq db start`` keeps the port (the old one's TIME_WAIT
+    sockets do not count as busy); a monitor that found the DSN in the embedded
+    cluster's file follows it when the cluster does come back elsewhere; and an
+    entry whose holder's backend died with the server is decided from the rows."""
+    home = tmp_path / "home"
+    env = dict(os.environ, RINGQ_HOME=str(home))
+    env.pop("RINGQ_DSN", None)
+
+    def db(*args: str) -> str:
+        done = subprocess.run(ringq_cmd("db", *args), env=env, capture_output=True, text=True, timeout=120,
+                              check=False)
+        assert done.returncode == 0, done.stderr
+        return (home / "dsn").read_text().strip() if args[0] == "start" else ""
+
+    mon: subprocess.Popen[str] | None = None
+    instance = None
+    try:
+        dsn = db("start")
+        q = "q_" + uuid.uuid4().hex[:10]
+        with psycopg.connect(dsn) as conn:
+            create_queue(conn, QueueSpec(q, 16, 100))  # single dequeuer: a held entry blocks it
+            instance = conn.execute("SELECT value FROM ringq.meta WHERE key = 'instance_id'").fetchone()
+        data = tmp_path / "m"
+        mon = subprocess.Popen(ringq_cmd("monitor", "--port", "0", "--data-dir", str(data), "--interval", str(FAST)),
+                               env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, text=True)
+        url = wait_for(lambda: json.loads((data / "monitor.json").read_text())["url"], 30, "the monitor to serve")
+        [seq] = produce(dsn, q, 1)
+        holder = connect(dsn)
+        msg = holder.dequeue(q)
+        assert msg is not None and msg.seq == seq  # held, and the holder goes idle
+
+        db("stop")  # its sessions are ended: the server's side of them lingers in TIME_WAIT
+        assert db("start") == dsn  # the same port, so every client's DSN still holds
+        t0 = time.monotonic()
+        with connect(dsn) as taker:
+            got = taker.dequeue(q, wait=10.0)
+            back = time.monotonic() - t0
+            assert got is not None and got.seq == seq and got.deliveries == 2, "the held entry was not decided"
+            taker.commit()
+        print(f"\nheld entry decided {back * 1000:.0f} ms after the database came back")
+        assert back < 5.0
+        log = _log_records(data / "monitor.log")
+        assert any(r["event"] == "client.backend_lost" and r["queues"] == [q] for r in log)
+        holder.close()
+
+        # The port taken by someone else while the cluster is down: it comes back
+        # elsewhere, and the monitor reads the new DSN from the cluster's file.
+        port = int(dsn.rsplit(":", 1)[1].split("/")[0])
+        db("stop")
+        wait_for(lambda: not get_json(url + "/api/queues")["monitor"]["database"], 20, "the outage noticed")
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as squatter:
+            squatter.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            squatter.bind(("127.0.0.1", port))
+            squatter.listen()
+            moved = db("start")
+        assert moved != dsn
+        wait_for(lambda: get_json(url + "/api/queues")["monitor"]["database"], 20, "the monitor on the new DSN")
+        produce(moved, q, 2)
+        wait_for(lambda: (queue_doc(url, q) or {}).get("depth") == 2, 20, "the queue sampled again")
+        log = _log_records(data / "monitor.log")
+        assert any(r["event"] == "database.dsn_changed" for r in log)
+        assert json.loads((data / "monitor.json").read_text())["dsn"] == moved
+        dsn = moved
+    finally:
+        if mon is not None:
+            mon.terminate()
+            mon.wait(30)
+        if instance is not None:
+            Section.unlink(instance[0])
+            Section.unlink_semaphores(instance[0], [1])
+        Cluster(home).stop()
 
 
 # -- clients: errors they hit, per-client counters (worker throughput and failures) -------------

@@ -21,6 +21,7 @@ import sys
 import threading
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from types import FrameType
 from typing import Any, Final, Self
 
@@ -31,8 +32,11 @@ from ringq.engine import (
     RingqError,
     Section,
     connect,
+    dsn_file,
     exits,
     pid_alive,
+    read_dsn_file,
+    redact_dsn,
     resolve_dsn,
     validate_int,
 )
@@ -258,6 +262,7 @@ class WorkerPool:
         self.config = config or PoolConfig()
         self._dsn_arg = dsn
         self.dsn = ""
+        self._dsn_file: Path | None = None
         self._ctx: Any = mp.get_context(self.config.start_method)
         self._children = [_Child(i) for i in range(self.config.processes)]
         self._section: Section | None = None
@@ -278,6 +283,7 @@ class WorkerPool:
         if self._started:
             return self
         self.dsn = resolve_dsn(self._dsn_arg)
+        self._dsn_file = dsn_file(self._dsn_arg)  # the embedded cluster's: re-read at each restart
         actions = load_actions(self.target) if isinstance(self.target, str) else self.target
         served = WorkerConfig(queues=self.config.worker.queues)  # validates names
         unknown = [q for q in served.queues if q not in actions]
@@ -455,6 +461,10 @@ class WorkerPool:
                 self._start_child(ch)
 
     def _start_child(self, ch: _Child) -> None:
+        moved = None if self._dsn_file is None else read_dsn_file(self._dsn_file)
+        if moved is not None and moved != self.dsn:
+            logger.warning("ringq worker pool: the embedded cluster came back at %s", redact_dsn(moved))
+            self.dsn = moved
         reader, writer = self._ctx.Pipe(duplex=False)
         proc = self._ctx.Process(
             target=_child_main,
