@@ -22,4 +22,7 @@ class QueueInfo:
     dequeue_mode: str
     max_deliveries: int
     exception_queue: str | None
-    lease: float = DEFAULT_LEASE  # seconds; 0: none
+    # seconds; 0: none. No default: QueueDetails (ringq.scripting) adds fields
+    # without defaults after these. Read as DEFAULT_LEASE from a schema that
+    # predates the column.
+    lease: float

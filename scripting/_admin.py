@@ -61,7 +61,6 @@ class QueueDetails(QueueInfo):
 
     fillfactor: int
     tablespace: str | None
-    lease: float  # seconds a dequeued entry may be held without committing; 0: none
     created_at: datetime
     depth: int
     inbox: int
