@@ -95,7 +95,8 @@ def run(args: argparse.Namespace) -> int:
             token=args.token or None, data_dir=data_dir, prepared_timeout=args.prepared_timeout,
             cors_origin=args.cors_origin or None,
             xmin_warn_s=args.xmin_warn,
-            dsn_file=dsn_file(args.dsn),  # the embedded cluster's: followed if it comes back elsewhere
+            # the embedded cluster's: followed if it comes back elsewhere
+            dsn_file=dsn_file(args.dsn),
         )
         if config_path is not None:
             config = config.replace(**read_config(config_path))

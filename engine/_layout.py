@@ -154,7 +154,8 @@ OWNER_HELD = -1  # slot of a prepared transaction whose session is gone: recover
 
 CS_IN_DOUBT = 2  # lost its connection with slots held: the rows decide (monitor)
 
-TOKEN_GENS = (2**31 - 1) // MAX_CLIENTS  # generations before tokens of one entry repeat (int32 OWNER)
+# generations before tokens of one entry repeat (int32 OWNER)
+TOKEN_GENS = (2**31 - 1) // MAX_CLIENTS
 
 
 def token_of(cidx: int, gen: int) -> int:

@@ -129,9 +129,16 @@ def end_holders(sec: Section, dsn: str, holders: list[Holder]) -> list[tuple[Hol
         prepared = _prepared_slots(conn)
         ended: list[Holder] = []
         for h in holders:
-            if sec.c(h.cidx, L.C_HOLD_SINCE_NS) != h.since_ns or sec.c(h.cidx, L.C_BACKEND_PID) != h.backend_pid:
+            if (
+                sec.c(h.cidx, L.C_HOLD_SINCE_NS) != h.since_ns
+                or sec.c(h.cidx, L.C_BACKEND_PID) != h.backend_pid
+            ):
                 continue  # committed, rolled back or reconnected since it was found
-            if any((r.qid, s) in prepared for r in _client_rings(sec, h.cidx) for s in _locked_slots(r, h.cidx + 1)):
+            if any(
+                (r.qid, s) in prepared
+                for r in _client_rings(sec, h.cidx)
+                for s in _locked_slots(r, h.cidx + 1)
+            ):
                 continue  # a prepared transaction outlives its backend: resolve_prepared decides
             if h.backend_pid:
                 conn.execute(_Q["terminate"], (h.backend_pid,))
@@ -147,7 +154,8 @@ def end_holders(sec: Section, dsn: str, holders: list[Holder]) -> list[tuple[Hol
                 continue
             rec = _decide_client(sec, conn, infos, prepared, h.cidx, h.backend_pid)
             if not rec.committed:
-                sec.end_hold(h.cidx, h.since_ns)  # its commit, if it tries one, learns it rolled back
+                # its commit, if it tries one, learns it rolled back
+                sec.end_hold(h.cidx, h.since_ns)
             done.append((h, rec))
     return done
 
@@ -184,7 +192,8 @@ def recover_lost_backends(sec: Section, conn: psycopg.Connection[Any]) -> list[R
     prepared = _prepared_slots(conn)
     for cidx, backend in lost.items():
         if sec.c(cidx, L.C_BACKEND_PID) != backend or not pid_alive(sec.c(cidx, L.C_PID)):
-            continue  # reconnected meanwhile (its own recovery decides), or dead (recover_dead_clients)
+            # reconnected meanwhile (its own recovery decides), or dead (recover_dead_clients)
+            continue
         rec = _decide_client(sec, conn, infos, prepared, cidx, backend)
         if rec.slots:
             out.append(rec)

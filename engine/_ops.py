@@ -11,7 +11,8 @@ from dataclasses import dataclass
 from enum import IntEnum, StrEnum
 from typing import TYPE_CHECKING
 
-POISON_REASON = "max deliveries reached"  # the reason recorded with an entry moved to ringq.exceptions
+# the reason recorded with an entry moved to ringq.exceptions
+POISON_REASON = "max deliveries reached"
 
 if TYPE_CHECKING:
     from ._queue_info import QueueInfo

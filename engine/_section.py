@@ -93,7 +93,8 @@ class Section:
         self.owner_w = buf[L.OFF_OWNER : L.OFF_OWNER + L.SLOT_POOL * 4].cast("i")
         self.holder = np.frombuffer(mm, dtype=np.int32, count=L.SLOT_POOL, offset=L.OFF_HOLDER)
         self.holder_w = buf[L.OFF_HOLDER : L.OFF_HOLDER + L.SLOT_POOL * 4].cast("i")
-        self._tlocks = [threading.Lock() for _ in range(L.MAX_QUEUES + 2)]  # section, queues, recovery
+        # section, queues, recovery
+        self._tlocks = [threading.Lock() for _ in range(L.MAX_QUEUES + 2)]
         self._sems: dict[str, posix_ipc.Semaphore] = {}
         self.generation = self.header[L.H_GENERATION]
 
@@ -440,7 +441,9 @@ class Section:
         if cidx is None:
             return token > 0
         base = cidx * L.CLIENT_WORDS
-        return self.clients[base + L.C_STATE] == L.CS_IN_DOUBT or not pid_alive(self.clients[base + L.C_PID])
+        return self.clients[base + L.C_STATE] == L.CS_IN_DOUBT or not pid_alive(
+            self.clients[base + L.C_PID]
+        )
 
     def locked_under(self, token: int, qidxs: Iterable[int]) -> bool:
         """Whether any slot of queue blocks ``qidxs`` is locked under ``token`` (vectorized)."""
@@ -469,7 +472,9 @@ class Section:
         """Add ``n`` to counter ``word`` (C_N_*) of client ``cidx``."""
         self.clients[cidx * L.CLIENT_WORDS + word] += n
 
-    def hand_over_client(self, cidx: int, *, pid: int | None = None, registered_ns: int | None = None) -> None:
+    def hand_over_client(
+        self, cidx: int, *, pid: int | None = None, registered_ns: int | None = None
+    ) -> None:
         """Mark client ``cidx`` in doubt: recovery decides the slots locked
         under its token from the rows, once its backend has ended, and frees
         it. With ``pid`` and ``registered_ns``, only if the entry is still that
@@ -592,7 +597,8 @@ class Section:
         ]
 
     def monitor_serving(self, fresh_s: float) -> bool:
-        """Whether a monitor's heartbeat is fresher than ``fresh_s`` seconds and its process lives."""
+        """Whether a monitor's heartbeat is fresher than ``fresh_s`` seconds and its process
+        lives."""
         pid = self.header[L.H_MONITOR_PID]
         beat = self.header[L.H_MONITOR_BEAT_NS]
         return bool(pid) and time.time_ns() - beat < fresh_s * 1e9 and pid_alive(pid)

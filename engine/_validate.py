@@ -51,7 +51,9 @@ def check_wait(what: str, value: object) -> None:
     if value is None:
         return
     if isinstance(value, bool) or not isinstance(value, int | float):
-        raise InvalidArgumentType(f"{what} must be a number of seconds or None, not {type(value).__name__}")
+        raise InvalidArgumentType(
+            f"{what} must be a number of seconds or None, not {type(value).__name__}"
+        )
     if not math.isfinite(value) or value < 0:
         raise InvalidArgument(f"{what} must be a finite number of seconds >= 0, not {value!r}")
 
@@ -70,7 +72,8 @@ def check_count(what: str, value: object) -> int:
 
 
 def check_key(key: object) -> None:
-    """Check an idempotency key: None, or a str of at most ``MAX_KEY_BYTES`` UTF-8 bytes without NUL.
+    """Check an idempotency key: None, or a str of at most ``MAX_KEY_BYTES`` UTF-8 bytes
+    without NUL.
 
     :raises InvalidArgumentType: not a str.
     :raises InvalidArgument: too long, or holds a NUL character (PostgreSQL text cannot).
@@ -95,7 +98,10 @@ def as_payload(payload: object) -> bytes:
         return payload
     if isinstance(payload, bytearray | memoryview):
         return bytes(payload)
-    raise InvalidArgumentType(f"payload must be bytes-like (bytes, bytearray, memoryview), not {type(payload).__name__}")
+    raise InvalidArgumentType(
+        "payload must be bytes-like (bytes, bytearray, memoryview),"
+        f" not {type(payload).__name__}"
+    )
 
 
 def as_payloads(payloads: object) -> list[bytes]:
@@ -103,7 +109,9 @@ def as_payloads(payloads: object) -> list[bytes]:
 
     :raises InvalidArgumentType: not an iterable of them (one bytes-like object is refused).
     """
-    if isinstance(payloads, str | bytes | bytearray | memoryview) or not isinstance(payloads, Iterable):
+    if isinstance(payloads, str | bytes | bytearray | memoryview) or not isinstance(
+        payloads, Iterable
+    ):
         raise InvalidArgumentType(
             f"payloads must be an iterable of bytes-like payloads, not {type(payloads).__name__}"
         )

@@ -96,7 +96,8 @@ def percentile_us(hist: list[int], q: float) -> float:
 
 XMIN_AGE_S: Final = "xmin_age_s"  # seconds the oldest transaction has held back the xmin horizon
 SNAPSHOT_HELD: Final = "snapshot_held"  # it is past the monitor's xmin_warn_s
-XMIN_HOLDER: Final = "xmin_holder"  # that transaction: kind, pid, application, user, state, ... (or null)
+# that transaction: kind, pid, application, user, state, ... (or null)
+XMIN_HOLDER: Final = "xmin_holder"
 VACUUMS: Final = "vacuums"  # ring tables the monitor vacuumed after a held snapshot was released
 EXPIRED_LEASES: Final = "expired_leases"  # sessions ended past their queue's lease
 

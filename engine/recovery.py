@@ -14,8 +14,8 @@ The functions are defined in ``ringq/engine/_recovery.py`` and ``_lease.py``.
 
 from __future__ import annotations
 
-from ._process import _Process
 from ._lease import Holder, end_holders, overdue_holders, recover_lost_backends
+from ._process import _Process
 from ._recovery import (
     DECIDED_GRACE_S,
     Recovered,

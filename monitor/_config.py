@@ -107,7 +107,9 @@ class MonitorConfig:
             isinstance(self.vacuum_dead_rows, bool) or not isinstance(self.vacuum_dead_rows, int)
             or self.vacuum_dead_rows < 0
         ):
-            raise ConfigError(f"vacuum_dead_rows must be an integer >= 0, not {self.vacuum_dead_rows!r}")
+            raise ConfigError(
+                f"vacuum_dead_rows must be an integer >= 0, not {self.vacuum_dead_rows!r}"
+            )
         if self.cors_origin is not None and not _is_origin(self.cors_origin):
             raise ConfigError(
                 f"cors_origin must be '*' or an origin such as http://127.0.0.1:7481 "

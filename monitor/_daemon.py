@@ -48,8 +48,10 @@ RET_ALREADY_RUNNING = exits.CONFLICT  # another monitor serves the database (or 
 RET_INTERRUPTED = exits.INTERRUPTED  # a second signal: exited without finishing the drain
 
 # Settings a config file may hold (re-read on SIGHUP).
-RELOADABLE = ("interval", "recovery_interval", "token", "prepared_timeout", "high_water", "xmin_warn_s",
-              "vacuum_dead_rows")
+RELOADABLE = (
+    "interval", "recovery_interval", "token", "prepared_timeout", "high_water", "xmin_warn_s",
+    "vacuum_dead_rows",
+)
 
 
 class _Flags:

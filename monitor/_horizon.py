@@ -112,7 +112,9 @@ class HorizonWatch:
     def __init__(self) -> None:
         self.warned: Holder | None = None  # the holder last warned about, while held
         self.oldest: Holder | None = None  # the oldest holder of the latest reading
-        self._first_seen: dict[tuple[str, int | None, float | None, str | None], float] | None = None
+        self._first_seen: (
+            dict[tuple[str, int | None, float | None, str | None], float] | None
+        ) = None
         self._since = 0.0  # monotonic: when the horizon was first held past the threshold
         self._dead: dict[str, int] = {}
 
@@ -136,7 +138,9 @@ class HorizonWatch:
         self._first_seen = kept
         return oldest
 
-    def update(self, holders: list[Holder], dead_rows: dict[str, int], warn_s: float) -> HorizonNews | None:
+    def update(
+        self, holders: list[Holder], dead_rows: dict[str, int], warn_s: float
+    ) -> HorizonNews | None:
         """Take this interval's ``holders`` and each ring's dead rows; returns news, if any."""
         oldest = self.oldest = self._age(holders)
         if oldest is not None and oldest.age_s >= warn_s:
@@ -144,14 +148,20 @@ class HorizonWatch:
                 self._since = time.monotonic() - oldest.age_s
                 self._dead = {}
             self._note_dead(dead_rows)
-            news = None if self.warned is not None and oldest.key == self.warned.key else HorizonNews("held", oldest)
+            news = (
+                None
+                if self.warned is not None and oldest.key == self.warned.key
+                else HorizonNews("held", oldest)
+            )
             self.warned = oldest
             return news
         if self.warned is None:
             return None
         last, self.warned = self.warned, None
         self._note_dead(dead_rows)
-        return HorizonNews("released", last, held_s=time.monotonic() - self._since, dead_rows=dict(self._dead))
+        return HorizonNews(
+            "released", last, held_s=time.monotonic() - self._since, dead_rows=dict(self._dead)
+        )
 
     def _note_dead(self, dead_rows: dict[str, int]) -> None:
         for name, n in dead_rows.items():

@@ -244,12 +244,15 @@ def _horizon_metrics(st: dict[str, Any]) -> Iterator[Metric]:
     yield held
     holder = GaugeMetricFamily(
         "ringq_snapshot_holder_age_seconds",
-        "Age of the transaction holding back the xmin horizon past xmin_warn_s (present only then).",
+        "Age of the transaction holding back the xmin horizon past xmin_warn_s"
+        " (present only then).",
         labels=["kind", "pid", "application", "user"],
     )
     h = st[M.XMIN_HOLDER]
     if st[M.SNAPSHOT_HELD] and h is not None:
-        holder.add_metric([h["kind"], str(h["pid"] or ""), h["application"] or "", h["user"] or ""], h["age_s"])
+        holder.add_metric(
+            [h["kind"], str(h["pid"] or ""), h["application"] or "", h["user"] or ""], h["age_s"]
+        )
     yield holder
     vac = CounterMetricFamily(
         "ringq_monitor_vacuums", "Ring tables vacuumed after a held snapshot was released."
@@ -257,7 +260,8 @@ def _horizon_metrics(st: dict[str, Any]) -> Iterator[Metric]:
     vac.add_metric([], st[M.VACUUMS])
     yield vac
     leases = CounterMetricFamily(
-        "ringq_monitor_expired_leases", "Sessions ended for holding a dequeued entry past the queue's lease."
+        "ringq_monitor_expired_leases",
+        "Sessions ended for holding a dequeued entry past the queue's lease.",
     )
     leases.add_metric([], st[M.EXPIRED_LEASES])
     yield leases

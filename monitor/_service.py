@@ -305,7 +305,9 @@ class Monitor:
         """
         from ringq.engine import ConfigError
 
-        fixed = {"dsn", "dsn_file", "port", "host", "data_dir", "history_seconds", "t4_keep_days", "http"}
+        fixed = {
+            "dsn", "dsn_file", "port", "host", "data_dir", "history_seconds", "t4_keep_days", "http"
+        }
         bad = fixed & {k for k, v in changes.items() if getattr(self.config, k) != v}
         if bad:
             raise ConfigError(
@@ -490,8 +492,8 @@ class Monitor:
         pending = self._pending
         if pending is not None:
             self._pending = pending.replace(dsn=new)
-        self._journal_write("database.dsn_changed", logging.WARNING, old=redact_dsn(old), new=redact_dsn(new),
-                            file=str(path))
+        self._journal_write("database.dsn_changed", logging.WARNING, old=redact_dsn(old),
+                            new=redact_dsn(new), file=str(path))
         if self._running:
             self._write_state_file()
         return True
@@ -574,19 +576,22 @@ class Monitor:
             self._expired_leases += 1
             info = {**holder.as_dict(), "slots": rec.slots, "rolled_back": rec.rolled_back,
                     "committed": rec.committed}
-            self._journal_write("entry.lease_expired", logging.WARNING,
-                                reason="held a dequeued entry past the queue's lease: backend terminated",
-                                **info)
-            self._publish(E.make_event(E.ENTRY_LEASE_EXPIRED, holder.queues[0] if holder.queues else None,
-                                       **info))
+            self._journal_write(
+                "entry.lease_expired", logging.WARNING,
+                reason="held a dequeued entry past the queue's lease: backend terminated", **info,
+            )
+            queue = holder.queues[0] if holder.queues else None
+            self._publish(E.make_event(E.ENTRY_LEASE_EXPIRED, queue, **info))
 
     def _recover_lost_backends(self) -> None:
         """Decide the slots of live clients whose backend ended under them (a
         database restart, a backend terminated by someone else)."""
         for rec in recover_lost_backends(self._section(), self._connect()):
-            self._journal_write("client.backend_lost", logging.WARNING,
-                                reason="its backend ended while it held slots: decided from the rows",
-                                **rec.as_dict())
+            self._journal_write(
+                "client.backend_lost", logging.WARNING,
+                reason="its backend ended while it held slots: decided from the rows",
+                **rec.as_dict(),
+            )
 
     def _repair(self) -> None:
         for name in repair_lock_holders(self._section(), self.config.dsn):
@@ -706,8 +711,11 @@ class Monitor:
     def _tell_horizon(self, news: HorizonNews) -> None:
         """Warn of a held snapshot; after its release, vacuum the rings it bloated."""
         if news.what == "held":
-            fields = {**news.holder.as_dict(), "threshold_s": self.config.xmin_warn_s,
-                      "reason": "holds back the xmin horizon: every ring update leaves a dead row, rings grow"}
+            fields = {
+                **news.holder.as_dict(), "threshold_s": self.config.xmin_warn_s,
+                "reason": "holds back the xmin horizon: every ring update leaves a dead row,"
+                " rings grow",
+            }
             self._journal_write("database.snapshot_held", logging.WARNING, **fields)
             self._publish(E.make_event(E.SNAPSHOT_HELD, None, **fields))
             return
@@ -718,8 +726,10 @@ class Monitor:
                                 reason="a vacuum is still running")
             return
         # VACUUM of a bloated ring may take a while: not in the loop that recovers clients.
-        self._vacuum_thread = threading.Thread(target=self._vacuum_after_release, args=(news, bloated),
-                                               name="ringq-monitor-vacuum", daemon=True)
+        self._vacuum_thread = threading.Thread(
+            target=self._vacuum_after_release, args=(news, bloated),
+            name="ringq-monitor-vacuum", daemon=True,
+        )
         self._vacuum_thread.start()
 
     def _vacuum_after_release(self, news: HorizonNews, queues: list[str]) -> None:
@@ -728,8 +738,9 @@ class Monitor:
                 done = vacuum_rings(conn, queues)
                 self._vacuums += len(done)
                 fields: dict[str, Any] = {
-                    "held_s": round(news.held_s, 3), "pid": news.holder.pid, "kind": news.holder.kind,
-                    "application": news.holder.application, "vacuumed": done,
+                    "held_s": round(news.held_s, 3), "pid": news.holder.pid,
+                    "kind": news.holder.kind, "application": news.holder.application,
+                    "vacuumed": done,
                 }
                 self._journal_write("database.snapshot_released", logging.INFO, **fields)
                 E.publish(conn, E.make_event(E.SNAPSHOT_RELEASED, None, **fields))
@@ -883,7 +894,9 @@ class Monitor:
             "client_errors_at_start": self._error_watch.seen_at_start,
             M.XMIN_AGE_S: round(self._xmin_age, 3),
             M.SNAPSHOT_HELD: self._horizon.held,
-            M.XMIN_HOLDER: self._horizon.oldest.as_dict() if self._horizon.oldest is not None else None,
+            M.XMIN_HOLDER: (
+                self._horizon.oldest.as_dict() if self._horizon.oldest is not None else None
+            ),
             M.VACUUMS: self._vacuums,
             "database": self._conn is not None and not self._conn.closed and not self._conn.broken,
             "steps": {k: v.as_dict() for k, v in sorted(self._steps.items())},

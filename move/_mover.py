@@ -13,8 +13,9 @@ A mover killed between 3 and 4 leaves the entries committed in database 2
 and not consumed in database 1: once recovery (the monitor, or the next
 mover: a mover taking over decides a dead predecessor's slots in both queues
 before it moves anything) has released them, they are delivered again, and
-the destination enqueue is a no-op by key. Nothing is lost (database 1 is committed last) and nothing arrives twice
-(the key). The two databases never learn that they took part in one move.
+the destination enqueue is a no-op by key. Nothing is lost (database 1 is
+committed last) and nothing arrives twice (the key). The two databases never
+learn that they took part in one move.
 
 Order: the source is dequeued oldest first by one mover at a time, so the
 destination receives entries in source order; per-producer order holds. That
@@ -239,7 +240,8 @@ class _State:
     dst_qid: int = 0
     instance: str = ""
     careful: int = 0  # entries still to move one at a time after a failed batch
-    settled: bool = False  # a dead predecessor's slots in both queues decided since we became active
+    # a dead predecessor's slots in both queues decided since we became active
+    settled: bool = False
     batches_since_prune: int = 0
     prune_upto: int = -1  # highest destination seq whose source dequeue committed
     stats: dict[str, int] = field(default_factory=dict)

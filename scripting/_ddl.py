@@ -88,7 +88,10 @@ class QueueSpec:
             or not math.isfinite(self.lease)
             or not 0 <= self.lease <= MAX_LEASE
         ):
-            raise ConfigError(f"lease must be a number of seconds from 0 to {MAX_LEASE:g} (0: none), not {self.lease!r}")
+            raise ConfigError(
+                f"lease must be a number of seconds from 0 to {MAX_LEASE:g} (0: none), "
+                f"not {self.lease!r}"
+            )
         if self.exception_queue is not None:
             validate_queue_name(self.exception_queue)
             if self.exception_queue == self.name:

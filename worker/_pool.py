@@ -463,7 +463,9 @@ class WorkerPool:
     def _start_child(self, ch: _Child) -> None:
         moved = None if self._dsn_file is None else read_dsn_file(self._dsn_file)
         if moved is not None and moved != self.dsn:
-            logger.warning("ringq worker pool: the embedded cluster came back at %s", redact_dsn(moved))
+            logger.warning(
+                "ringq worker pool: the embedded cluster came back at %s", redact_dsn(moved)
+            )
             self.dsn = moved
         reader, writer = self._ctx.Pipe(duplex=False)
         proc = self._ctx.Process(
