@@ -1,7 +1,7 @@
 """What a held snapshot costs a ring, and what the monitor's vacuum after it gives back.
 
-One queue (``--capacity`` slots, shared mode), one session (``eager_begin=False``,
-so the backend flushes its table statistics between transactions), steady
+One queue (``--capacity`` slots, shared mode), one session (idle outside any
+transaction between them, so the backend flushes its table statistics), steady
 traffic: one-entry pairs (enqueue + commit, dequeue + commit) as fast as it
 goes, in three phases:
 
@@ -89,13 +89,14 @@ def scenario(dsn: str, queue: str, args: argparse.Namespace, *, vacuum: bool) ->
                            vacuum_dead_rows=1000 if vacuum else 10**15)
     payload = b"p" * args.payload
     phases: dict[str, dict[str, Any]] = {}
-    with Monitor(config) as mon, connect(dsn, eager_begin=False) as s, \
+    with Monitor(config) as mon, connect(dsn) as s, \
             psycopg.connect(dsn, autocommit=True) as probe:
         s.enqueue_many(queue, [payload] * args.capacity)  # one lap: every row at its working width
         s.commit()
         s.dequeue_many(queue, args.capacity)
         s.commit()
-        warm = time.monotonic() + args.warmup  # not measured: a fresh server and queue warm up first
+        # not measured: a fresh server and queue warm up first
+        warm = time.monotonic() + args.warmup
         while time.monotonic() < warm:
             s.enqueue(queue, payload)
             s.commit()
@@ -107,7 +108,8 @@ def scenario(dsn: str, queue: str, args: argparse.Namespace, *, vacuum: bool) ->
             if phase == "held":
                 report = psycopg.connect(dsn, application_name="bench report")
                 report.isolation_level = psycopg.IsolationLevel.REPEATABLE_READ
-                report.execute(sql.SQL("SELECT count(*) FROM {}").format(queue_table(queue))).fetchone()
+                count = sql.SQL("SELECT count(*) FROM {}").format(queue_table(queue))
+                report.execute(count).fetchone()
             elif phase == "after" and report is not None:
                 report.commit()
                 report.close()
@@ -130,7 +132,11 @@ def scenario(dsn: str, queue: str, args: argparse.Namespace, *, vacuum: bool) ->
             size, dead, vac, auto = storage(probe, queue)
             samples.append({"t": round(elapsed, 2), "bytes": size, "dead_rows": dead})
             # How long after the release the dead rows took to fall back to the baseline's level.
-            settled = next((x["t"] for x in samples if x["dead_rows"] <= floor), None) if phase == "after" else None
+            settled = (
+                next((x["t"] for x in samples if x["dead_rows"] <= floor), None)
+                if phase == "after"
+                else None
+            )
             phases[phase] = {
                 "seconds": round(elapsed, 2),
                 "entries_per_s": round(pairs / elapsed, 1),
@@ -145,7 +151,8 @@ def scenario(dsn: str, queue: str, args: argparse.Namespace, *, vacuum: bool) ->
             }
             if phase == "baseline":
                 floor = max(1000, phases[phase]["dead_rows_max"])
-            print(f"  {'vacuum' if vacuum else 'no vacuum'} {phase}: {phases[phase]['entries_per_s']} entries/s, "
+            print(f"  {'vacuum' if vacuum else 'no vacuum'} {phase}: "
+                  f"{phases[phase]['entries_per_s']} entries/s, "
                   f"{size / 1024:.0f} kB, dead rows max {phases[phase]['dead_rows_max']}",
                   file=sys.stderr, flush=True)
         status = mon.status()
@@ -163,43 +170,57 @@ def cleanup(dsn: str, queues: list[str], *, embedded: bool) -> None:
 
 
 def table(runs: list[dict[str, Any]]) -> str:
-    head = f"{'run':<12} {'phase':<9} {'entries/s':>10} {'vs base':>8} {'size kB':>9} {'dead max':>9} " \
-           f"{'dead end':>9} {'vac':>4} {'auto':>5} {'settled':>8}"
+    head = (
+        f"{'run':<12} {'phase':<9} {'entries/s':>10} {'vs base':>8} {'size kB':>9} "
+        f"{'dead max':>9} {'dead end':>9} {'vac':>4} {'auto':>5} {'settled':>8}"
+    )
     lines = [head, "-" * len(head)]
     for run in runs:
         name = "vacuum" if run["monitor_vacuum"] else "no vacuum"
         base = run["phases"]["baseline"]["entries_per_s"] or 1.0
         for phase in PHASES:
             p = run["phases"][phase]
+            settled = p["dead_rows_settled_after_s"]
             lines.append(
-                f"{name:<12} {phase:<9} {p['entries_per_s']:>10.0f} {p['entries_per_s'] / base:>7.0%} "
+                f"{name:<12} {phase:<9} {p['entries_per_s']:>10.0f} "
+                f"{p['entries_per_s'] / base:>7.0%} "
                 f"{p['bytes_end'] / 1024:>9.0f} {p['dead_rows_max']:>9} {p['dead_rows_end']:>9} "
                 f"{p['vacuums']:>4} {p['autovacuums']:>5} "
-                + (f"{p['dead_rows_settled_after_s']:>7.0f}s" if p["dead_rows_settled_after_s"] is not None
+                + (f"{settled:>7.0f}s" if settled is not None
                    else f"{'-' if phase != 'after' else 'never':>8}")
             )
-    lines.append("size kB: the ring table at the phase's end; dead max/end: n_dead_tup, most seen and at the end;")
-    lines.append("vac/auto: VACUUMs (the monitor's) and autovacuums in the phase; settled: seconds after the")
-    lines.append("release until the dead rows were back to the baseline's level (max(1000, baseline max)).")
+    lines.append("size kB: the ring table at the phase's end; dead max/end: n_dead_tup, most seen")
+    lines.append("and at the end; vac/auto: VACUUMs (the monitor's) and autovacuums in the phase;")
+    lines.append("settled: seconds after the release until the dead rows were back to the")
+    lines.append("baseline's level (max(1000, baseline max)).")
     return "\n".join(lines)
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
-        description="What a held snapshot costs a ring, with and without the monitor's vacuum after it.",
+        description=(
+            "What a held snapshot costs a ring, with and without the monitor's vacuum after it."
+        ),
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     p.add_argument("--dsn", help="run in this database instead of a private embedded cluster")
     p.add_argument("--out", type=Path, help="also write the JSON here")
     p.add_argument("--capacity", type=int, default=1000, help="slots of the ring")
     p.add_argument("--payload", type=int, default=100, help="payload bytes")
-    p.add_argument("--baseline", type=float, default=5.0, help="seconds of traffic before the snapshot")
-    p.add_argument("--held", type=float, default=20.0, help="seconds the snapshot is held under traffic")
+    p.add_argument("--baseline", type=float, default=5.0,
+                   help="seconds of traffic before the snapshot")
+    p.add_argument("--held", type=float, default=20.0,
+                   help="seconds the snapshot is held under traffic")
     p.add_argument("--after", type=float, default=12.0, help="seconds of traffic after its release")
-    p.add_argument("--warmup", type=float, default=3.0, help="seconds of unmeasured traffic before the phases")
+    p.add_argument("--warmup", type=float, default=3.0,
+                   help="seconds of unmeasured traffic before the phases")
     p.add_argument("--warn", type=float, default=5.0, help="the monitor's xmin_warn_s")
     a = p.parse_args(argv)
-    if min(a.capacity, a.payload) < 1 or min(a.baseline, a.held, a.after) <= 0 or min(a.warn, a.warmup) < 0:
+    if (
+        min(a.capacity, a.payload) < 1
+        or min(a.baseline, a.held, a.after) <= 0
+        or min(a.warn, a.warmup) < 0
+    ):
         p.error("--capacity, --payload >= 1; phase seconds > 0; --warn, --warmup >= 0")
     return a
 
@@ -210,11 +231,14 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.perf_counter()
     tag = secrets.token_hex(4)
     queues = [f"snap_{tag}_v", f"snap_{tag}_n"]
-    env = {"python": platform.python_version(), "psycopg": psycopg.__version__, "cpus": os.cpu_count(),
-           "loadavg_at_start": os.getloadavg()}
+    env = {"python": platform.python_version(), "psycopg": psycopg.__version__,
+           "cpus": os.cpu_count(), "loadavg_at_start": os.getloadavg()}
     with database(args.dsn) as (dsn, embedded):
         try:
-            runs = [scenario(dsn, queues[0], args, vacuum=True), scenario(dsn, queues[1], args, vacuum=False)]
+            runs = [
+                scenario(dsn, queues[0], args, vacuum=True),
+                scenario(dsn, queues[1], args, vacuum=False),
+            ]
             with psycopg.connect(dsn, autocommit=True) as conn:
                 env["server"] = conn.execute("SHOW server_version").fetchone()[0]  # type: ignore[index]
                 env["autovacuum_naptime"] = conn.execute("SHOW autovacuum_naptime").fetchone()[0]  # type: ignore[index]
@@ -222,7 +246,8 @@ def main(argv: list[str] | None = None) -> int:
             cleanup(dsn, queues, embedded=embedded)
     env["loadavg_at_end"] = os.getloadavg()
     text = table(runs)
-    doc = {"benchmark": "snapshot", "started_at": started.isoformat(), "seconds": round(time.perf_counter() - t0, 1),
+    doc = {"benchmark": "snapshot", "started_at": started.isoformat(),
+           "seconds": round(time.perf_counter() - t0, 1),
            "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
            "environment": env, "runs": runs, "table": text}
     RESULTS_DIR.mkdir(parents=True, exist_ok=True)

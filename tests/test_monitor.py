@@ -715,7 +715,7 @@ def test_a_held_snapshot_is_named_and_the_ring_is_vacuumed_after_its_release(
                                ("ringq.q_" + q,)).fetchone()
         return int(row[0]) if row else 0
 
-    with subscribe(dsn, "database.*") as events, connect(dsn, eager_begin=False) as s:
+    with subscribe(dsn, "database.*") as events, connect(dsn) as s:
         report = psycopg.connect(dsn, application_name="long report")
         report.isolation_level = psycopg.IsolationLevel.REPEATABLE_READ
         report.execute("SELECT count(*) FROM ringq.queues").fetchone()  # its snapshot, held from here
