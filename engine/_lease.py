@@ -70,8 +70,8 @@ class Holder:
 
 
 def _locked_slots(ring: Ring, owner: int, *, dequeued: bool | None = None) -> list[int]:
-    """Slots ``owner`` holds the lock of; with ``dequeued``, only dequeues (ENQ
-    set) or only enqueue reservations (ENQ clear)."""
+    """Slots ``owner`` (an owner token, ``C_TOKEN``) holds the lock of; with
+    ``dequeued``, only dequeues (ENQ set) or only enqueue reservations (ENQ clear)."""
     owners = ring.sec.owner[ring.base : ring.base + ring.cap]
     out = []
     for s in np.flatnonzero(owners == owner):
@@ -97,7 +97,8 @@ def overdue_holders(sec: Section, now_ns: int | None = None) -> list[Holder]:
             continue
         held_ms = (now - since) // 1_000_000
         due = [r for r in _client_rings(sec, cidx) if 0 < sec.q(r.qidx, L.Q_LEASE_MS) <= held_ms]
-        holding = [r for r in due if _locked_slots(r, cidx + 1, dequeued=True)]
+        token = sec.c(cidx, L.C_TOKEN)
+        holding = [r for r in due if _locked_slots(r, token, dequeued=True)]
         if not holding:
             continue
         out.append(Holder(
@@ -137,7 +138,7 @@ def end_holders(sec: Section, dsn: str, holders: list[Holder]) -> list[tuple[Hol
             if any(
                 (r.qid, s) in prepared
                 for r in _client_rings(sec, h.cidx)
-                for s in _locked_slots(r, h.cidx + 1)
+                for s in _locked_slots(r, sec.c(h.cidx, L.C_TOKEN))
             ):
                 continue  # a prepared transaction outlives its backend: resolve_prepared decides
             if h.backend_pid:
@@ -184,7 +185,8 @@ def recover_lost_backends(sec: Section, conn: psycopg.Connection[Any]) -> list[R
     alive = _backends_alive(conn, list(found.values()), registered)
     lost = {
         cidx: b for cidx, b in found.items()
-        if b not in alive and any(_locked_slots(r, cidx + 1) for r in _client_rings(sec, cidx))
+        if b not in alive
+        and any(_locked_slots(r, sec.c(cidx, L.C_TOKEN)) for r in _client_rings(sec, cidx))
     }
     if not lost:
         return []
@@ -210,7 +212,7 @@ def _decide_client(
 ) -> Recovered:
     """Decide the slots live client ``cidx`` holds (its backend has ended) and
     give up its single-dequeuer roles it holds nothing under; its entry stays."""
-    owner = cidx + 1
+    owner = sec.c(cidx, L.C_TOKEN)
     rec = Recovered(cidx, int(sec.c(cidx, L.C_PID)), backend_pid)
     ops: list[Op] = []
     rings = _client_rings(sec, cidx)
@@ -226,7 +228,7 @@ def _decide_client(
             rec.queues.append(info.name)
     rec.slots = len(ops)
     if ops:
-        _decide_and_strike(sec, conn, ops, rec)
+        _decide_and_strike(sec, conn, ops, rec, owner)
     for ring in rings:
         sec.lock_queue(ring.qidx)
         try:
