@@ -24,6 +24,7 @@ from ringq.engine import (
     SchemaMissing,
     Section,
     SectionIncompatible,
+    Session,
     SessionClosed,
     TransactionError,
     connect,
@@ -976,7 +977,9 @@ def test_client_entry_records_the_errors_it_hits_not_the_callers_sql(
 
 
 @pytest.mark.parametrize("holding", [False, True])
-def test_close_after_the_server_ended_the_connection_is_quiet(dsn, make_queue, caplog, holding):
+def test_close_after_the_server_ended_the_connection_is_quiet(
+    dsn: str, make_queue: Callable[..., str], caplog: pytest.LogCaptureFixture, holding: bool
+) -> None:
     """Issue point 11: no ROLLBACK tried on a dead connection, no traceback at
     WARNING; at most one INFO line. A held entry goes to recovery."""
     import logging
@@ -1012,33 +1015,40 @@ def test_close_after_the_server_ended_the_connection_is_quiet(dsn, make_queue, c
 
 def _activity(dsn: str, pid: int) -> tuple[str, object]:
     with psycopg.connect(dsn, autocommit=True) as admin:
-        row = admin.execute("SELECT state, backend_xmin FROM pg_stat_activity WHERE pid = %s", (pid,)).fetchone()
+        row = admin.execute(
+            "SELECT state, backend_xmin FROM pg_stat_activity WHERE pid = %s", (pid,)
+        ).fetchone()
     assert row is not None
     return row
 
 
-def test_a_session_is_idle_outside_any_transaction_between_transactions(dsn, make_queue):
+def test_a_session_is_idle_outside_any_transaction_between_transactions(
+    dsn: str, make_queue: Callable[..., str]
+) -> None:
     q = make_queue()
     with connect(dsn) as s:
         assert _activity(dsn, s.backend_pid) == ("idle", None)  # after connecting
         s.queue_info(q)
         assert _activity(dsn, s.backend_pid) == ("idle", None)  # a queue lookup leaves nothing open
         s.enqueue(q, b"a")
-        assert _activity(dsn, s.backend_pid)[0] == "idle in transaction"  # inside the caller's transaction
+        # inside the caller's transaction
+        assert _activity(dsn, s.backend_pid)[0] == "idle in transaction"
         s.commit()
         assert _activity(dsn, s.backend_pid) == ("idle", None)
         s.stats(q)
         assert s.dequeue(q) is not None
         s.rollback()  # with a strike (its own statement)
         assert _activity(dsn, s.backend_pid) == ("idle", None)
-        assert s.dequeue(q).deliveries == 2
+        assert present(s.dequeue(q)).deliveries == 2
         s.commit()
         assert s.dequeue(q) is None
         s.commit()
         assert _activity(dsn, s.backend_pid) == ("idle", None)
 
 
-def test_idle_in_transaction_timeout_does_not_end_an_idle_session(dsn, make_queue):
+def test_idle_in_transaction_timeout_does_not_end_an_idle_session(
+    dsn: str, make_queue: Callable[..., str]
+) -> None:
     q = make_queue()
     with psycopg.connect(dsn, autocommit=True) as admin:
         db = admin.info.dbname
@@ -1051,11 +1061,13 @@ def test_idle_in_transaction_timeout_does_not_end_an_idle_session(dsn, make_queu
         s.enqueue(q, b"b")
         s.commit()
         assert s.backend_pid == backend  # the same connection: never ended
-        assert [s.dequeue(q).payload, s.dequeue(q).payload] == [b"a", b"b"]
+        assert [present(s.dequeue(q)).payload, present(s.dequeue(q)).payload] == [b"a", b"b"]
         s.commit()
 
 
-def test_table_statistics_reach_postgresql_while_the_session_stays_open(dsn, make_queue):
+def test_table_statistics_reach_postgresql_while_the_session_stays_open(
+    dsn: str, make_queue: Callable[..., str]
+) -> None:
     q = make_queue()
     with connect(dsn) as s:
         for i in range(20):
@@ -1065,7 +1077,8 @@ def test_table_statistics_reach_postgresql_while_the_session_stays_open(dsn, mak
         with psycopg.connect(dsn, autocommit=True) as admin:
             while True:
                 row = admin.execute(
-                    "SELECT n_tup_upd FROM pg_stat_user_tables WHERE schemaname = 'ringq' AND relname = %s",
+                    "SELECT n_tup_upd FROM pg_stat_user_tables"
+                    " WHERE schemaname = 'ringq' AND relname = %s",
                     ("q_" + q,),
                 ).fetchone()
                 if row and row[0] >= 20:
@@ -1101,7 +1114,9 @@ def test_table_statistics_reach_postgresql_while_the_session_stays_open(dsn, mak
         (lambda s, q: s.dequeue(q, wait=float("inf")), "value"),
     ],
 )
-def test_bad_arguments_raise_ringq_errors_before_anything_is_done(dsn, make_queue, call, error):
+def test_bad_arguments_raise_ringq_errors_before_anything_is_done(
+    dsn: str, make_queue: Callable[..., str], call: Callable[[Session, str], object], error: str
+) -> None:
     from ringq.engine import InvalidArgument, InvalidArgumentType, RingqError
 
     q = make_queue()
@@ -1115,5 +1130,5 @@ def test_bad_arguments_raise_ringq_errors_before_anything_is_done(dsn, make_queu
         assert s.ring(q).counts()["locked"] == 0  # nothing reserved
         s.enqueue(q, b"ok", key="k" * 1000)  # the session goes on
         s.commit()
-        assert s.dequeue(q).payload == b"ok"
+        assert present(s.dequeue(q)).payload == b"ok"
         s.commit()

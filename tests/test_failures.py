@@ -31,7 +31,7 @@ from typing import Any
 
 import psycopg
 import pytest
-from conftest import MonitorProcess, remove_section, wait_for
+from conftest import MonitorProcess, present, remove_section, wait_for
 from psycopg import sql
 from ringq.engine import RingqError, Section, connect
 from ringq.engine import layout as L
@@ -398,7 +398,9 @@ def _reconnecting_consumers(dsn: str, queue: str, threads: int, stop: Any, commi
                         if m is None:
                             s.commit()
                             continue
-                        s.connection.execute("INSERT INTO got VALUES (%s, %s, %s)", (m.payload, queue, m.seq))
+                        s.connection.execute(
+                            "INSERT INTO got VALUES (%s, %s, %s)", (m.payload, queue, m.seq)
+                        )
                         s.commit()
                         with commits.get_lock():
                             commits.value += 1
@@ -452,9 +454,16 @@ def _locked_slots_report(dsn: str, queue: str) -> str:
             enq, deq, lck, owner = ring.bits(seq % ring.cap)
             if lck:
                 cidx = (owner - 1) % L.MAX_CLIENTS if owner > 0 else -1
-                entry = [sec.c(cidx, w) for w in (L.C_PID, L.C_STATE, L.C_BACKEND_PID)] if cidx >= 0 else None
+                entry = (
+                    [sec.c(cidx, w) for w in (L.C_PID, L.C_STATE, L.C_BACKEND_PID)]
+                    if cidx >= 0
+                    else None
+                )
                 held.append((seq, enq, deq, owner, entry))
-        return f"ring {ring.counts()}; locked (seq, ENQ, DEQ, owner, [pid, state, backend]): {held[:10]}"
+        return (
+            f"ring {ring.counts()}; locked (seq, ENQ, DEQ, owner, [pid, state, backend]):"
+            f" {held[:10]}"
+        )
 
 
 @pytest.mark.slow
@@ -473,9 +482,15 @@ def test_backends_terminated_under_load_leave_no_slot_stuck(
     monitor()
     stop_p, stop_c = FORK.Event(), FORK.Event()
     produced, consumed = FORK.Value("q", 0), FORK.Value("q", 0)
-    procs = [FORK.Process(target=_reconnecting_producer, args=(dsn, queue, stop_p, produced), daemon=True)]
+    procs = [
+        FORK.Process(
+            target=_reconnecting_producer, args=(dsn, queue, stop_p, produced), daemon=True
+        )
+    ]
     procs += [
-        FORK.Process(target=_reconnecting_consumers, args=(dsn, queue, 8, stop_c, consumed), daemon=True)
+        FORK.Process(
+            target=_reconnecting_consumers, args=(dsn, queue, 8, stop_c, consumed), daemon=True
+        )
         for _ in range(2)
     ]
     for p in procs:
@@ -517,7 +532,8 @@ def test_backends_terminated_under_load_leave_no_slot_stuck(
         except AssertionError:
             sent, got = sent_and_got()
             raise AssertionError(
-                f"{len(sent - got)} committed entries never delivered; {_locked_slots_report(dsn, queue)}"
+                f"{len(sent - got)} committed entries never delivered;"
+                f" {_locked_slots_report(dsn, queue)}"
             ) from None
         # And it keeps moving: new entries are delivered.
         with connect(dsn) as s:
@@ -533,7 +549,7 @@ def test_backends_terminated_under_load_leave_no_slot_stuck(
         for p in procs:
             p.join(15)
             if p.is_alive():
-                os.kill(p.pid, signal.SIGKILL)
+                os.kill(present(p.pid), signal.SIGKILL)
                 p.join(5)
     assert_exactly_once(dsn, [queue], min_sent=200)
     _quiet(dsn, os.getpid())

@@ -465,7 +465,9 @@ def test_run_stop_removes_the_section_and_semaphores_of_its_database(tmp_path: P
 def test_every_numeric_queue_setting_is_bounded() -> None:
     # A new numeric setting must get its bound here, in ddl.sql's DO block and constraint.
     numeric = {f.name for f in dataclasses.fields(QueueSpec) if f.type in ("int", "float")}
-    assert numeric == {"capacity", "max_payload", "full_timeout", "max_deliveries", "fillfactor", "lease"}
+    assert numeric == {
+        "capacity", "max_payload", "full_timeout", "max_deliveries", "fillfactor", "lease"
+    }
     for field in sorted(numeric):
         with pytest.raises(ConfigError, match=field):
             settings: dict[str, Any] = {"capacity": 8, "max_payload": 8, field: 2**63}

@@ -681,7 +681,8 @@ def test_a_session_holding_an_entry_past_the_lease_is_ended_and_the_entry_comes_
             ev = events.get(5)
             assert ev is not None and ev.name == "entry.lease_expired" and ev.queue == q
             assert ev.data["pid"] == os.getpid() and ev.data["backend_pid"] == backend
-            assert ev.data["queues"] == [q] and ev.data["slots"] == 1 and ev.data["lease_s"] == lease
+            assert ev.data["queues"] == [q] and ev.data["slots"] == 1
+            assert ev.data["lease_s"] == lease
             assert ev.data["held_s"] >= lease
             # The holder finds its transaction rolled back: it cannot consume the entry again.
             with pytest.raises(TransactionError, match="rolled back"):
@@ -694,10 +695,16 @@ def test_a_session_holding_an_entry_past_the_lease_is_ended_and_the_entry_comes_
     log = _log_records(tmp_path / "monitor" / "monitor.log")
     expired = [r for r in log if r["event"] == "entry.lease_expired"]
     assert len(expired) == 5 and all(r["queues"] == [q] for r in expired)
-    assert any(r.levelno == logging.WARNING and "entry.lease_expired" in r.getMessage() for r in caplog.records)
+    assert any(
+        r.levelno == logging.WARNING and "entry.lease_expired" in r.getMessage()
+        for r in caplog.records
+    )
     with psycopg.connect(dsn) as conn:
-        rows = conn.execute(psycopg.sql.SQL("SELECT state, deliveries FROM ringq.{} WHERE seq >= 0").format(
-            psycopg.sql.Identifier("q_" + q))).fetchall()
+        rows = conn.execute(
+            psycopg.sql.SQL("SELECT state, deliveries FROM ringq.{} WHERE seq >= 0").format(
+                psycopg.sql.Identifier("q_" + q)
+            )
+        ).fetchall()
     assert sorted(rows) == [(2, 1)] * 5  # each consumed once, after one counted failed delivery
 
 
@@ -711,19 +718,24 @@ def test_a_held_snapshot_is_named_and_the_ring_is_vacuumed_after_its_release(
 
     def vacuum_count() -> int:
         with psycopg.connect(dsn, autocommit=True) as conn:
-            row = conn.execute("SELECT vacuum_count FROM pg_stat_user_tables WHERE relid = to_regclass(%s)",
-                               ("ringq.q_" + q,)).fetchone()
+            row = conn.execute(
+                "SELECT vacuum_count FROM pg_stat_user_tables WHERE relid = to_regclass(%s)",
+                ("ringq.q_" + q,),
+            ).fetchone()
         return int(row[0]) if row else 0
 
     with subscribe(dsn, "database.*") as events, connect(dsn) as s:
         report = psycopg.connect(dsn, application_name="long report")
         report.isolation_level = psycopg.IsolationLevel.REPEATABLE_READ
-        report.execute("SELECT count(*) FROM ringq.queues").fetchone()  # its snapshot, held from here
+        # its snapshot, held from here
+        report.execute("SELECT count(*) FROM ringq.queues").fetchone()
         held_pid = report.info.backend_pid
         # Traffic under the snapshot: every enqueue and dequeue leaves a dead row version.
         pairs = 0
         deadline = time.monotonic() + 20
-        while time.monotonic() < deadline and (pairs < 200 or (queue_doc(m.url, q) or {}).get("dead_rows", 0) < 50):
+        while time.monotonic() < deadline and (
+            pairs < 200 or (queue_doc(m.url, q) or {}).get("dead_rows", 0) < 50
+        ):
             s.enqueue(q, b"x")
             s.commit()
             assert s.dequeue(q) is not None
@@ -732,7 +744,8 @@ def test_a_held_snapshot_is_named_and_the_ring_is_vacuumed_after_its_release(
         ev = events.get(10)
         assert ev is not None and ev.name == "database.snapshot_held", ev
         assert ev.data["pid"] == held_pid and ev.data["application"] == "long report"
-        assert ev.data["kind"] == "backend" and ev.data["age_s"] >= 1.0 and ev.data["xact_start"] > 0
+        assert ev.data["kind"] == "backend" and ev.data["age_s"] >= 1.0
+        assert ev.data["xact_start"] > 0
         assert "query" not in ev.data  # never the query text
         status = get_json(m.url + "/api/queues")["monitor"]
         assert status["snapshot_held"] and status["xmin_holder"]["pid"] == held_pid
@@ -957,8 +970,10 @@ def test_an_entry_held_across_a_database_restart_is_decided_and_the_monitor_foll
     env.pop("RINGQ_DSN", None)
 
     def db(*args: str) -> str:
-        done = subprocess.run(ringq_cmd("db", *args), env=env, capture_output=True, text=True, timeout=120,
-                              check=False)
+        done = subprocess.run(
+            ringq_cmd("db", *args), env=env, capture_output=True, text=True, timeout=120,
+            check=False,
+        )
         assert done.returncode == 0, done.stderr
         return (home / "dsn").read_text().strip() if args[0] == "start" else ""
 
@@ -969,11 +984,18 @@ def test_an_entry_held_across_a_database_restart_is_decided_and_the_monitor_foll
         q = "q_" + uuid.uuid4().hex[:10]
         with psycopg.connect(dsn) as conn:
             create_queue(conn, QueueSpec(q, 16, 100))  # single dequeuer: a held entry blocks it
-            instance = conn.execute("SELECT value FROM ringq.meta WHERE key = 'instance_id'").fetchone()
+            instance = conn.execute(
+                "SELECT value FROM ringq.meta WHERE key = 'instance_id'"
+            ).fetchone()
         data = tmp_path / "m"
-        mon = subprocess.Popen(ringq_cmd("monitor", "--port", "0", "--data-dir", str(data), "--interval", str(FAST)),
-                               env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, text=True)
-        url = wait_for(lambda: json.loads((data / "monitor.json").read_text())["url"], 30, "the monitor to serve")
+        mon = subprocess.Popen(
+            ringq_cmd("monitor", "--port", "0", "--data-dir", str(data), "--interval", str(FAST)),
+            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, text=True,
+        )
+        url = wait_for(
+            lambda: json.loads((data / "monitor.json").read_text())["url"], 30,
+            "the monitor to serve",
+        )
         [seq] = produce(dsn, q, 1)
         holder = connect(dsn)
         msg = holder.dequeue(q)
@@ -985,7 +1007,9 @@ def test_an_entry_held_across_a_database_restart_is_decided_and_the_monitor_foll
         with connect(dsn) as taker:
             got = taker.dequeue(q, wait=10.0)
             back = time.monotonic() - t0
-            assert got is not None and got.seq == seq and got.deliveries == 2, "the held entry was not decided"
+            assert got is not None and got.seq == seq and got.deliveries == 2, (
+                "the held entry was not decided"
+            )
             taker.commit()
         print(f"\nheld entry decided {back * 1000:.0f} ms after the database came back")
         assert back < 5.0
@@ -997,14 +1021,20 @@ def test_an_entry_held_across_a_database_restart_is_decided_and_the_monitor_foll
         # elsewhere, and the monitor reads the new DSN from the cluster's file.
         port = int(dsn.rsplit(":", 1)[1].split("/")[0])
         db("stop")
-        wait_for(lambda: not get_json(url + "/api/queues")["monitor"]["database"], 20, "the outage noticed")
+        wait_for(
+            lambda: not get_json(url + "/api/queues")["monitor"]["database"], 20,
+            "the outage noticed",
+        )
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as squatter:
             squatter.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             squatter.bind(("127.0.0.1", port))
             squatter.listen()
             moved = db("start")
         assert moved != dsn
-        wait_for(lambda: get_json(url + "/api/queues")["monitor"]["database"], 20, "the monitor on the new DSN")
+        wait_for(
+            lambda: get_json(url + "/api/queues")["monitor"]["database"], 20,
+            "the monitor on the new DSN",
+        )
         produce(moved, q, 2)
         wait_for(lambda: (queue_doc(url, q) or {}).get("depth") == 2, 20, "the queue sampled again")
         log = _log_records(data / "monitor.log")

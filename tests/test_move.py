@@ -413,10 +413,10 @@ def test_mover_killed_between_commits_many_times(dsn: str, dsn2: str) -> None:
     assert left < total  # spent keys are pruned as the movers go
 
 
-# -- no monitor: a mover taking over decides its dead predecessor's slots (issue point 1) -------------
+# -- no monitor: a mover taking over decides its dead predecessor's slots (issue point 1) ---------
 
 
-def _mover_dies_publishing(src, sq, dst, dq, paused_fd: int) -> None:
+def _mover_dies_publishing(src: str, sq: str, dst: str, dq: str, paused_fd: int) -> None:
     """A mover that dies after its destination COMMIT was answered and before
     the section learnt it: its destination entries are committed, but their
     slots stay locked under a dead holder until someone decides them."""
@@ -424,29 +424,33 @@ def _mover_dies_publishing(src, sq, dst, dq, paused_fd: int) -> None:
 
     publish = Session._finish
 
-    def finish(self, ops, *, committed, count_delivery=True):
+    def finish(
+        self: Session, ops: list[Any], *, committed: bool, count_delivery: bool = True
+    ) -> None:
         if committed and self.dsn == dst and ops:
             os.write(paused_fd, os.getpid().to_bytes(8, "little"))
             threading.Event().wait(600)  # killed here
         publish(self, ops, committed=committed, count_delivery=count_delivery)
 
-    Session._finish = finish
+    Session._finish = finish  # type: ignore[method-assign]
     Mover(src, sq, dst, dq, config=MoveConfig(batch=5, wait=0.05)).move_batch()
 
 
-def test_a_mover_taking_over_decides_the_dead_movers_destination_slots_first(dsn, dsn2, make_queue):
+def test_a_mover_taking_over_decides_the_dead_movers_destination_slots_first(
+    dsn: str, dsn2: str
+) -> None:
     """No monitor on either database: the destination entries a killed mover
     committed but never published arrive before anything the next mover
     moves (per-producer order holds), and nothing arrives twice."""
-    src = make_queue(dsn, dequeue_mode="single")
-    dst = make_queue(dsn2)
+    src = _queue(dsn, dequeue_mode="single")
+    dst = _queue(dsn2)
     produce(dsn, src, "a", 20)
     paused_r, paused_w = os.pipe()
     p = FORK.Process(target=_mover_dies_publishing, args=(dsn, src, dsn2, dst, paused_w))
     p.start()
     try:
         assert select.select([paused_r], [], [], 30)[0], "the first mover never reached its commit"
-        os.kill(p.pid, signal.SIGKILL)
+        os.kill(present(p.pid), signal.SIGKILL)
         p.join(10)
     finally:
         if p.is_alive():

@@ -505,14 +505,18 @@ def test_key_pruning_errors_are_ringq_errors(dsn: str, make_queue: Callable[...,
 # -- owner tokens: slots are decided by the identity of the connection that held them -------------
 
 
-def _terminate(dsn, pid):
+def _terminate(dsn: str, pid: int) -> None:
     with psycopg.connect(dsn, autocommit=True) as admin:
         admin.execute("SELECT pg_terminate_backend(%s)", (pid,))
-        while admin.execute("SELECT count(*) FROM pg_stat_activity WHERE pid = %s", (pid,)).fetchone()[0]:
+        while present(
+            admin.execute("SELECT count(*) FROM pg_stat_activity WHERE pid = %s", (pid,)).fetchone()
+        )[0]:
             time.sleep(0.01)
 
 
-def test_session_that_cannot_decide_its_lost_slots_hands_them_over(dsn, make_queue, monkeypatch):
+def test_session_that_cannot_decide_its_lost_slots_hands_them_over(
+    dsn: str, make_queue: Callable[..., str], monkeypatch: pytest.MonkeyPatch
+) -> None:
     """The issue's point 0: a session loses its connection while holding an
     entry and deciding it fails too; the entry must not stay locked under a
     client entry that a later session of the same process takes over."""
@@ -526,7 +530,7 @@ def test_session_that_cannot_decide_its_lost_slots_hands_them_over(dsn, make_que
     old_token, cidx = s.owner, s._cidx
     assert s.dequeue(q) is not None
 
-    def fails(*args):
+    def fails(*args: object) -> None:
         raise DatabaseUnavailable("the new connection was terminated too")
 
     monkeypatch.setattr(s, "_decide_lost", fails)
@@ -548,7 +552,9 @@ def test_session_that_cannot_decide_its_lost_slots_hands_them_over(dsn, make_que
 
 
 @pytest.mark.parametrize("mode", ["shared", "single"])
-def test_orphaned_slot_is_decided_once_its_holder_backend_is_gone(dsn, make_queue, mode):
+def test_orphaned_slot_is_decided_once_its_holder_backend_is_gone(
+    dsn: str, make_queue: Callable[..., str], mode: str
+) -> None:
     """A slot whose token no entry carries any more (here: the session's token
     renewed behind its back) is decided by recovery once the backend recorded
     with it has ended, though the entry it came from is live and in use."""
@@ -558,7 +564,7 @@ def test_orphaned_slot_is_decided_once_its_holder_backend_is_gone(dsn, make_queu
         p.commit()
     with connect(dsn) as s, connect(dsn) as other:
         sec, ring = s.section, s.ring(q)
-        assert s.dequeue(q).payload == b"first"
+        assert present(s.dequeue(q)).payload == b"first"
         held_by = s.backend_pid
         slot = ring.tail % ring.cap
         assert ring.holder(slot) == held_by and ring.bits(slot)[3] == s.owner
@@ -577,7 +583,9 @@ def test_orphaned_slot_is_decided_once_its_holder_backend_is_gone(dsn, make_queu
         other.commit()
 
 
-def test_close_never_frees_an_entry_with_slots_locked_under_it(dsn, make_queue):
+def test_close_never_frees_an_entry_with_slots_locked_under_it(
+    dsn: str, make_queue: Callable[..., str]
+) -> None:
     q = make_queue()
     with connect(dsn) as p:
         p.enqueue(q, b"leaked")
@@ -597,7 +605,9 @@ def test_close_never_frees_an_entry_with_slots_locked_under_it(dsn, make_queue):
 
 
 @pytest.mark.parametrize("mode", ["single", "shared"])
-def test_killed_consumer_entry_is_taken_by_another_consumer_without_a_monitor(dsn, make_queue, mode):
+def test_killed_consumer_entry_is_taken_by_another_consumer_without_a_monitor(
+    dsn: str, make_queue: Callable[..., str], mode: str
+) -> None:
     """No monitor runs: a consumer that finds nothing ready while a dead
     client holds the queue's entry (and, in single mode, its dequeuer role)
     decides it itself, within a few seconds."""
@@ -615,7 +625,9 @@ def test_killed_consumer_entry_is_taken_by_another_consumer_without_a_monitor(ds
         assert s.ring(q).counts()["locked"] == 0
 
 
-def test_a_full_queue_blocked_by_a_dead_producer_is_recovered_by_the_next_enqueue(dsn, make_queue):
+def test_a_full_queue_blocked_by_a_dead_producer_is_recovered_by_the_next_enqueue(
+    dsn: str, make_queue: Callable[..., str]
+) -> None:
     q = make_queue(capacity=4)
     with connect(dsn) as p:
         for i in range(3):
@@ -631,7 +643,9 @@ def test_a_full_queue_blocked_by_a_dead_producer_is_recovered_by_the_next_enqueu
     assert [m.payload for m in drain(dsn, q)] == [b"after %d" % i for i in range(4)]
 
 
-def test_recover_dead_holders_waits_until_the_queue_is_clear(dsn, make_queue):
+def test_recover_dead_holders_waits_until_the_queue_is_clear(
+    dsn: str, make_queue: Callable[..., str]
+) -> None:
     q = make_queue()
     with connect(dsn) as p:
         p.enqueue(q, b"x")
@@ -642,5 +656,5 @@ def test_recover_dead_holders_waits_until_the_queue_is_clear(dsn, make_queue):
         assert s.ring(q).counts()["locked"] == 2
         s.recover_dead_holders(q, timeout=10)
         assert s.ring(q).counts()["locked"] == 0
-        assert s.dequeue(q).deliveries == 2
+        assert present(s.dequeue(q)).deliveries == 2
         s.commit()

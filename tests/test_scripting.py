@@ -407,7 +407,9 @@ def test_bad_leases_are_refused(value: Any, capsys: pytest.CaptureFixture[str]) 
     with pytest.raises(ConfigError, match=r"^lease must be a number of seconds from 0 to"):
         QueueSpec("q", 10, 10, lease=value)
     if isinstance(value, float):
-        code, out, err = cli(capsys, "script", "create-queue", *spec_args("q", 10, 10, f"--lease={value}"))
+        code, out, err = cli(
+            capsys, "script", "create-queue", *spec_args("q", 10, 10, f"--lease={value}")
+        )
         assert (code, out) == (2, "")
         assert err.startswith("ringq: lease must be a number of seconds from 0 to ")
 
@@ -417,7 +419,9 @@ def test_lease_is_a_queue_setting_read_by_sessions_and_shown(
 ) -> None:
     from ringq.engine import DEFAULT_LEASE, connect
 
-    code, _, err = cli(capsys, "queue", "create", *spec_args("leased", 8, 64, "--lease", "2.5"), "--dsn", dsn)
+    code, _, err = cli(
+        capsys, "queue", "create", *spec_args("leased", 8, 64, "--lease", "2.5"), "--dsn", dsn
+    )
     assert code == 0, err
     code, out, _ = cli(capsys, "queue", "show", "leased", "--dsn", dsn)
     shown = dict(re.split(r"\s{2,}", line, maxsplit=1) for line in out.splitlines())
