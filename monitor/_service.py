@@ -173,7 +173,8 @@ class Monitor:
         self._vacuums = 0  # ring tables vacuumed after a held snapshot was released
         self._recovered_clients = 0
         self._expired_leases = 0
-        self._lease_left: set[tuple[int, int]] = set()  # (client, hold start) past the lease, not ended
+        # (client, hold start) past the lease, not ended
+        self._lease_left: set[tuple[int, int]] = set()
         self._instance = ""
         self._collector = SectionCollector(self.read_section, self.status, self._sampled,
                                            self.clients_doc, self.client_errors_by_kind)
@@ -573,7 +574,8 @@ class Monitor:
         found = overdue_holders(sec)
         # A holding left alone once (a prepared transaction, a backend that would
         # not end) is not tried again every pass: recovery decides it later.
-        self._lease_left = {k for k in self._lease_left if k in {(h.cidx, h.since_ns) for h in found}}
+        still = {(h.cidx, h.since_ns) for h in found}
+        self._lease_left = {k for k in self._lease_left if k in still}
         holders = [h for h in found if (h.cidx, h.since_ns) not in self._lease_left]
         if not holders:
             return
@@ -582,9 +584,11 @@ class Monitor:
         for h in holders:
             if (h.cidx, h.since_ns) not in done and sec.c(h.cidx, L.C_HOLD_SINCE_NS) == h.since_ns:
                 self._lease_left.add((h.cidx, h.since_ns))
-                self._journal_write("entry.lease_not_ended", logging.WARNING, **h.as_dict(),
-                                    reason="past the lease, but in a prepared transaction, or its backend "
-                                           "could not be ended (the monitor's role may not signal it)")
+                self._journal_write(
+                    "entry.lease_not_ended", logging.WARNING, **h.as_dict(),
+                    reason="past the lease, but in a prepared transaction, or its backend "
+                    "could not be ended (the monitor's role may not signal it)",
+                )
         for holder, rec in ended:
             self._expired_leases += 1
             info = {**holder.as_dict(), "slots": rec.slots, "rolled_back": rec.rolled_back,
