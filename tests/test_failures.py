@@ -76,11 +76,11 @@ def monitor(dsn: str, tmp_path: Path) -> Iterator[Callable[[], MonitorProcess]]:
 # -- the workers --------------------------------------------------------------------------------
 
 
-def _die_inside_the_lock(after: int, deaths: Any) -> None:
+def _die_inside_the_lock(after: int, deaths: Any, seed: int) -> None:
     """Trace this process and SIGKILL it at the ``after``-th line executed in
     the ring operations (``_ring.py``, all run under the queue's lock) or in
     ``lock_queue``/``unlock_queue``: a death at a random instruction of the
-    critical section. ``deaths`` counts those that held a queue lock."""
+    critical section. ``deaths[seed]`` is set if it held a queue lock."""
     left = [after]
 
     def local(frame: FrameType, event: str, arg: Any) -> Any:
@@ -92,8 +92,7 @@ def _die_inside_the_lock(after: int, deaths: Any) -> None:
                 if isinstance(sec, Section) and any(
                     sec.q(i, L.Q_LOCK_HOLDER) == os.getpid() for i in sec.loaded_queues()
                 ):
-                    with deaths.get_lock():
-                        deaths.value += 1
+                    deaths[seed] = 1
                 os.kill(os.getpid(), signal.SIGKILL)
         return local
 
@@ -114,18 +113,21 @@ def _worker(dsn: str, queues: list[str], role: str, seed: int, commits: Any, sto
 
     ``commits[seed]`` counts this worker's committed transactions (written by
     it alone, with no lock: a worker killed while holding a shared lock
-    would stop every other one). A producer puts
-    1-3 entries on random queues per transaction; a consumer takes one.
+    would stop every other one). For the same reason ``stop`` is a bare
+    flag (a multiprocessing Event's is_set() takes a lock, and a worker
+    killed inside it left every later worker blocked there) and ``deaths`` a
+    flag per worker. A producer puts 1-3 entries on random queues per
+    transaction; a consumer takes one.
     """
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # the test asks for stacks when stuck
     rnd = random.Random(seed)
     if die_after:
-        _die_inside_the_lock(die_after, deaths)
+        _die_inside_the_lock(die_after, deaths, seed)
     i = 0
-    while not stop.is_set():
+    while not stop.value:
         try:
             with connect(dsn, producer=f"{role}{seed}") as s:
-                while not stop.is_set():
+                while not stop.value:
                     if role == "p":
                         for _ in range(rnd.randint(1, 3)):
                             i += 1
@@ -144,7 +146,7 @@ def _worker(dsn: str, queues: list[str], role: str, seed: int, commits: Any, sto
                     s.commit()
                     commits[seed] += 1
         except (RingqError, psycopg.Error):
-            stop.wait(0.05)  # the database or the section went away: come back
+            time.sleep(0.05)  # the database or the section went away: come back
 
 
 class Traffic:
@@ -153,8 +155,8 @@ class Traffic:
     def __init__(self, dsn: str, queues: list[str]) -> None:
         self.dsn, self.queues = dsn, queues
         self.commits = FORK.RawArray("q", 1024)  # by worker seed
-        self.deaths = FORK.Value("q", 0)  # SIGKILLs taken inside a queue lock
-        self.stop = FORK.Event()
+        self.deaths = FORK.RawArray("b", 1024)  # by worker seed: SIGKILLed inside a queue lock
+        self.stop = FORK.RawValue("b", 0)  # no lock (see _worker)
         self.procs: list[Any] = []
         self.roles: list[str] = []
         self._seed = 0
@@ -215,11 +217,11 @@ class Traffic:
 
     def finish(self) -> None:
         """Stop gracefully (kill what does not stop within 10 s)."""
-        self.stop.set()
+        self.stop.value = 1
         for p in self.procs:
             p.join(10)
         self.kill()
-        self.stop.clear()
+        self.stop.value = 0
 
 
 # -- what must be true afterwards ------------------------------------------------------------------
@@ -333,7 +335,8 @@ def test_kill9_at_random_points_inside_and_outside_the_lock_under_the_monitor(
         traffic.start(die_after=lambda: rnd.choice([0, rnd.randint(1, 400)]))
         traffic.wait_commits(rnd.randint(1, 25), what="a round")
         traffic.kill()
-    assert traffic.deaths.value >= 3, f"only {traffic.deaths.value} deaths inside a queue lock"
+    deaths = sum(traffic.deaths)
+    assert deaths >= 3, f"only {deaths} deaths inside a queue lock"
     _check_all(dsn, queues, min_sent=100)
 
 
