@@ -11,7 +11,13 @@ from types import FrameType
 from typing import Any
 
 from ringq.engine import ConfigError, exits, validate_queue_name
-from ringq.move import MoveConfig, MoveLockHeld, Mover, MoveSourceShared
+from ringq.move import (
+    MoveConfig,
+    MoveIntoItself,
+    MoveLockHeld,
+    Mover,
+    MoveSourceShared,
+)
 
 from ._args import env_option, subparser
 
@@ -36,8 +42,15 @@ the dead one held, breaking per-producer order, and could move them twice.
 A shared source is refused with exit 5.
 
 Moved payloads carry an envelope with the origin and the original producer
-and sequence (ringq.move.unwrap() opens it); --bare moves payloads as they
-are. Give the source queue a roomy max_deliveries: each crash or failed batch
+and sequence (ringq.move.unwrap() opens it): about 150 bytes more than the
+payload, at most about 300 (queue names of 63, producer names of 64
+characters; ringq.move.envelope_overhead() tells exactly): give the
+destination's max_payload that much more than the source's, or entries near
+the source's limit are refused by the destination and become poison; --bare
+moves payloads as they are. A queue
+moved into itself is refused (exit 2).
+
+Give the source queue a roomy max_deliveries: each crash or failed batch
 counts a delivery on the entries in hand.
 
 A queue is named as DSN:queue (the text after the last ':' is the queue), or
@@ -99,6 +112,10 @@ def _run(args: argparse.Namespace) -> int:
     mover = Mover(src_dsn, src_q, dst_dsn, dst_q, config=cfg)
     try:
         mover.open()  # a wrong DSN or queue name fails now, with its exit code
+    except MoveIntoItself as exc:
+        mover.close()
+        print(f"ringq move: {exc}", file=sys.stderr)
+        return exits.USAGE
     except MoveSourceShared as exc:
         mover.close()
         print(f"ringq move: {exc}; recreate the source queue with --dequeue-mode single "

@@ -20,9 +20,11 @@ from ._applied import already_applied, applied_identity, create_applied_table
 from ._mover import (
     MoveConfig,
     Moved,
+    MoveIntoItself,
     MoveLockHeld,
     Mover,
     MoveSourceShared,
+    envelope_overhead,
     is_moved,
     move_key,
     unwrap,
@@ -31,6 +33,7 @@ from ._mover import (
 
 __all__ = [
     "MoveConfig",
+    "MoveIntoItself",
     "MoveLockHeld",
     "MoveSourceShared",
     "Moved",
@@ -38,6 +41,7 @@ __all__ = [
     "already_applied",
     "applied_identity",
     "create_applied_table",
+    "envelope_overhead",
     "is_moved",
     "move_key",
     "unwrap",

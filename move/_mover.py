@@ -92,7 +92,15 @@ class MoveSourceShared(ConfigError):
     """
 
 
+class MoveIntoItself(ConfigError):
+    """The source and the destination are the same queue of the same database."""
+
+
 # -- the envelope ----------------------------------------------------------------------------
+
+# What the envelope adds, at most, for a producer name of up to this many characters
+# (ringq's own are host:pid:n); the bound a destination must leave room for.
+ENVELOPE_PRODUCER_CHARS = 64
 
 
 @dataclass(frozen=True)
@@ -149,6 +157,16 @@ def wrap(msg: Message, instance: str, queue_id: int) -> bytes:
         separators=(",", ":"),
     ).encode()
     return b"".join((ENVELOPE_MAGIC, _LEN.pack(len(head)), head, msg.payload))
+
+
+def envelope_overhead(instance: str, queue: str, queue_id: int) -> int:
+    """Bytes the envelope adds to a payload of ``queue`` (producer names of up to
+    :data:`ENVELOPE_PRODUCER_CHARS` characters, the largest sequences)."""
+    probe = Message(
+        queue, (1 << 63) - 1, b"", "p" * ENVELOPE_PRODUCER_CHARS, (1 << 63) - 1,
+        datetime(9999, 12, 31, 23, 59, 59, 999999).astimezone(), 1,
+    )
+    return len(wrap(probe, instance, queue_id))
 
 
 def is_moved(payload: bytes) -> bool:
@@ -321,10 +339,27 @@ class Mover:
             s.instance = src.instance
             s.src_qid = info.id
         if s.dst is None or s.dst.closed:
-            s.dst = Session(self.dst_dsn, application_name=self._appname)
-            s.dst_qid = s.dst.queue_info(self.dst_queue).id
+            dst = Session(self.dst_dsn, application_name=self._appname)
+            try:
+                self._check_destination(dst, s.src.queue_info(self.src_queue))
+            except BaseException:
+                dst.close()
+                self.close()  # the source session too: a refused mover holds nothing
+                raise
+            s.dst = dst
+            s.dst_qid = dst.queue_info(self.dst_queue).id
         self._closed = False
         return self
+
+    def _check_destination(self, dst: Session, src_info: Any) -> None:
+        """Refuse, before anything moves, a queue moved into itself (it would run
+        until killed)."""
+        s = self._s
+        dst_info = dst.queue_info(self.dst_queue)
+        if dst.instance == s.instance and dst_info.id == src_info.id:
+            raise MoveIntoItself(
+                f"queue {self.src_queue!r} would be moved into itself (same database, same queue)"
+            )
 
     def close(self) -> None:
         """Roll back anything open, give up the lock, disconnect; a second call does nothing."""

@@ -495,6 +495,23 @@ def test_cli_rejects_a_dsn_without_queue(dsn: str) -> None:
     assert p.returncode == 2 and "DSN:queue" in err
 
 
+def test_a_queue_moved_into_itself_is_refused_at_start(dsn: str) -> None:
+    """Same database, same queue: refused before anything moves (it would move
+    its own entries round and round until killed), exit 2, one line."""
+    from ringq.move import MoveIntoItself
+
+    q = _queue(dsn)
+    produce(dsn, q, "a", 3)
+    with pytest.raises(MoveIntoItself), Mover(dsn, q, dsn, q):
+        pass
+    p = _ringq("move", "--from", f"{dsn}:{q}", "--to", f"{dsn}:{q}", "--once",
+               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    _out, err = p.communicate(timeout=60)
+    assert p.returncode == 2, err
+    assert "into itself" in err and "Traceback" not in err
+    assert len(drain(dsn, q)) == 3  # nothing was taken
+
+
 def test_cli_sigterm_drains(dsn: str, dsn2: str) -> None:
     src, dst = _queue(dsn, capacity=2048), _queue(dsn2, capacity=2048)
     produce(dsn, src, "a", 1000, per_tx=50)
