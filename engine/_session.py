@@ -26,6 +26,7 @@ from psycopg import sql
 from psycopg.pq import TransactionStatus
 
 from . import _layout as L
+from . import _wire
 from ._decide import decide_ops, load_queue, resync_queue, wait_backend_gone
 from ._dsn import resolve_dsn
 from ._errors import (
@@ -38,13 +39,14 @@ from ._errors import (
     SchemaMissing,
     SectionError,
     SessionClosed,
+    StaleSection,
     TransactionError,
     from_psycopg,
     redact_dsn,
 )
 from ._events import Subscription, publish
 from ._names import queue_table, validate_queue_name
-from ._ops import Op, OpKind, RowState
+from ._ops import Op, OpKind, RowState, RowWrite
 from ._queries import QUERIES as _Q
 from ._queue_info import QueueInfo as QueueInfo  # noqa: PLC0414 (re-exported for ringq.engine)
 from ._ring import Ring
@@ -120,15 +122,16 @@ def connect(
     producer: str | None = None,
     connect_timeout: float = 10.0,
     application_name: str = "ringq",
-    eager_begin: bool = True,
+    eager_begin: bool = False,
 ) -> Session:
     """Open a session: DSN from the argument, else ``RINGQ_DSN``, else the embedded cluster.
 
-    With ``eager_begin`` (the default) the session sends the next ``BEGIN``
-    together with each ``COMMIT``/``ROLLBACK`` (one round trip), so an
-    enqueue or dequeue is one round trip; the connection then shows as
-    "idle in transaction" between transactions, holding no snapshot and no
-    transaction id (so it does not hold back vacuum).
+    A transaction costs one round trip: enqueues are kept in the session
+    and sent with the BEGIN and the COMMIT; a dequeue on an idle connection
+    carries its own BEGIN. Between transactions the connection is idle (no
+    transaction open). ``eager_begin`` (deprecated, off by default) sends
+    the next ``BEGIN`` with each ``COMMIT``/``ROLLBACK`` instead, leaving the
+    connection "idle in transaction" between transactions.
 
     :raises DatabaseUnavailable: the database cannot be reached.
     :raises SchemaMissing: the database holds no ringq schema (create a queue first).
@@ -159,7 +162,7 @@ class Session(TwoPhase):
         producer: str | None = None,
         connect_timeout: float = 10.0,
         application_name: str = "ringq",
-        eager_begin: bool = True,
+        eager_begin: bool = False,
     ) -> None:
         self.dsn = dsn
         self._eager = eager_begin
@@ -194,7 +197,7 @@ class Session(TwoPhase):
 
     def _attach(self) -> None:
         def read_instance() -> tuple[Any, ...] | None:
-            row = self._conn.execute(_Q["instance"]).fetchone()
+            row = self._conn.execute(_Q["attach"]).fetchone()
             self._conn.rollback()
             return row
 
@@ -208,10 +211,16 @@ class Session(TwoPhase):
                 ) from exc.__cause__
             raise
         assert row is not None
-        instance, version, backend_pid = row
+        instance, version, backend_pid, has_guard = row
         if version != SUPPORTED_SCHEMA or not instance:
             self._conn.close()
             raise SchemaMissing(f"ringq schema version {version!r} is not supported (want {SUPPORTED_SCHEMA})")
+        if not has_guard:
+            self._conn.close()
+            raise SchemaMissing(
+                "the ringq schema lacks ringq.expect_rows(), which this version's commits need: apply the "
+                "schema script again (ringq queue create, or ringq script create-queue | psql)"
+            )
         self.instance: str = instance
         self.backend_pid: int = backend_pid
         try:
@@ -316,17 +325,23 @@ class Session(TwoPhase):
             raise SessionClosed("the session is closed")
         if os.getpid() != self._pid:
             self._after_fork()
-        if self._ops and self._conn.info.transaction_status == _IDLE and not self._tpc_prepared:
+        if self._ops and self._conn.info.transaction_status == _IDLE and not self._tpc_prepared and self._sent():
             # Someone committed or rolled back on the connection directly:
             # learn the outcome from the rows. (A prepared transaction is
             # idle too, but undecided: tpc_commit/tpc_rollback finish it.)
             # If the connection is lost meanwhile, _call decides them
-            # from a new one.
-            self._call(lambda: self._decide_from_rows(self._conn, self._ops))
-            self._ops = []
+            # from a new one. Row writes still held in the session never
+            # went: they stay, for the session's own commit or rollback.
+            self._call(lambda: self._decide_from_rows(self._conn, self._sent()))
+            self._ops = [op for op in self._ops if op.write is not None]
             self._begin()
         if self._section.unlinked() and not self._ops:
             self._reattach_section()
+
+    def _sent(self) -> list[Op]:
+        """The in-flight ops whose statements went to the server (all but
+        enqueues whose row write the session still holds)."""
+        return [op for op in self._ops if op.write is None]
 
     def _after_fork(self) -> None:
         # The inherited connection belongs to the parent: never close it here
@@ -394,7 +409,7 @@ class Session(TwoPhase):
         key = (name, queue)
         stmt = self._stmts.get(key)
         if stmt is None:
-            stmt = sql.SQL(_Q[name]).format(table=queue_table(queue)).as_string(None)
+            stmt = sql.SQL(_Q[name]).format(table=queue_table(queue), queue=sql.Literal(queue)).as_string(None)
             self._stmts[key] = stmt
         return stmt
 
@@ -445,6 +460,24 @@ class Session(TwoPhase):
             lambda: c.execute(query, params, binary=binary), queue=queue, qid=qid, seq=seq, recover=recover
         )
 
+    def _execute_in_tx(
+        self,
+        query: str,
+        params: Sequence[Any] | Mapping[str, Any] | None = None,
+        *,
+        binary: bool = False,
+        queue: str | None = None,
+        qid: int = 0,
+        seq: int = -1,
+    ) -> psycopg.Cursor[Any]:
+        """As :meth:`_execute`, for a statement that may open the transaction:
+        on an idle connection the BEGIN travels with it (one round trip)."""
+        c = self._conn
+        may_begin = self._tpc_xid is None
+        return self._call(
+            lambda: _wire.execute(c, query, params, binary=binary, may_begin=may_begin), queue=queue, qid=qid, seq=seq
+        )
+
     # -- transactions -------------------------------------------------------------------
 
     def _record_error(self, code: int, qid: int = 0, seq: int = -1) -> None:
@@ -465,9 +498,14 @@ class Session(TwoPhase):
         self._recover(ops, reason=str(exc))
 
     def commit(self) -> None:
-        """Commit the transaction; then its enqueued entries become ready and
-        its dequeued entries consumed.
+        """Commit the transaction in one round trip: the BEGIN (when no
+        statement opened it yet), the row writes of its enqueues and the
+        COMMIT. Then its enqueued entries become ready and its dequeued
+        entries consumed.
 
+        :raises StaleSection: a row write did not find its row as the global
+            section said; nothing committed: the transaction was rolled back
+            and the section resynced. Retry the transaction.
         :raises InDoubt: the commit's answer was lost and the outcome could not
             be read back (the rows decide later; nothing is lost or doubled).
         :raises TransactionError: the transaction had failed; it was rolled back.
@@ -480,8 +518,14 @@ class Session(TwoPhase):
         if status == _INERROR:
             self.rollback()
             raise TransactionError("the transaction failed earlier and was rolled back")
+        writes = [op for op in ops if op.write is not None]
         try:
-            self._end("COMMIT")
+            if writes:
+                self._send_writes(writes, commit=True)
+            else:
+                self._end("COMMIT")
+        except StaleSection:
+            raise  # rolled back and resynced already
         except RingqError as err:
             exc = err.__cause__
             self._ops = []
@@ -495,7 +539,11 @@ class Session(TwoPhase):
                     return
                 self._record_ops_error(L.ERR_COMMIT_FAILED, ops)
                 raise TransactionError(f"commit failed and was rolled back: {exc}") from exc
-            # The server refused the commit (deferred constraint, serialization): rolled back.
+            # The server refused the commit (deferred constraint, serialization,
+            # a row write that failed): rolled back, or to be rolled back when
+            # a failed statement kept the COMMIT behind it from running.
+            with suppress(RingqError):
+                self._call(self._conn.rollback, recover=False)
             self._finish(ops, committed=False)
             if ops:
                 self._record_ops_error(L.ERR_COMMIT_FAILED, ops)
@@ -503,11 +551,77 @@ class Session(TwoPhase):
         self._ops = []
         self._finish(ops, committed=True)
 
+    def flush(self) -> None:
+        """Send the row writes of this transaction's enqueues now (one round
+        trip, opening the transaction if none is open) rather than with the
+        COMMIT: to learn of a failed write early, or to read the queue table
+        in the same transaction (the transaction's own reads do not see the
+        writes the session still holds).
+
+        :raises StaleSection: as :meth:`commit`: the transaction was rolled back.
+        :raises SessionClosed, DatabaseUnavailable:
+        """
+        self._check()
+        writes = [op for op in self._ops if op.write is not None]
+        if writes:
+            self._send_writes(writes, commit=False)
+
+    def _send_writes(self, writes: list[Op], *, commit: bool) -> None:
+        """Send the row writes the session holds for ``writes`` in one round
+        trip: after a BEGIN if no transaction is open, one statement per
+        queue, then the COMMIT if ``commit``.
+
+        Every write is guarded: a row that does not match makes its statement
+        fail (SQLSTATE RQ001), so nothing after it runs. Then the whole
+        transaction is rolled back (its reservations voided, its dequeued
+        entries given back without a strike: not their fault), the queue's
+        block resynced from the rows, and :class:`StaleSection` raised.
+        """
+        by_queue: dict[str, list[Op]] = {}
+        for op in writes:
+            by_queue.setdefault(op.info.name, []).append(op)
+        statements = [self._write_statement(name, group) for name, group in by_queue.items()]
+        try:
+            self._call(
+                lambda: _wire.send(self._conn, statements, commit=commit, may_begin=self._tpc_xid is None),
+                recover=not commit,  # commit() decides itself what a lost answer means
+            )
+        except StaleSection as err:
+            group = by_queue.get(err.queue or "", writes)
+            info = group[0].info
+            self._record_error(L.ERR_ROW_MISMATCH, info.id, group[0].seq)
+            self.rollback(count_delivery=False)
+            self._resync(info)
+            logger.warning("ringq: queue %s: stale section (a row write did not match its row): resynced", info.name)
+            raise
+        for op in writes:
+            op.write = None
+
+    def _write_statement(self, queue: str, ops: list[Op]) -> _wire.Statement:
+        """The guarded row write of ``ops`` (enqueues of one queue): one statement."""
+        if len(ops) == 1:
+            op = ops[0]
+            w = op.write
+            assert w is not None
+            return self._stmt("enqueue", queue), (op.seq, w.payload, self.producer, w.producer_seq, op.slot, op.seq)
+        writes = [op.write for op in ops]
+        return self._stmt("enqueue_many", queue), (
+            self.producer,
+            [op.slot for op in ops],
+            [op.seq for op in ops],
+            [w.payload for w in writes if w is not None],
+            [w.producer_seq for w in writes if w is not None],
+            len(ops),
+        )
+
     def rollback(self, *, count_delivery: bool = True) -> None:
         """Roll back: enqueued entries are voided, dequeued ones become ready again
         (and count a delivery; at the queue's max_deliveries they move to
         ``ringq.exceptions``). ``count_delivery=False`` gives entries back
-        without a strike (a shutdown that aborts work, not the entry's fault)."""
+        without a strike (a shutdown that aborts work, not the entry's fault).
+
+        One round trip at most: the row writes the session holds are simply
+        dropped, and the strikes travel with the ROLLBACK."""
         if self._closed:
             raise SessionClosed("the session is closed")
         if os.getpid() != self._pid:
@@ -517,17 +631,18 @@ class Session(TwoPhase):
             self.tpc_rollback()  # refuses once decided
             return
         ops, self._ops = self._ops, []
-        strikes = count_delivery and any(op.kind == OpKind.DEQUEUE for op in ops)
+        deq = [op for op in ops if op.kind == OpKind.DEQUEUE] if count_delivery else []
+        poisoned: set[tuple[int, int]] = set()
         try:
-            if strikes:
-                self._call(self._conn.rollback, recover=False)  # the strikes commit (and begin) afterwards
+            if deq:
+                poisoned = self._strike(deq, rollback=True)
             else:
                 self._end("ROLLBACK")
         except RingqError as err:
             self._recover(ops, reason=f"rollback failed: {err.__cause__}")
             raise
-        self._finish(ops, committed=False, count_delivery=count_delivery)
-        if strikes and not self._closed:
+        self._finish(ops, committed=False, poisoned=poisoned)
+        if deq and not self._closed:
             self._begin()
 
     @contextmanager
@@ -547,13 +662,26 @@ class Session(TwoPhase):
             raise
         self.commit()
 
-    def _finish(self, ops: list[Op], *, committed: bool, count_delivery: bool = True) -> None:
-        """Tell the section the outcome of ``ops`` (the database already decided)."""
+    def _finish(
+        self,
+        ops: list[Op],
+        *,
+        committed: bool,
+        count_delivery: bool = True,
+        poisoned: set[tuple[int, int]] | None = None,
+    ) -> None:
+        """Tell the section the outcome of ``ops`` (the database already decided).
+
+        Not committed, rolled-back dequeues count a delivery (unless
+        ``count_delivery`` is false), unless ``poisoned`` is given: the
+        strikes were written already, and these (slot, seq) were poisoned.
+        """
         if not ops:
             return
-        poisoned: set[tuple[int, int]] = set()
-        if not committed and count_delivery:
-            poisoned = self._strike([op for op in ops if op.kind == OpKind.DEQUEUE])
+        if poisoned is None:
+            poisoned = set()
+            if not committed and count_delivery:
+                poisoned = self._strike([op for op in ops if op.kind == OpKind.DEQUEUE])
         by_ring: dict[int, list[Op]] = {}
         for op in ops:
             by_ring.setdefault(op.ring.qidx, []).append(op)
@@ -577,45 +705,52 @@ class Session(TwoPhase):
         for qid, kind, n in posts:
             sec.post(qid, kind, n)
 
-    def _strike(self, deq_ops: list[Op]) -> set[tuple[int, int]]:
-        """Count a failed delivery on each rolled-back dequeue; returns the poisoned ones."""
+    def _strike(self, deq_ops: list[Op], *, rollback: bool = False) -> set[tuple[int, int]]:
+        """Count a failed delivery on each rolled-back dequeue; returns the poisoned ones.
+
+        One round trip: the ROLLBACK of the open transaction (with
+        ``rollback``; else the transaction has ended already), then one
+        strike statement per queue, in autocommit.
+
+        :raises RingqError: with ``rollback`` only, when the connection was
+            lost (recovery decides the slots); a strike that fails otherwise
+            is logged and skipped.
+        """
         if not deq_ops:
             return set()
-        poisoned: set[tuple[int, int]] = set()
         by_queue: dict[str, list[Op]] = {}
         for op in deq_ops:
             by_queue.setdefault(op.info.name, []).append(op)
+        statements: list[_wire.Statement] = []
+        for name, group in by_queue.items():
+            info = group[0].info
+            params = {
+                "max_deliveries": info.max_deliveries,
+                "slots": [op.slot for op in group],
+                "seqs": [op.seq for op in group],
+                "queue_id": info.id,
+                "reason": POISON_REASON,
+            }
+            statements.append((self._stmt("strike", name), params))
         try:
-            for name, group in by_queue.items():
-                info = group[0].info
-                rows = self._execute(
-                    self._stmt("strike", name),
-                    {
-                        "max_deliveries": info.max_deliveries,
-                        "slots": [op.slot for op in group],
-                        "seqs": [op.seq for op in group],
-                        "queue_id": info.id,
-                        "reason": POISON_REASON,
-                    },
-                    recover=False,
-                ).fetchall()
-                for slot, seq, state, deliveries, moved_to, kept_because in rows:
-                    if state == RowState.CONSUMED:
-                        poisoned.add((slot, seq))
-                        logger.warning(
-                            "ringq: entry %s/%s poisoned after %s deliveries: moved to ringq.exceptions%s",
-                            name, seq, deliveries,
-                            f" and queue {moved_to}" if moved_to else f" only ({kept_because})" if kept_because else "",
-                        )
-            self._call(self._conn.commit, recover=False)  # _begin() follows in rollback()
+            cursors = self._call(lambda: _wire.rollback_then(self._conn, statements), recover=False)
         except RingqError:
+            if rollback and (self._conn.broken or self._conn.closed):
+                raise  # the ROLLBACK may not have run: the caller recovers
             # Losing a strike is harmless: the entry is redelivered; the
             # monitor counts strikes of clients that die.
             logger.warning("ringq: could not record a failed delivery", exc_info=True)
-            if not self._conn.closed:
-                with suppress(RingqError):
-                    self._call(self._conn.rollback, recover=False)
             return set()
+        poisoned: set[tuple[int, int]] = set()
+        for name, cur in zip(by_queue, cursors, strict=True):
+            for slot, seq, state, deliveries, moved_to, kept_because in cur.fetchall():
+                if state == RowState.CONSUMED:
+                    poisoned.add((slot, seq))
+                    logger.warning(
+                        "ringq: entry %s/%s poisoned after %s deliveries: moved to ringq.exceptions%s",
+                        name, seq, deliveries,
+                        f" and queue {moved_to}" if moved_to else f" only ({kept_because})" if kept_because else "",
+                    )
         return poisoned
 
     # -- enqueue -----------------------------------------------------------------------
@@ -623,12 +758,18 @@ class Session(TwoPhase):
     def enqueue(self, queue: str, payload: bytes, *, key: str | None = None, timeout: float | None = None) -> int:
         """Put ``payload`` on ``queue`` in the current transaction; returns its sequence number.
 
-        The entry is on the queue only once the transaction commits. With
-        ``key``, a second enqueue of the same key returns the first entry's
-        sequence and adds nothing. A full queue blocks up to ``timeout``
-        seconds (default: the queue's full_timeout) under the 'block' policy.
+        The entry is on the queue only once the transaction commits. Without
+        ``key`` nothing goes to the database now: the slot is reserved in the
+        global section and the row write is kept in the session until
+        :meth:`commit` (or :meth:`flush`) sends it, so a failure of the write
+        surfaces there (:class:`StaleSection`: retry the transaction). With
+        ``key``, the write is made now (one round trip), and a second enqueue
+        of the same key returns the first entry's sequence and adds nothing.
+        A full queue blocks up to ``timeout`` seconds (default: the queue's
+        full_timeout) under the 'block' policy.
 
         :raises QueueNotFound, PayloadTooLarge, QueueFull, SessionClosed, DatabaseUnavailable:
+        :raises TransactionError: the transaction failed earlier (roll it back).
         """
         self._check()
         t0 = time.perf_counter_ns()
@@ -640,56 +781,53 @@ class Session(TwoPhase):
                 f"payload of {len(payload):,} bytes exceeds queue {queue!r} max_payload {info.max_payload:,}",
                 queue=queue,
             )
+        self._check_not_failed()
+        if key is None:
+            slot, seq = self._reserve(info, timeout)
+            self._producer_seq += 1
+            op = Op(self._ring(info), info, slot, seq, OpKind.ENQUEUE, write=RowWrite(payload, self._producer_seq))
+            self._ops.append(op)
+            op.latency_ns = time.perf_counter_ns() - t0
+            self._section.count_client(self._cidx, L.C_N_ENQ)
+            return seq
         for _attempt in range(8):
             slot, seq = self._reserve(info, timeout)
             self._producer_seq += 1
             op = Op(self._ring(info), info, slot, seq, OpKind.ENQUEUE)
             self._ops.append(op)
-            if key is None:
-                cur = self._execute(
-                    self._stmt("enqueue", queue),
-                    (seq, payload, self.producer, self._producer_seq, slot, seq),
-                    queue=queue,
-                    qid=info.id,
-                    seq=seq,
-                )
-                ok = cur.rowcount == 1
-                existing = None
-            else:
-                row = self._execute(
-                    self._stmt("enqueue_key", queue),
-                    {
-                        "queue_id": info.id,
-                        "key": key,
-                        "seq": seq,
-                        "payload": payload,
-                        "producer": self.producer,
-                        "producer_seq": self._producer_seq,
-                        "slot": slot,
-                    },
-                    queue=queue,
-                    qid=info.id,
-                    seq=seq,
-                ).fetchone()
-                assert row is not None
-                inserted, updated, existing = row
-                if inserted == 0 and existing is None:
-                    # Another transaction held the key uncommitted; the
-                    # INSERT waited for its commit, but under READ
-                    # COMMITTED this statement's snapshot predates it:
-                    # read the key again (a new statement, a new snapshot).
-                    again = self._execute(_Q["key_seq"], (info.id, key), queue=queue, qid=info.id, seq=seq).fetchone()
-                    existing = None if again is None else again[0]
-                ok = inserted == 1 and updated == 1
-                if inserted == 1 and updated == 0:
-                    self._execute(_Q["key_forget"], (info.id, key, seq), queue=queue, qid=info.id, seq=seq)
-            if ok:
+            row = self._execute_in_tx(
+                self._stmt("enqueue_key", queue),
+                {
+                    "queue_id": info.id,
+                    "key": key,
+                    "seq": seq,
+                    "payload": payload,
+                    "producer": self.producer,
+                    "producer_seq": self._producer_seq,
+                    "slot": slot,
+                },
+                queue=queue,
+                qid=info.id,
+                seq=seq,
+            ).fetchone()
+            assert row is not None
+            inserted, updated, existing = row
+            if inserted == 0 and existing is None:
+                # Another transaction held the key uncommitted; the
+                # INSERT waited for its commit, but under READ
+                # COMMITTED this statement's snapshot predates it:
+                # read the key again (a new statement, a new snapshot).
+                again = self._execute(_Q["key_seq"], (info.id, key), queue=queue, qid=info.id, seq=seq).fetchone()
+                existing = None if again is None else again[0]
+            if inserted == 1 and updated == 0:
+                self._execute(_Q["key_forget"], (info.id, key, seq), queue=queue, qid=info.id, seq=seq)
+            if inserted == 1 and updated == 1:
                 op.latency_ns = time.perf_counter_ns() - t0
                 self._section.count_client(self._cidx, L.C_N_ENQ)
                 return seq
             self._ops.remove(op)
             self._void(op)
-            if key is not None and existing is not None and not (inserted == 1 and updated == 0):
+            if existing is not None and not (inserted == 1 and updated == 0):
                 return int(existing)  # idempotent repeat: the first entry's sequence
             # The section was stale: the row holds something newer. Re-read the queue.
             self._record_error(L.ERR_ROW_MISMATCH, info.id, seq)
@@ -697,7 +835,11 @@ class Session(TwoPhase):
         raise SectionError(f"queue {queue!r}: could not reserve a slot after 8 attempts (section unstable)")
 
     def enqueue_many(self, queue: str, payloads: Iterable[bytes], *, timeout: float | None = None) -> list[int]:
-        """Enqueue several entries in one statement; returns their sequence numbers, in order."""
+        """Enqueue several entries; returns their sequence numbers, in order.
+
+        As :meth:`enqueue` without a key: nothing goes to the database now;
+        the commit writes the rows of a queue in one statement.
+        """
         self._check()
         t0 = time.perf_counter_ns()
         info = self._info(queue)
@@ -711,53 +853,32 @@ class Session(TwoPhase):
                 )
         if not items:
             return []
+        self._check_not_failed()
         ring = self._ring(info)
-        pseqs = list(range(self._producer_seq + 1, self._producer_seq + 1 + len(items)))
+        reserved: list[tuple[int, int]] = []
+        try:
+            while len(reserved) < len(items):
+                reserved.extend(self._reserve_many(info, len(items) - len(reserved), timeout))
+        except BaseException:
+            for slot, seq in reserved:
+                self._void(Op(ring, info, slot, seq, OpKind.ENQUEUE))
+            raise
+        pseq = self._producer_seq
         self._producer_seq += len(items)
-        for _attempt in range(8):
-            reserved: list[tuple[int, int]] = []
-            try:
-                while len(reserved) < len(items):
-                    reserved.extend(self._reserve_many(info, len(items) - len(reserved), timeout))
-            except BaseException:
-                for slot, seq in reserved:
-                    self._void(Op(ring, info, slot, seq, OpKind.ENQUEUE))
-                raise
-            ops = [Op(ring, info, slot, seq, OpKind.ENQUEUE) for slot, seq in reserved]
-            self._ops.extend(ops)
-            rows = self._execute(
-                self._stmt("enqueue_many", queue),
-                (self.producer, [s for s, _ in reserved], [q for _, q in reserved], items, pseqs),
-                queue=queue,
-                qid=info.id,
-                seq=reserved[0][1],
-            ).fetchall()
-            written = {r[0] for r in rows}
-            if len(written) == len(ops):
-                break
-            # Stale section: some rows hold newer entries. Redoing only the
-            # failed ones would put them after the rest of the batch, so the
-            # whole batch is redone in order: withdraw the rows written (in
-            # this transaction), void every slot of this try, re-read the
-            # queue and reserve the batch again.
-            failed = [op for op in ops if op.slot not in written]
-            self._record_error(L.ERR_ROW_MISMATCH, info.id, failed[0].seq)
-            done = [op for op in ops if op.slot in written]
-            if done:
-                self._execute(
-                    self._stmt("enqueue_void", queue), ([op.slot for op in done], [op.seq for op in done]), queue=queue
-                )
-            for op in ops:
-                self._ops.remove(op)
-                self._void(op)
-            self._resync(info)
-        else:
-            raise SectionError(f"queue {queue!r}: could not reserve the batch after 8 attempts (section unstable)")
-        lat = (time.perf_counter_ns() - t0) // max(1, len(ops))
-        for op in ops:
-            op.latency_ns = lat
+        lat = (time.perf_counter_ns() - t0) // len(items)
+        ops = [
+            Op(ring, info, slot, seq, OpKind.ENQUEUE, latency_ns=lat, write=RowWrite(payload, pseq + i))
+            for i, ((slot, seq), payload) in enumerate(zip(reserved, items, strict=True), start=1)
+        ]
+        self._ops.extend(ops)
         self._section.count_client(self._cidx, L.C_N_ENQ, len(ops))
         return [op.seq for op in ops]
+
+    def _check_not_failed(self) -> None:
+        """An enqueue sends nothing: refuse it here if the transaction failed
+        already (its commit would only roll back)."""
+        if self._conn.info.transaction_status == _INERROR:
+            raise TransactionError("the transaction failed earlier: roll it back")
 
     def _reserve(self, info: QueueInfo, timeout: float | None) -> tuple[int, int]:
         got = self._reserve_many(info, 1, timeout)
@@ -859,13 +980,13 @@ class Session(TwoPhase):
             ops = [Op(ring, info, slot, seq, OpKind.DEQUEUE) for slot, seq in claimed]
             self._ops.extend(ops)
             if len(ops) == 1:
-                row = self._execute(
+                row = self._execute_in_tx(
                     self._stmt("dequeue", queue), (ops[0].slot, ops[0].seq),
                     binary=True, queue=queue, qid=info.id, seq=ops[0].seq,
                 ).fetchone()
                 rows = [] if row is None else [(ops[0].slot, ops[0].seq, *row)]
             else:
-                rows = self._execute(
+                rows = self._execute_in_tx(
                     self._stmt("dequeue_many", queue), ([op.slot for op in ops], [op.seq for op in ops]),
                     binary=True, queue=queue, qid=info.id, seq=ops[0].seq,
                 ).fetchall()

@@ -22,6 +22,7 @@ from ringq.engine import (
     Section,
     SectionIncompatible,
     SessionClosed,
+    StaleSection,
     TransactionError,
     connect,
 )
@@ -462,12 +463,16 @@ def test_psycopg_errors_of_side_connections_are_converted(dsn, make_queue):
         s.enqueue_many(q, [b"a", b"b"])
         s.commit()
         ring = s.ring(q)
-        s.section.queues[ring.qb + L.Q_HEAD] = 0  # stale: the next enqueue must resync
+        s.section.queues[ring.qb + L.Q_HEAD] = 0  # stale: the next commit must resync
         s.section.queues[ring.qb + L.Q_TAIL] = 0
         s.section.enq[ring.w0] = 0
+        s.enqueue(q, b"c")  # its row write goes with the commit
         with _no_new_connections(dsn), pytest.raises(DatabaseUnavailable):
-            s.enqueue(q, b"c")  # resync of the stale section
+            s.commit()  # rolled back (stale), then the resync of the section fails
         s.rollback()
+        s.enqueue(q, b"c")
+        with pytest.raises(StaleSection):
+            s.commit()  # still stale: rolled back and resynced this time
         s.enqueue(q, b"c")
         s.commit()
     assert [m.payload for m in drain(dsn, q)] == [b"a", b"b", b"c"]
@@ -478,6 +483,7 @@ def test_connection_lost_after_a_commit_around_the_library_is_converted(dsn, mak
     with connect(dsn) as s:
         conn = s.connection
         s.enqueue(q, b"committed around")
+        s.flush()  # the row write goes now (else it waits for the session's own commit)
         conn.commit()  # not through the session: the next call learns it from the rows
         _terminate(dsn, s.backend_pid)
         with pytest.raises(DatabaseUnavailable):
@@ -563,7 +569,10 @@ def test_head_behind_rows_is_repaired_without_overwrite(dsn, make_queue):
         s.section.queues[ring.qb + L.Q_HEAD] = 0  # stale head: seq 0..2 are taken
         s.section.queues[ring.qb + L.Q_TAIL] = 0
         s.section.enq[ring.w0] = 0
-        s.enqueue(q, b"d")
+        s.enqueue(q, b"d")  # reserves seq 0 again: its row write is refused at commit
+        with pytest.raises(StaleSection):
+            s.commit()
+        s.enqueue(q, b"d")  # the retry, on the resynced section
         s.commit()
     assert [m.payload for m in drain(dsn, q)] == [b"a", b"b", b"c", b"d"]
 
@@ -575,11 +584,16 @@ def test_enqueue_many_on_a_partly_stale_section_keeps_the_batch_in_order(dsn, ma
         s.commit()
         ring = s.ring(q)
         # Stale head: the batch's first two slots (1, 2) hold queued entries,
-        # its last two (3, 4) are free, so only part of the batch is written.
+        # its last two (3, 4) are free, so only part of the batch could be
+        # written: the whole transaction is refused at commit.
         s.section.queues[ring.qb + L.Q_HEAD] = 1
         resyncs = s.section.queues[ring.qb + L.Q_N_RESYNC]
-        seqs = s.enqueue_many(q, [b"w", b"x", b"y", b"z"])
-        assert s.section.queues[ring.qb + L.Q_N_RESYNC] == resyncs + 1  # the batch was redone
+        s.enqueue_many(q, [b"w", b"x", b"y", b"z"])
+        with pytest.raises(StaleSection):
+            s.commit()
+        assert s.section.queues[ring.qb + L.Q_N_RESYNC] == resyncs + 1
+        assert ring.counts()["locked"] == 0
+        seqs = s.enqueue_many(q, [b"w", b"x", b"y", b"z"])  # the batch redone, in order
         assert seqs == sorted(seqs) and min(seqs) > 2
         s.commit()
         assert ring.counts()["locked"] == 0
@@ -901,6 +915,9 @@ def test_client_entry_records_the_errors_it_hits_not_the_callers_sql(dsn, make_q
         sec.queues[ring.qb + L.Q_HEAD] = 0
         sec.queues[ring.qb + L.Q_TAIL] = 0
         sec.enq[ring.w0] = 0
+        s.enqueue(q, b"e")
+        with pytest.raises(StaleSection):
+            s.commit()  # nothing committed; resynced: the retry goes through
         s.enqueue(q, b"e")
         s.commit()
         n, code, eq, seq, _ns = sec.client_error(cidx)
