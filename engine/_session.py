@@ -877,7 +877,7 @@ class Session(TwoPhase):
     def _check_not_failed(self) -> None:
         """An enqueue sends nothing: refuse it here if the transaction failed
         already (its commit would only roll back)."""
-        if self._conn.info.transaction_status == _INERROR:
+        if self._conn.pgconn.transaction_status == _INERROR:  # libpq's int: no objects made per call
             raise TransactionError("the transaction failed earlier: roll it back")
 
     def _reserve(self, info: QueueInfo, timeout: float | None) -> tuple[int, int]:
