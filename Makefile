@@ -25,7 +25,7 @@ test: setup
 run: setup-run
 	$(RINGQ) run
 
-# ruff and mypy --strict over the packages (not part of `make test`).
+# ruff and mypy --strict over the packages, the tests and the benchmarks (not part of `make test`).
 check:
 	@./.ci/setup test
 	./.ci/typecheck

@@ -19,33 +19,36 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import multiprocessing as mp
 import os
-import platform
 import secrets
-import shutil
-import signal
 import statistics
 import sys
-import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from multiprocessing.connection import Connection
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 import posix_ipc
 import psycopg
+from _benchlib import (
+    argument_parser,
+    cpu_load,
+    database,
+    drop_queues,
+    machine,
+    server_settings,
+    sigterm_tears_down,
+    write_results,
+)
 from psycopg import sql
-from ringq.engine import Section, connect, metrics, queue_table
+from ringq.engine import connect, metrics, queue_table
 from ringq.engine.sqlfile import load
-from ringq.scripting import Cluster, QueueSpec, create_queue, drop_queue
+from ringq.scripting import QueueSpec, create_queue
 
-RESULTS_DIR = Path(__file__).resolve().parent / "results"
 FORK = mp.get_context("fork")
 ENGINE_SQL = load(
     "ringq.engine", "queries.sql"
@@ -57,13 +60,20 @@ SKQ_CREATE = (
     "CREATE TABLE {t} (id bigserial PRIMARY KEY, payload bytea, enq_at timestamptz DEFAULT now())"
 )
 SKQ_ENQUEUE = "INSERT INTO {t} (payload) VALUES (%s)"
-SKQ_DEQUEUE = "DELETE FROM {t} WHERE id = (SELECT id FROM {t} ORDER BY id FOR UPDATE SKIP LOCKED LIMIT 1) RETURNING payload"
+SKQ_DEQUEUE = (
+    "DELETE FROM {t} WHERE id = (SELECT id FROM {t} ORDER BY id FOR UPDATE SKIP LOCKED LIMIT 1) "
+    "RETURNING payload"
+)
 SKQ_ENQUEUE_MANY = "INSERT INTO {t} (payload) SELECT unnest(%s::bytea[])"
-SKQ_DEQUEUE_MANY = "DELETE FROM {t} WHERE id IN (SELECT id FROM {t} ORDER BY id FOR UPDATE SKIP LOCKED LIMIT %s) RETURNING payload"
+SKQ_DEQUEUE_MANY = (
+    "DELETE FROM {t} WHERE id IN (SELECT id FROM {t} ORDER BY id FOR UPDATE SKIP LOCKED LIMIT %s) "
+    "RETURNING payload"
+)
 CEIL_CREATE = "CREATE TABLE {t} (id integer PRIMARY KEY, v bigint NOT NULL)"
 CEIL_FILL = "INSERT INTO {t} VALUES (1, 0)"
 CEIL_UPDATE = "UPDATE {t} SET v = v + 1 WHERE id = 1"
-CEIL_UPDATE_EAGER = "COMMIT; BEGIN"  # the next BEGIN riding on COMMIT (ringq's former eager-begin protocol)
+# The next BEGIN riding on COMMIT (ringq's former eager-begin protocol).
+CEIL_UPDATE_EAGER = "COMMIT; BEGIN"
 SIZES = """
 SELECT pg_relation_size(c.oid),
        COALESCE(pg_total_relation_size(NULLIF(c.reltoastrelid, 0)), 0),
@@ -76,10 +86,6 @@ SELECT n_live_tup, n_dead_tup, n_tup_ins, n_tup_upd, n_tup_hot_upd, n_tup_del,
        autovacuum_count, vacuum_count
 FROM pg_stat_user_tables WHERE relid = %s::regclass
 """
-SERVER_SETTINGS = (
-    "server_version", "fsync", "synchronous_commit", "wal_sync_method", "shared_buffers",
-    "autovacuum", "autovacuum_naptime", "max_connections",
-)  # fmt: skip
 
 
 # -- figures -------------------------------------------------------------------------------
@@ -208,7 +214,8 @@ def bench_ringq(
 
 
 def _wake_consumer(dsn: str, queue: str, n: int, pipe: Connection) -> None:
-    """Child process: block in dequeue(wait=...) n times; send back (seq, monotonic ns at return)."""
+    """Child process: block in dequeue(wait=...) n times; send back (seq, monotonic ns at
+    return)."""
     out: list[tuple[int, int]] = []
     try:
         with connect(dsn) as s:
@@ -228,7 +235,8 @@ def _wake_consumer(dsn: str, queue: str, n: int, pipe: Connection) -> None:
 
 
 def bench_wakeup(dsn: str, queue: str, payload: bytes, n: int) -> dict[str, Any]:
-    """Commit-to-dequeue latency: producer's clock after commit() returns, consumer's after dequeue() returns.
+    """Commit-to-dequeue latency: producer's clock after commit() returns, consumer's after
+    dequeue() returns.
 
     Both read CLOCK_MONOTONIC (time.monotonic_ns), which is shared by the
     processes of one host. Before each enqueue the producer waits until the
@@ -310,7 +318,8 @@ def bench_ring_sql(
 
     def enqueue(conn: psycopg.Connection[Any]) -> None:
         s = st.next_seq
-        conn.execute(enq_sql, (s, payload, "bench", s, s % capacity, s))  # raises if the guard fails
+        # raises if the guard fails
+        conn.execute(enq_sql, (s, payload, "bench", s, s % capacity, s))
         st.next_seq += 1
 
     def dequeue(conn: psycopg.Connection[Any]) -> None:
@@ -348,7 +357,9 @@ def bench_ring_sql(
         start = pc()
         for _ in range(n_batches):
             seqs = list(range(st.next_seq, st.next_seq + batch))
-            prod.execute(enq_many_sql, ("bench", [x % capacity for x in seqs], seqs, items, seqs, batch))
+            prod.execute(
+                enq_many_sql, ("bench", [x % capacity for x in seqs], seqs, items, seqs, batch)
+            )
             st.next_seq += batch  # committed by itself (autocommit); a guard that fails raises
         out["enqueue_many_entries_per_s"] = n_batches * batch / ((pc() - start) / 1e9)
         start = pc()
@@ -412,7 +423,8 @@ def create_skq(admin: psycopg.Connection[Any], table: str) -> None:
 def bench_skq(
     dsn: str, table: str, payload: bytes, n_single: int, n_batches: int, batch: int
 ) -> dict[str, Any]:
-    """The same figures for INSERT / DELETE ... FOR UPDATE SKIP LOCKED, on a default psycopg connection."""
+    """The same figures for INSERT / DELETE ... FOR UPDATE SKIP LOCKED, on a default psycopg
+    connection."""
     enq_sql, deq_sql = q(SKQ_ENQUEUE, table), q(SKQ_DEQUEUE, table)
     enq_many_sql, deq_many_sql = q(SKQ_ENQUEUE_MANY, table), q(SKQ_DEQUEUE_MANY, table)
     with psycopg.connect(dsn) as prod, psycopg.connect(dsn) as cons:
@@ -479,7 +491,7 @@ def bench_ceiling(dsn: str, table: str, n: int) -> dict[str, float]:
     ``one_rt``: autocommit, the UPDATE is its own transaction: one round trip,
     one WAL flush, the least a durable one-row transaction costs from here (the
     targets use this one). ``eager_2rt``: UPDATE, then ``COMMIT; BEGIN`` in one
-    message: ringq's own protocol (two round trips). ``psycopg_3rt``: a default
+    message: two round trips, as many as ringq's own protocol. ``psycopg_3rt``: a default
     psycopg connection, BEGIN + UPDATE + COMMIT (three round trips).
     """
     upd = q(CEIL_UPDATE, table)
@@ -542,7 +554,10 @@ class Progress:
     def update(self, done: int) -> None:
         now = time.perf_counter()
         rate = done / max(now - self.start, 1e-9)
-        text = f"  {self.label}: {done:,}/{self.total:,} ({100 * done / self.total:3.0f}%) {rate:,.0f} entries/s"
+        text = (
+            f"  {self.label}: {done:,}/{self.total:,} ({100 * done / self.total:3.0f}%) "
+            f"{rate:,.0f} entries/s"
+        )
         if self.tty:
             if now - self.last_draw > 0.25 or done == self.total:
                 sys.stderr.write("\r" + text + "   ")
@@ -564,7 +579,8 @@ def settled_sizes(
     conn: psycopg.Connection[Any], table: str, before: dict[str, int]
 ) -> dict[str, int]:
     """Sizes and statistics once the closed sessions' backends have flushed their counters
-    (they do at exit; until then pg_stat_user_tables lags): counters steady for 0.5 s, at most 10 s."""
+    (they do at exit; until then pg_stat_user_tables lags): counters steady for 0.5 s, at most
+    10 s."""
     deadline = time.monotonic() + 10.0
     last = table_sizes(conn, table)
     steady_since = time.monotonic()
@@ -731,15 +747,15 @@ def run(dsn: str, cfg: Config, names: Names) -> dict[str, Any]:
     volume: dict[str, Any] = {}
     if cfg.volume:
         print(f"volume: {cfg.volume:,} entries through a {cfg.volume_capacity:,}-slot ringq queue, "
-              f"then through the SKIP LOCKED table, {cfg.batch} per transaction", file=sys.stderr, flush=True)  # fmt: skip
+              f"then through the SKIP LOCKED table, {cfg.batch} per transaction",
+              file=sys.stderr, flush=True)  # fmt: skip
         volume["ringq"] = volume_ringq(
             dsn, names.ring_volume, payload, cfg.volume, cfg.batch, cfg.volume_capacity
         )
         volume["skip_locked"] = volume_skq(
             dsn, names.skq_volume, payload, cfg.volume, cfg.batch, cfg.volume_capacity
         )
-    env["loadavg_at_end"] = os.getloadavg()
-    env["cpu_pressure_at_end"] = cpu_pressure()
+    env.update(cpu_load("end"))
     return {"environment": env, "rounds": rounds, "volume": volume}
 
 
@@ -773,33 +789,16 @@ def warm_up(dsn: str, names: Names, ring_sql: RingSQL, cfg: Config, payload: byt
 
 
 def environment(conn: psycopg.Connection[Any]) -> dict[str, Any]:
-    settings = {}
-    for name in SERVER_SETTINGS:
-        row = conn.execute("SELECT current_setting(%s)", (name,)).fetchone()
-        settings[name] = row[0] if row else None
     return {
-        "server": settings,
-        "python": platform.python_version(),
-        "psycopg": psycopg.__version__,
+        "server": server_settings(conn),
+        **machine(),
         "psycopg_impl": psycopg.pq.__impl__,
         "numpy": np.__version__,
-        "platform": platform.platform(),
-        "cpus": os.cpu_count(),
-        "loadavg_at_start": os.getloadavg(),
-        "cpu_pressure_at_start": cpu_pressure(),
+        **cpu_load("start"),
     }
 
 
-def cpu_pressure() -> str | None:
-    """/proc/pressure/cpu's "some" line: how much runnable work waited for a CPU (other load)."""
-    try:
-        with open("/proc/pressure/cpu") as f:
-            return f.readline().strip()
-    except OSError:
-        return None
-
-
-# -- summary: medians, ratios, targets --------------------------------------------------------------
+# -- summary: medians, ratios, targets -------------------------------------------------------------
 
 # (key in the summary, path into a round's result)
 FIGURES: list[tuple[str, str, tuple[str, ...]]] = [
@@ -954,22 +953,26 @@ def render(raw: dict[str, Any], summary: dict[str, Any], cfg: Config, seconds: f
     lines: list[str] = []
     env = raw["environment"]["server"]
     lines.append(
-        f"ringq engine benchmark: PostgreSQL {env['server_version']}, synchronous_commit={env['synchronous_commit']}, "
+        f"ringq engine benchmark: PostgreSQL {env['server_version']}, "
+        f"synchronous_commit={env['synchronous_commit']}, "
         f"fsync={env['fsync']}, {raw['environment']['cpus']} CPUs, payload {cfg.payload} B"
     )
     lines.append(
-        f"{cfg.rounds} interleaved rounds of {cfg.single:,} single-entry tx each way, {cfg.batches} x {cfg.batch} batched, "
+        f"{cfg.rounds} interleaved rounds of {cfg.single:,} single-entry tx each way, "
+        f"{cfg.batches} x {cfg.batch} batched, "
         f"{cfg.wakeups} wake-ups; median of rounds [min-max]; run took {seconds:.0f} s"
     )
     e = raw["environment"]
     lines.append(
-        f"load average at start {e['loadavg_at_start'][0]:.2f}, at end {e['loadavg_at_end'][0]:.2f} "
+        f"load average at start {e['loadavg_at_start'][0]:.2f}, "
+        f"at end {e['loadavg_at_end'][0]:.2f} "
         "(anything else running on the machine inflates the figures)"
     )
     lines.append("")
     w = 28
     lines.append(
-        f"{'figure':<{w}} {'ringq':>24} {'ringq SQL only':>24} {'skip-locked':>24} {'ringq/skq':>10}"
+        f"{'figure':<{w}} {'ringq':>24} {'ringq SQL only':>24} {'skip-locked':>24} "
+        f"{'ringq/skq':>10}"
     )
     lines.append("-" * (w + 86))
 
@@ -980,7 +983,8 @@ def render(raw: dict[str, Any], summary: dict[str, Any], cfg: Config, seconds: f
         f = fig[key]
         rat = ratios[f"{key}_ringq_over_skq"]["median"]
         lines.append(
-            f"{label:<{w}} {cell(f['ringq']):>24} {cell(f['ringq_sql']):>24} {cell(f['skip_locked']):>24} {rat:>10.2f}"
+            f"{label:<{w}} {cell(f['ringq']):>24} {cell(f['ringq_sql']):>24} "
+            f"{cell(f['skip_locked']):>24} {rat:>10.2f}"
         )
     for label, key in (
         ("ceiling tx/s, 1 round trip", "ceiling_one_rt_tx_per_s"),
@@ -1006,16 +1010,20 @@ def render(raw: dict[str, Any], summary: dict[str, Any], cfg: Config, seconds: f
     )
     lines.append(
         "single-entry tx/s over the 1-round-trip ceiling: "
-        f"ringq enq {ratios['enq_tps_ringq_over_ceiling']['median']:.2f}, deq {ratios['deq_tps_ringq_over_ceiling']['median']:.2f}; "
-        f"skip-locked enq {ratios['enq_tps_skq_over_ceiling']['median']:.2f}, deq {ratios['deq_tps_skq_over_ceiling']['median']:.2f}; "
-        f"ringq over the 2-round-trip ceiling: enq {ratios['enq_tps_ringq_over_ceiling_2rt']['median']:.2f}, "
+        f"ringq enq {ratios['enq_tps_ringq_over_ceiling']['median']:.2f}, "
+        f"deq {ratios['deq_tps_ringq_over_ceiling']['median']:.2f}; "
+        f"skip-locked enq {ratios['enq_tps_skq_over_ceiling']['median']:.2f}, "
+        f"deq {ratios['deq_tps_skq_over_ceiling']['median']:.2f}; "
+        "ringq over the 2-round-trip ceiling: enq "
+        f"{ratios['enq_tps_ringq_over_ceiling_2rt']['median']:.2f}, "
         f"deq {ratios['deq_tps_ringq_over_ceiling_2rt']['median']:.2f}"
     )
     vol = raw["volume"]
     if vol:
         lines.append("")
         lines.append(
-            f"volume: {cfg.volume:,} entries, {cfg.batch}/tx, ringq queue of {cfg.volume_capacity:,} slots "
+            f"volume: {cfg.volume:,} entries, {cfg.batch}/tx, ringq queue of "
+            f"{cfg.volume_capacity:,} slots "
             "(table size = pg_total_relation_size: heap + toast + indexes)"
         )
         lines.append(f"{'':<{w}} {'ringq':>24} {'skip-locked':>24}")
@@ -1073,56 +1081,19 @@ def _hot(v: dict[str, Any]) -> str:
 # -- set-up and tear-down ----------------------------------------------------------------------
 
 
-@contextlib.contextmanager
-def database(dsn: str | None) -> Iterator[tuple[str, str | None]]:
-    """Yield (dsn, embedded cluster home or None): the given database, or a private embedded cluster."""
-    if dsn is not None:
-        yield dsn, None
-        return
-    home = tempfile.mkdtemp(prefix="ringq-bench-")
-    cluster = Cluster(home)
-    try:
-        print(f"starting an embedded PostgreSQL under {home} ...", file=sys.stderr, flush=True)
-        yield cluster.start(), home
-    finally:
-        cluster.stop()
-        shutil.rmtree(home, ignore_errors=True)
-
-
 def cleanup(dsn: str, names: Names, *, embedded: bool) -> None:
-    with psycopg.connect(dsn, autocommit=True) as admin:
-        row = admin.execute("SELECT value FROM ringq.meta WHERE key = 'instance_id'").fetchone()
-        queues = [names.ring, names.ring_sql, names.ring_wake, names.ring_volume]
-        qids = [
-            r[0]
-            for r in admin.execute(
-                "SELECT id FROM ringq.queues WHERE name = ANY(%s)", (queues,)
-            ).fetchall()
-        ]
-        for name in queues:
-            with contextlib.suppress(Exception):
-                drop_queue(admin, name)
-        for table in (names.skq, names.skq_volume, names.ceiling):
-            admin.execute(sql.SQL("DROP TABLE IF EXISTS {}").format(sql.Identifier(table)))
-    if row and embedded:
-        # The database dies with the cluster: so do its section and semaphores.
-        Section.unlink(row[0])
-        Section.unlink_semaphores(row[0], qids)
-
-
-def _sigterm(signum: int, frame: object) -> None:
-    # Tear the embedded cluster down on SIGTERM too (the first one; a second kills).
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)
-    raise KeyboardInterrupt(f"signal {signum}")
+    drop_queues(
+        dsn,
+        [names.ring, names.ring_sql, names.ring_wake, names.ring_volume],
+        embedded=embedded,
+        tables=[names.skq, names.skq_volume, names.ceiling],
+    )
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(
-        description="ringq engine benchmarks: ringq vs a SKIP LOCKED queue vs a one-row-update ceiling.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    p = argument_parser(
+        "ringq engine benchmarks: ringq vs a SKIP LOCKED queue vs a one-row-update ceiling."
     )
-    p.add_argument("--dsn", help="run in this database instead of a private embedded cluster")
-    p.add_argument("--out", type=Path, help="also write the JSON here")
     p.add_argument(
         "--rounds", type=int, default=3, help="interleaved rounds (medians are reported)"
     )
@@ -1171,8 +1142,7 @@ def main(argv: list[str] | None = None) -> int:
         # Entries of one round sit in the queue between its enqueue and dequeue passes.
         capacity=max(args.single, args.batches * args.batch) + 64,
     )
-    if signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
-        signal.signal(signal.SIGTERM, _sigterm)
+    sigterm_tears_down()
     started = datetime.now(UTC)
     t0 = time.perf_counter()
     names = Names(secrets.token_hex(4))
@@ -1197,14 +1167,7 @@ def main(argv: list[str] | None = None) -> int:
         **summary,
         "table": table,
     }
-    RESULTS_DIR.mkdir(parents=True, exist_ok=True)
-    paths = [RESULTS_DIR / f"engine-{started.strftime('%Y%m%dT%H%M%SZ')}.json"]
-    if args.out is not None:
-        paths.append(args.out)
-    for path in paths:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(doc, indent=2, default=str) + "\n")
-    print("\nwrote " + ", ".join(str(p) for p in paths), file=sys.stderr)
+    write_results("engine", started, doc, args.out)
     return 0
 
 

@@ -31,7 +31,6 @@ import argparse
 import contextlib
 import json
 import os
-import platform
 import secrets
 import shutil
 import signal
@@ -40,17 +39,23 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import psycopg
-from ringq.engine import Section, connect
-from ringq.scripting import Cluster, QueueSpec, create_queue, drop_queue
-
-RESULTS_DIR = Path(__file__).resolve().parent / "results"
+from _benchlib import (
+    argument_parser,
+    cpu_load,
+    database,
+    drop_queues,
+    machine,
+    sigterm_tears_down,
+    write_results,
+)
+from ringq.engine import connect
+from ringq.scripting import QueueSpec, create_queue
 
 # References quoted from issue 4, NOT measured here: how long the default
 # settings of two PostgreSQL job queues leave a job taken by a dead worker.
@@ -70,15 +75,6 @@ m = s.dequeue(sys.argv[2], wait=10.0)
 print(-1 if m is None else m.seq, flush=True)
 time.sleep(120)
 """
-
-
-def cpu_pressure() -> str | None:
-    """/proc/pressure/cpu's "some" line: how much runnable work waited for a CPU."""
-    try:
-        with open("/proc/pressure/cpu") as f:
-            return f.readline().strip()
-    except OSError:
-        return None
 
 
 def ms_summary(samples_ns: list[int]) -> dict[str, Any]:
@@ -119,7 +115,8 @@ class MonitorProcess:
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 raise RuntimeError(
-                    f"ringq monitor exited {self.proc.returncode} while starting; see {self.log.name}"
+                    f"ringq monitor exited {self.proc.returncode} while starting; see "
+                    f"{self.log.name}"
                 )
             with contextlib.suppress(OSError, ValueError):
                 state = json.loads((self.data_dir / "monitor.json").read_text())
@@ -146,7 +143,7 @@ class MonitorProcess:
             self.log.close()
 
 
-# -- 1. kill -9 to redelivery -------------------------------------------------------------------------
+# -- 1. kill -9 to redelivery ----------------------------------------------------------------------
 
 
 def bench_kills(dsn: str, queue: str, mon: MonitorProcess, n: int) -> dict[str, Any]:
@@ -280,7 +277,7 @@ def bench_cost(
     }
 
 
-# -- table ---------------------------------------------------------------------------------------------
+# -- table -----------------------------------------------------------------------------------------
 
 
 def render(doc: dict[str, Any]) -> str:
@@ -289,7 +286,8 @@ def render(doc: dict[str, Any]) -> str:
     la1 = "/".join(f"{x:.2f}" for x in env["loadavg_at_end"])
     lines = [
         (
-            f"ringq monitor benchmark (issue 4): {env['cpus']} CPUs, PostgreSQL {env['server_version']} "
+            f"ringq monitor benchmark (issue 4): {env['cpus']} CPUs, PostgreSQL "
+            f"{env['server_version']} "
             f"({doc['database']}), Python {env['python']}, {doc['seconds']:.0f} s"
         ),
         f"load average (1/5/15 min) at start {la0}, at end {la1}",
@@ -298,20 +296,23 @@ def render(doc: dict[str, Any]) -> str:
         "",
         (
             f"1. kill -9 of a consumer holding an entry -> entry dequeued again by another session "
-            f"({cfg['kills']} kills, {cfg['dequeue_mode']} mode, monitor process with default settings)"
+            f"({cfg['kills']} kills, {cfg['dequeue_mode']} mode, "
+            "monitor process with default settings)"
         ),
     ]
     rd = kill["redelivery"]
     if rd.get("n"):
         lines.append(
-            f"   min {rd['min_ms']:.0f} ms   p50 {rd['p50_ms']:.0f} ms   p90 {rd['p90_ms']:.0f} ms   "
-            f"max {rd['max_ms']:.0f} ms   (mean {rd['mean_ms']:.0f} ms; n={rd['n']}, "
+            f"   min {rd['min_ms']:.0f} ms   p50 {rd['p50_ms']:.0f} ms   "
+            f"p90 {rd['p90_ms']:.0f} ms   max {rd['max_ms']:.0f} ms   "
+            f"(mean {rd['mean_ms']:.0f} ms; n={rd['n']}, "
             f"{kill['failed']} not redelivered as the same entry)"
         )
     else:
         lines.append(f"   no kill was redelivered ({kill['failed']} failed)")
     lines.append(
-        "   for reference (issue 4, not measured): graphile-worker 4 hours, pg-boss 15 minutes by default"
+        "   for reference (issue 4, not measured): "
+        "graphile-worker 4 hours, pg-boss 15 minutes by default"
     )
     lines.append("")
     lines.append(
@@ -320,14 +321,17 @@ def render(doc: dict[str, Any]) -> str:
     )
     w, wo = cost["with"], cost["without"]
     lines.append(
-        f"   {'without the monitor':<22} median {wo['median']:>8,.0f}   [min-max {wo['min']:,.0f}-{wo['max']:,.0f}]"
+        f"   {'without the monitor':<22} median {wo['median']:>8,.0f}   "
+        f"[min-max {wo['min']:,.0f}-{wo['max']:,.0f}]"
     )
     lines.append(
-        f"   {'with the monitor':<22} median {w['median']:>8,.0f}   [min-max {w['min']:,.0f}-{w['max']:,.0f}]"
+        f"   {'with the monitor':<22} median {w['median']:>8,.0f}   "
+        f"[min-max {w['min']:,.0f}-{w['max']:,.0f}]"
     )
     per = ", ".join(f"{r['ratio']:.3f}" for r in cost["rounds"])
     lines.append(
-        f"   with/without: {cost['ratio_median_within_rounds']:.3f} (median of per-round ratios: {per}); "
+        f"   with/without: {cost['ratio_median_within_rounds']:.3f} "
+        f"(median of per-round ratios: {per}); "
         f"ratio of medians {cost['ratio_of_medians']:.3f}"
     )
     spread = max(wo["max"] / wo["min"], w["max"] / w["min"]) - 1
@@ -363,53 +367,13 @@ def targets(kill: dict[str, Any], cost: dict[str, Any]) -> list[dict[str, Any]]:
     ]
 
 
-# -- set-up and tear-down -------------------------------------------------------------------------------
-
-
-@contextlib.contextmanager
-def database(dsn: str | None) -> Iterator[tuple[str, str | None]]:
-    if dsn is not None:
-        yield dsn, None
-        return
-    home = tempfile.mkdtemp(prefix="ringq-bench-")
-    cluster = Cluster(home)
-    try:
-        print(f"starting an embedded PostgreSQL under {home} ...", file=sys.stderr, flush=True)
-        yield cluster.start(), home
-    finally:
-        cluster.stop()
-        shutil.rmtree(home, ignore_errors=True)
-
-
-def cleanup(dsn: str, queues: list[str], *, embedded: bool) -> None:
-    with psycopg.connect(dsn, autocommit=True) as admin:
-        row = admin.execute("SELECT value FROM ringq.meta WHERE key = 'instance_id'").fetchone()
-        qids = [
-            r[0]
-            for r in admin.execute(
-                "SELECT id FROM ringq.queues WHERE name = ANY(%s)", (queues,)
-            ).fetchall()
-        ]
-        for name in queues:
-            with contextlib.suppress(Exception):
-                drop_queue(admin, name)
-    if row and embedded:
-        Section.unlink(row[0])
-        Section.unlink_semaphores(row[0], qids)
-
-
-def _sigterm(signum: int, frame: object) -> None:
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)
-    raise KeyboardInterrupt(f"signal {signum}")
+# -- the command -----------------------------------------------------------------------------------
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(
-        description="ringq monitor benchmarks: kill -9 to redelivery, and the monitor's cost on throughput.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    p = argument_parser(
+        "ringq monitor benchmarks: kill -9 to redelivery, and the monitor's cost on throughput."
     )
-    p.add_argument("--dsn", help="run in this database instead of a private embedded cluster")
-    p.add_argument("--out", type=Path, help="also write the JSON here")
     p.add_argument("--kills", type=int, default=20, help="consumers killed with kill -9 (0: skip)")
     p.add_argument(
         "--mode",
@@ -430,22 +394,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    if signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
-        signal.signal(signal.SIGTERM, _sigterm)
+    sigterm_tears_down()
     started = datetime.now(UTC)
     t0 = time.perf_counter()
     tag = secrets.token_hex(4)
     q_kill, q_tput = f"bench_{tag}_k", f"bench_{tag}_t"
     payload = secrets.token_bytes(args.payload)
     work = Path(tempfile.mkdtemp(prefix="ringq-bench-monitor-"))
-    env: dict[str, Any] = {
-        "python": platform.python_version(),
-        "psycopg": psycopg.__version__,
-        "platform": platform.platform(),
-        "cpus": os.cpu_count(),
-        "loadavg_at_start": os.getloadavg(),
-        "cpu_pressure_at_start": cpu_pressure(),
-    }
+    env: dict[str, Any] = {**machine(), **cpu_load("start")}
     try:
         with database(args.dsn) as (dsn, home):
             try:
@@ -470,11 +426,10 @@ def main(argv: list[str] | None = None) -> int:
                 )
             finally:
                 with contextlib.suppress(Exception):
-                    cleanup(dsn, [q_kill, q_tput], embedded=home is not None)
+                    drop_queues(dsn, [q_kill, q_tput], embedded=home is not None)
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    env["loadavg_at_end"] = os.getloadavg()
-    env["cpu_pressure_at_end"] = cpu_pressure()
+    env.update(cpu_load("end"))
     doc: dict[str, Any] = {
         "benchmark": "monitor",
         "started_at": started.isoformat(),
@@ -497,14 +452,7 @@ def main(argv: list[str] | None = None) -> int:
     table = render(doc)
     doc["table"] = table
     print(table)
-    RESULTS_DIR.mkdir(parents=True, exist_ok=True)
-    paths = [RESULTS_DIR / f"monitor-{started.strftime('%Y%m%dT%H%M%SZ')}.json"]
-    if args.out is not None:
-        paths.append(args.out)
-    for path in paths:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(doc, indent=2, default=str) + "\n")
-    print("\nwrote " + ", ".join(str(p) for p in paths), file=sys.stderr)
+    write_results("monitor", started, doc, args.out)
     return 0
 
 

@@ -26,55 +26,25 @@ import argparse
 import contextlib
 import json
 import os
-import platform
 import shutil
 import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
 import psycopg
-from ringq.scripting import Cluster
-
-RESULTS_DIR = Path(__file__).resolve().parent / "results"
-
-
-@contextlib.contextmanager
-def database(dsn: str | None, home: str | None) -> Iterator[tuple[str, str | None]]:
-    if dsn is not None:
-        yield dsn, None
-        return
-    home = home or tempfile.mkdtemp(prefix="ringq-bench-regress-")
-    cluster = Cluster(home)
-    try:
-        print(f"starting an embedded PostgreSQL under {home} ...", file=sys.stderr, flush=True)
-        yield cluster.start(), home
-    finally:
-        cluster.stop()
-        shutil.rmtree(home, ignore_errors=True)
-
-
-def cpu_pressure() -> str | None:
-    try:
-        with open("/proc/pressure/cpu") as f:
-            return f.readline().strip()
-    except OSError:
-        return None
+from _benchlib import argument_parser, cpu_load, database, machine, write_results
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(
-        description="ringq regression-cycle benchmark: one cycle of `ringq regress`, timed "
-        "(workload and Spark proof), at the original system's scale by default.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    p = argument_parser(
+        "ringq regression-cycle benchmark: one cycle of `ringq regress`, timed "
+        "(workload and Spark proof), at the original system's scale by default."
     )
-    p.add_argument("--dsn", help="run in this database instead of a private embedded cluster")
     p.add_argument("--home", help="home of the private embedded cluster (default: a temp dir)")
-    p.add_argument("--out", type=Path, help="also write the JSON here")
     p.add_argument("--capacity", type=int, default=50_000, help="slots per queue")
     p.add_argument(
         "--entries-per-queue", type=int, default=500_000, help="committed entries per queue"
@@ -95,17 +65,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     started = datetime.now(UTC)
-    env: dict[str, Any] = {
-        "python": platform.python_version(),
-        "platform": platform.platform(),
-        "cpus": os.cpu_count(),
-        "loadavg_at_start": os.getloadavg(),
-        "cpu_pressure_at_start": cpu_pressure(),
-    }
+    env: dict[str, Any] = {**machine(), **cpu_load("start")}
     reports = Path(tempfile.mkdtemp(prefix="ringq-bench-regress-reports-"))
     run_id = "bench_" + started.strftime("%Y%m%dT%H%M%S").lower()
     try:
-        with database(args.dsn, args.home) as (dsn, _home):
+        with database(args.dsn, args.home, "ringq-bench-regress-") as (dsn, _home):
             cmd = [
                 sys.executable, "-m", "ringq.cli", "regress",
                 "--dsn", dsn,
@@ -138,8 +102,7 @@ def main(argv: list[str] | None = None) -> int:
         report: dict[str, Any] = json.loads(found[-1].read_text()) if found else {}
     finally:
         shutil.rmtree(reports, ignore_errors=True)
-    env["loadavg_at_end"] = os.getloadavg()
-    env["cpu_pressure_at_end"] = cpu_pressure()
+    env.update(cpu_load("end"))
     env["server_version"] = server
     t = report.get("throughput", {})
     counts = report.get("counts", {})
@@ -176,24 +139,20 @@ def main(argv: list[str] | None = None) -> int:
             f"rolled back {counts.get('rolled_back', 0):,}"
         ),
         (
-            f"  workload       {t.get('workload_s', 0):,.1f} s   {t.get('entries_per_s', 0):,.0f} entries/s   "
-            f"{t.get('mb_per_s', 0):,.1f} MB/s"
+            f"  workload       {t.get('workload_s', 0):,.1f} s   "
+            f"{t.get('entries_per_s', 0):,.0f} entries/s   {t.get('mb_per_s', 0):,.1f} MB/s"
         ),
         f"  spark proof    {doc['spark_s'] or 0:,.1f} s",
         f"  whole command  {wall:,.1f} s (set-up, workload, proof, report)",
         f"  database       {db_bytes / 2**30:,.2f} GiB after the cycle",
-        f"  load average   {env['loadavg_at_start'][0]:.2f} at start, {env['loadavg_at_end'][0]:.2f} at end",
+        (
+            f"  load average   {env['loadavg_at_start'][0]:.2f} at start, "
+            f"{env['loadavg_at_end'][0]:.2f} at end"
+        ),
     ]
     doc["table"] = "\n".join(lines)
     print(doc["table"])
-    RESULTS_DIR.mkdir(parents=True, exist_ok=True)
-    paths = [RESULTS_DIR / f"regress-{started.strftime('%Y%m%dT%H%M%SZ')}.json"]
-    if args.out is not None:
-        paths.append(args.out)
-    for path in paths:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(doc, indent=2, default=str) + "\n")
-    print("\nwrote " + ", ".join(str(p) for p in paths), file=sys.stderr)
+    write_results("regress", started, doc, args.out)
     return rc
 
 

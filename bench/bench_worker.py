@@ -6,7 +6,7 @@ temporary home, the same server settings as ``ringq db start``, unless
 
 - **ringq p=1 / p=2**: a :class:`ringq.worker.WorkerPool` with 1 or 2 worker
   processes ("fork") on a shared-mode queue; each message is one transaction
-  (dequeue UPDATE, then ``COMMIT; BEGIN`` in one round trip).
+  (BEGIN with the dequeue UPDATE, then COMMIT: two round trips).
 - **ringq p=1 +limit**: p=1 with a 30 s time limit on the action (an
   ``ITIMER_REAL`` armed and disarmed per message; ``statement_timeout`` is set
   once per session), to show what the limit costs.
@@ -34,32 +34,32 @@ a timing.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
-import contextlib
-import json
 import logging
-import os
-import platform
 import secrets
-import shutil
-import signal
 import statistics
 import sys
-import tempfile
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from datetime import UTC, datetime
-from pathlib import Path
 from typing import Any
 
 import psycopg
-from ringq.engine import Message, Section, Session, connect, metrics
-from ringq.scripting import Cluster, QueueSpec, create_queue, drop_queue
+from _benchlib import (
+    argument_parser,
+    cpu_load,
+    database,
+    drop_queues,
+    machine,
+    server_settings,
+    sigterm_tears_down,
+    write_results,
+)
+from ringq.engine import Message, Session, connect, metrics
+from ringq.scripting import QueueSpec, create_queue
 from ringq.worker import Actions, PoolConfig, WorkerConfig, WorkerPool
 
-RESULTS_DIR = Path(__file__).resolve().parent / "results"
 ISSUE_PROCRASTINATE = "350-420 jobs/s (issue 8, concurrency 1, measured earlier on this machine)"
 
 
@@ -169,17 +169,17 @@ def procrastinate_round(dsn: str, queue: str, n: int, kind: str) -> dict[str, An
 
     app = procrastinate.App(connector=procrastinate.PsycopgConnector(conninfo=dsn))
 
-    if kind == "sync":
+    def noop_sync() -> None:
+        return None
 
-        @app.task(queue=queue, name="bench_noop_sync")
-        def task() -> None:
-            return None
+    async def noop_async() -> None:
+        return None
 
-    else:
-
-        @app.task(queue=queue, name="bench_noop_async")
-        async def task() -> None:
-            return None
+    # app.task(...) is the decorator, applied by hand: procrastinate is typed as Any here
+    # (an optional dependency: pyproject's mypy section), so decorator syntax would be untyped.
+    task = app.task(queue=queue, name=f"bench_noop_{kind}")(
+        noop_sync if kind == "sync" else noop_async
+    )
 
     async def go() -> dict[str, Any]:
         async with app.open_async():
@@ -190,9 +190,10 @@ def procrastinate_round(dsn: str, queue: str, n: int, kind: str) -> dict[str, An
                 queues=[queue], concurrency=1, wait=False, install_signal_handlers=False
             )
             elapsed = time.perf_counter() - t0
-            async with app.connector.pool.connection() as conn, conn.cursor() as cur:  # type: ignore[attr-defined]
+            async with app.connector.pool.connection() as conn, conn.cursor() as cur:
                 await cur.execute(
-                    "SELECT status, count(*) FROM procrastinate_jobs WHERE queue_name = %s GROUP BY status",
+                    "SELECT status, count(*) FROM procrastinate_jobs "
+                    "WHERE queue_name = %s GROUP BY status",
                     (queue,),
                 )
                 statuses = dict(await cur.fetchall())
@@ -204,42 +205,11 @@ def procrastinate_round(dsn: str, queue: str, n: int, kind: str) -> dict[str, An
 # -- driver -------------------------------------------------------------------------------------
 
 
-@contextlib.contextmanager
-def database(dsn: str | None) -> Iterator[tuple[str, bool]]:
-    if dsn is not None:
-        yield dsn, False
-        return
-    home = tempfile.mkdtemp(prefix="ringq-bench-worker-")
-    cluster = Cluster(home)
-    try:
-        print(f"starting an embedded PostgreSQL under {home} ...", file=sys.stderr, flush=True)
-        yield cluster.start(), True
-    finally:
-        cluster.stop()
-        shutil.rmtree(home, ignore_errors=True)
-
-
-def server_settings(dsn: str) -> dict[str, str]:
-    with psycopg.connect(dsn, autocommit=True) as c:
-        return {
-            name: c.execute(f"SHOW {name}").fetchone()[0]  # type: ignore[index]
-            for name in ("server_version", "fsync", "synchronous_commit", "shared_buffers")
-        }
-
-
-def _sigterm(signum: int, frame: object) -> None:
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)
-    raise KeyboardInterrupt(f"signal {signum}")
-
-
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(
-        description="ringq worker benchmark: messages/s through a no-op action (1 and 2 processes), "
-        "against procrastinate's worker (concurrency 1) on the same database.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    p = argument_parser(
+        "ringq worker benchmark: messages/s through a no-op action (1 and 2 processes), "
+        "against procrastinate's worker (concurrency 1) on the same database."
     )
-    p.add_argument("--dsn", help="run in this database instead of a private embedded cluster")
-    p.add_argument("--out", type=Path, help="also write the JSON here")
     p.add_argument(
         "--rounds", type=int, default=3, help="interleaved rounds (medians are reported)"
     )
@@ -251,8 +221,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.getLogger("procrastinate").setLevel(logging.ERROR)
     logging.basicConfig(level=logging.WARNING, format="%(name)s: %(message)s")
     logging.getLogger("ringq.worker").setLevel(logging.ERROR)  # no drain messages per run
-    if signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
-        signal.signal(signal.SIGTERM, _sigterm)
+    sigterm_tears_down()
     started = datetime.now(UTC)
     t_all = time.perf_counter()
     tag = secrets.token_hex(3)
@@ -272,20 +241,15 @@ def main(argv: list[str] | None = None) -> int:
             dsn, f"pc_{tag}", args.jobs, "async"
         )
     raw: dict[str, list[dict[str, Any]]] = {k: [] for k in contenders}
-    env: dict[str, Any] = {
-        "python": sys.version.split()[0],
-        "platform": platform.platform(),
-        "cpus": os.cpu_count(),
-        "loadavg_at_start": os.getloadavg(),
-        "procrastinate": pc_version,
-    }
-    with database(args.dsn) as (dsn, embedded):
-        env["server"] = server_settings(dsn)
+    env: dict[str, Any] = {**machine(), **cpu_load("start"), "procrastinate": pc_version}
+    with database(args.dsn, prefix="ringq-bench-worker-") as (dsn, home):
+        embedded = home is not None
+        with psycopg.connect(dsn, autocommit=True) as conn:
+            env["server"] = server_settings(conn)
         with psycopg.connect(dsn) as conn:
             create_queue(
                 conn, QueueSpec(queue, max(args.messages, 1024) + 64, 64, dequeue_mode="shared")
             )
-        instance = None
         try:
             if pc_version:
                 procrastinate_setup(dsn)
@@ -301,24 +265,13 @@ def main(argv: list[str] | None = None) -> int:
                         flush=True,
                     )
         finally:
-            with psycopg.connect(dsn, autocommit=True) as admin:
-                row = admin.execute(
-                    "SELECT value FROM ringq.meta WHERE key = 'instance_id'"
-                ).fetchone()
-                instance = row[0] if row else None
-                qid = admin.execute(
-                    "SELECT id FROM ringq.queues WHERE name = %s", (queue,)
-                ).fetchone()
-                with contextlib.suppress(Exception):
-                    drop_queue(admin, queue)
-                if pc_version and not embedded:
+            if pc_version and not embedded:
+                with psycopg.connect(dsn, autocommit=True) as admin:
                     admin.execute(
                         "DELETE FROM procrastinate_jobs WHERE queue_name = %s", (f"pc_{tag}",)
                     )
-            if instance and embedded:
-                Section.unlink(instance)
-                Section.unlink_semaphores(instance, [qid[0]] if qid else [])
-    env["loadavg_at_end"] = os.getloadavg()
+            drop_queues(dsn, [queue], embedded=embedded)
+    env.update(cpu_load("end"))
     summary = {
         name: {
             "median_per_s": statistics.median(x["per_s"] for x in runs),
@@ -369,14 +322,7 @@ def main(argv: list[str] | None = None) -> int:
         "reference": None if pc_version else ISSUE_PROCRASTINATE,
         "table": table,
     }
-    RESULTS_DIR.mkdir(parents=True, exist_ok=True)
-    paths = [RESULTS_DIR / f"worker-{started.strftime('%Y%m%dT%H%M%SZ')}.json"]
-    if args.out is not None:
-        paths.append(args.out)
-    for path in paths:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(doc, indent=2, default=str) + "\n")
-    print("\nwrote " + ", ".join(str(x) for x in paths), file=sys.stderr)
+    write_results("worker", started, doc, args.out)
     return 0
 
 

@@ -122,7 +122,9 @@ def add_dsn(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def subparser(sub: Any, name: str, help: str, description: str | None = None) -> argparse.ArgumentParser:
+def subparser(
+    sub: Any, name: str, help: str, description: str | None = None
+) -> argparse.ArgumentParser:
     from ringq.engine.exits import EPILOG
 
     p: argparse.ArgumentParser = sub.add_parser(

@@ -123,5 +123,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"ringq: {exc}", file=sys.stderr)
         return exits.FAILURE
     except OSError as exc:  # a file or directory in the way, a device full: one line, no traceback
-        print(f"ringq: {exc.strerror or exc}" + (f": {exc.filename}" if exc.filename else ""), file=sys.stderr)
+        where = f": {exc.filename}" if exc.filename else ""
+        print(f"ringq: {exc.strerror or exc}{where}", file=sys.stderr)
         return exits.FAILURE

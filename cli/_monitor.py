@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from ringq.engine import ConfigError, exits, resolve_dsn, ringq_home
+from ringq.engine import ConfigError, dsn_file, exits, resolve_dsn, ringq_home
 
 from ._args import env_option, subparser
 
@@ -28,28 +28,40 @@ into the rings, resolves prepared transactions, samples per-queue performance
 Runs in the foreground until SIGTERM or Ctrl-C (drains: the step under way
 finishes; a second signal exits at once). SIGHUP reopens monitor.log and
 re-reads --config, whose keys (interval, recovery_interval, token,
-prepared_timeout, high_water) override the options. Prefer RINGQ_MONITOR_TOKEN
+prepared_timeout, high_water, xmin_warn_s, vacuum_dead_rows) override the
+options. A transaction holding back the xmin horizon past --xmin-warn is
+named in a WARNING (and an event, and /metrics); once it ends, the rings it
+bloated are vacuumed. Prefer RINGQ_MONITOR_TOKEN
 or the config file to --token, which other users can see in ps."""
 
 
 def register(sub: Any) -> None:
     p = subparser(sub, "monitor", "run the monitor (recovery, reclaim, metrics, HTTP)", DESCRIPTION)
-    env_option(p, "--dsn", env="RINGQ_DSN", help="PostgreSQL DSN; default: the embedded cluster under $RINGQ_HOME")
-    env_option(p, "--port", env="RINGQ_MONITOR_PORT", default=7480, type=int, help="HTTP port (0: any free port)")
-    env_option(p, "--host", env="RINGQ_MONITOR_HOST", default="127.0.0.1", help="HTTP address to listen on")
+    env_option(p, "--dsn", env="RINGQ_DSN",
+               help="PostgreSQL DSN; default: the embedded cluster under $RINGQ_HOME")
+    env_option(p, "--port", env="RINGQ_MONITOR_PORT", default=7480, type=int,
+               help="HTTP port (0: any free port)")
+    env_option(p, "--host", env="RINGQ_MONITOR_HOST", default="127.0.0.1",
+               help="HTTP address to listen on")
     env_option(p, "--interval", env="RINGQ_MONITOR_INTERVAL", default=1.0, type=float,
                help="seconds between performance samples")
     env_option(p, "--token", env="RINGQ_MONITOR_TOKEN", default=None,
                help="token required by every HTTP path but /metrics")
+    env_option(p, "--cors-origin", env="RINGQ_MONITOR_CORS_ORIGIN", default=None,
+               help="the origin (such as http://127.0.0.1:7481) or '*' whose pages may read the "
+                    "API from a browser; None: no cross-origin reads")
     env_option(p, "--data-dir", env="RINGQ_MONITOR_DIR", default=None,
                help="T4 files, monitor.log, monitor.json; default $RINGQ_HOME/monitor")
-    env_option(p, "--prepared-timeout", env="RINGQ_MONITOR_PREPARED_TIMEOUT", default=60.0, type=float,
-               help="seconds before an undecided prepared transaction is rolled back")
+    env_option(p, "--prepared-timeout", env="RINGQ_MONITOR_PREPARED_TIMEOUT", default=60.0,
+               type=float, help="seconds before an undecided prepared transaction is rolled back")
+    env_option(p, "--xmin-warn", env="RINGQ_MONITOR_XMIN_WARN", default=30.0, type=float,
+               help="seconds a transaction may hold back the xmin horizon before a warning")
     env_option(p, "--config", env="RINGQ_MONITOR_CONFIG", default=None,
                help="TOML file of reloadable settings, re-read on SIGHUP")
     env_option(p, "--pidfile", env="RINGQ_MONITOR_PIDFILE", default=None,
                help="write the monitor's pid here (default with --detach: DATA_DIR/monitor.pid)")
-    p.add_argument("--detach", action="store_true", help="run in the background; exit once it serves")
+    p.add_argument("--detach", action="store_true",
+                   help="run in the background; exit once it serves")
     p.add_argument("--reset-section", action="store_true",
                    help="remove the database's global section first (after a layout change; "
                         "stop every client first), then run")
@@ -72,11 +84,19 @@ def run(args: argparse.Namespace) -> int:
     data_dir = Path(args.data_dir) if args.data_dir else ringq_home() / "monitor"
     data_dir = data_dir.resolve()
     config_path = Path(args.config).resolve() if args.config else None
-    pidfile = Path(args.pidfile).resolve() if args.pidfile else (data_dir / "monitor.pid" if args.detach else None)
+    pidfile = (
+        Path(args.pidfile).resolve()
+        if args.pidfile
+        else (data_dir / "monitor.pid" if args.detach else None)
+    )
     try:
         config = MonitorConfig(
-            dsn=dsn, interval=args.interval, port=args.port, host=args.host, token=args.token or None,
-            data_dir=data_dir, prepared_timeout=args.prepared_timeout,
+            dsn=dsn, interval=args.interval, port=args.port, host=args.host,
+            token=args.token or None, data_dir=data_dir, prepared_timeout=args.prepared_timeout,
+            cors_origin=args.cors_origin or None,
+            xmin_warn_s=args.xmin_warn,
+            # the embedded cluster's: followed if it comes back elsewhere
+            dsn_file=dsn_file(args.dsn),
         )
         if config_path is not None:
             config = config.replace(**read_config(config_path))
@@ -88,4 +108,6 @@ def run(args: argparse.Namespace) -> int:
         code = reset_section(dsn)
         if code != exits.OK:
             return code
-    return run_daemon(config, config_path=config_path, pidfile=pidfile, detach=args.detach, log_level=level)
+    return run_daemon(
+        config, config_path=config_path, pidfile=pidfile, detach=args.detach, log_level=level
+    )

@@ -57,8 +57,14 @@ def register(sub: Any) -> None:
                help="database of a side named without a DSN; default: the embedded cluster")
     env_option(p, "--batch", env="RINGQ_MOVE_BATCH", type=int, default=MoveConfig.batch,
                help="entries per move (one commit in each database)")
-    env_option(p, "--standby-poll", env="RINGQ_MOVE_STANDBY_POLL", type=float,
-               default=MoveConfig.standby_poll, help="seconds between a standby's tries at the lock")
+    env_option(
+        p,
+        "--standby-poll",
+        env="RINGQ_MOVE_STANDBY_POLL",
+        type=float,
+        default=MoveConfig.standby_poll,
+        help="seconds between a standby's tries at the lock",
+    )
     p.add_argument("--bare", action="store_true",
                    help="move payloads as they are (no envelope with origin and producer)")
     p.add_argument("--once", action="store_true",

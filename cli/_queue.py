@@ -182,7 +182,8 @@ def _drop(args: argparse.Namespace) -> int:
         details = describe_queue(conn, args.name)  # unknown: exit 4 before asking anything
         if users := exception_queue_of(conn, args.name):
             print(
-                f"ringq: queue {args.name!r} is the exception queue of {', '.join(map(repr, users))}: "
+                f"ringq: queue {args.name!r} is the exception queue of "
+                f"{', '.join(map(repr, users))}: "
                 "once it is dropped, their poison entries stay in ringq.exceptions only",
                 file=sys.stderr,
             )
@@ -252,16 +253,7 @@ def render_list(queues: Sequence[QueueSummary]) -> str:
         (q.name, str(q.capacity), str(q.depth), str(q.max_payload), q.dequeue_mode, q.full_policy)
         for q in queues
     ]
-    widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(_LIST_COLUMNS)]
-
-    def line(cells: Sequence[str]) -> str:
-        parts = [
-            c.rjust(w) if h in _NUMERIC else c.ljust(w)
-            for c, w, h in zip(cells, widths, _LIST_COLUMNS, strict=True)
-        ]
-        return "  ".join(parts).rstrip() + "\n"
-
-    return line(_LIST_COLUMNS) + "".join(line(r) for r in rows)
+    return _table(_LIST_COLUMNS, _NUMERIC, rows)
 
 
 _EXC_COLUMNS = ("SEQ", "DELIVERIES", "MOVED", "SIZE", "REASON")
@@ -280,16 +272,22 @@ def render_exceptions(entries: Sequence[ExceptionEntry]) -> str:
         )
         for e in entries
     ]
-    widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(_EXC_COLUMNS)]
+    return _table(_EXC_COLUMNS, _EXC_NUMERIC, rows)
+
+
+def _table(columns: Sequence[str], numeric: set[str], rows: Sequence[Sequence[str]]) -> str:
+    """The header line and one line per row, each column as wide as its widest
+    cell; the ``numeric`` columns right-aligned, the others left-aligned."""
+    widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(columns)]
 
     def line(cells: Sequence[str]) -> str:
         parts = [
-            c.rjust(w) if h in _EXC_NUMERIC else c.ljust(w)
-            for c, w, h in zip(cells, widths, _EXC_COLUMNS, strict=True)
+            c.rjust(w) if h in numeric else c.ljust(w)
+            for c, w, h in zip(cells, widths, columns, strict=True)
         ]
         return "  ".join(parts).rstrip() + "\n"
 
-    return line(_EXC_COLUMNS) + "".join(line(r) for r in rows)
+    return line(columns) + "".join(line(r) for r in rows)
 
 
 def render_details(d: QueueDetails) -> str:
@@ -304,6 +302,7 @@ def render_details(d: QueueDetails) -> str:
         ("full policy", d.full_policy),
         ("full timeout", f"{d.full_timeout:g} s"),
         ("max deliveries", str(d.max_deliveries)),
+        ("lease", f"{d.lease:g} s" if d.lease else "none"),
         ("exception queue", d.exception_queue or "-"),
         ("fillfactor", str(d.fillfactor)),
         ("tablespace", d.tablespace or "(database default)"),

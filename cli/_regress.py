@@ -18,7 +18,8 @@ from ._args import add_dsn, env_option, subparser
 # Exit codes of `ringq regress` (the shared values of `ringq --help`).
 RET_OK = exits.OK  # every cycle proven (or stored, with --no-verify)
 RET_FAILURE = exits.FAILURE  # a proof found violations, or a cycle's workload failed
-RET_FOREIGN_MONITOR = exits.CONFLICT  # --chaos: a monitor serves the database that cannot be taken over
+# --chaos: a monitor serves the database that cannot be taken over
+RET_FOREIGN_MONITOR = exits.CONFLICT
 RET_INTERRUPTED = exits.INTERRUPTED  # a second signal aborted a cycle
 
 DESCRIPTION = """\
@@ -57,34 +58,69 @@ CHAOS_HELP = (
 
 
 def register(sub: Any) -> None:
-    p = subparser(sub, "regress", "run the randomized regression cycle, proven by Spark", DESCRIPTION)
+    p = subparser(
+        sub, "regress", "run the randomized regression cycle, proven by Spark", DESCRIPTION
+    )
     p.set_defaults(func=_run, _parser=p)
     env_option(p, "--cycles", env="RINGQ_REGRESS_CYCLES", default=1, type=int,
                help="cycles to run; 0 = until stopped (SIGINT/SIGTERM)")
     env_option(p, "--entries-per-queue", env="RINGQ_REGRESS_ENTRIES", default=10000, type=int,
                help="committed entries per queue per cycle")
-    env_option(p, "--capacity", env="RINGQ_REGRESS_CAPACITY", default=2000, type=int, help="slots per queue")
-    env_option(p, "--producers", env="RINGQ_REGRESS_PRODUCERS", default=5, type=int, help="producer processes")
-    env_option(p, "--payload-sizes", env="RINGQ_REGRESS_PAYLOAD_SIZES", default="16,200,2000,20000,200000",
-               help="one queue per size, in bytes (k = 1000, m = 1000000; at least 16)")
+    env_option(
+        p,
+        "--capacity",
+        env="RINGQ_REGRESS_CAPACITY",
+        default=2000,
+        type=int,
+        help="slots per queue",
+    )
+    env_option(
+        p,
+        "--producers",
+        env="RINGQ_REGRESS_PRODUCERS",
+        default=5,
+        type=int,
+        help="producer processes",
+    )
+    env_option(
+        p,
+        "--payload-sizes",
+        env="RINGQ_REGRESS_PAYLOAD_SIZES",
+        default="16,200,2000,20000,200000",
+        help="one queue per size, in bytes (k = 1000, m = 1000000; at least 16)",
+    )
     env_option(p, "--rollback-rate", env="RINGQ_REGRESS_ROLLBACK_RATE", default=0.05, type=float,
                help="share of producer transactions rolled back on purpose")
     env_option(p, "--two-phase-rate", env="RINGQ_REGRESS_TWO_PHASE_RATE", default=0.3, type=float,
                help="share of producer transactions run as two-phase commits")
-    env_option(p, "--filler", env="RINGQ_REGRESS_FILLER", default="random", choices=("random", "pattern"),
-               help="payload bodies: random (incompressible) or a pattern (TOAST compresses it)")
+    env_option(
+        p,
+        "--filler",
+        env="RINGQ_REGRESS_FILLER",
+        default="random",
+        choices=("random", "pattern"),
+        help="payload bodies: random (incompressible) or a pattern (TOAST compresses it)",
+    )
     env_option(p, "--seed", env="RINGQ_REGRESS_SEED", default=None, type=int,
                help="seed of the random choices (default: a fresh one, recorded in the run)")
-    p.add_argument("--run-id", default=None, help="name the run (default: UTC time and 4 hex digits)")
+    p.add_argument(
+        "--run-id", default=None, help="name the run (default: UTC time and 4 hex digits)"
+    )
     p.add_argument("--no-verify", action="store_true",
                    help="only store the cycles; prove them later with 'ringq regress verify RUN'")
-    p.add_argument("--keep-going", action="store_true", help="continue after a cycle that fails its proof")
+    p.add_argument(
+        "--keep-going", action="store_true", help="continue after a cycle that fails its proof"
+    )
     p.add_argument("--keep-queues", action="store_true", help="keep the run's queues when it ends")
     p.add_argument("--chaos", action="store_true", help=CHAOS_HELP)
     env_option(p, "--chaos-interval", env="RINGQ_REGRESS_CHAOS_INTERVAL", default="2,6",
                help="with --chaos: seconds between kills, MIN,MAX (uniformly random) or one number")
-    p.add_argument("--chaos-pg-restart", action="store_true",
-                   help="with --chaos: also restart the embedded PostgreSQL once per cycle (pg_ctl restart -m fast)")
+    p.add_argument(
+        "--chaos-pg-restart",
+        action="store_true",
+        help="with --chaos: also restart the embedded PostgreSQL once per cycle "
+             "(pg_ctl restart -m fast)",
+    )
     env_option(p, "--monitor-dir", env="RINGQ_MONITOR_DIR", default=None,
                help="with --chaos: data directory of the monitor serving the database, taken over "
                     "(default $RINGQ_HOME/monitor, where 'ringq run' keeps it)")
@@ -114,29 +150,45 @@ def _common(p: argparse.ArgumentParser, *, suppress: bool = False, spark: bool =
     to SUPPRESS, so a value given before the action (or from the environment) stays."""
     if not suppress:
         add_dsn(p)
-        env_option(p, "--spark-master", env="RINGQ_SPARK_MASTER", default="local[*]",
-                   help="Spark master URL for the proof (a cluster must reach the database through the DSN)")
+        env_option(
+            p,
+            "--spark-master",
+            env="RINGQ_SPARK_MASTER",
+            default="local[*]",
+            help="Spark master URL for the proof "
+                 "(a cluster must reach the database through the DSN)",
+        )
         env_option(p, "--jdbc-jar", env="RINGQ_JDBC_JAR", default="/usr/share/java/postgresql.jar",
                    help="the PostgreSQL JDBC driver jar")
         env_option(p, "--spark-driver-memory", env="RINGQ_SPARK_DRIVER_MEMORY", default="1g",
                    help="Spark driver memory")
-        env_option(p, "--report-dir", env="RINGQ_REGRESS_REPORTS", default=None,
-                   help="where JSON reports go (default: $RINGQ_HOME/regress); <dir>/<run>/cycle-N.json")
+        env_option(
+            p,
+            "--report-dir",
+            env="RINGQ_REGRESS_REPORTS",
+            default=None,
+            help="where JSON reports go (default: $RINGQ_HOME/regress); <dir>/<run>/cycle-N.json",
+        )
         return
     s = argparse.SUPPRESS
     p.add_argument("--dsn", default=s, help="as for 'ringq regress' [env: RINGQ_DSN]")
     if spark:
-        p.add_argument("--spark-master", default=s, help="as for 'ringq regress' [env: RINGQ_SPARK_MASTER]")
+        p.add_argument(
+            "--spark-master", default=s, help="as for 'ringq regress' [env: RINGQ_SPARK_MASTER]"
+        )
         p.add_argument("--jdbc-jar", default=s, help="as for 'ringq regress' [env: RINGQ_JDBC_JAR]")
         p.add_argument("--spark-driver-memory", default=s, help="as for 'ringq regress'")
-        p.add_argument("--report-dir", default=s, help="as for 'ringq regress' [env: RINGQ_REGRESS_REPORTS]")
+        p.add_argument(
+            "--report-dir", default=s, help="as for 'ringq regress' [env: RINGQ_REGRESS_REPORTS]"
+        )
 
 
 # -- signals -------------------------------------------------------------------------------
 
 
 class _Stopper:
-    """First SIGINT/SIGTERM: stop after this cycle; second: abort the cycle. Handlers only set flags."""
+    """First SIGINT/SIGTERM: stop after this cycle; second: abort the cycle. Handlers only set
+    flags."""
 
     def __init__(self) -> None:
         self.signals = 0
@@ -245,7 +297,9 @@ def _report_dir(args: argparse.Namespace) -> Path:
 def _verifier(args: argparse.Namespace) -> Any:
     from ringq.regression import Verifier
 
-    return Verifier(args.spark_master, jdbc_jar=args.jdbc_jar, driver_memory=args.spark_driver_memory)
+    return Verifier(
+        args.spark_master, jdbc_jar=args.jdbc_jar, driver_memory=args.spark_driver_memory
+    )
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -350,7 +404,9 @@ def _verify(args: argparse.Namespace) -> int:
         print(f"ringq: {exc}", file=sys.stderr)
         return exits.NOT_FOUND
     with _verifier(args) as verifier:
-        report = verify(dsn, args.run, verifier=verifier, cycles=args.cycle, report_dir=_report_dir(args))
+        report = verify(
+            dsn, args.run, verifier=verifier, cycles=args.cycle, report_dir=_report_dir(args)
+        )
     print(report.summary(), flush=True)
     return exits.OK if report.ok else exits.FAILURE
 
@@ -364,14 +420,20 @@ def _list(args: argparse.Namespace) -> int:
     if not runs:
         print("no regression runs in this database")
         return exits.OK
-    print(f"{'run':<22} {'created (UTC)':<20} {'status':<9} {'cycles':>6} {'proven':>7} {'failed':>7}  queues")
+    print(
+        f"{'run':<22} {'created (UTC)':<20} {'status':<9} {'cycles':>6} {'proven':>7} "
+        f"{'failed':>7}  queues"
+    )
     for r in runs:
         cs = cycles(dsn, r.run_id)
         proven = sum(1 for c in cs if c.ok)
         failed = sum(1 for c in cs if c.ok is False)
         sizes = ",".join(str(q.payload_size) for q in r.queues)
-        print(f"{r.run_id:<22} {r.created_at.astimezone(UTC):%Y-%m-%d %H:%M:%S}  {r.status:<9} {len(cs):>6} {proven:>7} "
-              f"{failed:>7}  {len(r.queues)} x {r.config.capacity:,} slots ({sizes} B)")
+        print(
+            f"{r.run_id:<22} {r.created_at.astimezone(UTC):%Y-%m-%d %H:%M:%S}  {r.status:<9} "
+            f"{len(cs):>6} {proven:>7} "
+            f"{failed:>7}  {len(r.queues)} x {r.config.capacity:,} slots ({sizes} B)"
+        )
     return exits.OK
 
 

@@ -1,4 +1,5 @@
-"""``ringq rtv``: the Real Time Viewer, a token-protected web page (or ``--tui``) over the monitor's API."""
+"""``ringq rtv``: the Real Time Viewer, a token-protected web page (or ``--tui``) over the
+monitor's API."""
 
 from __future__ import annotations
 
@@ -44,7 +45,9 @@ _WINDOW_CHOICES = dict(zip(("5m", "1h", "day"), (seconds for _, seconds in WINDO
 
 
 def register(sub: Any) -> None:
-    p = subparser(sub, "rtv", "the Real Time Viewer: live web page (or --tui) over the monitor", DESCRIPTION)
+    p = subparser(
+        sub, "rtv", "the Real Time Viewer: live web page (or --tui) over the monitor", DESCRIPTION
+    )
     env_option(p, "--port", env="RINGQ_RTV_PORT", default=DEFAULT_PORT, type=int,
                help="port of the page on 127.0.0.1 (0: any free port)")
     env_option(p, "--monitor", env="RINGQ_MONITOR_URL", default=DEFAULT_MONITOR_URL,
@@ -57,7 +60,11 @@ def register(sub: Any) -> None:
                help="seconds between updates")
     env_option(p, "--window", env="RINGQ_RTV_WINDOW", default="5m", choices=sorted(_WINDOW_CHOICES),
                help="history first shown (the page can change it; --tui draws its trends over it)")
-    p.add_argument("--tui", action="store_true", help="show the figures in this terminal instead of serving a page")
+    p.add_argument(
+        "--tui",
+        action="store_true",
+        help="show the figures in this terminal instead of serving a page",
+    )
     p.set_defaults(func=_run)
 
 
@@ -85,7 +92,10 @@ def _serve(config: ViewerConfig, client: MonitorClient) -> int:
     previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
         with Viewer(config, client=client) as viewer:
-            print(f"ringq rtv: the Real Time Viewer of the monitor at {config.monitor_url}", flush=True)
+            print(
+                f"ringq rtv: the Real Time Viewer of the monitor at {config.monitor_url}",
+                flush=True,
+            )
             print(f"open {viewer.url}", flush=True)
             try:
                 client.queues()

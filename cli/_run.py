@@ -23,7 +23,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from ringq.engine import ConfigError, RingqError, exits, ringq_home
+from ringq.engine import ConfigError, RingqError, exits, pid_alive, ringq_home
 
 from ._args import add_dsn, env_option, subparser
 
@@ -46,17 +46,29 @@ def register(sub: Any) -> None:
                help="slots per regression queue")
     env_option(p, "--cycles", env="RINGQ_RUN_CYCLES", default=1, type=int,
                help="regression cycles (0 = until stopped)")
-    env_option(p, "--payload-sizes", env="RINGQ_RUN_PAYLOAD_SIZES", default="16,200,2000,20000,200000",
-               help="payload size of each regression queue, bytes")
+    env_option(
+        p,
+        "--payload-sizes",
+        env="RINGQ_RUN_PAYLOAD_SIZES",
+        default="16,200,2000,20000,200000",
+        help="payload size of each regression queue, bytes",
+    )
     env_option(p, "--monitor-port", env="RINGQ_MONITOR_PORT", default=7480, type=int,
                help="monitor HTTP port (another free port if taken)")
     env_option(p, "--rtv-port", env="RINGQ_RTV_PORT", default=7481, type=int,
                help="viewer port (another free port if taken)")
-    env_option(p, "--home", env="RINGQ_HOME", default=None, help="embedded cluster home (default ./.ringq)")
-    p.add_argument("--chaos", action="store_true",
-                   help="run the cycle with fault injection (ringq regress --chaos): producers, consumers "
-                        "and this monitor are killed -9 and restarted; the monitor comes back on its port")
-    p.add_argument("--stop", action="store_true", help="stop the viewer, the monitor and the embedded database")
+    env_option(
+        p, "--home", env="RINGQ_HOME", default=None, help="embedded cluster home (default ./.ringq)"
+    )
+    p.add_argument(
+        "--chaos",
+        action="store_true",
+        help="run the cycle with fault injection (ringq regress --chaos): producers, consumers "
+        "and this monitor are killed -9 and restarted; the monitor comes back on its port",
+    )
+    p.add_argument(
+        "--stop", action="store_true", help="stop the viewer, the monitor and the embedded database"
+    )
     p.set_defaults(func=run, _parser=p)
 
 
@@ -77,16 +89,6 @@ def _port_or_any(port: int) -> int:
         except OSError:
             return 0
     return port
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def run(args: argparse.Namespace) -> int:
@@ -151,14 +153,16 @@ def _start_monitor(home: Path, dsn: str, port: int) -> str:
     state_file = home / "monitor" / "monitor.json"
     try:
         state = json.loads(state_file.read_text())
-        if _alive(int(state["pid"])) and _answers(state["url"] + "/metrics"):
+        if pid_alive(int(state["pid"])) and _answers(state["url"] + "/metrics"):
             return str(state["url"])
     except (OSError, ValueError, KeyError, TypeError):
         pass
     port = _port_or_any(port)
     rc = subprocess.call(_ringq("monitor", "--dsn", dsn, "--port", str(port), "--detach"))
     if rc != 0:
-        raise SystemExit(f"run: the monitor did not start (exit {rc}); see {home / 'monitor' / 'monitor.log'}")
+        raise SystemExit(
+            f"run: the monitor did not start (exit {rc}); see {home / 'monitor' / 'monitor.log'}"
+        )
     state = json.loads(state_file.read_text())
     return str(state["url"])
 
@@ -176,7 +180,7 @@ def _start_viewer(home: Path, monitor_url: str, port: int) -> str:
     try:
         pid = int(pidfile.read_text())
         url = urlfile.read_text().strip()
-        if _alive(pid) and url:
+        if pid_alive(pid) and url:
             return url
     except (OSError, ValueError):
         pass
@@ -184,7 +188,9 @@ def _start_viewer(home: Path, monitor_url: str, port: int) -> str:
     log = home / RTV_LOG
     with open(log, "w") as out:
         proc = subprocess.Popen(
-            _ringq("rtv", "--port", str(_port_or_any(port)), "--monitor", monitor_url, "--token", token),
+            _ringq(
+                "rtv", "--port", str(_port_or_any(port)), "--monitor", monitor_url, "--token", token
+            ),
             stdout=out,
             stderr=subprocess.STDOUT,
             start_new_session=True,
@@ -219,7 +225,7 @@ def _stop(home: Path, *, stop_db: bool) -> int:
         pid = int(json.loads(state_file.read_text())["pid"])
         os.kill(pid, signal.SIGTERM)
         deadline = time.monotonic() + 10
-        while _alive(pid) and time.monotonic() < deadline:
+        while pid_alive(pid) and time.monotonic() < deadline:
             time.sleep(0.05)
         _say(f"monitor (pid {pid}) stopped")
     except (OSError, ValueError, KeyError, TypeError):

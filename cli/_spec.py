@@ -56,7 +56,9 @@ def add_queue_options(parser: argparse.ArgumentParser) -> None:
         "--exception-queue",
         metavar="NAME",
         default=argparse.SUPPRESS,
-        help="an existing queue (max payload at least this one's) that also receives poison entries",
+        help=(
+            "an existing queue (max payload at least this one's) that also receives poison entries"
+        ),
     )
     parser.add_argument(
         "--max-deliveries",
@@ -77,6 +79,14 @@ def add_queue_options(parser: argparse.ArgumentParser) -> None:
         metavar="S",
         default=_DEFAULTS["full_timeout"],
         help="seconds a 'block' enqueue waits for a free slot before QueueFull",
+    )
+    parser.add_argument(
+        "--lease",
+        type=float,
+        metavar="S",
+        default=_DEFAULTS["lease"],
+        help="seconds a session may hold a dequeued entry without committing; past it the monitor "
+        "ends the session and the entry comes back, counted as a delivery (0: no lease)",
     )
     parser.add_argument(
         "--dequeue-mode",
@@ -102,4 +112,5 @@ def spec_from_args(args: argparse.Namespace) -> QueueSpec:
         exception_queue=getattr(args, "exception_queue", _DEFAULTS["exception_queue"]),
         fillfactor=args.fillfactor,
         tablespace=getattr(args, "tablespace", _DEFAULTS["tablespace"]),
+        lease=args.lease,
     )

@@ -39,11 +39,18 @@ MAX_TIMEOUT = 3600.0  # seconds
 def register(sub: Any) -> None:
     p = subparser(sub, "status", "print every queue's state from the monitor", DESCRIPTION)
     env_option(p, "--monitor", env="RINGQ_MONITOR_URL", default=None, help="the monitor's base URL")
-    env_option(p, "--token", env="RINGQ_MONITOR_TOKEN", default=None, help="the monitor's token, if it has one")
+    env_option(
+        p,
+        "--token",
+        env="RINGQ_MONITOR_TOKEN",
+        default=None,
+        help="the monitor's token, if it has one",
+    )
     env_option(p, "--data-dir", env="RINGQ_MONITOR_DIR", default=None,
                help="where a local monitor records its URL; default $RINGQ_HOME/monitor")
     p.add_argument("--json", action="store_true", help="print the monitor's JSON document as it is")
-    p.add_argument("--timeout", type=float, default=5.0, help=f"seconds to wait for the monitor (at most {MAX_TIMEOUT:g})")
+    p.add_argument("--timeout", type=float, default=5.0,
+                   help=f"seconds to wait for the monitor (at most {MAX_TIMEOUT:g})")
     p.set_defaults(func=run)
 
 
@@ -60,7 +67,10 @@ def monitor_url(args: argparse.Namespace) -> str:
 
 
 def fetch(url: str, token: str | None, timeout: float, path: str = "/api/queues") -> dict[str, Any]:
-    """GET ``url/api/queues`` (or ``path``). :raises OSError: unreachable or refused (the message says which)."""
+    """GET ``url/api/queues`` (or ``path``).
+
+    :raises OSError: unreachable or refused (the message says which).
+    """
     req = urllib.request.Request(url + path)
     if token:
         req.add_header("Authorization", f"Bearer {token}")
@@ -69,11 +79,15 @@ def fetch(url: str, token: str | None, timeout: float, path: str = "/api/queues"
             doc = json.loads(resp.read())
     except urllib.error.HTTPError as exc:
         if exc.code == 401:
-            raise OSError(f"the monitor at {url} wants a token (--token or RINGQ_MONITOR_TOKEN)") from exc
+            raise OSError(
+                f"the monitor at {url} wants a token (--token or RINGQ_MONITOR_TOKEN)"
+            ) from exc
         raise OSError(f"the monitor at {url} answered {exc.code} {exc.reason}") from exc
     except (urllib.error.URLError, TimeoutError, ConnectionError) as exc:
         reason = getattr(exc, "reason", exc)
-        raise OSError(f"no monitor answers at {url}: {reason} (is `ringq monitor` running?)") from exc
+        raise OSError(
+            f"no monitor answers at {url}: {reason} (is `ringq monitor` running?)"
+        ) from exc
     if not isinstance(doc, dict) or path.rsplit("/", 1)[-1] not in doc:
         raise OSError(f"{url}{path} did not answer a ringq document")
     return doc
@@ -104,8 +118,14 @@ def check_monitor_url(url: str, where: str = "--monitor") -> str:
 
 def run(args: argparse.Namespace) -> int:
     if not (math.isfinite(args.timeout) and 0 < args.timeout <= MAX_TIMEOUT):
-        raise ConfigError(f"--timeout must be a number of seconds above 0, at most {MAX_TIMEOUT:g}, not {args.timeout:g}")
-    url = check_monitor_url(monitor_url(args), "--monitor (or RINGQ_MONITOR_URL)" if args.monitor else "the recorded monitor URL")
+        raise ConfigError(
+            f"--timeout must be a number of seconds above 0, at most {MAX_TIMEOUT:g}, "
+            f"not {args.timeout:g}"
+        )
+    url = check_monitor_url(
+        monitor_url(args),
+        "--monitor (or RINGQ_MONITOR_URL)" if args.monitor else "the recorded monitor URL",
+    )
     try:
         doc = fetch(url, args.token, args.timeout)
     except OSError as exc:
@@ -153,10 +173,16 @@ def render(doc: dict[str, Any], url: str) -> str:
     lines = []
     age = time.time() - float(doc.get("t") or 0)
     up = time.time() - float(mon.get("started") or time.time())
-    failing = [k for k, s in mon.get("steps", {}).items() if s.get("last_failure_t") and s.get("failures")
-               and s["last_failure_t"] > time.time() - 10 * float(mon.get("interval", 1))]
+    failing = [
+        k
+        for k, s in mon.get("steps", {}).items()
+        if s.get("last_failure_t")
+        and s.get("failures")
+        and s["last_failure_t"] > time.time() - 10 * float(mon.get("interval", 1))
+    ]
     lines.append(
-        f"monitor {url}  pid {mon.get('pid', '?')}  up {_duration(up)}  every {mon.get('interval', '?')}s  "
+        f"monitor {url}  pid {mon.get('pid', '?')}  up {_duration(up)}  every "
+        f"{mon.get('interval', '?')}s  "
         f"clients {mon.get('clients', 0)}  sampled {age:.1f}s ago"
         + (f"  FAILING: {', '.join(failing)}" if failing else "")
         + ("" if mon.get("database", True) else "  DATABASE UNREACHABLE")
@@ -186,12 +212,18 @@ def render(doc: dict[str, Any], url: str) -> str:
     widths = [max(len(c), *(len(r[i]) for r in rows)) for i, c in enumerate(COLUMNS)]
 
     def line(cells: tuple[str, ...]) -> str:
-        out = [c.ljust(w) if COLUMNS[i] in _LEFT else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths, strict=True))]
+        out = [
+            c.ljust(w) if COLUMNS[i] in _LEFT else c.rjust(w)
+            for i, (c, w) in enumerate(zip(cells, widths, strict=True))
+        ]
         return "  ".join(out).rstrip()
 
     lines.append(line(COLUMNS))
     lines.extend(line(r) for r in rows)
-    lines.append("latencies in microseconds (p50/p99 of the last interval); rates are committed entries per second")
+    lines.append(
+        "latencies in microseconds (p50/p99 of the last interval); "
+        "rates are committed entries per second"
+    )
     return "\n".join(lines)
 
 
@@ -212,7 +244,9 @@ def render_clients(clients: list[dict[str, Any]]) -> str:
             err = f"{last.get('kind')} {last.get('queue') or '-'}"
             if last.get("seq") is not None:
                 err += f"#{last['seq']}"
-        role = str(c.get("role", "?")) + ("" if c.get("state", "active") == "active" else f" ({c['state']})")
+        role = str(c.get("role", "?")) + (
+            "" if c.get("state", "active") == "active" else f" ({c['state']})"
+        )
         worker = c.get("role") == "worker"
         rows.append((
             str(c.get("pid")),

@@ -11,13 +11,15 @@ reclaim, dead clients, prepared transactions), :mod:`~ringq.engine.metrics`
 :mod:`~ringq.engine.sqlfile` (named SQL blocks in ``.sql`` files).
 """
 
-from ._dsn import check_dsn, resolve_dsn, ringq_home
+from ._dsn import check_dsn, dsn_file, read_dsn_file, resolve_dsn, ringq_home
 from ._errors import (
     ConfigError,
     DatabaseError,
     DatabaseUnavailable,
     EntryNotFound,
     InDoubt,
+    InvalidArgument,
+    InvalidArgumentType,
     InvalidQueueName,
     PayloadTooLarge,
     QueueError,
@@ -41,12 +43,14 @@ from ._events import CHANNEL as EVENTS_CHANNEL
 from ._events import Event, Subscription, publish, subscribe
 from ._layout import MAX_CAPACITY, MAX_QUEUES
 from ._names import queue_table, validate_queue_name
+from ._queue_info import DEFAULT_LEASE
 from ._ring import Ring
 from ._section import Section, pid_alive, section_name
 from ._session import Message, QueueInfo, Session, connect
-from ._validate import validate_seconds
+from ._validate import validate_int, validate_seconds
 
 __all__ = [
+    "DEFAULT_LEASE",
     "EVENTS_CHANNEL",
     "MAX_CAPACITY",
     "MAX_QUEUES",
@@ -56,6 +60,8 @@ __all__ = [
     "EntryNotFound",
     "Event",
     "InDoubt",
+    "InvalidArgument",
+    "InvalidArgumentType",
     "InvalidQueueName",
     "Message",
     "PayloadTooLarge",
@@ -80,15 +86,18 @@ __all__ = [
     "check_dsn",
     "connect",
     "converted",
+    "dsn_file",
     "from_psycopg",
     "pid_alive",
     "publish",
     "queue_table",
+    "read_dsn_file",
     "redact_dsn",
     "resolve_dsn",
     "ringq_home",
     "section_name",
     "subscribe",
+    "validate_int",
     "validate_queue_name",
     "validate_seconds",
 ]

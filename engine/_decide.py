@@ -28,7 +28,8 @@ from ._section import Section
 
 
 def mark_dropped(sec: Section, existing: set[int]) -> None:
-    """Mark blocks of queues no longer in the database as dropped (caller holds the section lock)."""
+    """Mark blocks of queues no longer in the database as dropped (caller holds the
+    section lock)."""
     for qidx in sec.loaded_queues():
         if sec.q(qidx, L.Q_QID) not in existing:
             sec.mark_queue_dropped(qidx)
@@ -58,7 +59,11 @@ def held_slots(conn: psycopg.Connection[Any], qid: int) -> list[tuple[int, int]]
 
 
 def load_block(
-    sec: Section, qidx: int, info: QueueInfo, rows: Sequence[tuple[int, int, int]], held: list[tuple[int, int]]
+    sec: Section,
+    qidx: int,
+    info: QueueInfo,
+    rows: Sequence[tuple[int, int, int]],
+    held: list[tuple[int, int]],
 ) -> None:
     """Fill a freshly allocated block (caller holds the section lock)."""
     ring = Ring(sec, qidx)
@@ -69,6 +74,7 @@ def load_block(
         full_timeout_ms=int(info.full_timeout * 1000),
         max_deliveries=info.max_deliveries,
     )
+    sec.set_lease(qidx, info.lease)
     arr = np.array(rows, dtype=np.int64).reshape(-1, 3)
     ring.load_rows(arr[:, 0], arr[:, 1], arr[:, 2], keep_locked=False, held=held)
     sec.mark_queue_ready(qidx)

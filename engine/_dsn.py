@@ -47,7 +47,9 @@ def resolve_dsn(dsn: str | None = None) -> str:
     except (FileNotFoundError, NotADirectoryError):
         text = ""
     except OSError as exc:
-        raise DatabaseUnavailable(f"no database: cannot read {path}: {exc.strerror or exc}") from exc
+        raise DatabaseUnavailable(
+            f"no database: cannot read {path}: {exc.strerror or exc}"
+        ) from exc
     if not text:
         raise DatabaseUnavailable(
             f"no database: pass --dsn, set RINGQ_DSN, or start the embedded cluster "
@@ -55,6 +57,29 @@ def resolve_dsn(dsn: str | None = None) -> str:
         )
     check_dsn(text, where=str(path))
     return text
+
+
+def dsn_file(dsn: str | None = None) -> Path | None:
+    """The file :func:`resolve_dsn` reads the DSN from, given ``dsn``: the
+    embedded cluster's ``$RINGQ_HOME/dsn``, or None when the DSN is given
+    (``dsn`` or ``RINGQ_DSN``). A long-running process re-reads it (see
+    :func:`read_dsn_file`) to follow a cluster that came back on another port.
+    """
+    if dsn or os.environ.get("RINGQ_DSN"):
+        return None
+    return ringq_home() / DSN_FILE
+
+
+def read_dsn_file(path: Path) -> str | None:
+    """The DSN in ``path`` (see :func:`dsn_file`), or None if it is absent,
+    empty, unreadable or malformed (the cluster is stopped, or being started)."""
+    try:
+        text = path.read_text().strip()
+        if text:
+            check_dsn(text, where=str(path))
+    except (OSError, ConfigError):
+        return None
+    return text or None
 
 
 def check_dsn(dsn: str, *, where: str = "DSN") -> dict[str, Any]:
@@ -71,12 +96,16 @@ def check_dsn(dsn: str, *, where: str = "DSN") -> dict[str, Any]:
         params = conninfo_to_dict(dsn)
     except psycopg.Error as exc:
         detail = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise ConfigError(f"invalid {where} (not shown, it may hold a password): {detail}") from None
+        raise ConfigError(
+            f"invalid {where} (not shown, it may hold a password): {detail}"
+        ) from None
     ports = str(params.get("port") or "")
     port_list = ports.split(",") if ports else []
     for port in port_list:
         if port.strip() and not (_PORT_RE.fullmatch(port) and 1 <= int(port) <= 65535):
-            raise ConfigError(f"invalid {where}: port {port.strip()!r} is not a number from 1 to 65535")
+            raise ConfigError(
+                f"invalid {where}: port {port.strip()!r} is not a number from 1 to 65535"
+            )
     hosts = str(params.get("host") or params.get("hostaddr") or "")
     n_hosts = len(hosts.split(",")) if hosts else 1
     if len(port_list) > 1 and len(port_list) != n_hosts:

@@ -22,6 +22,16 @@ class ConfigError(RingqError, ValueError):
     """A setting or argument is invalid (bad name, bad number, bad mode)."""
 
 
+class InvalidArgument(ConfigError):
+    """An argument of a call has a value it cannot take (a negative wait,
+    ``max_n`` below 1, an idempotency key too long); nothing was done."""
+
+
+class InvalidArgumentType(InvalidArgument, TypeError):
+    """An argument of a call has a type it cannot take (a ``str`` payload, an
+    ``int`` key); nothing was done."""
+
+
 class InvalidQueueName(ConfigError):
     """A queue name does not match ``^[a-z][a-z0-9_]{0,47}$``."""
 
@@ -167,7 +177,8 @@ def redact_dsn(dsn: str) -> str:
 
 # SQLSTATEs (and classes) that say the database, or this connection to it,
 # is gone: retrying later (reconnecting) may succeed.
-_UNAVAILABLE_CLASSES = ("08", "53")  # connection exception; insufficient resources (too many connections)
+# connection exception; insufficient resources (too many connections)
+_UNAVAILABLE_CLASSES = ("08", "53")
 _UNAVAILABLE_STATES = frozenset(
     {
         "57P01",  # admin_shutdown
@@ -187,7 +198,9 @@ STALE_SQLSTATE = "RQ001"
 _REJECTED_CLASSES = ("22", "23", "42", "54")
 
 
-def from_psycopg(exc: BaseException, *, dsn: str | None = None, queue: str | None = None) -> RingqError:
+def from_psycopg(
+    exc: BaseException, *, dsn: str | None = None, queue: str | None = None
+) -> RingqError:
     """Map a psycopg exception to the ringq class a user can act on.
 
     By SQLSTATE: 08 (connection), 53 (resources), 57P01-57P05 (shutdown,
@@ -216,12 +229,14 @@ def from_psycopg(exc: BaseException, *, dsn: str | None = None, queue: str | Non
         table = getattr(getattr(exc, "diag", None), "table_name", None) or ""
         name = table.removeprefix("q_") or queue
         return StaleSection(
-            f"queue {name!r}: a row write did not find its row as the global section said (stale section); "
-            "nothing of the transaction committed: retry it",
+            f"queue {name!r}: a row write did not find its row as the global section said "
+            "(stale section); nothing of the transaction committed: retry it",
             queue=name,
         )
     if state is not None and (state in _CONFLICT_STATES or state[:2] == "40" and state != "40002"):
-        return TransactionConflict(f"transaction rolled back, retry it: {_primary(exc)}", sqlstate=state)
+        return TransactionConflict(
+            f"transaction rolled back, retry it: {_primary(exc)}", sqlstate=state
+        )
     if state is not None and state[:2] in _REJECTED_CLASSES:
         return StatementRejected(_primary(exc), sqlstate=state)
     return DatabaseError(str(exc).strip() or type(exc).__name__, sqlstate=state)
@@ -231,7 +246,10 @@ def _primary(exc: BaseException) -> str:
     """PostgreSQL's primary message and its code: never the statement (psycopg's
     text may quote it, with its values, after the first line)."""
     diag = getattr(exc, "diag", None)
-    primary = getattr(diag, "message_primary", None) or (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+    primary = (
+        getattr(diag, "message_primary", None)
+        or (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+    )
     state = getattr(exc, "sqlstate", None)
     return f"{primary} (SQLSTATE {state})" if state else primary
 

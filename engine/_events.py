@@ -27,12 +27,14 @@ import psycopg
 from psycopg import sql
 
 from ._errors import DatabaseUnavailable, SessionClosed, from_psycopg, redact_dsn
+from ._queries import QUERIES as _Q
+from ._sqlfile import compose
 
 CHANNEL: Final = "ringq_events"
 MAX_PAYLOAD: Final = 7900  # NOTIFY payloads must stay under 8000 bytes
 
-_LISTEN: Final = sql.SQL("LISTEN {}").format(sql.Identifier(CHANNEL))
-_NOTIFY: Final = "SELECT pg_notify(%s, %s)"
+_LISTEN: Final = compose(_Q["listen_events"], channel=sql.Identifier(CHANNEL))
+_NOTIFY: Final = _Q["notify_event"]
 
 
 @dataclass(frozen=True)
@@ -108,7 +110,9 @@ class Subscription:
     :raises DatabaseUnavailable: the database cannot be reached.
     """
 
-    def __init__(self, dsn: str, patterns: str | tuple[str, ...], *, connect_timeout: float = 10.0) -> None:
+    def __init__(
+        self, dsn: str, patterns: str | tuple[str, ...], *, connect_timeout: float = 10.0
+    ) -> None:
         if isinstance(patterns, str):
             patterns = (patterns,)
         if not patterns:

@@ -3,7 +3,7 @@
 ::
 
     [ header | queue blocks x MAX_QUEUES | queue names | clients x MAX_CLIENTS |
-      ENQ bits | DEQ bits | LCK bits | OWNER int32 per slot ]
+      ENQ bits | DEQ bits | LCK bits | OWNER int32 per slot | HOLDER int32 per slot ]
 
 Every field is an int64 word at a fixed index, so the layout is plain data
 that any process (and a future non-Python tool) can read. A segment whose
@@ -12,7 +12,9 @@ magic or layout version differs is refused, never reinterpreted.
 
 from __future__ import annotations
 
-LAYOUT_VERSION = 2  # 2: client entries of 32 words (role, last error, queues, worker counters)
+# 2: client entries of 32 words (role, last error, queues, worker counters)
+# 3: owner tokens (C_GEN, C_TOKEN) and the HOLDER array (backend pid per slot)
+LAYOUT_VERSION = 3
 MAGIC = 0x52494E47_51534543  # "RINGQSEC"
 
 MAX_QUEUES = 128
@@ -67,9 +69,10 @@ Q_ENQ_LAT_NS = 27  # sum of enqueue call latencies (ns)
 Q_DEQ_LAT_NS = 28
 Q_N_WAKEUPS = 29  # posts on the ready semaphore
 Q_N_RESYNC = 30  # full re-reads of the queue from its table
-Q_DEQ_OWNER = 31  # single mode: client index + 1 holding the dequeuer role, 0 if none
+Q_DEQ_OWNER = 31  # single mode: owner token holding the dequeuer role, 0 if none
 Q_DEQ_INFLIGHT = 32  # single mode: entries that owner has dequeued and not finished
 Q_DEPTH_HINT = 33  # committed ready entries (approximate between resyncs; exact under the lock)
+Q_LEASE_MS = 34  # ringq.queues.lease in ms: a dequeued entry held longer ends its session (0: none)
 Q_ENQ_HIST = 64  # HIST_BUCKETS words
 Q_DEQ_HIST = 96  # HIST_BUCKETS words
 QUEUE_WORDS = 128
@@ -86,7 +89,8 @@ NAME_BYTES = 64
 C_PID = 0  # 0 = free entry
 C_BACKEND_PID = 1
 C_STATE = 2  # CS_*
-C_STARTED_NS = 3  # registration time, rewritten when the client reconnects (it bounds the backend's start)
+# registration time, rewritten when the client reconnects (it bounds the backend's start)
+C_STARTED_NS = 3
 C_N_ENQ = 4
 C_N_DEQ = 5
 C_N_COMMIT = 6
@@ -114,6 +118,20 @@ C_W_BUSY_NS = 25  # time spent handling messages (ns)
 # names one session across its reconnects. A spare word of version 2 (offsets
 # unchanged): entries registered by older code read 0 here, still stable.
 C_REGISTERED_NS = 26
+# Owner tokens. A locked slot's OWNER word names the session that holds it by a
+# token unique per (entry, connection): token_of(cidx, gen). C_GEN is bumped at
+# every registration and every reconnect, and is kept when the entry is freed,
+# so a token is never handed out again while slots may still carry it (until
+# the generation wraps, after TOKEN_GENS uses of one entry). A slot whose token
+# is not the current one of a live entry is orphaned: recovery decides it once
+# the slot's HOLDER backend has ended.
+C_GEN = 27
+C_TOKEN = 28  # the entry's current token; 0 while free
+# time.monotonic_ns() when the session dequeued the first entry of its current
+# transaction, 0 when it holds none; the monitor ends a session that holds one
+# past its queue's lease (Q_LEASE_MS), and then writes -1 here if that transaction
+# rolled back. Spare word of version 2, 0 in older code.
+C_HOLD_SINCE_NS = 29
 CLIENT_WORDS = 32
 
 # Client roles (C_ROLE).
@@ -136,6 +154,19 @@ OWNER_HELD = -1  # slot of a prepared transaction whose session is gone: recover
 
 CS_IN_DOUBT = 2  # lost its connection with slots held: the rows decide (monitor)
 
+# generations before tokens of one entry repeat (int32 OWNER)
+TOKEN_GENS = (2**31 - 1) // MAX_CLIENTS
+
+
+def token_of(cidx: int, gen: int) -> int:
+    """The owner token of client entry ``cidx`` at generation ``gen`` (> 0, an int32)."""
+    return cidx + 1 + MAX_CLIENTS * (gen % TOKEN_GENS)
+
+
+def token_client(token: int) -> int:
+    """The client entry a token (> 0) belongs to."""
+    return (token - 1) % MAX_CLIENTS
+
 
 def _round(n: int) -> int:
     return (n + PAGE - 1) // PAGE * PAGE
@@ -150,4 +181,7 @@ OFF_ENQ = OFF_CLIENTS + _round(MAX_CLIENTS * CLIENT_WORDS * 8)
 OFF_DEQ = OFF_ENQ + _round(BITMAP_WORDS * 8)
 OFF_LCK = OFF_DEQ + _round(BITMAP_WORDS * 8)
 OFF_OWNER = OFF_LCK + _round(BITMAP_WORDS * 8)
-SECTION_SIZE = OFF_OWNER + _round(SLOT_POOL * 4)
+# HOLDER: the backend pid of the connection whose transaction holds a locked
+# slot, written with OWNER; recovery waits for that backend to end.
+OFF_HOLDER = OFF_OWNER + _round(SLOT_POOL * 4)
+SECTION_SIZE = OFF_HOLDER + _round(SLOT_POOL * 4)

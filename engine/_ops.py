@@ -11,6 +11,9 @@ from dataclasses import dataclass
 from enum import IntEnum, StrEnum
 from typing import TYPE_CHECKING
 
+# the reason recorded with an entry moved to ringq.exceptions
+POISON_REASON = "max deliveries reached"
+
 if TYPE_CHECKING:
     from ._queue_info import QueueInfo
     from ._ring import Ring

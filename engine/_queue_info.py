@@ -4,6 +4,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+# Seconds a session may hold a dequeued entry without committing before the
+# monitor ends it (the entry comes back, counted as a delivery); 0: no lease.
+DEFAULT_LEASE = 300.0
+
 
 @dataclass(frozen=True)
 class QueueInfo:
@@ -18,3 +22,7 @@ class QueueInfo:
     dequeue_mode: str
     max_deliveries: int
     exception_queue: str | None
+    # seconds; 0: none. No default: QueueDetails (ringq.scripting) adds fields
+    # without defaults after these. Read as DEFAULT_LEASE from a schema that
+    # predates the column.
+    lease: float

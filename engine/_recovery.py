@@ -3,7 +3,9 @@ section true to the rows after failures.
 
 - :func:`rebuild` attaches (or creates) a database's section and loads every queue.
 - :func:`recover_dead_clients` decides the slots of clients killed at any point,
-  once their PostgreSQL backend has ended, from the rows.
+  once their PostgreSQL backend has ended, from the rows; and orphaned slots,
+  whose owner token no live entry carries any more (a session that lost its
+  connection and could not decide them), once their holder backend has ended.
 - :func:`repair_lock_holders` re-reads a queue whose lock holder died inside
   the critical section.
 - :func:`reclaim_all` advances tails and wakes blocked enqueuers.
@@ -25,12 +27,12 @@ from . import _layout as L
 from ._decide import decide_ops, held_slots, load_block, mark_dropped, resync_queue
 from ._errors import SectionError, from_psycopg
 from ._names import queue_table
-from ._ops import Op, OpKind, RowState
+from ._ops import POISON_REASON, Op, OpKind, RowState
+from ._process import _Process
 from ._queries import QUERIES as _Q
 from ._queue_info import QueueInfo
 from ._ring import Ring
 from ._section import Section, pid_alive
-from ._session import POISON_REASON, _Process
 from ._tpc import is_ringq_gid
 
 logger = logging.getLogger("ringq.recovery")
@@ -40,7 +42,8 @@ HELD = L.OWNER_HELD  # owner of slots of a prepared transaction whose client die
 
 @dataclass
 class Recovered:
-    """One dead client whose slots were decided."""
+    """One dead client whose slots were decided (``pid`` 0: orphaned slots,
+    whose entry had been freed or renewed; ``backend_pid`` their holder)."""
 
     cidx: int
     pid: int
@@ -213,85 +216,195 @@ def _locked_by(ring: Ring, owner: int) -> list[int]:
 
 
 def recover_dead_clients(sec: Section, dsn: str, *, terminate: bool = True) -> list[Recovered]:
-    """Decide the slots of dead clients from the rows and free their entries.
+    """Decide the slots of dead clients from the rows and free their entries;
+    then decide orphaned slots.
 
     A client is dead when its process is gone, or it handed its slots over
-    (in doubt). Its slots are decided only after its backend has ended (we
-    terminate a backend whose client process is gone, then wait for it);
-    until then its transaction might still commit. Slots of a prepared
-    two-phase transaction stay locked (owner HELD) for :func:`resolve_prepared`.
+    (in doubt). Its slots (those locked under its token) are decided only
+    after its backend has ended (we terminate a backend whose client process
+    is gone, then wait for it); until then its transaction might still
+    commit. Slots of a prepared two-phase transaction stay locked (owner
+    HELD) for :func:`resolve_prepared`.
+
+    A slot is orphaned when its token is no live entry's current one (the
+    entry was freed, or renewed its token on a reconnect): it is decided once
+    the backend recorded with it (its holder) has ended or sits outside any
+    transaction, whoever holds the entry now; a single-dequeuer role such a
+    token holds is then given up.
+
+    One recoverer at a time per section: if another process (or thread) is
+    recovering, this returns [] at once and leaves the work to it.
     """
-    dead: list[int] = []
-    for cidx in sec.active_clients():
-        pid = sec.c(cidx, L.C_PID)
-        state = sec.c(cidx, L.C_STATE)
-        if state == L.CS_IN_DOUBT or not pid_alive(pid):
-            dead.append(cidx)
-    if not dead:
+    if not sec.try_lock_recovery():
         return []
+    try:
+        dead = [
+            cidx for cidx in sec.active_clients()
+            if sec.c(cidx, L.C_STATE) == L.CS_IN_DOUBT or not pid_alive(sec.c(cidx, L.C_PID))
+        ]
+        orphans = _orphaned_slots(sec)
+        if not dead and not orphans:
+            return []
+        with _connect(dsn) as conn:
+            infos = _queue_infos(conn)
+            prepared = _prepared_slots(conn)
+            out = _recover_dead(sec, conn, infos, prepared, dead, terminate=terminate) if dead else []
+            if orphans:
+                out += _recover_orphans(sec, conn, infos, prepared, orphans)
+        return out
+    finally:
+        sec.unlock_recovery()
+
+
+def _recover_dead(
+    sec: Section,
+    conn: psycopg.Connection[Any],
+    infos: dict[int, QueueInfo],
+    prepared: set[tuple[int, int]],
+    dead: list[int],
+    *,
+    terminate: bool,
+) -> list[Recovered]:
     out: list[Recovered] = []
-    with _connect(dsn) as conn:
-        infos = _queue_infos(conn)
-        backends = {cidx: sec.c(cidx, L.C_BACKEND_PID) for cidx in dead}
-        registered = {sec.c(cidx, L.C_BACKEND_PID): sec.c(cidx, L.C_STARTED_NS) for cidx in dead}
-        alive = _backends_alive(conn, [b for b in backends.values() if b], registered)
-        if alive and terminate:
-            for b in alive:
-                conn.execute(_Q["terminate"], (b,))
-            deadline = time.monotonic() + 2.0
-            while alive and time.monotonic() < deadline:
-                time.sleep(0.005)
-                alive = _backends_alive(conn, list(alive), registered)
-        prepared = _prepared_slots(conn)
-        for cidx in dead:
-            if backends[cidx] in alive:
-                continue  # its transaction may still end either way: next round
-            rec = Recovered(cidx, sec.c(cidx, L.C_PID), backends[cidx])
-            owner = cidx + 1
-            ops: list[Op] = []
-            for qidx in sec.loaded_queues():
-                ring = Ring(sec, qidx)
-                info = infos.get(ring.qid)
-                if info is None:
-                    continue
-                slots = _locked_by(ring, owner)
-                for slot in slots:
-                    enq, _deq, _lck, _owner = ring.bits(slot)
-                    seq = ring.seq_of(slot)
-                    if (info.id, slot) in prepared:
-                        sec.lock_queue(qidx)
-                        try:
-                            ring.hold(slot)
-                        finally:
-                            sec.unlock_queue(qidx)
-                        rec.held += 1
-                        continue
-                    ops.append(Op(ring, info, slot, seq, OpKind.DEQUEUE if enq else OpKind.ENQUEUE))
-                if slots and info.name not in rec.queues:
-                    rec.queues.append(info.name)
-            rec.slots = len(ops) + rec.held
-            if ops:
-                _decide_and_strike(sec, conn, ops, rec)
-            # The single-dequeuer role is given up only now that the dead
-            # client's entries are decided (ready again, or consumed). Given up
-            # before, another dequeuer could take the queue while those entries
-            # were still locked, read past them and take later ones first: out
-            # of order, and a mover would then prune the idempotency keys of
-            # entries it had not yet seen come back (moved twice).
-            for qidx in sec.loaded_queues():
-                ring = Ring(sec, qidx)
-                sec.lock_queue(qidx)
-                try:
-                    ring.release_role(owner)
-                finally:
-                    sec.unlock_queue(qidx)
-            sec.free_client(cidx)
-            logger.warning("ringq: dead client pid %s recovered: %s", rec.pid, rec.as_dict())
+    backends = {cidx: sec.c(cidx, L.C_BACKEND_PID) for cidx in dead}
+    registered = {sec.c(cidx, L.C_BACKEND_PID): sec.c(cidx, L.C_STARTED_NS) for cidx in dead}
+    alive = _backends_alive(conn, [b for b in backends.values() if b], registered)
+    if alive and terminate:
+        for b in alive:
+            conn.execute(_Q["terminate"], (b,))
+        deadline = time.monotonic() + 2.0
+        while alive and time.monotonic() < deadline:
+            time.sleep(0.005)
+            alive = _backends_alive(conn, list(alive), registered)
+    for cidx in dead:
+        if backends[cidx] in alive:
+            continue  # its transaction may still end either way: next round
+        rec = Recovered(cidx, sec.c(cidx, L.C_PID), backends[cidx])
+        token = sec.c(cidx, L.C_TOKEN)
+        ops: list[Op] = []
+        for qidx in sec.loaded_queues():
+            ring = Ring(sec, qidx)
+            info = infos.get(ring.qid)
+            if info is None:
+                continue
+            slots = _locked_by(ring, token)
+            ops += _ops_or_hold(sec, ring, info, slots, prepared, rec)
+            if slots and info.name not in rec.queues:
+                rec.queues.append(info.name)
+        rec.slots = len(ops) + rec.held
+        if ops:
+            _decide_and_strike(sec, conn, ops, rec, token)
+        # The single-dequeuer role is given up only now that the dead
+        # client's entries are decided (ready again, or consumed). Given up
+        # before, another dequeuer could take the queue while those entries
+        # were still locked, read past them and take later ones first: out
+        # of order, and a mover would then prune the idempotency keys of
+        # entries it had not yet seen come back (moved twice).
+        for qidx in sec.loaded_queues():
+            ring = Ring(sec, qidx)
+            sec.lock_queue(qidx)
+            try:
+                ring.release_role(token)
+            finally:
+                sec.unlock_queue(qidx)
+        sec.free_client(cidx)
+        logger.warning("ringq: dead client pid %s recovered: %s", rec.pid, rec.as_dict())
+        out.append(rec)
+    return out
+
+
+def _ops_or_hold(
+    sec: Section, ring: Ring, info: QueueInfo, slots: list[int], prepared: set[tuple[int, int]], rec: Recovered
+) -> list[Op]:
+    """Ops to decide for ``slots`` of a dead holder; slots of a prepared
+    transaction are held instead (owner HELD), for :func:`resolve_prepared`."""
+    ops: list[Op] = []
+    for slot in slots:
+        enq, _deq, _lck, _owner = ring.bits(slot)
+        if (info.id, slot) in prepared:
+            sec.lock_queue(ring.qidx)
+            try:
+                ring.hold(slot)
+            finally:
+                sec.unlock_queue(ring.qidx)
+            rec.held += 1
+            continue
+        ops.append(Op(ring, info, slot, ring.seq_of(slot), OpKind.DEQUEUE if enq else OpKind.ENQUEUE))
+    return ops
+
+
+@dataclass
+class _Orphans:
+    """Slots locked under one orphaned token, queue block by queue block."""
+
+    holder: int  # the backend pid recorded with them (0: unknown)
+    slots: dict[int, list[int]] = field(default_factory=dict)  # qidx -> slots
+    roles: list[int] = field(default_factory=list)  # qidx of single-mode queues whose role it holds
+
+
+def _orphaned_slots(sec: Section) -> dict[int, _Orphans]:
+    """Locked slots (and single-dequeuer roles) whose token no entry carries
+    now, by token. Read under each queue's lock, so a slot being locked is
+    seen with its owner and holder."""
+    out: dict[int, _Orphans] = {}
+    for qidx in sec.loaded_queues():
+        ring = Ring(sec, qidx)
+        sec.lock_queue(qidx)
+        try:
+            locked = ring.locked_slots()
+            role = ring.role_owner()
+        finally:
+            sec.unlock_queue(qidx)
+        for slot, token, holder in locked:
+            if token > 0 and sec.token_holder(token) is None:
+                out.setdefault(token, _Orphans(holder)).slots.setdefault(qidx, []).append(slot)
+        if role > 0 and sec.token_holder(role) is None:
+            out.setdefault(role, _Orphans(0)).roles.append(qidx)
+    return out
+
+
+def _recover_orphans(
+    sec: Section,
+    conn: psycopg.Connection[Any],
+    infos: dict[int, QueueInfo],
+    prepared: set[tuple[int, int]],
+    orphans: dict[int, _Orphans],
+) -> list[Recovered]:
+    holders = [o.holder for o in orphans.values() if o.holder]
+    busy = {int(pid) for pid, in_tx in conn.execute(_Q["backends_in_transaction"], (holders,)).fetchall() if in_tx}
+    out: list[Recovered] = []
+    for token, orphan in orphans.items():
+        if orphan.holder in busy:
+            continue  # its transaction may still commit: next round
+        rec = Recovered(L.token_client(token), 0, orphan.holder)
+        ops: list[Op] = []
+        for qidx, slots in orphan.slots.items():
+            ring = Ring(sec, qidx)
+            info = infos.get(ring.qid)
+            if info is None:
+                continue
+            ops += _ops_or_hold(sec, ring, info, slots, prepared, rec)
+            rec.queues.append(info.name)
+        rec.slots = len(ops) + rec.held
+        if ops:
+            _decide_and_strike(sec, conn, ops, rec, token)
+        for qidx in {*orphan.roles, *orphan.slots}:
+            ring = Ring(sec, qidx)
+            sec.lock_queue(qidx)
+            try:
+                if not sec.locked_under(token, [qidx]):
+                    ring.release_role(token)
+            finally:
+                sec.unlock_queue(qidx)
+        if rec.slots:
+            logger.warning("ringq: orphaned slots of token %s recovered: %s", token, rec.as_dict())
             out.append(rec)
     return out
 
 
-def _decide_and_strike(sec: Section, conn: psycopg.Connection[Any], ops: list[Op], rec: Recovered) -> None:
+def _decide_and_strike(
+    sec: Section, conn: psycopg.Connection[Any], ops: list[Op], rec: Recovered, token: int
+) -> None:
     # Count a failed delivery on dequeues that did not commit, while the slots
     # are still locked; poisoned ones become consumed rows.
     for info_id in {op.info.id for op in ops if op.kind == OpKind.DEQUEUE}:
@@ -307,7 +420,7 @@ def _decide_and_strike(sec: Section, conn: psycopg.Connection[Any], ops: list[Op
                 "reason": POISON_REASON,
             },
         )
-    decide_ops(sec, conn, ops, rec.cidx + 1)
+    decide_ops(sec, conn, ops, token)
     rows_by_q: dict[int, dict[int, tuple[int, int]]] = {}
     for op in ops:
         info = op.info
@@ -420,11 +533,10 @@ def resolve_prepared(
                     continue
                 ring = Ring(sec, qidx)
                 owner = sec.owner_w[ring.base + slot]
-                if owner > 0:
-                    cpid = sec.c(owner - 1, L.C_PID)
-                    if sec.c(owner - 1, L.C_STATE) == L.CS_ACTIVE and pid_alive(cpid):
-                        live = True
-                        break
+                cidx = sec.token_holder(owner)
+                if cidx is not None and sec.c(cidx, L.C_STATE) == L.CS_ACTIVE and pid_alive(sec.c(cidx, L.C_PID)):
+                    live = True
+                    break
                 ops.append(Op(ring, infos[qid], int(slot), int(seq), OpKind(str(kind))))
             if live:
                 continue

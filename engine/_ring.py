@@ -3,8 +3,13 @@
 Every method except the constructor must be called with the queue's lock held
 (``Section.lock_queue``); none does I/O. Writes are ordered so that a process
 killed between any two of them leaves a state the monitor can decide from the
-rows: the owner and LCK bit are set before the head moves, ENQ/DEQ are set
-before LCK is cleared, and the tail only passes slots that are done.
+rows: the owner and holder and the LCK bit are set before the head moves,
+ENQ/DEQ are set before LCK is cleared, and the tail only passes slots that
+are done.
+
+A slot is locked by an *owner* (the session's token, ``L.token_of``) and a
+*holder* (the backend pid whose transaction holds it): recovery decides a
+dead owner's slot once its holder backend has ended.
 
 Slot ``s`` of the queue is bit ``base + s`` of the pool bitmaps; ``base`` is a
 multiple of 64, so a queue never shares a bitmap word with another queue.
@@ -82,6 +87,10 @@ class Ring:
             s.owner_w[self.base + slot],
         )
 
+    def holder(self, slot: int) -> int:
+        """The backend pid recorded with a locked slot's owner."""
+        return self.sec.holder_w[self.base + slot]
+
     def held_by(self, slot: int, owner: int) -> bool:
         """True if ``owner`` holds the slot's entry lock (guards against finishing twice)."""
         w, m = self._bit(slot)
@@ -89,8 +98,8 @@ class Ring:
 
     # -- enqueue ------------------------------------------------------------------
 
-    def reserve(self, owner: int) -> tuple[int, int] | None:
-        """Reserve the slot at the head for ``owner``; None if the ring is full."""
+    def reserve(self, owner: int, backend: int) -> tuple[int, int] | None:
+        """Reserve the slot at the head for ``owner`` (its backend ``backend``); None if the ring is full."""
         Q, b = self.Q, self.qb
         head = Q[b + L.Q_HEAD]
         if head - Q[b + L.Q_TAIL] >= self.cap:
@@ -102,6 +111,7 @@ class Ring:
         s = self.sec
         s.enq_w[w] &= ~m & _U64
         s.deq_w[w] &= ~m & _U64
+        s.holder_w[self.base + slot] = backend
         s.owner_w[self.base + slot] = owner
         s.lck_w[w] |= m
         Q[b + L.Q_HEAD] = head + 1
@@ -124,8 +134,8 @@ class Ring:
 
     # -- dequeue ------------------------------------------------------------------
 
-    def claim(self, owner: int, *, exclusive: bool) -> tuple[int, int] | None:
-        """Lock the oldest ready entry for ``owner``: (slot, seq), or None.
+    def claim(self, owner: int, backend: int, *, exclusive: bool) -> tuple[int, int] | None:
+        """Lock the oldest ready entry for ``owner`` (its backend ``backend``): (slot, seq), or None.
 
         Entries locked by others are read past, never waited on. With
         ``exclusive`` (single-dequeuer mode) a queue whose dequeuer role is
@@ -145,6 +155,7 @@ class Ring:
             return None
         w, m = self._bit(slot)
         s = self.sec
+        s.holder_w[self.base + slot] = backend
         s.owner_w[self.base + slot] = owner
         s.lck_w[w] |= m
         s.deq_w[w] |= m
@@ -154,7 +165,7 @@ class Ring:
         Q[b + L.Q_N_DEQ] += 1
         return slot, tail + (slot - tail) % self.cap
 
-    def claim_many(self, owner: int, n: int, *, exclusive: bool) -> list[tuple[int, int]]:
+    def claim_many(self, owner: int, backend: int, n: int, *, exclusive: bool) -> list[tuple[int, int]]:
         """Lock up to ``n`` of the oldest ready entries for ``owner`` with one scan."""
         Q, b = self.Q, self.qb
         if exclusive:
@@ -178,6 +189,7 @@ class Ring:
         out = []
         for slot in slots:
             w, m = self._bit(slot)
+            s.holder_w[self.base + slot] = backend
             s.owner_w[self.base + slot] = owner
             s.lck_w[w] |= m
             s.deq_w[w] |= m
@@ -430,6 +442,25 @@ class Ring:
             w = we
             chunk = min(chunk * 4, _MAX_CHUNK)
         return None
+
+    # -- holders ------------------------------------------------------------------------
+
+    def locked_slots(self) -> list[tuple[int, int, int]]:
+        """(slot, owner, holder) of every locked slot of the queue (a vectorized scan)."""
+        s = self.sec
+        words = s.lck[self.w0 : self.w0 + (self.cap + 63) // 64]
+        nz = np.flatnonzero(words)  # few words hold a locked slot: unpack only those
+        if not nz.size:
+            return []
+        rows, cols = np.nonzero(np.unpackbits(words[nz].view(np.uint8), bitorder="little").reshape(-1, 64))
+        slots = nz[rows] * 64 + cols
+        owners = s.owner[self.base + slots]
+        holders = s.holder[self.base + slots]
+        return [(int(a), int(b), int(c)) for a, b, c in zip(slots, owners, holders, strict=True)]
+
+    def role_owner(self) -> int:
+        """The token holding the single-dequeuer role, 0 if none."""
+        return self.Q[self.qb + L.Q_DEQ_OWNER]
 
     # -- counts -----------------------------------------------------------------------
 

@@ -1,11 +1,13 @@
 """The global section: one POSIX shared-memory segment per database on the queue host.
 
 It holds every queue's head and tail, counters, the ENQ/DEQ/LCK bitmaps (numpy
-views), the entry-lock owner of every slot, and a table of attached clients.
+views), the entry-lock owner (a session's token) and holder (its backend pid)
+of every slot, and a table of attached clients.
 
 Locks: the short critical sections use ``fcntl`` byte-range locks on the
 segment's own file descriptor (byte 0 for the section, byte 1+i for queue
-block i), which the kernel releases when a holder dies, plus a per-process
+block i, byte 1+MAX_QUEUES for recovery), which the kernel releases when a
+holder dies, plus a per-process
 ``threading.Lock`` because fcntl locks do not exclude threads of one process.
 posix-ipc semaphores are used only to count wake-ups.
 
@@ -76,7 +78,9 @@ class Section:
         self._buf = buf
         self.header = buf[L.OFF_HEADER : L.OFF_HEADER + L.HEADER_WORDS * 8].cast("q")
         self.queues = buf[L.OFF_QUEUES : L.OFF_QUEUES + L.MAX_QUEUES * L.QUEUE_WORDS * 8].cast("q")
-        self.clients = buf[L.OFF_CLIENTS : L.OFF_CLIENTS + L.MAX_CLIENTS * L.CLIENT_WORDS * 8].cast("q")
+        self.clients = buf[
+            L.OFF_CLIENTS : L.OFF_CLIENTS + L.MAX_CLIENTS * L.CLIENT_WORDS * 8
+        ].cast("q")
         self.names = buf[L.OFF_NAMES : L.OFF_NAMES + L.MAX_QUEUES * L.NAME_BYTES]
         # Word views for single-bit updates (fast) and numpy views for scans.
         self.enq_w = buf[L.OFF_ENQ : L.OFF_ENQ + L.BITMAP_WORDS * 8].cast("Q")
@@ -87,7 +91,10 @@ class Section:
         self.lck = np.frombuffer(mm, dtype=np.uint64, count=L.BITMAP_WORDS, offset=L.OFF_LCK)
         self.owner = np.frombuffer(mm, dtype=np.int32, count=L.SLOT_POOL, offset=L.OFF_OWNER)
         self.owner_w = buf[L.OFF_OWNER : L.OFF_OWNER + L.SLOT_POOL * 4].cast("i")
-        self._tlocks = [threading.Lock() for _ in range(L.MAX_QUEUES + 1)]
+        self.holder = np.frombuffer(mm, dtype=np.int32, count=L.SLOT_POOL, offset=L.OFF_HOLDER)
+        self.holder_w = buf[L.OFF_HOLDER : L.OFF_HOLDER + L.SLOT_POOL * 4].cast("i")
+        # section, queues, recovery
+        self._tlocks = [threading.Lock() for _ in range(L.MAX_QUEUES + 2)]
         self._sems: dict[str, posix_ipc.Semaphore] = {}
         self.generation = self.header[L.H_GENERATION]
 
@@ -104,7 +111,9 @@ class Section:
         try:
             shm = posix_ipc.SharedMemory(name, posix_ipc.O_CREAT if create else 0, mode=0o660)
         except posix_ipc.ExistentialError as exc:
-            raise SectionError(f"global section {name} does not exist (is the monitor running?)") from exc
+            raise SectionError(
+                f"global section {name} does not exist (is the monitor running?)"
+            ) from exc
         except OSError as exc:
             raise SectionError(f"cannot open global section {name}: {exc}") from exc
         try:
@@ -124,7 +133,9 @@ class Section:
                 header = memoryview(mm)[: L.HEADER_WORDS * 8].cast("q")
                 if header[L.H_READY] == 0 and header[L.H_MAGIC] == 0:
                     if size != L.SECTION_SIZE:
-                        raise SectionIncompatible(f"global section {name} has a foreign size {size}")
+                        raise SectionIncompatible(
+                            f"global section {name} has a foreign size {size}"
+                        )
                     header[L.H_LAYOUT] = L.LAYOUT_VERSION
                     header[L.H_SIZE] = L.SECTION_SIZE
                     header[L.H_GENERATION] = secrets.randbits(62) | 1
@@ -132,14 +143,19 @@ class Section:
                     header[L.H_CREATED_NS] = time.time_ns()
                     header[L.H_MAGIC] = L.MAGIC
                     header[L.H_READY] = 1
-                if header[L.H_MAGIC] != L.MAGIC or header[L.H_LAYOUT] != L.LAYOUT_VERSION or size != L.SECTION_SIZE:
+                if (
+                    header[L.H_MAGIC] != L.MAGIC
+                    or header[L.H_LAYOUT] != L.LAYOUT_VERSION
+                    or size != L.SECTION_SIZE
+                ):
                     found = (header[L.H_MAGIC], header[L.H_LAYOUT], size)
                     header.release()
                     mm.close()
                     raise SectionIncompatible(
                         f"global section {name} has layout {found[1]} (magic {found[0]:#x}, "
                         f"{found[2]} bytes); this ringq uses layout {L.LAYOUT_VERSION}: "
-                        "stop every client and the monitor, then remove it (ringq monitor --reset-section)"
+                        "stop every client and the monitor, then remove it "
+                        "(ringq monitor --reset-section)"
                     )
                 header.release()
             finally:
@@ -156,9 +172,9 @@ class Section:
             sem.close()
         self._sems.clear()
         for view in (self.header, self.queues, self.clients, self.names, self.enq_w, self.deq_w,
-                     self.lck_w, self.owner_w):
+                     self.lck_w, self.owner_w, self.holder_w):
             view.release()
-        del self.enq, self.deq, self.lck, self.owner
+        del self.enq, self.deq, self.lck, self.owner, self.holder
         self._buf.release()
         mm, self._mm = self._mm, None
         try:
@@ -218,6 +234,32 @@ class Section:
         fcntl.lockf(self._fd, fcntl.LOCK_UN, 1, qidx + 1)
         self._tlocks[qidx + 1].release()
 
+    def try_lock_recovery(self) -> bool:
+        """Take the recovery lock if nobody holds it (no wait); True if taken.
+
+        One recoverer at a time per section (the monitor, a dequeuer, a
+        mover): two would both count a failed delivery on the same entry.
+        The kernel releases it if the holder dies.
+        """
+        t = self._tlocks[L.MAX_QUEUES + 1]
+        if not t.acquire(blocking=False):
+            return False
+        try:
+            fcntl.lockf(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB, 1, L.MAX_QUEUES + 1)
+        except OSError as exc:
+            t.release()
+            if exc.errno in (errno.EACCES, errno.EAGAIN):
+                return False
+            raise
+        except BaseException:
+            t.release()
+            raise
+        return True
+
+    def unlock_recovery(self) -> None:
+        fcntl.lockf(self._fd, fcntl.LOCK_UN, 1, L.MAX_QUEUES + 1)
+        self._tlocks[L.MAX_QUEUES + 1].release()
+
     def queue_lock_probe(self, qidx: int) -> bool:
         """True if nobody holds the queue's lock right now (takes and drops it)."""
         try:
@@ -276,8 +318,10 @@ class Section:
             # Prefer a dropped queue's block whose pool space fits: dropped
             # queues give their blocks and slots back.
             fits = [
-                i for i in dropped
-                if (self.queues[i * L.QUEUE_WORDS + L.Q_CAPACITY] + 63) // 64 >= (capacity + 63) // 64
+                i
+                for i in dropped
+                if (self.queues[i * L.QUEUE_WORDS + L.Q_CAPACITY] + 63) // 64
+                >= (capacity + 63) // 64
             ]
             if fits:
                 free = min(fits, key=lambda i: self.queues[i * L.QUEUE_WORDS + L.Q_CAPACITY])
@@ -306,6 +350,7 @@ class Section:
         words = (capacity + 63) // 64
         self.lck[slot_base // 64 : slot_base // 64 + words] = 0
         self.owner[slot_base : slot_base + capacity] = 0
+        self.holder[slot_base : slot_base + capacity] = 0
         self.queues[base + L.Q_QID] = qid
         self.queues[base + L.Q_CAPACITY] = capacity
         self.queues[base + L.Q_BASE] = slot_base
@@ -326,8 +371,11 @@ class Section:
     def c(self, cidx: int, word: int) -> int:
         return self.clients[cidx * L.CLIENT_WORDS + word]
 
-    def add_client(self, backend_pid: int) -> int:
-        """Register this process as a client; returns its index. Owner ids are index + 1.
+    def add_client(self, backend_pid: int) -> tuple[int, int]:
+        """Register this process as a client with its backend; returns (index, token).
+
+        The token (``L.token_of``) is new: no slot locked under an earlier
+        user of the entry carries it.
 
         :raises SectionError: the client table is full (dead clients not yet recovered).
         """
@@ -336,28 +384,78 @@ class Section:
             for i in range(L.MAX_CLIENTS):
                 base = i * L.CLIENT_WORDS
                 if self.clients[base + L.C_STATE] == L.CS_FREE:
+                    gen = self.clients[base + L.C_GEN] + 1
                     for w in range(L.CLIENT_WORDS):
                         self.clients[base + w] = 0
+                    token = L.token_of(i, gen)
+                    self.clients[base + L.C_GEN] = gen
+                    self.clients[base + L.C_TOKEN] = token
                     self.clients[base + L.C_PID] = self.pid
                     self.clients[base + L.C_BACKEND_PID] = backend_pid
                     now = time.time_ns()
                     self.clients[base + L.C_STARTED_NS] = now
                     self.clients[base + L.C_REGISTERED_NS] = now
                     self.clients[base + L.C_STATE] = L.CS_ACTIVE
-                    return i
+                    return i, token
         finally:
             self.unlock_section()
         raise SectionError(
             f"global section client table full ({L.MAX_CLIENTS}): dead clients wait for the monitor"
         )
 
-    def set_client_backend(self, cidx: int, backend_pid: int) -> None:
-        """A client's new backend (it reconnected); its time bounds the backend's start.
+    def renew_client(self, cidx: int, backend_pid: int) -> int:
+        """Client ``cidx`` (this process's entry) reconnected: record its new
+        backend and give it a new token, which it returns. Its time bounds the
+        backend's start. Slots still locked under the old token are orphaned
+        from now on (recovery decides them once their holder backend is gone).
 
         ``C_REGISTERED_NS`` is left alone: the monitor knows the client by it.
         """
-        self.clients[cidx * L.CLIENT_WORDS + L.C_STARTED_NS] = time.time_ns()
-        self.clients[cidx * L.CLIENT_WORDS + L.C_BACKEND_PID] = backend_pid
+        base = cidx * L.CLIENT_WORDS
+        C = self.clients
+        gen = C[base + L.C_GEN] + 1
+        token = L.token_of(cidx, gen)
+        C[base + L.C_STARTED_NS] = time.time_ns()
+        C[base + L.C_BACKEND_PID] = backend_pid
+        C[base + L.C_GEN] = gen
+        C[base + L.C_TOKEN] = token
+        return token
+
+    def token_holder(self, token: int) -> int | None:
+        """The client entry whose current token is ``token`` (any state but
+        free), or None: the token is orphaned (its entry was freed or has
+        renewed its token since)."""
+        if token <= 0:
+            return None
+        cidx = L.token_client(token)
+        base = cidx * L.CLIENT_WORDS
+        if self.clients[base + L.C_STATE] == L.CS_FREE or self.clients[base + L.C_TOKEN] != token:
+            return None
+        return cidx
+
+    def token_dead(self, token: int) -> bool:
+        """Whether the holder of slots locked under ``token`` is dead, as far
+        as the section tells: the token is orphaned, its entry in doubt, or
+        its process gone. (Its backend may still be ending: recovery waits.)"""
+        cidx = self.token_holder(token)
+        if cidx is None:
+            return token > 0
+        base = cidx * L.CLIENT_WORDS
+        return self.clients[base + L.C_STATE] == L.CS_IN_DOUBT or not pid_alive(
+            self.clients[base + L.C_PID]
+        )
+
+    def locked_under(self, token: int, qidxs: Iterable[int]) -> bool:
+        """Whether any slot of queue blocks ``qidxs`` is locked under ``token`` (vectorized)."""
+        for qidx in qidxs:
+            qb = qidx * L.QUEUE_WORDS
+            base, cap = self.queues[qb + L.Q_BASE], self.queues[qb + L.Q_CAPACITY]
+            slots = np.flatnonzero(self.owner[base : base + cap] == token)
+            if slots.size:
+                g = base + slots
+                if np.any((self.lck[g >> 6] >> (g & 63).astype(np.uint64)) & np.uint64(1)):
+                    return True
+        return False
 
     def set_client_role(self, cidx: int, role: int) -> None:
         """Mark client ``cidx`` (this process's entry) with ``role`` (CR_*)."""
@@ -374,13 +472,20 @@ class Section:
         """Add ``n`` to counter ``word`` (C_N_*) of client ``cidx``."""
         self.clients[cidx * L.CLIENT_WORDS + word] += n
 
-    def hand_over_client(self, cidx: int, *, pid: int | None = None) -> None:
-        """Mark client ``cidx`` in doubt: recovery decides its slots from the
-        rows and frees it. With ``pid``, only if the entry is still that
-        process's and active (a finalizer that runs late)."""
+    def hand_over_client(
+        self, cidx: int, *, pid: int | None = None, registered_ns: int | None = None
+    ) -> None:
+        """Mark client ``cidx`` in doubt: recovery decides the slots locked
+        under its token from the rows, once its backend has ended, and frees
+        it. With ``pid`` and ``registered_ns``, only if the entry is still that
+        registration's and active (a finalizer that runs late)."""
         base = cidx * L.CLIENT_WORDS
         C = self.clients
-        if pid is None or (C[base + L.C_PID] == pid and C[base + L.C_STATE] == L.CS_ACTIVE):
+        if pid is None or (
+            C[base + L.C_PID] == pid
+            and C[base + L.C_STATE] == L.CS_ACTIVE
+            and (registered_ns is None or C[base + L.C_REGISTERED_NS] == registered_ns)
+        ):
             C[base + L.C_STATE] = L.CS_IN_DOUBT
 
     def free_client(self, cidx: int) -> None:
@@ -390,6 +495,7 @@ class Section:
             base = cidx * L.CLIENT_WORDS
             self.clients[base + L.C_STATE] = L.CS_FREE
             self.clients[base + L.C_PID] = 0
+            self.clients[base + L.C_TOKEN] = 0
         finally:
             self.unlock_section()
 
@@ -401,6 +507,7 @@ class Section:
             if self.clients[base + L.C_PID] == self.pid:
                 self.clients[base + L.C_STATE] = L.CS_FREE
                 self.clients[base + L.C_PID] = 0
+                self.clients[base + L.C_TOKEN] = 0
         finally:
             self.unlock_section()
 
@@ -456,10 +563,45 @@ class Section:
                 v ^= low
         return out
 
+    # -- leases -------------------------------------------------------------------
+
+    def set_lease(self, qidx: int, lease_s: float) -> None:
+        """Queue block ``qidx``'s lease (``Q_LEASE_MS``), in seconds; 0: none."""
+        self.queues[qidx * L.QUEUE_WORDS + L.Q_LEASE_MS] = max(0, round(lease_s * 1000))
+
+    def note_hold(self, cidx: int) -> None:
+        """Client ``cidx`` took the first dequeued entry of its transaction now."""
+        self.clients[cidx * L.CLIENT_WORDS + L.C_HOLD_SINCE_NS] = time.monotonic_ns()
+
+    def end_hold(self, cidx: int, since_ns: int) -> None:
+        """Record that the monitor ended client ``cidx``'s transaction that took
+        its first entry at ``since_ns``, past the lease, and that it rolled back."""
+        w = cidx * L.CLIENT_WORDS + L.C_HOLD_SINCE_NS
+        if self.clients[w] == since_ns:
+            self.clients[w] = -1
+
+    def lease_ended(self, cidx: int) -> bool:
+        """True if the monitor ended client ``cidx``'s transaction past the lease (see
+        :meth:`end_hold`); the word is set anew by the next transaction's first entry."""
+        return self.clients[cidx * L.CLIENT_WORDS + L.C_HOLD_SINCE_NS] < 0
+
+    def clear_hold(self, cidx: int) -> None:
+        """Client ``cidx``'s transaction finished: it holds no dequeued entry."""
+        self.clients[cidx * L.CLIENT_WORDS + L.C_HOLD_SINCE_NS] = 0
+
     def active_clients(self) -> list[int]:
         return [
-            i for i in range(L.MAX_CLIENTS) if self.clients[i * L.CLIENT_WORDS + L.C_STATE] != L.CS_FREE
+            i
+            for i in range(L.MAX_CLIENTS)
+            if self.clients[i * L.CLIENT_WORDS + L.C_STATE] != L.CS_FREE
         ]
+
+    def monitor_serving(self, fresh_s: float) -> bool:
+        """Whether a monitor's heartbeat is fresher than ``fresh_s`` seconds and its process
+        lives."""
+        pid = self.header[L.H_MONITOR_PID]
+        beat = self.header[L.H_MONITOR_BEAT_NS]
+        return bool(pid) and time.time_ns() - beat < fresh_s * 1e9 and pid_alive(pid)
 
     # -- wake-ups -----------------------------------------------------------------
 

@@ -11,14 +11,13 @@ from __future__ import annotations
 import logging
 import os
 import socket
-import threading
 import time
 import weakref
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from datetime import datetime
-from typing import Any, ClassVar, Self, TypeVar
+from typing import Any, Self, TypeVar
 
 import posix_ipc
 import psycopg
@@ -30,9 +29,9 @@ from . import _wire
 from ._decide import decide_ops, load_queue, resync_queue, wait_backend_gone
 from ._dsn import resolve_dsn
 from ._errors import (
-    DatabaseUnavailable,
     InDoubt,
     PayloadTooLarge,
+    QueueError,
     QueueFull,
     QueueNotFound,
     RingqError,
@@ -46,12 +45,15 @@ from ._errors import (
 )
 from ._events import Subscription, publish
 from ._names import queue_table, validate_queue_name
-from ._ops import Op, OpKind, RowState, RowWrite
+from ._ops import POISON_REASON, Op, OpKind, RowState, RowWrite
+from ._process import _Process
 from ._queries import QUERIES as _Q
 from ._queue_info import QueueInfo as QueueInfo  # noqa: PLC0414 (re-exported for ringq.engine)
+from ._recovery import recover_dead_clients
 from ._ring import Ring
 from ._section import Section
 from ._tpc import TwoPhase
+from ._validate import as_payload, as_payloads, check_count, check_key, check_wait, validate_seconds
 
 logger = logging.getLogger("ringq.engine")
 
@@ -61,10 +63,19 @@ _INERROR = TransactionStatus.INERROR
 T = TypeVar("T")
 
 SUPPORTED_SCHEMA = "1"
-POISON_REASON = "max deliveries reached"
 # A waiting dequeuer is woken by the commit that makes an entry ready (a
 # semaphore post); it also looks again this often, in seconds, as a safety net.
 CLAIM_RECHECK_S = 1.0
+# A session that finds nothing ready (or no room) looks for dead holders in
+# the queue's way at most this often, in seconds, per process and queue.
+HELP_RECOVER_S = 1.0
+# With a monitor serving (its heartbeat fresher than MONITOR_FRESH_S), a
+# session leaves a dead holder to it (it recovers every 100 ms, and reports
+# the death) for MONITOR_GRACE_S seconds before it recovers it itself.
+MONITOR_FRESH_S = 2.0
+MONITOR_GRACE_S = 2.0
+_last_help: dict[tuple[str, int], float] = {}  # (instance, queue id) -> monotonic time of the last look
+_dead_since: dict[tuple[str, int], float] = {}  # (instance, queue id) -> when a dead holder was first seen
 
 
 @dataclass(frozen=True)
@@ -88,31 +99,6 @@ class Message:
         return self.deliveries > 1
 
 
-class _Process:
-    """Per-process attachment: one Section per database instance, re-made after fork()."""
-
-    lock = threading.Lock()
-    pid = os.getpid()
-    sections: ClassVar[dict[str, Section]] = {}
-
-    @classmethod
-    def section(cls, instance: str) -> Section:
-        with cls.lock:
-            if cls.pid != os.getpid():
-                # Forked: the parent's mapping stays valid but its locks and
-                # client entries are not ours; start afresh.
-                cls.sections = {}
-                cls.pid = os.getpid()
-            sec = cls.sections.get(instance)
-            if sec is not None and (sec.closed or sec.unlinked()):
-                cls.sections.pop(instance, None)
-                sec = None
-            if sec is None:
-                sec = Section.attach(instance)
-                cls.sections[instance] = sec
-            return sec
-
-
 _producer_counter = iter(range(1, 1 << 62))
 
 
@@ -122,16 +108,14 @@ def connect(
     producer: str | None = None,
     connect_timeout: float = 10.0,
     application_name: str = "ringq",
-    eager_begin: bool = False,
 ) -> Session:
     """Open a session: DSN from the argument, else ``RINGQ_DSN``, else the embedded cluster.
 
     A transaction costs one round trip: enqueues are kept in the session
-    and sent with the BEGIN and the COMMIT; a dequeue on an idle connection
-    carries its own BEGIN. Between transactions the connection is idle (no
-    transaction open). ``eager_begin`` (deprecated, off by default) sends
-    the next ``BEGIN`` with each ``COMMIT``/``ROLLBACK`` instead, leaving the
-    connection "idle in transaction" between transactions.
+    and sent with the COMMIT; a dequeue on an idle connection carries its
+    own BEGIN. Between transactions the session's connection is idle, never
+    "idle in transaction": it holds no snapshot, its table statistics reach
+    PostgreSQL, and ``idle_in_transaction_session_timeout`` cannot end it.
 
     :raises DatabaseUnavailable: the database cannot be reached.
     :raises SchemaMissing: the database holds no ringq schema (create a queue first).
@@ -142,7 +126,6 @@ def connect(
         producer=producer,
         connect_timeout=connect_timeout,
         application_name=application_name,
-        eager_begin=eager_begin,
     )
 
 
@@ -162,10 +145,8 @@ class Session(TwoPhase):
         producer: str | None = None,
         connect_timeout: float = 10.0,
         application_name: str = "ringq",
-        eager_begin: bool = False,
     ) -> None:
         self.dsn = dsn
-        self._eager = eager_begin
         self._connect_timeout = connect_timeout
         self._appname = application_name
         self._pid = os.getpid()
@@ -176,11 +157,11 @@ class Session(TwoPhase):
         self._rings: dict[int, Ring] = {}
         self._stmts: dict[tuple[str, str], str] = {}
         self._closed = False
+        self._closing = False
         self._tpc_reset()
         self._role = L.CR_CLIENT  # C_ROLE of our client entry (a worker sets CR_WORKER)
         self._conn = self._open_connection()
         self._attach()
-        self._begin()
 
     # -- life cycle -----------------------------------------------------------------
 
@@ -197,9 +178,8 @@ class Session(TwoPhase):
 
     def _attach(self) -> None:
         def read_instance() -> tuple[Any, ...] | None:
-            row = self._conn.execute(_Q["attach"]).fetchone()
-            self._conn.rollback()
-            return row
+            with self._outside_transaction() as conn:
+                return conn.execute(_Q["attach"]).fetchone()
 
         try:
             row = self._call(read_instance, recover=False)
@@ -235,12 +215,16 @@ class Session(TwoPhase):
         old = getattr(self, "_finalizer", None)
         if old is not None:
             old.detach()
-        self._cidx = self._section.add_client(backend_pid)
-        self.owner = self._cidx + 1
+        sec = self._section
+        # owner: our token, written in the OWNER word of every slot we lock
+        # (with our backend pid in its HOLDER word); renewed at every reconnect.
+        self._cidx, self.owner = sec.add_client(backend_pid)
         if self._role:
-            self._section.set_client_role(self._cidx, self._role)
+            sec.set_client_role(self._cidx, self._role)
         # A session dropped without close() hands its entry to recovery.
-        self._finalizer = weakref.finalize(self, _orphaned, self._section, self._cidx, os.getpid())
+        self._finalizer = weakref.finalize(
+            self, _orphaned, sec, self._cidx, os.getpid(), sec.c(self._cidx, L.C_REGISTERED_NS)
+        )
 
     def _set_role(self, role: int) -> None:
         """Mark our client entry with ``role`` (CR_*), kept across re-registrations."""
@@ -251,29 +235,21 @@ class Session(TwoPhase):
         """Write (word, value) pairs into our client entry (a worker's counters)."""
         self._section.set_client_words(self._cidx, words)
 
-    def _begin(self) -> None:
-        """Start the next transaction now, if eager (psycopg would otherwise send
-        BEGIN as an extra round trip before the first statement)."""
-        if self._eager and self._conn.info.transaction_status == _IDLE:
-            self._execute(self._begin_sql(), recover=False)
-
-    def _begin_sql(self) -> str:
-        iso = self._conn.isolation_level
-        if iso is None:
-            return "BEGIN"
-        return "BEGIN ISOLATION LEVEL " + iso.name.replace("_", " ")
-
-    def _end(self, verb: str) -> None:
-        """COMMIT or ROLLBACK, and with eager begin the next BEGIN in the same round trip.
-
-        :raises RingqError: converted, not recovered: the caller decides what the failure means.
-        """
-        if self._eager and self._tpc_xid is None and self._conn.info.transaction_status != _IDLE:
-            self._execute(f"{verb}; {self._begin_sql()}", recover=False)  # simple protocol: one round trip
-        elif verb == "COMMIT":
-            self._call(self._conn.commit, recover=False)
-        else:
-            self._call(self._conn.rollback, recover=False)
+    @contextmanager
+    def _outside_transaction(self) -> Iterator[psycopg.Connection[Any]]:
+        """The session's connection in autocommit while no transaction is open
+        (each statement its own: nothing left open afterwards, no snapshot
+        held); inside the caller's transaction, the connection as it is."""
+        conn = self._conn
+        if conn.info.transaction_status != _IDLE or conn.autocommit:
+            yield conn
+            return
+        conn.autocommit = True  # no round trip: psycopg only stops sending BEGIN
+        try:
+            yield conn
+        finally:
+            if not conn.closed:
+                conn.autocommit = False
 
     def close(self) -> None:
         """Roll back anything open and release the connection; a second call does nothing.
@@ -282,27 +258,46 @@ class Session(TwoPhase):
         rolled back (other participants may have committed): it stays
         prepared, its slots held, for recovery (``resolve_prepared``) to commit.
         """
-        if self._closed:
-            return
         if os.getpid() != self._pid:
             self._closed = True  # the parent's connection and client entry are not ours
             return
+        if self._closed:
+            self._release_entry()  # closed by a lost connection: the entry it took since
+            return
         try:
-            self._eager = False  # no BEGIN after the last rollback
             if self._tpc_decided:
                 self._leave_decided()
+            elif self._conn.closed or self._conn.broken:
+                # The server ended the connection and rolled back: nothing to
+                # send. Slots still held go to recovery (_release_entry).
+                logger.info("ringq: session closed after its connection was lost (%d slots left to recovery)",
+                            len(self._ops))
             elif self._ops or self._conn.info.transaction_status != _IDLE:
+                self._closing = True  # a rollback that finds the connection lost does not reconnect
                 self.rollback()
-        except RingqError:
-            logger.warning("ringq: rollback at close failed", exc_info=True)
+        except RingqError as exc:
+            logger.info("ringq: rollback at close failed (slots left to recovery): %s", exc)
         finally:
             self._closed = True
-            if not self._ops:
-                self._section.remove_client(self._cidx)
-                self._finalizer.detach()
+            self._release_entry()
             self._conn.close()
             if self._aux is not None:
                 self._aux.close()
+
+    def _release_entry(self) -> None:
+        """Give up our client entry (once): freed if no slot is locked under
+        our token, else handed over to recovery, never freed: a later session
+        taking the entry must not inherit slots it knows nothing of."""
+        if not self._finalizer.alive:
+            return
+        self._finalizer.detach()
+        sec = self._section
+        if sec.closed:
+            return
+        if self._ops or sec.locked_under(self.owner, sec.client_queues(self._cidx)):
+            sec.hand_over_client(self._cidx)
+        else:
+            sec.remove_client(self._cidx)
 
     def __enter__(self) -> Self:
         return self
@@ -332,9 +327,12 @@ class Session(TwoPhase):
             # If the connection is lost meanwhile, _call decides them
             # from a new one. Row writes still held in the session never
             # went: they stay, for the session's own commit or rollback.
-            self._call(lambda: self._decide_from_rows(self._conn, self._sent()))
+            def decide() -> None:
+                with self._outside_transaction() as conn:
+                    self._decide_from_rows(conn, self._sent())
+
+            self._call(decide)
             self._ops = [op for op in self._ops if op.write is not None]
-            self._begin()
         if self._section.unlinked() and not self._ops:
             self._reattach_section()
 
@@ -353,7 +351,6 @@ class Session(TwoPhase):
         self.producer = f"{socket.gethostname()}:{os.getpid()}:{next(_producer_counter)}"
         self._conn = self._open_connection()
         self._attach()
-        self._begin()
 
     def _reattach_section(self) -> None:
         old = self._section
@@ -377,7 +374,12 @@ class Session(TwoPhase):
         info = self._queues.get(name)
         if info is None:
             validate_queue_name(name)
-            row = self._execute(_Q["queue_info"], (name,)).fetchone()
+
+            def lookup() -> tuple[Any, ...] | None:
+                with self._outside_transaction() as conn:
+                    return conn.execute(_Q["queue_info"], (name,)).fetchone()
+
+            row = self._call(lookup)
             if row is None:
                 raise QueueNotFound(f"queue {name!r} does not exist", queue=name)
             info = QueueInfo(*row)
@@ -436,10 +438,13 @@ class Session(TwoPhase):
                 lost = self._conn.broken or isinstance(exc, psycopg.OperationalError | psycopg.InterfaceError) and self._conn.closed
                 # A statement refused because the caller's own SQL already failed
                 # the transaction is the caller's error, not ours.
-                if qid and not isinstance(exc, psycopg.errors.InFailedSqlTransaction):
-                    self._record_error(L.ERR_CONNECTION_LOST if lost else L.ERR_DATABASE, qid, seq)
-                if lost:
-                    self._connection_lost(exc)
+                record = qid and not isinstance(exc, psycopg.errors.InFailedSqlTransaction)
+                try:
+                    if lost:
+                        self._connection_lost(exc)  # first: the error is told with the new backend
+                finally:
+                    if record:
+                        self._record_error(L.ERR_CONNECTION_LOST if lost else L.ERR_DATABASE, qid, seq)
             raise from_psycopg(exc, dsn=self.dsn, queue=queue) from exc
 
     def _execute(
@@ -454,29 +459,19 @@ class Session(TwoPhase):
         seq: int = -1,
         recover: bool = True,
     ) -> psycopg.Cursor[Any]:
-        """Run one statement on the session's connection (or ``conn``); errors as in :meth:`_call`."""
-        c = self._conn if conn is None else conn
-        return self._call(
-            lambda: c.execute(query, params, binary=binary), queue=queue, qid=qid, seq=seq, recover=recover
-        )
+        """Run one statement on the session's connection (or ``conn``); errors as in :meth:`_call`.
 
-    def _execute_in_tx(
-        self,
-        query: str,
-        params: Sequence[Any] | Mapping[str, Any] | None = None,
-        *,
-        binary: bool = False,
-        queue: str | None = None,
-        qid: int = 0,
-        seq: int = -1,
-    ) -> psycopg.Cursor[Any]:
-        """As :meth:`_execute`, for a statement that may open the transaction:
-        on an idle connection the BEGIN travels with it (one round trip)."""
-        c = self._conn
-        may_begin = self._tpc_xid is None
-        return self._call(
-            lambda: _wire.execute(c, query, params, binary=binary, may_begin=may_begin), queue=queue, qid=qid, seq=seq
-        )
+        The first statement of a transaction on the session's connection
+        carries its BEGIN in the same message (``BEGIN; <statement>``), not one of its own.
+        """
+        c = self._conn if conn is None else conn
+        # Inside a two-phase transaction psycopg sends its own BEGIN.
+        may_begin = c is self._conn and self._tpc_xid is None
+
+        def run() -> psycopg.Cursor[Any]:
+            return _wire.execute(c, query, params, binary=binary, may_begin=may_begin)
+
+        return self._call(run, queue=queue, qid=qid, seq=seq, recover=recover)
 
     # -- transactions -------------------------------------------------------------------
 
@@ -523,7 +518,7 @@ class Session(TwoPhase):
             if writes:
                 self._send_writes(writes, commit=True)
             else:
-                self._end("COMMIT")
+                self._call(self._conn.commit, recover=False)
         except StaleSection:
             raise  # rolled back and resynced already
         except RingqError as err:
@@ -531,6 +526,8 @@ class Session(TwoPhase):
             self._ops = []
             if self._conn.broken or self._conn.closed:
                 committed = self._recover(ops, reason=f"commit answer lost: {exc}")
+                if committed is None and self._section.lease_ended(self._cidx):
+                    committed = False if any(op.kind == OpKind.DEQUEUE for op in ops) else None  # past the lease
                 if committed is None:
                     self._record_ops_error(L.ERR_IN_DOUBT, ops)
                     raise InDoubt(f"commit outcome unknown: {exc}") from exc
@@ -637,13 +634,11 @@ class Session(TwoPhase):
             if deq:
                 poisoned = self._strike(deq, rollback=True)
             else:
-                self._end("ROLLBACK")
+                self._call(self._conn.rollback, recover=False)
         except RingqError as err:
             self._recover(ops, reason=f"rollback failed: {err.__cause__}")
             raise
         self._finish(ops, committed=False, poisoned=poisoned)
-        if deq and not self._closed:
-            self._begin()
 
     @contextmanager
     def transaction(self) -> Iterator[Session]:
@@ -678,6 +673,7 @@ class Session(TwoPhase):
         """
         if not ops:
             return
+        self._section.clear_hold(self._cidx)
         if poisoned is None:
             poisoned = set()
             if not committed and count_delivery:
@@ -733,6 +729,8 @@ class Session(TwoPhase):
             }
             statements.append((self._stmt("strike", name), params))
         try:
+            # ROLLBACK (if a transaction is open) and, after it, each queue's
+            # strike in autocommit: one round trip.
             cursors = self._call(lambda: _wire.rollback_then(self._conn, statements), recover=False)
         except RingqError:
             if rollback and (self._conn.broken or self._conn.closed):
@@ -770,11 +768,15 @@ class Session(TwoPhase):
 
         :raises QueueNotFound, PayloadTooLarge, QueueFull, SessionClosed, DatabaseUnavailable:
         :raises TransactionError: the transaction failed earlier (roll it back).
+        :raises InvalidArgumentType: the payload is not bytes-like, the key not a str.
+        :raises InvalidArgument: the key is over 1,000 bytes, the timeout negative.
         """
         self._check()
+        payload = as_payload(payload)
+        check_key(key)
+        check_wait("timeout", timeout)
         t0 = time.perf_counter_ns()
         info = self._info(queue)
-        payload = _as_bytes(payload)
         if len(payload) > info.max_payload:
             self._record_error(L.ERR_PAYLOAD_TOO_LARGE, info.id)
             raise PayloadTooLarge(
@@ -795,7 +797,7 @@ class Session(TwoPhase):
             self._producer_seq += 1
             op = Op(self._ring(info), info, slot, seq, OpKind.ENQUEUE)
             self._ops.append(op)
-            row = self._execute_in_tx(
+            row = self._execute(
                 self._stmt("enqueue_key", queue),
                 {
                     "queue_id": info.id,
@@ -839,11 +841,15 @@ class Session(TwoPhase):
 
         As :meth:`enqueue` without a key: nothing goes to the database now;
         the commit writes the rows of a queue in one statement.
+
+        :raises InvalidArgumentType: ``payloads`` is not an iterable of bytes-like payloads.
+        :raises InvalidArgument: the timeout is negative.
         """
         self._check()
+        items = as_payloads(payloads)
+        check_wait("timeout", timeout)
         t0 = time.perf_counter_ns()
         info = self._info(queue)
-        items = [_as_bytes(p) for p in payloads]
         for p in items:
             if len(p) > info.max_payload:
                 self._record_error(L.ERR_PAYLOAD_TOO_LARGE, info.id)
@@ -900,7 +906,7 @@ class Session(TwoPhase):
                     ring.remove_waiter(OpKind.ENQUEUE)
                     waiting = False
                 while len(got) < n:
-                    r = ring.reserve(self.owner)
+                    r = ring.reserve(self.owner, self.backend_pid)
                     if r is None:
                         break
                     got.append(r)
@@ -920,6 +926,13 @@ class Session(TwoPhase):
                 sec.unlock_queue(ring.qidx)
             if got:
                 return got
+            try:
+                if not self_blocked and self._help_recover(ring, info):
+                    continue  # a dead holder's slots were decided: try again now
+            except BaseException:
+                if waiting:
+                    self._unwait(ring, OpKind.ENQUEUE)
+                raise
             if not waiting:
                 self._record_error(L.ERR_QUEUE_FULL, info.id, ring.head)
             if self_blocked:
@@ -964,29 +977,37 @@ class Session(TwoPhase):
         return got[0] if got else None
 
     def dequeue_many(self, queue: str, max_n: int, *, wait: float | None = None) -> list[Message]:
-        """Take up to ``max_n`` ready entries (oldest first) in one statement."""
+        """Take up to ``max_n`` ready entries (oldest first) in one statement.
+
+        :raises InvalidArgumentType: ``max_n`` is not an int, ``wait`` not a number.
+        :raises InvalidArgument: ``max_n`` is below 1, ``wait`` negative.
+        """
         self._check()
-        if max_n < 1:
-            raise ValueError("max_n must be >= 1")
+        check_count("max_n", max_n)
+        check_wait("wait", wait)
         t0 = time.perf_counter_ns()
         info = self._info(queue)
         ring = self._ring(info)
         exclusive = info.dequeue_mode == "single"
-        deadline = None if wait is None else time.monotonic() + max(0.0, wait)
+        deadline = None if wait is None else time.monotonic() + wait
+        holding = any(op.kind == OpKind.DEQUEUE for op in self._ops)
         for _attempt in range(64):
             claimed = self._claim(ring, info, max_n, deadline, exclusive)
             if not claimed:
                 return []
+            if not holding:  # the queue's lease runs from the transaction's first entry
+                self._section.note_hold(self._cidx)
+                holding = True
             ops = [Op(ring, info, slot, seq, OpKind.DEQUEUE) for slot, seq in claimed]
             self._ops.extend(ops)
             if len(ops) == 1:
-                row = self._execute_in_tx(
+                row = self._execute(
                     self._stmt("dequeue", queue), (ops[0].slot, ops[0].seq),
                     binary=True, queue=queue, qid=info.id, seq=ops[0].seq,
                 ).fetchone()
                 rows = [] if row is None else [(ops[0].slot, ops[0].seq, *row)]
             else:
-                rows = self._execute_in_tx(
+                rows = self._execute(
                     self._stmt("dequeue_many", queue), ([op.slot for op in ops], [op.seq for op in ops]),
                     binary=True, queue=queue, qid=info.id, seq=ops[0].seq,
                 ).fetchall()
@@ -1020,11 +1041,11 @@ class Session(TwoPhase):
                     ring.remove_waiter(OpKind.DEQUEUE)
                     waiting = False
                 if max_n == 1:
-                    r = ring.claim(self.owner, exclusive=exclusive)
+                    r = ring.claim(self.owner, self.backend_pid, exclusive=exclusive)
                     if r is not None:
                         got.append(r)
                 else:
-                    got = ring.claim_many(self.owner, max_n, exclusive=exclusive)
+                    got = ring.claim_many(self.owner, self.backend_pid, max_n, exclusive=exclusive)
                 if not got:
                     ring.note_empty()
                     if deadline is not None and deadline > time.monotonic():
@@ -1034,7 +1055,16 @@ class Session(TwoPhase):
                         waiting = True
             finally:
                 sec.unlock_queue(ring.qidx)
-            if got or not waiting:
+            if got:
+                return got
+            try:
+                if self._help_recover(ring, info):
+                    continue  # a dead holder's slots were decided: look again now
+            except BaseException:
+                if waiting:
+                    self._unwait(ring, OpKind.DEQUEUE)
+                raise
+            if not waiting:
                 return got
             assert deadline is not None
             if sem is None:
@@ -1090,43 +1120,136 @@ class Session(TwoPhase):
 
     # -- recovery ------------------------------------------------------------------------
 
+    def _help_recover(self, ring: Ring, info: QueueInfo) -> bool:
+        """Nothing ready (or no room): if a dead holder's slot or dequeuer role
+        is in the queue's way, run recovery for it, at once when no monitor
+        serves, else after ``MONITOR_GRACE_S`` if the monitor has not. Looked
+        at most every ``HELP_RECOVER_S`` per process and queue; returns True
+        if recovery decided anything.
+
+        Failures are logged, not raised: the caller only found nothing.
+        """
+        key = (self.instance, ring.qid)
+        now = time.monotonic()
+        if now - _last_help.get(key, -HELP_RECOVER_S) < HELP_RECOVER_S:
+            return False
+        _last_help[key] = now
+        if not self._dead_in_the_way(ring):
+            _dead_since.pop(key, None)
+            return False
+        since = _dead_since.setdefault(key, now)
+        if now - since < MONITOR_GRACE_S and self._section.monitor_serving(MONITOR_FRESH_S):
+            return False
+        try:
+            recovered = recover_dead_clients(self._section, self.dsn)
+        except RingqError as exc:
+            logger.info("ringq: queue %s: recovering a dead holder in its way failed: %s", info.name, exc)
+            return False
+        if recovered:
+            logger.info("ringq: queue %s: a session recovered %d dead holders in its way", info.name, len(recovered))
+        return bool(recovered)
+
+    def _dead_in_the_way(self, ring: Ring) -> bool:
+        """Whether a slot of the queue, or its dequeuer role, is held under a
+        token whose holder is dead as the section tells (see Section.token_dead)."""
+        sec = self._section
+        tokens = {owner for _slot, owner, _holder in ring.locked_slots() if owner > 0}
+        tokens.add(ring.role_owner())
+        tokens -= {0, self.owner}
+        return any(sec.token_dead(t) for t in tokens)
+
+    def recover_dead_holders(self, queue: str, *, timeout: float = 30.0) -> None:
+        """Decide the slots of ``queue`` held by dead clients (a killed process,
+        a session that handed its slots over, an orphaned token), and its
+        dequeuer role, as the monitor would, and wait until none is left.
+
+        For a client taking over from a dead one (a mover) before it adds
+        anything behind those slots. Recovery waits for the dead holders'
+        backends to end, so this takes at least that long.
+
+        :raises QueueError: dead holders remain after ``timeout`` seconds.
+        :raises DatabaseUnavailable: the database cannot be reached.
+        """
+        self._check()
+        validate_seconds("timeout", timeout, 0.0, 86400.0)
+        info = self._info(queue)
+        ring = self._ring(info)
+        deadline = time.monotonic() + timeout
+        while self._dead_in_the_way(ring):
+            recover_dead_clients(self._section, self.dsn)
+            if not self._dead_in_the_way(ring):
+                return
+            if time.monotonic() >= deadline:
+                raise QueueError(f"queue {queue!r}: slots of dead clients still held after {timeout:g}s", queue=queue)
+            time.sleep(0.05)  # their backends are ending, or another process is recovering
+
     def _recover(self, ops: list[Op], *, reason: str) -> bool | None:
-        """Decide ``ops`` from the rows after the connection was lost.
+        """Decide ``ops`` from the rows after the connection was lost, then go
+        on with a new connection under a new token.
+
+        Our old backend must end first (its transaction may still be
+        committing): it is ended and waited for, then ``ops`` are decided under
+        our old token. If anything fails on the way, that identity (the entry,
+        its token and old backend, the slots) is handed over to recovery,
+        which decides later, and the session takes a fresh entry; it stays
+        open if its new connection works, else it is closed.
 
         Returns True if the transaction committed, False if not, None if it
-        could not be decided now (then the monitor decides later).
+        could not be decided now.
         """
-        old_pid = self.backend_pid
+        old_pid, old_token, old_conn = self.backend_pid, self.owner, self._conn
         with suppress(Exception):  # already broken: closing is a courtesy
-            self._conn.close()
+            old_conn.close()
+        if self._closing:
+            return None  # close() hands what we hold over to recovery
         try:
-            new = self._open_connection()
-        except DatabaseUnavailable:
-            # Hand the slots over to the monitor: it decides them from the rows
-            # once the database is back.
-            if ops:
-                self._section.hand_over_client(self._cidx)
-                self._finalizer.detach()
-                self._register_client(0)
-            self._closed = True
+            self._conn = self._open_connection()
+            committed = self._call(lambda: self._decide_lost(ops, old_pid, old_token), recover=False)
+        except Exception as exc:  # noqa: BLE001 - whatever failed, recovery decides, never a later session
+            self._hand_over(old_conn, reason=f"{reason}; deciding failed: {exc}", slots=len(ops))
             return None
-        self._conn = new
-
-        def decide() -> tuple[bool | None, tuple[Any, ...] | None]:
-            with psycopg.connect(self.dsn, autocommit=True) as aux:
-                wait_backend_gone(aux, old_pid)
-                committed = self._decide_from_rows(aux, ops)
-            row = self._conn.execute(_Q["backend_pid"]).fetchone()
-            self._conn.rollback()
-            return committed, row
-
-        committed, row = self._call(decide, recover=False)
-        assert row is not None
-        self.backend_pid = row[0]
-        self._section.set_client_backend(self._cidx, self.backend_pid)
-        self._begin()
-        logger.warning("ringq: connection lost (%s); %d slots decided from rows", reason, len(ops))
+        self.backend_pid = self._conn.info.backend_pid
+        self.owner = self._section.renew_client(self._cidx, self.backend_pid)
+        logger.log(logging.WARNING if ops else logging.INFO,
+                   "ringq: connection lost (%s); %d slots decided from rows", reason, len(ops))
         return committed
+
+    def _decide_lost(self, ops: list[Op], old_pid: int, old_token: int) -> bool | None:
+        """Decide the slots of our lost connection (backend ``old_pid``) that
+        ``old_token`` still holds, once that backend has ended; then give up a
+        single-dequeuer role that token holds with nothing left in flight."""
+        if not ops:
+            return None
+        with psycopg.connect(self.dsn, autocommit=True, connect_timeout=max(1, int(self._connect_timeout))) as aux:
+            wait_backend_gone(aux, old_pid)
+            committed = decide_ops(self._section, aux, ops, old_token)
+        sec = self._section
+        for op in ops:
+            sec.lock_queue(op.ring.qidx)
+            try:
+                if op.ring.role_owner() == old_token and not sec.locked_under(old_token, [op.ring.qidx]):
+                    op.ring.release_role(old_token)
+            finally:
+                sec.unlock_queue(op.ring.qidx)
+        return committed
+
+    def _hand_over(self, old_conn: psycopg.Connection[Any], *, reason: str, slots: int) -> None:
+        """Deciding our lost connection's slots failed: hand our entry (its
+        token and old backend) over to recovery and take a fresh one; closed
+        unless the new connection works."""
+        self._release_entry()  # handed over if anything is locked under our token, else freed
+        conn = self._conn
+        healthy = conn is not old_conn and not conn.closed and not conn.broken
+        if not healthy:
+            with suppress(Exception):
+                conn.close()
+        self.backend_pid = conn.info.backend_pid if healthy else 0
+        self._register_client(self.backend_pid)
+        if not healthy:
+            self._release_entry()  # a closed session needs no entry
+            self._closed = True
+        logger.warning("ringq: connection lost (%s); %d slots left to recovery%s",
+                       reason, slots, "" if healthy else "; session closed")
 
     def _decide_from_rows(self, conn: psycopg.Connection[Any], ops: list[Op]) -> bool | None:
         if not ops:
@@ -1169,16 +1292,9 @@ class Session(TwoPhase):
         return self._ring(self._info(queue))
 
 
-def _orphaned(sec: Section, cidx: int, pid: int) -> None:
+def _orphaned(sec: Section, cidx: int, pid: int, registered_ns: int) -> None:
     """Finalizer of a session never closed: let recovery decide its slots and free it."""
     if os.getpid() != pid or sec.closed:
         return
-    sec.hand_over_client(cidx, pid=pid)
+    sec.hand_over_client(cidx, pid=pid, registered_ns=registered_ns)
 
-
-def _as_bytes(payload: object) -> bytes:
-    if isinstance(payload, bytes):
-        return payload
-    if isinstance(payload, bytearray | memoryview):
-        return bytes(payload)
-    raise TypeError(f"payload must be bytes, not {type(payload).__name__}")

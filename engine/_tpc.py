@@ -72,7 +72,13 @@ class TwoPhase:
 
         def _check(self) -> None: ...
         def _call(
-            self, fn: Callable[[], T], *, queue: str | None = None, qid: int = 0, seq: int = -1, recover: bool = True
+            self,
+            fn: Callable[[], T],
+            *,
+            queue: str | None = None,
+            qid: int = 0,
+            seq: int = -1,
+            recover: bool = True,
         ) -> T: ...
         def _execute(
             self,
@@ -86,9 +92,10 @@ class TwoPhase:
             seq: int = -1,
             recover: bool = True,
         ) -> psycopg.Cursor[Any]: ...
-        def _begin(self) -> None: ...
         def flush(self) -> None: ...
-        def _finish(self, ops: list[Op], *, committed: bool, count_delivery: bool = True) -> None: ...
+        def _finish(
+            self, ops: list[Op], *, committed: bool, count_delivery: bool = True
+        ) -> None: ...
         def _recover(self, ops: list[Op], *, reason: str) -> bool | None: ...
         def _record_ops_error(self, code: int, ops: list[Op]) -> None: ...
 
@@ -153,7 +160,9 @@ class TwoPhase:
         aux = self._aux
         if aux is None or aux.closed or aux.broken:
             aux = self._call(
-                lambda: psycopg.connect(self.dsn, autocommit=True, connect_timeout=max(1, int(self._connect_timeout))),
+                lambda: psycopg.connect(
+                    self.dsn, autocommit=True, connect_timeout=max(1, int(self._connect_timeout))
+                ),
                 recover=False,
             )
             self._aux = aux
@@ -188,7 +197,9 @@ class TwoPhase:
         """
         self._check()
         if self._tpc_xid is None or not self._tpc_prepared:
-            raise TransactionError("tpc_decide needs a prepared two-phase transaction (call tpc_prepare first)")
+            raise TransactionError(
+                "tpc_decide needs a prepared two-phase transaction (call tpc_prepare first)"
+            )
         self._execute(_Q["tpc_decide"], (self._gid(),), conn=self._aux_conn())
         self._tpc_decided = True
 
@@ -229,7 +240,9 @@ class TwoPhase:
         self._tpc_prepared = False
         self._tpc_decided = False
         self._hold(ops)
-        logger.warning("ringq: session closed with %s decided but not committed: left to recovery", gid)
+        logger.warning(
+            "ringq: session closed with %s decided but not committed: left to recovery", gid
+        )
 
     def _gid(self) -> str:
         x = self._tpc_xid
@@ -256,7 +269,9 @@ class TwoPhase:
                 self._hold(ops)
                 self._record_ops_error(L.ERR_IN_DOUBT, ops)
                 self._recover([], reason=f"tpc end failed: {exc}")
-                raise InDoubt(f"two-phase {'commit' if commit else 'rollback'} of {gid} in doubt: {exc}") from exc
+                raise InDoubt(
+                    f"two-phase {'commit' if commit else 'rollback'} of {gid} in doubt: {exc}"
+                ) from exc
             if commit:
                 self._record_ops_error(L.ERR_COMMIT_FAILED, ops)
             self._recover(ops, reason=f"tpc end failed: {exc}")
@@ -275,7 +290,6 @@ class TwoPhase:
                 logger.warning("ringq: could not clear the decision for %s (recovery will)", gid)
         try:
             self._finish(ops, committed=commit)
-            self._begin()
         finally:
             if ops:
                 try:

@@ -1,10 +1,14 @@
-"""Checks of settings shared by the config dataclasses of every package."""
+"""Checks of settings shared by the config dataclasses of every package, and
+of the arguments of the session's calls (checked before anything is done)."""
 
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 
-from ._errors import ConfigError
+from ._errors import ConfigError, InvalidArgument, InvalidArgumentType
+
+MAX_KEY_BYTES = 1000  # an idempotency key, UTF-8 encoded
 
 
 def validate_seconds(what: str, value: object, low: float, high: float) -> None:
@@ -20,3 +24,95 @@ def validate_seconds(what: str, value: object, low: float, high: float) -> None:
         or not low <= value <= high
     ):
         raise ConfigError(f"{what} must be a number from {low:g} to {high:g}, not {value!r}")
+
+
+def validate_int(what: str, value: object, low: int, high: int | None = None) -> None:
+    """Check an integer ``what`` lies in [``low``, ``high``] (``high`` None: no upper bound).
+
+    :raises ConfigError: ``value`` is not an int (bools are refused) or lies
+        outside the range; the message names ``what``.
+    """
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, int)
+        or value < low
+        or (high is not None and value > high)
+    ):
+        bounds = f">= {low:,}" if high is None else f"from {low:,} to {high:,}"
+        raise ConfigError(f"{what} must be an integer {bounds}, not {value!r}")
+
+
+def check_wait(what: str, value: object) -> None:
+    """Check a wait or timeout argument: None, or a finite number of seconds >= 0.
+
+    :raises InvalidArgumentType: not a number (bools are refused).
+    :raises InvalidArgument: negative, infinite or NaN.
+    """
+    if value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise InvalidArgumentType(
+            f"{what} must be a number of seconds or None, not {type(value).__name__}"
+        )
+    if not math.isfinite(value) or value < 0:
+        raise InvalidArgument(f"{what} must be a finite number of seconds >= 0, not {value!r}")
+
+
+def check_count(what: str, value: object) -> int:
+    """Check a count argument: an int >= 1.
+
+    :raises InvalidArgumentType: not an int (bools are refused).
+    :raises InvalidArgument: below 1.
+    """
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise InvalidArgumentType(f"{what} must be an int, not {type(value).__name__}")
+    if value < 1:
+        raise InvalidArgument(f"{what} must be >= 1, not {value}")
+    return value
+
+
+def check_key(key: object) -> None:
+    """Check an idempotency key: None, or a str of at most ``MAX_KEY_BYTES`` UTF-8 bytes
+    without NUL.
+
+    :raises InvalidArgumentType: not a str.
+    :raises InvalidArgument: too long, or holds a NUL character (PostgreSQL text cannot).
+    """
+    if key is None:
+        return
+    if not isinstance(key, str):
+        raise InvalidArgumentType(f"key must be a str or None, not {type(key).__name__}")
+    if "\x00" in key:
+        raise InvalidArgument("key must not contain NUL characters")
+    size = len(key.encode("utf-8", "surrogatepass"))
+    if size > MAX_KEY_BYTES:
+        raise InvalidArgument(f"key is {size:,} bytes long (UTF-8): {MAX_KEY_BYTES:,} at most")
+
+
+def as_payload(payload: object) -> bytes:
+    """A payload as bytes: bytes, bytearray or memoryview.
+
+    :raises InvalidArgumentType: anything else (a str must be encoded first).
+    """
+    if isinstance(payload, bytes):
+        return payload
+    if isinstance(payload, bytearray | memoryview):
+        return bytes(payload)
+    raise InvalidArgumentType(
+        "payload must be bytes-like (bytes, bytearray, memoryview),"
+        f" not {type(payload).__name__}"
+    )
+
+
+def as_payloads(payloads: object) -> list[bytes]:
+    """Payloads as a list of bytes, from any iterable of bytes-like payloads.
+
+    :raises InvalidArgumentType: not an iterable of them (one bytes-like object is refused).
+    """
+    if isinstance(payloads, str | bytes | bytearray | memoryview) or not isinstance(
+        payloads, Iterable
+    ):
+        raise InvalidArgumentType(
+            f"payloads must be an iterable of bytes-like payloads, not {type(payloads).__name__}"
+        )
+    return [as_payload(p) for p in payloads]

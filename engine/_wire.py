@@ -44,7 +44,8 @@ _IDLE = TransactionStatus.IDLE
 
 
 def begin_statement(conn: psycopg.Connection[Any]) -> str:
-    """The BEGIN psycopg would send: the connection's isolation level, read-only and deferrable settings."""
+    """The BEGIN psycopg would send: the connection's isolation level,
+    read-only and deferrable settings."""
     parts = ["BEGIN"]
     if conn.isolation_level is not None:
         parts.append("ISOLATION LEVEL " + conn.isolation_level.name.replace("_", " "))
@@ -81,7 +82,12 @@ def _no_implicit_begin(conn: psycopg.Connection[Any], allowed: bool = True) -> I
 
 
 def execute(
-    conn: psycopg.Connection[Any], query: str, params: Params, *, binary: bool = False, may_begin: bool = True
+    conn: psycopg.Connection[Any],
+    query: str,
+    params: Params,
+    *,
+    binary: bool = False,
+    may_begin: bool = True,
 ) -> psycopg.Cursor[Any]:
     """Run one statement in the connection's transaction: one round trip.
 
@@ -102,7 +108,13 @@ def execute(
         return cur
 
 
-def send(conn: psycopg.Connection[Any], statements: Sequence[Statement], *, commit: bool, may_begin: bool = True) -> None:
+def send(
+    conn: psycopg.Connection[Any],
+    statements: Sequence[Statement],
+    *,
+    commit: bool,
+    may_begin: bool = True,
+) -> None:
     """Send ``statements`` in one round trip, their results unread (a failing
     statement raises: the first psycopg error). With ``commit`` the
     transaction ends with them; else it stays open, opened by a BEGIN sent
@@ -129,7 +141,9 @@ def send(conn: psycopg.Connection[Any], statements: Sequence[Statement], *, comm
                 cur.execute(query, params, prepare=None if params is not None else False)
 
 
-def rollback_then(conn: psycopg.Connection[Any], statements: Sequence[Statement]) -> list[psycopg.Cursor[Any]]:
+def rollback_then(
+    conn: psycopg.Connection[Any], statements: Sequence[Statement]
+) -> list[psycopg.Cursor[Any]]:
     """ROLLBACK the open transaction (if any) and run ``statements`` after it
     in autocommit, in one round trip. Returns each statement's cursor, to read
     its rows. If a statement fails the ROLLBACK has still happened; the error

@@ -14,7 +14,8 @@ DB_UNAVAILABLE: Final = 3  # the database cannot be reached
 NOT_FOUND: Final = 4  # the named queue (or run, or entry) does not exist
 CONFLICT: Final = 5  # it exists with different settings (or another process holds it)
 INTERRUPTED: Final = 130  # stopped by SIGINT/SIGTERM before finishing
-BROKEN_PIPE: Final = 141  # the reader of stdout went away (`ringq db status | head -1`): 128 + SIGPIPE, as a shell reports
+# the reader of stdout went away (`ringq db status | head -1`): 128 + SIGPIPE, as a shell reports
+BROKEN_PIPE: Final = 141
 
 EPILOG: Final = (
     "exit codes: 0 ok, 1 failure, 2 usage, 3 database unavailable, 4 not found, "

@@ -1,7 +1,11 @@
 """Metric names: one place, read by the engine, the monitor and the viewer.
 
 ``queue_stats(section, qidx)`` returns a dict with exactly these keys
-(counters are cumulative since the queue was loaded into the section).
+(counters are cumulative since the queue was loaded into the section);
+``client_stats(section, cidx)`` the keys of :data:`CLIENT_COUNTERS`. At the
+end, the figures the monitor derives from them and serves (``GET
+/api/queues``, ``/api/history``, ``/api/clients``, the T4 files), by the names
+the viewer reads.
 """
 
 from __future__ import annotations
@@ -88,6 +92,16 @@ def percentile_us(hist: list[int], q: float) -> float:
     return float(1 << (len(hist) - 1))
 
 
+# -- the monitor's own figures (the "monitor" object of /api/queues, read by /metrics) ----------
+
+XMIN_AGE_S: Final = "xmin_age_s"  # seconds the oldest transaction has held back the xmin horizon
+SNAPSHOT_HELD: Final = "snapshot_held"  # it is past the monitor's xmin_warn_s
+# that transaction: kind, pid, application, user, state, ... (or null)
+XMIN_HOLDER: Final = "xmin_holder"
+VACUUMS: Final = "vacuums"  # ring tables the monitor vacuumed after a held snapshot was released
+EXPIRED_LEASES: Final = "expired_leases"  # sessions ended past their queue's lease
+
+
 # -- clients (one entry per session in the section's client table) --------------------------
 
 COMMITS: Final = "commits"  # transactions committed through the session
@@ -147,3 +161,93 @@ def role_name(code: int) -> str:
 
 def error_kind(code: int) -> str:
     return ERROR_KINDS.get(code, f"error{code}")
+
+
+# -- the monitor's figures ---------------------------------------------------------------------
+# One queue's sample over the monitor's interval: the section's figures CAPACITY,
+# DEPTH, HEAD, TAIL, WAIT_READY and WAIT_SPACE as they are, and these. In a
+# sample COMMITS and ROLLBACKS count the queue's enqueue + dequeue commits and
+# rollbacks in the interval, POISONED its entries poisoned in the interval.
+
+NAME: Final = "name"  # the queue's name (GET /api/queues)
+T: Final = "t"  # unix seconds at the end of the interval
+ENQ_RATE: Final = "enq_rate"  # committed enqueues per second over the interval
+DEQ_RATE: Final = "deq_rate"  # committed dequeues per second over the interval
+ENQ_P50: Final = "enq_p50_us"  # enqueue call latency over the interval, microseconds (0: no call)
+ENQ_P99: Final = "enq_p99_us"
+DEQ_P50: Final = "deq_p50_us"
+DEQ_P99: Final = "deq_p99_us"
+FULL: Final = "full"  # seconds of the interval the queue had no free slot
+EMPTY: Final = "empty"  # seconds of the interval nothing was ready (recovery-pass resolution)
+RETRIES: Final = "retries"  # dequeues rolled back in the interval (delivery retries)
+EXCEPTIONS: Final = "exceptions"  # entries in the exception table now
+DEAD_ROWS: Final = "dead_rows"  # dead row versions in the queue's table (pg_stat_user_tables)
+
+# Every numeric figure of a sample, in this order: the T4 columns and the history's.
+SAMPLE_KEYS: Final = (
+    T, CAPACITY, DEPTH, HEAD, TAIL, ENQ_RATE, DEQ_RATE, ENQ_P50, ENQ_P99, DEQ_P50, DEQ_P99,
+    FULL, EMPTY, RETRIES, EXCEPTIONS, COMMITS, ROLLBACKS, WAIT_READY, WAIT_SPACE, POISONED,
+    DEAD_ROWS,
+)
+
+# How a bucket of samples sums each figure up when a long window of history is
+# thinned (by the monitor, and by the viewer for its plots): the worst case where
+# an operator looks for spikes (depth, p99, retries, waiters), the mean for
+# steady figures and for the full/empty seconds (so a bucket reads as "seconds
+# full per interval, on average"), the last value for positions and for T (the
+# bucket is stamped with its last point's time).
+MAX: Final = "max"
+MEAN: Final = "mean"
+LAST: Final = "last"
+BUCKET: Final = {
+    T: LAST,
+    CAPACITY: LAST,
+    DEPTH: MAX,
+    HEAD: LAST,
+    TAIL: LAST,
+    ENQ_RATE: MEAN,
+    DEQ_RATE: MEAN,
+    ENQ_P50: MEAN,
+    ENQ_P99: MAX,
+    DEQ_P50: MEAN,
+    DEQ_P99: MAX,
+    FULL: MEAN,
+    EMPTY: MEAN,
+    RETRIES: MAX,
+    EXCEPTIONS: MAX,
+    COMMITS: MEAN,
+    ROLLBACKS: MEAN,
+    WAIT_READY: MAX,
+    WAIT_SPACE: MAX,
+    POISONED: MAX,
+    DEAD_ROWS: MAX,
+}
+
+# One client of GET /api/clients (a session attached to the section): these, the
+# counters of CLIENT_COUNTERS but BUSY_NS (totals since the session opened; a
+# worker's carry over a reconnect), and the rates over the monitor's interval.
+PID: Final = "pid"
+BACKEND_PID: Final = "backend_pid"
+ROLE: Final = "role"  # ROLE_CLIENT or ROLE_WORKER
+STATE: Final = "state"  # STATE_ACTIVE, or STATE_IN_DOUBT (lost its connection holding slots)
+STARTED: Final = "started"  # unix seconds the entry was registered (or its backend last changed)
+QUEUES: Final = "queues"  # names of the queues the session used
+BUSY_S: Final = "busy_s"  # seconds spent handling messages (workers)
+COMMIT_RATE: Final = "commit_rate"  # commits per second over the interval
+HANDLED_RATE: Final = "handled_rate"  # messages handled per second over the interval
+FAILED_RATE: Final = "failed_rate"  # messages failed, timed out or aborted per second
+ERROR_RATE: Final = "error_rate"  # errors per second over the interval
+LAST_ERROR: Final = "last_error"  # the last error {ERROR_KIND, ERROR_QUEUE, ERROR_SEQ, T}, or None
+ERROR_KIND: Final = "kind"  # one of ERROR_KINDS' names
+ERROR_QUEUE: Final = "queue"
+ERROR_SEQ: Final = "seq"
+
+STATE_ACTIVE: Final = "active"
+STATE_IN_DOUBT: Final = "in_doubt"
+
+CLIENT_SHOWN_COUNTERS: Final = tuple(k for k in CLIENT_COUNTERS if k != BUSY_NS)
+CLIENT_RATES: Final = (COMMIT_RATE, HANDLED_RATE, FAILED_RATE, ERROR_RATE)
+CLIENT_KEYS: Final = (
+    PID, BACKEND_PID, ROLE, STATE, STARTED, QUEUES, *CLIENT_SHOWN_COUNTERS, BUSY_S, *CLIENT_RATES,
+    LAST_ERROR,
+)

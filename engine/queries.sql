@@ -18,22 +18,24 @@ SELECT (SELECT value FROM ringq.meta WHERE key = 'instance_id'),
        to_regprocedure('ringq.expect_rows(integer, integer, text)') IS NOT NULL
 
 -- queue_info --
+-- lease is read through to_jsonb: a database whose schema predates the column
+-- (the schema block adds it) reads the default, 300 s.
 SELECT id, name, capacity, max_payload, full_policy, full_timeout, dequeue_mode,
-       max_deliveries, exception_queue
-FROM ringq.queues WHERE name = %s
+       max_deliveries, exception_queue, coalesce((to_jsonb(q) ->> 'lease')::float8, 300)
+FROM ringq.queues q WHERE name = %s
 
 -- queue_infos --
 SELECT id, name, capacity, max_payload, full_policy, full_timeout, dequeue_mode,
-       max_deliveries, exception_queue
-FROM ringq.queues
+       max_deliveries, exception_queue, coalesce((to_jsonb(q) ->> 'lease')::float8, 300)
+FROM ringq.queues q
 
 -- queue_ids --
 SELECT id FROM ringq.queues
 
 -- queue_by_id --
 SELECT id, name, capacity, max_payload, full_policy, full_timeout, dequeue_mode,
-       max_deliveries, exception_queue
-FROM ringq.queues WHERE id = %s
+       max_deliveries, exception_queue, coalesce((to_jsonb(q) ->> 'lease')::float8, 300)
+FROM ringq.queues q WHERE id = %s
 
 -- enqueue --
 -- A deferred enqueue's row write, sent at commit (or flush). Guarded: only a
@@ -178,6 +180,13 @@ SELECT pg_backend_pid()
 SELECT pid, extract(epoch FROM backend_start) FROM pg_stat_activity
 WHERE pid = ANY(%s) AND datname = current_database()
 
+-- backends_in_transaction --
+-- The backends among the pids that may still end a transaction (committing or
+-- not): any state but idle. A pid not listed has ended, or sits outside any
+-- transaction, so rows it wrote are decided.
+SELECT pid, state IS DISTINCT FROM 'idle' OR backend_xid IS NOT NULL
+FROM pg_stat_activity WHERE pid = ANY(%s::integer[])
+
 -- backend_alive --
 SELECT count(*) FROM pg_stat_activity WHERE pid = %s
 
@@ -231,3 +240,11 @@ ROLLBACK PREPARED {gid}
 DELETE FROM ringq.inbox
 WHERE id IN (SELECT id FROM ringq.inbox WHERE queue_id = %s ORDER BY id LIMIT %s FOR UPDATE SKIP LOCKED)
 RETURNING id, payload, producer
+
+-- listen_events --
+-- Named events (engine/_events.py) travel on one channel: {channel}, filled
+-- only with psycopg.sql.Identifier.
+LISTEN {channel}
+
+-- notify_event --
+SELECT pg_notify(%s, %s)

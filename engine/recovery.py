@@ -5,13 +5,17 @@ keep the global section true to the rows after failures::
 
     sec = rebuild(dsn)               # attach (or create) the section, load every queue
     recover_dead_clients(sec, dsn)   # decide the slots of clients killed at any point
+    end_holders(sec, dsn, overdue_holders(sec))  # end sessions holding entries past the lease
+    recover_lost_backends(sec, conn) # decide slots of live clients whose backend ended
     reclaim_all(sec)                 # advance tails, wake blocked enqueuers
 
-The functions are defined in ``ringq/engine/_recovery.py``.
+The functions are defined in ``ringq/engine/_recovery.py`` and ``_lease.py``.
 """
 
 from __future__ import annotations
 
+from ._lease import Holder, end_holders, overdue_holders, recover_lost_backends
+from ._process import _Process
 from ._recovery import (
     DECIDED_GRACE_S,
     Recovered,
@@ -25,16 +29,19 @@ from ._recovery import (
     section_differences,
 )
 from ._section import Section
-from ._session import _Process
 
 __all__ = [
     "DECIDED_GRACE_S",
+    "Holder",
     "Recovered",
+    "end_holders",
+    "overdue_holders",
     "queue_room",
     "rebuild",
     "rebuild_into",
     "reclaim_all",
     "recover_dead_clients",
+    "recover_lost_backends",
     "repair_lock_holders",
     "resolve_prepared",
     "section_differences",

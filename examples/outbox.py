@@ -92,11 +92,15 @@ def _crashing_mover(db1: str, db2: str) -> None:
               "killed before database 1 commits", flush=True)
         os.kill(os.getpid(), signal.SIGKILL)
 
-    Mover(db1, OUTBOX, db2, INBOX, config=MoveConfig(batch=2), between_commits=die).open().move_batch()
+    Mover(
+        db1, OUTBOX, db2, INBOX, config=MoveConfig(batch=2), between_commits=die
+    ).open().move_batch()
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--dsn", help="database 1 (default: RINGQ_DSN, else the embedded cluster)")
     p.add_argument("--to-dsn", help="database 2 (default: <database 1>_inbox on the same server)")
     args = p.parse_args(argv)
@@ -110,8 +114,11 @@ def main(argv: list[str] | None = None) -> int:
     if stale:
         print(f"({len(stale)} events of an earlier run taken out of the inbox)")
 
-    placed = place_orders(db1, [("apples", 3), ("pears", 1), ("plums", 7), ("figs", 2), ("kiwis", 4)],
-                 roll_back="plums")
+    placed = place_orders(
+        db1,
+        [("apples", 3), ("pears", 1), ("plums", 7), ("figs", 2), ("kiwis", 4)],
+        roll_back="plums",
+    )
 
     # 1. A mover that dies between the two commits.
     child = mp.get_context("fork").Process(target=_crashing_mover, args=(db1, db2))

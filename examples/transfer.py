@@ -205,8 +205,8 @@ def setup(dsn: str, bank_b_dsn: str) -> None:
             conn.execute(TABLES)
             for name, balance in accounts.items():
                 conn.execute(
-                    "INSERT INTO transfer_accounts (bank, name, balance, open) VALUES (%s, %s, %s, %s) "
-                    "ON CONFLICT DO NOTHING",
+                    "INSERT INTO transfer_accounts (bank, name, balance, open) "
+                    "VALUES (%s, %s, %s, %s) ON CONFLICT DO NOTHING",
                     (bank, name, balance, name not in CLOSED_B or bank != "B"),
                 )
 
@@ -296,7 +296,10 @@ def demo(dsn: str, bank_b_dsn: str) -> None:
     ]
     submit(dsn, transfers)
     submit(dsn, transfers[:1])  # a client retry: the key makes it a no-op
-    print("submitted:", ", ".join(f"{t['id']} {t['from']}->{t['to']} {t['amount']}" for t in transfers))
+    print(
+        "submitted:",
+        ", ".join(f"{t['id']} {t['from']}->{t['to']} {t['amount']}" for t in transfers),
+    )
     with Worker(app, dsn, config=WorkerConfig(idle_wait=0.1)) as w:
         got: list[dict[str, Any]] = []
         while len(got) < len(transfers):
@@ -327,8 +330,12 @@ def work(dsn: str, chaos: float) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--dsn", help="bank A and the queues (default: RINGQ_DSN, else the embedded cluster)")
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument(
+        "--dsn", help="bank A and the queues (default: RINGQ_DSN, else the embedded cluster)"
+    )
     p.add_argument("--bank-b", help="bank B's database (default: the same as --dsn)")
     sub = p.add_subparsers(dest="command")
     sub.add_parser("setup", help="queues, tables, accounts (if absent)")

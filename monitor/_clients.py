@@ -23,34 +23,17 @@ from ringq.engine import Section
 from ringq.engine import layout as L
 from ringq.engine import metrics as M
 
-# -- keys of one client in /api/clients (counters are the engine's names) -----------
-PID: Final = "pid"
-BACKEND_PID: Final = "backend_pid"
-ROLE: Final = "role"  # "client" or "worker"
-STATE: Final = "state"  # "active" or "in_doubt" (lost its connection; the monitor decides its slots)
-STARTED: Final = "started"  # unix seconds the entry was registered (or its backend last changed)
-QUEUES: Final = "queues"  # names of the queues it used
-BUSY_S: Final = "busy_s"  # seconds spent handling messages (workers)
-COMMIT_RATE: Final = "commit_rate"  # commits per second over the last interval
-HANDLED_RATE: Final = "handled_rate"  # messages handled per second over the last interval
-FAILED_RATE: Final = "failed_rate"  # messages failed (or timed out, aborted) per second
-ERROR_RATE: Final = "error_rate"  # errors per second over the last interval
-LAST_ERROR: Final = "last_error"  # {kind, queue, seq, t} or null
-# last_error's keys
-KIND: Final = "kind"
-QUEUE: Final = "queue"
-SEQ: Final = "seq"
-T: Final = "t"
-
-COUNTER_KEYS: Final = tuple(k for k in M.CLIENT_COUNTERS if k != M.BUSY_NS)
-RATE_KEYS: Final = (COMMIT_RATE, HANDLED_RATE, FAILED_RATE, ERROR_RATE)
-CLIENT_KEYS: Final = (PID, BACKEND_PID, ROLE, STATE, STARTED, QUEUES, *COUNTER_KEYS, BUSY_S, *RATE_KEYS, LAST_ERROR)
+# The keys of one client in /api/clients are ringq.engine.metrics' (CLIENT_KEYS);
+# the service sorts and labels clients by these.
+PID: Final = M.PID
+ROLE: Final = M.ROLE
+STARTED: Final = M.STARTED
 
 _RATE_OF: Final = {
-    COMMIT_RATE: (M.COMMITS,),
-    HANDLED_RATE: (M.HANDLED,),
-    FAILED_RATE: (M.FAILED, M.TIMEOUTS, M.ABORTED),
-    ERROR_RATE: (M.ERRORS,),
+    M.COMMIT_RATE: (M.COMMITS,),
+    M.HANDLED_RATE: (M.HANDLED,),
+    M.FAILED_RATE: (M.FAILED, M.TIMEOUTS, M.ABORTED),
+    M.ERROR_RATE: (M.ERRORS,),
 }
 
 # (entry index, pid, registration ns): tells a re-used entry apart, and stays the
@@ -96,7 +79,7 @@ def read_clients(sec: Section) -> list[Raw]:
             pid=int(pid),
             backend_pid=int(sec.clients[base + L.C_BACKEND_PID]),
             role=M.role_name(sec.clients[base + L.C_ROLE]),
-            state="in_doubt" if state == L.CS_IN_DOUBT else "active",
+            state=M.STATE_IN_DOUBT if state == L.CS_IN_DOUBT else M.STATE_ACTIVE,
             started_ns=int(sec.clients[base + L.C_STARTED_NS]),
             registered_ns=int(sec.clients[base + L.C_REGISTERED_NS]),
             qids=qids,
@@ -155,7 +138,17 @@ class ErrorWatch:
             before = self._seen.get(c.key, 0)
             seen[c.key] = n
             if n > before:
-                news.append(ErrorNews(c, n - before, n, M.error_kind(code), qid, seq if seq >= 0 else None, ns / 1e9))
+                news.append(
+                    ErrorNews(
+                        c,
+                        n - before,
+                        n,
+                        M.error_kind(code),
+                        qid,
+                        seq if seq >= 0 else None,
+                        ns / 1e9,
+                    )
+                )
         self._seen = seen
         return news
 
@@ -177,31 +170,34 @@ class Rates:
                 continue
             dt = (mono_ns - p[0]) / 1e9
             rates[c.key] = {
-                rk: round(sum(max(0, c.stats[k] - p[1][k]) for k in keys) / dt, 3) for rk, keys in _RATE_OF.items()
+                rk: round(sum(max(0, c.stats[k] - p[1][k]) for k in keys) / dt, 3)
+                for rk, keys in _RATE_OF.items()
             }
         self._prev = cur
         self.rates = rates
 
 
-def client_doc(c: Raw, rates: dict[str, float] | None, known: dict[int, str], sec: Section) -> dict[str, Any]:
-    """One client as ``/api/clients`` shows it (keys: :data:`CLIENT_KEYS`)."""
+def client_doc(
+    c: Raw, rates: dict[str, float] | None, known: dict[int, str], sec: Section
+) -> dict[str, Any]:
+    """One client as ``/api/clients`` shows it (keys: :data:`ringq.engine.metrics.CLIENT_KEYS`)."""
     doc: dict[str, Any] = {
         PID: c.pid,
-        BACKEND_PID: c.backend_pid,
+        M.BACKEND_PID: c.backend_pid,
         ROLE: c.role,
-        STATE: c.state,
+        M.STATE: c.state,
         STARTED: round(c.started_ns / 1e9, 3),
-        QUEUES: sorted(name for _qid, name in c.qids),
+        M.QUEUES: sorted(name for _qid, name in c.qids),
     }
-    for k in COUNTER_KEYS:
+    for k in M.CLIENT_SHOWN_COUNTERS:
         doc[k] = c.stats[k]
-    doc[BUSY_S] = round(c.stats[M.BUSY_NS] / 1e9, 6)
-    for k in RATE_KEYS:
+    doc[M.BUSY_S] = round(c.stats[M.BUSY_NS] / 1e9, 6)
+    for k in M.CLIENT_RATES:
         doc[k] = (rates or {}).get(k, 0.0)
     last = None
     if c.error is not None and c.error[0] > 0:
         _n, code, qid, seq, ns = c.error
-        last = {KIND: M.error_kind(code), QUEUE: queue_name_of(sec, qid, known),
-                SEQ: seq if seq >= 0 else None, T: round(ns / 1e9, 6)}
-    doc[LAST_ERROR] = last
+        last = {M.ERROR_KIND: M.error_kind(code), M.ERROR_QUEUE: queue_name_of(sec, qid, known),
+                M.ERROR_SEQ: seq if seq >= 0 else None, M.T: round(ns / 1e9, 6)}
+    doc[M.LAST_ERROR] = last
     return doc

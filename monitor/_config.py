@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
-from ringq.engine import ConfigError, validate_seconds
+from ringq.engine import ConfigError, validate_int, validate_seconds
 
 DEFAULT_INTERVAL = 1.0  # seconds between performance samples
 DEFAULT_RECOVERY_INTERVAL = 0.1  # seconds between recovery passes (dead clients, locks, reclaim)
@@ -26,6 +26,12 @@ DEFAULT_KEY_RETENTION = 86_400.0
 DEFAULT_HISTORY_SECONDS = 24 * 3600.0  # in-memory history kept per queue
 DEFAULT_T4_KEEP_DAYS = 14  # daily T4 files kept
 DEFAULT_HIGH_WATER = 0.8  # depth / capacity that raises queue.<name>.high_water
+# Seconds a transaction may hold back the xmin horizon (stopping the rings'
+# pruning) before the monitor warns and names it.
+DEFAULT_XMIN_WARN_S = 30.0
+# Dead rows a ring must have gained while the horizon was held for the monitor
+# to vacuum it once the holder is gone.
+DEFAULT_VACUUM_DEAD_ROWS = 1000
 
 MAX_INTERVAL = 3600.0
 MAX_HISTORY_POINTS = 86_400 * 7  # a hard bound on memory whatever the interval
@@ -41,6 +47,13 @@ class MonitorConfig:
     ``token``, when set, is required by every HTTP path but ``/metrics``.
     ``cors_origin`` (``None``: no cross-origin reads) is the one origin, such as
     ``http://127.0.0.1:7481``, or ``*``, whose pages may read the API from a browser.
+    ``xmin_warn_s``: seconds a transaction may hold back the xmin horizon
+    before the monitor warns (log, event, metric) and names it; once it is
+    gone, the rings that gained at least ``vacuum_dead_rows`` dead rows
+    meanwhile are vacuumed. ``dsn_file`` names the file ``dsn`` was read
+    from (the embedded cluster's, :func:`ringq.engine.dsn_file`): when the
+    database cannot be reached, the monitor reads it again and follows a
+    cluster that came back under another DSN.
 
     :raises ConfigError: a value is out of range (the message says which).
     """
@@ -59,6 +72,9 @@ class MonitorConfig:
     high_water: float = DEFAULT_HIGH_WATER
     http: bool = True  # serve HTTP at all (off for an embedded recovery-only monitor)
     cors_origin: str | None = None
+    xmin_warn_s: float = DEFAULT_XMIN_WARN_S
+    vacuum_dead_rows: int = DEFAULT_VACUUM_DEAD_ROWS
+    dsn_file: Path | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.dsn, str) or not self.dsn:
@@ -67,22 +83,33 @@ class MonitorConfig:
         validate_seconds("recovery_interval", self.recovery_interval, 0.01, MAX_INTERVAL)
         if self.recovery_interval > self.interval:
             raise ConfigError(
-                f"recovery_interval ({self.recovery_interval:g}s) must not exceed interval ({self.interval:g}s)"
+                f"recovery_interval ({self.recovery_interval:g}s) must not exceed interval "
+                f"({self.interval:g}s)"
             )
         validate_seconds("prepared_timeout", self.prepared_timeout, 0.0, 365 * 86_400.0)
         validate_seconds("key_retention", self.key_retention, 0.0, 3650 * 86_400.0)
         validate_seconds("history_seconds", self.history_seconds, self.interval, 366 * 86_400.0)
-        if isinstance(self.port, bool) or not isinstance(self.port, int) or not 0 <= self.port <= 65535:
-            raise ConfigError(f"port must be an integer from 0 to 65535, not {self.port!r}")
+        validate_int("port", self.port, 0, 65535)
         if not isinstance(self.host, str) or not self.host or any(c.isspace() for c in self.host):
             raise ConfigError(f"host must be an address or host name, not {self.host!r}")
         if self.token is not None and (
-            not isinstance(self.token, str) or not self.token or any(c.isspace() for c in self.token)
+            not isinstance(self.token, str)
+            or not self.token
+            or any(c.isspace() for c in self.token)
         ):
-            raise ConfigError("token must be a non-empty string without spaces (or None for no token)")
-        if isinstance(self.t4_keep_days, bool) or not isinstance(self.t4_keep_days, int) or self.t4_keep_days < 1:
-            raise ConfigError(f"t4_keep_days must be an integer >= 1, not {self.t4_keep_days!r}")
+            raise ConfigError(
+                "token must be a non-empty string without spaces (or None for no token)"
+            )
+        validate_int("t4_keep_days", self.t4_keep_days, 1)
         validate_seconds("high_water", self.high_water, 0.01, 1.0)
+        validate_seconds("xmin_warn_s", self.xmin_warn_s, 0.0, 365 * 86_400.0)
+        if (
+            isinstance(self.vacuum_dead_rows, bool) or not isinstance(self.vacuum_dead_rows, int)
+            or self.vacuum_dead_rows < 0
+        ):
+            raise ConfigError(
+                f"vacuum_dead_rows must be an integer >= 0, not {self.vacuum_dead_rows!r}"
+            )
         if self.cors_origin is not None and not _is_origin(self.cors_origin):
             raise ConfigError(
                 f"cors_origin must be '*' or an origin such as http://127.0.0.1:7481 "
@@ -90,6 +117,8 @@ class MonitorConfig:
             )
         if self.data_dir is not None and not isinstance(self.data_dir, Path):
             object.__setattr__(self, "data_dir", Path(self.data_dir))
+        if self.dsn_file is not None and not isinstance(self.dsn_file, Path):
+            object.__setattr__(self, "dsn_file", Path(self.dsn_file))
 
     @property
     def history_points(self) -> int:

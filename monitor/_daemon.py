@@ -48,7 +48,10 @@ RET_ALREADY_RUNNING = exits.CONFLICT  # another monitor serves the database (or 
 RET_INTERRUPTED = exits.INTERRUPTED  # a second signal: exited without finishing the drain
 
 # Settings a config file may hold (re-read on SIGHUP).
-RELOADABLE = ("interval", "recovery_interval", "token", "prepared_timeout", "high_water")
+RELOADABLE = (
+    "interval", "recovery_interval", "token", "prepared_timeout", "high_water", "xmin_warn_s",
+    "vacuum_dead_rows",
+)
 
 
 class _Flags:
@@ -109,7 +112,10 @@ def run_daemon(
     if pidfile is not None:
         other = _take_pidfile(pidfile)
         if other:
-            return tell(RET_ALREADY_RUNNING, f"ringq monitor: already running (pid {other}, pidfile {pidfile})")
+            return tell(
+                RET_ALREADY_RUNNING,
+                f"ringq monitor: already running (pid {other}, pidfile {pidfile})",
+            )
     flags = _Flags()
     previous = {
         signal.SIGTERM: signal.signal(signal.SIGTERM, flags.on_term),
@@ -126,7 +132,11 @@ def run_daemon(
             return tell(RET_DB_UNAVAILABLE, f"ringq monitor: {exc}")
         except (SchemaMissing, RingqError) as exc:
             return tell(RET_FAILURE, f"ringq monitor: {exc}")
-        tell(RET_OK, f"ringq monitor: pid {os.getpid()} serving {monitor.url or '(no HTTP)'}; data in {data_dir}")
+        tell(
+            RET_OK,
+            f"ringq monitor: pid {os.getpid()} serving {monitor.url or '(no HTTP)'}; "
+            f"data in {data_dir}",
+        )
         return _serve(monitor, flags, config_path, pidfile)
     finally:
         for sig, old in previous.items():
@@ -154,7 +164,11 @@ def _serve(monitor: Any, flags: _Flags, config_path: Path | None, pidfile: Path 
         if flags.terms >= 2:
             if pidfile is not None:
                 _release_pidfile(pidfile)
-            print("ringq monitor: second signal: exiting without draining", file=sys.stderr, flush=True)
+            print(
+                "ringq monitor: second signal: exiting without draining",
+                file=sys.stderr,
+                flush=True,
+            )
             os._exit(RET_INTERRUPTED)
     log.info("ringq monitor: stopped")
     return RET_OK
@@ -172,7 +186,9 @@ def _reload(monitor: Any, config_path: Path | None, log: Any) -> None:
         monitor.note("config.rejected", logging.ERROR, path=str(config_path), error=str(exc),
                      outcome="kept the old settings")
         return
-    log.info("ringq monitor: SIGHUP: settings re-read from %s (interval %gs)", config_path, new.interval)
+    log.info(
+        "ringq monitor: SIGHUP: settings re-read from %s (interval %gs)", config_path, new.interval
+    )
 
 
 def read_config(path: Path) -> dict[str, Any]:
@@ -208,8 +224,8 @@ def reset_section(dsn: str) -> int:
             qids = [r[0] for r in conn.execute(Qy.QUEUES).fetchall()]
             locked = conn.execute(Qy.TRY_MONITOR_LOCK).fetchone()
             if not locked or not locked[0]:
-                print("ringq monitor: another monitor serves this database: stop it before --reset-section",
-                      file=sys.stderr)
+                print("ringq monitor: another monitor serves this database: "
+                      "stop it before --reset-section", file=sys.stderr)
                 return RET_ALREADY_RUNNING
     except psycopg.errors.UndefinedTable:
         print("ringq monitor: no ringq schema in this database: nothing to reset", file=sys.stderr)
@@ -228,7 +244,9 @@ def reset_section(dsn: str) -> int:
         return RET_OK
     if sec is not None:
         try:
-            live = sorted({sec.c(i, L.C_PID) for i in sec.active_clients() if pid_alive(sec.c(i, L.C_PID))})
+            live = sorted(
+                {sec.c(i, L.C_PID) for i in sec.active_clients() if pid_alive(sec.c(i, L.C_PID))}
+            )
         finally:
             sec.close()
         if live:
@@ -237,8 +255,8 @@ def reset_section(dsn: str) -> int:
             return RET_ALREADY_RUNNING
     Section.unlink(instance)
     Section.unlink_semaphores(instance, qids)
-    print(f"ringq monitor: global section of instance {instance} removed; it is rebuilt from the tables",
-          file=sys.stderr)
+    print(f"ringq monitor: global section of instance {instance} removed; "
+          "it is rebuilt from the tables", file=sys.stderr)
     return RET_OK
 
 

@@ -9,7 +9,14 @@ the monitor publishes:
 - ``queue.<name>.empty`` — the last ready entry was taken;
 - ``queue.<name>.high_water`` — depth reached the high-water mark (80% of capacity);
 - ``consumer.died`` — a dead client's slots were recovered (``pid``, ``slots``, ``queues``);
-- ``entry.poisoned`` — an entry moved to the exception table (``seq``, ``deliveries``, ``reason``).
+- ``entry.poisoned`` — an entry moved to the exception table (``seq``, ``deliveries``, ``reason``);
+- ``entry.lease_expired`` — a session held a dequeued entry past its queue's lease: its
+  backend was terminated and its entries came back (``pid``, ``backend_pid``, ``held_s``,
+  ``lease_s``, ``queues``, ``slots``);
+- ``database.snapshot_held`` — a transaction has held back the xmin horizon past the
+  monitor's ``xmin_warn_s`` (``pid``, ``application``, ``user``, ``state``, ``age_s`` …);
+- ``database.snapshot_released`` — it ended; the ring tables that gained dead rows were
+  vacuumed (``held_s``, ``vacuumed``).
 
 A program subscribes with a shell-style wildcard: ``subscribe(dsn, "queue.*.full")``.
 """
@@ -22,10 +29,13 @@ from ringq.engine import Event, Subscription, publish, subscribe
 
 __all__ = [
     "CONSUMER_DIED",
+    "ENTRY_LEASE_EXPIRED",
     "ENTRY_POISONED",
     "QUEUE_EMPTY",
     "QUEUE_FULL",
     "QUEUE_HIGH_WATER",
+    "SNAPSHOT_HELD",
+    "SNAPSHOT_RELEASED",
     "Event",
     "Subscription",
     "make_event",
@@ -39,6 +49,9 @@ QUEUE_EMPTY: Final = "empty"
 QUEUE_HIGH_WATER: Final = "high_water"
 CONSUMER_DIED: Final = "consumer.died"
 ENTRY_POISONED: Final = "entry.poisoned"
+ENTRY_LEASE_EXPIRED: Final = "entry.lease_expired"
+SNAPSHOT_HELD: Final = "database.snapshot_held"
+SNAPSHOT_RELEASED: Final = "database.snapshot_released"
 
 
 def queue_event(queue: str, what: str) -> str:

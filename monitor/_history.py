@@ -12,7 +12,7 @@ A long answer is thinned on request (``step`` seconds per bucket, or at most
 depth, p99, retries, waiters), the mean (rates, full/empty seconds) or the last
 value (positions), stamped with its last point's time so that a caller asking
 ``since=<that t>`` next gets the raw points that follow. The viewer
-(``rtv/_metrics.py``) summarizes by the same rules.
+summarizes by the same rules (:data:`ringq.engine.metrics.BUCKET`).
 """
 
 from __future__ import annotations
@@ -23,25 +23,17 @@ from dataclasses import dataclass
 from typing import Final
 
 import numpy as np
+from ringq.engine import metrics as M
 
 from . import _sample as S
 from ._t4 import T4Reader
 
 DAY: Final = 86_400.0
-MAX: Final = "max"
-MEAN: Final = "mean"
-LAST: Final = "last"
-# How a bucket summarizes each key (t: the last point's time).
-BUCKET: Final = {
-    S.T: LAST, S.CAPACITY: LAST, S.DEPTH: MAX, S.HEAD: LAST, S.TAIL: LAST,
-    S.ENQ_RATE: MEAN, S.DEQ_RATE: MEAN, S.ENQ_P50: MEAN, S.ENQ_P99: MAX, S.DEQ_P50: MEAN, S.DEQ_P99: MAX,
-    S.FULL: MEAN, S.EMPTY: MEAN, S.RETRIES: MAX, S.EXCEPTIONS: MAX, S.COMMITS: MEAN, S.ROLLBACKS: MEAN,
-    S.WAIT_READY: MAX, S.WAIT_SPACE: MAX, S.POISONED: MAX, S.DEAD_ROWS: MAX,
-}
+BUCKET: Final = M.BUCKET  # how a bucket sums up each key (t: the last point's time)
 _RULES = [BUCKET[k] for k in S.NUMERIC_KEYS]
-_MAX_COLS = [i for i, r in enumerate(_RULES) if r == MAX]
-_MEAN_COLS = [i for i, r in enumerate(_RULES) if r == MEAN]
-_LAST_COLS = [i for i, r in enumerate(_RULES) if r == LAST]
+_MAX_COLS = [i for i, r in enumerate(_RULES) if r == M.MAX]
+_MEAN_COLS = [i for i, r in enumerate(_RULES) if r == M.MEAN]
+_LAST_COLS = [i for i, r in enumerate(_RULES) if r == M.LAST]
 # Bucket widths, seconds: a thinned answer uses the smallest one wide enough,
 # so buckets fall on round times and stay put from one request to the next.
 NICE_STEPS: Final = (1, 2, 5, 10, 15, 20, 30, 60, 120, 300, 600, 900, 1800, 3600)
@@ -66,7 +58,9 @@ def nice_step(raw: float) -> float:
     return float(math.ceil(raw / 3600.0) * 3600)
 
 
-def downsample(rows: np.ndarray, step: float = 0.0, max_points: int | None = None) -> tuple[np.ndarray, float]:
+def downsample(
+    rows: np.ndarray, step: float = 0.0, max_points: int | None = None
+) -> tuple[np.ndarray, float]:
     """``rows`` (by time, columns as ``NUMERIC_KEYS``) in buckets of ``step``
     seconds on round times, widened so that at most ``max_points`` come out.
     Returns the rows and the step used (0.0 when the rows are returned as they are)."""
@@ -76,7 +70,8 @@ def downsample(rows: np.ndarray, step: float = 0.0, max_points: int | None = Non
     t = rows[:, 0]
     if max_points is not None and n > max_points:
         # k buckets on round times cover a span of at most (k - 1) * step + step:
-        # a step of span / (max_points - 1) leaves at most max_points + 1; the clip below makes it max_points.
+        # a step of span / (max_points - 1) leaves at most max_points + 1; the clip below
+        # makes it max_points.
         step = max(step, nice_step((t[-1] - t[0]) / max(1, max_points - 1)))
     idx = np.floor(t / step).astype(np.int64)
     idx -= idx[0]
@@ -88,7 +83,9 @@ def downsample(rows: np.ndarray, step: float = 0.0, max_points: int | None = Non
     ends = np.r_[starts[1:], n]
     out = np.empty((len(starts), rows.shape[1]))
     out[:, _MAX_COLS] = np.maximum.reduceat(rows[:, _MAX_COLS], starts, axis=0)
-    out[:, _MEAN_COLS] = np.add.reduceat(rows[:, _MEAN_COLS], starts, axis=0) / (ends - starts)[:, None]
+    out[:, _MEAN_COLS] = (
+        np.add.reduceat(rows[:, _MEAN_COLS], starts, axis=0) / (ends - starts)[:, None]
+    )
     out[:, _LAST_COLS] = rows[ends - 1][:, _LAST_COLS]
     return out, step
 

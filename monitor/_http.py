@@ -46,7 +46,13 @@ class ApiSource(Protocol):
     def queues_doc(self) -> dict[str, Any]: ...
     def clients_doc(self) -> dict[str, Any]: ...
     def history_points(
-        self, queue: str, since: float, until: float, limit: int, step: float = 0.0, max_points: int | None = None
+        self,
+        queue: str,
+        since: float,
+        until: float,
+        limit: int,
+        step: float = 0.0,
+        max_points: int | None = None,
     ) -> Answer | None: ...
     def metrics_text(self) -> tuple[bytes, str]: ...
 
@@ -70,7 +76,9 @@ class _Handler(BaseHTTPRequestHandler):
 
     # -- plumbing -------------------------------------------------------------------
 
-    def _send(self, status: int, body: bytes, ctype: str, extra: dict[str, str] | None = None) -> None:
+    def _send(
+        self, status: int, body: bytes, ctype: str, extra: dict[str, str] | None = None
+    ) -> None:
         self.send_response(status)
         self.send_header("Content-Type", ctype)
         self.send_header("Content-Length", str(len(body)))
@@ -111,9 +119,11 @@ class _Handler(BaseHTTPRequestHandler):
     def do_OPTIONS(self) -> None:
         # CORS preflight, so a page of the configured origin may send the token header.
         preflight = {"Access-Control-Allow-Methods": "GET, HEAD, OPTIONS",
-                     "Access-Control-Allow-Headers": "Authorization", "Access-Control-Max-Age": "600"}
+                     "Access-Control-Allow-Headers": "Authorization",
+                     "Access-Control-Max-Age": "600"}
         cors = self.server.source.config.cors_origin is not None
-        self._send(HTTPStatus.NO_CONTENT, b"", "text/plain", preflight if cors else {"Allow": "GET, HEAD, OPTIONS"})
+        headers = preflight if cors else {"Allow": "GET, HEAD, OPTIONS"}
+        self._send(HTTPStatus.NO_CONTENT, b"", "text/plain", headers)
 
     def do_HEAD(self) -> None:
         self.do_GET()
@@ -229,7 +239,9 @@ def _time(query: dict[str, list[str]], key: str, default: float) -> float:
     try:
         return _float(query, key, default)
     except BadRequest:
-        raise BadRequest(f"{key} must be a finite number of unix seconds, not {_one(query, key)!r}") from None
+        raise BadRequest(
+            f"{key} must be a finite number of unix seconds, not {_one(query, key)!r}"
+        ) from None
 
 
 def is_loopback(host: str) -> bool:
@@ -286,11 +298,15 @@ class HttpService:
         if not is_loopback(self._host) and self._source.current_token() is None:
             logger.warning(
                 "ringq monitor: serving HTTP on %s:%d, beyond loopback, without a token: whoever "
-                "reaches it reads every queue's figures (set a token: --token or RINGQ_MONITOR_TOKEN)",
+                "reaches it reads every queue's figures "
+                "(set a token: --token or RINGQ_MONITOR_TOKEN)",
                 self._host, self.address[1],
             )
         self._thread = threading.Thread(
-            target=server.serve_forever, kwargs={"poll_interval": 0.2}, name="ringq-monitor-http", daemon=True
+            target=server.serve_forever,
+            kwargs={"poll_interval": 0.2},
+            name="ringq-monitor-http",
+            daemon=True,
         )
         self._thread.start()
 

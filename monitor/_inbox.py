@@ -39,7 +39,7 @@ def pump_inbox(
         pending = conn.execute(Qy.INBOX_PENDING, (list(skip),)).fetchall()
     if not pending:
         return moved
-    with connect(dsn, eager_begin=False) as s:
+    with connect(dsn) as s:
         sec = s.section  # the process's attachment: the ring enqueue_many reserves in
         for name, qid in pending:
             total = 0

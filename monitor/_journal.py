@@ -50,7 +50,9 @@ class Journal:
         }
         line = json.dumps(record, separators=(",", ":"), default=str)
         if logger.isEnabledFor(level):
-            logger.log(level, "%s %s", event, json.dumps(fields, separators=(",", ":"), default=str))
+            logger.log(
+                level, "%s %s", event, json.dumps(fields, separators=(",", ":"), default=str)
+            )
         with self._lock:
             if self._f is not None:
                 self._f.write(line + "\n")

@@ -10,7 +10,9 @@ from ._config import DEFAULT_KEY_RETENTION
 from ._db import connect_step
 
 
-def prune_keys(dsn: str, retention_s: float = DEFAULT_KEY_RETENTION, *, batch: int = 10_000) -> dict[str, int]:
+def prune_keys(
+    dsn: str, retention_s: float = DEFAULT_KEY_RETENTION, *, batch: int = 10_000
+) -> dict[str, int]:
     """Delete spent idempotency keys; returns {queue: keys deleted} ("" for dropped queues).
 
     A key goes once it was made more than ``retention_s`` seconds ago *and*

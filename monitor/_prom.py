@@ -15,9 +15,6 @@ from ringq.engine import Section
 from ringq.engine import layout as L
 from ringq.engine import metrics as M
 
-from . import _clients as C
-from . import _sample as S
-
 if TYPE_CHECKING:
     from prometheus_client.metrics_core import Metric
 
@@ -48,16 +45,22 @@ _GAUGES: Final = {
 }
 # gauges from the monitor's last sample (need the database)
 _SAMPLED: Final = {
-    S.EXCEPTIONS: ("ringq_queue_exceptions", "Entries in the exception table."),
-    S.DEAD_ROWS: ("ringq_queue_dead_rows", "Dead row versions in the queue's table."),
+    M.EXCEPTIONS: ("ringq_queue_exceptions", "Entries in the exception table."),
+    M.DEAD_ROWS: ("ringq_queue_dead_rows", "Dead row versions in the queue's table."),
 }
 
 # per-client counters, labels pid and role (client key -> (name without _total, help))
 _CLIENT_COUNTERS: Final = {
     M.COMMITS: ("ringq_client_commits", "Transactions the client committed through its session."),
     M.ROLLBACKS: ("ringq_client_rollbacks", "Transactions the client rolled back."),
-    M.ERRORS: ("ringq_client_errors", "Errors the client hit (queue full, payload too large, in doubt ...)."),
-    M.HANDLED: ("ringq_client_handled", "Messages a worker handled (committed, declines included)."),
+    M.ERRORS: (
+        "ringq_client_errors",
+        "Errors the client hit (queue full, payload too large, in doubt ...).",
+    ),
+    M.HANDLED: (
+        "ringq_client_handled",
+        "Messages a worker handled (committed, declines included).",
+    ),
     M.FAILED: ("ringq_client_failed", "Messages whose action failed (rolled back)."),
     M.TIMEOUTS: ("ringq_client_timeouts", "Messages whose action ran past its time limit."),
 }
@@ -104,7 +107,9 @@ class SectionCollector:
         labels = ["queue"]
         counters = {k: CounterMetricFamily(n, h, labels=labels) for k, (n, h) in _COUNTERS.items()}
         gauges = {k: GaugeMetricFamily(n, h, labels=labels) for k, (n, h) in _GAUGES.items()}
-        full_s = CounterMetricFamily("ringq_queue_full_seconds", "Time the queue spent full.", labels=labels)
+        full_s = CounterMetricFamily(
+            "ringq_queue_full_seconds", "Time the queue spent full.", labels=labels
+        )
         enq_lat = HistogramMetricFamily(
             "ringq_queue_enqueue_latency_seconds", "Enqueue call latency.", labels=labels
         )
@@ -118,7 +123,10 @@ class SectionCollector:
             for k, g in gauges.items():
                 g.add_metric([name], stats[k])
             full_s.add_metric([name], stats[M.FULL_NS] / 1e9)
-            for lat, hist, sum_key in ((enq_lat, enq_h, M.ENQ_LAT_NS), (deq_lat, deq_h, M.DEQ_LAT_NS)):
+            for lat, hist, sum_key in (
+                (enq_lat, enq_h, M.ENQ_LAT_NS),
+                (deq_lat, deq_h, M.DEQ_LAT_NS),
+            ):
                 run, buckets = 0, []
                 for bound, n in zip(bounds, hist, strict=True):
                     run += n
@@ -141,7 +149,9 @@ class SectionCollector:
         up = GaugeMetricFamily("ringq_monitor_up", "1 while the monitor's loop runs.")
         up.add_metric([], 1.0 if st["running"] else 0.0)
         yield up
-        beat = GaugeMetricFamily("ringq_monitor_heartbeat_timestamp_seconds", "Last pass of the monitor's loop.")
+        beat = GaugeMetricFamily(
+            "ringq_monitor_heartbeat_timestamp_seconds", "Last pass of the monitor's loop."
+        )
         beat.add_metric([], st["beat"])
         yield beat
         clients = GaugeMetricFamily("ringq_monitor_clients", "Client entries in the section.")
@@ -151,23 +161,32 @@ class SectionCollector:
             "ringq_xmin_horizon_age_seconds",
             "Age of the oldest transaction holding back the xmin horizon (stops pruning).",
         )
-        xmin.add_metric([], st["xmin_age_s"])
+        xmin.add_metric([], st[M.XMIN_AGE_S])
         yield xmin
-        runs = CounterMetricFamily("ringq_monitor_step_runs", "Runs of each monitor step.", labels=["step"])
-        fails = CounterMetricFamily("ringq_monitor_step_failures", "Failed runs of each monitor step.", labels=["step"])
+        yield from _horizon_metrics(st)
+        runs = CounterMetricFamily(
+            "ringq_monitor_step_runs", "Runs of each monitor step.", labels=["step"]
+        )
+        fails = CounterMetricFamily(
+            "ringq_monitor_step_failures", "Failed runs of each monitor step.", labels=["step"]
+        )
         for step, s in st["steps"].items():
             runs.add_metric([step], s["runs"])
             fails.add_metric([step], s["failures"])
         yield runs
         yield fails
-        rec = CounterMetricFamily("ringq_monitor_recovered_clients", "Dead clients whose slots were recovered.")
+        rec = CounterMetricFamily(
+            "ringq_monitor_recovered_clients", "Dead clients whose slots were recovered."
+        )
         rec.add_metric([], st["recovered_clients"])
         yield rec
         if self._clients is not None:
             yield from _client_metrics(self._clients()["clients"])
         if self._client_errors is not None:
             logged = CounterMetricFamily(
-                "ringq_monitor_client_errors", "Client errors the monitor logged, by kind.", labels=["kind"]
+                "ringq_monitor_client_errors",
+                "Client errors the monitor logged, by kind.",
+                labels=["kind"],
             )
             for kind, n in sorted(self._client_errors().items()):
                 logged.add_metric([kind], n)
@@ -177,34 +196,75 @@ class SectionCollector:
 def _client_metrics(clients: list[dict[str, Any]]) -> Iterator[Metric]:
     from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-    by_role = GaugeMetricFamily("ringq_clients", "Client entries in the section, by role.", labels=["role"])
+    by_role = GaugeMetricFamily(
+        "ringq_clients", "Client entries in the section, by role.", labels=["role"]
+    )
     roles: dict[str, int] = {}
     for c in clients:
-        roles[c[C.ROLE]] = roles.get(c[C.ROLE], 0) + 1
+        roles[c[M.ROLE]] = roles.get(c[M.ROLE], 0) + 1
     for role, n in sorted(roles.items()):
         by_role.add_metric([role], n)
     yield by_role
-    shown = sorted(clients, key=lambda c: (c[C.ROLE] != M.ROLE_WORKER, -c[M.COMMITS], c[C.PID]))[:MAX_CLIENT_SERIES]
+    shown = sorted(
+        clients, key=lambda c: (c[M.ROLE] != M.ROLE_WORKER, -c[M.COMMITS], c[M.PID])
+    )[:MAX_CLIENT_SERIES]
     omitted = GaugeMetricFamily(
-        "ringq_client_series_omitted", f"Clients left out of the per-client series (at most {MAX_CLIENT_SERIES})."
+        "ringq_client_series_omitted",
+        f"Clients left out of the per-client series (at most {MAX_CLIENT_SERIES}).",
     )
     omitted.add_metric([], len(clients) - len(shown))
     yield omitted
     labels = ["pid", "role"]
     fams = {k: CounterMetricFamily(n, h, labels=labels) for k, (n, h) in _CLIENT_COUNTERS.items()}
-    rate = GaugeMetricFamily("ringq_client_commit_rate", "Commits per second over the last interval.", labels=labels)
+    rate = GaugeMetricFamily(
+        "ringq_client_commit_rate", "Commits per second over the last interval.", labels=labels
+    )
     # One session per process is the usual case; several sessions of one process are summed.
     merged: dict[tuple[str, str], dict[str, float]] = {}
     for c in shown:
-        m = merged.setdefault((str(c[C.PID]), c[C.ROLE]), {})
-        for k in (*_CLIENT_COUNTERS, C.COMMIT_RATE):
+        m = merged.setdefault((str(c[M.PID]), c[M.ROLE]), {})
+        for k in (*_CLIENT_COUNTERS, M.COMMIT_RATE):
             m[k] = m.get(k, 0) + c[k]
     for lv, m in merged.items():
         for k, fam in fams.items():
             fam.add_metric(list(lv), m[k])
-        rate.add_metric(list(lv), m[C.COMMIT_RATE])
+        rate.add_metric(list(lv), m[M.COMMIT_RATE])
     yield from fams.values()
     yield rate
+
+
+def _horizon_metrics(st: dict[str, Any]) -> Iterator[Metric]:
+    """A held snapshot, its holder (one series, only while held), vacuums and leases."""
+    from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+    held = GaugeMetricFamily(
+        "ringq_snapshot_held", "1 while a transaction holds back the xmin horizon past xmin_warn_s."
+    )
+    held.add_metric([], 1.0 if st[M.SNAPSHOT_HELD] else 0.0)
+    yield held
+    holder = GaugeMetricFamily(
+        "ringq_snapshot_holder_age_seconds",
+        "Age of the transaction holding back the xmin horizon past xmin_warn_s"
+        " (present only then).",
+        labels=["kind", "pid", "application", "user"],
+    )
+    h = st[M.XMIN_HOLDER]
+    if st[M.SNAPSHOT_HELD] and h is not None:
+        holder.add_metric(
+            [h["kind"], str(h["pid"] or ""), h["application"] or "", h["user"] or ""], h["age_s"]
+        )
+    yield holder
+    vac = CounterMetricFamily(
+        "ringq_monitor_vacuums", "Ring tables vacuumed after a held snapshot was released."
+    )
+    vac.add_metric([], st[M.VACUUMS])
+    yield vac
+    leases = CounterMetricFamily(
+        "ringq_monitor_expired_leases",
+        "Sessions ended for holding a dequeued entry past the queue's lease.",
+    )
+    leases.add_metric([], st[M.EXPIRED_LEASES])
+    yield leases
 
 
 def _read_queues(sec: Section) -> list[tuple[str, dict[str, int], list[int], list[int]]]:

@@ -20,7 +20,8 @@ INSTANCE_ID: Final = _Q["instance_id"]
 QUEUES: Final = _Q["queues"]
 EXCEPTION_COUNTS: Final = _Q["exception_counts"]
 RECENT_EXCEPTIONS: Final = _Q["recent_exceptions"]
-XMIN_HORIZON_AGE: Final = _Q["xmin_horizon_age"]
+XMIN_HOLDERS: Final = _Q["xmin_holders"]
+RING_STORAGE: Final = _Q["ring_storage"]
 DEAD_ROWS: Final = _Q["dead_rows"]
 # the SQL inbox pump
 INBOX_PENDING: Final = _Q["inbox_pending"]
@@ -31,5 +32,6 @@ INBOX_BATCH: Final = _Q["inbox_batch"]
 KEYS_QUEUES: Final = _Q["keys_queues"]
 KEYS_PRUNE: Final = _Q["keys_prune"]  # {table}
 KEYS_PRUNE_DROPPED: Final = _Q["keys_prune_dropped"]
+LISTEN_INBOX: Final = _Q["listen_inbox"]  # {channel}
 
 INBOX_CHANNEL: Final = "ringq_inbox"  # ringq.enqueue() notifies it (scripting/ddl.sql)

@@ -1,7 +1,8 @@
 """Per-queue performance samples, computed from deltas of the section's counters.
 
-Every key the HTTP API, the T4 files and the viewer use is a constant here
-(the section's own counter names are in :mod:`ringq.engine.metrics`).
+Every key the HTTP API, the T4 files and the viewer use is a constant of
+:mod:`ringq.engine.metrics` (the section's own counter names are there too);
+this module names the ones its callers use.
 """
 
 from __future__ import annotations
@@ -15,36 +16,32 @@ import numpy as np
 from ringq.engine import Section
 from ringq.engine import layout as L
 from ringq.engine import metrics as M
-
-# -- sample keys (numeric; also the T4 columns and the history point keys) --------
-T: Final = "t"  # unix seconds at the end of the interval
-CAPACITY: Final = M.CAPACITY
-DEPTH: Final = M.DEPTH  # committed entries not yet consumed
-HEAD: Final = M.HEAD
-TAIL: Final = M.TAIL
-ENQ_RATE: Final = "enq_rate"  # committed enqueues per second over the interval
-DEQ_RATE: Final = "deq_rate"  # committed dequeues per second over the interval
-ENQ_P50: Final = "enq_p50_us"  # enqueue call latency, from the histogram's delta (0: no call)
-ENQ_P99: Final = "enq_p99_us"
-DEQ_P50: Final = "deq_p50_us"
-DEQ_P99: Final = "deq_p99_us"
-FULL: Final = "full"  # seconds of the interval the queue had no free slot
-EMPTY: Final = "empty"  # seconds of the interval nothing was ready (recovery-pass resolution)
-RETRIES: Final = "retries"  # dequeues rolled back in the interval (delivery retries)
-EXCEPTIONS: Final = "exceptions"  # entries in the exception table now
-COMMITS: Final = "commits"  # enqueue + dequeue commits in the interval
-ROLLBACKS: Final = "rollbacks"  # enqueue + dequeue rollbacks in the interval
-WAIT_READY: Final = M.WAIT_READY  # dequeuers sleeping now
-WAIT_SPACE: Final = M.WAIT_SPACE  # enqueuers sleeping now
-POISONED: Final = "poisoned"  # entries poisoned in the interval
-DEAD_ROWS: Final = "dead_rows"  # dead row versions in the queue's table (pg_stat_user_tables)
-
-NUMERIC_KEYS: Final = (
-    T, CAPACITY, DEPTH, HEAD, TAIL, ENQ_RATE, DEQ_RATE, ENQ_P50, ENQ_P99, DEQ_P50, DEQ_P99,
-    FULL, EMPTY, RETRIES, EXCEPTIONS, COMMITS, ROLLBACKS, WAIT_READY, WAIT_SPACE, POISONED,
+from ringq.engine.metrics import (
+    CAPACITY,
+    COMMITS,
     DEAD_ROWS,
+    DEPTH,
+    DEQ_P50,
+    DEQ_P99,
+    DEQ_RATE,
+    EMPTY,
+    ENQ_P50,
+    ENQ_P99,
+    ENQ_RATE,
+    EXCEPTIONS,
+    FULL,
+    HEAD,
+    POISONED,
+    RETRIES,
+    ROLLBACKS,
+    TAIL,
+    WAIT_READY,
+    WAIT_SPACE,
 )
-NAME: Final = "name"
+
+NAME: Final = M.NAME
+T: Final = M.T
+NUMERIC_KEYS: Final = M.SAMPLE_KEYS  # numeric: also the T4 columns and the history point keys
 QUEUE_KEYS: Final = (NAME, *NUMERIC_KEYS)  # one queue in /api/queues, in this order
 
 
@@ -66,7 +63,9 @@ def snapshot(sec: Section, qidx: int, now_ns: int) -> _Snap:
     since = sec.q(qidx, L.Q_FULL_SINCE_NS)
     full_cum = stats[M.FULL_NS] + (max(0, now_ns - since) if since else 0)
     ident = (sec.q(qidx, L.Q_QID), sec.q(qidx, L.Q_LOADED_NS), int(sec.generation))
-    return _Snap(now_ns, ident, stats, np.array(enq, dtype=np.int64), np.array(deq, dtype=np.int64), full_cum)
+    return _Snap(
+        now_ns, ident, stats, np.array(enq, dtype=np.int64), np.array(deq, dtype=np.int64), full_cum
+    )
 
 
 def _pct(hist: np.ndarray, q: float) -> float:
@@ -158,7 +157,9 @@ class Series:
         self._next = (self._next + 1) % rows
         self._n = min(self._n + 1, rows)
 
-    def since(self, t0: float, t1: float = float("inf"), limit: int | None = None) -> list[dict[str, float]]:
+    def since(
+        self, t0: float, t1: float = float("inf"), limit: int | None = None
+    ) -> list[dict[str, float]]:
         """Points with ``t0 < t <= t1``, oldest first (the newest ``limit`` if given)."""
         sel = self.rows(t0, t1)
         if limit is not None and len(sel) > limit:
@@ -223,7 +224,9 @@ class History:
                 series = self._series[name] = Series(self.max_points)
             series.append(sample)
 
-    def query(self, name: str, t0: float, t1: float = float("inf"), limit: int | None = None) -> list[dict[str, float]] | None:
+    def query(
+        self, name: str, t0: float, t1: float = float("inf"), limit: int | None = None
+    ) -> list[dict[str, float]] | None:
         """Points of queue ``name`` (None if it was never sampled)."""
         with self._lock:
             series = self._series.get(name)
@@ -231,7 +234,9 @@ class History:
                 return None
             return series.since(t0, t1, limit)
 
-    def rows(self, name: str, t0: float, t1: float = float("inf")) -> tuple[np.ndarray, float] | None:
+    def rows(
+        self, name: str, t0: float, t1: float = float("inf")
+    ) -> tuple[np.ndarray, float] | None:
         """Rows of queue ``name`` with ``t0 < t <= t1`` and the time of the oldest
         point held (what precedes it is only in the T4 files); None if never sampled."""
         with self._lock:

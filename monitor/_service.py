@@ -32,25 +32,33 @@ from ringq.engine import (
     SchemaMissing,
     Section,
     from_psycopg,
+    read_dsn_file,
     redact_dsn,
 )
 from ringq.engine import layout as L
+from ringq.engine import metrics as M
 from ringq.engine.recovery import (
+    end_holders,
+    overdue_holders,
     queue_room,
     rebuild,
     reclaim_all,
     recover_dead_clients,
+    recover_lost_backends,
     repair_lock_holders,
     resolve_prepared,
     shared_section,
 )
+from ringq.engine.sqlfile import compose
 
 from . import _clients as C
 from . import _events as E
 from . import _queries as Qy
 from . import _sample as S
 from ._config import MonitorConfig
+from ._db import connect_step
 from ._history import DAY, Answer, HistoryReader
+from ._horizon import HorizonNews, HorizonWatch, read_holders, vacuum_rings
 from ._http import HttpService
 from ._inbox import pump_inbox
 from ._journal import LOG_NAME, Journal
@@ -136,7 +144,8 @@ class Monitor:
         self._beat_t = 0.0
         self._steps: dict[str, StepStats] = {}
         self.history = S.History(config.history_points)
-        # /api/history: the memory, and before it the T4 files (a restarted monitor still serves the day).
+        # /api/history: the memory, and before it the T4 files (a restarted monitor still
+        # serves the day).
         t4 = T4Reader(config.data_dir) if config.data_dir is not None else None
         self._history = HistoryReader(self.history, t4, reach=max(DAY, config.history_seconds))
         self._latest: dict[str, dict[str, float | str]] = {}
@@ -144,11 +153,13 @@ class Monitor:
         self._snaps: dict[int, S._Snap] = {}
         self._watch: dict[int, _Watch] = {}
         self._inbox_due = True
-        self._inbox_retry_at = 0.0  # monotonic: after a failed pump, NOTIFYs wait for this (or the sample)
+        # monotonic: after a failed pump, NOTIFYs wait for this (or the sample)
+        self._inbox_retry_at = 0.0
         # Full queues with SQL entries waiting: {name: queue id}, left out of the
         # NOTIFY-driven pumps until the next sample or until a reclaim finds room.
         self._inbox_full: dict[str, int] = {}
-        self._inbox_full_logged: dict[str, float] = {}  # name -> when "inbox.queue_full" was written
+        # name -> when "inbox.queue_full" was written
+        self._inbox_full_logged: dict[str, float] = {}
         self._exc_counts: dict[int, int] = {}
         self._dead_rows: dict[str, int] = {}
         self._seen_exc: dict[tuple[int, int], float] | None = None
@@ -157,7 +168,11 @@ class Monitor:
         self._client_errors_by_kind: dict[str, int] = {}  # errors of clients logged, by kind
         self._queue_names: dict[int, str] = {}  # id -> name, from the last queue list
         self._xmin_age = 0.0
+        self._horizon = HorizonWatch()
+        self._vacuum_thread: threading.Thread | None = None
+        self._vacuums = 0  # ring tables vacuumed after a held snapshot was released
         self._recovered_clients = 0
+        self._expired_leases = 0
         self._instance = ""
         self._collector = SectionCollector(self.read_section, self.status, self._sampled,
                                            self.clients_doc, self.client_errors_by_kind)
@@ -177,7 +192,9 @@ class Monitor:
                     self._journal = Journal(cfg.data_dir / LOG_NAME)
                     self._t4 = T4Writer(cfg.data_dir, cfg.t4_keep_days)
                 except OSError as exc:
-                    raise MonitorError(f"data directory {cfg.data_dir} is not usable: {exc}") from exc
+                    raise MonitorError(
+                        f"data directory {cfg.data_dir} is not usable: {exc}"
+                    ) from exc
             else:
                 self._journal = Journal(None)
             self._connect(first=True)
@@ -193,7 +210,9 @@ class Monitor:
                     self._http.start()
                 except OSError as exc:
                     self._http = None
-                    raise MonitorError(f"cannot serve HTTP on {cfg.host}:{cfg.port}: {exc}") from exc
+                    raise MonitorError(
+                        f"cannot serve HTTP on {cfg.host}:{cfg.port}: {exc}"
+                    ) from exc
         except BaseException:
             self._teardown()
             raise
@@ -203,8 +222,12 @@ class Monitor:
         self._thread.start()
         self._write_state_file()
         self._journal_write(
-            "monitor.started", url=self.url, dsn=redact_dsn(cfg.dsn),
-            interval=cfg.interval, section=self._sec.name if self._sec else None, version=__version__,
+            "monitor.started",
+            url=self.url,
+            dsn=redact_dsn(cfg.dsn),
+            interval=cfg.interval,
+            section=self._sec.name if self._sec else None,
+            version=__version__,
         )
 
     def stop(self, timeout: float | None = 30.0) -> None:
@@ -216,6 +239,9 @@ class Monitor:
             self._thread.join(timeout)
             self._thread = None
         self._running = False
+        vacuum = self._vacuum_thread
+        if vacuum is not None:
+            vacuum.join(timeout)  # its record goes to the journal before it closes
         if self._journal is not None:
             self._journal.write("monitor.stopped", uptime_s=round(time.time() - self._started_t, 3))
         self._teardown()
@@ -279,10 +305,14 @@ class Monitor:
         """
         from ringq.engine import ConfigError
 
-        fixed = {"dsn", "port", "host", "data_dir", "history_seconds", "t4_keep_days", "http"}
+        fixed = {
+            "dsn", "dsn_file", "port", "host", "data_dir", "history_seconds", "t4_keep_days", "http"
+        }
         bad = fixed & {k for k, v in changes.items() if getattr(self.config, k) != v}
         if bad:
-            raise ConfigError(f"{', '.join(sorted(bad))} cannot change while the monitor runs: restart it")
+            raise ConfigError(
+                f"{', '.join(sorted(bad))} cannot change while the monitor runs: restart it"
+            )
         new = self.config.replace(**changes)
         if self._running:
             self._pending = new
@@ -305,6 +335,7 @@ class Monitor:
                     ("heartbeat", self._heartbeat),
                     ("section", self._check_section),
                     ("recover", self._recover),
+                    ("leases", self._expire_leases),
                     ("repair", self._repair),
                     ("reclaim", self._reclaim),
                     ("watch", self._watch_queues),
@@ -314,6 +345,7 @@ class Monitor:
                 if tick >= next_sample:
                     slow = [
                         ("database", self._database_figures),
+                        ("backends", self._recover_lost_backends),
                         ("prepared", self._resolve_prepared),
                         ("keys", self._prune_keys),
                         ("inbox", self._pump_inbox_all),
@@ -333,7 +365,9 @@ class Monitor:
         except BaseException as exc:
             # Steps catch Exception; only something graver gets here. stop() still
             # tears everything down (``running`` is False from now on).
-            self._journal_write("monitor.loop_died", logging.CRITICAL, error=f"{type(exc).__name__}: {exc}")
+            self._journal_write(
+                "monitor.loop_died", logging.CRITICAL, error=f"{type(exc).__name__}: {exc}"
+            )
             raise
 
     def _step(self, name: str, fn: Callable[[], object]) -> None:
@@ -347,7 +381,11 @@ class Monitor:
             st.consecutive += 1
             text = f"{type(exc).__name__}: {exc}".strip()
             now = time.time()
-            if st.consecutive == 1 or text != st.last_error or now - st.last_logged >= _REPEAT_LOG_S:
+            if (
+                st.consecutive == 1
+                or text != st.last_error
+                or now - st.last_logged >= _REPEAT_LOG_S
+            ):
                 st.last_logged = now
                 self._journal_write(
                     "step.failed", logging.WARNING, step=name, error=text,
@@ -397,13 +435,19 @@ class Monitor:
             # The same text as the last attempt's, so the failed step is not logged anew.
             raise DatabaseUnavailable(self._conn_error)
         self._conn_retry_at = time.monotonic() + self.config.interval
-        dsn = self.config.dsn
-        try:
-            conn = psycopg.connect(dsn, autocommit=True, connect_timeout=5, application_name="ringq-monitor")
-        except psycopg.Error as exc:
-            err = from_psycopg(exc, dsn=dsn)
-            self._conn_error = str(err)
-            raise err from exc
+        while True:
+            dsn = self.config.dsn
+            try:
+                conn = psycopg.connect(
+                    dsn, autocommit=True, connect_timeout=5, application_name="ringq-monitor"
+                )
+                break
+            except psycopg.Error as exc:
+                if self._follow_dsn():
+                    continue  # the embedded cluster came back under another DSN: try that one
+                err = from_psycopg(exc, dsn=dsn)
+                self._conn_error = str(err)
+                raise err from exc
         try:
             row = conn.execute(Qy.INSTANCE_ID).fetchone()
             if not row or not row[0]:
@@ -411,9 +455,13 @@ class Monitor:
             locked = conn.execute(Qy.TRY_MONITOR_LOCK).fetchone()
             if not locked or not locked[0]:
                 holder = conn.execute(Qy.MONITOR_LOCK_HOLDER).fetchone()
-                who = f" (backend pid {holder[0]}, {holder[1] or 'no application name'})" if holder else ""
+                who = (
+                    f" (backend pid {holder[0]}, {holder[1] or 'no application name'})"
+                    if holder
+                    else ""
+                )
                 raise MonitorRunning(f"another ringq monitor serves this database{who}")
-            conn.execute(sql.SQL("LISTEN {}").format(sql.Identifier(Qy.INBOX_CHANNEL)))
+            conn.execute(compose(Qy.LISTEN_INBOX, channel=sql.Identifier(Qy.INBOX_CHANNEL)))
         except psycopg.errors.UndefinedTable as exc:
             conn.close()
             raise SchemaMissing(
@@ -431,6 +479,24 @@ class Monitor:
         if not first:
             self._journal_write("database.reconnected")
         return conn
+
+    def _follow_dsn(self) -> bool:
+        """Read the DSN file again (``config.dsn_file``, the embedded cluster's);
+        True if it names another DSN, which every step uses from now on."""
+        path = self.config.dsn_file
+        new = None if path is None else read_dsn_file(path)
+        old = self.config.dsn
+        if new is None or new == old:
+            return False
+        self.config = self.config.replace(dsn=new)
+        pending = self._pending
+        if pending is not None:
+            self._pending = pending.replace(dsn=new)
+        self._journal_write("database.dsn_changed", logging.WARNING, old=redact_dsn(old),
+                            new=redact_dsn(new), file=str(path))
+        if self._running:
+            self._write_state_file()
+        return True
 
     def _drop_connection(self) -> None:
         conn, self._conn = self._conn, None
@@ -494,8 +560,38 @@ class Monitor:
             info = rec.as_dict()
             self._recovered_clients += 1
             self._journal_write("client.recovered", logging.WARNING, **info)
-            self._publish(E.make_event(E.CONSUMER_DIED, info["queues"][0] if len(info["queues"]) == 1 else None,
-                                       **info))
+            self._publish(
+                E.make_event(
+                    E.CONSUMER_DIED, info["queues"][0] if len(info["queues"]) == 1 else None, **info
+                )
+            )
+
+    def _expire_leases(self) -> None:
+        """End the sessions that hold a dequeued entry past its queue's lease."""
+        sec = self._section()
+        holders = overdue_holders(sec)
+        if not holders:
+            return
+        for holder, rec in end_holders(sec, self.config.dsn, holders):
+            self._expired_leases += 1
+            info = {**holder.as_dict(), "slots": rec.slots, "rolled_back": rec.rolled_back,
+                    "committed": rec.committed}
+            self._journal_write(
+                "entry.lease_expired", logging.WARNING,
+                reason="held a dequeued entry past the queue's lease: backend terminated", **info,
+            )
+            queue = holder.queues[0] if holder.queues else None
+            self._publish(E.make_event(E.ENTRY_LEASE_EXPIRED, queue, **info))
+
+    def _recover_lost_backends(self) -> None:
+        """Decide the slots of live clients whose backend ended under them (a
+        database restart, a backend terminated by someone else)."""
+        for rec in recover_lost_backends(self._section(), self._connect()):
+            self._journal_write(
+                "client.backend_lost", logging.WARNING,
+                reason="its backend ended while it held slots: decided from the rows",
+                **rec.as_dict(),
+            )
 
     def _repair(self) -> None:
         for name in repair_lock_holders(self._section(), self.config.dsn):
@@ -536,14 +632,23 @@ class Monitor:
                 w.full_s += dt * ((w.full + full) / 2)
                 w.seen_ns = now
             if full and not w.full:
-                self._publish(E.make_event(E.queue_event(name, E.QUEUE_FULL), name, depth=depth, capacity=cap))
+                self._publish(
+                    E.make_event(E.queue_event(name, E.QUEUE_FULL), name, depth=depth, capacity=cap)
+                )
             w.full = full
             if empty and not w.empty and not first:
                 self._publish(E.make_event(E.queue_event(name, E.QUEUE_EMPTY), name, capacity=cap))
             w.empty = empty
             if depth >= threshold and not w.high:
-                self._publish(E.make_event(E.queue_event(name, E.QUEUE_HIGH_WATER), name,
-                                           depth=depth, capacity=cap, threshold=round(threshold, 3)))
+                self._publish(
+                    E.make_event(
+                        E.queue_event(name, E.QUEUE_HIGH_WATER),
+                        name,
+                        depth=depth,
+                        capacity=cap,
+                        threshold=round(threshold, 3),
+                    )
+                )
                 w.high = True
             elif w.high and depth <= threshold - max(1.0, 0.1 * cap):  # hysteresis: no flapping
                 w.high = False
@@ -555,11 +660,22 @@ class Monitor:
         sec = self._section()
         for news in self._error_watch.scan(C.read_clients(sec)):
             raw = news.raw
-            self._client_errors_by_kind[news.kind] = self._client_errors_by_kind.get(news.kind, 0) + news.count
+            self._client_errors_by_kind[news.kind] = (
+                self._client_errors_by_kind.get(news.kind, 0) + news.count
+            )
             self._journal_write(
-                "client.error", logging.WARNING, pid=raw.pid, backend_pid=raw.backend_pid, role=raw.role,
-                queue=C.queue_name_of(sec, news.qid, self._queue_names), queue_id=news.qid or None,
-                seq=news.seq, kind=news.kind, count=news.count, errors=news.total, at=round(news.t, 6),
+                "client.error",
+                logging.WARNING,
+                pid=raw.pid,
+                backend_pid=raw.backend_pid,
+                role=raw.role,
+                queue=C.queue_name_of(sec, news.qid, self._queue_names),
+                queue_id=news.qid or None,
+                seq=news.seq,
+                kind=news.kind,
+                count=news.count,
+                errors=news.total,
+                at=round(news.t, 6),
             )
 
     def _publish(self, event: E.Event) -> None:
@@ -576,11 +692,61 @@ class Monitor:
         loaded = {sec.q(i, L.Q_QID) for i in sec.loaded_queues()}
         if {q[0] for q in queues} != loaded:
             self._attach(reason="queues created or dropped")
+            sec = self._section()
+        # A lease changed in ringq.queues (or a block loaded by older code) takes effect here.
+        leases = {int(q[0]): float(q[3]) for q in queues}
+        for qidx in sec.loaded_queues():
+            lease = leases.get(sec.q(qidx, L.Q_QID))
+            if lease is not None and sec.q(qidx, L.Q_LEASE_MS) != max(0, round(lease * 1000)):
+                sec.set_lease(qidx, lease)
         self._exc_counts = {int(q): int(n) for q, n in conn.execute(Qy.EXCEPTION_COUNTS).fetchall()}
         self._dead_rows = {str(n): int(d) for n, d in conn.execute(Qy.DEAD_ROWS).fetchall()}
-        row = conn.execute(Qy.XMIN_HORIZON_AGE).fetchone()
-        self._xmin_age = float(row[0]) if row else 0.0
+        news = self._horizon.update(read_holders(conn), self._dead_rows, self.config.xmin_warn_s)
+        oldest = self._horizon.oldest
+        self._xmin_age = oldest.age_s if oldest is not None else 0.0
+        if news is not None:
+            self._tell_horizon(news)
         self._poisoned(conn)
+
+    def _tell_horizon(self, news: HorizonNews) -> None:
+        """Warn of a held snapshot; after its release, vacuum the rings it bloated."""
+        if news.what == "held":
+            fields = {
+                **news.holder.as_dict(), "threshold_s": self.config.xmin_warn_s,
+                "reason": "holds back the xmin horizon: every ring update leaves a dead row,"
+                " rings grow",
+            }
+            self._journal_write("database.snapshot_held", logging.WARNING, **fields)
+            self._publish(E.make_event(E.SNAPSHOT_HELD, None, **fields))
+            return
+        bloated = sorted(q for q, n in news.dead_rows.items() if n >= self.config.vacuum_dead_rows)
+        if self._vacuum_thread is not None and self._vacuum_thread.is_alive():
+            self._journal_write("database.snapshot_released", held_s=round(news.held_s, 3),
+                                pid=news.holder.pid, vacuumed=[], skipped=bloated,
+                                reason="a vacuum is still running")
+            return
+        # VACUUM of a bloated ring may take a while: not in the loop that recovers clients.
+        self._vacuum_thread = threading.Thread(
+            target=self._vacuum_after_release, args=(news, bloated),
+            name="ringq-monitor-vacuum", daemon=True,
+        )
+        self._vacuum_thread.start()
+
+    def _vacuum_after_release(self, news: HorizonNews, queues: list[str]) -> None:
+        try:
+            with connect_step(self.config.dsn) as conn:
+                done = vacuum_rings(conn, queues)
+                self._vacuums += len(done)
+                fields: dict[str, Any] = {
+                    "held_s": round(news.held_s, 3), "pid": news.holder.pid,
+                    "kind": news.holder.kind, "application": news.holder.application,
+                    "vacuumed": done,
+                }
+                self._journal_write("database.snapshot_released", logging.INFO, **fields)
+                E.publish(conn, E.make_event(E.SNAPSHOT_RELEASED, None, **fields))
+        except Exception as exc:  # noqa: BLE001 - logged; autovacuum remains the fallback
+            self._journal_write("step.failed", logging.WARNING, step="vacuum",
+                                error=f"{type(exc).__name__}: {exc}", queues=queues)
 
     def _poisoned(self, conn: psycopg.Connection[Any]) -> None:
         window = max(_EXC_WINDOW_MIN_S, 10 * self.config.interval)
@@ -602,7 +768,9 @@ class Monitor:
         self._seen_exc = {k: t for k, t in seen.items() if t >= horizon}
 
     def _resolve_prepared(self) -> None:
-        for gid, verb in resolve_prepared(self._section(), self.config.dsn, self.config.prepared_timeout):
+        for gid, verb in resolve_prepared(
+            self._section(), self.config.dsn, self.config.prepared_timeout
+        ):
             self._journal_write("prepared.resolved", logging.WARNING, gid=gid, outcome=verb)
 
     def _prune_keys(self) -> None:
@@ -671,8 +839,16 @@ class Monitor:
                 empty_s, w.empty_s = w.empty_s, 0.0
                 full_s, w.full_s = w.full_s, 0.0
             samples.append(
-                S.compute(name, self._snaps.get(qid), cur, t=t, empty_s=empty_s, full_s=full_s,
-                          exceptions=self._exc_counts.get(qid, 0), dead_rows=self._dead_rows.get(name, 0))
+                S.compute(
+                    name,
+                    self._snaps.get(qid),
+                    cur,
+                    t=t,
+                    empty_s=empty_s,
+                    full_s=full_s,
+                    exceptions=self._exc_counts.get(qid, 0),
+                    dead_rows=self._dead_rows.get(name, 0),
+                )
             )
             snaps[qid] = cur
         self._snaps = snaps
@@ -713,9 +889,15 @@ class Monitor:
             "section": section,
             "clients": clients or 0,
             "recovered_clients": self._recovered_clients,
+            M.EXPIRED_LEASES: self._expired_leases,
             "client_errors": sum(self._client_errors_by_kind.values()),
             "client_errors_at_start": self._error_watch.seen_at_start,
-            "xmin_age_s": round(self._xmin_age, 3),
+            M.XMIN_AGE_S: round(self._xmin_age, 3),
+            M.SNAPSHOT_HELD: self._horizon.held,
+            M.XMIN_HOLDER: (
+                self._horizon.oldest.as_dict() if self._horizon.oldest is not None else None
+            ),
+            M.VACUUMS: self._vacuums,
             "database": self._conn is not None and not self._conn.closed and not self._conn.broken,
             "steps": {k: v.as_dict() for k, v in sorted(self._steps.items())},
         }
@@ -745,7 +927,13 @@ class Monitor:
         return dict(self._client_errors_by_kind)
 
     def history_points(
-        self, queue: str, since: float, until: float, limit: int, step: float = 0.0, max_points: int | None = None
+        self,
+        queue: str,
+        since: float,
+        until: float,
+        limit: int,
+        step: float = 0.0,
+        max_points: int | None = None,
     ) -> Answer | None:
         return self._history.query(queue, since, until, limit, step=step, max_points=max_points)
 

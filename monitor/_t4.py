@@ -38,7 +38,8 @@ from . import _sample as S
 COLUMNS = ("time", S.T, S.NAME, *[k for k in S.NUMERIC_KEYS if k != S.T])
 HEADER = ",".join(COLUMNS)
 _FILE_RE = re.compile(r"^t4-(\d{4}-\d{2}-\d{2})(?:\.old-\d{6})?\.csv$")
-_WIDTH = len(S.NUMERIC_KEYS)  # figures per row as read back: t first, then the rest, as NUMERIC_KEYS
+# figures per row as read back: t first, then the rest, as NUMERIC_KEYS
+_WIDTH = len(S.NUMERIC_KEYS)
 _LAST_DAY_T = 253_402_300_799.0  # 9999-12-31T23:59:59Z, the last time a date holds
 CACHE_BYTES = 128 << 20  # parsed rows kept by a T4Reader (a queue-day at 1 s is about 14.5 MB)
 
@@ -261,7 +262,11 @@ class T4Reader:
             start = data.find(b"\n") + 1
             header = data[: start - 1].decode("utf-8", "replace").rstrip("\r")
             got.cols = None if header == HEADER else _column_map(header)
-        chunk = _parse_fast(data[start:], name) if got.cols is None else _parse_mapped(data[start:], name, got.cols)
+        chunk = (
+            _parse_fast(data[start:], name)
+            if got.cols is None
+            else _parse_mapped(data[start:], name, got.cols)
+        )
         got.offset += end
         if len(chunk):
             got.chunks.append(chunk)

@@ -18,7 +18,8 @@ LIMIT 1
 SELECT value FROM ringq.meta WHERE key = 'instance_id'
 
 -- queues --
-SELECT id, name, capacity FROM ringq.queues ORDER BY id
+-- lease (seconds) through to_jsonb: a schema made before the column reads the default.
+SELECT id, name, capacity, coalesce((to_jsonb(q) ->> 'lease')::float8, 300) FROM ringq.queues q ORDER BY id
 
 -- exception_counts --
 SELECT queue_id, count(*) FROM ringq.exceptions GROUP BY queue_id
@@ -33,13 +34,35 @@ FROM ringq.exceptions e LEFT JOIN ringq.queues q ON q.id = e.queue_id
 WHERE e.moved_at > now() - make_interval(secs => %s)
 ORDER BY e.moved_at, e.queue_id, e.seq
 
--- xmin_horizon_age --
--- The design's known enemy: an open snapshot stops pruning, so even a fixed
--- size ring table grows. Age (seconds) of the oldest transaction holding back
--- the xmin horizon in this database.
-SELECT coalesce(max(extract(epoch FROM now() - xact_start)), 0)::float8
-FROM pg_stat_activity
-WHERE datname = current_database() AND backend_xmin IS NOT NULL AND pid <> pg_backend_pid()
+-- xmin_holders --
+-- What holds back this database's xmin horizon, oldest transaction first:
+-- client backends with a snapshot (backend_xmin) or a transaction id, and
+-- prepared transactions (their xact_start is their PREPARE). Never the query
+-- text: it may hold secrets. Autovacuum workers are left out (they end by
+-- themselves), and so are replication slots.
+SELECT * FROM (
+    SELECT 'backend' AS kind, pid, application_name, usename::text, state,
+           extract(epoch FROM xact_start)::float8, extract(epoch FROM query_start)::float8,
+           extract(epoch FROM now() - xact_start)::float8 AS age_s,
+           greatest(age(backend_xmin), age(backend_xid)) AS xid_age, NULL::text AS gid
+    FROM pg_stat_activity
+    WHERE datname = current_database() AND pid <> pg_backend_pid()
+      AND backend_type = 'client backend' AND xact_start IS NOT NULL
+      AND (backend_xmin IS NOT NULL OR backend_xid IS NOT NULL)
+    UNION ALL
+    SELECT 'prepared', NULL, NULL, owner::text, 'prepared', extract(epoch FROM prepared)::float8,
+           NULL, extract(epoch FROM now() - prepared)::float8, age(transaction), gid
+    FROM pg_prepared_xacts WHERE database = current_database()
+) AS h
+ORDER BY age_s DESC
+LIMIT 100
+
+-- ring_storage --
+-- A ring table's size on disk (table, TOAST, indexes) and its dead row
+-- versions (statistics); no row once the table is gone.
+SELECT pg_total_relation_size(c.oid), coalesce(s.n_dead_tup, 0)
+FROM pg_class c LEFT JOIN pg_stat_user_tables s ON s.relid = c.oid
+WHERE c.oid = to_regclass(%s)
 
 -- dead_rows --
 -- Dead row versions per queue table.
@@ -107,3 +130,8 @@ WHERE ctid = ANY(ARRAY(
                          WHERE ids.queue_id IS NOT NULL
                            AND NOT EXISTS (SELECT 1 FROM ringq.queues q WHERE q.id = ids.queue_id))
     LIMIT %s))
+
+-- listen_inbox --
+-- Wakes the inbox pump: ringq.enqueue() notifies {channel} (filled only with
+-- psycopg.sql.Identifier).
+LISTEN {channel}

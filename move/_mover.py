@@ -10,10 +10,12 @@ of the destination queue (database 2). For each batch it
 4. then commits the dequeue in database 1.
 
 A mover killed between 3 and 4 leaves the entries committed in database 2
-and not consumed in database 1: once recovery (the monitor) has released
-them, they are delivered again, and the destination enqueue is a no-op by
-key. Nothing is lost (database 1 is committed last) and nothing arrives twice
-(the key). The two databases never learn that they took part in one move.
+and not consumed in database 1: once recovery (the monitor, or the next
+mover: a mover taking over decides a dead predecessor's slots in both queues
+before it moves anything) has released them, they are delivered again, and
+the destination enqueue is a no-op by key. Nothing is lost (database 1 is
+committed last) and nothing arrives twice (the key). The two databases never
+learn that they took part in one move.
 
 Order: the source is dequeued oldest first by one mover at a time, so the
 destination receives entries in source order; per-producer order holds. That
@@ -60,7 +62,9 @@ from ringq.engine import (
     QueueFull,
     RingqError,
     Session,
+    dsn_file,
     from_psycopg,
+    read_dsn_file,
     redact_dsn,
     resolve_dsn,
     validate_queue_name,
@@ -198,7 +202,11 @@ class MoveConfig:
     retry_backoff: float = 1.0  # seconds to wait after a failed batch in run()
 
     def __post_init__(self) -> None:
-        if isinstance(self.batch, bool) or not isinstance(self.batch, int) or not 1 <= self.batch <= 100_000:
+        if (
+            isinstance(self.batch, bool)
+            or not isinstance(self.batch, int)
+            or not 1 <= self.batch <= 100_000
+        ):
             raise ConfigError(f"batch must be an integer from 1 to 100,000, not {self.batch!r}")
         if not isinstance(self.prune_every, int) or self.prune_every < 0:
             raise ConfigError(f"prune_every must be an integer >= 0, not {self.prune_every!r}")
@@ -232,6 +240,8 @@ class _State:
     dst_qid: int = 0
     instance: str = ""
     careful: int = 0  # entries still to move one at a time after a failed batch
+    # a dead predecessor's slots in both queues decided since we became active
+    settled: bool = False
     batches_since_prune: int = 0
     prune_upto: int = -1  # highest destination seq whose source dequeue committed
     stats: dict[str, int] = field(default_factory=dict)
@@ -262,6 +272,8 @@ class Mover:
     ) -> None:
         self.src_dsn = resolve_dsn(src_dsn)
         self.dst_dsn = resolve_dsn(dst_dsn)
+        # Where a DSN came from the embedded cluster's file: re-read after a failure.
+        self._dsn_files = {"src_dsn": dsn_file(src_dsn), "dst_dsn": dsn_file(dst_dsn)}
         self.src_queue = validate_queue_name(src_queue)
         self.dst_queue = validate_queue_name(dst_queue)
         self.config = config or MoveConfig()
@@ -297,9 +309,10 @@ class Mover:
                 info = src.queue_info(self.src_queue)
                 if info.dequeue_mode != "single":
                     raise MoveSourceShared(
-                        f"queue {self.src_queue!r} is in {info.dequeue_mode!r} dequeue mode: a mover "
-                        "needs a source in 'single' mode (one dequeuer at a time), or a standby "
-                        "taking over could break per-producer order and move an entry twice"
+                        f"queue {self.src_queue!r} is in {info.dequeue_mode!r} dequeue mode: "
+                        "a mover needs a source in 'single' mode (one dequeuer at a time), "
+                        "or a standby taking over could break per-producer order and move an "
+                        "entry twice"
                     )
             except BaseException:
                 src.close()
@@ -401,6 +414,7 @@ class Mover:
     def _release(self) -> None:
         s = self._s
         s.active = False
+        s.settled = False
         # Spent keys may be pruned only up to what we moved while holding the
         # lock without a break: start that count again.
         s.prune_upto = -1
@@ -433,6 +447,15 @@ class Mover:
         s = self._s
         src, dst = s.src, s.dst
         assert src is not None and dst is not None
+        if not s.settled:
+            # A mover that died before us may hold slots in both queues: in
+            # the destination, entries it committed but had not yet published.
+            # Anything we moved now would come out before them (a consumer
+            # reads past locked slots): a producer's order broken. So decide
+            # them first (no monitor needed), then move.
+            src.recover_dead_holders(self.src_queue)
+            dst.recover_dead_holders(self.dst_queue)
+            s.settled = True
         n = max_n or self.config.batch
         if s.careful:
             n = 1
@@ -596,3 +619,8 @@ class Mover:
         if s.src is None:
             self._release()  # a new source session means a new standby round
         self._lock_lost()
+        for attr, path in self._dsn_files.items():
+            new = None if path is None else read_dsn_file(path)
+            if new is not None and new != getattr(self, attr):
+                logger.warning("ringq.move: the embedded cluster came back at %s", redact_dsn(new))
+                setattr(self, attr, new)

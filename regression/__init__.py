@@ -11,7 +11,9 @@ no delivered rollback, FIFO per (queue, producer) and intact payloads.
     from ringq.regression import RegressConfig, Verifier, run, verify
 
     with Verifier("local[*]") as v:
-        outcome = run(dsn, RegressConfig(capacity=2000, entries_per_queue=10000), cycles=1, verifier=v)
+        outcome = run(
+            dsn, RegressConfig(capacity=2000, entries_per_queue=10000), cycles=1, verifier=v
+        )
         print(outcome.reports[0].summary())
         again = verify(dsn, outcome.run_id, verifier=v)
 """

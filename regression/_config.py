@@ -7,7 +7,7 @@ import re
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from ringq.engine import MAX_CAPACITY, ConfigError
+from ringq.engine import MAX_CAPACITY, ConfigError, validate_int
 
 from ._payload import MIN_PAYLOAD
 
@@ -77,34 +77,49 @@ class RegressConfig:
     def __post_init__(self) -> None:
         ci = self.chaos_interval
         if (
-            not isinstance(ci, tuple) or len(ci) != 2
-            or any(isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v) for v in ci)
+            not isinstance(ci, tuple)
+            or len(ci) != 2
+            or any(
+                isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v)
+                for v in ci
+            )
             or not 0 < ci[0] <= ci[1]
         ):
-            raise ConfigError(f"chaos_interval must be (min, max) seconds with 0 < min <= max, not {ci!r}")
+            raise ConfigError(
+                f"chaos_interval must be (min, max) seconds with 0 < min <= max, not {ci!r}"
+            )
         if self.chaos_pg_restart and not self.chaos:
             raise ConfigError("chaos_pg_restart needs chaos")
         sizes = self.payload_sizes
         if not isinstance(sizes, tuple) or not sizes:
             raise ConfigError("payload_sizes must be a non-empty tuple of byte counts")
         if len(sizes) > MAX_QUEUES:
-            raise ConfigError(f"at most {MAX_QUEUES} payload sizes (one queue each), not {len(sizes)}")
+            raise ConfigError(
+                f"at most {MAX_QUEUES} payload sizes (one queue each), not {len(sizes)}"
+            )
         for s in sizes:
-            _int_in("a payload size", s, MIN_PAYLOAD, MAX_PAYLOAD_SIZE)
-        _int_in("capacity", self.capacity, 2, MAX_CAPACITY)
-        _int_in("entries_per_queue", self.entries_per_queue, 1, 1 << 40)
-        _int_in("producers", self.producers, 1, MAX_PRODUCERS)
+            validate_int("a payload size", s, MIN_PAYLOAD, MAX_PAYLOAD_SIZE)
+        validate_int("capacity", self.capacity, 2, MAX_CAPACITY)
+        validate_int("entries_per_queue", self.entries_per_queue, 1, 1 << 40)
+        validate_int("producers", self.producers, 1, MAX_PRODUCERS)
         for name in ("rollback_rate", "two_phase_rate", "consumer_rollback_rate"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int | float) or not 0 <= v < 1:
                 raise ConfigError(f"{name} must be a number from 0 to below 1, not {v!r}")
         for name in ("enqueue_timeout", "stall_timeout"):
             v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v) or v <= 0:
+            if (
+                isinstance(v, bool)
+                or not isinstance(v, int | float)
+                or not math.isfinite(v)
+                or v <= 0
+            ):
                 raise ConfigError(f"{name} must be a positive number of seconds, not {v!r}")
         if self.filler not in FILLERS:
             raise ConfigError(f"filler must be one of {', '.join(FILLERS)}, not {self.filler!r}")
-        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
+        if self.seed is not None and (
+            isinstance(self.seed, bool) or not isinstance(self.seed, int)
+        ):
             raise ConfigError(f"seed must be an integer, not {self.seed!r}")
 
     @property
@@ -141,11 +156,8 @@ def parse_sizes(text: str) -> tuple[int, ...]:
         elif p.endswith("m"):
             mult, p = 1000_000, p[:-1]
         if not p.isdigit():
-            raise ConfigError(f"payload sizes must be comma-separated byte counts (e.g. 16,200,2k), not {text!r}")
+            raise ConfigError(
+                f"payload sizes must be comma-separated byte counts (e.g. 16,200,2k), not {text!r}"
+            )
         out.append(int(p) * mult)
     return tuple(out)
-
-
-def _int_in(what: str, value: object, low: int, high: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
-        raise ConfigError(f"{what} must be an integer from {low:,} to {high:,}, not {value!r}")

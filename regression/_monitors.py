@@ -33,14 +33,16 @@ from typing import Any
 import psycopg
 from ringq.engine import RingqError, exits, from_psycopg, pid_alive, redact_dsn
 
-from . import _sql as S
+from . import _queries as S
 
 STATE_FILE = "monitor.json"  # written by the monitor in its data directory: pid, url, dsn
-RET_ALREADY_RUNNING = exits.CONFLICT  # `ringq monitor`: the previous monitor's lock is not released yet
+# `ringq monitor`: the previous monitor's lock is not released yet
+RET_ALREADY_RUNNING = exits.CONFLICT
 KILL_WAIT_S = 5.0  # for a SIGKILLed monitor to be gone
 RESTART_RETRY_S = 0.2  # between attempts while the dead monitor's lock is released
 RESTART_LIMIT_S = 60.0  # a monitor not serving again after this long is an error of the cycle
-MONITOR_PREPARED_TIMEOUT_S = 2.0  # own monitor: a dead coordinator's undecided prepared transaction rolls back soon
+# own monitor: a dead coordinator's undecided prepared transaction rolls back soon
+MONITOR_PREPARED_TIMEOUT_S = 2.0
 DROPPED_OPTIONS = ("--reset-section",)  # once is enough: never on a restart
 
 
@@ -63,7 +65,15 @@ class ServingMonitor:
     def restart_command(self) -> list[str]:
         """``ringq monitor`` with its options, its directory, its port, detached."""
         opts = [o for o in self.options if o not in DROPPED_OPTIONS]
-        cmd = [sys.executable, "-m", "ringq.cli", "monitor", *opts, "--data-dir", str(self.data_dir)]
+        cmd = [
+            sys.executable,
+            "-m",
+            "ringq.cli",
+            "monitor",
+            *opts,
+            "--data-dir",
+            str(self.data_dir),
+        ]
         port = urllib.parse.urlsplit(self.url).port if self.url else None
         if port:
             cmd += ["--port", str(port)]  # the last one counts: the port it serves on now
@@ -83,7 +93,10 @@ def serving_monitor(dsn: str, monitor_dir: Path | None) -> ServingMonitor | None
         raise from_psycopg(exc, dsn=dsn) from exc
     if holder is None:
         return None
-    who = f"a monitor serves this database (backend pid {holder[0]}, {holder[1] or 'no application name'})"
+    who = (
+        f"a monitor serves this database (backend pid {holder[0]}, "
+        f"{holder[1] or 'no application name'})"
+    )
     how = (
         "--chaos kills and restarts the monitor that serves the database: give its data directory "
         "with --monitor-dir (RINGQ_MONITOR_DIR), stop it (ringq run --stop, or SIGTERM), "
@@ -101,10 +114,14 @@ def serving_monitor(dsn: str, monitor_dir: Path | None) -> ServingMonitor | None
     if not pid_alive(pid):
         raise ForeignMonitor(f"{who}, but the monitor of {path} (pid {pid}) is not running. {how}")
     if state.get("dsn") not in (None, redact_dsn(dsn)):
-        raise ForeignMonitor(f"{who}, but the monitor of {path} (pid {pid}) serves {state.get('dsn')}. {how}")
+        raise ForeignMonitor(
+            f"{who}, but the monitor of {path} (pid {pid}) serves {state.get('dsn')}. {how}"
+        )
     options = _monitor_options(pid)
     if options is None:
-        raise ForeignMonitor(f"{who}, but pid {pid} of {path} is not a 'ringq monitor' process. {how}")
+        raise ForeignMonitor(
+            f"{who}, but pid {pid} of {path} is not a 'ringq monitor' process. {how}"
+        )
     return ServingMonitor(pid, state.get("url"), data_dir, tuple(options), _environ(pid))
 
 
@@ -265,8 +282,9 @@ class TakenMonitor:
                 self._failed = True
                 self.errors.append(
                     f"the monitor killed by chaos did not serve again within {RESTART_LIMIT_S:g}s "
-                    f"(last exit {rc}); see {os.path.join(self.logdir, 'monitor-restarts.log')} and "
-                    f"{self.serving.data_dir / 'monitor.out'}"
+                    f"(last exit {rc}); "
+                    f"see {os.path.join(self.logdir, 'monitor-restarts.log')} "
+                    f"and {self.serving.data_dir / 'monitor.out'}"
                 )
                 return
             # Most often: the dead monitor's lock is not released yet (exit 5).
@@ -287,7 +305,9 @@ class TakenMonitor:
             self.url = state.get("url")
         except (OSError, ValueError, KeyError, TypeError) as exc:
             self._failed = True
-            self.errors.append(f"the restarted monitor serves, but its state file is unreadable: {exc}")
+            self.errors.append(
+                f"the restarted monitor serves, but its state file is unreadable: {exc}"
+            )
 
     def stop(self) -> None:
         """Leave it serving: restart it if it is dead, wait for a restart under way."""

@@ -49,7 +49,13 @@ def check_size(length: int) -> int:
 
 
 def build(
-    kind: int, queue: int, producer: int, pseq: int, length: int, *, rng: random.Random | None = None
+    kind: int,
+    queue: int,
+    producer: int,
+    pseq: int,
+    length: int,
+    *,
+    rng: random.Random | None = None,
 ) -> bytes:
     """A payload of exactly ``length`` bytes (>= 16). With ``rng`` the filler is
     random bytes from it, else a compressible pattern derived from the header."""

@@ -10,9 +10,12 @@ from typing import Any, Final
 # Violation kinds (the keys of ``Report.violations``; one place, like metric names).
 LOST: Final = "lost"  # committed, never dequeued
 DUPLICATE: Final = "duplicate"  # dequeued more than once (counts the extra deliveries)
-OUT_OF_ORDER: Final = "out_of_order"  # per (queue, producer), dequeued before an entry committed earlier
-CORRUPT: Final = "corrupt"  # payload differs from what was committed (checksum, digest, header, length)
-ROLLED_BACK_DELIVERED: Final = "rolled_back_delivered"  # an entry of a rolled-back transaction was dequeued
+# per (queue, producer), dequeued before an entry committed earlier
+OUT_OF_ORDER: Final = "out_of_order"
+# payload differs from what was committed (checksum, digest, header, length)
+CORRUPT: Final = "corrupt"
+# an entry of a rolled-back transaction was dequeued
+ROLLED_BACK_DELIVERED: Final = "rolled_back_delivered"
 PHANTOM: Final = "phantom"  # dequeued, but never sent (neither committed nor rolled back)
 SEQ_REUSED: Final = "seq_reused"  # two committed entries got the same queue sequence
 WORKLOAD: Final = "workload_error"  # a worker failed or the cycle stalled
@@ -74,14 +77,18 @@ class Report:
         cyc = _cycles(self.cycles)
         lines = [f"ringq regress: run {self.run_id}, {cyc}: {'PASS' if self.ok else 'FAIL'}"]
         tx = c.get("transactions", {})
-        rb_reasons = ", ".join(f"{k} {v:,}" for k, v in sorted(tx.get("rolled_back_by_reason", {}).items()))
+        rb_reasons = ", ".join(
+            f"{k} {v:,}" for k, v in sorted(tx.get("rolled_back_by_reason", {}).items())
+        )
         lines.append(
-            f"  entries     committed {c.get('committed', 0):,}   rolled back {c.get('rolled_back', 0):,}   "
+            f"  entries     committed {c.get('committed', 0):,}   "
+            f"rolled back {c.get('rolled_back', 0):,}   "
             f"dequeued {c.get('delivered', 0):,} ({c.get('received_rows', 0):,} rows, "
             f"{c.get('redelivered', 0):,} after a consumer rollback)"
         )
         lines.append(
-            f"  tx          simple {tx.get('simple', 0):,}   two-phase {tx.get('two_phase', 0):,}   "
+            f"  tx          simple {tx.get('simple', 0):,}   "
+            f"two-phase {tx.get('two_phase', 0):,}   "
             f"multi-queue {tx.get('multi_queue', 0):,}   rolled back {tx.get('rolled_back', 0):,}"
             + (f" ({rb_reasons})" if rb_reasons else "")
         )
@@ -93,16 +100,20 @@ class Report:
             lat = q.get("latency_ms", {})
             lines.append(
                 f"  {q['name']:<34} {q['payload_size']:>8,} {q.get('committed', 0):>10,} "
-                f"{q.get('delivered', 0):>10,} {q.get('max_depth', 0):>10,} {q.get('full_hits', 0):>6,} "
+                f"{q.get('delivered', 0):>10,} {q.get('max_depth', 0):>10,} "
+                f"{q.get('full_hits', 0):>6,} "
                 f"{q.get('empty_hits', 0):>7,} {lat.get('p50', 0):>8.1f} {lat.get('p99', 0):>8.1f}"
             )
         if self.chaos:
             ch = self.chaos
             lines.append(
-                f"  chaos       producers {ch.get('producers', 0):,}  consumers {ch.get('consumers', 0):,}  "
+                f"  chaos       producers {ch.get('producers', 0):,}  "
+                f"consumers {ch.get('consumers', 0):,}  "
                 f"monitor {ch.get('monitor', 0):,}  pg restarts {ch.get('pg_restarts', 0):,}"
             )
-        lines.append("  violations  " + "   ".join(f"{k} {v:,}" for k, v in self.violations.items()))
+        lines.append(
+            "  violations  " + "   ".join(f"{k} {v:,}" for k, v in self.violations.items())
+        )
         for kind, rows in self.examples.items():
             for row in rows[:3]:
                 lines.append(f"    {kind}: {_row(row)}")
@@ -110,12 +121,14 @@ class Report:
             lines.append(f"    workload: {err}")
         t = self.throughput
         lines.append(
-            f"  throughput  workload {t.get('workload_s', 0):.1f} s   {t.get('entries_per_s', 0):,.0f} entries/s   "
+            f"  throughput  workload {t.get('workload_s', 0):.1f} s   "
+            f"{t.get('entries_per_s', 0):,.0f} entries/s   "
             f"{t.get('mb_per_s', 0):,.1f} MB/s   spark {self.spark.get('analysis_s', 0):.1f} s"
         )
         lat = self.latency_ms
         lines.append(
-            f"  latency ms  p50 {lat.get('p50', 0):.1f}   p95 {lat.get('p95', 0):.1f}   p99 {lat.get('p99', 0):.1f}   "
+            f"  latency ms  p50 {lat.get('p50', 0):.1f}   p95 {lat.get('p95', 0):.1f}   p99 "
+            f"{lat.get('p99', 0):.1f}   "
             f"max {lat.get('max', 0):,.1f}   ({self.latency_from} -> dequeue)"
         )
         for n, why in sorted(self.skipped_cycles.items()):

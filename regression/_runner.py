@@ -71,8 +71,11 @@ def run(
     if config.chaos:
         serving = serving_monitor(dsn, monitor_dir)
         if serving is not None:
-            say(f"chaos: the monitor serving the database (pid {serving.pid}, {serving.url or 'no HTTP'}) "
-                "is killed and restarted as it was; it stays up after the run")
+            say(
+                f"chaos: the monitor serving the database (pid {serving.pid}, "
+                f"{serving.url or 'no HTTP'}) "
+                "is killed and restarted as it was; it stays up after the run"
+            )
     info = _store.create_run(dsn, config, run_id)
     say(f"run {info.run_id}: {len(info.queues)} queues x {config.capacity:,} slots, "
         f"{config.entries_per_queue:,} entries per queue per cycle, {config.producers} producers")
@@ -87,8 +90,15 @@ def run(
             cycle = _store.start_cycle(dsn, info.run_id)
             result = run_cycle(dsn, info, cycle, progress=progress, abort_requested=abort_requested,
                                monitor_dir=monitor_dir)
-            _store.end_cycle(dsn, info.run_id, cycle, status=result.status, workload_s=result.workload_s,
-                             stats=result.stats, errors=result.errors)
+            _store.end_cycle(
+                dsn,
+                info.run_id,
+                cycle,
+                status=result.status,
+                workload_s=result.workload_s,
+                stats=result.stats,
+                errors=result.errors,
+            )
             outcome.results.append(result)
             say(f"cycle {cycle}: workload {result.status} in {result.workload_s:.1f} s"
                 + (f" ({len(result.errors)} errors)" if result.errors else ""))

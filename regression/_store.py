@@ -22,9 +22,10 @@ import psycopg
 from psycopg.types.json import Jsonb
 from ringq import __version__
 from ringq.engine import QueueNotFound, RingqError, converted, queue_table
+from ringq.engine.sqlfile import compose
 from ringq.scripting import QueueSpec, create_queue, drop_queue
 
-from . import _sql as S
+from . import _queries as S
 from ._config import RegressConfig, validate_run_id
 
 
@@ -34,7 +35,8 @@ class RunNotFound(RingqError):
 
 @dataclass(frozen=True)
 class QueueRef:
-    """One queue of a run: its index in payload headers, its ringq name, its payload size (bytes)."""
+    """One queue of a run: its index in payload headers, its ringq name, its payload size
+    (bytes)."""
 
     idx: int
     name: str
@@ -98,13 +100,16 @@ def create_run(dsn: str, config: RegressConfig, run_id: str | None = None) -> Ru
     """
     run_id = validate_run_id(run_id or new_run_id())
     queues = tuple(
-        QueueRef(i, queue_name(run_id, i), size, config.capacity) for i, size in enumerate(config.payload_sizes)
+        QueueRef(i, queue_name(run_id, i), size, config.capacity)
+        for i, size in enumerate(config.payload_sizes)
     )
     with _connect(dsn, autocommit=False) as conn:
         for ref in queues:
             # Blocking policy: a full queue makes producers wait (up to their own
             # enqueue timeout), which is what "driven full" should exercise.
-            create_queue(conn, QueueSpec(ref.name, ref.capacity, ref.payload_size, full_policy="block"))
+            create_queue(
+                conn, QueueSpec(ref.name, ref.capacity, ref.payload_size, full_policy="block")
+            )
         with conn.transaction():
             conn.execute(S.q(S.CREATE_RUN, run_id))
             conn.execute(
@@ -112,7 +117,9 @@ def create_run(dsn: str, config: RegressConfig, run_id: str | None = None) -> Ru
                 (run_id, socket.gethostname(), __version__, Jsonb(config.to_json())),
             )
             for ref in queues:
-                conn.execute(S.q(S.INSERT_QUEUE, run_id), (ref.idx, ref.name, ref.payload_size, ref.capacity))
+                conn.execute(
+                    S.q(S.INSERT_QUEUE, run_id), (ref.idx, ref.name, ref.payload_size, ref.capacity)
+                )
                 conn.execute(S.q(S.CREATE_RECEIVED, run_id, S.received_table(ref.name)))
     return load_run(dsn, run_id)
 
@@ -125,9 +132,11 @@ def load_run(dsn: str, run_id: str) -> RunInfo:
 
 
 def _load(conn: psycopg.Connection[Any], run_id: str) -> RunInfo:
-    row = conn.execute(S.RUN_EXISTS, (f'"{S.SCHEMA_PREFIX}{run_id}".run',)).fetchone()
+    row = conn.execute(S.RUN_EXISTS, (S.SCHEMA_PREFIX + run_id,)).fetchone()
     if not row or not row[0]:
-        raise RunNotFound(f"no regression run {run_id!r} in this database (see 'ringq regress list')")
+        raise RunNotFound(
+            f"no regression run {run_id!r} in this database (see 'ringq regress list')"
+        )
     run = conn.execute(S.q(S.SELECT_RUN, run_id)).fetchone()
     assert run is not None
     queues = tuple(QueueRef(*r) for r in conn.execute(S.q(S.SELECT_QUEUES, run_id)).fetchall())
@@ -163,15 +172,31 @@ def start_cycle(dsn: str, run_id: str) -> int:
 
 
 def end_cycle(
-    dsn: str, run_id: str, cycle: int, *, status: str, workload_s: float, stats: dict[str, Any], errors: list[str]
+    dsn: str,
+    run_id: str,
+    cycle: int,
+    *,
+    status: str,
+    workload_s: float,
+    stats: dict[str, Any],
+    errors: list[str],
 ) -> None:
     with _connect(dsn) as conn:
         conn.execute(
-            S.q(S.END_CYCLE, run_id), (status, workload_s, Jsonb(stats), Jsonb(errors), cycle)
+            S.q(S.END_CYCLE, run_id),
+            {
+                "status": status,
+                "workload_s": workload_s,
+                "stats": Jsonb(stats),
+                "errors": Jsonb(errors),
+                "cycle": cycle,
+            },
         )
 
 
-def record_verified(dsn: str, run_id: str, cycles_: list[int], ok: bool, report: dict[str, Any]) -> None:
+def record_verified(
+    dsn: str, run_id: str, cycles_: list[int], ok: bool, report: dict[str, Any]
+) -> None:
     with _connect(dsn) as conn:
         conn.execute(S.q(S.VERIFIED_CYCLE, run_id), (ok, Jsonb(report), cycles_))
 
@@ -205,12 +230,10 @@ def _drop_queues(conn: psycopg.Connection[Any], run: RunInfo) -> None:
 
 def leftovers(dsn: str, run: RunInfo) -> dict[str, int]:
     """Entries still queued (committed, never consumed) in each of the run's queues."""
-    from psycopg import sql
-
     out: dict[str, int] = {}
     with _connect(dsn) as conn:
         for ref in run.queues:
-            row = conn.execute(sql.SQL(S.LEFTOVERS).format(table=queue_table(ref.name))).fetchone()
+            row = conn.execute(compose(S.LEFTOVERS, table=queue_table(ref.name))).fetchone()
             out[ref.name] = int(row[0]) if row else 0
     return out
 

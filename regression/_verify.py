@@ -31,9 +31,10 @@ import psycopg
 from psycopg import sql
 from psycopg.conninfo import conninfo_to_dict
 from ringq.engine import ConfigError, converted
+from ringq.engine.sqlfile import compose
 
+from . import _queries as S
 from . import _report as R
-from . import _sql as S
 from . import _store
 from ._store import RunInfo
 
@@ -66,11 +67,15 @@ def jdbc_target(dsn: str) -> tuple[str, dict[str, str]]:
     hosts = str(d.get("hostaddr") or d.get("host") or "localhost").split(",")
     ports = str(d.get("port") or "5432").split(",")
     if any(h.startswith(("/", "@")) for h in hosts):
-        raise ConfigError("the Spark analysis reads through JDBC, which needs a TCP host, not a unix socket; "
-                          "pass a DSN with host=127.0.0.1 (or the server's address)")
+        raise ConfigError(
+            "the Spark analysis reads through JDBC, which needs a TCP host, not a unix socket; "
+            "pass a DSN with host=127.0.0.1 (or the server's address)"
+        )
     if len(ports) == 1:
         ports = ports * len(hosts)
-    netloc = ",".join(f"[{h}]:{p}" if ":" in h else f"{h}:{p}" for h, p in zip(hosts, ports, strict=False))
+    netloc = ",".join(
+        f"[{h}]:{p}" if ":" in h else f"{h}:{p}" for h, p in zip(hosts, ports, strict=False)
+    )
     db = str(d.get("dbname") or d.get("user") or os.environ.get("USER", "postgres"))
     props: dict[str, str] = {}
     for key, prop in (("user", "user"), ("password", "password"), ("sslmode", "sslmode"),
@@ -130,8 +135,14 @@ class Verifier:
         if importlib.util.find_spec("pyspark") is None:
             raise SparkUnavailable("PySpark is not installed: pip install 'ringq[regression]'")
         java_home = os.environ.get("JAVA_HOME")
-        if not (java_home and Path(java_home, "bin", "java").exists()) and shutil.which("java") is None:
-            raise SparkUnavailable("Java is not installed (Spark needs Java 17): apt-get install -y default-jre-headless")
+        if (
+            not (java_home and Path(java_home, "bin", "java").exists())
+            and shutil.which("java") is None
+        ):
+            raise SparkUnavailable(
+                "Java is not installed (Spark needs Java 17): apt-get install -y "
+                "default-jre-headless"
+            )
 
     def open(self) -> Verifier:
         if self._spark is not None:
@@ -203,7 +214,9 @@ class Verifier:
         if cycles is None:
             chosen = [n for n, c in sorted(rows.items()) if c.status in VERIFIABLE]
             report.skipped_cycles = {
-                n: f"status {c.status} (its data is incomplete)" for n, c in rows.items() if c.status not in VERIFIABLE
+                n: f"status {c.status} (its data is incomplete)"
+                for n, c in rows.items()
+                if c.status not in VERIFIABLE
             }
         else:
             missing = [n for n in cycles if n not in rows]
@@ -234,12 +247,20 @@ class Verifier:
         }
         return report
 
-    def _read(self, url: str, props: dict[str, str], query: str, *, partitions: int = 1,
-              by: str = "qseq", fetch: int = 1000) -> DataFrame:
+    def _read(self, url: str, props: dict[str, str], query: sql.Composable, *,
+              partitions: int = 1, by: str = "qseq", fetch: int = 1000) -> DataFrame:
         opts = dict(props, driver=JDBC_DRIVER, fetchsize=str(fetch))
-        table = f"({query}) AS t"
+        table = compose(S.JDBC_DBTABLE, query=query).as_string(None)
         if partitions > 1:
-            preds = [f"{by} % {partitions} = {i}" for i in range(partitions)]
+            preds = [
+                compose(
+                    S.JDBC_PARTITION,
+                    column=sql.Identifier(by),
+                    partitions=sql.Literal(partitions),
+                    part=sql.Literal(i),
+                ).as_string(None)
+                for i in range(partitions)
+            ]
             return self.spark.read.jdbc(url, table, predicates=preds, properties=opts)
         return self.spark.read.format("jdbc").options(url=url, dbtable=table, **opts).load()
 
@@ -249,50 +270,74 @@ class Verifier:
 
         url, props = jdbc_target(dsn)
         schema = S.schema_of(run.run_id)
-        in_cycles = sql.SQL("cycle IN ({})").format(sql.SQL(", ").join(sql.Literal(n) for n in chosen))
+        cycles = sql.SQL(", ").join(sql.Literal(n) for n in chosen)
         commit_ts = _store.commit_timestamps_on(dsn)
         report.latency_from = "commit timestamp" if commit_ts else "sent row (just before commit)"
-        committed_at = (
-            sql.SQL("coalesce(pg_xact_commit_timestamp(xmin), sent_at)") if commit_ts else sql.SQL("sent_at")
+        committed_at = sql.SQL(S.COMMITTED_AT_COMMIT_TS if commit_ts else S.COMMITTED_AT_SENT)
+
+        sent = self._read(
+            url,
+            props,
+            compose(S.JDBC_SENT, committed_at=committed_at, schema=schema, cycles=cycles),
+            fetch=10000,
+        )
+        rolled = self._read(
+            url, props, compose(S.JDBC_ROLLED_BACK, schema=schema, cycles=cycles), fetch=10000
         )
 
-        def text(q: sql.Composable) -> str:
-            return q.as_string(None)
-
-        sent = self._read(url, props, text(sql.SQL(
-            "SELECT cycle, queue, qseq, producer, pseq, tx, kind, length, digest, {} AS committed_at "
-            "FROM {}.sent WHERE {}").format(committed_at, schema, in_cycles)), fetch=10000)
-        rolled = self._read(url, props, text(sql.SQL(
-            "SELECT cycle, queue, qseq, producer, pseq, tx, kind, reason FROM {}.rolled_back WHERE {}"
-        ).format(schema, in_cycles)), fetch=10000)
-
-        sizes = _received_counts(dsn, run, in_cycles)
+        sizes = _received_counts(dsn, run, cycles)
         parts = []
         for ref in run.queues:
             nbytes = sizes.get(ref.idx, 0) * ref.payload_size
-            partitions = max(1, min(4 * self.spark.sparkContext.defaultParallelism, nbytes // PARTITION_BYTES))
-            parts.append(self._read(url, props, text(sql.SQL(
-                "SELECT {}::int2 AS queue, cycle, qseq, recv_order, deliveries, payload, deq_at FROM {}.{} WHERE {}"
-            ).format(sql.Literal(ref.idx), schema, S.received_table(ref.name), in_cycles)),
-                partitions=int(partitions), fetch=max(16, min(10000, FETCH_BYTES // ref.payload_size))))
+            partitions = max(
+                1, min(4 * self.spark.sparkContext.defaultParallelism, nbytes // PARTITION_BYTES)
+            )
+            parts.append(
+                self._read(
+                    url,
+                    props,
+                    compose(
+                        S.JDBC_RECEIVED,
+                        idx=sql.Literal(ref.idx),
+                        schema=schema,
+                        table=S.received_table(ref.name),
+                        cycles=cycles,
+                    ),
+                    partitions=int(partitions),
+                    fetch=max(16, min(10000, FETCH_BYTES // ref.payload_size)),
+                )
+            )
         raw = parts[0]
         for p in parts[1:]:
             raw = raw.unionByName(p)
 
         def field(off: int, n: int) -> str:
-            return f"CASE WHEN plen >= 12 THEN CAST(conv(hex(substring(payload, {off + 1}, {n})), 16, 10) AS BIGINT) END"
+            return (
+                "CASE WHEN plen >= 12 THEN "
+                f"CAST(conv(hex(substring(payload, {off + 1}, {n})), 16, 10) AS BIGINT) END"
+            )
 
         # Reduce every payload to what the checks need, as it is read.
         recv = (
             raw.withColumn("plen", F.expr("length(payload)"))
             .withColumn("k", F.expr("least(32, plen - 12)"))
             .selectExpr(
-                "queue", "cycle", "qseq", "recv_order", "deliveries", "deq_at", "plen",
+                "queue",
+                "cycle",
+                "qseq",
+                "recv_order",
+                "deliveries",
+                "deq_at",
+                "plen",
                 "sha2(payload, 256) AS sha",
                 "CASE WHEN plen >= 16 THEN lower(hex(substring(payload, plen - k + 1, k))) = "
-                "substring(sha2(substring(payload, 1, plen - k), 256), 1, 2 * k) ELSE false END AS check_ok",
-                f"{field(0, 1)} AS h_kind", f"{field(1, 1)} AS h_queue", f"{field(2, 2)} AS h_producer",
-                f"{field(4, 4)} AS h_pseq", f"{field(8, 4)} AS h_length",
+                "substring(sha2(substring(payload, 1, plen - k), 256), 1, 2 * k) ELSE false END AS "
+                "check_ok",
+                f"{field(0, 1)} AS h_kind",
+                f"{field(1, 1)} AS h_queue",
+                f"{field(2, 2)} AS h_producer",
+                f"{field(4, 4)} AS h_pseq",
+                f"{field(8, 4)} AS h_length",
             )
             .persist()
         )
@@ -303,7 +348,9 @@ class Verifier:
         rolled = rolled.persist()
         key = ["cycle", "queue", "qseq"]
 
-        nth = recv.withColumn("nth", F.row_number().over(Window.partitionBy(*key).orderBy("recv_order"))).persist()
+        nth = recv.withColumn(
+            "nth", F.row_number().over(Window.partitionBy(*key).orderBy("recv_order"))
+        ).persist()
         first = nth.filter("nth = 1").drop("nth")
         extra = nth.filter("nth > 1")
         lost = sent.join(first.select(*key), key, "left_anti")
@@ -318,18 +365,39 @@ class Verifier:
             .join(rb_keys, key, "left")
             .join(rb_ids, ["cycle", "h_queue", "h_producer", "h_pseq"], "left")
             .withColumn("sent_match", F.expr("producer IS NOT NULL"))
-            .withColumn("ident_ok", F.expr(
-                "coalesce(h_queue = queue AND h_producer = producer AND h_pseq = pseq AND h_kind = kind "
-                "AND h_length = plen, false)"))
-            .withColumn("intact", F.expr("coalesce(plen = length AND sha = sha_sent AND check_ok, false) AND ident_ok"))
-            .withColumn("verdict", F.expr(
-                f"CASE WHEN NOT sent_match AND (coalesce(rb_key, false) OR coalesce(rb_hdr, false)) "
-                f"THEN '{R.ROLLED_BACK_DELIVERED}' "
-                f"WHEN NOT sent_match THEN '{R.PHANTOM}' "
-                f"WHEN NOT ident_ok AND coalesce(rb_hdr, false) THEN '{R.ROLLED_BACK_DELIVERED}' "
-                f"WHEN NOT intact THEN '{R.CORRUPT}' ELSE 'ok' END"))
-            .withColumn("latency_ms", F.expr(
-                "CASE WHEN sent_match THEN (unix_micros(deq_at) - unix_micros(committed_at)) / 1000.0 END"))
+            .withColumn(
+                "ident_ok",
+                F.expr(
+                    "coalesce(h_queue = queue AND h_producer = producer AND h_pseq = pseq "
+                    "AND h_kind = kind "
+                    "AND h_length = plen, false)"
+                ),
+            )
+            .withColumn(
+                "intact",
+                F.expr(
+                    "coalesce(plen = length AND sha = sha_sent AND check_ok, false) AND ident_ok"
+                ),
+            )
+            .withColumn(
+                "verdict",
+                F.expr(
+                    "CASE WHEN NOT sent_match "
+                    "AND (coalesce(rb_key, false) OR coalesce(rb_hdr, false)) "
+                    f"THEN '{R.ROLLED_BACK_DELIVERED}' "
+                    f"WHEN NOT sent_match THEN '{R.PHANTOM}' "
+                    "WHEN NOT ident_ok AND coalesce(rb_hdr, false) THEN "
+                    f"'{R.ROLLED_BACK_DELIVERED}' "
+                    f"WHEN NOT intact THEN '{R.CORRUPT}' ELSE 'ok' END"
+                ),
+            )
+            .withColumn(
+                "latency_ms",
+                F.expr(
+                    "CASE WHEN sent_match "
+                    "THEN (unix_micros(deq_at) - unix_micros(committed_at)) / 1000.0 END"
+                ),
+            )
             .persist()
         )
         by_producer = Window.partitionBy("cycle", "queue", "producer").orderBy("recv_order")
@@ -360,12 +428,18 @@ class Verifier:
         lost_q = {r["queue"]: int(r["count"]) for r in lost.groupBy("queue").count().collect()}
         ooo_q = {r["queue"]: int(r["count"]) for r in ooo.groupBy("queue").count().collect()}
         n_reused = reused.count()
-        sent_tx = sent.groupBy("cycle", "producer", "tx").agg(
-            F.first("kind").alias("kind"), F.countDistinct("queue").alias("nq")
-        ).groupBy("kind").agg(F.count("*").alias("n"), F.count_if(F.col("nq") > 1).alias("multi")).collect()
+        sent_tx = (
+            sent.groupBy("cycle", "producer", "tx")
+            .agg(F.first("kind").alias("kind"), F.countDistinct("queue").alias("nq"))
+            .groupBy("kind")
+            .agg(F.count("*").alias("n"), F.count_if(F.col("nq") > 1).alias("multi"))
+            .collect()
+        )
         sent_q = {
             r["queue"]: (int(r["n"]), int(r["bytes"] or 0))
-            for r in sent.groupBy("queue").agg(F.count("*").alias("n"), F.sum("length").alias("bytes")).collect()
+            for r in sent.groupBy("queue")
+            .agg(F.count("*").alias("n"), F.sum("length").alias("bytes"))
+            .collect()
         }
         rb_tx = rolled.groupBy("cycle", "producer", "tx", "reason").count().collect()
 
@@ -395,11 +469,24 @@ class Verifier:
         if v[R.DUPLICATE]:
             ex[R.DUPLICATE] = rows(extra, "cycle", "queue", "qseq", "recv_order", "deliveries")
         if v[R.OUT_OF_ORDER]:
-            ex[R.OUT_OF_ORDER] = rows(ooo, "cycle", "queue", "producer", "pseq", "prev_pseq", "recv_order")
+            ex[R.OUT_OF_ORDER] = rows(
+                ooo, "cycle", "queue", "producer", "pseq", "prev_pseq", "recv_order"
+            )
         for kind in verdict_cols:
             if v[kind]:
-                ex[kind] = rows(judged.filter(F.col("verdict") == kind), "cycle", "queue", "qseq", "plen", "length",
-                                "check_ok", "h_producer", "h_pseq", "producer", "pseq")
+                ex[kind] = rows(
+                    judged.filter(F.col("verdict") == kind),
+                    "cycle",
+                    "queue",
+                    "qseq",
+                    "plen",
+                    "length",
+                    "check_ok",
+                    "h_producer",
+                    "h_pseq",
+                    "producer",
+                    "pseq",
+                )
         if v[R.SEQ_REUSED]:
             ex[R.SEQ_REUSED] = rows(reused, "cycle", "queue", "qseq", "count")
         report.examples = ex
@@ -459,13 +546,20 @@ def _lat(row: Any) -> dict[str, float]:
     }
 
 
-def _received_counts(dsn: str, run: RunInfo, in_cycles: sql.Composable) -> dict[int, int]:
-    """Rows per received table, to choose how many JDBC partitions to read with."""
+def _received_counts(dsn: str, run: RunInfo, cycles: sql.Composable) -> dict[int, int]:
+    """Rows per received table in ``cycles`` (a list of literals), to choose how many
+    JDBC partitions to read with."""
     out = {}
     with converted(dsn=dsn), psycopg.connect(dsn, autocommit=True) as conn:
         for ref in run.queues:
-            row = conn.execute(sql.SQL("SELECT count(*) FROM {}.{} WHERE {}").format(
-                S.schema_of(run.run_id), S.received_table(ref.name), in_cycles)).fetchone()
+            row = conn.execute(
+                compose(
+                    S.RECEIVED_COUNT,
+                    schema=S.schema_of(run.run_id),
+                    table=S.received_table(ref.name),
+                    cycles=cycles,
+                )
+            ).fetchone()
             out[ref.idx] = int(row[0]) if row else 0
     return out
 
@@ -476,7 +570,12 @@ def _add_section_stats(report: R.Report, run: RunInfo, rows: list[_store.CycleRo
     for ref in run.queues:
         q = by_name.get(ref.name)
         if q is None:
-            q = {"name": ref.name, "index": ref.idx, "payload_size": ref.payload_size, "capacity": ref.capacity}
+            q = {
+                "name": ref.name,
+                "index": ref.idx,
+                "payload_size": ref.payload_size,
+                "capacity": ref.capacity,
+            }
             report.queues.append(q)
         for row in rows:
             st = ((row.stats or {}).get("queues") or {}).get(ref.name) or {}

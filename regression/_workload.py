@@ -48,7 +48,7 @@ from ringq.engine import layout as L
 from ringq.engine import metrics as M
 
 from . import _payload as P
-from . import _sql as S
+from . import _queries as S
 from . import _store
 from ._config import RegressConfig
 from ._monitors import OwnMonitor, TakenMonitor, serving_monitor
@@ -169,7 +169,9 @@ def producer_main(args: WorkerArgs, counters: Any, abort: Any, errors: Any) -> N
     _worker("producer", _produce, args, counters, abort, errors)
 
 
-def consumer_main(args: WorkerArgs, counters: Any, producers_done: Any, abort: Any, errors: Any) -> None:
+def consumer_main(
+    args: WorkerArgs, counters: Any, producers_done: Any, abort: Any, errors: Any
+) -> None:
     _worker("consumer", _consume, args, counters, producers_done, abort, errors)
 
 
@@ -215,14 +217,18 @@ class _Producer:
                 return False
             time.sleep(0.05)
         key = (self.a.cycle, self.a.index)
-        row = conn.execute(S.q(S.RESUME_PRODUCER, self.a.run_id), key + key).fetchone()
+        row = conn.execute(
+            S.q(S.RESUME_PRODUCER, self.a.run_id), {"cycle": self.a.cycle, "producer": self.a.index}
+        ).fetchone()
         assert row is not None
         self.pseq, self.tx = int(row[0]), int(row[1])
         committed = [0] * len(self.quota)
         for q, n in conn.execute(S.q(S.SENT_BY_QUEUE, self.a.run_id), key).fetchall():
             committed[q] = int(n)
         self.s.commit()
-        self.quota = [max(0, owed - done) for owed, done in zip(self.a.quota, committed, strict=True)]
+        self.quota = [
+            max(0, owed - done) for owed, done in zip(self.a.quota, committed, strict=True)
+        ]
         self.c[self.base + P_ENTRIES] = sum(committed)
         if self.pseq or self.tx:
             self.bump(RESUMED)
@@ -256,8 +262,13 @@ class _Producer:
                 # One statement per queue.
                 for q, n in plan:
                     items = [self.payload(q, kind) for _ in range(n)]
-                    seqs = s.enqueue_many(self.a.queues[q].name, [p for _, _, p in items], timeout=timeout)
-                    done.extend((q, seq, ps, ln, P.digest(p)) for seq, (ps, ln, p) in zip(seqs, items, strict=True))
+                    seqs = s.enqueue_many(
+                        self.a.queues[q].name, [p for _, _, p in items], timeout=timeout
+                    )
+                    done.extend(
+                        (q, seq, ps, ln, P.digest(p))
+                        for seq, (ps, ln, p) in zip(seqs, items, strict=True)
+                    )
             else:
                 # One call per entry, the queues interleaved.
                 order = [q for q, n in plan for _ in range(n)]
@@ -299,21 +310,33 @@ class _Producer:
         if len(plan) > 1:
             self.bump(P_MULTI_TX)
 
-    def record(self, stmt: Any, done: list[tuple[int, int, int, int, bytes]], kind: int, *extra: Any) -> None:
+    def record(
+        self, stmt: Any, done: list[tuple[int, int, int, int, bytes]], kind: int, **extra: Any
+    ) -> None:
+        """Write ``done`` with ``stmt`` (INSERT_SENT, or INSERT_ROLLED_BACK with a ``reason``)."""
         if not done:
             return
         qs, seqs, pseqs, lens, digests = (list(col) for col in zip(*done, strict=True))
-        params: tuple[Any, ...]
-        if extra:
-            params = (self.a.cycle, self.a.index, self.tx, kind, *extra, qs, seqs, pseqs, lens, digests)
-        else:
-            params = (self.a.cycle, self.a.index, self.tx, kind, qs, seqs, pseqs, lens, digests)
+        params = {
+            "cycle": self.a.cycle,
+            "producer": self.a.index,
+            "tx": self.tx,
+            "kind": kind,
+            "queues": qs,
+            "qseqs": seqs,
+            "pseqs": pseqs,
+            "lengths": lens,
+            "digests": digests,
+            **extra,
+        }
         self.s.connection.execute(stmt, params)
 
-    def log_rolled_back(self, done: list[tuple[int, int, int, int, bytes]], kind: int, reason: str) -> None:
+    def log_rolled_back(
+        self, done: list[tuple[int, int, int, int, bytes]], kind: int, reason: str
+    ) -> None:
         if not done:
             return
-        self.record(self.rb_sql, done, kind, reason)
+        self.record(self.rb_sql, done, kind, reason=reason)
         self.s.commit()
         self.bump(P_RB_ENTRIES, len(done))
 
@@ -369,7 +392,9 @@ def _produce(args: WorkerArgs, counters: Any, abort: Any, errors: Any) -> None:
 
 
 def _produce_session(args: WorkerArgs, counters: Any, abort: Any) -> bool:
-    with connect(args.dsn, producer=f"regress-{args.run_id}-p{args.index}", application_name="ringq-regress") as s:
+    with connect(
+        args.dsn, producer=f"regress-{args.run_id}-p{args.index}", application_name="ringq-regress"
+    ) as s:
         p = _Producer(args, s, counters)
         if args.config.chaos and not _wait_recovered(s, abort):
             return True
@@ -399,10 +424,17 @@ def _produce_session(args: WorkerArgs, counters: Any, abort: Any) -> bool:
 
 def _consume(args: WorkerArgs, counters: Any, producers_done: Any, abort: Any, errors: Any) -> None:
     state: dict[str, Any] = {}
-    _retrying(args, counters, abort, lambda: _consume_session(args, counters, producers_done, abort, state))
+    _retrying(
+        args,
+        counters,
+        abort,
+        lambda: _consume_session(args, counters, producers_done, abort, state),
+    )
 
 
-def _consume_session(args: WorkerArgs, counters: Any, producers_done: Any, abort: Any, state: dict[str, Any]) -> bool:
+def _consume_session(
+    args: WorkerArgs, counters: Any, producers_done: Any, abort: Any, state: dict[str, Any]
+) -> bool:
     ref = args.queues[args.index]
     cfg = args.config
     rng = random.Random(args.seed)
@@ -416,10 +448,14 @@ def _consume_session(args: WorkerArgs, counters: Any, producers_done: Any, abort
     # producers owe the queue more entries than it holds, so some enqueue must
     # find it full. (Only with entries_per_queue > capacity can a queue fill.)
     early = max(1, min(cfg.entries_per_queue * 6 // 10, cfg.entries_per_queue - cfg.capacity - 1))
-    stalls = state.setdefault("stalls", sorted(rng.sample(range(1, early + 1), min(early, rng.randint(1, 2)))))
+    stalls = state.setdefault(
+        "stalls", sorted(rng.sample(range(1, early + 1), min(early, rng.randint(1, 2))))
+    )
     pid = os.getpid()
     left_sql = S.q(S.LEFTOVERS, args.run_id, queue_table(ref.name))
-    with connect(args.dsn, producer=f"regress-{args.run_id}-c{args.index}", application_name="ringq-regress") as s:
+    with connect(
+        args.dsn, producer=f"regress-{args.run_id}-c{args.index}", application_name="ringq-regress"
+    ) as s:
         # Resume from what the table durably holds: a killed predecessor's (or
         # a lost session's) open dequeue rolled back with its rows.
         if args.config.chaos and not _wait_recovered(s, abort):
@@ -458,7 +494,17 @@ def _consume_session(args: WorkerArgs, counters: Any, producers_done: Any, abort
                 orders.append(order)
                 dels.append(m.deliveries)
                 payloads.append(m.payload)
-            s.connection.execute(stmt, (args.cycle, pid, seqs, orders, dels, payloads))
+            s.connection.execute(
+                stmt,
+                {
+                    "cycle": args.cycle,
+                    "consumer": pid,
+                    "qseqs": seqs,
+                    "orders": orders,
+                    "deliveries": dels,
+                    "payloads": payloads,
+                },
+            )
             if rng.random() < cfg.consumer_rollback_rate and all(m.deliveries == 1 for m in msgs):
                 # Only first deliveries: an entry is never struck out to the
                 # exception queue by our own choice.
@@ -473,7 +519,13 @@ def _consume_session(args: WorkerArgs, counters: Any, producers_done: Any, abort
             if stalls and taken >= stalls[0]:
                 stalls.pop(0)
                 counters[base + C_STALLS] += 1
-                _wait_full(s, ref.name, producers_done, abort, max(STALL_MAX_S, cfg.capacity / STALL_MIN_RATE))
+                _wait_full(
+                    s,
+                    ref.name,
+                    producers_done,
+                    abort,
+                    max(STALL_MAX_S, cfg.capacity / STALL_MIN_RATE),
+                )
     return True
 
 
@@ -484,7 +536,12 @@ def _wait_full(s: Session, queue: str, producers_done: Any, abort: Any, max_s: f
     start, head = st[M.FULL_HITS], st[M.HEAD]
     now = time.monotonic()
     deadline, moved = now + max_s, now
-    while now < deadline and now - moved < STALL_IDLE_S and not producers_done.is_set() and not abort.is_set():
+    while (
+        now < deadline
+        and now - moved < STALL_IDLE_S
+        and not producers_done.is_set()
+        and not abort.is_set()
+    ):
         st = s.stats(queue)
         if st[M.FULL_HITS] > start:
             return
@@ -548,11 +605,17 @@ def run_cycle(
     seeds = random.Random(f"{base_seed}:{cycle}")
 
     def args(index: int, slot: int, quota: tuple[int, ...] = ()) -> WorkerArgs:
-        return WorkerArgs(dsn, run.run_id, cycle, cfg, run.queues, index, slot, seeds.getrandbits(63), quota)
+        return WorkerArgs(
+            dsn, run.run_id, cycle, cfg, run.queues, index, slot, seeds.getrandbits(63), quota
+        )
 
     # (target, args, name) of each worker: a killed one is started again from it.
     specs: list[tuple[Any, tuple[Any, ...], str]] = [
-        (consumer_main, (args(q, np_ + q), counters, producers_done, abort, errors_q), f"regress-consumer-{q}")
+        (
+            consumer_main,
+            (args(q, np_ + q), counters, producers_done, abort, errors_q),
+            f"regress-consumer-{q}",
+        )
         for q in range(nq)
     ] + [
         (producer_main, (args(p, p, quota), counters, abort, errors_q), f"regress-producer-{p}")
@@ -560,13 +623,17 @@ def run_cycle(
     ]
     workers = [ctx.Process(target=t, args=a, name=n) for t, a, n in specs]
     consumers, producers = workers[:nq], workers[nq:]
-    chaos = _Chaos(dsn, cfg, random.Random(f"{base_seed}:{cycle}:chaos"), monitor_dir) if cfg.chaos else None
+    chaos = (
+        _Chaos(dsn, cfg, random.Random(f"{base_seed}:{cycle}:chaos"), monitor_dir)
+        if cfg.chaos
+        else None
+    )
     expected = cfg.entries_per_queue * nq
     status = "done"
     errors: list[str] = []
     max_depth = [0] * nq
 
-    with connect(dsn, application_name="ringq-regress", eager_begin=False) as watcher:
+    with connect(dsn, application_name="ringq-regress") as watcher:
         before = [watcher.stats(ref.name) for ref in run.queues]
         watcher.commit()  # the queue lookups above opened a transaction; stats need none
         t0 = time.monotonic()
@@ -586,8 +653,10 @@ def run_cycle(
                             workers[i].start()
                     consumers, producers = workers[:nq], workers[nq:]
                 alive = [p for p in workers if p.exitcode is None]
-                if not producers_done.is_set() and all(p.exitcode is not None for p in producers) and (
-                    chaos is None or all(p.exitcode == 0 for p in producers)
+                if (
+                    not producers_done.is_set()
+                    and all(p.exitcode is not None for p in producers)
+                    and (chaos is None or all(p.exitcode == 0 for p in producers))
                 ):
                     producers_done.set()
                 if not alive:
@@ -614,7 +683,9 @@ def run_cycle(
                             elapsed_s=now - t0,
                             expected=expected,
                             committed=sum(counters[p * WORDS + P_ENTRIES] for p in range(np_)),
-                            received=sum(counters[(np_ + q) * WORDS + C_ENTRIES] for q in range(nq)),
+                            received=sum(
+                                counters[(np_ + q) * WORDS + C_ENTRIES] for q in range(nq)
+                            ),
                             rolled_back_tx=sum(counters[p * WORDS + P_RB_TX] for p in range(np_)),
                             full_tx=sum(counters[p * WORDS + P_FULL_TX] for p in range(np_)),
                             depth=depths,
@@ -722,7 +793,7 @@ def _reconnect_watcher(dsn: str) -> Session:
     deadline = time.monotonic() + 60.0
     while True:
         try:
-            w = connect(dsn, application_name="ringq-regress", eager_begin=False)
+            w = connect(dsn, application_name="ringq-regress")
             w.commit()
             return w
         except LOST_SESSION:
@@ -746,7 +817,9 @@ class _Chaos:
     :raises ForeignMonitor: (start) a monitor serves the database that cannot be taken over.
     """
 
-    def __init__(self, dsn: str, cfg: RegressConfig, rng: random.Random, monitor_dir: Path | None = None) -> None:
+    def __init__(
+        self, dsn: str, cfg: RegressConfig, rng: random.Random, monitor_dir: Path | None = None
+    ) -> None:
         self.dsn = dsn
         self.cfg = cfg
         self.rng = rng
@@ -768,7 +841,9 @@ class _Chaos:
 
         serving = serving_monitor(self.dsn, self.monitor_dir)
         self.logdir = tempfile.mkdtemp(prefix="ringq-regress-chaos-")
-        self.monitor = TakenMonitor(serving, self.logdir) if serving else OwnMonitor(self.dsn, self.logdir)
+        self.monitor = (
+            TakenMonitor(serving, self.logdir) if serving else OwnMonitor(self.dsn, self.logdir)
+        )
         self.monitor.start()
         self._schedule(now)
 
@@ -782,7 +857,9 @@ class _Chaos:
             return True
         return False
 
-    def tick(self, now: float, producers: Sequence[Any], consumers: Sequence[Any], producers_done: bool) -> None:
+    def tick(
+        self, now: float, producers: Sequence[Any], consumers: Sequence[Any], producers_done: bool
+    ) -> None:
         if self.monitor is not None:
             self.monitor.tick()  # restarts it if it died, follows a restart under way
         if producers_done or now < self.next_at:
@@ -792,9 +869,15 @@ class _Chaos:
             self._restart_pg()
         else:
             choices = {
-                "producers": [p for p in producers if p.exitcode is None and p.pid not in self.killed],
-                "consumers": [c for c in consumers if c.exitcode is None and c.pid not in self.killed],
-                "monitor": [self.monitor] if self.monitor is not None and self.monitor.alive() else [],
+                "producers": [
+                    p for p in producers if p.exitcode is None and p.pid not in self.killed
+                ],
+                "consumers": [
+                    c for c in consumers if c.exitcode is None and c.pid not in self.killed
+                ],
+                "monitor": [self.monitor]
+                if self.monitor is not None and self.monitor.alive()
+                else [],
             }
             kinds = [k for k, v in choices.items() if v]
             first = [k for k in self.first_kinds if k in kinds]
@@ -821,7 +904,9 @@ class _Chaos:
         try:
             cluster = _embedded_cluster(self.dsn)
             if cluster is None:
-                self.pg_errors.append("the DSN is not the embedded cluster: PostgreSQL not restarted")
+                self.pg_errors.append(
+                    "the DSN is not the embedded cluster: PostgreSQL not restarted"
+                )
                 return
             log = cluster.datadir / "log" / "startup.log"
             proc = cluster._pg_ctl("restart", "-m", "fast", "-t", "60", "-l", str(log))
@@ -858,7 +943,7 @@ def _embedded_cluster(dsn: str) -> Any:
     from ringq.scripting import Cluster
 
     with psycopg.connect(dsn, autocommit=True) as conn:
-        row = conn.execute("SELECT current_setting('data_directory')").fetchone()
+        row = conn.execute(S.DATA_DIRECTORY).fetchone()
     if not row:
         return None
     datadir = Path(row[0]).resolve()

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 from urllib.parse import urlsplit
 
-from ringq.engine import ConfigError, validate_seconds
+from ringq.engine import ConfigError, validate_int, validate_seconds
 
 DEFAULT_PORT = 7481
 DEFAULT_HOST = "127.0.0.1"
@@ -62,24 +62,30 @@ class ViewerConfig:
             port = parts.port if parts is not None else None
         except ValueError:  # a port that is not a number: urllib would fail on every request
             port = 0
-        if parts is None or parts.scheme not in ("http", "https") or not parts.hostname or port == 0:
+        if (
+            parts is None
+            or parts.scheme not in ("http", "https")
+            or not parts.hostname
+            or port == 0
+        ):
             raise ConfigError(
-                f"monitor_url must be an http:// or https:// address (a numeric port, if any), not {self.monitor_url!r}"
+                "monitor_url must be an http:// or https:// address (a numeric port, if any), "
+                f"not {self.monitor_url!r}"
             )
         if parts.query or parts.fragment:
-            raise ConfigError("monitor_url must not carry a query or fragment (pass the token as monitor_token)")
+            raise ConfigError(
+                "monitor_url must not carry a query or fragment (pass the token as monitor_token)"
+            )
         object.__setattr__(self, "monitor_url", self.monitor_url.rstrip("/"))
         _token("token", self.token)
         if self.monitor_token is not None:
             _token("monitor_token", self.monitor_token)
-        if isinstance(self.port, bool) or not isinstance(self.port, int) or not 0 <= self.port <= 65535:
-            raise ConfigError(f"port must be an integer from 0 to 65535, not {self.port!r}")
+        validate_int("port", self.port, 0, 65535)
         if not isinstance(self.host, str) or not self.host or any(c.isspace() for c in self.host):
             raise ConfigError(f"host must be an address or host name, not {self.host!r}")
         validate_seconds("refresh", self.refresh, 0.1, 3600.0)
         validate_seconds("timeout", self.timeout, 0.1, 600.0)
-        if isinstance(self.max_points, bool) or not isinstance(self.max_points, int) or self.max_points < 10:
-            raise ConfigError(f"max_points must be an integer >= 10, not {self.max_points!r}")
+        validate_int("max_points", self.max_points, 10)
         if self.window not in [seconds for _, seconds in WINDOWS]:
             choices = ", ".join(str(seconds) for _, seconds in WINDOWS)
             raise ConfigError(f"window must be one of {choices} seconds, not {self.window!r}")
@@ -90,5 +96,11 @@ class ViewerConfig:
 
 
 def _token(what: str, value: object) -> None:
-    if not isinstance(value, str) or not value or any(c.isspace() or not c.isprintable() for c in value):
-        raise ConfigError(f"{what} must be a non-empty string of printable characters without spaces")
+    if (
+        not isinstance(value, str)
+        or not value
+        or any(c.isspace() or not c.isprintable() for c in value)
+    ):
+        raise ConfigError(
+            f"{what} must be a non-empty string of printable characters without spaces"
+        )

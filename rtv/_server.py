@@ -109,7 +109,10 @@ class Viewer:
             httpd.viewer = self
             self._httpd = httpd
             self._thread = threading.Thread(
-                target=httpd.serve_forever, kwargs={"poll_interval": 0.2}, name="ringq-rtv", daemon=True
+                target=httpd.serve_forever,
+                kwargs={"poll_interval": 0.2},
+                name="ringq-rtv",
+                daemon=True,
             )
             self._thread.start()
             return self
@@ -157,7 +160,11 @@ class Viewer:
         if since is None:
             since = now - (window or WINDOWS[0][1])
         since = max(since, now - MAX_WINDOW)
-        most = self.config.max_points if max_points is None else max(10, min(max_points, self.config.max_points))
+        most = (
+            self.config.max_points
+            if max_points is None
+            else max(10, min(max_points, self.config.max_points))
+        )
         history = self.client.history(queue, since, max_points=most)
         return {
             "t": now,
@@ -172,7 +179,8 @@ class Viewer:
 class _Server(ThreadingHTTPServer):
     daemon_threads = True
     allow_reuse_address = True
-    request_queue_size = 128  # connections waiting to be accepted (the standard library's 5 is too few)
+    # connections waiting to be accepted (the standard library's 5 is too few)
+    request_queue_size = 128
     viewer: Viewer
 
 
@@ -237,7 +245,9 @@ class _Handler(BaseHTTPRequestHandler):
         self._send_text(HTTPStatus.METHOD_NOT_ALLOWED, "", {"Allow": "GET"})
 
     def do_POST(self) -> None:
-        self._send_text(HTTPStatus.METHOD_NOT_ALLOWED, "405 the viewer is read-only\n", {"Allow": "GET"})
+        self._send_text(
+            HTTPStatus.METHOD_NOT_ALLOWED, "405 the viewer is read-only\n", {"Allow": "GET"}
+        )
 
     do_PUT = do_DELETE = do_PATCH = do_POST
 
@@ -308,7 +318,9 @@ class _Handler(BaseHTTPRequestHandler):
         data = json.dumps(body, separators=(",", ":"), allow_nan=False).encode()
         self._send(status, data, "application/json")
 
-    def _send_text(self, status: HTTPStatus, text: str, headers: dict[str, str] | None = None) -> None:
+    def _send_text(
+        self, status: HTTPStatus, text: str, headers: dict[str, str] | None = None
+    ) -> None:
         self._send(status, text.encode(), "text/plain; charset=utf-8", headers)
 
     def _send(

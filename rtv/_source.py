@@ -4,7 +4,7 @@ The page and the terminal view both read through :class:`MonitorClient`, so
 whatever shape the monitor serves is mended in one place: every row comes out
 with every key of :data:`~ringq.rtv._metrics.NUMERIC` as a float (missing ones
 ``None``), queues sorted by name, history points sorted by time, clients
-with every key of :data:`~ringq.rtv._metrics.CLIENT_KEYS`, workers first.
+with every key of :data:`~ringq.engine.metrics.CLIENT_KEYS`, workers first.
 """
 
 from __future__ import annotations
@@ -14,11 +14,12 @@ import math
 import urllib.error
 import urllib.request
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Any, TypeGuard
 from urllib.parse import urlencode
 
 from ringq.engine import RingqError
+from ringq.engine import metrics as M
 
 from . import _metrics as K
 
@@ -40,7 +41,16 @@ class MonitorUnavailable(MonitorError):
 
 
 # The monitor's own figures passed on to the page (``monitor`` in /api/queues).
-MONITOR_FIELDS = ("interval", "beat", "started", "running", "database", "clients", "xmin_age_s", "version")
+MONITOR_FIELDS = (
+    "interval",
+    "beat",
+    "started",
+    "running",
+    "database",
+    "clients",
+    "xmin_age_s",
+    "version",
+)
 
 
 @dataclass(frozen=True)
@@ -55,7 +65,7 @@ class Overview:
     queues: list[Row]
 
     def as_json(self) -> dict[str, Any]:
-        return {"t": self.t, "interval": self.interval, "monitor": self.monitor, "queues": self.queues}
+        return asdict(self)
 
 
 @dataclass(frozen=True)
@@ -70,7 +80,7 @@ class Clients:
     clients: list[Row]
 
     def as_json(self) -> dict[str, Any]:
-        return {"t": self.t, "interval": self.interval, "clients": self.clients}
+        return asdict(self)
 
 
 @dataclass(frozen=True)
@@ -96,7 +106,12 @@ class MonitorClient:
     """
 
     def __init__(
-        self, url: str, token: str | None = None, *, timeout: float = 5.0, history_timeout: float = 60.0
+        self,
+        url: str,
+        token: str | None = None,
+        *,
+        timeout: float = 5.0,
+        history_timeout: float = 60.0,
     ) -> None:
         self.url = url.rstrip("/")
         self._token = token
@@ -110,12 +125,18 @@ class MonitorClient:
         items = body.get("queues") if isinstance(body, Mapping) else body
         if not _is_list(items):
             raise MonitorError("GET /api/queues: expected a list of queues")
-        rows = [normalize(item) for item in items if isinstance(item, Mapping) and item.get(K.NAME)]
-        rows.sort(key=lambda r: str(r[K.NAME]))
+        rows = [normalize(item) for item in items if isinstance(item, Mapping) and item.get(M.NAME)]
+        rows.sort(key=lambda r: str(r[M.NAME]))
         status = body.get("monitor") if isinstance(body, Mapping) else None
-        monitor = {k: status[k] for k in MONITOR_FIELDS if k in status} if isinstance(status, Mapping) else {}
-        t = _number(body.get(K.TIME)) if isinstance(body, Mapping) else None
-        return Overview(t=t, interval=_number(monitor.get(K.INTERVAL)), monitor=monitor, queues=rows)
+        monitor = (
+            {k: status[k] for k in MONITOR_FIELDS if k in status}
+            if isinstance(status, Mapping)
+            else {}
+        )
+        t = _number(body.get(M.T)) if isinstance(body, Mapping) else None
+        return Overview(
+            t=t, interval=_number(monitor.get(K.INTERVAL)), monitor=monitor, queues=rows
+        )
 
     def queues(self) -> list[Row]:
         """Every queue's current figures, sorted by name."""
@@ -130,9 +151,9 @@ class MonitorClient:
         if not _is_list(items):
             raise MonitorError("GET /api/clients: expected a list of clients")
         rows = [normalize_client(item) for item in items if isinstance(item, Mapping)]
-        rows = [r for r in rows if r[K.PID] is not None]
+        rows = [r for r in rows if r[M.PID] is not None]
         rows.sort(key=client_order)
-        t = _number(body.get(K.TIME)) if isinstance(body, Mapping) else None
+        t = _number(body.get(M.T)) if isinstance(body, Mapping) else None
         interval = _number(body.get(K.INTERVAL)) if isinstance(body, Mapping) else None
         return Clients(t=t, interval=interval, clients=rows)
 
@@ -153,8 +174,8 @@ class MonitorClient:
         if not _is_list(items):
             raise MonitorError("GET /api/history: expected a list of points")
         points = [normalize(p) for p in items if isinstance(p, Mapping)]
-        points = [p for p in points if p[K.TIME] is not None and p[K.TIME] > since]
-        points.sort(key=lambda p: p[K.TIME])
+        points = [p for p in points if p[M.T] is not None and p[M.T] > since]
+        points.sort(key=lambda p: p[M.T])
         interval = _number(body.get(K.INTERVAL)) if isinstance(body, Mapping) else None
         step = _number(body.get("step")) if isinstance(body, Mapping) else None
         return History(interval=interval, points=points, step=step or 0.0)
@@ -192,14 +213,14 @@ def _is_list(value: object) -> TypeGuard[Sequence[Any]]:
     return isinstance(value, Sequence) and not isinstance(value, str | bytes)
 
 
-_FIELDS = (K.TIME, *K.NUMERIC)
+_FIELDS = (M.T, *K.NUMERIC)
 
 
 def normalize(item: Mapping[str, Any]) -> Row:
     """One queue or one history point with every known figure as a float or ``None``."""
     row: Row = {}
-    if K.NAME in item:
-        row[K.NAME] = str(item[K.NAME])
+    if M.NAME in item:
+        row[M.NAME] = str(item[M.NAME])
     get = item.get
     for key in _FIELDS:
         value: Any = get(key)
@@ -213,24 +234,24 @@ def normalize(item: Mapping[str, Any]) -> Row:
 
 
 def normalize_client(item: Mapping[str, Any]) -> Row:
-    """One client with every key of :data:`~ringq.rtv._metrics.CLIENT_KEYS`:
+    """One client with every key of :data:`~ringq.engine.metrics.CLIENT_KEYS`:
     pids as ints, figures as floats (missing ones ``None``), ``role`` and
     ``state`` as text, ``queues`` as a list of names, ``last_error`` as
     ``{kind, queue, seq, t}`` or ``None``."""
-    row: Row = {K.PID: _int(item.get(K.PID)), K.BACKEND_PID: _int(item.get(K.BACKEND_PID))}
-    row[K.ROLE] = str(item.get(K.ROLE) or K.ROLE_CLIENT)
-    row[K.STATE] = str(item.get(K.STATE) or K.STATE_ACTIVE)
-    queues = item.get(K.QUEUES)
-    row[K.QUEUES] = sorted(str(q) for q in queues) if _is_list(queues) else []
+    row: Row = {M.PID: _int(item.get(M.PID)), M.BACKEND_PID: _int(item.get(M.BACKEND_PID))}
+    row[M.ROLE] = str(item.get(M.ROLE) or M.ROLE_CLIENT)
+    row[M.STATE] = str(item.get(M.STATE) or M.STATE_ACTIVE)
+    queues = item.get(M.QUEUES)
+    row[M.QUEUES] = sorted(str(q) for q in queues) if _is_list(queues) else []
     for key in K.CLIENT_NUMERIC:
         row[key] = _number(item.get(key))
-    last = item.get(K.LAST_ERROR)
-    row[K.LAST_ERROR] = (
+    last = item.get(M.LAST_ERROR)
+    row[M.LAST_ERROR] = (
         {
-            K.ERROR_KIND: str(last.get(K.ERROR_KIND) or "error"),
-            K.ERROR_QUEUE: None if last.get(K.ERROR_QUEUE) is None else str(last[K.ERROR_QUEUE]),
-            K.ERROR_SEQ: _int(last.get(K.ERROR_SEQ)),
-            K.TIME: _number(last.get(K.TIME)),
+            M.ERROR_KIND: str(last.get(M.ERROR_KIND) or "error"),
+            M.ERROR_QUEUE: None if last.get(M.ERROR_QUEUE) is None else str(last[M.ERROR_QUEUE]),
+            M.ERROR_SEQ: _int(last.get(M.ERROR_SEQ)),
+            M.T: _number(last.get(M.T)),
         }
         if isinstance(last, Mapping)
         else None
@@ -240,7 +261,7 @@ def normalize_client(item: Mapping[str, Any]) -> Row:
 
 def client_order(row: Row) -> tuple[bool, int, float]:
     """Workers first, then by pid (the monitor's own order)."""
-    return (row[K.ROLE] != K.ROLE_WORKER, row[K.PID] or 0, row[K.STARTED] or 0.0)
+    return (row[M.ROLE] != M.ROLE_WORKER, row[M.PID] or 0, row[M.STARTED] or 0.0)
 
 
 def _int(value: object) -> int | None:
@@ -269,16 +290,16 @@ def thin(points: Sequence[Row], max_points: int) -> list[Row]:
     its last point's time (so later samples append after it)."""
     if len(points) <= max_points:
         return list(points)
-    first, last = points[0][K.TIME], points[-1][K.TIME]
+    first, last = points[0][M.T], points[-1][M.T]
     width = (last - first) / max_points or 1.0
     out: list[Row] = []
     bucket: list[Row] = []
     edge = first + width
     for p in points:
-        if p[K.TIME] > edge and bucket:
+        if p[M.T] > edge and bucket:
             out.append(_summarize(bucket))
             bucket = []
-            edge += width * max(1, math.ceil((p[K.TIME] - edge) / width))
+            edge += width * max(1, math.ceil((p[M.T] - edge) / width))
         bucket.append(p)
     if bucket:
         out.append(_summarize(bucket))
@@ -286,14 +307,14 @@ def thin(points: Sequence[Row], max_points: int) -> list[Row]:
 
 
 def _summarize(bucket: Sequence[Row]) -> Row:
-    row: Row = {K.TIME: bucket[-1][K.TIME]}
+    row: Row = {M.T: bucket[-1][M.T]}
     for key in K.NUMERIC:
         values = [p[key] for p in bucket if p[key] is not None]
         if not values:
             row[key] = None
-        elif K.BUCKET[key] == K.MAX:
+        elif K.BUCKET[key] == M.MAX:
             row[key] = max(values)
-        elif K.BUCKET[key] == K.MEAN:
+        elif K.BUCKET[key] == M.MEAN:
             row[key] = sum(values) / len(values)
         else:
             row[key] = values[-1]

@@ -25,8 +25,8 @@ from rich.console import Console, Group, RenderableType
 from rich.live import Live
 from rich.table import Table
 from rich.text import Text
+from ringq.engine import metrics as M
 
-from . import _metrics as K
 from ._source import MonitorClient, MonitorError, Row
 
 BLOCKS = " ▁▂▃▄▅▆▇█"
@@ -59,16 +59,16 @@ class TuiModel:
             overview = self.client.overview()
             self.queues, self.interval = overview.queues, overview.interval
             now = time.time()
-            names = {q[K.NAME] for q in self.queues}
+            names = {q[M.NAME] for q in self.queues}
             for name in list(self.history):
                 if name not in names:
                     del self.history[name]
             for name in sorted(names):
                 points = self.history.setdefault(name, [])
-                since = points[-1][K.TIME] if points else now - self.window
+                since = points[-1][M.T] if points else now - self.window
                 points.extend(self.client.history(name, since, max_points=HISTORY_POINTS).points)
                 cut = 0
-                while cut < len(points) and points[cut][K.TIME] < now - self.window:
+                while cut < len(points) and points[cut][M.T] < now - self.window:
                     cut += 1
                 del points[:cut]
         except MonitorError as exc:
@@ -84,12 +84,14 @@ class TuiModel:
             self.clients_error = None
 
 
-def _columns(points: Sequence[Row], key: str, start: float, end: float, width: int) -> list[list[float]]:
+def _columns(
+    points: Sequence[Row], key: str, start: float, end: float, width: int
+) -> list[list[float]]:
     """The values of ``key`` in ``width`` equal time columns over [start, end]."""
     columns: list[list[float]] = [[] for _ in range(width)]
     span = max(end - start, 1e-9)
     for p in points:
-        v, t = p.get(key), p[K.TIME]
+        v, t = p.get(key), p[M.T]
         if v is None or t is None or t < start:
             continue
         columns[min(width - 1, int((t - start) / span * width))].append(v)
@@ -123,13 +125,18 @@ def sparkline(
 
 
 def state_strip(
-    points: Sequence[Row], *, start: float, end: float, interval: float | None, width: int = SPARK_WIDTH
+    points: Sequence[Row],
+    *,
+    start: float,
+    end: float,
+    interval: float | None,
+    width: int = SPARK_WIDTH,
 ) -> Text:
     """One character per column: red █ if the queue was full at any time in
     it, grey ░ if it was empty most of the time, green ─ otherwise."""
     half = (interval or 1.0) / 2
-    full = _columns(points, K.FULL, start, end, width)
-    empty = _columns(points, K.EMPTY, start, end, width)
+    full = _columns(points, M.FULL, start, end, width)
+    empty = _columns(points, M.EMPTY, start, end, width)
     text = Text()
     for f, e in zip(full, empty, strict=True):
         if not f and not e:
@@ -145,7 +152,7 @@ def state_strip(
 
 def _state(q: Row) -> Text:
     """The queue now: FULL (no free slot), empty (nothing ready) or flowing."""
-    depth, capacity = q[K.DEPTH], q[K.CAPACITY]
+    depth, capacity = q[M.DEPTH], q[M.CAPACITY]
     if depth is not None and capacity and depth >= capacity:
         return Text("FULL", style="bold red")
     if depth == 0:
@@ -154,24 +161,24 @@ def _state(q: Row) -> Text:
 
 
 def _client_state(c: Row) -> Text:
-    if c[K.STATE] == K.STATE_ACTIVE:
-        return Text(c[K.STATE], style="green")
-    return Text(str(c[K.STATE]), style="bold red")  # in_doubt: lost its connection holding slots
+    if c[M.STATE] == M.STATE_ACTIVE:
+        return Text(c[M.STATE], style="green")
+    return Text(str(c[M.STATE]), style="bold red")  # in_doubt: lost its connection holding slots
 
 
 def _throughput(c: Row) -> str:
     """A worker's messages handled per second, a client's commits per second."""
-    if c[K.ROLE] == K.ROLE_WORKER:
-        return f"{_num(c[K.HANDLED_RATE], 1)} msg/s"
-    return f"{_num(c[K.COMMIT_RATE], 1)} commit/s"
+    if c[M.ROLE] == M.ROLE_WORKER:
+        return f"{_num(c[M.HANDLED_RATE], 1)} msg/s"
+    return f"{_num(c[M.COMMIT_RATE], 1)} commit/s"
 
 
 def _last_error(c: Row) -> str:
-    last = c[K.LAST_ERROR]
+    last = c[M.LAST_ERROR]
     if not last:
         return ""
-    where = f" on {last[K.ERROR_QUEUE]}" if last[K.ERROR_QUEUE] else ""
-    return f"{last[K.ERROR_KIND]}{where}"
+    where = f" on {last[M.ERROR_QUEUE]}" if last[M.ERROR_QUEUE] else ""
+    return f"{last[M.ERROR_KIND]}{where}"
 
 
 def clients_table(model: TuiModel) -> Table:
@@ -179,7 +186,11 @@ def clients_table(model: TuiModel) -> Table:
     the monitor's last interval, then totals since each session opened (the
     worker counters are shown for workers only)."""
     table = Table(
-        box=box.SIMPLE_HEAD, pad_edge=False, title="Clients", title_justify="left", title_style="bold",
+        box=box.SIMPLE_HEAD,
+        pad_edge=False,
+        title="Clients",
+        title_justify="left",
+        title_style="bold",
         caption_justify="left",
     )
     table.add_column("PID", justify="right", no_wrap=True, style="bold")
@@ -190,14 +201,17 @@ def clients_table(model: TuiModel) -> Table:
     table.add_column("State", no_wrap=True)
     table.add_column("Last error", overflow="ellipsis", max_width=40, no_wrap=True, style="red")
     for c in model.clients:
-        worker = c[K.ROLE] == K.ROLE_WORKER
+        worker = c[M.ROLE] == M.ROLE_WORKER
         table.add_row(
-            str(c[K.PID]),
-            Text(str(c[K.ROLE]), style="cyan" if worker else ""),
-            ", ".join(c[K.QUEUES]) or "–",
+            str(c[M.PID]),
+            Text(str(c[M.ROLE]), style="cyan" if worker else ""),
+            ", ".join(c[M.QUEUES]) or "–",
             _throughput(c),
-            *(_num(c[k]) if worker else "–" for k in (K.HANDLED, K.FAILED, K.TIMEOUTS, K.CLIENT_POISONED)),
-            Text(_num(c[K.ERRORS]), style="bold red" if c[K.ERRORS] else ""),
+            *(
+                _num(c[k]) if worker else "–"
+                for k in (M.HANDLED, M.FAILED, M.TIMEOUTS, M.POISONED)
+            ),
+            Text(_num(c[M.ERRORS]), style="bold red" if c[M.ERRORS] else ""),
             _client_state(c),
             _last_error(c),
         )
@@ -248,32 +262,43 @@ def _window_label(seconds: float) -> str:
     return f"{seconds / 60:g} min"
 
 
-def render(model: TuiModel, monitor_url: str, *, width: int = 160, now: float | None = None) -> RenderableType:
+def render(
+    model: TuiModel, monitor_url: str, *, width: int = 160, now: float | None = None
+) -> RenderableType:
     """The whole screen for ``model`` on a terminal ``width`` columns wide: a
     status line, the queues now, their trends over the window, and the clients."""
     now = time.time() if now is None else now
     start = now - model.window
     # While the monitor's history is shorter than the window, the trends
     # span what there is instead of squeezing it into the last columns.
-    firsts = [pts[0][K.TIME] for pts in model.history.values() if pts]
+    firsts = [pts[0][M.T] for pts in model.history.values() if pts]
     if firsts:
         start = max(start, min(firsts) - (model.interval or 1.0))
     span = f"the last {_window_label(model.window)}"
     if now - start < model.window - 1:
-        span = f"the last {_duration(now - start)} (of {_window_label(model.window)}: the monitor has no more yet)"
+        span = (
+            f"the last {_duration(now - start)} (of {_window_label(model.window)}: "
+            "the monitor has no more yet)"
+        )
     status = Text()
     status.append("ringq rtv ", style="bold")
     status.append(f"· monitor {monitor_url} · ")
     if model.error:
         status.append(model.error, style="bold red")
     elif model.updated:
-        status.append(f"updated {time.strftime('%H:%M:%S', time.localtime(model.updated))}", style="green")
+        status.append(
+            f"updated {time.strftime('%H:%M:%S', time.localtime(model.updated))}", style="green"
+        )
     else:
         status.append("connecting…", style="yellow")
 
-    name_width = min(32, max([5, *(len(str(q[K.NAME])) for q in model.queues)]))
-    current = Table(box=box.SIMPLE_HEAD, pad_edge=False, title="Now", title_justify="left", title_style="bold")
-    current.add_column("Queue", style="bold", overflow="ellipsis", min_width=name_width, max_width=32)
+    name_width = min(32, max([5, *(len(str(q[M.NAME])) for q in model.queues)]))
+    current = Table(
+        box=box.SIMPLE_HEAD, pad_edge=False, title="Now", title_justify="left", title_style="bold"
+    )
+    current.add_column(
+        "Queue", style="bold", overflow="ellipsis", min_width=name_width, max_width=32
+    )
     for header in ("Depth / cap", "State", "EnQ/s", "DeQ/s", "EnQ p50 / p99", "DeQ p50 / p99",
                    "Retries", "Exc", "Commits", "Rollbk", "Wait d/e", "Dead rows"):
         current.add_column(header, justify="right", no_wrap=True)
@@ -283,42 +308,47 @@ def render(model: TuiModel, monitor_url: str, *, width: int = 160, now: float | 
         box=box.SIMPLE_HEAD, pad_edge=False, title_justify="left", title_style="bold",
         title=f"Over {span}",
     )
-    trends.add_column("Queue", style="bold", overflow="ellipsis", min_width=name_width, max_width=32)
+    trends.add_column(
+        "Queue", style="bold", overflow="ellipsis", min_width=name_width, max_width=32
+    )
     for header, style in (("Depth", "magenta"), ("Full █ / empty ░", None), ("EnQ/s", "blue"),
                           ("DeQ/s", "green"), ("EnQ p99", "red"), ("DeQ p99", "red")):
         trends.add_column(header, no_wrap=True, style=style, min_width=spark, max_width=spark)
 
     for q in model.queues:
-        pts = model.history.get(q[K.NAME], [])
+        pts = model.history.get(q[M.NAME], [])
         current.add_row(
-            q[K.NAME],
-            f"{_num(q[K.DEPTH])} / {_num(q[K.CAPACITY])}",
+            q[M.NAME],
+            f"{_num(q[M.DEPTH])} / {_num(q[M.CAPACITY])}",
             _state(q),
-            _num(q[K.ENQ_RATE], 1),
-            _num(q[K.DEQ_RATE], 1),
-            f"{_us(q[K.ENQ_P50])} / {_us(q[K.ENQ_P99])}",
-            f"{_us(q[K.DEQ_P50])} / {_us(q[K.DEQ_P99])}",
-            _num(q[K.RETRIES]),
-            _num(q[K.EXCEPTIONS]),
-            _num(q[K.COMMITS]),
-            _num(q[K.ROLLBACKS]),
-            f"{_num(q[K.WAITING_DEQUEUERS])} / {_num(q[K.WAITING_ENQUEUERS])}",
-            _num(q[K.DEAD_ROWS]),
+            _num(q[M.ENQ_RATE], 1),
+            _num(q[M.DEQ_RATE], 1),
+            f"{_us(q[M.ENQ_P50])} / {_us(q[M.ENQ_P99])}",
+            f"{_us(q[M.DEQ_P50])} / {_us(q[M.DEQ_P99])}",
+            _num(q[M.RETRIES]),
+            _num(q[M.EXCEPTIONS]),
+            _num(q[M.COMMITS]),
+            _num(q[M.ROLLBACKS]),
+            f"{_num(q[M.WAIT_READY])} / {_num(q[M.WAIT_SPACE])}",
+            _num(q[M.DEAD_ROWS]),
         )
         trends.add_row(
-            q[K.NAME],
-            sparkline(pts, K.DEPTH, start=start, end=now, width=spark, high=q[K.CAPACITY] or None),
+            q[M.NAME],
+            sparkline(pts, M.DEPTH, start=start, end=now, width=spark, high=q[M.CAPACITY] or None),
             state_strip(pts, start=start, end=now, width=spark, interval=model.interval),
-            sparkline(pts, K.ENQ_RATE, start=start, end=now, width=spark, reduce=_mean),
-            sparkline(pts, K.DEQ_RATE, start=start, end=now, width=spark, reduce=_mean),
-            sparkline(pts, K.ENQ_P99, start=start, end=now, width=spark),
-            sparkline(pts, K.DEQ_P99, start=start, end=now, width=spark),
+            sparkline(pts, M.ENQ_RATE, start=start, end=now, width=spark, reduce=_mean),
+            sparkline(pts, M.DEQ_RATE, start=start, end=now, width=spark, reduce=_mean),
+            sparkline(pts, M.ENQ_P99, start=start, end=now, width=spark),
+            sparkline(pts, M.DEQ_P99, start=start, end=now, width=spark),
         )
     if not model.queues:
         current.add_row(Text("no queue reported yet", style="grey50"), *[""] * 12)
-    footer = Text("Depth is drawn against capacity; rates and latencies against their own peak. "
-                  "Clients: rates over the monitor's last interval, counts since each session opened. "
-                  "Ctrl-C to quit.", style="grey50")
+    footer = Text(
+        "Depth is drawn against capacity; rates and latencies against their own peak. "
+        "Clients: rates over the monitor's last interval, counts since each session opened. "
+        "Ctrl-C to quit.",
+        style="grey50",
+    )
     return Group(status, current, trends, clients_table(model), footer)
 
 
@@ -354,9 +384,15 @@ def run_tui(
     """Show the terminal view until Ctrl-C (or SIGTERM, or ``stop`` is set); returns 0."""
     model = TuiModel(client, window=window)
     console = console or Console()
-    with _StopFlag() as flag, Live(
-        render(model, client.url, width=console.width), console=console, auto_refresh=False, transient=False
-    ) as live:
+    with (
+        _StopFlag() as flag,
+        Live(
+            render(model, client.url, width=console.width),
+            console=console,
+            auto_refresh=False,
+            transient=False,
+        ) as live,
+    ):
         while not (flag.is_set() or (stop is not None and stop.is_set())):
             began = time.monotonic()
             model.update()

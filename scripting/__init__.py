@@ -17,6 +17,7 @@ from ._admin import (
 from ._cluster import Cluster, ClusterError, ClusterStatus, PostgresNotFound
 from ._ddl import (
     MAX_FULL_TIMEOUT,
+    MAX_LEASE,
     MAX_PAYLOAD,
     SCHEMA_VERSION,
     QueueSpec,
@@ -28,6 +29,7 @@ from ._ddl import (
 
 __all__ = [
     "MAX_FULL_TIMEOUT",
+    "MAX_LEASE",
     "MAX_PAYLOAD",
     "SCHEMA_VERSION",
     "Cluster",

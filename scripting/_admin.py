@@ -16,6 +16,7 @@ from typing import Any
 import psycopg
 from ringq.engine import (
     EntryNotFound,
+    QueueInfo,
     QueueNotFound,
     Section,
     check_dsn,
@@ -24,6 +25,8 @@ from ringq.engine import (
     validate_queue_name,
 )
 from ringq.engine.sqlfile import compose, load
+
+from . import _queries as Qy
 
 # A CLI waiting psycopg's default (130 s) on a host that drops packets looks
 # hung; a DSN's own connect_timeout (or PGCONNECT_TIMEOUT) still wins.
@@ -46,23 +49,16 @@ class QueueSummary:
 
 
 @dataclass(frozen=True)
-class QueueDetails:
-    """Everything ``ringq queue show`` reports about one queue.
+class QueueDetails(QueueInfo):
+    """Everything ``ringq queue show`` reports about one queue: its settings
+    (the fields of :class:`~ringq.engine.QueueInfo`), then the storage settings
+    and the figures of this moment.
 
     ``depth`` counts committed entries waiting, in the ring (``queued``) and in
     the SQL inbox (``inbox``); ``exceptions`` counts poison entries moved aside.
     Sizes are in bytes, ``full_timeout`` in seconds.
     """
 
-    id: int
-    name: str
-    capacity: int
-    max_payload: int
-    full_policy: str
-    full_timeout: float
-    dequeue_mode: str
-    max_deliveries: int
-    exception_queue: str | None
     fillfactor: int
     tablespace: str | None
     created_at: datetime
@@ -135,7 +131,7 @@ def describe_queue(conn: psycopg.Connection[Any], name: str) -> QueueDetails:
     table = queue_table(validate_queue_name(name))
     with converted(queue=name), conn.transaction():
         # One snapshot, so depth, inbox and slot counts agree with each other.
-        conn.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ READ ONLY")
+        conn.execute(_Q["snapshot"])
         if not _schema_present(conn):
             raise QueueNotFound(f"queue {name!r} does not exist (no ringq schema)", queue=name)
         row = conn.execute(_Q["describe_queue"], (name,)).fetchone()
@@ -240,5 +236,5 @@ def _no_entry(name: str, seq: int) -> EntryNotFound:
 
 
 def _schema_present(conn: psycopg.Connection[Any]) -> bool:
-    row = conn.execute(_Q["schema_present"]).fetchone()
+    row = conn.execute(Qy.SCHEMA_PRESENT).fetchone()
     return bool(row and row[0])

@@ -44,6 +44,9 @@ from typing import Self
 import psycopg
 from psycopg import sql
 from ringq.engine import ConfigError, DatabaseUnavailable, RingqError, converted, ringq_home
+from ringq.engine.sqlfile import compose
+
+from . import _queries as Qy
 
 DATABASE = "ringq"
 SUPERUSER = "postgres"
@@ -206,7 +209,9 @@ class Cluster:
         try:
             self.home.mkdir(parents=True, exist_ok=True)
         except OSError as exc:
-            raise ConfigError(f"cannot use {self.home} as the cluster's home: {exc.strerror or exc}") from exc
+            raise ConfigError(
+                f"cannot use {self.home} as the cluster's home: {exc.strerror or exc}"
+            ) from exc
         with self._locked():
             st = self.status()
             if st.running and st.port is not None:
@@ -431,7 +436,8 @@ class Cluster:
             raise ClusterError(f"initdb failed in {staging}: {_tail(proc.stdout)}")
         with (staging / "postgresql.conf").open("a") as f:
             f.write(
-                f"\n# ringq's settings (rewritten at every 'ringq db start')\ninclude = '{CONF_FILE}'\n"
+                "\n# ringq's settings (rewritten at every 'ringq db start')\n"
+                f"include = '{CONF_FILE}'\n"
             )
         (staging / "log").mkdir(mode=0o700, exist_ok=True)
         self._give(staging / "log")
@@ -519,11 +525,9 @@ class Cluster:
             converted(dsn=admin),
             psycopg.connect(admin, autocommit=True, connect_timeout=10) as conn,
         ):
-            found = conn.execute(
-                "SELECT 1 FROM pg_database WHERE datname = %s", (DATABASE,)
-            ).fetchone()
+            found = conn.execute(Qy.DATABASE_EXISTS, (DATABASE,)).fetchone()
             if found is None:
-                conn.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(DATABASE)))
+                conn.execute(compose(Qy.CREATE_DATABASE, database=sql.Identifier(DATABASE)))
 
     # -- state files ---------------------------------------------------------
 
@@ -563,8 +567,9 @@ class Cluster:
         """Remove a /tmp/ringq-* socket directory made for a too-long home path."""
         if socket_dir is None or socket_dir == self.home / "run":
             return
-        if socket_dir.parent == Path(tempfile.gettempdir()) and socket_dir.name.startswith(
-            "ringq-"
+        if (
+            socket_dir.parent == Path(tempfile.gettempdir())
+            and socket_dir.name.startswith("ringq-")
         ):
             shutil.rmtree(socket_dir, ignore_errors=True)
 
@@ -597,7 +602,11 @@ def _is_postmaster(pid: int) -> bool:
 
 
 def _port_free(port: int) -> bool:
+    """True if the server could listen on ``port`` now. Probed as the server
+    binds (SO_REUSEADDR): a stopped server's connections in TIME_WAIT do not
+    make its port busy, so a restart keeps its port and every client's DSN."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             s.bind((HOST, port))
         except OSError as exc:

@@ -14,6 +14,7 @@ from typing import Any
 import psycopg
 from psycopg import sql
 from ringq.engine import (
+    DEFAULT_LEASE,
     MAX_CAPACITY,
     ConfigError,
     QueueExists,
@@ -26,12 +27,15 @@ from ringq.engine import (
 from ringq.engine.layout import MAX_QUEUES, SLOT_POOL
 from ringq.engine.sqlfile import compose, load
 
+from . import _queries as Qy
+
 SCHEMA_VERSION = 1
 MAX_PAYLOAD = 1 << 30  # PostgreSQL's limit for one bytea value (1 GiB)
 MAX_DELIVERIES = 1_000_000
 # The global section keeps full_timeout in milliseconds in an int64 word (at
 # most 2**63 - 1 ms, about 9.22e15 s); 9e15 s leaves room for float rounding.
 MAX_FULL_TIMEOUT = 9e15  # seconds
+MAX_LEASE = 9e15  # seconds: the section keeps the lease in milliseconds too
 # The same bounds are written in ddl.sql's queues_fit_section constraint.
 
 _BLOCKS = load("ringq.scripting", "ddl.sql")
@@ -54,6 +58,7 @@ class QueueSpec:
     exception_queue: str | None = None
     fillfactor: int = 50
     tablespace: str | None = None
+    lease: float = DEFAULT_LEASE
 
     def __post_init__(self) -> None:
         validate_queue_name(self.name)
@@ -64,7 +69,9 @@ class QueueSpec:
         if self.full_policy not in ("block", "raise"):
             raise ConfigError(f"full_policy must be 'block' or 'raise', not {self.full_policy!r}")
         if self.dequeue_mode not in ("single", "shared"):
-            raise ConfigError(f"dequeue_mode must be 'single' or 'shared', not {self.dequeue_mode!r}")
+            raise ConfigError(
+                f"dequeue_mode must be 'single' or 'shared', not {self.dequeue_mode!r}"
+            )
         if (
             isinstance(self.full_timeout, bool)
             or not isinstance(self.full_timeout, int | float)
@@ -72,7 +79,18 @@ class QueueSpec:
             or not 0 <= self.full_timeout <= MAX_FULL_TIMEOUT
         ):
             raise ConfigError(
-                f"full_timeout must be a number of seconds from 0 to {MAX_FULL_TIMEOUT:g}, not {self.full_timeout!r}"
+                f"full_timeout must be a number of seconds from 0 to {MAX_FULL_TIMEOUT:g}, "
+                f"not {self.full_timeout!r}"
+            )
+        if (
+            isinstance(self.lease, bool)
+            or not isinstance(self.lease, int | float)
+            or not math.isfinite(self.lease)
+            or not 0 <= self.lease <= MAX_LEASE
+        ):
+            raise ConfigError(
+                f"lease must be a number of seconds from 0 to {MAX_LEASE:g} (0: none), "
+                f"not {self.lease!r}"
             )
         if self.exception_queue is not None:
             validate_queue_name(self.exception_queue)
@@ -118,7 +136,9 @@ def queue_sql(spec: QueueSpec) -> sql.Composed:
     """The queue's management row, its pre-populated table and storage settings."""
     # The table and its primary-key index (the only index) both go to the tablespace.
     tablespace_clause: sql.Composable = (
-        sql.SQL("TABLESPACE {}").format(sql.Identifier(spec.tablespace)) if spec.tablespace else sql.SQL("")
+        sql.SQL("TABLESPACE {}").format(sql.Identifier(spec.tablespace))
+        if spec.tablespace
+        else sql.SQL("")
     )
     index_tablespace_clause: sql.Composable = (
         sql.SQL("USING INDEX TABLESPACE {}").format(sql.Identifier(spec.tablespace))
@@ -144,6 +164,8 @@ def queue_sql(spec: QueueSpec) -> sql.Composed:
         max_payload_limit=sql.Literal(MAX_PAYLOAD),
         max_deliveries_limit=sql.Literal(MAX_DELIVERIES),
         max_full_timeout=sql.Literal(MAX_FULL_TIMEOUT),
+        lease=sql.Literal(float(spec.lease)),
+        max_lease=sql.Literal(MAX_LEASE),
         max_queues=sql.Literal(MAX_QUEUES),
         slot_pool=sql.Literal(SLOT_POOL),
     )
@@ -161,7 +183,7 @@ def create_queue_script(spec: QueueSpec) -> str:
     return (
         f"-- ringq queue script (schema version {SCHEMA_VERSION}): queue {spec.name!r}, "
         f"{spec.capacity:,} slots, max payload {spec.max_payload:,} bytes\n"
-        "-- Apply with: psql \"$DSN\" -v ON_ERROR_STOP=1 -f this.sql  (re-applying changes nothing)\n"
+        '-- Apply with: psql "$DSN" -v ON_ERROR_STOP=1 -f this.sql  (re-applying changes nothing)\n'
         "BEGIN;\n\n" + body + "\n\nCOMMIT;\n"
     )
 
@@ -190,7 +212,9 @@ def create_queue(conn: psycopg.Connection[Any], spec: QueueSpec) -> bool:
             existed = _queue_exists(conn, spec.name)
             conn.execute(queue_sql(spec))
     except psycopg.errors.DuplicateObject as exc:
-        raise QueueExists(f"queue {spec.name!r} exists with different settings", queue=spec.name) from exc
+        raise QueueExists(
+            f"queue {spec.name!r} exists with different settings", queue=spec.name
+        ) from exc
     except psycopg.errors.UndefinedObject as exc:
         if spec.exception_queue is None or not (exc.diag.message_primary or "").startswith(
             "ringq: exception queue"
@@ -200,7 +224,8 @@ def create_queue(conn: psycopg.Connection[Any], spec: QueueSpec) -> bool:
             raise from_psycopg(exc, queue=spec.name) from exc
         # The exception queue check of the queue block (ddl.sql).
         raise QueueNotFound(
-            f"exception queue {spec.exception_queue!r} of queue {spec.name!r} does not exist (create it first)",
+            f"exception queue {spec.exception_queue!r} of queue {spec.name!r} does not exist "
+            "(create it first)",
             queue=spec.exception_queue,
         ) from exc
     except psycopg.errors.InvalidParameterValue as exc:
@@ -228,20 +253,14 @@ def drop_queue(conn: psycopg.Connection[Any], name: str) -> None:
     with converted(queue=name), conn.transaction():
         if not _queue_exists(conn, name):
             raise QueueNotFound(f"queue {name!r} does not exist", queue=name)
-        row = conn.execute(
-            "SELECT q.id, m.value FROM ringq.queues q LEFT JOIN ringq.meta m ON m.key = 'instance_id' "
-            "WHERE q.name = %s",
-            (name,),
-        ).fetchone()
+        row = conn.execute(Qy.QUEUE_SECTION, (name,)).fetchone()
         conn.execute(drop_queue_sql(name))
     if row is not None and row[1]:
         Section.unlink_semaphores(str(row[1]), [int(row[0])])
 
 
 def _queue_exists(conn: psycopg.Connection[Any], name: str) -> bool:
-    row = conn.execute(
-        "SELECT to_regclass('ringq.queues') IS NOT NULL"
-    ).fetchone()
+    row = conn.execute(Qy.SCHEMA_PRESENT).fetchone()
     if not row or not row[0]:
         return False
-    return conn.execute("SELECT 1 FROM ringq.queues WHERE name = %s", (name,)).fetchone() is not None
+    return conn.execute(Qy.QUEUE_EXISTS, (name,)).fetchone() is not None

@@ -2,9 +2,6 @@
 -- {table} is the queue's table, filled only with psycopg.sql.Identifier from a
 -- validated name.
 
--- schema_present --
-SELECT to_regclass('ringq.queues') IS NOT NULL
-
 -- list_queues --
 -- depth: committed entries waiting, in the ring and in the SQL inbox.
 SELECT name, capacity, ringq.depth(name), max_payload, dequeue_mode, full_policy
@@ -12,8 +9,10 @@ FROM ringq.queues
 ORDER BY name
 
 -- describe_queue --
+-- lease through to_jsonb: a schema made before the column reads the default.
 SELECT q.id, q.name, q.capacity, q.max_payload, q.full_policy, q.full_timeout, q.dequeue_mode,
-       q.max_deliveries, q.exception_queue, q.fillfactor, q.tablespace, q.created_at,
+       q.max_deliveries, q.exception_queue, coalesce((to_jsonb(q) ->> 'lease')::float8, 300),
+       q.fillfactor, q.tablespace, q.created_at,
        ringq.depth(q.name),
        (SELECT count(*) FROM ringq.inbox i WHERE i.queue_id = q.id),
        (SELECT count(*) FROM ringq.exceptions x WHERE x.queue_id = q.id)
@@ -80,3 +79,8 @@ SELECT name FROM ringq.queues WHERE exception_queue = %s ORDER BY name
 -- queues' too: their wake-up semaphores may still be on this host).
 SELECT (SELECT value FROM ringq.meta WHERE key = 'instance_id'),
        coalesce(pg_sequence_last_value(pg_get_serial_sequence('ringq.queues', 'id')), 0)
+
+-- snapshot --
+-- The first statement of a transaction that reads several figures which must
+-- agree with each other: one snapshot, and nothing written.
+SET TRANSACTION ISOLATION LEVEL REPEATABLE READ READ ONLY

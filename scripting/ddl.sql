@@ -54,6 +54,14 @@ CREATE TABLE IF NOT EXISTS ringq.queues (
     created_at      timestamptz NOT NULL DEFAULT now()
 );
 
+-- Seconds a session may hold a dequeued entry without committing before the
+-- monitor ends it (the entry comes back counted as a delivery); 0: no lease.
+-- Added after schema version 1 without a version bump: a database made
+-- before gets the column, and its queues the default, when this block is
+-- applied again (the engine reads 300 while it is missing).
+ALTER TABLE ringq.queues ADD COLUMN IF NOT EXISTS
+    lease double precision NOT NULL DEFAULT 300 CHECK (lease BETWEEN 0 AND 9e15);
+
 -- What the global section can hold, for rows written by hand as well (the
 -- queue block checks a new queue's settings with a message). Added after
 -- schema version 1 without a version bump, like keys_queue_id_created_at
@@ -221,6 +229,11 @@ BEGIN
             {max_full_timeout}::double precision, {full_timeout}::double precision
             USING ERRCODE = 'invalid_parameter_value';
     END IF;
+    IF NOT ({lease}::double precision BETWEEN 0 AND {max_lease}) THEN
+        RAISE EXCEPTION 'ringq: lease must be a number of seconds from 0 to %, not %',
+            {max_lease}::double precision, {lease}::double precision
+            USING ERRCODE = 'invalid_parameter_value';
+    END IF;
 END
 $ringq$;
 
@@ -255,11 +268,11 @@ BEGIN
         SELECT 1 FROM ringq.queues
         WHERE name = {name}
           AND (capacity, max_payload, full_policy, full_timeout, dequeue_mode, max_deliveries,
-               exception_queue, fillfactor, tablespace)
+               exception_queue, fillfactor, tablespace, lease)
               IS DISTINCT FROM
               ({capacity}, {max_payload}, {full_policy}, {full_timeout}::double precision,
                {dequeue_mode}, {max_deliveries}, {exception_queue}::text, {fillfactor},
-               {tablespace}::text)
+               {tablespace}::text, {lease}::double precision)
     ) THEN
         RAISE EXCEPTION 'ringq: queue "%" exists with different settings', {name}
             USING ERRCODE = 'duplicate_object', HINT = 'drop it first, or create it under another name';
@@ -293,9 +306,9 @@ END
 $ringq$;
 
 INSERT INTO ringq.queues (name, capacity, max_payload, full_policy, full_timeout, dequeue_mode,
-                          max_deliveries, exception_queue, fillfactor, tablespace)
+                          max_deliveries, exception_queue, fillfactor, tablespace, lease)
 SELECT {name}, {capacity}, {max_payload}, {full_policy}, {full_timeout}, {dequeue_mode},
-       {max_deliveries}, {exception_queue}, {fillfactor}, {tablespace}
+       {max_deliveries}, {exception_queue}, {fillfactor}, {tablespace}, {lease}
 WHERE NOT EXISTS (SELECT 1 FROM ringq.queues WHERE name = {name});
 
 -- The ring: `capacity` pre-populated rows, only the primary key indexed, and a

@@ -3,32 +3,49 @@
 - ``pg_cluster`` (session): the project's own embedded cluster, under a
   temporary home, stopped when the session ends (even if it ends badly).
 - ``dsn`` (function): a fresh database ``t_<hex>`` on that cluster for each
-  test, dropped afterwards with its global section and semaphores.
+  test, dropped afterwards with its global section and semaphores; ``dsn2``
+  (function): a second one beside it, likewise.
 - ``ringq_env`` (function): ``RINGQ_DSN``/``RINGQ_HOME`` set for the test and
   its subprocesses (``ringq`` commands), pointing at that database.
 - ``make_queue`` (function): ``make_queue(capacity=64, max_payload=1024, **settings)``
   creates a queue with a fresh name in that database; afterwards the global
   section and semaphores of that database are removed.
+
+And the helpers that several test modules share (``from conftest import ...``):
+:func:`present`, :func:`wait_for`, :func:`drain`, :func:`queue_in`,
+:func:`remove_section`, :func:`cli`, :func:`closed_port`, :func:`prepared_gids`,
+:func:`decided_gids` and :class:`MonitorProcess`.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import secrets
 import signal
+import socket
+import subprocess
+import sys
+import time
 import uuid
 from collections.abc import Callable, Iterator
-from typing import Any
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, TypeVar
 
 import psycopg
 import pytest
 from psycopg import sql
+from ringq.cli import main
+from ringq.engine import Message, connect
 from ringq.scripting import Cluster, QueueSpec, create_queue
 from ringq.scripting import remove_section as remove_section_of
 
 # Spark (the regression analysis) must not go looking for the host's public
 # address in a sandbox; loopback is enough for a local master.
 os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
+
+T = TypeVar("T")
 
 
 @pytest.fixture(scope="session")
@@ -68,14 +85,27 @@ os.register_at_fork(after_in_child=_default_sigterm_in_child)
 
 @pytest.fixture
 def dsn(pg_cluster: Cluster) -> Iterator[str]:
+    with _fresh_database(pg_cluster) as url:
+        yield url
+
+
+@pytest.fixture
+def dsn2(pg_cluster: Cluster) -> Iterator[str]:
+    """A second database beside ``dsn`` (the other side of a move or a transfer)."""
+    with _fresh_database(pg_cluster) as url:
+        yield url
+
+
+@contextmanager
+def _fresh_database(cluster: Cluster) -> Iterator[str]:
+    """A new database ``t_<hex>`` on ``cluster`` (its URL), dropped afterwards."""
     name = f"t_{secrets.token_hex(6)}"
-    admin = pg_cluster.url("postgres")
-    with psycopg.connect(admin, autocommit=True) as conn:
+    with psycopg.connect(cluster.url("postgres"), autocommit=True) as conn:
         conn.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(name)))
     try:
-        yield pg_cluster.url(name)
+        yield cluster.url(name)
     finally:
-        _drop_database(pg_cluster, name)
+        _drop_database(cluster, name)
 
 
 def _drop_database(cluster: Cluster, name: str) -> None:
@@ -109,13 +139,22 @@ def ringq_env(
 @pytest.fixture
 def make_queue(dsn: str) -> Iterator[Callable[..., str]]:
     def make(capacity: int = 64, max_payload: int = 1024, **settings: Any) -> str:
-        name = "q_" + uuid.uuid4().hex[:10]
-        with psycopg.connect(dsn) as conn:
-            create_queue(conn, QueueSpec(name, capacity, max_payload, **settings))
-        return name
+        return queue_in(dsn, capacity, max_payload, **settings)
 
     yield make
     remove_section(dsn)
+
+
+# -- helpers shared by the test modules ----------------------------------------------------
+
+
+def queue_in(dsn: str, capacity: int = 64, max_payload: int = 1024, **settings: Any) -> str:
+    """Create a queue with a fresh name in the database at ``dsn`` (``dsn`` or
+    ``dsn2``, whose teardown removes its section) and return the name."""
+    name = "q_" + uuid.uuid4().hex[:10]
+    with psycopg.connect(dsn) as conn:
+        create_queue(conn, QueueSpec(name, capacity, max_payload, **settings))
+    return name
 
 
 def remove_section(dsn: str) -> None:
@@ -124,3 +163,120 @@ def remove_section(dsn: str) -> None:
     beyond the database's life). Harmless without a ringq schema, and twice."""
     with psycopg.connect(dsn, autocommit=True) as conn:
         remove_section_of(conn)
+
+
+def present(value: T | None) -> T:
+    """``value``, which the test expects to be there (a row, an entry, a pid):
+    fails the test where it is None."""
+    assert value is not None, "expected a value, got None"
+    return value
+
+
+def wait_for(
+    cond: Callable[[], Any], timeout: float = 10.0, what: str = "condition", every: float = 0.02
+) -> Any:
+    """Poll ``cond`` every ``every`` seconds until it returns something truthy, and
+    return that; fail after ``timeout`` seconds. OSError, KeyError and ValueError
+    from ``cond`` count as "not yet" (a file or a server not up yet)."""
+    deadline = time.monotonic() + timeout
+    last_exc: BaseException | None = None
+    while time.monotonic() < deadline:
+        try:
+            got = cond()
+        except (OSError, KeyError, ValueError) as exc:  # not up yet
+            last_exc = exc
+            got = None
+        if got:
+            return got
+        time.sleep(every)  # polling a condition with a deadline, not synchronizing by sleep
+    last = f" (last: {last_exc!r})" if last_exc else ""
+    raise AssertionError(f"timed out after {timeout}s waiting for {what}{last}")
+
+
+def drain(dsn: str, queue: str, *, wait: float | None = None, batch: int = 1) -> list[Message]:
+    """Dequeue every ready entry of ``queue``, oldest first, committing each
+    transaction of ``batch`` entries; the messages. ``wait``: how long each
+    dequeue may wait for an entry (s), the last one included."""
+    out: list[Message] = []
+    with connect(dsn) as s:
+        while True:
+            if batch == 1:
+                m = s.dequeue(queue, wait=wait)
+                got = [] if m is None else [m]
+            else:
+                got = s.dequeue_many(queue, batch, wait=wait)
+            s.commit()
+            if not got:
+                return out
+            out.extend(got)
+
+
+def cli(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
+    """Run ``ringq ARGV`` in-process: (exit code, stdout, stderr)."""
+    capsys.readouterr()
+    try:
+        code = main(list(argv))
+    except SystemExit as exc:  # argparse's own --help and usage errors
+        code = int(exc.code or 0)
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def closed_port() -> int:
+    """A local port that nothing listens on (bound, then closed)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+    return port
+
+
+def prepared_gids(dsn: str) -> list[str]:
+    """The gids of the database's prepared transactions, sorted."""
+    with psycopg.connect(dsn, autocommit=True) as c:
+        rows = c.execute("SELECT gid FROM pg_prepared_xacts WHERE database = current_database()")
+        return sorted(r[0] for r in rows)
+
+
+def decided_gids(dsn: str) -> list[str]:
+    """The gids in ``ringq.tpc_decisions`` (decided to commit), sorted."""
+    with psycopg.connect(dsn, autocommit=True) as c:
+        return sorted(r[0] for r in c.execute("SELECT gid FROM ringq.tpc_decisions"))
+
+
+class MonitorProcess:
+    """``ringq monitor`` as a real process (a pass every ``INTERVAL`` s, ``extra``
+    arguments after the defaults); ``url`` once it serves."""
+
+    INTERVAL = 0.2
+
+    def __init__(
+        self, dsn: str, data_dir: Path, *extra: str, env: dict[str, str] | None = None
+    ) -> None:
+        self.data_dir = data_dir
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "ringq.cli", "monitor", "--dsn", dsn, "--port", "0",
+             "--data-dir", str(data_dir), "--interval", str(self.INTERVAL), *extra],
+            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env,
+        )
+        self.url: str = wait_for(self._url, 30, "the monitor to serve")
+
+    def _url(self) -> str | None:
+        if self.proc.poll() is not None:
+            err = self.proc.stderr.read() if self.proc.stderr else ""
+            raise AssertionError(f"monitor exited {self.proc.returncode}: {err}")
+        state = json.loads((self.data_dir / "monitor.json").read_text())
+        return state["url"] if state.get("pid") == self.proc.pid else None
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 30) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+        try:
+            return self.proc.wait(timeout)
+        finally:
+            if self.proc.stderr:
+                self.proc.stderr.close()
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.stop()

@@ -10,7 +10,6 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import zipfile
@@ -18,24 +17,14 @@ from pathlib import Path
 
 import psycopg
 import pytest
-from ringq.cli import build_parser, main, parse_args
+from conftest import cli, closed_port
+from ringq.cli import build_parser, parse_args
 from ringq.engine import ConfigError, resolve_dsn
 from ringq.move import MoveConfig
 from ringq.scripting import Cluster, QueueSpec, create_queue
 
 RINGQ = [sys.executable, "-m", "ringq.cli"]
 REPO = Path(__file__).resolve().parent.parent
-
-
-def cli(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
-    """Run ``ringq ARGV`` in-process: (exit code, stdout, stderr)."""
-    capsys.readouterr()
-    try:
-        code = main(list(argv))
-    except SystemExit as exc:  # argparse's own --help and usage errors
-        code = int(exc.code or 0)
-    out, err = capsys.readouterr()
-    return code, out, err
 
 
 def clean_env(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -45,7 +34,9 @@ def clean_env(monkeypatch: pytest.MonkeyPatch) -> None:
             monkeypatch.delenv(name)
 
 
-def commands(parser: argparse.ArgumentParser, prefix: tuple[str, ...] = ()) -> list[tuple[str, ...]]:
+def commands(
+    parser: argparse.ArgumentParser, prefix: tuple[str, ...] = ()
+) -> list[tuple[str, ...]]:
     """Every command and subcommand path of ``parser``, e.g. ("queue", "create")."""
     found: list[tuple[str, ...]] = []
     for action in parser._actions:
@@ -82,7 +73,12 @@ def test_help_lists_the_environment_variables(
     cases = {
         ("db", "start"): ["RINGQ_HOME"],
         ("queue", "list"): ["RINGQ_DSN"],
-        ("monitor",): ["RINGQ_DSN", "RINGQ_MONITOR_PORT", "RINGQ_MONITOR_TOKEN", "RINGQ_MONITOR_INTERVAL"],
+        ("monitor",): [
+            "RINGQ_DSN",
+            "RINGQ_MONITOR_PORT",
+            "RINGQ_MONITOR_TOKEN",
+            "RINGQ_MONITOR_INTERVAL",
+        ],
         ("move",): ["RINGQ_DSN", "RINGQ_MOVE_BATCH", "RINGQ_MOVE_FROM"],
         ("rtv",): ["RINGQ_RTV_PORT", "RINGQ_RTV_TOKEN"],
     }
@@ -184,7 +180,8 @@ def test_malformed_variable_no_traceback_from_the_installed_command(tmp_path: Pa
     )
     assert done.returncode == 2
     assert done.stderr == (
-        "ringq: environment variable RINGQ_MONITOR_PORT='http' (for --port): not a valid int value\n"
+        "ringq: environment variable RINGQ_MONITOR_PORT='http' (for --port): "
+        "not a valid int value\n"
     )
 
 
@@ -193,10 +190,7 @@ def test_malformed_variable_no_traceback_from_the_installed_command(tmp_path: Pa
 
 def closed_port_dsn() -> str:
     """A DSN nothing answers at (a local port bound, then closed)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    return f"postgresql://nobody@127.0.0.1:{port}/nowhere?connect_timeout=5"
+    return f"postgresql://nobody@127.0.0.1:{closed_port()}/nowhere?connect_timeout=5"
 
 
 def test_dsn_order_flag_then_variable_then_embedded_cluster(
@@ -252,10 +246,20 @@ def test_wheel_holds_the_subpackages_and_their_data_and_no_top_level_engine(
     src = tmp_path / "src"
     shutil.copytree(REPO, src, ignore=_NOT_SOURCE)
     done = subprocess.run(
-        [sys.executable, "-c",
-         "import sys; from setuptools import build_meta; print(build_meta.build_wheel(sys.argv[1]))",
-         str(tmp_path / "dist")],
-        cwd=src, capture_output=True, text=True, timeout=120, check=False,
+        [
+            sys.executable,
+            "-c",
+            (
+                "import sys; from setuptools import build_meta; "
+                "print(build_meta.build_wheel(sys.argv[1]))"
+            ),
+            str(tmp_path / "dist"),
+        ],
+        cwd=src,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
     )
     assert done.returncode == 0, done.stderr[-3000:]
     wheel = tmp_path / "dist" / done.stdout.strip().splitlines()[-1]
@@ -273,6 +277,8 @@ def test_wheel_holds_the_subpackages_and_their_data_and_no_top_level_engine(
     sql_files = {f"ringq/{p.relative_to(REPO)}" for p in REPO.glob("*/*.sql")
                  if p.parts[-2] not in ("tests", "bench", "examples")}
     assert {"ringq/engine/queries.sql", "ringq/scripting/ddl.sql"} <= sql_files <= names
-    static = {f"ringq/{p.relative_to(REPO)}" for p in (REPO / "rtv" / "static").rglob("*") if p.is_file()}
+    static = {
+        f"ringq/{p.relative_to(REPO)}" for p in (REPO / "rtv" / "static").rglob("*") if p.is_file()
+    }
     assert "ringq/rtv/static/index.html" in static and static <= names
     assert b"ringq = ringq.cli:main" in entry_points

@@ -7,10 +7,13 @@ import threading
 import time
 import uuid
 from collections import defaultdict
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from typing import Any
 
 import psycopg
 import pytest
+from conftest import decided_gids, drain, prepared_gids, present
 from ringq.engine import (
     DatabaseUnavailable,
     InDoubt,
@@ -21,6 +24,7 @@ from ringq.engine import (
     SchemaMissing,
     Section,
     SectionIncompatible,
+    Session,
     SessionClosed,
     StaleSection,
     TransactionError,
@@ -32,19 +36,7 @@ from ringq.scripting import QueueSpec, create_queue
 FORK = mp.get_context("fork")
 
 
-def drain(dsn: str, queue: str, *, wait: float | None = None) -> list:
-    out = []
-    with connect(dsn) as s:
-        while True:
-            m = s.dequeue(queue, wait=wait)
-            if m is None:
-                s.commit()
-                return out
-            out.append(m)
-            s.commit()
-
-
-def test_entry_is_invisible_until_commit(dsn, make_queue):
+def test_entry_is_invisible_until_commit(dsn: str, make_queue: Callable[..., str]) -> None:
     q = make_queue()
     with connect(dsn) as producer, connect(dsn) as consumer:
         seq = producer.enqueue(q, b"one")
@@ -57,7 +49,9 @@ def test_entry_is_invisible_until_commit(dsn, make_queue):
         assert consumer.dequeue(q) is None
 
 
-def test_rolled_back_enqueue_is_never_delivered_and_its_slot_reclaimed(dsn, make_queue):
+def test_rolled_back_enqueue_is_never_delivered_and_its_slot_reclaimed(
+    dsn: str, make_queue: Callable[..., str]
+) -> None:
     q = make_queue(capacity=4)
     with connect(dsn) as s:
         for _ in range(10):  # more than the capacity: slots must come back
@@ -71,7 +65,9 @@ def test_rolled_back_enqueue_is_never_delivered_and_its_slot_reclaimed(dsn, make
     assert [m.payload for m in got] == [b"real"]
 
 
-def test_rolled_back_dequeue_is_redelivered_with_a_higher_count(dsn, make_queue):
+def test_rolled_back_dequeue_is_redelivered_with_a_higher_count(
+    dsn: str, make_queue: Callable[..., str]
+) -> None:
     q = make_queue()
     with connect(dsn) as s:
         s.enqueue(q, b"x")
@@ -80,12 +76,19 @@ def test_rolled_back_dequeue_is_redelivered_with_a_higher_count(dsn, make_queue)
         assert first is not None and first.deliveries == 1
         s.rollback()
         again = s.dequeue(q)
-        assert again is not None and again.seq == first.seq and again.deliveries == 2 and again.redelivered
+        assert (
+            again is not None
+            and again.seq == first.seq
+            and again.deliveries == 2
+            and again.redelivered
+        )
         s.commit()
         assert s.dequeue(q) is None
 
 
-def test_poison_entry_moves_to_exceptions_after_max_deliveries(dsn, make_queue):
+def test_poison_entry_moves_to_exceptions_after_max_deliveries(
+    dsn: str, make_queue: Callable[..., str]
+) -> None:
     q = make_queue(max_deliveries=3)
     with connect(dsn) as s:
         seq = s.enqueue(q, b"poison")
@@ -105,13 +108,13 @@ def test_poison_entry_moves_to_exceptions_after_max_deliveries(dsn, make_queue):
     assert row == (seq, 3, "max deliveries reached")
 
 
-def test_chaining_is_atomic(dsn, make_queue):
+def test_chaining_is_atomic(dsn: str, make_queue: Callable[..., str]) -> None:
     a, b = make_queue(), make_queue()
     with connect(dsn) as s:
         s.enqueue(a, b"step1")
         s.commit()
-        m = s.dequeue(a)
-        s.enqueue(b, m.payload + b"->step2")
+        first = present(s.dequeue(a))
+        s.enqueue(b, first.payload + b"->step2")
         s.rollback()  # neither happened
         assert drain(dsn, b) == []
         m = s.dequeue(a)
@@ -122,7 +125,7 @@ def test_chaining_is_atomic(dsn, make_queue):
     assert [m.payload for m in drain(dsn, b)] == [b"step1->step2"]
 
 
-def test_user_sql_joins_the_transaction(dsn, make_queue):
+def test_user_sql_joins_the_transaction(dsn: str, make_queue: Callable[..., str]) -> None:
     q = make_queue()
     with connect(dsn) as s:
         s.connection.execute("CREATE TABLE ledger (v int)")
@@ -163,13 +166,15 @@ def _producer(dsn: str, queue: str, n: int, pid_tag: int, seed: int) -> None:
                 s.commit()
 
 
-def test_producers_and_one_consumer_exactly_once_fifo_over_many_wraps(dsn, make_queue):
+def test_producers_and_one_consumer_exactly_once_fifo_over_many_wraps(
+    dsn: str, make_queue: Callable[..., str]
+) -> None:
     q = make_queue(capacity=16)
     producers, per = 4, 120  # 480 entries through 16 slots: 30 wrap-arounds
     procs = [FORK.Process(target=_producer, args=(dsn, q, per, p, p)) for p in range(producers)]
     for p in procs:
         p.start()
-    got = []
+    got: list[Any] = []
     with connect(dsn) as s:
         deadline = time.monotonic() + 120
         while len(got) < producers * per and time.monotonic() < deadline:
@@ -194,38 +199,42 @@ def test_producers_and_one_consumer_exactly_once_fifo_over_many_wraps(dsn, make_
     assert max(m.seq for m in got) >= 20 * 16  # wrapped at least 20 times
 
 
-def test_shared_mode_consumers_read_past_each_other(dsn, make_queue):
+def test_shared_mode_consumers_read_past_each_other(
+    dsn: str, make_queue: Callable[..., str]
+) -> None:
     q = make_queue(dequeue_mode="shared")
     with connect(dsn) as p:
         p.enqueue_many(q, [b"a", b"b", b"c"])
         p.commit()
     with connect(dsn) as c1, connect(dsn) as c2:
-        m1 = c1.dequeue(q)
+        m1 = present(c1.dequeue(q))
         t0 = time.monotonic()
-        m2 = c2.dequeue(q)  # must not wait for c1's lock
+        m2 = present(c2.dequeue(q))  # must not wait for c1's lock
         assert time.monotonic() - t0 < 1.0
         assert m1.payload == b"a" and m2.payload == b"b"
         c1.rollback()
-        m3 = c2.dequeue(q)
+        m3 = present(c2.dequeue(q))
         assert m3.payload == b"a" and m3.deliveries == 2
         c2.commit()
     assert [m.payload for m in drain(dsn, q)] == [b"c"]
 
 
-def test_single_mode_second_dequeuer_gets_nothing_while_first_holds(dsn, make_queue):
+def test_single_mode_second_dequeuer_gets_nothing_while_first_holds(
+    dsn: str, make_queue: Callable[..., str]
+) -> None:
     q = make_queue()
     with connect(dsn) as p:
         p.enqueue_many(q, [b"a", b"b"])
         p.commit()
     with connect(dsn) as c1, connect(dsn) as c2:
-        assert c1.dequeue(q).payload == b"a"
+        assert present(c1.dequeue(q)).payload == b"a"
         assert c2.dequeue(q) is None  # single dequeuer: FIFO is strict
         c1.commit()
-        assert c2.dequeue(q).payload == b"b"
+        assert present(c2.dequeue(q)).payload == b"b"
         c2.commit()
 
 
-def test_full_queue_raises_or_blocks_until_space(dsn, make_queue):
+def test_full_queue_raises_or_blocks_until_space(dsn: str, make_queue: Callable[..., str]) -> None:
     q_raise = make_queue(capacity=2, full_policy="raise")
     with connect(dsn) as s:
         s.enqueue_many(q_raise, [b"1", b"2"])
@@ -262,7 +271,9 @@ def test_full_queue_raises_or_blocks_until_space(dsn, make_queue):
     assert [m.payload for m in drain(dsn, q_block)] == [b"2", b"3"]
 
 
-def test_own_uncommitted_entry_at_the_oldest_slot_is_queue_full_at_once(dsn, make_queue):
+def test_own_uncommitted_entry_at_the_oldest_slot_is_queue_full_at_once(
+    dsn: str, make_queue: Callable[..., str]
+) -> None:
     q = make_queue(capacity=4, full_policy="block", full_timeout=30)
     with connect(dsn) as s:
         s.enqueue_many(q, [b"1", b"2", b"3", b"4"])  # uncommitted: this transaction holds the tail
@@ -278,7 +289,9 @@ def test_own_uncommitted_entry_at_the_oldest_slot_is_queue_full_at_once(dsn, mak
     assert [m.payload for m in drain(dsn, q)] == [b"1", b"2", b"3", b"4"]
 
 
-def test_foreign_section_is_refused_with_section_incompatible(dsn, make_queue):
+def test_foreign_section_is_refused_with_section_incompatible(
+    dsn: str, make_queue: Callable[..., str]
+) -> None:
     import mmap
 
     import posix_ipc
@@ -286,10 +299,14 @@ def test_foreign_section_is_refused_with_section_incompatible(dsn, make_queue):
 
     make_queue()  # the schema and its instance id
     with psycopg.connect(dsn) as c:
-        instance = c.execute("SELECT value FROM ringq.meta WHERE key = 'instance_id'").fetchone()[0]
+        instance = present(
+            c.execute("SELECT value FROM ringq.meta WHERE key = 'instance_id'").fetchone()
+        )[0]
     for word, value in ((L.H_LAYOUT, L.LAYOUT_VERSION + 1), (L.H_MAGIC, 0x0BAD_F00D)):
         Section.unlink(instance)
-        shm = posix_ipc.SharedMemory(section_name(instance), posix_ipc.O_CREX, mode=0o600, size=L.SECTION_SIZE)
+        shm = posix_ipc.SharedMemory(
+            section_name(instance), posix_ipc.O_CREX, mode=0o600, size=L.SECTION_SIZE
+        )
         mm = mmap.mmap(shm.fd, L.SECTION_SIZE)
         header = memoryview(mm)[: L.HEADER_WORDS * 8].cast("q")
         header[L.H_MAGIC], header[L.H_LAYOUT], header[L.H_READY] = L.MAGIC, L.LAYOUT_VERSION, 1
@@ -304,7 +321,9 @@ def test_foreign_section_is_refused_with_section_incompatible(dsn, make_queue):
         assert s.section is not None
 
 
-def test_database_without_ringq_schema_is_schema_missing(dsn, make_queue):
+def test_database_without_ringq_schema_is_schema_missing(
+    dsn: str, make_queue: Callable[..., str]
+) -> None:
     with pytest.raises(SchemaMissing, match="create a queue first"):
         connect(dsn)  # a fresh database: no ringq schema at all
     make_queue()
@@ -314,13 +333,15 @@ def test_database_without_ringq_schema_is_schema_missing(dsn, make_queue):
         connect(dsn)
 
 
-def test_waiting_dequeuer_is_woken_by_commit(dsn, make_queue, monkeypatch):
+def test_waiting_dequeuer_is_woken_by_commit(
+    dsn: str, make_queue: Callable[..., str], monkeypatch: pytest.MonkeyPatch
+) -> None:
     from ringq.engine import _session
 
     # No safety-net recheck within the test: only the commit's post can wake it.
     monkeypatch.setattr(_session, "CLAIM_RECHECK_S", 60.0)
     q = make_queue()
-    result: dict[str, object] = {}
+    result: dict[str, Any] = {}
 
     def consumer() -> None:
         with connect(dsn) as c:
@@ -348,7 +369,7 @@ def test_waiting_dequeuer_is_woken_by_commit(dsn, make_queue, monkeypatch):
     assert result["woken_at"] - committed_at < 5  # far below the 30 s wait and the 60 s recheck
 
 
-def test_idempotent_enqueue_with_key(dsn, make_queue):
+def test_idempotent_enqueue_with_key(dsn: str, make_queue: Callable[..., str]) -> None:
     q = make_queue()
     with connect(dsn) as s:
         a = s.enqueue(q, b"x", key="order-1")
@@ -366,7 +387,9 @@ def test_idempotent_enqueue_with_key(dsn, make_queue):
 
 
 @pytest.mark.parametrize("first_commits", [True, False])
-def test_same_key_from_two_sessions_at_once_yields_one_entry(dsn, make_queue, first_commits):
+def test_same_key_from_two_sessions_at_once_yields_one_entry(
+    dsn: str, make_queue: Callable[..., str], first_commits: bool
+) -> None:
     q = make_queue()
     with connect(dsn) as a, connect(dsn) as b, psycopg.connect(dsn, autocommit=True) as admin:
         ring = a.ring(q)
@@ -385,9 +408,10 @@ def test_same_key_from_two_sessions_at_once_yields_one_entry(dsn, make_queue, fi
         t.start()
         # Step by step: b is waiting on a's key (a row lock), then a ends.
         deadline = time.monotonic() + 10
-        while admin.execute(
-            "SELECT count(*) FROM pg_stat_activity WHERE pid = %s AND wait_event_type = 'Lock'", (b.backend_pid,)
-        ).fetchone()[0] == 0:
+        waiting = (
+            "SELECT count(*) FROM pg_stat_activity WHERE pid = %s AND wait_event_type = 'Lock'"
+        )
+        while present(admin.execute(waiting, (b.backend_pid,)).fetchone())[0] == 0:
             assert t.is_alive() and time.monotonic() < deadline, got
             time.sleep(0.001)
         if first_commits:
@@ -401,11 +425,12 @@ def test_same_key_from_two_sessions_at_once_yields_one_entry(dsn, make_queue, fi
         else:
             assert got["seq"] != seq_a  # the first never happened: b's entry is the one
         b.commit()
-        assert a.section.queues[ring.qb + L.Q_N_RESYNC] == resyncs  # not mistaken for a stale section
+        # not mistaken for a stale section
+        assert a.section.queues[ring.qb + L.Q_N_RESYNC] == resyncs
     assert [m.payload for m in drain(dsn, q)] == [b"from a" if first_commits else b"from b"]
 
 
-def test_typed_errors(dsn, make_queue):
+def test_typed_errors(dsn: str, make_queue: Callable[..., str]) -> None:
     q = make_queue(max_payload=8)
     with connect(dsn) as s:
         with pytest.raises(QueueNotFound):
@@ -427,23 +452,37 @@ def test_typed_errors(dsn, make_queue):
 def _terminate(dsn: str, pid: int) -> None:
     with psycopg.connect(dsn, autocommit=True) as admin:
         admin.execute("SELECT pg_terminate_backend(%s)", (pid,))
-        while admin.execute("SELECT count(*) FROM pg_stat_activity WHERE pid = %s", (pid,)).fetchone()[0]:
+        while present(
+            admin.execute("SELECT count(*) FROM pg_stat_activity WHERE pid = %s", (pid,)).fetchone()
+        )[0]:
             pass
 
 
 @contextmanager
-def _no_new_connections(dsn: str):
+def _no_new_connections(dsn: str) -> Iterator[None]:
     """The database refuses new connections (existing ones keep working)."""
-    name = psycopg.conninfo.conninfo_to_dict(dsn)["dbname"]
-    with psycopg.connect(psycopg.conninfo.make_conninfo(dsn, dbname="postgres"), autocommit=True) as admin:
-        admin.execute(psycopg.sql.SQL("ALTER DATABASE {} ALLOW_CONNECTIONS false").format(psycopg.sql.Identifier(name)))
+    name = str(psycopg.conninfo.conninfo_to_dict(dsn)["dbname"])
+    with psycopg.connect(
+        psycopg.conninfo.make_conninfo(dsn, dbname="postgres"), autocommit=True
+    ) as admin:
+        admin.execute(
+            psycopg.sql.SQL("ALTER DATABASE {} ALLOW_CONNECTIONS false").format(
+                psycopg.sql.Identifier(name)
+            )
+        )
         try:
             yield
         finally:
-            admin.execute(psycopg.sql.SQL("ALTER DATABASE {} ALLOW_CONNECTIONS true").format(psycopg.sql.Identifier(name)))
+            admin.execute(
+                psycopg.sql.SQL("ALTER DATABASE {} ALLOW_CONNECTIONS true").format(
+                    psycopg.sql.Identifier(name)
+                )
+            )
 
 
-def test_backend_terminated_before_first_enqueue_raises_database_unavailable(dsn, make_queue):
+def test_backend_terminated_before_first_enqueue_raises_database_unavailable(
+    dsn: str, make_queue: Callable[..., str]
+) -> None:
     q = make_queue()
     with connect(dsn) as s:
         _terminate(dsn, s.backend_pid)
@@ -454,7 +493,9 @@ def test_backend_terminated_before_first_enqueue_raises_database_unavailable(dsn
     assert [m.payload for m in drain(dsn, q)] == [b"after"]
 
 
-def test_psycopg_errors_of_side_connections_are_converted(dsn, make_queue):
+def test_psycopg_errors_of_side_connections_are_converted(
+    dsn: str, make_queue: Callable[..., str]
+) -> None:
     q = make_queue(capacity=8)
     with connect(dsn) as s:
         s.queue_info(q)  # cached: the next enqueue only loads the ring
@@ -478,7 +519,9 @@ def test_psycopg_errors_of_side_connections_are_converted(dsn, make_queue):
     assert [m.payload for m in drain(dsn, q)] == [b"a", b"b", b"c"]
 
 
-def test_connection_lost_after_a_commit_around_the_library_is_converted(dsn, make_queue):
+def test_connection_lost_after_a_commit_around_the_library_is_converted(
+    dsn: str, make_queue: Callable[..., str]
+) -> None:
     q = make_queue()
     with connect(dsn) as s:
         conn = s.connection
@@ -493,7 +536,9 @@ def test_connection_lost_after_a_commit_around_the_library_is_converted(dsn, mak
         s.commit()
 
 
-def test_every_public_method_of_a_closed_session_raises_session_closed(dsn, make_queue):
+def test_every_public_method_of_a_closed_session_raises_session_closed(
+    dsn: str, make_queue: Callable[..., str]
+) -> None:
     q = make_queue()
     s = connect(dsn)
     s.queue_info(q)  # cached, and the queue loaded: nothing left that needs the database
@@ -501,7 +546,7 @@ def test_every_public_method_of_a_closed_session_raises_session_closed(dsn, make
     cidx = s._cidx
     s.close()
     entry = s.section.clients[cidx * L.CLIENT_WORDS : (cidx + 1) * L.CLIENT_WORDS].tolist()
-    calls = {
+    calls: dict[str, Callable[[], object]] = {
         "queue_info": lambda: s.queue_info(q),
         "stats": lambda: s.stats(q),
         "ring": lambda: s.ring(q),
@@ -533,7 +578,9 @@ def test_every_public_method_of_a_closed_session_raises_session_closed(dsn, make
     assert s.closed
 
 
-def test_corrupted_section_neither_duplicates_nor_loses(dsn, make_queue):
+def test_corrupted_section_neither_duplicates_nor_loses(
+    dsn: str, make_queue: Callable[..., str]
+) -> None:
     q = make_queue(capacity=32)
     with connect(dsn) as s:
         s.enqueue_many(q, [str(i).encode() for i in range(20)])
@@ -560,7 +607,9 @@ def test_corrupted_section_neither_duplicates_nor_loses(dsn, make_queue):
     assert [m.payload for m in drain(dsn, q)] == [b"after"]
 
 
-def test_head_behind_rows_is_repaired_without_overwrite(dsn, make_queue):
+def test_head_behind_rows_is_repaired_without_overwrite(
+    dsn: str, make_queue: Callable[..., str]
+) -> None:
     q = make_queue(capacity=8)
     with connect(dsn) as s:
         s.enqueue_many(q, [b"a", b"b", b"c"])
@@ -577,7 +626,9 @@ def test_head_behind_rows_is_repaired_without_overwrite(dsn, make_queue):
     assert [m.payload for m in drain(dsn, q)] == [b"a", b"b", b"c", b"d"]
 
 
-def test_enqueue_many_on_a_partly_stale_section_keeps_the_batch_in_order(dsn, make_queue):
+def test_enqueue_many_on_a_partly_stale_section_keeps_the_batch_in_order(
+    dsn: str, make_queue: Callable[..., str]
+) -> None:
     q = make_queue(capacity=16)
     with connect(dsn) as s:
         s.enqueue_many(q, [b"a", b"b", b"c"])  # seq 0..2 in slots 0..2
@@ -607,7 +658,7 @@ def test_enqueue_many_on_a_partly_stale_section_keeps_the_batch_in_order(dsn, ma
     assert [m.payload for m in drain(dsn, q)] == [b"after"]
 
 
-def test_section_lost_is_rebuilt_from_the_tables(dsn, make_queue):
+def test_section_lost_is_rebuilt_from_the_tables(dsn: str, make_queue: Callable[..., str]) -> None:
     q = make_queue(capacity=8)
     with connect(dsn) as s:
         s.enqueue_many(q, [b"a", b"b", b"c"])
@@ -619,7 +670,7 @@ def test_section_lost_is_rebuilt_from_the_tables(dsn, make_queue):
     assert [m.payload for m in drain(dsn, q)] == [b"b", b"c"]
 
 
-def _child_uses_inherited_session(s, queue, conn_q) -> None:
+def _child_uses_inherited_session(s: Any, queue: str, conn_q: Any) -> None:
     try:
         s.enqueue(queue, b"from child")
         s.commit()
@@ -628,7 +679,7 @@ def _child_uses_inherited_session(s, queue, conn_q) -> None:
         conn_q.put(repr(exc))
 
 
-def test_session_is_fork_safe(dsn, make_queue):
+def test_session_is_fork_safe(dsn: str, make_queue: Callable[..., str]) -> None:
     q = make_queue()
     with connect(dsn) as s:
         s.enqueue(q, b"parent")
@@ -642,7 +693,7 @@ def test_session_is_fork_safe(dsn, make_queue):
     assert sorted(m.payload for m in drain(dsn, q)) == [b"from child", b"parent"]
 
 
-def test_two_phase_commit_and_rollback(dsn, make_queue):
+def test_two_phase_commit_and_rollback(dsn: str, make_queue: Callable[..., str]) -> None:
     a, b = make_queue(), make_queue()
     with connect(dsn) as s1, connect(dsn) as s2:
         gid = uuid.uuid4().hex
@@ -663,12 +714,9 @@ def test_two_phase_commit_and_rollback(dsn, make_queue):
     assert [m.payload for m in drain(dsn, b)] == [b"2pc-b"]
 
 
-def _decisions(dsn: str) -> list[str]:
-    with psycopg.connect(dsn, autocommit=True) as c:
-        return [r[0] for r in c.execute("SELECT gid FROM ringq.tpc_decisions").fetchall()]
-
-
-def test_tpc_decide_records_the_decision_until_commit_or_rollback(dsn, make_queue):
+def test_tpc_decide_records_the_decision_until_commit_or_rollback(
+    dsn: str, make_queue: Callable[..., str]
+) -> None:
     q = make_queue()
     with connect(dsn) as s:
         s.tpc_begin(s.xid(uuid.uuid4().hex))
@@ -679,37 +727,32 @@ def test_tpc_decide_records_the_decision_until_commit_or_rollback(dsn, make_queu
         s.tpc_decide()
         with psycopg.connect(dsn, autocommit=True) as c:
             prepared = [r[0] for r in c.execute("SELECT gid FROM pg_prepared_xacts").fetchall()]
-        assert _decisions(dsn) == prepared  # durable before COMMIT PREPARED, same gid
+        assert decided_gids(dsn) == prepared  # durable before COMMIT PREPARED, same gid
         s.tpc_commit()
-        assert _decisions(dsn) == []
+        assert decided_gids(dsn) == []
         s.tpc_begin(s.xid(uuid.uuid4().hex))
         s.enqueue(q, b"undecided")
         s.tpc_prepare()
         s.tpc_rollback()  # no decision yet: the participant may still vote no
-        assert _decisions(dsn) == []
+        assert decided_gids(dsn) == []
     assert [m.payload for m in drain(dsn, q)] == [b"decided"]
 
 
-def _prepared(dsn: str) -> list[str]:
-    with psycopg.connect(dsn, autocommit=True) as c:
-        return [r[0] for r in c.execute("SELECT gid FROM pg_prepared_xacts WHERE database = current_database()")]
-
-
-def test_a_decided_transaction_refuses_rollback(dsn, make_queue):
+def test_a_decided_transaction_refuses_rollback(dsn: str, make_queue: Callable[..., str]) -> None:
     q = make_queue()
     with connect(dsn) as s:
         s.tpc_begin(s.xid(uuid.uuid4().hex))
         s.enqueue(q, b"decided")
         s.tpc_prepare()
         s.tpc_decide()
-        gid = _prepared(dsn)
+        gid = prepared_gids(dsn)
         for undo in (s.tpc_rollback, s.rollback):
             with pytest.raises(TransactionError, match="decided to commit"):
                 undo()
         # Nothing was withdrawn or rolled back: commit still finishes it.
-        assert _prepared(dsn) == gid and _decisions(dsn) == gid
+        assert prepared_gids(dsn) == gid and decided_gids(dsn) == gid
         s.tpc_commit()
-        assert _prepared(dsn) == [] and _decisions(dsn) == []
+        assert prepared_gids(dsn) == [] and decided_gids(dsn) == []
     assert [m.payload for m in drain(dsn, q)] == [b"decided"]
 
 
@@ -718,7 +761,9 @@ class _Boom(Exception):
 
 
 @pytest.mark.parametrize("exit", ["close", "with", "transaction"])
-def test_a_decided_transaction_left_at_close_is_committed_by_recovery(dsn, make_queue, exit):
+def test_a_decided_transaction_left_at_close_is_committed_by_recovery(
+    dsn: str, make_queue: Callable[..., str], exit: str
+) -> None:
     from ringq.engine.recovery import resolve_prepared
 
     q = make_queue()
@@ -739,28 +784,35 @@ def test_a_decided_transaction_left_at_close_is_committed_by_recovery(dsn, make_
             prepare_and_decide()
             raise _Boom
     else:
-        with pytest.raises(_Boom), s.transaction():  # the caller's exception, not a TransactionError
+        with (
+            pytest.raises(_Boom),
+            s.transaction(),
+        ):  # the caller's exception, not a TransactionError
             prepare_and_decide()
             raise _Boom
-        assert len(_prepared(dsn)) == 1  # not rolled back; the session still owns it
+        assert len(prepared_gids(dsn)) == 1  # not rolled back; the session still owns it
         s.close()
     assert s.closed
     # Left prepared, decision kept, its slot held for recovery (not voided).
-    gids = _prepared(dsn)
-    assert len(gids) == 1 and _decisions(dsn) == gids
+    gids = prepared_gids(dsn)
+    assert len(gids) == 1 and decided_gids(dsn) == gids
     assert ring.counts()["locked"] == 1
     assert sec.owner_w[ring.base + ring.tail % ring.cap] == L.OWNER_HELD
     assert drain(dsn, q) == []
     done = resolve_prepared(sec, dsn, timeout_s=3600)
     assert done == [(gids[0], "commit")]
     assert ring.counts()["locked"] == 0
-    assert _prepared(dsn) == [] and _decisions(dsn) == []
+    assert prepared_gids(dsn) == [] and decided_gids(dsn) == []
     assert [m.payload for m in drain(dsn, q)] == [b"decided"]  # exactly once
     assert drain(dsn, q) == []
     assert resolve_prepared(sec, dsn, timeout_s=0) == []
 
 
-def test_tpc_commit_clears_the_decision_even_if_the_next_begin_fails(dsn, make_queue, monkeypatch):
+def test_tpc_commit_clears_the_decision_even_if_what_follows_fails(
+    dsn: str, make_queue: Callable[..., str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from ringq.engine.recovery import recover_dead_clients
+
     q = make_queue()
     with connect(dsn) as s:
         s.tpc_begin(s.xid(uuid.uuid4().hex))
@@ -768,19 +820,26 @@ def test_tpc_commit_clears_the_decision_even_if_the_next_begin_fails(dsn, make_q
         s.tpc_prepare()
         s.tpc_decide()
 
-        def begin_fails() -> None:
-            raise DatabaseUnavailable("no BEGIN after COMMIT PREPARED")
+        def finish_fails(*args: object, **kwargs: object) -> None:
+            raise DatabaseUnavailable("failed after COMMIT PREPARED")
 
-        monkeypatch.setattr(s, "_begin", begin_fails)
+        monkeypatch.setattr(s, "_finish", finish_fails)
         with pytest.raises(DatabaseUnavailable):
             s.tpc_commit()
-        assert _prepared(dsn) == [] and _decisions(dsn) == []
+        assert prepared_gids(dsn) == [] and decided_gids(dsn) == []
         monkeypatch.undo()
+        sec, ring = s.section, s.ring(q)
+    # The slot the session could not finish went to recovery at close.
+    deadline = time.monotonic() + 5
+    while ring.counts()["locked"] and time.monotonic() < deadline:
+        recover_dead_clients(sec, dsn)
     assert [m.payload for m in drain(dsn, q)] == [b"committed"]
 
 
 @pytest.mark.parametrize("decide", [True, False])
-def test_tpc_commit_in_doubt_is_resolved_by_the_decision(dsn, make_queue, decide):
+def test_tpc_commit_in_doubt_is_resolved_by_the_decision(
+    dsn: str, make_queue: Callable[..., str], decide: bool
+) -> None:
     from ringq.engine.recovery import resolve_prepared
 
     q = make_queue()
@@ -798,11 +857,13 @@ def test_tpc_commit_in_doubt_is_resolved_by_the_decision(dsn, make_queue, decide
         done = resolve_prepared(s.section, dsn, timeout_s=3600 if decide else 0)
         assert [v for _, v in done] == ["commit" if decide else "rollback"]
         assert s.ring(q).counts()["locked"] == 0
-        assert _decisions(dsn) == []
+        assert decided_gids(dsn) == []
     assert [m.payload for m in drain(dsn, q)] == ([b"in doubt"] if decide else [])
 
 
-def test_connection_lost_mid_transaction_frees_slots(dsn, make_queue):
+def test_connection_lost_mid_transaction_frees_slots(
+    dsn: str, make_queue: Callable[..., str]
+) -> None:
     q = make_queue()
     with connect(dsn) as s:
         s.enqueue(q, b"keep")
@@ -820,7 +881,9 @@ def test_connection_lost_mid_transaction_frees_slots(dsn, make_queue):
     assert drain(dsn, q) == []
 
 
-def test_subscribe_receives_named_events_by_wildcard(dsn, make_queue):
+def test_subscribe_receives_named_events_by_wildcard(
+    dsn: str, make_queue: Callable[..., str]
+) -> None:
     q = make_queue()
     with connect(dsn) as s, s.subscribe(f"queue.{q}.*") as sub:
         with connect(dsn) as other:
@@ -832,7 +895,7 @@ def test_subscribe_receives_named_events_by_wildcard(dsn, make_queue):
         assert sub.get(timeout=0.2) is None
 
 
-def test_rollback_without_counting_a_delivery(dsn, make_queue):
+def test_rollback_without_counting_a_delivery(dsn: str, make_queue: Callable[..., str]) -> None:
     q = make_queue(max_deliveries=2)
     with connect(dsn) as s:
         s.enqueue(q, b"x")
@@ -845,12 +908,12 @@ def test_rollback_without_counting_a_delivery(dsn, make_queue):
         s.commit()
 
 
-def test_interrupted_wait_leaves_no_waiter_behind(dsn, make_queue):
+def test_interrupted_wait_leaves_no_waiter_behind(dsn: str, make_queue: Callable[..., str]) -> None:
     import signal as sig
 
     q = make_queue()
 
-    def interrupt(signum, frame):
+    def interrupt(signum: int, frame: object) -> None:
         raise KeyboardInterrupt
 
     old = sig.signal(sig.SIGALRM, interrupt)
@@ -867,7 +930,9 @@ def test_interrupted_wait_leaves_no_waiter_behind(dsn, make_queue):
         sig.signal(sig.SIGALRM, old)
 
 
-def test_dropped_queues_give_their_section_blocks_back(dsn, make_queue):
+def test_dropped_queues_give_their_section_blocks_back(
+    dsn: str, make_queue: Callable[..., str]
+) -> None:
     from ringq.scripting import drop_queue
 
     for i in range(L.MAX_QUEUES + 10):  # more queues over time than the section has blocks
@@ -877,13 +942,15 @@ def test_dropped_queues_give_their_section_blocks_back(dsn, make_queue):
         with connect(dsn) as s:
             s.enqueue(name, b"x")
             s.commit()
-            assert s.dequeue(name).payload == b"x"
+            assert present(s.dequeue(name)).payload == b"x"
             s.commit()
         with psycopg.connect(dsn, autocommit=True) as conn:
             drop_queue(conn, name)
 
 
-def test_client_entry_records_the_errors_it_hits_not_the_callers_sql(dsn, make_queue):
+def test_client_entry_records_the_errors_it_hits_not_the_callers_sql(
+    dsn: str, make_queue: Callable[..., str]
+) -> None:
     from ringq.engine import RingqError
     from ringq.engine import metrics as M
 
@@ -898,7 +965,7 @@ def test_client_entry_records_the_errors_it_hits_not_the_callers_sql(dsn, make_q
         assert sec.client_error(cidx) == (0, 0, 0, 0, 0)  # the fast path records nothing
         with pytest.raises(PayloadTooLarge):
             s.enqueue(q, b"12345")
-        n, code, eq, seq, ns = sec.client_error(cidx)
+        n, code, eq, seq, ns = present(sec.client_error(cidx))
         assert (n, M.error_kind(code), eq, seq) == (1, "payload_too_large", qid, -1)
         assert abs(ns / 1e9 - time.time()) < 60
         # The caller's own SQL failing, and a queue statement refused because of it: not ours.
@@ -907,7 +974,7 @@ def test_client_entry_records_the_errors_it_hits_not_the_callers_sql(dsn, make_q
         with pytest.raises(RingqError):
             s.enqueue(q, b"b")
         s.rollback()
-        assert sec.client_error(cidx)[0] == 1
+        assert present(sec.client_error(cidx))[0] == 1
         # A stale section: the guarded row update does not match; repaired, recorded.
         s.enqueue_many(q, [b"c", b"d"])
         s.commit()
@@ -920,7 +987,165 @@ def test_client_entry_records_the_errors_it_hits_not_the_callers_sql(dsn, make_q
             s.commit()  # nothing committed; resynced: the retry goes through
         s.enqueue(q, b"e")
         s.commit()
-        n, code, eq, seq, _ns = sec.client_error(cidx)
+        n, code, eq, seq, _ns = present(sec.client_error(cidx))
         assert n == 2 and M.error_kind(code) == "row_mismatch" and eq == qid and seq == 0
         assert sec.client_queues(cidx) == [ring.qidx]
         assert M.client_stats(sec, cidx)[M.ERRORS] == 2
+
+
+@pytest.mark.parametrize("holding", [False, True])
+def test_close_after_the_server_ended_the_connection_is_quiet(
+    dsn: str, make_queue: Callable[..., str], caplog: pytest.LogCaptureFixture, holding: bool
+) -> None:
+    """Issue point 11: no ROLLBACK tried on a dead connection, no traceback at
+    WARNING; at most one INFO line. A held entry goes to recovery."""
+    import logging
+
+    from ringq.engine.recovery import recover_dead_clients
+
+    q = make_queue()
+    with connect(dsn) as p:
+        p.enqueue(q, b"x")
+        p.commit()
+    s = connect(dsn)
+    sec, ring = s.section, s.ring(q)
+    if holding:
+        assert s.dequeue(q) is not None
+    _terminate(dsn, s.backend_pid)
+    with caplog.at_level(logging.INFO, logger="ringq"):
+        s.close()
+    ours = [r for r in caplog.records if r.name.startswith("ringq")]
+    assert len(ours) <= 1 and all(r.levelno == logging.INFO and not r.exc_info for r in ours)
+    assert s.closed
+    deadline = time.monotonic() + 5
+    while ring.counts()["locked"] and time.monotonic() < deadline:
+        recover_dead_clients(sec, dsn)
+    assert ring.counts()["locked"] == 0
+    with connect(dsn) as c:
+        m = c.dequeue(q)
+        assert m is not None and m.deliveries == (2 if holding else 1)
+        c.commit()
+
+
+# -- no session idles in a transaction (issue point 3) ------------------------------------------
+
+
+def _activity(dsn: str, pid: int) -> tuple[str, object]:
+    with psycopg.connect(dsn, autocommit=True) as admin:
+        row = admin.execute(
+            "SELECT state, backend_xmin FROM pg_stat_activity WHERE pid = %s", (pid,)
+        ).fetchone()
+    assert row is not None
+    return row
+
+
+def test_a_session_is_idle_outside_any_transaction_between_transactions(
+    dsn: str, make_queue: Callable[..., str]
+) -> None:
+    q = make_queue()
+    with connect(dsn) as s:
+        assert _activity(dsn, s.backend_pid) == ("idle", None)  # after connecting
+        s.queue_info(q)
+        assert _activity(dsn, s.backend_pid) == ("idle", None)  # a queue lookup leaves nothing open
+        s.enqueue(q, b"a")
+        # inside the caller's transaction
+        assert _activity(dsn, s.backend_pid)[0] == "idle in transaction"
+        s.commit()
+        assert _activity(dsn, s.backend_pid) == ("idle", None)
+        s.stats(q)
+        assert s.dequeue(q) is not None
+        s.rollback()  # with a strike (its own statement)
+        assert _activity(dsn, s.backend_pid) == ("idle", None)
+        assert present(s.dequeue(q)).deliveries == 2
+        s.commit()
+        assert s.dequeue(q) is None
+        s.commit()
+        assert _activity(dsn, s.backend_pid) == ("idle", None)
+
+
+def test_idle_in_transaction_timeout_does_not_end_an_idle_session(
+    dsn: str, make_queue: Callable[..., str]
+) -> None:
+    q = make_queue()
+    with psycopg.connect(dsn, autocommit=True) as admin:
+        db = admin.info.dbname
+        admin.execute(f'ALTER DATABASE "{db}" SET idle_in_transaction_session_timeout = \'1s\'')
+    with connect(dsn) as s:
+        s.enqueue(q, b"a")
+        s.commit()
+        backend = s.backend_pid
+        time.sleep(2)  # idle longer than the timeout: the point of the test
+        s.enqueue(q, b"b")
+        s.commit()
+        assert s.backend_pid == backend  # the same connection: never ended
+        assert [present(s.dequeue(q)).payload, present(s.dequeue(q)).payload] == [b"a", b"b"]
+        s.commit()
+
+
+def test_table_statistics_reach_postgresql_while_the_session_stays_open(
+    dsn: str, make_queue: Callable[..., str]
+) -> None:
+    q = make_queue()
+    with connect(dsn) as s:
+        for i in range(20):
+            s.enqueue(q, b"%d" % i)
+            s.commit()
+        deadline = time.monotonic() + 15
+        with psycopg.connect(dsn, autocommit=True) as admin:
+            while True:
+                row = admin.execute(
+                    "SELECT n_tup_upd FROM pg_stat_user_tables"
+                    " WHERE schemaname = 'ringq' AND relname = %s",
+                    ("q_" + q,),
+                ).fetchone()
+                if row and row[0] >= 20:
+                    break
+                assert time.monotonic() < deadline, f"statistics not flushed: {row}"
+                time.sleep(0.1)
+        assert not s.closed
+
+
+# -- arguments are checked up front, inside the RingqError tree (issue point 8) -----------------
+
+
+@pytest.mark.parametrize(
+    ("call", "error"),
+    [
+        (lambda s, q: s.enqueue(q, b"x", key=5), "type"),
+        (lambda s, q: s.enqueue(q, b"x", key="k" * 1001), "value"),
+        (lambda s, q: s.enqueue(q, b"x", key="a\x00b"), "value"),
+        (lambda s, q: s.enqueue(q, "text"), "type"),
+        (lambda s, q: s.enqueue(q, 5), "type"),
+        (lambda s, q: s.enqueue(q, None), "type"),
+        (lambda s, q: s.enqueue(q, b"x", timeout=-1), "value"),
+        (lambda s, q: s.enqueue(q, b"x", timeout=float("nan")), "value"),
+        (lambda s, q: s.enqueue(q, b"x", timeout="1"), "type"),
+        (lambda s, q: s.enqueue_many(q, b"abc"), "type"),
+        (lambda s, q: s.enqueue_many(q, ["a", "b"]), "type"),
+        (lambda s, q: s.enqueue_many(q, 5), "type"),
+        (lambda s, q: s.dequeue_many(q, 0), "value"),
+        (lambda s, q: s.dequeue_many(q, -3), "value"),
+        (lambda s, q: s.dequeue_many(q, 2.5), "type"),
+        (lambda s, q: s.dequeue_many(q, True), "type"),
+        (lambda s, q: s.dequeue(q, wait=-0.5), "value"),
+        (lambda s, q: s.dequeue(q, wait=float("inf")), "value"),
+    ],
+)
+def test_bad_arguments_raise_ringq_errors_before_anything_is_done(
+    dsn: str, make_queue: Callable[..., str], call: Callable[[Session, str], object], error: str
+) -> None:
+    from ringq.engine import InvalidArgument, InvalidArgumentType, RingqError
+
+    q = make_queue()
+    with connect(dsn) as s:
+        with pytest.raises(InvalidArgument) as info:
+            call(s, q)
+        assert isinstance(info.value, RingqError)
+        assert isinstance(info.value, TypeError if error == "type" else ValueError)
+        assert isinstance(info.value, InvalidArgumentType) == (error == "type")
+        assert "UPDATE" not in str(info.value) and "SELECT" not in str(info.value)
+        assert s.ring(q).counts()["locked"] == 0  # nothing reserved
+        s.enqueue(q, b"ok", key="k" * 1000)  # the session goes on
+        s.commit()
+        assert present(s.dequeue(q)).payload == b"ok"
+        s.commit()

@@ -56,7 +56,9 @@ def _wait_in_socket(sub: Subscription, payloads: list[str]) -> None:
     raise AssertionError(f"only {buf[0]} of {need} bytes of notifications arrived")
 
 
-def test_every_event_of_one_transaction_reaches_a_wildcard_subscriber(dsn: str, make_queue: Any) -> None:
+def test_every_event_of_one_transaction_reaches_a_wildcard_subscriber(
+    dsn: str, make_queue: Any
+) -> None:
     q = make_queue()
     names = [f"queue.{q}.{what}" for what in ("full", "high_water", "empty", "full", "custom")]
     with connect(dsn) as s, s.subscribe(f"queue.{q}.*") as mine, subscribe(dsn) as everything:
@@ -81,7 +83,9 @@ def test_monitor_events_published_together_all_arrive(dsn: str, make_queue: Any)
     q = make_queue()
     events = [
         ME.make_event(ME.queue_event(q, ME.QUEUE_FULL), q, depth=4, capacity=4),
-        ME.make_event(ME.queue_event(q, ME.QUEUE_HIGH_WATER), q, depth=4, capacity=4, threshold=3.2),
+        ME.make_event(
+            ME.queue_event(q, ME.QUEUE_HIGH_WATER), q, depth=4, capacity=4, threshold=3.2
+        ),
         ME.make_event(ME.CONSUMER_DIED, q, pid=1, slots=[1, 2], queues=[q]),
         ME.make_event(ME.ENTRY_POISONED, q, seq=7, deliveries=3, reason="x" * 20_000),  # cut to fit
     ]

@@ -17,7 +17,7 @@ from typing import Any
 
 import psycopg
 import pytest
-from ringq.cli import main
+from conftest import cli, drain
 from ringq.engine import ConfigError, EntryNotFound, QueueNotFound, Session, connect
 from ringq.engine.recovery import recover_dead_clients
 from ringq.monitor import pump_inbox
@@ -33,19 +33,6 @@ from ringq.scripting import (
 FORK = mp.get_context("fork")
 
 
-
-
-def cli(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
-    """Run ``ringq ARGV`` in-process: (exit code, stdout, stderr)."""
-    capsys.readouterr()
-    try:
-        code = main(list(argv))
-    except SystemExit as exc:  # argparse's own usage errors
-        code = int(exc.code or 0)
-    out, err = capsys.readouterr()
-    return code, out, err
-
-
 def poison(s: Session, queue: str, times: int) -> int:
     """Dequeue the next entry of ``queue`` and roll it back ``times`` times; its seq."""
     seq = -1
@@ -57,20 +44,11 @@ def poison(s: Session, queue: str, times: int) -> int:
     return seq
 
 
-def drain(dsn: str, queue: str) -> list[tuple[int, bytes, int]]:
-    out = []
-    with connect(dsn) as s:
-        while (m := s.dequeue(queue)) is not None:
-            out.append((m.seq, m.payload, m.deliveries))
-            s.commit()
-        s.commit()
-    return out
-
-
 def inbox(dsn: str) -> list[tuple[str, bytes]]:
     with psycopg.connect(dsn) as conn:
         rows = conn.execute(
-            "SELECT q.name, i.payload FROM ringq.inbox i JOIN ringq.queues q ON q.id = i.queue_id ORDER BY i.id"
+            "SELECT q.name, i.payload FROM ringq.inbox i JOIN ringq.queues q ON q.id = i.queue_id "
+            "ORDER BY i.id"
         ).fetchall()
     return [(name, bytes(p)) for name, p in rows]
 
@@ -116,8 +94,8 @@ def test_poison_entry_is_listed_requeued_exactly_once_and_discarded(
     # The monitor's inbox step puts it on the ring: delivered once, as new.
     assert pump_inbox(dsn) == {q: 1}
     got = drain(dsn, q)
-    assert [(p, d) for _, p, d in got] == [(b"first poison", 1)]
-    assert got[0][0] > b  # a new entry, after everything before it
+    assert [(m.payload, m.deliveries) for m in got] == [(b"first poison", 1)]
+    assert got[0].seq > b  # a new entry, after everything before it
     assert pump_inbox(dsn) == {} and drain(dsn, q) == []
 
     code, out, err = cli(capsys, "queue", "discard", q, str(b), "--dsn", dsn)
@@ -306,4 +284,4 @@ def test_entry_of_a_killed_consumer_is_poisoned_onto_the_exception_queue(
             (1, "max deliveries reached")
         ]
     assert pump_inbox(dsn) == {dead: 1}
-    assert [p for _, p, _ in drain(dsn, dead)] == [b"kills its consumers"]
+    assert [m.payload for m in drain(dsn, dead)] == [b"kills its consumers"]

@@ -16,13 +16,11 @@ section, the monitor's state file) with a deadline; never a bare sleep.
 from __future__ import annotations
 
 import faulthandler
-import json
 import multiprocessing as mp
 import os
 import random
 import secrets
 import signal
-import subprocess
 import sys
 import time
 import uuid
@@ -33,7 +31,7 @@ from typing import Any
 
 import psycopg
 import pytest
-from conftest import remove_section
+from conftest import MonitorProcess, present, remove_section, wait_for
 from psycopg import sql
 from ringq.engine import RingqError, Section, connect
 from ringq.engine import layout as L
@@ -41,51 +39,9 @@ from ringq.engine.recovery import rebuild_into, section_differences
 from ringq.scripting import Cluster, QueueSpec, create_queue
 
 FORK = mp.get_context("fork")
-INTERVAL = "0.2"  # the monitor's pass (s)
 
 
 # -- helpers ----------------------------------------------------------------------------------
-
-
-def wait_for(cond: Callable[[], Any], timeout: float = 20.0, what: str = "condition") -> Any:
-    """Poll ``cond`` until it returns something truthy; fail after ``timeout`` seconds."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        got = cond()
-        if got:
-            return got
-        time.sleep(0.02)
-    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
-
-
-class MonitorProcess:
-    """``ringq monitor`` as a real process, serving once its state file names it."""
-
-    def __init__(self, dsn: str, data_dir: Path) -> None:
-        self.data_dir = data_dir
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "ringq.cli", "monitor", "--dsn", dsn, "--port", "0",
-             "--data-dir", str(data_dir), "--interval", INTERVAL],
-            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-        )
-        wait_for(self._serving, 30, "the monitor to serve")
-
-    def _serving(self) -> bool:
-        if self.proc.poll() is not None:
-            err = self.proc.stderr.read() if self.proc.stderr else ""
-            raise AssertionError(f"monitor exited {self.proc.returncode}: {err}")
-        try:
-            state = json.loads((self.data_dir / "monitor.json").read_text())
-        except (OSError, ValueError):
-            return False
-        return bool(state.get("pid") == self.proc.pid and state.get("url"))
-
-    def kill(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-        self.proc.wait(30)
-        if self.proc.stderr:
-            self.proc.stderr.close()
 
 
 @pytest.fixture
@@ -156,7 +112,9 @@ def _worker(dsn: str, queues: list[str], role: str, seed: int, commits: Any, sto
             die_after: int, deaths: Any) -> None:
     """Produce or consume until stopped or killed, reconnecting after any failure.
 
-    ``commits`` counts this worker's committed transactions. A producer puts
+    ``commits[seed]`` counts this worker's committed transactions (written by
+    it alone, with no lock: a worker killed while holding a shared lock
+    would stop every other one). A producer puts
     1-3 entries on random queues per transaction; a consumer takes one.
     """
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # the test asks for stacks when stuck
@@ -180,10 +138,11 @@ def _worker(dsn: str, queues: list[str], role: str, seed: int, commits: Any, sto
                         if m is None:
                             s.commit()
                             continue
-                        s.connection.execute("INSERT INTO got VALUES (%s, %s, %s)", (m.payload, q, m.seq))
+                        s.connection.execute(
+                            "INSERT INTO got VALUES (%s, %s, %s)", (m.payload, q, m.seq)
+                        )
                     s.commit()
-                    with commits.get_lock():
-                        commits.value += 1
+                    commits[seed] += 1
         except (RingqError, psycopg.Error):
             stop.wait(0.05)  # the database or the section went away: come back
 
@@ -193,25 +152,38 @@ class Traffic:
 
     def __init__(self, dsn: str, queues: list[str]) -> None:
         self.dsn, self.queues = dsn, queues
-        self.commits = FORK.Value("q", 0)
+        self.commits = FORK.RawArray("q", 1024)  # by worker seed
         self.deaths = FORK.Value("q", 0)  # SIGKILLs taken inside a queue lock
         self.stop = FORK.Event()
         self.procs: list[Any] = []
         self.roles: list[str] = []
         self._seed = 0
 
-    def start(self, producers: int = 2, consumers: int = 2, die_after: Callable[[], int] = lambda: 0) -> None:
+    def start(
+        self, producers: int = 2, consumers: int = 2, die_after: Callable[[], int] = lambda: 0
+    ) -> None:
         for role in "p" * producers + "c" * consumers:
             self._seed += 1
-            p = FORK.Process(target=_worker, args=(self.dsn, self.queues, role, self._seed, self.commits,
-                                                   self.stop, die_after(), self.deaths), daemon=True)
+            p = FORK.Process(
+                target=_worker,
+                args=(
+                    self.dsn,
+                    self.queues,
+                    role,
+                    self._seed,
+                    self.commits,
+                    self.stop,
+                    die_after(),
+                    self.deaths,
+                ),
+                daemon=True,
+            )
             p.start()
             self.procs.append(p)
             self.roles.append(role)
 
     def count(self) -> int:
-        with self.commits.get_lock():
-            return int(self.commits.value)
+        return int(sum(self.commits))
 
     def both_roles_alive(self) -> bool:
         alive = {role for p, role in zip(self.procs, self.roles, strict=True) if p.is_alive()}
@@ -229,7 +201,9 @@ class Traffic:
             for pid in alive:
                 os.kill(pid, signal.SIGUSR1)  # their stacks, on stderr
             time.sleep(0.5)  # let them write before the report
-            raise AssertionError(f"{exc}; {self.count()} of {target} commits; workers alive: {alive}") from None
+            raise AssertionError(
+                f"{exc}; {self.count()} of {target} commits; workers alive: {alive}"
+            ) from None
 
     def kill(self) -> None:
         for p in self.procs:
@@ -248,7 +222,7 @@ class Traffic:
         self.stop.clear()
 
 
-# -- what must be true afterwards -------------------------------------------------------------------
+# -- what must be true afterwards ------------------------------------------------------------------
 
 
 def _quiet(dsn: str, own_pid: int) -> None:
@@ -289,7 +263,10 @@ def assert_section_equals_rebuild(dsn: str) -> None:
             deadline = time.monotonic() + 5  # the monitor's reclaim, every pass
             while (d := diffs()) and time.monotonic() < deadline:
                 time.sleep(0.05)
-            assert not d, f"the live section differs from a rebuild: {d}; queued rows: {_queued_rows(dsn, list(d))}"
+            assert not d, (
+                f"the live section differs from a rebuild: {d}; queued rows: "
+                f"{_queued_rows(dsn, list(d))}"
+            )
     finally:
         fresh.close()
         Section.unlink(instance)
@@ -323,7 +300,9 @@ def assert_exactly_once(dsn: str, queues: list[str], min_sent: int) -> None:
     delivered = got + drained
     dup = {p for p in delivered if delivered.count(p) > 1}
     assert not dup, f"delivered twice: {sorted(dup)[:10]}"
-    assert len(sent) >= min_sent, f"the workload did too little to prove anything ({len(sent)} sent)"
+    assert len(sent) >= min_sent, (
+        f"the workload did too little to prove anything ({len(sent)} sent)"
+    )
     lost, phantom = sent - set(delivered), set(delivered) - sent
     assert not lost and not phantom, f"lost {sorted(lost)[:10]}, phantom {sorted(phantom)[:10]}"
 
@@ -398,3 +377,179 @@ def test_section_unlinked_while_clients_run(
     finally:
         traffic.finish()
     _check_all(dsn, queues, min_sent=100)
+
+
+# -- backends terminated under load (the issue's point 0) ------------------------------------------
+
+
+def _reconnecting_consumers(dsn: str, queue: str, threads: int, stop: Any, commits: Any) -> None:
+    """``threads`` consumer sessions in one process, each reopening its session
+    after any error (a terminated backend), as an application would."""
+    import threading
+
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
+
+    def consume() -> None:
+        while not stop.is_set():
+            try:
+                with connect(dsn, application_name="ringq-test") as s:
+                    while not stop.is_set():
+                        m = s.dequeue(queue, wait=0.2)
+                        if m is None:
+                            s.commit()
+                            continue
+                        s.connection.execute(
+                            "INSERT INTO got VALUES (%s, %s, %s)", (m.payload, queue, m.seq)
+                        )
+                        s.commit()
+                        with commits.get_lock():
+                            commits.value += 1
+            except (RingqError, psycopg.Error):
+                stop.wait(0.02)
+
+    ts = [threading.Thread(target=consume) for _ in range(threads)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join()
+
+
+def _reconnecting_producer(dsn: str, queue: str, stop: Any, commits: Any) -> None:
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
+    i = 0
+    while not stop.is_set():
+        try:
+            with connect(dsn, producer="p", application_name="ringq-test") as s:
+                while not stop.is_set():
+                    for _ in range(random.randint(1, 3)):
+                        i += 1
+                        payload = f"p:{i}".encode()
+                        s.enqueue(queue, payload, timeout=0.5)
+                        s.connection.execute("INSERT INTO sent VALUES (%s)", (payload,))
+                    s.commit()
+                    with commits.get_lock():
+                        commits.value += 1
+        except (RingqError, psycopg.Error):
+            stop.wait(0.02)
+
+
+def _terminate_busy_backends(conn: psycopg.Connection[Any]) -> int:
+    """End every backend of the test's database that is active or idle in a
+    transaction (the clients' and the monitor's), as an operator's kill script does."""
+    rows = conn.execute(
+        "SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
+        "WHERE datname = current_database() AND pid <> pg_backend_pid() "
+        "AND state IN ('active', 'idle in transaction')"
+    ).fetchall()
+    return len(rows)
+
+
+def _locked_slots_report(dsn: str, queue: str) -> str:
+    """The ring's counts and who holds its locked slots (a report on failure)."""
+    with connect(dsn) as s:
+        ring = s.ring(queue)
+        sec = s.section
+        held = []
+        for seq in range(ring.tail, ring.head):
+            enq, deq, lck, owner = ring.bits(seq % ring.cap)
+            if lck:
+                cidx = (owner - 1) % L.MAX_CLIENTS if owner > 0 else -1
+                entry = (
+                    [sec.c(cidx, w) for w in (L.C_PID, L.C_STATE, L.C_BACKEND_PID)]
+                    if cidx >= 0
+                    else None
+                )
+                held.append((seq, enq, deq, owner, entry))
+        return (
+            f"ring {ring.counts()}; locked (seq, ENQ, DEQ, owner, [pid, state, backend]):"
+            f" {held[:10]}"
+        )
+
+
+@pytest.mark.slow
+def test_backends_terminated_under_load_leave_no_slot_stuck(
+    dsn: str, monitor: Callable[[], MonitorProcess]
+) -> None:
+    """Backends (not processes) are terminated twice a second under load while
+    the clients reopen their sessions; afterwards the queue drains completely
+    while the same processes keep running, keeps moving, and delivered every
+    committed entry exactly once."""
+    queue = "q_" + uuid.uuid4().hex[:10]
+    with psycopg.connect(dsn) as conn:
+        create_queue(conn, QueueSpec(queue, 300, 256, dequeue_mode="shared", full_timeout=0.5))
+        conn.execute("CREATE TABLE sent (payload bytea PRIMARY KEY)")
+        conn.execute("CREATE TABLE got (payload bytea, queue text, seq bigint)")
+    monitor()
+    stop_p, stop_c = FORK.Event(), FORK.Event()
+    produced, consumed = FORK.Value("q", 0), FORK.Value("q", 0)
+    procs = [
+        FORK.Process(
+            target=_reconnecting_producer, args=(dsn, queue, stop_p, produced), daemon=True
+        )
+    ]
+    procs += [
+        FORK.Process(
+            target=_reconnecting_consumers, args=(dsn, queue, 8, stop_c, consumed), daemon=True
+        )
+        for _ in range(2)
+    ]
+    for p in procs:
+        p.start()
+
+    def sent_and_got() -> tuple[set[bytes], set[bytes]]:
+        with psycopg.connect(dsn) as c:
+            sent = {bytes(r[0]) for r in c.execute("SELECT payload FROM sent").fetchall()}
+            got = {bytes(r[0]) for r in c.execute("SELECT payload FROM got").fetchall()}
+        return sent, got
+
+    def drained() -> bool:
+        sent, got = sent_and_got()
+        return sent <= got
+
+    def locked() -> int:
+        with connect(dsn) as s:
+            return s.ring(queue).counts()["locked"]
+
+    try:
+        wait_for(lambda: consumed.value >= 20, 20, "traffic to start")
+        killed = 0
+        with psycopg.connect(dsn, autocommit=True) as killer:
+            rnd = random.Random(int(os.environ.get("RINGQ_TEST_SEED", "7")))
+            deadline = time.monotonic() + 15
+            while time.monotonic() < deadline:
+                killed += _terminate_busy_backends(killer)
+                # Twice a second on average, at random moments: some land
+                # while sessions are recovering from the previous round.
+                time.sleep(rnd.choice([0.02, 0.05, 0.5, 0.9]))
+        assert killed >= 30, f"only {killed} backends terminated"
+        stop_p.set()
+        procs[0].join(10)
+        # The consumers keep running: they (and the monitor) must drain the
+        # queue, every committed entry, while the processes stay alive.
+        try:
+            wait_for(lambda: drained() and not locked(), 30,
+                     "the queue to drain while its clients live")
+        except AssertionError:
+            sent, got = sent_and_got()
+            raise AssertionError(
+                f"{len(sent - got)} committed entries never delivered;"
+                f" {_locked_slots_report(dsn, queue)}"
+            ) from None
+        # And it keeps moving: new entries are delivered.
+        with connect(dsn) as s:
+            fresh = [f"after:{i}".encode() for i in range(50)]
+            for payload in fresh:
+                s.enqueue(queue, payload, timeout=5.0)
+                s.connection.execute("INSERT INTO sent VALUES (%s)", (payload,))
+            s.commit()
+        wait_for(lambda: set(fresh) <= sent_and_got()[1], 20, "new entries to be delivered")
+    finally:
+        stop_p.set()
+        stop_c.set()
+        for p in procs:
+            p.join(15)
+            if p.is_alive():
+                os.kill(present(p.pid), signal.SIGKILL)
+                p.join(5)
+    assert_exactly_once(dsn, [queue], min_sent=200)
+    _quiet(dsn, os.getpid())

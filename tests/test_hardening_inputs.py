@@ -19,11 +19,13 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import psycopg
 import pytest
+from conftest import MonitorProcess, cli, present
 from ringq.cli import main
 from ringq.engine import (
     ConfigError,
@@ -35,6 +37,7 @@ from ringq.engine import (
     TransactionConflict,
     TransactionError,
     connect,
+    exits,
     from_psycopg,
     redact_dsn,
     section_name,
@@ -56,10 +59,13 @@ _SCRIPT = Path(sys.executable).with_name("ringq")
 RINGQ = [str(_SCRIPT)] if _SCRIPT.exists() else [sys.executable, "-m", "ringq.cli"]
 
 
-def ringq(*args: str, env: dict[str, str] | None = None, **kw: Any) -> subprocess.CompletedProcess[str]:
+def ringq(
+    *args: str, env: dict[str, str] | None = None, **kw: Any
+) -> subprocess.CompletedProcess[str]:
     base = {k: v for k, v in os.environ.items() if not k.startswith("RINGQ_")}
     return subprocess.run(
-        [*RINGQ, *args], env={**base, **(env or {})}, capture_output=True, text=True, timeout=60, check=False, **kw
+        [*RINGQ, *args], env={**base, **(env or {})}, capture_output=True, text=True, timeout=60,
+        check=False, **kw,
     )
 
 
@@ -97,7 +103,9 @@ def test_full_timeout_beyond_the_section_is_a_usage_error_of_the_command(dsn: st
     proc = ringq("queue", "create", "big_wait", "--capacity", "8", "--max-payload", "64",
                  "--full-timeout", "1e300", "--dsn", dsn)
     assert proc.returncode == 2
-    assert one_line_error(proc).startswith("ringq: full_timeout must be a number of seconds from 0 to")
+    assert one_line_error(proc).startswith(
+        "ringq: full_timeout must be a number of seconds from 0 to"
+    )
     with psycopg.connect(dsn) as conn:  # nothing made
         assert conn.execute("SELECT to_regclass('ringq.queues')").fetchone() == (None,)
 
@@ -114,18 +122,23 @@ def test_full_timeout_beyond_the_section_is_a_usage_error_of_the_command(dsn: st
     ],
     ids=lambda b: "-".join(f"{k}={v}" for k, v in b.items()),
 )
-def test_the_generated_sql_refuses_what_the_section_cannot_hold(dsn: str, bad: dict[str, Any]) -> None:
+def test_the_generated_sql_refuses_what_the_section_cannot_hold(
+    dsn: str, bad: dict[str, Any]
+) -> None:
     spec = unchecked_spec(**bad)
     field = next(iter(bad))
     psql = shutil.which("psql")
     assert psql
-    refused = subprocess.run([psql, "-X", "-q", "-v", "ON_ERROR_STOP=1", dsn], input=create_queue_script(spec),
-                             capture_output=True, text=True, timeout=60, check=False)
+    refused = subprocess.run(
+        [psql, "-X", "-q", "-v", "ON_ERROR_STOP=1", dsn], input=create_queue_script(spec),
+        capture_output=True, text=True, timeout=60, check=False,
+    )
     assert refused.returncode == 3 and f"ringq: {field} must be" in refused.stderr, refused.stderr
     with psycopg.connect(dsn) as conn:
         with pytest.raises(ConfigError, match=f"^{field} must be"):
             create_queue(conn, spec)
-        assert conn.execute("SELECT to_regclass('ringq.queues')").fetchone() == (None,)  # nothing made
+        # nothing made
+        assert conn.execute("SELECT to_regclass('ringq.queues')").fetchone() == (None,)
 
 
 def test_the_management_table_refuses_rows_the_section_cannot_hold(dsn: str) -> None:
@@ -162,15 +175,16 @@ def debug_logs(caplog: pytest.LogCaptureFixture) -> pytest.LogCaptureFixture:
 
 
 def test_bad_history_parameters_are_400_and_the_token_is_never_logged(
-    dsn: str, make_queue: Any, tmp_path: Path, debug_logs: pytest.LogCaptureFixture,
+    dsn: str, make_queue: Callable[..., str], tmp_path: Path, debug_logs: pytest.LogCaptureFixture,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     q = make_queue()
     token = "tok-" + secrets.token_hex(8)
-    with Monitor(MonitorConfig(dsn, port=0, interval=0.2, token=token, data_dir=tmp_path / "m")) as m:
+    config = MonitorConfig(dsn, port=0, interval=0.2, token=token, data_dir=tmp_path / "m")
+    with Monitor(config) as m:
         base = f"{m.url}/api/history?queue={q}&token={token}"
-        for bad in ("since=inf", "since=1e400", "since=-inf", "until=nan", "limit=inf", "limit=1e400",
-                    "max_points=1e400", "max_points=inf", "step=inf", "since=abc"):
+        for bad in ("since=inf", "since=1e400", "since=-inf", "until=nan", "limit=inf",
+                    "limit=1e400", "max_points=1e400", "max_points=inf", "step=inf", "since=abc"):
             assert _get(f"{base}&{bad}")[0] == 400, bad
         deadline = time.monotonic() + 10
         while _get(f"{base}&since=0")[0] != 200:  # 404 until the first sample
@@ -186,22 +200,54 @@ def test_bad_history_parameters_are_400_and_the_token_is_never_logged(
     assert token not in debug_logs.text
 
 
-def test_cross_origin_reads_only_when_configured(dsn: str, make_queue: Any, tmp_path: Path) -> None:
+def test_cross_origin_reads_only_when_configured(
+    dsn: str, make_queue: Callable[..., str], tmp_path: Path
+) -> None:
     make_queue()
     with Monitor(MonitorConfig(dsn, port=0, interval=0.2, data_dir=tmp_path / "m")) as m:
-        status, headers = _get(m.url + "/api/queues", origin="http://evil.example")
+        status, headers = _get(present(m.url) + "/api/queues", origin="http://evil.example")
         assert status == 200 and "Access-Control-Allow-Origin" not in headers
     origin = "http://127.0.0.1:7481"
-    with Monitor(MonitorConfig(dsn, port=0, interval=0.2, data_dir=tmp_path / "m2", cors_origin=origin)) as m:
-        status, headers = _get(m.url + "/api/queues", origin=origin)
+    config = MonitorConfig(
+        dsn, port=0, interval=0.2, data_dir=tmp_path / "m2", cors_origin=origin
+    )
+    with Monitor(config) as m:
+        status, headers = _get(present(m.url) + "/api/queues", origin=origin)
         assert status == 200 and headers["Access-Control-Allow-Origin"] == origin
     for bad in ("http://h/path", "ftp://h", "http://h:abc", "yes"):
         with pytest.raises(ConfigError, match="cors_origin"):
             MonitorConfig(dsn, cors_origin=bad)
 
 
+def test_monitor_command_takes_the_cors_origin_from_its_option_or_variable(
+    dsn: str, make_queue: Callable[..., str], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    code, out, _ = cli(capsys, "monitor", "--help")
+    flat = " ".join(out.split())  # argparse wraps lines
+    assert code == 0 and "--cors-origin" in flat and "[env: RINGQ_MONITOR_CORS_ORIGIN]" in flat
+    code, _, err = cli(capsys, "monitor", "--dsn", dsn, "--cors-origin", "http://h/path")
+    assert code == exits.USAGE and "cors_origin" in err
+    make_queue()
+    origin = "http://127.0.0.1:7481"
+    env = {k: v for k, v in os.environ.items() if k != "RINGQ_MONITOR_CORS_ORIGIN"}
+    for name, extra, env_origin, sent in (
+        ("without", (), None, None),
+        ("option", ("--cors-origin", origin), None, origin),
+        ("variable", (), origin, origin),
+    ):
+        mon = MonitorProcess(
+            dsn, tmp_path / name, *extra,
+            env=env if env_origin is None else {**env, "RINGQ_MONITOR_CORS_ORIGIN": env_origin},
+        )
+        try:
+            status, headers = _get(mon.url + "/api/queues", origin=origin)
+        finally:
+            assert mon.stop() == exits.OK
+        assert status == 200 and headers.get("Access-Control-Allow-Origin") == sent, name
+
+
 def test_monitor_beyond_loopback_without_a_token_warns_and_queues_connections(
-    dsn: str, make_queue: Any, tmp_path: Path, caplog: pytest.LogCaptureFixture
+    dsn: str, make_queue: Callable[..., str], tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     from ringq.monitor import _http
 
@@ -217,7 +263,9 @@ def test_monitor_beyond_loopback_without_a_token_warns_and_queues_connections(
     assert _http._Server.request_queue_size >= 128
 
 
-def test_viewer_logs_a_malformed_request_without_its_token(debug_logs: pytest.LogCaptureFixture) -> None:
+def test_viewer_logs_a_malformed_request_without_its_token(
+    debug_logs: pytest.LogCaptureFixture,
+) -> None:
     from ringq.rtv import _server
 
     assert _server._Server.request_queue_size >= 128
@@ -230,7 +278,7 @@ def test_viewer_logs_a_malformed_request_without_its_token(debug_logs: pytest.Lo
     assert "token=***" in debug_logs.text and token not in debug_logs.text
 
 
-# -- 8: CLI errors and the SQLSTATE mapping ---------------------------------------------------------
+# -- 8: CLI errors and the SQLSTATE mapping ----------------------------------------------------
 
 
 def test_cli_bad_input_is_one_line_and_exit_2(tmp_path: Path) -> None:
@@ -289,11 +337,12 @@ def test_sqlstates_map_to_what_a_caller_can_act_on() -> None:
     for exc, kind in cases:
         got = from_psycopg(exc)
         assert type(got) is kind, (exc, got)
-    assert issubclass(TransactionConflict, TransactionError) and issubclass(StatementRejected, DatabaseError)
+    assert issubclass(TransactionConflict, TransactionError)
+    assert issubclass(StatementRejected, DatabaseError)
 
 
 def test_an_idempotency_key_too_long_for_its_index_is_rejected_not_unavailable(
-    dsn: str, make_queue: Any
+    dsn: str, make_queue: Callable[..., str]
 ) -> None:
     q = make_queue()
     key = secrets.token_hex(6000)  # 12 kB, incompressible: over the btree's row limit
@@ -325,7 +374,10 @@ def test_an_idempotency_key_too_long_for_its_index_is_rejected_not_unavailable(
         ("host=h user=u password=p@ss@word dbname=d", "host=h user=u password=*** dbname=d"),
         ("host=h password = 'p@ss word' user=u", "host=h password = *** user=u"),
         ("postgresql://h/db?password=p@ss", "postgresql://h/db?password=***"),
-        ("GET /api/queues?queue=a&token=s3cret HTTP/1.1", "GET /api/queues?queue=a&token=*** HTTP/1.1"),
+        (
+            "GET /api/queues?queue=a&token=s3cret HTTP/1.1",
+            "GET /api/queues?queue=a&token=*** HTTP/1.1",
+        ),
     ],
 )
 def test_redact_dsn_hides_the_whole_password(dsn: str, shown: str) -> None:
@@ -355,7 +407,9 @@ def _instance(dsn: str) -> str:
     return str(row[0])
 
 
-def test_queue_drop_removes_its_semaphores(dsn: str, make_queue: Any, capsys: pytest.CaptureFixture[str]) -> None:
+def test_queue_drop_removes_its_semaphores(
+    dsn: str, make_queue: Callable[..., str], capsys: pytest.CaptureFixture[str]
+) -> None:
     kept, by_api, by_cli = make_queue(), make_queue(), make_queue()
     with connect(dsn) as s:
         for q in (kept, by_api, by_cli):
@@ -393,7 +447,8 @@ def test_run_stop_removes_the_section_and_semaphores_of_its_database(tmp_path: P
         instance = _instance(dsn)
         with psycopg.connect(dsn) as conn:  # dropped behind ringq's back: its semaphores stay
             conn.execute("DELETE FROM ringq.queues WHERE name = 'gone'")
-        assert len(_semaphores(instance)) == 4 and os.path.exists(f"/dev/shm/{section_name(instance)[1:]}")
+        assert len(_semaphores(instance)) == 4
+        assert os.path.exists(f"/dev/shm/{section_name(instance)[1:]}")
         proc = ringq("run", "--stop", "--home", str(home))
         assert proc.returncode == 0, proc.stderr
         assert "global section" in proc.stdout
@@ -410,7 +465,10 @@ def test_run_stop_removes_the_section_and_semaphores_of_its_database(tmp_path: P
 def test_every_numeric_queue_setting_is_bounded() -> None:
     # A new numeric setting must get its bound here, in ddl.sql's DO block and constraint.
     numeric = {f.name for f in dataclasses.fields(QueueSpec) if f.type in ("int", "float")}
-    assert numeric == {"capacity", "max_payload", "full_timeout", "max_deliveries", "fillfactor"}
+    assert numeric == {
+        "capacity", "max_payload", "full_timeout", "max_deliveries", "fillfactor", "lease"
+    }
     for field in sorted(numeric):
         with pytest.raises(ConfigError, match=field):
-            QueueSpec("q", **{"capacity": 8, "max_payload": 8, field: 2**63})
+            settings: dict[str, Any] = {"capacity": 8, "max_payload": 8, field: 2**63}
+            QueueSpec("q", **settings)

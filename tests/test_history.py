@@ -16,13 +16,15 @@ from typing import Any
 
 import numpy as np
 import pytest
+from conftest import wait_for
+from ringq.engine import metrics as M
 from ringq.monitor import _sample as S
 from ringq.monitor._history import BUCKET, HistoryReader, downsample
 from ringq.monitor._t4 import HEADER, T4Reader, T4Writer, file_for
 from ringq.rtv import _metrics as K
 
 # The monitor test module's helpers and fixtures (monitor, make_queue).
-from test_monitor import get_json, http, monitor, produce, queue_doc, wait_for  # noqa: F401
+from test_monitor import get_json, http, monitor, produce, queue_doc  # noqa: F401
 
 WIDTH = len(S.NUMERIC_KEYS)
 
@@ -45,7 +47,8 @@ def write_rows(data_dir: Path, name: str, times: list[float], **figures: float) 
 
 
 def write_day_fast(path: Path, names: list[str], start: float, n: int) -> None:
-    """``n`` rows per queue one second apart in T4 format, written at once (a full day in a second)."""
+    """``n`` rows per queue one second apart in T4 format, written at once (a full day in a
+    second)."""
     rest = ",".join("7" for _ in S.NUMERIC_KEYS[1:])
     with open(path, "w", encoding="utf-8") as f:
         f.write(HEADER + "\n")
@@ -74,8 +77,8 @@ def test_history_downsampling_never_exceeds_max_points(max_points: int) -> None:
     t = 1_900_000_000.0 + np.cumsum(rng.uniform(0.5, 1.5, 86_400))
     rows = np.ones((len(t), WIDTH))
     rows[:, 0] = t
-    p99 = S.NUMERIC_KEYS.index(S.ENQ_P99)
-    rate = S.NUMERIC_KEYS.index(S.ENQ_RATE)
+    p99 = S.NUMERIC_KEYS.index(M.ENQ_P99)
+    rate = S.NUMERIC_KEYS.index(M.ENQ_RATE)
     rows[40_000, p99] = 9_999.0
     rows[:, rate] = np.arange(len(t)) % 2 * 2.0  # alternating 0, 2: mean 1
     out, step = downsample(rows, max_points=max_points)
@@ -110,14 +113,15 @@ def test_history_t4_reader_reads_back_caches_and_reads_on(tmp_path: Path) -> Non
     r = T4Reader(tmp_path)
     rows = r.read("qa", midnight - 100, midnight + 100)
     assert rows[:, 0].tolist() == times
-    assert set(rows[:, S.NUMERIC_KEYS.index(S.DEPTH)]) == {3.0}
+    assert set(rows[:, S.NUMERIC_KEYS.index(M.DEPTH)]) == {3.0}
     assert r.read("qa", times[2], times[6])[:, 0].tolist() == times[3:7]  # since < t <= until
     parsed = r.parsed_rows
     assert r.read("qa", midnight - 100, midnight + 100).shape == (10, WIDTH)
     assert r.parsed_rows == parsed  # cached: nothing parsed again
     assert len(r.read("nope", 0, midnight + 100)) == 0
 
-    # Today's file grows (a torn row first, as after a kill -9 mid-write): only the new rows are parsed.
+    # Today's file grows (a torn row first, as after a kill -9 mid-write): only the new
+    # rows are parsed.
     today = file_for(tmp_path, datetime(2030, 5, 2, tzinfo=UTC).date())
     with open(today, "a") as f:
         f.write("2030-05-02T00:00:05.000+00:00,1903")  # no newline: torn
@@ -127,7 +131,9 @@ def test_history_t4_reader_reads_back_caches_and_reads_on(tmp_path: Path) -> Non
     assert r.parsed_rows == parsed + 2
     # A request that needs nothing newer than what was read does not read on.
     write_rows(tmp_path, "qa", [midnight + 7])
-    assert r.read("qa", midnight - 100, midnight + 1)[:, 0].tolist() == [t for t in times if t <= midnight + 1]
+    assert r.read("qa", midnight - 100, midnight + 1)[:, 0].tolist() == [
+        t for t in times if t <= midnight + 1
+    ]
     assert r.parsed_rows == parsed + 2
 
 
@@ -147,7 +153,9 @@ def test_history_memory_and_files_join_without_duplicates(tmp_path: Path) -> Non
     assert ts == before + live and got.from_files == len(before) and got.step == 0.0
     # Within the memory only: the files are not read.
     inner = h.query("q", live[3], now=now)
-    assert inner is not None and [p[S.T] for p in inner.points] == live[4:] and inner.from_files == 0
+    assert (
+        inner is not None and [p[S.T] for p in inner.points] == live[4:] and inner.from_files == 0
+    )
     # reach bounds how far back the files go, whatever since says
     far = HistoryReader(mem, T4Reader(tmp_path), reach=3600).query("q", 0, now=now)
     assert far is not None and far.points[0][S.T] > now - 3600
@@ -226,10 +234,15 @@ def test_history_a_day_of_one_second_samples_is_served_thinned(
     start = now - 86_400 + 30
     midnight = datetime.fromtimestamp(now, UTC).replace(hour=0, minute=0, second=0, microsecond=0)
     cut = int(midnight.timestamp() - start)
-    write_day_fast(file_for(data_dir, (midnight - timedelta(days=1)).date()), [q, "other_q"], start, cut)
-    write_day_fast(file_for(data_dir, midnight.date()), [q, "other_q"], start + cut, 86_400 - 60 - cut)
+    write_day_fast(
+        file_for(data_dir, (midnight - timedelta(days=1)).date()), [q, "other_q"], start, cut
+    )
+    write_day_fast(
+        file_for(data_dir, midnight.date()), [q, "other_q"], start + cut, 86_400 - 60 - cut
+    )
     m = monitor()
-    wait_for(lambda: queue_doc(m.url, q), what="a sample")  # (not /api/history: the files stay unread)
+    # (not /api/history: the files stay unread)
+    wait_for(lambda: queue_doc(m.url, q), what="a sample")
 
     timings = []
     for _ in range(2):

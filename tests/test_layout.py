@@ -10,6 +10,7 @@ with ``ast``, so imports inside functions count too.
 from __future__ import annotations
 
 import ast
+import re
 import tomllib
 from collections.abc import Iterator
 from pathlib import Path
@@ -27,15 +28,25 @@ WHITE_BOX: dict[str, set[str]] = {
     "tests/test_engine.py": {"ringq.engine._session"},
     "tests/test_events.py": {"ringq.monitor._events"},
     # schema_sql (the script's own text); the HTTP servers' backlog and request logging
-    "tests/test_hardening_inputs.py": {"ringq.scripting._ddl", "ringq.monitor._http", "ringq.rtv._server"},
-    "tests/test_history.py": {"ringq.monitor._sample", "ringq.monitor._history", "ringq.monitor._t4",
-                              "ringq.rtv._metrics"},
+    "tests/test_hardening_inputs.py": {
+        "ringq.scripting._ddl", "ringq.monitor._http", "ringq.rtv._server",
+    },
+    "tests/test_history.py": {
+        "ringq.monitor._sample", "ringq.monitor._history", "ringq.monitor._t4",
+        "ringq.rtv._metrics",
+    },
     # (and ringq.monitor._daemon, from the script of a subprocess, which this check does not read)
-    "tests/test_monitor.py": {"ringq.monitor._sample", "ringq.monitor._t4", "ringq.monitor._service",
-                              "ringq.monitor._clients"},
-    "tests/test_regression.py": {"ringq.regression._payload", "ringq.regression._sql", "ringq.regression._runner"},
-    "tests/test_rtv.py": {"ringq.rtv._metrics", "ringq.rtv._source", "ringq.rtv._tui", "ringq.monitor._sample",
-                          "ringq.monitor._clients"},
+    "tests/test_monitor.py": {
+        "ringq.monitor._sample", "ringq.monitor._t4", "ringq.monitor._service",
+        "ringq.monitor._clients",
+    },
+    "tests/test_regression.py": {
+        "ringq.regression._payload", "ringq.regression._queries", "ringq.regression._runner",
+    },
+    "tests/test_rtv.py": {
+        "ringq.rtv._metrics", "ringq.rtv._source", "ringq.rtv._tui", "ringq.monitor._sample",
+        "ringq.monitor._clients",
+    },
 }
 
 
@@ -54,8 +65,8 @@ def _files() -> Iterator[tuple[str | None, Path]]:
     for package, folder in PACKAGES.items():
         for path in sorted(folder.rglob("*.py")):
             yield package, path
-    for folder in OUTSIDE:
-        for path in sorted((ROOT / folder).rglob("*.py")):
+    for outside in OUTSIDE:
+        for path in sorted((ROOT / outside).rglob("*.py")):
             yield None, path
 
 
@@ -90,7 +101,8 @@ def _owner(module: str) -> str | None:
     """The ringq package a dotted module belongs to (the longest match), if any."""
     best = None
     for package in PACKAGES:
-        if (module == package or module.startswith(package + ".")) and (best is None or len(package) > len(best)):
+        inside = module == package or module.startswith(package + ".")
+        if inside and (best is None or len(package) > len(best)):
             best = package
     return best
 
@@ -145,11 +157,18 @@ def test_every_package_is_mapped_and_has_a_public_face() -> None:
         init = folder / "__init__.py"
         assert init.is_file(), f"{package}: no {init}"
         tree = ast.parse(init.read_text(encoding="utf-8"))
-        names = [t.id for n in tree.body if isinstance(n, ast.Assign) for t in n.targets if isinstance(t, ast.Name)]
+        names = [
+            t.id
+            for n in tree.body
+            if isinstance(n, ast.Assign)
+            for t in n.targets
+            if isinstance(t, ast.Name)
+        ]
         assert "__all__" in names, f"{package}: __init__.py has no __all__"
 
 
-def test_no_module_imports_another_packages_private_modules_and_the_engine_imports_no_other() -> None:
+def test_no_module_imports_another_packages_private_modules_and_the_engine_imports_no_other(
+) -> None:
     found = violations()
     assert not found, "layout violations:\n" + "\n".join(found)
 
@@ -162,13 +181,75 @@ def test_every_white_box_exception_is_still_used() -> None:
 
 def test_the_check_sees_private_imports_and_an_engine_importing_another_package() -> None:
     monitor = ["ringq", "monitor"]
-    source = "from ringq.engine._session import Session\nfrom ..engine import _layout\nfrom . import _t4\n"
+    source = (
+        "from ringq.engine._session import Session\nfrom ..engine import _layout\n"
+        "from . import _t4\n"
+    )
     found = check("ringq.monitor", monitor, source, "probe.py")
     assert found == [
         "probe.py:1: imports ringq.engine._session, private to ringq.engine",
         "probe.py:2: imports ringq.engine._layout, private to ringq.engine",
     ], found
     engine = ["ringq", "engine"]
-    found = check(ENGINE, engine, "def f():\n    import ringq.monitor\nfrom ringq import __version__\n", "e.py")
+    source = "def f():\n    import ringq.monitor\nfrom ringq import __version__\n"
+    found = check(ENGINE, engine, source, "e.py")
     assert found == ["e.py:2: the engine imports ringq.monitor"], found
-    assert check(None, None, "from ringq.engine import Session, layout\nimport ringq.engine.recovery\n", "t.py") == []
+    source = "from ringq.engine import Session, layout\nimport ringq.engine.recovery\n"
+    assert check(None, None, source, "t.py") == []
+
+
+# A statement's first word, upper case as ringq writes SQL, then more SQL-ish
+# text: enough to tell "SELECT 1 FROM ..." from a help text's "create a queue".
+_SQL_START = re.compile(
+    r"\s*(SELECT|INSERT|UPDATE|DELETE|WITH|CREATE|ALTER|DROP|LISTEN|NOTIFY|SET|TRUNCATE)"
+    r"\s+[\w\"({*'%]"
+)
+
+
+def sql_strings(source: str, where: str) -> list[str]:
+    """The string literals of a module's source that start as a SQL statement.
+
+    Documentation is not code: a bare string statement (a docstring, or the
+    string after an attribute) is skipped, examples in it included. An
+    f-string is read with ``{}`` for each of its fields.
+    """
+    tree = ast.parse(source)
+    skip: set[int] = set()
+    texts: list[tuple[ast.expr, str]] = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant | ast.JoinedStr):
+            skip.add(id(node.value))
+        elif isinstance(node, ast.JoinedStr):
+            skip.update(id(v) for v in node.values)  # read whole, here
+            parts = [v.value if isinstance(v, ast.Constant) else "{}" for v in node.values]
+            texts.append((node, "".join(str(p) for p in parts)))
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str):
+            texts.append((node, node.value))
+    return [
+        f"{where}:{node.lineno}: {(text.strip().splitlines() or [''])[0][:60]!r}"
+        for node, text in sorted(texts, key=lambda t: t[0].lineno)
+        if id(node) not in skip and _SQL_START.match(text)
+    ]
+
+
+def test_no_sql_string_outside_the_packages_sql_files() -> None:
+    # SQL lives in each package's .sql files as named blocks, loaded once
+    # (ringq.engine.sqlfile); a .py file of a ringq package holds none.
+    probe = (
+        '"""SELECT 1 FROM doc"""\n'
+        'Q = "SELECT 1 FROM t WHERE a = %s"\n'
+        "def f(conn):\n"
+        '    """DELETE FROM in a docstring."""\n'
+        '    conn.execute(f"UPDATE {t} SET a = 1")\n'
+        '    conn.execute(sql.SQL("\\n  CREATE TABLE {} (a int)").format(t))\n'
+        '    parser.add_parser("create", help="create a queue; with --yes: drop it")\n'
+        '    print("Delete exception entry SEQ", "WITH --chaos: kill", "SET-Cookie")\n'
+    )
+    assert [line.split(":")[1] for line in sql_strings(probe, "probe.py")] == ["2", "5", "6"]
+    found = [
+        hit
+        for package, path in _files()
+        if package is not None
+        for hit in sql_strings(path.read_text(encoding="utf-8"), str(path.relative_to(ROOT)))
+    ]
+    assert not found, "SQL outside the .sql files:\n" + "\n".join(found)

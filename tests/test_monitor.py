@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import csv
 import json
+import logging
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -24,13 +26,13 @@ from typing import Any
 
 import psycopg
 import pytest
-from conftest import remove_section
-from ringq.engine import ConfigError, Section, connect, pid_alive
+from conftest import MonitorProcess, drain, remove_section, wait_for
+from ringq.engine import ConfigError, Section, Session, TransactionError, connect, pid_alive
 from ringq.engine import layout as L
 from ringq.monitor import Monitor, MonitorConfig, MonitorRunning, subscribe
 from ringq.monitor import _sample as S
 from ringq.monitor._t4 import HEADER, T4Writer
-from ringq.scripting import QueueSpec, create_queue
+from ringq.scripting import Cluster, QueueSpec, create_queue
 
 API_QUEUE_KEYS = {
     "name", "capacity", "depth", "head", "tail", "enq_rate", "deq_rate", "enq_p50_us", "enq_p99_us",
@@ -43,23 +45,9 @@ FAST = 0.2  # sample interval (s) used by the tests
 # -- helpers --------------------------------------------------------------------------------
 
 
-def wait_for(cond: Callable[[], Any], timeout: float = 10.0, what: str = "condition", every: float = 0.02) -> Any:
-    """Poll ``cond`` until it returns something truthy; fail after ``timeout`` seconds."""
-    deadline = time.monotonic() + timeout
-    last_exc: BaseException | None = None
-    while time.monotonic() < deadline:
-        try:
-            got = cond()
-        except (OSError, KeyError, ValueError) as exc:  # not up yet
-            last_exc = exc
-            got = None
-        if got:
-            return got
-        time.sleep(every)
-    raise AssertionError(f"timed out after {timeout}s waiting for {what}" + (f" (last: {last_exc!r})" if last_exc else ""))
-
-
-def http(url: str, token: str | None = None, header: bool = True) -> tuple[int, bytes, dict[str, str]]:
+def http(
+    url: str, token: str | None = None, header: bool = True
+) -> tuple[int, bytes, dict[str, str]]:
     req = urllib.request.Request(url)
     if token and header:
         req.add_header("Authorization", f"Bearer {token}")
@@ -79,8 +67,6 @@ def get_json(url: str, token: str | None = None) -> Any:
 def queue_doc(base: str, name: str, token: str | None = None) -> dict[str, Any] | None:
     doc = get_json(base + "/api/queues", token)
     return next((q for q in doc["queues"] if q["name"] == name), None)
-
-
 
 
 @pytest.fixture
@@ -107,48 +93,18 @@ def ringq_cmd(*args: str) -> list[str]:
 
 
 def ringq_run(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(ringq_cmd(*args), capture_output=True, text=True, timeout=60, env=env, check=False)
-
-
-class MonitorProcess:
-    """``ringq monitor`` as a real process; ``url`` once it serves."""
-
-    def __init__(self, dsn: str, data_dir: Path, *extra: str, env: dict[str, str] | None = None) -> None:
-        self.data_dir = data_dir
-        self.proc = subprocess.Popen(
-            ringq_cmd("monitor", "--dsn", dsn, "--port", "0", "--data-dir", str(data_dir),
-                      "--interval", str(FAST), *extra),
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
-        )
-        self.url = wait_for(self._url, 30, "the monitor to serve")
-
-    def _url(self) -> str | None:
-        if self.proc.poll() is not None:
-            raise AssertionError(f"monitor exited {self.proc.returncode}: {self.proc.stderr.read() if self.proc.stderr else ''}")
-        state = json.loads((self.data_dir / "monitor.json").read_text())
-        return state["url"] if state.get("pid") == self.proc.pid else None
-
-    def stop(self, sig: int = signal.SIGTERM, timeout: float = 30) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(sig)
-        try:
-            return self.proc.wait(timeout)
-        finally:
-            for f in (self.proc.stdout, self.proc.stderr):
-                if f:
-                    f.close()
-
-    def kill(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-        self.stop()
+    return subprocess.run(
+        ringq_cmd(*args), capture_output=True, text=True, timeout=60, env=env, check=False
+    )
 
 
 @pytest.fixture
 def spawn_monitor(dsn: str, tmp_path: Path) -> Iterator[Callable[..., MonitorProcess]]:
     procs: list[MonitorProcess] = []
 
-    def spawn(*extra: str, data_dir: Path | None = None, env: dict[str, str] | None = None) -> MonitorProcess:
+    def spawn(
+        *extra: str, data_dir: Path | None = None, env: dict[str, str] | None = None
+    ) -> MonitorProcess:
         p = MonitorProcess(dsn, data_dir or tmp_path / "monitor", *extra, env=env)
         procs.append(p)
         return p
@@ -165,22 +121,18 @@ def produce(dsn: str, queue: str, n: int, payload: bytes = b"x") -> list[int]:
     return seqs
 
 
-def consume_all(dsn: str, queue: str) -> list[Any]:
-    got = []
-    with connect(dsn) as s:
-        while (m := s.dequeue(queue)) is not None:
-            got.append(m)
-            s.commit()
-        s.commit()
-    return got
-
-
 # -- configuration ------------------------------------------------------------------------------
 
 
 def test_config_is_validated_with_named_defaults() -> None:
     c = MonitorConfig("postgresql:///x")
-    assert (c.interval, c.port, c.host, c.token, c.prepared_timeout) == (1.0, 7480, "127.0.0.1", None, 60.0)
+    assert (c.interval, c.port, c.host, c.token, c.prepared_timeout) == (
+        1.0,
+        7480,
+        "127.0.0.1",
+        None,
+        60.0,
+    )
     assert c.history_points == 86_400
     for bad in ({"interval": 0}, {"interval": float("nan")}, {"port": 70000}, {"port": True},
                 {"token": ""}, {"token": "a b"}, {"host": ""}, {"recovery_interval": 2.0},
@@ -221,7 +173,9 @@ def test_t4_files_rotate_at_midnight_and_old_ones_go(tmp_path: Path) -> None:
 # -- HTTP ----------------------------------------------------------------------------------------
 
 
-def test_http_endpoints_answer_with_the_documented_shapes(dsn: str, make_queue: Any, monitor: Any) -> None:
+def test_http_endpoints_answer_with_the_documented_shapes(
+    dsn: str, make_queue: Any, monitor: Any
+) -> None:
     from prometheus_client.parser import text_string_to_metric_families
 
     q = make_queue(capacity=32)
@@ -234,7 +188,9 @@ def test_http_endpoints_answer_with_the_documented_shapes(dsn: str, make_queue: 
             s.commit()
 
     # A sample that saw the traffic: depth 6, and the interval quantities are numbers.
-    doc = wait_for(lambda: (d := queue_doc(base, q)) and d["depth"] == 6 and d, what="a sample with depth 6")
+    doc = wait_for(
+        lambda: (d := queue_doc(base, q)) and d["depth"] == 6 and d, what="a sample with depth 6"
+    )
     assert API_QUEUE_KEYS <= set(doc)
     assert doc["capacity"] == 32 and doc["head"] - doc["tail"] <= 32
     assert all(isinstance(doc[k], int | float) for k in API_QUEUE_KEYS - {"name"})
@@ -246,17 +202,26 @@ def test_http_endpoints_answer_with_the_documented_shapes(dsn: str, make_queue: 
     # Rates and latencies show up in the history (the traffic fell in some interval).
     def traffic_seen() -> list[dict[str, Any]] | None:
         pts = get_json(base + f"/api/history?queue={q}&since=0")["points"]
-        return pts if sum(p["commits"] for p in pts) >= 1 and any(p["deq_rate"] > 0 for p in pts) else None
+        return (
+            pts
+            if sum(p["commits"] for p in pts) >= 1 and any(p["deq_rate"] > 0 for p in pts)
+            else None
+        )
 
     produce(dsn, q, 3)  # after the first sample, so some interval holds commits
-    consume_all(dsn, q)
+    drain(dsn, q)
     points = wait_for(traffic_seen, what="history with commits")
     assert all(set(p) == set(S.NUMERIC_KEYS) for p in points)
     assert any(p["deq_p50_us"] > 0 for p in points)
     if len(points) >= 3:  # since is exclusive, until inclusive
-        window = get_json(base + f"/api/history?queue={q}&since={points[-3]['t']}&until={points[-1]['t']}")
+        window = get_json(
+            base + f"/api/history?queue={q}&since={points[-3]['t']}&until={points[-1]['t']}"
+        )
         assert [p["t"] for p in window["points"]] == [points[-2]["t"], points[-1]["t"]]
-    assert get_json(base + f"/api/history?queue={q}&since=0&limit=1")["points"][0]["t"] >= points[-1]["t"]
+    assert (
+        get_json(base + f"/api/history?queue={q}&since=0&limit=1")["points"][0]["t"]
+        >= points[-1]["t"]
+    )
 
     # XML: the same queues and figures.
     status, body, headers = http(base + "/api/queues.xml")
@@ -330,12 +295,14 @@ def test_events_reach_wildcard_subscribers(dsn: str, make_queue: Any, monitor: A
         # Conditions are seen by the monitor's 100 ms passes: wait for each one
         # before changing the queue again.
         until(f"queue.{q}.high_water")
-        consume_all(dsn, q)
+        drain(dsn, q)
         until(f"queue.{q}.empty")
         assert {f"queue.{q}.full", f"queue.{q}.high_water", f"queue.{q}.empty"} <= names
 
 
-def test_poisoned_entry_is_announced_and_logged(dsn: str, make_queue: Any, monitor: Any, tmp_path: Path) -> None:
+def test_poisoned_entry_is_announced_and_logged(
+    dsn: str, make_queue: Any, monitor: Any, tmp_path: Path
+) -> None:
     q = make_queue(max_deliveries=2, dequeue_mode="shared")
     m = monitor()
     wait_for(lambda: queue_doc(m.url, q), what="the queue sampled")
@@ -349,17 +316,25 @@ def test_poisoned_entry_is_announced_and_logged(dsn: str, make_queue: Any, monit
             assert s.dequeue(q) is None
             s.commit()
         ev = events.get(10)
-    assert ev is not None and ev.name == "entry.poisoned" and ev.queue == q and ev.data["seq"] == seq
+    assert (
+        ev is not None and ev.name == "entry.poisoned" and ev.queue == q and ev.data["seq"] == seq
+    )
     assert ev.data["deliveries"] == 2
-    wait_for(lambda: (queue_doc(m.url, q) or {}).get("exceptions") == 1, what="the exception counted")
-    log = [json.loads(line) for line in (tmp_path / "monitor" / "monitor.log").read_text().splitlines()]
+    wait_for(
+        lambda: (queue_doc(m.url, q) or {}).get("exceptions") == 1, what="the exception counted"
+    )
+    log = [
+        json.loads(line) for line in (tmp_path / "monitor" / "monitor.log").read_text().splitlines()
+    ]
     assert any(r["event"] == "entry.poisoned" and r["queue"] == q and r["seq"] == seq for r in log)
 
 
 # -- T4 files, SQL inbox, failures of steps ------------------------------------------------------
 
 
-def test_t4_file_has_a_header_and_rows(dsn: str, make_queue: Any, monitor: Any, tmp_path: Path) -> None:
+def test_t4_file_has_a_header_and_rows(
+    dsn: str, make_queue: Any, monitor: Any, tmp_path: Path
+) -> None:
     q = make_queue()
     m = monitor()
     produce(dsn, q, 5)
@@ -378,7 +353,9 @@ def test_t4_file_has_a_header_and_rows(dsn: str, make_queue: Any, monitor: Any, 
     assert m.running
 
 
-def test_sql_enqueue_reaches_the_ring_through_the_monitor(dsn: str, make_queue: Any, monitor: Any) -> None:
+def test_sql_enqueue_reaches_the_ring_through_the_monitor(
+    dsn: str, make_queue: Any, monitor: Any
+) -> None:
     q = make_queue()
     monitor()
     with psycopg.connect(dsn, autocommit=True) as conn:
@@ -407,7 +384,7 @@ def test_a_failing_step_is_counted_and_logged_once_and_the_loop_goes_on(
     def broken(sec: Any) -> Any:
         raise RuntimeError("reclaim exploded")
 
-    real = svc.reclaim_all
+    real = vars(svc)["reclaim_all"]  # the name the service calls, patched below
     monkeypatch.setattr(svc, "reclaim_all", broken)
     wait_for(lambda: m.status()["steps"]["reclaim"]["failures"] >= 10, what="ten failures")
     beat = m.status()["beat"]
@@ -425,7 +402,9 @@ def test_a_failing_step_is_counted_and_logged_once_and_the_loop_goes_on(
     assert len(failed) == 1 and "reclaim exploded" in failed[0]["error"]
 
 
-def test_section_removed_under_the_monitor_is_rebuilt(dsn: str, make_queue: Any, monitor: Any) -> None:
+def test_section_removed_under_the_monitor_is_rebuilt(
+    dsn: str, make_queue: Any, monitor: Any
+) -> None:
     q = make_queue()
     m = monitor()
     produce(dsn, q, 3)
@@ -433,19 +412,23 @@ def test_section_removed_under_the_monitor_is_rebuilt(dsn: str, make_queue: Any,
     instance = m.status()["section"].split(".", 1)[1]
     gen = m.read_section(lambda s: s.generation)
     assert Section.unlink(instance)
-    wait_for(lambda: m.read_section(lambda s: s.generation) not in (None, gen), what="a new section")
+    wait_for(
+        lambda: m.read_section(lambda s: s.generation) not in (None, gen), what="a new section"
+    )
     # The new section came from the rows: the three entries are there, and traffic goes on.
     wait_for(lambda: (d := queue_doc(m.url, q)) and d["depth"] == 3, what="depth 3 again")
-    assert [x.payload for x in consume_all(dsn, q)] == [b"x0", b"x1", b"x2"]
+    assert [x.payload for x in drain(dsn, q)] == [b"x0", b"x1", b"x2"]
     produce(dsn, q, 1)
-    assert [x.payload for x in consume_all(dsn, q)] == [b"x0"]
+    assert [x.payload for x in drain(dsn, q)] == [b"x0"]
     assert doc["capacity"] == 64
 
 
 # -- real processes: CLI, signals, restart, kill -9 ---------------------------------------------
 
 
-def test_monitor_restart_keeps_queues_working(dsn: str, make_queue: Any, spawn_monitor: Any, tmp_path: Path) -> None:
+def test_monitor_restart_keeps_queues_working(
+    dsn: str, make_queue: Any, spawn_monitor: Any, tmp_path: Path
+) -> None:
     q = make_queue()
     mon = spawn_monitor()
     produce(dsn, q, 5)
@@ -459,14 +442,16 @@ def test_monitor_restart_keeps_queues_working(dsn: str, make_queue: Any, spawn_m
     mon.kill()  # kill -9: the next monitor takes over (its lock died with its connection)
 
     mon = spawn_monitor()
-    got = consume_all(dsn, q)
+    got = drain(dsn, q)
     assert [m.payload for m in got] == [b"x0", b"x1", b"x2", b"x3", b"x4", b"x0", b"x1"]
     wait_for(lambda: (d := queue_doc(mon.url, q)) and d["depth"] == 0, what="depth 0")
     log = (tmp_path / "monitor" / "monitor.log").read_text()
     assert log.count('"monitor.started"') == 3 and log.count('"monitor.stopped"') == 1
 
 
-def test_a_second_monitor_is_refused(dsn: str, make_queue: Any, monitor: Any, tmp_path: Path) -> None:
+def test_a_second_monitor_is_refused(
+    dsn: str, make_queue: Any, monitor: Any, tmp_path: Path
+) -> None:
     make_queue()
     monitor()
     with pytest.raises(MonitorRunning):
@@ -476,7 +461,9 @@ def test_a_second_monitor_is_refused(dsn: str, make_queue: Any, monitor: Any, tm
     assert "another ringq monitor" in r.stderr
 
 
-def test_status_prints_every_queue_in_a_table(dsn: str, make_queue: Any, spawn_monitor: Any, tmp_path: Path) -> None:
+def test_status_prints_every_queue_in_a_table(
+    dsn: str, make_queue: Any, spawn_monitor: Any, tmp_path: Path
+) -> None:
     a, b = make_queue(capacity=10), make_queue(capacity=20)
     mon = spawn_monitor()
     produce(dsn, a, 10)
@@ -485,7 +472,11 @@ def test_status_prints_every_queue_in_a_table(dsn: str, make_queue: Any, spawn_m
     assert r.returncode == 0, r.stderr
     lines = r.stdout.splitlines()
     header = next(i for i, line in enumerate(lines) if line.startswith("QUEUE"))
-    rows = {line.split()[0]: line.split() for line in lines[header + 1:] if line.split() and line.split()[0] in (a, b)}
+    rows = {
+        line.split()[0]: line.split()
+        for line in lines[header + 1 :]
+        if line.split() and line.split()[0] in (a, b)
+    }
     assert rows[a][1] == "10" and rows[a][2] == "10" and rows[a][-1] == "full"
     assert rows[b][1] == "20" and rows[b][-1] == "empty"
     print("\n" + r.stdout)
@@ -509,7 +500,9 @@ def test_status_with_a_token(dsn: str, make_queue: Any, spawn_monitor: Any) -> N
     assert r.returncode == 0, r.stderr
 
 
-def test_sighup_rereads_the_config_file(dsn: str, make_queue: Any, spawn_monitor: Any, tmp_path: Path) -> None:
+def test_sighup_rereads_the_config_file(
+    dsn: str, make_queue: Any, spawn_monitor: Any, tmp_path: Path
+) -> None:
     make_queue()
     cfg = tmp_path / "monitor.toml"
     cfg.write_text("interval = 0.5\n")
@@ -521,16 +514,24 @@ def test_sighup_rereads_the_config_file(dsn: str, make_queue: Any, spawn_monitor
     assert get_json(mon.url + "/api/queues", "hup-token")["monitor"]["interval"] == 0.3
     cfg.write_text("bogus = 1\n")  # a bad file keeps the old settings
     mon.proc.send_signal(signal.SIGHUP)
-    wait_for(lambda: '"config.rejected"' in (tmp_path / "monitor" / "monitor.log").read_text(), what="the refusal")
+    wait_for(
+        lambda: '"config.rejected"' in (tmp_path / "monitor" / "monitor.log").read_text(),
+        what="the refusal",
+    )
     assert get_json(mon.url + "/api/queues", "hup-token")["monitor"]["interval"] == 0.3
     assert mon.stop() == 0
 
 
-def test_detach_writes_a_pidfile_and_sigterm_stops_it(dsn: str, make_queue: Any, tmp_path: Path) -> None:
+def test_detach_writes_a_pidfile_and_sigterm_stops_it(
+    dsn: str, make_queue: Any, tmp_path: Path
+) -> None:
     make_queue()
     pidfile = tmp_path / "mon.pid"
     data = tmp_path / "detached"
-    r = ringq_run("monitor", "--dsn", dsn, "--port", "0", "--data-dir", str(data), "--detach", "--pidfile", str(pidfile))
+    r = ringq_run(
+        "monitor", "--dsn", dsn, "--port", "0", "--data-dir", str(data), "--detach",
+        "--pidfile", str(pidfile),
+    )
     assert r.returncode == 0, r.stderr
     pid = int(pidfile.read_text())
     try:
@@ -538,7 +539,10 @@ def test_detach_writes_a_pidfile_and_sigterm_stops_it(dsn: str, make_queue: Any,
         url = json.loads((data / "monitor.json").read_text())["url"]
         assert get_json(url + "/api/queues")["monitor"]["pid"] == pid
         # A second detached one with the same pidfile is refused.
-        r2 = ringq_run("monitor", "--dsn", dsn, "--port", "0", "--data-dir", str(data), "--detach", "--pidfile", str(pidfile))
+        r2 = ringq_run(
+            "monitor", "--dsn", dsn, "--port", "0", "--data-dir", str(data), "--detach",
+            "--pidfile", str(pidfile),
+        )
         assert r2.returncode == 5 and "already running" in r2.stderr
         os.kill(pid, signal.SIGTERM)
         wait_for(lambda: not pid_alive(pid), 30, "the daemon to exit")
@@ -548,7 +552,9 @@ def test_detach_writes_a_pidfile_and_sigterm_stops_it(dsn: str, make_queue: Any,
             os.kill(pid, signal.SIGKILL)
 
 
-def test_reset_section_refuses_live_clients_then_removes_it(dsn: str, make_queue: Any, tmp_path: Path) -> None:
+def test_reset_section_refuses_live_clients_then_removes_it(
+    dsn: str, make_queue: Any, tmp_path: Path
+) -> None:
     q = make_queue()
     produce(dsn, q, 2)
     s = connect(dsn)  # a live client
@@ -564,7 +570,7 @@ def test_reset_section_refuses_live_clients_then_removes_it(dsn: str, make_queue
         assert mon.url
         with connect(dsn) as s2:
             assert s2.section.generation != gen  # a new segment, rebuilt from the rows
-            assert [m.payload for m in consume_all(dsn, q)] == [b"x0", b"x1"]
+            assert [m.payload for m in drain(dsn, q)] == [b"x0", b"x1"]
     finally:
         assert mon.stop() == 0
 
@@ -586,7 +592,7 @@ def test_killed_consumer_entry_is_delivered_again_within_a_second_exactly_once(
     q = make_queue(capacity=64, dequeue_mode=mode)
     mon = spawn_monitor("--interval", "1")
     produce(dsn, q, 1)
-    assert [m.seq for m in consume_all(dsn, q)] == [0]
+    assert [m.seq for m in drain(dsn, q)] == [0]
     wait_for(lambda: queue_doc(mon.url, q), what="the queue sampled")
     times = []
     seqs: list[int] = [0]
@@ -596,7 +602,9 @@ def test_killed_consumer_entry_is_delivered_again_within_a_second_exactly_once(
             # One entry at a time, so that (in shared mode) nothing else is
             # ready while the dead consumer holds it.
             seqs += produce(dsn, q, 1)
-            holder = subprocess.Popen([sys.executable, "-c", HOLDER, dsn, q], stdout=subprocess.PIPE, text=True)
+            holder = subprocess.Popen(
+                [sys.executable, "-c", HOLDER, dsn, q], stdout=subprocess.PIPE, text=True
+            )
             assert holder.stdout is not None
             held = int(holder.stdout.readline())
             assert held == seqs[-1]
@@ -623,18 +631,140 @@ def test_killed_consumer_entry_is_delivered_again_within_a_second_exactly_once(
             delivered.append(m.seq)
             s.commit()
         s.commit()
-    print(f"\n[{mode}] kill -9 -> entry delivered again: " + ", ".join(f"{t * 1000:.0f} ms" for t in times))
+    print(
+        f"\n[{mode}] kill -9 -> entry delivered again: "
+        + ", ".join(f"{t * 1000:.0f} ms" for t in times)
+    )
     assert max(times) < 1.0
     # Exactly once: every entry consumed once, in order, none left.
     assert delivered == seqs
     with psycopg.connect(dsn) as conn:
-        rows = conn.execute(psycopg.sql.SQL("SELECT state, count(*) FROM ringq.{} GROUP BY 1").format(
-            psycopg.sql.Identifier("q_" + q))).fetchall()
+        rows = conn.execute(
+            psycopg.sql.SQL("SELECT state, count(*) FROM ringq.{} GROUP BY 1").format(
+                psycopg.sql.Identifier("q_" + q)
+            )
+        ).fetchall()
     states: dict[int, int] = {int(k): int(n) for k, n in rows}
     assert states.get(1, 0) == 0 and states.get(2) == len(seqs)
-    wait_for(lambda: get_json(mon.url + "/api/queues")["monitor"]["recovered_clients"] == 3, what="3 recoveries")
+    wait_for(
+        lambda: get_json(mon.url + "/api/queues")["monitor"]["recovered_clients"] == 3,
+        what="3 recoveries",
+    )
     log = [json.loads(x) for x in (mon.data_dir / "monitor.log").read_text().splitlines()]
     assert sum(1 for r in log if r["event"] == "client.recovered" and r["queues"] == [q]) == 3
+
+
+def test_a_session_holding_an_entry_past_the_lease_is_ended_and_the_entry_comes_back(
+    dsn: str, make_queue: Any, monitor: Any, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.WARNING, logger="ringq.monitor")
+    lease = 1.0
+    q = make_queue(capacity=16, lease=lease)  # single dequeuer: the idle holder blocks the queue
+    monitor()
+    delays = []
+    with subscribe(dsn, "entry.lease_expired") as events, connect(dsn) as taker:
+        for _ in range(5):
+            [seq] = produce(dsn, q, 1)
+            holder = connect(dsn)
+            backend = holder.backend_pid
+            msg = holder.dequeue(q)
+            t_taken = time.monotonic()
+            assert msg is not None and msg.seq == seq and msg.deliveries == 1
+            # The holder goes idle. Until its lease ends, nobody else gets the entry.
+            got = taker.dequeue(q, wait=lease + 3.0)
+            back = time.monotonic() - t_taken
+            assert got is not None and got.seq == seq, "the entry did not come back after the lease"
+            assert got.deliveries == 2  # the expired delivery was counted
+            assert back >= lease
+            delays.append(back - lease)
+            taker.commit()
+            ev = events.get(5)
+            assert ev is not None and ev.name == "entry.lease_expired" and ev.queue == q
+            assert ev.data["pid"] == os.getpid() and ev.data["backend_pid"] == backend
+            assert ev.data["queues"] == [q] and ev.data["slots"] == 1
+            assert ev.data["lease_s"] == lease
+            assert ev.data["held_s"] >= lease
+            # The holder finds its transaction rolled back: it cannot consume the entry again.
+            with pytest.raises(TransactionError, match="rolled back"):
+                holder.commit()
+            holder.close()
+    delays.sort()
+    print(f"\nlease {lease:g} s -> entry back after the lease: median {delays[2] * 1000:.0f} ms, "
+          + ", ".join(f"{d * 1000:.0f}" for d in delays) + " ms")
+    assert delays[2] < 1.0
+    log = _log_records(tmp_path / "monitor" / "monitor.log")
+    expired = [r for r in log if r["event"] == "entry.lease_expired"]
+    assert len(expired) == 5 and all(r["queues"] == [q] for r in expired)
+    assert any(
+        r.levelno == logging.WARNING and "entry.lease_expired" in r.getMessage()
+        for r in caplog.records
+    )
+    with psycopg.connect(dsn) as conn:
+        rows = conn.execute(
+            psycopg.sql.SQL("SELECT state, deliveries FROM ringq.{} WHERE seq >= 0").format(
+                psycopg.sql.Identifier("q_" + q)
+            )
+        ).fetchall()
+    assert sorted(rows) == [(2, 1)] * 5  # each consumed once, after one counted failed delivery
+
+
+def test_a_held_snapshot_is_named_and_the_ring_is_vacuumed_after_its_release(
+    dsn: str, make_queue: Any, monitor: Any, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.WARNING, logger="ringq.monitor")
+    q = make_queue(capacity=64, dequeue_mode="shared")
+    m = monitor(xmin_warn_s=1.0, vacuum_dead_rows=50)
+    wait_for(lambda: queue_doc(m.url, q), what="the queue sampled")
+
+    def vacuum_count() -> int:
+        with psycopg.connect(dsn, autocommit=True) as conn:
+            row = conn.execute(
+                "SELECT vacuum_count FROM pg_stat_user_tables WHERE relid = to_regclass(%s)",
+                ("ringq.q_" + q,),
+            ).fetchone()
+        return int(row[0]) if row else 0
+
+    with subscribe(dsn, "database.*") as events, connect(dsn) as s:
+        report = psycopg.connect(dsn, application_name="long report")
+        report.isolation_level = psycopg.IsolationLevel.REPEATABLE_READ
+        # its snapshot, held from here
+        report.execute("SELECT count(*) FROM ringq.queues").fetchone()
+        held_pid = report.info.backend_pid
+        # Traffic under the snapshot: every enqueue and dequeue leaves a dead row version.
+        pairs = 0
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline and (
+            pairs < 200 or (queue_doc(m.url, q) or {}).get("dead_rows", 0) < 50
+        ):
+            s.enqueue(q, b"x")
+            s.commit()
+            assert s.dequeue(q) is not None
+            s.commit()
+            pairs += 1
+        ev = events.get(10)
+        assert ev is not None and ev.name == "database.snapshot_held", ev
+        assert ev.data["pid"] == held_pid and ev.data["application"] == "long report"
+        assert ev.data["kind"] == "backend" and ev.data["age_s"] >= 1.0
+        assert ev.data["xact_start"] > 0
+        assert "query" not in ev.data  # never the query text
+        status = get_json(m.url + "/api/queues")["monitor"]
+        assert status["snapshot_held"] and status["xmin_holder"]["pid"] == held_pid
+        metrics = http(m.url + "/metrics")[1].decode()
+        assert "ringq_snapshot_held 1.0" in metrics and f'pid="{held_pid}"' in metrics
+        before = vacuum_count()
+        report.commit()  # the report ends: the horizon moves on
+        report.close()
+        ev = events.get(10)
+    assert ev is not None and ev.name == "database.snapshot_released", ev
+    assert ev.data["pid"] == held_pid and ev.data["held_s"] >= 1.0
+    assert [v["queue"] for v in ev.data["vacuumed"]] == [q]
+    assert vacuum_count() > before  # the ring was vacuumed: its space is reused
+    assert not get_json(m.url + "/api/queues")["monitor"]["snapshot_held"]
+    assert any(r.levelno == logging.WARNING and "database.snapshot_held" in r.getMessage()
+               and f'"pid":{held_pid}' in r.getMessage() for r in caplog.records)
+    log = _log_records(tmp_path / "monitor" / "monitor.log")
+    assert [r["event"] for r in log if r["event"].startswith("database.snapshot")] == [
+        "database.snapshot_held", "database.snapshot_released"]
 
 
 def test_a_full_queue_does_not_stall_recovery_and_its_sql_entries_wait_in_order(
@@ -652,16 +782,24 @@ def test_a_full_queue_does_not_stall_recovery_and_its_sql_entries_wait_in_order(
     with psycopg.connect(dsn, autocommit=True) as conn:
         for i in range(10):  # more than the capacity: moved over several partial batches
             conn.execute("SELECT ringq.enqueue(%s, %s)", (full, f"sql {i}".encode()))
-    wait_for(lambda: any(r["event"] == "inbox.queue_full" and r["queue"] == full for r in _log_records(log)),
-             what="the pump finding the queue full")
+    wait_for(
+        lambda: any(
+            r["event"] == "inbox.queue_full" and r["queue"] == full for r in _log_records(log)
+        ),
+        what="the pump finding the queue full",
+    )
 
     seq = produce(dsn, other, 1)[0]
-    holder = subprocess.Popen([sys.executable, "-c", HOLDER, dsn, other], stdout=subprocess.PIPE, text=True)
+    holder = subprocess.Popen(
+        [sys.executable, "-c", HOLDER, dsn, other], stdout=subprocess.PIPE, text=True
+    )
     assert holder.stdout is not None
     assert int(holder.stdout.readline()) == seq
     # A few sample intervals with the queue full and SQL entries still waiting.
     passes = m.status()["steps"]["inbox"]["runs"]
-    wait_for(lambda: m.status()["steps"]["inbox"]["runs"] >= passes + 3, what="three more inbox passes")
+    wait_for(
+        lambda: m.status()["steps"]["inbox"]["runs"] >= passes + 3, what="three more inbox passes"
+    )
     t_kill = time.monotonic()
     holder.kill()
     got = None
@@ -674,7 +812,10 @@ def test_a_full_queue_does_not_stall_recovery_and_its_sql_entries_wait_in_order(
         s.commit()
     holder.wait(10)
     holder.stdout.close()
-    print(f"\nkill -9 -> redelivered beside a full queue with SQL entries waiting: {elapsed * 1000:.0f} ms")
+    print(
+        "\nkill -9 -> redelivered beside a full queue with SQL entries waiting: "
+        f"{elapsed * 1000:.0f} ms"
+    )
     assert got is not None and got.seq == seq and got.redelivered
     assert elapsed < 1.0
 
@@ -689,16 +830,25 @@ def test_a_full_queue_does_not_stall_recovery_and_its_sql_entries_wait_in_order(
             s.commit()
         assert s.dequeue(full) is None
         s.commit()
-    assert payloads == [f"ring {i}".encode() for i in range(4)] + [f"sql {i}".encode() for i in range(10)]
+    assert payloads == [f"ring {i}".encode() for i in range(4)] + [
+        f"sql {i}".encode() for i in range(10)
+    ]
     with psycopg.connect(dsn) as conn:
-        left = conn.execute("SELECT count(*) FROM ringq.inbox i JOIN ringq.queues q ON q.id = i.queue_id "
-                            "WHERE q.name = %s", (full,)).fetchone()
+        left = conn.execute(
+            "SELECT count(*) FROM ringq.inbox i JOIN ringq.queues q ON q.id = i.queue_id "
+            "WHERE q.name = %s",
+            (full,),
+        ).fetchone()
     assert left == (0,)
     records = _log_records(log)
     # Logged once (the queue was full for far less than the repeat period), not per pass.
     assert sum(1 for r in records if r["event"] == "inbox.queue_full" and r["queue"] == full) == 1
-    wait_for(lambda: any(r["event"] == "inbox.resumed" and r["queue"] == full for r in _log_records(log)),
-             what="the resumed line")
+    wait_for(
+        lambda: any(
+            r["event"] == "inbox.resumed" and r["queue"] == full for r in _log_records(log)
+        ),
+        what="the resumed line",
+    )
     assert m.status()["steps"]["inbox"]["failures"] == 0
 
 
@@ -707,7 +857,10 @@ def test_heartbeat_is_in_the_section_header(dsn: str, make_queue: Any, monitor: 
     m = monitor()
     beat0 = m.read_section(lambda s: int(s.header[L.H_MONITOR_BEAT_NS]))
     assert m.read_section(lambda s: int(s.header[L.H_MONITOR_PID])) == os.getpid()
-    wait_for(lambda: m.read_section(lambda s: int(s.header[L.H_MONITOR_BEAT_NS])) > (beat0 or 0), what="a beat")
+    wait_for(
+        lambda: m.read_section(lambda s: int(s.header[L.H_MONITOR_BEAT_NS])) > (beat0 or 0),
+        what="a beat",
+    )
     m.stop()
     m.stop()  # idempotent
     assert not m.running
@@ -735,7 +888,12 @@ sys.exit(daemon._serve(SlowMonitor(), flags, None, None))
 
 
 def test_first_sigterm_drains_a_second_one_exits_at_once() -> None:
-    p = subprocess.Popen([sys.executable, "-c", SLOW_DRAIN], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    p = subprocess.Popen(
+        [sys.executable, "-c", SLOW_DRAIN],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     assert p.stdout is not None and p.stderr is not None
     try:
         assert p.stdout.readline().strip() == "ready"
@@ -765,25 +923,30 @@ def test_monitor_rides_out_a_database_restart(tmp_path: Path) -> None:
         q = "q_" + uuid.uuid4().hex[:10]
         with psycopg.connect(dsn) as conn:
             create_queue(conn, QueueSpec(q, 16, 100))
-            instance = conn.execute("SELECT value FROM ringq.meta WHERE key = 'instance_id'").fetchone()
+            instance = conn.execute(
+                "SELECT value FROM ringq.meta WHERE key = 'instance_id'"
+            ).fetchone()
         produce(dsn, q, 3)
         with Monitor(MonitorConfig(dsn, port=0, interval=FAST, data_dir=tmp_path / "m")) as m:
             assert m.url is not None
             wait_for(lambda: (queue_doc(m.url or "", q) or {}).get("depth") == 3, what="depth 3")
             cluster.stop()
-            wait_for(lambda: not m.status()["database"] and m.status()["steps"]["database"]["failures"],
-                     what="the outage noticed")
+            wait_for(
+                lambda: not m.status()["database"] and m.status()["steps"]["database"]["failures"],
+                what="the outage noticed",
+            )
             beat = m.status()["beat"]
-            wait_for(lambda: m.status()["beat"] > beat, what="the loop going on without the database")
+            wait_for(
+                lambda: m.status()["beat"] > beat, what="the loop going on without the database"
+            )
             assert m.running and http(m.url + "/api/queues")[0] == 200
-            # Start the server again on its configured port. (Cluster.start() would pick
-            # another port: its free-port probe binds without SO_REUSEADDR and sees the
-            # old port's TIME_WAIT sockets as busy; every client's DSN would go stale.)
-            started = cluster._pg_ctl("start", "-t", "60", "-l", str(cluster.datadir / "log" / "startup.log"))
-            assert started.returncode == 0, started.stdout
+            # Start the server again: on the same port (its free-port probe binds with
+            # SO_REUSEADDR, as the server does, so the old port's TIME_WAIT sockets
+            # do not count), so every client's DSN still holds.
+            assert cluster.start() == dsn
             wait_for(lambda: m.status()["database"], 20, "the monitor reconnected")
             produce(dsn, q, 1)
-            assert [x.payload for x in consume_all(dsn, q)] == [b"x0", b"x1", b"x2", b"x0"]
+            assert [x.payload for x in drain(dsn, q)] == [b"x0", b"x1", b"x2", b"x0"]
             wait_for(lambda: (queue_doc(m.url or "", q) or {}).get("depth") == 0, what="depth 0")
         log = (tmp_path / "m" / "monitor.log").read_text()
         assert '"database.reconnected"' in log and '"step.failed"' in log
@@ -793,6 +956,99 @@ def test_monitor_rides_out_a_database_restart(tmp_path: Path) -> None:
         cluster.stop()
         if instance:
             Section.unlink(instance[0])
+
+
+def test_an_entry_held_across_a_database_restart_is_decided_and_the_monitor_follows_the_dsn(
+    tmp_path: Path,
+) -> None:
+    """``ringq db stop; ringq db start`` keeps the port (the old one's TIME_WAIT
+    sockets do not count as busy); a monitor that found the DSN in the embedded
+    cluster's file follows it when the cluster does come back elsewhere; and an
+    entry whose holder's backend died with the server is decided from the rows."""
+    home = tmp_path / "home"
+    env = dict(os.environ, RINGQ_HOME=str(home))
+    env.pop("RINGQ_DSN", None)
+
+    def db(*args: str) -> str:
+        done = subprocess.run(
+            ringq_cmd("db", *args), env=env, capture_output=True, text=True, timeout=120,
+            check=False,
+        )
+        assert done.returncode == 0, done.stderr
+        return (home / "dsn").read_text().strip() if args[0] == "start" else ""
+
+    mon: subprocess.Popen[str] | None = None
+    instance = None
+    try:
+        dsn = db("start")
+        q = "q_" + uuid.uuid4().hex[:10]
+        with psycopg.connect(dsn) as conn:
+            create_queue(conn, QueueSpec(q, 16, 100))  # single dequeuer: a held entry blocks it
+            instance = conn.execute(
+                "SELECT value FROM ringq.meta WHERE key = 'instance_id'"
+            ).fetchone()
+        data = tmp_path / "m"
+        mon = subprocess.Popen(
+            ringq_cmd("monitor", "--port", "0", "--data-dir", str(data), "--interval", str(FAST)),
+            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, text=True,
+        )
+        url = wait_for(
+            lambda: json.loads((data / "monitor.json").read_text())["url"], 30,
+            "the monitor to serve",
+        )
+        [seq] = produce(dsn, q, 1)
+        holder = connect(dsn)
+        msg = holder.dequeue(q)
+        assert msg is not None and msg.seq == seq  # held, and the holder goes idle
+
+        db("stop")  # its sessions are ended: the server's side of them lingers in TIME_WAIT
+        assert db("start") == dsn  # the same port, so every client's DSN still holds
+        t0 = time.monotonic()
+        with connect(dsn) as taker:
+            got = taker.dequeue(q, wait=10.0)
+            back = time.monotonic() - t0
+            assert got is not None and got.seq == seq and got.deliveries == 2, (
+                "the held entry was not decided"
+            )
+            taker.commit()
+        print(f"\nheld entry decided {back * 1000:.0f} ms after the database came back")
+        assert back < 5.0
+        log = _log_records(data / "monitor.log")
+        assert any(r["event"] == "client.backend_lost" and r["queues"] == [q] for r in log)
+        holder.close()
+
+        # The port taken by someone else while the cluster is down: it comes back
+        # elsewhere, and the monitor reads the new DSN from the cluster's file.
+        port = int(dsn.rsplit(":", 1)[1].split("/")[0])
+        db("stop")
+        wait_for(
+            lambda: not get_json(url + "/api/queues")["monitor"]["database"], 20,
+            "the outage noticed",
+        )
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as squatter:
+            squatter.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            squatter.bind(("127.0.0.1", port))
+            squatter.listen()
+            moved = db("start")
+        assert moved != dsn
+        wait_for(
+            lambda: get_json(url + "/api/queues")["monitor"]["database"], 20,
+            "the monitor on the new DSN",
+        )
+        produce(moved, q, 2)
+        wait_for(lambda: (queue_doc(url, q) or {}).get("depth") == 2, 20, "the queue sampled again")
+        log = _log_records(data / "monitor.log")
+        assert any(r["event"] == "database.dsn_changed" for r in log)
+        assert json.loads((data / "monitor.json").read_text())["dsn"] == moved
+        dsn = moved
+    finally:
+        if mon is not None:
+            mon.terminate()
+            mon.wait(30)
+        if instance is not None:
+            Section.unlink(instance[0])
+            Section.unlink_semaphores(instance[0], [1])
+        Cluster(home).stop()
 
 
 # -- clients: errors they hit, per-client counters (worker throughput and failures) -------------
@@ -822,20 +1078,31 @@ def test_client_errors_are_logged_with_pid_queue_and_seq(
             s.enqueue(q, b"x" * 17)
         [big] = wait_for(lambda: errors("payload_too_large"), what="payload_too_large logged")
         assert big["pid"] == os.getpid() and big["backend_pid"] == s.backend_pid
-        assert big["queue"] == q and big["seq"] is None and big["count"] == 1 and big["role"] == "client"
+        assert (
+            big["queue"] == q
+            and big["seq"] is None
+            and big["count"] == 1
+            and big["role"] == "client"
+        )
         seqs = s.enqueue_many(q, [b"1", b"2"])
         s.commit()
         for _ in range(3):  # three in a row: may be coalesced into one record with a count
             with pytest.raises(QueueFull):
                 s.enqueue(q, b"3")
-        full = wait_for(lambda: (r := errors("queue_full")) and sum(x["count"] for x in r) == 3 and r,
-                        what="queue_full logged")
+        full = wait_for(
+            lambda: (r := errors("queue_full")) and sum(x["count"] for x in r) == 3 and r,
+            what="queue_full logged",
+        )
         assert all(r["pid"] == os.getpid() and r["queue"] == q for r in full)
         assert full[-1]["seq"] == seqs[-1] + 1  # the sequence the enqueue would have taken
         assert full[-1]["errors"] == 4  # the client's total
         # The section entry says the same; /api/clients shows the last error.
         doc = get_json(m.url + "/api/clients")
-        [me] = [c for c in doc["clients"] if c["pid"] == os.getpid() and c["backend_pid"] == s.backend_pid]
+        [me] = [
+            c
+            for c in doc["clients"]
+            if c["pid"] == os.getpid() and c["backend_pid"] == s.backend_pid
+        ]
         assert me["errors"] == 4 and me["last_error"]["kind"] == "queue_full"
         assert me["last_error"]["queue"] == q and me["last_error"]["seq"] == seqs[-1] + 1
         assert me["queues"] == [q]
@@ -859,7 +1126,9 @@ def test_client_errors_are_not_logged_again_after_a_reconnect_or_a_monitor_resta
     log = tmp_path / "monitor" / "monitor.log"
 
     def lines() -> list[dict[str, Any]]:
-        return [r for r in _log_records(log) if r["event"] == "client.error" and r["pid"] == os.getpid()]
+        return [
+            r for r in _log_records(log) if r["event"] == "client.error" and r["pid"] == os.getpid()
+        ]
 
     def passes(mon: Monitor, n: int = 3) -> None:
         def runs() -> int:  # no "clients" entry before the loop's first pass
@@ -867,6 +1136,17 @@ def test_client_errors_are_not_logged_again_after_a_reconnect_or_a_monitor_resta
 
         before = runs()
         wait_for(lambda: runs() >= before + n, what=f"{n} client passes")
+
+    def too_large_logged_once(s: Session, mon: Monitor, logged: int, errors: int) -> None:
+        """A payload too large: one line after the ``logged`` ones, which says it was
+        the session's ``errors``-th error."""
+        with pytest.raises(PayloadTooLarge):
+            s.enqueue(q, b"y" * 17)
+        wait_for(lambda: len(lines()) >= logged + 1, what="the new error logged")
+        passes(mon)
+        assert [(r["kind"], r["count"], r["errors"]) for r in lines()[logged:]] == [
+            ("payload_too_large", 1, errors)
+        ]
 
     with connect(dsn) as s:
         with pytest.raises(PayloadTooLarge):
@@ -893,11 +1173,7 @@ def test_client_errors_are_not_logged_again_after_a_reconnect_or_a_monitor_resta
             ("payload_too_large", 1, 1), ("commit_failed", 1, 2)]
         assert recs[1]["backend_pid"] == s.backend_pid
 
-        with pytest.raises(PayloadTooLarge):  # a new error: exactly one new line
-            s.enqueue(q, b"y" * 17)
-        wait_for(lambda: len(lines()) >= 3, what="the new error logged")
-        passes(m)
-        assert [(r["kind"], r["count"], r["errors"]) for r in lines()[2:]] == [("payload_too_large", 1, 3)]
+        too_large_logged_once(s, m, logged=2, errors=3)  # a new error: exactly one new line
         assert m.status()["client_errors"] == 3
 
         s.rollback()
@@ -913,11 +1189,8 @@ def test_client_errors_are_not_logged_again_after_a_reconnect_or_a_monitor_resta
         assert len(lines()) == 3  # not logged: it happened before this monitor watched
         st = m2.status()
         assert st["client_errors"] == 0 and st["client_errors_at_start"] >= 1
-        with pytest.raises(PayloadTooLarge):  # after the restart, new errors are logged once
-            s2.enqueue(q, b"w" * 17)
-        wait_for(lambda: len(lines()) >= 4, what="the error after the restart logged")
-        passes(m2)
-        assert [(r["kind"], r["count"], r["errors"]) for r in lines()[3:]] == [("payload_too_large", 1, 2)]
+        # after the restart, new errors are logged once
+        too_large_logged_once(s2, m2, logged=3, errors=2)
         assert m2.status()["client_errors"] == 1
         s2.rollback()
 
@@ -932,7 +1205,8 @@ def test_error_watch_knows_a_client_across_reconnects_and_starts_from_the_counte
                      stats={M.ERRORS: errors}, error=(errors, L.ERR_PAYLOAD_TOO_LARGE, 0, -1, 0))
 
     w = C.ErrorWatch()
-    assert w.scan([raw(2, 1, 10)]) == [] and w.seen_at_start == 2  # before this monitor: counted only
+    # before this monitor: counted only
+    assert w.scan([raw(2, 1, 10)]) == [] and w.seen_at_start == 2
     assert w.scan([raw(2, 5, 11)]) == []  # reconnected (new backend, new started_ns): nothing new
     [news] = w.scan([raw(3, 5, 11)])
     assert news.count == 1 and news.total == 3
@@ -980,20 +1254,29 @@ def test_clients_api_shows_a_worker_pool_child_s_handled_and_failed(
 
     q = make_queue(capacity=64, max_deliveries=2)
     m = monitor()
-    payloads = [b"fail%d" % i if i % 4 == 0 else b"ok%d" % i for i in range(12)]  # 3 fail, 9 succeed
+    # 3 fail, 9 succeed
+    payloads = [b"fail%d" % i if i % 4 == 0 else b"ok%d" % i for i in range(12)]
     produce_payloads = list(payloads)
     with connect(dsn) as s:
         s.enqueue_many(q, produce_payloads)
         s.commit()
     mod = "wmon_" + uuid.uuid4().hex[:8]
     (tmp_path / f"{mod}.py").write_text(WORKER_ACTIONS.format(queue=q))
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")]))
+    env = dict(
+        os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])
+    )
     env.pop("RINGQ_DSN", None)
-    proc = subprocess.Popen(ringq_cmd("worker", f"{mod}:app", "--dsn", dsn, "--processes", "1"),
-                            cwd=tmp_path, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        ringq_cmd("worker", f"{mod}:app", "--dsn", dsn, "--processes", "1"),
+        cwd=tmp_path,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     try:
         def worker_done() -> dict[str, Any] | None:
-            for c in get_json(m.url + "/api/clients")["clients"]:
+            clients: list[dict[str, Any]] = get_json(m.url + "/api/clients")["clients"]
+            for c in clients:
                 if c["role"] == "worker" and c["handled"] == 9 and c["failed"] == 6:
                     return c
             return None
@@ -1006,19 +1289,27 @@ def test_clients_api_shows_a_worker_pool_child_s_handled_and_failed(
         assert w["commits"] >= 9 and w["rollbacks"] >= 6 and w["busy_s"] > 0
         assert {"commit_rate", "handled_rate", "failed_rate"} <= set(w)
         # A later sample computes rates over an interval (zero now: the queue is drained).
-        fams = {f.name: f for f in text_string_to_metric_families(http(m.url + "/metrics")[1].decode())}
+        fams = {
+            f.name: f for f in text_string_to_metric_families(http(m.url + "/metrics")[1].decode())
+        }
         handled = [s for s in fams["ringq_client_handled"].samples
                    if s.labels.get("pid") == str(w["pid"]) and s.name.endswith("_total")]
         assert handled and handled[0].value == 9 and handled[0].labels["role"] == "worker"
-        failed = [s for s in fams["ringq_client_failed"].samples if s.labels.get("pid") == str(w["pid"])]
+        failed = [
+            s for s in fams["ringq_client_failed"].samples if s.labels.get("pid") == str(w["pid"])
+        ]
         assert failed[0].value == 6
-        assert any(s.labels["role"] == "worker" and s.value >= 1 for s in fams["ringq_clients"].samples)
+        assert any(
+            s.labels["role"] == "worker" and s.value >= 1 for s in fams["ringq_clients"].samples
+        )
         # ringq status shows the clients table.
         r = ringq_run("status", "--monitor", m.url)
         assert r.returncode == 0, r.stderr
         lines = r.stdout.splitlines()
         header = next(i for i, line in enumerate(lines) if line.startswith("PID"))
-        row = next(line.split() for line in lines[header + 1:] if line.split()[:1] == [str(w["pid"])])
+        row = next(
+            line.split() for line in lines[header + 1 :] if line.split()[:1] == [str(w["pid"])]
+        )
         assert row[1] == "worker" and row[2] == q and row[6] == "9" and row[7] == "6"
     finally:
         proc.send_signal(signal.SIGTERM)

@@ -7,67 +7,36 @@ points; the test loop plays the monitor (recover_dead_clients, reclaim_all).
 
 from __future__ import annotations
 
+import functools
 import json
 import multiprocessing as mp
 import os
 import random
-import secrets
 import select
 import signal
+import subprocess
+import sys
 import threading
 import time
-import uuid
 from collections import defaultdict
-from collections.abc import Iterator
+from collections.abc import Sequence
+from multiprocessing.process import BaseProcess
+from typing import Any
 
 import psycopg
 import pytest
+from conftest import drain, present, queue_in
 from psycopg import sql
-from ringq.engine import PayloadTooLarge, Section, connect
+from ringq.engine import PayloadTooLarge, connect
 from ringq.engine.recovery import reclaim_all, recover_dead_clients, repair_lock_holders
 from ringq.move import MoveConfig, MoveLockHeld, Mover, is_moved, move_key, unwrap, wrap
-from ringq.scripting import QueueSpec, create_queue
 
 FORK = mp.get_context("fork")
 
 
-@pytest.fixture
-def dsn2(pg_cluster) -> Iterator[str]:
-    """A second database next to ``dsn`` (database 2 of the move)."""
-    name = f"t_{secrets.token_hex(6)}"
-    with psycopg.connect(pg_cluster.url("postgres"), autocommit=True) as conn:
-        conn.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(name)))
-    try:
-        yield pg_cluster.url(name)
-    finally:
-        with psycopg.connect(pg_cluster.url("postgres"), autocommit=True) as conn:
-            conn.execute(
-                sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(name))
-            )
-
-
-def _unlink_sections(dsn: str) -> None:
-    with psycopg.connect(dsn, autocommit=True) as conn:
-        if not conn.execute("SELECT to_regclass('ringq.meta') IS NOT NULL").fetchone()[0]:
-            return
-        row = conn.execute("SELECT value FROM ringq.meta WHERE key = 'instance_id'").fetchone()
-        qids = [r[0] for r in conn.execute("SELECT id FROM ringq.queues").fetchall()]
-    if row:
-        Section.unlink(row[0])
-        Section.unlink_semaphores(row[0], qids)
-
-
-@pytest.fixture
-def make_queue(dsn, dsn2):
-    def make(where: str, capacity: int = 256, max_payload: int = 1024, **kw) -> str:
-        name = "q_" + uuid.uuid4().hex[:10]
-        with psycopg.connect(where) as conn:
-            create_queue(conn, QueueSpec(name, capacity, max_payload, **kw))
-        return name
-
-    yield make
-    _unlink_sections(dsn)
-    _unlink_sections(dsn2)
+# The mover's queues: 256 slots unless told (either database; both sections go
+# with the databases).
+_queue = functools.partial(queue_in, capacity=256)
 
 
 def produce(dsn: str, queue: str, producer: str, n: int, per_tx: int = 1) -> None:
@@ -78,17 +47,7 @@ def produce(dsn: str, queue: str, producer: str, n: int, per_tx: int = 1) -> Non
                 s.commit()
 
 
-def drain(dsn: str, queue: str) -> list:
-    out = []
-    with connect(dsn) as s:
-        while (batch := s.dequeue_many(queue, 100)):
-            out.extend(batch)
-            s.commit()
-        s.commit()
-    return out
-
-
-def check_arrivals(msgs: list, expected: dict[str, int]) -> None:
+def check_arrivals(msgs: list[Any], expected: dict[str, int]) -> None:
     """Every source entry exactly once, and per producer in order."""
     by_producer: dict[str, list[int]] = defaultdict(list)
     origins = set()
@@ -107,7 +66,7 @@ def check_arrivals(msgs: list, expected: dict[str, int]) -> None:
 # -- the envelope ---------------------------------------------------------------------------------
 
 
-def test_envelope_round_trip():
+def test_envelope_round_trip() -> None:
     from datetime import UTC, datetime
 
     from ringq.engine import Message
@@ -126,11 +85,11 @@ def test_envelope_round_trip():
         unwrap(b"plain")
 
 
-# -- moving -----------------------------------------------------------------------------------------
+# -- moving ----------------------------------------------------------------------------------------
 
 
-def test_moves_everything_once_in_order(dsn, dsn2, make_queue):
-    src, dst = make_queue(dsn), make_queue(dsn2)
+def test_moves_everything_once_in_order(dsn: str, dsn2: str) -> None:
+    src, dst = _queue(dsn), _queue(dsn2)
     for p in ("a", "b", "c"):
         produce(dsn, src, p, 40, per_tx=7)
     with Mover(dsn, src, dsn2, dst, config=MoveConfig(batch=16)) as mv:
@@ -139,13 +98,13 @@ def test_moves_everything_once_in_order(dsn, dsn2, make_queue):
             total += n
         stats = mv.get_stats()
     assert total == 120 and stats["moved"] == 120 and stats["duplicates"] == 0
-    msgs = drain(dsn2, dst)
+    msgs = drain(dsn2, dst, batch=100)
     check_arrivals(msgs, {"a": 40, "b": 40, "c": 40})
-    assert drain(dsn, src) == []
+    assert drain(dsn, src, batch=100) == []
 
 
-def test_redelivered_after_destination_commit_is_skipped_by_key(dsn, dsn2, make_queue):
-    src, dst = make_queue(dsn, max_deliveries=10), make_queue(dsn2)
+def test_redelivered_after_destination_commit_is_skipped_by_key(dsn: str, dsn2: str) -> None:
+    src, dst = _queue(dsn, max_deliveries=10), _queue(dsn2)
     produce(dsn, src, "a", 10)
 
     class Crash(Exception):
@@ -153,7 +112,7 @@ def test_redelivered_after_destination_commit_is_skipped_by_key(dsn, dsn2, make_
 
     fail = {"left": 1}
 
-    def between(msgs):
+    def between(msgs: Sequence[Any]) -> None:
         if fail["left"]:
             fail["left"] -= 1
             raise Crash  # database 2 committed, database 1 not: as if we died here
@@ -165,12 +124,12 @@ def test_redelivered_after_destination_commit_is_skipped_by_key(dsn, dsn2, make_
             pass
         stats = mv.get_stats()
     assert stats["redelivered"] == 4 and stats["duplicates"] == 4
-    check_arrivals(drain(dsn2, dst), {"a": 10})
+    check_arrivals(drain(dsn2, dst, batch=100), {"a": 10})
 
 
-def test_key_is_unique_across_wraps(dsn, dsn2, make_queue):
+def test_key_is_unique_across_wraps(dsn: str, dsn2: str) -> None:
     """Slots are reused every `capacity` entries; the sequence (and the key) is not."""
-    src, dst = make_queue(dsn, capacity=4), make_queue(dsn2)
+    src, dst = _queue(dsn, capacity=4), _queue(dsn2)
     with connect(dsn, producer="a") as prod:
         sec = prod.section
         with Mover(dsn, src, dsn2, dst, config=MoveConfig(batch=3, prune_every=2)) as mv:
@@ -184,12 +143,12 @@ def test_key_is_unique_across_wraps(dsn, dsn2, make_queue):
             stats = mv.get_stats()
     assert stats["moved"] == 30 and stats["duplicates"] == 0
     assert stats["pruned_keys"] > 0  # spent keys do not pile up in database 2
-    check_arrivals(drain(dsn2, dst), {"a": 30})
+    check_arrivals(drain(dsn2, dst, batch=100), {"a": 30})
 
 
-def test_too_large_for_destination_is_poison_not_a_stall(dsn, dsn2, make_queue):
-    src = make_queue(dsn, max_payload=4096, max_deliveries=2)
-    dst = make_queue(dsn2, max_payload=1024)
+def test_too_large_for_destination_is_poison_not_a_stall(dsn: str, dsn2: str) -> None:
+    src = _queue(dsn, max_payload=4096, max_deliveries=2)
+    dst = _queue(dsn2, max_payload=1024)
     with connect(dsn, producer="a") as s:
         s.enqueue(src, json.dumps({"p": "a", "i": 1}).encode())
         s.enqueue(src, b"x" * 2000)
@@ -206,21 +165,21 @@ def test_too_large_for_destination_is_poison_not_a_stall(dsn, dsn2, make_queue):
     # The big one failed its deliveries and went to the exception table; the
     # others moved (after the failed batch, one at a time).
     assert failures == 2  # the batch of 3, then the big one alone (its 2nd delivery)
-    got = [unwrap(m) for m in drain(dsn2, dst)]
+    got = [unwrap(m) for m in drain(dsn2, dst, batch=100)]
     assert [m.producer_seq for m in got] == [1, 3]
     with psycopg.connect(dsn) as conn:
-        (n,) = conn.execute("SELECT count(*) FROM ringq.exceptions").fetchone()
+        (n,) = present(conn.execute("SELECT count(*) FROM ringq.exceptions").fetchone())
     assert n == 1
 
 
-def test_destination_full_waits_instead_of_rolling_back(dsn, dsn2, make_queue):
-    src, dst = make_queue(dsn), make_queue(dsn2, capacity=8)
+def test_destination_full_waits_instead_of_rolling_back(dsn: str, dsn2: str) -> None:
+    src, dst = _queue(dsn), _queue(dsn2, capacity=8)
     produce(dsn, src, "a", 20, per_tx=20)
     with connect(dsn2) as consumer:
         sec2 = consumer.section
-        got: list = []
+        got: list[Any] = []
 
-        def consume():
+        def consume() -> None:
             deadline = time.monotonic() + 30
             with connect(dsn2) as c:
                 while len(got) < 20 and time.monotonic() < deadline:
@@ -237,24 +196,24 @@ def test_destination_full_waits_instead_of_rolling_back(dsn, dsn2, make_queue):
     assert stats["dst_full_waits"] > 0 and stats["failures"] == 0
     check_arrivals(got, {"a": 20})
     with psycopg.connect(dsn) as conn:
-        row = conn.execute(
+        row = present(conn.execute(
             sql.SQL("SELECT max(deliveries) FROM {}").format(sql.Identifier("ringq", "q_" + src))
-        ).fetchone()
+        ).fetchone())
     assert row[0] == 0  # no strike: a full destination is not a failed delivery
 
 
-# -- one active mover ---------------------------------------------------------------------------------
+# -- one active mover ------------------------------------------------------------------------------
 
 
-def _hold_lock(src, sq, dst, dq, ready) -> None:
+def _hold_lock(src: str, sq: str, dst: str, dq: str, ready: Any) -> None:
     mv = Mover(src, sq, dst, dq).open()
     assert mv.try_acquire()
     ready.set()
     threading.Event().wait(120)
 
 
-def test_one_active_mover_and_standby_takes_over(dsn, dsn2, make_queue):
-    src, dst = make_queue(dsn), make_queue(dsn2)
+def test_one_active_mover_and_standby_takes_over(dsn: str, dsn2: str) -> None:
+    src, dst = _queue(dsn), _queue(dsn2)
     ready = FORK.Event()
     p = FORK.Process(target=_hold_lock, args=(dsn, src, dsn2, dst, ready))
     p.start()
@@ -264,7 +223,7 @@ def test_one_active_mover_and_standby_takes_over(dsn, dsn2, make_queue):
             assert not standby.try_acquire()
             with pytest.raises(MoveLockHeld):
                 standby.move_batch()
-            os.kill(p.pid, signal.SIGKILL)
+            os.kill(present(p.pid), signal.SIGKILL)
             p.join(10)
             deadline = time.monotonic() + 10
             while not standby.try_acquire():
@@ -277,8 +236,8 @@ def test_one_active_mover_and_standby_takes_over(dsn, dsn2, make_queue):
         p.join()
 
 
-def test_lost_lock_connection_is_noticed_and_the_lock_taken_again(dsn, dsn2, make_queue):
-    src, dst = make_queue(dsn), make_queue(dsn2)
+def test_lost_lock_connection_is_noticed_and_the_lock_taken_again(dsn: str, dsn2: str) -> None:
+    src, dst = _queue(dsn), _queue(dsn2)
     produce(dsn, src, "a", 6)
     cfg = MoveConfig(batch=2, lock_check=0, prune_every=1)
     with Mover(dsn, src, dsn2, dst, config=cfg) as mv:
@@ -292,17 +251,17 @@ def test_lost_lock_connection_is_noticed_and_the_lock_taken_again(dsn, dsn2, mak
             pass
         stats = mv.get_stats()
     assert stats["takeovers"] == 2 and stats["moved"] == 6
-    check_arrivals(drain(dsn2, dst), {"a": 6})
+    check_arrivals(drain(dsn2, dst, batch=100), {"a": 6})
 
 
-def test_run_stops_on_event(dsn, dsn2, make_queue):
-    src, dst = make_queue(dsn), make_queue(dsn2)
+def test_run_stops_on_event(dsn: str, dsn2: str) -> None:
+    src, dst = _queue(dsn), _queue(dsn2)
     produce(dsn, src, "a", 25)
     stop = threading.Event()
     mv = Mover(dsn, src, dsn2, dst, config=MoveConfig(batch=10, wait=0.05))
     t = threading.Thread(target=mv.run, args=(stop,))
     t.start()
-    got: list = []
+    got: list[Any] = []
     with connect(dsn2) as c:
         while len(got) < 25:
             got.extend(c.dequeue_many(dst, 25, wait=5))
@@ -313,10 +272,10 @@ def test_run_stops_on_event(dsn, dsn2, make_queue):
     check_arrivals(got, {"a": 25})
 
 
-# -- kill -9 between the two commits, many times --------------------------------------------------------
+# -- kill -9 between the two commits, many times ---------------------------------------------------
 
 
-def _mover_proc(src, sq, dst, dq, pause_at: int, paused_fd: int) -> None:
+def _mover_proc(src: str, sq: str, dst: str, dq: str, pause_at: int, paused_fd: int) -> None:
     """A mover that (if pause_at) stops for good between the commits of its
     pause_at-th batch and writes its pid to the pipe, waiting to be killed.
 
@@ -328,7 +287,7 @@ def _mover_proc(src, sq, dst, dq, pause_at: int, paused_fd: int) -> None:
     rnd = random.Random(os.getpid())
     count = 0
 
-    def between(msgs):
+    def between(msgs: Sequence[Any]) -> None:
         nonlocal count
         count += 1
         if pause_at and count == pause_at:
@@ -339,7 +298,7 @@ def _mover_proc(src, sq, dst, dq, pause_at: int, paused_fd: int) -> None:
     Mover(src, sq, dst, dq, config=cfg, between_commits=between).run(stop)
 
 
-def _producer_proc(dsn, queue, producer, n) -> None:
+def _producer_proc(dsn: str, queue: str, producer: str, n: int) -> None:
     rnd = random.Random(producer)
     with connect(dsn, producer=producer) as s:
         i = 0
@@ -352,14 +311,14 @@ def _producer_proc(dsn, queue, producer, n) -> None:
 
 
 @pytest.mark.slow
-def test_mover_killed_between_commits_many_times(dsn, dsn2, make_queue):
+def test_mover_killed_between_commits_many_times(dsn: str, dsn2: str) -> None:
     seed = random.randrange(1 << 30)
     print(f"seed {seed}")
     rnd = random.Random(seed)
     PRODUCERS, PER, KILLS = ("p1", "p2", "p3"), 200, 20
     # Strikes from killed movers must not poison entries: a roomy max_deliveries.
-    src = make_queue(dsn, capacity=64, max_deliveries=1000)
-    dst = make_queue(dsn2, capacity=128)
+    src = _queue(dsn, capacity=64, max_deliveries=1000)
+    dst = _queue(dsn2, capacity=128)
     with connect(dsn) as s1, connect(dsn2) as s2:
         s1.ring(src), s2.ring(dst)  # load both queues into their sections
         sec1, sec2 = s1.section, s2.section
@@ -367,8 +326,8 @@ def test_mover_killed_between_commits_many_times(dsn, dsn2, make_queue):
     for p in producers:
         p.start()
     paused_r, paused_w = os.pipe()
-    movers: dict[int, mp.Process] = {}
-    consumed: list = []
+    movers: dict[int, BaseProcess] = {}
+    consumed: list[Any] = []
 
     def monitor() -> None:
         """What the monitor does for both databases; plus a consumer of the inbox."""
@@ -385,7 +344,7 @@ def test_mover_killed_between_commits_many_times(dsn, dsn2, make_queue):
     def start_mover(pause_at: int) -> None:
         p = FORK.Process(target=_mover_proc, args=(dsn, src, dsn2, dst, pause_at, paused_w))
         p.start()
-        movers[p.pid] = p
+        movers[present(p.pid)] = p
 
     def kill(pid: int) -> None:
         os.kill(pid, signal.SIGKILL)
@@ -428,15 +387,15 @@ def test_mover_killed_between_commits_many_times(dsn, dsn2, make_queue):
         for p in producers:
             p.join(30)
             assert p.exitcode == 0
-        for pid, p in list(movers.items()):
+        for pid, mover in list(movers.items()):
             os.kill(pid, signal.SIGTERM)  # graceful: the batch in hand is finished
-            p.join(10)
-            assert p.exitcode == 0
+            mover.join(10)
+            assert mover.exitcode == 0
     finally:
-        for pid, p in list(movers.items()):
-            if p.is_alive():
+        for pid, mover in list(movers.items()):
+            if mover.is_alive():
                 os.kill(pid, signal.SIGKILL)
-                p.join()
+                mover.join()
         for p in producers:
             if p.is_alive():
                 p.kill()
@@ -448,53 +407,101 @@ def test_mover_killed_between_commits_many_times(dsn, dsn2, make_queue):
     print(f"kills: {deterministic} between commits, {random_kills} at random points")
     check_arrivals(consumed, {p: PER for p in PRODUCERS})
     with psycopg.connect(dsn) as conn:
-        assert conn.execute("SELECT count(*) FROM ringq.exceptions").fetchone()[0] == 0
+        assert present(conn.execute("SELECT count(*) FROM ringq.exceptions").fetchone())[0] == 0
     with psycopg.connect(dsn2) as conn:
-        left = conn.execute("SELECT count(*) FROM ringq.keys").fetchone()[0]
+        left = present(conn.execute("SELECT count(*) FROM ringq.keys").fetchone())[0]
     assert left < total  # spent keys are pruned as the movers go
 
 
-# -- the command ----------------------------------------------------------------------------------------
+# -- no monitor: a mover taking over decides its dead predecessor's slots (issue point 1) ---------
 
 
-def _ringq(*args: str, **kw):
-    import subprocess
-    import sys
+def _mover_dies_publishing(src: str, sq: str, dst: str, dq: str, paused_fd: int) -> None:
+    """A mover that dies after its destination COMMIT was answered and before
+    the section learnt it: its destination entries are committed, but their
+    slots stay locked under a dead holder until someone decides them."""
+    from ringq.engine import Session
 
+    publish = Session._finish
+
+    def finish(
+        self: Session, ops: list[Any], *, committed: bool, count_delivery: bool = True
+    ) -> None:
+        if committed and self.dsn == dst and ops:
+            os.write(paused_fd, os.getpid().to_bytes(8, "little"))
+            threading.Event().wait(600)  # killed here
+        publish(self, ops, committed=committed, count_delivery=count_delivery)
+
+    Session._finish = finish  # type: ignore[method-assign]
+    Mover(src, sq, dst, dq, config=MoveConfig(batch=5, wait=0.05)).move_batch()
+
+
+def test_a_mover_taking_over_decides_the_dead_movers_destination_slots_first(
+    dsn: str, dsn2: str
+) -> None:
+    """No monitor on either database: the destination entries a killed mover
+    committed but never published arrive before anything the next mover
+    moves (per-producer order holds), and nothing arrives twice."""
+    src = _queue(dsn, dequeue_mode="single")
+    dst = _queue(dsn2)
+    produce(dsn, src, "a", 20)
+    paused_r, paused_w = os.pipe()
+    p = FORK.Process(target=_mover_dies_publishing, args=(dsn, src, dsn2, dst, paused_w))
+    p.start()
+    try:
+        assert select.select([paused_r], [], [], 30)[0], "the first mover never reached its commit"
+        os.kill(present(p.pid), signal.SIGKILL)
+        p.join(10)
+    finally:
+        if p.is_alive():
+            p.kill()
+            p.join()
+        os.close(paused_r)
+        os.close(paused_w)
+    with connect(dsn2) as c:
+        assert c.ring(dst).counts()["locked"] == 5  # committed, unpublished, held by the dead
+    with Mover(dsn, src, dsn2, dst, config=MoveConfig(batch=5, wait=0.05)) as mv:
+        taken = 0
+        deadline = time.monotonic() + 30
+        while taken < 20:  # the 5 the dead mover took come back, and are skipped by key
+            assert time.monotonic() < deadline, f"only {taken} taken"
+            taken += mv.move_batch(wait=0.5)
+        assert mv.get_stats()["duplicates"] == 5
+    check_arrivals(drain(dsn2, dst), {"a": 20})
+
+
+# -- the command -----------------------------------------------------------------------------------
+
+
+def _ringq(*args: str, **kw: Any) -> subprocess.Popen[Any]:
     return subprocess.Popen([sys.executable, "-m", "ringq.cli", *args], **kw)
 
 
-def test_cli_move_once(dsn, dsn2, make_queue):
-    import subprocess
-
-    src, dst = make_queue(dsn), make_queue(dsn2)
+def test_cli_move_once(dsn: str, dsn2: str) -> None:
+    src, dst = _queue(dsn), _queue(dsn2)
     produce(dsn, src, "a", 30, per_tx=5)
     p = _ringq("move", "--from", f"{dsn}:{src}", "--to", f"{dsn2}:{dst}", "--batch", "7", "--once",
                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     out, err = p.communicate(timeout=60)
     assert p.returncode == 0, err
     assert "moved 30" in out
-    check_arrivals(drain(dsn2, dst), {"a": 30})
+    check_arrivals(drain(dsn2, dst, batch=100), {"a": 30})
 
 
-def test_cli_rejects_a_dsn_without_queue(dsn):
-    import subprocess
-
+def test_cli_rejects_a_dsn_without_queue(dsn: str) -> None:
     p = _ringq("move", "--from", "postgresql://h:5432/db", "--to", "inbox", "--once",
                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     _out, err = p.communicate(timeout=60)
     assert p.returncode == 2 and "DSN:queue" in err
 
 
-def test_cli_sigterm_drains(dsn, dsn2, make_queue):
-    import subprocess
-
-    src, dst = make_queue(dsn, capacity=2048), make_queue(dsn2, capacity=2048)
+def test_cli_sigterm_drains(dsn: str, dsn2: str) -> None:
+    src, dst = _queue(dsn, capacity=2048), _queue(dsn2, capacity=2048)
     produce(dsn, src, "a", 1000, per_tx=50)
     p = _ringq("move", "--from", f"{dsn}:{src}", "--to", f"{dsn2}:{dst}", "--batch", "5",
                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        got: list = []
+        got: list[Any] = []
         with connect(dsn2) as c:
             while len(got) < 20:  # it is moving
                 got.extend(c.dequeue_many(dst, 100, wait=10))
@@ -508,16 +515,14 @@ def test_cli_sigterm_drains(dsn, dsn2, make_queue):
     assert p.returncode == 0, err
     assert "ringq move: batches" in out
     # Graceful: whatever left database 1 is in database 2, once; the rest is still there.
-    got.extend(drain(dsn2, dst))
-    rest = drain(dsn, src)
+    got.extend(drain(dsn2, dst, batch=100))
+    rest = drain(dsn, src, batch=100)
     assert 20 <= len(got) < 1000 and len(got) + len(rest) == 1000
     seqs = [unwrap(m).producer_seq for m in got] + [json.loads(m.payload)["i"] for m in rest]
     assert seqs == list(range(1, 1001))
 
 
-def test_outbox_example_runs(dsn, dsn2, make_queue):
-    import subprocess
-    import sys
+def test_outbox_example_runs(dsn: str, dsn2: str) -> None:
     from pathlib import Path
 
     example = Path(__file__).resolve().parent.parent / "examples" / "outbox.py"
@@ -530,15 +535,13 @@ def test_outbox_example_runs(dsn, dsn2, make_queue):
         assert "arrived once, in order: True" in p.stdout
 
 
-def test_a_shared_mode_source_is_refused(dsn, dsn2, make_queue):
+def test_a_shared_mode_source_is_refused(dsn: str, dsn2: str) -> None:
     """A mover needs one dequeuer at a time: with a shared source, a standby taking
     over would read past a dead mover's entries and could prune their keys."""
-    import subprocess
-
     from ringq.engine import ConfigError
     from ringq.move import MoveSourceShared
 
-    src, dst = make_queue(dsn, dequeue_mode="shared"), make_queue(dsn2)
+    src, dst = _queue(dsn, dequeue_mode="shared"), _queue(dsn2)
     produce(dsn, src, "a", 3)
     mv = Mover(dsn, src, dsn2, dst)
     with pytest.raises(MoveSourceShared, match="'shared' dequeue mode") as info:
@@ -553,6 +556,8 @@ def test_a_shared_mode_source_is_refused(dsn, dsn2, make_queue):
                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     _out, err = p.communicate(timeout=60)
     assert p.returncode == 5, err
-    assert "'shared' dequeue mode" in err and "--dequeue-mode single" in err and "Traceback" not in err
+    assert (
+        "'shared' dequeue mode" in err and "--dequeue-mode single" in err and "Traceback" not in err
+    )
     # Nothing was taken: the entries are all still in the source.
-    assert len(drain(dsn, src)) == 3 and drain(dsn2, dst) == []
+    assert len(drain(dsn, src, batch=100)) == 3 and drain(dsn2, dst, batch=100) == []

@@ -8,9 +8,13 @@ import random
 import signal
 import time
 import uuid
+from collections.abc import Callable
+from multiprocessing.process import BaseProcess
+from typing import Any
 
 import psycopg
 import pytest
+from conftest import decided_gids, drain, prepared_gids, present
 from ringq.engine import Ring, Section, connect
 from ringq.engine import layout as L
 from ringq.engine.recovery import (
@@ -25,7 +29,7 @@ from ringq.monitor import prune_keys, pump_inbox
 FORK = mp.get_context("fork")
 
 
-def _hold_and_wait(dsn, queue, kind, ready, stage) -> None:
+def _hold_and_wait(dsn: str, queue: str, kind: str, ready: Any, stage: Any) -> None:
     s = connect(dsn)
     if kind == "deq":
         m = s.dequeue(queue)
@@ -39,33 +43,25 @@ def _hold_and_wait(dsn, queue, kind, ready, stage) -> None:
         head = ring.head
         slot = head % ring.cap
         s.section.owner_w[ring.base + slot] = s.owner
-        w, m = ring._bit(slot)
-        s.section.lck_w[w] |= m
+        w, bit = ring._bit(slot)
+        s.section.lck_w[w] |= bit
     ready.set()
     stage.wait(60)
 
 
-def _kill_holding(dsn, queue, kind):
+def _kill_holding(dsn: str, queue: str, kind: str) -> BaseProcess:
     ready, stage = FORK.Event(), FORK.Event()
     p = FORK.Process(target=_hold_and_wait, args=(dsn, queue, kind, ready, stage))
     p.start()
     assert ready.wait(30)
-    os.kill(p.pid, signal.SIGKILL)
+    os.kill(present(p.pid), signal.SIGKILL)
     p.join(10)
     return p
 
 
-def drain(dsn, queue):
-    out = []
-    with connect(dsn) as s:
-        while (m := s.dequeue(queue)) is not None:
-            out.append(m)
-            s.commit()
-        s.commit()
-    return out
-
-
-def _recover_until(sec, dsn, predicate, timeout=5.0):
+def _recover_until(
+    sec: Section, dsn: str, predicate: Callable[[], bool], timeout: float = 5.0
+) -> float:
     t0 = time.monotonic()
     while time.monotonic() - t0 < timeout:
         recover_dead_clients(sec, dsn)
@@ -75,7 +71,7 @@ def _recover_until(sec, dsn, predicate, timeout=5.0):
     raise AssertionError("recovery did not happen in time")
 
 
-def test_killed_consumer_entry_is_delivered_again(dsn, make_queue):
+def test_killed_consumer_entry_is_delivered_again(dsn: str, make_queue: Callable[..., str]) -> None:
     q = make_queue()
     with connect(dsn) as s:
         s.enqueue(q, b"precious")
@@ -92,7 +88,7 @@ def test_killed_consumer_entry_is_delivered_again(dsn, make_queue):
     assert drain(dsn, q) == []
 
 
-def test_killed_producer_reservation_is_voided(dsn, make_queue):
+def test_killed_producer_reservation_is_voided(dsn: str, make_queue: Callable[..., str]) -> None:
     q = make_queue(capacity=4)
     with connect(dsn) as s:
         sec = s.section
@@ -102,12 +98,14 @@ def test_killed_producer_reservation_is_voided(dsn, make_queue):
         for i in range(8):  # the slot is usable again
             s.enqueue(q, str(i).encode())
             s.commit()
-            assert s.dequeue(q).payload == str(i).encode()
+            assert present(s.dequeue(q)).payload == str(i).encode()
             s.commit()
     assert drain(dsn, q) == []
 
 
-def test_holder_killed_inside_critical_section_is_repaired(dsn, make_queue):
+def test_holder_killed_inside_critical_section_is_repaired(
+    dsn: str, make_queue: Callable[..., str]
+) -> None:
     q = make_queue(capacity=8)
     with connect(dsn) as s:
         s.enqueue_many(q, [b"a", b"b"])
@@ -126,7 +124,7 @@ def test_holder_killed_inside_critical_section_is_repaired(dsn, make_queue):
     assert [m.payload for m in drain(dsn, q)] == [b"c"]
 
 
-def _worker_loop(dsn, queue, role, seed):
+def _worker_loop(dsn: str, queue: str, role: str, seed: int) -> None:
     rnd = random.Random(seed)
     with connect(dsn, producer=f"w{seed}") as s:
         i = 0
@@ -149,11 +147,15 @@ def _worker_loop(dsn, queue, role, seed):
                 if m is None:
                     s.commit()
                     continue
-                s.connection.execute("INSERT INTO got (payload, seq) VALUES (%s, %s)", (m.payload, m.seq))
+                s.connection.execute(
+                    "INSERT INTO got (payload, seq) VALUES (%s, %s)", (m.payload, m.seq)
+                )
                 s.commit()
 
 
-def test_kill9_producers_and_consumers_at_random_points_loses_and_doubles_nothing(dsn, make_queue):
+def test_kill9_producers_and_consumers_at_random_points_loses_and_doubles_nothing(
+    dsn: str, make_queue: Callable[..., str]
+) -> None:
     q = make_queue(capacity=32, dequeue_mode="shared")
     with psycopg.connect(dsn, autocommit=True) as c:
         c.execute("CREATE TABLE got (payload bytea, seq bigint)")
@@ -163,13 +165,19 @@ def test_kill9_producers_and_consumers_at_random_points_loses_and_doubles_nothin
     with connect(dsn) as s:
         sec = s.section
         for r in range(rounds):
-            procs = [FORK.Process(target=_worker_loop, args=(dsn, q, "p", 100 + r * 10 + k)) for k in range(2)]
-            procs += [FORK.Process(target=_worker_loop, args=(dsn, q, "c", 900 + r * 10 + k)) for k in range(2)]
+            procs = [
+                FORK.Process(target=_worker_loop, args=(dsn, q, "p", 100 + r * 10 + k))
+                for k in range(2)
+            ]
+            procs += [
+                FORK.Process(target=_worker_loop, args=(dsn, q, "c", 900 + r * 10 + k))
+                for k in range(2)
+            ]
             for p in procs:
                 p.start()
             time.sleep(rnd.uniform(0.2, 0.6))
             for p in procs:
-                os.kill(p.pid, signal.SIGKILL)
+                os.kill(present(p.pid), signal.SIGKILL)
             for p in procs:
                 p.join(10)
             recover_dead_clients(sec, dsn)
@@ -189,28 +197,33 @@ def test_kill9_producers_and_consumers_at_random_points_loses_and_doubles_nothin
     )
 
 
-def test_rebuild_after_section_loss_restores_queues(dsn, make_queue):
+def test_rebuild_after_section_loss_restores_queues(
+    dsn: str, make_queue: Callable[..., str]
+) -> None:
     q = make_queue(capacity=8)
     with connect(dsn) as s:
         s.enqueue_many(q, [b"1", b"2", b"3"])
         s.commit()
-        assert s.dequeue(q).payload == b"1"
+        assert present(s.dequeue(q)).payload == b"1"
         s.commit()
         instance = s.instance
     Section.unlink(instance)
     sec = rebuild(dsn)
-    qidx = sec.find_queue(_qid(dsn, q))
+    qidx = present(sec.find_queue(_qid(dsn, q)))
     ring = Ring(sec, qidx)
     assert ring.counts()["ready"] == 2
     assert [m.payload for m in drain(dsn, q)] == [b"2", b"3"]
 
 
-def _qid(dsn, q):
+def _qid(dsn: str, q: str) -> int:
     with psycopg.connect(dsn) as c:
-        return c.execute("SELECT id FROM ringq.queues WHERE name = %s", (q,)).fetchone()[0]
+        qid: int = present(
+            c.execute("SELECT id FROM ringq.queues WHERE name = %s", (q,)).fetchone()
+        )[0]
+    return qid
 
 
-def test_sql_enqueue_reaches_the_ring_in_order(dsn, make_queue):
+def test_sql_enqueue_reaches_the_ring_in_order(dsn: str, make_queue: Callable[..., str]) -> None:
     q = make_queue()
     with psycopg.connect(dsn, autocommit=True) as c:
         for i in range(5):
@@ -228,7 +241,9 @@ def test_sql_enqueue_reaches_the_ring_in_order(dsn, make_queue):
     assert pseqs == sorted(set(pseqs))
 
 
-def test_pump_never_waits_on_a_full_queue_and_keeps_its_rows(dsn, make_queue):
+def test_pump_never_waits_on_a_full_queue_and_keeps_its_rows(
+    dsn: str, make_queue: Callable[..., str]
+) -> None:
     # 'block' policy with a 30 s full_timeout: the pump must not wait it out.
     full = make_queue(capacity=3)
     other = make_queue()
@@ -259,7 +274,7 @@ def test_pump_never_waits_on_a_full_queue_and_keeps_its_rows(dsn, make_queue):
         assert c.execute("SELECT count(*) FROM ringq.inbox").fetchone() == (0,)
 
 
-def _prepare_and_die(dsn, queue, gid, decide, ready):
+def _prepare_and_die(dsn: str, queue: str, gid: str, decide: bool, ready: Any) -> None:
     s = connect(dsn)
     s.tpc_begin(s.xid(gid))
     s.enqueue(queue, b"2pc")
@@ -271,7 +286,9 @@ def _prepare_and_die(dsn, queue, gid, decide, ready):
 
 
 @pytest.mark.parametrize("decide", [True, False])
-def test_prepared_transaction_of_dead_coordinator_is_resolved(dsn, make_queue, decide):
+def test_prepared_transaction_of_dead_coordinator_is_resolved(
+    dsn: str, make_queue: Callable[..., str], decide: bool
+) -> None:
     q = make_queue()
     with connect(dsn) as s:
         sec = s.section
@@ -280,9 +297,9 @@ def test_prepared_transaction_of_dead_coordinator_is_resolved(dsn, make_queue, d
         p = FORK.Process(target=_prepare_and_die, args=(dsn, q, uuid.uuid4().hex, decide, ready))
         p.start()
         assert ready.wait(30)
-        os.kill(p.pid, signal.SIGKILL)
+        os.kill(present(p.pid), signal.SIGKILL)
         p.join(10)
-        recs = []
+        recs: list[Any] = []
         t0 = time.monotonic()
         while not recs and time.monotonic() - t0 < 5:
             recs = recover_dead_clients(sec, dsn)
@@ -294,17 +311,7 @@ def test_prepared_transaction_of_dead_coordinator_is_resolved(dsn, make_queue, d
     assert [m.payload for m in drain(dsn, q)] == ([b"2pc"] if decide else [])
 
 
-def _prepared(dsn):
-    with psycopg.connect(dsn, autocommit=True) as c:
-        return sorted(r[0] for r in c.execute("SELECT gid FROM pg_prepared_xacts WHERE database = current_database()"))
-
-
-def _decisions(dsn):
-    with psycopg.connect(dsn, autocommit=True) as c:
-        return sorted(r[0] for r in c.execute("SELECT gid FROM ringq.tpc_decisions"))
-
-
-def _prepare_elsewhere(dsn, gtrid, bqual=None):
+def _prepare_elsewhere(dsn: str, gtrid: str, bqual: str | None = None) -> str:
     """PREPARE an empty transaction on a plain connection, then drop the
     connection (as a dead process would); returns the gid."""
     c = psycopg.connect(dsn)
@@ -317,7 +324,9 @@ def _prepare_elsewhere(dsn, gtrid, bqual=None):
         c.close()  # not through `with`: that would commit
 
 
-def test_decided_prepared_transaction_without_queue_operations_is_committed(dsn, make_queue):
+def test_decided_prepared_transaction_without_queue_operations_is_committed(
+    dsn: str, make_queue: Callable[..., str]
+) -> None:
     make_queue()  # the ringq schema
     with psycopg.connect(dsn, autocommit=True) as c:
         c.execute("CREATE TABLE app_orders (id int)")
@@ -328,31 +337,38 @@ def test_decided_prepared_transaction_without_queue_operations_is_committed(dsn,
     s.tpc_prepare()
     s.tpc_decide()
     s.close()  # decided: left prepared for recovery
-    gids = _prepared(dsn)
-    assert len(gids) == 1 and _decisions(dsn) == gids
+    gids = prepared_gids(dsn)
+    assert len(gids) == 1 and decided_gids(dsn) == gids
     # No slots tell whether its session is alive: the decision gets a grace period.
     assert resolve_prepared(sec, dsn, timeout_s=0) == []
     assert resolve_prepared(sec, dsn, timeout_s=0, decided_grace_s=0) == [(gids[0], "commit")]
-    assert _prepared(dsn) == [] and _decisions(dsn) == []
+    assert prepared_gids(dsn) == [] and decided_gids(dsn) == []
     with psycopg.connect(dsn) as c:
         assert c.execute("SELECT id FROM app_orders").fetchall() == [(1,)]
 
 
-def test_only_ringq_prepared_transactions_are_rolled_back(dsn, make_queue):
+def test_only_ringq_prepared_transactions_are_rolled_back(
+    dsn: str, make_queue: Callable[..., str]
+) -> None:
     make_queue()
     with connect(dsn) as s:
         sec = s.section
     ours = uuid.uuid4().hex
-    ringq_gid = _prepare_elsewhere(dsn, ours, "ringq")  # a dead session's op-less branch, as Session.xid names it
+    # a dead session's op-less branch, as Session.xid names it
+    ringq_gid = _prepare_elsewhere(dsn, ours, "ringq")
     # The user's own, outside ringq: another branch qualifier, a plain name.
-    foreign = sorted([_prepare_elsewhere(dsn, ours, "app"), _prepare_elsewhere(dsn, "plain-" + ours)])
-    assert _prepared(dsn) == sorted([ringq_gid, *foreign])
+    foreign = sorted(
+        [_prepare_elsewhere(dsn, ours, "app"), _prepare_elsewhere(dsn, "plain-" + ours)]
+    )
+    assert prepared_gids(dsn) == sorted([ringq_gid, *foreign])
     assert resolve_prepared(sec, dsn, timeout_s=3600) == []  # not old enough yet
     assert resolve_prepared(sec, dsn, timeout_s=0) == [(ringq_gid, "rollback")]
-    assert _prepared(dsn) == foreign  # never touched, however old
+    assert prepared_gids(dsn) == foreign  # never touched, however old
 
 
-def test_stale_decisions_are_dropped_after_the_timeout(dsn, make_queue):
+def test_stale_decisions_are_dropped_after_the_timeout(
+    dsn: str, make_queue: Callable[..., str]
+) -> None:
     make_queue()
     with connect(dsn) as s:
         sec = s.section
@@ -360,21 +376,24 @@ def test_stale_decisions_are_dropped_after_the_timeout(dsn, make_queue):
     with psycopg.connect(dsn, autocommit=True) as c:
         # A session died between COMMIT PREPARED and clearing its decision.
         c.execute(
-            "INSERT INTO ringq.tpc_decisions (gid, decided_at) VALUES (%s, now() - interval '2 hours')",
+            "INSERT INTO ringq.tpc_decisions (gid, decided_at) "
+            "VALUES (%s, now() - interval '2 hours')",
             (gid._as_tid(),),
         )
         c.execute("INSERT INTO ringq.tpc_decisions (gid) VALUES ('recent')")
     assert resolve_prepared(sec, dsn, timeout_s=3600) == []
-    assert _decisions(dsn) == ["recent"]  # within the grace: its commit may still be on the way
+    assert decided_gids(dsn) == ["recent"]  # within the grace: its commit may still be on the way
     # The gid reused later: no decision left to commit it by mistake.
     assert _prepare_elsewhere(dsn, gid.gtrid, "ringq") == gid._as_tid()
     assert resolve_prepared(sec, dsn, timeout_s=3600) == []
-    assert _prepared(dsn) == [gid._as_tid()]
+    assert prepared_gids(dsn) == [gid._as_tid()]
     assert resolve_prepared(sec, dsn, timeout_s=0) == [(gid._as_tid(), "rollback")]
-    assert _decisions(dsn) == []  # 'recent' too, once older than the timeout
+    assert decided_gids(dsn) == []  # 'recent' too, once older than the timeout
 
 
-def test_session_dropped_without_close_is_recovered(dsn, make_queue):
+def test_session_dropped_without_close_is_recovered(
+    dsn: str, make_queue: Callable[..., str]
+) -> None:
     import gc
 
     q = make_queue()
@@ -393,18 +412,22 @@ def test_session_dropped_without_close_is_recovered(dsn, make_queue):
         s.commit()
 
 
-def test_spent_idempotency_keys_are_pruned_after_the_retention(dsn, make_queue):
+def test_spent_idempotency_keys_are_pruned_after_the_retention(
+    dsn: str, make_queue: Callable[..., str]
+) -> None:
     q = make_queue(capacity=8)
     with connect(dsn) as s:
         consumed = s.enqueue(q, b"consumed", key="k-consumed")
         queued = s.enqueue(q, b"queued", key="k-queued")
         s.commit()
-        assert s.dequeue(q).seq == consumed
+        assert present(s.dequeue(q)).seq == consumed
         s.commit()
     with psycopg.connect(dsn, autocommit=True) as c:
         c.execute("UPDATE ringq.keys SET created_at = now() - interval '2 days'")
-        qid = c.execute("SELECT id FROM ringq.queues WHERE name = %s", (q,)).fetchone()[0]
-        c.execute("INSERT INTO ringq.keys (queue_id, key, seq) VALUES (%s, 'k-dropped', 0)", (qid + 1000,))
+        qid = present(c.execute("SELECT id FROM ringq.queues WHERE name = %s", (q,)).fetchone())[0]
+        c.execute(
+            "INSERT INTO ringq.keys (queue_id, key, seq) VALUES (%s, 'k-dropped', 0)", (qid + 1000,)
+        )
     with connect(dsn) as s:
         recent = s.enqueue(q, b"recent", key="k-recent")  # within the retention
         s.commit()
@@ -420,7 +443,9 @@ def test_spent_idempotency_keys_are_pruned_after_the_retention(dsn, make_queue):
         s.commit()
 
 
-def test_key_pruning_runs_along_the_created_at_index(dsn, make_queue):
+def test_key_pruning_runs_along_the_created_at_index(
+    dsn: str, make_queue: Callable[..., str]
+) -> None:
     from ringq.engine import queue_table
     from ringq.engine.sqlfile import load
 
@@ -428,14 +453,18 @@ def test_key_pruning_runs_along_the_created_at_index(dsn, make_queue):
 
     q = make_queue(capacity=8)
     with psycopg.connect(dsn, autocommit=True) as c:
-        qid = c.execute("SELECT id FROM ringq.queues WHERE name = %s", (q,)).fetchone()[0]
+        qid = present(c.execute("SELECT id FROM ringq.queues WHERE name = %s", (q,)).fetchone())[0]
         idx = c.execute(
-            "SELECT indexdef FROM pg_indexes WHERE schemaname = 'ringq' AND indexname = 'keys_queue_id_created_at'"
+            "SELECT indexdef FROM pg_indexes WHERE schemaname = 'ringq' AND indexname = "
+            "'keys_queue_id_created_at'"
         ).fetchone()
         assert idx is not None and "(queue_id, created_at)" in idx[0]
         # Keys of a dropped queue, more than one batch of them.
-        c.execute("INSERT INTO ringq.keys (queue_id, key, seq, created_at) "
-                  "SELECT %s, 'd' || g, g, now() - interval '2 days' FROM generate_series(1, 5) g", (qid + 1000,))
+        c.execute(
+            "INSERT INTO ringq.keys (queue_id, key, seq, created_at) "
+            "SELECT %s, 'd' || g, g, now() - interval '2 days' FROM generate_series(1, 5) g",
+            (qid + 1000,),
+        )
         c.execute("ANALYZE ringq.keys")
         # The index can serve every pruning query (the planner would pick a
         # sequential scan of so small a table, so that one is ruled out).
@@ -444,17 +473,21 @@ def test_key_pruning_runs_along_the_created_at_index(dsn, make_queue):
             (psycopg.sql.SQL(_Q["keys_queues"]), (86_400,)),
             (psycopg.sql.SQL(_Q["keys_prune"]).format(table=queue_table(q)), (qid, 86_400, 8, 10)),
         ]:
-            plan = "\n".join(r[0] for r in c.execute(psycopg.sql.SQL("EXPLAIN ") + query, args).fetchall())
+            plan = "\n".join(
+                r[0] for r in c.execute(psycopg.sql.SQL("EXPLAIN ") + query, args).fetchall()
+            )
             assert "keys_queue_id_created_at" in plan, plan
             assert "Seq Scan on keys" not in plan, plan
-        plan = "\n".join(r[0] for r in c.execute("EXPLAIN " + _Q["keys_prune_dropped"], (10,)).fetchall())
+        plan = "\n".join(
+            r[0] for r in c.execute("EXPLAIN " + _Q["keys_prune_dropped"], (10,)).fetchall()
+        )
         assert "Seq Scan on keys" not in plan, plan
     assert prune_keys(dsn, retention_s=86_400, batch=3) == {"": 3}
     assert prune_keys(dsn, retention_s=86_400, batch=3) == {"": 2}
     assert prune_keys(dsn, retention_s=86_400, batch=3) == {}
 
 
-def test_key_pruning_errors_are_ringq_errors(dsn, make_queue):
+def test_key_pruning_errors_are_ringq_errors(dsn: str, make_queue: Callable[..., str]) -> None:
     from ringq.engine import RingqError
 
     make_queue()
@@ -467,3 +500,161 @@ def test_key_pruning_errors_are_ringq_errors(dsn, make_queue):
     finally:
         with psycopg.connect(dsn, autocommit=True) as c:
             c.execute("ALTER TABLE ringq.keys_gone RENAME TO keys")
+
+
+# -- owner tokens: slots are decided by the identity of the connection that held them -------------
+
+
+def _terminate(dsn: str, pid: int) -> None:
+    with psycopg.connect(dsn, autocommit=True) as admin:
+        admin.execute("SELECT pg_terminate_backend(%s)", (pid,))
+        while present(
+            admin.execute("SELECT count(*) FROM pg_stat_activity WHERE pid = %s", (pid,)).fetchone()
+        )[0]:
+            time.sleep(0.01)
+
+
+def test_session_that_cannot_decide_its_lost_slots_hands_them_over(
+    dsn: str, make_queue: Callable[..., str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The issue's point 0: a session loses its connection while holding an
+    entry and deciding it fails too; the entry must not stay locked under a
+    client entry that a later session of the same process takes over."""
+    from ringq.engine import DatabaseUnavailable, InDoubt
+
+    q = make_queue()
+    with connect(dsn) as p:
+        p.enqueue(q, b"held")
+        p.commit()
+    s = connect(dsn)
+    old_token, cidx = s.owner, s._cidx
+    assert s.dequeue(q) is not None
+
+    def fails(*args: object) -> None:
+        raise DatabaseUnavailable("the new connection was terminated too")
+
+    monkeypatch.setattr(s, "_decide_lost", fails)
+    _terminate(dsn, s.backend_pid)
+    with pytest.raises(InDoubt):
+        s.commit()
+    monkeypatch.undo()
+    sec, ring = s.section, s.ring(q)
+    assert sec.c(cidx, L.C_STATE) == L.CS_IN_DOUBT and sec.c(cidx, L.C_TOKEN) == old_token
+    assert s.owner != old_token  # the session goes on under a fresh identity
+    s.close()
+    with connect(dsn) as later:  # a later session of this process
+        assert later.owner != old_token
+        assert ring.counts()["locked"] == 1
+        _recover_until(sec, dsn, lambda: ring.counts()["locked"] == 0)
+        m = later.dequeue(q)
+        assert m is not None and m.payload == b"held" and m.deliveries == 2
+        later.commit()
+
+
+@pytest.mark.parametrize("mode", ["shared", "single"])
+def test_orphaned_slot_is_decided_once_its_holder_backend_is_gone(
+    dsn: str, make_queue: Callable[..., str], mode: str
+) -> None:
+    """A slot whose token no entry carries any more (here: the session's token
+    renewed behind its back) is decided by recovery once the backend recorded
+    with it has ended, though the entry it came from is live and in use."""
+    q = make_queue(dequeue_mode=mode)
+    with connect(dsn) as p:
+        p.enqueue_many(q, [b"first", b"second"])
+        p.commit()
+    with connect(dsn) as s, connect(dsn) as other:
+        sec, ring = s.section, s.ring(q)
+        assert present(s.dequeue(q)).payload == b"first"
+        held_by = s.backend_pid
+        slot = ring.tail % ring.cap
+        assert ring.holder(slot) == held_by and ring.bits(slot)[3] == s.owner
+        s.owner = sec.renew_client(s._cidx, held_by)  # the old token is orphaned; its backend lives
+        s._ops = []
+        assert recover_dead_clients(sec, dsn) == []  # its transaction is open: it may still commit
+        assert ring.counts()["locked"] == 1
+        if mode == "single":
+            assert other.dequeue(q) is None  # the orphaned token holds the dequeuer role
+        _terminate(dsn, held_by)
+        [rec] = recover_dead_clients(sec, dsn)
+        assert (rec.slots, rec.rolled_back, rec.backend_pid) == (1, 1, held_by)
+        assert sec.c(s._cidx, L.C_STATE) == L.CS_ACTIVE  # the entry is not touched
+        m = other.dequeue(q)
+        assert m is not None and m.payload == b"first" and m.deliveries == 2
+        other.commit()
+
+
+def test_close_never_frees_an_entry_with_slots_locked_under_it(
+    dsn: str, make_queue: Callable[..., str]
+) -> None:
+    q = make_queue()
+    with connect(dsn) as p:
+        p.enqueue(q, b"leaked")
+        p.commit()
+    s = connect(dsn)
+    sec, ring, cidx = s.section, s.ring(q), s._cidx
+    assert s.dequeue(q) is not None
+    s._ops = []  # the session lost track of it (as an interrupted call could)
+    s.close()
+    assert sec.c(cidx, L.C_STATE) == L.CS_IN_DOUBT
+    _recover_until(sec, dsn, lambda: ring.counts()["locked"] == 0)
+    assert sec.c(cidx, L.C_STATE) == L.CS_FREE
+    assert [m.payload for m in drain(dsn, q)] == [b"leaked"]
+
+
+# -- recovery does not need a monitor (issue point 1) ----------------------------------------------
+
+
+@pytest.mark.parametrize("mode", ["single", "shared"])
+def test_killed_consumer_entry_is_taken_by_another_consumer_without_a_monitor(
+    dsn: str, make_queue: Callable[..., str], mode: str
+) -> None:
+    """No monitor runs: a consumer that finds nothing ready while a dead
+    client holds the queue's entry (and, in single mode, its dequeuer role)
+    decides it itself, within a few seconds."""
+    q = make_queue(dequeue_mode=mode)
+    with connect(dsn) as p:
+        p.enqueue(q, b"held by the dead")
+        p.commit()
+    _kill_holding(dsn, q, "deq")
+    with connect(dsn) as s:
+        t0 = time.monotonic()
+        m = s.dequeue(q, wait=10)
+        assert m is not None and m.payload == b"held by the dead" and m.deliveries == 2
+        assert time.monotonic() - t0 < 5
+        s.commit()
+        assert s.ring(q).counts()["locked"] == 0
+
+
+def test_a_full_queue_blocked_by_a_dead_producer_is_recovered_by_the_next_enqueue(
+    dsn: str, make_queue: Callable[..., str]
+) -> None:
+    q = make_queue(capacity=4)
+    with connect(dsn) as p:
+        for i in range(3):
+            p.enqueue(q, b"%d" % i)
+            p.commit()
+        assert [p.dequeue(q) is not None for _ in range(3)] == [True] * 3
+        p.commit()
+    _kill_holding(dsn, q, "enq")  # reserves the 4th slot, then dies: the tail cannot pass it
+    with connect(dsn) as s:
+        for i in range(4):
+            s.enqueue(q, b"after %d" % i, timeout=10)
+            s.commit()
+    assert [m.payload for m in drain(dsn, q)] == [b"after %d" % i for i in range(4)]
+
+
+def test_recover_dead_holders_waits_until_the_queue_is_clear(
+    dsn: str, make_queue: Callable[..., str]
+) -> None:
+    q = make_queue()
+    with connect(dsn) as p:
+        p.enqueue(q, b"x")
+        p.commit()
+    _kill_holding(dsn, q, "enq")
+    _kill_holding(dsn, q, "deq")
+    with connect(dsn) as s:
+        assert s.ring(q).counts()["locked"] == 2
+        s.recover_dead_holders(q, timeout=10)
+        assert s.ring(q).counts()["locked"] == 0
+        assert present(s.dequeue(q)).deliveries == 2
+        s.commit()

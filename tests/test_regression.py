@@ -24,6 +24,7 @@ from typing import Any
 import posix_ipc
 import psycopg
 import pytest
+from conftest import present
 from psycopg import sql
 from ringq.cli import main as cli_main
 from ringq.engine import ConfigError, pid_alive, section_name
@@ -39,7 +40,7 @@ from ringq.regression import (
     verify,
 )
 from ringq.regression import _payload as P
-from ringq.regression import _sql as S
+from ringq.regression import _queries as S
 
 pytestmark = pytest.mark.slow
 
@@ -55,7 +56,9 @@ def _drop_database(admin: str, dsn: str, name: str) -> None:
             conn.execute(sql.SQL("ROLLBACK PREPARED {}").format(sql.Literal(gid)))
     _unlink_section(dsn)
     with psycopg.connect(admin, autocommit=True) as conn:
-        conn.execute(sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(name)))
+        conn.execute(
+            sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(name))
+        )
 
 
 def _unlink_section(dsn: str) -> None:
@@ -158,7 +161,11 @@ def test_a_small_cycle_is_proven(module_dsn: str, stored: RunOutcome, reports: P
     with psycopg.connect(module_dsn) as conn:
         names = [r[0] for r in conn.execute("SELECT name FROM ringq.queues").fetchall()]
         assert not any(stored.run_id in n for n in names)
-        (sent,) = conn.execute(sql.SQL("SELECT count(*) FROM {}.sent").format(S.schema_of(stored.run_id))).fetchone()
+        (sent,) = present(
+            conn.execute(
+                sql.SQL("SELECT count(*) FROM {}.sent").format(S.schema_of(stored.run_id))
+            ).fetchone()
+        )
         assert sent == 1000
 
 
@@ -180,22 +187,38 @@ def planted(dsn: str, run_id: str, kind: str) -> Iterator[dict[str, Any]]:
     undo: Callable[[psycopg.Connection[Any]], None]
     with psycopg.connect(dsn, autocommit=True) as conn:
         if kind == "lost":
-            row = conn.execute(sql.SQL(
-                "DELETE FROM {t} WHERE ctid = (SELECT ctid FROM {t} ORDER BY recv_order LIMIT 1 OFFSET 7) "
-                "RETURNING cycle, qseq, recv_order, deliveries, consumer, payload, deq_at").format(t=table)).fetchone()
-            assert row is not None
+            row = present(
+                conn.execute(
+                    sql.SQL(
+                        "DELETE FROM {t} WHERE ctid = "
+                        "(SELECT ctid FROM {t} ORDER BY recv_order LIMIT 1 OFFSET 7) "
+                        "RETURNING cycle, qseq, recv_order, deliveries, consumer, payload, deq_at"
+                    ).format(t=table)
+                ).fetchone()
+            )
 
             def undo(c: psycopg.Connection[Any]) -> None:
-                c.execute(sql.SQL("INSERT INTO {} (cycle, qseq, recv_order, deliveries, consumer, payload, deq_at) "
-                                  "VALUES (%s, %s, %s, %s, %s, %s, %s)").format(table), row)
+                c.execute(
+                    sql.SQL(
+                        "INSERT INTO {} "
+                        "(cycle, qseq, recv_order, deliveries, consumer, payload, deq_at) "
+                        "VALUES (%s, %s, %s, %s, %s, %s, %s)"
+                    ).format(table),
+                    row,
+                )
 
             what = {"qseq": row[1]}
         elif kind == "duplicate":
-            row = conn.execute(sql.SQL(
-                "INSERT INTO {t} (cycle, qseq, recv_order, deliveries, consumer, payload) "
-                "SELECT cycle, qseq, (SELECT max(recv_order) + 1 FROM {t}), 1, consumer, payload FROM {t} "
-                "ORDER BY recv_order LIMIT 1 OFFSET 11 RETURNING qseq, recv_order").format(t=table)).fetchone()
-            assert row is not None
+            row = present(
+                conn.execute(
+                    sql.SQL(
+                        "INSERT INTO {t} (cycle, qseq, recv_order, deliveries, consumer, payload) "
+                        "SELECT cycle, qseq, (SELECT max(recv_order) + 1 FROM {t}), 1, "
+                        "consumer, payload FROM {t} "
+                        "ORDER BY recv_order LIMIT 1 OFFSET 11 RETURNING qseq, recv_order"
+                    ).format(t=table)
+                ).fetchone()
+            )
 
             def undo(c: psycopg.Connection[Any]) -> None:
                 c.execute(sql.SQL("DELETE FROM {} WHERE recv_order = %s").format(table), (row[1],))
@@ -203,12 +226,16 @@ def planted(dsn: str, run_id: str, kind: str) -> Iterator[dict[str, Any]]:
             what = {"qseq": row[0]}
         elif kind == "out_of_order":
             # Two entries of one producer, next to each other in its dequeue order: swap them.
-            pair = conn.execute(sql.SQL(
-                "SELECT r.recv_order, s.producer, s.pseq FROM {t} r JOIN {s}.sent s "
-                "ON s.cycle = r.cycle AND s.queue = %s AND s.qseq = r.qseq "
-                "WHERE s.producer = (SELECT producer FROM {s}.sent WHERE queue = %s GROUP BY producer "
-                "ORDER BY count(*) DESC LIMIT 1) ORDER BY r.recv_order LIMIT 2 OFFSET 3"
-            ).format(t=table, s=schema), (queue.idx, queue.idx)).fetchall()
+            pair = conn.execute(
+                sql.SQL(
+                    "SELECT r.recv_order, s.producer, s.pseq FROM {t} r JOIN {s}.sent s "
+                    "ON s.cycle = r.cycle AND s.queue = %s AND s.qseq = r.qseq "
+                    "WHERE s.producer = (SELECT producer FROM {s}.sent WHERE queue = %s "
+                    "GROUP BY producer "
+                    "ORDER BY count(*) DESC LIMIT 1) ORDER BY r.recv_order LIMIT 2 OFFSET 3"
+                ).format(t=table, s=schema),
+                (queue.idx, queue.idx),
+            ).fetchall()
             assert len(pair) == 2 and pair[0][2] < pair[1][2]
             (a, _, _), (b, _, _) = pair
             swap = sql.SQL(
@@ -222,17 +249,27 @@ def planted(dsn: str, run_id: str, kind: str) -> Iterator[dict[str, Any]]:
             what = {"producer": pair[0][1], "pseq": pair[0][2]}
         elif kind == "corrupt":
             # One byte of the filler, in the middle of the payload.
-            row = conn.execute(sql.SQL(
-                "SELECT qseq, recv_order, payload FROM {} ORDER BY recv_order LIMIT 1 OFFSET 5").format(table)
-            ).fetchone()
-            assert row is not None
+            row = present(
+                conn.execute(
+                    sql.SQL(
+                        "SELECT qseq, recv_order, payload FROM {} "
+                        "ORDER BY recv_order LIMIT 1 OFFSET 5"
+                    ).format(table)
+                ).fetchone()
+            )
             qseq, order, payload = row
             bad = bytearray(payload)
             bad[len(bad) // 2] ^= 0x01
-            conn.execute(sql.SQL("UPDATE {} SET payload = %s WHERE recv_order = %s").format(table), (bytes(bad), order))
+            conn.execute(
+                sql.SQL("UPDATE {} SET payload = %s WHERE recv_order = %s").format(table),
+                (bytes(bad), order),
+            )
 
             def undo(c: psycopg.Connection[Any]) -> None:
-                c.execute(sql.SQL("UPDATE {} SET payload = %s WHERE recv_order = %s").format(table), (payload, order))
+                c.execute(
+                    sql.SQL("UPDATE {} SET payload = %s WHERE recv_order = %s").format(table),
+                    (payload, order),
+                )
 
             what = {"qseq": qseq}
         elif kind == "rolled_back_delivered":
@@ -251,7 +288,9 @@ def planted(dsn: str, run_id: str, kind: str) -> Iterator[dict[str, Any]]:
             assert order is not None
 
             def undo(c: psycopg.Connection[Any]) -> None:
-                c.execute(sql.SQL("DELETE FROM {} WHERE recv_order = %s").format(rb_table), (order[0],))
+                c.execute(
+                    sql.SQL("DELETE FROM {} WHERE recv_order = %s").format(rb_table), (order[0],)
+                )
 
             what = {"qseq": qseq}
         else:
@@ -279,7 +318,11 @@ def test_a_planted_fault_is_caught_with_its_kind(
 
 
 def test_verify_command_exits_non_zero_on_a_violation(
-    module_dsn: str, stored: RunOutcome, verifier: Verifier, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    module_dsn: str,
+    stored: RunOutcome,
+    verifier: Verifier,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
 ) -> None:
     argv = ["regress", "verify", stored.run_id, "--dsn", module_dsn, "--report-dir", str(tmp_path)]
     with planted(module_dsn, stored.run_id, "lost"):
@@ -314,14 +357,18 @@ def test_regress_command_exits_by_its_proof(
     out = capsys.readouterr()
     assert "PASS" in out.out and "all proven" in out.err, out
 
-    real = _runner.run_cycle
+    real = vars(_runner)["run_cycle"]  # the name _runner calls, patched below
 
     def losing_one(dsn: str, info: Any, cycle: int, **kw: Any) -> Any:
         result = real(dsn, info, cycle, **kw)
         with psycopg.connect(dsn, autocommit=True) as conn:
-            gone = conn.execute(sql.SQL(
-                "DELETE FROM {t} WHERE ctid = (SELECT ctid FROM {t} ORDER BY recv_order LIMIT 1 OFFSET 3) "
-                "RETURNING qseq").format(t=_received(info.run_id, info.queues[1].name))).fetchone()
+            gone = conn.execute(
+                sql.SQL(
+                    "DELETE FROM {t} WHERE ctid = "
+                    "(SELECT ctid FROM {t} ORDER BY recv_order LIMIT 1 OFFSET 3) "
+                    "RETURNING qseq"
+                ).format(t=_received(info.run_id, info.queues[1].name))
+            ).fetchone()
         assert gone is not None
         return result
 
@@ -385,8 +432,8 @@ def test_second_signal_aborts_the_cycle(dsn: str, tmp_path: Path) -> None:
     assert proc.returncode == 130, err
     assert "cycle 1: workload aborted" in err and "aborted after 1 cycle(s)" in err, err
     with psycopg.connect(dsn) as conn:
-        # Nothing of the run is left in doubt or queued: the aborted workers' transactions rolled back
-        # and the run's queues were dropped.
+        # Nothing of the run is left in doubt or queued: the aborted workers' transactions
+        # rolled back and the run's queues were dropped.
         assert conn.execute("SELECT count(*) FROM pg_prepared_xacts").fetchone() == (0,)
         assert conn.execute("SELECT count(*) FROM ringq.queues").fetchone() == (0,)
 
@@ -415,7 +462,9 @@ def test_chaos_options_are_checked() -> None:
         RegressConfig(chaos_pg_restart=True)
     cfg = RegressConfig(chaos=True, chaos_interval=(0.5, 1.5), chaos_pg_restart=True)
     assert RegressConfig.from_json(cfg.to_json()) == cfg
-    assert cli_main(["regress", "--chaos-pg-restart", "--dsn", "postgresql://nowhere.invalid/x"]) == 2
+    assert (
+        cli_main(["regress", "--chaos-pg-restart", "--dsn", "postgresql://nowhere.invalid/x"]) == 2
+    )
 
 
 def test_a_cycle_under_chaos_is_proven(dsn: str, verifier: Verifier, tmp_path: Path) -> None:
@@ -447,14 +496,16 @@ def test_a_cycle_under_chaos_is_proven(dsn: str, verifier: Verifier, tmp_path: P
     assert chaos["pg_restarts"] == 1 and not chaos["errors"], chaos
     assert chaos["resumed"] > 0 and chaos["reconnects"] > 0, chaos
     assert report.chaos["producers"] == chaos["producers"] and report.chaos["pg_restarts"] == 1
-    assert re.search(r"chaos +producers \d+  consumers \d+  monitor \d+  pg restarts 1", report.summary())
+    assert re.search(
+        r"chaos +producers \d+  consumers \d+  monitor \d+  pg restarts 1", report.summary()
+    )
     saved = json.loads(Path(report.path or "").read_text())
     assert saved["chaos"]["monitor"] == chaos["monitor"]
     with psycopg.connect(dsn) as conn:
         assert conn.execute("SELECT count(*) FROM pg_prepared_xacts").fetchone() == (0,)
 
 
-# -- chaos takes over the monitor that serves the database -------------------------------------------
+# -- chaos takes over the monitor that serves the database -----------------------------------------
 
 
 def _monitor_state(data: Path) -> dict[str, Any]:
@@ -487,9 +538,16 @@ def test_chaos_takes_over_the_serving_monitor(
     data = tmp_path / "monitor"
     env = dict(os.environ, RINGQ_HOME=str(tmp_path / "home"))
     started = subprocess.run(
-        [sys.executable, "-m", "ringq.cli", "monitor", "--dsn", dsn, "--port", "0", "--data-dir", str(data),
-         "--prepared-timeout", "2", "--log-level", "warning", "--detach"],
-        env=env, capture_output=True, text=True, timeout=60, check=False,
+        [
+            sys.executable, "-m", "ringq.cli", "monitor", "--dsn", dsn, "--port", "0",
+            "--data-dir", str(data), "--prepared-timeout", "2", "--log-level", "warning",
+            "--detach",
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
     )
     assert started.returncode == 0, started.stderr
     first = _monitor_state(data)
@@ -503,13 +561,20 @@ def test_chaos_takes_over_the_serving_monitor(
         # A serving monitor chaos cannot find is refused before anything is created.
         with pytest.raises(ForeignMonitor, match="--monitor-dir"):
             run(dsn, config, cycles=1, monitor_dir=tmp_path / "elsewhere")
-        argv = ["regress", "--dsn", dsn, "--chaos", "--no-verify", "--monitor-dir", str(tmp_path / "elsewhere")]
+        argv = [
+            "regress", "--dsn", dsn, "--chaos", "--no-verify",
+            "--monitor-dir", str(tmp_path / "elsewhere"),
+        ]
         assert cli_main(argv) == 5
         assert "a monitor serves this database" in capsys.readouterr().err
         with psycopg.connect(dsn) as conn:
-            assert conn.execute("SELECT count(*) FROM pg_namespace WHERE nspname LIKE 'regress\\_%'").fetchone() == (0,)
+            assert conn.execute(
+                "SELECT count(*) FROM pg_namespace WHERE nspname LIKE 'regress\\_%'"
+            ).fetchone() == (0,)
 
-        outcome = run(dsn, config, cycles=1, verifier=verifier, report_dir=tmp_path, monitor_dir=data)
+        outcome = run(
+            dsn, config, cycles=1, verifier=verifier, report_dir=tmp_path, monitor_dir=data
+        )
         result = outcome.results[0]
         assert result.status == "done" and not result.errors, result
         assert outcome.reports[0].ok, outcome.reports[0].summary()

@@ -14,7 +14,6 @@ import json
 import os
 import re
 import shutil
-import socket
 import subprocess
 import sys
 import threading
@@ -24,10 +23,10 @@ from typing import Any
 
 import psycopg
 import pytest
+from conftest import cli, closed_port
 from psycopg import sql
-from ringq.cli import main
 from ringq.engine import MAX_CAPACITY, ConfigError, InvalidQueueName, QueueExists, QueueNotFound
-from ringq.engine.layout import MAX_QUEUES, SLOT_POOL
+from ringq.engine.layout import MAX_QUEUES, Q_LEASE_MS, SLOT_POOL
 from ringq.scripting import (
     Cluster,
     QueueSpec,
@@ -55,17 +54,6 @@ BAD_NUMBERS = [
 @pytest.fixture(scope="module")
 def psql(pg_cluster: Cluster) -> str:
     return shutil.which("psql") or str(pg_cluster.bindir / "psql")
-
-
-def cli(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
-    """Run ``ringq ARGV`` in-process: (exit code, stdout, stderr)."""
-    capsys.readouterr()
-    try:
-        code = main(list(argv))
-    except SystemExit as exc:  # argparse's own usage errors
-        code = int(exc.code or 0)
-    out, err = capsys.readouterr()
-    return code, out, err
 
 
 def run(argv: list[str], **kw: Any) -> subprocess.CompletedProcess[str]:
@@ -113,7 +101,8 @@ def fingerprint(dsn: str) -> dict[str, Any]:
             if kind == "r":
                 fp[name] = conn.execute(
                     sql.SQL(
-                        "SELECT count(*), md5(coalesce(string_agg(t::text, '|' ORDER BY t::text), ''))"
+                        "SELECT count(*), "
+                        "md5(coalesce(string_agg(t::text, '|' ORDER BY t::text), ''))"
                         " FROM {} AS t"
                     ).format(ident)
                 ).fetchone()
@@ -132,14 +121,6 @@ def ring_slots(dsn: str, name: str) -> list[tuple[int, int]]:
             )
         ).fetchall()
     return [(slot, state) for slot, state in rows]
-
-
-def closed_port() -> int:
-    """A local port that nothing listens on (bound, then closed)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-    return port
 
 
 # The psql script -------------------------------------------------------------
@@ -419,6 +400,63 @@ def _wait_for_advisory_waiter(dsn: str, timeout: float = 10.0) -> None:
                 return
             time.sleep(0.01)  # polling a condition, not timing a race
     raise AssertionError("the second creator never waited on the DDL lock")
+
+
+@pytest.mark.parametrize("value", [-1.0, float("nan"), float("inf"), True, "5"])
+def test_bad_leases_are_refused(value: Any, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(ConfigError, match=r"^lease must be a number of seconds from 0 to"):
+        QueueSpec("q", 10, 10, lease=value)
+    if isinstance(value, float):
+        code, out, err = cli(
+            capsys, "script", "create-queue", *spec_args("q", 10, 10, f"--lease={value}")
+        )
+        assert (code, out) == (2, "")
+        assert err.startswith("ringq: lease must be a number of seconds from 0 to ")
+
+
+def test_lease_is_a_queue_setting_read_by_sessions_and_shown(
+    dsn: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from ringq.engine import DEFAULT_LEASE, connect
+
+    code, _, err = cli(
+        capsys, "queue", "create", *spec_args("leased", 8, 64, "--lease", "2.5"), "--dsn", dsn
+    )
+    assert code == 0, err
+    code, out, _ = cli(capsys, "queue", "show", "leased", "--dsn", dsn)
+    shown = dict(re.split(r"\s{2,}", line, maxsplit=1) for line in out.splitlines())
+    assert shown["lease"] == "2.5 s"
+    with psycopg.connect(dsn) as conn:
+        create_queue(conn, QueueSpec("plain", 8, 64))
+        create_queue(conn, QueueSpec("unleased", 8, 64, lease=0))
+        assert describe_queue(conn, "unleased").lease == 0
+    with connect(dsn) as s:
+        assert s.queue_info("leased").lease == 2.5
+        assert s.queue_info("plain").lease == DEFAULT_LEASE == 300.0
+        ring = s.ring("leased")
+        assert s.section.q(ring.qidx, Q_LEASE_MS) == 2500  # the monitor reads it there
+    # A different lease is a different queue: refused, as any other setting.
+    with psycopg.connect(dsn) as conn, pytest.raises(QueueExists):
+        create_queue(conn, QueueSpec("leased", 8, 64, lease=3.0))
+
+
+def test_a_schema_made_before_the_lease_column_still_works_and_gets_it(dsn: str) -> None:
+    from ringq.engine import connect
+
+    with psycopg.connect(dsn) as conn:
+        create_queue(conn, QueueSpec("old", 8, 64))
+        conn.execute("ALTER TABLE ringq.queues DROP COLUMN lease")  # as made by older code
+        conn.commit()
+    with connect(dsn) as s:
+        assert s.queue_info("old").lease == 300.0  # the default, read without the column
+        s.enqueue("old", b"x")
+        s.commit()
+        msg = s.dequeue("old")
+        assert msg is not None and msg.payload == b"x"
+        s.commit()
+    with psycopg.connect(dsn) as conn:
+        create_queue(conn, QueueSpec("old", 8, 64))  # the schema block adds the column back
+        assert describe_queue(conn, "old").lease == 300.0
 
 
 def test_queue_list_show_and_drop(dsn: str, capsys: pytest.CaptureFixture[str]) -> None:

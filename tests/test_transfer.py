@@ -10,74 +10,30 @@ from __future__ import annotations
 import json
 import os
 import random
-import secrets
 import signal
 import subprocess
 import sys
 import time
-import uuid
-from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import psycopg
 import pytest
-from psycopg import sql
-from ringq.engine import Section, connect
+from conftest import present, queue_in
+from ringq.engine import connect
 from ringq.engine.recovery import reclaim_all, recover_dead_clients, repair_lock_holders
 from ringq.move import already_applied, create_applied_table
-from ringq.scripting import QueueSpec, create_queue
 
 EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "transfer.py"
-
-
-@pytest.fixture
-def dsn2(pg_cluster) -> Iterator[str]:
-    """A second database next to ``dsn`` (bank B)."""
-    name = f"t_{secrets.token_hex(6)}"
-    with psycopg.connect(pg_cluster.url("postgres"), autocommit=True) as conn:
-        conn.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(name)))
-    try:
-        yield pg_cluster.url(name)
-    finally:
-        with psycopg.connect(pg_cluster.url("postgres"), autocommit=True) as conn:
-            conn.execute(
-                sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(name))
-            )
-
-
-def _unlink_section(where: str) -> None:
-    with psycopg.connect(where, autocommit=True) as conn:
-        if not conn.execute("SELECT to_regclass('ringq.meta') IS NOT NULL").fetchone()[0]:
-            return
-        row = conn.execute("SELECT value FROM ringq.meta WHERE key = 'instance_id'").fetchone()
-        qids = [r[0] for r in conn.execute("SELECT id FROM ringq.queues").fetchall()]
-    if row:
-        Section.unlink(row[0])
-        Section.unlink_semaphores(row[0], qids)
-
-
-@pytest.fixture
-def sections(dsn, dsn2) -> Iterator[None]:
-    """Remove both databases' global sections (and semaphores) afterwards."""
-    yield
-    _unlink_section(dsn)
-    _unlink_section(dsn2)
-
-
-def _queue(dsn: str, capacity: int = 64, max_payload: int = 1024, **kw) -> str:
-    name = "q_" + uuid.uuid4().hex[:10]
-    with psycopg.connect(dsn) as conn:
-        create_queue(conn, QueueSpec(name, capacity, max_payload, **kw))
-    return name
 
 
 # -- the helper ------------------------------------------------------------------------------------
 
 
-def test_redelivered_entry_is_recognized_in_another_database(dsn, dsn2, sections):
+def test_redelivered_entry_is_recognized_in_another_database(dsn: str, dsn2: str) -> None:
     """Peek, apply in another database's transaction, then remove: a crash
     between the two commits redelivers, and the record says "applied"."""
-    q = _queue(dsn, max_deliveries=10)
+    q = queue_in(dsn, max_deliveries=10)
     with connect(dsn) as s:
         s.enqueue(q, b"credit 10")
         s.commit()
@@ -95,33 +51,33 @@ def test_redelivered_entry_is_recognized_in_another_database(dsn, dsn2, sections
                 s.rollback()  # "crashed" before the dequeue committed: delivered again
             else:
                 s.commit()
-        assert bank.execute("SELECT n FROM acct").fetchone()[0] == 10
+        assert present(bank.execute("SELECT n FROM acct").fetchone())[0] == 10
         rows = bank.execute("SELECT consumer, queue, seq FROM ringq.applied").fetchall()
-        assert rows == [("acct", q, msg.seq)]
+        assert rows == [("acct", q, present(msg).seq)]
 
 
-def test_effect_rolled_back_is_not_recorded(dsn, sections):
-    q = _queue(dsn)
+def test_effect_rolled_back_is_not_recorded(dsn: str) -> None:
+    q = queue_in(dsn)
     with connect(dsn) as s:
         s.enqueue(q, b"x")
         s.commit()
-        msg = s.dequeue(q)
+        msg = present(s.dequeue(q))
         assert not already_applied(s, "c", msg)
         assert already_applied(s, "c", msg)  # same transaction: seen
         assert not already_applied(s, "other", msg)  # per consumer
         s.rollback()  # the effect and its record go together
-        msg = s.dequeue(q)
+        msg = present(s.dequeue(q))
         assert not already_applied(s, "c", msg)
         s.commit()
 
 
-def test_moved_entry_is_recorded_by_its_origin(dsn, dsn2, sections):
+def test_moved_entry_is_recorded_by_its_origin(dsn: str, dsn2: str) -> None:
     """The same source entry arriving twice by two roads (moved, then moved
     again after being re-sent) is one entry for the applied table."""
     from ringq.move import wrap
 
-    q = _queue(dsn2, max_payload=2048)
-    _queue(dsn)  # database 1's schema, for its instance id
+    q = queue_in(dsn2, max_payload=2048)
+    queue_in(dsn)  # database 1's schema, for its instance id
     with connect(dsn) as src:
         instance = src.instance
     with connect(dsn2) as s:
@@ -133,7 +89,7 @@ def test_moved_entry_is_recorded_by_its_origin(dsn, dsn2, sections):
         s.enqueue(q, wrap(original, instance, 3))
         s.enqueue(q, wrap(original, instance, 3))  # a second copy (not deduplicated on purpose)
         s.commit()
-        a, b = s.dequeue(q), s.dequeue(q)
+        a, b = present(s.dequeue(q)), present(s.dequeue(q))
         assert a.seq != b.seq
         assert not already_applied(s, "pay", a)
         assert already_applied(s, "pay", b)
@@ -143,7 +99,7 @@ def test_moved_entry_is_recorded_by_its_origin(dsn, dsn2, sections):
         s.commit()
 
 
-def test_create_is_idempotent_and_concurrent(dsn):
+def test_create_is_idempotent_and_concurrent(dsn: str) -> None:
     import threading
 
     errors: list[BaseException] = []
@@ -163,14 +119,14 @@ def test_create_is_idempotent_and_concurrent(dsn):
     create_applied_table(dsn)
 
 
-# -- the example -------------------------------------------------------------------------------------
+# -- the example -----------------------------------------------------------------------------------
 
 
-def _example(*args: str, **kw) -> subprocess.Popen:
+def _example(*args: str, **kw: Any) -> subprocess.Popen[Any]:
     return subprocess.Popen([sys.executable, str(EXAMPLE), *args], **kw)
 
 
-def test_demo_runs(dsn, sections):
+def test_demo_runs(dsn: str) -> None:
     p = _example("--dsn", dsn, "demo", stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     out, err = p.communicate(timeout=120)
     assert p.returncode == 0, err
@@ -181,7 +137,7 @@ def test_demo_runs(dsn, sections):
 
 
 @pytest.mark.slow
-def test_transfers_under_load_with_crashes(dsn, dsn2, sections, tmp_path):
+def test_transfers_under_load_with_crashes(dsn: str, dsn2: str, tmp_path: Path) -> None:
     """3 workers, random kill -9 and self-kills between the commits: money is
     conserved and no transfer is applied twice."""
     seed = random.randrange(1 << 30)
@@ -196,7 +152,7 @@ def test_transfers_under_load_with_crashes(dsn, dsn2, sections, tmp_path):
             s.ring(q)
         sec = s.section
 
-    workers: dict[int, subprocess.Popen] = {}
+    workers: dict[int, subprocess.Popen[Any]] = {}
     logs: list[Path] = []
     logs_of: dict[int, Path] = {}
 
@@ -219,7 +175,7 @@ def test_transfers_under_load_with_crashes(dsn, dsn2, sections, tmp_path):
             assert workers.pop(pid).returncode == -signal.SIGKILL  # only kills end a worker
         return len(dead)
 
-    replies: list[dict] = []
+    replies: list[dict[str, Any]] = []
     kills = self_kills = 0
     deadline = time.monotonic() + 240
     try:
@@ -287,6 +243,6 @@ def test_transfers_under_load_with_crashes(dsn, dsn2, sections, tmp_path):
         assert kinds.get(t, set()) == expect, (t, status, kinds.get(t))
     assert {"declined", "done", "refunded"} <= set(statuses.values())
     with psycopg.connect(dsn) as conn:
-        assert conn.execute("SELECT count(*) FROM ringq.exceptions").fetchone()[0] == 0
+        assert present(conn.execute("SELECT count(*) FROM ringq.exceptions").fetchone())[0] == 0
     assert kills == KILLS
     assert self_kills > 0 and skipped > 0  # the applied table did its work

@@ -25,12 +25,11 @@ from typing import Any
 
 import psycopg
 import pytest
+from conftest import drain, wait_for
 from ringq.engine import ConfigError, Message, Session, connect
 from ringq.worker import Actions, ActionTimeout, Decline, Worker, WorkerExit
 
 # -- fixtures and helpers -------------------------------------------------------------------
-
-
 
 
 @pytest.fixture
@@ -48,14 +47,12 @@ def enqueue(dsn: str, queue: str, *payloads: bytes) -> list[int]:
     return seqs
 
 
-def drain(dsn: str, queue: str) -> list[Message]:
-    out = []
-    with connect(dsn) as s:
-        while (m := s.dequeue(queue)) is not None:
-            out.append(m)
-            s.commit()
-        s.commit()
-    return out
+def record_effect(session: Session, msg: Message, note: str) -> None:
+    """What an action did, a row of ``effects`` written in the message's transaction."""
+    session.connection.execute(
+        "INSERT INTO effects VALUES (%s, %s, %s, %s)",
+        (msg.seq, msg.deliveries, os.getpid(), note),
+    )
 
 
 def rows(dsn: str, query: str, *params: Any) -> list[tuple[Any, ...]]:
@@ -75,30 +72,18 @@ def exceptions_of(dsn: str, queue: str) -> list[tuple[int, int, str]]:
     ]
 
 
-def wait_until(predicate: Callable[[], Any], timeout: float = 30.0, what: str = "condition") -> Any:
-    deadline = time.monotonic() + timeout
-    while True:
-        got = predicate()
-        if got:
-            return got
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout:g}s waiting for {what}")
-        time.sleep(0.01)  # polling a condition with a deadline, not synchronizing by sleep
-
-
 # -- in-process: outcomes of one message ----------------------------------------------------
 
 
-def test_action_commits_its_writes_and_chained_messages_together(dsn, make_queue, effects):
+def test_action_commits_its_writes_and_chained_messages_together(
+    dsn: str, make_queue: Callable[..., str], effects: str
+) -> None:
     a, b = make_queue(), make_queue()
     app = Actions()
 
     @app.action(a)
     def step1(msg: Message, session: Session) -> None:
-        session.connection.execute(
-            "INSERT INTO effects VALUES (%s, %s, %s, 'step1')",
-            (msg.seq, msg.deliveries, os.getpid()),
-        )
+        record_effect(session, msg, "step1")
         session.enqueue(b, msg.payload + b"->step2")
 
     (seq,) = enqueue(dsn, a, b"order-1")
@@ -111,17 +96,16 @@ def test_action_commits_its_writes_and_chained_messages_together(dsn, make_queue
     assert drain(dsn, a) == []
 
 
-def test_chaining_across_two_queues_is_atomic_when_the_action_fails(dsn, make_queue, effects):
+def test_chaining_across_two_queues_is_atomic_when_the_action_fails(
+    dsn: str, make_queue: Callable[..., str], effects: str
+) -> None:
     a, b = make_queue(), make_queue()
     app = Actions()
     fail = {"yes": True}
 
     @app.action(a)
     def step1(msg: Message, session: Session) -> None:
-        session.connection.execute(
-            "INSERT INTO effects VALUES (%s, %s, %s, 'step1')",
-            (msg.seq, msg.deliveries, os.getpid()),
-        )
+        record_effect(session, msg, "step1")
         session.enqueue(b, b"chained")
         if fail["yes"]:
             raise RuntimeError("the next step could not be prepared")
@@ -143,8 +127,8 @@ def test_chaining_across_two_queues_is_atomic_when_the_action_fails(dsn, make_qu
 
 
 def test_always_raising_action_ends_in_the_exception_queue_after_max_deliveries(
-    dsn, make_queue, effects, caplog
-):
+    dsn: str, make_queue: Callable[..., str], effects: str, caplog: pytest.LogCaptureFixture
+) -> None:
     q = make_queue(max_deliveries=3)
     app = Actions()
     seen: list[int] = []
@@ -152,10 +136,7 @@ def test_always_raising_action_ends_in_the_exception_queue_after_max_deliveries(
     @app.action(q)
     def broken(msg: Message, session: Session) -> None:
         seen.append(msg.deliveries)
-        session.connection.execute(
-            "INSERT INTO effects VALUES (%s, %s, %s, 'broken')",
-            (msg.seq, msg.deliveries, os.getpid()),
-        )
+        record_effect(session, msg, "broken")
         raise ValueError("always")
 
     (seq,) = enqueue(dsn, q, b"poison")
@@ -168,7 +149,9 @@ def test_always_raising_action_ends_in_the_exception_queue_after_max_deliveries(
     assert st["failed"] == 3 and st["poisoned"] == 1 and st["handled"] == 0
     # Each failure is logged with its queue, seq and delivery count.
     failures = [r.getMessage() for r in caplog.records if "ValueError: always" in r.getMessage()]
-    assert [f"queue {q} seq {seq} delivery {n}/3" in m for n, m in zip((1, 2, 3), failures, strict=True)] == [True] * 3
+    assert [
+        f"queue {q} seq {seq} delivery {n}/3" in m for n, m in zip((1, 2, 3), failures, strict=True)
+    ] == [True] * 3
     assert failures[-1].endswith("moved to ringq.exceptions")
     assert failures[0].endswith("it will be delivered again")
     assert exceptions_of(dsn, q) == [(seq, 3, "max deliveries reached")]
@@ -176,17 +159,16 @@ def test_always_raising_action_ends_in_the_exception_queue_after_max_deliveries(
     assert drain(dsn, q) == []
 
 
-def test_a_decline_commits_and_enqueues_its_reply(dsn, make_queue, effects):
+def test_a_decline_commits_and_enqueues_its_reply(
+    dsn: str, make_queue: Callable[..., str], effects: str
+) -> None:
     q, replies = make_queue(), make_queue()
     app = Actions()
 
     @app.action(q)
     def pay(msg: Message, session: Session) -> Decline:
         # The action records the refusal (an audit row) and declines: both commit.
-        session.connection.execute(
-            "INSERT INTO effects VALUES (%s, %s, %s, 'refused')",
-            (msg.seq, msg.deliveries, os.getpid()),
-        )
+        record_effect(session, msg, "refused")
         return Decline("insufficient funds", reply_to=replies, reply=b"refused:" + msg.payload)
 
     (seq,) = enqueue(dsn, q, b"pay 100")
@@ -200,12 +182,12 @@ def test_a_decline_commits_and_enqueues_its_reply(dsn, make_queue, effects):
     assert exceptions_of(dsn, q) == []
 
 
-def test_decline_needs_a_queue_for_its_reply():
+def test_decline_needs_a_queue_for_its_reply() -> None:
     with pytest.raises(ConfigError):
         Decline("no", reply=b"x")
 
 
-def test_registry_rejects_a_second_action_for_a_queue_and_bad_timeouts():
+def test_registry_rejects_a_second_action_for_a_queue_and_bad_timeouts() -> None:
     app = Actions()
     app.add("orders", lambda m, s: None)
     with pytest.raises(ConfigError):
@@ -224,17 +206,25 @@ def _timed_app(q: str, body: Callable[[Message, Session], None], timeout: float)
 
     @app.action(q, timeout=timeout)
     def act(msg: Message, session: Session) -> None:
-        session.connection.execute(
-            "INSERT INTO effects VALUES (%s, %s, %s, 'timed')",
-            (msg.seq, msg.deliveries, os.getpid()),
-        )
+        record_effect(session, msg, "timed")
         if msg.deliveries == 1:
             body(msg, session)
 
     return app
 
 
-def test_time_limit_aborts_a_python_loop_and_rolls_back(dsn, make_queue, effects):
+def _timed_out_delivery(w: Worker) -> float:
+    """Run one delivery, which the time limit strikes: its seconds."""
+    t0 = time.monotonic()
+    assert w.run_one(wait=5)
+    elapsed = time.monotonic() - t0
+    assert w.stats()["timeouts"] == 1
+    return elapsed
+
+
+def test_time_limit_aborts_a_python_loop_and_rolls_back(
+    dsn: str, make_queue: Callable[..., str], effects: str
+) -> None:
     q = make_queue()
 
     def spin(msg: Message, session: Session) -> None:
@@ -246,10 +236,7 @@ def test_time_limit_aborts_a_python_loop_and_rolls_back(dsn, make_queue, effects
 
     (seq,) = enqueue(dsn, q, b"slow")
     with Worker(_timed_app(q, spin, 0.3), dsn) as w:
-        t0 = time.monotonic()
-        assert w.run_one(wait=5)
-        elapsed = time.monotonic() - t0
-        assert w.stats()["timeouts"] == 1
+        elapsed = _timed_out_delivery(w)
         assert rows(dsn, "SELECT count(*) FROM effects") == [(0,)]  # its write is gone
         assert w.run_one(wait=5)  # delivered again (the body only spins the first time)
         assert w.stats()["handled"] == 1
@@ -257,7 +244,9 @@ def test_time_limit_aborts_a_python_loop_and_rolls_back(dsn, make_queue, effects
     assert rows(dsn, "SELECT seq, deliveries FROM effects") == [(seq, 2)]
 
 
-def test_time_limit_cancels_sql_in_progress_and_the_session_goes_on(dsn, make_queue, effects):
+def test_time_limit_cancels_sql_in_progress_and_the_session_goes_on(
+    dsn: str, make_queue: Callable[..., str], effects: str
+) -> None:
     q = make_queue()
 
     def sleep_in_sql(msg: Message, session: Session) -> None:
@@ -265,10 +254,7 @@ def test_time_limit_cancels_sql_in_progress_and_the_session_goes_on(dsn, make_qu
 
     (seq,) = enqueue(dsn, q, b"slow sql")
     with Worker(_timed_app(q, sleep_in_sql, 0.3), dsn) as w:
-        t0 = time.monotonic()
-        assert w.run_one(wait=5)
-        elapsed = time.monotonic() - t0
-        assert w.stats()["timeouts"] == 1
+        elapsed = _timed_out_delivery(w)
         assert w.run_one(wait=5)
         assert w.stats()["handled"] == 1
         # No statement of this session is still running on the server.
@@ -280,8 +266,8 @@ def test_time_limit_cancels_sql_in_progress_and_the_session_goes_on(dsn, make_qu
 
 
 def test_time_limit_does_not_leak_slots_when_it_strikes_inside_engine_calls(
-    dsn, make_queue, effects
-):
+    dsn: str, make_queue: Callable[..., str], effects: str
+) -> None:
     q, big = make_queue(), make_queue(capacity=100_000, dequeue_mode="shared")
 
     def flood(msg: Message, session: Session) -> None:
@@ -305,7 +291,7 @@ def test_time_limit_does_not_leak_slots_when_it_strikes_inside_engine_calls(
     assert drain(dsn, big) == []
 
 
-def test_action_timeout_is_not_an_exception():
+def test_action_timeout_is_not_an_exception() -> None:
     assert not issubclass(ActionTimeout, Exception)
 
 
@@ -350,16 +336,8 @@ class WorkerProcess:
         env.pop("RINGQ_DSN", None)
         self.proc = subprocess.Popen(
             [
-                sys.executable,
-                "-m",
-                "ringq.cli",
-                "worker",
-                f"{mod}:app",
-                "--dsn",
-                dsn,
-                "--log-level",
-                "INFO",
-                *extra,
+                sys.executable, "-m", "ringq.cli", "worker", f"{mod}:app", "--dsn", dsn,
+                "--log-level", "INFO", *extra,
             ],
             cwd=tmp,
             env=env,
@@ -378,15 +356,16 @@ class WorkerProcess:
 
     def wait_line(self, pattern: str, timeout: float = 30.0) -> str:
         rx = re.compile(pattern)
-        return wait_until(
+        line: str = wait_for(
             lambda: next((ln for ln in self.lines if rx.search(ln)), None),
             timeout,
             f"log line /{pattern}/",
         )
+        return line
 
     def ready_pid(self, seq: int, timeout: float = 30.0) -> int:
         f = self.tmp / f"ready-{seq}"
-        wait_until(lambda: f.exists() and f.read_text(), timeout, f"message {seq} in its action")
+        wait_for(lambda: f.exists() and f.read_text(), timeout, f"message {seq} in its action")
         return int(f.read_text())
 
     def release(self, seq: int) -> None:
@@ -428,8 +407,11 @@ def worker_process(tmp_path: Path, dsn: str) -> Iterator[Callable[..., WorkerPro
 
 
 def test_kill9_mid_action_rolls_its_writes_back_and_the_message_is_handled_again(
-    dsn, make_queue, effects, worker_process
-):
+    dsn: str,
+    make_queue: Callable[..., str],
+    effects: str,
+    worker_process: Callable[..., WorkerProcess],
+) -> None:
     q = make_queue()
     seqs = enqueue(dsn, q, b"first", b"block", b"third", b"fourth")
     blocked = seqs[1]
@@ -440,7 +422,7 @@ def test_kill9_mid_action_rolls_its_writes_back_and_the_message_is_handled_again
     os.kill(victim, signal.SIGKILL)
     # The pool gives the slot back at once and restarts the worker, which
     # handles the message again (deliveries 2) and the rest after it.
-    wait_until(
+    wait_for(
         lambda: rows(dsn, "SELECT count(DISTINCT seq) FROM effects")[0][0] == 4,
         60,
         "all four handled",
@@ -458,12 +440,15 @@ def test_kill9_mid_action_rolls_its_writes_back_and_the_message_is_handled_again
 
 
 def test_two_processes_on_a_shared_queue_handle_each_message_once(
-    dsn, make_queue, effects, worker_process
-):
+    dsn: str,
+    make_queue: Callable[..., str],
+    effects: str,
+    worker_process: Callable[..., WorkerProcess],
+) -> None:
     q = make_queue(capacity=512, dequeue_mode="shared")
     seqs = enqueue(dsn, q, *[f"m{i}".encode() for i in range(300)])
     wp = worker_process(q, "--processes", "2")
-    wait_until(lambda: rows(dsn, "SELECT count(*) FROM effects")[0][0] >= 300, 60, "300 effects")
+    wait_for(lambda: rows(dsn, "SELECT count(*) FROM effects")[0][0] >= 300, 60, "300 effects")
     wp.signal(signal.SIGTERM)
     assert wp.wait() == WorkerExit.OK
     got = rows(dsn, "SELECT seq, count(*) FROM effects GROUP BY seq ORDER BY seq")
@@ -475,8 +460,12 @@ def test_two_processes_on_a_shared_queue_handle_each_message_once(
 
 @pytest.mark.parametrize("start_method", ["fork", "spawn"])
 def test_sigterm_drains_the_message_in_flight_and_exits_0(
-    dsn, make_queue, effects, worker_process, start_method
-):
+    dsn: str,
+    make_queue: Callable[..., str],
+    effects: str,
+    worker_process: Callable[..., WorkerProcess],
+    start_method: str,
+) -> None:
     q = make_queue()
     blocked, later = enqueue(dsn, q, b"block", b"later")
     wp = worker_process(q, "--start-method", start_method)
@@ -493,64 +482,80 @@ def test_sigterm_drains_the_message_in_flight_and_exits_0(
     assert [(m.seq, m.deliveries) for m in left] == [(later, 1)]
 
 
-def test_second_sigterm_aborts_the_message_in_flight(dsn, make_queue, effects, worker_process):
+def _second_sigterm_mid_action(
+    dsn: str,
+    make_queue: Callable[..., str],
+    worker_process: Callable[..., WorkerProcess],
+    payload: bytes,
+) -> tuple[WorkerProcess, str, int, int]:
+    """A worker handling ``payload``'s message gets SIGTERM, says it finishes
+    the message, then gets a second SIGTERM: (worker, queue, seq, child pid)."""
     q = make_queue()
-    (blocked,) = enqueue(dsn, q, b"block")
+    (blocked,) = enqueue(dsn, q, payload)
     wp = worker_process(q)
     child = wp.ready_pid(blocked)
     wp.signal(signal.SIGTERM)
     wp.wait_line(rf"{child} INFO .*finishing the message in flight")
     wp.signal(signal.SIGTERM)
-    assert wp.wait() == WorkerExit.ABORTED
-    assert wp.wait_line(r"aborted \(rolled back\)")
+    return wp, q, blocked, child
+
+
+def _rolled_back_and_back_on_the_queue(dsn: str, q: str, seq: int) -> None:
     assert rows(dsn, "SELECT count(*) FROM effects") == [(0,)]
     back = drain(dsn, q)
-    assert [m.seq for m in back] == [blocked] and back[0].deliveries == 2
+    assert [m.seq for m in back] == [seq] and back[0].deliveries == 2
+
+
+def test_second_sigterm_aborts_the_message_in_flight(
+    dsn: str,
+    make_queue: Callable[..., str],
+    effects: str,
+    worker_process: Callable[..., WorkerProcess],
+) -> None:
+    wp, q, blocked, _ = _second_sigterm_mid_action(dsn, make_queue, worker_process, b"block")
+    assert wp.wait() == WorkerExit.ABORTED
+    assert wp.wait_line(r"aborted \(rolled back\)")
+    _rolled_back_and_back_on_the_queue(dsn, q, blocked)
 
 
 def test_third_sigterm_kills_an_action_that_cannot_be_interrupted(
-    dsn, make_queue, effects, worker_process
-):
-    q = make_queue()
-    (blocked,) = enqueue(dsn, q, b"block-noalarm")
-    wp = worker_process(q)
-    child = wp.ready_pid(blocked)
-    wp.signal(signal.SIGTERM)
-    wp.wait_line(rf"{child} INFO .*finishing the message in flight")
-    wp.signal(signal.SIGTERM)
+    dsn: str,
+    make_queue: Callable[..., str],
+    effects: str,
+    worker_process: Callable[..., WorkerProcess],
+) -> None:
+    wp, q, blocked, child = _second_sigterm_mid_action(
+        dsn, make_queue, worker_process, b"block-noalarm"
+    )
     wp.wait_line(rf"{child} WARNING .*second SIGTERM")
     wp.signal(signal.SIGTERM)
     assert wp.wait() == WorkerExit.ABORTED
     assert wp.wait_line(rf"worker 0 \(pid {child}\) killed")
-    assert rows(dsn, "SELECT count(*) FROM effects") == [(0,)]
-    back = drain(dsn, q)  # the pool recovered the dead child's slot before exiting
-    assert [m.seq for m in back] == [blocked] and back[0].deliveries == 2
+    # the pool recovered the dead child's slot before exiting
+    _rolled_back_and_back_on_the_queue(dsn, q, blocked)
 
 
-def test_bad_target_and_missing_queue_exit_with_named_codes(dsn, make_queue, tmp_path):
-    env = dict(os.environ, PYTHONPATH=str(tmp_path))
-    r = subprocess.run(
-        [sys.executable, "-m", "ringq.cli", "worker", "no_such_module_here", "--dsn", dsn],
-        cwd=tmp_path,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-    )
+def test_bad_target_and_missing_queue_exit_with_named_codes(
+    dsn: str, make_queue: Callable[..., str], tmp_path: Path
+) -> None:
+    def worker(target: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [sys.executable, "-m", "ringq.cli", "worker", target, "--dsn", dsn],
+            cwd=tmp_path,
+            env=dict(os.environ, PYTHONPATH=str(tmp_path)),
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=False,
+        )
+
+    r = worker("no_such_module_here")
     assert r.returncode == WorkerExit.USAGE, r.stderr
     assert "cannot import" in r.stderr
     make_queue()  # the schema exists, the queue below does not
     (tmp_path / "wact_missing.py").write_text(
-        "from ringq.worker import Actions\napp = Actions()\napp.add('q_not_there', lambda m, s: None)\n"
+        "from ringq.worker import Actions\napp = Actions()\n"
+        "app.add('q_not_there', lambda m, s: None)\n"
     )
-    r = subprocess.run(
-        [sys.executable, "-m", "ringq.cli", "worker", "wact_missing", "--dsn", dsn],
-        cwd=tmp_path,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-    )
+    r = worker("wact_missing")
     assert r.returncode == WorkerExit.NOT_FOUND, r.stderr

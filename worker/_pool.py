@@ -21,6 +21,7 @@ import sys
 import threading
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from types import FrameType
 from typing import Any, Final, Self
 
@@ -31,9 +32,13 @@ from ringq.engine import (
     RingqError,
     Section,
     connect,
+    dsn_file,
     exits,
     pid_alive,
+    read_dsn_file,
+    redact_dsn,
     resolve_dsn,
+    validate_int,
 )
 from ringq.engine import layout as L
 from ringq.engine.recovery import recover_dead_clients
@@ -82,12 +87,7 @@ class PoolConfig:
     worker: WorkerConfig = field(default_factory=WorkerConfig)
 
     def __post_init__(self) -> None:
-        if (
-            isinstance(self.processes, bool)
-            or not isinstance(self.processes, int)
-            or not 1 <= self.processes <= 256
-        ):
-            raise ConfigError(f"processes must be 1..256, not {self.processes!r}")
+        validate_int("processes", self.processes, 1, 256)
         if self.start_method not in ("spawn", "fork", "forkserver"):
             raise ConfigError(
                 f"start_method must be spawn, fork or forkserver, not {self.start_method!r}"
@@ -262,6 +262,7 @@ class WorkerPool:
         self.config = config or PoolConfig()
         self._dsn_arg = dsn
         self.dsn = ""
+        self._dsn_file: Path | None = None
         self._ctx: Any = mp.get_context(self.config.start_method)
         self._children = [_Child(i) for i in range(self.config.processes)]
         self._section: Section | None = None
@@ -282,21 +283,23 @@ class WorkerPool:
         if self._started:
             return self
         self.dsn = resolve_dsn(self._dsn_arg)
+        self._dsn_file = dsn_file(self._dsn_arg)  # the embedded cluster's: re-read at each restart
         actions = load_actions(self.target) if isinstance(self.target, str) else self.target
         served = WorkerConfig(queues=self.config.worker.queues)  # validates names
         unknown = [q for q in served.queues if q not in actions]
         if unknown:
             raise ConfigError(
-                f"no action for queue(s) {', '.join(unknown)} (actions: {', '.join(actions.queues)})"
+                f"no action for queue(s) {', '.join(unknown)} "
+                f"(actions: {', '.join(actions.queues)})"
             )
         with connect(self.dsn, application_name="ringq worker pool") as s:
             for q in served.queues or tuple(actions.queues):
                 info = s.queue_info(q)
                 if info.dequeue_mode == "single" and self.config.processes > 1:
                     logger.warning(
-                        "ringq worker: queue %s is in single-dequeuer mode: its messages are handled one "
-                        "at a time, in order, whatever the number of processes (create it with "
-                        "dequeue_mode=shared for parallel handling)",
+                        "ringq worker: queue %s is in single-dequeuer mode: its messages are "
+                        "handled one at a time, in order, whatever the number of processes "
+                        "(create it with dequeue_mode=shared for parallel handling)",
                         q,
                     )
             instance = s.instance
@@ -458,6 +461,12 @@ class WorkerPool:
                 self._start_child(ch)
 
     def _start_child(self, ch: _Child) -> None:
+        moved = None if self._dsn_file is None else read_dsn_file(self._dsn_file)
+        if moved is not None and moved != self.dsn:
+            logger.warning(
+                "ringq worker pool: the embedded cluster came back at %s", redact_dsn(moved)
+            )
+            self.dsn = moved
         reader, writer = self._ctx.Pipe(duplex=False)
         proc = self._ctx.Process(
             target=_child_main,
@@ -554,7 +563,8 @@ class WorkerPool:
         ch.restart_at = time.monotonic() + delay
         self._restarts += 1
         logger.warning(
-            "ringq worker pool: worker %d (pid %d) %s after %.1fs; its entries are given back; restarting in %.2gs",
+            "ringq worker pool: worker %d (pid %d) %s after %.1fs; its entries are given back; "
+            "restarting in %.2gs",
             ch.index,
             proc.pid,
             _how(code),

@@ -66,6 +66,7 @@ from ringq.engine import (
 from ringq.engine import layout as L
 from ringq.engine import metrics as M
 
+from . import _queries as Qy
 from ._actions import Action, ActionAborted, ActionInterrupted, Actions, ActionTimeout, Decline
 
 logger = logging.getLogger("ringq.worker")
@@ -153,7 +154,8 @@ class Worker:
         unknown = [q for q in self.config.queues if q not in actions]
         if unknown:
             raise ConfigError(
-                f"no action for queue(s) {', '.join(unknown)} (actions: {', '.join(actions.queues)})"
+                f"no action for queue(s) {', '.join(unknown)} "
+                f"(actions: {', '.join(actions.queues)})"
             )
         self.queues: list[str] = list(self.config.queues or actions.queues)
         self._session: Session | None = None
@@ -190,9 +192,7 @@ class Worker:
         try:
             for q in self.queues:
                 self._max_deliveries[q] = session.queue_info(q).max_deliveries
-            row = session.connection.execute(
-                "SELECT current_setting('statement_timeout')"
-            ).fetchone()
+            row = session.connection.execute(Qy.STATEMENT_TIMEOUT).fetchone()
             session.commit()  # hold no transaction open while idle
         except BaseException:
             session.close()
@@ -359,7 +359,8 @@ class Worker:
                 self._reopen_if_closed()
                 return
             except RingqError as exc:
-                # Refused at commit (deferred constraint, serialization): rolled back by the session.
+                # Refused at commit (deferred constraint, serialization): rolled back by the
+                # session.
                 self._pending_timeout = None
                 self._count_failure(msg, FAILED, exc, "commit failed")
                 self._reopen_if_closed()
@@ -388,7 +389,8 @@ class Worker:
         st = self._stats
         try:
             s._set_client_words((word, st[key]) for key, word in _SECTION_WORDS)
-        except (ValueError, IndexError):  # the section was released under us: the next open re-publishes
+        except (ValueError, IndexError):
+            # the section was released under us: the next open re-publishes
             pass
 
     def _call(self, act: Action, msg: Message) -> object:
@@ -479,7 +481,8 @@ class Worker:
             )
 
     def _reopen_if_closed(self) -> None:
-        """The session was lost (database gone): reconnect, or let DatabaseUnavailable end the run."""
+        """The session was lost (database gone): reconnect, or let DatabaseUnavailable end
+        the run."""
         s = self._session
         if s is not None and s.closed and not self._closed:
             self._session = None
@@ -494,7 +497,7 @@ class Worker:
         known = self._known_timeout
         if known is not None and known == (s.backend_pid, want):
             return
-        s.connection.execute("SELECT set_config('statement_timeout', %s, false)", (want,))
+        s.connection.execute(Qy.SET_STATEMENT_TIMEOUT, (want,))
         self._pending_timeout = want
 
     def _committed_timeout(self) -> None:

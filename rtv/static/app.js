@@ -110,6 +110,17 @@
     return function (p) { return p[key] === null || p[key] === undefined ? null : Math.min(1, p[key] / interval()); };
   }
   function pct(v) { return v === null || v === undefined ? "–" : Math.round(v * 100) + "%"; }
+  // A call-latency chart: the p50 and p99 of "<call>_p50_us" and "<call>_p99_us".
+  function latency(call, label) {
+    function series(p, stroke) {
+      return { label: label + " " + p, stroke: stroke, width: 2, value: function (u, v) { return micros(v); } };
+    }
+    return {
+      keys: [call + "_p50_us", call + "_p99_us"],
+      series: [series("p50", C.p50), series("p99", C.p99)],
+      latency: true,
+    };
+  }
 
   var SPECS = {
     depth: {
@@ -129,22 +140,8 @@
       ],
       yRange: function (u, min, max) { return [0, Math.max(1, max) * 1.1]; },
     },
-    enq: {
-      keys: ["enq_p50_us", "enq_p99_us"],
-      series: [
-        { label: "EnQ p50", stroke: C.p50, width: 2, value: function (u, v) { return micros(v); } },
-        { label: "EnQ p99", stroke: C.p99, width: 2, value: function (u, v) { return micros(v); } },
-      ],
-      latency: true,
-    },
-    deq: {
-      keys: ["deq_p50_us", "deq_p99_us"],
-      series: [
-        { label: "DeQ p50", stroke: C.p50, width: 2, value: function (u, v) { return micros(v); } },
-        { label: "DeQ p99", stroke: C.p99, width: 2, value: function (u, v) { return micros(v); } },
-      ],
-      latency: true,
-    },
+    enq: latency("enq", "EnQ"),
+    deq: latency("deq", "DeQ"),
     state: {
       keys: [share("full"), share("empty")],
       series: [

@@ -1,0 +1,165 @@
+"""What every benchmark in ``bench/`` does the same way.
+
+- :func:`argument_parser`: the options every benchmark has (``--dsn``, ``--out``).
+- :func:`database`: the database a run works in: the one given with ``--dsn``,
+  or a private embedded PostgreSQL (``ringq.scripting.Cluster``, the same
+  server settings as ``ringq db start``) under a temporary home, removed at the end.
+- :func:`drop_queues`: the run's queues dropped at the end (and, on the private
+  cluster, the global section and semaphores that would outlive it).
+- :func:`machine`, :func:`cpu_load`, :func:`server_settings`: the notes that
+  say how far the figures can be trusted (what ran them, how loaded the CPUs
+  were at start and end, how the server was set).
+- :func:`sigterm_tears_down`: SIGTERM ends a run like Ctrl-C does, through its
+  ``finally`` blocks, so that the private cluster is stopped.
+- :func:`write_results`: the JSON results, under ``bench/results/`` and ``--out``.
+
+Each script imports it as ``_benchlib`` (a script's own folder is first on
+``sys.path``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import platform
+import shutil
+import signal
+import sys
+import tempfile
+from collections.abc import Iterator, Sequence
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import psycopg
+from psycopg import sql
+from ringq.engine import Section
+from ringq.scripting import Cluster, drop_queue
+
+RESULTS_DIR = Path(__file__).resolve().parent / "results"
+SERVER_SETTINGS = (
+    "server_version", "fsync", "synchronous_commit", "wal_sync_method", "shared_buffers",
+    "autovacuum", "autovacuum_naptime", "max_connections",
+)  # fmt: skip
+
+
+def argument_parser(description: str) -> argparse.ArgumentParser:
+    """A parser with the options every benchmark has: ``--dsn`` (else a private
+    embedded cluster) and ``--out`` (a second copy of the JSON); ``--help``
+    shows each option's default."""
+    p = argparse.ArgumentParser(
+        description=description, formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
+    p.add_argument("--dsn", help="run in this database instead of a private embedded cluster")
+    p.add_argument("--out", type=Path, help="also write the JSON here")
+    return p
+
+
+@contextlib.contextmanager
+def database(
+    dsn: str | None, home: str | None = None, prefix: str = "ringq-bench-"
+) -> Iterator[tuple[str, str | None]]:
+    """Yield (DSN, the embedded cluster's home or None): the database at ``dsn``
+    when given, else a private embedded cluster under ``home`` (default: a new
+    temporary directory named ``prefix...``), stopped and removed afterwards."""
+    if dsn is not None:
+        yield dsn, None
+        return
+    home = home or tempfile.mkdtemp(prefix=prefix)
+    cluster = Cluster(home)
+    try:
+        print(f"starting an embedded PostgreSQL under {home} ...", file=sys.stderr, flush=True)
+        yield cluster.start(), home
+    finally:
+        cluster.stop()
+        shutil.rmtree(home, ignore_errors=True)
+
+
+def drop_queues(
+    dsn: str, queues: Sequence[str], *, embedded: bool, tables: Sequence[str] = ()
+) -> None:
+    """Drop the run's ``queues`` and plain ``tables`` (a queue that cannot be
+    dropped is left). On the private embedded cluster (``embedded``), which
+    dies with the run, also remove the database's global section and the
+    queues' semaphores: shared memory outlives the server."""
+    with psycopg.connect(dsn, autocommit=True) as admin:
+        row = admin.execute("SELECT value FROM ringq.meta WHERE key = 'instance_id'").fetchone()
+        qids = [
+            r[0]
+            for r in admin.execute(
+                "SELECT id FROM ringq.queues WHERE name = ANY(%s)", (list(queues),)
+            ).fetchall()
+        ]
+        for name in queues:
+            with contextlib.suppress(Exception):
+                drop_queue(admin, name)
+        for table in tables:
+            admin.execute(sql.SQL("DROP TABLE IF EXISTS {}").format(sql.Identifier(table)))
+    if row and embedded:
+        Section.unlink(row[0])
+        Section.unlink_semaphores(row[0], qids)
+
+
+def machine() -> dict[str, Any]:
+    """What ran the benchmark: Python, psycopg, the platform, the CPU count."""
+    return {
+        "python": platform.python_version(),
+        "psycopg": psycopg.__version__,
+        "platform": platform.platform(),
+        "cpus": os.cpu_count(),
+    }
+
+
+def cpu_load(when: str) -> dict[str, Any]:
+    """The machine's load at ``when`` ("start", "end"): ``loadavg_at_<when>``
+    (1, 5 and 15 min) and ``cpu_pressure_at_<when>``. The machine is shared:
+    other work competing for the CPUs moves every figure."""
+    return {f"loadavg_at_{when}": os.getloadavg(), f"cpu_pressure_at_{when}": cpu_pressure()}
+
+
+def cpu_pressure() -> str | None:
+    """/proc/pressure/cpu's "some" line: how much runnable work waited for a CPU
+    (None where the kernel does not say)."""
+    try:
+        with open("/proc/pressure/cpu") as f:
+            return f.readline().strip()
+    except OSError:
+        return None
+
+
+def server_settings(
+    conn: psycopg.Connection[Any], names: Sequence[str] = SERVER_SETTINGS
+) -> dict[str, str | None]:
+    """The server's current value of each setting in ``names``."""
+    settings = {}
+    for name in names:
+        row = conn.execute("SELECT current_setting(%s)", (name,)).fetchone()
+        settings[name] = row[0] if row else None
+    return settings
+
+
+def sigterm_tears_down() -> None:
+    """Make the first SIGTERM end the run like Ctrl-C (KeyboardInterrupt, so
+    every ``finally`` runs and the private cluster is stopped); a second one
+    kills. Left alone when the caller already set a handler."""
+    if signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
+        signal.signal(signal.SIGTERM, _sigterm)
+
+
+def _sigterm(signum: int, frame: object) -> None:
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
+def write_results(name: str, started: datetime, doc: dict[str, Any], out: Path | None) -> None:
+    """Write ``doc`` as JSON to ``bench/results/<name>-<UTC start>.json`` and to
+    ``out`` when given; say where on stderr."""
+    paths = [RESULTS_DIR / f"{name}-{started.strftime('%Y%m%dT%H%M%SZ')}.json"]
+    if out is not None:
+        paths.append(out)
+    for path in paths:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(doc, indent=2, default=str) + "\n")
+    print("\nwrote " + ", ".join(str(p) for p in paths), file=sys.stderr)

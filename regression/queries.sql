@@ -1,0 +1,213 @@
+-- SQL of the regression run store (ringq.regression), loaded once by
+-- regression/_queries.py. {schema} is regress_<run id> and {table} a queue's
+-- table or a received table, both filled only with psycopg.sql.Identifier from
+-- validated names; {cycles} is a list of psycopg.sql.Literal cycle numbers. A
+-- statement of more than four parameters names them (%(name)s).
+--
+-- The jdbc_ blocks are what Spark reads through JDBC (regression/_verify.py),
+-- rendered to text and so kept free of comments: jdbc_sent's {committed_at}
+-- is one of the two committed_at_ fragments; jdbc_received's {idx} is the
+-- queue's index in payload headers (a Literal); jdbc_dbtable wraps a query as
+-- Spark's derived table; jdbc_partition is one of {partitions} predicates that
+-- split a read ({column} an Identifier, {partitions} and {part} Literals).
+
+-- create_run --
+CREATE SCHEMA {schema};
+CREATE TABLE {schema}.run (
+    run_id        text PRIMARY KEY,
+    created_at    timestamptz NOT NULL DEFAULT now(),
+    finished_at   timestamptz,
+    status        text NOT NULL DEFAULT 'running',
+    host          text,
+    ringq_version text,
+    config        jsonb NOT NULL
+);
+CREATE TABLE {schema}.queues (
+    idx           int2 PRIMARY KEY,
+    name          text NOT NULL UNIQUE,
+    payload_size  int4 NOT NULL,
+    capacity      int4 NOT NULL
+);
+CREATE TABLE {schema}.cycles (
+    cycle         int4 PRIMARY KEY,
+    started_at    timestamptz NOT NULL DEFAULT now(),
+    ended_at      timestamptz,
+    status        text NOT NULL DEFAULT 'running',
+    workload_s    float8,
+    stats         jsonb,
+    errors        jsonb,
+    verified_at   timestamptz,
+    ok            boolean,
+    report        jsonb
+);
+CREATE TABLE {schema}.sent (
+    cycle         int4 NOT NULL,
+    queue         int2 NOT NULL,
+    qseq          int8 NOT NULL,
+    producer      int2 NOT NULL,
+    pseq          int8 NOT NULL,
+    tx            int8 NOT NULL,
+    kind          int2 NOT NULL,
+    length        int4 NOT NULL,
+    digest        bytea NOT NULL,
+    sent_at       timestamptz NOT NULL DEFAULT clock_timestamp()
+);
+CREATE TABLE {schema}.rolled_back (
+    cycle         int4 NOT NULL,
+    queue         int2 NOT NULL,
+    qseq          int8 NOT NULL,
+    producer      int2 NOT NULL,
+    pseq          int8 NOT NULL,
+    tx            int8 NOT NULL,
+    kind          int2 NOT NULL,
+    length        int4 NOT NULL,
+    digest        bytea NOT NULL,
+    reason        text NOT NULL,
+    logged_at     timestamptz NOT NULL DEFAULT clock_timestamp()
+);
+
+-- create_received --
+CREATE TABLE {schema}.{table} (
+    cycle         int4 NOT NULL,
+    qseq          int8 NOT NULL,
+    recv_order    int8 NOT NULL,
+    deliveries    int4 NOT NULL,
+    consumer      int4 NOT NULL,
+    payload       bytea NOT NULL,
+    deq_at        timestamptz NOT NULL DEFAULT clock_timestamp()
+)
+
+-- insert_run --
+INSERT INTO {schema}.run (run_id, host, ringq_version, config) VALUES (%s, %s, %s, %s)
+
+-- insert_queue --
+INSERT INTO {schema}.queues (idx, name, payload_size, capacity) VALUES (%s, %s, %s, %s)
+
+-- select_run --
+SELECT run_id, created_at, finished_at, status, config FROM {schema}.run
+
+-- select_queues --
+SELECT idx, name, payload_size, capacity FROM {schema}.queues ORDER BY idx
+
+-- finish_run --
+UPDATE {schema}.run SET finished_at = now(), status = %s
+
+-- start_cycle --
+INSERT INTO {schema}.cycles (cycle) VALUES (%s)
+
+-- next_cycle --
+SELECT coalesce(max(cycle), 0) + 1 FROM {schema}.cycles
+
+-- end_cycle --
+UPDATE {schema}.cycles
+SET ended_at = now(), status = %(status)s, workload_s = %(workload_s)s, stats = %(stats)s,
+    errors = %(errors)s
+WHERE cycle = %(cycle)s
+
+-- verified_cycle --
+UPDATE {schema}.cycles SET verified_at = now(), ok = %s, report = %s WHERE cycle = ANY(%s)
+
+-- select_cycles --
+SELECT cycle, started_at, ended_at, status, workload_s, stats, errors, ok
+FROM {schema}.cycles ORDER BY cycle
+
+-- insert_sent --
+-- The producer's ground truth, in the enqueue's own transaction.
+INSERT INTO {schema}.sent (cycle, queue, qseq, producer, pseq, tx, kind, length, digest)
+SELECT %(cycle)s, v.q, v.s, %(producer)s, v.p, %(tx)s, %(kind)s, v.l, v.d
+FROM unnest(%(queues)s::int2[], %(qseqs)s::int8[], %(pseqs)s::int8[], %(lengths)s::int4[],
+            %(digests)b::bytea[]) AS v(q, s, p, l, d)
+
+-- insert_rolled_back --
+-- Every entry of a rolled-back transaction, right after the rollback.
+INSERT INTO {schema}.rolled_back
+    (cycle, queue, qseq, producer, pseq, tx, kind, length, digest, reason)
+SELECT %(cycle)s, v.q, v.s, %(producer)s, v.p, %(tx)s, %(kind)s, v.l, v.d, %(reason)s
+FROM unnest(%(queues)s::int2[], %(qseqs)s::int8[], %(pseqs)s::int8[], %(lengths)s::int4[],
+            %(digests)b::bytea[]) AS v(q, s, p, l, d)
+
+-- insert_received --
+-- The consumer's record, in the dequeue's own transaction.
+INSERT INTO {schema}.{table} (cycle, qseq, recv_order, deliveries, consumer, payload)
+SELECT %(cycle)s, v.s, v.o, v.d, %(consumer)s, v.p
+FROM unnest(%(qseqs)s::int8[], %(orders)s::int8[], %(deliveries)s::int4[],
+            %(payloads)b::bytea[]) AS v(s, o, d, p)
+
+-- list_runs --
+-- Executed without parameters, so % is a literal LIKE wildcard.
+SELECT nspname FROM pg_namespace n
+WHERE nspname LIKE 'regress\_%'
+  AND EXISTS (SELECT 1 FROM pg_class c WHERE c.relnamespace = n.oid AND c.relname = 'run')
+ORDER BY nspname
+
+-- run_exists --
+-- The parameter is the run's schema name; format() quotes it as an identifier.
+SELECT to_regclass(format('%%I.run', %s::text)) IS NOT NULL
+
+-- drop_run --
+DROP SCHEMA {schema} CASCADE
+
+-- commit_ts_on --
+SELECT current_setting('track_commit_timestamp')::boolean
+
+-- leftovers --
+-- Entries still queued in a ringq queue's table (ringq.engine.queue_table).
+SELECT count(*) FILTER (WHERE state = 1) FROM {table}
+
+-- resume_producer --
+-- What a restarted worker resumes from (chaos): only what is durably recorded.
+SELECT coalesce(max(pseq), 0), coalesce(max(tx), 0) FROM (
+    SELECT pseq, tx FROM {schema}.sent WHERE cycle = %(cycle)s AND producer = %(producer)s
+    UNION ALL
+    SELECT pseq, tx FROM {schema}.rolled_back WHERE cycle = %(cycle)s AND producer = %(producer)s
+) AS x
+
+-- sent_by_queue --
+SELECT queue, count(*) FROM {schema}.sent WHERE cycle = %s AND producer = %s GROUP BY queue
+
+-- resume_consumer --
+SELECT coalesce(max(recv_order), 0), count(*) FROM {schema}.{table} WHERE cycle = %s
+
+-- prepared_gids --
+SELECT gid FROM pg_prepared_xacts WHERE database = current_database()
+
+-- monitor_lock_holder --
+-- The backend holding the monitor's lock (the same lock as ringq.monitor takes:
+-- one serving monitor per database), if any.
+SELECT a.pid, a.application_name
+FROM pg_locks l JOIN pg_stat_activity a ON a.pid = l.pid
+WHERE l.locktype = 'advisory' AND l.objid = hashtext('ringq.monitor')::oid AND l.granted
+  AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())
+LIMIT 1
+
+-- data_directory --
+-- Where the server keeps its data: finds the embedded cluster that serves a DSN.
+SELECT current_setting('data_directory')
+
+-- received_count --
+-- Rows of the chosen cycles in one received table.
+SELECT count(*) FROM {schema}.{table} WHERE cycle IN ({cycles})
+
+-- jdbc_sent --
+SELECT cycle, queue, qseq, producer, pseq, tx, kind, length, digest, {committed_at} AS committed_at
+FROM {schema}.sent WHERE cycle IN ({cycles})
+
+-- committed_at_commit_ts --
+coalesce(pg_xact_commit_timestamp(xmin), sent_at)
+
+-- committed_at_sent --
+sent_at
+
+-- jdbc_rolled_back --
+SELECT cycle, queue, qseq, producer, pseq, tx, kind, reason
+FROM {schema}.rolled_back WHERE cycle IN ({cycles})
+
+-- jdbc_received --
+SELECT {idx}::int2 AS queue, cycle, qseq, recv_order, deliveries, payload, deq_at
+FROM {schema}.{table} WHERE cycle IN ({cycles})
+
+-- jdbc_dbtable --
+({query}) AS t
+
+-- jdbc_partition --
+{column} % {partitions} = {part}
