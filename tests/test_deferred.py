@@ -14,18 +14,26 @@ import random
 import signal
 import sys
 import tempfile
+import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from types import FrameType
 from typing import Any
 
 import psycopg
 import pytest
+from conftest import present
 from psycopg import pq, sql
 from ringq.engine import Session, StaleSection, TransactionError, connect
 from ringq.engine import layout as L
-from ringq.engine.recovery import recover_dead_clients, repair_lock_holders
+from ringq.engine.recovery import (
+    end_holders,
+    overdue_holders,
+    recover_dead_clients,
+    recover_lost_backends,
+    repair_lock_holders,
+)
 
 FORK = mp.get_context("fork")
 
@@ -54,7 +62,8 @@ def round_trips(lines: list[str]) -> int:
 
 
 def sent(lines: list[str], statement: str) -> bool:
-    """Whether the trace shows ``statement`` (BEGIN, COMMIT, ROLLBACK) sent as a statement of its own."""
+    """Whether the trace shows ``statement`` (BEGIN, COMMIT, ROLLBACK) sent as a
+    statement of its own."""
     text = "\n".join(lines)
     return f'"{statement}"' in text or f'"{statement} ' in text or f"Query\t \"{statement}" in text
 
@@ -63,7 +72,9 @@ def row(dsn: str, queue: str, slot: int) -> tuple[int, int, bytes | None]:
     """(state, seq, payload) of a queue row, as another connection sees it (committed only)."""
     with psycopg.connect(dsn, autocommit=True) as c:
         r = c.execute(
-            sql.SQL("SELECT state, seq, payload FROM {} WHERE slot = %s").format(sql.Identifier("ringq", "q_" + queue)),
+            sql.SQL("SELECT state, seq, payload FROM {} WHERE slot = %s").format(
+                sql.Identifier("ringq", "q_" + queue)
+            ),
             (slot,),
         ).fetchone()
     assert r is not None
@@ -73,7 +84,9 @@ def row(dsn: str, queue: str, slot: int) -> tuple[int, int, bytes | None]:
 def backend(dsn: str, pid: int) -> tuple[str, bool]:
     """(state, whether a transaction is open) of a backend, from pg_stat_activity."""
     with psycopg.connect(dsn, autocommit=True) as c:
-        r = c.execute("SELECT state, xact_start IS NOT NULL FROM pg_stat_activity WHERE pid = %s", (pid,)).fetchone()
+        r = c.execute(
+            "SELECT state, xact_start IS NOT NULL FROM pg_stat_activity WHERE pid = %s", (pid,)
+        ).fetchone()
     assert r is not None
     return r[0], r[1]
 
@@ -119,7 +132,7 @@ def app_rows(dsn: str) -> list[int]:
 # -- nothing goes before commit; one round trip --------------------------------------------------
 
 
-def test_enqueue_sends_nothing_until_commit(dsn, make_queue):
+def test_enqueue_sends_nothing_until_commit(dsn: str, make_queue: Callable[..., str]) -> None:
     q = make_queue(capacity=8)
     with connect(dsn) as s:
         warm(s, q)
@@ -139,7 +152,9 @@ def test_enqueue_sends_nothing_until_commit(dsn, make_queue):
     assert drain(dsn, q) == [b"later", b"b1", b"b2"]
 
 
-def test_each_transaction_is_one_round_trip(dsn, make_queue, app_table):
+def test_each_transaction_is_one_round_trip(
+    dsn: str, make_queue: Callable[..., str], app_table: str
+) -> None:
     q, other = make_queue(), make_queue(dequeue_mode="shared")
     with connect(dsn) as s, connect(dsn) as c:
         warm(s, q, other)
@@ -184,7 +199,9 @@ def test_each_transaction_is_one_round_trip(dsn, make_queue, app_table):
 
 
 @pytest.mark.parametrize("own_sql", [True, False])
-def test_stale_section_raises_at_commit_and_commits_nothing(dsn, make_queue, app_table, own_sql):
+def test_stale_section_raises_at_commit_and_commits_nothing(
+    dsn: str, make_queue: Callable[..., str], app_table: str, own_sql: bool
+) -> None:
     q = make_queue(capacity=8)
     with connect(dsn) as s:
         s.enqueue_many(q, [b"a", b"b", b"c"])
@@ -210,7 +227,9 @@ def test_stale_section_raises_at_commit_and_commits_nothing(dsn, make_queue, app
     assert app_rows(dsn) == ([1] if own_sql else [])
 
 
-def test_stale_section_in_one_queue_commits_no_write_of_another(dsn, make_queue):
+def test_stale_section_in_one_queue_commits_no_write_of_another(
+    dsn: str, make_queue: Callable[..., str]
+) -> None:
     good, stale = make_queue(), make_queue(capacity=8)
     with connect(dsn) as s:
         s.enqueue_many(stale, [b"a", b"b"])
@@ -230,7 +249,9 @@ def test_stale_section_in_one_queue_commits_no_write_of_another(dsn, make_queue)
     assert drain(dsn, stale) == [b"a", b"b", b"x"]
 
 
-def test_stale_section_gives_dequeued_entries_back_without_a_strike(dsn, make_queue):
+def test_stale_section_gives_dequeued_entries_back_without_a_strike(
+    dsn: str, make_queue: Callable[..., str]
+) -> None:
     src, dst = make_queue(max_deliveries=1), make_queue(capacity=8)
     with connect(dsn) as s:
         s.enqueue(src, b"work")
@@ -253,7 +274,9 @@ def test_stale_section_gives_dequeued_entries_back_without_a_strike(dsn, make_qu
 # -- flush, rollback, two-phase commit ------------------------------------------------------------
 
 
-def test_flush_makes_pending_writes_visible_to_the_transaction(dsn, make_queue):
+def test_flush_makes_pending_writes_visible_to_the_transaction(
+    dsn: str, make_queue: Callable[..., str]
+) -> None:
     q = make_queue(capacity=8)
     table = sql.Identifier("ringq", "q_" + q)
     with connect(dsn) as s:
@@ -281,7 +304,9 @@ def test_flush_makes_pending_writes_visible_to_the_transaction(dsn, make_queue):
     assert drain(dsn, q) == [b"mine", b"again"]
 
 
-def test_flush_of_a_stale_write_rolls_the_transaction_back(dsn, make_queue, app_table):
+def test_flush_of_a_stale_write_rolls_the_transaction_back(
+    dsn: str, make_queue: Callable[..., str], app_table: str
+) -> None:
     q = make_queue(capacity=8)
     with connect(dsn) as s:
         s.enqueue(q, b"a")
@@ -299,7 +324,9 @@ def test_flush_of_a_stale_write_rolls_the_transaction_back(dsn, make_queue, app_
     assert drain(dsn, q) == [b"a", b"b"]
 
 
-def test_rollback_with_pending_writes_sends_nothing_and_frees_the_slots(dsn, make_queue):
+def test_rollback_with_pending_writes_sends_nothing_and_frees_the_slots(
+    dsn: str, make_queue: Callable[..., str]
+) -> None:
     q = make_queue(capacity=4, full_policy="raise")
     with connect(dsn) as s:
         warm(s, q)
@@ -316,7 +343,7 @@ def test_rollback_with_pending_writes_sends_nothing_and_frees_the_slots(dsn, mak
     assert drain(dsn, q) == [b"5", b"6", b"7", b"8"]
 
 
-def test_tpc_prepare_flushes_the_pending_writes(dsn, make_queue):
+def test_tpc_prepare_flushes_the_pending_writes(dsn: str, make_queue: Callable[..., str]) -> None:
     q = make_queue()
     with connect(dsn) as s:
         s.tpc_begin(s.xid(uuid.uuid4().hex))
@@ -332,7 +359,9 @@ def test_tpc_prepare_flushes_the_pending_writes(dsn, make_queue):
     assert drain(dsn, q) == [b"prepared", b"one phase"]
 
 
-def test_commit_around_the_library_leaves_pending_writes_to_the_session(dsn, make_queue, app_table):
+def test_commit_around_the_library_leaves_pending_writes_to_the_session(
+    dsn: str, make_queue: Callable[..., str], app_table: str
+) -> None:
     q = make_queue()
     with connect(dsn) as s:
         warm(s, q)
@@ -359,7 +388,9 @@ def _die_after_enqueue(dsn: str, queue: str, ready: Any, flush: bool) -> None:
 
 
 @pytest.mark.parametrize("flush", [False, True])
-def test_kill9_between_reserve_and_commit_loses_and_doubles_nothing(dsn, make_queue, flush):
+def test_kill9_between_reserve_and_commit_loses_and_doubles_nothing(
+    dsn: str, make_queue: Callable[..., str], flush: bool
+) -> None:
     q = make_queue(capacity=4)
     with connect(dsn) as s:
         warm(s, q)
@@ -379,13 +410,53 @@ def test_kill9_between_reserve_and_commit_loses_and_doubles_nothing(dsn, make_qu
         for i in range(8):  # every slot is usable again, twice round the ring
             s.enqueue(q, b"after %d" % i)
             s.commit()
-            got.append(s.dequeue(q).payload)
+            got.append(present(s.dequeue(q)).payload)
             s.commit()
     got += drain(dsn, q)
     assert got == [b"committed"] + [b"after %d" % i for i in range(8)]
 
 
-_COMMIT_PATH = ("commit", "_send_writes", "_finish", "send", "_no_implicit_begin", "finish_batch", "finish_enqueue")
+_COMMIT_PATH = (
+    "commit", "_send_writes", "_finish", "send", "_no_implicit_begin", "finish_batch",
+    "finish_enqueue",
+)
+
+
+def test_recovery_passes_leave_the_pending_writes_of_a_live_session_alone(
+    dsn: str, make_queue: Callable[..., str]
+) -> None:
+    """A live session holding reservations whose row writes are still pending
+    shows an idle backend with no transaction open. No recovery pass (dead
+    clients, orphaned tokens, lost backends, leases) may decide those slots:
+    its commit then writes them, each entry delivered once."""
+    q = make_queue(capacity=8)
+    with connect(dsn) as s:
+        warm(s, q)
+        sec, ring = s.section, s.ring(q)
+        s.enqueue(q, b"pending")
+        s.enqueue_many(q, [b"pending 2", b"pending 3"])
+        assert backend(dsn, s.backend_pid) == ("idle", False)
+        # A dead client beside it, so that the dead-client pass has work to do.
+        ready = FORK.Event()
+        p = FORK.Process(target=_die_after_enqueue, args=(dsn, q, ready, False))
+        p.start()
+        p.join(30)
+        assert ready.is_set() and p.exitcode == -signal.SIGKILL
+        assert ring.counts()["locked"] == 5
+        for _ in range(200):
+            recover_dead_clients(sec, dsn)
+            if ring.counts()["locked"] == 3:
+                break
+            time.sleep(0.01)
+        assert ring.counts()["locked"] == 3  # the dead client's two, not our three
+        assert recover_dead_clients(sec, dsn) == []
+        with psycopg.connect(dsn, autocommit=True) as c:
+            assert recover_lost_backends(sec, c) == []
+        assert end_holders(sec, dsn, overdue_holders(sec)) == []
+        assert ring.counts()["locked"] == 3
+        assert backend(dsn, s.backend_pid) == ("idle", False)
+        s.commit()
+    assert sorted(drain(dsn, q)) == [b"committed", b"pending", b"pending 2", b"pending 3"]
 
 
 def _die_during_commit(after: int) -> None:
@@ -420,7 +491,9 @@ def _producer(dsn: str, queue: str, seed: int, die_after: int, log: Any) -> None
             log.send(("committed", payloads))
 
 
-def test_kill9_during_commit_loses_and_doubles_nothing(dsn, make_queue):
+def test_kill9_during_commit_loses_and_doubles_nothing(
+    dsn: str, make_queue: Callable[..., str]
+) -> None:
     q = make_queue(capacity=16)
     rnd = random.Random(11)
     trying: set[bytes] = set()
@@ -449,7 +522,8 @@ def test_kill9_during_commit_loses_and_doubles_nothing(dsn, make_queue):
                     break
             assert ring.counts()["locked"] == 0
             got = drain(dsn, q)
-            assert len(got) == len(set(got)) and not delivered & set(got), "an entry was delivered twice"
+            twice = len(got) != len(set(got)) or delivered & set(got)
+            assert not twice, "an entry was delivered twice"
             delivered.update(got)
             assert committed <= delivered, f"lost {sorted(committed - delivered)[:5]}"
             assert delivered <= trying, "an entry that no transaction tried was delivered"

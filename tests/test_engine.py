@@ -1048,7 +1048,9 @@ def test_a_session_is_idle_outside_any_transaction_between_transactions(
         s.queue_info(q)
         assert _activity(dsn, s.backend_pid) == ("idle", None)  # a queue lookup leaves nothing open
         s.enqueue(q, b"a")
-        # inside the caller's transaction
+        # the row write waits in the session for the commit: nothing open yet
+        assert _activity(dsn, s.backend_pid) == ("idle", None)
+        s.flush()  # sent now: inside the caller's transaction
         assert _activity(dsn, s.backend_pid)[0] == "idle in transaction"
         s.commit()
         assert _activity(dsn, s.backend_pid) == ("idle", None)
