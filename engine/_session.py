@@ -524,7 +524,11 @@ class Session(TwoPhase):
         except RingqError as err:
             exc = err.__cause__
             self._ops = []
-            if self._conn.broken or self._conn.closed:
+            if self._conn.broken or self._conn.closed or _answer_lost(exc):
+                # The answer may have been lost after the COMMIT ran: a backend
+                # terminated during the pipeline can leave psycopg with "cannot
+                # exit pipeline mode while busy" (no SQLSTATE) on a connection
+                # that does not read as broken yet. Decide from the rows.
                 committed = self._recover(ops, reason=f"commit answer lost: {exc}")
                 if committed is None and self._section.lease_ended(self._cidx):
                     committed = False if any(op.kind == OpKind.DEQUEUE for op in ops) else None  # past the lease
@@ -1290,6 +1294,18 @@ class Session(TwoPhase):
         """
         self._check()
         return self._ring(self._info(queue))
+
+
+_ENDED_STATES = frozenset({"57P01", "57P02", "57P05", "25P03"})
+
+
+def _answer_lost(exc: BaseException | None) -> bool:
+    """Whether ``exc``, raised by a commit, leaves its outcome unknown: no
+    verdict of the server (a client-side error, no SQLSTATE), or the server
+    ended the connection (admin or crash shutdown, a session timeout, a
+    connection exception: SQLSTATE class 08), perhaps after the COMMIT ran."""
+    state = getattr(exc, "sqlstate", None)
+    return state is None or state in _ENDED_STATES or state.startswith("08")
 
 
 def _orphaned(sec: Section, cidx: int, pid: int, registered_ns: int) -> None:
