@@ -523,8 +523,11 @@ class Session(TwoPhase):
             raise  # rolled back and resynced already
         except RingqError as err:
             exc = err.__cause__
+            # A stale write's rollback ran already (then its resync failed):
+            # nothing committed, whatever the error says.
+            rolled_back = self._ops is not ops
             self._ops = []
-            if self._conn.broken or self._conn.closed or _answer_lost(exc):
+            if self._conn.broken or self._conn.closed or _answer_lost(exc) and not rolled_back:
                 # The answer may have been lost after the COMMIT ran: a backend
                 # terminated during the pipeline can leave psycopg with "cannot
                 # exit pipeline mode while busy" (no SQLSTATE) on a connection
