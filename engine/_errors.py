@@ -92,6 +92,19 @@ class TransactionConflict(TransactionError):
         self.sqlstate = sqlstate
 
 
+class StaleSection(TransactionError):
+    """A queue row write sent at commit (or ``flush()``) did not find its row
+    as the global section said (the section was stale: rebuilt, restored,
+    or the table written around ringq), so PostgreSQL refused it and nothing
+    of the transaction committed. The transaction was rolled back, its
+    reservations voided and the queue's block resynced from the rows: retry
+    the transaction, as after a serialization failure. ``queue`` names the queue."""
+
+    def __init__(self, message: str, *, queue: str | None = None) -> None:
+        super().__init__(message)
+        self.queue = queue
+
+
 class InDoubt(TransactionError):
     """The commit's answer was lost: the outcome is decided later from the rows.
 
@@ -178,6 +191,9 @@ _UNAVAILABLE_STATES = frozenset(
 )
 # The transaction lost a conflict: retrying the whole transaction may succeed.
 _CONFLICT_STATES = frozenset({"40001", "40P01", "55P03"})
+# A deferred row write found its row not as the global section said
+# (ringq.expect_rows, scripting/ddl.sql): retry the transaction.
+STALE_SQLSTATE = "RQ001"
 # The statement itself is refused: the same call fails the same way.
 _REJECTED_CLASSES = ("22", "23", "42", "54")
 
@@ -191,7 +207,8 @@ def from_psycopg(
     crash, cannot connect now, database dropped, session timeout) ->
     :class:`DatabaseUnavailable`; 40001, 40P01, 55P03 (serialization,
     deadlock, lock not available) -> :class:`TransactionConflict`; 22, 23,
-    42, 54 (data, integrity, syntax/access, limits) -> :class:`StatementRejected`.
+    42, 54 (data, integrity, syntax/access, limits) -> :class:`StatementRejected`;
+    RQ001 (a guarded row write did not match) -> :class:`StaleSection`.
     A driver error without a code (refused connection, lost connection) is
     :class:`DatabaseUnavailable`; any other is :class:`DatabaseError`.
     """
@@ -208,6 +225,14 @@ def from_psycopg(
         where = f" at {redact_dsn(dsn)!r}" if dsn else ""
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         return DatabaseUnavailable(f"database unavailable{where}: {redact_dsn(first)}")
+    if state == STALE_SQLSTATE:
+        table = getattr(getattr(exc, "diag", None), "table_name", None) or ""
+        name = table.removeprefix("q_") or queue
+        return StaleSection(
+            f"queue {name!r}: a row write did not find its row as the global section said "
+            "(stale section); nothing of the transaction committed: retry it",
+            queue=name,
+        )
     if state is not None and (state in _CONFLICT_STATES or state[:2] == "40" and state != "40002"):
         return TransactionConflict(
             f"transaction rolled back, retry it: {_primary(exc)}", sqlstate=state

@@ -34,13 +34,23 @@ class OpKind(StrEnum):
     DEQUEUE = "d"  # the slot's entry is locked for consumption
 
 
+@dataclass(frozen=True, slots=True)
+class RowWrite:
+    """An enqueue's row write, kept in the session until commit (or
+    ``flush()``) sends it: the entry's payload and its producer sequence."""
+
+    payload: bytes
+    producer_seq: int
+
+
 @dataclass(slots=True)
 class Op:
     """One slot in flight: reserved for an enqueue or locked for a dequeue.
 
     Fixed once made, except ``latency_ns``: the call's latency (ns), filled in
     once its statement has answered (0 until then, and for ops that recovery
-    rebuilds).
+    rebuilds); and ``write``: an enqueue's row write while the session still
+    holds it (None once sent, and for every other op).
     """
 
     ring: Ring
@@ -49,6 +59,7 @@ class Op:
     seq: int
     kind: OpKind
     latency_ns: int = 0
+    write: RowWrite | None = None
 
     def committed_in(self, state: int, row_seq: int) -> bool:
         """Whether the row (its ``state`` and ``seq``) shows this op committed:

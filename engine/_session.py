@@ -25,6 +25,7 @@ from psycopg import sql
 from psycopg.pq import TransactionStatus
 
 from . import _layout as L
+from . import _wire
 from ._decide import decide_ops, load_queue, resync_queue, wait_backend_gone
 from ._dsn import resolve_dsn
 from ._errors import (
@@ -37,13 +38,14 @@ from ._errors import (
     SchemaMissing,
     SectionError,
     SessionClosed,
+    StaleSection,
     TransactionError,
     from_psycopg,
     redact_dsn,
 )
 from ._events import Subscription, publish
 from ._names import queue_table, validate_queue_name
-from ._ops import POISON_REASON, Op, OpKind, RowState
+from ._ops import POISON_REASON, Op, OpKind, RowState, RowWrite
 from ._process import _Process
 from ._queries import QUERIES as _Q
 from ._queue_info import QueueInfo as QueueInfo  # noqa: PLC0414 (re-exported for ringq.engine)
@@ -109,11 +111,11 @@ def connect(
 ) -> Session:
     """Open a session: DSN from the argument, else ``RINGQ_DSN``, else the embedded cluster.
 
-    Between transactions the session's connection is idle, never "idle in
-    transaction": it holds no snapshot, its table statistics reach
+    A transaction costs one round trip: enqueues are kept in the session
+    and sent with the COMMIT; a dequeue on an idle connection carries its
+    own BEGIN. Between transactions the session's connection is idle, never
+    "idle in transaction": it holds no snapshot, its table statistics reach
     PostgreSQL, and ``idle_in_transaction_session_timeout`` cannot end it.
-    A transaction's BEGIN travels with its first queue statement (one round
-    trip), so a single-entry enqueue or dequeue and its commit cost two.
 
     :raises DatabaseUnavailable: the database cannot be reached.
     :raises SchemaMissing: the database holds no ringq schema (create a queue first).
@@ -177,7 +179,7 @@ class Session(TwoPhase):
     def _attach(self) -> None:
         def read_instance() -> tuple[Any, ...] | None:
             with self._outside_transaction() as conn:
-                return conn.execute(_Q["instance"]).fetchone()
+                return conn.execute(_Q["attach"]).fetchone()
 
         try:
             row = self._call(read_instance, recover=False)
@@ -189,10 +191,16 @@ class Session(TwoPhase):
                 ) from exc.__cause__
             raise
         assert row is not None
-        instance, version, backend_pid = row
+        instance, version, backend_pid, has_guard = row
         if version != SUPPORTED_SCHEMA or not instance:
             self._conn.close()
             raise SchemaMissing(f"ringq schema version {version!r} is not supported (want {SUPPORTED_SCHEMA})")
+        if not has_guard:
+            self._conn.close()
+            raise SchemaMissing(
+                "the ringq schema lacks ringq.expect_rows(), which this version's commits need: apply the "
+                "schema script again (ringq queue create, or ringq script create-queue | psql)"
+            )
         self.instance: str = instance
         self.backend_pid: int = backend_pid
         try:
@@ -312,20 +320,26 @@ class Session(TwoPhase):
             raise SessionClosed("the session is closed")
         if os.getpid() != self._pid:
             self._after_fork()
-        if self._ops and self._conn.info.transaction_status == _IDLE and not self._tpc_prepared:
+        if self._ops and self._conn.info.transaction_status == _IDLE and not self._tpc_prepared and self._sent():
             # Someone committed or rolled back on the connection directly:
             # learn the outcome from the rows. (A prepared transaction is
             # idle too, but undecided: tpc_commit/tpc_rollback finish it.)
             # If the connection is lost meanwhile, _call decides them
-            # from a new one.
+            # from a new one. Row writes still held in the session never
+            # went: they stay, for the session's own commit or rollback.
             def decide() -> None:
                 with self._outside_transaction() as conn:
-                    self._decide_from_rows(conn, self._ops)
+                    self._decide_from_rows(conn, self._sent())
 
             self._call(decide)
-            self._ops = []
+            self._ops = [op for op in self._ops if op.write is not None]
         if self._section.unlinked() and not self._ops:
             self._reattach_section()
+
+    def _sent(self) -> list[Op]:
+        """The in-flight ops whose statements went to the server (all but
+        enqueues whose row write the session still holds)."""
+        return [op for op in self._ops if op.write is None]
 
     def _after_fork(self) -> None:
         # The inherited connection belongs to the parent: never close it here
@@ -397,7 +411,7 @@ class Session(TwoPhase):
         key = (name, queue)
         stmt = self._stmts.get(key)
         if stmt is None:
-            stmt = sql.SQL(_Q[name]).format(table=queue_table(queue)).as_string(None)
+            stmt = sql.SQL(_Q[name]).format(table=queue_table(queue), queue=sql.Literal(queue)).as_string(None)
             self._stmts[key] = stmt
         return stmt
 
@@ -448,14 +462,14 @@ class Session(TwoPhase):
         """Run one statement on the session's connection (or ``conn``); errors as in :meth:`_call`.
 
         The first statement of a transaction on the session's connection
-        carries its BEGIN in the same round trip (a pipeline), not one of its own.
+        carries its BEGIN in the same message (``BEGIN; <statement>``), not one of its own.
         """
         c = self._conn if conn is None else conn
+        # Inside a two-phase transaction psycopg sends its own BEGIN.
+        may_begin = c is self._conn and self._tpc_xid is None
 
         def run() -> psycopg.Cursor[Any]:
-            if c.info.transaction_status != _IDLE or c.autocommit:
-                return c.execute(query, params, binary=binary)
-            return _begin_with(c, query, params, binary)
+            return _wire.execute(c, query, params, binary=binary, may_begin=may_begin)
 
         return self._call(run, queue=queue, qid=qid, seq=seq, recover=recover)
 
@@ -479,9 +493,14 @@ class Session(TwoPhase):
         self._recover(ops, reason=str(exc))
 
     def commit(self) -> None:
-        """Commit the transaction; then its enqueued entries become ready and
-        its dequeued entries consumed.
+        """Commit the transaction in one round trip: the BEGIN (when no
+        statement opened it yet), the row writes of its enqueues and the
+        COMMIT. Then its enqueued entries become ready and its dequeued
+        entries consumed.
 
+        :raises StaleSection: a row write did not find its row as the global
+            section said; nothing committed: the transaction was rolled back
+            and the section resynced. Retry the transaction.
         :raises InDoubt: the commit's answer was lost and the outcome could not
             be read back (the rows decide later; nothing is lost or doubled).
         :raises TransactionError: the transaction had failed; it was rolled back.
@@ -494,12 +513,25 @@ class Session(TwoPhase):
         if status == _INERROR:
             self.rollback()
             raise TransactionError("the transaction failed earlier and was rolled back")
+        writes = [op for op in ops if op.write is not None]
         try:
-            self._call(self._conn.commit, recover=False)
+            if writes:
+                self._send_writes(writes, commit=True)
+            else:
+                self._call(self._conn.commit, recover=False)
+        except StaleSection:
+            raise  # rolled back and resynced already
         except RingqError as err:
             exc = err.__cause__
+            # A stale write's rollback ran already (then its resync failed):
+            # nothing committed, whatever the error says.
+            rolled_back = self._ops is not ops
             self._ops = []
-            if self._conn.broken or self._conn.closed:
+            if self._conn.broken or self._conn.closed or _answer_lost(exc) and not rolled_back:
+                # The answer may have been lost after the COMMIT ran: a backend
+                # terminated during the pipeline can leave psycopg with "cannot
+                # exit pipeline mode while busy" (no SQLSTATE) on a connection
+                # that does not read as broken yet. Decide from the rows.
                 committed = self._recover(ops, reason=f"commit answer lost: {exc}")
                 if committed is None and self._section.lease_ended(self._cidx):
                     committed = False if any(op.kind == OpKind.DEQUEUE for op in ops) else None  # past the lease
@@ -511,7 +543,11 @@ class Session(TwoPhase):
                     return
                 self._record_ops_error(L.ERR_COMMIT_FAILED, ops)
                 raise TransactionError(f"commit failed and was rolled back: {exc}") from exc
-            # The server refused the commit (deferred constraint, serialization): rolled back.
+            # The server refused the commit (deferred constraint, serialization,
+            # a row write that failed): rolled back, or to be rolled back when
+            # a failed statement kept the COMMIT behind it from running.
+            with suppress(RingqError):
+                self._call(self._conn.rollback, recover=False)
             self._finish(ops, committed=False)
             if ops:
                 self._record_ops_error(L.ERR_COMMIT_FAILED, ops)
@@ -519,11 +555,77 @@ class Session(TwoPhase):
         self._ops = []
         self._finish(ops, committed=True)
 
+    def flush(self) -> None:
+        """Send the row writes of this transaction's enqueues now (one round
+        trip, opening the transaction if none is open) rather than with the
+        COMMIT: to learn of a failed write early, or to read the queue table
+        in the same transaction (the transaction's own reads do not see the
+        writes the session still holds).
+
+        :raises StaleSection: as :meth:`commit`: the transaction was rolled back.
+        :raises SessionClosed, DatabaseUnavailable:
+        """
+        self._check()
+        writes = [op for op in self._ops if op.write is not None]
+        if writes:
+            self._send_writes(writes, commit=False)
+
+    def _send_writes(self, writes: list[Op], *, commit: bool) -> None:
+        """Send the row writes the session holds for ``writes`` in one round
+        trip: after a BEGIN if no transaction is open, one statement per
+        queue, then the COMMIT if ``commit``.
+
+        Every write is guarded: a row that does not match makes its statement
+        fail (SQLSTATE RQ001), so nothing after it runs. Then the whole
+        transaction is rolled back (its reservations voided, its dequeued
+        entries given back without a strike: not their fault), the queue's
+        block resynced from the rows, and :class:`StaleSection` raised.
+        """
+        by_queue: dict[str, list[Op]] = {}
+        for op in writes:
+            by_queue.setdefault(op.info.name, []).append(op)
+        statements = [self._write_statement(name, group) for name, group in by_queue.items()]
+        try:
+            self._call(
+                lambda: _wire.send(self._conn, statements, commit=commit, may_begin=self._tpc_xid is None),
+                recover=not commit,  # commit() decides itself what a lost answer means
+            )
+        except StaleSection as err:
+            group = by_queue.get(err.queue or "", writes)
+            info = group[0].info
+            self._record_error(L.ERR_ROW_MISMATCH, info.id, group[0].seq)
+            self.rollback(count_delivery=False)
+            self._resync(info)
+            logger.warning("ringq: queue %s: stale section (a row write did not match its row): resynced", info.name)
+            raise
+        for op in writes:
+            op.write = None
+
+    def _write_statement(self, queue: str, ops: list[Op]) -> _wire.Statement:
+        """The guarded row write of ``ops`` (enqueues of one queue): one statement."""
+        if len(ops) == 1:
+            op = ops[0]
+            w = op.write
+            assert w is not None
+            return self._stmt("enqueue", queue), (op.seq, w.payload, self.producer, w.producer_seq, op.slot, op.seq)
+        writes = [op.write for op in ops]
+        return self._stmt("enqueue_many", queue), (
+            self.producer,
+            [op.slot for op in ops],
+            [op.seq for op in ops],
+            [w.payload for w in writes if w is not None],
+            [w.producer_seq for w in writes if w is not None],
+            len(ops),
+        )
+
     def rollback(self, *, count_delivery: bool = True) -> None:
         """Roll back: enqueued entries are voided, dequeued ones become ready again
         (and count a delivery; at the queue's max_deliveries they move to
         ``ringq.exceptions``). ``count_delivery=False`` gives entries back
-        without a strike (a shutdown that aborts work, not the entry's fault)."""
+        without a strike (a shutdown that aborts work, not the entry's fault).
+
+        One round trip at most: the row writes the session holds are simply
+        dropped, and the strikes travel with the ROLLBACK."""
         if self._closed:
             raise SessionClosed("the session is closed")
         if os.getpid() != self._pid:
@@ -533,12 +635,17 @@ class Session(TwoPhase):
             self.tpc_rollback()  # refuses once decided
             return
         ops, self._ops = self._ops, []
+        deq = [op for op in ops if op.kind == OpKind.DEQUEUE] if count_delivery else []
+        poisoned: set[tuple[int, int]] = set()
         try:
-            self._call(self._conn.rollback, recover=False)
+            if deq:
+                poisoned = self._strike(deq, rollback=True)
+            else:
+                self._call(self._conn.rollback, recover=False)
         except RingqError as err:
             self._recover(ops, reason=f"rollback failed: {err.__cause__}")
             raise
-        self._finish(ops, committed=False, count_delivery=count_delivery)
+        self._finish(ops, committed=False, poisoned=poisoned)
 
     @contextmanager
     def transaction(self) -> Iterator[Session]:
@@ -557,14 +664,27 @@ class Session(TwoPhase):
             raise
         self.commit()
 
-    def _finish(self, ops: list[Op], *, committed: bool, count_delivery: bool = True) -> None:
-        """Tell the section the outcome of ``ops`` (the database already decided)."""
+    def _finish(
+        self,
+        ops: list[Op],
+        *,
+        committed: bool,
+        count_delivery: bool = True,
+        poisoned: set[tuple[int, int]] | None = None,
+    ) -> None:
+        """Tell the section the outcome of ``ops`` (the database already decided).
+
+        Not committed, rolled-back dequeues count a delivery (unless
+        ``count_delivery`` is false), unless ``poisoned`` is given: the
+        strikes were written already, and these (slot, seq) were poisoned.
+        """
         if not ops:
             return
         self._section.clear_hold(self._cidx)
-        poisoned: set[tuple[int, int]] = set()
-        if not committed and count_delivery:
-            poisoned = self._strike([op for op in ops if op.kind == OpKind.DEQUEUE])
+        if poisoned is None:
+            poisoned = set()
+            if not committed and count_delivery:
+                poisoned = self._strike([op for op in ops if op.kind == OpKind.DEQUEUE])
         by_ring: dict[int, list[Op]] = {}
         for op in ops:
             by_ring.setdefault(op.ring.qidx, []).append(op)
@@ -588,50 +708,54 @@ class Session(TwoPhase):
         for qid, kind, n in posts:
             sec.post(qid, kind, n)
 
-    def _strike(self, deq_ops: list[Op]) -> set[tuple[int, int]]:
-        """Count a failed delivery on each rolled-back dequeue; returns the poisoned ones."""
+    def _strike(self, deq_ops: list[Op], *, rollback: bool = False) -> set[tuple[int, int]]:
+        """Count a failed delivery on each rolled-back dequeue; returns the poisoned ones.
+
+        One round trip: the ROLLBACK of the open transaction (with
+        ``rollback``; else the transaction has ended already), then one
+        strike statement per queue, in autocommit.
+
+        :raises RingqError: with ``rollback`` only, when the connection was
+            lost (recovery decides the slots); a strike that fails otherwise
+            is logged and skipped.
+        """
         if not deq_ops:
             return set()
-        poisoned: set[tuple[int, int]] = set()
         by_queue: dict[str, list[Op]] = {}
         for op in deq_ops:
             by_queue.setdefault(op.info.name, []).append(op)
-        try:
-            # After the rollback, outside any transaction: each queue's strike
-            # is one statement that commits on its own (one round trip).
-            with self._outside_transaction():
-                for name, group in by_queue.items():
-                    poisoned |= self._strike_queue(name, group)
-        except RingqError:
-            # Losing a strike is harmless: the entry is redelivered; the
-            # monitor counts strikes of clients that die.
-            logger.warning("ringq: could not record a failed delivery", exc_info=True)
-            return set()
-        return poisoned
-
-    def _strike_queue(self, name: str, group: list[Op]) -> set[tuple[int, int]]:
-        """Count a failed delivery on ``group``, rolled-back dequeues of queue ``name``."""
-        poisoned: set[tuple[int, int]] = set()
-        info = group[0].info
-        rows = self._execute(
-            self._stmt("strike", name),
-            {
+        statements: list[_wire.Statement] = []
+        for name, group in by_queue.items():
+            info = group[0].info
+            params = {
                 "max_deliveries": info.max_deliveries,
                 "slots": [op.slot for op in group],
                 "seqs": [op.seq for op in group],
                 "queue_id": info.id,
                 "reason": POISON_REASON,
-            },
-            recover=False,
-        ).fetchall()
-        for slot, seq, state, deliveries, moved_to, kept_because in rows:
-            if state == RowState.CONSUMED:
-                poisoned.add((slot, seq))
-                logger.warning(
-                    "ringq: entry %s/%s poisoned after %s deliveries: moved to ringq.exceptions%s",
-                    name, seq, deliveries,
-                    f" and queue {moved_to}" if moved_to else f" only ({kept_because})" if kept_because else "",
-                )
+            }
+            statements.append((self._stmt("strike", name), params))
+        try:
+            # ROLLBACK (if a transaction is open) and, after it, each queue's
+            # strike in autocommit: one round trip.
+            cursors = self._call(lambda: _wire.rollback_then(self._conn, statements), recover=False)
+        except RingqError:
+            if rollback and (self._conn.broken or self._conn.closed):
+                raise  # the ROLLBACK may not have run: the caller recovers
+            # Losing a strike is harmless: the entry is redelivered; the
+            # monitor counts strikes of clients that die.
+            logger.warning("ringq: could not record a failed delivery", exc_info=True)
+            return set()
+        poisoned: set[tuple[int, int]] = set()
+        for name, cur in zip(by_queue, cursors, strict=True):
+            for slot, seq, state, deliveries, moved_to, kept_because in cur.fetchall():
+                if state == RowState.CONSUMED:
+                    poisoned.add((slot, seq))
+                    logger.warning(
+                        "ringq: entry %s/%s poisoned after %s deliveries: moved to ringq.exceptions%s",
+                        name, seq, deliveries,
+                        f" and queue {moved_to}" if moved_to else f" only ({kept_because})" if kept_because else "",
+                    )
         return poisoned
 
     # -- enqueue -----------------------------------------------------------------------
@@ -639,12 +763,18 @@ class Session(TwoPhase):
     def enqueue(self, queue: str, payload: bytes, *, key: str | None = None, timeout: float | None = None) -> int:
         """Put ``payload`` on ``queue`` in the current transaction; returns its sequence number.
 
-        The entry is on the queue only once the transaction commits. With
-        ``key``, a second enqueue of the same key returns the first entry's
-        sequence and adds nothing. A full queue blocks up to ``timeout``
-        seconds (default: the queue's full_timeout) under the 'block' policy.
+        The entry is on the queue only once the transaction commits. Without
+        ``key`` nothing goes to the database now: the slot is reserved in the
+        global section and the row write is kept in the session until
+        :meth:`commit` (or :meth:`flush`) sends it, so a failure of the write
+        surfaces there (:class:`StaleSection`: retry the transaction). With
+        ``key``, the write is made now (one round trip), and a second enqueue
+        of the same key returns the first entry's sequence and adds nothing.
+        A full queue blocks up to ``timeout`` seconds (default: the queue's
+        full_timeout) under the 'block' policy.
 
         :raises QueueNotFound, PayloadTooLarge, QueueFull, SessionClosed, DatabaseUnavailable:
+        :raises TransactionError: the transaction failed earlier (roll it back).
         :raises InvalidArgumentType: the payload is not bytes-like, the key not a str.
         :raises InvalidArgument: the key is over 1,000 bytes, the timeout negative.
         """
@@ -660,56 +790,53 @@ class Session(TwoPhase):
                 f"payload of {len(payload):,} bytes exceeds queue {queue!r} max_payload {info.max_payload:,}",
                 queue=queue,
             )
+        self._check_not_failed()
+        if key is None:
+            slot, seq = self._reserve(info, timeout)
+            self._producer_seq += 1
+            op = Op(self._ring(info), info, slot, seq, OpKind.ENQUEUE, write=RowWrite(payload, self._producer_seq))
+            self._ops.append(op)
+            op.latency_ns = time.perf_counter_ns() - t0
+            self._section.count_client(self._cidx, L.C_N_ENQ)
+            return seq
         for _attempt in range(8):
             slot, seq = self._reserve(info, timeout)
             self._producer_seq += 1
             op = Op(self._ring(info), info, slot, seq, OpKind.ENQUEUE)
             self._ops.append(op)
-            if key is None:
-                cur = self._execute(
-                    self._stmt("enqueue", queue),
-                    (seq, payload, self.producer, self._producer_seq, slot, seq),
-                    queue=queue,
-                    qid=info.id,
-                    seq=seq,
-                )
-                ok = cur.rowcount == 1
-                existing = None
-            else:
-                row = self._execute(
-                    self._stmt("enqueue_key", queue),
-                    {
-                        "queue_id": info.id,
-                        "key": key,
-                        "seq": seq,
-                        "payload": payload,
-                        "producer": self.producer,
-                        "producer_seq": self._producer_seq,
-                        "slot": slot,
-                    },
-                    queue=queue,
-                    qid=info.id,
-                    seq=seq,
-                ).fetchone()
-                assert row is not None
-                inserted, updated, existing = row
-                if inserted == 0 and existing is None:
-                    # Another transaction held the key uncommitted; the
-                    # INSERT waited for its commit, but under READ
-                    # COMMITTED this statement's snapshot predates it:
-                    # read the key again (a new statement, a new snapshot).
-                    again = self._execute(_Q["key_seq"], (info.id, key), queue=queue, qid=info.id, seq=seq).fetchone()
-                    existing = None if again is None else again[0]
-                ok = inserted == 1 and updated == 1
-                if inserted == 1 and updated == 0:
-                    self._execute(_Q["key_forget"], (info.id, key, seq), queue=queue, qid=info.id, seq=seq)
-            if ok:
+            row = self._execute(
+                self._stmt("enqueue_key", queue),
+                {
+                    "queue_id": info.id,
+                    "key": key,
+                    "seq": seq,
+                    "payload": payload,
+                    "producer": self.producer,
+                    "producer_seq": self._producer_seq,
+                    "slot": slot,
+                },
+                queue=queue,
+                qid=info.id,
+                seq=seq,
+            ).fetchone()
+            assert row is not None
+            inserted, updated, existing = row
+            if inserted == 0 and existing is None:
+                # Another transaction held the key uncommitted; the
+                # INSERT waited for its commit, but under READ
+                # COMMITTED this statement's snapshot predates it:
+                # read the key again (a new statement, a new snapshot).
+                again = self._execute(_Q["key_seq"], (info.id, key), queue=queue, qid=info.id, seq=seq).fetchone()
+                existing = None if again is None else again[0]
+            if inserted == 1 and updated == 0:
+                self._execute(_Q["key_forget"], (info.id, key, seq), queue=queue, qid=info.id, seq=seq)
+            if inserted == 1 and updated == 1:
                 op.latency_ns = time.perf_counter_ns() - t0
                 self._section.count_client(self._cidx, L.C_N_ENQ)
                 return seq
             self._ops.remove(op)
             self._void(op)
-            if key is not None and existing is not None and not (inserted == 1 and updated == 0):
+            if existing is not None and not (inserted == 1 and updated == 0):
                 return int(existing)  # idempotent repeat: the first entry's sequence
             # The section was stale: the row holds something newer. Re-read the queue.
             self._record_error(L.ERR_ROW_MISMATCH, info.id, seq)
@@ -717,7 +844,10 @@ class Session(TwoPhase):
         raise SectionError(f"queue {queue!r}: could not reserve a slot after 8 attempts (section unstable)")
 
     def enqueue_many(self, queue: str, payloads: Iterable[bytes], *, timeout: float | None = None) -> list[int]:
-        """Enqueue several entries in one statement; returns their sequence numbers, in order.
+        """Enqueue several entries; returns their sequence numbers, in order.
+
+        As :meth:`enqueue` without a key: nothing goes to the database now;
+        the commit writes the rows of a queue in one statement.
 
         :raises InvalidArgumentType: ``payloads`` is not an iterable of bytes-like payloads.
         :raises InvalidArgument: the timeout is negative.
@@ -736,53 +866,32 @@ class Session(TwoPhase):
                 )
         if not items:
             return []
+        self._check_not_failed()
         ring = self._ring(info)
-        pseqs = list(range(self._producer_seq + 1, self._producer_seq + 1 + len(items)))
+        reserved: list[tuple[int, int]] = []
+        try:
+            while len(reserved) < len(items):
+                reserved.extend(self._reserve_many(info, len(items) - len(reserved), timeout))
+        except BaseException:
+            for slot, seq in reserved:
+                self._void(Op(ring, info, slot, seq, OpKind.ENQUEUE))
+            raise
+        pseq = self._producer_seq
         self._producer_seq += len(items)
-        for _attempt in range(8):
-            reserved: list[tuple[int, int]] = []
-            try:
-                while len(reserved) < len(items):
-                    reserved.extend(self._reserve_many(info, len(items) - len(reserved), timeout))
-            except BaseException:
-                for slot, seq in reserved:
-                    self._void(Op(ring, info, slot, seq, OpKind.ENQUEUE))
-                raise
-            ops = [Op(ring, info, slot, seq, OpKind.ENQUEUE) for slot, seq in reserved]
-            self._ops.extend(ops)
-            rows = self._execute(
-                self._stmt("enqueue_many", queue),
-                (self.producer, [s for s, _ in reserved], [q for _, q in reserved], items, pseqs),
-                queue=queue,
-                qid=info.id,
-                seq=reserved[0][1],
-            ).fetchall()
-            written = {r[0] for r in rows}
-            if len(written) == len(ops):
-                break
-            # Stale section: some rows hold newer entries. Redoing only the
-            # failed ones would put them after the rest of the batch, so the
-            # whole batch is redone in order: withdraw the rows written (in
-            # this transaction), void every slot of this try, re-read the
-            # queue and reserve the batch again.
-            failed = [op for op in ops if op.slot not in written]
-            self._record_error(L.ERR_ROW_MISMATCH, info.id, failed[0].seq)
-            done = [op for op in ops if op.slot in written]
-            if done:
-                self._execute(
-                    self._stmt("enqueue_void", queue), ([op.slot for op in done], [op.seq for op in done]), queue=queue
-                )
-            for op in ops:
-                self._ops.remove(op)
-                self._void(op)
-            self._resync(info)
-        else:
-            raise SectionError(f"queue {queue!r}: could not reserve the batch after 8 attempts (section unstable)")
-        lat = (time.perf_counter_ns() - t0) // max(1, len(ops))
-        for op in ops:
-            op.latency_ns = lat
+        lat = (time.perf_counter_ns() - t0) // len(items)
+        ops = [
+            Op(ring, info, slot, seq, OpKind.ENQUEUE, latency_ns=lat, write=RowWrite(payload, pseq + i))
+            for i, ((slot, seq), payload) in enumerate(zip(reserved, items, strict=True), start=1)
+        ]
+        self._ops.extend(ops)
         self._section.count_client(self._cidx, L.C_N_ENQ, len(ops))
         return [op.seq for op in ops]
+
+    def _check_not_failed(self) -> None:
+        """An enqueue sends nothing: refuse it here if the transaction failed
+        already (its commit would only roll back)."""
+        if self._conn.pgconn.transaction_status == _INERROR:  # libpq's int: no objects made per call
+            raise TransactionError("the transaction failed earlier: roll it back")
 
     def _reserve(self, info: QueueInfo, timeout: float | None) -> tuple[int, int]:
         got = self._reserve_many(info, 1, timeout)
@@ -1190,38 +1299,16 @@ class Session(TwoPhase):
         return self._ring(self._info(queue))
 
 
-def _begin_sql(conn: psycopg.Connection[Any]) -> str:
-    """The BEGIN psycopg would send, with the connection's transaction characteristics."""
-    parts = ["BEGIN"]
-    if conn.isolation_level is not None:
-        parts.append("ISOLATION LEVEL " + conn.isolation_level.name.replace("_", " "))
-    if conn.read_only is not None:
-        parts.append("READ ONLY" if conn.read_only else "READ WRITE")
-    if conn.deferrable is not None:
-        parts.append("DEFERRABLE" if conn.deferrable else "NOT DEFERRABLE")
-    return " ".join(parts)
+_ENDED_STATES = frozenset({"57P01", "57P02", "57P05", "25P03"})
 
 
-def _begin_with(
-    conn: psycopg.Connection[Any], query: str, params: Sequence[Any] | Mapping[str, Any] | None, binary: bool
-) -> psycopg.Cursor[Any]:
-    """Open a transaction on an idle connection with BEGIN and ``query`` in one round trip.
-
-    psycopg sends its implicit BEGIN on a round trip of its own (it waits for
-    the answer even in pipeline mode). In autocommit it sends none: we send
-    BEGIN ourselves, pipelined with the statement, then put the connection
-    back in the state psycopg's own BEGIN leaves it in (in a transaction,
-    autocommit off). The public setter refuses inside a transaction, hence
-    the private attribute, set to what it held before.
-    """
-    conn.autocommit = True
-    try:
-        with conn.pipeline():
-            conn.execute(_begin_sql(conn))
-            cur = conn.execute(query, params, binary=binary)
-    finally:
-        conn._autocommit = False  # see above
-    return cur
+def _answer_lost(exc: BaseException | None) -> bool:
+    """Whether ``exc``, raised by a commit, leaves its outcome unknown: no
+    verdict of the server (a client-side error, no SQLSTATE), or the server
+    ended the connection (admin or crash shutdown, a session timeout, a
+    connection exception: SQLSTATE class 08), perhaps after the COMMIT ran."""
+    state = getattr(exc, "sqlstate", None)
+    return state is None or state in _ENDED_STATES or state.startswith("08")
 
 
 def _orphaned(sec: Section, cidx: int, pid: int, registered_ns: int) -> None:

@@ -92,6 +92,7 @@ class TwoPhase:
             seq: int = -1,
             recover: bool = True,
         ) -> psycopg.Cursor[Any]: ...
+        def flush(self) -> None: ...
         def _finish(
             self, ops: list[Op], *, committed: bool, count_delivery: bool = True
         ) -> None: ...
@@ -127,10 +128,16 @@ class TwoPhase:
         self._tpc_xid = self._call(begin)
 
     def tpc_prepare(self) -> None:
-        """Log the slots this transaction touches (committed on its own), then PREPARE."""
+        """Send the row writes the session holds (:meth:`flush`), log the
+        slots this transaction touches (committed on its own), then PREPARE.
+
+        :raises StaleSection: a row write did not match (see :meth:`flush`):
+            the transaction was rolled back; retry it.
+        """
         self._check()
         if self._tpc_xid is None:
             raise TransactionError("no two-phase transaction is open")
+        self.flush()
         gid = self._gid()
         if self._ops:
             self._execute(
@@ -244,6 +251,8 @@ class TwoPhase:
     def _tpc_end(self, *, commit: bool) -> None:
         if self._tpc_xid is None:
             raise TransactionError("no two-phase transaction is open")
+        if commit and not self._tpc_prepared:
+            self.flush()  # a one-phase commit: the row writes go first
         ops, self._ops = self._ops, []
         gid = self._gid()
         try:

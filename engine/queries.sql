@@ -8,6 +8,15 @@ SELECT (SELECT value FROM ringq.meta WHERE key = 'instance_id'),
        (SELECT value FROM ringq.meta WHERE key = 'schema_version'),
        pg_backend_pid()
 
+-- attach --
+-- What a session checks once: the instance, the schema version, its backend,
+-- and that the schema has the guard of deferred row writes (added after
+-- version 1 without a version bump: applying the schema script adds it).
+SELECT (SELECT value FROM ringq.meta WHERE key = 'instance_id'),
+       (SELECT value FROM ringq.meta WHERE key = 'schema_version'),
+       pg_backend_pid(),
+       to_regprocedure('ringq.expect_rows(integer, integer, text)') IS NOT NULL
+
 -- queue_info --
 -- lease is read through to_jsonb: a database whose schema predates the column
 -- (the schema block adds it) reads the default, 300 s.
@@ -29,12 +38,20 @@ SELECT id, name, capacity, max_payload, full_policy, full_timeout, dequeue_mode,
 FROM ringq.queues q WHERE id = %s
 
 -- enqueue --
--- Guarded: only a slot that holds no unconsumed entry and an older sequence
--- is written, so a stale section can never overwrite an entry.
-UPDATE {table}
-SET state = 1, seq = %s::bigint, payload = %b, producer = %s, producer_seq = %s::bigint, deliveries = 0,
-    enq_at = now(), enq_user = current_user, deq_at = NULL, deq_user = NULL
-WHERE slot = %s::integer AND state <> 1 AND seq < %s::bigint
+-- A deferred enqueue's row write, sent at commit (or flush). Guarded: only a
+-- slot that holds no unconsumed entry and an older sequence is written, so a
+-- stale section can never overwrite an entry; and a row that does not match
+-- makes the statement fail (ringq.expect_rows raises SQLSTATE RQ001), so the
+-- transaction can never commit without its queue write. {queue} is the
+-- queue's name (a literal), for the error.
+WITH u AS (
+    UPDATE {table}
+    SET state = 1, seq = %s::bigint, payload = %b, producer = %s, producer_seq = %s::bigint, deliveries = 0,
+        enq_at = now(), enq_user = current_user, deq_at = NULL, deq_user = NULL
+    WHERE slot = %s::integer AND state <> 1 AND seq < %s::bigint
+    RETURNING 1
+)
+SELECT ringq.expect_rows((SELECT count(*) FROM u)::integer, 1, {queue})
 
 -- enqueue_key --
 WITH k AS (
@@ -58,20 +75,16 @@ DELETE FROM ringq.keys WHERE queue_id = %s AND key = %s AND seq = %s
 SELECT seq FROM ringq.keys WHERE queue_id = %s AND key = %s
 
 -- enqueue_many --
-UPDATE {table} AS t
-SET state = 1, seq = v.seq, payload = v.payload, producer = %s, producer_seq = v.pseq,
-    deliveries = 0, enq_at = now(), enq_user = current_user, deq_at = NULL, deq_user = NULL
-FROM unnest(%s::integer[], %s::bigint[], %b::bytea[], %s::bigint[]) AS v(slot, seq, payload, pseq)
-WHERE t.slot = v.slot AND t.state <> 1 AND t.seq < v.seq
-RETURNING t.slot
-
--- enqueue_void --
--- Withdraw entries this transaction wrote (a batch redone after a stale
--- section): the row keeps its sequence but is free, which reads as void.
-UPDATE {table} AS t
-SET state = 0
-FROM unnest(%s::integer[], %s::bigint[]) AS v(slot, seq)
-WHERE t.slot = v.slot AND t.seq = v.seq AND t.state = 1
+-- Several deferred row writes of one queue in one statement (as enqueue).
+WITH u AS (
+    UPDATE {table} AS t
+    SET state = 1, seq = v.seq, payload = v.payload, producer = %s, producer_seq = v.pseq,
+        deliveries = 0, enq_at = now(), enq_user = current_user, deq_at = NULL, deq_user = NULL
+    FROM unnest(%s::integer[], %s::bigint[], %b::bytea[], %s::bigint[]) AS v(slot, seq, payload, pseq)
+    WHERE t.slot = v.slot AND t.state <> 1 AND t.seq < v.seq
+    RETURNING 1
+)
+SELECT ringq.expect_rows((SELECT count(*) FROM u)::integer, %s::integer, {queue})
 
 -- dequeue --
 -- Guarded by (slot, seq, state): an entry is consumed at most once.

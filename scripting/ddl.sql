@@ -180,6 +180,30 @@ BEGIN
 END
 $ringq$;
 
+-- ringq.expect_rows(got, want, queue): the guard of the engine's deferred row
+-- writes. A linked client keeps an enqueue's row write until its commit and
+-- sends it as a statement that ends in this call: when the guarded UPDATE
+-- matched fewer rows than it meant to write (the global section was stale),
+-- the statement fails with SQLSTATE RQ001 (naming the queue's table), so the
+-- COMMIT behind it never commits a transaction that lacks a queue write.
+-- Added after schema version 1 without a version bump: created if missing
+-- (like keys_queue_id_created_at above); a session refuses a database
+-- without it and asks for this script.
+CREATE OR REPLACE FUNCTION ringq.expect_rows(got integer, want integer, queue text)
+RETURNS integer
+LANGUAGE plpgsql
+AS $ringq$
+BEGIN
+    IF got IS DISTINCT FROM want THEN
+        RAISE EXCEPTION 'ringq: queue "%": % of % row writes matched their guard (stale global section)',
+            queue, got, want
+            USING ERRCODE = 'RQ001', SCHEMA = 'ringq', TABLE = 'q_' || queue,
+                  HINT = 'Nothing of the transaction committed; retry it.';
+    END IF;
+    RETURN got;
+END
+$ringq$;
+
 -- queue --
 -- Every setting within what the management table and the global section
 -- hold (the section keeps full_timeout in milliseconds in an int64 word).

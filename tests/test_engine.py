@@ -26,6 +26,7 @@ from ringq.engine import (
     SectionIncompatible,
     Session,
     SessionClosed,
+    StaleSection,
     TransactionError,
     connect,
 )
@@ -503,12 +504,16 @@ def test_psycopg_errors_of_side_connections_are_converted(
         s.enqueue_many(q, [b"a", b"b"])
         s.commit()
         ring = s.ring(q)
-        s.section.queues[ring.qb + L.Q_HEAD] = 0  # stale: the next enqueue must resync
+        s.section.queues[ring.qb + L.Q_HEAD] = 0  # stale: the next commit must resync
         s.section.queues[ring.qb + L.Q_TAIL] = 0
         s.section.enq[ring.w0] = 0
+        s.enqueue(q, b"c")  # its row write goes with the commit
         with _no_new_connections(dsn), pytest.raises(DatabaseUnavailable):
-            s.enqueue(q, b"c")  # resync of the stale section
+            s.commit()  # rolled back (stale), then the resync of the section fails
         s.rollback()
+        s.enqueue(q, b"c")
+        with pytest.raises(StaleSection):
+            s.commit()  # still stale: rolled back and resynced this time
         s.enqueue(q, b"c")
         s.commit()
     assert [m.payload for m in drain(dsn, q)] == [b"a", b"b", b"c"]
@@ -521,6 +526,7 @@ def test_connection_lost_after_a_commit_around_the_library_is_converted(
     with connect(dsn) as s:
         conn = s.connection
         s.enqueue(q, b"committed around")
+        s.flush()  # the row write goes now (else it waits for the session's own commit)
         conn.commit()  # not through the session: the next call learns it from the rows
         _terminate(dsn, s.backend_pid)
         with pytest.raises(DatabaseUnavailable):
@@ -612,7 +618,10 @@ def test_head_behind_rows_is_repaired_without_overwrite(
         s.section.queues[ring.qb + L.Q_HEAD] = 0  # stale head: seq 0..2 are taken
         s.section.queues[ring.qb + L.Q_TAIL] = 0
         s.section.enq[ring.w0] = 0
-        s.enqueue(q, b"d")
+        s.enqueue(q, b"d")  # reserves seq 0 again: its row write is refused at commit
+        with pytest.raises(StaleSection):
+            s.commit()
+        s.enqueue(q, b"d")  # the retry, on the resynced section
         s.commit()
     assert [m.payload for m in drain(dsn, q)] == [b"a", b"b", b"c", b"d"]
 
@@ -626,11 +635,16 @@ def test_enqueue_many_on_a_partly_stale_section_keeps_the_batch_in_order(
         s.commit()
         ring = s.ring(q)
         # Stale head: the batch's first two slots (1, 2) hold queued entries,
-        # its last two (3, 4) are free, so only part of the batch is written.
+        # its last two (3, 4) are free, so only part of the batch could be
+        # written: the whole transaction is refused at commit.
         s.section.queues[ring.qb + L.Q_HEAD] = 1
         resyncs = s.section.queues[ring.qb + L.Q_N_RESYNC]
-        seqs = s.enqueue_many(q, [b"w", b"x", b"y", b"z"])
-        assert s.section.queues[ring.qb + L.Q_N_RESYNC] == resyncs + 1  # the batch was redone
+        s.enqueue_many(q, [b"w", b"x", b"y", b"z"])
+        with pytest.raises(StaleSection):
+            s.commit()
+        assert s.section.queues[ring.qb + L.Q_N_RESYNC] == resyncs + 1
+        assert ring.counts()["locked"] == 0
+        seqs = s.enqueue_many(q, [b"w", b"x", b"y", b"z"])  # the batch redone, in order
         assert seqs == sorted(seqs) and min(seqs) > 2
         s.commit()
         assert ring.counts()["locked"] == 0
@@ -969,6 +983,9 @@ def test_client_entry_records_the_errors_it_hits_not_the_callers_sql(
         sec.queues[ring.qb + L.Q_TAIL] = 0
         sec.enq[ring.w0] = 0
         s.enqueue(q, b"e")
+        with pytest.raises(StaleSection):
+            s.commit()  # nothing committed; resynced: the retry goes through
+        s.enqueue(q, b"e")
         s.commit()
         n, code, eq, seq, _ns = present(sec.client_error(cidx))
         assert n == 2 and M.error_kind(code) == "row_mismatch" and eq == qid and seq == 0
@@ -1031,7 +1048,9 @@ def test_a_session_is_idle_outside_any_transaction_between_transactions(
         s.queue_info(q)
         assert _activity(dsn, s.backend_pid) == ("idle", None)  # a queue lookup leaves nothing open
         s.enqueue(q, b"a")
-        # inside the caller's transaction
+        # the row write waits in the session for the commit: nothing open yet
+        assert _activity(dsn, s.backend_pid) == ("idle", None)
+        s.flush()  # sent now: inside the caller's transaction
         assert _activity(dsn, s.backend_pid)[0] == "idle in transaction"
         s.commit()
         assert _activity(dsn, s.backend_pid) == ("idle", None)

@@ -1154,21 +1154,23 @@ def test_client_errors_are_not_logged_again_after_a_reconnect_or_a_monitor_resta
         [first] = wait_for(lambda: lines(), what="the error logged")
         assert first["kind"] == "payload_too_large" and first["errors"] == 1
 
-        # The session's backend dies; its next operation finds out and reconnects.
+        # The session's backend dies; its next exchange with the database (the
+        # commit: an enqueue sends nothing) finds out, and it reconnects.
         old_backend = s.backend_pid
         with psycopg.connect(dsn, autocommit=True) as admin:
             admin.execute("SELECT pg_terminate_backend(%s)", (old_backend,))
+        s.enqueue(q, b"a")
         with pytest.raises(RingqError):
-            s.enqueue(q, b"a")
+            s.commit()
         assert s.backend_pid != old_backend
         s.enqueue(q, b"b")
         s.commit()
-        # The lost connection is a new error (one line); the first one is not logged again.
-        wait_for(lambda: len(lines()) >= 2, what="the connection_lost line")
+        # The failed commit is a new error (one line); the first one is not logged again.
+        wait_for(lambda: len(lines()) >= 2, what="the commit_failed line")
         passes(m)
         recs = lines()
         assert [(r["kind"], r["count"], r["errors"]) for r in recs] == [
-            ("payload_too_large", 1, 1), ("connection_lost", 1, 2)]
+            ("payload_too_large", 1, 1), ("commit_failed", 1, 2)]
         assert recs[1]["backend_pid"] == s.backend_pid
 
         too_large_logged_once(s, m, logged=2, errors=3)  # a new error: exactly one new line

@@ -425,12 +425,17 @@ def _mover_dies_publishing(src: str, sq: str, dst: str, dq: str, paused_fd: int)
     publish = Session._finish
 
     def finish(
-        self: Session, ops: list[Any], *, committed: bool, count_delivery: bool = True
+        self: Session,
+        ops: list[Any],
+        *,
+        committed: bool,
+        count_delivery: bool = True,
+        poisoned: set[tuple[int, int]] | None = None,
     ) -> None:
         if committed and self.dsn == dst and ops:
             os.write(paused_fd, os.getpid().to_bytes(8, "little"))
             threading.Event().wait(600)  # killed here
-        publish(self, ops, committed=committed, count_delivery=count_delivery)
+        publish(self, ops, committed=committed, count_delivery=count_delivery, poisoned=poisoned)
 
     Session._finish = finish  # type: ignore[method-assign]
     Mover(src, sq, dst, dq, config=MoveConfig(batch=5, wait=0.05)).move_batch()
