@@ -69,6 +69,10 @@ def read_clients(sec: Section) -> list[Raw]:
         pid = sec.clients[base + L.C_PID]
         if not pid:
             continue
+        # The error record first: a session records an error after it wrote
+        # what the error concerns (a reconnect's new backend pid), so the
+        # words read after the record are at least as new as it is.
+        error = sec.client_error(cidx)
         state = sec.clients[base + L.C_STATE]
         qids = []
         for qidx in sec.client_queues(cidx):
@@ -84,7 +88,7 @@ def read_clients(sec: Section) -> list[Raw]:
             registered_ns=int(sec.clients[base + L.C_REGISTERED_NS]),
             qids=qids,
             stats=M.client_stats(sec, cidx),
-            error=sec.client_error(cidx),
+            error=error,
         ))
     return out
 
