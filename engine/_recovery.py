@@ -137,7 +137,9 @@ def _load_queues(sec: Section, conn: psycopg.Connection[Any]) -> None:
                 sql.SQL(_Q["all_rows"]).format(table=queue_table(info.name))
             ).fetchall()
             load_block(sec, qidx, info, rows, held_slots(conn, info.id))
-            logger.info("ringq: queue %s loaded into the section (%d slots)", info.name, info.capacity)
+            logger.info(
+                "ringq: queue %s loaded into the section (%d slots)", info.name, info.capacity
+            )
         finally:
             sec.unlock_section()
 
@@ -167,7 +169,10 @@ def section_differences(live: Section, fresh: Section, qid: int) -> list[str]:
     for seq in range(fr.head, lr.head):
         # Reclaim moves the tail without clearing bits: a void slot keeps DEQ alone.
         if lr.bits(seq % lr.cap)[:3] != (False, True, False):
-            out.append(f"head {lr.head} ahead of rebuilt {fr.head} over seq {seq}, not void: {lr.bits(seq % lr.cap)}")
+            out.append(
+                f"head {lr.head} ahead of rebuilt {fr.head} over seq {seq}, "
+                f"not void: {lr.bits(seq % lr.cap)}"
+            )
     # With nothing pending the rebuilt tail is its head; the live one may have
     # reclaimed the void slots beyond it too.
     empty_ok = fr.tail == fr.head and fr.head <= lr.tail <= lr.head
@@ -248,7 +253,9 @@ def recover_dead_clients(sec: Section, dsn: str, *, terminate: bool = True) -> l
         with _connect(dsn) as conn:
             infos = _queue_infos(conn)
             prepared = _prepared_slots(conn)
-            out = _recover_dead(sec, conn, infos, prepared, dead, terminate=terminate) if dead else []
+            out = (
+                _recover_dead(sec, conn, infos, prepared, dead, terminate=terminate) if dead else []
+            )
             if orphans:
                 out += _recover_orphans(sec, conn, infos, prepared, orphans)
         return out
@@ -314,7 +321,12 @@ def _recover_dead(
 
 
 def _ops_or_hold(
-    sec: Section, ring: Ring, info: QueueInfo, slots: list[int], prepared: set[tuple[int, int]], rec: Recovered
+    sec: Section,
+    ring: Ring,
+    info: QueueInfo,
+    slots: list[int],
+    prepared: set[tuple[int, int]],
+    rec: Recovered,
 ) -> list[Op]:
     """Ops to decide for ``slots`` of a dead holder; slots of a prepared
     transaction are held instead (owner HELD), for :func:`resolve_prepared`."""
@@ -329,7 +341,9 @@ def _ops_or_hold(
                 sec.unlock_queue(ring.qidx)
             rec.held += 1
             continue
-        ops.append(Op(ring, info, slot, ring.seq_of(slot), OpKind.DEQUEUE if enq else OpKind.ENQUEUE))
+        ops.append(
+            Op(ring, info, slot, ring.seq_of(slot), OpKind.DEQUEUE if enq else OpKind.ENQUEUE)
+        )
     return ops
 
 
@@ -371,7 +385,11 @@ def _recover_orphans(
     orphans: dict[int, _Orphans],
 ) -> list[Recovered]:
     holders = [o.holder for o in orphans.values() if o.holder]
-    busy = {int(pid) for pid, in_tx in conn.execute(_Q["backends_in_transaction"], (holders,)).fetchall() if in_tx}
+    busy = {
+        int(pid)
+        for pid, in_tx in conn.execute(_Q["backends_in_transaction"], (holders,)).fetchall()
+        if in_tx
+    }
     out: list[Recovered] = []
     for token, orphan in orphans.items():
         if orphan.holder in busy:
@@ -489,7 +507,8 @@ def reclaim_all(sec: Section) -> dict[str, int]:
     return out
 
 
-DECIDED_GRACE_S = 30.0  # seconds a decided branch with no queue operations is left to its own session
+# seconds a decided branch with no queue operations is left to its own session
+DECIDED_GRACE_S = 30.0
 
 
 def resolve_prepared(
@@ -517,7 +536,9 @@ def resolve_prepared(
         rows = [
             (gid, age, decided)
             for gid, age, decided, decided_age, logged in found
-            if logged or (decided and decided_age >= decided_grace_s) or (not decided and is_ringq_gid(gid))
+            if logged
+            or (decided and decided_age >= decided_grace_s)
+            or (not decided and is_ringq_gid(gid))
         ]
         if not rows:
             return done
@@ -534,7 +555,11 @@ def resolve_prepared(
                 ring = Ring(sec, qidx)
                 owner = sec.owner_w[ring.base + slot]
                 cidx = sec.token_holder(owner)
-                if cidx is not None and sec.c(cidx, L.C_STATE) == L.CS_ACTIVE and pid_alive(sec.c(cidx, L.C_PID)):
+                if (
+                    cidx is not None
+                    and sec.c(cidx, L.C_STATE) == L.CS_ACTIVE
+                    and pid_alive(sec.c(cidx, L.C_PID))
+                ):
                     live = True
                     break
                 ops.append(Op(ring, infos[qid], int(slot), int(seq), OpKind(str(kind))))
@@ -546,7 +571,11 @@ def resolve_prepared(
                 verb = "rollback"
             else:
                 continue
-            conn.execute(sql.SQL(_Q["commit_prepared" if verb == "commit" else "rollback_prepared"]).format(gid=sql.Literal(gid)))
+            conn.execute(
+                sql.SQL(_Q["commit_prepared" if verb == "commit" else "rollback_prepared"]).format(
+                    gid=sql.Literal(gid)
+                )
+            )
             if ops:
                 decide_ops(sec, conn, ops, HELD)
             conn.execute(_Q["tpc_forget"], (gid,))

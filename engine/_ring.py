@@ -99,7 +99,8 @@ class Ring:
     # -- enqueue ------------------------------------------------------------------
 
     def reserve(self, owner: int, backend: int) -> tuple[int, int] | None:
-        """Reserve the slot at the head for ``owner`` (its backend ``backend``); None if the ring is full."""
+        """Reserve the slot at the head for ``owner`` (its backend ``backend``); \
+None if the ring is full."""
         Q, b = self.Q, self.qb
         head = Q[b + L.Q_HEAD]
         if head - Q[b + L.Q_TAIL] >= self.cap:
@@ -135,7 +136,8 @@ class Ring:
     # -- dequeue ------------------------------------------------------------------
 
     def claim(self, owner: int, backend: int, *, exclusive: bool) -> tuple[int, int] | None:
-        """Lock the oldest ready entry for ``owner`` (its backend ``backend``): (slot, seq), or None.
+        """Lock the oldest ready entry for ``owner`` (its backend ``backend``): \
+(slot, seq), or None.
 
         Entries locked by others are read past, never waited on. With
         ``exclusive`` (single-dequeuer mode) a queue whose dequeuer role is
@@ -165,7 +167,9 @@ class Ring:
         Q[b + L.Q_N_DEQ] += 1
         return slot, tail + (slot - tail) % self.cap
 
-    def claim_many(self, owner: int, backend: int, n: int, *, exclusive: bool) -> list[tuple[int, int]]:
+    def claim_many(
+        self, owner: int, backend: int, n: int, *, exclusive: bool
+    ) -> list[tuple[int, int]]:
         """Lock up to ``n`` of the oldest ready entries for ``owner`` with one scan."""
         Q, b = self.Q, self.qb
         if exclusive:
@@ -226,7 +230,9 @@ class Ring:
             w = we
             chunk = min(chunk * 4, _MAX_CHUNK)
 
-    def finish_dequeue(self, slot: int, consumed: bool, *, exclusive: bool, reclaim: bool = True) -> None:
+    def finish_dequeue(
+        self, slot: int, consumed: bool, *, exclusive: bool, reclaim: bool = True
+    ) -> None:
         """Mark a dequeued entry consumed (DEQ stays) or ready again, then unlock."""
         w, m = self._bit(slot)
         s = self.sec
@@ -269,7 +275,13 @@ class Ring:
         Q[b + L.Q_N_REPAIRS] += 1
 
     def finish_batch(
-        self, ops: Sequence[Op], owner: int, *, committed: bool, poisoned: set[tuple[int, int]], exclusive: bool
+        self,
+        ops: Sequence[Op],
+        owner: int,
+        *,
+        committed: bool,
+        poisoned: set[tuple[int, int]],
+        exclusive: bool,
     ) -> tuple[int, int]:
         """Finish ``owner``'s slots ``ops`` once the database has decided:
         enqueued entries become ready (``committed``) or void, dequeued ones
@@ -356,7 +368,8 @@ class Ring:
         self.Q[self.qb + self._wait_word(kind)] -= 1
 
     def abandon_wait(self, kind: OpKind) -> None:
-        """A ``kind`` caller left its wait by an exception: undo its registration, if any is left."""
+        """A ``kind`` caller left its wait by an exception: \
+undo its registration, if any is left."""
         word = self.qb + self._wait_word(kind)
         if self.Q[word] > 0:
             self.Q[word] -= 1
@@ -364,7 +377,12 @@ class Ring:
     # -- configuration ------------------------------------------------------------------
 
     def configure(
-        self, *, max_payload: int, block_when_full: bool, single_dequeuer: bool, full_timeout_ms: int,
+        self,
+        *,
+        max_payload: int,
+        block_when_full: bool,
+        single_dequeuer: bool,
+        full_timeout_ms: int,
         max_deliveries: int,
     ) -> None:
         """Write the queue's settings into a freshly allocated block (section lock held)."""
@@ -452,7 +470,9 @@ class Ring:
         nz = np.flatnonzero(words)  # few words hold a locked slot: unpack only those
         if not nz.size:
             return []
-        rows, cols = np.nonzero(np.unpackbits(words[nz].view(np.uint8), bitorder="little").reshape(-1, 64))
+        rows, cols = np.nonzero(
+            np.unpackbits(words[nz].view(np.uint8), bitorder="little").reshape(-1, 64)
+        )
         slots = nz[rows] * 64 + cols
         owners = s.owner[self.base + slots]
         holders = s.holder[self.base + slots]
@@ -538,7 +558,8 @@ class Ring:
         enq = np.zeros(cap, dtype=bool)
         deq = np.zeros(cap, dtype=bool)
         enq[at] = written & (state_by_slot[at] >= RowState.QUEUED)
-        deq[at] = ~(written & (state_by_slot[at] == RowState.QUEUED))  # consumed, or void (never written)
+        # consumed, or void (never written)
+        deq[at] = ~(written & (state_by_slot[at] == RowState.QUEUED))
         lck = np.zeros(cap, dtype=bool)
         for h_slot, h_seq in held:
             lck[h_slot] = True

@@ -74,8 +74,10 @@ HELP_RECOVER_S = 1.0
 # the death) for MONITOR_GRACE_S seconds before it recovers it itself.
 MONITOR_FRESH_S = 2.0
 MONITOR_GRACE_S = 2.0
-_last_help: dict[tuple[str, int], float] = {}  # (instance, queue id) -> monotonic time of the last look
-_dead_since: dict[tuple[str, int], float] = {}  # (instance, queue id) -> when a dead holder was first seen
+# (instance, queue id) -> monotonic time of the last look
+_last_help: dict[tuple[str, int], float] = {}
+# (instance, queue id) -> when a dead holder was first seen
+_dead_since: dict[tuple[str, int], float] = {}
 
 
 @dataclass(frozen=True)
@@ -150,7 +152,9 @@ class Session(TwoPhase):
         self._connect_timeout = connect_timeout
         self._appname = application_name
         self._pid = os.getpid()
-        self.producer = producer or f"{socket.gethostname()}:{os.getpid()}:{next(_producer_counter)}"
+        self.producer = (
+            producer or f"{socket.gethostname()}:{os.getpid()}:{next(_producer_counter)}"
+        )
         self._producer_seq = 0
         self._ops: list[Op] = []
         self._queues: dict[str, QueueInfo] = {}
@@ -187,18 +191,22 @@ class Session(TwoPhase):
             self._conn.close()
             if isinstance(exc.__cause__, psycopg.errors.UndefinedTable):
                 raise SchemaMissing(
-                    f"no ringq schema in {redact_dsn(self.dsn)!r}: create a queue first (ringq queue create)"
+                    f"no ringq schema in {redact_dsn(self.dsn)!r}: "
+                    "create a queue first (ringq queue create)"
                 ) from exc.__cause__
             raise
         assert row is not None
         instance, version, backend_pid, has_guard = row
         if version != SUPPORTED_SCHEMA or not instance:
             self._conn.close()
-            raise SchemaMissing(f"ringq schema version {version!r} is not supported (want {SUPPORTED_SCHEMA})")
+            raise SchemaMissing(
+                f"ringq schema version {version!r} is not supported (want {SUPPORTED_SCHEMA})"
+            )
         if not has_guard:
             self._conn.close()
             raise SchemaMissing(
-                "the ringq schema lacks ringq.expect_rows(), which this version's commits need: apply the "
+                "the ringq schema lacks ringq.expect_rows(), which this version's commits need: "
+                "apply the "
                 "schema script again (ringq queue create, or ringq script create-queue | psql)"
             )
         self.instance: str = instance
@@ -270,8 +278,11 @@ class Session(TwoPhase):
             elif self._conn.closed or self._conn.broken:
                 # The server ended the connection and rolled back: nothing to
                 # send. Slots still held go to recovery (_release_entry).
-                logger.info("ringq: session closed after its connection was lost (%d slots left to recovery)",
-                            len(self._ops))
+                logger.info(
+                    "ringq: session closed after its connection was lost "
+                    "(%d slots left to recovery)",
+                    len(self._ops),
+                )
             elif self._ops or self._conn.info.transaction_status != _IDLE:
                 self._closing = True  # a rollback that finds the connection lost does not reconnect
                 self.rollback()
@@ -320,7 +331,12 @@ class Session(TwoPhase):
             raise SessionClosed("the session is closed")
         if os.getpid() != self._pid:
             self._after_fork()
-        if self._ops and self._conn.info.transaction_status == _IDLE and not self._tpc_prepared and self._sent():
+        if (
+            self._ops
+            and self._conn.info.transaction_status == _IDLE
+            and not self._tpc_prepared
+            and self._sent()
+        ):
             # Someone committed or rolled back on the connection directly:
             # learn the outcome from the rows. (A prepared transaction is
             # idle too, but undecided: tpc_commit/tpc_rollback finish it.)
@@ -402,7 +418,9 @@ class Session(TwoPhase):
         # Read the rows on a separate connection: outside the caller's
         # transaction, committed state only.
         def load() -> int:
-            with psycopg.connect(self.dsn, autocommit=True, connect_timeout=max(1, int(self._connect_timeout))) as aux:
+            with psycopg.connect(
+                self.dsn, autocommit=True, connect_timeout=max(1, int(self._connect_timeout))
+            ) as aux:
                 return load_queue(self._section, aux, info)
 
         return self._call(load, queue=info.name, recover=False)
@@ -411,14 +429,24 @@ class Session(TwoPhase):
         key = (name, queue)
         stmt = self._stmts.get(key)
         if stmt is None:
-            stmt = sql.SQL(_Q[name]).format(table=queue_table(queue), queue=sql.Literal(queue)).as_string(None)
+            stmt = (
+                sql.SQL(_Q[name])
+                .format(table=queue_table(queue), queue=sql.Literal(queue))
+                .as_string(None)
+            )
             self._stmts[key] = stmt
         return stmt
 
     # -- the database -------------------------------------------------------------------
 
     def _call(
-        self, fn: Callable[[], T], *, queue: str | None = None, qid: int = 0, seq: int = -1, recover: bool = True
+        self,
+        fn: Callable[[], T],
+        *,
+        queue: str | None = None,
+        qid: int = 0,
+        seq: int = -1,
+        recover: bool = True,
     ) -> T:
         """Run ``fn``, the session's database work: the one place where its
         psycopg errors become ringq errors (``raise X from exc``: the psycopg
@@ -435,7 +463,11 @@ class Session(TwoPhase):
             return fn()
         except psycopg.Error as exc:
             if recover:
-                lost = self._conn.broken or isinstance(exc, psycopg.OperationalError | psycopg.InterfaceError) and self._conn.closed
+                lost = (
+                    self._conn.broken
+                    or isinstance(exc, psycopg.OperationalError | psycopg.InterfaceError)
+                    and self._conn.closed
+                )
                 # A statement refused because the caller's own SQL already failed
                 # the transaction is the caller's error, not ours.
                 record = qid and not isinstance(exc, psycopg.errors.InFailedSqlTransaction)
@@ -444,7 +476,9 @@ class Session(TwoPhase):
                         self._connection_lost(exc)  # first: the error is told with the new backend
                 finally:
                     if record:
-                        self._record_error(L.ERR_CONNECTION_LOST if lost else L.ERR_DATABASE, qid, seq)
+                        self._record_error(
+                            L.ERR_CONNECTION_LOST if lost else L.ERR_DATABASE, qid, seq
+                        )
             raise from_psycopg(exc, dsn=self.dsn, queue=queue) from exc
 
     def _execute(
@@ -534,7 +568,8 @@ class Session(TwoPhase):
                 # that does not read as broken yet. Decide from the rows.
                 committed = self._recover(ops, reason=f"commit answer lost: {exc}")
                 if committed is None and self._section.lease_ended(self._cidx):
-                    committed = False if any(op.kind == OpKind.DEQUEUE for op in ops) else None  # past the lease
+                    # past the lease
+                    committed = False if any(op.kind == OpKind.DEQUEUE for op in ops) else None
                 if committed is None:
                     self._record_ops_error(L.ERR_IN_DOUBT, ops)
                     raise InDoubt(f"commit outcome unknown: {exc}") from exc
@@ -587,7 +622,9 @@ class Session(TwoPhase):
         statements = [self._write_statement(name, group) for name, group in by_queue.items()]
         try:
             self._call(
-                lambda: _wire.send(self._conn, statements, commit=commit, may_begin=self._tpc_xid is None),
+                lambda: _wire.send(
+                    self._conn, statements, commit=commit, may_begin=self._tpc_xid is None
+                ),
                 recover=not commit,  # commit() decides itself what a lost answer means
             )
         except StaleSection as err:
@@ -596,7 +633,10 @@ class Session(TwoPhase):
             self._record_error(L.ERR_ROW_MISMATCH, info.id, group[0].seq)
             self.rollback(count_delivery=False)
             self._resync(info)
-            logger.warning("ringq: queue %s: stale section (a row write did not match its row): resynced", info.name)
+            logger.warning(
+                "ringq: queue %s: stale section (a row write did not match its row): resynced",
+                info.name,
+            )
             raise
         for op in writes:
             op.write = None
@@ -607,7 +647,14 @@ class Session(TwoPhase):
             op = ops[0]
             w = op.write
             assert w is not None
-            return self._stmt("enqueue", queue), (op.seq, w.payload, self.producer, w.producer_seq, op.slot, op.seq)
+            return self._stmt("enqueue", queue), (
+                op.seq,
+                w.payload,
+                self.producer,
+                w.producer_seq,
+                op.slot,
+                op.seq,
+            )
         writes = [op.write for op in ops]
         return self._stmt("enqueue_many", queue), (
             self.producer,
@@ -752,15 +799,24 @@ class Session(TwoPhase):
                 if state == RowState.CONSUMED:
                     poisoned.add((slot, seq))
                     logger.warning(
-                        "ringq: entry %s/%s poisoned after %s deliveries: moved to ringq.exceptions%s",
-                        name, seq, deliveries,
-                        f" and queue {moved_to}" if moved_to else f" only ({kept_because})" if kept_because else "",
+                        "ringq: entry %s/%s poisoned after %s deliveries: "
+                        "moved to ringq.exceptions%s",
+                        name,
+                        seq,
+                        deliveries,
+                        f" and queue {moved_to}"
+                        if moved_to
+                        else f" only ({kept_because})"
+                        if kept_because
+                        else "",
                     )
         return poisoned
 
     # -- enqueue -----------------------------------------------------------------------
 
-    def enqueue(self, queue: str, payload: bytes, *, key: str | None = None, timeout: float | None = None) -> int:
+    def enqueue(
+        self, queue: str, payload: bytes, *, key: str | None = None, timeout: float | None = None
+    ) -> int:
         """Put ``payload`` on ``queue`` in the current transaction; returns its sequence number.
 
         The entry is on the queue only once the transaction commits. Without
@@ -787,14 +843,22 @@ class Session(TwoPhase):
         if len(payload) > info.max_payload:
             self._record_error(L.ERR_PAYLOAD_TOO_LARGE, info.id)
             raise PayloadTooLarge(
-                f"payload of {len(payload):,} bytes exceeds queue {queue!r} max_payload {info.max_payload:,}",
+                f"payload of {len(payload):,} bytes exceeds queue {queue!r} "
+                f"max_payload {info.max_payload:,}",
                 queue=queue,
             )
         self._check_not_failed()
         if key is None:
             slot, seq = self._reserve(info, timeout)
             self._producer_seq += 1
-            op = Op(self._ring(info), info, slot, seq, OpKind.ENQUEUE, write=RowWrite(payload, self._producer_seq))
+            op = Op(
+                self._ring(info),
+                info,
+                slot,
+                seq,
+                OpKind.ENQUEUE,
+                write=RowWrite(payload, self._producer_seq),
+            )
             self._ops.append(op)
             op.latency_ns = time.perf_counter_ns() - t0
             self._section.count_client(self._cidx, L.C_N_ENQ)
@@ -826,10 +890,14 @@ class Session(TwoPhase):
                 # INSERT waited for its commit, but under READ
                 # COMMITTED this statement's snapshot predates it:
                 # read the key again (a new statement, a new snapshot).
-                again = self._execute(_Q["key_seq"], (info.id, key), queue=queue, qid=info.id, seq=seq).fetchone()
+                again = self._execute(
+                    _Q["key_seq"], (info.id, key), queue=queue, qid=info.id, seq=seq
+                ).fetchone()
                 existing = None if again is None else again[0]
             if inserted == 1 and updated == 0:
-                self._execute(_Q["key_forget"], (info.id, key, seq), queue=queue, qid=info.id, seq=seq)
+                self._execute(
+                    _Q["key_forget"], (info.id, key, seq), queue=queue, qid=info.id, seq=seq
+                )
             if inserted == 1 and updated == 1:
                 op.latency_ns = time.perf_counter_ns() - t0
                 self._section.count_client(self._cidx, L.C_N_ENQ)
@@ -841,9 +909,13 @@ class Session(TwoPhase):
             # The section was stale: the row holds something newer. Re-read the queue.
             self._record_error(L.ERR_ROW_MISMATCH, info.id, seq)
             self._resync(info)
-        raise SectionError(f"queue {queue!r}: could not reserve a slot after 8 attempts (section unstable)")
+        raise SectionError(
+            f"queue {queue!r}: could not reserve a slot after 8 attempts (section unstable)"
+        )
 
-    def enqueue_many(self, queue: str, payloads: Iterable[bytes], *, timeout: float | None = None) -> list[int]:
+    def enqueue_many(
+        self, queue: str, payloads: Iterable[bytes], *, timeout: float | None = None
+    ) -> list[int]:
         """Enqueue several entries; returns their sequence numbers, in order.
 
         As :meth:`enqueue` without a key: nothing goes to the database now;
@@ -861,7 +933,8 @@ class Session(TwoPhase):
             if len(p) > info.max_payload:
                 self._record_error(L.ERR_PAYLOAD_TOO_LARGE, info.id)
                 raise PayloadTooLarge(
-                    f"payload of {len(p):,} bytes exceeds queue {queue!r} max_payload {info.max_payload:,}",
+                    f"payload of {len(p):,} bytes exceeds queue {queue!r} "
+                    f"max_payload {info.max_payload:,}",
                     queue=queue,
                 )
         if not items:
@@ -880,7 +953,15 @@ class Session(TwoPhase):
         self._producer_seq += len(items)
         lat = (time.perf_counter_ns() - t0) // len(items)
         ops = [
-            Op(ring, info, slot, seq, OpKind.ENQUEUE, latency_ns=lat, write=RowWrite(payload, pseq + i))
+            Op(
+                ring,
+                info,
+                slot,
+                seq,
+                OpKind.ENQUEUE,
+                latency_ns=lat,
+                write=RowWrite(payload, pseq + i),
+            )
             for i, ((slot, seq), payload) in enumerate(zip(reserved, items, strict=True), start=1)
         ]
         self._ops.extend(ops)
@@ -890,14 +971,17 @@ class Session(TwoPhase):
     def _check_not_failed(self) -> None:
         """An enqueue sends nothing: refuse it here if the transaction failed
         already (its commit would only roll back)."""
-        if self._conn.pgconn.transaction_status == _INERROR:  # libpq's int: no objects made per call
+        # libpq's int: no objects made per call
+        if self._conn.pgconn.transaction_status == _INERROR:
             raise TransactionError("the transaction failed earlier: roll it back")
 
     def _reserve(self, info: QueueInfo, timeout: float | None) -> tuple[int, int]:
         got = self._reserve_many(info, 1, timeout)
         return got[0]
 
-    def _reserve_many(self, info: QueueInfo, n: int, timeout: float | None) -> list[tuple[int, int]]:
+    def _reserve_many(
+        self, info: QueueInfo, n: int, timeout: float | None
+    ) -> list[tuple[int, int]]:
         ring = self._ring(info)
         sec = self._section
         wait = info.full_timeout if timeout is None else timeout
@@ -944,8 +1028,9 @@ class Session(TwoPhase):
                 self._record_error(L.ERR_QUEUE_FULL, info.id, ring.head)
             if self_blocked:
                 raise QueueFull(
-                    f"queue {info.name!r} is full ({info.capacity:,} slots) and its oldest slot is held "
-                    "by this transaction: commit or roll back (or raise the capacity); waiting cannot help",
+                    f"queue {info.name!r} is full ({info.capacity:,} slots) "
+                    "and its oldest slot is held by this transaction: "
+                    "commit or roll back (or raise the capacity); waiting cannot help",
                     queue=info.name,
                 )
             if not waiting:
@@ -1015,8 +1100,12 @@ class Session(TwoPhase):
                 rows = [] if row is None else [(ops[0].slot, ops[0].seq, *row)]
             else:
                 rows = self._execute(
-                    self._stmt("dequeue_many", queue), ([op.slot for op in ops], [op.seq for op in ops]),
-                    binary=True, queue=queue, qid=info.id, seq=ops[0].seq,
+                    self._stmt("dequeue_many", queue),
+                    ([op.slot for op in ops], [op.seq for op in ops]),
+                    binary=True,
+                    queue=queue,
+                    qid=info.id,
+                    seq=ops[0].seq,
                 ).fetchall()
             got = {r[0]: r for r in rows}
             lat = (time.perf_counter_ns() - t0) // len(ops)
@@ -1028,7 +1117,9 @@ class Session(TwoPhase):
                 if op.slot in got:
                     _slot, seq, payload, producer, pseq, enq_at, deliveries = got[op.slot]
                     op.latency_ns = lat
-                    messages.append(Message(queue, seq, bytes(payload), producer, pseq, enq_at, deliveries + 1))
+                    messages.append(
+                        Message(queue, seq, bytes(payload), producer, pseq, enq_at, deliveries + 1)
+                    )
             if messages:
                 self._section.count_client(self._cidx, L.C_N_DEQ, len(messages))
                 return messages
@@ -1093,13 +1184,19 @@ class Session(TwoPhase):
         finally:
             sec.unlock_queue(ring.qidx)
 
-    def _repair_dequeue(self, info: QueueInfo, ring: Ring, stale: list[Op], exclusive: bool) -> None:
+    def _repair_dequeue(
+        self, info: QueueInfo, ring: Ring, stale: list[Op], exclusive: bool
+    ) -> None:
         """The rows did not match the section: decide those slots from the rows."""
         for op in stale:
             self._ops.remove(op)
         self._record_error(L.ERR_ROW_MISMATCH, info.id, stale[0].seq)
         rows = self._execute(
-            self._stmt("rows", info.name), ([op.slot for op in stale],), queue=info.name, qid=info.id, seq=stale[0].seq
+            self._stmt("rows", info.name),
+            ([op.slot for op in stale],),
+            queue=info.name,
+            qid=info.id,
+            seq=stale[0].seq,
         ).fetchall()
         by_slot = {slot: (state, seq) for slot, state, seq in rows}
         need_resync = False
@@ -1116,14 +1213,20 @@ class Session(TwoPhase):
                     need_resync = True  # an entry the section does not know about
         finally:
             sec.unlock_queue(ring.qidx)
-        logger.warning("ringq: queue %s: %d stale section entries repaired from rows", info.name, len(stale))
+        logger.warning(
+            "ringq: queue %s: %d stale section entries repaired from rows", info.name, len(stale)
+        )
         if need_resync:
             self._resync(info)
 
     def _resync(self, info: QueueInfo) -> None:
         """Re-read the queue's rows into the section, keeping live clients' locked slots."""
         ring = self._ring(info)
-        self._call(lambda: resync_queue(self._section, ring, info, self.dsn), queue=info.name, recover=False)
+        self._call(
+            lambda: resync_queue(self._section, ring, info, self.dsn),
+            queue=info.name,
+            recover=False,
+        )
 
     # -- recovery ------------------------------------------------------------------------
 
@@ -1150,10 +1253,16 @@ class Session(TwoPhase):
         try:
             recovered = recover_dead_clients(self._section, self.dsn)
         except RingqError as exc:
-            logger.info("ringq: queue %s: recovering a dead holder in its way failed: %s", info.name, exc)
+            logger.info(
+                "ringq: queue %s: recovering a dead holder in its way failed: %s", info.name, exc
+            )
             return False
         if recovered:
-            logger.info("ringq: queue %s: a session recovered %d dead holders in its way", info.name, len(recovered))
+            logger.info(
+                "ringq: queue %s: a session recovered %d dead holders in its way",
+                info.name,
+                len(recovered),
+            )
         return bool(recovered)
 
     def _dead_in_the_way(self, ring: Ring) -> bool:
@@ -1187,7 +1296,10 @@ class Session(TwoPhase):
             if not self._dead_in_the_way(ring):
                 return
             if time.monotonic() >= deadline:
-                raise QueueError(f"queue {queue!r}: slots of dead clients still held after {timeout:g}s", queue=queue)
+                raise QueueError(
+                    f"queue {queue!r}: slots of dead clients still held after {timeout:g}s",
+                    queue=queue,
+                )
             time.sleep(0.05)  # their backends are ending, or another process is recovering
 
     def _recover(self, ops: list[Op], *, reason: str) -> bool | None:
@@ -1211,8 +1323,11 @@ class Session(TwoPhase):
             return None  # close() hands what we hold over to recovery
         try:
             self._conn = self._open_connection()
-            committed = self._call(lambda: self._decide_lost(ops, old_pid, old_token), recover=False)
-        except Exception as exc:  # noqa: BLE001 - whatever failed, recovery decides, never a later session
+            committed = self._call(
+                lambda: self._decide_lost(ops, old_pid, old_token), recover=False
+            )
+        # whatever failed, recovery decides, never a later session
+        except Exception as exc:  # noqa: BLE001
             self._hand_over(old_conn, reason=f"{reason}; deciding failed: {exc}", slots=len(ops))
             return None
         self.backend_pid = self._conn.info.backend_pid
@@ -1227,14 +1342,18 @@ class Session(TwoPhase):
         single-dequeuer role that token holds with nothing left in flight."""
         if not ops:
             return None
-        with psycopg.connect(self.dsn, autocommit=True, connect_timeout=max(1, int(self._connect_timeout))) as aux:
+        with psycopg.connect(
+            self.dsn, autocommit=True, connect_timeout=max(1, int(self._connect_timeout))
+        ) as aux:
             wait_backend_gone(aux, old_pid)
             committed = decide_ops(self._section, aux, ops, old_token)
         sec = self._section
         for op in ops:
             sec.lock_queue(op.ring.qidx)
             try:
-                if op.ring.role_owner() == old_token and not sec.locked_under(old_token, [op.ring.qidx]):
+                if op.ring.role_owner() == old_token and not sec.locked_under(
+                    old_token, [op.ring.qidx]
+                ):
                     op.ring.release_role(old_token)
             finally:
                 sec.unlock_queue(op.ring.qidx)
