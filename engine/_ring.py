@@ -99,8 +99,7 @@ class Ring:
     # -- enqueue ------------------------------------------------------------------
 
     def reserve(self, owner: int, backend: int) -> tuple[int, int] | None:
-        """Reserve the slot at the head for ``owner`` (its backend ``backend``); \
-None if the ring is full."""
+        """Reserve the head slot for ``owner`` (held by ``backend``); None if full."""
         Q, b = self.Q, self.qb
         head = Q[b + L.Q_HEAD]
         if head - Q[b + L.Q_TAIL] >= self.cap:
@@ -136,8 +135,7 @@ None if the ring is full."""
     # -- dequeue ------------------------------------------------------------------
 
     def claim(self, owner: int, backend: int, *, exclusive: bool) -> tuple[int, int] | None:
-        """Lock the oldest ready entry for ``owner`` (its backend ``backend``): \
-(slot, seq), or None.
+        """Lock the oldest ready entry for ``owner`` (held by ``backend``): (slot, seq) or None.
 
         Entries locked by others are read past, never waited on. With
         ``exclusive`` (single-dequeuer mode) a queue whose dequeuer role is
@@ -368,8 +366,7 @@ None if the ring is full."""
         self.Q[self.qb + self._wait_word(kind)] -= 1
 
     def abandon_wait(self, kind: OpKind) -> None:
-        """A ``kind`` caller left its wait by an exception: \
-undo its registration, if any is left."""
+        """A ``kind`` caller left its wait by an exception: undo its registration, if any."""
         word = self.qb + self._wait_word(kind)
         if self.Q[word] > 0:
             self.Q[word] -= 1
