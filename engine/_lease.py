@@ -54,6 +54,7 @@ class Holder:
     cidx: int
     pid: int
     backend_pid: int
+    token: int  # C_TOKEN when found: its slots are decided under this one only
     since_ns: int  # C_HOLD_SINCE_NS: monotonic ns of its transaction's first dequeue
     held_s: float
     lease_s: float  # the shortest lease among the queues it holds entries in
@@ -105,6 +106,7 @@ def overdue_holders(sec: Section, now_ns: int | None = None) -> list[Holder]:
             cidx=cidx,
             pid=int(sec.c(cidx, L.C_PID)),
             backend_pid=int(sec.c(cidx, L.C_BACKEND_PID)),
+            token=int(token),
             since_ns=int(since),
             held_s=held_ms / 1000,
             lease_s=min(sec.q(r.qidx, L.Q_LEASE_MS) for r in holding) / 1000,
@@ -133,12 +135,13 @@ def end_holders(sec: Section, dsn: str, holders: list[Holder]) -> list[tuple[Hol
             if (
                 sec.c(h.cidx, L.C_HOLD_SINCE_NS) != h.since_ns
                 or sec.c(h.cidx, L.C_BACKEND_PID) != h.backend_pid
+                or sec.c(h.cidx, L.C_TOKEN) != h.token
             ):
                 continue  # committed, rolled back or reconnected since it was found
             if any(
                 (r.qid, s) in prepared
                 for r in _client_rings(sec, h.cidx)
-                for s in _locked_slots(r, sec.c(h.cidx, L.C_TOKEN))
+                for s in _locked_slots(r, h.token)
             ):
                 continue  # a prepared transaction outlives its backend: resolve_prepared decides
             if h.backend_pid:
@@ -153,7 +156,7 @@ def end_holders(sec: Section, dsn: str, holders: list[Holder]) -> list[tuple[Hol
         for h in ended:
             if h.backend_pid in alive:
                 continue
-            rec = _decide_client(sec, conn, infos, prepared, h.cidx, h.backend_pid)
+            rec = _decide_client(sec, conn, infos, prepared, h.cidx, h.token, h.backend_pid)
             if not rec.committed:
                 # its commit, if it tries one, learns it rolled back
                 sec.end_hold(h.cidx, h.since_ns)
@@ -173,30 +176,40 @@ def recover_lost_backends(sec: Section, conn: psycopg.Connection[Any]) -> list[R
 
     :raises psycopg.Error: the caller converts it.
     """
-    found = {
-        cidx: int(sec.c(cidx, L.C_BACKEND_PID))
-        for cidx in sec.active_clients()
-        if sec.c(cidx, L.C_STATE) == L.CS_ACTIVE and sec.c(cidx, L.C_BACKEND_PID)
-    }
+    # (backend, token) of each active client, the pair read together: a
+    # reconnect renews both, and a new session in a freed entry has others.
+    found: dict[int, tuple[int, int]] = {}
+    sec.lock_section()
+    try:
+        for cidx in sec.active_clients():
+            backend = int(sec.c(cidx, L.C_BACKEND_PID))
+            if sec.c(cidx, L.C_STATE) == L.CS_ACTIVE and backend:
+                found[cidx] = (backend, int(sec.c(cidx, L.C_TOKEN)))
+    finally:
+        sec.unlock_section()
     if not found:
         return []
     out: list[Recovered] = []
-    registered = {b: sec.c(cidx, L.C_STARTED_NS) for cidx, b in found.items()}
-    alive = _backends_alive(conn, list(found.values()), registered)
+    registered = {b: sec.c(cidx, L.C_STARTED_NS) for cidx, (b, _t) in found.items()}
+    alive = _backends_alive(conn, [b for b, _t in found.values()], registered)
     lost = {
-        cidx: b for cidx, b in found.items()
+        cidx: (b, token) for cidx, (b, token) in found.items()
         if b not in alive
-        and any(_locked_slots(r, sec.c(cidx, L.C_TOKEN)) for r in _client_rings(sec, cidx))
+        and any(_locked_slots(r, token) for r in _client_rings(sec, cidx))
     }
     if not lost:
         return []
     infos = _queue_infos(conn)
     prepared = _prepared_slots(conn)
-    for cidx, backend in lost.items():
-        if sec.c(cidx, L.C_BACKEND_PID) != backend or not pid_alive(sec.c(cidx, L.C_PID)):
+    for cidx, (backend, token) in lost.items():
+        if (
+            sec.c(cidx, L.C_BACKEND_PID) != backend
+            or sec.c(cidx, L.C_TOKEN) != token
+            or not pid_alive(sec.c(cidx, L.C_PID))
+        ):
             # reconnected meanwhile (its own recovery decides), or dead (recover_dead_clients)
             continue
-        rec = _decide_client(sec, conn, infos, prepared, cidx, backend)
+        rec = _decide_client(sec, conn, infos, prepared, cidx, token, backend)
         if rec.slots:
             out.append(rec)
     return out
@@ -208,11 +221,12 @@ def _decide_client(
     infos: dict[int, QueueInfo],
     prepared: set[tuple[int, int]],
     cidx: int,
+    owner: int,
     backend_pid: int,
 ) -> Recovered:
-    """Decide the slots live client ``cidx`` holds (its backend has ended) and
-    give up its single-dequeuer roles it holds nothing under; its entry stays."""
-    owner = sec.c(cidx, L.C_TOKEN)
+    """Decide the slots live client ``cidx`` holds under token ``owner`` (its
+    connection whose backend has ended) and give up its single-dequeuer roles
+    it holds nothing under; its entry stays."""
     rec = Recovered(cidx, int(sec.c(cidx, L.C_PID)), backend_pid)
     ops: list[Op] = []
     rings = _client_rings(sec, cidx)

@@ -243,10 +243,7 @@ def recover_dead_clients(sec: Section, dsn: str, *, terminate: bool = True) -> l
     if not sec.try_lock_recovery():
         return []
     try:
-        dead = [
-            cidx for cidx in sec.active_clients()
-            if sec.c(cidx, L.C_STATE) == L.CS_IN_DOUBT or not pid_alive(sec.c(cidx, L.C_PID))
-        ]
+        dead = sec.dead_clients()
         orphans = _orphaned_slots(sec)
         if not dead and not orphans:
             return []

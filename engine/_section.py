@@ -596,6 +596,27 @@ class Section:
             if self.clients[i * L.CLIENT_WORDS + L.C_STATE] != L.CS_FREE
         ]
 
+    def dead_clients(self) -> list[int]:
+        """Entries in use whose client is dead: handed over (in doubt), or its
+        process gone.
+
+        Read under the section lock. Unlocked, an entry its owner freed
+        between the reads (state FREE, pid 0) passed for a dead one, and
+        recovery then ended the backend of, decided the slots of, and freed,
+        the session that registered in it next. A dead entry stays as it is
+        until recovery frees it: nobody else frees it or registers in it.
+        """
+        self.lock_section()
+        try:
+            return [
+                cidx
+                for cidx in self.active_clients()
+                if self.c(cidx, L.C_STATE) == L.CS_IN_DOUBT
+                or self.c(cidx, L.C_STATE) == L.CS_ACTIVE and not pid_alive(self.c(cidx, L.C_PID))
+            ]
+        finally:
+            self.unlock_section()
+
     def monitor_serving(self, fresh_s: float) -> bool:
         """Whether a monitor's heartbeat is fresher than ``fresh_s`` seconds and its process
         lives."""
