@@ -35,20 +35,18 @@ import json
 import os
 import platform
 import secrets
-import shutil
 import sys
-import tempfile
 import time
-from collections.abc import Iterator
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
 import psycopg
+from _benchlib import database
 from psycopg import sql
 from ringq.engine import Section, connect, queue_table
 from ringq.monitor import Monitor, MonitorConfig
-from ringq.scripting import Cluster, QueueSpec, create_queue, drop_queue
+from ringq.scripting import QueueSpec, create_queue, drop_queue
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 PHASES = ("baseline", "held", "after")
@@ -58,21 +56,6 @@ SELECT pg_total_relation_size(c.oid), coalesce(s.n_dead_tup, 0),
 FROM pg_class c LEFT JOIN pg_stat_user_tables s ON s.relid = c.oid
 WHERE c.oid = to_regclass(%s)
 """
-
-
-@contextlib.contextmanager
-def database(dsn: str | None) -> Iterator[tuple[str, bool]]:
-    if dsn is not None:
-        yield dsn, False
-        return
-    home = tempfile.mkdtemp(prefix="ringq-bench-")
-    cluster = Cluster(home)
-    try:
-        print(f"starting an embedded PostgreSQL under {home} ...", file=sys.stderr, flush=True)
-        yield cluster.start(), True
-    finally:
-        cluster.stop()
-        shutil.rmtree(home, ignore_errors=True)
 
 
 def storage(conn: psycopg.Connection[Any], queue: str) -> tuple[int, int, int, int]:
@@ -233,7 +216,8 @@ def main(argv: list[str] | None = None) -> int:
     queues = [f"snap_{tag}_v", f"snap_{tag}_n"]
     env = {"python": platform.python_version(), "psycopg": psycopg.__version__,
            "cpus": os.cpu_count(), "loadavg_at_start": os.getloadavg()}
-    with database(args.dsn) as (dsn, embedded):
+    with database(args.dsn) as (dsn, home):
+        embedded = home is not None
         try:
             runs = [
                 scenario(dsn, queues[0], args, vacuum=True),
