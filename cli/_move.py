@@ -17,6 +17,7 @@ from ringq.move import (
     MoveLockHeld,
     Mover,
     MoveSourceShared,
+    MoveWontFit,
 )
 
 from ._args import env_option, subparser
@@ -44,11 +45,11 @@ A shared source is refused with exit 5.
 Moved payloads carry an envelope with the origin and the original producer
 and sequence (ringq.move.unwrap() opens it): about 150 bytes more than the
 payload, at most about 300 (queue names of 63, producer names of 64
-characters; ringq.move.envelope_overhead() tells exactly): give the
-destination's max_payload that much more than the source's, or entries near
-the source's limit are refused by the destination and become poison; --bare
-moves payloads as they are. A queue
-moved into itself is refused (exit 2).
+characters; ringq.move.envelope_overhead() tells exactly). The destination's
+max_payload must be at least the source's plus that (the source's alone with
+--bare, which moves payloads as they are): a smaller one is refused at start
+with exit 5, before anything moves. A queue moved into itself is refused
+(exit 2).
 
 Give the source queue a roomy max_deliveries: each crash or failed batch
 counts a delivery on the entries in hand.
@@ -116,6 +117,10 @@ def _run(args: argparse.Namespace) -> int:
         mover.close()
         print(f"ringq move: {exc}", file=sys.stderr)
         return exits.USAGE
+    except MoveWontFit as exc:
+        mover.close()
+        print(f"ringq move: {exc}", file=sys.stderr)
+        return exits.CONFLICT
     except MoveSourceShared as exc:
         mover.close()
         print(f"ringq move: {exc}; recreate the source queue with --dequeue-mode single "

@@ -60,6 +60,7 @@ from ringq.engine import (
     Message,
     PayloadTooLarge,
     QueueFull,
+    QueueInfo,
     RingqError,
     Session,
     dsn_file,
@@ -94,6 +95,15 @@ class MoveSourceShared(ConfigError):
 
 class MoveIntoItself(ConfigError):
     """The source and the destination are the same queue of the same database."""
+
+
+class MoveWontFit(ConfigError):
+    """The destination's ``max_payload`` is smaller than the source's plus the
+    envelope: entries near the source's limit could never be moved.
+
+    Refused at start, before anything moves; otherwise each such entry would
+    fail its deliveries and end in the source's exception table.
+    """
 
 
 # -- the envelope ----------------------------------------------------------------------------
@@ -270,8 +280,9 @@ class Mover:
 
     Use :meth:`run` as a service (standby until it holds the lock, then moves
     until ``stop_event`` is set), or :meth:`move_batch` for one step. The
-    destination queue's ``max_payload`` must leave room for the envelope
-    (about 150 bytes plus the producer name).
+    destination queue's ``max_payload`` must be at least the source's plus
+    :func:`envelope_overhead` (the source's alone with ``envelope=False``):
+    :meth:`open` refuses a smaller one with :class:`MoveWontFit`.
 
     ``between_commits`` (for tests and fault drills) is called with the batch
     after database 2 committed and before database 1 commits.
@@ -319,6 +330,8 @@ class Mover:
 
         :raises DatabaseUnavailable, QueueNotFound, SchemaMissing:
         :raises MoveSourceShared: the source queue is not in ``single`` dequeue mode.
+        :raises MoveIntoItself: the destination is the source.
+        :raises MoveWontFit: the destination's ``max_payload`` is too small.
         """
         s = self._s
         if s.src is None or s.src.closed:
@@ -351,14 +364,28 @@ class Mover:
         self._closed = False
         return self
 
-    def _check_destination(self, dst: Session, src_info: Any) -> None:
+    def _check_destination(self, dst: Session, src_info: QueueInfo) -> None:
         """Refuse, before anything moves, a queue moved into itself (it would run
-        until killed)."""
+        until killed) and a destination too small for the source's entries (each
+        would become poison)."""
         s = self._s
         dst_info = dst.queue_info(self.dst_queue)
         if dst.instance == s.instance and dst_info.id == src_info.id:
             raise MoveIntoItself(
                 f"queue {self.src_queue!r} would be moved into itself (same database, same queue)"
+            )
+        overhead = (
+            envelope_overhead(s.instance, self.src_queue, src_info.id)
+            if self.config.envelope else 0
+        )
+        needed = src_info.max_payload + overhead
+        if dst_info.max_payload < needed:
+            envelope = f" + {overhead:,} bytes of envelope" if overhead else ""
+            raise MoveWontFit(
+                f"queue {self.dst_queue!r} takes payloads of up to "
+                f"{dst_info.max_payload:,} bytes, but queue {self.src_queue!r}'s entries need "
+                f"up to {needed:,} ({src_info.max_payload:,}{envelope}): give the destination "
+                f"a max_payload of at least {needed:,}"
             )
 
     def close(self) -> None:
@@ -617,6 +644,8 @@ class Mover:
         returning; failures are logged and counted, and the mover reconnects.
 
         :raises MoveSourceShared: the source queue is not in ``single`` dequeue mode.
+        :raises MoveIntoItself: the destination is the source.
+        :raises MoveWontFit: the destination's ``max_payload`` is too small.
         """
         self._stop = stop_event
         cfg = self.config

@@ -27,16 +27,27 @@ import psycopg
 import pytest
 from conftest import drain, present, queue_in
 from psycopg import sql
-from ringq.engine import PayloadTooLarge, connect
+from ringq.engine import connect
 from ringq.engine.recovery import reclaim_all, recover_dead_clients, repair_lock_holders
-from ringq.move import MoveConfig, MoveLockHeld, Mover, is_moved, move_key, unwrap, wrap
+from ringq.move import (
+    MoveConfig,
+    MoveLockHeld,
+    Mover,
+    MoveWontFit,
+    envelope_overhead,
+    is_moved,
+    move_key,
+    unwrap,
+    wrap,
+)
 
 FORK = mp.get_context("fork")
 
 
 # The mover's queues: 256 slots unless told (either database; both sections go
-# with the databases).
+# with the databases). A destination takes the source's 1,024 bytes plus the envelope.
 _queue = functools.partial(queue_in, capacity=256)
+_dst = functools.partial(queue_in, capacity=256, max_payload=1024 + 512)
 
 
 def produce(dsn: str, queue: str, producer: str, n: int, per_tx: int = 1) -> None:
@@ -89,7 +100,7 @@ def test_envelope_round_trip() -> None:
 
 
 def test_moves_everything_once_in_order(dsn: str, dsn2: str) -> None:
-    src, dst = _queue(dsn), _queue(dsn2)
+    src, dst = _queue(dsn), _dst(dsn2)
     for p in ("a", "b", "c"):
         produce(dsn, src, p, 40, per_tx=7)
     with Mover(dsn, src, dsn2, dst, config=MoveConfig(batch=16)) as mv:
@@ -104,7 +115,7 @@ def test_moves_everything_once_in_order(dsn: str, dsn2: str) -> None:
 
 
 def test_redelivered_after_destination_commit_is_skipped_by_key(dsn: str, dsn2: str) -> None:
-    src, dst = _queue(dsn, max_deliveries=10), _queue(dsn2)
+    src, dst = _queue(dsn, max_deliveries=10), _dst(dsn2)
     produce(dsn, src, "a", 10)
 
     class Crash(Exception):
@@ -129,7 +140,7 @@ def test_redelivered_after_destination_commit_is_skipped_by_key(dsn: str, dsn2: 
 
 def test_key_is_unique_across_wraps(dsn: str, dsn2: str) -> None:
     """Slots are reused every `capacity` entries; the sequence (and the key) is not."""
-    src, dst = _queue(dsn, capacity=4), _queue(dsn2)
+    src, dst = _queue(dsn, capacity=4), _dst(dsn2)
     with connect(dsn, producer="a") as prod:
         sec = prod.section
         with Mover(dsn, src, dsn2, dst, config=MoveConfig(batch=3, prune_every=2)) as mv:
@@ -146,34 +157,42 @@ def test_key_is_unique_across_wraps(dsn: str, dsn2: str) -> None:
     check_arrivals(drain(dsn2, dst, batch=100), {"a": 30})
 
 
-def test_too_large_for_destination_is_poison_not_a_stall(dsn: str, dsn2: str) -> None:
-    src = _queue(dsn, max_payload=4096, max_deliveries=2)
-    dst = _queue(dsn2, max_payload=1024)
+def test_destination_too_small_for_the_envelope_is_refused_at_start(dsn: str, dsn2: str) -> None:
+    """A destination that cannot take the source's largest entry with its
+    envelope is refused before anything moves (each such entry would
+    otherwise fail its deliveries and become poison)."""
+    src = _queue(dsn, max_payload=4096)
     with connect(dsn, producer="a") as s:
-        s.enqueue(src, json.dumps({"p": "a", "i": 1}).encode())
-        s.enqueue(src, b"x" * 2000)
-        s.enqueue(src, json.dumps({"p": "a", "i": 3}).encode())
+        s.enqueue(src, b"x" * 4096)  # fits the source, not the destination
         s.commit()
-    with Mover(dsn, src, dsn2, dst, config=MoveConfig(batch=10)) as mv:
-        failures = 0
-        for _ in range(10):
-            try:
-                if not mv.move_batch():
-                    break
-            except PayloadTooLarge:
-                failures += 1
-    # The big one failed its deliveries and went to the exception table; the
-    # others moved (after the failed batch, one at a time).
-    assert failures == 2  # the batch of 3, then the big one alone (its 2nd delivery)
-    got = [unwrap(m) for m in drain(dsn2, dst, batch=100)]
-    assert [m.producer_seq for m in got] == [1, 3]
+        overhead = envelope_overhead(s.instance, src, s.queue_info(src).id)
+    assert 100 < overhead < 400
+    for dst_size, envelope in ((4096, True), (4096 + overhead - 1, True), (4095, False)):
+        dst = queue_in(dsn2, max_payload=dst_size)
+        with pytest.raises(MoveWontFit, match=f"at least {4096 + (overhead if envelope else 0):,}"):
+            Mover(dsn, src, dsn2, dst, config=MoveConfig(envelope=envelope)).open()
+        assert drain(dsn2, dst) == []
+    # Nothing was taken from the source, nothing counted against its entry.
     with psycopg.connect(dsn) as conn:
-        (n,) = present(conn.execute("SELECT count(*) FROM ringq.exceptions").fetchone())
-    assert n == 1
+        row = present(conn.execute(
+            sql.SQL("SELECT count(*), max(deliveries) FROM {} WHERE state = 1").format(
+                sql.Identifier("ringq", "q_" + src))).fetchone())
+    assert row == (1, 0)
+    # Just enough room: the entry moves, envelope and all.
+    for dst_size, envelope in ((4096 + overhead, True), (4096, False)):
+        dst = queue_in(dsn2, max_payload=dst_size)
+        with connect(dsn, producer="a") as s:
+            s.enqueue(src, b"y" * 4096)
+            s.commit()
+        with Mover(dsn, src, dsn2, dst, config=MoveConfig(envelope=envelope)) as mv:
+            while mv.move_batch():
+                pass
+        got = drain(dsn2, dst)
+        assert len(got) >= 1 and len(got[-1].payload) <= dst_size
 
 
 def test_destination_full_waits_instead_of_rolling_back(dsn: str, dsn2: str) -> None:
-    src, dst = _queue(dsn), _queue(dsn2, capacity=8)
+    src, dst = _queue(dsn), _dst(dsn2, capacity=8)
     produce(dsn, src, "a", 20, per_tx=20)
     with connect(dsn2) as consumer:
         sec2 = consumer.section
@@ -213,7 +232,7 @@ def _hold_lock(src: str, sq: str, dst: str, dq: str, ready: Any) -> None:
 
 
 def test_one_active_mover_and_standby_takes_over(dsn: str, dsn2: str) -> None:
-    src, dst = _queue(dsn), _queue(dsn2)
+    src, dst = _queue(dsn), _dst(dsn2)
     ready = FORK.Event()
     p = FORK.Process(target=_hold_lock, args=(dsn, src, dsn2, dst, ready))
     p.start()
@@ -237,7 +256,7 @@ def test_one_active_mover_and_standby_takes_over(dsn: str, dsn2: str) -> None:
 
 
 def test_lost_lock_connection_is_noticed_and_the_lock_taken_again(dsn: str, dsn2: str) -> None:
-    src, dst = _queue(dsn), _queue(dsn2)
+    src, dst = _queue(dsn), _dst(dsn2)
     produce(dsn, src, "a", 6)
     cfg = MoveConfig(batch=2, lock_check=0, prune_every=1)
     with Mover(dsn, src, dsn2, dst, config=cfg) as mv:
@@ -255,7 +274,7 @@ def test_lost_lock_connection_is_noticed_and_the_lock_taken_again(dsn: str, dsn2
 
 
 def test_run_stops_on_event(dsn: str, dsn2: str) -> None:
-    src, dst = _queue(dsn), _queue(dsn2)
+    src, dst = _queue(dsn), _dst(dsn2)
     produce(dsn, src, "a", 25)
     stop = threading.Event()
     mv = Mover(dsn, src, dsn2, dst, config=MoveConfig(batch=10, wait=0.05))
@@ -318,7 +337,7 @@ def test_mover_killed_between_commits_many_times(dsn: str, dsn2: str) -> None:
     PRODUCERS, PER, KILLS = ("p1", "p2", "p3"), 200, 20
     # Strikes from killed movers must not poison entries: a roomy max_deliveries.
     src = _queue(dsn, capacity=64, max_deliveries=1000)
-    dst = _queue(dsn2, capacity=128)
+    dst = _dst(dsn2, capacity=128)
     with connect(dsn) as s1, connect(dsn2) as s2:
         s1.ring(src), s2.ring(dst)  # load both queues into their sections
         sec1, sec2 = s1.section, s2.section
@@ -448,7 +467,7 @@ def test_a_mover_taking_over_decides_the_dead_movers_destination_slots_first(
     committed but never published arrive before anything the next mover
     moves (per-producer order holds), and nothing arrives twice."""
     src = _queue(dsn, dequeue_mode="single")
-    dst = _queue(dsn2)
+    dst = _dst(dsn2)
     produce(dsn, src, "a", 20)
     paused_r, paused_w = os.pipe()
     p = FORK.Process(target=_mover_dies_publishing, args=(dsn, src, dsn2, dst, paused_w))
@@ -483,7 +502,7 @@ def _ringq(*args: str, **kw: Any) -> subprocess.Popen[Any]:
 
 
 def test_cli_move_once(dsn: str, dsn2: str) -> None:
-    src, dst = _queue(dsn), _queue(dsn2)
+    src, dst = _queue(dsn), _dst(dsn2)
     produce(dsn, src, "a", 30, per_tx=5)
     p = _ringq("move", "--from", f"{dsn}:{src}", "--to", f"{dsn2}:{dst}", "--batch", "7", "--once",
                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -517,8 +536,24 @@ def test_a_queue_moved_into_itself_is_refused_at_start(dsn: str) -> None:
     assert len(drain(dsn, q)) == 3  # nothing was taken
 
 
+def test_cli_refuses_a_destination_too_small_with_exit_5(dsn: str, dsn2: str) -> None:
+    src, dst = _queue(dsn), queue_in(dsn2, max_payload=1024)  # equal: no room for the envelope
+    produce(dsn, src, "a", 2)
+    p = _ringq("move", "--from", f"{dsn}:{src}", "--to", f"{dsn2}:{dst}", "--once",
+               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    _out, err = p.communicate(timeout=60)
+    assert p.returncode == 5, err
+    assert "max_payload of at least" in err and "Traceback" not in err
+    # --bare needs no envelope: the same queues are fine, and everything moves.
+    p = _ringq("move", "--from", f"{dsn}:{src}", "--to", f"{dsn2}:{dst}", "--once", "--bare",
+               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    _out, err = p.communicate(timeout=60)
+    assert p.returncode == 0, err
+    assert len(drain(dsn2, dst)) == 2
+
+
 def test_cli_sigterm_drains(dsn: str, dsn2: str) -> None:
-    src, dst = _queue(dsn, capacity=2048), _queue(dsn2, capacity=2048)
+    src, dst = _queue(dsn, capacity=2048), _dst(dsn2, capacity=2048)
     produce(dsn, src, "a", 1000, per_tx=50)
     p = _ringq("move", "--from", f"{dsn}:{src}", "--to", f"{dsn2}:{dst}", "--batch", "5",
                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -563,7 +598,7 @@ def test_a_shared_mode_source_is_refused(dsn: str, dsn2: str) -> None:
     from ringq.engine import ConfigError
     from ringq.move import MoveSourceShared
 
-    src, dst = _queue(dsn, dequeue_mode="shared"), _queue(dsn2)
+    src, dst = _queue(dsn, dequeue_mode="shared"), _dst(dsn2)
     produce(dsn, src, "a", 3)
     mv = Mover(dsn, src, dsn2, dst)
     with pytest.raises(MoveSourceShared, match="'shared' dequeue mode") as info:
