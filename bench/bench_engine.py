@@ -1,4 +1,4 @@
-"""Engine benchmarks (issue 3): ringq against a SKIP LOCKED queue and a one-row-update ceiling.
+"""Engine benchmarks: ringq against a SKIP LOCKED queue and a one-row-update ceiling.
 
 Prints a table and writes JSON (``bench/results/engine-<timestamp>.json`` and
 ``--out PATH``). It measures; it never asserts a timing. Each target is
@@ -8,8 +8,10 @@ Everything runs in ONE process tree on ONE database: the project's embedded
 PostgreSQL (``ringq.scripting.Cluster``, started under a temporary home and
 removed afterwards) unless ``--dsn`` names another. The machine is noisy, so
 the short measurements run in interleaved rounds (ringq, SKIP LOCKED, ceiling,
-rotating the order each round) and the table shows the median of the rounds
-with their spread; ratios are taken within a round, then the median of those.
+ringq SQL only, concurrent, rotating the order each round) and the table shows
+the median of the rounds with their spread; ratios are taken within a round,
+then the median of those. The targets of the engine-speed issue are printed as
+met / NOT MET.
 
 Run ``python bench/bench_engine.py --help``; ``bench/README.md`` says what each
 figure means.
@@ -44,6 +46,7 @@ from _benchlib import (
     sigterm_tears_down,
     write_results,
 )
+from _concurrent import concurrent_ringq, concurrent_skq
 from psycopg import sql
 from ringq.engine import connect, metrics, queue_table
 from ringq.engine.sqlfile import load
@@ -130,8 +133,16 @@ class Names:
         return f"bench_{self.tag}_s"
 
     @property
+    def ring_concurrent(self) -> str:  # shared mode: the consumers dequeue side by side
+        return f"bench_{self.tag}_c"
+
+    @property
     def skq(self) -> str:
         return f"skq_{self.tag}"
+
+    @property
+    def skq_concurrent(self) -> str:
+        return f"skq_{self.tag}_c"
 
     @property
     def skq_volume(self) -> str:
@@ -285,7 +296,7 @@ class RingSQL:
     queue table the engine never loads: what ringq would cost with a free section and no
     Python around the SQL. Same protocol as a session: an enqueue transaction is its guarded
     row write alone, in autocommit (one round trip); a dequeue is BEGIN + the consuming
-    UPDATE in one pipeline, then COMMIT (two). Engine time = ringq - this."""
+    UPDATE in one pipeline, then COMMIT (two). A dequeue's engine time = ringq - this."""
 
     def __init__(self, queue: str) -> None:
         self.queue = queue
@@ -690,6 +701,9 @@ class Config:
     volume_capacity: int
     payload: int
     capacity: int
+    concurrent_seconds: float
+    producers: int
+    consumers: int
 
 
 def run(dsn: str, cfg: Config, names: Names) -> dict[str, Any]:
@@ -702,8 +716,13 @@ def run(dsn: str, cfg: Config, names: Names) -> dict[str, Any]:
             (names.ring_volume, cfg.volume_capacity),
         ):
             create_queue(admin, QueueSpec(name, cap, max(cfg.payload, 1)))
+        create_queue(
+            admin,
+            QueueSpec(names.ring_concurrent, cfg.capacity, cfg.payload, dequeue_mode="shared"),
+        )
         create_skq(admin, names.skq)
         create_skq(admin, names.skq_volume)
+        create_skq(admin, names.skq_concurrent)
         admin.execute(q(CEIL_CREATE, names.ceiling))
         admin.execute(q(CEIL_FILL, names.ceiling))
         env = environment(admin)
@@ -716,29 +735,32 @@ def run(dsn: str, cfg: Config, names: Names) -> dict[str, Any]:
     warm_up(dsn, names, ring_sql, cfg, payload)
 
     rounds: list[dict[str, Any]] = []
-    kinds: list[tuple[str, Callable[[], Any]]] = [
+    # Each takes the round's index (0, 1, ...).
+    kinds: list[tuple[str, Callable[[int], Any]]] = [
         (
             "ringq",
-            lambda: bench_ringq(dsn, names.ring, payload, cfg.single, cfg.batches, cfg.batch),
+            lambda r: bench_ringq(dsn, names.ring, payload, cfg.single, cfg.batches, cfg.batch),
         ),
         (
             "skip_locked",
-            lambda: bench_skq(dsn, names.skq, payload, cfg.single, cfg.batches, cfg.batch),
+            lambda r: bench_skq(dsn, names.skq, payload, cfg.single, cfg.batches, cfg.batch),
         ),
-        ("ceiling", lambda: bench_ceiling(dsn, names.ceiling, cfg.single)),
+        ("ceiling", lambda r: bench_ceiling(dsn, names.ceiling, cfg.single)),
         (
             "ringq_sql",
-            lambda: bench_ring_sql(
+            lambda r: bench_ring_sql(
                 dsn, ring_sql, cfg.capacity, payload, cfg.single, cfg.batches, cfg.batch
             ),
         ),
     ]
+    if cfg.concurrent_seconds:
+        kinds.append(("concurrent", lambda r: bench_concurrent(dsn, names, cfg, payload, r)))
     for r in range(cfg.rounds):
         order = kinds[r % len(kinds) :] + kinds[: r % len(kinds)]
         res: dict[str, Any] = {"round": r + 1, "order": [k for k, _ in order]}
         for kind, fn in order:
             print(f"round {r + 1}/{cfg.rounds}: {kind} ...", file=sys.stderr, flush=True)
-            res[kind] = fn()
+            res[kind] = fn(r)
             if kind == "ringq" and cfg.wakeups:
                 res["ringq"]["wakeup"] = bench_wakeup(dsn, names.ring_wake, payload, cfg.wakeups)
                 res["ringq"]["semaphore_wakeup"] = bench_sem_wakeup(cfg.wakeups)
@@ -759,16 +781,39 @@ def run(dsn: str, cfg: Config, names: Names) -> dict[str, Any]:
     return {"environment": env, "rounds": rounds, "volume": volume}
 
 
+def bench_concurrent(
+    dsn: str, names: Names, cfg: Config, payload: bytes, round_index: int
+) -> dict[str, Any]:
+    """Both sides of the concurrent figure, one after the other; which goes first alternates
+    with the round."""
+    skq_statements = [q(t, names.skq_concurrent) for t in (SKQ_ENQUEUE, SKQ_DEQUEUE,
+                                                           SKQ_DEQUEUE_MANY)]  # fmt: skip
+    sides: list[tuple[str, Callable[[], dict[str, Any]]]] = [
+        ("ringq", lambda: concurrent_ringq(
+            dsn, names.ring_concurrent, payload, cfg.producers, cfg.consumers,
+            cfg.concurrent_seconds)),
+        ("skip_locked", lambda: concurrent_skq(
+            dsn, skq_statements, payload, cfg.producers, cfg.consumers, cfg.concurrent_seconds)),
+    ]  # fmt: skip
+    if round_index % 2:
+        sides.reverse()
+    out: dict[str, Any] = {"order": [side for side, _ in sides]}
+    for side, fn in sides:
+        out[side] = fn()
+    return out
+
+
 def warm_up(dsn: str, names: Names, ring_sql: RingSQL, cfg: Config, payload: bytes) -> None:
     """Pass ``cfg.capacity`` entries through each contender, ``cfg.batch`` per transaction."""
     items = [payload] * cfg.batch
     passes = -(-cfg.capacity // cfg.batch)
     with connect(dsn) as prod, connect(dsn) as cons:
-        for _ in range(passes):
-            prod.enqueue_many(names.ring, items)
-            prod.commit()
-            cons.dequeue_many(names.ring, cfg.batch)
-            cons.commit()
+        for ring in (names.ring, names.ring_concurrent):
+            for _ in range(passes):
+                prod.enqueue_many(ring, items)
+                prod.commit()
+                cons.dequeue_many(ring, cfg.batch)
+                cons.commit()
     enq_many_sql, deq_many_sql = ring_sql.stmt("enqueue_many"), ring_sql.stmt("dequeue_many")
     cap = cfg.capacity
     with psycopg.connect(dsn) as conn:
@@ -781,11 +826,12 @@ def warm_up(dsn: str, names: Names, ring_sql: RingSQL, cfg: Config, payload: byt
             conn.commit()
             ring_sql.next_seq += cfg.batch
             ring_sql.next_deq += cfg.batch
-        for _ in range(passes):
-            conn.execute(q(SKQ_ENQUEUE_MANY, names.skq), (items,))
-            conn.commit()
-            conn.execute(q(SKQ_DEQUEUE_MANY, names.skq), (cfg.batch,))
-            conn.commit()
+        for table in (names.skq, names.skq_concurrent):
+            for _ in range(passes):
+                conn.execute(q(SKQ_ENQUEUE_MANY, table), (items,))
+                conn.commit()
+                conn.execute(q(SKQ_DEQUEUE_MANY, table), (cfg.batch,))
+                conn.commit()
 
 
 def environment(conn: psycopg.Connection[Any]) -> dict[str, Any]:
@@ -823,7 +869,7 @@ def _med(values: list[float]) -> dict[str, float]:
     return {"median": statistics.median(values), "min": min(values), "max": max(values)}
 
 
-def summarize(raw: dict[str, Any]) -> dict[str, Any]:
+def summarize(raw: dict[str, Any], cfg: Config) -> dict[str, Any]:
     rounds = raw["rounds"]
     fig: dict[str, dict[str, Any]] = {}
     for _label, key, path in FIGURES:
@@ -871,67 +917,78 @@ def summarize(raw: dict[str, Any]) -> dict[str, Any]:
         ),
     }
 
-    # Time the engine adds around its own SQL (section, locks, Python), per call, median of rounds.
+    if "concurrent" in rounds[0]:
+        for key, field in (
+            ("concurrent", "committed_entries_per_s"),
+            ("concurrent_enqueued", "enqueued_entries_per_s"),
+        ):
+            fig[key] = {
+                kind: _med([r["concurrent"][kind][field] for r in rounds]) for kind in (R, S)
+            }
+            ratios[f"{key}_ringq_over_skq"] = _med(
+                [r["concurrent"][R][field] / r["concurrent"][S][field] for r in rounds]
+            )
+
+    # Engine time per call outside the database, median of rounds. An enqueue sends nothing
+    # at call time (its write goes with the commit), so the call is the engine's time alone;
+    # a dequeue sends its UPDATE, so the engine's time is the call minus the same SQL sent
+    # straight through psycopg.
     engine_us = {
-        key: _med([_get(r[R], path) - _get(r["ringq_sql"], path) for r in rounds])
-        for _label, key, path in FIGURES[:4]
+        "enqueue_call_p50": fig["enq_p50"]["ringq"],
+        "enqueue_call_p99": fig["enq_p99"]["ringq"],
     }
+    for p in ("p50", "p99"):
+        deq = [_get(r[R], ("dequeue_latency", f"{p}_us")) for r in rounds]
+        sql_only = [_get(r["ringq_sql"], ("dequeue_latency", f"{p}_us")) for r in rounds]
+        engine_us[f"dequeue_call_{p}_minus_sql"] = _med(
+            [a - b for a, b in zip(deq, sql_only, strict=True)]
+        )
 
     targets: list[dict[str, Any]] = []
 
-    def target(name: str, value: float | None, op: str, bound: float, unit: str = "") -> None:
+    def target(name: str, value: float | None, op: str, bound: float) -> None:
         met = (
             None
             if value is None
             else (value <= bound if op == "<=" else value < bound if op == "<" else value >= bound)
         )
-        targets.append(
-            {"target": name, "value": value, "op": op, "bound": bound, "unit": unit, "met": met}
-        )
+        targets.append({"name": name, "value": value, "target": f"{op} {bound:,g}", "met": met})
 
-    target(
-        "enqueue call p50, ringq/skip-locked", ratios["enq_p50_ringq_over_skq"]["median"], "<=", 0.6
-    )
-    target(
-        "enqueue call p99, ringq/skip-locked", ratios["enq_p99_ringq_over_skq"]["median"], "<=", 0.6
-    )
-    target(
-        "dequeue call p50, ringq/skip-locked", ratios["deq_p50_ringq_over_skq"]["median"], "<=", 0.6
-    )
-    target(
-        "dequeue call p99, ringq/skip-locked", ratios["deq_p99_ringq_over_skq"]["median"], "<=", 0.6
-    )
-    target(
-        "enqueue+commit tx/s, ringq/ceiling",
-        ratios["enq_tps_ringq_over_ceiling"]["median"],
-        ">=",
-        0.9,
-    )
-    target(
-        "dequeue+commit tx/s, ringq/ceiling",
-        ratios["deq_tps_ringq_over_ceiling"]["median"],
-        ">=",
-        0.9,
-    )
-    target(
-        "  same two over the 2-rt ceiling (info)",
-        min(
-            ratios["enq_tps_ringq_over_ceiling_2rt"]["median"],
-            ratios["deq_tps_ringq_over_ceiling_2rt"]["median"],
-        ),
-        ">=",
-        0.9,
-    )
-    target("batched enqueue, ringq entries/s", fig["enq_many"]["ringq"]["median"], ">=", 50_000)
-    target("batched dequeue, ringq entries/s", fig["deq_many"]["ringq"]["median"], ">=", 50_000)
-    if "wakeup_p50_us" in fig:
-        target("wake-up p50 (us)", fig["wakeup_p50_us"]["ringq"]["median"], "<", 300, "us")
-    vol = raw["volume"]
-    if vol:
-        g = vol["ringq"]["growth"]
-        target("ringq table growth after volume", None if g is None else 100 * g, "<=", 10, "%")
-        g = vol["ringq"]["growth_after_first_wrap"]
-        target("  same, from the 1st wrap on (info)", None if g is None else 100 * g, "<=", 10, "%")
+    def median(table: dict[str, Any], key: str, *path: str) -> float | None:
+        if key not in table:
+            return None  # the part was skipped (--wakeups 0, --concurrent-seconds 0)
+        d = table[key]
+        for p in path:
+            d = d[p]
+        return float(d["median"])
+
+    conc = f"{cfg.producers}+{cfg.consumers}"
+    for name, value, op, bound in (
+        ("enqueue call p50, ringq/skip-locked", median(ratios, "enq_p50_ringq_over_skq"),
+         "<=", 0.1),
+        ("dequeue call p50, ringq/skip-locked", median(ratios, "deq_p50_ringq_over_skq"),
+         "<=", 0.2),
+        ("enqueue+commit tx/s, ringq/1-rt ceiling", median(ratios, "enq_tps_ringq_over_ceiling"),
+         ">=", 0.9),
+        ("enqueue+commit tx/s, ringq/skip-locked", median(ratios, "enq_tps_ringq_over_skq"),
+         ">=", 1.3),
+        ("dequeue+commit tx/s, ringq/1-rt ceiling", median(ratios, "deq_tps_ringq_over_ceiling"),
+         ">=", 0.9),
+        ("dequeue+commit tx/s, ringq/skip-locked", median(ratios, "deq_tps_ringq_over_skq"),
+         ">=", 1.3),
+        ("batched enqueue, ringq entries/s", median(fig, "enq_many", "ringq"), ">=", 60_000),
+        ("batched dequeue, ringq entries/s", median(fig, "deq_many", "ringq"), ">=", 100_000),
+        ("wake-up p50, ringq (us)", median(fig, "wakeup_p50_us", "ringq"), "<", 200),
+        (f"concurrent {conc} entries/s, ringq/skip-locked",
+         median(ratios, "concurrent_ringq_over_skq"), ">=", 1.5),
+        ("engine time per enqueue call, p50 (us)", median(engine_us, "enqueue_call_p50"),
+         "<=", 20),
+    ):  # fmt: skip
+        target(name, value, op, bound)
+    targets.append({
+        "name": "engine time per dequeue call, p50 (us): ringq - ringq SQL only",
+        "value": median(engine_us, "dequeue_call_p50_minus_sql"), "target": "info", "met": None,
+    })  # fmt: skip
     return {"figures": fig, "ratios": ratios, "engine_us": engine_us, "targets": targets}
 
 
@@ -962,6 +1019,12 @@ def render(raw: dict[str, Any], summary: dict[str, Any], cfg: Config, seconds: f
         f"{cfg.batches} x {cfg.batch} batched, "
         f"{cfg.wakeups} wake-ups; median of rounds [min-max]; run took {seconds:.0f} s"
     )
+    if cfg.concurrent_seconds:
+        lines.append(
+            f"concurrent: {cfg.producers} producer + {cfg.consumers} consumer processes, "
+            f"{cfg.concurrent_seconds:g} s per side per round, one-entry transactions "
+            "(ringq queue in shared dequeue mode)"
+        )
     e = raw["environment"]
     lines.append(
         f"load average at start {e['loadavg_at_start'][0]:.2f}, "
@@ -986,6 +1049,18 @@ def render(raw: dict[str, Any], summary: dict[str, Any], cfg: Config, seconds: f
             f"{label:<{w}} {cell(f['ringq']):>24} {cell(f['ringq_sql']):>24} "
             f"{cell(f['skip_locked']):>24} {rat:>10.2f}"
         )
+    if "concurrent" in fig:
+        conc = f"{cfg.producers}+{cfg.consumers}"
+        for label, key in (
+            (f"concurrent {conc} entries/s", "concurrent"),
+            ("  producers' commits/s", "concurrent_enqueued"),
+        ):
+            f = fig[key]
+            rat = ratios[f"{key}_ringq_over_skq"]["median"]
+            lines.append(
+                f"{label:<{w}} {cell(f['ringq']):>24} {'-':>24} "
+                f"{cell(f['skip_locked']):>24} {rat:>10.2f}"
+            )
     for label, key in (
         ("ceiling tx/s, 1 round trip", "ceiling_one_rt_tx_per_s"),
         ("ceiling tx/s, 2 round trips", "ceiling_eager_2rt_tx_per_s"),
@@ -1001,12 +1076,22 @@ def render(raw: dict[str, Any], summary: dict[str, Any], cfg: Config, seconds: f
         lines.append(
             f"{'  bare semaphore p99 (us)':<{w}} {cell(fig['sem_wakeup_p99_us']['ringq']):>24}"
         )
+    lost = {
+        side: sum(r["concurrent"][side]["lost"] for r in raw["rounds"])
+        for side in ("ringq", "skip_locked")
+        if "concurrent" in raw["rounds"][0]
+    }
+    if any(lost.values()):
+        lines.append(f"LOST in the concurrent runs (committed enqueues never seen again): {lost}")
     eng = summary["engine_us"]
     lines.append("")
     lines.append(
-        "engine time around its SQL (ringq - ringq SQL only), us per call: "
-        f"enqueue p50 {eng['enq_p50']['median']:+.0f}, p99 {eng['enq_p99']['median']:+.0f}; "
-        f"dequeue p50 {eng['deq_p50']['median']:+.0f}, p99 {eng['deq_p99']['median']:+.0f}"
+        "engine time per call outside the database, us: enqueue call (it sends no SQL) "
+        f"p50 {eng['enqueue_call_p50']['median']:.1f}, "
+        f"p99 {eng['enqueue_call_p99']['median']:.1f}; "
+        "dequeue call - ringq SQL only "
+        f"p50 {eng['dequeue_call_p50_minus_sql']['median']:+.1f}, "
+        f"p99 {eng['dequeue_call_p99_minus_sql']['median']:+.1f}"
     )
     lines.append(
         "single-entry tx/s over the 1-round-trip ceiling: "
@@ -1057,13 +1142,14 @@ def render(raw: dict[str, Any], summary: dict[str, Any], cfg: Config, seconds: f
         ):
             lines.append(f"{label:<{w}} {f(rq):>24} {f(sk):>24}")
     lines.append("")
-    lines.append("targets (issue 3)")
+    lines.append("targets (engine speed)")
     for t in summary["targets"]:
-        verdict = "n/a" if t["met"] is None else ("met" if t["met"] else "NOT MET")
+        if t["target"] == "info":
+            verdict = "(info)"
+        else:
+            verdict = "n/a" if t["met"] is None else ("met" if t["met"] else "NOT MET")
         val = "n/a" if t["value"] is None else f"{t['value']:,.2f}"
-        lines.append(
-            f"  {t['target']:<40} {val:>12} {t['op']} {t['bound']:<8,g} {t['unit']:<2} {verdict}"
-        )
+        lines.append(f"  {t['name']:<62} {val:>12} {t['target']:<10} {verdict}")
     return "\n".join(lines)
 
 
@@ -1084,9 +1170,9 @@ def _hot(v: dict[str, Any]) -> str:
 def cleanup(dsn: str, names: Names, *, embedded: bool) -> None:
     drop_queues(
         dsn,
-        [names.ring, names.ring_sql, names.ring_wake, names.ring_volume],
+        [names.ring, names.ring_sql, names.ring_wake, names.ring_volume, names.ring_concurrent],
         embedded=embedded,
-        tables=[names.skq, names.skq_volume, names.ceiling],
+        tables=[names.skq, names.skq_volume, names.skq_concurrent, names.ceiling],
     )
 
 
@@ -1117,12 +1203,25 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="slots of the ringq queue in the table-size test",
     )
     p.add_argument("--payload", type=int, default=100, help="payload bytes")
+    p.add_argument(
+        "--concurrent-seconds",
+        type=float,
+        default=5.0,
+        help="seconds each side of the concurrent figure runs, per round (0: skip)",
+    )
+    p.add_argument(
+        "--producers", type=int, default=4, help="producer processes of the concurrent figure"
+    )
+    p.add_argument(
+        "--consumers", type=int, default=2, help="consumer processes of the concurrent figure"
+    )
     a = p.parse_args(argv)
-    for name in ("rounds", "single", "batches", "batch", "volume_capacity", "payload"):
+    for name in ("rounds", "single", "batches", "batch", "volume_capacity", "payload",
+                 "producers", "consumers"):  # fmt: skip
         if getattr(a, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1")
-    if a.wakeups < 0 or a.volume < 0:
-        p.error("--wakeups and --volume must be >= 0")
+    if a.wakeups < 0 or a.volume < 0 or not a.concurrent_seconds >= 0:
+        p.error("--wakeups, --volume and --concurrent-seconds must be >= 0")
     if a.batch > a.volume_capacity:
         p.error("--batch must not exceed --volume-capacity")
     return a
@@ -1139,6 +1238,9 @@ def main(argv: list[str] | None = None) -> int:
         volume=args.volume,
         volume_capacity=args.volume_capacity,
         payload=args.payload,
+        concurrent_seconds=args.concurrent_seconds,
+        producers=args.producers,
+        consumers=args.consumers,
         # Entries of one round sit in the queue between its enqueue and dequeue passes.
         capacity=max(args.single, args.batches * args.batch) + 64,
     )
@@ -1153,7 +1255,7 @@ def main(argv: list[str] | None = None) -> int:
             with contextlib.suppress(Exception):
                 cleanup(dsn, names, embedded=home is not None)
     seconds = time.perf_counter() - t0
-    summary = summarize(raw)
+    summary = summarize(raw, cfg)
     table = render(raw, summary, cfg, seconds)
     print(table)
     doc = {
