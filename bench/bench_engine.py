@@ -369,7 +369,8 @@ def bench_ring_sql(
         for _ in range(n_batches):
             seqs = list(range(st.next_seq, st.next_seq + batch))
             prod.execute(
-                enq_many_sql, ("bench", [x % capacity for x in seqs], seqs, items, seqs, batch)
+                enq_many_sql,
+                ([x % capacity for x in seqs], seqs, items, ["bench"] * batch, seqs, batch),
             )
             st.next_seq += batch  # committed by itself (autocommit); a guard that fails raises
         out["enqueue_many_entries_per_s"] = n_batches * batch / ((pc() - start) / 1e9)
@@ -820,7 +821,7 @@ def warm_up(dsn: str, names: Names, ring_sql: RingSQL, cfg: Config, payload: byt
         for _ in range(passes):
             seqs = list(range(ring_sql.next_seq, ring_sql.next_seq + cfg.batch))
             slots = [x % cap for x in seqs]
-            conn.execute(enq_many_sql, ("bench", slots, seqs, items, seqs, cfg.batch))
+            conn.execute(enq_many_sql, (slots, seqs, items, ["bench"] * cfg.batch, seqs, cfg.batch))
             conn.commit()
             conn.execute(deq_many_sql, (slots, seqs), binary=True)
             conn.commit()

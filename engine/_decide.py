@@ -93,7 +93,7 @@ def load_queue(sec: Section, conn: psycopg.Connection[Any], info: QueueInfo) -> 
         if qidx is not None:
             return qidx
         mark_dropped(sec, {r[0] for r in conn.execute(_Q["queue_ids"]).fetchall()})
-        qidx = sec.allocate_queue(info.id, info.name, info.capacity)
+        qidx = sec.allocate_queue(info.id, info.name, info.capacity, info.cache_payload)
         rows = conn.execute(sql.SQL(_Q["all_rows"]).format(table=queue_table(info.name))).fetchall()
         held = held_slots(conn, info.id)
         load_block(sec, qidx, info, rows, held)

@@ -3,7 +3,8 @@
 ::
 
     [ header | queue blocks x MAX_QUEUES | queue names | clients x MAX_CLIENTS |
-      ENQ bits | DEQ bits | LCK bits | OWNER int32 per slot | HOLDER int32 per slot ]
+      ENQ bits | DEQ bits | LCK bits | OWNER int32 per slot | HOLDER int32 per slot |
+      payload cache pool ]
 
 Every field is an int64 word at a fixed index, so the layout is plain data
 that any process (and a future non-Python tool) can read. A segment whose
@@ -14,13 +15,18 @@ from __future__ import annotations
 
 # 2: client entries of 32 words (role, last error, queues, worker counters)
 # 3: owner tokens (C_GEN, C_TOKEN) and the HOLDER array (backend pid per slot)
-LAYOUT_VERSION = 3
+# 4: the payload cache (a pool after HOLDER, H_NEXT_CACHE, Q_CACHE_*)
+LAYOUT_VERSION = 4
 MAGIC = 0x52494E47_51534543  # "RINGQSEC"
 
 MAX_QUEUES = 128
 MAX_CLIENTS = 1024
 SLOT_POOL = 1 << 23  # slots across all queues in one section (8,388,608)
 MAX_CAPACITY = 1 << 22  # slots in one queue (4,194,304)
+# Bytes of payload cache across all queues (sparse: only the records written
+# take memory). Each cached slot holds a record of cache_stride(cache_payload) bytes.
+CACHE_POOL = 1 << 29  # 512 MiB
+CACHE_PRODUCER_BYTES = 64  # an entry whose producer name is longer is not cached
 HIST_BUCKETS = 32  # latency histogram: bucket b holds [2**(b-1), 2**b) microseconds
 
 PAGE = 4096
@@ -35,6 +41,7 @@ H_CREATED_NS = 5
 H_MONITOR_PID = 6
 H_MONITOR_BEAT_NS = 7
 H_READY = 8  # 1 once fully initialised
+H_NEXT_CACHE = 9  # cache pool allocator: first unused byte (a multiple of 64)
 HEADER_WORDS = 64
 
 # -- queue block words ------------------------------------------------------------
@@ -73,6 +80,18 @@ Q_DEQ_OWNER = 31  # single mode: owner token holding the dequeuer role, 0 if non
 Q_DEQ_INFLIGHT = 32  # single mode: entries that owner has dequeued and not finished
 Q_DEPTH_HINT = 33  # committed ready entries (approximate between resyncs; exact under the lock)
 Q_LEASE_MS = 34  # ringq.queues.lease in ms: a dequeued entry held longer ends its session (0: none)
+# The payload cache (see CACHE_* below): payload bytes a slot's record holds
+# (0: no cache), the record size, where the queue's records start in the pool
+# and how many bytes it has there (kept in a dropped block, for reuse).
+Q_CACHE_PAYLOAD = 35
+Q_CACHE_STRIDE = 36
+Q_CACHE_BASE = 37
+Q_CACHE_AREA = 38
+# Bumped whenever the queue's bits are loaded from the rows (load, resync,
+# rebuild): records written before no longer match and are read from the row.
+Q_CACHE_EPOCH = 39
+Q_N_CACHE_HITS = 40  # dequeues served from the cache
+Q_N_CACHE_MISSES = 41  # dequeues of a cached queue that read the row
 Q_ENQ_HIST = 64  # HIST_BUCKETS words
 Q_DEQ_HIST = 96  # HIST_BUCKETS words
 QUEUE_WORDS = 128
@@ -158,6 +177,29 @@ CS_IN_DOUBT = 2  # lost its connection with slots held: the rows decide (monitor
 TOKEN_GENS = (2**31 - 1) // MAX_CLIENTS
 
 
+# -- payload cache records ----------------------------------------------------------------
+# A record is int64 words, then the producer name, then the payload. It is
+# trusted only while its slot is locked by the dequeuer reading it, its tag
+# is the entry's seq + 1 and its epoch the queue's Q_CACHE_EPOCH; it is written
+# under the queue lock by the session whose commit made the entry, before the
+# ENQ bit is set, and its tag is cleared when a dequeue of it does not commit.
+R_TAG = 0  # seq + 1 of the entry held; 0: none
+R_EPOCH = 1
+R_LEN = 2  # payload bytes
+R_PRODUCER_LEN = 3
+R_PRODUCER_SEQ = 4
+R_ENQ_AT_US = 5  # the row's enq_at, microseconds since the epoch (UTC)
+RECORD_WORDS = 6
+RECORD_HEAD = RECORD_WORDS * 8 + CACHE_PRODUCER_BYTES  # bytes before the payload
+
+
+def cache_stride(cache_payload: int) -> int:
+    """Bytes of one slot's cache record for ``cache_payload`` payload bytes (0: no record)."""
+    if cache_payload <= 0:
+        return 0
+    return RECORD_HEAD + (cache_payload + 7) // 8 * 8
+
+
 def token_of(cidx: int, gen: int) -> int:
     """The owner token of client entry ``cidx`` at generation ``gen`` (> 0, an int32)."""
     return cidx + 1 + MAX_CLIENTS * (gen % TOKEN_GENS)
@@ -184,4 +226,5 @@ OFF_OWNER = OFF_LCK + _round(BITMAP_WORDS * 8)
 # HOLDER: the backend pid of the connection whose transaction holds a locked
 # slot, written with OWNER; recovery waits for that backend to end.
 OFF_HOLDER = OFF_OWNER + _round(SLOT_POOL * 4)
-SECTION_SIZE = OFF_HOLDER + _round(SLOT_POOL * 4)
+OFF_CACHE = OFF_HOLDER + _round(SLOT_POOL * 4)
+SECTION_SIZE = OFF_CACHE + CACHE_POOL

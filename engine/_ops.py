@@ -37,10 +37,12 @@ class OpKind(StrEnum):
 @dataclass(frozen=True, slots=True)
 class RowWrite:
     """An enqueue's row write, kept in the session until commit (or
-    ``flush()``) sends it: the entry's payload and its producer sequence."""
+    ``flush()``) sends it: the entry's payload, its producer and producer
+    sequence (as they were at the enqueue call)."""
 
     payload: bytes
     producer_seq: int
+    producer: str
 
 
 @dataclass(slots=True)
@@ -49,8 +51,11 @@ class Op:
 
     Fixed once made, except ``latency_ns``: the call's latency (ns), filled in
     once its statement has answered (0 until then, and for ops that recovery
-    rebuilds); and ``write``: an enqueue's row write while the session still
-    holds it (None once sent, and for every other op).
+    rebuilds); ``write``: an enqueue's row write while the session still
+    holds it (None once sent, and for every other op), then ``fill``: the
+    same, sent, kept for the payload cache until the commit is finished;
+    and ``consume``: a dequeue served from the payload cache whose consuming
+    row write the session still holds (sent with the commit).
     """
 
     ring: Ring
@@ -60,6 +65,13 @@ class Op:
     kind: OpKind
     latency_ns: int = 0
     write: RowWrite | None = None
+    fill: RowWrite | None = None
+    consume: bool = False
+
+    @property
+    def held(self) -> bool:
+        """Whether the session still holds this op's row write (not sent yet)."""
+        return self.write is not None or self.consume
 
     def committed_in(self, state: int, row_seq: int) -> bool:
         """Whether the row (its ``state`` and ``seq``) shows this op committed:

@@ -26,3 +26,6 @@ class QueueInfo:
     # without defaults after these. Read as DEFAULT_LEASE from a schema that
     # predates the column.
     lease: float
+    # payload bytes cached in the global section per slot (0: none); 0 from a
+    # schema that predates the column.
+    cache_payload: int

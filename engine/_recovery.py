@@ -132,7 +132,7 @@ def _load_queues(sec: Section, conn: psycopg.Connection[Any]) -> None:
         try:
             if sec.find_queue(info.id) is not None:
                 continue
-            qidx = sec.allocate_queue(info.id, info.name, info.capacity)
+            qidx = sec.allocate_queue(info.id, info.name, info.capacity, info.cache_payload)
             rows = conn.execute(
                 sql.SQL(_Q["all_rows"]).format(table=queue_table(info.name))
             ).fetchall()

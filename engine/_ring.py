@@ -16,11 +16,16 @@ multiple of 64, so a queue never shares a bitmap word with another queue.
 
 The Ring is the only writer of its block's words after allocation
 (``Section.allocate_queue``): positions, counters, waiters, latency
-histograms, the dequeuer role and the configuration.
+histograms, the dequeuer role and the configuration; and of its slots'
+payload cache records (``L.R_*``): written by the session whose commit made
+the entry, before the ENQ bit is set; read by the dequeuer that claimed the
+slot; trusted only when their tag is the entry's seq and their epoch the
+queue's (every load from the rows starts a new epoch).
 """
 
 from __future__ import annotations
 
+import secrets
 import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
@@ -46,7 +51,8 @@ def _lowest_bit(x: int) -> int:
 class Ring:
     """A view of queue block ``qidx`` (cheap to make; holds no lock itself)."""
 
-    __slots__ = ("Q", "base", "cap", "qb", "qid", "qidx", "sec", "w0")
+    __slots__ = ("Q", "base", "cache_payload", "cap", "cbase", "qb", "qid", "qidx", "sec",
+                 "stride", "w0")
 
     def __init__(self, sec: Section, qidx: int) -> None:
         self.sec = sec
@@ -57,6 +63,9 @@ class Ring:
         self.cap = self.Q[self.qb + L.Q_CAPACITY]
         self.base = self.Q[self.qb + L.Q_BASE]
         self.w0 = self.base >> 6
+        self.cache_payload = self.Q[self.qb + L.Q_CACHE_PAYLOAD]
+        self.stride = self.Q[self.qb + L.Q_CACHE_STRIDE]
+        self.cbase = self.Q[self.qb + L.Q_CACHE_BASE]
 
     # -- positions ----------------------------------------------------------------
 
@@ -241,6 +250,11 @@ class Ring:
         else:
             s.deq_w[w] &= ~m & _U64
             Q[b + L.Q_N_DEQ_ROLLBACK] += 1
+        if self.stride:
+            # Consumed, or its row counts a delivery now: a record serves one
+            # first delivery (a redelivery, or a section that went wrong,
+            # reads the row).
+            s.cache_w[(self.cbase + slot * self.stride >> 3) + L.R_TAG] = 0
         s.lck_w[w] &= ~m & _U64
         s.owner_w[self.base + slot] = 0
         if exclusive and Q[b + L.Q_DEQ_INFLIGHT] > 0:
@@ -280,10 +294,15 @@ class Ring:
         committed: bool,
         poisoned: set[tuple[int, int]],
         exclusive: bool,
+        enq_at_us: int | None = None,
     ) -> tuple[int, int]:
         """Finish ``owner``'s slots ``ops`` once the database has decided:
         enqueued entries become ready (``committed``) or void, dequeued ones
         consumed (committed, or ``poisoned``: (slot, seq) pairs) or ready again.
+
+        With ``enq_at_us`` (the rows' enqueue time in us), committed enqueues
+        whose row write the op still carries (``fill``) are written to the
+        payload cache before they become ready.
 
         Slots ``owner`` no longer holds (decided by recovery) are passed over.
         Records the latencies, reclaims once, and counts poisoned entries and
@@ -296,6 +315,11 @@ class Ring:
             if not self.held_by(op.slot, owner):
                 continue  # already decided by recovery (never finish a slot twice)
             if op.kind == OpKind.ENQUEUE:
+                if committed and enq_at_us is not None and op.fill is not None and self.stride:
+                    f = op.fill
+                    self.cache_put(
+                        op.slot, op.seq, f.payload, f.producer.encode(), f.producer_seq, enq_at_us
+                    )
                 self.finish_enqueue(op.slot, committed)
                 n_ready += committed
             else:
@@ -317,6 +341,60 @@ class Ring:
         if wake_r:
             Q[b + L.Q_N_WAKEUPS] += wake_r
         return wake_r, wake_s
+
+    # -- payload cache ---------------------------------------------------------------
+
+    def cache_put(
+        self,
+        slot: int,
+        seq: int,
+        payload: bytes,
+        producer: bytes,
+        producer_seq: int,
+        enq_at_us: int,
+    ) -> bool:
+        """Write the record of ``slot``'s new entry ``seq`` (the caller holds
+        the slot and the queue lock, and has not set ENQ yet). False if the
+        queue has no cache or the entry does not fit its record."""
+        if len(payload) > self.cache_payload or len(producer) > L.CACHE_PRODUCER_BYTES:
+            return False
+        off = self.cbase + slot * self.stride
+        s = self.sec
+        cw, w = s.cache_w, off >> 3
+        cw[w + L.R_TAG] = 0  # not trusted while half written (and a wrong tag anyway)
+        cw[w + L.R_EPOCH] = self.Q[self.qb + L.Q_CACHE_EPOCH]
+        cw[w + L.R_LEN] = len(payload)
+        cw[w + L.R_PRODUCER_LEN] = len(producer)
+        cw[w + L.R_PRODUCER_SEQ] = producer_seq
+        cw[w + L.R_ENQ_AT_US] = enq_at_us
+        at = off + L.RECORD_WORDS * 8
+        s.cache[at : at + len(producer)] = producer
+        at = off + L.RECORD_HEAD
+        s.cache[at : at + len(payload)] = payload
+        cw[w + L.R_TAG] = seq + 1
+        return True
+
+    def cache_get(self, slot: int, seq: int) -> tuple[bytes, str, int, int] | None:
+        """(payload, producer, producer_seq, enqueued at in us) of entry ``seq``
+        from its record, if the record holds it (the caller holds the slot and
+        the queue lock); else None, and the caller reads the row. Counted."""
+        if not self.stride:
+            return None
+        off = self.cbase + slot * self.stride
+        s = self.sec
+        cw, w = s.cache_w, off >> 3
+        Q, b = self.Q, self.qb
+        if cw[w + L.R_TAG] != seq + 1 or cw[w + L.R_EPOCH] != Q[b + L.Q_CACHE_EPOCH]:
+            Q[b + L.Q_N_CACHE_MISSES] += 1
+            return None
+        n, pn = cw[w + L.R_LEN], cw[w + L.R_PRODUCER_LEN]
+        at = off + L.RECORD_WORDS * 8
+        producer = bytes(s.cache[at : at + pn]).decode()
+        at = off + L.RECORD_HEAD
+        Q[b + L.Q_N_CACHE_HITS] += 1
+        return bytes(s.cache[at : at + n]), producer, cw[w + L.R_PRODUCER_SEQ], cw[
+            w + L.R_ENQ_AT_US
+        ]
 
     # -- counters and waiters ---------------------------------------------------------
 
@@ -522,6 +600,9 @@ class Ring:
         """
         cap = self.cap
         Q, b = self.Q, self.qb
+        # A new epoch: no record written before this load is trusted (a
+        # random one, as a reused block's records carry a former queue's).
+        Q[b + L.Q_CACHE_EPOCH] = secrets.randbits(62) | 1
         seq_by_slot = np.full(cap, -1, dtype=np.int64)
         state_by_slot = np.zeros(cap, dtype=np.int64)
         seq_by_slot[slots] = seqs

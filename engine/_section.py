@@ -2,7 +2,8 @@
 
 It holds every queue's head and tail, counters, the ENQ/DEQ/LCK bitmaps (numpy
 views), the entry-lock owner (a session's token) and holder (its backend pid)
-of every slot, and a table of attached clients.
+of every slot, a table of attached clients, and the payload cache (each
+cached slot's payload, producer and enqueue time, tagged with its seq).
 
 Locks: the short critical sections use ``fcntl`` byte-range locks on the
 segment's own file descriptor (byte 0 for the section, byte 1+i for queue
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import errno
 import fcntl
+import logging
 import mmap
 import os
 import secrets
@@ -34,6 +36,8 @@ from . import _layout as L
 from ._errors import SectionError, SectionIncompatible
 
 _U64: Final = (1 << 64) - 1
+
+logger = logging.getLogger("ringq")
 
 
 def section_name(instance_id: str) -> str:
@@ -93,6 +97,9 @@ class Section:
         self.owner_w = buf[L.OFF_OWNER : L.OFF_OWNER + L.SLOT_POOL * 4].cast("i")
         self.holder = np.frombuffer(mm, dtype=np.int32, count=L.SLOT_POOL, offset=L.OFF_HOLDER)
         self.holder_w = buf[L.OFF_HOLDER : L.OFF_HOLDER + L.SLOT_POOL * 4].cast("i")
+        # The payload cache pool: bytes, and the same as int64 words (record heads).
+        self.cache = buf[L.OFF_CACHE : L.OFF_CACHE + L.CACHE_POOL]
+        self.cache_w = self.cache.cast("q")
         # section, queues, recovery
         self._tlocks = [threading.Lock() for _ in range(L.MAX_QUEUES + 2)]
         self._sems: dict[str, posix_ipc.Semaphore] = {}
@@ -140,6 +147,7 @@ class Section:
                     header[L.H_SIZE] = L.SECTION_SIZE
                     header[L.H_GENERATION] = secrets.randbits(62) | 1
                     header[L.H_NEXT_BASE] = 0
+                    header[L.H_NEXT_CACHE] = 0
                     header[L.H_CREATED_NS] = time.time_ns()
                     header[L.H_MAGIC] = L.MAGIC
                     header[L.H_READY] = 1
@@ -172,7 +180,7 @@ class Section:
             sem.close()
         self._sems.clear()
         for view in (self.header, self.queues, self.clients, self.names, self.enq_w, self.deq_w,
-                     self.lck_w, self.owner_w, self.holder_w):
+                     self.lck_w, self.owner_w, self.holder_w, self.cache_w, self.cache):
             view.release()
         del self.enq, self.deq, self.lck, self.owner, self.holder
         self._buf.release()
@@ -295,10 +303,12 @@ class Section:
         raw = bytes(self.names[qidx * L.NAME_BYTES : (qidx + 1) * L.NAME_BYTES])
         return raw.rstrip(b"\0").decode()
 
-    def allocate_queue(self, qid: int, name: str, capacity: int) -> int:
+    def allocate_queue(self, qid: int, name: str, capacity: int, cache_payload: int = 0) -> int:
         """Reserve a block and pool space for a queue (caller holds the section lock).
 
         Returns the block index; the caller fills it and sets ``Q_STATE`` ready.
+        ``cache_payload`` bytes of each slot's payload are cached when the cache
+        pool has room (else the queue runs without a cache: a warning, no error).
         :raises SectionError: no free block, or the slot pool is exhausted.
         """
         free = None
@@ -343,9 +353,15 @@ class Section:
                     f"{slot_base:,} used, queue needs {capacity:,}"
                 )
             self.header[L.H_NEXT_BASE] = end
+        cache_base, cache_area = self._cache_space(base, reuse, capacity, cache_payload, name)
         self.queues[base + L.Q_STATE] = L.QS_UNUSED
         for w in range(L.QUEUE_WORDS):
             self.queues[base + w] = 0
+        if cache_area:
+            self.queues[base + L.Q_CACHE_PAYLOAD] = cache_payload
+            self.queues[base + L.Q_CACHE_STRIDE] = L.cache_stride(cache_payload)
+            self.queues[base + L.Q_CACHE_BASE] = cache_base
+            self.queues[base + L.Q_CACHE_AREA] = cache_area
         # No stale locks or owners from a former occupant of this pool space.
         words = (capacity + 63) // 64
         self.lck[slot_base // 64 : slot_base // 64 + words] = 0
@@ -357,6 +373,28 @@ class Section:
         raw = name.encode()[: L.NAME_BYTES]
         self.names[free * L.NAME_BYTES : (free + 1) * L.NAME_BYTES] = raw.ljust(L.NAME_BYTES, b"\0")
         return free
+
+    def _cache_space(
+        self, base: int, reuse: bool, capacity: int, cache_payload: int, name: str
+    ) -> tuple[int, int]:
+        """(first byte, bytes) of the cache pool space for a queue being
+        allocated at block word ``base``: the former occupant's when it is big
+        enough, else fresh space; (0, 0) without a cache or room for one."""
+        need = capacity * L.cache_stride(cache_payload)
+        if need == 0:
+            return 0, 0
+        if reuse and self.queues[base + L.Q_CACHE_AREA] >= need:
+            return self.queues[base + L.Q_CACHE_BASE], self.queues[base + L.Q_CACHE_AREA]
+        start = self.header[L.H_NEXT_CACHE]
+        if start + need > L.CACHE_POOL:
+            logger.warning(
+                "ringq: queue %s runs without its payload cache: it needs %d bytes, "
+                "the section's cache pool has %d of %d left", name, need,
+                L.CACHE_POOL - start, L.CACHE_POOL,
+            )
+            return 0, 0
+        self.header[L.H_NEXT_CACHE] = start + (need + 63) // 64 * 64
+        return start, need
 
     def mark_queue_ready(self, qidx: int) -> None:
         """Open a loaded block to clients (caller holds the section lock)."""

@@ -16,7 +16,7 @@ import weakref
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass
-from datetime import datetime
+from datetime import UTC, datetime, timedelta
 from typing import Any, Self, TypeVar
 
 import posix_ipc
@@ -58,6 +58,7 @@ from ._validate import as_payload, as_payloads, check_count, check_key, check_wa
 logger = logging.getLogger("ringq.engine")
 
 _IDLE = TransactionStatus.IDLE
+_EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
 _INTRANS = TransactionStatus.INTRANS
 _INERROR = TransactionStatus.INERROR
 T = TypeVar("T")
@@ -156,6 +157,8 @@ class Session(TwoPhase):
             producer or f"{socket.gethostname()}:{os.getpid()}:{next(_producer_counter)}"
         )
         self._producer_seq = 0
+        # enq_at (us) of the rows the transaction's enqueue writes made, once sent
+        self._enq_at_us: int | None = None
         self._ops: list[Op] = []
         self._queues: dict[str, QueueInfo] = {}
         self._rings: dict[int, Ring] = {}
@@ -348,14 +351,14 @@ class Session(TwoPhase):
                     self._decide_from_rows(conn, self._sent())
 
             self._call(decide)
-            self._ops = [op for op in self._ops if op.write is not None]
+            self._ops = [op for op in self._ops if op.held]
         if self._section.unlinked() and not self._ops:
             self._reattach_section()
 
     def _sent(self) -> list[Op]:
         """The in-flight ops whose statements went to the server (all but
-        enqueues whose row write the session still holds)."""
-        return [op for op in self._ops if op.write is None]
+        those whose row write the session still holds)."""
+        return [op for op in self._ops if not op.held]
 
     def _after_fork(self) -> None:
         # The inherited connection belongs to the parent: never close it here
@@ -547,7 +550,7 @@ class Session(TwoPhase):
         if status == _INERROR:
             self.rollback()
             raise TransactionError("the transaction failed earlier and was rolled back")
-        writes = [op for op in ops if op.write is not None]
+        writes = [op for op in ops if op.held]
         try:
             if writes:
                 self._send_writes(writes, commit=True)
@@ -591,24 +594,27 @@ class Session(TwoPhase):
         self._finish(ops, committed=True)
 
     def flush(self) -> None:
-        """Send the row writes of this transaction's enqueues now (one round
-        trip, opening the transaction if none is open) rather than with the
-        COMMIT: to learn of a failed write early, or to read the queue table
-        in the same transaction (the transaction's own reads do not see the
-        writes the session still holds).
+        """Send the row writes the session holds now (one round trip, opening
+        the transaction if none is open) rather than with the COMMIT: the
+        writes of its enqueues, and the consuming writes of its dequeues
+        served from the payload cache. To learn of a failed write early, or
+        to read the queue table in the same transaction (the transaction's
+        own reads do not see the writes the session still holds).
 
         :raises StaleSection: as :meth:`commit`: the transaction was rolled back.
         :raises SessionClosed, DatabaseUnavailable:
         """
         self._check()
-        writes = [op for op in self._ops if op.write is not None]
+        writes = [op for op in self._ops if op.held]
         if writes:
             self._send_writes(writes, commit=False)
 
     def _send_writes(self, writes: list[Op], *, commit: bool) -> None:
         """Send the row writes the session holds for ``writes`` in one round
         trip: after a BEGIN if no transaction is open, one statement per
-        queue, then the COMMIT if ``commit``.
+        queue and kind, then the COMMIT if ``commit``. The enqueues' payloads
+        stay with their ops (``fill``) for the payload cache, with the rows'
+        enqueue time (:attr:`_enq_at_us`).
 
         Every write is guarded: a row that does not match makes its statement
         fail (SQLSTATE RQ001), so nothing after it runs. Then the whole
@@ -619,9 +625,18 @@ class Session(TwoPhase):
         by_queue: dict[str, list[Op]] = {}
         for op in writes:
             by_queue.setdefault(op.info.name, []).append(op)
-        statements = [self._write_statement(name, group) for name, group in by_queue.items()]
+        statements: list[_wire.Statement] = []
+        enqueues: list[int] = []  # index of each enqueue statement in statements
+        for name, group in by_queue.items():
+            enq = [op for op in group if op.write is not None]
+            if enq:
+                enqueues.append(len(statements))
+                statements.append(self._write_statement(name, enq))
+            consume = [op for op in group if op.consume]
+            if consume:
+                statements.append(self._consume_statement(name, consume))
         try:
-            self._call(
+            cursors = self._call(
                 lambda: _wire.send(
                     self._conn, statements, commit=commit, may_begin=self._tpc_xid is None
                 ),
@@ -638,8 +653,19 @@ class Session(TwoPhase):
                 info.name,
             )
             raise
+        if enqueues:
+            row = cursors[enqueues[0]].fetchone()
+            self._enq_at_us = None if row is None else int(row[1])
         for op in writes:
-            op.write = None
+            op.fill, op.write, op.consume = op.write, None, False
+
+    def _consume_statement(self, queue: str, ops: list[Op]) -> _wire.Statement:
+        """The guarded consuming write of ``ops`` (cached dequeues of one queue)."""
+        if len(ops) == 1:
+            return self._stmt("consume", queue), (ops[0].slot, ops[0].seq)
+        return self._stmt("consume_many", queue), (
+            [op.slot for op in ops], [op.seq for op in ops], len(ops),
+        )
 
     def _write_statement(self, queue: str, ops: list[Op]) -> _wire.Statement:
         """The guarded row write of ``ops`` (enqueues of one queue): one statement."""
@@ -650,18 +676,18 @@ class Session(TwoPhase):
             return self._stmt("enqueue", queue), (
                 op.seq,
                 w.payload,
-                self.producer,
+                w.producer,
                 w.producer_seq,
                 op.slot,
                 op.seq,
             )
-        writes = [op.write for op in ops]
+        writes = [op.write for op in ops if op.write is not None]
         return self._stmt("enqueue_many", queue), (
-            self.producer,
             [op.slot for op in ops],
             [op.seq for op in ops],
-            [w.payload for w in writes if w is not None],
-            [w.producer_seq for w in writes if w is not None],
+            [w.payload for w in writes],
+            [w.producer for w in writes],
+            [w.producer_seq for w in writes],
             len(ops),
         )
 
@@ -737,13 +763,15 @@ class Session(TwoPhase):
             by_ring.setdefault(op.ring.qidx, []).append(op)
         sec = self._section
         posts: list[tuple[int, str, int]] = []
+        enq_at_us, self._enq_at_us = self._enq_at_us, None
         for qidx, group in by_ring.items():
             ring = group[0].ring
             exclusive = group[0].info.dequeue_mode == "single"
             sec.lock_queue(qidx)
             try:
                 wake_r, wake_s = ring.finish_batch(
-                    group, self.owner, committed=committed, poisoned=poisoned, exclusive=exclusive
+                    group, self.owner, committed=committed, poisoned=poisoned,
+                    exclusive=exclusive, enq_at_us=enq_at_us,
                 )
             finally:
                 sec.unlock_queue(qidx)
@@ -857,7 +885,7 @@ class Session(TwoPhase):
                 slot,
                 seq,
                 OpKind.ENQUEUE,
-                write=RowWrite(payload, self._producer_seq),
+                write=RowWrite(payload, self._producer_seq, self.producer),
             )
             self._ops.append(op)
             op.latency_ns = time.perf_counter_ns() - t0
@@ -960,7 +988,7 @@ class Session(TwoPhase):
                 seq,
                 OpKind.ENQUEUE,
                 latency_ns=lat,
-                write=RowWrite(payload, pseq + i),
+                write=RowWrite(payload, pseq + i, self.producer),
             )
             for i, ((slot, seq), payload) in enumerate(zip(reserved, items, strict=True), start=1)
         ]
@@ -1090,8 +1118,23 @@ class Session(TwoPhase):
             if not holding:  # the queue's lease runs from the transaction's first entry
                 self._section.note_hold(self._cidx)
                 holding = True
-            ops = [Op(ring, info, slot, seq, OpKind.DEQUEUE) for slot, seq in claimed]
+            ops = [
+                Op(ring, info, slot, seq, OpKind.DEQUEUE, consume=cached is not None)
+                for slot, seq, cached in claimed
+            ]
             self._ops.extend(ops)
+            from_cache = {
+                slot: cached for slot, _seq, cached in claimed if cached is not None
+            }
+            if from_cache:
+                # Served from the payload cache: the consuming write waits for the commit.
+                lat = (time.perf_counter_ns() - t0) // len(ops)
+                for op in ops:
+                    op.latency_ns = lat
+                if len(from_cache) == len(ops):
+                    self._section.count_client(self._cidx, L.C_N_DEQ, len(ops))
+                    return [self._cached_message(queue, op.seq, from_cache[op.slot]) for op in ops]
+                ops = [op for op in ops if not op.consume]
             if len(ops) == 1:
                 row = self._execute(
                     self._stmt("dequeue", queue), (ops[0].slot, ops[0].seq),
@@ -1113,21 +1156,37 @@ class Session(TwoPhase):
             if stale:
                 self._repair_dequeue(info, ring, stale, exclusive)
             messages = []
-            for op in ops:
-                if op.slot in got:
-                    _slot, seq, payload, producer, pseq, enq_at, deliveries = got[op.slot]
-                    op.latency_ns = lat
+            for slot, seq, cached in claimed:
+                if cached is not None:
+                    messages.append(self._cached_message(queue, seq, cached))
+                elif slot in got:
+                    _slot, seq, payload, producer, pseq, enq_at, deliveries = got[slot]
                     messages.append(
                         Message(queue, seq, bytes(payload), producer, pseq, enq_at, deliveries + 1)
                     )
+            for op in ops:
+                op.latency_ns = lat
             if messages:
                 self._section.count_client(self._cidx, L.C_N_DEQ, len(messages))
                 return messages
         return []
 
+    def _cached_message(
+        self, queue: str, seq: int, cached: tuple[bytes, str, int, int]
+    ) -> Message:
+        """The message of a cache hit: a first delivery (a dequeue that does not
+        commit clears its slot's record, so redeliveries read the row)."""
+        payload, producer, pseq, enq_at_us = cached
+        enq_at = (_EPOCH + timedelta(microseconds=enq_at_us)).astimezone(
+            self._conn.info.timezone
+        )
+        return Message(queue, seq, payload, producer, pseq, enq_at, 1)
+
     def _claim(
         self, ring: Ring, info: QueueInfo, max_n: int, deadline: float | None, exclusive: bool
-    ) -> list[tuple[int, int]]:
+    ) -> list[tuple[int, int, tuple[bytes, str, int, int] | None]]:
+        """Claim up to ``max_n`` ready slots, each with its payload cache
+        record if it holds the entry (read under the queue lock), else None."""
         sec = self._section
         waiting = False
         sem = None
@@ -1151,10 +1210,12 @@ class Session(TwoPhase):
                         # failed scan, so a commit right after cannot miss us.
                         ring.add_waiter(OpKind.DEQUEUE)
                         waiting = True
+                elif ring.stride:
+                    return [(slot, seq, ring.cache_get(slot, seq)) for slot, seq in got]
             finally:
                 sec.unlock_queue(ring.qidx)
             if got:
-                return got
+                return [(slot, seq, None) for slot, seq in got]
             try:
                 if self._help_recover(ring, info):
                     continue  # a dead holder's slots were decided: look again now
@@ -1163,7 +1224,7 @@ class Session(TwoPhase):
                     self._unwait(ring, OpKind.DEQUEUE)
                 raise
             if not waiting:
-                return got
+                return []
             assert deadline is not None
             if sem is None:
                 sem = sec.semaphore(info.id, "r")

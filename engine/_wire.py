@@ -114,11 +114,11 @@ def send(
     *,
     commit: bool,
     may_begin: bool = True,
-) -> None:
-    """Send ``statements`` in one round trip, their results unread (a failing
-    statement raises: the first psycopg error). With ``commit`` the
-    transaction ends with them; else it stays open, opened by a BEGIN sent
-    with them if none was.
+) -> list[psycopg.Cursor[Any]]:
+    """Send ``statements`` in one round trip (a failing statement raises: the
+    first psycopg error); returns a cursor on each one's rows. With
+    ``commit`` the transaction ends with them; else it stays open, opened by
+    a BEGIN sent with them if none was.
 
     On an idle connection a commit needs neither BEGIN nor COMMIT: the
     statements run in autocommit, one implicit transaction up to the Sync
@@ -133,12 +133,18 @@ def send(
             message.append(("COMMIT", None))
         if len(message) == 1:
             query, params = message[0]
-            conn.execute(query, params)
-            return
-        cur = conn.cursor()
+            return [conn.execute(query, params)]
+        cursors = [conn.cursor() for _ in statements]
+        other = conn.cursor()
         with conn.pipeline():
+            at = 0
             for query, params in message:
-                cur.execute(query, params, prepare=None if params is not None else False)
+                if params is None:  # BEGIN, COMMIT
+                    other.execute(query, prepare=False)
+                else:
+                    cursors[at].execute(query, params)
+                    at += 1
+        return cursors
 
 
 def rollback_then(

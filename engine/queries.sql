@@ -18,15 +18,17 @@ SELECT (SELECT value FROM ringq.meta WHERE key = 'instance_id'),
        to_regprocedure('ringq.expect_rows(integer, integer, text)') IS NOT NULL
 
 -- queue_info --
--- lease is read through to_jsonb: a database whose schema predates the column
--- (the schema block adds it) reads the default, 300 s.
+-- lease and cache_payload are read through to_jsonb: a database whose schema
+-- predates the columns (the schema block adds them) reads 300 s and 0 (no cache).
 SELECT id, name, capacity, max_payload, full_policy, full_timeout, dequeue_mode,
-       max_deliveries, exception_queue, coalesce((to_jsonb(q) ->> 'lease')::float8, 300)
+       max_deliveries, exception_queue, coalesce((to_jsonb(q) ->> 'lease')::float8, 300),
+       coalesce((to_jsonb(q) ->> 'cache_payload')::integer, 0)
 FROM ringq.queues q WHERE name = %s
 
 -- queue_infos --
 SELECT id, name, capacity, max_payload, full_policy, full_timeout, dequeue_mode,
-       max_deliveries, exception_queue, coalesce((to_jsonb(q) ->> 'lease')::float8, 300)
+       max_deliveries, exception_queue, coalesce((to_jsonb(q) ->> 'lease')::float8, 300),
+       coalesce((to_jsonb(q) ->> 'cache_payload')::integer, 0)
 FROM ringq.queues q
 
 -- queue_ids --
@@ -34,7 +36,8 @@ SELECT id FROM ringq.queues
 
 -- queue_by_id --
 SELECT id, name, capacity, max_payload, full_policy, full_timeout, dequeue_mode,
-       max_deliveries, exception_queue, coalesce((to_jsonb(q) ->> 'lease')::float8, 300)
+       max_deliveries, exception_queue, coalesce((to_jsonb(q) ->> 'lease')::float8, 300),
+       coalesce((to_jsonb(q) ->> 'cache_payload')::integer, 0)
 FROM ringq.queues q WHERE id = %s
 
 -- enqueue --
@@ -43,7 +46,8 @@ FROM ringq.queues q WHERE id = %s
 -- stale section can never overwrite an entry; and a row that does not match
 -- makes the statement fail (ringq.expect_rows raises SQLSTATE RQ001), so the
 -- transaction can never commit without its queue write. {queue} is the
--- queue's name (a literal), for the error.
+-- queue's name (a literal), for the error. The second column is the rows'
+-- enq_at in microseconds, for the payload cache.
 WITH u AS (
     UPDATE {table}
     SET state = 1, seq = %s::bigint, payload = %b, producer = %s, producer_seq = %s::bigint, deliveries = 0,
@@ -51,7 +55,8 @@ WITH u AS (
     WHERE slot = %s::integer AND state <> 1 AND seq < %s::bigint
     RETURNING 1
 )
-SELECT ringq.expect_rows((SELECT count(*) FROM u)::integer, 1, {queue})
+SELECT ringq.expect_rows((SELECT count(*) FROM u)::integer, 1, {queue}),
+       (extract(epoch FROM now()) * 1000000)::bigint
 
 -- enqueue_key --
 WITH k AS (
@@ -78,13 +83,15 @@ SELECT seq FROM ringq.keys WHERE queue_id = %s AND key = %s
 -- Several deferred row writes of one queue in one statement (as enqueue).
 WITH u AS (
     UPDATE {table} AS t
-    SET state = 1, seq = v.seq, payload = v.payload, producer = %s, producer_seq = v.pseq,
+    SET state = 1, seq = v.seq, payload = v.payload, producer = v.producer, producer_seq = v.pseq,
         deliveries = 0, enq_at = now(), enq_user = current_user, deq_at = NULL, deq_user = NULL
-    FROM unnest(%s::integer[], %s::bigint[], %b::bytea[], %s::bigint[]) AS v(slot, seq, payload, pseq)
+    FROM unnest(%s::integer[], %s::bigint[], %b::bytea[], %s::text[], %s::bigint[])
+        AS v(slot, seq, payload, producer, pseq)
     WHERE t.slot = v.slot AND t.state <> 1 AND t.seq < v.seq
     RETURNING 1
 )
-SELECT ringq.expect_rows((SELECT count(*) FROM u)::integer, %s::integer, {queue})
+SELECT ringq.expect_rows((SELECT count(*) FROM u)::integer, %s::integer, {queue}),
+       (extract(epoch FROM now()) * 1000000)::bigint
 
 -- dequeue --
 -- Guarded by (slot, seq, state): an entry is consumed at most once.
@@ -99,6 +106,29 @@ SET state = 2, deq_at = now(), deq_user = current_user
 FROM unnest(%s::integer[], %s::bigint[]) AS v(slot, seq)
 WHERE t.slot = v.slot AND t.seq = v.seq AND t.state = 1
 RETURNING t.slot, t.seq, t.payload, t.producer, t.producer_seq, t.enq_at, t.deliveries
+
+-- consume --
+-- The consuming write of a dequeue served from the payload cache, sent at
+-- commit (or flush). Guarded as dequeue, and as a deferred enqueue it fails
+-- (RQ001) unless it consumed the entry, so the transaction cannot commit
+-- without it.
+WITH u AS (
+    UPDATE {table}
+    SET state = 2, deq_at = now(), deq_user = current_user
+    WHERE slot = %s::integer AND seq = %s::bigint AND state = 1
+    RETURNING 1
+)
+SELECT ringq.expect_rows((SELECT count(*) FROM u)::integer, 1, {queue})
+
+-- consume_many --
+WITH u AS (
+    UPDATE {table} AS t
+    SET state = 2, deq_at = now(), deq_user = current_user
+    FROM unnest(%s::integer[], %s::bigint[]) AS v(slot, seq)
+    WHERE t.slot = v.slot AND t.seq = v.seq AND t.state = 1
+    RETURNING 1
+)
+SELECT ringq.expect_rows((SELECT count(*) FROM u)::integer, %s::integer, {queue})
 
 -- strike --
 -- A delivery that did not commit: count it; at max_deliveries the entry moves

@@ -24,7 +24,7 @@ from ringq.engine import (
     queue_table,
     validate_queue_name,
 )
-from ringq.engine.layout import MAX_QUEUES, SLOT_POOL
+from ringq.engine.layout import CACHE_POOL, MAX_QUEUES, RECORD_HEAD, SLOT_POOL, cache_stride
 from ringq.engine.sqlfile import compose, load
 
 from . import _queries as Qy
@@ -36,6 +36,11 @@ MAX_DELIVERIES = 1_000_000
 # most 2**63 - 1 ms, about 9.22e15 s); 9e15 s leaves room for float rounding.
 MAX_FULL_TIMEOUT = 9e15  # seconds
 MAX_LEASE = 9e15  # seconds: the section keeps the lease in milliseconds too
+# Payload cache: bytes cached per slot when not given (payloads up to this
+# size are served from shared memory; or max_payload, when smaller), and the
+# most a queue may ask for.
+DEFAULT_CACHE_PAYLOAD = 512
+MAX_CACHE_PAYLOAD = 1 << 16
 # The same bounds are written in ddl.sql's queues_fit_section constraint.
 
 _BLOCKS = load("ringq.scripting", "ddl.sql")
@@ -59,6 +64,10 @@ class QueueSpec:
     fillfactor: int = 50
     tablespace: str | None = None
     lease: float = DEFAULT_LEASE
+    # payload bytes per slot cached in the global section (0: none); None:
+    # min(max_payload, DEFAULT_CACHE_PAYLOAD) if the section's cache pool has
+    # room for it when the queue is made, else 0
+    cache_payload: int | None = None
 
     def __post_init__(self) -> None:
         validate_queue_name(self.name)
@@ -91,6 +100,11 @@ class QueueSpec:
             raise ConfigError(
                 f"lease must be a number of seconds from 0 to {MAX_LEASE:g} (0: none), "
                 f"not {self.lease!r}"
+            )
+        if self.cache_payload is not None:
+            _int_in(
+                "cache_payload", self.cache_payload, 0,
+                min(self.max_payload, MAX_CACHE_PAYLOAD),
             )
         if self.exception_queue is not None:
             validate_queue_name(self.exception_queue)
@@ -134,6 +148,11 @@ def schema_sql() -> sql.SQL:
 
 def queue_sql(spec: QueueSpec) -> sql.Composed:
     """The queue's management row, its pre-populated table and storage settings."""
+    cache = (
+        min(spec.max_payload, DEFAULT_CACHE_PAYLOAD)
+        if spec.cache_payload is None
+        else spec.cache_payload
+    )
     # The table and its primary-key index (the only index) both go to the tablespace.
     tablespace_clause: sql.Composable = (
         sql.SQL("TABLESPACE {}").format(sql.Identifier(spec.tablespace))
@@ -166,6 +185,14 @@ def queue_sql(spec: QueueSpec) -> sql.Composed:
         max_full_timeout=sql.Literal(MAX_FULL_TIMEOUT),
         lease=sql.Literal(float(spec.lease)),
         max_lease=sql.Literal(MAX_LEASE),
+        cache_payload=sql.Literal(cache),
+        cache_given=sql.Literal(spec.cache_payload is not None),
+        cache_stride=sql.Literal(cache_stride(cache)),
+        cache_stride_of_column=sql.SQL(
+            "(CASE WHEN cache_payload > 0 THEN {} + (cache_payload + 7) / 8 * 8 ELSE 0 END)"
+        ).format(sql.Literal(RECORD_HEAD)),
+        cache_pool=sql.Literal(CACHE_POOL),
+        max_cache_payload=sql.Literal(MAX_CACHE_PAYLOAD),
         max_queues=sql.Literal(MAX_QUEUES),
         slot_pool=sql.Literal(SLOT_POOL),
     )

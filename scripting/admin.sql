@@ -12,6 +12,7 @@ ORDER BY name
 -- lease through to_jsonb: a schema made before the column reads the default.
 SELECT q.id, q.name, q.capacity, q.max_payload, q.full_policy, q.full_timeout, q.dequeue_mode,
        q.max_deliveries, q.exception_queue, coalesce((to_jsonb(q) ->> 'lease')::float8, 300),
+       coalesce((to_jsonb(q) ->> 'cache_payload')::integer, 0),
        q.fillfactor, q.tablespace, q.created_at,
        ringq.depth(q.name),
        (SELECT count(*) FROM ringq.inbox i WHERE i.queue_id = q.id),

@@ -62,6 +62,12 @@ CREATE TABLE IF NOT EXISTS ringq.queues (
 ALTER TABLE ringq.queues ADD COLUMN IF NOT EXISTS
     lease double precision NOT NULL DEFAULT 300 CHECK (lease BETWEEN 0 AND 9e15);
 
+-- Payload bytes per slot kept in the global section's payload cache (0: no
+-- cache): a dequeue of a cached entry is served from shared memory. Added
+-- like lease; queues made before read 0.
+ALTER TABLE ringq.queues ADD COLUMN IF NOT EXISTS
+    cache_payload integer NOT NULL DEFAULT 0 CHECK (cache_payload >= 0);
+
 -- What the global section can hold, for rows written by hand as well (the
 -- queue block checks a new queue's settings with a message). Added after
 -- schema version 1 without a version bump, like keys_queue_id_created_at
@@ -229,6 +235,11 @@ BEGIN
             {max_full_timeout}::double precision, {full_timeout}::double precision
             USING ERRCODE = 'invalid_parameter_value';
     END IF;
+    IF NOT ({cache_payload}::numeric BETWEEN 0 AND least({max_payload}, {max_cache_payload})) THEN
+        RAISE EXCEPTION 'ringq: cache_payload must be an integer from 0 to % (max_payload, at most %), not %',
+            least({max_payload}, {max_cache_payload}), {max_cache_payload}, {cache_payload}
+            USING ERRCODE = 'invalid_parameter_value';
+    END IF;
     IF NOT ({lease}::double precision BETWEEN 0 AND {max_lease}) THEN
         RAISE EXCEPTION 'ringq: lease must be a number of seconds from 0 to %, not %',
             {max_lease}::double precision, {lease}::double precision
@@ -273,6 +284,10 @@ BEGIN
               ({capacity}, {max_payload}, {full_policy}, {full_timeout}::double precision,
                {dequeue_mode}, {max_deliveries}, {exception_queue}::text, {fillfactor},
                {tablespace}::text, {lease}::double precision)
+    ) OR EXISTS (
+        -- the cache's default depends on the room left: compared only when given
+        SELECT 1 FROM ringq.queues
+        WHERE name = {name} AND {cache_given} AND cache_payload <> {cache_payload}
     ) THEN
         RAISE EXCEPTION 'ringq: queue "%" exists with different settings', {name}
             USING ERRCODE = 'duplicate_object', HINT = 'drop it first, or create it under another name';
@@ -288,6 +303,8 @@ DECLARE
     n    bigint;
     used bigint;
     need bigint := ({capacity} + 63) / 64 * 64;
+    cache_used bigint;
+    cache_need bigint := {capacity}::bigint * {cache_stride};
 BEGIN
     IF NOT EXISTS (SELECT 1 FROM ringq.queues WHERE name = {name}) THEN
         SELECT count(*), coalesce(sum((capacity::bigint + 63) / 64 * 64), 0) INTO n, used FROM ringq.queues;
@@ -301,14 +318,26 @@ BEGIN
                 {name}, need, used, {slot_pool}, {slot_pool} - used
                 USING ERRCODE = 'program_limit_exceeded', HINT = 'drop a queue first, give this one a smaller capacity, or use another database';
         END IF;
+        SELECT coalesce(sum(capacity::bigint * {cache_stride_of_column}), 0) INTO cache_used FROM ringq.queues;
+        IF {cache_given} AND cache_used + cache_need > {cache_pool} THEN
+            RAISE EXCEPTION 'ringq: queue "%" does not fit in the global section''s payload cache: it needs % bytes, % of % are taken (% free)',
+                {name}, cache_need, cache_used, {cache_pool}, {cache_pool} - cache_used
+                USING ERRCODE = 'program_limit_exceeded', HINT = 'give it a smaller cache_payload (0: none) or capacity, or drop a queue first';
+        END IF;
     END IF;
 END
 $ringq$;
 
+-- The default cache (not given) is kept only if it fits beside the others' caches.
 INSERT INTO ringq.queues (name, capacity, max_payload, full_policy, full_timeout, dequeue_mode,
-                          max_deliveries, exception_queue, fillfactor, tablespace, lease)
+                          max_deliveries, exception_queue, fillfactor, tablespace, lease,
+                          cache_payload)
 SELECT {name}, {capacity}, {max_payload}, {full_policy}, {full_timeout}, {dequeue_mode},
-       {max_deliveries}, {exception_queue}, {fillfactor}, {tablespace}, {lease}
+       {max_deliveries}, {exception_queue}, {fillfactor}, {tablespace}, {lease},
+       CASE WHEN {cache_given}
+              OR (SELECT coalesce(sum(capacity::bigint * {cache_stride_of_column}), 0)
+                  FROM ringq.queues) + {capacity}::bigint * {cache_stride} <= {cache_pool}
+            THEN {cache_payload} ELSE 0 END
 WHERE NOT EXISTS (SELECT 1 FROM ringq.queues WHERE name = {name});
 
 -- The ring: `capacity` pre-populated rows, only the primary key indexed, and a

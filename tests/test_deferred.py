@@ -152,10 +152,14 @@ def test_enqueue_sends_nothing_until_commit(dsn: str, make_queue: Callable[..., 
     assert drain(dsn, q) == [b"later", b"b1", b"b2"]
 
 
+@pytest.mark.parametrize("cached", [True, False])
 def test_each_transaction_is_one_round_trip(
-    dsn: str, make_queue: Callable[..., str], app_table: str
+    dsn: str, make_queue: Callable[..., str], app_table: str, cached: bool
 ) -> None:
-    q, other = make_queue(), make_queue(dequeue_mode="shared")
+    """One round trip per transaction; with the payload cache a dequeue
+    sends nothing at all, its consuming write going with the commit."""
+    cache = {} if cached else {"cache_payload": 0}
+    q, other = make_queue(**cache), make_queue(dequeue_mode="shared", **cache)
     with connect(dsn) as s, connect(dsn) as c:
         warm(s, q, other)
         warm(c, q, other)
@@ -170,16 +174,22 @@ def test_each_transaction_is_one_round_trip(
             s.commit()
         assert round_trips(wire) == 1
         with wire_trace(c.connection) as wire:
-            m = c.dequeue(q)  # its BEGIN travels with it
-        assert m is not None and round_trips(wire) == 1
+            m = c.dequeue(q)  # cached: nothing sent; else its BEGIN travels with it
+        assert m is not None and m.payload == b"one" and m.deliveries == 1
+        assert round_trips(wire) == (0 if cached else 1)
         with wire_trace(c.connection) as wire:
             c.commit()
         assert round_trips(wire) == 1
         with wire_trace(c.connection) as wire:
             m = c.dequeue(other)
-            c.rollback()  # the strike travels with the ROLLBACK
-        assert m is not None and round_trips(wire) == 2
-        assert sent(wire, "ROLLBACK")
+            c.rollback()  # the strike travels with the ROLLBACK (none open if cached)
+        assert m is not None and round_trips(wire) == (1 if cached else 2)
+        assert sent(wire, "ROLLBACK") is not cached
+        with wire_trace(c.connection) as wire:
+            again = c.dequeue(other)  # a redelivery reads its row (deliveries counted there)
+        assert again is not None and again.seq == m.seq and again.deliveries == 2
+        assert round_trips(wire) == 1
+        c.rollback(count_delivery=False)
         with wire_trace(s.connection) as wire:
             s.connection.execute("INSERT INTO app VALUES (1)")  # the caller opens the transaction
             s.enqueue(q, b"three")
