@@ -303,6 +303,7 @@ def render_details(d: QueueDetails) -> str:
         ("full timeout", f"{d.full_timeout:g} s"),
         ("max deliveries", str(d.max_deliveries)),
         ("lease", f"{d.lease:g} s" if d.lease else "none"),
+        ("payload cache", f"{d.cache_payload:,} bytes per slot" if d.cache_payload else "none"),
         ("exception queue", d.exception_queue or "-"),
         ("fillfactor", str(d.fillfactor)),
         ("tablespace", d.tablespace or "(database default)"),

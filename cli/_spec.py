@@ -11,7 +11,7 @@ import dataclasses
 from typing import Any
 
 from ringq.engine import MAX_CAPACITY
-from ringq.scripting import MAX_PAYLOAD, QueueSpec
+from ringq.scripting import DEFAULT_CACHE_PAYLOAD, MAX_CACHE_PAYLOAD, MAX_PAYLOAD, QueueSpec
 
 _DEFAULTS: dict[str, Any] = {f.name: f.default for f in dataclasses.fields(QueueSpec)}
 
@@ -89,6 +89,16 @@ def add_queue_options(parser: argparse.ArgumentParser) -> None:
         "ends the session and the entry comes back, counted as a delivery (0: no lease)",
     )
     parser.add_argument(
+        "--cache-payload",
+        type=int,
+        metavar="BYTES",
+        default=argparse.SUPPRESS,  # None: the default below
+        help="payload bytes per slot cached in the global section (0 to max payload, at most "
+        f"{MAX_CACHE_PAYLOAD:,}; 0: no cache): a dequeue of a cached entry is served from shared "
+        f"memory (default: {DEFAULT_CACHE_PAYLOAD}, or the max payload when smaller, if the "
+        "section's cache has room; else 0)",
+    )
+    parser.add_argument(
         "--dequeue-mode",
         choices=("single", "shared"),
         default=_DEFAULTS["dequeue_mode"],
@@ -113,4 +123,5 @@ def spec_from_args(args: argparse.Namespace) -> QueueSpec:
         fillfactor=args.fillfactor,
         tablespace=getattr(args, "tablespace", _DEFAULTS["tablespace"]),
         lease=args.lease,
+        cache_payload=getattr(args, "cache_payload", _DEFAULTS["cache_payload"]),
     )

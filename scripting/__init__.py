@@ -16,6 +16,8 @@ from ._admin import (
 )
 from ._cluster import Cluster, ClusterError, ClusterStatus, PostgresNotFound
 from ._ddl import (
+    DEFAULT_CACHE_PAYLOAD,
+    MAX_CACHE_PAYLOAD,
     MAX_FULL_TIMEOUT,
     MAX_LEASE,
     MAX_PAYLOAD,
@@ -28,6 +30,8 @@ from ._ddl import (
 )
 
 __all__ = [
+    "DEFAULT_CACHE_PAYLOAD",
+    "MAX_CACHE_PAYLOAD",
     "MAX_FULL_TIMEOUT",
     "MAX_LEASE",
     "MAX_PAYLOAD",

@@ -154,21 +154,21 @@ def test_kill9_holding_a_cached_entry_redelivers_it_from_the_row(
 
 
 def _die_in_consume_commit(dsn: str, queue: str, when: str, ready: Any) -> None:
-    from ringq.engine import _wire
-
-    send = _wire.send
-
-    def dying_send(*args: Any, **kwargs: Any) -> Any:
-        if when == "before":
-            os.kill(os.getpid(), signal.SIGKILL)
-        out = send(*args, **kwargs)
-        os.kill(os.getpid(), signal.SIGKILL)  # committed; the section never learns it
-        return out
-
     with connect(dsn) as s:
+        conn = s.connection
+        execute = conn.execute
+
+        def dying_execute(*args: Any, **kwargs: Any) -> Any:
+            # The commit's one statement: the consuming write, in autocommit.
+            if when == "before":
+                os.kill(os.getpid(), signal.SIGKILL)
+            out = execute(*args, **kwargs)
+            os.kill(os.getpid(), signal.SIGKILL)  # committed; the section never learns it
+            return out
+
         m = present(s.dequeue(queue))
         ready.send(m.seq)
-        _wire.send = dying_send
+        conn.execute = dying_execute  # type: ignore[method-assign]
         s.commit()
 
 

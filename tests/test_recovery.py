@@ -557,8 +557,10 @@ def test_orphaned_slot_is_decided_once_its_holder_backend_is_gone(
 ) -> None:
     """A slot whose token no entry carries any more (here: the session's token
     renewed behind its back) is decided by recovery once the backend recorded
-    with it has ended, though the entry it came from is live and in use."""
-    q = make_queue(dequeue_mode=mode)
+    with it has ended, though the entry it came from is live and in use.
+    (Without the payload cache, so the dequeue opens a transaction: a cached
+    one leaves the backend idle, and recovery decides the orphan at once.)"""
+    q = make_queue(dequeue_mode=mode, cache_payload=0)
     with connect(dsn) as p:
         p.enqueue_many(q, [b"first", b"second"])
         p.commit()
