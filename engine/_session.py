@@ -159,6 +159,8 @@ class Session(TwoPhase):
         self._producer_seq = 0
         # enq_at (us) of the rows the transaction's enqueue writes made, once sent
         self._enq_at_us: int | None = None
+        # whether a statement went for the ops in flight (reset when there are none)
+        self._sent_any = False
         self._ops: list[Op] = []
         self._queues: dict[str, QueueInfo] = {}
         self._rings: dict[int, Ring] = {}
@@ -334,9 +336,11 @@ class Session(TwoPhase):
             raise SessionClosed("the session is closed")
         if os.getpid() != self._pid:
             self._after_fork()
-        if (
-            self._ops
-            and self._conn.info.transaction_status == _IDLE
+        if not self._ops:
+            self._sent_any = False
+        elif (
+            self._sent_any  # else every op is held: nothing to learn (and no scan per call)
+            and self._conn.pgconn.transaction_status == _IDLE
             and not self._tpc_prepared
             and self._sent()
         ):
@@ -352,7 +356,7 @@ class Session(TwoPhase):
 
             self._call(decide)
             self._ops = [op for op in self._ops if op.held]
-        if self._section.unlinked() and not self._ops:
+        if not self._ops and self._section.unlinked():
             self._reattach_section()
 
     def _sent(self) -> list[Op]:
@@ -508,6 +512,7 @@ class Session(TwoPhase):
         def run() -> psycopg.Cursor[Any]:
             return _wire.execute(c, query, params, binary=binary, may_begin=may_begin)
 
+        self._sent_any = True
         return self._call(run, queue=queue, qid=qid, seq=seq, recover=recover)
 
     # -- transactions -------------------------------------------------------------------
@@ -635,6 +640,7 @@ class Session(TwoPhase):
             consume = [op for op in group if op.consume]
             if consume:
                 statements.append(self._consume_statement(name, consume))
+        self._sent_any = True
         try:
             cursors = self._call(
                 lambda: _wire.send(
