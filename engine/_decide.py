@@ -35,18 +35,41 @@ def mark_dropped(sec: Section, existing: set[int]) -> None:
             sec.mark_queue_dropped(qidx)
 
 
-def wait_backend_gone(conn: psycopg.Connection[Any], pid: int, timeout: float = 30.0) -> None:
-    """Until the old backend has ended its transaction may still commit: end it and wait."""
+def wait_backend_gone(
+    conn: psycopg.Connection[Any],
+    pid: int,
+    timeout: float = 30.0,
+    *,
+    not_after_ns: int | None = None,
+) -> None:
+    """Until the old backend has ended its transaction may still commit: end it and wait.
+
+    With ``not_after_ns`` (when its client registered it, time.time_ns()), a
+    backend with that pid that started later is another one (the pid reused,
+    after a restart or on a promoted standby): never terminated, the old one
+    is gone.
+    """
     if not pid:
         return
+
+    def ours() -> bool:
+        row = conn.execute(_Q["backend_alive"], (pid,)).fetchone()
+        if row is None or row[0] is None:
+            return False
+        return not_after_ns is None or float(row[0]) <= not_after_ns / 1e9 + 1.0
+
+    if not ours():
+        return
     try:
-        conn.execute(_Q["terminate"], (pid,))
+        if not_after_ns is None:
+            conn.execute(_Q["terminate"], (pid,))
+        else:
+            conn.execute(_Q["terminate_started_by"], (pid, not_after_ns / 1e9 + 1.0))
     except psycopg.Error:
         pass
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        row = conn.execute(_Q["backend_alive"], (pid,)).fetchone()
-        if not row or row[0] == 0:
+        if not ours():
             return
         time.sleep(0.01)
     raise DatabaseUnavailable(f"backend {pid} did not end within {timeout:g}s")

@@ -42,6 +42,13 @@ H_MONITOR_PID = 6
 H_MONITOR_BEAT_NS = 7
 H_READY = 8  # 1 once fully initialised
 H_NEXT_CACHE = 9  # cache pool allocator: first unused byte (a multiple of 64)
+# The database history the section describes: the cluster's system identifier
+# (0 if unreadable) and timeline, set by the first client after creation. A
+# client connected to a server of another history (a promoted standby, a
+# restored backup on a new timeline) replaces the section, which is then
+# rebuilt from that server's rows (Section.follow_history).
+H_DB_SYSID = 10
+H_DB_TIMELINE = 11
 HEADER_WORDS = 64
 
 # -- queue block words ------------------------------------------------------------

@@ -25,7 +25,7 @@ from psycopg import sql
 
 from . import _layout as L
 from ._decide import decide_ops, held_slots, load_block, mark_dropped, resync_queue
-from ._errors import SectionError, from_psycopg
+from ._errors import DatabaseUnavailable, SectionError, from_psycopg
 from ._names import queue_table
 from ._ops import POISON_REASON, Op, OpKind, RowState
 from ._process import _Process
@@ -85,16 +85,57 @@ def _queue_infos(conn: psycopg.Connection[Any]) -> dict[int, QueueInfo]:
     return {r[0]: QueueInfo(*r) for r in rows}
 
 
-def rebuild(dsn: str) -> Section:
-    """Attach (creating if absent) the database's section and load every queue not loaded.
+def history_of(conn: psycopg.Connection[Any]) -> tuple[int, int]:
+    """(system identifier, timeline) of the server ``conn`` is connected to;
+    the timeline is -1 on a standby. Runs one statement on ``conn``."""
+    row = conn.execute(_Q["history"]).fetchone()
+    assert row is not None
+    return int(row[0]), int(row[1])
 
-    Blocks of queues dropped from the database are marked dropped.
+
+def section_following(instance_id: str, history: tuple[int, int], where: str = "") -> Section:
+    """This process's attachment of the section of ``instance_id``, made to
+    describe the database history ``history`` (:func:`history_of`): a section
+    that describes another one (the database failed over to a standby, or was
+    restored on a new timeline) is replaced by a new one, loaded from the
+    rows of this history's server by its first users; its bits might show
+    entries this history never committed.
+
+    :raises DatabaseUnavailable: the server is a standby (in recovery).
+    :raises SectionError: the section could not be replaced.
     """
-    with _connect(dsn) as conn:
+    sysid, timeline = history
+    if timeline < 0:
+        raise DatabaseUnavailable(
+            f"the server{' at ' + where if where else ''} is a standby (in recovery): "
+            "ringq needs the primary"
+        )
+    for _attempt in range(3):
         # The process's one attachment: a second one would not exclude this
         # process's other users (fcntl locks are per process, and closing any
         # descriptor of the segment drops them all).
-        sec = _Process.section(_instance(conn))
+        sec = _Process.section(instance_id)
+        if sec.follow_history(sysid, timeline):
+            return sec
+        old_sysid, old_timeline = sec.history()
+        sec.replace(
+            instance_id,
+            f"the database's history changed (system {old_sysid}, timeline {old_timeline} -> "
+            f"system {sysid}, timeline {timeline}: a fail-over or a restore); "
+            "queues are loaded again from the rows",
+        )
+    raise SectionError(f"the global section of {instance_id} could not follow the database")
+
+
+def rebuild(dsn: str) -> Section:
+    """Attach (creating if absent) the database's section and load every queue not loaded.
+
+    A section of another database history is replaced first
+    (:func:`section_following`). Blocks of queues dropped from the database
+    are marked dropped.
+    """
+    with _connect(dsn) as conn:
+        sec = section_following(_instance(conn), history_of(conn), "")
         _load_queues(sec, conn)
     return sec
 

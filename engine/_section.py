@@ -396,6 +396,41 @@ class Section:
         self.header[L.H_NEXT_CACHE] = start + (need + 63) // 64 * 64
         return start, need
 
+    def history(self) -> tuple[int, int]:
+        """(system identifier, timeline) of the database history described; (0, 0) if not set."""
+        return self.header[L.H_DB_SYSID], self.header[L.H_DB_TIMELINE]
+
+    def follow_history(self, sysid: int, timeline: int) -> bool:
+        """Check that this section describes the database history of a server
+        (``sysid``, ``timeline``); set it if none is set yet. False if it
+        describes another one: the caller must replace it (:func:`replace`),
+        never use it: its bits may show entries that history never committed.
+        """
+        if self.history() == (sysid, timeline):
+            return True
+        self.lock_section()
+        try:
+            if self.history() == (0, 0):
+                self.header[L.H_DB_SYSID] = sysid
+                self.header[L.H_DB_TIMELINE] = timeline
+                return True
+            return self.history() == (sysid, timeline)
+        finally:
+            self.unlock_section()
+
+    def replace(self, instance_id: str, why: str) -> None:
+        """Remove this section's name so that the next attach makes a new one
+        (clients attached keep their mapping until they re-attach). Done once,
+        whoever of several clients asks: under the section lock, and only
+        while the name is still this segment's."""
+        self.lock_section()
+        try:
+            if not self.unlinked():
+                Section.unlink(instance_id)
+                logger.warning("ringq: global section %s replaced: %s", self.name, why)
+        finally:
+            self.unlock_section()
+
     def mark_queue_ready(self, qidx: int) -> None:
         """Open a loaded block to clients (caller holds the section lock)."""
         self.queues[qidx * L.QUEUE_WORDS + L.Q_STATE] = L.QS_READY

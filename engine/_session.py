@@ -46,10 +46,9 @@ from ._errors import (
 from ._events import Subscription, publish
 from ._names import queue_table, validate_queue_name
 from ._ops import POISON_REASON, Op, OpKind, RowState, RowWrite
-from ._process import _Process
 from ._queries import QUERIES as _Q
 from ._queue_info import QueueInfo as QueueInfo  # noqa: PLC0414 (re-exported for ringq.engine)
-from ._recovery import recover_dead_clients
+from ._recovery import history_of, recover_dead_clients, section_following
 from ._ring import Ring
 from ._section import Section
 from ._tpc import TwoPhase
@@ -201,7 +200,7 @@ class Session(TwoPhase):
                 ) from exc.__cause__
             raise
         assert row is not None
-        instance, version, backend_pid, has_guard = row
+        instance, version, backend_pid, has_guard, sysid, timeline = row
         if version != SUPPORTED_SCHEMA or not instance:
             self._conn.close()
             raise SchemaMissing(
@@ -216,9 +215,10 @@ class Session(TwoPhase):
             )
         self.instance: str = instance
         self.backend_pid: int = backend_pid
+        self._history = (int(sysid), int(timeline))  # of the server we are connected to
         try:
-            self._section = _Process.section(instance)
-        except RingqError:  # a foreign or unusable section: do not leak the connection
+            self._section = section_following(instance, self._history, redact_dsn(self.dsn))
+        except RingqError:  # a standby, a foreign or unusable section: do not leak the connection
             self._conn.close()
             raise
         self._register_client(backend_pid)
@@ -377,7 +377,7 @@ class Session(TwoPhase):
 
     def _reattach_section(self) -> None:
         old = self._section
-        self._section = _Process.section(self.instance)
+        self._section = section_following(self.instance, self._history, redact_dsn(self.dsn))
         if self._section is not old:
             self._register_client(self.backend_pid)
             self._rings = {}
@@ -1401,7 +1401,24 @@ class Session(TwoPhase):
         self.owner = self._section.renew_client(self._cidx, self.backend_pid)
         logger.log(logging.WARNING if ops else logging.INFO,
                    "ringq: connection lost (%s); %d slots decided from rows", reason, len(ops))
+        self._follow_history()
         return committed
+
+    def _follow_history(self) -> None:
+        """After a reconnect: if the server has another database history (a
+        fail-over), move to a section that describes it (the old one is
+        replaced; queues load again from the new server's rows)."""
+        def read() -> tuple[int, int]:
+            with self._outside_transaction() as conn:
+                return history_of(conn)
+
+        try:
+            history = self._call(read, recover=False)
+        except RingqError:
+            return  # the next call finds out
+        if history != self._history:
+            self._history = history
+            self._reattach_section()
 
     def _decide_lost(self, ops: list[Op], old_pid: int, old_token: int) -> bool | None:
         """Decide the slots of our lost connection (backend ``old_pid``) that
@@ -1412,7 +1429,10 @@ class Session(TwoPhase):
         with psycopg.connect(
             self.dsn, autocommit=True, connect_timeout=max(1, int(self._connect_timeout))
         ) as aux:
-            wait_backend_gone(aux, old_pid)
+            # a backend of that pid that started after we registered is not ours
+            wait_backend_gone(
+                aux, old_pid, not_after_ns=self._section.c(self._cidx, L.C_STARTED_NS)
+            )
             committed = decide_ops(self._section, aux, ops, old_token)
         sec = self._section
         for op in ops:

@@ -11,11 +11,25 @@ SELECT (SELECT value FROM ringq.meta WHERE key = 'instance_id'),
 -- attach --
 -- What a session checks once: the instance, the schema version, its backend,
 -- and that the schema has the guard of deferred row writes (added after
--- version 1 without a version bump: applying the schema script adds it).
+-- version 1 without a version bump: applying the schema script adds it);
+-- then the database's history (see history).
 SELECT (SELECT value FROM ringq.meta WHERE key = 'instance_id'),
        (SELECT value FROM ringq.meta WHERE key = 'schema_version'),
        pg_backend_pid(),
-       to_regprocedure('ringq.expect_rows(integer, integer, text)') IS NOT NULL
+       to_regprocedure('ringq.expect_rows(integer, integer, text)') IS NOT NULL,
+       CASE WHEN has_function_privilege('pg_control_system()', 'execute')
+            THEN (SELECT system_identifier FROM pg_control_system()) ELSE 0 END,
+       CASE WHEN pg_is_in_recovery() THEN -1
+            ELSE ('x' || substr(pg_walfile_name(pg_current_wal_lsn()), 1, 8))::bit(32)::bigint END
+
+-- history --
+-- Which history of the database this server has: the cluster's system
+-- identifier (0 where the role may not read it) and its timeline, which a
+-- promotion (or a point-in-time recovery) moves on; -1 on a standby.
+SELECT CASE WHEN has_function_privilege('pg_control_system()', 'execute')
+            THEN (SELECT system_identifier FROM pg_control_system()) ELSE 0 END,
+       CASE WHEN pg_is_in_recovery() THEN -1
+            ELSE ('x' || substr(pg_walfile_name(pg_current_wal_lsn()), 1, 8))::bit(32)::bigint END
 
 -- queue_info --
 -- lease and cache_payload are read through to_jsonb: a database whose schema
@@ -218,7 +232,8 @@ SELECT pid, state IS DISTINCT FROM 'idle' OR backend_xid IS NOT NULL
 FROM pg_stat_activity WHERE pid = ANY(%s::integer[])
 
 -- backend_alive --
-SELECT count(*) FROM pg_stat_activity WHERE pid = %s
+-- The backend's start (epoch seconds), if the pid is a backend.
+SELECT extract(epoch FROM backend_start) FROM pg_stat_activity WHERE pid = %s
 
 -- backend_state --
 SELECT pid, state, backend_xid IS NOT NULL OR state LIKE 'idle in transaction%%'
@@ -226,6 +241,12 @@ FROM pg_stat_activity WHERE pid = ANY(%s::integer[])
 
 -- terminate --
 SELECT pg_terminate_backend(%s)
+
+-- terminate_started_by --
+-- End the backend only if it started by then (epoch seconds): a later one
+-- with the same pid is another backend.
+SELECT pg_terminate_backend(pid) FROM pg_stat_activity
+WHERE pid = %s AND backend_start <= to_timestamp(%s)
 
 -- tpc_log --
 INSERT INTO ringq.tpc_log (gid, queue_id, slot, seq, kind)

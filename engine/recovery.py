@@ -19,6 +19,7 @@ from ._process import _Process
 from ._recovery import (
     DECIDED_GRACE_S,
     Recovered,
+    history_of,
     queue_room,
     rebuild,
     rebuild_into,
@@ -27,6 +28,7 @@ from ._recovery import (
     repair_lock_holders,
     resolve_prepared,
     section_differences,
+    section_following,
 )
 from ._section import Section
 
@@ -35,6 +37,7 @@ __all__ = [
     "Holder",
     "Recovered",
     "end_holders",
+    "history_of",
     "overdue_holders",
     "queue_room",
     "rebuild",
@@ -45,6 +48,7 @@ __all__ = [
     "repair_lock_holders",
     "resolve_prepared",
     "section_differences",
+    "section_following",
     "shared_section",
 ]
 

@@ -39,6 +39,7 @@ from ringq.engine import layout as L
 from ringq.engine import metrics as M
 from ringq.engine.recovery import (
     end_holders,
+    history_of,
     overdue_holders,
     queue_room,
     rebuild,
@@ -47,6 +48,7 @@ from ringq.engine.recovery import (
     recover_lost_backends,
     repair_lock_holders,
     resolve_prepared,
+    section_following,
     shared_section,
 )
 from ringq.engine.sqlfile import compose
@@ -153,6 +155,7 @@ class Monitor:
         self._snaps: dict[int, S._Snap] = {}
         self._watch: dict[int, _Watch] = {}
         self._inbox_due = True
+        self._history_due = True  # the section's history is checked after every connect
         # monotonic: after a failed pump, NOTIFYs wait for this (or the sample)
         self._inbox_retry_at = 0.0
         # Full queues with SQL entries waiting: {name: queue id}, left out of the
@@ -478,6 +481,7 @@ class Monitor:
         self._instance = str(row[0])
         self._conn = conn
         self._inbox_due = True  # NOTIFYs sent while we were away are lost: look once
+        self._history_due = True  # a reconnect may have found a promoted standby
         if not first:
             self._journal_write("database.reconnected")
         return conn
@@ -526,11 +530,21 @@ class Monitor:
         self._beat_t = now / 1e9
 
     def _check_section(self) -> None:
-        """Rebuild the section if it was removed (reboot, operator, reset)."""
+        """Rebuild the section if it was removed (reboot, operator, reset), or
+        if the database it describes has another history since the monitor
+        (re)connected: a fail-over to a standby, a restore on a new timeline."""
         sec = self._sec
         if sec is not None and not sec.closed and not sec.unlinked():
-            return
-        self._attach(reason="section missing")
+            if not self._history_due:
+                return
+            history = history_of(self._connect())
+            self._history_due = False
+            if section_following(self._instance, history, redact_dsn(self.config.dsn)) is sec:
+                return
+            reason = "database history changed (fail-over or restore)"
+        else:
+            reason = "section missing"
+        self._attach(reason=reason)
 
     def _attach(self, *, reason: str | None) -> None:
         """Rebuild (load every queue not loaded, create the section if absent) and

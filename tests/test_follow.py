@@ -1,0 +1,71 @@
+"""The section follows the database's history: a server of another history
+(a promoted standby, a restore on a new timeline) never serves a bit or a
+cached payload of the old one. The promotion itself is in test_failover.py;
+here the history a section describes is changed under it.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+import psycopg
+from conftest import present
+from ringq.engine import connect
+from ringq.engine import layout as L
+from ringq.engine.recovery import history_of
+from ringq.engine.sqlfile import load
+
+_Q = load("ringq.engine", "queries.sql")
+
+
+def test_a_section_of_another_history_is_replaced_before_use(
+    dsn: str, make_queue: Callable[..., str]
+) -> None:
+    q = make_queue(capacity=8)
+    with connect(dsn) as s:
+        s.enqueue(q, b"committed here")
+        s.commit()
+        sec, ring = s.section, s.ring(q)
+        with psycopg.connect(dsn, autocommit=True) as c:
+            sysid, timeline = history_of(c)
+        assert sec.history() == (sysid, timeline) and timeline >= 1
+        # The section as the old primary left it: an entry the new one never
+        # received is ready, its payload cached.
+        sec.lock_queue(ring.qidx)
+        try:
+            slot, seq = present(ring.reserve(s.owner, s.backend_pid))
+            assert ring.cache_put(slot, seq, b"phantom", b"p", 1, 0)
+            ring.finish_enqueue(slot, committed=True)
+        finally:
+            sec.unlock_queue(ring.qidx)
+        sec.header[L.H_DB_TIMELINE] = timeline - 1  # it describes the history before
+        with connect(dsn) as c:
+            assert c.section is not sec and c.section.history() == (sysid, timeline)
+            assert sec.unlinked()
+            got = c.dequeue_many(q, 10)
+            c.commit()
+        assert [m.payload for m in got] == [b"committed here"]
+        # The session that used the old section moves over at its next call.
+        s.enqueue(q, b"after")
+        s.commit()
+        assert s.section is not sec
+    with connect(dsn) as c:
+        assert present(c.dequeue(q)).payload == b"after"
+        c.commit()
+
+
+def test_a_backend_that_started_after_the_client_is_never_taken_for_its_own(dsn: str) -> None:
+    """After a restart or a fail-over a pid comes back as another backend:
+    waiting for a lost backend must not end that one."""
+    from ringq.engine._decide import wait_backend_gone
+
+    before = time.time_ns() - 5_000_000_000
+    with psycopg.connect(dsn, autocommit=True) as other, psycopg.connect(
+        dsn, autocommit=True
+    ) as conn:
+        pid = other.info.backend_pid
+        wait_backend_gone(conn, pid, timeout=2, not_after_ns=before)
+        assert other.execute("SELECT 1").fetchone() == (1,)  # still alive
+        row = conn.execute(_Q["backend_alive"], (pid,)).fetchone()
+        assert row is not None and row[0] is not None
