@@ -14,7 +14,14 @@ from ._admin import (
     remove_section,
     requeue_exception,
 )
-from ._cluster import Cluster, ClusterError, ClusterStatus, PostgresNotFound
+from ._cluster import (
+    Cluster,
+    ClusterError,
+    ClusterStatus,
+    NoStandby,
+    PostgresNotFound,
+    StandbyStatus,
+)
 from ._ddl import (
     MAX_FULL_TIMEOUT,
     MAX_LEASE,
@@ -36,10 +43,12 @@ __all__ = [
     "ClusterError",
     "ClusterStatus",
     "ExceptionEntry",
+    "NoStandby",
     "PostgresNotFound",
     "QueueDetails",
     "QueueSpec",
     "QueueSummary",
+    "StandbyStatus",
     "connect_admin",
     "create_queue",
     "create_queue_script",
