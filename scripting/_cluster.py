@@ -51,7 +51,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from types import TracebackType
-from typing import Self
+from typing import Any, Self
 
 import psycopg
 from psycopg import sql
@@ -1179,7 +1179,7 @@ def _dsn(port: int, dbname: str = DATABASE) -> str:
     return f"postgresql://{SUPERUSER}@{HOST}:{port}/{dbname}"
 
 
-def _admin(port: int, *, timeout: int = 10) -> psycopg.Connection[tuple[object, ...]]:
+def _admin(port: int, *, timeout: int = 10) -> psycopg.Connection[tuple[Any, ...]]:
     """A superuser connection to database ``postgres`` on ``port``, autocommit."""
     return psycopg.connect(_dsn(port, "postgres"), autocommit=True, connect_timeout=timeout)
 

@@ -20,8 +20,8 @@ from pathlib import Path
 
 import psycopg
 import pytest
-from psycopg import sql
 from conftest import cli, present, wait_for
+from psycopg import sql
 from ringq.engine import (
     DatabaseUnavailable,
     RingqError,
@@ -43,22 +43,22 @@ def pair(home: Path, capsys: pytest.CaptureFixture[str], mode: str) -> Iterator[
     the database's global section removed from this host."""
     cluster = Cluster(home)
     try:
-        code, out, err = cli(capsys, "db", "start", "--home", str(home))
+        code, _, err = cli(capsys, "db", "start", "--home", str(home))
         assert code == 0, err
-        code, out, err = cli(capsys, "db", "standby", "start", mode, "--home", str(home))
+        code, _, err = cli(capsys, "db", "standby", "start", mode, "--home", str(home))
         assert code == 0, err
         sb = present(cluster.standby_status())
         assert sb.running and sb.in_recovery is True and sb.streaming == "streaming"
         assert sb.sync_state == mode.lstrip("-")
         yield cluster
     finally:
-        with suppress(Exception):  # best effort: the section outlives the servers
-            with psycopg.connect(cluster.url(both=True), connect_timeout=5) as conn:
-                remove_section(conn)
+        # Best effort: the section outlives the servers.
+        with suppress(Exception), psycopg.connect(cluster.url(both=True)) as conn:
+            remove_section(conn)
         cluster.stop()
     assert not cluster.status().running
-    sb = cluster.standby_status()
-    assert sb is None or not sb.running
+    left = cluster.standby_status()
+    assert left is None or not left.running
 
 
 def make_queue(dsn: str) -> str:
@@ -290,7 +290,7 @@ def test_async_failover_delivers_entries_whose_dequeue_was_lost_in_the_gap(
                 for _ in range(5):  # consumed on the old primary alone
                     present(session.dequeue(queue))
                     session.commit()
-            code, out, err = cli(capsys, "db", "promote", "--home", str(cluster.home))
+            code, _, err = cli(capsys, "db", "promote", "--home", str(cluster.home))
             assert code == 0, err
             assert queued_in_table(both, queue) == list(range(20))  # the dequeues were lost
             got = drain_after_reattach(session, queue)
