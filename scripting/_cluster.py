@@ -460,7 +460,9 @@ class Cluster:
                 mode = pair.mode if pair.standby is not None else SYNC
             else:
                 mode = SYNC if sync else ASYNC
-            standby = self._server(pair.standby or STANDBY_DIR)
+            # After a promotion the primary may be standby/pgdata: then pgdata is free.
+            free = PRIMARY_DIR if pair.primary == STANDBY_DIR else STANDBY_DIR
+            standby = self._server(pair.standby or free)
             if not (standby.datadir / "PG_VERSION").exists():
                 self._create_slot(port)
                 self._base_backup(port, standby)

@@ -356,6 +356,14 @@ def test_the_old_primary_comes_back_as_a_standby_of_the_new_one(
         ]
         print(f"\nrebuild of the old primary: {rebuilt:.2f} s")
 
+        # Removed, then made anew: the new standby goes where the old primary was.
+        code, _, err = cli(capsys, "db", "standby", "remove", "--home", str(home))
+        assert code == 0, err
+        assert not old_datadir.exists() and cluster.standby_status() is None
+        assert cluster.start_standby(sync=False) != cluster.url()
+        sb = present(cluster.standby_status())
+        assert sb.datadir == old_datadir and sb.in_recovery is True and sb.mode == "async"
+
 
 def test_the_multi_host_dsn_is_taken_where_a_dsn_is(tmp_path: Path) -> None:
     url = "postgresql://postgres@127.0.0.1:5001,127.0.0.1:5002/ringq?target_session_attrs=read-write"
