@@ -252,7 +252,10 @@ def test_async_failover_loses_the_replication_gap_and_delivers_nothing_twice(
         promoted = finish_failover(cluster, producer, capsys) - killed_at
 
         in_table = queued_in_table(both, queue)
-        assert producer.acked == list(range(150))
+        # A backend of the killed postmaster may still commit a few before it
+        # notices: acknowledged, and lost with the rest of the gap.
+        acked = producer.acked
+        assert acked == list(range(len(acked))) and len(acked) >= 150
         assert in_table == list(range(100)), "the loss is not exactly the replication gap"
         got = drain_after_reattach(idle, queue)
         assert got == in_table, "the engine did not deliver exactly what the new primary holds"
@@ -264,9 +267,9 @@ def test_async_failover_loses_the_replication_gap_and_delivers_nothing_twice(
         assert drain_after_reattach(idle, queue) == [1000, 1001]
         idle.close()
         print(
-            f"\nasync fail-over: {len(producer.acked)} acknowledged, {len(in_table)} on the "
-            f"new primary, {len(producer.acked) - len(in_table)} lost (the gap: 50), "
-            f"kill to promoted: {promoted:.2f} s"
+            f"\nasync fail-over: {len(acked)} acknowledged, {len(in_table)} on the new "
+            f"primary, {len(acked) - len(in_table)} lost (the gap: all acknowledged after "
+            f"entry 99), kill to promoted: {promoted:.2f} s"
         )
 
 
