@@ -338,11 +338,17 @@ class Cluster:
                         )
                     primary.initdb()
                 port = primary.start(self._primary_settings(pair))
+            standby_failed = None
             if pair.standby is not None and pair.state == STANDBY_RUNNING:
-                self._keep_standby_running(pair, port)
+                try:
+                    self._keep_standby_running(pair, port)
+                except ClusterError as exc:
+                    standby_failed = exc  # the primary runs: still give it its DSN
             self._ensure_database(port)
             dsn = _dsn(port)
             self._write_dsn(dsn)
+            if standby_failed is not None:
+                raise standby_failed
             return dsn
 
     def stop(self) -> None:
@@ -501,8 +507,7 @@ class Cluster:
             _Pair(pair.primary).write(self.home)
             self._apply_primary_settings(_Pair(pair.primary))
             standby.stop()
-            with converted(), _admin(port) as conn:
-                conn.execute(Qy.DROP_SLOT, (STANDBY_NAME,))
+            self._drop_slot(port)
             shutil.rmtree(standby.datadir)
 
     def promote(self) -> str:
@@ -567,10 +572,12 @@ class Cluster:
             primary, target = self._server(pair.primary), self._server(pair.standby)
             port = self._primary_port(primary)
             keep_port = target.configured_port()
+            if pair.state == STANDBY_RUNNING:  # the primary must not wait for it meanwhile
+                pair = replace(pair, state=STANDBY_STOPPED)
+                pair.write(self.home)
+                self._apply_primary_settings(pair)
             target.stop()
             target.wait_gone()
-            pair = replace(pair, state=STANDBY_STOPPED)
-            pair.write(self.home)
             self._create_slot(port)
             how = None
             if not fresh and (target.datadir / "PG_VERSION").exists():
@@ -747,6 +754,21 @@ class Cluster:
         with converted(), _admin(primary_port) as conn:
             conn.execute(Qy.CREATE_SLOT, {"slot": STANDBY_NAME})
 
+    def _drop_slot(self, primary_port: int) -> None:
+        """Drop the standby's slot, once the walsender of the stopped standby has left it."""
+        deadline = time.monotonic() + STREAM_TIMEOUT
+        with converted(), _admin(primary_port) as conn:
+            while True:
+                conn.execute(Qy.DROP_SLOT, (STANDBY_NAME,))
+                if conn.execute(Qy.SLOT_EXISTS, (STANDBY_NAME,)).fetchone() is None:
+                    return
+                if time.monotonic() > deadline:
+                    raise ClusterError(
+                        f"the replication slot {STANDBY_NAME!r} is still in use after "
+                        f"{STREAM_TIMEOUT} s: drop it with pg_drop_replication_slot()"
+                    )
+                time.sleep(0.05)  # its walsender is ending
+
     def _base_backup(self, primary_port: int, target: _Server) -> None:
         """Copy the primary into ``target``'s data directory (replacing it, its
         logs kept) with pg_basebackup through the standby's slot."""
@@ -775,9 +797,12 @@ class Cluster:
         if proc.returncode != 0:
             shutil.rmtree(staging, ignore_errors=True)
             raise ClusterError(f"pg_basebackup into {staging} failed: {_tail(proc.stdout)}")
-        # The copy has the primary's logs and settings file: not the standby's.
+        # The copy has the primary's logs and settings file: not the target's
+        # (a new standby's first start writes its own, on a port of its own).
         shutil.rmtree(staging / "log", ignore_errors=True)
         (staging / CONF_FILE).unlink(missing_ok=True)
+        if (target.datadir / CONF_FILE).exists():
+            (target.datadir / CONF_FILE).rename(staging / CONF_FILE)
         old_log = target.datadir / "log"
         if old_log.is_dir():
             old_log.rename(staging / "log")
@@ -792,7 +817,8 @@ class Cluster:
         """pg_rewind ``target`` to the primary's history: ``rewound`` or
         ``unchanged``; None when it cannot (the caller copies instead). Its
         port and logs are kept (pg_rewind copies the source's files over them)."""
-        keep = target.read_conf()
+        conf = target.datadir / CONF_FILE
+        own_conf = conf.read_bytes() if conf.exists() else None
         logs = target.datadir / "log"
         aside = target.datadir.parent / f".{target.datadir.name}.log"
         shutil.rmtree(aside, ignore_errors=True)
@@ -822,8 +848,8 @@ class Cluster:
             f.write(proc.stdout)
         if proc.returncode != 0:
             return None
-        port = keep.get("port")
-        target.rewrite_conf({}, port=int(port) if port and port.isdigit() else None)
+        if own_conf is not None:  # pg_rewind copied the source's: its port, its sockets
+            conf.write_bytes(own_conf)
         return "unchanged" if "no rewind required" in proc.stdout else "rewound"
 
     def _ensure_database(self, port: int) -> None:
@@ -1091,11 +1117,11 @@ class _Server:
         self.cluster._give(tmp)
         os.replace(tmp, path)  # a reload never reads half a file
 
-    def rewrite_conf(self, replication: dict[str, str], *, port: int | None = None) -> bool:
-        """Rewrite ringq.conf with new replication settings, its port (or ``port``)
-        and socket directory kept; whether anything changed (reload it then)."""
+    def rewrite_conf(self, replication: dict[str, str]) -> bool:
+        """Rewrite ringq.conf with new replication settings, its port and socket
+        directory kept; whether anything changed (reload it then)."""
         before = self.read_conf()
-        port = port or self.configured_port()
+        port = self.configured_port()
         socket_dir = self.configured_socket_dir()
         if port is None or socket_dir is None:
             return False  # never started: its first start writes it

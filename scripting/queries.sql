@@ -47,3 +47,6 @@ ORDER BY backend_start DESC LIMIT 1
 
 -- checkpoint --
 CHECKPOINT
+
+-- slot_exists --
+SELECT 1 FROM pg_replication_slots WHERE slot_name = %s

@@ -368,6 +368,38 @@ def test_the_old_primary_comes_back_as_a_standby_of_the_new_one(
         assert sb.datadir == old_datadir and sb.in_recovery is True and sb.mode == "async"
 
 
+def test_the_pair_restarts_on_its_ports_and_a_stopped_standby_is_not_waited_for(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    home = tmp_path / "home"
+    with pair(home, capsys, "--sync") as cluster:
+        both = cluster.url(both=True)
+        code, _, err = cli(capsys, "db", "stop", "--home", str(home))
+        assert code == 0, err
+        code, out, err = cli(capsys, "db", "start", "--home", str(home))
+        assert code == 0, err
+        assert "standby running (sync" in out
+        assert cluster.url(both=True) == both  # both servers kept their ports
+
+        def waits_for() -> str:
+            with psycopg.connect(cluster.url("postgres")) as conn:
+                return str(present(conn.execute("SHOW synchronous_standby_names").fetchone())[0])
+
+        sb = present(cluster.standby_status())
+        assert waits_for() == "ringq_standby" and sb.sync_state == "sync"
+        code, _, err = cli(capsys, "db", "standby", "stop", "--home", str(home))
+        assert code == 0, err
+        assert waits_for() == ""  # commits no longer wait for it
+        code, out, err = cli(capsys, "db", "status", "--home", str(home))
+        assert "stopped by 'ringq db standby stop'" in out
+        code, _, err = cli(capsys, "db", "start", "--home", str(home))
+        assert code == 0 and not present(cluster.standby_status()).running  # stays stopped
+        code, _, err = cli(capsys, "db", "standby", "start", "--home", str(home))
+        assert code == 0, err
+        sb = present(cluster.standby_status())
+        assert waits_for() == "ringq_standby" and sb.sync_state == "sync"  # its mode kept
+
+
 def test_the_multi_host_dsn_is_taken_where_a_dsn_is(tmp_path: Path) -> None:
     url = "postgresql://postgres@127.0.0.1:5001,127.0.0.1:5002/ringq?target_session_attrs=read-write"
     params = check_dsn(url)
