@@ -507,6 +507,7 @@ class Cluster:
             _Pair(pair.primary).write(self.home)
             self._apply_primary_settings(_Pair(pair.primary))
             standby.stop()
+            standby.recover_crashed()  # frees the shared memory a killed server left
             self._drop_slot(port)
             shutil.rmtree(standby.datadir)
 
@@ -583,6 +584,7 @@ class Cluster:
             if not fresh and (target.datadir / "PG_VERSION").exists():
                 how = self._rewind(port, target)
             if how is None:
+                target.recover_crashed()  # frees the shared memory a killed server left
                 self._base_backup(port, target)
                 how = "copied"
             self._run_standby(pair, primary, target, port=keep_port)
@@ -1070,6 +1072,34 @@ class _Server:
                     f"{', '.join(map(str, left))}"
                 )
             time.sleep(0.05)
+
+    def recover_crashed(self) -> None:
+        """Finish the crash recovery of a killed primary in single-user mode (as
+        pg_rewind does), so that it frees the shared memory its dead server
+        left (PostgreSQL frees it only when the data directory starts again).
+        Nothing for a running or cleanly stopped server, or a standby's."""
+        if (
+            not (self.datadir / "postmaster.pid").exists()
+            or (self.datadir / "standby.signal").exists()
+            or self.running_port() is not None
+        ):
+            return
+        self.wait_gone()
+        proc = self.cluster._run(
+            [
+                str(self.cluster.bindir / "postgres"),
+                "--single",
+                "-F",
+                "-D",
+                str(self.datadir),
+                "template1",
+            ],
+            timeout=COPY_TIMEOUT,
+        )
+        if proc.returncode != 0:
+            raise ClusterError(
+                f"the crash recovery of {self.datadir} failed: {_tail(proc.stdout)}"
+            )
 
     def socket_dir(self) -> Path:
         """``run`` beside the data directory, or a short directory under /tmp

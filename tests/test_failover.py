@@ -52,9 +52,13 @@ def pair(home: Path, capsys: pytest.CaptureFixture[str], mode: str) -> Iterator[
         assert sb.sync_state == mode.lstrip("-")
         yield cluster
     finally:
-        # Best effort: the section outlives the servers.
+        # Best effort: the section outlives the servers, and so does the shared
+        # memory of a killed primary, unless it is recovered (remove does it).
         with suppress(Exception), psycopg.connect(cluster.url(both=True)) as conn:
             remove_section(conn)
+        with suppress(Exception):
+            if present(cluster.standby_status()).state == "rebuild":
+                cluster.remove_standby()
         cluster.stop()
     assert not cluster.status().running
     left = cluster.standby_status()
