@@ -177,7 +177,7 @@ class _Pair:
     def read(cls, home: Path) -> _Pair:
         try:
             text = (home / PAIR_FILE).read_text()
-        except FileNotFoundError:
+        except (FileNotFoundError, NotADirectoryError):  # no home yet: a primary alone
             return cls()
         except OSError as exc:
             raise ClusterError(f"cannot read {home / PAIR_FILE}: {exc.strerror or exc}") from exc
