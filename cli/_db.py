@@ -1,4 +1,5 @@
-"""``ringq db start|stop|status|url``: the embedded PostgreSQL cluster under ``$RINGQ_HOME``."""
+"""``ringq db start|stop|status|url|promote`` and ``ringq db standby start|stop|rebuild|remove``:
+the embedded PostgreSQL cluster under ``$RINGQ_HOME``, and its streaming standby."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from ringq.engine import exits
-from ringq.scripting import Cluster
+from ringq.scripting import Cluster, ClusterStatus, NoStandby, StandbyStatus
 
 from ._args import env_option, subparser
 
@@ -17,7 +18,14 @@ DESCRIPTION = """\
 A private PostgreSQL server under $RINGQ_HOME (default ./.ringq), listening on
 127.0.0.1 on a free port, with a database 'ringq'. While it runs, its DSN is in
 $RINGQ_HOME/dsn, where every other ringq command finds it when neither --dsn
-nor RINGQ_DSN is given. See scripting/CLUSTER.md for its settings."""
+nor RINGQ_DSN is given. 'ringq db standby start' adds a streaming standby on
+this host, 'ringq db promote' fails over to it. See scripting/CLUSTER.md."""
+
+STANDBY_DESCRIPTION = """\
+A streaming standby of the embedded cluster on this host, in
+$RINGQ_HOME/standby/pgdata, on a port of its own: to try fail-over on one
+machine. 'ringq db promote' makes it the primary; 'ringq db standby rebuild'
+then brings the old primary back as the new primary's standby."""
 
 
 def register(sub: Any) -> None:
@@ -31,27 +39,107 @@ def register(sub: Any) -> None:
         "create (first time) and start the cluster; print its DSN",
         "Create the cluster on first use, start it if it is not running, and create\n"
         "the database 'ringq'. Prints what it did; the DSN is the last line.\n"
-        "Harmless when it already runs (the DSN is the same).",
+        "Harmless when it already runs (the DSN is the same). Starts the standby\n"
+        "too when there is one (not stopped with 'ringq db standby stop').",
     )
     stop = subparser(
         actions,
         "stop",
-        "stop the cluster (harmless when stopped)",
+        "stop the cluster, and its standby (harmless when stopped)",
         "Fast shutdown: sessions are disconnected and their transactions rolled back;\n"
-        "prepared (two-phase) transactions survive. Removes $RINGQ_HOME/dsn.",
+        "prepared (two-phase) transactions survive. Removes $RINGQ_HOME/dsn. The\n"
+        "primary stops first, so that the standby receives all its WAL.",
     )
     status = subparser(
         actions,
         "status",
-        "show whether the cluster runs (exit 0 if it does, 1 if not)",
+        "show the primary and the standby: running, where, which is primary "
+        "(exit 0 if the primary runs, 1 if not)",
     )
     url = subparser(
         actions,
         "url",
         "print only the DSN (exit 3 if the cluster is not running)",
-        'Print only the DSN, for scripts: psql "$(ringq db url)".',
+        'Print only the DSN, for scripts: psql "$(ringq db url)".\n'
+        "With --both, a multi-host DSN naming the primary and the standby with\n"
+        "target_session_attrs=read-write: clients that reconnect with it follow\n"
+        "a promotion (exit 4 if there is no standby).",
     )
-    for parser, func in ((start, _start), (stop, _stop), (status, _status), (url, _url)):
+    url.add_argument(
+        "--both",
+        action="store_true",
+        help="the multi-host DSN of the primary and its standby",
+    )
+    promote = subparser(
+        actions,
+        "promote",
+        "make the standby the primary; print the new DSN (exit 4 if no standby)",
+        "Promote the standby (pg_ctl promote) and point $RINGQ_HOME/dsn at it, so\n"
+        "every ringq process that reads that file follows it. A primary still\n"
+        "running is stopped first (a switchover: nothing is lost, even with an\n"
+        "asynchronous standby); a dead one is a fail-over. The old primary is not\n"
+        "started again: 'ringq db standby rebuild' brings it back as a standby.",
+    )
+    homed = [(start, _start), (stop, _stop), (status, _status), (url, _url), (promote, _promote)]
+
+    standby = subparser(actions, "standby", "the streaming standby", STANDBY_DESCRIPTION)
+    standby.set_defaults(_parser=standby)
+    standby_actions = standby.add_subparsers(dest="standby_command", metavar="ACTION")
+    s_start = subparser(
+        standby_actions,
+        "start",
+        "make (first time) and start the standby; print its DSN",
+        "The first time: a base backup of the running primary (pg_basebackup through\n"
+        "the replication slot 'ringq_standby') into $RINGQ_HOME/standby/pgdata.\n"
+        "Then start it on a free port of its own (kept across restarts), wait until\n"
+        "it streams, and with --sync until the primary waits for it at every commit\n"
+        "(synchronous_standby_names). Harmless when it runs: changes the mode if asked.",
+    )
+    mode = s_start.add_mutually_exclusive_group()
+    mode.add_argument(
+        "--sync",
+        dest="sync",
+        action="store_true",
+        default=argparse.SUPPRESS,
+        help="synchronous: a commit returns once the standby has its WAL on disk, so a "
+        "fail-over loses nothing committed (default: a new standby is synchronous, "
+        "an existing one keeps its mode)",
+    )
+    mode.add_argument(
+        "--async",
+        dest="sync",
+        action="store_false",
+        default=argparse.SUPPRESS,
+        help="asynchronous: commits do not wait; a fail-over loses what the standby "
+        "had not received yet",
+    )
+    s_stop = subparser(
+        standby_actions,
+        "stop",
+        "stop the standby (kept, with its slot; harmless when stopped)",
+        "The primary stops waiting for it first (synchronous replication off), then\n"
+        "the standby stops. 'ringq db standby start' starts it again and catches up.",
+    )
+    s_rebuild = subparser(
+        standby_actions,
+        "rebuild",
+        "bring the old primary (after a promotion) back as a standby of the new one",
+        "Stop it if it runs, then pg_rewind it to the new primary's history (what it\n"
+        "committed that the new primary never received is undone), or, with --fresh\n"
+        "or when pg_rewind cannot, copy it anew with pg_basebackup. Its port and logs\n"
+        "are kept. Then start it as a standby, as 'standby start' does.",
+    )
+    s_rebuild.add_argument(
+        "--fresh", action="store_true", help="a fresh base backup instead of pg_rewind"
+    )
+    s_remove = subparser(
+        standby_actions,
+        "remove",
+        "stop the standby, drop its slot and delete its data directory",
+    )
+    homed += [(s_start, _standby_start), (s_stop, _standby_stop)]
+    homed += [(s_rebuild, _standby_rebuild), (s_remove, _standby_remove)]
+    for parser, func in homed:
         env_option(
             parser,
             "--home",
@@ -81,13 +169,17 @@ def _start(args: argparse.Namespace) -> int:
             f"{what} PostgreSQL {st.version} under {cluster.home} "
             f"(pid {st.pid}, port {st.port}) in {time.monotonic() - began:.1f} s"
         )
+    sb = cluster.standby_status()
+    if sb is not None and sb.running:
+        print(f"standby running ({sb.mode}, pid {sb.pid}, port {sb.port})")
     print(dsn)
     return exits.OK
 
 
 def _stop(args: argparse.Namespace) -> int:
     cluster = _cluster(args)
-    if not cluster.status().running:
+    sb = cluster.standby_status()
+    if not cluster.status().running and not (sb is not None and sb.running):
         cluster.stop()  # still tidies a stale DSN file
         print(f"not running under {cluster.home}")
         return exits.OK
@@ -97,9 +189,11 @@ def _stop(args: argparse.Namespace) -> int:
 
 
 def _status(args: argparse.Namespace) -> int:
-    st = _cluster(args).status()
+    cluster = _cluster(args)
+    st = cluster.status()
     rows = [
         ("state", "running" if st.running else "not running"),
+        ("role", _role(st, "primary")),
         ("dsn", st.dsn or "-"),
         ("pid", str(st.pid) if st.pid else "-"),
         ("port", str(st.port) if st.port else "-"),
@@ -107,13 +201,121 @@ def _status(args: argparse.Namespace) -> int:
         ("socket", str(st.socket_dir) if st.socket_dir else "-"),
         ("server", f"PostgreSQL {st.version} ({st.bindir})" if st.bindir else "not installed"),
     ]
+    sb = cluster.standby_status()
+    if sb is not None:
+        rows += [
+            ("standby", _standby_state(sb)),
+            ("  role", _role(sb, "standby")),
+            ("  pid", str(sb.pid) if sb.pid else "-"),
+            ("  port", str(sb.port) if sb.port else "-"),
+            ("  datadir", str(sb.datadir)),
+        ]
+        try:
+            rows.append(("both", cluster.url(both=True)))
+        except NoStandby:
+            pass
     width = max(len(k) for k, _ in rows)
     for key, value in rows:
         print(f"{key:<{width}}  {value}")
     return exits.OK if st.running else exits.FAILURE
 
 
+def _role(st: ClusterStatus, meant: str) -> str:
+    """What the server is, by pg_is_in_recovery(), against what the home means it to be."""
+    if st.in_recovery is None:
+        return f"{meant} (not answering)" if st.running else f"{meant} (stopped)"
+    actual = "standby" if st.in_recovery else "primary"
+    return f"{actual} (pg_is_in_recovery: {str(st.in_recovery).lower()})" + (
+        "" if actual == meant else f"; expected a {meant}"
+    )
+
+
+def _standby_state(sb: StandbyStatus) -> str:
+    if sb.state == "rebuild":
+        return "the old primary: bring it back with 'ringq db standby rebuild'"
+    what = "running" if sb.running else "not running"
+    if sb.state == "stopped":
+        what += " (stopped by 'ringq db standby stop')"
+    seen = "not connected" if sb.streaming is None else f"{sb.streaming}, {sb.sync_state}"
+    lag = "" if sb.lag_bytes is None else f", {sb.lag_bytes} bytes to replay"
+    return f"{what}; {sb.mode}; {seen}{lag}"
+
+
 def _url(args: argparse.Namespace) -> int:
-    print(_cluster(args).url())  # DatabaseUnavailable -> exit 3 in _main
+    try:
+        print(_cluster(args).url(both=args.both))  # DatabaseUnavailable -> exit 3 in _main
+    except NoStandby as exc:
+        print(f"ringq: {exc}", file=sys.stderr)
+        return exits.NOT_FOUND
     sys.stdout.flush()
+    return exits.OK
+
+
+def _promote(args: argparse.Namespace) -> int:
+    cluster = _cluster(args)
+    began = time.monotonic()
+    try:
+        dsn = cluster.promote()
+    except NoStandby as exc:
+        print(f"ringq: {exc}", file=sys.stderr)
+        return exits.NOT_FOUND
+    print(
+        f"promoted {cluster.datadir} in {time.monotonic() - began:.1f} s; "
+        f"{cluster.home / 'dsn'} names it now"
+    )
+    print(dsn)
+    return exits.OK
+
+
+def _standby_start(args: argparse.Namespace) -> int:
+    cluster = _cluster(args)
+    began = time.monotonic()
+    dsn = cluster.start_standby(sync=getattr(args, "sync", None))  # neither flag: None
+    sb = cluster.standby_status()
+    assert sb is not None
+    print(
+        f"standby running under {sb.datadir} ({sb.mode}, pid {sb.pid}, port {sb.port}) "
+        f"in {time.monotonic() - began:.1f} s"
+    )
+    print(dsn)
+    return exits.OK
+
+
+def _standby_stop(args: argparse.Namespace) -> int:
+    cluster = _cluster(args)
+    try:
+        cluster.stop_standby()
+    except NoStandby as exc:
+        print(f"ringq: {exc}", file=sys.stderr)
+        return exits.NOT_FOUND
+    print(f"standby stopped (under {cluster.home}); the primary no longer waits for it")
+    return exits.OK
+
+
+def _standby_rebuild(args: argparse.Namespace) -> int:
+    cluster = _cluster(args)
+    began = time.monotonic()
+    try:
+        how = cluster.rebuild_standby(fresh=args.fresh)
+    except NoStandby as exc:
+        print(f"ringq: {exc}", file=sys.stderr)
+        return exits.NOT_FOUND
+    sb = cluster.standby_status()
+    assert sb is not None
+    said = {"rewound": "pg_rewind", "unchanged": "nothing to rewind", "copied": "pg_basebackup"}
+    print(
+        f"rebuilt {sb.datadir} as a {sb.mode} standby of {cluster.datadir} "
+        f"({said.get(how, how)}; port {sb.port}) in {time.monotonic() - began:.1f} s"
+    )
+    return exits.OK
+
+
+def _standby_remove(args: argparse.Namespace) -> int:
+    cluster = _cluster(args)
+    try:
+        cluster.remove_standby()
+    except NoStandby as exc:
+        print(f"ringq: {exc}", file=sys.stderr)
+        return exits.NOT_FOUND
+    print(f"standby removed (under {cluster.home})")
     return exits.OK

@@ -14,7 +14,14 @@ from ._admin import (
     remove_section,
     requeue_exception,
 )
-from ._cluster import Cluster, ClusterError, ClusterStatus, PostgresNotFound
+from ._cluster import (
+    Cluster,
+    ClusterError,
+    ClusterStatus,
+    NoStandby,
+    PostgresNotFound,
+    StandbyStatus,
+)
 from ._ddl import (
     DEFAULT_CACHE_PAYLOAD,
     MAX_CACHE_PAYLOAD,
@@ -40,10 +47,12 @@ __all__ = [
     "ClusterError",
     "ClusterStatus",
     "ExceptionEntry",
+    "NoStandby",
     "PostgresNotFound",
     "QueueDetails",
     "QueueSpec",
     "QueueSummary",
+    "StandbyStatus",
     "connect_admin",
     "create_queue",
     "create_queue_script",

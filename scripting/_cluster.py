@@ -1,10 +1,19 @@
-"""The embedded PostgreSQL cluster: a private server under ``$RINGQ_HOME``.
+"""The embedded PostgreSQL cluster: a private server under ``$RINGQ_HOME``,
+and optionally a streaming standby of it on the same host.
 
 ``ringq db start`` gives a user a working database without any set-up of
 their own: a data directory in ``$RINGQ_HOME/pgdata`` (``./.ringq`` by
 default), a server listening on 127.0.0.1 on a free port and on a unix socket,
 and a database ``ringq``. Its DSN is written to ``$RINGQ_HOME/dsn``, the file
 the engine reads (``ringq.engine.resolve_dsn``), and removed on stop.
+
+``ringq db standby start`` adds a streaming standby (a base backup of the
+primary in ``$RINGQ_HOME/standby/pgdata``, its own port, a replication slot,
+synchronous or asynchronous); ``ringq db promote`` makes it the primary and
+points ``$RINGQ_HOME/dsn`` at it; ``ringq db standby rebuild`` brings the old
+primary back as the new one's standby (pg_rewind, or a fresh base backup). The
+two data directories keep their paths; ``$RINGQ_HOME/replication`` says which
+one is the primary.
 
 The server settings are in :data:`SETTINGS`; ``scripting/CLUSTER.md`` explains
 each one. Files under the home::
@@ -13,7 +22,9 @@ each one. Files under the home::
     pgdata/log/       server logs (startup.log from pg_ctl, then the logging collector)
     run/              the unix socket directory (a short /tmp/ringq-* one when
                       this path is too long for a socket, recorded in ringq.conf)
-    dsn               the DSN while the server runs
+    standby/pgdata/   the standby's data directory (a base backup), standby/run its sockets
+    replication       which data directory is the primary, which the standby, and how
+    dsn               the primary's DSN while it runs
     lock              serialises start and stop of this home (fcntl)
 
 As root, the server programs run as the ``postgres`` OS user (``initdb`` and
@@ -34,12 +45,13 @@ import socket
 import stat
 import subprocess
 import tempfile
+import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from types import TracebackType
-from typing import Self
+from typing import Any, Self
 
 import psycopg
 from psycopg import sql
@@ -62,6 +74,18 @@ SOCKET_PATH_MAX = 107
 SOCKET_SUFFIX_MAX = len("/.s.PGSQL.65535")
 INSTALL_HINT = "install postgresql (apt-get install postgresql)"
 
+# The replication pair (see ringq db standby).
+PRIMARY_DIR = "pgdata"  # the first data directory, made by initdb
+STANDBY_DIR = "standby/pgdata"  # the standby's, made by a base backup of the primary
+PAIR_FILE = "replication"  # which of the two is the primary (absent: pgdata, no standby)
+STANDBY_NAME = "ringq_standby"  # the standby's application_name and its replication slot
+SYNC, ASYNC = "sync", "async"
+STANDBY_RUNNING = "running"  # streaming; synchronous if the mode says so
+STANDBY_STOPPED = "stopped"  # stopped by 'ringq db standby stop' (kept, slot kept)
+STANDBY_REBUILD = "rebuild"  # the old primary after a promotion: 'ringq db standby rebuild'
+STREAM_TIMEOUT = 60  # seconds a new standby has to stream (and to become synchronous)
+COPY_TIMEOUT = 3600  # seconds a base backup or a pg_rewind may take
+
 # Server settings, written to pgdata/ringq.conf at every start so that a
 # cluster made by an older ringq gets today's values. CLUSTER.md says why each.
 SETTINGS: dict[str, str] = {
@@ -74,6 +98,8 @@ SETTINGS: dict[str, str] = {
     "full_page_writes": "on",
     "autovacuum_naptime": "10s",
     "track_commit_timestamp": "on",
+    "wal_log_hints": "on",
+    "max_slot_wal_keep_size": "'1GB'",
     "logging_collector": "on",
     "log_directory": "'log'",
     "log_filename": "'postgresql-%a.log'",
@@ -95,6 +121,10 @@ class PostgresNotFound(ClusterError):
     """No PostgreSQL server programs (``initdb``, ``pg_ctl``, ``postgres``) were found."""
 
 
+class NoStandby(ClusterError):
+    """The home has no standby (make one with ``ringq db standby start``)."""
+
+
 @dataclass(frozen=True)
 class ClusterStatus:
     """What ``ringq db status`` shows. ``pid``, ``port`` and ``dsn`` are None when stopped;
@@ -108,6 +138,73 @@ class ClusterStatus:
     bindir: Path | None
     version: str | None
     socket_dir: Path | None = None
+    # pg_is_in_recovery() of the running server: True for a standby; None when
+    # stopped or when it did not answer.
+    in_recovery: bool | None = None
+
+
+@dataclass(frozen=True)
+class StandbyStatus(ClusterStatus):
+    """The standby's side of ``ringq db status``: its server (the fields of
+    :class:`ClusterStatus`), the pair's settings, and the standby as its
+    primary sees it (None where the primary does not see it).
+
+    ``mode``: ``sync`` or ``async``. ``state``: ``running`` (it should run and
+    stream), ``stopped`` (``ringq db standby stop``) or ``rebuild`` (the old
+    primary after a promotion, to bring back with ``ringq db standby rebuild``).
+    ``streaming``: the primary's walsender state (``streaming``, ``catchup`` …);
+    ``sync_state``: ``sync`` or ``async``; ``lag_bytes``: WAL it has not replayed yet.
+    """
+
+    mode: str = SYNC
+    state: str = STANDBY_RUNNING
+    streaming: str | None = None
+    sync_state: str | None = None
+    lag_bytes: int | None = None
+
+
+@dataclass(frozen=True)
+class _Pair:
+    """``$RINGQ_HOME/replication``: which data directory (relative to the home)
+    is the primary and which the standby, the standby's mode and state."""
+
+    primary: str = PRIMARY_DIR
+    standby: str | None = None
+    mode: str = SYNC
+    state: str = STANDBY_RUNNING
+
+    @classmethod
+    def read(cls, home: Path) -> _Pair:
+        try:
+            text = (home / PAIR_FILE).read_text()
+        except (FileNotFoundError, NotADirectoryError):  # no home yet: a primary alone
+            return cls()
+        except OSError as exc:
+            raise ClusterError(f"cannot read {home / PAIR_FILE}: {exc.strerror or exc}") from exc
+        values = dict(_parse_conf(text))
+        known = {f.name for f in fields(cls)}
+        pair = cls(**{k: v for k, v in values.items() if k in known})
+        states = (STANDBY_RUNNING, STANDBY_STOPPED, STANDBY_REBUILD)
+        if pair.mode not in (SYNC, ASYNC) or pair.state not in states:
+            raise ClusterError(
+                f"{home / PAIR_FILE} is damaged (mode {pair.mode!r}, "
+                f"state {pair.state!r}): fix it or remove it"
+            )
+        return pair
+
+    def write(self, home: Path) -> None:
+        lines = [
+            "# The embedded cluster's replication pair: which data directory is the",
+            "# primary and which the standby. Written by 'ringq db standby|promote'.",
+            f"primary = {self.primary}",
+        ]
+        if self.standby is not None:
+            lines += [f"standby = {self.standby}", f"mode = {self.mode}", f"state = {self.state}"]
+        path = home / PAIR_FILE
+        tmp = path.with_name(f".{PAIR_FILE}.{os.getpid()}")
+        tmp.write_text("\n".join(lines) + "\n")
+        tmp.chmod(0o644)
+        os.replace(tmp, path)
 
 
 def find_bindir(
@@ -180,19 +277,31 @@ def _major_of(bindir: Path) -> str | None:
 
 
 class Cluster:
-    """A private PostgreSQL cluster under ``home`` (default: :func:`ringq.engine.ringq_home`).
+    """A private PostgreSQL cluster under ``home`` (default: :func:`ringq.engine.ringq_home`),
+    with an optional streaming standby on the same host.
 
     ``start()`` and ``stop()`` are idempotent and serialised per home, so two
     ``ringq db start`` at once start one server. ``with Cluster(home) as c:``
-    starts it and, on exit, stops it only if this block started it.
+    starts it and, on exit, stops it only if this block started it. Both act
+    on the standby too, when the home has one.
     """
 
     def __init__(self, home: str | os.PathLike[str] | None = None) -> None:
         self.home = Path(home).resolve() if home is not None else ringq_home()
-        self.datadir = self.home / "pgdata"
         self._bindir: Path | None = None
         self._version: str | None = None
         self._started_by_enter = False
+
+    @property
+    def datadir(self) -> Path:
+        """The primary's data directory: ``pgdata`` until a promotion says otherwise."""
+        return self.home / _Pair.read(self.home).primary
+
+    @property
+    def standby_datadir(self) -> Path | None:
+        """The standby's data directory, or None when the home has no standby."""
+        standby = _Pair.read(self.home).standby
+        return None if standby is None else self.home / standby
 
     # -- public ------------------------------------------------------------
 
@@ -201,9 +310,13 @@ class Cluster:
 
         Creates the data directory on first use. Blocks until the server
         accepts connections (pg_ctl -w, at most :data:`START_TIMEOUT` s).
+        When the home has a standby that should run (``ringq db standby
+        start``, not stopped since), starts it too.
 
         :raises PostgresNotFound: no PostgreSQL server is installed.
-        :raises ClusterError: initdb or the server failed (the message has the log's tail).
+        :raises ClusterError: initdb or the server failed (the message has the log's tail);
+            or the standby did not start (the primary runs then, with synchronous
+            replication off).
         :raises ConfigError: the home cannot be a directory (a file is in the way, no permission).
         """
         try:
@@ -213,76 +326,271 @@ class Cluster:
                 f"cannot use {self.home} as the cluster's home: {exc.strerror or exc}"
             ) from exc
         with self._locked():
-            st = self.status()
-            if st.running and st.port is not None:
-                dsn = self._dsn(st.port)
-                self._ensure_database(st.port)
-                self._write_dsn(dsn)
-                return dsn
-            if not (self.datadir / "PG_VERSION").exists():
-                self._initdb()
-            port = self._start_server()
+            pair = _Pair.read(self.home)
+            primary = self._server(pair.primary)
+            port = primary.running_port()
+            if port is None:
+                if not (primary.datadir / "PG_VERSION").exists():
+                    if pair.primary != PRIMARY_DIR:
+                        raise ClusterError(
+                            f"the primary's data directory {primary.datadir} is missing "
+                            f"(named in {self.home / PAIR_FILE})"
+                        )
+                    primary.initdb()
+                port = primary.start(self._primary_settings(pair))
+            standby_failed = None
+            if pair.standby is not None and pair.state == STANDBY_RUNNING:
+                try:
+                    self._keep_standby_running(pair, port)
+                except ClusterError as exc:
+                    standby_failed = exc  # the primary runs: still give it its DSN
             self._ensure_database(port)
-            dsn = self._dsn(port)
+            dsn = _dsn(port)
             self._write_dsn(dsn)
+            if standby_failed is not None:
+                raise standby_failed
             return dsn
 
     def stop(self) -> None:
-        """Stop the server (fast shutdown: sessions are disconnected, transactions
-        roll back, prepared ones survive) and remove the DSN file. Harmless when
-        stopped.
+        """Stop the server, and the standby if one runs (fast shutdown: sessions
+        are disconnected, transactions roll back, prepared ones survive), and
+        remove the DSN file. Harmless when stopped.
 
-        :raises ClusterError: the server would not stop, even with an immediate shutdown.
+        The primary stops first: its clean shutdown sends the standby all its WAL.
+
+        :raises ClusterError: a server would not stop, even with an immediate shutdown.
         """
         if not self.home.is_dir():
             return
         with self._locked():
-            st = self.status()
-            if st.running:
-                proc = self._pg_ctl("stop", "-m", "fast", "-t", str(STOP_TIMEOUT))
-                if proc.returncode != 0 and self.status().running:
-                    proc = self._pg_ctl("stop", "-m", "immediate", "-t", str(STOP_TIMEOUT))
-                    if proc.returncode != 0 and self.status().running:
-                        raise ClusterError(
-                            f"the server in {self.datadir} would not stop: {_tail(proc.stdout)}"
-                        )
+            pair = _Pair.read(self.home)
+            self._server(pair.primary).stop()
+            if pair.standby is not None:
+                self._server(pair.standby).stop()
             self._remove_dsn()
-            self._remove_short_socket_dir(st.socket_dir)
 
     def status(self) -> ClusterStatus:
-        """Whether the server runs, and where. Never raises for a stopped or absent cluster."""
-        pid, port, socket_dir = self._read_pidfile()
-        running = pid is not None
-        if socket_dir is None:
-            socket_dir = self._configured_socket_dir()
-        try:
-            bindir: Path | None = self.bindir
-            version: str | None = self.version
-        except PostgresNotFound:
-            bindir = version = None
-        return ClusterStatus(
-            running=running,
-            pid=pid,
-            port=port if running else None,
-            datadir=self.datadir,
-            dsn=self._dsn(port) if running and port is not None else None,
-            bindir=bindir,
-            version=version,
-            socket_dir=socket_dir,
+        """Whether the primary runs, and where. Never raises for a stopped or absent cluster."""
+        return self._server(_Pair.read(self.home).primary).status()
+
+    def standby_status(self) -> StandbyStatus | None:
+        """The standby's server and replication, or None when the home has none.
+        Never raises for a stopped server."""
+        pair = _Pair.read(self.home)
+        if pair.standby is None:
+            return None
+        st = self._server(pair.standby).status()
+        streaming = sync_state = None
+        lag = None
+        port = self._server(pair.primary).running_port()
+        if port is not None:
+            try:
+                with _admin(port, timeout=5) as conn:
+                    row = conn.execute(Qy.REPLICATION_STATE, (STANDBY_NAME,)).fetchone()
+            except psycopg.Error:
+                row = None
+            if row is not None:
+                streaming, sync_state, lag = row
+        return StandbyStatus(
+            **{f.name: getattr(st, f.name) for f in fields(ClusterStatus)},
+            mode=pair.mode,
+            state=pair.state,
+            streaming=streaming,
+            sync_state=sync_state,
+            lag_bytes=lag,
         )
 
-    def url(self, dbname: str = DATABASE) -> str:
-        """The DSN of database ``dbname`` (default ``ringq``) on the running server.
+    def url(self, dbname: str = DATABASE, *, both: bool = False) -> str:
+        """The DSN of database ``dbname`` (default ``ringq``) on the running primary.
+
+        With ``both``, a multi-host DSN naming the primary and then the
+        standby, with ``target_session_attrs=read-write``: libpq connects to
+        whichever of the two is the primary at the time, so a client that
+        reconnects with it follows a promotion. It is made from the ports the
+        two servers keep across restarts, whether they run or not.
 
         :raises DatabaseUnavailable: the server is not running.
+        :raises NoStandby: ``both``, and the home has no standby (or it never started).
         """
+        if both:
+            pair = _Pair.read(self.home)
+            if pair.standby is None:
+                raise NoStandby(
+                    f"the embedded cluster under {self.home} has no standby: "
+                    f"make one with 'ringq db standby start'"
+                )
+            ports = [self._server(d).configured_port() for d in (pair.primary, pair.standby)]
+            if None in ports:
+                raise NoStandby(f"the standby under {self.home} has never started")
+            hosts = ",".join(f"{HOST}:{p}" for p in ports)
+            return f"postgresql://{SUPERUSER}@{hosts}/{dbname}?target_session_attrs=read-write"
         st = self.status()
         if not st.running or st.port is None:
             raise DatabaseUnavailable(
                 f"the embedded cluster under {self.home} is not running: "
                 f"start it with 'ringq db start'"
             )
-        return self._dsn(st.port, dbname)
+        return _dsn(st.port, dbname)
+
+    # -- the standby ---------------------------------------------------------
+
+    def start_standby(self, *, sync: bool | None = None) -> str:
+        """Make (first time) and start a streaming standby of the running primary;
+        return its DSN (read-only). Blocks until it streams, and when ``sync``
+        until the primary counts it as its synchronous standby.
+
+        The first time, the standby is a base backup of the primary
+        (pg_basebackup through the replication slot ``ringq_standby``) in
+        ``$RINGQ_HOME/standby/pgdata``, on a free port of its own that it keeps
+        across restarts. ``sync``: True makes it synchronous (the primary's
+        commits wait for the standby to have the WAL on disk: a fail-over loses
+        nothing committed), False asynchronous; None keeps the standby's mode
+        (synchronous for a new one). Harmless when it runs: the mode is changed
+        if asked.
+
+        :raises DatabaseUnavailable: the primary is not running.
+        :raises ClusterError: the backup or the server failed, the standby did not
+            stream in :data:`STREAM_TIMEOUT` s, or the standby is the old primary
+            after a promotion (:meth:`rebuild_standby` brings that back).
+        """
+        with self._locked():
+            pair = _Pair.read(self.home)
+            primary = self._server(pair.primary)
+            port = self._primary_port(primary)
+            if pair.standby is not None and pair.state == STANDBY_REBUILD:
+                raise ClusterError(
+                    f"{self.home / pair.standby} holds the old primary, not a standby: "
+                    f"bring it back with 'ringq db standby rebuild'"
+                )
+            if sync is None:
+                mode = pair.mode if pair.standby is not None else SYNC
+            else:
+                mode = SYNC if sync else ASYNC
+            # After a promotion the primary may be standby/pgdata: then pgdata is free.
+            free = PRIMARY_DIR if pair.primary == STANDBY_DIR else STANDBY_DIR
+            standby = self._server(pair.standby or free)
+            if not (standby.datadir / "PG_VERSION").exists():
+                self._create_slot(port)
+                self._base_backup(port, standby)
+            pair = _Pair(pair.primary, _relative(self.home, standby.datadir), mode, STANDBY_STOPPED)
+            pair.write(self.home)
+            return self._run_standby(pair, primary, standby, port=standby.configured_port())
+
+    def stop_standby(self) -> None:
+        """Stop the standby; it is kept (with its slot) for ``start_standby``.
+        Synchronous replication is turned off first, so the primary's commits
+        do not wait for it. Harmless when stopped.
+
+        :raises NoStandby: the home has no standby.
+        """
+        with self._locked():
+            pair = self._pair_with_standby()
+            if pair.state == STANDBY_RUNNING:
+                pair = replace(pair, state=STANDBY_STOPPED)
+                pair.write(self.home)
+                self._apply_primary_settings(pair)
+            assert pair.standby is not None
+            self._server(pair.standby).stop()
+
+    def remove_standby(self) -> None:
+        """Stop the standby, drop its replication slot on the primary and delete
+        its data directory: the home has a primary alone again.
+
+        :raises NoStandby: the home has no standby.
+        :raises DatabaseUnavailable: the primary is not running (its slot must be dropped).
+        """
+        with self._locked():
+            pair = self._pair_with_standby()
+            assert pair.standby is not None
+            port = self._primary_port(self._server(pair.primary))
+            standby = self._server(pair.standby)
+            _Pair(pair.primary).write(self.home)
+            self._apply_primary_settings(_Pair(pair.primary))
+            standby.stop()
+            standby.recover_crashed()  # frees the shared memory a killed server left
+            self._drop_slot(port)
+            shutil.rmtree(standby.datadir)
+
+    def promote(self) -> str:
+        """Make the standby the primary; return the new primary's DSN, which
+        ``$RINGQ_HOME/dsn`` names from then on.
+
+        A primary still running is stopped first (a switchover: its clean
+        shutdown sends the standby all its WAL, so nothing is lost even with
+        asynchronous replication); a dead one is left (a fail-over). The old
+        primary is not started again: it may hold transactions the standby
+        never received, so it comes back only as a standby of the new primary
+        (:meth:`rebuild_standby`). Until then the new primary has no standby
+        and commits without waiting for one.
+
+        :raises NoStandby: the home has no standby.
+        :raises ClusterError: the standby is the old primary (rebuild it first),
+            or pg_ctl promote failed.
+        """
+        with self._locked():
+            pair = self._pair_with_standby()
+            assert pair.standby is not None
+            if pair.state == STANDBY_REBUILD:
+                raise ClusterError(
+                    f"{self.home / pair.standby} is the old primary, not a standby: nothing "
+                    f"to promote (bring it back first with 'ringq db standby rebuild')"
+                )
+            old, new = self._server(pair.primary), self._server(pair.standby)
+            old.stop()
+            port = new.running_port()
+            if port is None:
+                port = new.start(self._standby_settings(old.configured_port()))
+            if new.in_recovery(port) is not False:
+                proc = new.pg_ctl("promote", "-t", str(START_TIMEOUT))
+                if proc.returncode != 0 or new.in_recovery(port) is not False:
+                    raise ClusterError(
+                        f"the standby in {new.datadir} was not promoted: {_tail(proc.stdout)}"
+                    )
+            pair = _Pair(pair.standby, pair.primary, pair.mode, STANDBY_REBUILD)
+            pair.write(self.home)
+            new.rewrite_conf(self._primary_settings(pair))  # a primary's, for its next start
+            dsn = _dsn(port)
+            self._write_dsn(dsn)
+            return dsn
+
+    def rebuild_standby(self, *, fresh: bool = False) -> str:
+        """Bring the standby's data directory back as a streaming standby of
+        the primary; above all the old primary after :meth:`promote`. Returns
+        how: ``rewound`` (pg_rewind undid what it had that the new primary
+        never received), ``unchanged`` (nothing to undo) or ``copied`` (a
+        fresh base backup: with ``fresh``, or when pg_rewind could not do it).
+        Its port, and its logs, are kept. Blocks until it streams.
+
+        :raises NoStandby: the home has no standby.
+        :raises DatabaseUnavailable: the primary is not running.
+        :raises ClusterError: the copy or the server failed, or it did not
+            stream in :data:`STREAM_TIMEOUT` s (after a rewind: the WAL it
+            needs is gone from the primary; ``fresh`` copies it anew).
+        """
+        with self._locked():
+            pair = self._pair_with_standby()
+            assert pair.standby is not None
+            primary, target = self._server(pair.primary), self._server(pair.standby)
+            port = self._primary_port(primary)
+            keep_port = target.configured_port()
+            if pair.state == STANDBY_RUNNING:  # the primary must not wait for it meanwhile
+                pair = replace(pair, state=STANDBY_STOPPED)
+                pair.write(self.home)
+                self._apply_primary_settings(pair)
+            target.stop()
+            target.wait_gone()
+            self._create_slot(port)
+            how = None
+            if not fresh and (target.datadir / "PG_VERSION").exists():
+                how = self._rewind(port, target)
+            if how is None:
+                target.recover_crashed()  # frees the shared memory a killed server left
+                self._base_backup(port, target)
+                how = "copied"
+            self._run_standby(pair, primary, target, port=keep_port)
+            return how
+
+    # -- properties of the installation -------------------------------------
 
     @property
     def bindir(self) -> Path:
@@ -328,6 +636,229 @@ class Cluster:
 
     def __repr__(self) -> str:
         return f"Cluster({str(self.home)!r})"
+
+    # -- the pair --------------------------------------------------------------
+
+    def _server(self, relative: str) -> _Server:
+        return _Server(self, self.home / relative)
+
+    def _pg_ctl(self, *args: str) -> subprocess.CompletedProcess[str]:
+        """pg_ctl on the primary's data directory (the regression's and tests' restarts)."""
+        return self._server(_Pair.read(self.home).primary).pg_ctl(*args)
+
+    def _pair_with_standby(self) -> _Pair:
+        pair = _Pair.read(self.home)
+        if pair.standby is None:
+            raise NoStandby(
+                f"the embedded cluster under {self.home} has no standby: "
+                f"make one with 'ringq db standby start'"
+            )
+        return pair
+
+    def _primary_port(self, primary: _Server) -> int:
+        port = primary.running_port()
+        if port is None:
+            raise DatabaseUnavailable(
+                f"the primary of the embedded cluster under {self.home} ({primary.datadir}) "
+                f"is not running: start it with 'ringq db start'"
+            )
+        return port
+
+    def _primary_settings(self, pair: _Pair) -> dict[str, str]:
+        """The primary's replication settings: it waits for its standby's
+        flush only while a synchronous standby is meant to run."""
+        waits = pair.standby is not None and pair.mode == SYNC and pair.state == STANDBY_RUNNING
+        return {"synchronous_standby_names": f"'{STANDBY_NAME}'" if waits else "''"}
+
+    def _standby_settings(self, primary_port: int | None) -> dict[str, str]:
+        """A standby's settings: where its primary is (kept here rather than in
+        postgresql.auto.conf, so that they follow the primary's port)."""
+        conninfo = (
+            f"host={HOST} port={primary_port or 0} user={SUPERUSER} "
+            f"application_name={STANDBY_NAME}"
+        )
+        return {
+            "primary_conninfo": f"'{conninfo}'",
+            "primary_slot_name": f"'{STANDBY_NAME}'",
+            "synchronous_standby_names": "''",
+        }
+
+    def _apply_primary_settings(self, pair: _Pair) -> None:
+        """Rewrite the primary's replication settings and reload it (when it runs)."""
+        primary = self._server(pair.primary)
+        primary.rewrite_conf(self._primary_settings(pair))
+        if primary.running_port() is not None:
+            primary.reload()
+
+    def _run_standby(
+        self, pair: _Pair, primary: _Server, standby: _Server, *, port: int | None
+    ) -> str:
+        """Start ``standby`` (or point the running one at the primary), wait
+        until it streams, then record it as running and let the primary wait
+        for it when synchronous; the standby's DSN."""
+        primary_port = self._primary_port(primary)
+        settings = self._standby_settings(primary_port)
+        standby_port = standby.running_port()
+        if standby_port is None:
+            standby.make_standby()
+            standby_port = standby.start(settings, port=port)
+        elif standby.rewrite_conf(settings):
+            standby.reload()
+        self._wait_replication(primary_port, standby, sync=False)
+        pair = replace(pair, state=STANDBY_RUNNING)
+        pair.write(self.home)
+        self._apply_primary_settings(pair)
+        if pair.mode == SYNC:
+            self._wait_replication(primary_port, standby, sync=True)
+        return _dsn(standby_port)
+
+    def _keep_standby_running(self, pair: _Pair, primary_port: int) -> None:
+        """At start: start the standby that should run, or point it at the
+        primary's port. If it cannot start, the primary must not wait for it."""
+        assert pair.standby is not None
+        standby = self._server(pair.standby)
+        settings = self._standby_settings(primary_port)
+        if standby.running_port() is not None:
+            if standby.rewrite_conf(settings):
+                standby.reload()
+            return
+        try:
+            standby.start(settings)
+        except ClusterError as exc:
+            pair = replace(pair, state=STANDBY_STOPPED)
+            pair.write(self.home)
+            self._apply_primary_settings(pair)
+            raise ClusterError(
+                f"the primary runs, but its standby did not start, so it no longer waits "
+                f"for it ('ringq db standby start' tries again): {exc}"
+            ) from exc
+
+    def _wait_replication(self, primary_port: int, standby: _Server, *, sync: bool) -> None:
+        """Wait until the primary streams to the standby (and counts it as synchronous)."""
+        deadline = time.monotonic() + STREAM_TIMEOUT
+        row = None
+        with converted(), _admin(primary_port) as conn:
+            while time.monotonic() < deadline:
+                row = conn.execute(Qy.REPLICATION_STATE, (STANDBY_NAME,)).fetchone()
+                if row is not None and row[0] == "streaming" and (not sync or row[1] == SYNC):
+                    return
+                time.sleep(0.05)  # the walreceiver connects on its own schedule
+        seen = f"{row[0]}, {row[1]}" if row else "not connected"
+        goal = "become synchronous" if sync else "stream"
+        raise ClusterError(
+            f"the standby in {standby.datadir} did not {goal} "
+            f"in {STREAM_TIMEOUT} s (it is {seen}; logs: {standby.datadir / 'log'}); "
+            f"if it needs WAL the primary no longer has, 'ringq db standby rebuild --fresh' "
+            f"copies it anew"
+        )
+
+    def _create_slot(self, primary_port: int) -> None:
+        with converted(), _admin(primary_port) as conn:
+            conn.execute(Qy.CREATE_SLOT, {"slot": STANDBY_NAME})
+
+    def _drop_slot(self, primary_port: int) -> None:
+        """Drop the standby's slot, once the walsender of the stopped standby has left it."""
+        deadline = time.monotonic() + STREAM_TIMEOUT
+        with converted(), _admin(primary_port) as conn:
+            while True:
+                conn.execute(Qy.DROP_SLOT, (STANDBY_NAME,))
+                if conn.execute(Qy.SLOT_EXISTS, (STANDBY_NAME,)).fetchone() is None:
+                    return
+                if time.monotonic() > deadline:
+                    raise ClusterError(
+                        f"the replication slot {STANDBY_NAME!r} is still in use after "
+                        f"{STREAM_TIMEOUT} s: drop it with pg_drop_replication_slot()"
+                    )
+                time.sleep(0.05)  # its walsender is ending
+
+    def _base_backup(self, primary_port: int, target: _Server) -> None:
+        """Copy the primary into ``target``'s data directory (replacing it, its
+        logs kept) with pg_basebackup through the standby's slot."""
+        parent = target.datadir.parent
+        if not parent.is_dir():
+            parent.mkdir(parents=True, mode=0o755)
+            self._give(parent)
+        staging = parent / f"{target.datadir.name}.init"
+        shutil.rmtree(staging, ignore_errors=True)  # what a killed backup left
+        source = (
+            f"host={HOST} port={primary_port} user={SUPERUSER} "
+            "application_name=ringq_basebackup"
+        )
+        proc = self._run(
+            [
+                str(self.bindir / "pg_basebackup"),
+                "-D", str(staging),
+                "-d", source,
+                "-X", "stream",
+                "-S", STANDBY_NAME,
+                "-c", "fast",  # an immediate checkpoint, not a spread one
+                "-w",
+            ],
+            timeout=COPY_TIMEOUT,
+        )
+        if proc.returncode != 0:
+            shutil.rmtree(staging, ignore_errors=True)
+            raise ClusterError(f"pg_basebackup into {staging} failed: {_tail(proc.stdout)}")
+        # The copy has the primary's logs and settings file: not the target's
+        # (a new standby's first start writes its own, on a port of its own).
+        shutil.rmtree(staging / "log", ignore_errors=True)
+        (staging / CONF_FILE).unlink(missing_ok=True)
+        if (target.datadir / CONF_FILE).exists():
+            (target.datadir / CONF_FILE).rename(staging / CONF_FILE)
+        old_log = target.datadir / "log"
+        if old_log.is_dir():
+            old_log.rename(staging / "log")
+        else:
+            (staging / "log").mkdir(mode=0o700)
+            self._give(staging / "log")
+        if target.datadir.exists():
+            shutil.rmtree(target.datadir)
+        staging.rename(target.datadir)
+
+    def _rewind(self, primary_port: int, target: _Server) -> str | None:
+        """pg_rewind ``target`` to the primary's history: ``rewound`` or
+        ``unchanged``; None when it cannot (the caller copies instead). Its
+        port and logs are kept (pg_rewind copies the source's files over them)."""
+        conf = target.datadir / CONF_FILE
+        own_conf = conf.read_bytes() if conf.exists() else None
+        logs = target.datadir / "log"
+        aside = target.datadir.parent / f".{target.datadir.name}.log"
+        shutil.rmtree(aside, ignore_errors=True)
+        if logs.is_dir():
+            logs.rename(aside)
+        source = f"host={HOST} port={primary_port} user={SUPERUSER} dbname=postgres"
+        # pg_rewind reads the source's timeline from its control file, which a
+        # fresh promotion updates only at its first checkpoint: without one,
+        # it would take the two for the same history ("no rewind required").
+        with converted(), _admin(primary_port) as conn:
+            conn.execute(Qy.CHECKPOINT)
+        try:
+            proc = self._run(
+                [
+                    str(self.bindir / "pg_rewind"),
+                    "-D",
+                    str(target.datadir),
+                    f"--source-server={source}",
+                ],
+                timeout=COPY_TIMEOUT,
+            )
+        finally:
+            if aside.is_dir():
+                shutil.rmtree(logs, ignore_errors=True)
+                aside.rename(logs)
+        with (logs / "rebuild.log").open("a") as f:  # what it did, or why we copy instead
+            f.write(proc.stdout)
+        if proc.returncode != 0:
+            return None
+        if own_conf is not None:  # pg_rewind copied the source's: its port, its sockets
+            conf.write_bytes(own_conf)
+        return "unchanged" if "no rewind required" in proc.stdout else "rewound"
+
+    def _ensure_database(self, port: int) -> None:
+        with converted(dsn=_dsn(port, "postgres")), _admin(port) as conn:
+            found = conn.execute(Qy.DATABASE_EXISTS, (DATABASE,)).fetchone()
+            if found is None:
+                conn.execute(compose(Qy.CREATE_DATABASE, database=sql.Identifier(DATABASE)))
 
     # -- the server user ---------------------------------------------------
 
@@ -398,15 +929,86 @@ class Cluster:
         except OSError as exc:
             raise ClusterError(f"cannot run {cmd[0]}: {exc}") from exc
 
-    def _pg_ctl(self, *args: str) -> subprocess.CompletedProcess[str]:
-        return self._run(
-            [str(self.bindir / "pg_ctl"), "-D", str(self.datadir), "-w", *args],
+    # -- state files ---------------------------------------------------------
+
+    def _write_dsn(self, dsn: str) -> None:
+        path = self.home / DSN_FILE
+        tmp = path.with_name(f".{DSN_FILE}.{os.getpid()}")
+        tmp.write_text(dsn + "\n")
+        tmp.chmod(0o644)
+        os.replace(tmp, path)  # readers never see a half-written file
+
+    def _remove_dsn(self) -> None:
+        try:
+            (self.home / DSN_FILE).unlink()
+        except FileNotFoundError:
+            pass
+
+    @contextmanager
+    def _locked(self) -> Iterator[None]:
+        """Serialise start/stop of this home across processes (released by the kernel on death)."""
+        with open(self.home / "lock", "a") as f:
+            fcntl.flock(f, fcntl.LOCK_EX)
+            try:
+                yield
+            finally:
+                fcntl.flock(f, fcntl.LOCK_UN)
+
+
+class _Server:
+    """One data directory under a cluster's home, and the server that runs on it."""
+
+    def __init__(self, cluster: Cluster, datadir: Path) -> None:
+        self.cluster = cluster
+        self.datadir = datadir
+
+    def pg_ctl(self, *args: str) -> subprocess.CompletedProcess[str]:
+        return self.cluster._run(
+            [str(self.cluster.bindir / "pg_ctl"), "-D", str(self.datadir), "-w", *args],
             timeout=max(START_TIMEOUT, STOP_TIMEOUT) + 30,
         )
 
+    def status(self) -> ClusterStatus:
+        """Whether the server runs, and where. Never raises for a stopped or absent cluster."""
+        pid, port, socket_dir = self.read_pidfile()
+        running = pid is not None
+        if socket_dir is None:
+            socket_dir = self.configured_socket_dir()
+        try:
+            bindir: Path | None = self.cluster.bindir
+            version: str | None = self.cluster.version
+        except PostgresNotFound:
+            bindir = version = None
+        return ClusterStatus(
+            running=running,
+            pid=pid,
+            port=port if running else None,
+            datadir=self.datadir,
+            dsn=_dsn(port) if running and port is not None else None,
+            bindir=bindir,
+            version=version,
+            socket_dir=socket_dir,
+            in_recovery=self.in_recovery(port) if running and port is not None else None,
+        )
+
+    def running_port(self) -> int | None:
+        """The port of the running server, or None when it is not running."""
+        pid, port, _ = self.read_pidfile()
+        return port if pid is not None else None
+
+    def in_recovery(self, port: int) -> bool | None:
+        """pg_is_in_recovery() of the server on ``port`` (True: a standby);
+        None if it does not answer."""
+        try:
+            with _admin(port, timeout=5) as conn:
+                row = conn.execute(Qy.IN_RECOVERY).fetchone()
+        except psycopg.Error:
+            return None
+        return None if row is None else bool(row[0])
+
     # -- creation and start ------------------------------------------------
 
-    def _initdb(self) -> None:
+    def initdb(self) -> None:
         """Create the data directory, atomically: initdb into a side directory, then rename."""
         if self.datadir.exists():
             if any(self.datadir.iterdir()):
@@ -415,11 +1017,11 @@ class Cluster:
                     f"(no PG_VERSION): move it away"
                 )
             self.datadir.rmdir()
-        staging = self.home / "pgdata.init"
+        staging = self.datadir.with_name(f"{self.datadir.name}.init")
         shutil.rmtree(staging, ignore_errors=True)  # what a killed initdb left
-        proc = self._run(
+        proc = self.cluster._run(
             [
-                str(self.bindir / "initdb"),
+                str(self.cluster.bindir / "initdb"),
                 "-D",
                 str(staging),
                 "--auth=trust",
@@ -440,45 +1042,97 @@ class Cluster:
                 f"include = '{CONF_FILE}'\n"
             )
         (staging / "log").mkdir(mode=0o700, exist_ok=True)
-        self._give(staging / "log")
+        self.cluster._give(staging / "log")
         staging.rename(self.datadir)
 
-    def _socket_dir(self) -> Path:
-        """``$home/run``, or a short directory under /tmp when that path is too long."""
-        run = self.home / "run"
+    def make_standby(self) -> None:
+        """Mark the (stopped) data directory as a standby's: ``standby.signal``, and
+        no replication slot of its own (an old primary's would hold WAL forever)."""
+        signal = self.datadir / "standby.signal"
+        signal.touch(mode=0o600)
+        self.cluster._give(signal)
+        for slot in (self.datadir / "pg_replslot").glob("*"):
+            shutil.rmtree(slot, ignore_errors=True)
+
+    def wait_gone(self) -> None:
+        """Wait for the processes of a killed postmaster to leave the data directory:
+        its backends exit when they notice, and hold its shared memory until then."""
+        try:
+            pid: int | None = int((self.datadir / "postmaster.pid").read_text().split()[0])
+        except (OSError, ValueError, IndexError):
+            pid = None
+        deadline = time.monotonic() + STOP_TIMEOUT
+        # PostgreSQL refuses a data directory whose postmaster.pid names a
+        # process that exists, even a zombie not yet reaped.
+        while _processes_in(self.datadir) or (pid is not None and _lingers(pid)):
+            if time.monotonic() > deadline:
+                left = _processes_in(self.datadir) + ([pid] if pid is not None else [])
+                raise ClusterError(
+                    f"processes of a dead server remain in {self.datadir}: "
+                    f"{', '.join(map(str, left))}"
+                )
+            time.sleep(0.05)
+
+    def recover_crashed(self) -> None:
+        """Finish the crash recovery of a killed primary in single-user mode (as
+        pg_rewind does), so that it frees the shared memory its dead server
+        left (PostgreSQL frees it only when the data directory starts again).
+        Nothing for a running or cleanly stopped server, or a standby's."""
+        if (
+            not (self.datadir / "postmaster.pid").exists()
+            or (self.datadir / "standby.signal").exists()
+            or self.running_port() is not None
+        ):
+            return
+        self.wait_gone()
+        proc = self.cluster._run(
+            [
+                str(self.cluster.bindir / "postgres"),
+                "--single",
+                "-F",
+                "-D",
+                str(self.datadir),
+                "template1",
+            ],
+            timeout=COPY_TIMEOUT,
+        )
+        if proc.returncode != 0:
+            raise ClusterError(
+                f"the crash recovery of {self.datadir} failed: {_tail(proc.stdout)}"
+            )
+
+    def socket_dir(self) -> Path:
+        """``run`` beside the data directory, or a short directory under /tmp
+        when that path is too long for a socket."""
+        run = self.datadir.parent / "run"
         if len(os.fsencode(run)) + SOCKET_SUFFIX_MAX <= SOCKET_PATH_MAX:
             run.mkdir(mode=0o755, exist_ok=True)
-            self._give(run)
+            self.cluster._give(run)
             return run
-        previous = self._configured_socket_dir()
+        previous = self.configured_socket_dir()
         if previous is not None and previous != run and previous.is_dir():
             return previous
         short = Path(tempfile.mkdtemp(prefix="ringq-"))
         short.chmod(0o755)
-        self._give(short)
+        self.cluster._give(short)
         return short
 
-    def _configured_socket_dir(self) -> Path | None:
-        value = self._read_conf().get("unix_socket_directories")
+    def configured_socket_dir(self) -> Path | None:
+        value = self.read_conf().get("unix_socket_directories")
         return Path(value.strip("'")) if value else None
 
-    def _configured_port(self) -> int | None:
-        value = self._read_conf().get("port")
+    def configured_port(self) -> int | None:
+        value = self.read_conf().get("port")
         return int(value) if value and value.isdigit() else None
 
-    def _read_conf(self) -> dict[str, str]:
+    def read_conf(self) -> dict[str, str]:
         try:
             text = (self.datadir / CONF_FILE).read_text()
         except OSError:
             return {}
-        out = {}
-        for line in text.splitlines():
-            key, sep, value = line.partition("=")
-            if sep and not key.lstrip().startswith("#"):
-                out[key.strip()] = value.split("#", 1)[0].strip()
-        return out
+        return dict(_parse_conf(text))
 
-    def _write_conf(self, port: int, socket_dir: Path) -> None:
+    def write_conf(self, port: int, socket_dir: Path, replication: dict[str, str]) -> None:
         lines = [
             "# Written by ringq at every 'ringq db start'; edits here are overwritten.",
             "# Use ALTER SYSTEM (postgresql.auto.conf) to override a value.",
@@ -486,25 +1140,45 @@ class Cluster:
             f"unix_socket_directories = '{socket_dir}'",
         ]
         lines += [f"{key} = {value}" for key, value in SETTINGS.items()]
+        lines += [f"{key} = {value}" for key, value in replication.items()]
         path = self.datadir / CONF_FILE
-        path.write_text("\n".join(lines) + "\n")
-        self._give(path)
+        tmp = path.with_name(f".{CONF_FILE}.{os.getpid()}")
+        tmp.write_text("\n".join(lines) + "\n")
+        self.cluster._give(tmp)
+        os.replace(tmp, path)  # a reload never reads half a file
 
-    def _start_server(self) -> int:
-        """Start the server on a free port (the last one used if still free); return the port."""
-        socket_dir = self._socket_dir()
+    def rewrite_conf(self, replication: dict[str, str]) -> bool:
+        """Rewrite ringq.conf with new replication settings, its port and socket
+        directory kept; whether anything changed (reload it then)."""
+        before = self.read_conf()
+        port = self.configured_port()
+        socket_dir = self.configured_socket_dir()
+        if port is None or socket_dir is None:
+            return False  # never started: its first start writes it
+        self.write_conf(port, socket_dir, replication)
+        return self.read_conf() != before
+
+    def reload(self) -> None:
+        proc = self.pg_ctl("reload")
+        if proc.returncode != 0:
+            raise ClusterError(f"the server in {self.datadir} did not reload: {_tail(proc.stdout)}")
+
+    def start(self, replication: dict[str, str], *, port: int | None = None) -> int:
+        """Start the server on a free port (``port``, else the last one used, if
+        still free); return the port."""
+        socket_dir = self.socket_dir()
         log = self.datadir / "log"
         if not log.is_dir():
             log.mkdir(mode=0o700)
-            self._give(log)
+            self.cluster._give(log)
         startup_log = log / "startup.log"
-        port = self._configured_port()
+        port = port or self.configured_port()
         if port is None or not _port_free(port):
             port = _free_port()
         for attempt in range(PORT_ATTEMPTS):
-            self._write_conf(port, socket_dir)
+            self.write_conf(port, socket_dir, replication)
             offsets = _log_sizes(log)
-            proc = self._pg_ctl("start", "-t", str(START_TIMEOUT), "-l", str(startup_log))
+            proc = self.pg_ctl("start", "-t", str(START_TIMEOUT), "-l", str(startup_log))
             if proc.returncode == 0:
                 return port
             # The logging collector may start before the sockets are bound, so
@@ -519,19 +1193,20 @@ class Cluster:
             )
         raise AssertionError("unreachable")
 
-    def _ensure_database(self, port: int) -> None:
-        admin = self._dsn(port, "postgres")
-        with (
-            converted(dsn=admin),
-            psycopg.connect(admin, autocommit=True, connect_timeout=10) as conn,
-        ):
-            found = conn.execute(Qy.DATABASE_EXISTS, (DATABASE,)).fetchone()
-            if found is None:
-                conn.execute(compose(Qy.CREATE_DATABASE, database=sql.Identifier(DATABASE)))
+    def stop(self) -> None:
+        """Fast shutdown (an immediate one if that fails); harmless when stopped."""
+        pid, _, socket_dir = self.read_pidfile()
+        if pid is not None:
+            proc = self.pg_ctl("stop", "-m", "fast", "-t", str(STOP_TIMEOUT))
+            if proc.returncode != 0 and self.running_port() is not None:
+                proc = self.pg_ctl("stop", "-m", "immediate", "-t", str(STOP_TIMEOUT))
+                if proc.returncode != 0 and self.running_port() is not None:
+                    raise ClusterError(
+                        f"the server in {self.datadir} would not stop: {_tail(proc.stdout)}"
+                    )
+        self._remove_short_socket_dir(socket_dir or self.configured_socket_dir())
 
-    # -- state files ---------------------------------------------------------
-
-    def _read_pidfile(self) -> tuple[int | None, int | None, Path | None]:
+    def read_pidfile(self) -> tuple[int | None, int | None, Path | None]:
         """(pid, port, socket dir) from postmaster.pid when its server is alive."""
         try:
             lines = (self.datadir / "postmaster.pid").read_text().splitlines()
@@ -547,25 +1222,9 @@ class Cluster:
         socket_dir = Path(lines[4]) if len(lines) > 4 and lines[4].strip() else None
         return pid, port, socket_dir
 
-    def _dsn(self, port: int, dbname: str = DATABASE) -> str:
-        return f"postgresql://{SUPERUSER}@{HOST}:{port}/{dbname}"
-
-    def _write_dsn(self, dsn: str) -> None:
-        path = self.home / DSN_FILE
-        tmp = path.with_name(f".{DSN_FILE}.{os.getpid()}")
-        tmp.write_text(dsn + "\n")
-        tmp.chmod(0o644)
-        os.replace(tmp, path)  # readers never see a half-written file
-
-    def _remove_dsn(self) -> None:
-        try:
-            (self.home / DSN_FILE).unlink()
-        except FileNotFoundError:
-            pass
-
     def _remove_short_socket_dir(self, socket_dir: Path | None) -> None:
         """Remove a /tmp/ringq-* socket directory made for a too-long home path."""
-        if socket_dir is None or socket_dir == self.home / "run":
+        if socket_dir is None or socket_dir == self.datadir.parent / "run":
             return
         if (
             socket_dir.parent == Path(tempfile.gettempdir())
@@ -573,15 +1232,60 @@ class Cluster:
         ):
             shutil.rmtree(socket_dir, ignore_errors=True)
 
-    @contextmanager
-    def _locked(self) -> Iterator[None]:
-        """Serialise start/stop of this home across processes (released by the kernel on death)."""
-        with open(self.home / "lock", "a") as f:
-            fcntl.flock(f, fcntl.LOCK_EX)
+
+def _dsn(port: int, dbname: str = DATABASE) -> str:
+    return f"postgresql://{SUPERUSER}@{HOST}:{port}/{dbname}"
+
+
+def _admin(port: int, *, timeout: int = 10) -> psycopg.Connection[tuple[Any, ...]]:
+    """A superuser connection to database ``postgres`` on ``port``, autocommit."""
+    return psycopg.connect(_dsn(port, "postgres"), autocommit=True, connect_timeout=timeout)
+
+
+def _relative(home: Path, path: Path) -> str:
+    return str(path.relative_to(home))
+
+
+def _parse_conf(text: str) -> Iterator[tuple[str, str]]:
+    """``key = value`` lines of a settings file (comments and blanks skipped)."""
+    for line in text.splitlines():
+        key, sep, value = line.partition("=")
+        if sep and not key.lstrip().startswith("#"):
+            yield key.strip(), value.split("#", 1)[0].strip()
+
+
+def _lingers(pid: int) -> bool:
+    """Whether a dead postmaster's ``pid`` still exists: as a zombie, or still dying."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return True
+    return fields[0] == "Z" or _is_postmaster(pid)
+
+
+def _processes_in(directory: Path) -> list[int]:
+    """Pids of the processes whose working directory is ``directory`` (a
+    server's processes work in its data directory)."""
+    pids = []
+    target = str(directory)
+    try:
+        entries = os.listdir("/proc")
+    except OSError:
+        return []
+    for name in entries:
+        if name.isdigit():
             try:
-                yield
-            finally:
-                fcntl.flock(f, fcntl.LOCK_UN)
+                if os.readlink(f"/proc/{name}/cwd") == target:
+                    pids.append(int(name))
+            except OSError:
+                pass
+    return pids
 
 
 def _is_postmaster(pid: int) -> bool:
