@@ -311,6 +311,7 @@ class Ring:
         """
         Q, b = self.Q, self.qb
         n_ready = n_space = 0
+        latencies: dict[tuple[OpKind, int], int] = {}  # a batch's ops share one latency
         for op in ops:
             if not self.held_by(op.slot, owner):
                 continue  # already decided by recovery (never finish a slot twice)
@@ -328,7 +329,10 @@ class Ring:
                 self.finish_dequeue(op.slot, consumed, exclusive=exclusive, reclaim=False)
                 n_space += consumed
                 n_ready += (not consumed) or (exclusive and was_owner and not Q[b + L.Q_DEQ_OWNER])
-            self.record_latency(op.kind, op.latency_ns)
+            key = (op.kind, op.latency_ns)
+            latencies[key] = latencies.get(key, 0) + 1
+        for (kind, ns), n in latencies.items():
+            self.record_latency(kind, ns, n)
         if n_space:
             self.reclaim()  # once per queue, not once per entry
         if (poisoned_here := sum(1 for op in ops if (op.slot, op.seq) in poisoned)):
@@ -398,8 +402,8 @@ class Ring:
 
     # -- counters and waiters ---------------------------------------------------------
 
-    def record_latency(self, kind: OpKind, ns: int) -> None:
-        """Add an enqueue or dequeue call's latency (ns) to its histogram and sum."""
+    def record_latency(self, kind: OpKind, ns: int, n: int = 1) -> None:
+        """Add ``n`` enqueue or dequeue calls' latency (ns each) to its histogram and sum."""
         if ns <= 0:
             return
         if kind == OpKind.ENQUEUE:
@@ -408,8 +412,8 @@ class Ring:
             hist_word, sum_word = L.Q_DEQ_HIST, L.Q_DEQ_LAT_NS
         us = ns // 1000
         bucket = min(us.bit_length(), L.HIST_BUCKETS - 1)
-        self.Q[self.qb + hist_word + bucket] += 1
-        self.Q[self.qb + sum_word] += ns
+        self.Q[self.qb + hist_word + bucket] += n
+        self.Q[self.qb + sum_word] += ns * n
 
     def note_full(self) -> None:
         """An enqueue found no free slot: count it; the queue is full from now if it was not."""

@@ -16,7 +16,7 @@ import weakref
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass
-from datetime import UTC, datetime, timedelta
+from datetime import UTC, datetime, timedelta, tzinfo
 from typing import Any, Self, TypeVar
 
 import posix_ipc
@@ -670,7 +670,7 @@ class Session(TwoPhase):
         if len(ops) == 1:
             return self._stmt("consume", queue), (ops[0].slot, ops[0].seq)
         return self._stmt("consume_many", queue), (
-            [op.slot for op in ops], [op.seq for op in ops], len(ops),
+            _int_array(op.slot for op in ops), _int_array(op.seq for op in ops), len(ops),
         )
 
     def _write_statement(self, queue: str, ops: list[Op]) -> _wire.Statement:
@@ -689,11 +689,11 @@ class Session(TwoPhase):
             )
         writes = [op.write for op in ops if op.write is not None]
         return self._stmt("enqueue_many", queue), (
-            [op.slot for op in ops],
-            [op.seq for op in ops],
+            _int_array(op.slot for op in ops),
+            _int_array(op.seq for op in ops),
             [w.payload for w in writes],
-            [w.producer for w in writes],
-            [w.producer_seq for w in writes],
+            _text_array([w.producer for w in writes]),
+            _int_array(w.producer_seq for w in writes),
             len(ops),
         )
 
@@ -1139,7 +1139,10 @@ class Session(TwoPhase):
                     op.latency_ns = lat
                 if len(from_cache) == len(ops):
                     self._section.count_client(self._cidx, L.C_N_DEQ, len(ops))
-                    return [self._cached_message(queue, op.seq, from_cache[op.slot]) for op in ops]
+                    tz = self._conn.info.timezone
+                    return [
+                        _cached_message(queue, op.seq, from_cache[op.slot], tz) for op in ops
+                    ]
                 ops = [op for op in ops if not op.consume]
             if len(ops) == 1:
                 row = self._execute(
@@ -1150,7 +1153,7 @@ class Session(TwoPhase):
             else:
                 rows = self._execute(
                     self._stmt("dequeue_many", queue),
-                    ([op.slot for op in ops], [op.seq for op in ops]),
+                    (_int_array(op.slot for op in ops), _int_array(op.seq for op in ops)),
                     binary=True,
                     queue=queue,
                     qid=info.id,
@@ -1162,9 +1165,10 @@ class Session(TwoPhase):
             if stale:
                 self._repair_dequeue(info, ring, stale, exclusive)
             messages = []
+            tz = self._conn.info.timezone
             for slot, seq, cached in claimed:
                 if cached is not None:
-                    messages.append(self._cached_message(queue, seq, cached))
+                    messages.append(_cached_message(queue, seq, cached, tz))
                 elif slot in got:
                     _slot, seq, payload, producer, pseq, enq_at, deliveries = got[slot]
                     messages.append(
@@ -1176,17 +1180,6 @@ class Session(TwoPhase):
                 self._section.count_client(self._cidx, L.C_N_DEQ, len(messages))
                 return messages
         return []
-
-    def _cached_message(
-        self, queue: str, seq: int, cached: tuple[bytes, str, int, int]
-    ) -> Message:
-        """The message of a cache hit: a first delivery (a dequeue that does not
-        commit clears its slot's record, so redeliveries read the row)."""
-        payload, producer, pseq, enq_at_us = cached
-        enq_at = (_EPOCH + timedelta(microseconds=enq_at_us)).astimezone(
-            self._conn.info.timezone
-        )
-        return Message(queue, seq, payload, producer, pseq, enq_at, 1)
 
     def _claim(
         self, ring: Ring, info: QueueInfo, max_n: int, deadline: float | None, exclusive: bool
@@ -1506,6 +1499,35 @@ class Session(TwoPhase):
 
 
 _ENDED_STATES = frozenset({"57P01", "57P02", "57P05", "25P03"})
+
+
+def _cached_message(
+    queue: str, seq: int, cached: tuple[bytes, str, int, int], tz: tzinfo
+) -> Message:
+    """The message of a cache hit: a first delivery (a dequeue that does not
+    commit clears its slot's record, so redeliveries read the row); its
+    enqueue time in ``tz``, the connection's time zone, as a row read gives it."""
+    payload, producer, pseq, enq_at_us = cached
+    enq_at = (_EPOCH + timedelta(microseconds=enq_at_us)).astimezone(tz)
+    return Message(queue, seq, payload, producer, pseq, enq_at, 1)
+
+
+def _int_array(values: Iterable[int]) -> str:
+    """A PostgreSQL array literal of integers: one text parameter (psycopg
+    dumps a list element by element, a regular expression each)."""
+    return "{" + ",".join(map(str, values)) + "}"
+
+
+def _text_array(values: list[str]) -> str:
+    """A PostgreSQL array literal of strings, each quoted; the usual case (one
+    producer for the whole batch) quoted once."""
+    def quoted(v: str) -> str:
+        return '"' + v.replace("\\", "\\\\").replace('"', '\\"') + '"'
+
+    first = values[0] if values else ""
+    if all(v == first for v in values):
+        return "{" + ",".join([quoted(first)] * len(values)) + "}"
+    return "{" + ",".join(map(quoted, values)) + "}"
 
 
 def _answer_lost(exc: BaseException | None) -> bool:

@@ -238,12 +238,12 @@ def test_each_entry_keeps_the_producer_it_was_enqueued_under(
     q = make_queue(capacity=8)
     with connect(dsn, producer="a") as s:
         s.enqueue(q, b"from a")
-        s.producer = "b"
+        s.producer = 'b "quoted", {braced} \\ NULL'  # what an array literal must escape
         s.enqueue_many(q, [b"from b", b"from b too"])
         s.commit()
         cached = s.dequeue_many(q, 3)
         s.rollback(count_delivery=False)
         from_rows = s.dequeue_many(q, 3)
         s.commit()
-    assert [m.producer for m in cached] == ["a", "b", "b"]
+    assert [m.producer for m in cached] == ["a"] + ['b "quoted", {braced} \\ NULL'] * 2
     assert cached == from_rows
