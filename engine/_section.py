@@ -38,6 +38,7 @@ from ._errors import SectionError, SectionIncompatible
 _U64: Final = (1 << 64) - 1
 
 logger = logging.getLogger("ringq")
+SHM_DIR = "/dev/shm"  # where Linux keeps POSIX shared memory (glibc's shm_open)
 
 
 def section_name(instance_id: str) -> str:
@@ -64,6 +65,15 @@ def pid_alive(pid: int) -> bool:
         return state not in (b"Z", b"X")
     except (OSError, IndexError):
         return True
+
+
+def shm_free_bytes() -> int | None:
+    """Bytes free on the filesystem of POSIX shared memory (/dev/shm), None if unknown."""
+    try:
+        st = os.statvfs(SHM_DIR)
+    except OSError:
+        return None
+    return st.f_bavail * st.f_frsize
 
 
 class Section:
@@ -391,6 +401,16 @@ class Section:
                 "ringq: queue %s runs without its payload cache: it needs %d bytes, "
                 "the section's cache pool has %d of %d left", name, need,
                 L.CACHE_POOL - start, L.CACHE_POOL,
+            )
+            return 0, 0
+        free = shm_free_bytes()
+        if free is not None and need > free:
+            # The pool is sparse: its pages are taken when records are written,
+            # and a write the filesystem has no page for kills the writer
+            # (SIGBUS). A small /dev/shm (a container's 64 MB) cannot hold it.
+            logger.warning(
+                "ringq: queue %s runs without its payload cache: it needs %d bytes, "
+                "the shared-memory filesystem has %d free", name, need, free,
             )
             return 0, 0
         self.header[L.H_NEXT_CACHE] = start + (need + 63) // 64 * 64

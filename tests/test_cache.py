@@ -247,3 +247,22 @@ def test_each_entry_keeps_the_producer_it_was_enqueued_under(
         s.commit()
     assert [m.producer for m in cached] == ["a"] + ['b "quoted", {braced} \\ NULL'] * 2
     assert cached == from_rows
+
+
+def test_a_queue_whose_cache_the_shm_filesystem_cannot_hold_runs_without_it(
+    dsn: str, make_queue: Callable[..., str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A container's small /dev/shm: writing records it has no pages for would
+    kill the writer (SIGBUS). The queue is loaded without its cache instead."""
+    import ringq.engine._section as section_module
+
+    q = make_queue(capacity=64)
+    monkeypatch.setattr(section_module, "shm_free_bytes", lambda: 1024)
+    with connect(dsn) as s:
+        s.enqueue(q, b"no cache")
+        s.commit()
+        ring = s.ring(q)
+        assert s.section.queues[ring.qb + L.Q_CACHE_PAYLOAD] == 0 and ring.stride == 0
+        assert present(s.dequeue(q)).payload == b"no cache"
+        assert hits_misses(s, q) == (0, 0)
+        s.commit()
