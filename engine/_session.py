@@ -548,6 +548,81 @@ class Session(TwoPhase):
         :raises TransactionError: the transaction had failed; it was rolled back.
         """
         self._check()
+        self._commit()
+
+    def commit_and_dequeue(self, queue: str) -> Message | None:
+        """Commit, then take the oldest ready entry of ``queue`` in a new
+        transaction: :meth:`commit` then :meth:`dequeue`, in one round trip
+        for the two when the entry is read from its row (not in the payload
+        cache) and this transaction was opened by a statement (a dequeue read
+        from its row, or your own SQL) and holds no row write: the COMMIT, the
+        new BEGIN and the dequeue go in one message. A consumer loop of such
+        entries costs one round trip per message. Returns None if nothing is
+        ready (no wait).
+
+        :raises: as :meth:`commit`; then nothing was taken.
+        """
+        self._check()
+        check_wait("wait", None)
+        if self._tpc_xid is not None:
+            raise TransactionError("a two-phase transaction is open: use tpc_commit()")
+        info = self._info(queue)
+        ring = self._ring(info)
+        exclusive = info.dequeue_mode == "single"
+        ops = self._ops
+        if not (
+            self._conn.pgconn.transaction_status == _INTRANS
+            and any(op.kind == OpKind.DEQUEUE and not op.held for op in ops)
+            and not any(op.held for op in ops)
+        ):
+            self._commit()
+            return self.dequeue(queue)
+        t0 = time.perf_counter_ns()
+        claimed = self._claim(ring, info, 1, None, exclusive)
+        if not claimed:
+            self._commit()
+            return self.dequeue(queue)
+        slot, seq, cached = claimed[0]
+        op = Op(ring, info, slot, seq, OpKind.DEQUEUE, consume=cached is not None)
+        if cached is not None:
+            try:
+                self._commit()
+            except BaseException:
+                self._finish([op], committed=False, count_delivery=False)  # not taken after all
+                raise
+            tz = self._conn.info.timezone
+            self._taken([op], t0)
+            return _cached_message(queue, seq, cached, tz)
+        cur = self._commit(then=op, then_stmt=(self._stmt("dequeue", queue), (slot, seq)))
+        if cur is None:
+            return None  # committed; the entry was given back
+        row = cur.fetchone()
+        self._ops.append(op)
+        if row is None:
+            self._repair_dequeue(info, ring, [op], exclusive)
+            return None
+        self._taken([op], t0, appended=True)
+        payload, producer, pseq, enq_at, deliveries = row
+        return Message(queue, seq, bytes(payload), producer, pseq, enq_at, deliveries + 1)
+
+    def _taken(self, ops: list[Op], t0: int, *, appended: bool = False) -> None:
+        """Ops of a dequeue join the transaction (its lease runs from now)."""
+        lat = (time.perf_counter_ns() - t0) // len(ops)
+        for op in ops:
+            op.latency_ns = lat
+        if not appended:
+            self._ops.extend(ops)
+        self._section.note_hold(self._cidx)
+        self._section.count_client(self._cidx, L.C_N_DEQ, len(ops))
+
+    def _commit(
+        self, then: Op | None = None, then_stmt: _wire.Statement | None = None
+    ) -> psycopg.Cursor[Any] | None:
+        """:meth:`commit`; with ``then`` (a claimed slot whose entry is read
+        from its row: the transaction holds no row write and is open), the
+        COMMIT carries ``then_stmt`` in a new transaction. Returns its cursor,
+        or None if the COMMIT stood but the statement failed (``then`` given
+        back); if the commit fails, ``then`` is given back too, without a strike."""
         if self._tpc_xid is not None:
             raise TransactionError("a two-phase transaction is open: use tpc_commit()")
         ops = self._ops
@@ -556,8 +631,15 @@ class Session(TwoPhase):
             self.rollback()
             raise TransactionError("the transaction failed earlier and was rolled back")
         writes = [op for op in ops if op.held]
+        cur = None
         try:
-            if writes:
+            if then is not None:
+                assert then_stmt is not None and not writes
+                query, params = then_stmt
+                cur = self._call(
+                    lambda: _wire.commit_then(self._conn, query, params), recover=False
+                )
+            elif writes:
                 self._send_writes(writes, commit=True)
             else:
                 self._call(self._conn.commit, recover=False)
@@ -569,12 +651,29 @@ class Session(TwoPhase):
             # nothing committed, whatever the error says.
             rolled_back = self._ops is not ops
             self._ops = []
-            if self._conn.broken or self._conn.closed or _answer_lost(exc) and not rolled_back:
+            lost = self._conn.broken or self._conn.closed or _answer_lost(exc) and not rolled_back
+            if (
+                then is not None
+                and not lost
+                and self._conn.pgconn.transaction_status == _INERROR
+            ):
+                # The COMMIT went through; the statement after it failed.
+                with suppress(RingqError):
+                    self._call(self._conn.rollback, recover=False)
+                self._finish(ops, committed=True)
+                self._finish([then], committed=False, count_delivery=False)
+                logger.warning("ringq: queue %s: the dequeue sent with a commit failed: %s",
+                               then.info.name, exc)
+                return None
+            if lost:
                 # The answer may have been lost after the COMMIT ran: a backend
                 # terminated during the pipeline can leave psycopg with "cannot
                 # exit pipeline mode while busy" (no SQLSTATE) on a connection
-                # that does not read as broken yet. Decide from the rows.
-                committed = self._recover(ops, reason=f"commit answer lost: {exc}")
+                # that does not read as broken yet. Decide from the rows (the
+                # slot claimed after the COMMIT, if any, with them: its
+                # transaction never committed, so it comes back).
+                decided = ops if then is None else [*ops, then]
+                committed = self._recover(decided, reason=f"commit answer lost: {exc}")
                 if committed is None and self._section.lease_ended(self._cidx):
                     # past the lease
                     committed = False if any(op.kind == OpKind.DEQUEUE for op in ops) else None
@@ -583,7 +682,7 @@ class Session(TwoPhase):
                     raise InDoubt(f"commit outcome unknown: {exc}") from exc
                 if committed:
                     logger.warning("ringq: commit answer lost, but the rows show it committed")
-                    return
+                    return None
                 self._record_ops_error(L.ERR_COMMIT_FAILED, ops)
                 raise TransactionError(f"commit failed and was rolled back: {exc}") from exc
             # The server refused the commit (deferred constraint, serialization,
@@ -592,11 +691,14 @@ class Session(TwoPhase):
             with suppress(RingqError):
                 self._call(self._conn.rollback, recover=False)
             self._finish(ops, committed=False)
+            if then is not None:
+                self._finish([then], committed=False, count_delivery=False)
             if ops:
                 self._record_ops_error(L.ERR_COMMIT_FAILED, ops)
             raise
         self._ops = []
         self._finish(ops, committed=True)
+        return cur
 
     def flush(self) -> None:
         """Send the row writes the session holds now (one round trip, opening

@@ -108,6 +108,19 @@ def execute(
         return cur
 
 
+def commit_then(conn: psycopg.Connection[Any], query: str, params: Params) -> psycopg.Cursor[Any]:
+    """COMMIT the open transaction, then BEGIN another and run ``query`` in
+    it: one simple-protocol message, one round trip. The cursor is positioned
+    on the query's rows. If the COMMIT fails the rest does not run (the
+    connection is then idle, the transaction rolled back); if the query fails
+    after it, the COMMIT stands and the new transaction is failed."""
+    cur = psycopg.ClientCursor(conn)
+    cur.execute("COMMIT; " + begin_statement(conn) + "; " + cur.mogrify(query, params))
+    cur.nextset()  # past the COMMIT's result
+    cur.nextset()  # past the BEGIN's
+    return cur
+
+
 def send(
     conn: psycopg.Connection[Any],
     statements: Sequence[Statement],

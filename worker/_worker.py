@@ -165,6 +165,10 @@ class Worker:
         self._stats = dict.fromkeys(STATS_KEYS, 0)
         self._max_deliveries: dict[str, int] = {}
         self._rr = 0
+        # The next message, taken with the last commit (Session.commit_and_dequeue)
+        # while run() wants more; given back untouched if the loop ends first.
+        self._next_msg: Message | None = None
+        self._prefetch = False
         # time limits
         self._timer = False  # SIGALRM installed (main thread only)
         self._main_ident = threading.main_thread().ident
@@ -213,8 +217,21 @@ class Worker:
             return
         self._closed = True
         self._uninstall_timer()
+        self._give_back()
         if self._session is not None:
             self._session.close()
+
+    def _give_back(self) -> None:
+        """A message taken with the last commit and not handled goes back
+        untouched (no delivery counted: it was never handed to an action)."""
+        msg, self._next_msg = self._next_msg, None
+        s = self._session
+        if msg is not None and s is not None and not s.closed:
+            try:
+                s.rollback(count_delivery=False)
+            except RingqError:
+                logger.warning("ringq worker: could not give back queue %s seq %s; "
+                               "recovery decides it", msg.queue, msg.seq, exc_info=True)
 
     def __enter__(self) -> Self:
         self.open()
@@ -290,9 +307,15 @@ class Worker:
         """
         self.open()
         n = 0
-        while not self._stop and (max_messages is None or n < max_messages):
-            if self.run_one(wait=self.config.idle_wait):
-                n += 1
+        try:
+            while not self._stop and (max_messages is None or n < max_messages):
+                # its commit may carry the next claim while more are wanted
+                self._prefetch = max_messages is None or n + 1 < max_messages
+                if self.run_one(wait=self.config.idle_wait):
+                    n += 1
+        finally:
+            self._prefetch = False
+            self._give_back()
         return n
 
     def run_one(self, *, wait: float | None = 0.0) -> bool:
@@ -306,6 +329,9 @@ class Worker:
         return True
 
     def _next(self, wait: float | None) -> Message | None:
+        taken, self._next_msg = self._next_msg, None
+        if taken is not None:
+            return taken
         s = self.session
         qs = self.queues
         n = len(qs)
@@ -344,7 +370,13 @@ class Worker:
                     raise  # a real KeyboardInterrupt / SystemExit of the embedding program
                 return
             try:
-                s.commit()
+                if self._prefetch and not self._stop:
+                    # One round trip for this commit and the next claim.
+                    self._next_msg = s.commit_and_dequeue(self.queues[self._rr])
+                    if self._next_msg is not None:
+                        self._rr = (self._rr + 1) % len(self.queues)
+                else:
+                    s.commit()
             except InDoubt as exc:
                 self._stats[IN_DOUBT] += 1
                 logger.warning(
