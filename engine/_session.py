@@ -338,6 +338,8 @@ class Session(TwoPhase):
             self._after_fork()
         if not self._ops:
             self._sent_any = False
+            if self._conn.closed and not self._closing:
+                self._reconnect()
         elif (
             self._sent_any  # else every op is held: nothing to learn (and no scan per call)
             and self._conn.pgconn.transaction_status == _IDLE
@@ -1543,8 +1545,9 @@ class Session(TwoPhase):
 
     def _hand_over(self, old_conn: psycopg.Connection[Any], *, reason: str, slots: int) -> None:
         """Deciding our lost connection's slots failed: hand our entry (its
-        token and old backend) over to recovery and take a fresh one; closed
-        unless the new connection works."""
+        token and old backend) over to recovery and take a fresh one. Without
+        a working connection (no server is primary yet, in a fail-over) the
+        session stays open with none: its next call connects again."""
         self._release_entry()  # handed over if anything is locked under our token, else freed
         conn = self._conn
         healthy = conn is not old_conn and not conn.closed and not conn.broken
@@ -1553,11 +1556,19 @@ class Session(TwoPhase):
                 conn.close()
         self.backend_pid = conn.info.backend_pid if healthy else 0
         self._register_client(self.backend_pid)
-        if not healthy:
-            self._release_entry()  # a closed session needs no entry
-            self._closed = True
         logger.warning("ringq: connection lost (%s); %d slots left to recovery%s",
-                       reason, slots, "" if healthy else "; session closed")
+                       reason, slots, "" if healthy else "; connecting again on the next call")
+
+    def _reconnect(self) -> None:
+        """Connect again after a connection lost with nothing in flight (the
+        new one could not be made then: a fail-over without a primary yet).
+
+        :raises DatabaseUnavailable: still no server to connect to.
+        """
+        self._conn = self._open_connection()
+        self.backend_pid = self._conn.info.backend_pid
+        self.owner = self._section.renew_client(self._cidx, self.backend_pid)
+        self._follow_history()
 
     def _decide_from_rows(self, conn: psycopg.Connection[Any], ops: list[Op]) -> bool | None:
         if not ops:

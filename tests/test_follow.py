@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from typing import Any
 
 import psycopg
-from conftest import present
+import pytest
+from conftest import present, wait_for
 from ringq.engine import connect
 from ringq.engine import layout as L
 from ringq.engine.recovery import history_of
@@ -69,3 +71,42 @@ def test_a_backend_that_started_after_the_client_is_never_taken_for_its_own(dsn:
         assert other.execute("SELECT 1").fetchone() == (1,)  # still alive
         row = conn.execute(_Q["backend_alive"], (pid,)).fetchone()
         assert row is not None and row[0] is not None
+
+
+def test_a_session_with_no_server_to_reconnect_to_stays_open_and_reconnects_later(
+    dsn: str, make_queue: Callable[..., str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A fail-over's gap: the connection dies mid-transaction and no server
+    takes a new one yet. The transaction's entry goes to recovery, the
+    session stays open, and its next call connects again."""
+    from ringq.engine import DatabaseUnavailable, RingqError
+    from ringq.engine.recovery import recover_dead_clients
+
+    q = make_queue(capacity=8)
+    with connect(dsn) as p:
+        p.enqueue_many(q, [b"held", b"next"])
+        p.commit()
+    s = connect(dsn)
+    try:
+        assert present(s.dequeue(q)).payload == b"held"
+
+        def no_server() -> psycopg.Connection[Any]:
+            raise DatabaseUnavailable("no server is primary yet")
+
+        monkeypatch.setattr(s, "_open_connection", no_server)
+        with psycopg.connect(dsn, autocommit=True) as a:
+            a.execute("SELECT pg_terminate_backend(%s)", (s.backend_pid,))
+        with pytest.raises(RingqError):
+            s.commit()
+        assert not s.closed
+        with pytest.raises(DatabaseUnavailable):
+            s.dequeue(q)  # still no server
+        monkeypatch.undo()
+        sec, ring = s.section, s.ring(q)
+        wait_for(lambda: not recover_dead_clients(sec, dsn) and ring.counts()["locked"] == 0,
+                 10, "recovery of the handed-over entry")
+        got = [(m.payload, m.deliveries) for m in s.dequeue_many(q, 5)]
+        s.commit()
+        assert [p for p, _d in got] == [b"held", b"next"]
+    finally:
+        s.close()

@@ -503,16 +503,22 @@ def test_tui_command_refreshes_in_place_and_ctrl_c_exits_0(fake_monitor: FakeMon
         assert out.count(b"alpha") >= 2, out.decode(errors="replace")[-2000:]
         assert b"\x1b[" in out  # cursor movement: redrawn in place, not scrolled
         os.kill(pid, signal.SIGINT)
-        while True:
-            ready, _, _ = select.select([fd], [], [], 5.0)
-            if not ready:
+        # Keep reading the terminal until the child has exited: its last
+        # frame and the terminal's restoring must never block on a full pty.
+        status = None
+        stop_at = time.monotonic() + 60
+        while status is None and time.monotonic() < stop_at:
+            done, st = os.waitpid(pid, os.WNOHANG)
+            if done:
+                status = st
                 break
-            try:
-                if not os.read(fd, 65536):
-                    break
-            except OSError:
-                break
-        _, status = os.waitpid(pid, 0)
+            ready, _, _ = select.select([fd], [], [], 0.2)
+            if ready:
+                try:
+                    os.read(fd, 65536)
+                except OSError:
+                    pass
+        assert status is not None, "ringq rtv --tui did not exit on SIGINT"
         assert os.waitstatus_to_exitcode(status) == 0
     finally:
         try:
