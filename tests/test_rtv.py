@@ -791,11 +791,12 @@ def test_page_live_over_a_real_monitor_and_workload(
                 "rows => rows.map(r => r.dataset.queue)")) == sorted(live_queues)
             # The header names the server the monitor is on: the primary, on the
             # section's timeline.
-            _wait_until(page, "window.ringqRtv.state.server !== null")
-            assert re.fullmatch(
-                r"server \S+:\d+ primary, timeline (\d+) \(section: timeline \1\)",
-                page.inner_text("#server"),
-            ), page.inner_text("#server")
+            _wait_until(
+                page,
+                r"/^server \S+:\d+ primary, timeline (\d+) \(section: timeline \1\)$/"
+                ".test(document.getElementById('server').textContent)",
+            )
+            assert page.get_attribute("#server", "class") == "server"  # not flagged
             first = _chart_data(page, "rates")
             _wait_ticks(page, 16)  # eight seconds of the workload: filled and drained
             second = _chart_data(page, "rates")
