@@ -23,7 +23,9 @@ RET_UNREACHABLE = exits.FAILURE  # no monitor answered, or it refused the token
 DEFAULT_URL = "http://127.0.0.1:7480"
 
 DESCRIPTION = """\
-Print every queue's state as the monitor sees it: capacity, depth, fill,
+Print which server the monitor is on (whether it is the primary, its
+timeline, and the one the queues' section describes; flagged when they
+differ), then every queue's state as the monitor sees it: capacity, depth, fill,
 committed enqueue/dequeue rates, call latencies (p50/p99, microseconds),
 delivery retries, entries in the exception table, sleeping dequeuers and
 enqueuers, and a state (full, high, empty, ok); then one row per client
@@ -168,7 +170,8 @@ def _us(x: Any) -> str:
 
 
 def render(doc: dict[str, Any], url: str) -> str:
-    """Plain aligned text: a line about the monitor, then one row per queue."""
+    """Plain aligned text: a line about the monitor, one about the server it is
+    on (when the monitor says), then one row per queue."""
     mon = doc.get("monitor", {})
     lines = []
     age = time.time() - float(doc.get("t") or 0)
@@ -187,6 +190,10 @@ def render(doc: dict[str, Any], url: str) -> str:
         + (f"  FAILING: {', '.join(failing)}" if failing else "")
         + ("" if mon.get("database", True) else "  DATABASE UNREACHABLE")
     )
+    if "server" in doc:  # a monitor older than the server object says nothing
+        from ringq.rtv import server_line
+
+        lines.append(server_line(doc["server"]).text)
     queues = doc.get("queues", [])
     if not queues:
         lines.append("no queues")

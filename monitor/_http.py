@@ -262,6 +262,9 @@ def queues_xml(doc: dict[str, Any]) -> bytes:
         if isinstance(v, dict | list):
             continue
         ET.SubElement(mon, k).text = _xml_text(v)
+    server = doc.get("server")
+    if server is not None:
+        _xml_fields(ET.SubElement(root, "server"), server)
     for q in doc["queues"]:
         el = ET.SubElement(root, "queue", {"name": str(q[S.NAME])})
         for k in S.NUMERIC_KEYS:
@@ -269,6 +272,15 @@ def queues_xml(doc: dict[str, Any]) -> bytes:
                 ET.SubElement(el, k).text = _xml_text(q[k])
     body: bytes = ET.tostring(root, encoding="utf-8", xml_declaration=True)
     return body
+
+
+def _xml_fields(parent: ET.Element, fields: dict[str, Any]) -> None:
+    """One element per field; an object becomes an element of its own fields."""
+    for k, v in fields.items():
+        if isinstance(v, dict):
+            _xml_fields(ET.SubElement(parent, k), v)
+        else:
+            ET.SubElement(parent, k).text = _xml_text(v)
 
 
 def _xml_text(v: Any) -> str:

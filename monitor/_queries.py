@@ -17,6 +17,7 @@ _Q: Final = load("ringq.monitor", "queries.sql")
 TRY_MONITOR_LOCK: Final = _Q["try_monitor_lock"]
 MONITOR_LOCK_HOLDER: Final = _Q["monitor_lock_holder"]
 INSTANCE_ID: Final = _Q["instance_id"]
+IN_RECOVERY: Final = _Q["in_recovery"]
 QUEUES: Final = _Q["queues"]
 EXCEPTION_COUNTS: Final = _Q["exception_counts"]
 RECENT_EXCEPTIONS: Final = _Q["recent_exceptions"]

@@ -3,7 +3,8 @@
 One loop thread runs *steps*. Every ``recovery_interval`` (100 ms): heartbeat,
 section check, dead-client recovery, lock-holder repair, reclaim, and the
 watch that raises queue events. Every ``interval`` (1 s): queue list,
-exception table, prepared transactions, SQL inbox, performance sample (T4
+exception table, the server the connection is on (primary or not, and its
+database history), prepared transactions, SQL inbox, performance sample (T4
 file, history). Entries enqueued through SQL are also pumped as soon as their
 NOTIFY arrives; the pump never waits for space: a full queue keeps its SQL
 entries in the inbox and is tried again on the next sample, or as soon as a
@@ -65,6 +66,7 @@ from ._http import HttpService
 from ._inbox import pump_inbox
 from ._journal import LOG_NAME, Journal
 from ._keys import prune_keys
+from ._primary import ServerState, read_server
 from ._prom import CONTENT_TYPE, SectionCollector, render
 from ._t4 import T4Reader, T4Writer
 
@@ -136,6 +138,7 @@ class Monitor:
         self._conn: psycopg.Connection[Any] | None = None
         self._conn_retry_at = 0.0
         self._conn_error = "database unavailable"
+        self._server: ServerState | None = None  # read every sample; None while disconnected
         self._journal: Journal | None = None
         self._t4: T4Writer | None = None
         self._http: HttpService | None = None
@@ -350,6 +353,7 @@ class Monitor:
                 if tick >= next_sample:
                     slow = [
                         ("database", self._database_figures),
+                        ("server", self._read_server),
                         ("backends", self._recover_lost_backends),
                         ("prepared", self._resolve_prepared),
                         ("keys", self._prune_keys),
@@ -506,6 +510,7 @@ class Monitor:
 
     def _drop_connection(self) -> None:
         conn, self._conn = self._conn, None
+        self._server = None  # the next connection may be on another server
         if conn is not None:
             try:
                 conn.close()
@@ -739,6 +744,11 @@ class Monitor:
             self._tell_horizon(news)
         self._poisoned(conn)
 
+    def _read_server(self) -> None:
+        """Which server the connection is on, whether it is the primary, and
+        its history (``server`` in ``/api/queues``)."""
+        self._server = read_server(self._connect())
+
     def _tell_horizon(self, news: HorizonNews) -> None:
         """Warn of a held snapshot; after its release, vacuum the rings it bloated."""
         if news.what == "held":
@@ -938,8 +948,18 @@ class Monitor:
         return {
             "t": round(self._latest_t, 3),
             "monitor": self.status(),
+            "server": self.server_doc(),
             "queues": [dict(latest[name]) for name in sorted(latest)],
         }
+
+    def server_doc(self) -> dict[str, Any] | None:
+        """``server`` in ``/api/queues``: the last sample's reading of the server
+        the monitor's connection is on (None before it, and while disconnected),
+        beside the history the section describes now (shared memory, no query)."""
+        server = self._server
+        if server is None:
+            return None
+        return server.as_dict(self.read_section(lambda sec: sec.history()))
 
     def clients_doc(self) -> dict[str, Any]:
         """``/api/clients``: every client entry, counters read now, rates of the last interval."""

@@ -17,6 +17,11 @@ LIMIT 1
 -- instance_id --
 SELECT value FROM ringq.meta WHERE key = 'instance_id'
 
+-- in_recovery --
+-- Whether the server the monitor's connection is on is a standby (in
+-- recovery) rather than the primary; read once per sample.
+SELECT pg_is_in_recovery()
+
 -- queues --
 -- lease (seconds) through to_jsonb: a schema made before the column reads the default.
 SELECT id, name, capacity, coalesce((to_jsonb(q) ->> 'lease')::float8, 300) FROM ringq.queues q ORDER BY id

@@ -9,6 +9,9 @@ its handled, failed, timed-out and poisoned messages and errors.
   the browser talks only to it, and it proxies the monitor's API.
 - :func:`run_tui` is the same figures in a terminal, refreshed in place.
 - :class:`MonitorClient` reads the monitor's API, normalized for both.
+- :func:`server_line` is the line both show (and ``ringq status`` prints):
+  which server the monitor is on, whether it is the primary, and whether the
+  section follows its database history.
 
 The charts use uPlot, shipped in ``static/vendor`` (see its README there).
 """
@@ -24,6 +27,7 @@ from ._config import (
     new_token,
 )
 from ._server import Viewer, ViewerError
+from ._server_line import ServerLine, server_line
 from ._source import MonitorClient, MonitorError, MonitorUnavailable
 from ._tui import run_tui
 
@@ -35,9 +39,11 @@ __all__ = [
     "MonitorClient",
     "MonitorError",
     "MonitorUnavailable",
+    "ServerLine",
     "Viewer",
     "ViewerConfig",
     "ViewerError",
     "new_token",
     "run_tui",
+    "server_line",
 ]

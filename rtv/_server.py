@@ -27,6 +27,7 @@ from urllib.parse import parse_qs, quote, unquote, urlsplit
 from ringq.engine import RingqError, redact_dsn
 
 from ._config import MAX_WINDOW, WINDOWS, ViewerConfig
+from ._server_line import server_line
 from ._source import MonitorClient, MonitorError, MonitorUnavailable, thin
 
 log = logging.getLogger("ringq.rtv")
@@ -141,7 +142,14 @@ class Viewer:
     # What the proxy answers: the API's shapes, normalized (see _source).
 
     def api_queues(self) -> dict[str, Any]:
-        return self.client.overview().as_json()
+        """The monitor's ``/api/queues``, normalized, with ``server_line``: the
+        line the page shows about the server the monitor is on (``text``,
+        ``alarm``), or null from a monitor that does not say."""
+        overview = self.client.overview()
+        doc = overview.as_json()
+        line = None if overview.server is None else server_line(overview.server)
+        doc["server_line"] = None if line is None else {"text": line.text, "alarm": line.alarm}
+        return doc
 
     def api_clients(self) -> dict[str, Any]:
         """Every session attached to the section, workers first (the monitor's

@@ -4,7 +4,8 @@ The page and the terminal view both read through :class:`MonitorClient`, so
 whatever shape the monitor serves is mended in one place: every row comes out
 with every key of :data:`~ringq.rtv._metrics.NUMERIC` as a float (missing ones
 ``None``), queues sorted by name, history points sorted by time, clients
-with every key of :data:`~ringq.engine.metrics.CLIENT_KEYS`, workers first.
+with every key of :data:`~ringq.engine.metrics.CLIENT_KEYS`, workers first;
+the server the monitor is on with every key of :data:`SERVER_FIELDS`.
 """
 
 from __future__ import annotations
@@ -52,17 +53,33 @@ MONITOR_FIELDS = (
     "version",
 )
 
+# The server the monitor's connection is on (``server`` in /api/queues, monitor/API.md).
+SERVER_FIELDS = (
+    "host",
+    "port",
+    "address",
+    "primary",
+    "system_identifier",
+    "timeline",
+    "section_history",
+    "section_follows",
+    "t",
+)
+
 
 @dataclass(frozen=True)
 class Overview:
     """One answer of ``GET /api/queues``: the sample time ``t`` (epoch
     seconds), the monitor's sampling ``interval`` (seconds), some of its own
-    figures (``monitor``) and every queue's row, sorted by name."""
+    figures (``monitor``), every queue's row, sorted by name, and the server
+    the monitor is on (``server``, from :func:`normalize_server`; None from a
+    monitor that does not say)."""
 
     t: float | None
     interval: float | None
     monitor: dict[str, Any]
     queues: list[Row]
+    server: Row | None = None
 
     def as_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -134,8 +151,17 @@ class MonitorClient:
             else {}
         )
         t = _number(body.get(M.T)) if isinstance(body, Mapping) else None
+        server = (
+            normalize_server(body["server"])
+            if isinstance(body, Mapping) and "server" in body
+            else None
+        )
         return Overview(
-            t=t, interval=_number(monitor.get(K.INTERVAL)), monitor=monitor, queues=rows
+            t=t,
+            interval=_number(monitor.get(K.INTERVAL)),
+            monitor=monitor,
+            queues=rows,
+            server=server,
         )
 
     def queues(self) -> list[Row]:
@@ -259,6 +285,41 @@ def normalize_client(item: Mapping[str, Any]) -> Row:
     return row
 
 
+def normalize_server(item: object) -> Row:
+    """``server`` of ``/api/queues`` with every key of :data:`SERVER_FIELDS`:
+    ``host`` and ``address`` as text, ``port``, ``system_identifier`` and
+    ``timeline`` as ints, ``primary`` and ``section_follows`` as bools,
+    ``section_history`` as ``{system_identifier, timeline}`` or ``None``, ``t``
+    as a float (missing ones ``None``); and ``known``: False when the monitor
+    had no reading (it serves null while it has no database connection)."""
+    if not isinstance(item, Mapping):
+        return {"known": False, **dict.fromkeys(SERVER_FIELDS)}
+    section = item.get("section_history")
+    row: Row = {
+        "known": True,
+        "host": None if item.get("host") is None else str(item["host"]),
+        "port": _int(item.get("port")),
+        "address": None if item.get("address") is None else str(item["address"]),
+        "primary": _bool(item.get("primary")),
+        # Not through a float: a system identifier is above 2**53.
+        "system_identifier": _whole(item.get("system_identifier")),
+        "timeline": _whole(item.get("timeline")),
+        "section_history": (
+            {
+                "system_identifier": _whole(section.get("system_identifier")),
+                "timeline": _whole(section.get("timeline")),
+            }
+            if isinstance(section, Mapping)
+            else None
+        ),
+        "section_follows": _bool(item.get("section_follows")),
+        "t": _number(item.get("t")),
+    }
+    if row["address"] is None and row["host"] is not None and row["port"] is not None:
+        row["address"] = f"{row['host']}:{row['port']}"
+    return row
+
+
 def client_order(row: Row) -> tuple[bool, int, float]:
     """Workers first, then by pid (the monitor's own order)."""
     return (row[M.ROLE] != M.ROLE_WORKER, row[M.PID] or 0, row[M.STARTED] or 0.0)
@@ -267,6 +328,17 @@ def client_order(row: Row) -> tuple[bool, int, float]:
 def _int(value: object) -> int | None:
     number = _number(value)
     return None if number is None or isinstance(value, bool) else int(number)
+
+
+def _whole(value: object) -> int | None:
+    """An int as it is (a float would round a 64-bit identifier), else via :func:`_int`."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        return value
+    return _int(value)
+
+
+def _bool(value: object) -> bool | None:
+    return value if isinstance(value, bool) else None
 
 
 def _number(value: object) -> float | None:

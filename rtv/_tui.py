@@ -1,7 +1,9 @@
 """The terminal view (``ringq rtv --tui``): the page's figures as one table, refreshed in place.
 
 Data comes from :class:`~ringq.rtv._source.MonitorClient` (kept apart from
-rendering: :class:`TuiModel` fetches, :func:`render` draws). Each queue row
+rendering: :class:`TuiModel` fetches, :func:`render` draws). Below the status
+line, the server the monitor is on (:func:`~ringq.rtv._server_line.server_line`).
+Each queue row
 shows its current figures and, over the chosen window, sparklines of depth,
 rates and p99 latencies and a strip of its full/empty periods. Below the
 queues, one row per session attached to the section (workers first): its
@@ -27,6 +29,7 @@ from rich.table import Table
 from rich.text import Text
 from ringq.engine import metrics as M
 
+from ._server_line import server_line
 from ._source import MonitorClient, MonitorError, Row
 
 BLOCKS = " ▁▂▃▄▅▆▇█"
@@ -47,6 +50,7 @@ class TuiModel:
     client: MonitorClient
     window: float = 300.0
     queues: list[Row] = field(default_factory=list)
+    server: Row | None = None  # None: the monitor does not say which server it is on
     history: dict[str, list[Row]] = field(default_factory=dict)
     clients: list[Row] = field(default_factory=list)
     interval: float | None = None
@@ -58,6 +62,7 @@ class TuiModel:
         try:
             overview = self.client.overview()
             self.queues, self.interval = overview.queues, overview.interval
+            self.server = overview.server
             now = time.time()
             names = {q[M.NAME] for q in self.queues}
             for name in list(self.history):
@@ -266,7 +271,8 @@ def render(
     model: TuiModel, monitor_url: str, *, width: int = 160, now: float | None = None
 ) -> RenderableType:
     """The whole screen for ``model`` on a terminal ``width`` columns wide: a
-    status line, the queues now, their trends over the window, and the clients."""
+    status line, the server the monitor is on, the queues now, their trends
+    over the window, and the clients."""
     now = time.time() if now is None else now
     start = now - model.window
     # While the monitor's history is shorter than the window, the trends
@@ -349,7 +355,11 @@ def render(
         "Ctrl-C to quit.",
         style="grey50",
     )
-    return Group(status, current, trends, clients_table(model), footer)
+    head: list[RenderableType] = [status]
+    if model.server is not None:
+        line = server_line(model.server)
+        head.append(Text(line.text, style="bold red" if line.alarm else "green"))
+    return Group(*head, current, trends, clients_table(model), footer)
 
 
 class _StopFlag:

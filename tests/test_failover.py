@@ -17,6 +17,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import psycopg
 import pytest
@@ -413,3 +414,46 @@ def test_the_multi_host_dsn_is_taken_where_a_dsn_is(tmp_path: Path) -> None:
     assert check_dsn(keywords)["host"] == "127.0.0.1,127.0.0.1"
     assert "secret" not in redact_dsn(keywords)
     assert "secret" not in redact_dsn(url.replace("postgres@", "postgres:secret@"))
+
+
+def test_the_monitor_names_the_promoted_standby_as_the_primary(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from ringq.monitor import Monitor, MonitorConfig
+
+    with pair(tmp_path / "home", capsys, "--async") as cluster:
+        both = cluster.url(both=True)
+        old_port = present(cluster.status().port)
+        new_port = present(present(cluster.standby_status()).port)
+        make_queue(both)  # the monitor needs the schema
+        with Monitor(MonitorConfig(both, port=0, interval=0.2, recovery_interval=0.05)) as mon:
+            url = present(mon.url)
+
+            def server() -> dict[str, Any] | None:
+                doc = mon.queues_doc()["server"]
+                return doc if doc and doc["port"] in (old_port, new_port) else None
+
+            before = wait_for(server, what="the monitor's first reading of its server")
+            assert before["port"] == old_port and before["primary"] is True
+            assert before["timeline"] == 1 and before["section_follows"] is True
+
+            kill_primary(cluster)
+            began = time.monotonic()
+            code, _, err = cli(capsys, "db", "promote", "--home", str(cluster.home))
+            assert code == 0, err
+            after = wait_for(
+                lambda: (s := server()) and s["port"] == new_port and s["section_follows"] and s,
+                timeout=20,
+                what="the monitor on the promoted standby",
+            )
+            followed = time.monotonic() - began
+            assert after["primary"] is True and after["timeline"] == 2
+            assert after["system_identifier"] == before["system_identifier"]
+            assert after["section_history"] == {
+                "system_identifier": before["system_identifier"], "timeline": 2,
+            }
+            code, out, err = cli(capsys, "status", "--monitor", url)
+            assert code == 0, err
+            line = f"server {after['address']} primary, timeline 2 (section: timeline 2)"
+            assert line in out.splitlines(), out
+            print(f"\nmonitor on the promoted standby {followed:.2f} s after the kill: {line}")

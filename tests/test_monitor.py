@@ -29,6 +29,7 @@ import pytest
 from conftest import MonitorProcess, drain, remove_section, wait_for
 from ringq.engine import ConfigError, Section, Session, TransactionError, connect, pid_alive
 from ringq.engine import layout as L
+from ringq.engine.recovery import history_of
 from ringq.monitor import Monitor, MonitorConfig, MonitorRunning, subscribe
 from ringq.monitor import _sample as S
 from ringq.monitor._t4 import HEADER, T4Writer
@@ -423,6 +424,34 @@ def test_section_removed_under_the_monitor_is_rebuilt(
     assert doc["capacity"] == 64
 
 
+def test_the_api_names_the_server_it_is_on_its_history_and_the_sections(
+    dsn: str, make_queue: Any, monitor: Any
+) -> None:
+    make_queue()
+    m = monitor()
+    with psycopg.connect(dsn) as conn:
+        host, port = conn.info.host, conn.info.port
+        sysid, timeline = history_of(conn)
+    assert timeline >= 1
+    doc = wait_for(lambda: (d := get_json(m.url + "/api/queues"))["server"] and d,
+                   what="the server read by a sample")
+    server = doc["server"]
+    assert server == {
+        "host": host, "port": port, "address": f"{host}:{port}", "primary": True,
+        "system_identifier": sysid, "timeline": timeline,
+        "section_history": {"system_identifier": sysid, "timeline": timeline},
+        "section_follows": True, "t": server["t"],
+    }
+    assert m.read_section(lambda s: s.history()) == (sysid, timeline)
+    # Read by the sample's step on the monitor's connection, not per request.
+    steps = doc["monitor"]["steps"]
+    assert steps["server"]["runs"] in (steps["database"]["runs"], steps["database"]["runs"] - 1)
+    assert steps["server"]["failures"] == 0
+    root = ET.fromstring(http(m.url + "/api/queues.xml")[1])
+    assert root.findtext("server/primary") == "true"
+    assert root.findtext("server/section_history/timeline") == str(timeline)
+
+
 # -- real processes: CLI, signals, restart, kill -9 ---------------------------------------------
 
 
@@ -479,10 +508,18 @@ def test_status_prints_every_queue_in_a_table(
     }
     assert rows[a][1] == "10" and rows[a][2] == "10" and rows[a][-1] == "full"
     assert rows[b][1] == "20" and rows[b][-1] == "empty"
+    # Above the table: the server the monitor is on, the primary, on the section's timeline.
+    with psycopg.connect(dsn) as conn:
+        where, timeline = f"{conn.info.host}:{conn.info.port}", history_of(conn)[1]
+    assert f"server {where} primary, timeline {timeline} (section: timeline {timeline})" in lines[
+        :header
+    ]
     print("\n" + r.stdout)
     # Found without --monitor through the state file; --json is the API document.
     r = ringq_run("status", "--json", "--data-dir", str(mon.data_dir))
     assert r.returncode == 0 and {q["name"] for q in json.loads(r.stdout)["queues"]} == {a, b}
+    server = json.loads(r.stdout)["server"]
+    assert server["primary"] is True and server["timeline"] == timeline
     mon.stop()
     r = ringq_run("status", "--monitor", mon.url)
     assert r.returncode == 1 and "no monitor answers" in r.stderr

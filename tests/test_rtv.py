@@ -20,7 +20,7 @@ import uuid
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 from urllib.parse import parse_qs, urlsplit
 
 import psycopg
@@ -28,7 +28,15 @@ import pytest
 from conftest import present, remove_section
 from ringq.engine import ConfigError, QueueFull, connect
 from ringq.engine import metrics as M
-from ringq.rtv import MonitorClient, MonitorError, MonitorUnavailable, Viewer, ViewerConfig
+from ringq.rtv import (
+    MonitorClient,
+    MonitorError,
+    MonitorUnavailable,
+    ServerLine,
+    Viewer,
+    ViewerConfig,
+    server_line,
+)
 from ringq.rtv import _metrics as K
 from ringq.rtv._source import normalize_client, thin
 from ringq.rtv._tui import TuiModel, render
@@ -56,6 +64,14 @@ class FakeMonitor:
 
     QUEUES = ("alpha", "beta")
     CAPACITY = 1000
+    SYSID = 7412345678901234567  # above 2**53: must not go through a float
+    SERVER: ClassVar[dict[str, Any]] = {
+        "host": "127.0.0.1", "port": 5433, "address": "127.0.0.1:5433", "primary": True,
+        "system_identifier": SYSID, "timeline": 2,
+        "section_history": {"system_identifier": SYSID, "timeline": 2},
+        "section_follows": True, "t": 0.0,
+    }
+    SERVER_LINE = "server 127.0.0.1:5433 primary, timeline 2 (section: timeline 2)"
     WORKER_PID = 41233
     CLIENT_PID = 41500
 
@@ -86,6 +102,7 @@ class FakeMonitor:
                     return self._json(200, {
                         "t": now,
                         "monitor": {"interval": 1.0, "beat": now, "database": True, "steps": {}},
+                        "server": fake.SERVER,
                         "queues": [fake.sample(q, math.floor(now)) for q in fake.QUEUES],
                     })
                 if url.path == "/api/history":
@@ -411,6 +428,28 @@ def test_viewer_client_names_are_the_monitors() -> None:
     assert set(K.CLIENT_NUMERIC) <= set(M.CLIENT_KEYS)
 
 
+def test_the_server_line_says_which_server_and_flags_a_section_on_another_history() -> None:
+    server = dict(FakeMonitor.SERVER)
+    assert server_line(server) == ServerLine(FakeMonitor.SERVER_LINE, alarm=False)
+    line = server_line({**server, "section_history": {"system_identifier": FakeMonitor.SYSID,
+                                                      "timeline": 1}, "section_follows": False})
+    assert line == ServerLine(
+        "server 127.0.0.1:5433 primary, timeline 2 (section: timeline 1)  HISTORY MISMATCH", True
+    )
+    line = server_line({**server, "section_history": {"system_identifier": 5, "timeline": 2},
+                        "section_follows": False})
+    assert line.alarm and f"system {FakeMonitor.SYSID}, timeline 2 (section: system 5," in line.text
+    line = server_line({**server, "primary": False, "timeline": -1, "section_follows": False})
+    assert line == ServerLine(
+        "server 127.0.0.1:5433 standby (in recovery) (section: timeline 2)  NOT THE PRIMARY", True
+    )
+    assert server_line(None) == ServerLine(
+        "server unknown: the monitor has no database connection", True
+    )
+    # A monitor without section_follows: the same rule, from the histories.
+    assert not server_line({k: v for k, v in server.items() if k != "section_follows"}).alarm
+
+
 def test_clients_are_normalized() -> None:
     row = normalize_client(
         {
@@ -447,6 +486,9 @@ def test_tui_model_and_render(fake_monitor: FakeMonitor) -> None:
     for needle in ("alpha", "beta", "Depth / cap", "EnQ p50 / p99", "DeQ p99", "Retries", "/ 1000",
                    "Over the last 5 min", "Full █ / empty ░"):
         assert needle in text, needle
+    # Under the status line: the server the monitor is on.
+    assert text.splitlines()[1] == FakeMonitor.SERVER_LINE
+    assert model.server and model.server["system_identifier"] == FakeMonitor.SYSID
     assert re.search(r"[▁▂▃▄▅▆▇█]{5}", text)  # sparklines drawn
     # The clients, below the queues: the worker's row first, with its throughput and failures.
     assert text.index("Clients") > text.index("Over the last 5 min")
@@ -637,6 +679,8 @@ def test_page_against_a_stand_in_monitor(
         assert "token=" not in page.url  # taken out of the address bar
         assert page.locator("#queues tbody tr").count() == 2
         assert page.inner_text("#detail-name") == "alpha"
+        assert page.inner_text("#server") == FakeMonitor.SERVER_LINE
+        assert page.get_attribute("#server", "class") == "server"  # not flagged
         clients = page.locator("#clients tbody tr").evaluate_all(
             "rows => rows.map(r => [r.dataset.pid, r.dataset.role, r.cells[3].textContent, "
             "r.cells[7].textContent])"
@@ -751,6 +795,14 @@ def test_page_live_over_a_real_monitor_and_workload(
             )
             assert sorted(page.locator("#queues tbody tr").evaluate_all(
                 "rows => rows.map(r => r.dataset.queue)")) == sorted(live_queues)
+            # The header names the server the monitor is on: the primary, on the
+            # section's timeline.
+            _wait_until(
+                page,
+                r"/^server \S+:\d+ primary, timeline (\d+) \(section: timeline \1\)$/"
+                ".test(document.getElementById('server').textContent)",
+            )
+            assert page.get_attribute("#server", "class") == "server"  # not flagged
             first = _chart_data(page, "rates")
             _wait_ticks(page, 16)  # eight seconds of the workload: filled and drained
             second = _chart_data(page, "rates")

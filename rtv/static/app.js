@@ -12,6 +12,7 @@
     points: [],              // its history, oldest first
     lastT: null,             // time of the newest point
     queues: [],              // the latest /api/queues rows
+    server: null,            // the line about the server the monitor is on: {text, alarm}
     clients: [],             // the latest /api/clients rows, workers first
     clientsError: null,      // why they could not be read (the queues still show)
     thinned: false,
@@ -320,6 +321,17 @@
     el.title = text;
   }
 
+  // Which server the monitor is on (the viewer's server writes the line, the
+  // same as the terminal view's and `ringq status`'s); hidden when the
+  // monitor does not say.
+  function renderServer(line) {
+    state.server = line || null;
+    var el = document.getElementById("server");
+    el.hidden = !line;
+    el.textContent = line ? line.text : "";
+    el.className = "server" + (line && line.alarm ? " bad" : "");
+  }
+
   function showError(err) {
     state.error = err.message;
     if (err.status === 401) setStatus("bad", "token rejected: open the address printed by `ringq rtv`");
@@ -390,6 +402,7 @@
     return getJSON("/api/queues").then(function (body) {
       state.queues = body.queues || [];
       if (body.interval) state.interval = body.interval;
+      renderServer(body.server_line);
       if (!state.queue || !state.queues.some(function (q) { return q.name === state.queue; })) {
         var wanted = decodeURIComponent((location.hash.match(/queue=([^&]+)/) || [])[1] || "");
         var pick = state.queues.some(function (q) { return q.name === wanted; }) ? wanted
