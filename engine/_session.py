@@ -52,7 +52,15 @@ from ._recovery import history_of, recover_dead_clients, section_following
 from ._ring import Ring
 from ._section import Section
 from ._tpc import TwoPhase
-from ._validate import as_payload, as_payloads, check_count, check_key, check_wait, validate_seconds
+from ._validate import (
+    as_payload,
+    as_payloads,
+    check_count,
+    check_key,
+    check_wait,
+    validate_int,
+    validate_seconds,
+)
 
 logger = logging.getLogger("ringq.engine")
 
@@ -239,14 +247,33 @@ class Session(TwoPhase):
             self, _orphaned, sec, self._cidx, os.getpid(), sec.c(self._cidx, L.C_REGISTERED_NS)
         )
 
-    def _set_role(self, role: int) -> None:
-        """Mark our client entry with ``role`` (CR_*), kept across re-registrations."""
+    def set_client_role(self, role: int) -> None:
+        """Mark this session's client entry in the global section with
+        ``role`` (``ringq.engine.layout.CR_*``; a worker sets ``CR_WORKER``),
+        kept across reconnects. The monitor and the viewer show it."""
         self._role = role
         self._section.set_client_role(self._cidx, role)
 
-    def _set_client_words(self, words: Iterable[tuple[int, int]]) -> None:
-        """Write (word, value) pairs into our client entry (a worker's counters)."""
+    def write_client_words(self, words: Iterable[tuple[int, int]]) -> None:
+        """Write (word, value) pairs into this session's client entry
+        (``ringq.engine.layout.C_W_*``: a worker's counters, for the monitor)."""
         self._section.set_client_words(self._cidx, words)
+
+    @property
+    def producer_seq(self) -> int:
+        """The producer sequence of the last entry this session enqueued (0:
+        none); the next enqueue takes ``producer_seq + 1``. Settable, to
+        carry on another producer's numbering (with :attr:`producer`; the SQL
+        inbox's pump does, for the entries it moves into the ring).
+
+        :raises ConfigError: not an int from 0 to 2**63 - 2.
+        """
+        return self._producer_seq
+
+    @producer_seq.setter
+    def producer_seq(self, value: int) -> None:
+        validate_int("producer_seq", value, 0, (1 << 63) - 2)
+        self._producer_seq = value
 
     @contextmanager
     def _outside_transaction(self) -> Iterator[psycopg.Connection[Any]]:

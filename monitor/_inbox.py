@@ -74,7 +74,7 @@ def pump_inbox(
                         # run, then +1 each): they rise for a producer across
                         # passes and pump sessions, where the session's own
                         # counter would start again at 1 on every pass.
-                        s._producer_seq = rows[i][0] - 1
+                        s.producer_seq = rows[i][0] - 1
                         # timeout=0: the monitor's loop must never sleep on a full queue.
                         s.enqueue_many(name, [bytes(r[1]) for r in rows[i:j]], timeout=0)
                         i = j

@@ -266,3 +266,20 @@ def test_a_queue_whose_cache_the_shm_filesystem_cannot_hold_runs_without_it(
         assert present(s.dequeue(q)).payload == b"no cache"
         assert hits_misses(s, q) == (0, 0)
         s.commit()
+
+
+def test_producer_seq_carries_on_another_producers_numbering(
+    dsn: str, make_queue: Callable[..., str]
+) -> None:
+    q = make_queue(capacity=8)
+    with connect(dsn, producer="p") as s:
+        s.enqueue(q, b"one")
+        assert s.producer_seq == 1
+        s.producer, s.producer_seq = "elsewhere", 41
+        s.enqueue(q, b"two")
+        s.commit()
+        with pytest.raises(ConfigError, match="producer_seq"):
+            s.producer_seq = -1
+        got = [(m.producer, m.producer_seq) for m in s.dequeue_many(q, 2)]
+        s.commit()
+    assert got == [("p", 1), ("elsewhere", 42)]

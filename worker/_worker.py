@@ -205,7 +205,7 @@ class Worker:
         self._base_timeout = str(row[0])
         self._known_timeout = (session.backend_pid, self._base_timeout)
         self._session = session
-        session._set_role(L.CR_WORKER)
+        session.set_client_role(L.CR_WORKER)
         self._publish_stats()  # a re-opened session carries the totals on
         self._install_timer()
         self._opened_at = time.monotonic()
@@ -420,7 +420,7 @@ class Worker:
             return
         st = self._stats
         try:
-            s._set_client_words((word, st[key]) for key, word in _SECTION_WORDS)
+            s.write_client_words((word, st[key]) for key, word in _SECTION_WORDS)
         except (ValueError, IndexError):
             # the section was released under us: the next open re-publishes
             pass
