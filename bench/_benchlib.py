@@ -28,6 +28,7 @@ import shutil
 import signal
 import sys
 import tempfile
+import time
 from collections.abc import Iterator, Sequence
 from datetime import datetime
 from pathlib import Path
@@ -163,3 +164,30 @@ def write_results(name: str, started: datetime, doc: dict[str, Any], out: Path |
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(doc, indent=2, default=str) + "\n")
     print("\nwrote " + ", ".join(str(p) for p in paths), file=sys.stderr)
+
+
+# -- the one-round-trip ceiling ---------------------------------------------------------------
+# One row updated in autocommit: one round trip and one WAL flush per
+# transaction, the least a durable transaction costs from here.
+
+CEIL_CREATE = "CREATE TABLE {t} (id integer PRIMARY KEY, v bigint NOT NULL)"
+CEIL_FILL = "INSERT INTO {t} VALUES (1, 0)"
+CEIL_UPDATE = "UPDATE {t} SET v = v + 1 WHERE id = 1"
+
+
+def create_ceiling(conn: psycopg.Connection[Any], table: str) -> None:
+    """The ceiling's one-row table."""
+    for stmt in (CEIL_CREATE, CEIL_FILL):
+        conn.execute(sql.SQL(stmt).format(t=sql.Identifier(table)))
+
+
+def ceiling_one_rt(conn: psycopg.Connection[Any], table: str, n: int) -> float:
+    """Transactions/s of ``n`` one-row UPDATEs of ``table`` on ``conn`` (in
+    autocommit), after 10 to warm up."""
+    upd = sql.SQL(CEIL_UPDATE).format(t=sql.Identifier(table))
+    for _ in range(10):
+        conn.execute(upd)
+    start = time.perf_counter_ns()
+    for _ in range(n):
+        conn.execute(upd)
+    return n / ((time.perf_counter_ns() - start) / 1e9)

@@ -37,8 +37,11 @@ import numpy as np
 import posix_ipc
 import psycopg
 from _benchlib import (
+    CEIL_UPDATE,
     argument_parser,
+    ceiling_one_rt,
     cpu_load,
+    create_ceiling,
     database,
     drop_queues,
     machine,
@@ -72,9 +75,6 @@ SKQ_DEQUEUE_MANY = (
     "DELETE FROM {t} WHERE id IN (SELECT id FROM {t} ORDER BY id FOR UPDATE SKIP LOCKED LIMIT %s) "
     "RETURNING payload"
 )
-CEIL_CREATE = "CREATE TABLE {t} (id integer PRIMARY KEY, v bigint NOT NULL)"
-CEIL_FILL = "INSERT INTO {t} VALUES (1, 0)"
-CEIL_UPDATE = "UPDATE {t} SET v = v + 1 WHERE id = 1"
 # The next BEGIN riding on COMMIT (ringq's former eager-begin protocol).
 CEIL_UPDATE_EAGER = "COMMIT; BEGIN"
 SIZES = """
@@ -510,12 +510,7 @@ def bench_ceiling(dsn: str, table: str, n: int) -> dict[str, float]:
     out: dict[str, float] = {}
     pc = time.perf_counter_ns
     with psycopg.connect(dsn, autocommit=True) as conn:
-        for _ in range(10):
-            conn.execute(upd)
-        start = pc()
-        for _ in range(n):
-            conn.execute(upd)
-        out["one_rt_tx_per_s"] = n / ((pc() - start) / 1e9)
+        out["one_rt_tx_per_s"] = ceiling_one_rt(conn, table, n)
 
         conn.execute("BEGIN")
         for _ in range(10):
@@ -724,8 +719,7 @@ def run(dsn: str, cfg: Config, names: Names) -> dict[str, Any]:
         create_skq(admin, names.skq)
         create_skq(admin, names.skq_volume)
         create_skq(admin, names.skq_concurrent)
-        admin.execute(q(CEIL_CREATE, names.ceiling))
-        admin.execute(q(CEIL_FILL, names.ceiling))
+        create_ceiling(admin, names.ceiling)
         env = environment(admin)
 
     ring_sql = RingSQL(names.ring_sql)

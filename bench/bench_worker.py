@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import secrets
 import statistics
 import sys
@@ -48,7 +49,9 @@ from typing import Any
 import psycopg
 from _benchlib import (
     argument_parser,
+    ceiling_one_rt,
     cpu_load,
+    create_ceiling,
     database,
     drop_queues,
     machine,
@@ -56,6 +59,7 @@ from _benchlib import (
     sigterm_tears_down,
     write_results,
 )
+from psycopg import sql
 from ringq.engine import Message, Session, connect, metrics
 from ringq.scripting import QueueSpec, create_queue
 from ringq.worker import Actions, PoolConfig, WorkerConfig, WorkerPool
@@ -134,28 +138,19 @@ def engine_loop_round(dsn: str, queue: str, n: int) -> dict[str, Any]:
     return {"messages": n, "seconds": elapsed, "per_s": n / elapsed}
 
 
-CEIL_CREATE = "CREATE TABLE IF NOT EXISTS bench_worker_ceiling (id integer PRIMARY KEY, v bigint)"
-CEIL_FILL = "INSERT INTO bench_worker_ceiling VALUES (1, 0) ON CONFLICT DO NOTHING"
-CEIL_UPDATE = "UPDATE bench_worker_ceiling SET v = v + 1 WHERE id = 1"
-CEIL_DROP = "DROP TABLE bench_worker_ceiling"
-
-
 def ceiling_round(dsn: str, n: int) -> dict[str, Any]:
     """The one-round-trip ceiling: ``n`` one-row UPDATE transactions in
     autocommit (one round trip and one WAL flush each), the least a durable
     transaction costs from here; a worker's message is one such transaction
     at best (its entry's consuming write, sent with the commit)."""
+    table = f"bench_worker_ceiling_{os.getpid()}"
     with psycopg.connect(dsn, autocommit=True) as conn:
-        conn.execute(CEIL_CREATE)
-        conn.execute(CEIL_FILL)
-        for _ in range(10):
-            conn.execute(CEIL_UPDATE)
-        t0 = time.perf_counter()
-        for _ in range(n):
-            conn.execute(CEIL_UPDATE)
-        elapsed = time.perf_counter() - t0
-        conn.execute(CEIL_DROP)
-    return {"messages": n, "seconds": elapsed, "per_s": n / elapsed}
+        create_ceiling(conn, table)
+        try:
+            per_s = ceiling_one_rt(conn, table, n)
+        finally:
+            conn.execute(sql.SQL("DROP TABLE {}").format(sql.Identifier(table)))
+    return {"messages": n, "seconds": n / per_s, "per_s": per_s}
 
 
 def _wait(pred: Callable[[], bool], timeout: float, what: str, every: float = 0.005) -> None:
