@@ -35,6 +35,14 @@ def mark_dropped(sec: Section, existing: set[int]) -> None:
             sec.mark_queue_dropped(qidx)
 
 
+def latest_start(registered_ns: int) -> float:
+    """The latest start (epoch seconds, server clock) of a backend its client
+    registered at ``registered_ns`` (client clock): a backend with that pid
+    started later is another one, the pid reused. A second of slack for the
+    two clocks and the registration after the connect."""
+    return registered_ns / 1e9 + 1.0
+
+
 def wait_backend_gone(
     conn: psycopg.Connection[Any],
     pid: int,
@@ -56,7 +64,7 @@ def wait_backend_gone(
         row = conn.execute(_Q["backend_alive"], (pid,)).fetchone()
         if row is None or row[0] is None:
             return False
-        return not_after_ns is None or float(row[0]) <= not_after_ns / 1e9 + 1.0
+        return not_after_ns is None or float(row[0]) <= latest_start(not_after_ns)
 
     if not ours():
         return
@@ -64,7 +72,7 @@ def wait_backend_gone(
         if not_after_ns is None:
             conn.execute(_Q["terminate"], (pid,))
         else:
-            conn.execute(_Q["terminate_started_by"], (pid, not_after_ns / 1e9 + 1.0))
+            conn.execute(_Q["terminate_started_by"], (pid, latest_start(not_after_ns)))
     except psycopg.Error:
         pass
     deadline = time.monotonic() + timeout

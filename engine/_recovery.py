@@ -24,7 +24,14 @@ import psycopg
 from psycopg import sql
 
 from . import _layout as L
-from ._decide import decide_ops, held_slots, load_block, mark_dropped, resync_queue
+from ._decide import (
+    decide_ops,
+    held_slots,
+    latest_start,
+    load_block,
+    mark_dropped,
+    resync_queue,
+)
 from ._errors import DatabaseUnavailable, SectionError, from_psycopg
 from ._names import queue_table
 from ._ops import POISON_REASON, Op, OpKind, RowState
@@ -248,7 +255,7 @@ def _backends_alive(
     alive = set()
     for pid, started in rows:
         limit = (not_after_ns or {}).get(pid)
-        if limit is not None and started is not None and float(started) > limit / 1e9 + 1.0:
+        if limit is not None and started is not None and float(started) > latest_start(limit):
             continue  # pid reused by a newer backend
         alive.add(pid)
     return alive

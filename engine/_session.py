@@ -592,8 +592,7 @@ class Session(TwoPhase):
         :raises: as :meth:`commit`; then nothing was taken.
         """
         self._check()
-        check_wait("wait", None)
-        if self._tpc_xid is not None:
+        if self._tpc_xid is not None:  # before anything is claimed
             raise TransactionError("a two-phase transaction is open: use tpc_commit()")
         info = self._info(queue)
         ring = self._ring(info)
@@ -626,21 +625,20 @@ class Session(TwoPhase):
         if cur is None:
             return None  # committed; the entry was given back
         row = cur.fetchone()
-        self._ops.append(op)
         if row is None:
+            self._ops.append(op)  # for the repair, which finishes it
             self._repair_dequeue(info, ring, [op], exclusive)
             return None
-        self._taken([op], t0, appended=True)
+        self._taken([op], t0)
         payload, producer, pseq, enq_at, deliveries = row
         return Message(queue, seq, bytes(payload), producer, pseq, enq_at, deliveries + 1)
 
-    def _taken(self, ops: list[Op], t0: int, *, appended: bool = False) -> None:
+    def _taken(self, ops: list[Op], t0: int) -> None:
         """Ops of a dequeue join the transaction (its lease runs from now)."""
         lat = (time.perf_counter_ns() - t0) // len(ops)
         for op in ops:
             op.latency_ns = lat
-        if not appended:
-            self._ops.extend(ops)
+        self._ops.extend(ops)
         self._section.note_hold(self._cidx)
         self._section.count_client(self._cidx, L.C_N_DEQ, len(ops))
 
