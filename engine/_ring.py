@@ -254,7 +254,7 @@ class Ring:
             # Consumed, or its row counts a delivery now: a record serves one
             # first delivery (a redelivery, or a section that went wrong,
             # reads the row).
-            s.cache_w[(self.cbase + slot * self.stride >> 3) + L.R_TAG] = 0
+            s.cache_w[(self._record(slot) >> 3) + L.R_TAG] = 0
         s.lck_w[w] &= ~m & _U64
         s.owner_w[self.base + slot] = 0
         if exclusive and Q[b + L.Q_DEQ_INFLIGHT] > 0:
@@ -348,6 +348,10 @@ class Ring:
 
     # -- payload cache ---------------------------------------------------------------
 
+    def _record(self, slot: int) -> int:
+        """Where ``slot``'s cache record starts in the pool (bytes; a multiple of 8)."""
+        return self.cbase + slot * self.stride
+
     def cache_put(
         self,
         slot: int,
@@ -362,7 +366,7 @@ class Ring:
         queue has no cache or the entry does not fit its record."""
         if len(payload) > self.cache_payload or len(producer) > L.CACHE_PRODUCER_BYTES:
             return False
-        off = self.cbase + slot * self.stride
+        off = self._record(slot)
         s = self.sec
         cw, w = s.cache_w, off >> 3
         cw[w + L.R_TAG] = 0  # not trusted while half written (and a wrong tag anyway)
@@ -384,7 +388,7 @@ class Ring:
         the queue lock); else None, and the caller reads the row. Counted."""
         if not self.stride:
             return None
-        off = self.cbase + slot * self.stride
+        off = self._record(slot)
         s = self.sec
         cw, w = s.cache_w, off >> 3
         Q, b = self.Q, self.qb
