@@ -31,6 +31,7 @@ import tempfile
 import time
 from collections.abc import Iterator, Sequence
 from datetime import datetime
+from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
@@ -191,3 +192,15 @@ def ceiling_one_rt(conn: psycopg.Connection[Any], table: str, n: int) -> float:
     for _ in range(n):
         conn.execute(upd)
     return n / ((time.perf_counter_ns() - start) / 1e9)
+
+
+def expect(pipe: Connection, what: str, timeout: float, who: str = "a process") -> Any:
+    """The detail of the next ``(what, detail)`` message a child process sends
+    on ``pipe``; raises if none comes within ``timeout`` seconds, or if the
+    child reports something else (its failure)."""
+    if not pipe.poll(timeout):
+        raise RuntimeError(f"{who} sent no {what!r} within {timeout:.0f} s")
+    got, detail = pipe.recv()
+    if got != what:
+        raise RuntimeError(f"{who} failed: {detail}")
+    return detail

@@ -23,7 +23,10 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 import psycopg
+from _benchlib import expect
 from ringq.engine import QueueFull, connect
+
+WHO = "concurrent: a process"  # named in a failure
 
 FORK = mp.get_context("fork")
 START_DELAY = 0.05  # s between the last process ready and the common start
@@ -123,12 +126,12 @@ def _run(
             proc.start()
             procs.append((proc, parent))
         for _proc, pipe in procs:
-            _expect(pipe, "ready", 60.0)
+            expect(pipe, "ready", 60.0, WHO)
         t_start = time.monotonic() + START_DELAY
         for _proc, pipe in procs:
             pipe.send((t_start, t_start + seconds))
         for role, (_proc, pipe) in zip(roles, procs, strict=True):
-            counts = _expect(pipe, "done", seconds + 60.0)
+            counts = expect(pipe, "done", seconds + 60.0, WHO)
             for k, v in counts.items():
                 sums[role][k] += v
     finally:
@@ -140,13 +143,6 @@ def _run(
     return sums
 
 
-def _expect(pipe: Connection, what: str, timeout: float) -> Any:
-    if not pipe.poll(timeout):
-        raise RuntimeError(f"concurrent: a process sent no {what!r} within {timeout:.0f} s")
-    got, detail = pipe.recv()
-    if got != what:
-        raise RuntimeError(f"concurrent: a process failed: {detail}")
-    return detail
 
 
 def _result(

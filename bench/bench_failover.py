@@ -59,7 +59,14 @@ from multiprocessing.synchronize import Event
 from typing import Any
 
 import psycopg
-from _benchlib import argument_parser, cpu_load, machine, sigterm_tears_down, write_results
+from _benchlib import (
+    argument_parser,
+    cpu_load,
+    expect,
+    machine,
+    sigterm_tears_down,
+    write_results,
+)
 from ringq.engine import InDoubt, QueueFull, RingqError, Session, connect
 from ringq.scripting import Cluster, QueueSpec, create_queue, remove_section
 
@@ -312,7 +319,7 @@ def clients(
                 child.close()
                 procs.append((kind, proc, parent))
         for _kind, _proc, pipe in procs:
-            expect(pipe, "ready", READY_TIMEOUT)
+            expect(pipe, "ready", READY_TIMEOUT, "a client")
         yield go, stop, producers_done, procs
     finally:
         for _kind, proc, _pipe in procs:
@@ -326,18 +333,11 @@ def clients(
 
 
 def collect(proc: Any, pipe: Connection) -> ClientLog:
-    log: ClientLog = expect(pipe, "done", END_TIMEOUT)
+    log: ClientLog = expect(pipe, "done", END_TIMEOUT, "a client")
     proc.join(10)
     return log
 
 
-def expect(pipe: Connection, what: str, timeout: float) -> Any:
-    if not pipe.poll(timeout):
-        raise RuntimeError(f"a client sent no {what!r} within {timeout:.0f} s")
-    got, detail = pipe.recv()
-    if got != what:
-        raise RuntimeError(f"a client failed: {detail}")
-    return detail
 
 
 def drain(dsn: str, port: int) -> list[tuple[float, int, int, int, int]]:
