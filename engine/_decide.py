@@ -93,10 +93,11 @@ def load_block(
     sec: Section,
     qidx: int,
     info: QueueInfo,
-    rows: Sequence[tuple[int, int, int]],
+    rows: Sequence[tuple[int, int, int, str | None]],
     held: list[tuple[int, int]],
 ) -> None:
-    """Fill a freshly allocated block (caller holds the section lock)."""
+    """Fill a freshly allocated block (caller holds the section lock) from
+    its rows (``all_rows``: slot, state, seq, group)."""
     ring = Ring(sec, qidx)
     ring.configure(
         max_payload=info.max_payload,
@@ -106,9 +107,20 @@ def load_block(
         max_deliveries=info.max_deliveries,
     )
     sec.set_lease(qidx, info.lease)
-    arr = np.array(rows, dtype=np.int64).reshape(-1, 3)
-    ring.load_rows(arr[:, 0], arr[:, 1], arr[:, 2], keep_locked=False, held=held)
+    arr, groups = _split_rows(rows)
+    ring.load_rows(
+        arr[:, 0], arr[:, 1], arr[:, 2], keep_locked=False, held=held, groups=groups
+    )
     sec.mark_queue_ready(qidx)
+
+
+def _split_rows(
+    rows: Sequence[tuple[int, int, int, str | None]],
+) -> tuple[np.ndarray, list[tuple[int, str]]]:
+    """``all_rows`` rows as an (n, 3) array of (slot, state, seq), and the
+    (slot, group) of those that have a group."""
+    arr = np.array([r[:3] for r in rows], dtype=np.int64).reshape(-1, 3)
+    return arr, [(r[0], r[3]) for r in rows if r[3] is not None]
 
 
 def load_queue(sec: Section, conn: psycopg.Connection[Any], info: QueueInfo) -> int:
@@ -144,9 +156,10 @@ def resync_queue(sec: Section, ring: Ring, info: QueueInfo, dsn: str) -> None:
         held = held_slots(aux, info.id)
         sec.lock_queue(ring.qidx)
         try:
-            rows = aux.execute(sql_rows).fetchall()
-            arr = np.array(rows, dtype=np.int64).reshape(-1, 3)
-            ring.load_rows(arr[:, 0], arr[:, 1], arr[:, 2], keep_locked=True, held=held)
+            arr, groups = _split_rows(aux.execute(sql_rows).fetchall())
+            ring.load_rows(
+                arr[:, 0], arr[:, 1], arr[:, 2], keep_locked=True, held=held, groups=groups
+            )
             ring.note_resync()
         finally:
             sec.unlock_queue(ring.qidx)

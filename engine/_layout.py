@@ -4,7 +4,7 @@
 
     [ header | queue blocks x MAX_QUEUES | queue names | clients x MAX_CLIENTS |
       ENQ bits | DEQ bits | LCK bits | OWNER int32 per slot | HOLDER int32 per slot |
-      payload cache pool ]
+      GROUP int64 per slot | payload cache pool ]
 
 Every field is an int64 word at a fixed index, so the layout is plain data
 that any process (and a future non-Python tool) can read. A segment whose
@@ -16,7 +16,8 @@ from __future__ import annotations
 # 2: client entries of 32 words (role, last error, queues, worker counters)
 # 3: owner tokens (C_GEN, C_TOKEN) and the HOLDER array (backend pid per slot)
 # 4: the payload cache (a pool after HOLDER, H_NEXT_CACHE, Q_CACHE_*)
-LAYOUT_VERSION = 4
+# 5: groups (the GROUP array after HOLDER, Q_GROUPED, R_GROUP_LEN and the group in a record)
+LAYOUT_VERSION = 5
 MAGIC = 0x52494E47_51534543  # "RINGQSEC"
 
 MAX_QUEUES = 128
@@ -27,6 +28,7 @@ MAX_CAPACITY = 1 << 22  # slots in one queue (4,194,304)
 # take memory). Each cached slot holds a record of cache_stride(cache_payload) bytes.
 CACHE_POOL = 1 << 29  # 512 MiB
 CACHE_PRODUCER_BYTES = 64  # an entry whose producer name is longer is not cached
+GROUP_BYTES = 128  # a group name's UTF-8 bytes at most (ringq.engine.Session.enqueue(group=))
 HIST_BUCKETS = 32  # latency histogram: bucket b holds [2**(b-1), 2**b) microseconds
 
 PAGE = 4096
@@ -99,6 +101,11 @@ Q_CACHE_AREA = 38
 Q_CACHE_EPOCH = 39
 Q_N_CACHE_HITS = 40  # dequeues served from the cache
 Q_N_CACHE_MISSES = 41  # dequeues of a cached queue that read the row
+# 1 once an entry with a group was reserved in (or loaded into) the block: its
+# claims then keep one entry per group held (until the next load, which
+# sets it from the rows). Ungrouped queues keep the plain scan.
+Q_GROUPED = 42
+Q_N_GROUP_SKIPS = 43  # ready entries a claim passed over because their group was busy
 Q_ENQ_HIST = 64  # HIST_BUCKETS words
 Q_DEQ_HIST = 96  # HIST_BUCKETS words
 QUEUE_WORDS = 128
@@ -185,7 +192,7 @@ TOKEN_GENS = (2**31 - 1) // MAX_CLIENTS
 
 
 # -- payload cache records ----------------------------------------------------------------
-# A record is int64 words, then the producer name, then the payload. It is
+# A record is int64 words, then the producer name, the group, then the payload. It is
 # trusted only while its slot is locked by the dequeuer reading it, its tag
 # is the entry's seq + 1 and its epoch the queue's Q_CACHE_EPOCH; it is written
 # under the queue lock by the session whose commit made the entry, before the
@@ -196,8 +203,10 @@ R_LEN = 2  # payload bytes
 R_PRODUCER_LEN = 3
 R_PRODUCER_SEQ = 4
 R_ENQ_AT_US = 5  # the row's enq_at, microseconds since the epoch (UTC)
-RECORD_WORDS = 6
-RECORD_HEAD = RECORD_WORDS * 8 + CACHE_PRODUCER_BYTES  # bytes before the payload
+R_GROUP_LEN = 6  # the group's UTF-8 bytes; -1: no group
+RECORD_WORDS = 7
+RECORD_GROUP = RECORD_WORDS * 8 + CACHE_PRODUCER_BYTES  # where the group's bytes start
+RECORD_HEAD = RECORD_GROUP + GROUP_BYTES  # bytes before the payload
 
 
 def cache_stride(cache_payload: int) -> int:
@@ -233,5 +242,8 @@ OFF_OWNER = OFF_LCK + _round(BITMAP_WORDS * 8)
 # HOLDER: the backend pid of the connection whose transaction holds a locked
 # slot, written with OWNER; recovery waits for that backend to end.
 OFF_HOLDER = OFF_OWNER + _round(SLOT_POOL * 4)
-OFF_CACHE = OFF_HOLDER + _round(SLOT_POOL * 4)
+# GROUP: the tag of a slot's entry's group (ringq.engine._ring.group_tag; 0: none),
+# written with the reservation (or from the rows at a load).
+OFF_GROUP = OFF_HOLDER + _round(SLOT_POOL * 4)
+OFF_CACHE = OFF_GROUP + _round(SLOT_POOL * 8)
 SECTION_SIZE = OFF_CACHE + CACHE_POOL

@@ -38,11 +38,12 @@ class OpKind(StrEnum):
 class RowWrite:
     """An enqueue's row write, kept in the session until commit (or
     ``flush()``) sends it: the entry's payload, its producer and producer
-    sequence (as they were at the enqueue call)."""
+    sequence (as they were at the enqueue call), and its group (None: none)."""
 
     payload: bytes
     producer_seq: int
     producer: str
+    group: str | None = None
 
 
 @dataclass(slots=True)

@@ -21,10 +21,20 @@ payload cache records (``L.R_*``): written by the session whose commit made
 the entry, before the ENQ bit is set; read by the dequeuer that claimed the
 slot; trusted only when their tag is the entry's seq and their epoch the
 queue's (every load from the rows starts a new epoch).
+
+Groups: a slot's entry may belong to a group (its tag, ``group_tag(name)``,
+in the GROUP array, written with the reservation). At most one entry of a
+group is held by dequeuers at a time: a claim reads past a ready entry whose
+group has an entry held (LCK and DEQ set), and takes at most one entry per
+group. The busy groups are the tags of the held slots, read under the queue
+lock at each claim of a grouped queue, so they are decided with the slots
+(a rollback, a recovery, a poisoning frees the group) and no other state can
+disagree with them after a kill -9.
 """
 
 from __future__ import annotations
 
+import hashlib
 import secrets
 import time
 from collections.abc import Sequence
@@ -40,12 +50,26 @@ if TYPE_CHECKING:
     from ._ops import Op
 
 _U64 = (1 << 64) - 1
+# A payload cache hit: (payload, producer, producer_seq, enqueued at in us, group).
+Cached = tuple[bytes, str, int, int, str | None]
 _FIRST_CHUNK = 2
 _MAX_CHUNK = 1024
 
 
 def _lowest_bit(x: int) -> int:
     return (x & -x).bit_length() - 1
+
+
+def group_tag(group: str | None) -> int:
+    """The section's tag of a group name: 64 bits of its BLAKE2b digest
+    (never 0, which means no group). Two groups that share a tag (odds of
+    2**-64 per pair) are served as one group: in order, never wrongly."""
+    if group is None:
+        return 0
+    tag = int.from_bytes(
+        hashlib.blake2b(group.encode(), digest_size=8).digest(), "little", signed=True
+    )
+    return tag or 1
 
 
 class Ring:
@@ -107,8 +131,9 @@ class Ring:
 
     # -- enqueue ------------------------------------------------------------------
 
-    def reserve(self, owner: int, backend: int) -> tuple[int, int] | None:
-        """Reserve the head slot for ``owner`` (held by ``backend``); None if full."""
+    def reserve(self, owner: int, backend: int, tag: int = 0) -> tuple[int, int] | None:
+        """Reserve the head slot for ``owner`` (held by ``backend``), for an
+        entry of group ``tag`` (0: none); None if full."""
         Q, b = self.Q, self.qb
         head = Q[b + L.Q_HEAD]
         if head - Q[b + L.Q_TAIL] >= self.cap:
@@ -122,6 +147,9 @@ class Ring:
         s.deq_w[w] &= ~m & _U64
         s.holder_w[self.base + slot] = backend
         s.owner_w[self.base + slot] = owner
+        s.group_w[self.base + slot] = tag
+        if tag:
+            Q[b + L.Q_GROUPED] = 1
         s.lck_w[w] |= m
         Q[b + L.Q_HEAD] = head + 1
         Q[b + L.Q_N_ENQ] += 1
@@ -159,7 +187,11 @@ class Ring:
         n = Q[b + L.Q_HEAD] - tail
         if n <= 0:
             return None
-        slot = self._find(tail % self.cap, n, ready=True)
+        if Q[b + L.Q_GROUPED]:
+            found = self._ready_slots(tail, n, 1)
+            slot = found[0] if found else None
+        else:
+            slot = self._find(tail % self.cap, n, ready=True)
         if slot is None:
             return None
         w, m = self._bit(slot)
@@ -187,15 +219,7 @@ class Ring:
         window = Q[b + L.Q_HEAD] - tail
         if window <= 0:
             return []
-        start = tail % self.cap
-        slots: list[int] = []
-        end = start + window
-        if end <= self.cap:
-            self._collect(start, end, n, slots)
-        else:
-            self._collect(start, self.cap, n, slots)
-            if len(slots) < n:
-                self._collect(0, end - self.cap, n, slots)
+        slots = self._ready_slots(tail, window, n)
         s = self.sec
         out = []
         for slot in slots:
@@ -212,8 +236,46 @@ class Ring:
             Q[b + L.Q_N_DEQ] += len(out)
         return out
 
-    def _collect(self, a: int, b: int, n: int, out: list[int]) -> None:
-        """Append ready slots in [a, b) to ``out``, oldest first, until it holds ``n``."""
+    def _ready_slots(self, tail: int, window: int, n: int) -> list[int]:
+        """Up to ``n`` of the oldest ready slots of the window (``window``
+        slots from ``tail``); in a grouped queue, passing over entries whose
+        group is busy, and at most one per group."""
+        busy = self.busy_groups() if self.Q[self.qb + L.Q_GROUPED] else None
+        start = tail % self.cap
+        slots: list[int] = []
+        end = start + window
+        if end <= self.cap:
+            self._collect(start, end, n, slots, busy)
+        else:
+            self._collect(start, self.cap, n, slots, busy)
+            if len(slots) < n:
+                self._collect(0, end - self.cap, n, slots, busy)
+        return slots
+
+    def busy_groups(self) -> set[int]:
+        """Tags of the groups with an entry held by a dequeuer (LCK and DEQ
+        set: dequeued, or in a prepared transaction) in this queue."""
+        s = self.sec
+        nw = (self.cap + 63) // 64
+        words = s.lck[self.w0 : self.w0 + nw] & s.deq[self.w0 : self.w0 + nw]
+        nz = np.flatnonzero(words)
+        if not nz.size:
+            return set()
+        rows, cols = np.nonzero(
+            np.unpackbits(words[nz].view(np.uint8), bitorder="little").reshape(-1, 64)
+        )
+        tags = s.group[self.base + nz[rows] * 64 + cols]
+        return set(tags[tags != 0].tolist())
+
+    def _collect(
+        self, a: int, b: int, n: int, out: list[int], busy: set[int] | None = None
+    ) -> None:
+        """Append ready slots in [a, b) to ``out``, oldest first, until it
+        holds ``n``. With ``busy`` (a grouped queue), a slot whose group tag is
+        in it is passed over, and each slot taken adds its group."""
+        if busy is not None:
+            self._collect_grouped(a, b, n, out, busy)
+            return
         s = self.sec
         wa, wl = a >> 6, (b - 1) >> 6
         chunk = _FIRST_CHUNK
@@ -236,6 +298,45 @@ class Ring:
                     return
             w = we
             chunk = min(chunk * 4, _MAX_CHUNK)
+
+    def _collect_grouped(self, a: int, b: int, n: int, out: list[int], busy: set[int]) -> None:
+        s = self.sec
+        wa, wl = a >> 6, (b - 1) >> 6
+        chunk = _FIRST_CHUNK
+        w = wa
+        skipped = 0
+        while w <= wl and len(out) < n:
+            we = min(wl + 1, w + chunk)
+            g0, g1 = self.w0 + w, self.w0 + we
+            words = s.enq[g0:g1] & ~s.deq[g0:g1] & ~s.lck[g0:g1]
+            if w == wa and a & 63:
+                words[0] &= np.uint64((_U64 << (a & 63)) & _U64)
+            if we == wl + 1 and (b & 63):
+                words[-1] &= np.uint64((1 << (b & 63)) - 1)
+            nz = np.flatnonzero(words)
+            if nz.size:
+                rows, cols = np.nonzero(
+                    np.unpackbits(words[nz].view(np.uint8), bitorder="little").reshape(-1, 64)
+                )
+                slots = (w + nz[rows]) * 64 + cols  # ready slots of the chunk, in order
+                tags = s.group[self.base + slots]
+                if busy:
+                    keep = ~np.isin(tags, np.fromiter(busy, dtype=np.int64, count=len(busy)))
+                    skipped += int(slots.size - np.count_nonzero(keep))
+                    slots, tags = slots[keep], tags[keep]
+                for slot, tag in zip(slots.tolist(), tags.tolist(), strict=True):
+                    if tag:
+                        if tag in busy:
+                            skipped += 1
+                            continue
+                        busy.add(tag)
+                    out.append(slot)
+                    if len(out) >= n:
+                        break
+            w = we
+            chunk = min(chunk * 4, _MAX_CHUNK)
+        if skipped:
+            self.Q[self.qb + L.Q_N_GROUP_SKIPS] += skipped
 
     def finish_dequeue(
         self, slot: int, consumed: bool, *, exclusive: bool, reclaim: bool = True
@@ -319,7 +420,8 @@ class Ring:
                 if committed and enq_at_us is not None and op.fill is not None and self.stride:
                     f = op.fill
                     self.cache_put(
-                        op.slot, op.seq, f.payload, f.producer.encode(), f.producer_seq, enq_at_us
+                        op.slot, op.seq, f.payload, f.producer.encode(), f.producer_seq, enq_at_us,
+                        None if f.group is None else f.group.encode(),
                     )
                 self.finish_enqueue(op.slot, committed)
                 n_ready += committed
@@ -360,11 +462,16 @@ class Ring:
         producer: bytes,
         producer_seq: int,
         enq_at_us: int,
+        group: bytes | None = None,
     ) -> bool:
         """Write the record of ``slot``'s new entry ``seq`` (the caller holds
         the slot and the queue lock, and has not set ENQ yet). False if the
         queue has no cache or the entry does not fit its record."""
-        if len(payload) > self.cache_payload or len(producer) > L.CACHE_PRODUCER_BYTES:
+        if (
+            len(payload) > self.cache_payload
+            or len(producer) > L.CACHE_PRODUCER_BYTES
+            or (group is not None and len(group) > L.GROUP_BYTES)
+        ):
             return False
         off = self._record(slot)
         s = self.sec
@@ -375,17 +482,22 @@ class Ring:
         cw[w + L.R_PRODUCER_LEN] = len(producer)
         cw[w + L.R_PRODUCER_SEQ] = producer_seq
         cw[w + L.R_ENQ_AT_US] = enq_at_us
+        cw[w + L.R_GROUP_LEN] = -1 if group is None else len(group)
         at = off + L.RECORD_WORDS * 8
         s.cache[at : at + len(producer)] = producer
+        if group:
+            at = off + L.RECORD_GROUP
+            s.cache[at : at + len(group)] = group
         at = off + L.RECORD_HEAD
         s.cache[at : at + len(payload)] = payload
         cw[w + L.R_TAG] = seq + 1
         return True
 
-    def cache_get(self, slot: int, seq: int) -> tuple[bytes, str, int, int] | None:
-        """(payload, producer, producer_seq, enqueued at in us) of entry ``seq``
-        from its record, if the record holds it (the caller holds the slot and
-        the queue lock); else None, and the caller reads the row. Counted."""
+    def cache_get(self, slot: int, seq: int) -> Cached | None:
+        """(payload, producer, producer_seq, enqueued at in us, group) of
+        entry ``seq`` from its record, if the record holds it (the caller
+        holds the slot and the queue lock); else None, and the caller reads
+        the row. Counted."""
         if not self.stride:
             return None
         off = self._record(slot)
@@ -398,11 +510,13 @@ class Ring:
         n, pn = cw[w + L.R_LEN], cw[w + L.R_PRODUCER_LEN]
         at = off + L.RECORD_WORDS * 8
         producer = bytes(s.cache[at : at + pn]).decode()
+        gn = cw[w + L.R_GROUP_LEN]
+        at = off + L.RECORD_GROUP
+        group = None if gn < 0 else bytes(s.cache[at : at + gn]).decode()
         at = off + L.RECORD_HEAD
         Q[b + L.Q_N_CACHE_HITS] += 1
-        return bytes(s.cache[at : at + n]), producer, cw[w + L.R_PRODUCER_SEQ], cw[
-            w + L.R_ENQ_AT_US
-        ]
+        return (bytes(s.cache[at : at + n]), producer, cw[w + L.R_PRODUCER_SEQ],
+                cw[w + L.R_ENQ_AT_US], group)
 
     # -- counters and waiters ---------------------------------------------------------
 
@@ -549,7 +663,8 @@ class Ring:
     def locked_slots(self) -> list[tuple[int, int, int]]:
         """(slot, owner, holder) of every locked slot of the queue (a vectorized scan)."""
         s = self.sec
-        words = s.lck[self.w0 : self.w0 + (self.cap + 63) // 64]
+        # a copy: other processes change the words under a caller without the lock
+        words = s.lck[self.w0 : self.w0 + (self.cap + 63) // 64].copy()
         nz = np.flatnonzero(words)  # few words hold a locked slot: unpack only those
         if not nz.size:
             return []
@@ -599,8 +714,10 @@ class Ring:
         *,
         keep_locked: bool,
         held: list[tuple[int, int]] | None = None,
+        groups: Sequence[tuple[int, str]] = (),
     ) -> None:
-        """Set head, tail and the bitmaps from the rows (``SELECT slot, state, seq``).
+        """Set head, tail and the bitmaps from the rows (``SELECT slot, state, seq``),
+        and the group tags from ``groups``: (slot, group) of the queued rows that have one.
 
         ``keep_locked`` preserves slots locked by live clients (a resync under
         traffic); ``held`` lists (slot, seq) pairs of in-doubt prepared
@@ -658,6 +775,15 @@ class Ring:
             return np.packbits(padded, bitorder="little").view(np.uint64)
 
         new_enq, new_deq, new_lck = words(enq), words(deq), words(lck)
+        tags = np.zeros(cap, dtype=np.int64)
+        if groups:
+            tags[[slot for slot, _g in groups]] = [group_tag(g) for _s, g in groups]
+        if keep_locked:
+            # a locked slot keeps the tag its reservation wrote
+            locked = np.unpackbits(old_lck.view(np.uint8), bitorder="little")[:cap].astype(bool)
+            tags[locked] = s.group[self.base : self.base + cap][locked]
+        s.group[self.base : self.base + cap] = tags
+        Q[b + L.Q_GROUPED] = int(bool(np.any(tags)))
         if keep_locked:
             new_enq = (new_enq & ~old_lck) | (s.enq[g0:g1] & old_lck)
             new_deq = (new_deq & ~old_lck) | (s.deq[g0:g1] & old_lck)

@@ -107,6 +107,8 @@ class Section:
         self.owner_w = buf[L.OFF_OWNER : L.OFF_OWNER + L.SLOT_POOL * 4].cast("i")
         self.holder = np.frombuffer(mm, dtype=np.int32, count=L.SLOT_POOL, offset=L.OFF_HOLDER)
         self.holder_w = buf[L.OFF_HOLDER : L.OFF_HOLDER + L.SLOT_POOL * 4].cast("i")
+        self.group = np.frombuffer(mm, dtype=np.int64, count=L.SLOT_POOL, offset=L.OFF_GROUP)
+        self.group_w = buf[L.OFF_GROUP : L.OFF_GROUP + L.SLOT_POOL * 8].cast("q")
         # The payload cache pool: bytes, and the same as int64 words (record heads).
         self.cache = buf[L.OFF_CACHE : L.OFF_CACHE + L.CACHE_POOL]
         self.cache_w = self.cache.cast("q")
@@ -190,9 +192,10 @@ class Section:
             sem.close()
         self._sems.clear()
         for view in (self.header, self.queues, self.clients, self.names, self.enq_w, self.deq_w,
-                     self.lck_w, self.owner_w, self.holder_w, self.cache_w, self.cache):
+                     self.lck_w, self.owner_w, self.holder_w, self.group_w, self.cache_w,
+                     self.cache):
             view.release()
-        del self.enq, self.deq, self.lck, self.owner, self.holder
+        del self.enq, self.deq, self.lck, self.owner, self.holder, self.group
         self._buf.release()
         mm, self._mm = self._mm, None
         try:

@@ -49,13 +49,15 @@ from ._ops import POISON_REASON, Op, OpKind, RowState, RowWrite
 from ._queries import QUERIES as _Q
 from ._queue_info import QueueInfo as QueueInfo  # noqa: PLC0414 (re-exported for ringq.engine)
 from ._recovery import history_of, recover_dead_clients, section_following
-from ._ring import Ring
+from ._ring import Cached, Ring, group_tag
 from ._section import Section
 from ._tpc import TwoPhase
 from ._validate import (
+    as_groups,
     as_payload,
     as_payloads,
     check_count,
+    check_group,
     check_key,
     check_wait,
     validate_int,
@@ -94,6 +96,8 @@ class Message:
 
     ``deliveries`` counts this delivery: 1 the first time, more if earlier
     deliveries were rolled back (so the consumer can check idempotency).
+    ``group`` is the group it was enqueued in (None: none): entries of a
+    group are delivered in order, one held at a time.
     """
 
     queue: str
@@ -103,6 +107,7 @@ class Message:
     producer_seq: int
     enqueued_at: datetime
     deliveries: int
+    group: str | None = None
 
     @property
     def redelivered(self) -> bool:
@@ -217,8 +222,8 @@ class Session(TwoPhase):
         if not has_guard:
             self._conn.close()
             raise SchemaMissing(
-                "the ringq schema lacks ringq.expect_rows(), which this version's commits need: "
-                "apply the "
+                "the ringq schema lacks ringq.expect_rows() or the groups' columns, which this "
+                "version needs: apply the "
                 "schema script again (ringq queue create, or ringq script create-queue | psql)"
             )
         self.instance: str = instance
@@ -630,8 +635,8 @@ class Session(TwoPhase):
             self._repair_dequeue(info, ring, [op], exclusive)
             return None
         self._taken([op], t0)
-        payload, producer, pseq, enq_at, deliveries = row
-        return Message(queue, seq, bytes(payload), producer, pseq, enq_at, deliveries + 1)
+        payload, producer, pseq, enq_at, deliveries, group = row
+        return Message(queue, seq, bytes(payload), producer, pseq, enq_at, deliveries + 1, group)
 
     def _taken(self, ops: list[Op], t0: int) -> None:
         """Ops of a dequeue join the transaction (its lease runs from now)."""
@@ -813,6 +818,7 @@ class Session(TwoPhase):
                 w.payload,
                 w.producer,
                 w.producer_seq,
+                w.group,
                 op.slot,
                 op.seq,
             )
@@ -823,6 +829,7 @@ class Session(TwoPhase):
             [w.payload for w in writes],
             _text_array([w.producer for w in writes]),
             _int_array(w.producer_seq for w in writes),
+            _text_array([w.group for w in writes]),
             len(ops),
         )
 
@@ -958,14 +965,15 @@ class Session(TwoPhase):
             return set()
         poisoned: set[tuple[int, int]] = set()
         for name, cur in zip(by_queue, cursors, strict=True):
-            for slot, seq, state, deliveries, moved_to, kept_because in cur.fetchall():
+            for slot, seq, state, deliveries, moved_to, kept_because, group in cur.fetchall():
                 if state == RowState.CONSUMED:
                     poisoned.add((slot, seq))
                     logger.warning(
-                        "ringq: entry %s/%s poisoned after %s deliveries: "
+                        "ringq: entry %s/%s%s poisoned after %s deliveries: "
                         "moved to ringq.exceptions%s",
                         name,
                         seq,
+                        "" if group is None else f" (group {group!r}, which goes on without it)",
                         deliveries,
                         f" and queue {moved_to}"
                         if moved_to
@@ -978,7 +986,13 @@ class Session(TwoPhase):
     # -- enqueue -----------------------------------------------------------------------
 
     def enqueue(
-        self, queue: str, payload: bytes, *, key: str | None = None, timeout: float | None = None
+        self,
+        queue: str,
+        payload: bytes,
+        *,
+        key: str | None = None,
+        group: str | None = None,
+        timeout: float | None = None,
     ) -> int:
         """Put ``payload`` on ``queue`` in the current transaction; returns its sequence number.
 
@@ -992,14 +1006,22 @@ class Session(TwoPhase):
         A full queue blocks up to ``timeout`` seconds (default: the queue's
         full_timeout) under the 'block' policy.
 
+        With ``group``, the entry joins that group: entries of a group are
+        delivered in order (an entry enqueued after another's transaction
+        committed comes after it) and at most one of them is held by a
+        dequeuer at a time, across all consumers on the host; entries of
+        other groups are taken in parallel.
+
         :raises QueueNotFound, PayloadTooLarge, QueueFull, SessionClosed, DatabaseUnavailable:
         :raises TransactionError: the transaction failed earlier (roll it back).
-        :raises InvalidArgumentType: the payload is not bytes-like, the key not a str.
-        :raises InvalidArgument: the key is over 1,000 bytes, the timeout negative.
+        :raises InvalidArgumentType: the payload is not bytes-like, the key or group not a str.
+        :raises InvalidArgument: the key is over 1,000 bytes, the group empty or over
+            128 bytes, the timeout negative.
         """
         self._check()
         payload = as_payload(payload)
         check_key(key)
+        check_group(group)
         check_wait("timeout", timeout)
         t0 = time.perf_counter_ns()
         info = self._info(queue)
@@ -1011,8 +1033,9 @@ class Session(TwoPhase):
                 queue=queue,
             )
         self._check_not_failed()
+        tag = group_tag(group)
         if key is None:
-            slot, seq = self._reserve(info, timeout)
+            slot, seq = self._reserve(info, timeout, tag)
             self._producer_seq += 1
             op = Op(
                 self._ring(info),
@@ -1020,14 +1043,14 @@ class Session(TwoPhase):
                 slot,
                 seq,
                 OpKind.ENQUEUE,
-                write=RowWrite(payload, self._producer_seq, self.producer),
+                write=RowWrite(payload, self._producer_seq, self.producer, group),
             )
             self._ops.append(op)
             op.latency_ns = time.perf_counter_ns() - t0
             self._section.count_client(self._cidx, L.C_N_ENQ)
             return seq
         for _attempt in range(8):
-            slot, seq = self._reserve(info, timeout)
+            slot, seq = self._reserve(info, timeout, tag)
             self._producer_seq += 1
             op = Op(self._ring(info), info, slot, seq, OpKind.ENQUEUE)
             self._ops.append(op)
@@ -1040,6 +1063,7 @@ class Session(TwoPhase):
                     "payload": payload,
                     "producer": self.producer,
                     "producer_seq": self._producer_seq,
+                    "group": group,
                     "slot": slot,
                 },
                 queue=queue,
@@ -1077,18 +1101,28 @@ class Session(TwoPhase):
         )
 
     def enqueue_many(
-        self, queue: str, payloads: Iterable[bytes], *, timeout: float | None = None
+        self,
+        queue: str,
+        payloads: Iterable[bytes],
+        *,
+        group: str | Iterable[str | None] | None = None,
+        timeout: float | None = None,
     ) -> list[int]:
         """Enqueue several entries; returns their sequence numbers, in order.
 
         As :meth:`enqueue` without a key: nothing goes to the database now;
-        the commit writes the rows of a queue in one statement.
+        the commit writes the rows of a queue in one statement. ``group`` is
+        one group for all the entries, or one group (or None) per entry.
 
-        :raises InvalidArgumentType: ``payloads`` is not an iterable of bytes-like payloads.
-        :raises InvalidArgument: the timeout is negative.
+        :raises InvalidArgumentType: ``payloads`` is not an iterable of bytes-like
+            payloads, or ``group`` not a str, None or an iterable of them.
+        :raises InvalidArgument: the timeout is negative, a group is refused
+            (as :meth:`enqueue`), or the groups are not one per payload.
         """
         self._check()
         items = as_payloads(payloads)
+        groups = as_groups(group, len(items))
+        tags = None if groups is None else [group_tag(g) for g in groups]
         check_wait("timeout", timeout)
         t0 = time.perf_counter_ns()
         info = self._info(queue)
@@ -1107,7 +1141,12 @@ class Session(TwoPhase):
         reserved: list[tuple[int, int]] = []
         try:
             while len(reserved) < len(items):
-                reserved.extend(self._reserve_many(info, len(items) - len(reserved), timeout))
+                reserved.extend(
+                    self._reserve_many(
+                        info, len(items) - len(reserved), timeout,
+                        None if tags is None else tags[len(reserved):],
+                    )
+                )
         except BaseException:
             for slot, seq in reserved:
                 self._void(Op(ring, info, slot, seq, OpKind.ENQUEUE))
@@ -1123,7 +1162,9 @@ class Session(TwoPhase):
                 seq,
                 OpKind.ENQUEUE,
                 latency_ns=lat,
-                write=RowWrite(payload, pseq + i, self.producer),
+                write=RowWrite(
+                    payload, pseq + i, self.producer, None if groups is None else groups[i - 1]
+                ),
             )
             for i, ((slot, seq), payload) in enumerate(zip(reserved, items, strict=True), start=1)
         ]
@@ -1138,13 +1179,15 @@ class Session(TwoPhase):
         if self._conn.pgconn.transaction_status == _INERROR:
             raise TransactionError("the transaction failed earlier: roll it back")
 
-    def _reserve(self, info: QueueInfo, timeout: float | None) -> tuple[int, int]:
-        got = self._reserve_many(info, 1, timeout)
+    def _reserve(self, info: QueueInfo, timeout: float | None, tag: int) -> tuple[int, int]:
+        got = self._reserve_many(info, 1, timeout, (tag,) if tag else None)
         return got[0]
 
     def _reserve_many(
-        self, info: QueueInfo, n: int, timeout: float | None
+        self, info: QueueInfo, n: int, timeout: float | None, tags: Sequence[int] | None = None
     ) -> list[tuple[int, int]]:
+        """Reserve up to ``n`` slots (at least one, waiting for room as the
+        queue's policy says), the i-th for group tag ``tags[i]`` (None: no groups)."""
         ring = self._ring(info)
         sec = self._section
         wait = info.full_timeout if timeout is None else timeout
@@ -1160,7 +1203,7 @@ class Session(TwoPhase):
                     ring.remove_waiter(OpKind.ENQUEUE)
                     waiting = False
                 while len(got) < n:
-                    r = ring.reserve(self.owner, self.backend_pid)
+                    r = ring.reserve(self.owner, self.backend_pid, tags[len(got)] if tags else 0)
                     if r is None:
                         break
                     got.append(r)
@@ -1299,9 +1342,10 @@ class Session(TwoPhase):
                 if cached is not None:
                     messages.append(_cached_message(queue, seq, cached, tz))
                 elif slot in got:
-                    _slot, seq, payload, producer, pseq, enq_at, deliveries = got[slot]
+                    _slot, seq, payload, producer, pseq, enq_at, deliveries, group = got[slot]
                     messages.append(
-                        Message(queue, seq, bytes(payload), producer, pseq, enq_at, deliveries + 1)
+                        Message(queue, seq, bytes(payload), producer, pseq, enq_at,
+                                deliveries + 1, group)
                     )
             for op in ops:
                 op.latency_ns = lat
@@ -1312,7 +1356,7 @@ class Session(TwoPhase):
 
     def _claim(
         self, ring: Ring, info: QueueInfo, max_n: int, deadline: float | None, exclusive: bool
-    ) -> list[tuple[int, int, tuple[bytes, str, int, int] | None]]:
+    ) -> list[tuple[int, int, Cached | None]]:
         """Claim up to ``max_n`` ready slots, each with its payload cache
         record if it holds the entry (read under the queue lock), else None."""
         sec = self._section
@@ -1639,15 +1683,13 @@ class Session(TwoPhase):
 _ENDED_STATES = frozenset({"57P01", "57P02", "57P05", "25P03"})
 
 
-def _cached_message(
-    queue: str, seq: int, cached: tuple[bytes, str, int, int], tz: tzinfo
-) -> Message:
+def _cached_message(queue: str, seq: int, cached: Cached, tz: tzinfo) -> Message:
     """The message of a cache hit: a first delivery (a dequeue that does not
     commit clears its slot's record, so redeliveries read the row); its
     enqueue time in ``tz``, the connection's time zone, as a row read gives it."""
-    payload, producer, pseq, enq_at_us = cached
+    payload, producer, pseq, enq_at_us, group = cached
     enq_at = (_EPOCH + timedelta(microseconds=enq_at_us)).astimezone(tz)
-    return Message(queue, seq, payload, producer, pseq, enq_at, 1)
+    return Message(queue, seq, payload, producer, pseq, enq_at, 1, group)
 
 
 def _int_array(values: Iterable[int]) -> str:
@@ -1656,10 +1698,12 @@ def _int_array(values: Iterable[int]) -> str:
     return "{" + ",".join(map(str, values)) + "}"
 
 
-def _text_array(values: list[str]) -> str:
-    """A PostgreSQL array literal of strings, each quoted; the usual case (one
-    producer for the whole batch) quoted once."""
-    def quoted(v: str) -> str:
+def _text_array(values: Sequence[str | None]) -> str:
+    """A PostgreSQL array literal of strings (None: NULL), each quoted; the
+    usual case (one producer, or one group, for the whole batch) quoted once."""
+    def quoted(v: str | None) -> str:
+        if v is None:
+            return "NULL"
         return '"' + v.replace("\\", "\\\\").replace('"', '\\"') + '"'
 
     first = values[0] if values else ""

@@ -9,6 +9,7 @@ from collections.abc import Iterable
 from ._errors import ConfigError, InvalidArgument, InvalidArgumentType
 
 MAX_KEY_BYTES = 1000  # an idempotency key, UTF-8 encoded
+MAX_GROUP_BYTES = 128  # a group name, UTF-8 encoded (ringq.engine.layout.GROUP_BYTES)
 
 
 def validate_seconds(what: str, value: object, low: float, high: float) -> None:
@@ -87,6 +88,54 @@ def check_key(key: object) -> None:
     size = len(key.encode("utf-8", "surrogatepass"))
     if size > MAX_KEY_BYTES:
         raise InvalidArgument(f"key is {size:,} bytes long (UTF-8): {MAX_KEY_BYTES:,} at most")
+
+
+def check_group(group: object, what: str = "group") -> str | None:
+    """Check a group name: None, or a non-empty str of at most
+    ``MAX_GROUP_BYTES`` UTF-8 bytes without NUL.
+
+    :raises InvalidArgumentType: not a str.
+    :raises InvalidArgument: empty, too long, not encodable, or holds a NUL character.
+    """
+    if group is None:
+        return None
+    if not isinstance(group, str):
+        raise InvalidArgumentType(f"{what} must be a str or None, not {type(group).__name__}")
+    if not group:
+        raise InvalidArgument(f"{what} must not be empty (None: no group)")
+    if "\x00" in group:
+        raise InvalidArgument(f"{what} must not contain NUL characters")
+    try:
+        size = len(group.encode("utf-8"))
+    except UnicodeEncodeError as exc:
+        raise InvalidArgument(f"{what} is not encodable as UTF-8: {exc.reason}") from None
+    if size > MAX_GROUP_BYTES:
+        raise InvalidArgument(
+            f"{what} is {size:,} bytes long (UTF-8): {MAX_GROUP_BYTES:,} at most"
+        )
+    return group
+
+
+def as_groups(group: object, n: int) -> list[str | None] | None:
+    """The groups of a batch of ``n`` entries: None (no group), one str for
+    all, or an iterable of ``n`` str-or-None, one per entry.
+
+    :raises InvalidArgumentType: not one of those, or an element not a str or None.
+    :raises InvalidArgument: a count other than ``n``, or a group :func:`check_group` refuses.
+    """
+    if group is None:
+        return None
+    if isinstance(group, str):
+        one = check_group(group)
+        return [one] * n
+    if isinstance(group, bytes | bytearray | memoryview) or not isinstance(group, Iterable):
+        raise InvalidArgumentType(
+            f"group must be a str, None or an iterable of them, not {type(group).__name__}"
+        )
+    groups = [check_group(g, "each group") for g in group]
+    if len(groups) != n:
+        raise InvalidArgument(f"group has {len(groups):,} groups for {n:,} payloads")
+    return groups
 
 
 def as_payload(payload: object) -> bytes:

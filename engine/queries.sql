@@ -10,13 +10,15 @@ SELECT (SELECT value FROM ringq.meta WHERE key = 'instance_id'),
 
 -- attach --
 -- What a session checks once: the instance, the schema version, its backend,
--- and that the schema has the guard of deferred row writes (added after
--- version 1 without a version bump: applying the schema script adds it);
--- then the database's history (see history).
+-- and that the schema has the guard of deferred row writes and the groups
+-- (added after version 1 without a version bump: applying the schema script
+-- adds them; the three-argument ringq.enqueue() comes with the msg_group
+-- columns); then the database's history (see history).
 SELECT (SELECT value FROM ringq.meta WHERE key = 'instance_id'),
        (SELECT value FROM ringq.meta WHERE key = 'schema_version'),
        pg_backend_pid(),
-       to_regprocedure('ringq.expect_rows(integer, integer, text)') IS NOT NULL,
+       to_regprocedure('ringq.expect_rows(integer, integer, text)') IS NOT NULL
+           AND to_regprocedure('ringq.enqueue(text, bytea, text)') IS NOT NULL,
        CASE WHEN has_function_privilege('pg_control_system()', 'execute')
             THEN (SELECT system_identifier FROM pg_control_system()) ELSE 0 END,
        CASE WHEN pg_is_in_recovery() THEN -1
@@ -64,7 +66,8 @@ FROM ringq.queues q WHERE id = %s
 -- enq_at in microseconds, for the payload cache.
 WITH u AS (
     UPDATE {table}
-    SET state = 1, seq = %s::bigint, payload = %b, producer = %s, producer_seq = %s::bigint, deliveries = 0,
+    SET state = 1, seq = %s::bigint, payload = %b, producer = %s, producer_seq = %s::bigint,
+        msg_group = %s::text, deliveries = 0,
         enq_at = now(), enq_user = current_user, deq_at = NULL, deq_user = NULL
     WHERE slot = %s::integer AND state <> 1 AND seq < %s::bigint
     RETURNING 1
@@ -79,7 +82,7 @@ WITH k AS (
 ), u AS (
     UPDATE {table}
     SET state = 1, seq = %(seq)s::bigint, payload = %(payload)b, producer = %(producer)s,
-        producer_seq = %(producer_seq)s::bigint, deliveries = 0,
+        producer_seq = %(producer_seq)s::bigint, msg_group = %(group)s::text, deliveries = 0,
         enq_at = now(), enq_user = current_user, deq_at = NULL, deq_user = NULL
     WHERE slot = %(slot)s::integer AND state <> 1 AND seq < %(seq)s::bigint AND EXISTS (SELECT 1 FROM k)
     RETURNING slot
@@ -98,9 +101,10 @@ SELECT seq FROM ringq.keys WHERE queue_id = %s AND key = %s
 WITH u AS (
     UPDATE {table} AS t
     SET state = 1, seq = v.seq, payload = v.payload, producer = v.producer, producer_seq = v.pseq,
-        deliveries = 0, enq_at = now(), enq_user = current_user, deq_at = NULL, deq_user = NULL
-    FROM unnest(%s::integer[], %s::bigint[], %b::bytea[], %s::text[], %s::bigint[])
-        AS v(slot, seq, payload, producer, pseq)
+        msg_group = v.grp, deliveries = 0, enq_at = now(), enq_user = current_user, deq_at = NULL,
+        deq_user = NULL
+    FROM unnest(%s::integer[], %s::bigint[], %b::bytea[], %s::text[], %s::bigint[], %s::text[])
+        AS v(slot, seq, payload, producer, pseq, grp)
     WHERE t.slot = v.slot AND t.state <> 1 AND t.seq < v.seq
     RETURNING 1
 )
@@ -112,14 +116,15 @@ SELECT ringq.expect_rows((SELECT count(*) FROM u)::integer, %s::integer, {queue}
 UPDATE {table}
 SET state = 2, deq_at = now(), deq_user = current_user
 WHERE slot = %s::integer AND seq = %s::bigint AND state = 1
-RETURNING payload, producer, producer_seq, enq_at, deliveries
+RETURNING payload, producer, producer_seq, enq_at, deliveries, msg_group
 
 -- dequeue_many --
 UPDATE {table} AS t
 SET state = 2, deq_at = now(), deq_user = current_user
 FROM unnest(%s::integer[], %s::bigint[]) AS v(slot, seq)
 WHERE t.slot = v.slot AND t.seq = v.seq AND t.state = 1
-RETURNING t.slot, t.seq, t.payload, t.producer, t.producer_seq, t.enq_at, t.deliveries
+RETURNING t.slot, t.seq, t.payload, t.producer, t.producer_seq, t.enq_at, t.deliveries,
+          t.msg_group
 
 -- consume --
 -- The consuming write of a dequeue served from the payload cache, sent at
@@ -160,14 +165,15 @@ WITH s AS (
         state = CASE WHEN deliveries + 1 >= %(max_deliveries)s THEN 2 ELSE 1 END,
         deq_at = CASE WHEN deliveries + 1 >= %(max_deliveries)s THEN now() END
     WHERE slot = ANY(%(slots)s::integer[]) AND seq = ANY(%(seqs)s::bigint[]) AND state = 1
-    RETURNING slot, seq, state, deliveries, payload, producer, producer_seq, enq_at
+    RETURNING slot, seq, state, deliveries, payload, producer, producer_seq, enq_at, msg_group
 ), d AS (
     SELECT v.qid, src.exception_queue AS to_name, e.id AS to_id, e.max_payload AS to_max
     FROM (VALUES (%(queue_id)s::integer)) AS v(qid)
     LEFT JOIN ringq.queues src ON src.id = v.qid
     LEFT JOIN ringq.queues e ON e.name = src.exception_queue
 ), f AS (
-    SELECT s.seq, s.payload, s.producer, s.producer_seq, s.enq_at, s.deliveries, d.qid, d.to_name, d.to_id,
+    SELECT s.seq, s.payload, s.producer, s.producer_seq, s.enq_at, s.deliveries, s.msg_group,
+           d.qid, d.to_name, d.to_id,
            CASE WHEN d.to_name IS NULL THEN NULL
                 WHEN d.to_id IS NULL THEN 'exception queue "' || d.to_name || '" does not exist'
                 WHEN octet_length(s.payload) > d.to_max
@@ -177,16 +183,16 @@ WITH s AS (
     WHERE s.state = 2
 ), x AS (
     INSERT INTO ringq.exceptions (queue_id, seq, payload, producer, producer_seq, enq_at,
-                                  deliveries, reason)
-    SELECT qid, seq, payload, producer, producer_seq, enq_at, deliveries,
+                                  deliveries, msg_group, reason)
+    SELECT qid, seq, payload, producer, producer_seq, enq_at, deliveries, msg_group,
            %(reason)s || coalesce('; kept here only: ' || why_not, '')
     FROM f
     ON CONFLICT DO NOTHING
     RETURNING seq
 ), i AS (
     -- Only entries recorded just now (x), so a repeated strike adds nothing.
-    INSERT INTO ringq.inbox (queue_id, payload, producer)
-    SELECT f.to_id, f.payload, 'ringq:poison:' || coalesce(f.producer, '-')
+    INSERT INTO ringq.inbox (queue_id, payload, producer, msg_group)
+    SELECT f.to_id, f.payload, 'ringq:poison:' || coalesce(f.producer, '-'), f.msg_group
     FROM f JOIN x ON x.seq = f.seq
     WHERE f.to_id IS NOT NULL AND f.why_not IS NULL
     ORDER BY f.seq
@@ -198,14 +204,15 @@ WITH s AS (
     ) AS z
 )
 SELECT s.slot, s.seq, s.state, s.deliveries,
-       CASE WHEN f.why_not IS NULL THEN f.to_name END, f.why_not
+       CASE WHEN f.why_not IS NULL THEN f.to_name END, f.why_not, s.msg_group
 FROM s LEFT JOIN f ON f.seq = s.seq CROSS JOIN n
 
 -- rows --
 SELECT slot, state, seq FROM {table} WHERE slot = ANY(%s::integer[])
 
 -- all_rows --
-SELECT slot, state, seq FROM {table}
+-- (the group of queued entries only: the section tags ready and held slots)
+SELECT slot, state, seq, CASE WHEN state = 1 THEN msg_group END FROM {table}
 
 -- held_slots --
 -- (slot, seq) of prepared two-phase transactions in one queue: in doubt until resolved.
@@ -290,7 +297,7 @@ ROLLBACK PREPARED {gid}
 -- inbox_take --
 DELETE FROM ringq.inbox
 WHERE id IN (SELECT id FROM ringq.inbox WHERE queue_id = %s ORDER BY id LIMIT %s FOR UPDATE SKIP LOCKED)
-RETURNING id, payload, producer
+RETURNING id, payload, producer, msg_group
 
 -- listen_events --
 -- Named events (engine/_events.py) travel on one channel: {channel}, filled

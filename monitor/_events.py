@@ -9,7 +9,8 @@ the monitor publishes:
 - ``queue.<name>.empty`` — the last ready entry was taken;
 - ``queue.<name>.high_water`` — depth reached the high-water mark (80% of capacity);
 - ``consumer.died`` — a dead client's slots were recovered (``pid``, ``slots``, ``queues``);
-- ``entry.poisoned`` — an entry moved to the exception table (``seq``, ``deliveries``, ``reason``);
+- ``entry.poisoned`` — an entry moved to the exception table (``seq``, ``deliveries``, ``reason``,
+  ``group``: its group, None if none, which goes on without it);
 - ``entry.lease_expired`` — a session held a dequeued entry past its queue's lease: its
   backend was terminated and its entries came back (``pid``, ``backend_pid``, ``held_s``,
   ``lease_s``, ``queues``, ``slots``);

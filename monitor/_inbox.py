@@ -76,7 +76,12 @@ def pump_inbox(
                         # counter would start again at 1 on every pass.
                         s.producer_seq = rows[i][0] - 1
                         # timeout=0: the monitor's loop must never sleep on a full queue.
-                        s.enqueue_many(name, [bytes(r[1]) for r in rows[i:j]], timeout=0)
+                        s.enqueue_many(
+                            name,
+                            [bytes(r[1]) for r in rows[i:j]],
+                            group=[r[3] for r in rows[i:j]],
+                            timeout=0,
+                        )
                         i = j
                 except QueueFull:
                     # Space went between the look and the reservation (another

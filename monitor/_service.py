@@ -795,7 +795,7 @@ class Monitor:
         first = self._seen_exc is None
         seen = self._seen_exc if self._seen_exc is not None else {}
         horizon = time.time() - 2 * window
-        for qid, qname, seq, producer, pseq, deliveries, reason, moved in rows:
+        for qid, qname, seq, producer, pseq, deliveries, reason, moved, group in rows:
             key = (int(qid), int(seq))
             if key in seen:
                 continue
@@ -803,7 +803,7 @@ class Monitor:
             if first:
                 continue  # moved before this monitor started: not news
             fields = {"seq": int(seq), "producer": producer, "producer_seq": pseq,
-                      "deliveries": deliveries, "reason": reason}
+                      "deliveries": deliveries, "reason": reason, "group": group}
             self._journal_write("entry.poisoned", logging.WARNING, queue=qname, **fields)
             self._publish(E.make_event(E.ENTRY_POISONED, qname, **fields))
         self._seen_exc = {k: t for k, t in seen.items() if t >= horizon}

@@ -34,7 +34,7 @@ SELECT queue_id, count(*) FROM ringq.exceptions GROUP BY queue_id
 -- transaction the monitor could miss between two passes; the caller keeps
 -- the keys it has already announced).
 SELECT e.queue_id, q.name, e.seq, e.producer, e.producer_seq, e.deliveries, e.reason,
-       extract(epoch FROM e.moved_at)::float8
+       extract(epoch FROM e.moved_at)::float8, e.msg_group
 FROM ringq.exceptions e LEFT JOIN ringq.queues q ON q.id = e.queue_id
 WHERE e.moved_at > now() - make_interval(secs => %s)
 ORDER BY e.moved_at, e.queue_id, e.seq
@@ -91,7 +91,7 @@ SELECT EXISTS (SELECT 1 FROM ringq.inbox WHERE queue_id = %s)
 -- The oldest entries of a queue's inbox, at most a batch, taken out in the
 -- pump's transaction (they go back with a rollback).
 DELETE FROM ringq.inbox WHERE id IN (SELECT id FROM ringq.inbox WHERE queue_id = %s
-ORDER BY id LIMIT %s) RETURNING id, payload, producer
+ORDER BY id LIMIT %s) RETURNING id, payload, producer, msg_group
 
 -- keys_queues --
 -- Queues with idempotency keys older than the retention (seconds): one probe

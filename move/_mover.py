@@ -597,17 +597,19 @@ class Mover:
         except psycopg.Error as exc:
             raise from_psycopg(exc, dsn=self.dst_dsn, queue=self.dst_queue) from exc
         seqs: list[int] = []
-        for body, key in zip(bodies, keys, strict=True):
+        for msg, body, key in zip(msgs, bodies, keys, strict=True):
             if key in found:
                 s.stats[STAT_DUPLICATES] += 1
                 seqs.append(found[key])
                 continue
-            seqs.append(self._enqueue(dst, body, key))
+            seqs.append(self._enqueue(dst, body, key, msg.group))
         dst.commit()
         return seqs
 
-    def _enqueue(self, dst: Session, body: bytes, key: str) -> int:
-        """Enqueue one entry; a full destination is waited out, never a reason to roll back.
+    def _enqueue(self, dst: Session, body: bytes, key: str, group: str | None) -> int:
+        """Enqueue one entry (in its source group: a source batch holds at
+        most one entry per group, so a group keeps its order across the move);
+        a full destination is waited out, never a reason to roll back.
 
         What is enqueued so far is committed before waiting (the source side is
         still uncommitted, so a crash meanwhile redelivers and the keys skip),
@@ -615,7 +617,9 @@ class Mover:
         """
         while True:
             try:
-                return dst.enqueue(self.dst_queue, body, key=key, timeout=self.config.full_wait)
+                return dst.enqueue(
+                    self.dst_queue, body, key=key, group=group, timeout=self.config.full_wait
+                )
             except QueueFull:
                 self._s.stats[STAT_DST_FULL_WAITS] += 1
                 dst.commit()

@@ -109,6 +109,12 @@ CREATE TABLE IF NOT EXISTS ringq.inbox (
     producer    text NOT NULL DEFAULT ('sql:' || current_user),
     enqueued_at timestamptz NOT NULL DEFAULT now()
 );
+-- An entry's group (ringq.enqueue(queue, payload, msg_group)), in the inbox,
+-- the rings and the exception table: added after schema version 1 without a
+-- version bump, like lease. Ring tables made before get the column here (a
+-- catalog change only: no rewrite), and a session refuses a database whose
+-- schema lacks the three-argument ringq.enqueue() created with them below.
+ALTER TABLE ringq.inbox ADD COLUMN IF NOT EXISTS msg_group text;
 CREATE INDEX IF NOT EXISTS inbox_queue_id_id ON ringq.inbox (queue_id, id);
 
 -- Poison entries ("three strikes") and why they were moved.
@@ -124,6 +130,22 @@ CREATE TABLE IF NOT EXISTS ringq.exceptions (
     moved_at     timestamptz NOT NULL DEFAULT now(),
     PRIMARY KEY (queue_id, seq)
 );
+ALTER TABLE ringq.exceptions ADD COLUMN IF NOT EXISTS msg_group text;
+DO $ringq$
+DECLARE
+    t regclass;
+BEGIN
+    FOR t IN
+        SELECT c.oid::regclass FROM ringq.queues q
+        JOIN pg_class c ON c.relname = 'q_' || q.name
+                       AND c.relnamespace = 'ringq'::regnamespace
+        WHERE NOT EXISTS (SELECT 1 FROM pg_attribute a
+                          WHERE a.attrelid = c.oid AND a.attname = 'msg_group' AND NOT a.attisdropped)
+    LOOP
+        EXECUTE format('ALTER TABLE %s ADD COLUMN IF NOT EXISTS msg_group text', t);
+    END LOOP;
+END
+$ringq$;
 
 -- Two-phase commit: the slots each global transaction touches, written and
 -- committed before PREPARE (a prepared transaction's row locks are invisible),
@@ -141,9 +163,12 @@ CREATE TABLE IF NOT EXISTS ringq.tpc_decisions (
     decided_at timestamptz NOT NULL DEFAULT now()
 );
 
--- ringq.enqueue(queue, payload): the SQL API for clients that cannot link the
--- library. Returns the inbox id; the entry reaches the ring in inbox order.
-CREATE OR REPLACE FUNCTION ringq.enqueue(queue text, payload bytea)
+-- ringq.enqueue(queue, payload[, msg_group]): the SQL API for clients that
+-- cannot link the library. Returns the inbox id; the entry reaches the ring
+-- in inbox order, in group msg_group (NULL: none). Two functions, not one
+-- with a default: a schema script of an earlier version may create the
+-- two-argument one again, and then a call would match both.
+CREATE OR REPLACE FUNCTION ringq.enqueue(queue text, payload bytea, msg_group text)
 RETURNS bigint
 LANGUAGE plpgsql
 AS $ringq$
@@ -162,11 +187,21 @@ BEGIN
         RAISE EXCEPTION 'ringq: payload of % bytes exceeds queue "%" max_payload %',
             octet_length(payload), queue, q.max_payload USING ERRCODE = 'string_data_right_truncation';
     END IF;
-    INSERT INTO ringq.inbox (queue_id, payload) VALUES (q.id, payload) RETURNING inbox.id INTO id;
+    IF msg_group = '' OR octet_length(msg_group) > 128 THEN
+        RAISE EXCEPTION 'ringq: msg_group must be NULL (no group) or 1 to 128 bytes, not % bytes',
+            octet_length(msg_group) USING ERRCODE = 'invalid_parameter_value';
+    END IF;
+    INSERT INTO ringq.inbox (queue_id, payload, msg_group) VALUES (q.id, payload, msg_group)
+    RETURNING inbox.id INTO id;
     PERFORM pg_notify('ringq_inbox', queue);
     RETURN id;
 END
 $ringq$;
+
+CREATE OR REPLACE FUNCTION ringq.enqueue(queue text, payload bytea)
+RETURNS bigint
+LANGUAGE sql
+AS $ringq$ SELECT ringq.enqueue(queue, payload, NULL::text) $ringq$;
 
 -- ringq.depth(queue): committed entries waiting, in the ring and in the inbox.
 CREATE OR REPLACE FUNCTION ringq.depth(queue text)
@@ -354,6 +389,7 @@ CREATE TABLE IF NOT EXISTS {table} (
     producer     text,
     enq_user     text,
     deq_user     text,
+    msg_group    text,                          -- the entry's group (NULL: none)
     payload      bytea,
     PRIMARY KEY (slot) {index_tablespace_clause}
 ) WITH (fillfactor = {fillfactor}) {tablespace_clause};
