@@ -1,0 +1,338 @@
+"""Groups: entries of one group delivered in order, at most one held at a
+time across every consumer on the host; other groups taken in parallel,
+read past, never waited on. The section decides it from a per-slot group tag
+and the held slots; these tests check it from the outside: in-process
+sessions, forked consumers killed with kill -9, and a run of several
+consumer processes whose dequeue and commit times are compared afterwards.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import signal
+import time
+from collections.abc import Callable
+from typing import Any
+
+import psycopg
+import pytest
+from conftest import drain, present, remove_section
+from psycopg import sql
+from ringq.engine import InvalidArgument, InvalidArgumentType, Message, connect
+from ringq.engine import layout as L
+from ringq.engine.recovery import recover_dead_clients
+from ringq.monitor import pump_inbox
+
+FORK = mp.get_context("fork")
+
+
+def groups_of(msgs: list[Message]) -> list[tuple[str | None, bytes]]:
+    return [(m.group, m.payload) for m in msgs]
+
+
+@pytest.mark.parametrize("cache_payload", [0, 64])
+def test_one_entry_of_a_group_is_held_at_a_time_and_others_are_read_past(
+    dsn: str, make_queue: Callable[..., str], cache_payload: int
+) -> None:
+    q = make_queue(capacity=16, dequeue_mode="shared", cache_payload=cache_payload)
+    with connect(dsn) as p:
+        p.enqueue(q, b"a1", group="a")
+        p.enqueue(q, b"a2", group="a")
+        p.enqueue(q, b"b1", group="b")
+        p.enqueue(q, b"free")  # no group: never waits for anyone
+        p.commit()
+    with connect(dsn) as c1, connect(dsn) as c2, connect(dsn) as c3:
+        m1 = present(c1.dequeue(q))
+        assert (m1.group, m1.payload) == ("a", b"a1")
+        m2 = present(c2.dequeue(q))  # a2 is read past: group a is busy
+        assert (m2.group, m2.payload) == ("b", b"b1")
+        m3 = present(c3.dequeue(q))
+        assert (m3.group, m3.payload) == (None, b"free")
+        c3.commit()
+        assert c3.dequeue(q) is None  # a and b are busy: nothing for c3
+        ring = c3.ring(q)
+        assert c3.section.queues[ring.qb + L.Q_N_GROUP_SKIPS] >= 1
+        c1.commit()  # frees group a
+        m4 = present(c3.dequeue(q))
+        assert (m4.group, m4.payload) == ("a", b"a2")
+        c3.commit()
+        c2.commit()
+    assert drain(dsn, q) == []
+
+
+def test_dequeue_many_takes_at_most_one_entry_per_group(
+    dsn: str, make_queue: Callable[..., str]
+) -> None:
+    q = make_queue(capacity=32, dequeue_mode="shared")
+    with connect(dsn) as p:
+        p.enqueue_many(q, [b"a1", b"a2", b"b1"], group=["a", "a", "b"])
+        p.enqueue_many(q, [b"n1", b"n2"])
+        p.enqueue_many(q, [b"c1", b"c2"], group="c")
+        p.commit()
+    with connect(dsn) as c:
+        got = c.dequeue_many(q, 10)
+        assert groups_of(got) == [("a", b"a1"), ("b", b"b1"), (None, b"n1"), (None, b"n2"),
+                                  ("c", b"c1")]
+        assert c.dequeue_many(q, 10) == []  # this transaction holds a and c already
+        c.commit()
+        assert groups_of(c.dequeue_many(q, 10)) == [("a", b"a2"), ("c", b"c2")]
+        c.commit()
+    assert drain(dsn, q) == []
+
+
+def test_a_rolled_back_entry_returns_to_the_head_of_its_group(
+    dsn: str, make_queue: Callable[..., str]
+) -> None:
+    q = make_queue(capacity=16, dequeue_mode="shared", max_deliveries=5)
+    with connect(dsn) as p:
+        p.enqueue_many(q, [b"a1", b"a2", b"a3"], group="a")
+        p.commit()
+    with connect(dsn) as c:
+        assert present(c.dequeue(q)).payload == b"a1"
+        c.rollback()
+        again = present(c.dequeue(q))
+        assert (again.payload, again.deliveries, again.group) == (b"a1", 2, "a")
+        c.commit()
+    assert [m.payload for m in drain(dsn, q)] == [b"a2", b"a3"]
+
+
+def test_a_poisoned_entry_leaves_its_group_which_goes_on(
+    dsn: str, make_queue: Callable[..., str]
+) -> None:
+    q = make_queue(capacity=16, dequeue_mode="shared", max_deliveries=2)
+    with connect(dsn) as p:
+        p.enqueue_many(q, [b"poison", b"next"], group="g")
+        p.commit()
+    with connect(dsn) as c:
+        for _ in range(2):
+            assert present(c.dequeue(q)).payload == b"poison"
+            c.rollback()
+        m = present(c.dequeue(q))
+        assert (m.payload, m.group) == (b"next", "g")
+        c.commit()
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        row = present(conn.execute(
+            "SELECT e.msg_group, e.payload FROM ringq.exceptions e JOIN ringq.queues q"
+            " ON q.id = e.queue_id WHERE q.name = %s", (q,)
+        ).fetchone())
+    assert (row[0], bytes(row[1])) == ("g", b"poison")
+
+
+def _die_holding(dsn: str, queue: str, ready: Any) -> None:
+    with connect(dsn) as s:
+        m = s.dequeue(queue)
+        assert m is not None and m.group == "k"
+        ready.set()
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def test_a_consumer_killed_holding_an_entry_frees_its_group_when_decided(
+    dsn: str, make_queue: Callable[..., str]
+) -> None:
+    q = make_queue(capacity=16, dequeue_mode="shared")
+    with connect(dsn) as s:
+        s.enqueue_many(q, [b"k1", b"k2"], group="k")
+        s.commit()
+        ready = FORK.Event()
+        p = FORK.Process(target=_die_holding, args=(dsn, q, ready))
+        p.start()
+        p.join(30)
+        assert ready.is_set() and p.exitcode == -signal.SIGKILL
+        ring = s.ring(q)
+        assert ring.busy_groups() != set()
+        # k2 is never taken while the dead holds k1: a dequeue finds nothing,
+        # or (no monitor serves) recovers the dead holder itself and gets k1.
+        for _ in range(100):
+            m = s.dequeue(q)
+            if m is not None:
+                break
+            s.rollback()
+            recover_dead_clients(s.section, dsn)
+        m = present(m)
+        assert (m.payload, m.deliveries) == (b"k1", 2)  # back at the head of its group
+        s.commit()
+    assert [m.payload for m in drain(dsn, q)] == [b"k2"]
+
+
+def test_groups_survive_a_reload_of_the_section_from_the_rows(
+    dsn: str, make_queue: Callable[..., str]
+) -> None:
+    q = make_queue(capacity=16, dequeue_mode="shared")
+    with connect(dsn) as p:
+        p.enqueue_many(q, [b"x1", b"x2", b"y1"], group=["x", "x", "y"])
+        p.commit()
+    remove_section(dsn)  # the next session loads the queue from its rows
+    with connect(dsn) as c1, connect(dsn) as c2:
+        assert present(c1.dequeue(q)).payload == b"x1"
+        assert present(c2.dequeue(q)).payload == b"y1"  # x2 read past: group tags reloaded
+        c2.commit()
+        assert c2.dequeue(q) is None
+        c1.commit()
+        m = present(c2.dequeue(q))
+        assert (m.payload, m.group) == (b"x2", "x")
+        c2.commit()
+
+
+def test_two_phase_commit_holds_the_group_until_decided(
+    dsn: str, make_queue: Callable[..., str]
+) -> None:
+    q = make_queue(capacity=16, dequeue_mode="shared")
+    with connect(dsn) as p:
+        p.enqueue_many(q, [b"t1", b"t2"], group="t")
+        p.commit()
+    with connect(dsn) as s, connect(dsn) as other:
+        s.tpc_begin(s.xid("group-test"))
+        assert present(s.dequeue(q)).payload == b"t1"
+        s.tpc_prepare()
+        assert other.dequeue(q) is None  # prepared, not decided: the group stays busy
+        other.rollback()
+        s.tpc_commit()
+        assert present(other.dequeue(q)).payload == b"t2"
+        other.commit()
+
+
+def test_sql_enqueue_with_a_group_reaches_the_ring_in_that_group(
+    dsn: str, make_queue: Callable[..., str]
+) -> None:
+    q = make_queue(capacity=16, dequeue_mode="shared")
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        conn.execute("SELECT ringq.enqueue(%s, %b, %s)", (q, b"s1", "sql-group"))
+        conn.execute("SELECT ringq.enqueue(%s, %b, %s)", (q, b"s2", "sql-group"))
+        conn.execute("SELECT ringq.enqueue(%s, %b)", (q, b"plain"))  # the old call still works
+        with pytest.raises(psycopg.errors.InvalidParameterValue):
+            conn.execute("SELECT ringq.enqueue(%s, %b, %s)", (q, b"x", ""))
+    assert pump_inbox(dsn) == {q: 3}
+    with connect(dsn) as c:
+        assert groups_of(c.dequeue_many(q, 10)) == [("sql-group", b"s1"), (None, b"plain")]
+        c.commit()
+    assert groups_of(drain(dsn, q)) == [("sql-group", b"s2")]
+
+
+def test_idempotent_enqueue_keeps_its_group(dsn: str, make_queue: Callable[..., str]) -> None:
+    q = make_queue(capacity=16, dequeue_mode="shared")
+    with connect(dsn) as p:
+        first = p.enqueue(q, b"k", key="key-1", group="kg")
+        assert p.enqueue(q, b"k", key="key-1", group="kg") == first
+        p.enqueue(q, b"after", group="kg")
+        p.commit()
+    with connect(dsn) as c:
+        assert groups_of(c.dequeue_many(q, 5)) == [("kg", b"k")]
+        c.commit()
+    assert groups_of(drain(dsn, q)) == [("kg", b"after")]
+
+
+@pytest.mark.parametrize(
+    ("group", "error"),
+    [
+        ("", InvalidArgument),
+        ("x" * 129, InvalidArgument),
+        ("é" * 65, InvalidArgument),  # 130 bytes in UTF-8
+        ("nul\x00", InvalidArgument),
+        (42, InvalidArgumentType),
+        (b"bytes", InvalidArgumentType),
+    ],
+)
+def test_bad_groups_are_refused_before_anything_is_reserved(
+    dsn: str, make_queue: Callable[..., str], group: Any, error: type[Exception]
+) -> None:
+    q = make_queue(capacity=4)
+    with connect(dsn) as s:
+        with pytest.raises(error):
+            s.enqueue(q, b"x", group=group)
+        with pytest.raises(error):
+            s.enqueue_many(q, [b"x"], group=[group])
+        assert s.ring(q).head == 0
+    with connect(dsn) as s, pytest.raises(InvalidArgument, match="2 groups for 3 payloads"):
+        s.enqueue_many(q, [b"1", b"2", b"3"], group=["a", "b"])
+    with connect(dsn) as s:
+        s.enqueue(q, b"x", group="é" * 64)  # 128 bytes: the most a group may have
+        s.commit()
+        assert present(s.dequeue(q)).group == "é" * 64
+        s.commit()
+
+
+# -- several consumer processes ---------------------------------------------------------------
+
+N_GROUPS = 20
+PER_GROUP = 30
+
+
+def _produce(dsn: str, queue: str, name: str) -> None:
+    with connect(dsn, producer=name) as s:
+        for i in range(PER_GROUP):
+            for g in range(N_GROUPS // 2):
+                s.enqueue(queue, f"{name}:{i}".encode(), group=f"g{g}")
+            s.commit()
+
+
+def _consume(dsn: str, queue: str, table: str, stop: Any) -> None:
+    with connect(dsn) as s:
+        conn = s.connection
+        while not stop.is_set():
+            m = s.dequeue(queue, wait=0.2)
+            if m is None:
+                s.commit()
+                continue
+            taken = time.monotonic_ns()
+            time.sleep(0.001)  # hold it a little, so overlaps would show
+            conn.execute(
+                sql.SQL("INSERT INTO {} VALUES (%s, %s, %s, %s, %s, %s)").format(
+                    sql.Identifier(table)),
+                (m.group, m.producer, m.producer_seq, m.seq, taken, time.monotonic_ns()),
+            )
+            s.commit()
+
+
+def test_four_consumer_processes_keep_each_group_in_order_and_never_hold_two(
+    dsn: str, make_queue: Callable[..., str]
+) -> None:
+    """Two producers into the same ten groups; four consumers record
+    each entry's dequeue time and the time just before its commit in the
+    same transaction: per group, producer sequences rise and the next
+    dequeue comes after the previous commit began (one held at a time)."""
+    q = make_queue(capacity=256, dequeue_mode="shared")
+    table = f"log_{q}"
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        conn.execute(sql.SQL(
+            "CREATE TABLE {} (grp text, producer text, pseq bigint, seq bigint,"
+            " taken bigint, committing bigint)").format(sql.Identifier(table)))
+    stop = FORK.Event()
+    consumers = [FORK.Process(target=_consume, args=(dsn, q, table, stop)) for _ in range(4)]
+    producers = [FORK.Process(target=_produce, args=(dsn, q, f"p{i}")) for i in range(2)]
+    for p in consumers + producers:
+        p.start()
+    total = 2 * PER_GROUP * (N_GROUPS // 2)
+    try:
+        for p in producers:
+            p.join(120)
+            assert p.exitcode == 0
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            with psycopg.connect(dsn, autocommit=True) as conn:
+                n = present(conn.execute(
+                    sql.SQL("SELECT count(*) FROM {}").format(sql.Identifier(table))
+                ).fetchone())[0]
+            if n >= total:
+                break
+            time.sleep(0.2)
+    finally:
+        stop.set()
+        for p in consumers:
+            p.join(30)
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        rows = conn.execute(sql.SQL(
+            "SELECT grp, producer, pseq, seq, taken, committing FROM {} ORDER BY taken"
+        ).format(sql.Identifier(table))).fetchall()
+    assert len(rows) == total and len({r[3] for r in rows}) == total  # each exactly once
+    by_group: dict[str, list[tuple[Any, ...]]] = {}
+    for r in rows:
+        by_group.setdefault(r[0], []).append(r)
+    assert len(by_group) == N_GROUPS // 2
+    for g, entries in by_group.items():
+        for prod in ("p0", "p1"):
+            pseqs = [e[2] for e in entries if e[1] == prod]
+            assert pseqs == sorted(pseqs), f"group {g}: {prod}'s entries out of order"
+        for before, after in zip(entries, entries[1:], strict=False):
+            assert after[4] > before[5], f"group {g}: two entries held at once"
+    assert drain(dsn, q) == []
