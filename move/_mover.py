@@ -674,19 +674,22 @@ class Mover:
             self.close()
 
     def _reset_after_failure(self) -> None:
-        """Drop sessions whose connection broke, and the lock if its connection did."""
+        """Drop closed sessions, and the lock if its connection broke.
+
+        A session whose connection was lost stays open and connects again on
+        its next call (through a multi-host DSN, to the promoted standby after
+        a fail-over): asking it for its connection here would connect now, and
+        raise while there is no primary. Its lost connection to database 1 may
+        have gone with the lock's (the same server), so the lock is checked now.
+        """
         s = self._s
         for name in ("src", "dst"):
             sess: Session | None = getattr(s, name)
-            if sess is not None and (sess.closed or sess.connection.broken):
-                try:
-                    sess.close()
-                except RingqError:
-                    pass
+            if sess is not None and sess.closed:
                 setattr(s, name, None)
         if s.src is None:
             self._release()  # a new source session means a new standby round
-        self._lock_lost()
+        self._lock_held_now()
         for attr, path in self._dsn_files.items():
             new = None if path is None else read_dsn_file(path)
             if new is not None and new != getattr(self, attr):

@@ -238,6 +238,9 @@ class _Child:
     failures: int = 0
     restart_at: float | None = 0.0  # when to (re)start; None: not to be started
     ready: bool = False  # reported once its SIGTERM handling was in place
+    # exited because it could not reach the database: started again as soon as
+    # the pool reaches it (see WorkerPool._database_back), whatever its backoff
+    waits_for_db: bool = False
     last: dict[str, int] = field(default_factory=dict)
 
 
@@ -275,6 +278,8 @@ class WorkerPool:
         self._aborted = False
         self._killed = False
         self._to_recover: set[int] = set()
+        # Why the last recovery failed (None: it did not): logged once, not at every retry.
+        self._recovery_failed: RingqError | None = None
 
     # -- life cycle --------------------------------------------------------------------------
 
@@ -558,6 +563,7 @@ class WorkerPool:
                     _how(code),
                 )
             return
+        ch.waits_for_db = code == WorkerExit.DB_UNAVAILABLE
         ch.failures = 1 if ran >= self.config.stable_after else ch.failures + 1
         delay = min(self.config.restart_initial * 2 ** (ch.failures - 1), self.config.restart_max)
         ch.restart_at = time.monotonic() + delay
@@ -581,11 +587,36 @@ class WorkerPool:
         try:
             recover_dead_clients(sec, self.dsn)
         except RingqError as exc:
-            logger.warning("ringq worker pool: recovery failed (will retry): %s", exc)
+            # Retried at every turn of the loop (0.1 s) while the database is away.
+            log = logger.warning if self._recovery_failed is None else logger.debug
+            log("ringq worker pool: recovery failed (will retry): %s", exc)
+            self._recovery_failed = exc
             return
+        failed, self._recovery_failed = self._recovery_failed, None
+        if isinstance(failed, DatabaseUnavailable):
+            self._database_back()
         left = {sec.c(c, L.C_PID) for c in sec.active_clients()}
         # A client whose backend had not ended yet is decided on a later round.
         self._to_recover = {pid for pid in self._to_recover if pid in left and not pid_alive(pid)}
+
+
+    def _database_back(self) -> None:
+        """The pool reaches the database again, after its recovery could not:
+        workers that exited because they could not reach it start now, their
+        backoff reset. After a fail-over (a multi-host DSN, the standby
+        promoted) they would otherwise wait out a backoff that doubled all
+        the while the database had no primary."""
+        now = time.monotonic()
+        waiting = [
+            ch for ch in self._children
+            if ch.proc is None and ch.restart_at is not None and ch.waits_for_db
+        ]
+        for ch in waiting:
+            ch.restart_at, ch.failures, ch.waits_for_db = now, 0, False
+        logger.warning(
+            "ringq worker pool: the database answers again%s",
+            f": restarting {len(waiting)} worker(s) now" if waiting else "",
+        )
 
 
 def _how(code: int | None) -> str:
