@@ -391,7 +391,9 @@ class Session(TwoPhase):
             self._call(decide)
             self._ops = [op for op in self._ops if op.held]
         if not self._ops and self._section.unlinked():
-            self._reattach_section()
+            # Replaced by another process (a fail-over, most likely): follow
+            # the history our server has now, never the one we remember.
+            self._follow_history(always=True)
 
     def _sent(self) -> list[Op]:
         """The in-flight ops whose statements went to the server (all but
@@ -1570,10 +1572,12 @@ class Session(TwoPhase):
         self._follow_history()
         return committed
 
-    def _follow_history(self) -> None:
-        """After a reconnect: if the server has another database history (a
-        fail-over), move to a section that describes it (the old one is
-        replaced; queues load again from the new server's rows)."""
+    def _follow_history(self, *, always: bool = False) -> None:
+        """After a reconnect (or with ``always``, when our section was
+        replaced): if the server has another database history (a fail-over),
+        move to a section that describes it (the old one is replaced; queues
+        load again from the new server's rows). If the server does not
+        answer, nothing changes: the next call reconnects and comes back here."""
         def read() -> tuple[int, int]:
             with self._outside_transaction() as conn:
                 return history_of(conn)
@@ -1582,7 +1586,7 @@ class Session(TwoPhase):
             history = self._call(read, recover=False)
         except RingqError:
             return  # the next call finds out
-        if history != self._history:
+        if always or history != self._history:
             self._history = history
             self._reattach_section()
 
