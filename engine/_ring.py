@@ -676,6 +676,40 @@ class Ring:
         holders = s.holder[self.base + slots]
         return [(int(a), int(b), int(c)) for a, b, c in zip(slots, owners, holders, strict=True)]
 
+    def group_counts(self) -> dict[str, int]:
+        """Groups of the queue, for inspection (a vectorized scan; call it
+        under the queue lock for an exact answer): ``ready`` groups have a
+        ready entry and none held, ``busy`` groups have one held, and
+        ``oldest_seq`` / ``oldest_slot`` name the oldest ready entry of any
+        group (-1: none): the head of the group that has waited longest."""
+        out = {"ready": 0, "busy": 0, "oldest_seq": -1, "oldest_slot": -1}
+        if not self.Q[self.qb + L.Q_GROUPED]:
+            return out
+        s = self.sec
+        nw = (self.cap + 63) // 64
+        g0 = self.w0
+        words = s.enq[g0 : g0 + nw] & ~s.deq[g0 : g0 + nw] & ~s.lck[g0 : g0 + nw]
+        busy = self.busy_groups()
+        out["busy"] = len(busy)
+        nz = np.flatnonzero(words)
+        if not nz.size:
+            return out
+        rows, cols = np.nonzero(
+            np.unpackbits(words[nz].view(np.uint8), bitorder="little").reshape(-1, 64)
+        )
+        slots = nz[rows] * 64 + cols
+        tags = s.group[self.base + slots]
+        grouped = tags != 0
+        if not grouped.any():
+            return out
+        slots, tags = slots[grouped], tags[grouped]
+        out["ready"] = len(set(tags.tolist()) - busy)
+        tail = self.tail
+        seqs = tail + (slots - tail) % self.cap
+        i = int(np.argmin(seqs))
+        out["oldest_seq"], out["oldest_slot"] = int(seqs[i]), int(slots[i])
+        return out
+
     def role_owner(self) -> int:
         """The token holding the single-dequeuer role, 0 if none."""
         return self.Q[self.qb + L.Q_DEQ_OWNER]

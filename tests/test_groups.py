@@ -8,6 +8,7 @@ consumer processes whose dequeue and commit times are compared afterwards.
 
 from __future__ import annotations
 
+import itertools
 import multiprocessing as mp
 import os
 import signal
@@ -333,6 +334,25 @@ def test_four_consumer_processes_keep_each_group_in_order_and_never_hold_two(
         for prod in ("p0", "p1"):
             pseqs = [e[2] for e in entries if e[1] == prod]
             assert pseqs == sorted(pseqs), f"group {g}: {prod}'s entries out of order"
-        for before, after in zip(entries, entries[1:], strict=False):
+        for before, after in itertools.pairwise(entries):
             assert after[4] > before[5], f"group {g}: two entries held at once"
     assert drain(dsn, q) == []
+
+
+def test_group_counts_show_ready_busy_and_the_oldest_waiting_head(
+    dsn: str, make_queue: Callable[..., str]
+) -> None:
+    q = make_queue(capacity=16, dequeue_mode="shared")
+    with connect(dsn) as p:
+        p.enqueue(q, b"plain")
+        p.enqueue_many(q, [b"a1", b"a2", b"b1", b"c1"], group=["a", "a", "b", "c"])
+        p.commit()
+        assert p.ring(q).group_counts() == {
+            "ready": 3, "busy": 0, "oldest_seq": 1, "oldest_slot": 1
+        }
+    with connect(dsn) as c:
+        assert present(c.dequeue(q)).payload == b"plain"
+        assert present(c.dequeue(q)).payload == b"a1"
+        counts = c.ring(q).group_counts()
+        assert counts == {"ready": 2, "busy": 1, "oldest_seq": 2, "oldest_slot": 2}
+        c.commit()
