@@ -146,14 +146,16 @@ class Viewer:
         """The monitor's ``/api/queues``, normalized, with ``server_line``: the
         line the page shows about the server the monitor is on (``text``,
         ``alarm``), or null from a monitor that does not say; and per queue
-        ``groups_line``, the line a grouped queue shows below its row (null for
-        a queue without groups)."""
+        a grouped queue's ``groups_line``, the line it shows below its row (a
+        queue without groups has none)."""
         overview = self.client.overview()
         doc = overview.as_json()
         line = None if overview.server is None else server_line(overview.server)
         doc["server_line"] = None if line is None else {"text": line.text, "alarm": line.alarm}
         for q in doc["queues"]:
-            q["groups_line"] = groups_line(q)  # null for a queue without groups
+            line = groups_line(q)
+            if line is not None:  # a queue without groups has no such key
+                q["groups_line"] = line
         return doc
 
     def api_clients(self) -> dict[str, Any]:

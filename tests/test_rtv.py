@@ -721,16 +721,34 @@ class GroupedFakeMonitor(FakeMonitor):
         return s
 
 
-def test_a_grouped_queue_gets_a_line_on_the_page(browser: Any) -> None:
-    line = "groups: 2 ready, 1 busy, oldest waiting 1 min 15 s, 3 skips"
+GROUPS_LINE = "groups: 2 ready, 1 busy, oldest waiting 1 min 15 s, 3 skips"
+
+
+def test_a_grouped_queue_gets_a_line_in_the_terminal_view() -> None:
+    from rich.console import Console
+
     assert groups_line({M.GROUP_SKIPS: 1}) == "groups: ? ready, ? busy, oldest waiting ?, 1 skips"
+    mon = GroupedFakeMonitor()
+    try:
+        model = TuiModel(MonitorClient(mon.url), window=60)
+        model.update()
+        console = Console(record=True, width=160, color_system=None)
+        console.print(render(model, mon.url, width=160))
+        text = console.export_text()
+        assert f"beta  {GROUPS_LINE}" in text and text.count("groups:") == 1
+    finally:
+        mon.close()
+
+
+def test_a_grouped_queue_gets_a_line_on_the_page(browser: Any) -> None:
+    line = GROUPS_LINE
     mon = GroupedFakeMonitor()
     proc, url = _start_rtv(mon.url)
     try:
         page = browser.new_page(viewport={"width": 1400, "height": 900})
         page.goto(url)
         _wait_until(page, "window.ringqRtv.state.ticks >= 1")
-        assert [q["groups_line"] for q in page.evaluate("window.ringqRtv.state.queues")] == [
+        assert [q.get("groups_line") for q in page.evaluate("window.ringqRtv.state.queues")] == [
             None, line
         ]
         rows = page.locator("#queues tbody tr").evaluate_all(
