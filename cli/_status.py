@@ -28,7 +28,9 @@ timeline, and the one the queues' section describes; flagged when they
 differ), then every queue's state as the monitor sees it: capacity, depth, fill,
 committed enqueue/dequeue rates, call latencies (p50/p99, microseconds),
 delivery retries, entries in the exception table, sleeping dequeuers and
-enqueuers, and a state (full, high, empty, ok); then one row per client
+enqueuers, and a state (full, high, empty, ok), with a line under a grouped
+queue's row (groups ready and busy, how long the oldest ready entry of any
+group has waited, entries read past a busy group); then one row per client
 session (pid, role, queues, commits, worker handled/failed/timeouts, errors
 and the last one). The monitor is found at
 --monitor, else where a local `ringq monitor` recorded it
@@ -190,16 +192,20 @@ def render(doc: dict[str, Any], url: str) -> str:
         + (f"  FAILING: {', '.join(failing)}" if failing else "")
         + ("" if mon.get("database", True) else "  DATABASE UNREACHABLE")
     )
-    if "server" in doc:  # a monitor older than the server object says nothing
-        from ringq.rtv import server_line
+    from ringq.rtv import groups_line, server_line
 
+    if "server" in doc:  # a monitor older than the server object says nothing
         lines.append(server_line(doc["server"]).text)
     queues = doc.get("queues", [])
     if not queues:
         lines.append("no queues")
         return "\n".join(lines)
-    rows = []
+    rows: list[tuple[str, ...]] = []
+    below: dict[int, str] = {}  # row -> the line printed under it (a grouped queue's)
     for q in queues:
+        group = groups_line(q)
+        if group is not None:
+            below[len(rows)] = "  " + group
         cap = int(q.get("capacity") or 0)
         depth = int(q.get("depth") or 0)
         rows.append((
@@ -226,7 +232,10 @@ def render(doc: dict[str, Any], url: str) -> str:
         return "  ".join(out).rstrip()
 
     lines.append(line(COLUMNS))
-    lines.extend(line(r) for r in rows)
+    for i, r in enumerate(rows):
+        lines.append(line(r))
+        if i in below:
+            lines.append(below[i])
     lines.append(
         "latencies in microseconds (p50/p99 of the last interval); "
         "rates are committed entries per second"

@@ -36,6 +36,7 @@ ENQ_LAT_NS: Final = "enq_latency_ns_sum"
 DEQ_LAT_NS: Final = "deq_latency_ns_sum"
 WAIT_READY: Final = "waiting_dequeuers"
 WAIT_SPACE: Final = "waiting_enqueuers"
+GROUP_SKIPS: Final = "group_skips"  # ready entries claims passed over: their group was busy
 
 _WORDS: Final = {
     CAPACITY: L.Q_CAPACITY,
@@ -59,6 +60,7 @@ _WORDS: Final = {
     DEQ_LAT_NS: L.Q_DEQ_LAT_NS,
     WAIT_READY: L.Q_WAIT_READY,
     WAIT_SPACE: L.Q_WAIT_SPACE,
+    GROUP_SKIPS: L.Q_N_GROUP_SKIPS,
 }
 
 HIST_BUCKETS: Final = L.HIST_BUCKETS
@@ -182,6 +184,15 @@ EMPTY: Final = "empty"  # seconds of the interval nothing was ready (recovery-pa
 RETRIES: Final = "retries"  # dequeues rolled back in the interval (delivery retries)
 EXCEPTIONS: Final = "exceptions"  # entries in the exception table now
 DEAD_ROWS: Final = "dead_rows"  # dead row versions in the queue's table (pg_stat_user_tables)
+
+# A grouped queue's sample (one an entry with a group was enqueued to) also
+# has these, and only it (an ungrouped queue's sample leaves them out); they
+# are figures of now, not of the interval, and stay out of the history.
+GROUPS_READY: Final = "groups_ready"  # groups with a ready entry and none held
+GROUPS_BUSY: Final = "groups_busy"  # groups with an entry held by a dequeuer
+GROUP_OLDEST_AGE_S: Final = "group_oldest_age_s"  # seconds the oldest ready group entry waited
+# GROUP_SKIPS as the section counts it (cumulative since the queue was loaded)
+GROUP_KEYS: Final = (GROUPS_READY, GROUPS_BUSY, GROUP_OLDEST_AGE_S, GROUP_SKIPS)
 
 # Every numeric figure of a sample, in this order: the T4 columns and the history's.
 SAMPLE_KEYS: Final = (

@@ -267,7 +267,7 @@ def queues_xml(doc: dict[str, Any]) -> bytes:
         _xml_fields(ET.SubElement(root, "server"), server)
     for q in doc["queues"]:
         el = ET.SubElement(root, "queue", {"name": str(q[S.NAME])})
-        for k in S.NUMERIC_KEYS:
+        for k in (*S.NUMERIC_KEYS, *S.GROUP_KEYS):  # a grouped queue's figures: its sample's
             if k in q:
                 ET.SubElement(el, k).text = _xml_text(q[k])
     body: bytes = ET.tostring(root, encoding="utf-8", xml_declaration=True)

@@ -34,6 +34,10 @@ _COUNTERS: Final = {
     M.REPAIRS: ("ringq_queue_repairs", "Section entries corrected from the rows."),
     M.RESYNCS: ("ringq_queue_resyncs", "Full re-reads of the queue from its table."),
     M.WAKEUPS: ("ringq_queue_wakeups", "Posts on the queue's ready semaphore."),
+    M.GROUP_SKIPS: (
+        "ringq_queue_group_skips",
+        "Ready entries a claim passed over because their group had an entry held.",
+    ),
 }
 _GAUGES: Final = {
     M.CAPACITY: ("ringq_queue_capacity", "Slots in the ring."),
@@ -47,6 +51,15 @@ _GAUGES: Final = {
 _SAMPLED: Final = {
     M.EXCEPTIONS: ("ringq_queue_exceptions", "Entries in the exception table."),
     M.DEAD_ROWS: ("ringq_queue_dead_rows", "Dead row versions in the queue's table."),
+}
+# gauges of grouped queues' samples (a queue without groups has no series)
+_SAMPLED_GROUPS: Final = {
+    M.GROUPS_READY: ("ringq_queue_groups_ready", "Groups with a ready entry and none held."),
+    M.GROUPS_BUSY: ("ringq_queue_groups_busy", "Groups with an entry held by a dequeuer."),
+    M.GROUP_OLDEST_AGE_S: (
+        "ringq_queue_group_oldest_age_seconds",
+        "How long the oldest ready entry of any group has waited.",
+    ),
 }
 
 # per-client counters, labels pid and role (client key -> (name without _total, help))
@@ -143,6 +156,12 @@ class SectionCollector:
             g = GaugeMetricFamily(n, h, labels=labels)
             for name, sample in sampled.items():
                 g.add_metric([name], float(sample.get(key, 0)))
+            yield g
+        for key, (n, h) in _SAMPLED_GROUPS.items():
+            g = GaugeMetricFamily(n, h, labels=labels)
+            for name, sample in sampled.items():
+                if key in sample:
+                    g.add_metric([name], float(sample[key]))
             yield g
 
         st = self._status()

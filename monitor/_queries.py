@@ -24,6 +24,7 @@ RECENT_EXCEPTIONS: Final = _Q["recent_exceptions"]
 XMIN_HOLDERS: Final = _Q["xmin_holders"]
 RING_STORAGE: Final = _Q["ring_storage"]
 DEAD_ROWS: Final = _Q["dead_rows"]
+GROUP_OLDEST_AGE: Final = _Q["group_oldest_age"]  # {table}
 # the SQL inbox pump
 INBOX_PENDING: Final = _Q["inbox_pending"]
 INBOX_LOCK: Final = _Q["inbox_lock"]

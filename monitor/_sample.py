@@ -43,6 +43,7 @@ NAME: Final = M.NAME
 T: Final = M.T
 NUMERIC_KEYS: Final = M.SAMPLE_KEYS  # numeric: also the T4 columns and the history point keys
 QUEUE_KEYS: Final = (NAME, *NUMERIC_KEYS)  # one queue in /api/queues, in this order
+GROUP_KEYS: Final = M.GROUP_KEYS  # after them, for a grouped queue only (monitor/_groups.py)
 
 
 @dataclass

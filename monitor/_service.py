@@ -60,6 +60,7 @@ from . import _queries as Qy
 from . import _sample as S
 from ._config import MonitorConfig
 from ._db import connect_step
+from ._groups import group_figures, grouped
 from ._history import DAY, Answer, HistoryReader
 from ._horizon import HorizonNews, HorizonWatch, read_holders, vacuum_rings
 from ._http import HttpService
@@ -879,18 +880,19 @@ class Monitor:
             if w is not None:
                 empty_s, w.empty_s = w.empty_s, 0.0
                 full_s, w.full_s = w.full_s, 0.0
-            samples.append(
-                S.compute(
-                    name,
-                    self._snaps.get(qid),
-                    cur,
-                    t=t,
-                    empty_s=empty_s,
-                    full_s=full_s,
-                    exceptions=self._exc_counts.get(qid, 0),
-                    dead_rows=self._dead_rows.get(name, 0),
-                )
+            sample = S.compute(
+                name,
+                self._snaps.get(qid),
+                cur,
+                t=t,
+                empty_s=empty_s,
+                full_s=full_s,
+                exceptions=self._exc_counts.get(qid, 0),
+                dead_rows=self._dead_rows.get(name, 0),
             )
+            if grouped(sec, qidx):  # an ungrouped queue: no scan, no query
+                sample.update(group_figures(sec, qidx, name, self._connect))
+            samples.append(sample)
             snaps[qid] = cur
         self._snaps = snaps
         self._client_rates.sample(C.read_clients(sec), now)

@@ -74,6 +74,13 @@ WHERE c.oid = to_regclass(%s)
 SELECT substr(relname, 3), n_dead_tup FROM pg_stat_user_tables
 WHERE schemaname = 'ringq' AND relname LIKE 'q\_%'
 
+-- group_oldest_age --
+-- How long the oldest ready entry of a grouped queue has waited (seconds,
+-- by the server's clock): its row by primary key, guarded by the entry's
+-- seq and state (no row: it was consumed or reclaimed since the section was read).
+SELECT extract(epoch FROM now() - enq_at)::float8 FROM {table}
+WHERE slot = %s::integer AND seq = %s::bigint AND state = 1
+
 -- inbox_pending --
 -- Queues with entries enqueued through SQL (ringq.enqueue()) waiting in the
 -- inbox, but those named in the array.

@@ -12,6 +12,8 @@ its handled, failed, timed-out and poisoned messages and errors.
 - :func:`server_line` is the line both show (and ``ringq status`` prints):
   which server the monitor is on, whether it is the primary, and whether the
   section follows its database history.
+- :func:`groups_line` is the line a grouped queue shows below its row (groups
+  ready and busy, the oldest waiting entry's age, read-past skips).
 
 The charts use uPlot, shipped in ``static/vendor`` (see its README there).
 """
@@ -26,6 +28,7 @@ from ._config import (
     ViewerConfig,
     new_token,
 )
+from ._groups_line import groups_line
 from ._server import Viewer, ViewerError
 from ._server_line import ServerLine, server_line
 from ._source import MonitorClient, MonitorError, MonitorUnavailable
@@ -43,6 +46,7 @@ __all__ = [
     "Viewer",
     "ViewerConfig",
     "ViewerError",
+    "groups_line",
     "new_token",
     "run_tui",
     "server_line",

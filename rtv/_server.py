@@ -27,6 +27,7 @@ from urllib.parse import parse_qs, quote, unquote, urlsplit
 from ringq.engine import RingqError, redact_dsn
 
 from ._config import MAX_WINDOW, WINDOWS, ViewerConfig
+from ._groups_line import groups_line
 from ._server_line import server_line
 from ._source import MonitorClient, MonitorError, MonitorUnavailable, thin
 
@@ -144,11 +145,17 @@ class Viewer:
     def api_queues(self) -> dict[str, Any]:
         """The monitor's ``/api/queues``, normalized, with ``server_line``: the
         line the page shows about the server the monitor is on (``text``,
-        ``alarm``), or null from a monitor that does not say."""
+        ``alarm``), or null from a monitor that does not say; and per queue
+        a grouped queue's ``groups_line``, the line it shows below its row (a
+        queue without groups has none)."""
         overview = self.client.overview()
         doc = overview.as_json()
         line = None if overview.server is None else server_line(overview.server)
         doc["server_line"] = None if line is None else {"text": line.text, "alarm": line.alarm}
+        for q in doc["queues"]:
+            line = groups_line(q)
+            if line is not None:  # a queue without groups has no such key
+                q["groups_line"] = line
         return doc
 
     def api_clients(self) -> dict[str, Any]:

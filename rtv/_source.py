@@ -3,9 +3,11 @@
 The page and the terminal view both read through :class:`MonitorClient`, so
 whatever shape the monitor serves is mended in one place: every row comes out
 with every key of :data:`~ringq.rtv._metrics.NUMERIC` as a float (missing ones
-``None``), queues sorted by name, history points sorted by time, clients
-with every key of :data:`~ringq.engine.metrics.CLIENT_KEYS`, workers first;
-the server the monitor is on with every key of :data:`SERVER_FIELDS`.
+``None``; a grouped queue's row also every key of
+:data:`~ringq.engine.metrics.GROUP_KEYS`, an ungrouped one's none), queues
+sorted by name, history points sorted by time, clients with every key of
+:data:`~ringq.engine.metrics.CLIENT_KEYS`, workers first; the server the
+monitor is on with every key of :data:`SERVER_FIELDS`.
 """
 
 from __future__ import annotations
@@ -256,6 +258,9 @@ def normalize(item: Mapping[str, Any]) -> Row:
             row[key] = float(value)
         else:
             row[key] = _number(value)
+    if any(k in item for k in M.GROUP_KEYS):  # a grouped queue's figures: all of them or none
+        for key in M.GROUP_KEYS:
+            row[key] = _number(get(key))
     return row
 
 

@@ -3,9 +3,10 @@
 Data comes from :class:`~ringq.rtv._source.MonitorClient` (kept apart from
 rendering: :class:`TuiModel` fetches, :func:`render` draws). Below the status
 line, the server the monitor is on (:func:`~ringq.rtv._server_line.server_line`).
-Each queue row
-shows its current figures and, over the chosen window, sparklines of depth,
-rates and p99 latencies and a strip of its full/empty periods. Below the
+Each queue row shows its current figures (a grouped queue's groups on a line
+below the table: :func:`~ringq.rtv._groups_line.groups_line`) and, over the
+chosen window, sparklines of depth, rates and p99 latencies and a strip of
+its full/empty periods. Below the
 queues, one row per session attached to the section (workers first): its
 throughput over the monitor's last interval and its totals of handled and
 failed messages, time-outs, poisoned entries and errors.
@@ -29,6 +30,7 @@ from rich.table import Table
 from rich.text import Text
 from ringq.engine import metrics as M
 
+from ._groups_line import groups_line
 from ._server_line import server_line
 from ._source import MonitorClient, MonitorError, Row
 
@@ -349,6 +351,11 @@ def render(
         )
     if not model.queues:
         current.add_row(Text("no queue reported yet", style="grey50"), *[""] * 12)
+    # Grouped queues only, one line each below the table: no column for the others.
+    grouped = [(q[M.NAME], text) for q in model.queues if (text := groups_line(q)) is not None]
+    groups = Text("\n").join(
+        Text.assemble((str(name), "bold"), f"  {text}") for name, text in grouped
+    )
     footer = Text(
         "Depth is drawn against capacity; rates and latencies against their own peak. "
         "Clients: rates over the monitor's last interval, counts since each session opened. "
@@ -359,7 +366,8 @@ def render(
     if model.server is not None:
         line = server_line(model.server)
         head.append(Text(line.text, style="bold red" if line.alarm else "green"))
-    return Group(*head, current, trends, clients_table(model), footer)
+    now_part: list[RenderableType] = [current, groups] if grouped else [current]
+    return Group(*head, *now_part, trends, clients_table(model), footer)
 
 
 class _StopFlag:

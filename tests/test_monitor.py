@@ -26,7 +26,7 @@ from typing import Any
 
 import psycopg
 import pytest
-from conftest import MonitorProcess, drain, remove_section, wait_for
+from conftest import MonitorProcess, drain, present, remove_section, wait_for
 from ringq.engine import ConfigError, Section, Session, TransactionError, connect, pid_alive
 from ringq.engine import layout as L
 from ringq.engine.recovery import history_of
@@ -523,6 +523,43 @@ def test_status_prints_every_queue_in_a_table(
     mon.stop()
     r = ringq_run("status", "--monitor", mon.url)
     assert r.returncode == 1 and "no monitor answers" in r.stderr
+
+
+def test_a_grouped_queue_shows_its_groups(dsn: str, make_queue: Any, monitor: Any) -> None:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    q, plain = make_queue(dequeue_mode="shared"), make_queue()
+    produce(dsn, plain, 1)
+    with connect(dsn) as s:
+        for g in "aabc":
+            s.enqueue(q, g.encode(), group=g)
+        s.commit()
+    m = monitor()
+    with connect(dsn) as held:
+        assert present(held.dequeue(q)).group == "a"  # a busy (its second entry waits); b, c ready
+        doc = wait_for(
+            lambda: (d := queue_doc(m.url, q)) and d.get("groups_busy") == 1
+            and d["group_oldest_age_s"] > 0 and d,
+            what="a sample of the held group",
+        )
+        assert doc["groups_ready"] == 2 and doc["group_skips"] >= 0
+        assert not {"groups_ready", "groups_busy", "group_oldest_age_s", "group_skips"} & set(
+            present(queue_doc(m.url, plain))
+        )
+        fams = {
+            f.name: f for f in text_string_to_metric_families(http(m.url + "/metrics")[1].decode())
+        }
+        assert {x.labels["queue"]: x.value for x in fams["ringq_queue_groups_busy"].samples} == {
+            q: 1
+        }
+        r = ringq_run("status", "--monitor", m.url)
+        assert r.returncode == 0, r.stderr
+        print("\n" + r.stdout)
+        lines = r.stdout.splitlines()
+        row = next(i for i, line in enumerate(lines) if line.startswith(q + " "))
+        assert lines[row + 1].startswith("  groups: 2 ready, 1 busy, oldest waiting ")
+        assert sum("groups:" in line for line in lines) == 1  # none for the plain queue
+        held.rollback()
 
 
 def test_status_with_a_token(dsn: str, make_queue: Any, spawn_monitor: Any) -> None:

@@ -35,6 +35,7 @@ from ringq.rtv import (
     ServerLine,
     Viewer,
     ViewerConfig,
+    groups_line,
     server_line,
 )
 from ringq.rtv import _metrics as K
@@ -708,6 +709,58 @@ def test_page_against_a_stand_in_monitor(
         page.close()
     finally:
         assert _stop(proc) == 0
+
+
+class GroupedFakeMonitor(FakeMonitor):
+    """The stand-in monitor, with ``beta`` a grouped queue (its samples carry the group figures)."""
+
+    def sample(self, queue: str, t: int) -> dict[str, Any]:
+        s = super().sample(queue, t)
+        if queue == "beta":
+            s.update(groups_ready=2, groups_busy=1, group_oldest_age_s=75.5, group_skips=3)
+        return s
+
+
+GROUPS_LINE = "groups: 2 ready, 1 busy, oldest waiting 1 min 15 s, 3 skips"
+
+
+def test_a_grouped_queue_gets_a_line_in_the_terminal_view() -> None:
+    from rich.console import Console
+
+    assert groups_line({M.GROUP_SKIPS: 1}) == "groups: ? ready, ? busy, oldest waiting ?, 1 skips"
+    mon = GroupedFakeMonitor()
+    try:
+        model = TuiModel(MonitorClient(mon.url), window=60)
+        model.update()
+        console = Console(record=True, width=160, color_system=None)
+        console.print(render(model, mon.url, width=160))
+        text = console.export_text()
+        assert f"beta  {GROUPS_LINE}" in text and text.count("groups:") == 1
+    finally:
+        mon.close()
+
+
+def test_a_grouped_queue_gets_a_line_on_the_page(browser: Any) -> None:
+    line = GROUPS_LINE
+    mon = GroupedFakeMonitor()
+    proc, url = _start_rtv(mon.url)
+    try:
+        page = browser.new_page(viewport={"width": 1400, "height": 900})
+        page.goto(url)
+        _wait_until(page, "window.ringqRtv.state.ticks >= 1")
+        assert [q.get("groups_line") for q in page.evaluate("window.ringqRtv.state.queues")] == [
+            None, line
+        ]
+        rows = page.locator("#queues tbody tr").evaluate_all(
+            "rows => rows.map(r => [r.dataset.queue, r.className, r.textContent])"
+        )
+        assert [(q, c) for q, c, _ in rows] == [("alpha", "selected"), ("beta", ""),
+                                                ("beta", "groups")]
+        assert rows[2][2] == line
+        page.close()
+    finally:
+        assert _stop(proc) == 0
+        mon.close()
 
 
 # -- the real thing: a monitor over a real database and a workload that runs --------------------

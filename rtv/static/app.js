@@ -259,7 +259,10 @@
         "<td>" + num(q.waiting_dequeuers) + " / " + num(q.waiting_enqueuers) + "</td>" +
         "<td>" + num(q.head) + " / " + num(q.tail) + "</td>" +
         "<td>" + num(q.dead_rows) + "</td>" +
-        "</tr>"
+        "</tr>" +
+        // A grouped queue's groups, on a row of their own below it (no column for the others).
+        (q.groups_line ? '<tr class="groups" data-queue="' + esc(q.name) + '"><td></td>' +
+          '<td class="name" colspan="13">' + esc(q.groups_line) + "</td></tr>" : "")
       );
     }).join("");
   }
