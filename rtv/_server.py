@@ -153,9 +153,9 @@ class Viewer:
         line = None if overview.server is None else server_line(overview.server)
         doc["server_line"] = None if line is None else {"text": line.text, "alarm": line.alarm}
         for q in doc["queues"]:
-            line = groups_line(q)
-            if line is not None:  # a queue without groups has no such key
-                q["groups_line"] = line
+            glines = groups_line(q)
+            if glines is not None:  # a queue without groups has no such key
+                q["groups_line"] = glines
         return doc
 
     def api_clients(self) -> dict[str, Any]:
