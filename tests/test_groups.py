@@ -356,3 +356,24 @@ def test_group_counts_show_ready_busy_and_the_oldest_waiting_head(
         counts = c.ring(q).group_counts()
         assert counts == {"ready": 2, "busy": 1, "oldest_seq": 2, "oldest_slot": 2}
         c.commit()
+
+
+def test_commit_and_dequeue_never_claims_the_next_entry_of_the_group_it_holds(
+    dsn: str, make_queue: Callable[..., str]
+) -> None:
+    """The consumer loop claims its next entry before its commit: the entry
+    it holds keeps its group busy, so the claim takes another group's entry
+    (or none, and the next entry is taken after the commit)."""
+    q = make_queue(capacity=32, dequeue_mode="shared", cache_payload=0)
+    with connect(dsn) as p:
+        p.enqueue_many(q, [b"a1", b"a2", b"b1", b"a3"], group=["a", "a", "b", "a"])
+        p.commit()
+    with connect(dsn) as c:
+        got = [present(c.dequeue(q))]
+        while True:
+            m = c.commit_and_dequeue(q)
+            if m is None:
+                break
+            got.append(m)
+        c.commit()
+    assert [m.payload for m in got] == [b"a1", b"b1", b"a2", b"a3"]
