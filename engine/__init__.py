@@ -37,6 +37,7 @@ from ._errors import (
     TransactionError,
     converted,
     from_psycopg,
+    one_line,
     redact_dsn,
 )
 from ._events import CHANNEL as EVENTS_CHANNEL
@@ -88,6 +89,7 @@ __all__ = [
     "converted",
     "dsn_file",
     "from_psycopg",
+    "one_line",
     "pid_alive",
     "publish",
     "queue_table",

@@ -157,6 +157,14 @@ _KEYWORD_SECRET_RE = re.compile(
 )
 
 
+def one_line(exc: BaseException | str) -> str:
+    """An error for a log line: its type and message on one line (libpq's
+    messages carry newlines and tabs: "server closed the connection
+    unexpectedly\\n\\tThis probably means ...")."""
+    text = " ".join(str(exc).split())
+    return text if isinstance(exc, str) else f"{type(exc).__name__}: {text}"
+
+
 def redact_dsn(dsn: str) -> str:
     """Return ``dsn`` with any password replaced by ``***``.
 

@@ -41,6 +41,7 @@ from ._errors import (
     StaleSection,
     TransactionError,
     from_psycopg,
+    one_line,
     redact_dsn,
 )
 from ._events import Subscription, publish
@@ -1568,7 +1569,8 @@ class Session(TwoPhase):
         self.backend_pid = self._conn.info.backend_pid
         self.owner = self._section.renew_client(self._cidx, self.backend_pid)
         logger.log(logging.WARNING if ops else logging.INFO,
-                   "ringq: connection lost (%s); %d slots decided from rows", reason, len(ops))
+                   "ringq: connection lost (%s); %d slots decided from rows",
+                   one_line(reason), len(ops))
         self._follow_history()
         return committed
 
@@ -1630,7 +1632,8 @@ class Session(TwoPhase):
         self.backend_pid = conn.info.backend_pid if healthy else 0
         self._register_client(self.backend_pid)
         logger.warning("ringq: connection lost (%s); %d slots left to recovery%s",
-                       reason, slots, "" if healthy else "; connecting again on the next call")
+                       one_line(reason), slots,
+                       "" if healthy else "; connecting again on the next call")
 
     def _reconnect(self) -> None:
         """Connect again after a connection lost with nothing in flight (the

@@ -65,6 +65,7 @@ from ringq.engine import (
     Session,
     dsn_file,
     from_psycopg,
+    one_line,
     read_dsn_file,
     redact_dsn,
     resolve_dsn,
@@ -544,12 +545,12 @@ class Mover:
                 raise
         try:
             src.commit()
-        except RingqError:
+        except RingqError as exc:
             s.stats[STAT_FAILURES] += 1
             logger.warning(
-                "ringq.move: %s: source commit failed after the destination committed; "
-                "the batch will be delivered again and skipped by key", self.src_queue,
-                exc_info=True,
+                "ringq.move: %s: source commit failed after the destination committed (%s); "
+                "the batch will be delivered again and skipped by key",
+                self.src_queue, one_line(exc),
             )
             raise
         if s.careful:
@@ -636,8 +637,11 @@ class Mover:
             return
         try:
             sess.rollback()
-        except RingqError:
-            logger.warning("ringq.move: rollback failed", exc_info=True)
+        except RingqError as exc:
+            # the connection went (a restart, a fail-over): the session
+            # decides its slots on its next call; one line, no traceback
+            logger.warning("ringq.move: rollback failed: %s", one_line(exc))
+            logger.debug("ringq.move: rollback failed", exc_info=True)
 
     # -- the service --------------------------------------------------------------------------
 
@@ -666,7 +670,8 @@ class Mover:
                     raise  # a setting, not a failure: retrying cannot help
                 except RingqError as exc:
                     self._s.stats[STAT_FAILURES] += 1
-                    logger.warning("ringq.move: %s: step failed: %s", self.src_queue, exc)
+                    logger.warning("ringq.move: %s: step failed: %s", self.src_queue,
+                                   one_line(exc))
                     self._reset_after_failure()
                     stop_event.wait(cfg.retry_backoff)
         finally:

@@ -61,6 +61,7 @@ from ringq.engine import (
     Session,
     SessionClosed,
     connect,
+    one_line,
     validate_queue_name,
 )
 from ringq.engine import layout as L
@@ -476,8 +477,10 @@ class Worker:
         self._pending_timeout = None
         try:
             self.session.rollback()
-        except RingqError:
-            logger.warning("ringq worker: rollback after a failed action failed", exc_info=True)
+        except RingqError as rb_exc:
+            logger.warning("ringq worker: rollback after a failed action failed: %s",
+                           one_line(rb_exc))
+            logger.debug("ringq worker: rollback after a failed action failed", exc_info=True)
         self._count_failure(msg, kind, exc, what)
         self._reopen_if_closed()
 
