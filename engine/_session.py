@@ -386,7 +386,17 @@ class Session(TwoPhase):
             self._call(decide)
             self._ops = [op for op in self._ops if op.held]
         if not self._ops and self._section.unlinked():
+            # Replaced by another client, perhaps after a fail-over that this
+            # session has not seen yet (its connection may be dead): attach as
+            # the server's history says now, never as this session last knew
+            # it, or it would replace the new section by one of the old
+            # history. A lost connection is handled (and raised) by _call.
+            self._history = self._call(self._read_history)
             self._reattach_section()
+
+    def _read_history(self) -> tuple[int, int]:
+        with self._outside_transaction() as conn:
+            return history_of(conn)
 
     def _sent(self) -> list[Op]:
         """The in-flight ops whose statements went to the server (all but
@@ -1530,12 +1540,8 @@ class Session(TwoPhase):
         """After a reconnect: if the server has another database history (a
         fail-over), move to a section that describes it (the old one is
         replaced; queues load again from the new server's rows)."""
-        def read() -> tuple[int, int]:
-            with self._outside_transaction() as conn:
-                return history_of(conn)
-
         try:
-            history = self._call(read, recover=False)
+            history = self._call(self._read_history, recover=False)
         except RingqError:
             return  # the next call finds out
         if history != self._history:
