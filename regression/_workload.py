@@ -80,7 +80,8 @@ RECONNECTS = 8  # both: sessions lost to a database restart and opened again (ch
 RESUMED = 9  # both: times the worker resumed from what the database holds (restarts)
 
 # The word after the workers' blocks: when the standby was promoted (fail-over;
-# time.monotonic() in µs, 0 before), written by the parent only.
+# time.monotonic() in µs; 0 before, 1 if the fail-over failed), written by the
+# parent only.
 PROMOTED = -1
 
 # Errors of a database going away under a session (chaos restarts PostgreSQL):
@@ -452,7 +453,10 @@ def _produce_session(args: WorkerArgs, counters: Any, abort: Any, acks: AckLog |
             if args.ack_dir and not any(q > 0 for q in p.quota) and not abort.is_set():
                 # Fail-over: the session reconnects by itself, so what an
                 # asynchronous standby never received (acknowledged, then
-                # lost) shows only in the database: what is owed is read again.
+                # lost) shows only in the database: once the fail-over is
+                # over, what is owed is read again from there.
+                while not counters[PROMOTED] and not abort.is_set():
+                    abort.wait(0.05)
                 if not p.resume(abort):
                     return True
     return True
@@ -730,8 +734,7 @@ def run_cycle(
                 committed = sum(counters[p * WORDS + P_ENTRIES] for p in range(np_))
                 if failover is not None and status == "done" and failover.due(committed):
                     failover.strike()  # kill -9 of the primary, promotion: about a second
-                    if failover.promoted_at:
-                        counters[PROMOTED] = int(failover.promoted_at * 1e6)
+                    counters[PROMOTED] = int(failover.promoted_at * 1e6) or 1
                     now = time.monotonic()
                 try:
                     depths = [watcher.stats(ref.name)[M.DEPTH] for ref in run.queues]
