@@ -46,6 +46,25 @@ reading it; it is left serving after the run. With no monitor serving, the
 run starts its own (a subprocess, stopped after each cycle). A monitor that
 serves the database but is not found in --monitor-dir is refused (exit 5).
 
+--chaos-failover (--sync, the default, or --async): on the embedded cluster
+(ringq db start) only. Before the run its primary gets a streaming standby of
+that kind (made if it has none; brought back if an earlier fail-over left the
+old primary down), and every process of the run (producers, consumers, the
+monitor, the proof) uses the multi-host DSN that follows the primary
+(ringq db url --both). When 30-60% of a cycle's entries are committed the
+primary's postmaster is killed with SIGKILL and the standby promoted
+(ringq db promote: $RINGQ_HOME/dsn names it); workers and the monitor carry
+on. After the workload the old primary is rebuilt as the new one's standby
+(ringq db standby rebuild), so the next cycle, or 'ringq run', finds a primary
+with its standby. Producers log, outside the database, every entry whose
+commit returned; the proof compares that with what the new primary holds.
+--sync: nothing acknowledged may be lost. --async: the primary's walsender is
+paused 0.5 s before the kill (a standby falling behind), and the entries
+acknowledged in that replication gap are lost: counted and reported, not a
+failure, unless an entry outside the gap is lost. Never a duplicate, and
+per-producer order holds, either way. Alone it kills nothing else; with
+--chaos it adds the random kills.
+
 SIGINT/SIGTERM: stop after the current cycle; a second one aborts the cycle.
 Spark needs Java 17 and the PostgreSQL JDBC driver
 (apt-get install -y libpostgresql-jdbc-java)."""
@@ -121,8 +140,27 @@ def register(sub: Any) -> None:
         help="with --chaos: also restart the embedded PostgreSQL once per cycle "
              "(pg_ctl restart -m fast)",
     )
+    p.add_argument(
+        "--chaos-failover",
+        action="store_true",
+        help="kill -9 the embedded cluster's primary in the middle of each cycle and promote "
+             "its standby (made if need be); the old primary is rebuilt as a standby after "
+             "the cycle",
+    )
+    mode = p.add_mutually_exclusive_group()
+    mode.add_argument(
+        "--sync", dest="failover_mode", action="store_const", const="sync", default=None,
+        help="with --chaos-failover (the default): a synchronous standby; nothing acknowledged "
+             "may be lost",
+    )
+    mode.add_argument(
+        "--async", dest="failover_mode", action="store_const", const="async",
+        help="with --chaos-failover: an asynchronous standby, its walsender paused 0.5 s before "
+             "the kill; the entries acknowledged in that gap are lost, counted and reported",
+    )
     env_option(p, "--monitor-dir", env="RINGQ_MONITOR_DIR", default=None,
-               help="with --chaos: data directory of the monitor serving the database, taken over "
+               help="with --chaos (or --chaos-failover): data directory of the monitor serving the "
+                    "database, taken over "
                     "(default $RINGQ_HOME/monitor, where 'ringq run' keeps it)")
     _common(p)
 
@@ -308,6 +346,8 @@ def _run(args: argparse.Namespace) -> int:
 
     if args.chaos_pg_restart and not args.chaos:
         raise ConfigError("--chaos-pg-restart needs --chaos")
+    if args.failover_mode is not None and not args.chaos_failover:
+        raise ConfigError(f"--{args.failover_mode} needs --chaos-failover")
     if args.cycles < 0:
         raise ConfigError("--cycles must be 0 (until stopped) or more")
     config = RegressConfig(
@@ -322,10 +362,11 @@ def _run(args: argparse.Namespace) -> int:
         chaos=args.chaos,
         chaos_interval=_interval(args.chaos_interval),
         chaos_pg_restart=args.chaos_pg_restart,
+        chaos_failover=(args.failover_mode or "sync") if args.chaos_failover else None,
     )
     dsn = resolve_dsn(args.dsn)
     monitor_dir = Path(args.monitor_dir) if args.monitor_dir else ringq_home() / "monitor"
-    if config.chaos:
+    if config.chaos and config.chaos_failover is None:  # fail-over: checked on its DSN, by run()
         try:
             serving_monitor(dsn, monitor_dir)  # before Spark starts: a refusal comes at once
         except ForeignMonitor as exc:
@@ -358,6 +399,10 @@ def _run(args: argparse.Namespace) -> int:
                 abort_requested=stopper.abort,
                 monitor_dir=monitor_dir,
             )
+        except ForeignMonitor as exc:
+            display.end()
+            print(f"ringq regress: {exc}", file=sys.stderr)
+            return RET_FOREIGN_MONITOR
         finally:
             display.end()
             if verifier is not None:

@@ -392,9 +392,17 @@ class Session(TwoPhase):
             self._call(decide)
             self._ops = [op for op in self._ops if op.held]
         if not self._ops and self._section.unlinked():
-            # Replaced by another process (a fail-over, most likely): follow
-            # the history our server has now, never the one we remember.
-            self._follow_history(always=True)
+            # Replaced by another client, perhaps after a fail-over that this
+            # session has not seen yet (its connection may be dead): attach as
+            # the server's history says now, never as this session last knew
+            # it, or it would replace the new section by one of the old
+            # history. A lost connection is handled (and raised) by _call.
+            self._history = self._call(self._read_history)
+            self._reattach_section()
+
+    def _read_history(self) -> tuple[int, int]:
+        with self._outside_transaction() as conn:
+            return history_of(conn)
 
     def _sent(self) -> list[Op]:
         """The in-flight ops whose statements went to the server (all but
@@ -1574,21 +1582,15 @@ class Session(TwoPhase):
         self._follow_history()
         return committed
 
-    def _follow_history(self, *, always: bool = False) -> None:
-        """After a reconnect (or with ``always``, when our section was
-        replaced): if the server has another database history (a fail-over),
-        move to a section that describes it (the old one is replaced; queues
-        load again from the new server's rows). If the server does not
-        answer, nothing changes: the next call reconnects and comes back here."""
-        def read() -> tuple[int, int]:
-            with self._outside_transaction() as conn:
-                return history_of(conn)
-
+    def _follow_history(self) -> None:
+        """After a reconnect: if the server has another database history (a
+        fail-over), move to a section that describes it (the old one is
+        replaced; queues load again from the new server's rows)."""
         try:
-            history = self._call(read, recover=False)
+            history = self._call(self._read_history, recover=False)
         except RingqError:
             return  # the next call finds out
-        if always or history != self._history:
+        if history != self._history:
             self._history = history
             self._reattach_section()
 

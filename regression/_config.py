@@ -16,6 +16,7 @@ MAX_QUEUES = 255  # the payload header holds the queue index in one byte
 MAX_PRODUCERS = 1000
 MAX_PAYLOAD_SIZE = 16 << 20  # a regression entry is held in memory several times over
 FILLERS = ("random", "pattern")
+FAILOVER_MODES = ("sync", "async")  # the standby of a --chaos-failover cycle
 
 RUN_ID_RE = re.compile(r"^[a-z0-9][a-z0-9_]{0,29}$")
 
@@ -55,6 +56,13 @@ class RegressConfig:
     - ``chaos``: kill -9 a random producer, consumer or the run's own monitor
       every ``chaos_interval`` (min, max) seconds during a cycle and restart it;
       with ``chaos_pg_restart`` also restart the embedded PostgreSQL once per cycle.
+    - ``chaos_failover``: ``sync`` or ``async``: the embedded cluster gets (or
+      keeps) a standby of that kind, every process uses the multi-host DSN that
+      follows the primary, and in the middle of each cycle the primary's
+      postmaster is killed with SIGKILL and the standby promoted; the old
+      primary comes back as the new one's standby after the cycle. Workers and
+      the monitor carry on as under ``chaos`` (which it does not need: alone,
+      nothing else is killed).
 
     :raises ConfigError: a value is out of range (the message says which).
     """
@@ -73,6 +81,7 @@ class RegressConfig:
     chaos: bool = False
     chaos_interval: tuple[float, float] = (2.0, 6.0)
     chaos_pg_restart: bool = False
+    chaos_failover: str | None = None
 
     def __post_init__(self) -> None:
         ci = self.chaos_interval
@@ -90,6 +99,11 @@ class RegressConfig:
             )
         if self.chaos_pg_restart and not self.chaos:
             raise ConfigError("chaos_pg_restart needs chaos")
+        if self.chaos_failover is not None and self.chaos_failover not in FAILOVER_MODES:
+            raise ConfigError(
+                f"chaos_failover must be one of {', '.join(FAILOVER_MODES)} or None, "
+                f"not {self.chaos_failover!r}"
+            )
         sizes = self.payload_sizes
         if not isinstance(sizes, tuple) or not sizes:
             raise ConfigError("payload_sizes must be a non-empty tuple of byte counts")
@@ -125,6 +139,12 @@ class RegressConfig:
     @property
     def queues(self) -> int:
         return len(self.payload_sizes)
+
+    @property
+    def resilient(self) -> bool:
+        """Whether workers outlive a lost database session (reconnect and resume):
+        under ``chaos`` and ``chaos_failover``."""
+        return self.chaos or self.chaos_failover is not None
 
     def to_json(self) -> dict[str, Any]:
         d = asdict(self)

@@ -62,9 +62,31 @@ class ServingMonitor:
     options: tuple[str, ...]  # its command line after ``monitor``
     env: dict[str, str]
 
-    def restart_command(self) -> list[str]:
-        """``ringq monitor`` with its options, its directory, its port, detached."""
+    def dsn_option(self) -> str | None:
+        """The value of its ``--dsn`` option (None: it had none)."""
+        found = None
+        for i, o in enumerate(self.options):
+            if o == "--dsn" and i + 1 < len(self.options):
+                found = self.options[i + 1]
+            elif o.startswith("--dsn="):
+                found = o[len("--dsn=") :]
+        return found
+
+    def restart_command(self, dsn: str | None = None) -> list[str]:
+        """``ringq monitor`` with its options, its directory, its port, detached;
+        with ``dsn``, on that DSN instead of its own."""
         opts = [o for o in self.options if o not in DROPPED_OPTIONS]
+        if dsn is not None:
+            kept: list[str] = []
+            skip = False
+            for o in opts:
+                if skip:
+                    skip = False
+                elif o == "--dsn":
+                    skip = True
+                elif not o.startswith("--dsn="):
+                    kept.append(o)
+            opts = [*kept, "--dsn", dsn]
         cmd = [
             sys.executable,
             "-m",
@@ -80,8 +102,12 @@ class ServingMonitor:
         return [*cmd, "--detach"]
 
 
-def serving_monitor(dsn: str, monitor_dir: Path | None) -> ServingMonitor | None:
-    """The monitor that serves ``dsn``'s database; None if none does.
+def serving_monitor(
+    dsn: str, monitor_dir: Path | None, *, also: tuple[str, ...] = ()
+) -> ServingMonitor | None:
+    """The monitor that serves ``dsn``'s database; None if none does. Its state
+    file may name ``dsn`` or one of ``also`` (the same database by another DSN:
+    a fail-over run's single-host DSN beside its multi-host one).
 
     :raises ForeignMonitor: one does, but not one found in ``monitor_dir``.
     :raises DatabaseUnavailable: the database cannot be reached.
@@ -113,7 +139,7 @@ def serving_monitor(dsn: str, monitor_dir: Path | None) -> ServingMonitor | None
         raise ForeignMonitor(f"{who}, but {path} names no running monitor. {how}") from None
     if not pid_alive(pid):
         raise ForeignMonitor(f"{who}, but the monitor of {path} (pid {pid}) is not running. {how}")
-    if state.get("dsn") not in (None, redact_dsn(dsn)):
+    if state.get("dsn") not in (None, *(redact_dsn(d) for d in (dsn, *also))):
         raise ForeignMonitor(
             f"{who}, but the monitor of {path} (pid {pid}) serves {state.get('dsn')}. {how}"
         )
@@ -222,8 +248,9 @@ class TakenMonitor:
 
     taken_over = True
 
-    def __init__(self, serving: ServingMonitor, logdir: str) -> None:
+    def __init__(self, serving: ServingMonitor, logdir: str, *, dsn: str | None = None) -> None:
         self.serving = serving
+        self.dsn = dsn  # restart it on this DSN rather than its own
         self.pid = serving.pid
         self.url = serving.url
         self.logdir = logdir
@@ -260,7 +287,7 @@ class TakenMonitor:
         log = open(os.path.join(self.logdir, "monitor-restarts.log"), "ab")  # noqa: SIM115 - the child owns it
         try:
             self._launch = subprocess.Popen(
-                self.serving.restart_command(), env=self.serving.env,
+                self.serving.restart_command(self.dsn), env=self.serving.env,
                 stdin=subprocess.DEVNULL, stdout=log, stderr=log, start_new_session=True,
             )
         finally:

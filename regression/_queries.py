@@ -11,6 +11,8 @@ Everything a run needs to be verified again lives in its schema:
 - ``cycles``       one row per cycle: status, timings, section counters, errors, report
 - ``sent``         the ground truth: every committed entry, written by the producer
                    in the same transaction as the enqueue
+- ``acked``        (fail-over cycles) every entry whose producer's commit
+                   returned, from the producers' logs kept outside the database
 - ``rolled_back``  every entry of a transaction that was rolled back (written
                    right after the rollback, in its own transaction)
 - ``received_<queue>``  what the queue's consumer took, written in the same
@@ -52,6 +54,7 @@ LEFTOVERS: Final = _Q["leftovers"]  # {table}: a queue's table, no {schema}
 # the workload's writers: the ground truth and the consumers' records
 INSERT_SENT: Final = _Q["insert_sent"]
 INSERT_ROLLED_BACK: Final = _Q["insert_rolled_back"]
+INSERT_ACKED: Final = _Q["insert_acked"]
 INSERT_RECEIVED: Final = _Q["insert_received"]  # {table}
 # what a restarted worker resumes from (chaos)
 RESUME_PRODUCER: Final = _Q["resume_producer"]
@@ -60,12 +63,14 @@ RESUME_CONSUMER: Final = _Q["resume_consumer"]  # {table}
 PREPARED_GIDS: Final = _Q["prepared_gids"]
 MONITOR_LOCK_HOLDER: Final = _Q["monitor_lock_holder"]
 DATA_DIRECTORY: Final = _Q["data_directory"]
+REPLICATION_GAP: Final = _Q["replication_gap"]  # on the primary (fail-over)
 # the proof: what Spark reads through JDBC, and how many rows there are ({cycles})
 RECEIVED_COUNT: Final = _Q["received_count"]  # {table}
 JDBC_SENT: Final = _Q["jdbc_sent"]  # {committed_at}
 COMMITTED_AT_COMMIT_TS: Final = _Q["committed_at_commit_ts"]
 COMMITTED_AT_SENT: Final = _Q["committed_at_sent"]
 JDBC_ROLLED_BACK: Final = _Q["jdbc_rolled_back"]
+JDBC_ACKED: Final = _Q["jdbc_acked"]
 JDBC_RECEIVED: Final = _Q["jdbc_received"]  # {table}, {idx}
 JDBC_DBTABLE: Final = _Q["jdbc_dbtable"]  # {query}
 JDBC_PARTITION: Final = _Q["jdbc_partition"]  # {column}, {partitions}, {part}

@@ -49,6 +49,9 @@ class Report:
     workload_errors: list[str] = field(default_factory=list)
     skipped_cycles: dict[int, str] = field(default_factory=dict)
     chaos: dict[str, int] = field(default_factory=dict)  # kills per kind (cycles run with --chaos)
+    # --chaos-failover: promotions, timings, and what the producers were told had
+    # committed against what the new primary holds (see ``failover_lines``)
+    failover: dict[str, Any] = field(default_factory=dict)
     path: str | None = None
 
     @property
@@ -111,6 +114,7 @@ class Report:
                 f"consumers {ch.get('consumers', 0):,}  "
                 f"monitor {ch.get('monitor', 0):,}  pg restarts {ch.get('pg_restarts', 0):,}"
             )
+        lines += self.failover_lines()
         lines.append(
             "  violations  " + "   ".join(f"{k} {v:,}" for k, v in self.violations.items())
         )
@@ -136,6 +140,44 @@ class Report:
         if self.path:
             lines.append(f"  report      {self.path}")
         return "\n".join(lines)
+
+
+    def failover_lines(self) -> list[str]:
+        """The fail-over's lines of the summary (none without ``--chaos-failover``)."""
+        f = self.failover
+        if not f:
+            return []
+
+        def secs(key: str) -> str:
+            value = f.get(key)
+            return "-" if value is None else f"{value:.2f} s"
+
+        rebuilt = ", ".join(f.get("rebuilt") or []) or "no"
+        head = (
+            f"  fail-over   {f.get('mode')} standby: promotions {f.get('promotions', 0):,}   "
+            f"kill -> promoted {secs('kill_to_promoted_s')}   "
+            f"kill -> first dequeue {secs('kill_to_first_dequeue_s')}   "
+            f"old primary rebuilt: {rebuilt}"
+        )
+        lines = [head]
+        lost = int(f.get("lost_acknowledged", 0))
+        acked = f"acknowledged {int(f.get('acknowledged', 0)):,}, lost {lost:,}"
+        if f.get("mode") == "sync":
+            lines.append(f"              {acked} (synchronous: none may be)")
+        else:
+            gap = f.get("unflushed_bytes")
+            paused = f.get("walsender_paused_s")
+            why = (
+                "committed on the old primary after the last entry the standby received"
+                + (f", its walsender paused {paused:g} s" if paused else "")
+                + (f"; {gap:,} bytes of WAL not flushed by the standby at the kill"
+                   if gap is not None else "")
+            )
+            lines.append(
+                f"              {acked}: {int(f.get('lost_in_gap', 0)):,} in the replication "
+                f"gap ({why}), {int(f.get('lost_outside_gap', 0)):,} outside it"
+            )
+        return lines
 
 
 def _cycles(cycles: list[int]) -> str:

@@ -7,7 +7,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from . import _store
+from ringq.engine import redact_dsn
+
+from . import _failover, _store
 from ._config import RegressConfig
 from ._monitors import serving_monitor
 from ._report import Report
@@ -25,6 +27,7 @@ class RunOutcome:
     status: str
     results: list[CycleResult] = field(default_factory=list)
     reports: list[Report] = field(default_factory=list)
+    dsn: str = ""  # the DSN the run used (fail-over: the multi-host one)
 
     @property
     def ok(self) -> bool:
@@ -64,12 +67,25 @@ def run(
     With ``config.chaos``, a monitor already serving the database is taken over
     (killed and restarted as it was) if its state file is in ``monitor_dir``.
 
+    With ``config.chaos_failover``, ``dsn`` must name the embedded cluster's
+    primary: it gets a standby of that kind if it has none, and the whole run
+    (workers, monitor, store, proof) uses the multi-host DSN that follows the
+    primary (``RunOutcome.dsn``). Each cycle kills the primary, promotes the
+    standby and rebuilds the old primary as the new one's standby.
+
     :raises ForeignMonitor: (chaos) a monitor serves the database that cannot
         be taken over; checked before the run is created.
+    :raises ConfigError: (fail-over) ``dsn`` is not the embedded cluster's primary.
+    :raises ClusterError: (fail-over) the standby could not be made or started.
     """
     say = notify or (lambda _msg: None)
-    if config.chaos:
-        serving = serving_monitor(dsn, monitor_dir)
+    monitor_dsns: tuple[str, ...] = ()
+    if config.chaos_failover is not None:
+        monitor_dsns = (dsn,)
+        dsn = _failover.prepare(dsn, config.chaos_failover, say)
+        say(f"fail-over ({config.chaos_failover}): every process uses {redact_dsn(dsn)}")
+    if config.resilient:
+        serving = serving_monitor(dsn, monitor_dir, also=monitor_dsns)
         if serving is not None:
             say(
                 f"chaos: the monitor serving the database (pid {serving.pid}, "
@@ -79,7 +95,7 @@ def run(
     info = _store.create_run(dsn, config, run_id)
     say(f"run {info.run_id}: {len(info.queues)} queues x {config.capacity:,} slots, "
         f"{config.entries_per_queue:,} entries per queue per cycle, {config.producers} producers")
-    outcome = RunOutcome(info.run_id, "done")
+    outcome = RunOutcome(info.run_id, "done", dsn=dsn)
     n = 0
     try:
         while cycles == 0 or n < cycles:
@@ -89,7 +105,7 @@ def run(
             n += 1
             cycle = _store.start_cycle(dsn, info.run_id)
             result = run_cycle(dsn, info, cycle, progress=progress, abort_requested=abort_requested,
-                               monitor_dir=monitor_dir)
+                               monitor_dir=monitor_dir, monitor_dsns=monitor_dsns)
             _store.end_cycle(
                 dsn,
                 info.run_id,

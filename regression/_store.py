@@ -238,6 +238,30 @@ def leftovers(dsn: str, run: RunInfo) -> dict[str, int]:
     return out
 
 
+def record_acked(
+    dsn: str, run_id: str, cycle: int, rows: list[tuple[int, int, int, int, int, bool]]
+) -> int:
+    """Store acknowledged entries (producer, queue, qseq, pseq, tx, on the new
+    primary) of a fail-over cycle; how many."""
+    if not rows:
+        return 0
+    producers, queues, qseqs, pseqs, txs, on_new = (list(c) for c in zip(*rows, strict=True))
+    with _connect(dsn) as conn:
+        conn.execute(
+            S.q(S.INSERT_ACKED, run_id),
+            {
+                "cycle": cycle,
+                "producers": producers,
+                "queues": queues,
+                "qseqs": qseqs,
+                "pseqs": pseqs,
+                "txs": txs,
+                "on_new": on_new,
+            },
+        )
+    return len(rows)
+
+
 def commit_timestamps_on(dsn: str) -> bool:
     with _connect(dsn) as conn:
         row = conn.execute(S.COMMIT_TS_ON).fetchone()

@@ -13,6 +13,18 @@ For the chosen cycles of a run it proves:
   it read and checks it against the producer's digest, the checksum embedded in
   the payload, and the header (queue, producer, sequence, kind, length).
 
+A fail-over cycle (``--chaos-failover``) also compares what producers were
+told had committed (``acked``: their commit returned) with what the new
+primary holds (``sent``). With a synchronous standby every acknowledged entry
+must be there (else ``lost``). With an asynchronous one an acknowledged entry
+may be missing only if it was in the replication gap: WAL goes in commit
+order, so per producer the missing entries must all come after the last of
+its entries the old primary acknowledged and the standby kept; any other
+missing entry (or one acknowledged by the new primary) is ``lost``, those in
+the gap are counted and reported (``Report.failover``), not violations.
+Entries whose commit raised (``InDoubt``, a lost connection) are not
+acknowledged: they are judged by ``sent`` alone, like every other entry.
+
 Payloads are reduced to their digests as they are read, so Spark holds no
 payload in memory; tables of large payloads are read in several partitions.
 """
@@ -85,6 +97,10 @@ def jdbc_target(dsn: str) -> tuple[str, dict[str, str]]:
     props.setdefault("user", os.environ.get("PGUSER") or os.environ.get("USER") or "postgres")
     if "password" not in props and os.environ.get("PGPASSWORD"):
         props["password"] = os.environ["PGPASSWORD"]
+    if len(hosts) > 1 and d.get("target_session_attrs") in ("read-write", "primary"):
+        # As libpq would: the primary of the servers named, never a standby
+        # (which may not have replayed the last commits yet).
+        props["targetServerType"] = "primary"
     props["ApplicationName"] = "ringq-regress-spark"
     # Binary transfer from the first execution: bytea arrives as bytes, not hex text
     # (about twice as fast for large payloads).
@@ -238,6 +254,8 @@ class Verifier:
         }
         _add_section_stats(report, run, [rows[n] for n in chosen])
         report.chaos = _chaos_totals([rows[n] for n in chosen])
+        if run.config.chaos_failover is not None:
+            report.failover.update(_failover_totals([rows[n] for n in chosen]))
         committed = int(report.counts.get("committed", 0))
         nbytes = int(report.counts.get("committed_bytes", 0))
         report.throughput = {
@@ -443,6 +461,11 @@ class Verifier:
         }
         rb_tx = rolled.groupBy("cycle", "producer", "tx", "reason").count().collect()
 
+        acked_lost = self._acked_lost(url, props, run, schema, cycles, sent, report)
+        if acked_lost is not None:
+            for r in acked_lost.groupBy("queue").count().collect():
+                lost_q[r["queue"]] = lost_q.get(r["queue"], 0) + int(r["count"])
+
         total = per_queue.get(None)
         v = report.violations
         v[R.LOST] = sum(lost_q.values())
@@ -466,6 +489,11 @@ class Verifier:
         ex: dict[str, list[dict[str, Any]]] = {}
         if v[R.LOST]:
             ex[R.LOST] = rows(lost, "cycle", "queue", "qseq", "producer", "pseq", "tx")
+            if acked_lost is not None and len(ex[R.LOST]) < EXAMPLES:
+                ex[R.LOST] += rows(
+                    acked_lost.withColumn("acknowledged", F.lit(True)),
+                    "cycle", "queue", "qseq", "producer", "pseq", "tx", "acknowledged",
+                )
         if v[R.DUPLICATE]:
             ex[R.DUPLICATE] = rows(extra, "cycle", "queue", "qseq", "recv_order", "deliveries")
         if v[R.OUT_OF_ORDER]:
@@ -534,6 +562,53 @@ class Verifier:
         for df in (recv, nth, sent, rolled, judged):
             df.unpersist()
 
+    def _acked_lost(
+        self,
+        url: str,
+        props: dict[str, str],
+        run: RunInfo,
+        schema: sql.Composable,
+        cycles: sql.Composable,
+        sent: DataFrame,
+        report: R.Report,
+    ) -> DataFrame | None:
+        """Fail-over runs: the acknowledged entries the new primary does not hold
+        and that count as lost (all of them with a synchronous standby, those
+        outside the replication gap with an asynchronous one); the counts go to
+        ``report.failover``. None for a run without fail-over."""
+        from pyspark.sql import functions as F
+
+        mode = run.config.chaos_failover
+        if mode is None:
+            return None
+        acked = self._read(
+            url, props, compose(S.JDBC_ACKED, schema=schema, cycles=cycles), fetch=10000
+        ).persist()
+        ids = ["cycle", "producer", "pseq"]
+        kept = sent.select(*ids)
+        missing = acked.join(kept, ids, "left_anti").persist()
+        # Per producer, the last entry the old primary acknowledged that the new one holds:
+        # WAL goes in commit order, so whatever the producer committed before it survived.
+        survived = (
+            acked.filter("NOT on_new")
+            .join(kept, ids, "left_semi")
+            .groupBy("cycle", "producer")
+            .agg(F.max("pseq").alias("kept_max"))
+        )
+        outside = missing.join(survived, ["cycle", "producer"], "left").filter(
+            "on_new OR pseq < coalesce(kept_max, 0)"
+        )
+        n_missing, n_outside = missing.count(), outside.count()
+        report.failover.update(
+            mode=mode,
+            acknowledged=acked.count(),
+            lost_acknowledged=n_missing,
+            lost_in_gap=0 if mode == SYNC else n_missing - n_outside,
+            lost_outside_gap=n_outside,
+        )
+        acked.unpersist()
+        return missing if mode == SYNC else outside.drop("kept_max")
+
 
 def _lat(row: Any) -> dict[str, float]:
     pct = row["pct"] or [0.0, 0.0, 0.0]
@@ -585,6 +660,7 @@ def _add_section_stats(report: R.Report, run: RunInfo, rows: list[_store.CycleRo
 
 
 CHAOS_COUNTS = ("producers", "consumers", "monitor", "pg_restarts", "reconnects", "resumed")
+SYNC = "sync"
 
 
 def _chaos_totals(rows: list[_store.CycleRow]) -> dict[str, int]:
@@ -596,4 +672,26 @@ def _chaos_totals(rows: list[_store.CycleRow]) -> dict[str, int]:
             continue
         for k in CHAOS_COUNTS:
             out[k] = out.get(k, 0) + int(ch.get(k, 0))
+    return out
+
+
+def _failover_totals(rows: list[_store.CycleRow]) -> dict[str, Any]:
+    """The fail-overs of ``rows`` (cycles of a --chaos-failover run): promotions,
+    the slowest timings, the largest gap measured before a kill, how the old
+    primaries were rebuilt."""
+    out: dict[str, Any] = {"promotions": 0, "rebuilt": []}
+    for row in rows:
+        f = (row.stats or {}).get("failover")
+        if not f:
+            continue
+        out["promotions"] += int(f.get("promotions", 0))
+        for key in ("kill_to_promoted_s", "kill_to_first_dequeue_s", "rebuild_s"):
+            if f.get(key) is not None:
+                out[key] = max(float(f[key]), float(out.get(key, 0.0)))
+        gap = f.get("gap") or {}
+        for key in ("unflushed_bytes", "unreplayed_bytes", "walsender_paused_s"):
+            if gap.get(key) is not None:
+                out[key] = max(gap[key], out.get(key, 0))
+        if f.get("rebuilt"):
+            out["rebuilt"].append(str(f["rebuilt"]))
     return out

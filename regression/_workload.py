@@ -23,8 +23,10 @@ import multiprocessing as mp
 import multiprocessing.connection
 import os
 import random
+import shutil
 import signal
 import sys
+import tempfile
 import time
 import traceback
 from collections.abc import Callable, Sequence
@@ -39,6 +41,7 @@ from ringq.engine import (
     InDoubt,
     QueueFull,
     Session,
+    StaleSection,
     connect,
     exits,
     pid_alive,
@@ -51,6 +54,7 @@ from . import _payload as P
 from . import _queries as S
 from . import _store
 from ._config import RegressConfig
+from ._failover import AckLog, Failover, embedded_cluster
 from ._monitors import OwnMonitor, TakenMonitor, serving_monitor
 from ._store import QueueRef, RunInfo
 
@@ -70,13 +74,22 @@ C_TX = 1
 C_RB_TX = 2  # deliberately rolled-back dequeue transactions
 C_STALLS = 3  # times it stopped dequeuing to let its queue fill
 C_REDELIVERED = 4  # committed entries whose delivery count was > 1
+C_FIRST_AFTER = 5  # fail-over: time.monotonic() in µs of its first commit after the promotion
 HEARTBEAT = 7  # any step at all (the watchdog's progress measure)
 RECONNECTS = 8  # both: sessions lost to a database restart and opened again (chaos)
 RESUMED = 9  # both: times the worker resumed from what the database holds (restarts)
 
+# The word after the workers' blocks: when the standby was promoted (fail-over;
+# time.monotonic() in µs; 0 before, 1 if the fail-over failed), written by the
+# parent only.
+PROMOTED = -1
+
 # Errors of a database going away under a session (chaos restarts PostgreSQL):
 # the worker backs off, opens a new session and resumes from the database.
 LOST_SESSION = (DatabaseUnavailable, InDoubt, DatabaseError, psycopg.OperationalError)
+# ... and, after a fail-over, a transaction refused because the section it began
+# under was replaced (nothing of it committed): the same way back.
+RETRIED = (*LOST_SESSION, StaleSection)
 BACKOFF_S = (0.1, 2.0)
 
 STATS_KEYS = (
@@ -116,6 +129,7 @@ class WorkerArgs:
     slot: int  # its block in the counters
     seed: int
     quota: tuple[int, ...] = ()  # producers: committed entries owed to each queue
+    ack_dir: str = ""  # fail-over: where producers log what they were told had committed
 
 
 @dataclass
@@ -176,8 +190,11 @@ def consumer_main(
 
 
 class _Producer:
-    def __init__(self, args: WorkerArgs, s: Session, counters: Any) -> None:
+    def __init__(
+        self, args: WorkerArgs, s: Session, counters: Any, acks: AckLog | None = None
+    ) -> None:
         self.a = args
+        self.acks = acks
         self.cfg = args.config
         self.s = s
         self.rng = random.Random(args.seed)
@@ -222,6 +239,11 @@ class _Producer:
         ).fetchone()
         assert row is not None
         self.pseq, self.tx = int(row[0]), int(row[1])
+        if self.acks is not None:
+            # Entries acknowledged by a primary that died before its standby
+            # had them are not in ``sent``: their numbers are not used again.
+            pseq, tx = self.acks.last()
+            self.pseq, self.tx = max(self.pseq, pseq), max(self.tx, tx)
         committed = [0] * len(self.quota)
         for q, n in conn.execute(S.q(S.SENT_BY_QUEUE, self.a.run_id), key).fetchall():
             committed[q] = int(n)
@@ -295,7 +317,7 @@ class _Producer:
             return
         if kind == P.KIND_TWO_PHASE:
             s.tpc_prepare()
-            if self.cfg.chaos and rng.random() < 0.5:
+            if self.cfg.resilient and rng.random() < 0.5:
                 # Record the decision as a coordinator would: if this process
                 # dies before COMMIT PREPARED, the monitor commits for it.
                 s.tpc_decide()
@@ -303,6 +325,10 @@ class _Producer:
             self.bump(P_TX_2PC)
         else:
             s.commit()
+        if self.acks is not None:  # acknowledged: the commit returned
+            self.acks.record(
+                self.tx, s.connection.info.port, [(q, seq, ps) for q, seq, ps, _, _ in done]
+            )
         for q, n in plan:
             self.quota[q] -= n
         self.bump(P_ENTRIES, len(done))
@@ -372,14 +398,14 @@ def _gtrid(gid: str) -> str:
 
 def _retrying(args: WorkerArgs, counters: Any, abort: Any, body: Callable[[], bool]) -> None:
     """Run ``body`` until it returns True; with chaos, a lost database session
-    (PostgreSQL restarted) means: back off, reconnect, resume."""
+    (PostgreSQL restarted, or failed over) means: back off, reconnect, resume."""
     delay = BACKOFF_S[0]
     while not abort.is_set():
         try:
             if body():
                 return
-        except LOST_SESSION:
-            if not args.config.chaos:
+        except RETRIED:
+            if not args.config.resilient:
                 raise
             counters[args.slot * WORDS + RECONNECTS] += 1
             counters[args.slot * WORDS + HEARTBEAT] += 1
@@ -388,15 +414,20 @@ def _retrying(args: WorkerArgs, counters: Any, abort: Any, body: Callable[[], bo
 
 
 def _produce(args: WorkerArgs, counters: Any, abort: Any, errors: Any) -> None:
-    _retrying(args, counters, abort, lambda: _produce_session(args, counters, abort))
+    acks = AckLog(Path(args.ack_dir) / f"p{args.index}.log") if args.ack_dir else None
+    try:
+        _retrying(args, counters, abort, lambda: _produce_session(args, counters, abort, acks))
+    finally:
+        if acks is not None:
+            acks.close()
 
 
-def _produce_session(args: WorkerArgs, counters: Any, abort: Any) -> bool:
+def _produce_session(args: WorkerArgs, counters: Any, abort: Any, acks: AckLog | None) -> bool:
     with connect(
         args.dsn, producer=f"regress-{args.run_id}-p{args.index}", application_name="ringq-regress"
     ) as s:
-        p = _Producer(args, s, counters)
-        if args.config.chaos and not _wait_recovered(s, abort):
+        p = _Producer(args, s, counters, acks)
+        if args.config.resilient and not _wait_recovered(s, abort):
             return True
         if not p.resume(abort):
             return True
@@ -419,6 +450,15 @@ def _produce_session(args: WorkerArgs, counters: Any, abort: Any) -> bool:
             left -= 1
             if mode == "trickle":
                 time.sleep(rng.uniform(0.0, 0.02))
+            if args.ack_dir and not any(q > 0 for q in p.quota) and not abort.is_set():
+                # Fail-over: the session reconnects by itself, so what an
+                # asynchronous standby never received (acknowledged, then
+                # lost) shows only in the database: once the fail-over is
+                # over, what is owed is read again from there.
+                while not counters[PROMOTED] and not abort.is_set():
+                    abort.wait(0.05)
+                if not p.resume(abort):
+                    return True
     return True
 
 
@@ -458,7 +498,7 @@ def _consume_session(
     ) as s:
         # Resume from what the table durably holds: a killed predecessor's (or
         # a lost session's) open dequeue rolled back with its rows.
-        if args.config.chaos and not _wait_recovered(s, abort):
+        if args.config.resilient and not _wait_recovered(s, abort):
             return True
         row = s.connection.execute(
             S.q(S.RESUME_CONSUMER, args.run_id, S.received_table(ref.name)), (args.cycle,)
@@ -512,6 +552,10 @@ def _consume_session(
                 counters[base + C_RB_TX] += 1
                 continue
             s.commit()
+            if cfg.chaos_failover is not None and not counters[base + C_FIRST_AFTER]:
+                now_us, promoted = int(time.monotonic() * 1e6), counters[PROMOTED]
+                if promoted and now_us >= promoted:
+                    counters[base + C_FIRST_AFTER] = now_us
             taken += len(msgs)
             counters[base + C_ENTRIES] += len(msgs)
             counters[base + C_TX] += 1
@@ -581,12 +625,20 @@ def run_cycle(
     progress: Callable[[Progress], None] | None = None,
     abort_requested: Callable[[], bool] | None = None,
     monitor_dir: Path | None = None,
+    monitor_dsns: tuple[str, ...] = (),
 ) -> CycleResult:
     """Run one cycle's workload to its end and return what it did.
 
     With chaos, the monitor killed is the cycle's own, or, if one already
     serves the database, that one, found by its state file in ``monitor_dir``
     and restarted as it was (see :mod:`ringq.regression._monitors`).
+
+    With ``chaos_failover`` (``dsn`` is then the multi-host DSN of
+    :func:`ringq.regression._failover.prepare`), the primary is killed and
+    its standby promoted once the cycle has committed 30-60% of its entries,
+    and the old primary is rebuilt as a standby when the workload ends. A
+    monitor already serving the database (on ``dsn`` or one of
+    ``monitor_dsns``) is restarted at once on ``dsn``, so that it follows.
 
     The cycle ends when every producer has committed its share and every
     consumer has found its queue empty after that. ``abort_requested`` is polled
@@ -597,16 +649,24 @@ def run_cycle(
     cfg = run.config
     ctx = _context()
     nq, np_ = len(run.queues), cfg.producers
-    counters = ctx.Array("q", (np_ + nq) * WORDS, lock=False)
+    counters = ctx.Array("q", (np_ + nq) * WORDS + 1, lock=False)  # + PROMOTED
     producers_done = ctx.Event()
     abort = ctx.Event()
     errors_q = ctx.Queue()
     base_seed = cfg.seed if cfg.seed is not None else random.SystemRandom().getrandbits(48)
     seeds = random.Random(f"{base_seed}:{cycle}")
+    expected = cfg.entries_per_queue * nq
+    failover = (
+        Failover(dsn, cfg.chaos_failover, random.Random(f"{base_seed}:{cycle}:failover"), expected)
+        if cfg.chaos_failover is not None
+        else None
+    )
+    ack_dir = tempfile.mkdtemp(prefix="ringq-regress-acks-") if failover is not None else ""
 
     def args(index: int, slot: int, quota: tuple[int, ...] = ()) -> WorkerArgs:
         return WorkerArgs(
-            dsn, run.run_id, cycle, cfg, run.queues, index, slot, seeds.getrandbits(63), quota
+            dsn, run.run_id, cycle, cfg, run.queues, index, slot, seeds.getrandbits(63), quota,
+            ack_dir if quota else "",
         )
 
     # (target, args, name) of each worker: a killed one is started again from it.
@@ -624,11 +684,10 @@ def run_cycle(
     workers = [ctx.Process(target=t, args=a, name=n) for t, a, n in specs]
     consumers, producers = workers[:nq], workers[nq:]
     chaos = (
-        _Chaos(dsn, cfg, random.Random(f"{base_seed}:{cycle}:chaos"), monitor_dir)
-        if cfg.chaos
+        _Chaos(dsn, cfg, random.Random(f"{base_seed}:{cycle}:chaos"), monitor_dir, monitor_dsns)
+        if cfg.resilient
         else None
     )
-    expected = cfg.entries_per_queue * nq
     status = "done"
     errors: list[str] = []
     max_depth = [0] * nq
@@ -652,6 +711,13 @@ def run_cycle(
                             workers[i] = ctx.Process(target=t, args=a, name=n)
                             workers[i].start()
                     consumers, producers = workers[:nq], workers[nq:]
+                    if any(p.exitcode not in (None, 0) for p in workers):
+                        # Not killed by chaos (those were started again above):
+                        # failed. Its share would never come, so the others
+                        # would wait for it forever.
+                        status = "failed"
+                        abort.set()
+                        _stop(consumers + producers)
                 alive = [p for p in workers if p.exitcode is None]
                 if (
                     not producers_done.is_set()
@@ -665,6 +731,11 @@ def run_cycle(
                 now = time.monotonic()
                 if chaos is not None and status == "done":
                     chaos.tick(now, producers, consumers, producers_done.is_set())
+                committed = sum(counters[p * WORDS + P_ENTRIES] for p in range(np_))
+                if failover is not None and status == "done" and failover.due(committed):
+                    failover.strike()  # kill -9 of the primary, promotion: about a second
+                    counters[PROMOTED] = int(failover.promoted_at * 1e6) or 1
+                    now = time.monotonic()
                 try:
                     depths = [watcher.stats(ref.name)[M.DEPTH] for ref in run.queues]
                 except LOST_SESSION:
@@ -682,7 +753,7 @@ def run_cycle(
                             cycle=cycle,
                             elapsed_s=now - t0,
                             expected=expected,
-                            committed=sum(counters[p * WORDS + P_ENTRIES] for p in range(np_)),
+                            committed=committed,
                             received=sum(
                                 counters[(np_ + q) * WORDS + C_ENTRIES] for q in range(nq)
                             ),
@@ -713,6 +784,8 @@ def run_cycle(
         workload_s = time.monotonic() - t0
         if chaos is not None:
             chaos.stop()
+        if failover is not None:
+            failover.finish()  # the old primary back as a standby of the new one
         try:
             after = [watcher.stats(ref.name) for ref in run.queues]
         except LOST_SESSION:
@@ -757,6 +830,7 @@ def run_cycle(
             "redelivered": total(cons_slots, C_REDELIVERED),
         },
         "chaos": chaos.report(counters, range(np_ + nq)) if chaos is not None else None,
+        "failover": None,
         "queues": {
             ref.name: {
                 "payload_size": ref.payload_size,
@@ -770,6 +844,22 @@ def run_cycle(
         left = _store.leftovers(dsn, run)
         for name, count in left.items():
             stats["queues"][name]["leftover"] = count
+    if failover is not None:
+        firsts = [counters[i * WORDS + C_FIRST_AFTER] for i in cons_slots]
+        first = min((t for t in firsts if t), default=0)
+        stats["failover"] = failover.report(first / 1e6 if first else None)
+        try:
+            stats["failover"]["acknowledged"] = failover.store_acks(
+                dsn, run.run_id, cycle, Path(ack_dir)
+            )
+        finally:
+            shutil.rmtree(ack_dir, ignore_errors=True)
+        errors.extend(failover.errors)
+        if status == "done" and not failover.promoted_at and not failover.errors:
+            errors.append(
+                f"fail-over: the cycle ended before {failover.at:,} entries were committed: "
+                "no primary was killed"
+            )
     return CycleResult(cycle, status, workload_s, stats, errors)
 
 
@@ -812,15 +902,22 @@ class _Chaos:
     the embedded PostgreSQL once (``pg_ctl restart -m fast``). The monitor is
     the cycle's own, or the one already serving the database, taken over
     (:mod:`._monitors`). Killing stops once the producers are done, so the
-    cycle can drain.
+    cycle can drain. Without ``chaos`` (a ``chaos_failover`` cycle alone) it
+    only runs the monitor, on the DSN that follows the primary.
 
     :raises ForeignMonitor: (start) a monitor serves the database that cannot be taken over.
     """
 
     def __init__(
-        self, dsn: str, cfg: RegressConfig, rng: random.Random, monitor_dir: Path | None = None
+        self,
+        dsn: str,
+        cfg: RegressConfig,
+        rng: random.Random,
+        monitor_dir: Path | None = None,
+        monitor_dsns: tuple[str, ...] = (),
     ) -> None:
         self.dsn = dsn
+        self.monitor_dsns = monitor_dsns
         self.cfg = cfg
         self.rng = rng
         self.monitor_dir = monitor_dir
@@ -837,13 +934,18 @@ class _Chaos:
         self.logdir = ""
 
     def start(self, now: float) -> None:
-        import tempfile
-
-        serving = serving_monitor(self.dsn, self.monitor_dir)
+        serving = serving_monitor(self.dsn, self.monitor_dir, also=self.monitor_dsns)
         self.logdir = tempfile.mkdtemp(prefix="ringq-regress-chaos-")
-        self.monitor = (
-            TakenMonitor(serving, self.logdir) if serving else OwnMonitor(self.dsn, self.logdir)
-        )
+        if serving is None:
+            self.monitor = OwnMonitor(self.dsn, self.logdir)
+        elif self.cfg.chaos_failover is not None:
+            # Restarted at once on the DSN that follows the primary: on a
+            # single-host DSN it would lose the database for good at the kill.
+            self.monitor = TakenMonitor(serving, self.logdir, dsn=self.dsn)
+            if serving.dsn_option() != self.dsn:
+                self.monitor.kill()
+        else:
+            self.monitor = TakenMonitor(serving, self.logdir)
         self.monitor.start()
         self._schedule(now)
 
@@ -862,7 +964,7 @@ class _Chaos:
     ) -> None:
         if self.monitor is not None:
             self.monitor.tick()  # restarts it if it died, follows a restart under way
-        if producers_done or now < self.next_at:
+        if not self.cfg.chaos or producers_done or now < self.next_at:
             return
         self.events += 1
         if self.events == self.pg_event:
@@ -902,7 +1004,7 @@ class _Chaos:
 
     def _restart_pg(self) -> None:
         try:
-            cluster = _embedded_cluster(self.dsn)
+            cluster = embedded_cluster(self.dsn)
             if cluster is None:
                 self.pg_errors.append(
                     "the DSN is not the embedded cluster: PostgreSQL not restarted"
@@ -934,20 +1036,3 @@ class _Chaos:
             "errors": self.pg_errors + (self.monitor.errors if self.monitor is not None else []),
             "logs": self.logdir,
         }
-
-
-def _embedded_cluster(dsn: str) -> Any:
-    """The ringq.scripting.Cluster serving ``dsn``, found by its data directory; None if not one."""
-    from pathlib import Path
-
-    from ringq.scripting import Cluster
-
-    with psycopg.connect(dsn, autocommit=True) as conn:
-        row = conn.execute(S.DATA_DIRECTORY).fetchone()
-    if not row:
-        return None
-    datadir = Path(row[0]).resolve()
-    if datadir.name != "pgdata":
-        return None
-    cluster = Cluster(datadir.parent)
-    return cluster if cluster.status().running else None

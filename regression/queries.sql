@@ -52,6 +52,15 @@ CREATE TABLE {schema}.sent (
     digest        bytea NOT NULL,
     sent_at       timestamptz NOT NULL DEFAULT clock_timestamp()
 );
+CREATE TABLE {schema}.acked (
+    cycle         int4 NOT NULL,
+    producer      int2 NOT NULL,
+    queue         int2 NOT NULL,
+    qseq          int8 NOT NULL,
+    pseq          int8 NOT NULL,
+    tx            int8 NOT NULL,
+    on_new        boolean NOT NULL
+);
 CREATE TABLE {schema}.rolled_back (
     cycle         int4 NOT NULL,
     queue         int2 NOT NULL,
@@ -117,6 +126,15 @@ INSERT INTO {schema}.sent (cycle, queue, qseq, producer, pseq, tx, kind, length,
 SELECT %(cycle)s, v.q, v.s, %(producer)s, v.p, %(tx)s, %(kind)s, v.l, v.d
 FROM unnest(%(queues)s::int2[], %(qseqs)s::int8[], %(pseqs)s::int8[], %(lengths)s::int4[],
             %(digests)b::bytea[]) AS v(q, s, p, l, d)
+
+-- insert_acked --
+-- What producers of a fail-over cycle were told had committed (their commit
+-- returned), kept outside the database and loaded after the cycle; on_new:
+-- acknowledged by the promoted standby.
+INSERT INTO {schema}.acked (cycle, producer, queue, qseq, pseq, tx, on_new)
+SELECT %(cycle)s, v.p, v.q, v.s, v.ps, v.t, v.n
+FROM unnest(%(producers)s::int2[], %(queues)s::int2[], %(qseqs)s::int8[], %(pseqs)s::int8[],
+            %(txs)s::int8[], %(on_new)s::bool[]) AS v(p, q, s, ps, t, n)
 
 -- insert_rolled_back --
 -- Every entry of a rolled-back transaction, right after the rollback.
@@ -184,6 +202,13 @@ LIMIT 1
 -- Where the server keeps its data: finds the embedded cluster that serves a DSN.
 SELECT current_setting('data_directory')
 
+-- replication_gap --
+-- The standby as the primary sees it just before a fail-over: its walsender's
+-- pid, and the WAL (bytes) it has not flushed / not replayed yet.
+SELECT pid, sync_state, (pg_current_wal_lsn() - flush_lsn)::int8,
+       (pg_current_wal_lsn() - replay_lsn)::int8
+FROM pg_stat_replication ORDER BY backend_start LIMIT 1
+
 -- received_count --
 -- Rows of the chosen cycles in one received table.
 SELECT count(*) FROM {schema}.{table} WHERE cycle IN ({cycles})
@@ -197,6 +222,10 @@ coalesce(pg_xact_commit_timestamp(xmin), sent_at)
 
 -- committed_at_sent --
 sent_at
+
+-- jdbc_acked --
+SELECT cycle, producer, queue, qseq, pseq, tx, on_new
+FROM {schema}.acked WHERE cycle IN ({cycles})
 
 -- jdbc_rolled_back --
 SELECT cycle, queue, qseq, producer, pseq, tx, kind, reason

@@ -303,6 +303,27 @@ class Cluster:
         standby = _Pair.read(self.home).standby
         return None if standby is None else self.home / standby
 
+    @staticmethod
+    def home_of(datadir: str | os.PathLike[str]) -> Path | None:
+        """The home whose primary or standby data directory is ``datadir``
+        (``<home>/pgdata`` or ``<home>/standby/pgdata``, whichever
+        ``$RINGQ_HOME/replication`` names), or None when ``datadir`` is no
+        embedded cluster's. After a promotion the primary's data directory is
+        ``<home>/standby/pgdata``: this finds the home either way."""
+        path = Path(datadir).resolve()
+        for relative in (STANDBY_DIR, PRIMARY_DIR):  # the longer first: <home>/standby/pgdata
+            parts = Path(relative).parts
+            if path.parts[-len(parts) :] != parts:
+                continue
+            home = path.parents[len(parts) - 1]
+            try:
+                pair = _Pair.read(home)
+            except ClusterError:
+                return None
+            if relative in (pair.primary, pair.standby):
+                return home
+        return None
+
     # -- public ------------------------------------------------------------
 
     def start(self) -> str:
