@@ -36,7 +36,6 @@ import secrets
 import statistics
 import sys
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from multiprocessing.connection import Connection
@@ -410,13 +409,19 @@ def summarize(raw: dict[str, Any]) -> dict[str, Any]:
 def render(raw: dict[str, Any], summary: dict[str, Any], cfg: Config, seconds: float) -> str:
     e = raw["environment"]
     fig, rat, chk = summary["figures"], summary["ratios"], summary["checks"]
-    lines = [
+    header = (
         f"groups benchmark: {cfg.entries:,} entries in {cfg.groups:,} groups, "
         f"{cfg.consumers} consumer processes, {cfg.rounds} rounds; median [min-max]; "
-        f"run took {seconds:.0f} s",
+        f"run took {seconds:.0f} s"
+    )
+    load = (
         f"load average at start {e['loadavg_at_start'][0]:.2f}, at end "
         f"{e['loadavg_at_end'][0]:.2f} ({e['cpus']} CPUs); server fsync="
-        f"{e['server']['fsync']}, synchronous_commit={e['server']['synchronous_commit']}",
+        f"{e['server']['fsync']}, synchronous_commit={e['server']['synchronous_commit']}"
+    )
+    lines = [
+        header,
+        load,
         "",
         f"{'queue':<9} {'entries/s':>24} {'order breaks':>13} {'overlaps':>9} {'lost/dup':>9}",
     ]
@@ -430,10 +435,12 @@ def render(raw: dict[str, Any], summary: dict[str, Any], cfg: Config, seconds: f
                        ("grouped_over_single", "grouped / single")):  # fmt: skip
         d = rat[key]
         lines.append(f"  {label:<18} {d['median']:.2f} [{d['min']:.2f}-{d['max']:.2f}]")
-    lines += ["", "Ring.claim under the queue lock, p50 us (p90), same window "
-              f"({cfg.entries:,} entries), {cfg.claims} claims each:",
-              f"  {'busy groups':>11} {'grouped':>16} {'ungrouped':>16} {'cost':>8}"
-              f" {'busy_groups()':>14}"]  # fmt: skip
+    title = (
+        f"Ring.claim under the queue lock, p50 us (p90), same window ({cfg.entries:,} entries), "
+        f"{cfg.claims} claims each:"
+    )
+    columns = f"{'busy groups':>11} {'grouped':>16} {'ungrouped':>16} {'cost':>8}"
+    lines += ["", title, f"  {columns} {'busy_groups()':>14}"]
     for row in raw["claim_cost"]:
         g, u = row["grouped"], row["ungrouped"]
         lines.append(
