@@ -114,6 +114,34 @@ def test_moves_everything_once_in_order(dsn: str, dsn2: str) -> None:
     assert drain(dsn, src, batch=100) == []
 
 
+def test_groups_survive_a_move_in_order(dsn: str, dsn2: str) -> None:
+    """Entries of three groups, interleaved, plus some of none: each arrives in
+    the source entry's group, and each group in its order (a source batch
+    takes one entry per group, so a batch's arrivals never reorder a group)."""
+    src, dst = _queue(dsn), _dst(dsn2, dequeue_mode="shared")
+    sent: dict[str | None, list[int]] = defaultdict(list)
+    with connect(dsn, producer="a") as s:
+        for i in range(1, 46):
+            group = None if i % 4 == 0 else f"g{i % 3}"
+            s.enqueue(src, json.dumps({"p": "a", "i": i, "g": group}).encode(), group=group)
+            sent[group].append(i)
+            if i % 5 == 0:
+                s.commit()
+        s.commit()
+    with Mover(dsn, src, dsn2, dst, config=MoveConfig(batch=16)) as mv:
+        while mv.move_batch():
+            pass
+        assert mv.get_stats()["moved"] == 45
+    msgs = drain(dsn2, dst, batch=100)
+    arrived: dict[str | None, list[int]] = defaultdict(list)
+    for m in msgs:
+        body = json.loads(unwrap(m).payload)
+        assert m.group == body["g"]  # Message.group at the destination is the source's
+        arrived[m.group].append(body["i"])
+    assert arrived == sent and set(sent) == {"g0", "g1", "g2", None}
+    assert drain(dsn, src, batch=100) == []
+
+
 def test_redelivered_after_destination_commit_is_skipped_by_key(dsn: str, dsn2: str) -> None:
     src, dst = _queue(dsn, max_deliveries=10), _dst(dsn2)
     produce(dsn, src, "a", 10)

@@ -8,6 +8,7 @@ conditions (rows, files, log lines) with deadlines.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 import queue as queue_mod
@@ -321,13 +322,37 @@ def act(msg, session):
 """
 
 
-class WorkerProcess:
-    """``ringq worker`` in a subprocess, its stderr collected line by line."""
+# An action that records each message's group, its sequence in the group (the
+# payload "<group>:<n>"), and the monotonic times the action began and ended (just
+# before the worker commits), so that order and overlaps can be checked afterwards.
+GROUPED_ACTIONS_TEMPLATE = """
+import os, time
+from ringq.worker import Actions
 
-    def __init__(self, tmp: Path, dsn: str, queue: str, *extra: str) -> None:
+app = Actions()
+
+@app.action({queue!r})
+def act(msg, session):
+    began = time.monotonic_ns()
+    grp, n = msg.payload.decode().split(":")
+    time.sleep(0.001)  # hold it a little, so two of a group in flight would show
+    session.connection.execute(
+        "INSERT INTO grouped_effects VALUES (%s, %s, %s, %s, %s, %s, %s)",
+        (msg.seq, msg.group, grp, int(n), os.getpid(), began, time.monotonic_ns()),
+    )
+"""
+
+
+class WorkerProcess:
+    """``ringq worker`` in a subprocess, its stderr collected line by line; its
+    actions module is ``template`` formatted with ``dir`` and ``queue``."""
+
+    def __init__(
+        self, tmp: Path, dsn: str, queue: str, *extra: str, template: str = ACTIONS_TEMPLATE
+    ) -> None:
         mod = "wact_" + uuid.uuid4().hex[:8]
         (tmp / f"{mod}.py").write_text(
-            textwrap.dedent(ACTIONS_TEMPLATE.format(dir=str(tmp), queue=queue))
+            textwrap.dedent(template.format(dir=str(tmp), queue=queue))
         )
         self.tmp = tmp
         env = dict(
@@ -396,8 +421,8 @@ class WorkerProcess:
 def worker_process(tmp_path: Path, dsn: str) -> Iterator[Callable[..., WorkerProcess]]:
     made: list[WorkerProcess] = []
 
-    def start(queue: str, *extra: str) -> WorkerProcess:
-        wp = WorkerProcess(tmp_path, dsn, queue, *extra)
+    def start(queue: str, *extra: str, template: str = ACTIONS_TEMPLATE) -> WorkerProcess:
+        wp = WorkerProcess(tmp_path, dsn, queue, *extra, template=template)
         made.append(wp)
         return wp
 
@@ -456,6 +481,46 @@ def test_two_processes_on_a_shared_queue_handle_each_message_once(
     pids = rows(dsn, "SELECT count(DISTINCT pid) FROM effects")[0][0]
     assert pids in (1, 2)  # both may take part; correctness does not depend on it
     assert wp.wait_line(r"stopped: handled=300 ")
+
+
+def test_three_processes_on_a_grouped_queue_keep_each_groups_order(
+    dsn: str, make_queue: Callable[..., str], worker_process: Callable[..., WorkerProcess]
+) -> None:
+    """Ten groups, entries enqueued round-robin over them; three worker
+    processes: each message handled once, and per group the actions ran in
+    the group's order, one at a time (the next began after the previous
+    one's action ended, before its commit)."""
+    n_groups, per_group = 10, 15
+    q = make_queue(capacity=256, dequeue_mode="shared")
+    with psycopg.connect(dsn) as conn:
+        conn.execute(
+            "CREATE TABLE grouped_effects (seq bigint, grp text, payload_grp text, n int,"
+            " pid int, began bigint, ended bigint)"
+        )
+    with connect(dsn) as s:
+        for n in range(per_group):
+            names = [f"g{g}" for g in range(n_groups)]
+            s.enqueue_many(q, [f"{g}:{n}".encode() for g in names], group=names)
+        s.commit()
+    total = n_groups * per_group
+    wp = worker_process(q, "--processes", "3", template=GROUPED_ACTIONS_TEMPLATE)
+    wait_for(
+        lambda: rows(dsn, "SELECT count(*) FROM grouped_effects")[0][0] >= total, 60,
+        f"{total} effects",
+    )
+    wp.signal(signal.SIGTERM)
+    assert wp.wait() == WorkerExit.OK
+    got = rows(dsn, "SELECT seq, grp, payload_grp, n, pid, began, ended FROM grouped_effects"
+                    " ORDER BY grp, began")  # fmt: skip
+    assert len(got) == total and len({r[0] for r in got}) == total  # each once
+    assert all(r[1] == r[2] for r in got)  # Message.group is the group it was enqueued in
+    for g in range(n_groups):
+        entries = [r for r in got if r[1] == f"g{g}"]
+        assert [r[3] for r in entries] == list(range(per_group)), f"group g{g} out of order"
+        for before, after in itertools.pairwise(entries):
+            assert after[5] > before[6], f"group g{g}: two entries held at once"
+    assert wp.wait_line(rf"stopped: handled={total} ")
+    assert drain(dsn, q) == []
 
 
 @pytest.mark.parametrize("start_method", ["fork", "spawn"])
