@@ -54,10 +54,22 @@ _U64 = (1 << 64) - 1
 Cached = tuple[bytes, str, int, int, str | None]
 _FIRST_CHUNK = 2
 _MAX_CHUNK = 1024
+_GROUPED_PY_WORDS = 4  # words a grouped claim reads as plain ints before numpy chunks
+_ISIN_FROM = 16  # busy groups from which np.isin beats one comparison per group
 
 
 def _lowest_bit(x: int) -> int:
     return (x & -x).bit_length() - 1
+
+
+def _not_in(tags: np.ndarray, busy: set[int]) -> np.ndarray:
+    """A mask of the ``tags`` not in ``busy`` (non-empty)."""
+    if len(busy) >= _ISIN_FROM:
+        return ~np.isin(tags, np.fromiter(busy, dtype=np.int64, count=len(busy)))
+    keep = np.ones(tags.shape, dtype=bool)
+    for tag in busy:
+        keep &= tags != tag
+    return keep
 
 
 def group_tag(group: str | None) -> int:
@@ -254,18 +266,29 @@ class Ring:
 
     def busy_groups(self) -> set[int]:
         """Tags of the groups with an entry held by a dequeuer (LCK and DEQ
-        set: dequeued, or in a prepared transaction) in this queue."""
+        set: dequeued, or in a prepared transaction) in this queue: a scan of
+        the window's words (slots outside it are done, never locked)."""
         s = self.sec
-        nw = (self.cap + 63) // 64
-        words = s.lck[self.w0 : self.w0 + nw] & s.deq[self.w0 : self.w0 + nw]
-        nz = np.flatnonzero(words)
-        if not nz.size:
+        tail = self.Q[self.qb + L.Q_TAIL]
+        window = self.Q[self.qb + L.Q_HEAD] - tail
+        if window <= 0:
             return set()
-        rows, cols = np.nonzero(
-            np.unpackbits(words[nz].view(np.uint8), bitorder="little").reshape(-1, 64)
-        )
-        tags = s.group[self.base + nz[rows] * 64 + cols]
-        return set(tags[tags != 0].tolist())
+        busy: set[int] = set()
+        start = tail % self.cap
+        end = start + window
+        spans = [(start, end)] if end <= self.cap else [(start, self.cap), (0, end - self.cap)]
+        for a, b in spans:
+            g0, g1 = self.w0 + (a >> 6), self.w0 + ((b - 1) >> 6) + 1
+            words = s.lck[g0:g1] & s.deq[g0:g1]
+            nz = np.flatnonzero(words)
+            if not nz.size:
+                continue
+            rows, cols = np.nonzero(
+                np.unpackbits(words[nz].view(np.uint8), bitorder="little").reshape(-1, 64)
+            )
+            tags = s.group[self.base + ((a >> 6) + nz[rows]) * 64 + cols]
+            busy.update(tags[tags != 0].tolist())
+        return busy
 
     def _collect(
         self, a: int, b: int, n: int, out: list[int], busy: set[int] | None = None
@@ -302,9 +325,32 @@ class Ring:
     def _collect_grouped(self, a: int, b: int, n: int, out: list[int], busy: set[int]) -> None:
         s = self.sec
         wa, wl = a >> 6, (b - 1) >> 6
-        chunk = _FIRST_CHUNK
-        w = wa
         skipped = 0
+        # Near the tail, as _find_in: plain ints through the memoryviews
+        # (numpy's per-call cost is most of a short scan).
+        E, D, K, G, w0, base = s.enq_w, s.deq_w, s.lck_w, s.group_w, self.w0, self.base
+        w = wa
+        stop = min(wl + 1, wa + _GROUPED_PY_WORDS)
+        while w < stop and len(out) < n:
+            g = w0 + w
+            word = E[g] & ~D[g] & ~K[g]
+            if w == wa and a & 63:
+                word &= (_U64 << (a & 63)) & _U64
+            if w == wl and b & 63:
+                word &= (1 << (b & 63)) - 1
+            while word and len(out) < n:
+                low = word & -word
+                word ^= low
+                slot = (w << 6) + low.bit_length() - 1
+                tag = G[base + slot]
+                if tag:
+                    if tag in busy:
+                        skipped += 1
+                        continue
+                    busy.add(tag)
+                out.append(slot)
+            w += 1
+        chunk = _FIRST_CHUNK * 4
         while w <= wl and len(out) < n:
             we = min(wl + 1, w + chunk)
             g0, g1 = self.w0 + w, self.w0 + we
@@ -321,7 +367,7 @@ class Ring:
                 slots = (w + nz[rows]) * 64 + cols  # ready slots of the chunk, in order
                 tags = s.group[self.base + slots]
                 if busy:
-                    keep = ~np.isin(tags, np.fromiter(busy, dtype=np.int64, count=len(busy)))
+                    keep = _not_in(tags, busy)
                     skipped += int(slots.size - np.count_nonzero(keep))
                     slots, tags = slots[keep], tags[keep]
                 for slot, tag in zip(slots.tolist(), tags.tolist(), strict=True):
@@ -428,9 +474,16 @@ class Ring:
             else:
                 consumed = committed or (op.slot, op.seq) in poisoned
                 was_owner = Q[b + L.Q_DEQ_OWNER]
+                # a consumed entry of a group frees the group: its next entry
+                # may be what a sleeping dequeuer waits for
+                freed_group = consumed and self.sec.group_w[self.base + op.slot] != 0
                 self.finish_dequeue(op.slot, consumed, exclusive=exclusive, reclaim=False)
                 n_space += consumed
-                n_ready += (not consumed) or (exclusive and was_owner and not Q[b + L.Q_DEQ_OWNER])
+                n_ready += (
+                    (not consumed)
+                    or freed_group
+                    or (exclusive and was_owner and not Q[b + L.Q_DEQ_OWNER])
+                )
             key = (op.kind, op.latency_ns)
             latencies[key] = latencies.get(key, 0) + 1
         for (kind, ns), n in latencies.items():

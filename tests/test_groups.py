@@ -12,13 +12,14 @@ import itertools
 import multiprocessing as mp
 import os
 import signal
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
 
 import psycopg
 import pytest
-from conftest import drain, present, remove_section
+from conftest import drain, present, remove_section, wait_for
 from psycopg import sql
 from ringq.engine import InvalidArgument, InvalidArgumentType, Message, connect
 from ringq.engine import layout as L
@@ -377,3 +378,34 @@ def test_commit_and_dequeue_never_claims_the_next_entry_of_the_group_it_holds(
             got.append(m)
         c.commit()
     assert [m.payload for m in got] == [b"a1", b"b1", b"a2", b"a3"]
+
+
+def test_a_commit_that_frees_a_group_wakes_a_dequeuer_sleeping_on_it(
+    dsn: str, make_queue: Callable[..., str]
+) -> None:
+    """The group's next entry is ready the moment its holder commits: the
+    commit posts the queue's wake-up to a sleeping dequeuer (counted), who
+    does not wait for its periodic look."""
+    q = make_queue(capacity=16, dequeue_mode="shared")
+    with connect(dsn) as p:
+        p.enqueue_many(q, [b"a1", b"a2"], group="a")
+        p.commit()
+    got: list[Message | None] = []
+    with connect(dsn) as holder:
+        assert present(holder.dequeue(q)).payload == b"a1"
+        ring = holder.ring(q)
+        Q = holder.section.queues
+
+        def sleeper() -> None:
+            with connect(dsn) as c:
+                got.append(c.dequeue(q, wait=30))
+                c.commit()
+
+        t = threading.Thread(target=sleeper)
+        t.start()
+        wait_for(lambda: Q[ring.qb + L.Q_WAIT_READY] == 1, what="the dequeuer asleep")
+        before = Q[ring.qb + L.Q_N_WAKEUPS]
+        holder.commit()
+        assert Q[ring.qb + L.Q_N_WAKEUPS] == before + 1
+        t.join(30)
+    assert [m.payload for m in got if m is not None] == [b"a2"]
