@@ -256,7 +256,7 @@ def render_list(queues: Sequence[QueueSummary]) -> str:
     return _table(_LIST_COLUMNS, _NUMERIC, rows)
 
 
-_EXC_COLUMNS = ("SEQ", "DELIVERIES", "MOVED", "SIZE", "REASON")
+_EXC_COLUMNS = ("SEQ", "DELIVERIES", "MOVED", "SIZE", "GROUP", "REASON")
 _EXC_NUMERIC = {"SEQ", "DELIVERIES", "SIZE"}
 
 
@@ -268,6 +268,7 @@ def render_exceptions(entries: Sequence[ExceptionEntry]) -> str:
             str(e.deliveries),
             e.moved_at.isoformat(sep=" ", timespec="seconds"),
             "-" if e.size is None else str(e.size),
+            "-" if e.group is None else e.group,
             e.reason,
         )
         for e in entries

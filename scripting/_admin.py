@@ -148,7 +148,8 @@ class ExceptionEntry:
     """One poison entry of a queue, as ``ringq queue exceptions`` lists it.
 
     ``deliveries``: deliveries that did not commit before it was moved;
-    ``size``: payload bytes; ``moved_at``: when it was moved aside.
+    ``size``: payload bytes; ``moved_at``: when it was moved aside;
+    ``group``: the group it left (None: none).
     """
 
     seq: int
@@ -159,6 +160,7 @@ class ExceptionEntry:
     producer: str | None
     producer_seq: int | None
     enqueued_at: datetime | None
+    group: str | None = None
 
 
 def list_exceptions(conn: psycopg.Connection[Any], name: str) -> list[ExceptionEntry]:

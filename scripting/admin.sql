@@ -41,7 +41,8 @@ SELECT id FROM ringq.queues WHERE name = %s
 
 -- list_exceptions --
 -- A queue's poison entries, oldest move first. size: payload bytes.
-SELECT seq, deliveries, reason, moved_at, octet_length(payload), producer, producer_seq, enq_at
+SELECT seq, deliveries, reason, moved_at, octet_length(payload), producer, producer_seq, enq_at,
+       msg_group
 FROM ringq.exceptions
 WHERE queue_id = %s
 ORDER BY moved_at, seq
@@ -51,14 +52,14 @@ ORDER BY moved_at, seq
 -- both and never neither. The inbox is the SQL path onto the ring: the
 -- monitor (or any linked client) moves it in, since ring slots are reserved
 -- only through the section. The entry comes back as a new one (a new seq,
--- deliveries from 0), by its original producer.
+-- deliveries from 0), by its original producer, in its group (at the group's end).
 WITH x AS (
     DELETE FROM ringq.exceptions
     WHERE queue_id = %s AND seq = %s
-    RETURNING queue_id, payload, producer
+    RETURNING queue_id, payload, producer, msg_group
 )
-INSERT INTO ringq.inbox (queue_id, payload, producer)
-SELECT queue_id, payload, 'ringq:requeue:' || coalesce(producer, 'sql:' || current_user)
+INSERT INTO ringq.inbox (queue_id, payload, producer, msg_group)
+SELECT queue_id, payload, 'ringq:requeue:' || coalesce(producer, 'sql:' || current_user), msg_group
 FROM x
 RETURNING id
 

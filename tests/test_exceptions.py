@@ -69,10 +69,10 @@ def test_poison_entry_is_listed_requeued_exactly_once_and_discarded(
     code, out, err = cli(capsys, "queue", "exceptions", q, "--dsn", dsn)
     assert (code, err) == (0, "")
     lines = out.splitlines()
-    assert lines[0].split() == ["SEQ", "DELIVERIES", "MOVED", "SIZE", "REASON"]
-    assert [line.split()[0:2] + [line.split()[4]] for line in lines[1:]] == [
-        [str(a), "2", str(len(b"first poison"))],
-        [str(b), "2", str(len(b"second, longer poison"))],
+    assert lines[0].split() == ["SEQ", "DELIVERIES", "MOVED", "SIZE", "GROUP", "REASON"]
+    assert [line.split()[0:2] + line.split()[4:6] for line in lines[1:]] == [
+        [str(a), "2", str(len(b"first poison")), "-"],  # no group
+        [str(b), "2", str(len(b"second, longer poison")), "-"],
     ]
     assert all(line.endswith("max deliveries reached") for line in lines[1:])
     code, out, _ = cli(capsys, "queue", "exceptions", q, "--json", "--dsn", dsn)

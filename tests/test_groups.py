@@ -409,3 +409,23 @@ def test_a_commit_that_frees_a_group_wakes_a_dequeuer_sleeping_on_it(
         assert Q[ring.qb + L.Q_N_WAKEUPS] == before + 1
         t.join(30)
     assert [m.payload for m in got if m is not None] == [b"a2"]
+
+
+def test_a_requeued_poison_entry_comes_back_in_its_group(
+    dsn: str, make_queue: Callable[..., str]
+) -> None:
+    from ringq.scripting import list_exceptions, requeue_exception
+
+    q = make_queue(capacity=16, dequeue_mode="shared", max_deliveries=1)
+    with connect(dsn) as p:
+        p.enqueue(q, b"bad", group="r")
+        p.commit()
+    with connect(dsn) as c:
+        assert present(c.dequeue(q)).payload == b"bad"
+        c.rollback()  # its one delivery: poisoned
+    with psycopg.connect(dsn) as conn:
+        (entry,) = list_exceptions(conn, q)
+        assert entry.group == "r"
+        requeue_exception(conn, q, entry.seq)
+    assert pump_inbox(dsn) == {q: 1}
+    assert groups_of(drain(dsn, q)) == [("r", b"bad")]
