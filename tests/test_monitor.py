@@ -307,7 +307,9 @@ def test_poisoned_entry_is_announced_and_logged(
     q = make_queue(max_deliveries=2, dequeue_mode="shared")
     m = monitor()
     wait_for(lambda: queue_doc(m.url, q), what="the queue sampled")
-    [seq] = produce(dsn, q, 1)
+    with connect(dsn) as p:
+        seq = p.enqueue(q, b"poison", group="account-7")
+        p.commit()
     with subscribe(dsn, "entry.*") as events:
         with connect(dsn) as s:
             for _ in range(2):
@@ -320,7 +322,7 @@ def test_poisoned_entry_is_announced_and_logged(
     assert (
         ev is not None and ev.name == "entry.poisoned" and ev.queue == q and ev.data["seq"] == seq
     )
-    assert ev.data["deliveries"] == 2
+    assert ev.data["deliveries"] == 2 and ev.data["group"] == "account-7"  # the group it left
     wait_for(
         lambda: (queue_doc(m.url, q) or {}).get("exceptions") == 1, what="the exception counted"
     )
