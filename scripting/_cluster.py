@@ -702,6 +702,9 @@ class Cluster:
             "primary_conninfo": f"'{conninfo}'",
             "primary_slot_name": f"'{STANDBY_NAME}'",
             "synchronous_standby_names": "''",
+            # Between attempts at WAL after its primary died (5 s by default):
+            # a promotion was seen to wait that long on this host.
+            "wal_retrieve_retry_interval": "'1s'",
         }
 
     def _apply_primary_settings(self, pair: _Pair) -> None:
