@@ -164,8 +164,8 @@ def _load(conn: psycopg.Connection[Any], run_id: str) -> RunInfo:
     # ``queues``, so runs stored before it existed load as they were).
     grouped = len(config.payload_sizes) if config.grouped else -1
     queues = tuple(
-        QueueRef(*r, grouped=r[0] == grouped)
-        for r in conn.execute(S.q(S.SELECT_QUEUES, run_id)).fetchall()
+        QueueRef(idx, name, size, capacity, grouped=idx == grouped)
+        for idx, name, size, capacity in conn.execute(S.q(S.SELECT_QUEUES, run_id)).fetchall()
     )
     return RunInfo(run[0], run[1], run[2], run[3], config, queues)
 
