@@ -41,7 +41,6 @@ from ringq.regression import (
 )
 from ringq.regression import _payload as P
 from ringq.regression import _queries as S
-from ringq.regression._store import queue_refs
 
 pytestmark = pytest.mark.slow
 
@@ -155,6 +154,11 @@ def test_a_small_cycle_is_proven(module_dsn: str, stored: RunOutcome, reports: P
     # while the producers still owe its queue more than a ring's worth, so every
     # queue is found full (entries_per_queue 200 > capacity 64), and found empty.
     assert len(report.queues) == QUEUES
+    info = load_run(module_dsn, stored.run_id)
+    # The grouped queue comes last, with the smallest payload size.
+    assert [(q.payload_size, q.grouped) for q in info.queues] == [
+        *((size, False) for size in SIZES), (min(SIZES), True)
+    ]
     assert all(q["empty_hits"] > 0 for q in report.queues), report.queues
     assert all(q["full_hits"] > 0 for q in report.queues), report.queues
     assert all(q["max_depth"] > 0 for q in report.queues), report.queues
@@ -533,10 +537,6 @@ def test_grouped_options_are_checked() -> None:
     # A run stored before the grouped queue existed had none.
     old = {k: v for k, v in cfg.to_json().items() if k not in ("grouped_consumers", "groups")}
     assert not RegressConfig.from_json(old).grouped
-    refs = queue_refs("x", cfg)
-    assert [(r.payload_size, r.grouped) for r in refs] == [
-        (200, False), (16, False), (2000, False), (16, True)
-    ]
     assert cli_main(["regress", "--groups", "0", "--dsn", "postgresql://nowhere.invalid/x"]) == 2
 
 
