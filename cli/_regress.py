@@ -34,6 +34,14 @@ order per (queue, producer) = commit order, every payload intact. A short report
 is printed and written as JSON; the run stays in the database for
 'ringq regress verify RUN'.
 
+The grouped queue (--grouped-consumers N, default 3; 0: none): one more queue,
+shared dequeue mode, the smallest payload size, its entries in --groups random
+groups, taken by N consumer processes at once; they record each entry's group,
+when it was dequeued and when its commit began. The proof adds: per
+(producer, group), dequeue order = commit order ("group order breaks"), and
+never an entry of a group dequeued while another of that group was held
+("groups in flight twice").
+
 --chaos: every --chaos-interval seconds while producers work, kill -9 a random
 producer, consumer or the monitor, and restart it; --chaos-pg-restart also
 restarts the embedded PostgreSQL once per cycle (workers reconnect). Restarted
@@ -108,6 +116,10 @@ def register(sub: Any) -> None:
         default="16,200,2000,20000,200000",
         help="one queue per size, in bytes (k = 1000, m = 1000000; at least 16)",
     )
+    env_option(p, "--grouped-consumers", env="RINGQ_REGRESS_GROUPED_CONSUMERS", default=3,
+               type=int, help="consumer processes of the grouped queue (0: no grouped queue)")
+    env_option(p, "--groups", env="RINGQ_REGRESS_GROUPS", default=50, type=int,
+               help="groups the grouped queue's entries are spread over (at random)")
     env_option(p, "--rollback-rate", env="RINGQ_REGRESS_ROLLBACK_RATE", default=0.05, type=float,
                help="share of producer transactions rolled back on purpose")
     env_option(p, "--two-phase-rate", env="RINGQ_REGRESS_TWO_PHASE_RATE", default=0.3, type=float,
@@ -363,6 +375,8 @@ def _run(args: argparse.Namespace) -> int:
         chaos_interval=_interval(args.chaos_interval),
         chaos_pg_restart=args.chaos_pg_restart,
         chaos_failover=(args.failover_mode or "sync") if args.chaos_failover else None,
+        grouped_consumers=args.grouped_consumers,
+        groups=args.groups,
     )
     dsn = resolve_dsn(args.dsn)
     monitor_dir = Path(args.monitor_dir) if args.monitor_dir else ringq_home() / "monitor"

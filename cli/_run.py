@@ -53,6 +53,10 @@ def register(sub: Any) -> None:
         default="16,200,2000,20000,200000",
         help="payload size of each regression queue, bytes",
     )
+    env_option(p, "--grouped-consumers", env="RINGQ_RUN_GROUPED_CONSUMERS", default=3, type=int,
+               help="consumer processes of the cycle's grouped queue (0: no grouped queue)")
+    env_option(p, "--groups", env="RINGQ_RUN_GROUPS", default=50, type=int,
+               help="groups of the grouped queue's entries")
     env_option(p, "--monitor-port", env="RINGQ_MONITOR_PORT", default=7480, type=int,
                help="monitor HTTP port (another free port if taken)")
     env_option(p, "--rtv-port", env="RINGQ_RTV_PORT", default=7481, type=int,
@@ -129,6 +133,8 @@ def run(args: argparse.Namespace) -> int:
         "--entries-per-queue", str(args.entries_per_queue),
         "--capacity", str(args.capacity),
         "--payload-sizes", args.payload_sizes,
+        "--grouped-consumers", str(args.grouped_consumers),
+        "--groups", str(args.groups),
         "--monitor-dir", str(home / "monitor"),  # where the monitor started above keeps its state
     )
     if args.chaos:

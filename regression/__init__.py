@@ -4,9 +4,12 @@ A *run* lives in schema ``regress_<run id>`` of the queue database, with one
 ringq queue per payload size. Each *cycle* starts producer processes (random
 entries to random queues, several queues per transaction, simple or two-phase,
 some rolled back on purpose, bursts and pauses) and one consumer process per
-queue (dequeue and record in the same transaction); then Spark reads what was
-sent, rolled back and received through JDBC and proves exactly-once delivery,
-no delivered rollback, FIFO per (queue, producer) and intact payloads.
+queue (dequeue and record in the same transaction), and several on the grouped
+queue (``grouped_consumers``: entries in groups, ``shared`` mode); then Spark
+reads what was sent, rolled back and received through JDBC and proves
+exactly-once delivery, no delivered rollback, FIFO per (queue, producer) (per
+(producer, group) on the grouped queue, where no two entries of a group may be
+held at once) and intact payloads.
 
     from ringq.regression import RegressConfig, Verifier, run, verify
 

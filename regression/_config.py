@@ -17,6 +17,8 @@ MAX_PRODUCERS = 1000
 MAX_PAYLOAD_SIZE = 16 << 20  # a regression entry is held in memory several times over
 FILLERS = ("random", "pattern")
 FAILOVER_MODES = ("sync", "async")  # the standby of a --chaos-failover cycle
+MAX_GROUPED_CONSUMERS = 64
+MAX_GROUPS = 1_000_000
 
 RUN_ID_RE = re.compile(r"^[a-z0-9][a-z0-9_]{0,29}$")
 
@@ -63,6 +65,12 @@ class RegressConfig:
       primary comes back as the new one's standby after the cycle. Workers and
       the monitor carry on as under ``chaos`` (which it does not need: alone,
       nothing else is killed).
+    - ``grouped_consumers``: one more queue, in ``shared`` dequeue mode with the
+      smallest payload size, whose entries belong to groups (``g0`` ..
+      ``g<groups - 1>``, one chosen at random per entry and recorded in ``sent``),
+      consumed by this many consumer processes at once; the proof adds per-group
+      order and "never two entries of a group held at once". 0: no such queue.
+    - ``groups``: how many groups the grouped queue's entries are spread over.
 
     :raises ConfigError: a value is out of range (the message says which).
     """
@@ -82,6 +90,8 @@ class RegressConfig:
     chaos_interval: tuple[float, float] = (2.0, 6.0)
     chaos_pg_restart: bool = False
     chaos_failover: str | None = None
+    grouped_consumers: int = 3
+    groups: int = 50
 
     def __post_init__(self) -> None:
         ci = self.chaos_interval
@@ -116,6 +126,8 @@ class RegressConfig:
         validate_int("capacity", self.capacity, 2, MAX_CAPACITY)
         validate_int("entries_per_queue", self.entries_per_queue, 1, 1 << 40)
         validate_int("producers", self.producers, 1, MAX_PRODUCERS)
+        validate_int("grouped_consumers", self.grouped_consumers, 0, MAX_GROUPED_CONSUMERS)
+        validate_int("groups", self.groups, 1, MAX_GROUPS)
         for name in ("rollback_rate", "two_phase_rate", "consumer_rollback_rate"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int | float) or not 0 <= v < 1:
@@ -138,7 +150,13 @@ class RegressConfig:
 
     @property
     def queues(self) -> int:
-        return len(self.payload_sizes)
+        """Queues of a cycle: one per payload size, and the grouped one."""
+        return len(self.payload_sizes) + (1 if self.grouped else 0)
+
+    @property
+    def grouped(self) -> bool:
+        """Whether a cycle has the grouped queue (the last, index ``len(payload_sizes)``)."""
+        return self.grouped_consumers > 0
 
     @property
     def resilient(self) -> bool:
@@ -155,6 +173,8 @@ class RegressConfig:
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> RegressConfig:
         known = {k: v for k, v in d.items() if k in cls.__dataclass_fields__}
+        # A run stored before the grouped queue existed had none.
+        known.setdefault("grouped_consumers", 0)
         if "payload_sizes" in known:
             known["payload_sizes"] = tuple(known["payload_sizes"])
         if "chaos_interval" in known:

@@ -16,7 +16,9 @@ Everything a run needs to be verified again lives in its schema:
 - ``rolled_back``  every entry of a transaction that was rolled back (written
                    right after the rollback, in its own transaction)
 - ``received_<queue>``  what the queue's consumer took, written in the same
-                   transaction as the dequeue (payload included)
+                   transaction as the dequeue (payload included); the grouped
+                   queue's also records who took it, its group, and when it
+                   was dequeued and committed (monotonic ns)
 
 No indexes beyond primary keys on the small tables: the writers stay cheap and
 Spark does the joins.
@@ -36,6 +38,7 @@ _Q: Final = load("ringq.regression", "queries.sql")
 # the run store ({schema}, and {table} where noted)
 CREATE_RUN: Final = _Q["create_run"]
 CREATE_RECEIVED: Final = _Q["create_received"]  # {table}
+CREATE_RECEIVED_GROUPED: Final = _Q["create_received_grouped"]  # {table}
 INSERT_RUN: Final = _Q["insert_run"]
 INSERT_QUEUE: Final = _Q["insert_queue"]
 SELECT_RUN: Final = _Q["select_run"]
@@ -56,10 +59,12 @@ INSERT_SENT: Final = _Q["insert_sent"]
 INSERT_ROLLED_BACK: Final = _Q["insert_rolled_back"]
 INSERT_ACKED: Final = _Q["insert_acked"]
 INSERT_RECEIVED: Final = _Q["insert_received"]  # {table}
+INSERT_RECEIVED_GROUPED: Final = _Q["insert_received_grouped"]  # {table}
 # what a restarted worker resumes from (chaos)
 RESUME_PRODUCER: Final = _Q["resume_producer"]
 SENT_BY_QUEUE: Final = _Q["sent_by_queue"]
 RESUME_CONSUMER: Final = _Q["resume_consumer"]  # {table}
+RESUME_GROUPED_CONSUMER: Final = _Q["resume_grouped_consumer"]  # {table}
 PREPARED_GIDS: Final = _Q["prepared_gids"]
 MONITOR_LOCK_HOLDER: Final = _Q["monitor_lock_holder"]
 DATA_DIRECTORY: Final = _Q["data_directory"]
@@ -72,6 +77,8 @@ COMMITTED_AT_SENT: Final = _Q["committed_at_sent"]
 JDBC_ROLLED_BACK: Final = _Q["jdbc_rolled_back"]
 JDBC_ACKED: Final = _Q["jdbc_acked"]
 JDBC_RECEIVED: Final = _Q["jdbc_received"]  # {table}, {idx}
+JDBC_RECEIVED_GROUPED: Final = _Q["jdbc_received_grouped"]  # {table}, {idx}
+JDBC_SENT_GROUPS: Final = _Q["jdbc_sent_groups"]  # {idx}
 JDBC_DBTABLE: Final = _Q["jdbc_dbtable"]  # {query}
 JDBC_PARTITION: Final = _Q["jdbc_partition"]  # {column}, {partitions}, {part}
 

@@ -19,6 +19,10 @@ ROLLED_BACK_DELIVERED: Final = "rolled_back_delivered"
 PHANTOM: Final = "phantom"  # dequeued, but never sent (neither committed nor rolled back)
 SEQ_REUSED: Final = "seq_reused"  # two committed entries got the same queue sequence
 WORKLOAD: Final = "workload_error"  # a worker failed or the cycle stalled
+# the grouped queue: per (producer, group), dequeued before an entry committed earlier
+GROUP_ORDER: Final = "group_order_breaks"
+# the grouped queue: dequeued while an entry of its group was still held
+GROUP_IN_FLIGHT: Final = "group_in_flight_twice"
 
 VIOLATION_KINDS: Final = (
     LOST,
@@ -28,6 +32,8 @@ VIOLATION_KINDS: Final = (
     ROLLED_BACK_DELIVERED,
     PHANTOM,
     SEQ_REUSED,
+    GROUP_ORDER,
+    GROUP_IN_FLIGHT,
     WORKLOAD,
 )
 
@@ -52,6 +58,9 @@ class Report:
     # --chaos-failover: promotions, timings, and what the producers were told had
     # committed against what the new primary holds (see ``failover_lines``)
     failover: dict[str, Any] = field(default_factory=dict)
+    # the grouped queue: its name, groups, consumers (configured and seen taking
+    # entries), entries, the most held at once, and its two counters (see ``group_lines``)
+    groups: dict[str, Any] = field(default_factory=dict)
     path: str | None = None
 
     @property
@@ -114,6 +123,7 @@ class Report:
                 f"consumers {ch.get('consumers', 0):,}  "
                 f"monitor {ch.get('monitor', 0):,}  pg restarts {ch.get('pg_restarts', 0):,}"
             )
+        lines += self.group_lines()
         lines += self.failover_lines()
         lines.append(
             "  violations  " + "   ".join(f"{k} {v:,}" for k, v in self.violations.items())
@@ -141,6 +151,23 @@ class Report:
             lines.append(f"  report      {self.path}")
         return "\n".join(lines)
 
+
+    def group_lines(self) -> list[str]:
+        """The grouped queue's line of the summary (none without one)."""
+        g = self.groups
+        if not g:
+            return []
+        head = (
+            f"  groups      {g.get('queue')}: {g.get('committed', 0):,} entries in "
+            f"{g.get('groups_seen', 0):,} of {g.get('groups', 0):,} groups, "
+            f"{g.get('consumers_seen', 0)} of {g.get('consumers', 0)} consumers took entries, "
+            f"up to {g.get('most_held_at_once', 0)} held at once"
+        )
+        checks = (
+            f"              order breaks {g.get('order_breaks', 0):,}   "
+            f"in flight twice {g.get('in_flight_twice', 0):,}"
+        )
+        return [head, checks]
 
     def failover_lines(self) -> list[str]:
         """The fail-over's lines of the summary (none without ``--chaos-failover``)."""

@@ -1,9 +1,10 @@
 """A run in the database: its schema, its queues, its cycles.
 
-A run is created once (schema ``regress_<run id>`` and one ringq queue per
-payload size) and kept after it ends, so that ``ringq regress verify RUN``
-can prove it again; its queues are dropped when the run ends (the evidence is
-in the schema, not in the rings).
+A run is created once (schema ``regress_<run id>``, one ringq queue per
+payload size and, with ``grouped_consumers``, the grouped queue) and kept
+after it ends, so that ``ringq regress verify RUN`` can prove it again; its
+queues are dropped when the run ends (the evidence is in the schema, not in
+the rings).
 """
 
 from __future__ import annotations
@@ -36,12 +37,14 @@ class RunNotFound(RingqError):
 @dataclass(frozen=True)
 class QueueRef:
     """One queue of a run: its index in payload headers, its ringq name, its payload size
-    (bytes)."""
+    (bytes); ``grouped``: the grouped queue (``shared`` dequeue mode, entries in groups,
+    several consumers)."""
 
     idx: int
     name: str
     payload_size: int
     capacity: int
+    grouped: bool = False
 
 
 @dataclass(frozen=True)
@@ -92,23 +95,39 @@ def _connect(dsn: str, *, autocommit: bool = True) -> Iterator[psycopg.Connectio
         conn.close()
 
 
+def queue_refs(run_id: str, config: RegressConfig) -> tuple[QueueRef, ...]:
+    """The run's queues: one per payload size, then the grouped one (if any),
+    with the smallest payload size."""
+    sizes = config.payload_sizes
+    refs = [QueueRef(i, queue_name(run_id, i), size, config.capacity)
+            for i, size in enumerate(sizes)]
+    if config.grouped:
+        n = len(sizes)
+        refs.append(QueueRef(n, queue_name(run_id, n), min(sizes), config.capacity, grouped=True))
+    return tuple(refs)
+
+
 def create_run(dsn: str, config: RegressConfig, run_id: str | None = None) -> RunInfo:
-    """Create the run's schema and its queues (one per payload size).
+    """Create the run's schema and its queues (one per payload size, and the grouped one).
 
     :raises ConfigError: bad run id. :raises QueueExists: a queue of the run's names exists
         with other settings. :raises DatabaseUnavailable:
     """
     run_id = validate_run_id(run_id or new_run_id())
-    queues = tuple(
-        QueueRef(i, queue_name(run_id, i), size, config.capacity)
-        for i, size in enumerate(config.payload_sizes)
-    )
+    queues = queue_refs(run_id, config)
     with _connect(dsn, autocommit=False) as conn:
         for ref in queues:
             # Blocking policy: a full queue makes producers wait (up to their own
             # enqueue timeout), which is what "driven full" should exercise.
             create_queue(
-                conn, QueueSpec(ref.name, ref.capacity, ref.payload_size, full_policy="block")
+                conn,
+                QueueSpec(
+                    ref.name,
+                    ref.capacity,
+                    ref.payload_size,
+                    full_policy="block",
+                    dequeue_mode="shared" if ref.grouped else "single",
+                ),
             )
         with conn.transaction():
             conn.execute(S.q(S.CREATE_RUN, run_id))
@@ -120,7 +139,8 @@ def create_run(dsn: str, config: RegressConfig, run_id: str | None = None) -> Ru
                 conn.execute(
                     S.q(S.INSERT_QUEUE, run_id), (ref.idx, ref.name, ref.payload_size, ref.capacity)
                 )
-                conn.execute(S.q(S.CREATE_RECEIVED, run_id, S.received_table(ref.name)))
+                create = S.CREATE_RECEIVED_GROUPED if ref.grouped else S.CREATE_RECEIVED
+                conn.execute(S.q(create, run_id, S.received_table(ref.name)))
     return load_run(dsn, run_id)
 
 
@@ -139,8 +159,15 @@ def _load(conn: psycopg.Connection[Any], run_id: str) -> RunInfo:
         )
     run = conn.execute(S.q(S.SELECT_RUN, run_id)).fetchone()
     assert run is not None
-    queues = tuple(QueueRef(*r) for r in conn.execute(S.q(S.SELECT_QUEUES, run_id)).fetchall())
-    return RunInfo(run[0], run[1], run[2], run[3], RegressConfig.from_json(run[4]), queues)
+    config = RegressConfig.from_json(run[4])
+    # The grouped queue is the one after the payload sizes' (not a column of
+    # ``queues``, so runs stored before it existed load as they were).
+    grouped = len(config.payload_sizes) if config.grouped else -1
+    queues = tuple(
+        QueueRef(idx, name, size, capacity, grouped=idx == grouped)
+        for idx, name, size, capacity in conn.execute(S.q(S.SELECT_QUEUES, run_id)).fetchall()
+    )
+    return RunInfo(run[0], run[1], run[2], run[3], config, queues)
 
 
 def list_runs(dsn: str) -> list[RunInfo]:

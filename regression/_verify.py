@@ -13,6 +13,22 @@ For the chosen cycles of a run it proves:
   it read and checks it against the producer's digest, the checksum embedded in
   the payload, and the header (queue, producer, sequence, kind, length).
 
+The grouped queue (several consumers, entries in groups) is held to its own
+promises instead of one consumer's order:
+
+- per (producer, group), the dequeue order (by the time the consumers
+  recorded right after each dequeue) follows the producer sequence
+  (``group_order_breaks``, in place of ``out_of_order``);
+- per group, sorted by dequeue time, no entry was dequeued before the commit
+  of an entry dequeued earlier had begun (``group_in_flight_twice``): at most
+  one entry of a group is held at a time, across every consumer;
+- the group an entry came out with is the one it was sent with (else
+  ``corrupt``, like any other difference from what was committed).
+
+Rolled-back dequeues wrote nothing, so they are not seen; the times are
+taken a little after the real claim and a little before the real commit
+(one round trip each), so an overlap shorter than that would go unseen.
+
 A fail-over cycle (``--chaos-failover``) also compares what producers were
 told had committed (``acked``: their commit returned) with what the new
 primary holds (``sent``). With a synchronous standby every acknowledged entry
@@ -48,7 +64,7 @@ from ringq.engine.sqlfile import compose
 from . import _queries as S
 from . import _report as R
 from . import _store
-from ._store import RunInfo
+from ._store import QueueRef, RunInfo
 
 if TYPE_CHECKING:
     from pyspark.sql import DataFrame, SparkSession
@@ -304,6 +320,7 @@ class Verifier:
         )
 
         sizes = _received_counts(dsn, run, cycles)
+        grouped = next((ref for ref in run.queues if ref.grouped), None)
         parts = []
         for ref in run.queues:
             nbytes = sizes.get(ref.idx, 0) * ref.payload_size
@@ -315,7 +332,7 @@ class Verifier:
                     url,
                     props,
                     compose(
-                        S.JDBC_RECEIVED,
+                        S.JDBC_RECEIVED_GROUPED if ref.grouped else S.JDBC_RECEIVED,
                         idx=sql.Literal(ref.idx),
                         schema=schema,
                         table=S.received_table(ref.name),
@@ -327,7 +344,11 @@ class Verifier:
             )
         raw = parts[0]
         for p in parts[1:]:
-            raw = raw.unionByName(p)
+            raw = raw.unionByName(p, allowMissingColumns=True)
+        # What only the grouped queue's consumers record (NULL for the other queues).
+        for name, kind in GROUPED_COLUMNS.items():
+            if name not in raw.columns:
+                raw = raw.withColumn(name, F.lit(None).cast(kind))
 
         def field(off: int, n: int) -> str:
             return (
@@ -346,6 +367,7 @@ class Verifier:
                 "recv_order",
                 "deliveries",
                 "deq_at",
+                *GROUPED_COLUMNS,
                 "plen",
                 "sha2(payload, 256) AS sha",
                 "CASE WHEN plen >= 16 THEN lower(hex(substring(payload, plen - k + 1, k))) = "
@@ -359,15 +381,30 @@ class Verifier:
             )
             .persist()
         )
+        key = ["cycle", "queue", "qseq"]
+        if grouped is not None:
+            groups = self._read(
+                url,
+                props,
+                compose(
+                    S.JDBC_SENT_GROUPS, idx=sql.Literal(grouped.idx), schema=schema, cycles=cycles
+                ),
+                fetch=10000,
+            )
+            sent = sent.join(groups, key, "left")
+        else:
+            sent = sent.withColumn("grp", F.lit(None).cast("string"))
         sent = sent.selectExpr(
             "cycle", "queue", "qseq", "producer", "pseq", "tx", "kind", "length",
-            "lower(hex(digest)) AS sha_sent", "committed_at",
+            "lower(hex(digest)) AS sha_sent", "committed_at", "grp",
         ).persist()
         rolled = rolled.persist()
-        key = ["cycle", "queue", "qseq"]
 
+        # The first delivery: by dequeue time on the grouped queue (its consumers'
+        # recv_order are their own), by recv_order on the others (no deq_ns).
         nth = recv.withColumn(
-            "nth", F.row_number().over(Window.partitionBy(*key).orderBy("recv_order"))
+            "nth",
+            F.row_number().over(Window.partitionBy(*key).orderBy("deq_ns", "recv_order")),
         ).persist()
         first = nth.filter("nth = 1").drop("nth")
         extra = nth.filter("nth > 1")
@@ -394,7 +431,8 @@ class Verifier:
             .withColumn(
                 "intact",
                 F.expr(
-                    "coalesce(plen = length AND sha = sha_sent AND check_ok, false) AND ident_ok"
+                    "coalesce(plen = length AND sha = sha_sent AND check_ok, false) AND ident_ok "
+                    "AND grp <=> msg_group"
                 ),
             )
             .withColumn(
@@ -418,12 +456,17 @@ class Verifier:
             )
             .persist()
         )
-        by_producer = Window.partitionBy("cycle", "queue", "producer").orderBy("recv_order")
+        # Per (queue, producer), and on the grouped queue per group too (grp is
+        # NULL elsewhere), in dequeue order.
+        by_producer = Window.partitionBy("cycle", "queue", "producer", "grp").orderBy(
+            "deq_ns", "recv_order"
+        )
         ooo = (
             judged.filter("sent_match")
             .withColumn("prev_pseq", F.lag("pseq").over(by_producer))
             .filter("prev_pseq IS NOT NULL AND pseq < prev_pseq")
         )
+        held = self._groups_in_flight_twice(recv, grouped)
 
         # One job per question; the per-queue rows of a rollup carry the totals in the row
         # whose queue is null.
@@ -445,6 +488,8 @@ class Verifier:
         }
         lost_q = {r["queue"]: int(r["count"]) for r in lost.groupBy("queue").count().collect()}
         ooo_q = {r["queue"]: int(r["count"]) for r in ooo.groupBy("queue").count().collect()}
+        group_breaks = ooo_q.pop(grouped.idx, 0) if grouped is not None else 0
+        in_flight_twice = held.count() if held is not None else 0
         n_reused = reused.count()
         sent_tx = (
             sent.groupBy("cycle", "producer", "tx")
@@ -471,6 +516,8 @@ class Verifier:
         v[R.LOST] = sum(lost_q.values())
         v[R.DUPLICATE] = int(recv_tot["extra"] or 0)
         v[R.OUT_OF_ORDER] = sum(ooo_q.values())
+        v[R.GROUP_ORDER] = group_breaks
+        v[R.GROUP_IN_FLIGHT] = in_flight_twice
         for k in verdict_cols:
             v[k] = int(total[k]) if total else 0
         v[R.SEQ_REUSED] = n_reused
@@ -498,7 +545,17 @@ class Verifier:
             ex[R.DUPLICATE] = rows(extra, "cycle", "queue", "qseq", "recv_order", "deliveries")
         if v[R.OUT_OF_ORDER]:
             ex[R.OUT_OF_ORDER] = rows(
-                ooo, "cycle", "queue", "producer", "pseq", "prev_pseq", "recv_order"
+                ooo.filter(F.col("grp").isNull()),
+                "cycle", "queue", "producer", "pseq", "prev_pseq", "recv_order",
+            )
+        if v[R.GROUP_ORDER]:
+            ex[R.GROUP_ORDER] = rows(
+                ooo.filter(F.col("grp").isNotNull()),
+                "cycle", "queue", "grp", "producer", "pseq", "prev_pseq", "deq_ns",
+            )
+        if v[R.GROUP_IN_FLIGHT] and held is not None:
+            ex[R.GROUP_IN_FLIGHT] = rows(
+                held, "cycle", "queue", "msg_group", "qseq", "worker", "deq_ns", "held_until_ns"
             )
         for kind in verdict_cols:
             if v[kind]:
@@ -514,6 +571,8 @@ class Verifier:
                     "h_pseq",
                     "producer",
                     "pseq",
+                    "grp",
+                    "msg_group",
                 )
         if v[R.SEQ_REUSED]:
             ex[R.SEQ_REUSED] = rows(reused, "cycle", "queue", "qseq", "count")
@@ -556,11 +615,76 @@ class Verifier:
                     R.LOST: lost_q.get(ref.idx, 0),
                     R.OUT_OF_ORDER: ooo_q.get(ref.idx, 0),
                     **{k: int(row[k]) if row else 0 for k in verdict_cols},
+                    **(
+                        {R.GROUP_ORDER: group_breaks, R.GROUP_IN_FLIGHT: in_flight_twice}
+                        if ref.grouped
+                        else {}
+                    ),
                 },
                 "latency_ms": _lat(row) if row else {},
             })
+        if grouped is not None:
+            report.groups = self._group_figures(run, grouped, recv, sent)
+            report.groups.update(order_breaks=group_breaks, in_flight_twice=in_flight_twice)
         for df in (recv, nth, sent, rolled, judged):
             df.unpersist()
+
+    @staticmethod
+    def _groups_in_flight_twice(recv: DataFrame, grouped: QueueRef | None) -> DataFrame | None:
+        """The grouped queue's deliveries dequeued while an earlier-dequeued entry
+        of their group was still held (before the latest commit of those began);
+        None without a grouped queue. Every received row counts, duplicates too."""
+        from pyspark.sql import Window
+        from pyspark.sql import functions as F
+
+        if grouped is None:
+            return None
+        earlier = (
+            Window.partitionBy("cycle", "msg_group")
+            .orderBy("deq_ns", "commit_ns", "qseq")
+            .rowsBetween(Window.unboundedPreceding, -1)
+        )
+        return (
+            recv.filter((F.col("queue") == grouped.idx) & F.col("msg_group").isNotNull())
+            .withColumn("held_until_ns", F.max("commit_ns").over(earlier))
+            .filter("held_until_ns IS NOT NULL AND deq_ns < held_until_ns")
+        )
+
+    @staticmethod
+    def _group_figures(
+        run: RunInfo, grouped: QueueRef, recv: DataFrame, sent: DataFrame
+    ) -> dict[str, Any]:
+        """What the grouped queue did: entries, groups, consumers, and the most
+        entries held at once (dequeued, commit not begun), over all groups."""
+        from pyspark.sql import Window
+        from pyspark.sql import functions as F
+
+        rows = recv.filter(F.col("queue") == grouped.idx)
+        got = rows.agg(
+            F.count("*").alias("rows"),
+            F.countDistinct("msg_group").alias("groups"),
+            F.countDistinct("worker").alias("workers"),
+        ).collect()[0]
+        committed = sent.filter(F.col("queue") == grouped.idx).count()
+        # Held at once: +1 at each dequeue, -1 at each commit, summed in time order
+        # (a commit before a dequeue of the same nanosecond).
+        edges = rows.selectExpr("cycle", "deq_ns AS t", "1 AS d").unionByName(
+            rows.selectExpr("cycle", "commit_ns AS t", "-1 AS d")
+        )
+        running = edges.withColumn(
+            "held", F.sum("d").over(Window.partitionBy("cycle").orderBy("t", "d"))
+        )
+        most = running.agg(F.max("held").alias("most")).collect()[0]["most"]
+        return {
+            "queue": grouped.name,
+            "groups": run.config.groups,
+            "groups_seen": int(got["groups"] or 0),
+            "consumers": run.config.grouped_consumers,
+            "consumers_seen": int(got["workers"] or 0),
+            "committed": committed,
+            "received_rows": int(got["rows"] or 0),
+            "most_held_at_once": int(most or 0),
+        }
 
     def _acked_lost(
         self,
@@ -659,6 +783,13 @@ def _add_section_stats(report: R.Report, run: RunInfo, rows: list[_store.CycleRo
                 q[k] = int(q.get(k, 0)) + int(st.get(k, 0))
 
 
+# Columns only the grouped queue's received table has, and their Spark types.
+GROUPED_COLUMNS = {
+    "worker": "short",
+    "msg_group": "string",
+    "deq_ns": "bigint",
+    "commit_ns": "bigint",
+}
 CHAOS_COUNTS = ("producers", "consumers", "monitor", "pg_restarts", "reconnects", "resumed")
 SYNC = "sync"
 

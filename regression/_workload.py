@@ -12,6 +12,16 @@ it took to ``received_<queue>`` in the same transaction as the dequeue; now and
 then it rolls back on purpose (the entries come back), and a few times per
 cycle it stops dequeuing until producers find its queue full.
 
+The grouped queue (``grouped_consumers`` > 0) is written like the others, each
+entry in a random group of ``groups``, and consumed by ``grouped_consumers``
+processes at once (``shared`` mode; ``dequeue_many`` takes at most one entry
+per group). They record each entry's group, the time right after the dequeue
+returned and the time just before the commit (``time.monotonic_ns()``: the
+clock is system-wide), so that the proof can see per-group order and whether
+two entries of a group were ever held at once. They wait together at the start
+of the cycle until producers find their queue full (one of them seeing it is
+enough for all), so the groups have a backlog to be taken from in parallel.
+
 Every process makes its own session after it starts (nothing crosses a fork:
 the processes come from a fork server that has never opened a connection).
 Workers ignore SIGINT: the parent decides when a cycle stops.
@@ -75,6 +85,9 @@ C_RB_TX = 2  # deliberately rolled-back dequeue transactions
 C_STALLS = 3  # times it stopped dequeuing to let its queue fill
 C_REDELIVERED = 4  # committed entries whose delivery count was > 1
 C_FIRST_AFTER = 5  # fail-over: time.monotonic() in µs of its first commit after the promotion
+# the grouped queue's first consumer's block only: 1 once any of its consumers
+# saw the queue full at the start of the cycle (they all go on then)
+C_FILLED = 6
 HEARTBEAT = 7  # any step at all (the watchdog's progress measure)
 RECONNECTS = 8  # both: sessions lost to a database restart and opened again (chaos)
 RESUMED = 9  # both: times the worker resumed from what the database holds (restarts)
@@ -113,7 +126,12 @@ POLL_S = 0.2  # the parent's loop: progress, depth samples, watchdog
 STALL_MAX_S = 30.0
 STALL_MIN_RATE = 100.0  # entries/s
 STALL_IDLE_S = 3.0  # ... and gives up sooner when no producer writes to it any more
+STALL_START_GRACE_S = 10.0  # ... at the start of a cycle, while producers start
 JOIN_S = 10.0  # grace for workers after an abort before they are terminated
+
+
+# An entry a producer wrote: (queue, qseq, pseq, length, digest, group or None).
+Entry = tuple[int, int, int, int, bytes, str | None]
 
 
 @dataclass(frozen=True)
@@ -130,6 +148,8 @@ class WorkerArgs:
     seed: int
     quota: tuple[int, ...] = ()  # producers: committed entries owed to each queue
     ack_dir: str = ""  # fail-over: where producers log what they were told had committed
+    worker: int = 0  # consumers: its number among its queue's consumers
+    first_slot: int = 0  # consumers: the block of its queue's first consumer
 
 
 @dataclass
@@ -171,7 +191,10 @@ def _worker(role: str, body: Callable[..., None], args: WorkerArgs, *rest: Any) 
     try:
         body(args, *rest)
     except BaseException as exc:  # noqa: BLE001 - anything at all: report it, then exit non-zero
-        errors.put(f"{role} {args.index} (pid {os.getpid()}): {type(exc).__name__}: {exc}")
+        # The name's last part: the producer's index, the queue's, or queue.worker
+        # for a consumer of the grouped queue.
+        index = mp.current_process().name.rsplit("-", 1)[-1]
+        errors.put(f"{role} {index} (pid {os.getpid()}): {type(exc).__name__}: {exc}")
         errors.close()
         errors.join_thread()  # os._exit does not wait for the queue's feeder thread
         traceback.print_exc(file=sys.stderr)
@@ -263,11 +286,15 @@ class _Producer:
         chosen = self.rng.sample(open_, nq)
         return [(q, self.rng.randint(1, min(self.quota[q], self.max_per_tx))) for q in chosen]
 
-    def payload(self, q: int, kind: int) -> tuple[int, int, bytes]:
+    def payload(self, q: int, kind: int) -> tuple[int, int, bytes, str | None]:
+        """(producer sequence, length, payload, group) of a new entry for queue ``q``;
+        the group is one of ``groups`` at random on the grouped queue, else None."""
         self.pseq += 1
-        size = self.a.queues[q].payload_size
+        ref = self.a.queues[q]
         rng = self.rng if self.cfg.filler == "random" else None
-        return self.pseq, size, P.build(kind, q, self.a.index, self.pseq, size, rng=rng)
+        payload = P.build(kind, q, self.a.index, self.pseq, ref.payload_size, rng=rng)
+        group = f"g{self.rng.randrange(self.cfg.groups)}" if ref.grouped else None
+        return self.pseq, ref.payload_size, payload, group
 
     def transaction(self) -> None:
         s, rng = self.s, self.rng
@@ -276,7 +303,7 @@ class _Producer:
         kind = P.KIND_TWO_PHASE if rng.random() < self.cfg.two_phase_rate else P.KIND_SIMPLE
         rollback = rng.random() < self.cfg.rollback_rate
         timeout = self.cfg.enqueue_timeout * rng.uniform(0.5, 1.0)
-        done: list[tuple[int, int, int, int, bytes]] = []  # (queue, qseq, pseq, length, digest)
+        done: list[Entry] = []
         if kind == P.KIND_TWO_PHASE:
             s.tpc_begin(s.xid(self.gtrid(self.tx)))
         try:
@@ -284,21 +311,25 @@ class _Producer:
                 # One statement per queue.
                 for q, n in plan:
                     items = [self.payload(q, kind) for _ in range(n)]
+                    ref = self.a.queues[q]
                     seqs = s.enqueue_many(
-                        self.a.queues[q].name, [p for _, _, p in items], timeout=timeout
+                        ref.name,
+                        [p for _, _, p, _ in items],
+                        group=[g for _, _, _, g in items] if ref.grouped else None,
+                        timeout=timeout,
                     )
                     done.extend(
-                        (q, seq, ps, ln, P.digest(p))
-                        for seq, (ps, ln, p) in zip(seqs, items, strict=True)
+                        (q, seq, ps, ln, P.digest(p), g)
+                        for seq, (ps, ln, p, g) in zip(seqs, items, strict=True)
                     )
             else:
                 # One call per entry, the queues interleaved.
                 order = [q for q, n in plan for _ in range(n)]
                 rng.shuffle(order)
                 for q in order:
-                    ps, ln, p = self.payload(q, kind)
-                    seq = s.enqueue(self.a.queues[q].name, p, timeout=timeout)
-                    done.append((q, seq, ps, ln, P.digest(p)))
+                    ps, ln, p, g = self.payload(q, kind)
+                    seq = s.enqueue(self.a.queues[q].name, p, group=g, timeout=timeout)
+                    done.append((q, seq, ps, ln, P.digest(p), g))
         except QueueFull:
             s.rollback()
             self.log_rolled_back(done, kind, "full")
@@ -327,7 +358,7 @@ class _Producer:
             s.commit()
         if self.acks is not None:  # acknowledged: the commit returned
             self.acks.record(
-                self.tx, s.connection.info.port, [(q, seq, ps) for q, seq, ps, _, _ in done]
+                self.tx, s.connection.info.port, [(q, seq, ps) for q, seq, ps, *_ in done]
             )
         for q, n in plan:
             self.quota[q] -= n
@@ -336,13 +367,11 @@ class _Producer:
         if len(plan) > 1:
             self.bump(P_MULTI_TX)
 
-    def record(
-        self, stmt: Any, done: list[tuple[int, int, int, int, bytes]], kind: int, **extra: Any
-    ) -> None:
+    def record(self, stmt: Any, done: list[Entry], kind: int, **extra: Any) -> None:
         """Write ``done`` with ``stmt`` (INSERT_SENT, or INSERT_ROLLED_BACK with a ``reason``)."""
         if not done:
             return
-        qs, seqs, pseqs, lens, digests = (list(col) for col in zip(*done, strict=True))
+        qs, seqs, pseqs, lens, digests, groups = (list(col) for col in zip(*done, strict=True))
         params = {
             "cycle": self.a.cycle,
             "producer": self.a.index,
@@ -353,13 +382,12 @@ class _Producer:
             "pseqs": pseqs,
             "lengths": lens,
             "digests": digests,
+            "groups": groups,  # INSERT_SENT's; INSERT_ROLLED_BACK has no use for them
             **extra,
         }
         self.s.connection.execute(stmt, params)
 
-    def log_rolled_back(
-        self, done: list[tuple[int, int, int, int, bytes]], kind: int, reason: str
-    ) -> None:
+    def log_rolled_back(self, done: list[Entry], kind: int, reason: str) -> None:
         if not done:
             return
         self.record(self.rb_sql, done, kind, reason=reason)
@@ -479,7 +507,8 @@ def _consume_session(
     cfg = args.config
     rng = random.Random(args.seed)
     base = args.slot * WORDS
-    stmt = S.q(S.INSERT_RECEIVED, args.run_id, S.received_table(ref.name))
+    table = S.received_table(ref.name)
+    stmt = S.q(S.INSERT_RECEIVED_GROUPED if ref.grouped else S.INSERT_RECEIVED, args.run_id, table)
     # A few times per cycle the consumer stops until producers find the queue
     # full (or STALL_MAX_S passes): the queues are driven full, not just busy.
     # Each stop comes when exactly ``n`` entries were taken (the batches before
@@ -487,10 +516,15 @@ def _consume_session(
     # a ring's worth still to take: while the consumer stands still the
     # producers owe the queue more entries than it holds, so some enqueue must
     # find it full. (Only with entries_per_queue > capacity can a queue fill.)
+    # (The grouped queue's consumers instead wait together once, at the start.)
     early = max(1, min(cfg.entries_per_queue * 6 // 10, cfg.entries_per_queue - cfg.capacity - 1))
     stalls = state.setdefault(
-        "stalls", sorted(rng.sample(range(1, early + 1), min(early, rng.randint(1, 2))))
+        "stalls",
+        []
+        if ref.grouped
+        else sorted(rng.sample(range(1, early + 1), min(early, rng.randint(1, 2)))),
     )
+    filled = args.first_slot * WORDS + C_FILLED
     pid = os.getpid()
     left_sql = S.q(S.LEFTOVERS, args.run_id, queue_table(ref.name))
     with connect(
@@ -500,9 +534,13 @@ def _consume_session(
         # a lost session's) open dequeue rolled back with its rows.
         if args.config.resilient and not _wait_recovered(s, abort):
             return True
-        row = s.connection.execute(
-            S.q(S.RESUME_CONSUMER, args.run_id, S.received_table(ref.name)), (args.cycle,)
-        ).fetchone()
+        if ref.grouped:
+            resume = S.q(S.RESUME_GROUPED_CONSUMER, args.run_id, table)
+            row = s.connection.execute(resume, (args.cycle, args.worker)).fetchone()
+        else:
+            row = s.connection.execute(
+                S.q(S.RESUME_CONSUMER, args.run_id, table), (args.cycle,)
+            ).fetchone()
         s.commit()
         assert row is not None
         order, taken = int(row[0]), int(row[1])
@@ -511,12 +549,25 @@ def _consume_session(
             rng.seed(f"{args.seed}:{order}:{pid}")
             stalls[:] = [n for n in stalls if n > taken]
         counters[base + C_ENTRIES] = taken
+        if ref.grouped and not counters[filled]:
+            counters[base + C_STALLS] += 1
+            if _wait_full(
+                s,
+                ref.name,
+                producers_done,
+                abort,
+                max(STALL_MAX_S, cfg.capacity / STALL_MIN_RATE),
+                others_saw=lambda: bool(counters[filled]),
+                grace=STALL_START_GRACE_S,
+            ):
+                counters[filled] = 1
         while not abort.is_set():
             finished = producers_done.is_set()  # read before the dequeue: no entry can come after
             n = rng.choice((1, 1, 4, 16, 32, 64))
             if stalls:
                 n = max(1, min(n, stalls[0] - taken))
             msgs = s.dequeue_many(ref.name, n, wait=POLL_S)
+            deq_ns = time.monotonic_ns()
             counters[base + HEARTBEAT] += 1
             if not msgs:
                 if finished:
@@ -527,13 +578,16 @@ def _consume_session(
                     if not left:
                         return True
                 continue
-            seqs, orders, dels, payloads = [], [], [], []
+            seqs, orders, dels, payloads, groups = [], [], [], [], []
             for m in msgs:
                 order += 1
                 seqs.append(m.seq)
                 orders.append(order)
                 dels.append(m.deliveries)
                 payloads.append(m.payload)
+                groups.append(m.group)
+            # The grouped queue's record (and the commit right after it): the
+            # entries are held from deq_ns until at least commit_ns.
             s.connection.execute(
                 stmt,
                 {
@@ -543,6 +597,10 @@ def _consume_session(
                     "orders": orders,
                     "deliveries": dels,
                     "payloads": payloads,
+                    "worker": args.worker,
+                    "groups": groups,
+                    "deq_ns": deq_ns,
+                    "commit_ns": time.monotonic_ns(),
                 },
             )
             if rng.random() < cfg.consumer_rollback_rate and all(m.deliveries == 1 for m in msgs):
@@ -573,26 +631,39 @@ def _consume_session(
     return True
 
 
-def _wait_full(s: Session, queue: str, producers_done: Any, abort: Any, max_s: float) -> None:
+def _wait_full(
+    s: Session,
+    queue: str,
+    producers_done: Any,
+    abort: Any,
+    max_s: float,
+    others_saw: Callable[[], bool] = lambda: False,
+    grace: float = 0.0,
+) -> bool:
     """Stop dequeuing until a producer finds the queue full, the producers stop
-    feeding it (its head has not moved for STALL_IDLE_S), or ``max_s`` seconds pass."""
+    feeding it (its head has not moved for STALL_IDLE_S), ``max_s`` seconds pass,
+    or ``others_saw()`` (another consumer of the queue saw it full). The head
+    may stand still ``grace`` seconds more at first (producers starting). True
+    if this one saw it full."""
     st = s.stats(queue)
     start, head = st[M.FULL_HITS], st[M.HEAD]
     now = time.monotonic()
-    deadline, moved = now + max_s, now
+    deadline, moved = now + max_s, now + grace
     while (
         now < deadline
         and now - moved < STALL_IDLE_S
         and not producers_done.is_set()
         and not abort.is_set()
+        and not others_saw()
     ):
         st = s.stats(queue)
         if st[M.FULL_HITS] > start:
-            return
+            return True
         if st[M.HEAD] != head:
             head, moved = st[M.HEAD], now
         time.sleep(0.02)
         now = time.monotonic()
+    return False
 
 
 # -- the cycle -----------------------------------------------------------------------------
@@ -649,7 +720,14 @@ def run_cycle(
     cfg = run.config
     ctx = _context()
     nq, np_ = len(run.queues), cfg.producers
-    counters = ctx.Array("q", (np_ + nq) * WORDS + 1, lock=False)  # + PROMOTED
+    # (queue, worker) of each consumer: one per queue, grouped_consumers for the grouped one
+    taking = [
+        (q, w)
+        for q, ref in enumerate(run.queues)
+        for w in range(cfg.grouped_consumers if ref.grouped else 1)
+    ]
+    nc = len(taking)
+    counters = ctx.Array("q", (np_ + nc) * WORDS + 1, lock=False)  # + PROMOTED
     producers_done = ctx.Event()
     abort = ctx.Event()
     errors_q = ctx.Queue()
@@ -663,26 +741,31 @@ def run_cycle(
     )
     ack_dir = tempfile.mkdtemp(prefix="ringq-regress-acks-") if failover is not None else ""
 
-    def args(index: int, slot: int, quota: tuple[int, ...] = ()) -> WorkerArgs:
+    def args(
+        index: int, slot: int, quota: tuple[int, ...] = (), worker: int = 0, first_slot: int = 0
+    ) -> WorkerArgs:
         return WorkerArgs(
             dsn, run.run_id, cycle, cfg, run.queues, index, slot, seeds.getrandbits(63), quota,
-            ack_dir if quota else "",
+            ack_dir if quota else "", worker, first_slot,
         )
 
     # (target, args, name) of each worker: a killed one is started again from it.
     specs: list[tuple[Any, tuple[Any, ...], str]] = [
         (
             consumer_main,
-            (args(q, np_ + q), counters, producers_done, abort, errors_q),
-            f"regress-consumer-{q}",
+            (
+                args(q, np_ + c, worker=w, first_slot=np_ + c - w),
+                counters, producers_done, abort, errors_q,
+            ),
+            f"regress-consumer-{q}.{w}" if run.queues[q].grouped else f"regress-consumer-{q}",
         )
-        for q in range(nq)
+        for c, (q, w) in enumerate(taking)
     ] + [
         (producer_main, (args(p, p, quota), counters, abort, errors_q), f"regress-producer-{p}")
         for p, quota in enumerate(quotas(cfg.entries_per_queue, np_, nq))
     ]
     workers = [ctx.Process(target=t, args=a, name=n) for t, a, n in specs]
-    consumers, producers = workers[:nq], workers[nq:]
+    consumers, producers = workers[:nc], workers[nc:]
     chaos = (
         _Chaos(dsn, cfg, random.Random(f"{base_seed}:{cycle}:chaos"), monitor_dir, monitor_dsns)
         if cfg.resilient
@@ -710,7 +793,7 @@ def run_cycle(
                             t, a, n = specs[i]
                             workers[i] = ctx.Process(target=t, args=a, name=n)
                             workers[i].start()
-                    consumers, producers = workers[:nq], workers[nq:]
+                    consumers, producers = workers[:nc], workers[nc:]
                     if any(p.exitcode not in (None, 0) for p in workers):
                         # Not killed by chaos (those were started again above):
                         # failed. Its share would never come, so the others
@@ -744,7 +827,7 @@ def run_cycle(
                     watcher.close()
                     watcher = _reconnect_watcher(dsn)
                 max_depth = [max(a, b) for a, b in zip(max_depth, depths, strict=True)]
-                beat = sum(counters[i * WORDS + HEARTBEAT] for i in range(np_ + nq))
+                beat = sum(counters[i * WORDS + HEARTBEAT] for i in range(np_ + nc))
                 if beat != last_beat:
                     last_beat, last_change = beat, now
                 if progress is not None:
@@ -755,7 +838,7 @@ def run_cycle(
                             expected=expected,
                             committed=committed,
                             received=sum(
-                                counters[(np_ + q) * WORDS + C_ENTRIES] for q in range(nq)
+                                counters[(np_ + c) * WORDS + C_ENTRIES] for c in range(nc)
                             ),
                             rolled_back_tx=sum(counters[p * WORDS + P_RB_TX] for p in range(np_)),
                             full_tx=sum(counters[p * WORDS + P_FULL_TX] for p in range(np_)),
@@ -810,7 +893,7 @@ def run_cycle(
     def total(slots: Sequence[int], word: int) -> int:
         return int(sum(counters[i * WORDS + word] for i in slots))
 
-    prod_slots, cons_slots = range(np_), range(np_, np_ + nq)
+    prod_slots, cons_slots = range(np_), range(np_, np_ + nc)
     stats: dict[str, Any] = {
         "seed": base_seed,
         "producers": {
@@ -829,7 +912,7 @@ def run_cycle(
             "stalls": total(cons_slots, C_STALLS),
             "redelivered": total(cons_slots, C_REDELIVERED),
         },
-        "chaos": chaos.report(counters, range(np_ + nq)) if chaos is not None else None,
+        "chaos": chaos.report(counters, range(np_ + nc)) if chaos is not None else None,
         "failover": None,
         "queues": {
             ref.name: {

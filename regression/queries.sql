@@ -6,8 +6,9 @@
 --
 -- The jdbc_ blocks are what Spark reads through JDBC (regression/_verify.py),
 -- rendered to text and so kept free of comments: jdbc_sent's {committed_at}
--- is one of the two committed_at_ fragments; jdbc_received's {idx} is the
--- queue's index in payload headers (a Literal); jdbc_dbtable wraps a query as
+-- is one of the two committed_at_ fragments; jdbc_received's (and
+-- jdbc_received_grouped's, jdbc_sent_groups') {idx} is the queue's index in
+-- payload headers (a Literal); jdbc_dbtable wraps a query as
 -- Spark's derived table; jdbc_partition is one of {partitions} predicates that
 -- split a read ({column} an Identifier, {partitions} and {part} Literals).
 
@@ -50,7 +51,8 @@ CREATE TABLE {schema}.sent (
     kind          int2 NOT NULL,
     length        int4 NOT NULL,
     digest        bytea NOT NULL,
-    sent_at       timestamptz NOT NULL DEFAULT clock_timestamp()
+    sent_at       timestamptz NOT NULL DEFAULT clock_timestamp(),
+    grp           text
 );
 CREATE TABLE {schema}.acked (
     cycle         int4 NOT NULL,
@@ -84,6 +86,25 @@ CREATE TABLE {schema}.{table} (
     consumer      int4 NOT NULL,
     payload       bytea NOT NULL,
     deq_at        timestamptz NOT NULL DEFAULT clock_timestamp()
+)
+
+-- create_received_grouped --
+-- The grouped queue's consumers also record, per entry, their number among
+-- the queue's consumers (worker), the entry's group as dequeued, and
+-- time.monotonic_ns() right after the dequeue returned (deq_ns) and just
+-- before the commit (commit_ns): CLOCK_MONOTONIC is system-wide on Linux.
+CREATE TABLE {schema}.{table} (
+    cycle         int4 NOT NULL,
+    qseq          int8 NOT NULL,
+    recv_order    int8 NOT NULL,
+    deliveries    int4 NOT NULL,
+    consumer      int4 NOT NULL,
+    payload       bytea NOT NULL,
+    deq_at        timestamptz NOT NULL DEFAULT clock_timestamp(),
+    worker        int2 NOT NULL,
+    msg_group     text,
+    deq_ns        int8 NOT NULL,
+    commit_ns     int8 NOT NULL
 )
 
 -- insert_run --
@@ -121,11 +142,12 @@ SELECT cycle, started_at, ended_at, status, workload_s, stats, errors, ok
 FROM {schema}.cycles ORDER BY cycle
 
 -- insert_sent --
--- The producer's ground truth, in the enqueue's own transaction.
-INSERT INTO {schema}.sent (cycle, queue, qseq, producer, pseq, tx, kind, length, digest)
-SELECT %(cycle)s, v.q, v.s, %(producer)s, v.p, %(tx)s, %(kind)s, v.l, v.d
+-- The producer's ground truth, in the enqueue's own transaction (grp: the
+-- entry's group, NULL outside the grouped queue).
+INSERT INTO {schema}.sent (cycle, queue, qseq, producer, pseq, tx, kind, length, digest, grp)
+SELECT %(cycle)s, v.q, v.s, %(producer)s, v.p, %(tx)s, %(kind)s, v.l, v.d, v.g
 FROM unnest(%(queues)s::int2[], %(qseqs)s::int8[], %(pseqs)s::int8[], %(lengths)s::int4[],
-            %(digests)b::bytea[]) AS v(q, s, p, l, d)
+            %(digests)b::bytea[], %(groups)s::text[]) AS v(q, s, p, l, d, g)
 
 -- insert_acked --
 -- What producers of a fail-over cycle were told had committed (their commit
@@ -150,6 +172,14 @@ INSERT INTO {schema}.{table} (cycle, qseq, recv_order, deliveries, consumer, pay
 SELECT %(cycle)s, v.s, v.o, v.d, %(consumer)s, v.p
 FROM unnest(%(qseqs)s::int8[], %(orders)s::int8[], %(deliveries)s::int4[],
             %(payloads)b::bytea[]) AS v(s, o, d, p)
+
+-- insert_received_grouped --
+-- The record of a consumer of the grouped queue, in the dequeue's own transaction.
+INSERT INTO {schema}.{table}
+    (cycle, qseq, recv_order, deliveries, consumer, payload, worker, msg_group, deq_ns, commit_ns)
+SELECT %(cycle)s, v.s, v.o, v.d, %(consumer)s, v.p, %(worker)s, v.g, %(deq_ns)s, %(commit_ns)s
+FROM unnest(%(qseqs)s::int8[], %(orders)s::int8[], %(deliveries)s::int4[],
+            %(payloads)b::bytea[], %(groups)s::text[]) AS v(s, o, d, p, g)
 
 -- list_runs --
 -- Executed without parameters, so % is a literal LIKE wildcard.
@@ -185,6 +215,11 @@ SELECT queue, count(*) FROM {schema}.sent WHERE cycle = %s AND producer = %s GRO
 
 -- resume_consumer --
 SELECT coalesce(max(recv_order), 0), count(*) FROM {schema}.{table} WHERE cycle = %s
+
+-- resume_grouped_consumer --
+-- The same for one of the grouped queue's consumers: what it took itself.
+SELECT coalesce(max(recv_order), 0), count(*) FROM {schema}.{table}
+WHERE cycle = %s AND worker = %s
 
 -- prepared_gids --
 SELECT gid FROM pg_prepared_xacts WHERE database = current_database()
@@ -234,6 +269,14 @@ FROM {schema}.rolled_back WHERE cycle IN ({cycles})
 -- jdbc_received --
 SELECT {idx}::int2 AS queue, cycle, qseq, recv_order, deliveries, payload, deq_at
 FROM {schema}.{table} WHERE cycle IN ({cycles})
+
+-- jdbc_received_grouped --
+SELECT {idx}::int2 AS queue, cycle, qseq, recv_order, deliveries, payload, deq_at,
+       worker, msg_group, deq_ns, commit_ns
+FROM {schema}.{table} WHERE cycle IN ({cycles})
+
+-- jdbc_sent_groups --
+SELECT cycle, queue, qseq, grp FROM {schema}.sent WHERE cycle IN ({cycles}) AND queue = {idx}
 
 -- jdbc_dbtable --
 ({query}) AS t

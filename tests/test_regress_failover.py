@@ -49,6 +49,9 @@ def embedded(home: Path) -> Iterator[Cluster]:
         cluster.stop()
 
 
+QUEUES = 3  # two payload sizes, and the grouped queue
+
+
 def failover_cycle(
     cluster: Cluster, mode: str, verifier: Verifier, reports: Path, seed: int
 ) -> tuple[RunOutcome, Report]:
@@ -90,7 +93,7 @@ def test_a_sync_failover_cycle_loses_nothing_acknowledged(
         assert report.ok, report.summary()
         v = report.violations
         assert v["lost"] == v["duplicate"] == v["out_of_order"] == 0
-        assert report.counts["committed"] == report.counts["delivered"] == 2 * 400
+        assert report.counts["committed"] == report.counts["delivered"] == QUEUES * 400
         f = report.failover
         assert f["mode"] == "sync" and f["promotions"] == 1, f
         assert f["acknowledged"] > 0 and f["lost_acknowledged"] == 0, f
@@ -116,7 +119,7 @@ def test_an_async_failover_cycle_loses_only_the_replication_gap(
         assert v["duplicate"] == v["out_of_order"] == v["lost"] == 0
         # What the new primary holds is delivered exactly once: the producers
         # made up for the entries lost, so every queue still got its share.
-        assert report.counts["committed"] == report.counts["delivered"] == 2 * 400
+        assert report.counts["committed"] == report.counts["delivered"] == QUEUES * 400
         f = report.failover
         assert f["mode"] == "async" and f["promotions"] == 1 and f["walsender_paused_s"] > 0, f
         assert f["lost_outside_gap"] == 0 and f["lost_in_gap"] == f["lost_acknowledged"], f

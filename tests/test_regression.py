@@ -46,6 +46,9 @@ pytestmark = pytest.mark.slow
 
 SIZES = (16, 200, 2000, 20000, 200000)
 KINDS = ("lost", "duplicate", "out_of_order", "corrupt", "rolled_back_delivered")
+# planted into the grouped queue (the run's last): they must fail the proof too
+GROUP_KINDS = ("group_order_breaks", "group_in_flight_twice")
+QUEUES = len(SIZES) + 1  # one per payload size, and the grouped queue
 
 
 def _drop_database(admin: str, dsn: str, name: str) -> None:
@@ -109,7 +112,8 @@ def reports(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def stored(module_dsn: str, verifier: Verifier, reports: Path) -> RunOutcome:
-    """One small cycle, run as ``--cycles 0`` stopped after its first proof."""
+    """One small cycle, run as ``--cycles 0`` stopped after its first proof
+    (with the grouped queue: 3 consumers, 20 groups)."""
     config = RegressConfig(
         payload_sizes=SIZES,
         capacity=64,
@@ -118,6 +122,8 @@ def stored(module_dsn: str, verifier: Verifier, reports: Path) -> RunOutcome:
         rollback_rate=0.15,  # enough rolled-back entries to plant one as delivered
         two_phase_rate=0.3,
         seed=20261122,
+        grouped_consumers=3,
+        groups=20,
     )
     proven: list[Report] = []
     return run(
@@ -139,7 +145,7 @@ def test_a_small_cycle_is_proven(module_dsn: str, stored: RunOutcome, reports: P
     assert report.ok, report.summary()
     assert set(report.violations) >= set(KINDS) and not any(report.violations.values())
     c = report.counts
-    assert c["committed"] == c["delivered"] == 5 * 200
+    assert c["committed"] == c["delivered"] == QUEUES * 200
     assert c["received_rows"] == c["delivered"]  # consumer rollbacks left no rows behind
     tx = c["transactions"]
     assert tx["simple"] > 0 and tx["two_phase"] > 0 and tx["multi_queue"] > 0
@@ -147,12 +153,28 @@ def test_a_small_cycle_is_proven(module_dsn: str, stored: RunOutcome, reports: P
     # The workload reached both ends of every ring: each consumer stands still
     # while the producers still owe its queue more than a ring's worth, so every
     # queue is found full (entries_per_queue 200 > capacity 64), and found empty.
-    assert len(report.queues) == len(SIZES)
+    assert len(report.queues) == QUEUES
+    info = load_run(module_dsn, stored.run_id)
+    # The grouped queue comes last, with the smallest payload size.
+    assert [(q.payload_size, q.grouped) for q in info.queues] == [
+        *((size, False) for size in SIZES), (min(SIZES), True)
+    ]
     assert all(q["empty_hits"] > 0 for q in report.queues), report.queues
     assert all(q["full_hits"] > 0 for q in report.queues), report.queues
     assert all(q["max_depth"] > 0 for q in report.queues), report.queues
     assert stored.results[0].stats["consumers"]["stalls"] >= len(SIZES)
     assert all(q.get("leftover", 0) == 0 for q in report.queues)
+    # The grouped queue: its three consumers took entries of its groups in
+    # parallel, each group in order and one entry of a group at a time.
+    g = report.groups
+    assert g["committed"] == g["received_rows"] == 200 and g["groups"] == 20, g
+    assert g["groups_seen"] == 20 and g["consumers"] == 3 and g["consumers_seen"] >= 2, g
+    assert g["most_held_at_once"] >= 2, g
+    assert g["order_breaks"] == g["in_flight_twice"] == 0, g
+    v = report.violations
+    assert v["group_order_breaks"] == v["group_in_flight_twice"] == 0
+    assert re.search(r"groups +\S+_5: 200 entries in 20 of 20 groups", report.summary())
+    assert "order breaks 0   in flight twice 0" in report.summary()
     assert report.path and Path(report.path).is_file()
     assert Path(report.path) == reports / stored.run_id / "cycle-1.json"
     # The run stays in the database, its queues do not.
@@ -166,7 +188,7 @@ def test_a_small_cycle_is_proven(module_dsn: str, stored: RunOutcome, reports: P
                 sql.SQL("SELECT count(*) FROM {}.sent").format(S.schema_of(stored.run_id))
             ).fetchone()
         )
-        assert sent == 1000
+        assert sent == QUEUES * 200
 
 
 # -- planted faults ---------------------------------------------------------------------------
@@ -293,6 +315,8 @@ def planted(dsn: str, run_id: str, kind: str) -> Iterator[dict[str, Any]]:
                 )
 
             what = {"qseq": qseq}
+        elif kind in GROUP_KINDS:
+            what, undo = _plant_in_group(conn, info, kind)
         else:
             raise AssertionError(kind)
     try:
@@ -302,7 +326,54 @@ def planted(dsn: str, run_id: str, kind: str) -> Iterator[dict[str, Any]]:
             undo(conn)
 
 
-@pytest.mark.parametrize("kind", KINDS)
+def _plant_in_group(
+    conn: psycopg.Connection[Any], info: Any, kind: str
+) -> tuple[dict[str, Any], Callable[[psycopg.Connection[Any]], None]]:
+    """Change the recorded times of two entries of one group in the grouped
+    queue's received table: ``group_in_flight_twice``, the second one dequeued
+    just before the first one's commit began (their order unchanged);
+    ``group_order_breaks``, two entries of one producer in one group swap
+    their (dequeue, commit) times. Returns what was planted and its undo."""
+    queue = info.queues[-1]
+    assert queue.grouped
+    table = _received(info.run_id, queue.name)
+    times = sql.SQL("UPDATE {} SET deq_ns = %s, commit_ns = %s WHERE qseq = %s").format(table)
+    if kind == "group_in_flight_twice":
+        # Two entries in a row of the busiest group, by dequeue time.
+        a, a_commit, b, b_deq, b_commit = present(conn.execute(sql.SQL(
+            "SELECT qseq, commit_ns, nq, nd, nc FROM (SELECT qseq, deq_ns, commit_ns, "
+            "lead(qseq) OVER w AS nq, lead(deq_ns) OVER w AS nd, lead(commit_ns) OVER w AS nc "
+            "FROM {t} WHERE msg_group = (SELECT msg_group FROM {t} GROUP BY msg_group "
+            "ORDER BY count(*) DESC, msg_group LIMIT 1) WINDOW w AS (ORDER BY deq_ns)) x "
+            "WHERE nq IS NOT NULL ORDER BY deq_ns LIMIT 1 OFFSET 2").format(t=table)).fetchone())
+        conn.execute(times, (a_commit - 1, b_commit, b))
+
+        def undo(c: psycopg.Connection[Any]) -> None:
+            c.execute(times, (b_deq, b_commit, b))
+
+        return {"qseq": b}, undo
+    # Two entries in a row of one producer in one group, by dequeue time.
+    row = present(conn.execute(sql.SQL(
+        "SELECT producer, qseq, pseq, deq_ns, commit_ns, nq, nd, nc FROM ("
+        "SELECT s.producer, r.qseq, s.pseq, r.deq_ns, r.commit_ns, lead(r.qseq) OVER w AS nq, "
+        "lead(r.deq_ns) OVER w AS nd, lead(r.commit_ns) OVER w AS nc "
+        "FROM {t} r JOIN {s}.sent s ON s.cycle = r.cycle AND s.queue = %s AND s.qseq = r.qseq "
+        "WINDOW w AS (PARTITION BY s.producer, s.grp ORDER BY r.deq_ns)) x "
+        "WHERE nq IS NOT NULL ORDER BY deq_ns LIMIT 1 OFFSET 5"
+    ).format(t=table, s=S.schema_of(info.run_id)), (queue.idx,)).fetchone())
+    producer, a, a_pseq, a_deq, a_commit, b, b_deq, b_commit = row
+    conn.execute(times, (b_deq, b_commit, a))
+    conn.execute(times, (a_deq, a_commit, b))
+
+    def undo_swap(c: psycopg.Connection[Any]) -> None:
+        c.execute(times, (a_deq, a_commit, a))
+        c.execute(times, (b_deq, b_commit, b))
+
+    # The earlier entry now comes after the later one: it is the one out of order.
+    return {"producer": producer, "pseq": a_pseq}, undo_swap
+
+
+@pytest.mark.parametrize("kind", KINDS + GROUP_KINDS)
 def test_a_planted_fault_is_caught_with_its_kind(
     module_dsn: str, stored: RunOutcome, verifier: Verifier, kind: str
 ) -> None:
@@ -455,6 +526,20 @@ def test_payload_carries_header_and_checksum() -> None:
     assert parse_sizes("16, 2k,200K,1m") == (16, 2000, 200000, 1000000)
 
 
+def test_grouped_options_are_checked() -> None:
+    with pytest.raises(ConfigError, match="grouped_consumers"):
+        RegressConfig(grouped_consumers=-1)
+    with pytest.raises(ConfigError, match="groups"):
+        RegressConfig(groups=0)
+    cfg = RegressConfig(payload_sizes=(200, 16, 2000), grouped_consumers=4, groups=7)
+    assert cfg.queues == 4 and RegressConfig.from_json(cfg.to_json()) == cfg
+    assert RegressConfig(grouped_consumers=0).queues == len(SIZES)
+    # A run stored before the grouped queue existed had none.
+    old = {k: v for k, v in cfg.to_json().items() if k not in ("grouped_consumers", "groups")}
+    assert not RegressConfig.from_json(old).grouped
+    assert cli_main(["regress", "--groups", "0", "--dsn", "postgresql://nowhere.invalid/x"]) == 2
+
+
 def test_chaos_options_are_checked() -> None:
     with pytest.raises(ConfigError, match="chaos_interval"):
         RegressConfig(chaos=True, chaos_interval=(2.0, 1.0))
@@ -490,7 +575,8 @@ def test_a_cycle_under_chaos_is_proven(dsn: str, verifier: Verifier, tmp_path: P
     assert result.status == "done" and not result.errors, result
     report = outcome.reports[0]
     assert report.ok, report.summary()
-    assert report.counts["committed"] == report.counts["delivered"] == 5 * 500
+    assert report.counts["committed"] == report.counts["delivered"] == QUEUES * 500
+    assert report.groups["order_breaks"] == report.groups["in_flight_twice"] == 0
     chaos = result.stats["chaos"]
     assert chaos["producers"] > 0 and chaos["consumers"] > 0 and chaos["monitor"] > 0, chaos
     assert chaos["pg_restarts"] == 1 and not chaos["errors"], chaos
