@@ -292,20 +292,56 @@ def recover_dead_clients(sec: Section, dsn: str, *, terminate: bool = True) -> l
         return []
     try:
         dead = sec.dead_clients()
-        orphans = _orphaned_slots(sec)
-        if not dead and not orphans:
+        orphans, held = _orphaned_slots(sec)
+        if not dead and not orphans and not held:
             return []
         with _connect(dsn) as conn:
             infos = _queue_infos(conn)
-            prepared = _prepared_slots(conn)
+            prepared = _prepared_slots(conn)  # read after the held slots: see _decide_unheld
             out = (
                 _recover_dead(sec, conn, infos, prepared, dead, terminate=terminate) if dead else []
             )
             if orphans:
                 out += _recover_orphans(sec, conn, infos, prepared, orphans)
+            if held:
+                _decide_unheld(sec, conn, infos, prepared, held)
         return out
     finally:
         sec.unlock_recovery()
+
+
+def _decide_unheld(
+    sec: Section,
+    conn: psycopg.Connection[Any],
+    infos: dict[int, QueueInfo],
+    prepared: set[tuple[int, int]],
+    held: dict[int, list[int]],
+) -> None:
+    """Decide from the rows the slots held (owner HELD) for a prepared
+    transaction that is prepared no longer: someone resolved it (its own
+    session on a new connection after a fail-over, an administrator) other
+    than :func:`resolve_prepared`, which decides the slots it resolves. A
+    slot is held only while its transaction is prepared and a transaction
+    leaves that state once, so one not in ``prepared`` (read after the held
+    slots were) has its final row."""
+    ops: list[Op] = []
+    for qidx, slots in held.items():
+        ring = Ring(sec, qidx)
+        info = infos.get(ring.qid)
+        if info is None:
+            continue
+        for slot in slots:
+            if (info.id, slot) in prepared:
+                continue
+            enq, _deq, _lck, _owner = ring.bits(slot)
+            kind = OpKind.DEQUEUE if enq else OpKind.ENQUEUE
+            ops.append(Op(ring, info, slot, ring.seq_of(slot), kind))
+    if ops:
+        decide_ops(sec, conn, ops, HELD)
+        logger.warning(
+            "ringq: %d slots held for prepared transactions resolved elsewhere decided from rows",
+            len(ops),
+        )
 
 
 def _recover_dead(
@@ -401,11 +437,13 @@ class _Orphans:
     roles: list[int] = field(default_factory=list)  # qidx of single-mode queues whose role it holds
 
 
-def _orphaned_slots(sec: Section) -> dict[int, _Orphans]:
+def _orphaned_slots(sec: Section) -> tuple[dict[int, _Orphans], dict[int, list[int]]]:
     """Locked slots (and single-dequeuer roles) whose token no entry carries
-    now, by token. Read under each queue's lock, so a slot being locked is
+    now, by token; and the slots held for prepared transactions (owner HELD),
+    by queue block. Read under each queue's lock, so a slot being locked is
     seen with its owner and holder."""
     out: dict[int, _Orphans] = {}
+    held: dict[int, list[int]] = {}
     for qidx in sec.loaded_queues():
         ring = Ring(sec, qidx)
         sec.lock_queue(qidx)
@@ -417,9 +455,11 @@ def _orphaned_slots(sec: Section) -> dict[int, _Orphans]:
         for slot, token, holder in locked:
             if token > 0 and sec.token_holder(token) is None:
                 out.setdefault(token, _Orphans(holder)).slots.setdefault(qidx, []).append(slot)
+            elif token == HELD:
+                held.setdefault(qidx, []).append(slot)
         if role > 0 and sec.token_holder(role) is None:
             out.setdefault(role, _Orphans(0)).roles.append(qidx)
-    return out
+    return out, held
 
 
 def _recover_orphans(

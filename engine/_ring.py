@@ -879,6 +879,14 @@ class Ring:
             s.owner[self.base : self.base + cap] = 0
             Q[b + L.Q_DEQ_OWNER] = 0
             Q[b + L.Q_DEQ_INFLIGHT] = 0
+        # Slots of prepared transactions that no live client here holds: locked
+        # with owner HELD (set before the LCK bits), for recovery to decide from
+        # the rows once the transaction is resolved (recovery.resolve_prepared,
+        # or recover_dead_clients when someone else resolved it).
+        for h_slot, _h_seq in held:
+            if not (int(old_lck[h_slot >> 6]) >> (h_slot & 63)) & 1:
+                s.holder_w[self.base + h_slot] = 0
+                s.owner_w[self.base + h_slot] = L.OWNER_HELD
         # Tail first, then bits, then head: readers only look inside [tail, head).
         Q[b + L.Q_TAIL] = tail
         s.enq[g0:g1] = new_enq

@@ -14,7 +14,7 @@ from typing import Any
 
 import psycopg
 import pytest
-from conftest import decided_gids, drain, prepared_gids, present
+from conftest import decided_gids, drain, prepared_gids, present, remove_section
 from ringq.engine import Ring, Section, connect
 from ringq.engine import layout as L
 from ringq.engine.recovery import (
@@ -660,3 +660,46 @@ def test_recover_dead_holders_waits_until_the_queue_is_clear(
         assert s.ring(q).counts()["locked"] == 0
         assert present(s.dequeue(q)).deliveries == 2
         s.commit()
+
+
+@pytest.mark.parametrize("resolver", ["elsewhere", "monitor"])
+def test_a_prepared_transaction_found_at_a_load_is_held_then_decided(
+    dsn: str, make_queue: Callable[..., str], resolver: str
+) -> None:
+    """A queue loaded (after a fail-over, a rebuild) while a transaction is
+    prepared keeps its slot locked with owner HELD. Once the transaction is
+    resolved, by ringq's resolve_prepared or by anyone else (its own
+    session on a new connection, an administrator), recovery decides the
+    slot from the row. It used to keep owner 0, which no recovery looked at:
+    the slot stayed locked and the ring stopped once it wrapped to it."""
+    q = make_queue(capacity=4)
+    ready = FORK.Event()
+    p = FORK.Process(
+        target=_prepare_and_die, args=(dsn, q, uuid.uuid4().hex, False, ready)
+    )
+    p.start()
+    assert ready.wait(30)
+    os.kill(present(p.pid), signal.SIGKILL)
+    p.join(10)
+    [gid] = prepared_gids(dsn)
+    remove_section(dsn)  # the next session loads the queue from its rows
+    with connect(dsn) as s:
+        ring = s.ring(q)
+        [(_slot, owner, _holder)] = ring.locked_slots()
+        assert owner == L.OWNER_HELD
+        if resolver == "elsewhere":
+            with psycopg.connect(dsn, autocommit=True) as c:
+                c.execute(f"COMMIT PREPARED '{gid}'")
+            recover_dead_clients(s.section, dsn)
+        else:
+            assert resolve_prepared(s.section, dsn, timeout_s=0) == [(gid, "rollback")]
+        assert ring.locked_slots() == []
+        got = []
+        for i in range(8):  # twice round the ring: nothing in the way
+            s.enqueue(q, b"%d" % i)
+            s.commit()
+            got.append(present(s.dequeue(q)).payload)
+            s.commit()
+    got += [m.payload for m in drain(dsn, q)]
+    committed = [b"2pc"] if resolver == "elsewhere" else []
+    assert got == committed + [b"%d" % i for i in range(8)]
