@@ -117,6 +117,10 @@ def jdbc_target(dsn: str) -> tuple[str, dict[str, str]]:
         # As libpq would: the primary of the servers named, never a standby
         # (which may not have replayed the last commits yet).
         props["targetServerType"] = "primary"
+        # pgjdbc remembers each host's role for hostRecheckSeconds (10 s): a
+        # fail-over within that time (the next cycle's) would leave it
+        # trying only the host it knew as the primary, now down.
+        props["hostRecheckSeconds"] = "0"
     props["ApplicationName"] = "ringq-regress-spark"
     # Binary transfer from the first execution: bytea arrives as bytes, not hex text
     # (about twice as fast for large payloads).
