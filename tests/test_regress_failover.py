@@ -53,8 +53,9 @@ QUEUES = 3  # two payload sizes, and the grouped queue
 
 
 def failover_cycle(
-    cluster: Cluster, mode: str, verifier: Verifier, reports: Path, seed: int
+    cluster: Cluster, mode: str, verifier: Verifier, reports: Path, seed: int, cycles: int = 1
 ) -> tuple[RunOutcome, Report]:
+    """Run ``cycles`` fail-over cycles; every one must finish; the last report."""
     config = RegressConfig(
         payload_sizes=(16, 2000),
         capacity=64,
@@ -64,32 +65,40 @@ def failover_cycle(
         seed=seed,
         chaos_failover=mode,
     )
-    outcome = run(cluster.url(), config, cycles=1, verifier=verifier, report_dir=reports)
-    result = outcome.results[0]
-    assert result.status == "done" and not result.errors, result
-    report = outcome.reports[0]
-    print("\n" + report.summary())
-    return outcome, report
+    outcome = run(cluster.url(), config, cycles=cycles, verifier=verifier, report_dir=reports)
+    assert len(outcome.results) == len(outcome.reports) == cycles
+    for result, report in zip(outcome.results, outcome.reports, strict=True):
+        assert result.status == "done" and not result.errors, result
+        print("\n" + report.summary())
+        assert report.ok, report.summary()
+    return outcome, outcome.reports[-1]
 
 
-def assert_cluster_is_whole_again(cluster: Cluster, home: Path) -> None:
+def assert_cluster_is_whole_again(cluster: Cluster, home: Path, *, failovers: int = 1) -> None:
     """The new primary runs with the old one as its streaming standby, and
-    ``$RINGQ_HOME/dsn`` names the live primary (what 'ringq run' reads)."""
+    ``$RINGQ_HOME/dsn`` names the live primary (what 'ringq run' reads);
+    after an even number of fail-overs the first data directory is the
+    primary again."""
+    first, second = home / "pgdata", home / "standby" / "pgdata"
+    if failovers % 2 == 0:
+        first, second = second, first
     primary = cluster.status()
     assert primary.running and primary.in_recovery is False
-    assert primary.datadir == home / "standby" / "pgdata"
+    assert primary.datadir == second
     sb = present(cluster.standby_status())
     assert sb.state == "running" and sb.running and sb.in_recovery is True
-    assert sb.datadir == home / "pgdata"
+    assert sb.datadir == first
     assert (home / "dsn").read_text().strip() == cluster.url()
 
 
-def test_a_sync_failover_cycle_loses_nothing_acknowledged(
+def test_two_sync_failover_cycles_lose_nothing_acknowledged(
     tmp_path: Path, verifier: Verifier
 ) -> None:
+    """Two cycles: the second fails back to the first data directory (its
+    sessions, its section and Spark's JDBC follow the primary twice)."""
     home = tmp_path / "home"
     with embedded(home) as cluster:
-        outcome, report = failover_cycle(cluster, "sync", verifier, tmp_path, 20261201)
+        outcome, report = failover_cycle(cluster, "sync", verifier, tmp_path, 20261201, 2)
         assert report.ok, report.summary()
         v = report.violations
         assert v["lost"] == v["duplicate"] == v["out_of_order"] == 0
@@ -101,11 +110,11 @@ def test_a_sync_failover_cycle_loses_nothing_acknowledged(
         assert f["rebuilt"] in (["rewound"], ["unchanged"], ["copied"]), f
         assert "fail-over   sync standby: promotions 1" in report.summary()
         assert "(synchronous: none may be)" in report.summary()
-        stats = outcome.results[0].stats
+        stats = outcome.results[-1].stats
         assert stats["failover"]["old_port"] != stats["failover"]["new_port"]
         assert stats["chaos"]["reconnects"] > 0  # the workers lived through it
         assert "?target_session_attrs=read-write" in outcome.dsn
-        assert_cluster_is_whole_again(cluster, home)
+        assert_cluster_is_whole_again(cluster, home, failovers=2)
 
 
 def test_an_async_failover_cycle_loses_only_the_replication_gap(
