@@ -704,7 +704,7 @@ class Cluster:
             "synchronous_standby_names": "''",
             # Between attempts at WAL after its primary died (5 s by default):
             # a promotion was seen to wait that long on this host.
-            "wal_retrieve_retry_interval": "'1s'",
+            "wal_retrieve_retry_interval": "'200ms'",
         }
 
     def _apply_primary_settings(self, pair: _Pair) -> None:
