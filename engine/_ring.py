@@ -299,18 +299,12 @@ class Ring:
         if busy is not None:
             self._collect_grouped(a, b, n, out, busy)
             return
-        s = self.sec
-        wa, wl = a >> 6, (b - 1) >> 6
+        wl = (b - 1) >> 6
         chunk = _FIRST_CHUNK
-        w = wa
+        w = a >> 6
         while w <= wl and len(out) < n:
             we = min(wl + 1, w + chunk)
-            g0, g1 = self.w0 + w, self.w0 + we
-            words = s.enq[g0:g1] & ~s.deq[g0:g1] & ~s.lck[g0:g1]
-            if w == wa and a & 63:
-                words[0] &= np.uint64((_U64 << (a & 63)) & _U64)
-            if we == wl + 1 and (b & 63):
-                words[-1] &= np.uint64((1 << (b & 63)) - 1)
+            words = self._words(w, we, a, b, ready=True)
             for i in np.flatnonzero(words):
                 x = int(words[i])
                 while x and len(out) < n:
@@ -328,16 +322,11 @@ class Ring:
         skipped = 0
         # Near the tail, as _find_in: plain ints through the memoryviews
         # (numpy's per-call cost is most of a short scan).
-        E, D, K, G, w0, base = s.enq_w, s.deq_w, s.lck_w, s.group_w, self.w0, self.base
+        G, base = s.group_w, self.base
         w = wa
         stop = min(wl + 1, wa + _GROUPED_PY_WORDS)
         while w < stop and len(out) < n:
-            g = w0 + w
-            word = E[g] & ~D[g] & ~K[g]
-            if w == wa and a & 63:
-                word &= (_U64 << (a & 63)) & _U64
-            if w == wl and b & 63:
-                word &= (1 << (b & 63)) - 1
+            word = self._word(w, a, b, ready=True)
             while word and len(out) < n:
                 low = word & -word
                 word ^= low
@@ -353,12 +342,7 @@ class Ring:
         chunk = _FIRST_CHUNK * 4
         while w <= wl and len(out) < n:
             we = min(wl + 1, w + chunk)
-            g0, g1 = self.w0 + w, self.w0 + we
-            words = s.enq[g0:g1] & ~s.deq[g0:g1] & ~s.lck[g0:g1]
-            if w == wa and a & 63:
-                words[0] &= np.uint64((_U64 << (a & 63)) & _U64)
-            if we == wl + 1 and (b & 63):
-                words[-1] &= np.uint64((1 << (b & 63)) - 1)
+            words = self._words(w, we, a, b, ready=True)
             nz = np.flatnonzero(words)
             if nz.size:
                 rows, cols = np.nonzero(
@@ -672,37 +656,53 @@ class Ring:
             return found
         return self._find_in(0, end - self.cap, ready)
 
-    def _find_in(self, a: int, b: int, ready: bool) -> int | None:
+    def _word(self, w: int, a: int, b: int, *, ready: bool) -> int:
+        """Queue-relative word ``w`` of the ready bits (ENQ, not DEQ, not
+        LCK) or, with ``ready=False``, of the not-done bits (DEQ unset or LCK
+        set), as a plain int masked to the slots [a, b)."""
         s = self.sec
+        g = self.w0 + w
+        if ready:
+            word = s.enq_w[g] & ~s.deq_w[g] & ~s.lck_w[g]
+        else:
+            word = (~s.deq_w[g] | s.lck_w[g]) & _U64
+        if w == a >> 6 and a & 63:
+            word &= (_U64 << (a & 63)) & _U64
+        if w == (b - 1) >> 6 and b & 63:
+            word &= (1 << (b & 63)) - 1
+        return word
+
+    def _words(self, w: int, we: int, a: int, b: int, *, ready: bool) -> np.ndarray:
+        """Queue-relative words [w, we) as :meth:`_word` makes one, as a
+        numpy array (a copy)."""
+        s = self.sec
+        g0, g1 = self.w0 + w, self.w0 + we
+        if ready:
+            words = s.enq[g0:g1] & ~s.deq[g0:g1] & ~s.lck[g0:g1]
+        else:
+            words = ~s.deq[g0:g1] | s.lck[g0:g1]
+        if w == a >> 6 and a & 63:
+            words[0] &= np.uint64((_U64 << (a & 63)) & _U64)
+        if we == ((b - 1) >> 6) + 1 and b & 63:
+            words[-1] &= np.uint64((1 << (b & 63)) - 1)
+        return words
+
+    def _find_in(self, a: int, b: int, ready: bool) -> int | None:
         wa, wl = a >> 6, (b - 1) >> 6  # first and last word (inclusive), queue-relative
         # The answer is nearly always within a word or two of the tail: read
         # those as plain ints through the memoryviews (numpy's per-call cost,
         # a microsecond per operation, is the larger part of a short scan).
-        E, D, K, w0 = s.enq_w, s.deq_w, s.lck_w, self.w0
         w = wa
         stop = min(wl + 1, wa + _FIRST_CHUNK)
         while w < stop:
-            g = w0 + w
-            word = (E[g] & ~D[g] & ~K[g]) if ready else ((~D[g] | K[g]) & _U64)
-            if w == wa and a & 63:
-                word &= (_U64 << (a & 63)) & _U64
-            if w == wl and b & 63:
-                word &= (1 << (b & 63)) - 1
+            word = self._word(w, a, b, ready=ready)
             if word:
                 return (w << 6) + _lowest_bit(word)
             w += 1
         chunk = _FIRST_CHUNK * 4
         while w <= wl:
             we = min(wl + 1, w + chunk)
-            g0, g1 = self.w0 + w, self.w0 + we
-            if ready:
-                words = s.enq[g0:g1] & ~s.deq[g0:g1] & ~s.lck[g0:g1]
-            else:
-                words = ~s.deq[g0:g1] | s.lck[g0:g1]
-            if w == wa and a & 63:
-                words[0] &= np.uint64((_U64 << (a & 63)) & _U64)
-            if we == wl + 1 and (b & 63):
-                words[-1] &= np.uint64((1 << (b & 63)) - 1)
+            words = self._words(w, we, a, b, ready=ready)
             nz = np.flatnonzero(words)
             if nz.size:
                 i = int(nz[0])
