@@ -37,7 +37,7 @@ from __future__ import annotations
 import hashlib
 import secrets
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -317,30 +317,39 @@ class Ring:
             chunk = min(chunk * 4, _MAX_CHUNK)
 
     def _collect_grouped(self, a: int, b: int, n: int, out: list[int], busy: set[int]) -> None:
-        s = self.sec
-        wa, wl = a >> 6, (b - 1) >> 6
         skipped = 0
+        for slot, tag in self._ready_tagged(a, b, busy):
+            if tag:
+                if tag in busy:
+                    skipped += 1
+                    continue
+                busy.add(tag)
+            out.append(slot)
+            if len(out) >= n:
+                break
+        if skipped:
+            self.Q[self.qb + L.Q_N_GROUP_SKIPS] += skipped
+
+    def _ready_tagged(self, a: int, b: int, busy: set[int]) -> Iterator[tuple[int, int]]:
+        """Ready slots in [a, b), oldest first, each with its group tag. A
+        numpy chunk leaves out the slots whose group is in ``busy`` as the
+        chunk is read (counted as group skips); the caller tests the rest."""
+        wl = (b - 1) >> 6
+        G, base = self.sec.group_w, self.base
         # Near the tail, as _find_in: plain ints through the memoryviews
         # (numpy's per-call cost is most of a short scan).
-        G, base = s.group_w, self.base
-        w = wa
-        stop = min(wl + 1, wa + _GROUPED_PY_WORDS)
-        while w < stop and len(out) < n:
+        w = a >> 6
+        stop = min(wl + 1, w + _GROUPED_PY_WORDS)
+        while w < stop:
             word = self._word(w, a, b, ready=True)
-            while word and len(out) < n:
+            while word:
                 low = word & -word
                 word ^= low
                 slot = (w << 6) + low.bit_length() - 1
-                tag = G[base + slot]
-                if tag:
-                    if tag in busy:
-                        skipped += 1
-                        continue
-                    busy.add(tag)
-                out.append(slot)
+                yield slot, G[base + slot]
             w += 1
         chunk = _FIRST_CHUNK * 4
-        while w <= wl and len(out) < n:
+        while w <= wl:
             we = min(wl + 1, w + chunk)
             words = self._words(w, we, a, b, ready=True)
             nz = np.flatnonzero(words)
@@ -349,24 +358,14 @@ class Ring:
                     np.unpackbits(words[nz].view(np.uint8), bitorder="little").reshape(-1, 64)
                 )
                 slots = (w + nz[rows]) * 64 + cols  # ready slots of the chunk, in order
-                tags = s.group[self.base + slots]
+                tags = self.sec.group[base + slots]
                 if busy:
                     keep = _not_in(tags, busy)
-                    skipped += int(slots.size - np.count_nonzero(keep))
+                    self.Q[self.qb + L.Q_N_GROUP_SKIPS] += int(slots.size - np.count_nonzero(keep))
                     slots, tags = slots[keep], tags[keep]
-                for slot, tag in zip(slots.tolist(), tags.tolist(), strict=True):
-                    if tag:
-                        if tag in busy:
-                            skipped += 1
-                            continue
-                        busy.add(tag)
-                    out.append(slot)
-                    if len(out) >= n:
-                        break
+                yield from zip(slots.tolist(), tags.tolist(), strict=True)
             w = we
             chunk = min(chunk * 4, _MAX_CHUNK)
-        if skipped:
-            self.Q[self.qb + L.Q_N_GROUP_SKIPS] += skipped
 
     def finish_dequeue(
         self, slot: int, consumed: bool, *, exclusive: bool, reclaim: bool = True
