@@ -23,7 +23,7 @@ from ._names import queue_table
 from ._ops import Op, OpKind, RowState
 from ._queries import QUERIES as _Q
 from ._queue_info import QueueInfo
-from ._ring import Ring
+from ._ring import Ring, group_tag
 from ._section import Section
 
 
@@ -188,16 +188,20 @@ def decide_ops(
             sql.SQL(_Q["rows"]).format(table=queue_table(info.name)),
             ([op.slot for op in group],),
         ).fetchall()
-        by_slot = {slot: (state, seq) for slot, state, seq in rows}
+        by_slot = {slot: (state, seq, group) for slot, state, seq, group in rows}
         exclusive = info.dequeue_mode == "single"
         sec.lock_queue(ring.qidx)
         try:
             for op in group:
                 if owner is not None and not ring.held_by(op.slot, owner):
                     continue  # someone else decided it already
-                state, row_seq = by_slot.get(op.slot, (RowState.FREE, -1))
+                state, row_seq, group = by_slot.get(op.slot, (RowState.FREE, -1, None))
                 done = op.committed_in(state, row_seq)
                 if op.kind == OpKind.ENQUEUE:
+                    if done and group is not None:
+                        # the row's group: a slot held since a load (a prepared
+                        # enqueue, its row invisible then) has no tag yet
+                        ring.set_group(op.slot, group_tag(group))
                     ring.finish_enqueue(op.slot, committed=done)
                 else:
                     ring.finish_dequeue(op.slot, consumed=done, exclusive=exclusive)

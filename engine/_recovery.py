@@ -532,7 +532,7 @@ def _decide_and_strike(
                 sql.SQL(_Q["rows"]).format(table=queue_table(info.name)),
                 ([o.slot for o in ops if o.info.id == info.id],),
             ).fetchall()
-            rows_by_q[info.id] = {r[0]: (r[1], r[2]) for r in rows}
+            rows_by_q[info.id] = {r[0]: (r[1], r[2]) for r in rows}  # (slot, state, seq, group)
         state, row_seq = rows_by_q[info.id].get(op.slot, (RowState.FREE, -1))
         # An enqueue committed if its row holds it; a dequeue only if consumed
         # (a poisoned entry counts as consumed: it left the queue).

@@ -167,6 +167,12 @@ class Ring:
         Q[b + L.Q_N_ENQ] += 1
         return slot, head
 
+    def set_group(self, slot: int, tag: int) -> None:
+        """Give a locked slot's entry the group ``tag`` (before it is published)."""
+        self.sec.group_w[self.base + slot] = tag
+        if tag:
+            self.Q[self.qb + L.Q_GROUPED] = 1
+
     def finish_enqueue(self, slot: int, committed: bool) -> None:
         """Publish a committed entry (ENQ) or void a rolled-back one (DEQ), then unlock."""
         w, m = self._bit(slot)

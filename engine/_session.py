@@ -1442,7 +1442,7 @@ class Session(TwoPhase):
             qid=info.id,
             seq=stale[0].seq,
         ).fetchall()
-        by_slot = {slot: (state, seq) for slot, state, seq in rows}
+        by_slot = {slot: (state, seq) for slot, state, seq, _group in rows}
         need_resync = False
         sec = self._section
         sec.lock_queue(ring.qidx)

@@ -208,7 +208,7 @@ SELECT s.slot, s.seq, s.state, s.deliveries,
 FROM s LEFT JOIN f ON f.seq = s.seq CROSS JOIN n
 
 -- rows --
-SELECT slot, state, seq FROM {table} WHERE slot = ANY(%s::integer[])
+SELECT slot, state, seq, msg_group FROM {table} WHERE slot = ANY(%s::integer[])
 
 -- all_rows --
 -- (the group of queued entries only: the section tags ready and held slots)

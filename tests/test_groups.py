@@ -429,3 +429,46 @@ def test_a_requeued_poison_entry_comes_back_in_its_group(
         requeue_exception(conn, q, entry.seq)
     assert pump_inbox(dsn) == {q: 1}
     assert groups_of(drain(dsn, q)) == [("r", b"bad")]
+
+
+def _prepare_grouped_and_die(dsn: str, queue: str, gid: str, ready: Any) -> None:
+    s = connect(dsn)
+    s.tpc_begin(s.xid(gid))
+    s.enqueue(queue, b"p1", group="p")
+    s.tpc_prepare()
+    ready.set()
+    time.sleep(60)
+
+
+def test_a_prepared_enqueue_found_at_a_load_joins_its_group_when_committed(
+    dsn: str, make_queue: Callable[..., str]
+) -> None:
+    """The row of a prepared enqueue is invisible when the section loads, so
+    its slot is held with no group; decided committed, it takes its row's
+    group, and the group's later entry is not taken beside it."""
+    q = make_queue(capacity=8, dequeue_mode="shared")
+    ready = FORK.Event()
+    p = FORK.Process(target=_prepare_grouped_and_die, args=(dsn, q, "group-load", ready))
+    p.start()
+    assert ready.wait(30)
+    os.kill(present(p.pid), signal.SIGKILL)
+    p.join(10)
+    with connect(dsn) as s:
+        s.enqueue(q, b"p2", group="p")
+        s.commit()
+    with psycopg.connect(dsn, autocommit=True) as c:
+        [gid] = [r[0] for r in c.execute("SELECT gid FROM pg_prepared_xacts").fetchall()]
+    remove_section(dsn)  # loaded again: p1's slot held, p2 ready
+    with connect(dsn) as c1, connect(dsn) as c2:
+        ring = c1.ring(q)
+        assert ring.locked_slots() == [(0, L.OWNER_HELD, 0)]
+        assert int(c1.section.group[ring.base]) == 0  # no group known for it yet
+        with psycopg.connect(dsn, autocommit=True) as c:
+            c.execute(sql.SQL("COMMIT PREPARED {}").format(sql.Literal(gid)))
+        recover_dead_clients(c1.section, dsn)
+        m = present(c1.dequeue(q))
+        assert (m.payload, m.group) == (b"p1", "p")
+        assert c2.dequeue(q) is None  # p2 waits: its group is busy
+        c1.commit()
+        assert present(c2.dequeue(q)).payload == b"p2"
+        c2.commit()
