@@ -187,9 +187,11 @@ BEGIN
         RAISE EXCEPTION 'ringq: payload of % bytes exceeds queue "%" max_payload %',
             octet_length(payload), queue, q.max_payload USING ERRCODE = 'string_data_right_truncation';
     END IF;
-    IF msg_group = '' OR octet_length(msg_group) > 128 THEN
-        RAISE EXCEPTION 'ringq: msg_group must be NULL (no group) or 1 to 128 bytes, not % bytes',
-            octet_length(msg_group) USING ERRCODE = 'invalid_parameter_value';
+    -- UTF-8 bytes, as the library counts them, whatever the database's encoding
+    -- (a group the library would refuse must not reach the inbox's pump)
+    IF msg_group = '' OR octet_length(convert_to(msg_group, 'UTF8')) > 128 THEN
+        RAISE EXCEPTION 'ringq: msg_group must be NULL (no group) or 1 to 128 bytes of UTF-8, not %',
+            octet_length(convert_to(msg_group, 'UTF8')) USING ERRCODE = 'invalid_parameter_value';
     END IF;
     INSERT INTO ringq.inbox (queue_id, payload, msg_group) VALUES (q.id, payload, msg_group)
     RETURNING inbox.id INTO id;

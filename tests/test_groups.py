@@ -202,8 +202,9 @@ def test_sql_enqueue_with_a_group_reaches_the_ring_in_that_group(
         conn.execute("SELECT ringq.enqueue(%s, %b, %s)", (q, b"s1", "sql-group"))
         conn.execute("SELECT ringq.enqueue(%s, %b, %s)", (q, b"s2", "sql-group"))
         conn.execute("SELECT ringq.enqueue(%s, %b)", (q, b"plain"))  # the old call still works
-        with pytest.raises(psycopg.errors.InvalidParameterValue):
-            conn.execute("SELECT ringq.enqueue(%s, %b, %s)", (q, b"x", ""))
+        for bad in ("", "é" * 65):  # empty; 130 bytes of UTF-8
+            with pytest.raises(psycopg.errors.InvalidParameterValue):
+                conn.execute("SELECT ringq.enqueue(%s, %b, %s)", (q, b"x", bad))
     assert pump_inbox(dsn) == {q: 3}
     with connect(dsn) as c:
         assert groups_of(c.dequeue_many(q, 10)) == [("sql-group", b"s1"), (None, b"plain")]
