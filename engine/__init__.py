@@ -48,7 +48,7 @@ from ._queue_info import DEFAULT_LEASE
 from ._ring import Ring
 from ._section import Section, pid_alive, section_name
 from ._session import Message, QueueInfo, Session, connect
-from ._validate import validate_int, validate_seconds
+from ._validate import check_group, validate_int, validate_seconds
 
 __all__ = [
     "DEFAULT_LEASE",
@@ -85,6 +85,7 @@ __all__ = [
     "TransactionConflict",
     "TransactionError",
     "check_dsn",
+    "check_group",
     "connect",
     "converted",
     "dsn_file",

@@ -6,13 +6,45 @@ reserved only through the section.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Collection
+from typing import Any
 
-from ringq.engine import QueueFull, connect
+from ringq.engine import QueueFull, RingqError, check_group, connect
 from ringq.engine.recovery import queue_room
 
 from . import _queries as Qy
 from ._db import connect_step
+
+logger = logging.getLogger("ringq.monitor")
+
+
+def _refuse_bad(
+    conn: Any, qid: int, name: str, max_payload: int, rows: list[Any]
+) -> list[Any]:
+    """The ``rows`` (id, payload, producer, group) the library takes; the
+    others (put into the inbox by hand, around ``ringq.enqueue()``, which
+    checks the same) go to ``ringq.exceptions`` with the reason, in the
+    pump's transaction, so they never stop the entries behind them."""
+    good = []
+    for row in rows:
+        inbox_id, payload, producer, group = row
+        why = None
+        if len(payload) > max_payload:
+            why = f"payload of {len(payload):,} bytes exceeds max_payload {max_payload:,}"
+        else:
+            try:
+                check_group(group)
+            except RingqError as exc:
+                why = str(exc)
+        if why is None:
+            good.append(row)
+            continue
+        reason = f"refused from the SQL inbox (id {inbox_id}): {why}"
+        conn.execute(Qy.INBOX_REFUSE, {"queue_id": qid, "id": inbox_id, "payload": payload,
+                                       "producer": producer, "group": group, "reason": reason})
+        logger.warning("ringq monitor: queue %s: %s", name, reason)
+    return good
 
 
 def pump_inbox(
@@ -63,6 +95,7 @@ def pump_inbox(
                     s.rollback()
                     break
                 rows.sort(key=lambda r: r[0])
+                rows = _refuse_bad(c, qid, name, s.queue_info(name).max_payload, rows)
                 try:
                     i = 0
                     while i < len(rows):

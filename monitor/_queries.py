@@ -30,6 +30,7 @@ INBOX_PENDING: Final = _Q["inbox_pending"]
 INBOX_LOCK: Final = _Q["inbox_lock"]
 INBOX_WAITING: Final = _Q["inbox_waiting"]
 INBOX_BATCH: Final = _Q["inbox_batch"]
+INBOX_REFUSE: Final = _Q["inbox_refuse"]
 # idempotency-key pruning
 KEYS_QUEUES: Final = _Q["keys_queues"]
 KEYS_PRUNE: Final = _Q["keys_prune"]  # {table}

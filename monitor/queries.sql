@@ -100,6 +100,15 @@ SELECT EXISTS (SELECT 1 FROM ringq.inbox WHERE queue_id = %s)
 DELETE FROM ringq.inbox WHERE id IN (SELECT id FROM ringq.inbox WHERE queue_id = %s
 ORDER BY id LIMIT %s) RETURNING id, payload, producer, msg_group
 
+-- inbox_refuse --
+-- An inbox entry the library refuses (put there by hand, around
+-- ringq.enqueue()): moved to the exception table, in the pump's transaction,
+-- under the negative of its inbox id (ring sequences are never negative),
+-- so the entries behind it move on and the operator sees why.
+INSERT INTO ringq.exceptions (queue_id, seq, payload, producer, deliveries, msg_group, reason)
+VALUES (%(queue_id)s, -%(id)s::bigint, %(payload)b, %(producer)s, 0, %(group)s, %(reason)s)
+ON CONFLICT DO NOTHING
+
 -- keys_queues --
 -- Queues with idempotency keys older than the retention (seconds): one probe
 -- of keys_queue_id_created_at per queue (its oldest key), not a scan of

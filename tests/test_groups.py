@@ -473,3 +473,29 @@ def test_a_prepared_enqueue_found_at_a_load_joins_its_group_when_committed(
         c1.commit()
         assert present(c2.dequeue(q)).payload == b"p2"
         c2.commit()
+
+
+def test_inbox_rows_the_library_refuses_go_to_the_exceptions_not_in_the_way(
+    dsn: str, make_queue: Callable[..., str]
+) -> None:
+    """Rows put into ringq.inbox by hand, around ringq.enqueue(), with a payload
+    or a group the library refuses, are moved to ringq.exceptions (under the
+    negative of their inbox id, with the reason); the rows behind them move on."""
+    q = make_queue(capacity=8, max_payload=16, dequeue_mode="shared")
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        qid = present(conn.execute("SELECT id FROM ringq.queues WHERE name = %s", (q,)).fetchone())
+        for payload, group in ((b"ok1", "g"), (b"x" * 17, None), (b"bad", ""), (b"ok2", "g")):
+            conn.execute(
+                "INSERT INTO ringq.inbox (queue_id, payload, msg_group) VALUES (%s, %b, %s)",
+                (qid[0], payload, group),
+            )
+    assert pump_inbox(dsn) == {q: 2}
+    assert groups_of(drain(dsn, q)) == [("g", b"ok1"), ("g", b"ok2")]
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        rows = conn.execute(
+            "SELECT seq < 0, octet_length(payload), reason FROM ringq.exceptions"
+            " WHERE queue_id = %s ORDER BY seq DESC", qid
+        ).fetchall()
+        assert conn.execute("SELECT count(*) FROM ringq.inbox").fetchone() == (0,)
+    assert [(neg, size) for neg, size, _ in rows] == [(True, 17), (True, 3)]
+    assert "exceeds max_payload 16" in rows[0][2] and "must not be empty" in rows[1][2]
