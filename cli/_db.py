@@ -4,8 +4,10 @@ the embedded PostgreSQL cluster under ``$RINGQ_HOME``, and its streaming standby
 from __future__ import annotations
 
 import argparse
+import functools
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -241,24 +243,34 @@ def _standby_state(sb: StandbyStatus) -> str:
     return f"{what}; {sb.mode}; {seen}{lag}"
 
 
+def _needs_standby(
+    command: Callable[[argparse.Namespace], int],
+) -> Callable[[argparse.Namespace], int]:
+    """A command that needs the home's standby: without one, it says so
+    and exits with NOT_FOUND (4)."""
+    @functools.wraps(command)
+    def run(args: argparse.Namespace) -> int:
+        try:
+            return command(args)
+        except NoStandby as exc:
+            print(f"ringq: {exc}", file=sys.stderr)
+            return exits.NOT_FOUND
+
+    return run
+
+
+@_needs_standby
 def _url(args: argparse.Namespace) -> int:
-    try:
-        print(_cluster(args).url(both=args.both))  # DatabaseUnavailable -> exit 3 in _main
-    except NoStandby as exc:
-        print(f"ringq: {exc}", file=sys.stderr)
-        return exits.NOT_FOUND
+    print(_cluster(args).url(both=args.both))  # DatabaseUnavailable -> exit 3 in _main
     sys.stdout.flush()
     return exits.OK
 
 
+@_needs_standby
 def _promote(args: argparse.Namespace) -> int:
     cluster = _cluster(args)
     began = time.monotonic()
-    try:
-        dsn = cluster.promote()
-    except NoStandby as exc:
-        print(f"ringq: {exc}", file=sys.stderr)
-        return exits.NOT_FOUND
+    dsn = cluster.promote()
     print(
         f"promoted {cluster.datadir} in {time.monotonic() - began:.1f} s; "
         f"{cluster.home / 'dsn'} names it now"
@@ -281,25 +293,19 @@ def _standby_start(args: argparse.Namespace) -> int:
     return exits.OK
 
 
+@_needs_standby
 def _standby_stop(args: argparse.Namespace) -> int:
     cluster = _cluster(args)
-    try:
-        cluster.stop_standby()
-    except NoStandby as exc:
-        print(f"ringq: {exc}", file=sys.stderr)
-        return exits.NOT_FOUND
+    cluster.stop_standby()
     print(f"standby stopped (under {cluster.home}); the primary no longer waits for it")
     return exits.OK
 
 
+@_needs_standby
 def _standby_rebuild(args: argparse.Namespace) -> int:
     cluster = _cluster(args)
     began = time.monotonic()
-    try:
-        how = cluster.rebuild_standby(fresh=args.fresh)
-    except NoStandby as exc:
-        print(f"ringq: {exc}", file=sys.stderr)
-        return exits.NOT_FOUND
+    how = cluster.rebuild_standby(fresh=args.fresh)
     sb = cluster.standby_status()
     assert sb is not None
     said = {"rewound": "pg_rewind", "unchanged": "nothing to rewind", "copied": "pg_basebackup"}
@@ -310,12 +316,9 @@ def _standby_rebuild(args: argparse.Namespace) -> int:
     return exits.OK
 
 
+@_needs_standby
 def _standby_remove(args: argparse.Namespace) -> int:
     cluster = _cluster(args)
-    try:
-        cluster.remove_standby()
-    except NoStandby as exc:
-        print(f"ringq: {exc}", file=sys.stderr)
-        return exits.NOT_FOUND
+    cluster.remove_standby()
     print(f"standby removed (under {cluster.home})")
     return exits.OK
