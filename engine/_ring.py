@@ -62,6 +62,18 @@ def _lowest_bit(x: int) -> int:
     return (x & -x).bit_length() - 1
 
 
+def _set_bits(words: np.ndarray) -> np.ndarray:
+    """Positions (word * 64 + bit, ascending) of the set bits of ``words``
+    (uint64), unpacking only the words that have one."""
+    nz = np.flatnonzero(words)
+    if not nz.size:
+        return nz
+    rows, cols = np.nonzero(
+        np.unpackbits(words[nz].view(np.uint8), bitorder="little").reshape(-1, 64)
+    )
+    return nz[rows] * 64 + cols
+
+
 def _not_in(tags: np.ndarray, busy: set[int]) -> np.ndarray:
     """A mask of the ``tags`` not in ``busy`` (non-empty)."""
     if len(busy) >= _ISIN_FROM:
@@ -285,14 +297,8 @@ class Ring:
         spans = [(start, end)] if end <= self.cap else [(start, self.cap), (0, end - self.cap)]
         for a, b in spans:
             g0, g1 = self.w0 + (a >> 6), self.w0 + ((b - 1) >> 6) + 1
-            words = s.lck[g0:g1] & s.deq[g0:g1]
-            nz = np.flatnonzero(words)
-            if not nz.size:
-                continue
-            rows, cols = np.nonzero(
-                np.unpackbits(words[nz].view(np.uint8), bitorder="little").reshape(-1, 64)
-            )
-            tags = s.group[self.base + ((a >> 6) + nz[rows]) * 64 + cols]
+            held = (a >> 6) * 64 + _set_bits(s.lck[g0:g1] & s.deq[g0:g1])
+            tags = s.group[self.base + held]
             busy.update(tags[tags != 0].tolist())
         return busy
 
@@ -357,13 +363,8 @@ class Ring:
         chunk = _FIRST_CHUNK * 4
         while w <= wl:
             we = min(wl + 1, w + chunk)
-            words = self._words(w, we, a, b, ready=True)
-            nz = np.flatnonzero(words)
-            if nz.size:
-                rows, cols = np.nonzero(
-                    np.unpackbits(words[nz].view(np.uint8), bitorder="little").reshape(-1, 64)
-                )
-                slots = (w + nz[rows]) * 64 + cols  # ready slots of the chunk, in order
+            slots = w * 64 + _set_bits(self._words(w, we, a, b, ready=True))  # in order
+            if slots.size:
                 tags = self.sec.group[base + slots]
                 if busy:
                     keep = _not_in(tags, busy)
@@ -722,14 +723,8 @@ class Ring:
         """(slot, owner, holder) of every locked slot of the queue (a vectorized scan)."""
         s = self.sec
         # a copy: other processes change the words under a caller without the lock
-        words = s.lck[self.w0 : self.w0 + (self.cap + 63) // 64].copy()
-        nz = np.flatnonzero(words)  # few words hold a locked slot: unpack only those
-        if not nz.size:
-            return []
-        rows, cols = np.nonzero(
-            np.unpackbits(words[nz].view(np.uint8), bitorder="little").reshape(-1, 64)
-        )
-        slots = nz[rows] * 64 + cols
+        # (few words hold a locked slot: only those are unpacked)
+        slots = _set_bits(s.lck[self.w0 : self.w0 + (self.cap + 63) // 64].copy())
         owners = s.owner[self.base + slots]
         holders = s.holder[self.base + slots]
         return [(int(a), int(b), int(c)) for a, b, c in zip(slots, owners, holders, strict=True)]
@@ -749,13 +744,7 @@ class Ring:
         words = s.enq[g0 : g0 + nw] & ~s.deq[g0 : g0 + nw] & ~s.lck[g0 : g0 + nw]
         busy = self.busy_groups()
         out["busy"] = len(busy)
-        nz = np.flatnonzero(words)
-        if not nz.size:
-            return out
-        rows, cols = np.nonzero(
-            np.unpackbits(words[nz].view(np.uint8), bitorder="little").reshape(-1, 64)
-        )
-        slots = nz[rows] * 64 + cols
+        slots = _set_bits(words)
         tags = s.group[self.base + slots]
         grouped = tags != 0
         if not grouped.any():
@@ -829,11 +818,11 @@ class Ring:
         s = self.sec
 
         old_lck = s.lck[g0:g1].copy() if keep_locked else np.zeros(nwords, dtype=np.uint64)
-        locked_seqs: list[int] = []
-        if keep_locked:
-            locked_bits = np.unpackbits(old_lck.view(np.uint8), bitorder="little")[:cap]
-            for slot in np.flatnonzero(locked_bits):
-                locked_seqs.append(self.seq_of(int(slot)))
+        # slots locked by live clients (resync): kept as they are
+        old_locked = np.zeros(cap, dtype=bool)
+        at = _set_bits(old_lck)
+        old_locked[at[at < cap]] = True
+        locked_seqs = [self.seq_of(int(slot)) for slot in np.flatnonzero(old_locked)]
         max_seq = int(seq_by_slot.max()) if cap else -1
         head = max_seq + 1
         if keep_locked:
@@ -870,10 +859,8 @@ class Ring:
         tags = np.zeros(cap, dtype=np.int64)
         if groups:
             tags[[slot for slot, _g in groups]] = [group_tag(g) for _s, g in groups]
-        if keep_locked:
-            # a locked slot keeps the tag its reservation wrote
-            locked = np.unpackbits(old_lck.view(np.uint8), bitorder="little")[:cap].astype(bool)
-            tags[locked] = s.group[self.base : self.base + cap][locked]
+        # a locked slot keeps the tag its reservation wrote
+        tags[old_locked] = s.group[self.base : self.base + cap][old_locked]
         s.group[self.base : self.base + cap] = tags
         Q[b + L.Q_GROUPED] = int(bool(np.any(tags)))
         if keep_locked:
@@ -889,7 +876,7 @@ class Ring:
         # the rows once the transaction is resolved (recovery.resolve_prepared,
         # or recover_dead_clients when someone else resolved it).
         for h_slot, _h_seq in held:
-            if not (int(old_lck[h_slot >> 6]) >> (h_slot & 63)) & 1:
+            if not old_locked[h_slot]:
                 s.holder_w[self.base + h_slot] = 0
                 s.owner_w[self.base + h_slot] = L.OWNER_HELD
         # Tail first, then bits, then head: readers only look inside [tail, head).
