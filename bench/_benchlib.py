@@ -12,6 +12,8 @@
 - :func:`sigterm_tears_down`: SIGTERM ends a run like Ctrl-C does, through its
   ``finally`` blocks, so that the private cluster is stopped.
 - :func:`write_results`: the JSON results, under ``bench/results/`` and ``--out``.
+- :func:`run_together`: child processes forked, started at one moment, their
+  results collected.
 
 Each script imports it as ``_benchlib`` (a script's own folder is first on
 ``sys.path``).
@@ -22,6 +24,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import multiprocessing as mp
 import os
 import platform
 import shutil
@@ -29,7 +32,7 @@ import signal
 import sys
 import tempfile
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from datetime import datetime
 from multiprocessing.connection import Connection
 from pathlib import Path
@@ -192,6 +195,43 @@ def ceiling_one_rt(conn: psycopg.Connection[Any], table: str, n: int) -> float:
     for _ in range(n):
         conn.execute(upd)
     return n / ((time.perf_counter_ns() - start) / 1e9)
+
+
+START_DELAY = 0.05  # s between the last child ready and the common start
+
+
+def run_together(
+    target: Callable[..., None],
+    args: Sequence[tuple[Any, ...]],
+    start: Callable[[float], Any],
+    done_s: float,
+    who: str,
+) -> tuple[float, list[Any]]:
+    """Fork ``target(*a, pipe)`` for each ``a`` of ``args``; once every child
+    sent ``("ready", ...)``, send each ``start(t)`` (``t``: the common start,
+    ``time.monotonic()``), then collect each child's ``("done", detail)``
+    within ``done_s`` seconds. Returns ``t`` and the details, in ``args`` order.
+    The children are joined (killed after 30 s) whatever happens."""
+    fork = mp.get_context("fork")
+    procs: list[tuple[Any, Connection]] = []
+    try:
+        for a in args:
+            parent, child = fork.Pipe()
+            proc = fork.Process(target=target, args=(*a, child), daemon=True)
+            proc.start()
+            procs.append((proc, parent))
+        for _proc, pipe in procs:
+            expect(pipe, "ready", 60.0, who)
+        t_start = time.monotonic() + START_DELAY
+        for _proc, pipe in procs:
+            pipe.send(start(t_start))
+        return t_start, [expect(pipe, "done", done_s, who) for _proc, pipe in procs]
+    finally:
+        for proc, _pipe in procs:
+            proc.join(30)
+            if proc.is_alive():
+                proc.kill()
+                proc.join()
 
 
 def expect(pipe: Connection, what: str, timeout: float, who: str = "a process") -> Any:

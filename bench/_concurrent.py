@@ -16,20 +16,17 @@ enqueue was either dequeued by a consumer or is taken by that drain.
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import time
 from collections.abc import Callable, Sequence
 from multiprocessing.connection import Connection
 from typing import Any
 
 import psycopg
-from _benchlib import expect
+from _benchlib import run_together
 from ringq.engine import QueueFull, connect
 
 WHO = "concurrent: a process"  # named in a failure
 
-FORK = mp.get_context("fork")
-START_DELAY = 0.05  # s between the last process ready and the common start
 
 
 def _timed(pipe: Connection, step: Callable[[float], bool]) -> dict[str, int]:
@@ -117,29 +114,14 @@ def _run(
 ) -> dict[str, dict[str, int]]:
     """Fork the processes, start them together, return the summed counts of each role."""
     roles = ["producer"] * producers + ["consumer"] * consumers
-    procs: list[tuple[Any, Connection]] = []
     sums = {role: {"in_time": 0, "total": 0, "idle": 0} for role in ("producer", "consumer")}
-    try:
-        for role in roles:
-            parent, child = FORK.Pipe()
-            proc = FORK.Process(target=target, args=(*args, role, child), daemon=True)
-            proc.start()
-            procs.append((proc, parent))
-        for _proc, pipe in procs:
-            expect(pipe, "ready", 60.0, WHO)
-        t_start = time.monotonic() + START_DELAY
-        for _proc, pipe in procs:
-            pipe.send((t_start, t_start + seconds))
-        for role, (_proc, pipe) in zip(roles, procs, strict=True):
-            counts = expect(pipe, "done", seconds + 60.0, WHO)
-            for k, v in counts.items():
-                sums[role][k] += v
-    finally:
-        for proc, _pipe in procs:
-            proc.join(30)
-            if proc.is_alive():
-                proc.kill()
-                proc.join()
+    _t, results = run_together(
+        target, [(*args, role) for role in roles], lambda t: (t, t + seconds),
+        seconds + 60.0, WHO,
+    )
+    for role, counts in zip(roles, results, strict=True):
+        for k, v in counts.items():
+            sums[role][k] += v
     return sums
 
 

@@ -49,8 +49,8 @@ from _benchlib import (
     cpu_load,
     database,
     drop_queues,
-    expect,
     machine,
+    run_together,
     server_settings,
     sigterm_tears_down,
     write_results,
@@ -63,7 +63,6 @@ from ringq.scripting import QueueSpec, create_queue
 FORK = mp.get_context("fork")
 WHO = "groups: a consumer"  # named in a failure
 KINDS = ("grouped", "shared", "single")
-START_DELAY = 0.05  # s between the last consumer ready and the common start
 IDLE_WAIT = 0.05  # s a consumer waits in dequeue() before it looks whether the run is over
 FILL_BATCH = 500  # entries per enqueue transaction of the (untimed) fill
 
@@ -171,26 +170,11 @@ def _consumer(
 def drain_round(dsn: str, queue: str, log: str, kind: str, rnd: int, cfg: Config) -> dict[str, Any]:
     """Fork the consumers, start them together, wait until they drained the queue."""
     done = FORK.Value("q", 0)
-    procs: list[tuple[Any, Connection]] = []
-    try:
-        for i in range(cfg.consumers):
-            parent, child = FORK.Pipe()
-            args = (dsn, queue, log, kind, rnd, i, cfg.entries, done, child)
-            proc = FORK.Process(target=_consumer, args=args, daemon=True)
-            proc.start()
-            procs.append((proc, parent))
-        for _proc, pipe in procs:
-            expect(pipe, "ready", 60.0, WHO)
-        t_start = time.monotonic() + START_DELAY
-        for _proc, pipe in procs:
-            pipe.send(t_start)
-        counts = [expect(pipe, "done", 3600.0, WHO) for _proc, pipe in procs]
-    finally:
-        for proc, _pipe in procs:
-            proc.join(30)
-            if proc.is_alive():
-                proc.kill()
-                proc.join()
+    t_start, counts = run_together(
+        _consumer,
+        [(dsn, queue, log, kind, rnd, i, cfg.entries, done) for i in range(cfg.consumers)],
+        lambda t: t, 3600.0, WHO,
+    )
     seconds = (max(c["last_commit_ns"] for c in counts) - t_start * 1e9) / 1e9
     return {
         "seconds": seconds,
