@@ -330,7 +330,7 @@ def bench_ring_sql(
     def enqueue(conn: psycopg.Connection[Any]) -> None:
         s = st.next_seq
         # raises if the guard fails
-        conn.execute(enq_sql, (s, payload, "bench", s, s % capacity, s))
+        conn.execute(enq_sql, (s, payload, "bench", s, None, s % capacity, s))  # no group
         st.next_seq += 1
 
     def dequeue(conn: psycopg.Connection[Any]) -> None:
@@ -370,7 +370,8 @@ def bench_ring_sql(
             seqs = list(range(st.next_seq, st.next_seq + batch))
             prod.execute(
                 enq_many_sql,
-                ([x % capacity for x in seqs], seqs, items, ["bench"] * batch, seqs, batch),
+                ([x % capacity for x in seqs], seqs, items, ["bench"] * batch, seqs,
+                 [None] * batch, batch),
             )
             st.next_seq += batch  # committed by itself (autocommit); a guard that fails raises
         out["enqueue_many_entries_per_s"] = n_batches * batch / ((pc() - start) / 1e9)
@@ -815,7 +816,10 @@ def warm_up(dsn: str, names: Names, ring_sql: RingSQL, cfg: Config, payload: byt
         for _ in range(passes):
             seqs = list(range(ring_sql.next_seq, ring_sql.next_seq + cfg.batch))
             slots = [x % cap for x in seqs]
-            conn.execute(enq_many_sql, (slots, seqs, items, ["bench"] * cfg.batch, seqs, cfg.batch))
+            conn.execute(
+                enq_many_sql,
+                (slots, seqs, items, ["bench"] * cfg.batch, seqs, [None] * cfg.batch, cfg.batch),
+            )
             conn.commit()
             conn.execute(deq_many_sql, (slots, seqs), binary=True)
             conn.commit()
