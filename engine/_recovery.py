@@ -45,6 +45,12 @@ from ._tpc import is_ringq_gid
 logger = logging.getLogger("ringq.recovery")
 
 HELD = L.OWNER_HELD  # owner of slots of a prepared transaction whose client died: kept locked
+# Held slots alone (no dead client, no orphan) make recovery connect to see
+# whether their transactions are still prepared at most this often, in
+# seconds, per section: a dead coordinator's transaction may stay prepared
+# for prepared_timeout (60 s), and the monitor recovers every 100 ms.
+HELD_CHECK_S = 1.0
+_held_checked: dict[str, float] = {}  # section name -> monotonic time of the last look
 
 
 @dataclass
@@ -293,6 +299,9 @@ def recover_dead_clients(sec: Section, dsn: str, *, terminate: bool = True) -> l
     try:
         dead = sec.dead_clients()
         orphans, held = _orphaned_slots(sec)
+        now = time.monotonic()
+        if held and now - _held_checked.get(sec.name, 0.0) < HELD_CHECK_S:
+            held = {}  # looked at less than HELD_CHECK_S ago
         if not dead and not orphans and not held:
             return []
         with _connect(dsn) as conn:
@@ -304,6 +313,7 @@ def recover_dead_clients(sec: Section, dsn: str, *, terminate: bool = True) -> l
             if orphans:
                 out += _recover_orphans(sec, conn, infos, prepared, orphans)
             if held:
+                _held_checked[sec.name] = now
                 _decide_unheld(sec, conn, infos, prepared, held)
         return out
     finally:
@@ -330,12 +340,7 @@ def _decide_unheld(
         info = infos.get(ring.qid)
         if info is None:
             continue
-        for slot in slots:
-            if (info.id, slot) in prepared:
-                continue
-            enq, _deq, _lck, _owner = ring.bits(slot)
-            kind = OpKind.DEQUEUE if enq else OpKind.ENQUEUE
-            ops.append(Op(ring, info, slot, ring.seq_of(slot), kind))
+        ops += [_slot_op(ring, info, slot) for slot in slots if (info.id, slot) not in prepared]
     if ops:
         decide_ops(sec, conn, ops, HELD)
         logger.warning(
@@ -413,7 +418,6 @@ def _ops_or_hold(
     transaction are held instead (owner HELD), for :func:`resolve_prepared`."""
     ops: list[Op] = []
     for slot in slots:
-        enq, _deq, _lck, _owner = ring.bits(slot)
         if (info.id, slot) in prepared:
             sec.lock_queue(ring.qidx)
             try:
@@ -422,10 +426,15 @@ def _ops_or_hold(
                 sec.unlock_queue(ring.qidx)
             rec.held += 1
             continue
-        ops.append(
-            Op(ring, info, slot, ring.seq_of(slot), OpKind.DEQUEUE if enq else OpKind.ENQUEUE)
-        )
+        ops.append(_slot_op(ring, info, slot))
     return ops
+
+
+def _slot_op(ring: Ring, info: QueueInfo, slot: int) -> Op:
+    """The op a locked slot stands for: a dequeue if its entry was committed
+    (ENQ set), else an enqueue (reserved)."""
+    enq, _deq, _lck, _owner = ring.bits(slot)
+    return Op(ring, info, slot, ring.seq_of(slot), OpKind.DEQUEUE if enq else OpKind.ENQUEUE)
 
 
 @dataclass
