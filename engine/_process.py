@@ -2,6 +2,10 @@
 database instance in a process, shared by its sessions, its recovery and its
 monitor, and made again after ``fork()`` (nothing shared crosses a fork).
 
+The lock guarding it is made again in a forked child too: another thread of
+the parent (a monitor's or a pool's recovery) may hold it at the fork, and
+the child, which has no such thread, would wait for it for ever.
+
 One attachment per process matters: fcntl locks belong to the process, and
 closing any descriptor of the segment drops them all.
 """
@@ -38,3 +42,12 @@ class _Process:
                 sec = Section.attach(instance)
                 cls.sections[instance] = sec
             return sec
+
+    @classmethod
+    def _after_fork_in_child(cls) -> None:
+        cls.lock = threading.Lock()
+        cls.sections = {}
+        cls.pid = os.getpid()
+
+
+os.register_at_fork(after_in_child=_Process._after_fork_in_child)

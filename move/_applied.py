@@ -30,6 +30,7 @@ one consumer name per source database.
 
 from __future__ import annotations
 
+import os
 import threading
 from typing import Any
 
@@ -42,6 +43,15 @@ from ._queries import SQL
 _ready: set[str] = set()  # DSNs whose table is known to exist (this process)
 _ready_lock = threading.Lock()
 _created_here: set[str] = set()  # DSNs where this process created it in a caller's transaction
+
+
+def _after_fork_in_child() -> None:
+    # Another thread may have held the lock at the fork; the child has no such thread.
+    global _ready_lock
+    _ready_lock = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def create_applied_table(dsn: str) -> None:

@@ -693,6 +693,52 @@ def test_session_is_fork_safe(dsn: str, make_queue: Callable[..., str]) -> None:
     assert sorted(m.payload for m in drain(dsn, q)) == [b"from child", b"parent"]
 
 
+def _child_enqueues(dsn: str, queue: str, out: Any) -> None:
+    try:
+        with connect(dsn) as s:
+            s.enqueue(queue, b"from child")
+            s.commit()
+        out.put("ok")
+    except Exception as exc:  # noqa: BLE001
+        out.put(repr(exc))
+
+
+def test_a_fork_while_another_thread_holds_the_attachment_lock_does_not_hang_the_child(
+    dsn: str, make_queue: Callable[..., str]
+) -> None:
+    """A monitor's or a pool's recovery thread takes the per-process attachment
+    lock every 100 ms; a fork at that moment must not leave the child waiting
+    for a lock whose holder does not exist there."""
+    from ringq.engine._process import _Process
+
+    q = make_queue()
+    with connect(dsn):  # the parent is attached, as a monitor would be
+        pass
+    held, release = threading.Event(), threading.Event()
+
+    def hold() -> None:
+        with _Process.lock:
+            held.set()
+            release.wait(60)
+
+    holder = threading.Thread(target=hold, daemon=True)
+    holder.start()
+    assert held.wait(10)
+    try:
+        out = FORK.Queue()
+        p = FORK.Process(target=_child_enqueues, args=(dsn, q, out), daemon=True)
+        p.start()
+        try:
+            assert out.get(timeout=30) == "ok"
+        finally:
+            p.kill()
+            p.join(10)
+    finally:
+        release.set()
+        holder.join(10)
+    assert [m.payload for m in drain(dsn, q)] == [b"from child"]
+
+
 def test_two_phase_commit_and_rollback(dsn: str, make_queue: Callable[..., str]) -> None:
     a, b = make_queue(), make_queue()
     with connect(dsn) as s1, connect(dsn) as s2:
