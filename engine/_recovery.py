@@ -621,11 +621,13 @@ def resolve_prepared(
     seconds old (rolled back, undecided, after ``timeout_s`` as the others).
     Decisions whose gid is no longer prepared are deleted once older than
     ``timeout_s`` (their transaction committed; the session died before
-    clearing them).
+    clearing them), and slot logs of transactions no longer prepared once
+    no live session owns their slots.
     """
     done: list[tuple[str, str]] = []
     with _connect(dsn) as conn:
         conn.execute(_Q["tpc_decisions_expire"], (timeout_s,))
+        _forget_unprepared_logs(sec, conn)
         found = conn.execute(_Q["tpc_prepared"]).fetchall()
         rows = [
             (gid, age, decided)
@@ -647,13 +649,7 @@ def resolve_prepared(
                 if qidx is None or qid not in infos:
                     continue
                 ring = Ring(sec, qidx)
-                owner = sec.owner_w[ring.base + slot]
-                cidx = sec.token_holder(owner)
-                if (
-                    cidx is not None
-                    and sec.c(cidx, L.C_STATE) == L.CS_ACTIVE
-                    and pid_alive(sec.c(cidx, L.C_PID))
-                ):
+                if _owned_by_live_client(sec, ring, slot):
                     live = True
                     break
                 ops.append(Op(ring, infos[qid], int(slot), int(seq), OpKind(str(kind))))
@@ -677,6 +673,41 @@ def resolve_prepared(
             done.append((gid, verb))
             logger.warning("ringq: prepared transaction %s resolved: %s", gid, verb)
     return done
+
+
+def _owned_by_live_client(sec: Section, ring: Ring, slot: int) -> bool:
+    """Whether a live session's current token owns ``slot``."""
+    cidx = sec.token_holder(sec.owner_w[ring.base + slot])
+    return (
+        cidx is not None
+        and sec.c(cidx, L.C_STATE) == L.CS_ACTIVE
+        and pid_alive(sec.c(cidx, L.C_PID))
+    )
+
+
+def _forget_unprepared_logs(sec: Section, conn: psycopg.Connection[Any]) -> None:
+    """Delete the slot logs of transactions that are not prepared and whose
+    slots no live session owns: left behind by a session that died before
+    its PREPARE, or lost its connection before it cleared the log after the
+    commit. Left, such a log would make a later transaction that reuses the
+    gid look like ringq's (rolled back after the timeout, even an
+    application's own) and tell recovery slots and sequences of the past.
+    A live owner is between its log and its PREPARE (or its COMMIT PREPARED
+    and clearing the log): its log stays."""
+    slots_of: dict[str, list[tuple[int, int]]] = {}
+    for gid, qid, slot in conn.execute(_Q["tpc_log_unprepared"]).fetchall():
+        slots_of.setdefault(gid, []).append((qid, slot))
+    stale = []
+    for gid, slots in slots_of.items():
+        rings = ((sec.find_queue(qid), slot) for qid, slot in slots)
+        if not any(
+            qidx is not None and _owned_by_live_client(sec, Ring(sec, qidx), slot)
+            for qidx, slot in rings
+        ):
+            stale.append(gid)
+    if stale:
+        conn.execute(_Q["tpc_forget_unprepared"], (stale,))
+        logger.info("ringq: slot logs of %d transactions no longer prepared deleted", len(stale))
 
 
 def queue_room(sec: Section, qid: int) -> int | None:

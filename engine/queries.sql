@@ -268,6 +268,17 @@ SELECT queue_id, slot, seq, kind FROM ringq.tpc_log WHERE gid = %s
 -- tpc_forget --
 DELETE FROM ringq.tpc_log WHERE gid = %s
 
+-- tpc_log_unprepared --
+-- Slot logs of transactions not prepared (now): committed or rolled back
+-- while their session could not clear the log, never prepared (the session
+-- died first), or about to be (the session is between its log and PREPARE).
+SELECT l.gid, l.queue_id, l.slot FROM ringq.tpc_log l
+WHERE NOT EXISTS (SELECT 1 FROM pg_prepared_xacts p WHERE p.gid = l.gid)
+
+-- tpc_forget_unprepared --
+DELETE FROM ringq.tpc_log l WHERE l.gid = ANY(%s)
+AND NOT EXISTS (SELECT 1 FROM pg_prepared_xacts p WHERE p.gid = l.gid)
+
 -- tpc_decide --
 INSERT INTO ringq.tpc_decisions (gid) VALUES (%s) ON CONFLICT DO NOTHING
 

@@ -391,6 +391,49 @@ def test_stale_decisions_are_dropped_after_the_timeout(
     assert decided_gids(dsn) == []  # 'recent' too, once older than the timeout
 
 
+def _logged_gids(dsn: str) -> list[str]:
+    with psycopg.connect(dsn) as c:
+        return [r[0] for r in c.execute("SELECT DISTINCT gid FROM ringq.tpc_log ORDER BY 1")]
+
+
+def test_slot_logs_of_transactions_no_longer_prepared_are_deleted(
+    dsn: str, make_queue: Callable[..., str]
+) -> None:
+    """A prepared transaction resolved by someone else after its session
+    died (an administrator, the session's coordinator on a new connection)
+    leaves its slot log behind; left, a later transaction reusing the gid
+    would look like ringq's and be told the old slots. A log whose slots a
+    live session owns (between its log and its PREPARE) stays."""
+    q = make_queue(capacity=8)
+    ready = FORK.Event()
+    p = FORK.Process(target=_prepare_and_die, args=(dsn, q, uuid.uuid4().hex, False, ready))
+    p.start()
+    assert ready.wait(30)
+    os.kill(present(p.pid), signal.SIGKILL)
+    p.join(10)
+    [gid] = prepared_gids(dsn)
+    with psycopg.connect(dsn, autocommit=True) as c:
+        c.execute(f"COMMIT PREPARED '{gid}'")
+        [qid] = c.execute("SELECT id FROM ringq.queues WHERE name = %s", (q,)).fetchone() or ()
+    with connect(dsn) as s:
+        assert recover_dead_clients(s.section, dsn)  # its slot decided from the row
+        assert _logged_gids(dsn) == [gid]
+        # A log naming every slot of the queue, while this session owns one of them.
+        s.enqueue(q, b"held")
+        with psycopg.connect(dsn, autocommit=True) as c:
+            c.execute(
+                "INSERT INTO ringq.tpc_log (gid, queue_id, slot, seq, kind) "
+                "SELECT 'live', %s, g, g, 'e' FROM generate_series(0, 7) g",
+                (qid,),
+            )
+        assert resolve_prepared(s.section, dsn, timeout_s=0) == []
+        assert _logged_gids(dsn) == ["live"]
+        s.commit()  # the slot is no longer owned: its log goes at the next pass
+        resolve_prepared(s.section, dsn, timeout_s=0)
+        assert _logged_gids(dsn) == []
+    assert [m.payload for m in drain(dsn, q)] == [b"2pc", b"held"]
+
+
 def test_session_dropped_without_close_is_recovered(
     dsn: str, make_queue: Callable[..., str]
 ) -> None:
