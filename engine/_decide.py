@@ -3,8 +3,9 @@
 What a session runs after its connection was lost, and what recovery (the
 monitor, or any linked client) runs for a dead client: once the old backend
 has ended, each in-flight slot is decided from its row (:func:`decide_ops`).
-Also here: loading a queue's block from its table (:func:`load_queue`) and
-re-reading a loaded one (:func:`resync_queue`).
+Also here: loading a queue's block from its table (:func:`load_queue`),
+re-reading a loaded one (:func:`resync_queue`), and telling a caller whether
+a commit in doubt committed (:func:`in_doubt_outcome`).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import psycopg
 from psycopg import sql
 
 from . import _layout as L
-from ._errors import DatabaseUnavailable
+from ._errors import DatabaseError, DatabaseUnavailable, InDoubt, InFlight, from_psycopg
 from ._names import queue_table
 from ._ops import Op, OpKind, RowState
 from ._queries import QUERIES as _Q
@@ -209,3 +210,78 @@ def decide_ops(
         finally:
             sec.unlock_queue(ring.qidx)
     return outcome
+
+
+def in_flight(ops: Sequence[Op]) -> tuple[InFlight, ...]:
+    """What :class:`InDoubt` tells of a transaction's queue operations."""
+    out = []
+    for op in ops:
+        if op.kind == OpKind.ENQUEUE:
+            w = op.write or op.fill
+            out.append(InFlight(op.info.name, op.seq, "enqueue", op.slot,
+                                w.producer if w else None, w.producer_seq if w else None))
+        else:
+            out.append(InFlight(op.info.name, op.seq, "dequeue", op.slot))
+    return tuple(out)
+
+
+def _verdict(entry: InFlight, row: tuple[int, int, str | None, int | None]) -> bool | None:
+    """What one row (state, seq, producer, producer_seq) says of its
+    operation's transaction, once the backend that ran it has ended.
+
+    A sequence this history never committed may be given again after an
+    asynchronous fail-over (the ring goes on from the rows the standby had):
+    an enqueue's row must also hold its producer and producer sequence. A
+    row written later tells nothing, nor does a consumed entry (a
+    redelivery's commit consumes it too)."""
+    state, row_seq, producer, producer_seq = row
+    if entry.kind == "enqueue":
+        if row_seq == entry.seq:
+            if state not in (RowState.QUEUED, RowState.CONSUMED):
+                return False
+            return entry.producer is None or (
+                (producer, producer_seq) == (entry.producer, entry.producer_seq)
+            )
+        return False if row_seq < entry.seq else None
+    if row_seq == entry.seq and state == RowState.QUEUED:
+        return False  # not consumed: its dequeue did not commit
+    return None
+
+
+def in_doubt_outcome(
+    dsn: str, exc: InDoubt, *, timeout: float = 30.0, connect_timeout: int = 10
+) -> bool | None:
+    """Whether the transaction whose commit raised ``exc`` committed, from the
+    rows of the server ``dsn`` reaches, once the backend that ran it has
+    ended (ended by force if it still runs; ``timeout`` seconds at most).
+    None when the rows do not tell.
+
+    :raises DatabaseUnavailable: no server answers (yet), or the backend did not end in time.
+    :raises DatabaseError:
+    """
+    if not exc.entries:
+        return None
+    pid, registered_ns = exc.backend
+    verdicts: set[bool] = set()
+    by_queue: dict[str, list[InFlight]] = {}
+    for entry in exc.entries:
+        by_queue.setdefault(entry.queue, []).append(entry)
+    try:
+        with psycopg.connect(dsn, autocommit=True, connect_timeout=connect_timeout) as conn:
+            wait_backend_gone(conn, pid, timeout, not_after_ns=registered_ns or None)
+            for queue, entries in by_queue.items():
+                rows = conn.execute(
+                    sql.SQL(_Q["in_doubt_rows"]).format(table=queue_table(queue)),
+                    ([e.slot for e in entries],),
+                ).fetchall()
+                by_slot = {r[0]: r[1:] for r in rows}
+                for e in entries:
+                    verdict = _verdict(e, by_slot.get(e.slot, (RowState.FREE, -1, None, None)))
+                    if verdict is not None:
+                        verdicts.add(verdict)
+    except psycopg.Error as err:
+        raise from_psycopg(err, dsn=dsn) from err
+    if len(verdicts) > 1:
+        # A transaction commits whole: its rows cannot disagree unless written around ringq.
+        raise DatabaseError(f"the rows disagree on the outcome of {exc.entries}")
+    return verdicts.pop() if verdicts else None

@@ -10,6 +10,7 @@ from __future__ import annotations
 import re
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 
 import psycopg
 
@@ -105,12 +106,43 @@ class StaleSection(TransactionError):
         self.queue = queue
 
 
+@dataclass(frozen=True, slots=True)
+class InFlight:
+    """One queue operation of a transaction whose commit is in doubt: its
+    queue, the entry's sequence, ``kind`` ("enqueue" or "dequeue"), the ring
+    slot it used, and for an enqueue the entry's producer and producer
+    sequence (None where the session no longer had them)."""
+
+    queue: str
+    seq: int
+    kind: str
+    slot: int
+    producer: str | None = None
+    producer_seq: int | None = None
+
+
 class InDoubt(TransactionError):
     """The commit's answer was lost: the outcome is decided later from the rows.
 
     The entries are never lost or duplicated; the session (or the monitor)
     decides each slot from its row once the old backend has ended.
+    ``entries`` are the transaction's queue operations (empty for a
+    two-phase transaction, which its coordinator's decision settles);
+    :meth:`Session.in_doubt_outcome` tells from the rows whether it
+    committed, once a server answers.
     """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        entries: tuple[InFlight, ...] = (),
+        backend: tuple[int, int] = (0, 0),
+    ) -> None:
+        super().__init__(message)
+        self.entries = entries
+        # the backend that ran the commit: (pid, when its client registered it, ns)
+        self.backend = backend
 
 
 class DatabaseUnavailable(RingqError):

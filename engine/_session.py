@@ -26,7 +26,14 @@ from psycopg.pq import TransactionStatus
 
 from . import _layout as L
 from . import _wire
-from ._decide import decide_ops, load_queue, resync_queue, wait_backend_gone
+from ._decide import (
+    decide_ops,
+    in_doubt_outcome,
+    in_flight,
+    load_queue,
+    resync_queue,
+    wait_backend_gone,
+)
 from ._dsn import resolve_dsn
 from ._errors import (
     InDoubt,
@@ -716,13 +723,18 @@ class Session(TwoPhase):
                 # slot claimed after the COMMIT, if any, with them: its
                 # transaction never committed, so it comes back).
                 decided = ops if then is None else [*ops, then]
+                backend = (self.backend_pid, self._section.c(self._cidx, L.C_STARTED_NS))
                 committed = self._recover(decided, reason=f"commit answer lost: {exc}")
                 if committed is None and self._section.lease_ended(self._cidx):
                     # past the lease
                     committed = False if any(op.kind == OpKind.DEQUEUE for op in ops) else None
                 if committed is None:
                     self._record_ops_error(L.ERR_IN_DOUBT, ops)
-                    raise InDoubt(f"commit outcome unknown: {exc}") from exc
+                    raise InDoubt(
+                        f"commit outcome unknown: {exc}",
+                        entries=in_flight(ops),
+                        backend=backend,
+                    ) from exc
                 if committed:
                     logger.warning("ringq: commit answer lost, but the rows show it committed")
                     return None
@@ -742,6 +754,24 @@ class Session(TwoPhase):
         self._ops = []
         self._finish(ops, committed=True)
         return cur
+
+    def in_doubt_outcome(self, exc: InDoubt, *, timeout: float = 30.0) -> bool | None:
+        """Whether the transaction whose :meth:`commit` raised ``exc``
+        committed: True or False, read from the rows of the server the DSN
+        reaches now (the new primary after a fail-over), once the backend that
+        ran the commit has ended (it is ended if it still runs, waiting up to
+        ``timeout`` seconds). None when the rows no longer tell: every slot
+        the transaction used holds a later entry, or its only operations were
+        dequeues of entries since consumed (a redelivery's commit looks the
+        same), or it was two-phase (its coordinator's decision settles it).
+        It changes nothing; the section decides the slots by itself.
+
+        :raises DatabaseUnavailable: no server answers yet: ask again later.
+        :raises DatabaseError:
+        """
+        return in_doubt_outcome(
+            self.dsn, exc, timeout=timeout, connect_timeout=max(1, int(self._connect_timeout))
+        )
 
     def flush(self) -> None:
         """Send the row writes the session holds now (one round trip, opening

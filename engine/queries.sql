@@ -210,6 +210,9 @@ FROM s LEFT JOIN f ON f.seq = s.seq CROSS JOIN n
 -- rows --
 SELECT slot, state, seq, msg_group FROM {table} WHERE slot = ANY(%s::integer[])
 
+-- in_doubt_rows --
+SELECT slot, state, seq, producer, producer_seq FROM {table} WHERE slot = ANY(%s::integer[])
+
 -- all_rows --
 -- (the group of queued entries only: the section tags ready and held slots)
 SELECT slot, state, seq, CASE WHEN state = 1 THEN msg_group END FROM {table}

@@ -25,6 +25,7 @@ from conftest import cli, present, wait_for
 from psycopg import sql
 from ringq.engine import (
     DatabaseUnavailable,
+    InDoubt,
     RingqError,
     Session,
     TransactionError,
@@ -194,11 +195,16 @@ def test_sync_failover_keeps_every_committed_entry_once_and_in_order(
         # when the primary died may have committed, or not.
         assert got[: len(acked)] == acked
         assert got[len(acked) :] in ([], [producer.failed])
+        outcome = None
+        if isinstance(producer.error, InDoubt):  # else it failed before its COMMIT went
+            # The new primary's rows tell the producer what became of it.
+            outcome = idle.in_doubt_outcome(producer.error)
+            assert outcome is (producer.failed in got)
         print(
             f"\nsync fail-over: {len(acked)} acknowledged, {len(got)} dequeued, "
             f"in doubt: {producer.failed} ({type(producer.error).__name__}; session "
-            f"{'closed' if producer.closed_by_error else 'open'}), "
-            f"kill to promoted: {promoted:.2f} s"
+            f"{'closed' if producer.closed_by_error else 'open'}; committed, from the "
+            f"rows: {outcome}), kill to promoted: {promoted:.2f} s"
         )
         # The old primary stays down: 'ringq db start' starts the new primary only.
         cluster.start()
@@ -268,6 +274,9 @@ def test_async_failover_loses_the_replication_gap_and_delivers_nothing_twice(
         assert in_table == list(range(100)), "the loss is not exactly the replication gap"
         got = drain_after_reattach(idle, queue)
         assert got == in_table, "the engine did not deliver exactly what the new primary holds"
+        if isinstance(producer.error, InDoubt):
+            assert idle.in_doubt_outcome(producer.error) is False  # in the gap: lost
+        print(f"\nasync fail-over: the producer's last commit raised {producer.error!r}")
         # The section had the lost entries as ready: the dequeues repaired
         # them from the rows. New entries go through.
         for n in (1000, 1001):

@@ -594,6 +594,84 @@ def test_session_that_cannot_decide_its_lost_slots_hands_them_over(
         later.commit()
 
 
+@pytest.mark.parametrize("answer", ["never sent", "lost after the commit"])
+def test_a_commit_in_doubt_is_told_from_the_rows(
+    dsn: str, make_queue: Callable[..., str], monkeypatch: pytest.MonkeyPatch, answer: str
+) -> None:
+    """InDoubt names the transaction's queue operations, and
+    ``in_doubt_outcome`` reads from the rows whether it committed: the
+    connection lost before the COMMIT went (False), or after it ran and
+    before its answer came back (True); the same once recovery has decided
+    the slots, and from another session."""
+    from ringq.engine import DatabaseUnavailable, InDoubt, InFlight
+
+    q = make_queue()
+    s = connect(dsn)
+    with connect(dsn) as p:
+        p.enqueue(q, b"before")
+        p.commit()
+    taken = present(s.dequeue(q))
+    s.commit()
+    seq = s.enqueue(q, b"in doubt")
+    slot = seq % s.ring(q).cap
+    def fails(*args: object) -> None:
+        raise DatabaseUnavailable("deciding failed too")
+
+    monkeypatch.setattr(s, "_decide_lost", fails)  # so that the caller gets InDoubt
+    if answer == "never sent":
+        _terminate(dsn, s.backend_pid)
+    else:
+        send = s._send_writes
+
+        def send_then_lose(writes: Any, *, commit: bool) -> None:
+            send(writes, commit=commit)  # the COMMIT runs...
+            s.connection.close()  # ...and its answer is lost
+            raise DatabaseUnavailable("the connection was lost")
+
+        monkeypatch.setattr(s, "_send_writes", send_then_lose)
+    with pytest.raises(InDoubt) as caught:
+        s.commit()
+    monkeypatch.undo()
+    exc = caught.value
+    assert exc.entries == (InFlight(q, seq, "enqueue", slot, s.producer, 1),)
+    committed = answer == "lost after the commit"
+    assert s.in_doubt_outcome(exc) is committed
+    _recover_until(s.section, dsn, lambda: s.ring(q).counts()["locked"] == 0)
+    with connect(dsn) as other:
+        assert other.in_doubt_outcome(exc) is committed
+    s.close()
+    assert [m.payload for m in drain(dsn, q)] == ([b"in doubt"] if committed else [])
+    assert taken.payload == b"before"
+
+
+def test_a_commit_in_doubt_is_false_for_an_entry_whose_sequence_was_given_again(
+    dsn: str, make_queue: Callable[..., str]
+) -> None:
+    """After an asynchronous fail-over the ring goes on from the rows the
+    standby had, so a sequence the old primary gave (its entry lost in the
+    replication gap) is given again: the row holding it is another
+    producer's, and says the transaction in doubt did not commit."""
+    from ringq.engine import InDoubt, InFlight
+
+    q = make_queue()
+    with connect(dsn) as s:
+        seq = s.enqueue(q, b"new history")
+        s.commit()
+        slot = seq % s.ring(q).cap
+        mine = InFlight(q, seq, "enqueue", slot, "host:1:lost", 7)
+        exc = InDoubt("commit outcome unknown", entries=(mine,))
+        assert s.in_doubt_outcome(exc) is False
+        theirs = InFlight(q, seq, "enqueue", slot, s.producer, 1)
+        assert s.in_doubt_outcome(InDoubt("x", entries=(theirs,))) is True
+        # a dequeue of an entry that is still queued did not commit; a consumed one tells nothing
+        dequeue = InDoubt("x", entries=(InFlight(q, seq, "dequeue", slot),))
+        assert s.in_doubt_outcome(dequeue) is False
+        present(s.dequeue(q))
+        s.commit()
+        assert s.in_doubt_outcome(dequeue) is None
+        assert s.in_doubt_outcome(InDoubt("two-phase: no entries")) is None
+
+
 @pytest.mark.parametrize("mode", ["shared", "single"])
 def test_orphaned_slot_is_decided_once_its_holder_backend_is_gone(
     dsn: str, make_queue: Callable[..., str], mode: str
