@@ -5,7 +5,8 @@ of the destination queue (database 2). For each batch it
 
 1. dequeues up to N entries from the source, in a database-1 transaction;
 2. enqueues each in the destination, in a database-2 transaction, with an
-   idempotency key made from the entry's identity (:func:`move_key`);
+   idempotency key made from the entry's identity (:func:`move_key`: its
+   source, sequence and enqueue time);
 3. commits database 2 FIRST;
 4. then commits the dequeue in database 1.
 
@@ -50,7 +51,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from datetime import datetime
+from datetime import UTC, datetime, timedelta
 from typing import Any, Self
 
 import posix_ipc
@@ -130,7 +131,9 @@ class Moved:
     @property
     def key(self) -> str:
         """The idempotency key the entry was moved with."""
-        return move_key(self.origin_instance, self.origin_queue_id, self.origin_seq)
+        return move_key(
+            self.origin_instance, self.origin_queue_id, self.origin_seq, self.enqueued_at
+        )
 
     @property
     def origin(self) -> str:
@@ -138,15 +141,27 @@ class Moved:
         return f"{self.origin_instance}:{self.origin_queue}"
 
 
-def move_key(instance: str, queue_id: int, seq: int) -> str:
-    """The idempotency key of a source entry: unique across databases and queue wraps.
+_EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
+
+
+def move_key(instance: str, queue_id: int, seq: int, enqueued_at: datetime) -> str:
+    """The idempotency key of a source entry: unique across databases, queue
+    wraps and fail-overs.
 
     ``instance`` names the source database (``ringq.meta.instance_id``),
     ``queue_id`` the source queue (a queue dropped and created again gets a new
-    id, its sequence starting over), ``seq`` the queue-wide sequence (never
-    reused: the slot is ``seq % capacity``, the sequence grows on).
+    id, its sequence starting over), ``seq`` the queue-wide sequence (the slot
+    is ``seq % capacity``, the sequence grows on) and ``enqueued_at`` the
+    entry's enqueue time, to the microsecond (a naive time is taken as UTC).
+    The sequence alone is not enough: after an asynchronous fail-over of the
+    source, the sequences of entries lost in the replication gap are given
+    again, to new entries; had the lost ones been moved already, their keys
+    would make the destination skip the new ones.
     """
-    return f"{_key_prefix(instance, queue_id)}{seq}"
+    if enqueued_at.tzinfo is None:
+        enqueued_at = enqueued_at.replace(tzinfo=UTC)
+    micros = (enqueued_at - _EPOCH) // timedelta(microseconds=1)
+    return f"{_key_prefix(instance, queue_id)}{seq}@{micros}"
 
 
 def _key_prefix(instance: str, queue_id: int) -> str:
@@ -567,7 +582,7 @@ class Mover:
         cfg = self.config
         dst_info = dst.queue_info(self.dst_queue)
         bodies = [wrap(m, s.instance, s.src_qid) if cfg.envelope else m.payload for m in msgs]
-        keys = [move_key(s.instance, s.src_qid, m.seq) for m in msgs]
+        keys = [move_key(s.instance, s.src_qid, m.seq, m.enqueued_at) for m in msgs]
         for m, body in zip(msgs, bodies, strict=True):
             if len(body) > dst_info.max_payload:
                 raise PayloadTooLarge(

@@ -25,7 +25,7 @@ from typing import Any
 
 import psycopg
 import pytest
-from conftest import drain, present, queue_in
+from conftest import drain, present, queue_in, remove_section
 from psycopg import sql
 from ringq.engine import connect
 from ringq.engine.recovery import reclaim_all, recover_dead_clients, repair_lock_holders
@@ -78,7 +78,7 @@ def check_arrivals(msgs: list[Any], expected: dict[str, int]) -> None:
 
 
 def test_envelope_round_trip() -> None:
-    from datetime import UTC, datetime
+    from datetime import UTC, datetime, timedelta
 
     from ringq.engine import Message
 
@@ -91,7 +91,10 @@ def test_envelope_round_trip() -> None:
         "abc123", "outbox", 9, 12345,
     )
     assert (got.producer, got.producer_seq, got.enqueued_at) == ("host:1:2", 7, m.enqueued_at)
-    assert got.key == move_key("abc123", 9, 12345) == "mv:abc123:9:12345"
+    micros = (m.enqueued_at - datetime(1970, 1, 1, tzinfo=UTC)) // timedelta(microseconds=1)
+    assert got.key == move_key("abc123", 9, 12345, m.enqueued_at) == f"mv:abc123:9:12345@{micros}"
+    # the same sequence enqueued at another time (given again after a fail-over): another key
+    assert move_key("abc123", 9, 12345, m.enqueued_at + timedelta(microseconds=1)) != got.key
     with pytest.raises(ValueError):
         unwrap(b"plain")
 
@@ -183,6 +186,49 @@ def test_key_is_unique_across_wraps(dsn: str, dsn2: str) -> None:
     assert stats["moved"] == 30 and stats["duplicates"] == 0
     assert stats["pruned_keys"] > 0  # spent keys do not pile up in database 2
     check_arrivals(drain(dsn2, dst, batch=100), {"a": 30})
+
+
+def test_a_sequence_given_again_after_a_fail_over_is_moved_too(dsn: str, dsn2: str) -> None:
+    """After an asynchronous fail-over of the source, the sequences of
+    entries lost in the replication gap are given again, to new entries. The
+    source here forgets a moved entry as such a fail-over does (its row put
+    back as the standby had it, the section loaded again from the rows):
+    the next entry gets the same sequence and must be moved, not skipped by
+    the lost one's key. (With the sequence alone in the key, it was skipped.)"""
+    src, dst = _queue(dsn), _dst(dsn2)
+    table = sql.Identifier("ringq", f"q_{src}")
+    with connect(dsn) as s:
+        s.enqueue(src, b"kept")
+        s.commit()
+        with Mover(dsn, src, dsn2, dst) as mv:
+            assert mv.move_batch() == 1
+        with psycopg.connect(dsn, autocommit=True) as c:
+            slot = (present(c.execute(
+                sql.SQL("SELECT max(seq) FROM {}").format(table)).fetchone())[0] + 1) % 256
+            before = present(c.execute(
+                sql.SQL("SELECT * FROM {} WHERE slot = %s").format(table), (slot,)).fetchone())
+        lost = s.enqueue(src, b"lost in the gap")
+        s.commit()
+        with Mover(dsn, src, dsn2, dst) as mv:
+            assert mv.move_batch() == 1
+    with psycopg.connect(dsn, autocommit=True) as c:  # the standby never had it
+        c.execute(sql.SQL("DELETE FROM {} WHERE slot = %s").format(table), (slot,))
+        c.execute(
+            sql.SQL("INSERT INTO {} VALUES ({})").format(
+                table, sql.SQL(", ").join(sql.Placeholder() * len(before))
+            ),
+            before,
+        )
+    remove_section(dsn)
+    with connect(dsn) as s:
+        assert s.enqueue(src, b"new on the promoted primary") == lost  # given again
+        s.commit()
+    with Mover(dsn, src, dsn2, dst) as mv:
+        assert mv.move_batch() == 1
+        assert mv.get_stats()["duplicates"] == 0
+    got = [unwrap(m) for m in drain(dsn2, dst, batch=100)]
+    assert [m.payload for m in got] == [b"kept", b"lost in the gap", b"new on the promoted primary"]
+    assert got[1].origin_seq == got[2].origin_seq and got[1].key != got[2].key
 
 
 def test_destination_too_small_for_the_envelope_is_refused_at_start(dsn: str, dsn2: str) -> None:
