@@ -15,15 +15,17 @@ records which entries it applied, and a second delivery is recognized::
             bank.execute("UPDATE accounts ...")    # the effect, once
     queue_session.commit()                         # a crash before this redelivers
 
-``ringq.applied (consumer, queue, seq)`` is the record; a moved entry (see
+``ringq.applied (consumer, queue, seq, enqueued_at)`` is the record; a moved entry (see
 :func:`ringq.move.unwrap`) is recorded by its origin (``instance:queue`` and
 the source sequence), which is the same however often and by whatever road it
 arrives. Rows are never deleted by ringq; prune old ones (``applied_at``) once
 no redelivery can be older.
 
-A plain entry is recorded by its queue's *name* and sequence, which are unique
-within one database as long as the queue is not dropped and created again
-(its sequence starts over: delete its rows here when you do that). A consumer
+A plain entry is recorded by its queue's *name* and sequence, with its
+enqueue time: a sequence is unique within one database's history, but the
+sequences of entries lost in an asynchronous fail-over's gap are given again
+(and a queue dropped and created again starts over), so a record of the same
+sequence with another enqueue time is another entry's, and is replaced. A consumer
 that applies entries of same-named queues from several databases should use
 one consumer name per source database.
 """
@@ -32,6 +34,7 @@ from __future__ import annotations
 
 import os
 import threading
+from datetime import datetime
 from typing import Any
 
 import psycopg
@@ -76,12 +79,18 @@ def create_applied_table(dsn: str) -> None:
 
 def applied_identity(msg: Message | Moved) -> tuple[str, int]:
     """``(queue, seq)`` recorded for an entry: its origin's if it was moved."""
+    queue, seq, _enqueued_at = _identity(msg)
+    return queue, seq
+
+
+def _identity(msg: Message | Moved) -> tuple[str, int, datetime]:
+    """``(queue, seq, enqueued_at)`` of an entry: its origin's if it was moved."""
     if isinstance(msg, Moved):
-        return msg.origin, msg.origin_seq
+        return msg.origin, msg.origin_seq, msg.enqueued_at
     if is_moved(msg.payload):
         m = unwrap(msg.payload)
-        return m.origin, m.origin_seq
-    return msg.queue, msg.seq
+        return m.origin, m.origin_seq, m.enqueued_at
+    return msg.queue, msg.seq, msg.enqueued_at
 
 
 def already_applied(
@@ -100,7 +109,7 @@ def already_applied(
     """
     if not consumer:
         raise ConfigError("consumer must be a non-empty name")
-    queue, seq = applied_identity(msg)
+    queue, seq, enqueued_at = _identity(msg)
     if isinstance(session, Session):
         conn, dsn = session.connection, session.dsn
         with _ready_lock:
@@ -114,7 +123,7 @@ def already_applied(
         if not known:
             _ensure_in_transaction(conn, dsn)
     try:
-        row = conn.execute(SQL["applied_record"], (consumer, queue, seq)).fetchone()
+        row = conn.execute(SQL["applied_record"], (consumer, queue, seq, enqueued_at)).fetchone()
     except psycopg.Error as exc:
         raise from_psycopg(exc, dsn=dsn) from exc
     return row is None

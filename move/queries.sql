@@ -28,16 +28,27 @@ DELETE FROM ringq.keys WHERE queue_id = %s AND seq <= %s AND starts_with(key, %s
 -- consumer's transaction never waits on (or aborts on) the table's creation.
 CREATE SCHEMA IF NOT EXISTS ringq;
 CREATE TABLE IF NOT EXISTS ringq.applied (
-    consumer   text        NOT NULL,
-    queue      text        NOT NULL,
-    seq        bigint      NOT NULL,
-    applied_at timestamptz NOT NULL DEFAULT now(),
+    consumer    text        NOT NULL,
+    queue       text        NOT NULL,
+    seq         bigint      NOT NULL,
+    applied_at  timestamptz NOT NULL DEFAULT now(),
+    enqueued_at timestamptz,
     PRIMARY KEY (consumer, queue, seq)
-)
+);
+-- (enqueued_at came later: NULL in the records made before it)
+ALTER TABLE ringq.applied ADD COLUMN IF NOT EXISTS enqueued_at timestamptz
 
 -- applied_exists --
-SELECT to_regclass('ringq.applied') IS NOT NULL
+SELECT EXISTS (SELECT 1 FROM pg_attribute WHERE attrelid = to_regclass('ringq.applied')
+               AND attname = 'enqueued_at' AND NOT attisdropped)
 
 -- applied_record --
-INSERT INTO ringq.applied (consumer, queue, seq) VALUES (%s, %s, %s)
-ON CONFLICT DO NOTHING RETURNING 1
+-- Returns a row if the entry was not recorded yet. A record of the same
+-- queue and sequence with another enqueue time is another entry's: after an
+-- asynchronous fail-over of the source the sequences of entries lost in the
+-- gap are given again. It is replaced (that entry is gone for good).
+INSERT INTO ringq.applied AS a (consumer, queue, seq, enqueued_at) VALUES (%s, %s, %s, %s)
+ON CONFLICT (consumer, queue, seq) DO UPDATE
+    SET enqueued_at = excluded.enqueued_at, applied_at = now()
+    WHERE a.enqueued_at IS NOT NULL AND a.enqueued_at <> excluded.enqueued_at
+RETURNING 1

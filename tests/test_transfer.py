@@ -71,6 +71,57 @@ def test_effect_rolled_back_is_not_recorded(dsn: str) -> None:
         s.commit()
 
 
+def test_a_sequence_given_again_is_another_entry(dsn: str) -> None:
+    """After an asynchronous fail-over of the source, the sequences of
+    entries lost in the replication gap are given again: a record of the same
+    queue and sequence with another enqueue time is another entry's, whose
+    effect must be applied, not skipped."""
+    from datetime import UTC, datetime, timedelta
+
+    from ringq.engine import Message
+
+    q = queue_in(dsn)
+    t = datetime.now(UTC)
+    lost = Message(q, 7, b"lost in the gap", "host:1:1", 1, t, 1)
+    new = Message(q, 7, b"new on the promoted primary", "host:2:1", 1, t + timedelta(seconds=1), 1)
+    with connect(dsn) as s:
+        assert not already_applied(s, "c", lost)
+        s.commit()
+        assert already_applied(s, "c", lost)  # a redelivery of the same entry
+        s.rollback()
+        assert not already_applied(s, "c", new)
+        s.commit()
+        assert already_applied(s, "c", new)
+        s.rollback()
+        rows = s.connection.execute("SELECT seq, enqueued_at FROM ringq.applied").fetchall()
+        assert rows == [(7, new.enqueued_at)]
+        s.commit()
+
+
+def test_records_made_before_enqueue_times_were_kept_still_count(dsn: str) -> None:
+    """A table made by an earlier version (no enqueued_at) gets the column on
+    first use; its records, with no enqueue time, count as applied."""
+    from datetime import UTC, datetime
+
+    from ringq.engine import Message
+
+    q = queue_in(dsn)
+    with psycopg.connect(dsn, autocommit=True) as c:
+        c.execute("DROP TABLE IF EXISTS ringq.applied")
+        c.execute(
+            "CREATE TABLE ringq.applied (consumer text NOT NULL, queue text NOT NULL, "
+            "seq bigint NOT NULL, applied_at timestamptz NOT NULL DEFAULT now(), "
+            "PRIMARY KEY (consumer, queue, seq))"
+        )
+        c.execute("INSERT INTO ringq.applied (consumer, queue, seq) VALUES ('c', %s, 3)", (q,))
+    # another spelling of the DSN: this process has not seen the table there yet
+    with connect(dsn + "?application_name=upgraded") as s:
+        old = Message(q, 3, b"old", "p", 1, datetime.now(UTC), 2)
+        assert already_applied(s, "c", old)
+        assert not already_applied(s, "c", Message(q, 4, b"next", "p", 2, datetime.now(UTC), 1))
+        s.commit()
+
+
 def test_moved_entry_is_recorded_by_its_origin(dsn: str, dsn2: str) -> None:
     """The same source entry arriving twice by two roads (moved, then moved
     again after being re-sent) is one entry for the applied table."""
