@@ -7,7 +7,8 @@ A producer commits entries before the kill, through the fail-over (its
 commits fail while there is no primary; the one whose answer was lost is in
 doubt) and after the promotion. Every acknowledged entry must be handled (or
 moved) exactly once, and nothing stays on the source queue. Each test makes
-its own pair of servers (see :func:`test_failover.pair`).
+its own pair of servers (see :func:`test_failover.pair`). The last one moves
+out of an asynchronous pair, through a replication gap, into another server.
 """
 
 from __future__ import annotations
@@ -27,12 +28,12 @@ from pathlib import Path
 
 import psycopg
 import pytest
-from conftest import drain, wait_for
-from ringq.engine import RingqError, Session, connect
-from ringq.move import unwrap
+from conftest import drain, queue_in, wait_for
+from ringq.engine import InDoubt, RingqError, Session, connect
+from ringq.move import MoveConfig, Mover, unwrap
 from ringq.scripting import Cluster, QueueSpec, create_queue
 from ringq.worker import WorkerExit
-from test_failover import kill_primary, pair, queued_in_table
+from test_failover import kill_primary, pair, queued_in_table, replication_gap
 from test_worker import WorkerProcess
 
 BEFORE = 300  # entries committed before the kill (the clients are busy with them at the kill)
@@ -292,3 +293,63 @@ def test_a_mover_carries_on_after_a_promotion_and_moves_each_entry_once(
             f"{times.figures([at for _, at in arrivals.got])}\n"
             f"{stderr_excerpt(log.read_text().splitlines())}"
         )
+
+
+def test_a_mover_out_of_an_async_pair_moves_the_entries_that_reuse_lost_sequences(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], dsn: str
+) -> None:
+    """The source is an asynchronous pair, the destination another server.
+    Entries committed and moved during a replication gap are lost from the
+    source with the old primary, and the new primary gives their sequences
+    again to the next entries: those must arrive too, not be taken for the
+    lost ones by their keys (with the sequence alone in the key, all 40 were
+    skipped), and nothing arrives twice."""
+    with pair(tmp_path / "home", capsys, "--async") as cluster:
+        both = cluster.url(both=True)
+        src = fresh_name()
+        make_queues(both, QueueSpec(src, 1024, 64))
+        dst = queue_in(dsn, capacity=1024, max_payload=512)
+        stop = threading.Event()
+
+        def move() -> None:
+            with Mover(both, src, dsn, dst, config=MoveConfig(batch=10, standby_poll=0.1)) as mv:
+                mv.run(stop)
+
+        mover = threading.Thread(target=move, daemon=True)
+        mover.start()
+        arrivals = Arrivals(dsn, dst)
+        producer = connect(both)
+        try:
+            def send(numbers: range) -> None:
+                for n in numbers:
+                    for attempt in range(3):  # a first call may find the connection dead
+                        try:
+                            producer.enqueue(src, str(n).encode())
+                            producer.commit()
+                            break
+                        except InDoubt as exc:
+                            if producer.in_doubt_outcome(exc):
+                                break
+                        except RingqError:
+                            assert attempt < 2
+
+            send(range(40))
+            wait_for(lambda: arrivals.take() >= 40, 30, "the first entries to be moved")
+            with replication_gap(cluster):  # committed and moved on the old primary alone
+                send(range(40, 80))
+                wait_for(lambda: arrivals.take() >= 80, 30, "the gap's entries to be moved")
+            cluster.promote()
+            queued = queued_in_table(both, src)  # the gap's entries are not there
+            send(range(100, 140))
+            wait_for(lambda: arrivals.take() >= 120, 30, "the new primary's entries to be moved")
+        finally:
+            stop.set()
+            mover.join(30)
+            producer.close()
+        time.sleep(0.5)
+        arrivals.take()
+        arrivals.close()
+        got = arrivals.payloads()
+        assert queued == []
+        assert sorted(got) == [*range(80), *range(100, 140)], "lost or moved twice"
+        print(f"\nasync mover: {len(got)} arrived, in order: {got == sorted(got)}")
