@@ -31,8 +31,9 @@ DESCRIPTION = """\
 Move every entry of a queue in database 1 to a queue in database 2, without
 two-phase commit: each batch is enqueued and committed in database 2 first,
 then its dequeue is committed in database 1. The enqueue is idempotent by the
-entry's identity (source database, queue, sequence), so a mover killed
-between the two commits and started again delivers nothing twice.
+entry's identity (source database, queue, sequence and enqueue time), so
+a mover killed between the two commits and started again delivers nothing
+twice.
 
 Several movers may run for one source queue: one moves (it holds an advisory
 lock in database 1), the others stand by and take over when it dies.
