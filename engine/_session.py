@@ -731,7 +731,7 @@ class Session(TwoPhase):
                 if committed is None:
                     self._record_ops_error(L.ERR_IN_DOUBT, ops)
                     raise InDoubt(
-                        f"commit outcome unknown: {exc}",
+                        f"commit outcome unknown: {one_line(str(exc))}",
                         entries=in_flight(ops),
                         backend=backend,
                     ) from exc

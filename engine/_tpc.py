@@ -20,7 +20,7 @@ import psycopg
 from psycopg.pq import TransactionStatus
 
 from . import _layout as L
-from ._errors import InDoubt, RingqError, SessionClosed, TransactionError
+from ._errors import InDoubt, RingqError, SessionClosed, TransactionError, one_line
 from ._queries import QUERIES as _Q
 from ._section import Section
 
@@ -270,7 +270,8 @@ class TwoPhase:
                 self._record_ops_error(L.ERR_IN_DOUBT, ops)
                 self._recover([], reason=f"tpc end failed: {exc}")
                 raise InDoubt(
-                    f"two-phase {'commit' if commit else 'rollback'} of {gid} in doubt: {exc}"
+                    f"two-phase {'commit' if commit else 'rollback'} of {gid} in doubt: "
+                    f"{one_line(str(exc))}"
                 ) from exc
             if commit:
                 self._record_ops_error(L.ERR_COMMIT_FAILED, ops)
