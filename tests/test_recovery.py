@@ -285,6 +285,17 @@ def _prepare_and_die(dsn: str, queue: str, gid: str, decide: bool, ready: Any) -
     time.sleep(60)
 
 
+def _prepared_by_a_dead_coordinator(dsn: str, queue: str, *, decide: bool = False) -> None:
+    """A child enqueues on ``queue`` in a two-phase transaction, prepares it
+    (and records the decision if ``decide``), and is killed with kill -9."""
+    ready = FORK.Event()
+    p = FORK.Process(target=_prepare_and_die, args=(dsn, queue, uuid.uuid4().hex, decide, ready))
+    p.start()
+    assert ready.wait(30)
+    os.kill(present(p.pid), signal.SIGKILL)
+    p.join(10)
+
+
 @pytest.mark.parametrize("decide", [True, False])
 def test_prepared_transaction_of_dead_coordinator_is_resolved(
     dsn: str, make_queue: Callable[..., str], decide: bool
@@ -293,12 +304,7 @@ def test_prepared_transaction_of_dead_coordinator_is_resolved(
     with connect(dsn) as s:
         sec = s.section
         ring = s.ring(q)
-        ready = FORK.Event()
-        p = FORK.Process(target=_prepare_and_die, args=(dsn, q, uuid.uuid4().hex, decide, ready))
-        p.start()
-        assert ready.wait(30)
-        os.kill(present(p.pid), signal.SIGKILL)
-        p.join(10)
+        _prepared_by_a_dead_coordinator(dsn, q, decide=decide)
         recs: list[Any] = []
         t0 = time.monotonic()
         while not recs and time.monotonic() - t0 < 5:
@@ -405,12 +411,7 @@ def test_slot_logs_of_transactions_no_longer_prepared_are_deleted(
     would look like ringq's and be told the old slots. A log whose slots a
     live session owns (between its log and its PREPARE) stays."""
     q = make_queue(capacity=8)
-    ready = FORK.Event()
-    p = FORK.Process(target=_prepare_and_die, args=(dsn, q, uuid.uuid4().hex, False, ready))
-    p.start()
-    assert ready.wait(30)
-    os.kill(present(p.pid), signal.SIGKILL)
-    p.join(10)
+    _prepared_by_a_dead_coordinator(dsn, q)
     [gid] = prepared_gids(dsn)
     with psycopg.connect(dsn, autocommit=True) as c:
         c.execute(f"COMMIT PREPARED '{gid}'")
@@ -794,14 +795,7 @@ def test_a_prepared_transaction_found_at_a_load_is_held_then_decided(
     slot from the row. It used to keep owner 0, which no recovery looked at:
     the slot stayed locked and the ring stopped once it wrapped to it."""
     q = make_queue(capacity=4)
-    ready = FORK.Event()
-    p = FORK.Process(
-        target=_prepare_and_die, args=(dsn, q, uuid.uuid4().hex, False, ready)
-    )
-    p.start()
-    assert ready.wait(30)
-    os.kill(present(p.pid), signal.SIGKILL)
-    p.join(10)
+    _prepared_by_a_dead_coordinator(dsn, q)
     [gid] = prepared_gids(dsn)
     remove_section(dsn)  # the next session loads the queue from its rows
     with connect(dsn) as s:
