@@ -33,7 +33,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterator, Sequence
-from datetime import datetime
+from datetime import UTC, datetime
 from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
@@ -156,6 +156,48 @@ def sigterm_tears_down() -> None:
 def _sigterm(signum: int, frame: object) -> None:
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     raise KeyboardInterrupt(f"signal {signum}")
+
+
+def run_in_database(
+    name: str,
+    args: argparse.Namespace,
+    config: Any,
+    run: Callable[[str], dict[str, Any]],
+    cleanup: Callable[[str, bool], None],
+    summarize: Callable[[dict[str, Any]], dict[str, Any]],
+    render: Callable[[dict[str, Any], dict[str, Any], float], str],
+) -> int:
+    """The ``main()`` of a benchmark whose objects live in one database:
+    ``run(dsn)`` in ``args.dsn`` or a private embedded cluster, then
+    ``cleanup(dsn, embedded)`` whatever happened; print ``render(raw,
+    summary, seconds)`` and write it with ``raw``, ``summary`` and the
+    dataclass ``config`` as ``bench/results/<name>-<start>.json``."""
+    sigterm_tears_down()
+    started = datetime.now(UTC)
+    t0 = time.perf_counter()
+    with database(args.dsn) as (dsn, home):
+        try:
+            raw = run(dsn)
+        finally:
+            with contextlib.suppress(Exception):
+                cleanup(dsn, home is not None)
+    seconds = time.perf_counter() - t0
+    summary = summarize(raw)
+    table = render(raw, summary, seconds)
+    print(table)
+    doc = {
+        "benchmark": name,
+        "started_at": started.isoformat(),
+        "seconds": seconds,
+        "command": [sys.executable, *sys.argv],
+        "database": "embedded" if args.dsn is None else "given (--dsn)",
+        "config": config.__dict__,
+        **raw,
+        **summary,
+        "table": table,
+    }
+    write_results(name, started, doc, args.out)
+    return 0
 
 
 def write_results(name: str, started: datetime, doc: dict[str, Any], out: Path | None) -> None:

@@ -20,7 +20,6 @@ figure means.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import multiprocessing as mp
 import os
 import secrets
@@ -29,7 +28,6 @@ import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from datetime import UTC, datetime
 from multiprocessing.connection import Connection
 from typing import Any
 
@@ -42,12 +40,10 @@ from _benchlib import (
     ceiling_one_rt,
     cpu_load,
     create_ceiling,
-    database,
     drop_queues,
     machine,
+    run_in_database,
     server_settings,
-    sigterm_tears_down,
-    write_results,
 )
 from _concurrent import concurrent_ringq, concurrent_skq
 from psycopg import sql
@@ -1243,33 +1239,16 @@ def main(argv: list[str] | None = None) -> int:
         # Entries of one round sit in the queue between its enqueue and dequeue passes.
         capacity=max(args.single, args.batches * args.batch) + 64,
     )
-    sigterm_tears_down()
-    started = datetime.now(UTC)
-    t0 = time.perf_counter()
     names = Names(secrets.token_hex(4))
-    with database(args.dsn) as (dsn, home):
-        try:
-            raw = run(dsn, cfg, names)
-        finally:
-            with contextlib.suppress(Exception):
-                cleanup(dsn, names, embedded=home is not None)
-    seconds = time.perf_counter() - t0
-    summary = summarize(raw, cfg)
-    table = render(raw, summary, cfg, seconds)
-    print(table)
-    doc = {
-        "benchmark": "engine",
-        "started_at": started.isoformat(),
-        "seconds": seconds,
-        "command": [sys.executable, *sys.argv],
-        "database": "embedded" if args.dsn is None else "given (--dsn)",
-        "config": cfg.__dict__,
-        **raw,
-        **summary,
-        "table": table,
-    }
-    write_results("engine", started, doc, args.out)
-    return 0
+    return run_in_database(
+        "engine",
+        args,
+        cfg,
+        run=lambda dsn: run(dsn, cfg, names),
+        cleanup=lambda dsn, embedded: cleanup(dsn, names, embedded=embedded),
+        summarize=lambda raw: summarize(raw, cfg),
+        render=lambda raw, summary, seconds: render(raw, summary, cfg, seconds),
+    )
 
 
 if __name__ == "__main__":

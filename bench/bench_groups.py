@@ -30,14 +30,12 @@ bench/bench_groups.py --help``; ``bench/README.md`` says what each figure means.
 
 from __future__ import annotations
 
-import contextlib
 import multiprocessing as mp
 import secrets
 import statistics
 import sys
 import time
 from dataclasses import dataclass
-from datetime import UTC, datetime
 from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
@@ -47,13 +45,11 @@ import psycopg
 from _benchlib import (
     argument_parser,
     cpu_load,
-    database,
     drop_queues,
     machine,
+    run_in_database,
     run_together,
     server_settings,
-    sigterm_tears_down,
-    write_results,
 )
 from psycopg import sql
 from ringq.engine import Session, connect
@@ -473,33 +469,16 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     cfg = Config(args.entries, args.groups, args.consumers, args.rounds, args.payload,
                  args.claims, args.busy)  # fmt: skip
-    sigterm_tears_down()
-    started = datetime.now(UTC)
-    t0 = time.perf_counter()
     names = Names(secrets.token_hex(4))
-    with database(args.dsn) as (dsn, home):
-        try:
-            raw = run(dsn, cfg, names)
-        finally:
-            with contextlib.suppress(Exception):
-                cleanup(dsn, names, embedded=home is not None)
-    seconds = time.perf_counter() - t0
-    summary = summarize(raw)
-    table = render(raw, summary, cfg, seconds)
-    print(table)
-    doc = {
-        "benchmark": "groups",
-        "started_at": started.isoformat(),
-        "seconds": seconds,
-        "command": [sys.executable, *sys.argv],
-        "database": "embedded" if args.dsn is None else "given (--dsn)",
-        "config": cfg.__dict__,
-        **raw,
-        **summary,
-        "table": table,
-    }
-    write_results("groups", started, doc, args.out)
-    return 0
+    return run_in_database(
+        "groups",
+        args,
+        cfg,
+        run=lambda dsn: run(dsn, cfg, names),
+        cleanup=lambda dsn, embedded: cleanup(dsn, names, embedded=embedded),
+        summarize=lambda raw: summarize(raw),
+        render=lambda raw, summary, seconds: render(raw, summary, cfg, seconds),
+    )
 
 
 if __name__ == "__main__":
