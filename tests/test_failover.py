@@ -55,17 +55,23 @@ def pair(home: Path, capsys: pytest.CaptureFixture[str], mode: str) -> Iterator[
         assert sb.sync_state == mode.lstrip("-")
         yield cluster
     finally:
-        # Best effort: the section outlives the servers, and so does the shared
-        # memory of a killed primary, unless it is recovered (remove does it).
-        with suppress(Exception), psycopg.connect(cluster.url(both=True)) as conn:
-            remove_section(conn)
-        with suppress(Exception):
-            if present(cluster.standby_status()).state == "rebuild":
-                cluster.remove_standby()
-        cluster.stop()
+        stop_all(cluster)
     assert not cluster.status().running
     left = cluster.standby_status()
     assert left is None or not left.running
+
+
+def stop_all(cluster: Cluster) -> None:
+    """Remove the database's section, then stop every server of the home (an
+    old primary left down after a fail-over is removed). Best effort: the
+    section outlives the servers, and so does the shared memory of a killed
+    primary, unless it is recovered (remove does it)."""
+    with suppress(Exception), psycopg.connect(cluster.url(both=True)) as conn:
+        remove_section(conn)
+    with suppress(Exception):
+        if present(cluster.standby_status()).state == "rebuild":
+            cluster.remove_standby()
+    cluster.stop()
 
 
 def make_queue(dsn: str) -> str:

@@ -11,7 +11,7 @@ cannot be the suite's shared one) and stops every server it started.
 from __future__ import annotations
 
 from collections.abc import Iterator
-from contextlib import contextmanager, suppress
+from contextlib import contextmanager
 from pathlib import Path
 
 import psycopg
@@ -21,7 +21,8 @@ from psycopg import sql
 from ringq.cli import main as cli_main
 from ringq.engine import ConfigError
 from ringq.regression import RegressConfig, Report, RunOutcome, Verifier, run
-from ringq.scripting import Cluster, remove_section
+from ringq.scripting import Cluster
+from test_failover import stop_all
 
 pytestmark = pytest.mark.slow
 
@@ -41,12 +42,7 @@ def embedded(home: Path) -> Iterator[Cluster]:
         cluster.start()
         yield cluster
     finally:
-        with suppress(Exception), psycopg.connect(cluster.url(both=True)) as conn:
-            remove_section(conn)
-        with suppress(Exception):
-            if present(cluster.standby_status()).state == "rebuild":
-                cluster.remove_standby()
-        cluster.stop()
+        stop_all(cluster)
 
 
 QUEUES = 3  # two payload sizes, and the grouped queue
