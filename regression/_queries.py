@@ -38,7 +38,7 @@ _Q: Final = load("ringq.regression", "queries.sql")
 # the run store ({schema}, and {table} where noted)
 CREATE_RUN: Final = _Q["create_run"]
 CREATE_RECEIVED: Final = _Q["create_received"]  # {table}
-CREATE_RECEIVED_GROUPED: Final = _Q["create_received_grouped"]  # {table}
+ADD_RECEIVED_GROUPED: Final = _Q["add_received_grouped"]  # {table}
 INSERT_RUN: Final = _Q["insert_run"]
 INSERT_QUEUE: Final = _Q["insert_queue"]
 SELECT_RUN: Final = _Q["select_run"]

@@ -139,8 +139,9 @@ def create_run(dsn: str, config: RegressConfig, run_id: str | None = None) -> Ru
                 conn.execute(
                     S.q(S.INSERT_QUEUE, run_id), (ref.idx, ref.name, ref.payload_size, ref.capacity)
                 )
-                create = S.CREATE_RECEIVED_GROUPED if ref.grouped else S.CREATE_RECEIVED
-                conn.execute(S.q(create, run_id, S.received_table(ref.name)))
+                conn.execute(S.q(S.CREATE_RECEIVED, run_id, S.received_table(ref.name)))
+                if ref.grouped:
+                    conn.execute(S.q(S.ADD_RECEIVED_GROUPED, run_id, S.received_table(ref.name)))
     return load_run(dsn, run_id)
 
 

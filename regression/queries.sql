@@ -88,24 +88,17 @@ CREATE TABLE {schema}.{table} (
     deq_at        timestamptz NOT NULL DEFAULT clock_timestamp()
 )
 
--- create_received_grouped --
--- The grouped queue's consumers also record, per entry, their number among
--- the queue's consumers (worker), the entry's group as dequeued, and
--- time.monotonic_ns() right after the dequeue returned (deq_ns) and just
--- before the commit (commit_ns): CLOCK_MONOTONIC is system-wide on Linux.
-CREATE TABLE {schema}.{table} (
-    cycle         int4 NOT NULL,
-    qseq          int8 NOT NULL,
-    recv_order    int8 NOT NULL,
-    deliveries    int4 NOT NULL,
-    consumer      int4 NOT NULL,
-    payload       bytea NOT NULL,
-    deq_at        timestamptz NOT NULL DEFAULT clock_timestamp(),
-    worker        int2 NOT NULL,
-    msg_group     text,
-    deq_ns        int8 NOT NULL,
-    commit_ns     int8 NOT NULL
-)
+-- add_received_grouped --
+-- The grouped queue's received table is the plain one (create_received) with
+-- these columns after: the consumer's number among the queue's consumers
+-- (worker), the entry's group as dequeued, and time.monotonic_ns() right
+-- after the dequeue returned (deq_ns) and just before the commit
+-- (commit_ns): CLOCK_MONOTONIC is system-wide on Linux.
+ALTER TABLE {schema}.{table}
+    ADD COLUMN worker    int2 NOT NULL,
+    ADD COLUMN msg_group text,
+    ADD COLUMN deq_ns    int8 NOT NULL,
+    ADD COLUMN commit_ns int8 NOT NULL
 
 -- insert_run --
 INSERT INTO {schema}.run (run_id, host, ringq_version, config) VALUES (%s, %s, %s, %s)
