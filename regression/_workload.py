@@ -788,16 +788,23 @@ def run_cycle(
         try:
             while True:
                 if chaos is not None and status == "done":
+                    failed = False
                     for i, proc in enumerate(workers):
-                        if proc.exitcode is not None and chaos.was_killed(proc):
+                        # Read once: exitcode polls, and a worker chaos just
+                        # killed may die between two reads.
+                        code = proc.exitcode
+                        if code is None or code == 0:
+                            continue
+                        if chaos.was_killed(proc):
                             t, a, n = specs[i]
                             workers[i] = ctx.Process(target=t, args=a, name=n)
                             workers[i].start()
+                        else:
+                            # Not killed by chaos: failed. Its share would
+                            # never come, so the others would wait for it forever.
+                            failed = True
                     consumers, producers = workers[:nc], workers[nc:]
-                    if any(p.exitcode not in (None, 0) for p in workers):
-                        # Not killed by chaos (those were started again above):
-                        # failed. Its share would never come, so the others
-                        # would wait for it forever.
+                    if failed:
                         status = "failed"
                         abort.set()
                         _stop(consumers + producers)
