@@ -40,8 +40,9 @@ from typing import Any
 
 import psycopg
 from psycopg import sql
+from ringq.cluster import Cluster
 from ringq.engine import Section
-from ringq.scripting import Cluster, drop_queue
+from ringq.scripting import drop_queue
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 SERVER_SETTINGS = (

@@ -67,8 +67,9 @@ from _benchlib import (
     sigterm_tears_down,
     write_results,
 )
+from ringq.cluster import Cluster
 from ringq.engine import InDoubt, QueueFull, RingqError, Session, connect
-from ringq.scripting import Cluster, QueueSpec, create_queue, remove_section
+from ringq.scripting import QueueSpec, create_queue, remove_section
 
 FORK = mp.get_context("fork")
 QUEUE = "bench_failover"

@@ -11,8 +11,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from ringq.cluster import Cluster, ClusterStatus, NoStandby, StandbyStatus
 from ringq.engine import exits
-from ringq.scripting import Cluster, ClusterStatus, NoStandby, StandbyStatus
 
 from ._args import env_option, subparser
 

@@ -108,7 +108,7 @@ def run(args: argparse.Namespace) -> int:
 
     dsn = args.dsn
     if not dsn:
-        from ringq.scripting import Cluster
+        from ringq.cluster import Cluster
 
         t0 = time.monotonic()
         dsn = Cluster(home).start()
@@ -237,7 +237,7 @@ def _stop(home: Path, *, stop_db: bool) -> int:
     except (OSError, ValueError, KeyError, TypeError):
         pass
     if stop_db:
-        from ringq.scripting import Cluster
+        from ringq.cluster import Cluster
 
         cluster = Cluster(home)
         _remove_section(cluster)

@@ -40,8 +40,8 @@ from typing import Any
 
 import psycopg
 from psycopg.conninfo import conninfo_to_dict
+from ringq.cluster import Cluster, ClusterError
 from ringq.engine import ConfigError, converted
-from ringq.scripting import Cluster, ClusterError
 
 from . import _queries as S
 from . import _store

@@ -1,5 +1,5 @@
-"""ringq.scripting: SQL generation for queues (queue scripting), queue
-administration, and the embedded PostgreSQL cluster."""
+"""ringq.scripting: SQL generation for queues (queue scripting) and queue
+administration. The embedded PostgreSQL cluster is ringq.cluster."""
 
 from ._admin import (
     ExceptionEntry,
@@ -13,14 +13,6 @@ from ._admin import (
     list_queues,
     remove_section,
     requeue_exception,
-)
-from ._cluster import (
-    Cluster,
-    ClusterError,
-    ClusterStatus,
-    NoStandby,
-    PostgresNotFound,
-    StandbyStatus,
 )
 from ._ddl import (
     DEFAULT_CACHE_PAYLOAD,
@@ -43,16 +35,10 @@ __all__ = [
     "MAX_LEASE",
     "MAX_PAYLOAD",
     "SCHEMA_VERSION",
-    "Cluster",
-    "ClusterError",
-    "ClusterStatus",
     "ExceptionEntry",
-    "NoStandby",
-    "PostgresNotFound",
     "QueueDetails",
     "QueueSpec",
     "QueueSummary",
-    "StandbyStatus",
     "connect_admin",
     "create_queue",
     "create_queue_script",

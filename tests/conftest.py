@@ -37,8 +37,9 @@ import psycopg
 import pytest
 from psycopg import sql
 from ringq.cli import main
+from ringq.cluster import Cluster
 from ringq.engine import Message, connect
-from ringq.scripting import Cluster, QueueSpec, create_queue
+from ringq.scripting import QueueSpec, create_queue
 from ringq.scripting import remove_section as remove_section_of
 
 # Spark (the regression analysis) must not go looking for the host's public

@@ -19,9 +19,10 @@ import psycopg
 import pytest
 from conftest import cli, closed_port
 from ringq.cli import build_parser, parse_args
+from ringq.cluster import Cluster
 from ringq.engine import ConfigError, resolve_dsn
 from ringq.move import MoveConfig
-from ringq.scripting import Cluster, QueueSpec, create_queue
+from ringq.scripting import QueueSpec, create_queue
 
 RINGQ = [sys.executable, "-m", "ringq.cli"]
 REPO = Path(__file__).resolve().parent.parent

@@ -1,4 +1,4 @@
-"""The embedded cluster, through ``ringq db`` and through :class:`ringq.scripting.Cluster`."""
+"""The embedded cluster, through ``ringq db`` and through :class:`ringq.cluster.Cluster`."""
 
 from __future__ import annotations
 
@@ -17,9 +17,8 @@ from pathlib import Path
 import psycopg
 import pytest
 from conftest import cli, present
+from ringq.cluster import Cluster, PostgresNotFound, find_bindir
 from ringq.engine import DatabaseUnavailable, resolve_dsn
-from ringq.scripting import Cluster, PostgresNotFound
-from ringq.scripting._cluster import find_bindir
 
 _SCRIPT = Path(sys.executable).with_name("ringq")
 RINGQ = [str(_SCRIPT)] if _SCRIPT.exists() else [sys.executable, "-m", "ringq.cli"]
@@ -116,16 +115,16 @@ def port_held_for_the_cluster(monkeypatch: pytest.MonkeyPatch) -> Iterator[int]:
     listener: how PostgreSQL binds. ringq's own probe (``_port_free``) binds
     without SO_REUSEADDR, so it is told that this port is free.
     """
-    from ringq.scripting import _cluster
+    from ringq.cluster import _server
 
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as held:
         held.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         held.bind(("127.0.0.1", 0))
         port: int = held.getsockname()[1]
-        real_port_free, real_free_port = _cluster._port_free, _cluster._free_port
+        real_port_free, real_free_port = _server._port_free, _server._free_port
         offered = iter([port])  # once: the first start's; a new port after that is a real one
-        monkeypatch.setattr(_cluster, "_free_port", lambda: next(offered, None) or real_free_port())
-        monkeypatch.setattr(_cluster, "_port_free", lambda p: p == port or real_port_free(p))
+        monkeypatch.setattr(_server, "_free_port", lambda: next(offered, None) or real_free_port())
+        monkeypatch.setattr(_server, "_port_free", lambda p: p == port or real_port_free(p))
         yield port
 
 
@@ -270,15 +269,15 @@ def test_no_server_installed_says_how_to_install(tmp_path: Path) -> None:
 def test_a_port_taken_before_the_server_binds_is_retried(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from ringq.scripting import _cluster
+    from ringq.cluster import _server
 
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         busy = taken.getsockname()[1]
-        real_free_port = _cluster._free_port
+        real_free_port = _server._free_port
         offered = iter([busy])  # the first "free" port is already someone else's
-        monkeypatch.setattr(_cluster, "_free_port", lambda: next(offered, None) or real_free_port())
+        monkeypatch.setattr(_server, "_free_port", lambda: next(offered, None) or real_free_port())
         cluster = Cluster(tmp_path / "home")
         try:
             dsn = cluster.start()

@@ -23,6 +23,7 @@ import psycopg
 import pytest
 from conftest import cli, present, wait_for
 from psycopg import sql
+from ringq.cluster import Cluster
 from ringq.engine import (
     DatabaseUnavailable,
     InDoubt,
@@ -34,7 +35,7 @@ from ringq.engine import (
     queue_table,
     redact_dsn,
 )
-from ringq.scripting import Cluster, QueueSpec, create_queue, remove_section
+from ringq.scripting import QueueSpec, create_queue, remove_section
 
 CAPACITY = 1024
 

@@ -29,9 +29,10 @@ from pathlib import Path
 import psycopg
 import pytest
 from conftest import drain, queue_in, wait_for
+from ringq.cluster import Cluster
 from ringq.engine import InDoubt, RingqError, Session, connect
 from ringq.move import MoveConfig, Mover, unwrap
-from ringq.scripting import Cluster, QueueSpec, create_queue
+from ringq.scripting import QueueSpec, create_queue
 from ringq.worker import WorkerExit
 from test_failover import kill_primary, pair, queued_in_table, replication_gap
 from test_worker import WorkerProcess

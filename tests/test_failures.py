@@ -33,10 +33,11 @@ import psycopg
 import pytest
 from conftest import MonitorProcess, present, remove_section, wait_for
 from psycopg import sql
+from ringq.cluster import Cluster
 from ringq.engine import RingqError, Section, connect
 from ringq.engine import layout as L
 from ringq.engine.recovery import rebuild_into, section_differences
-from ringq.scripting import Cluster, QueueSpec, create_queue
+from ringq.scripting import QueueSpec, create_queue
 
 FORK = mp.get_context("fork")
 
@@ -354,8 +355,7 @@ def test_monitor_restart_and_postgres_restart_in_the_middle_of_traffic(
         monitor()
         traffic.wait_commits(30, what="under the new monitor")
         log = pg_cluster.datadir / "log" / "startup.log"
-        restarted = pg_cluster._pg_ctl("restart", "-m", "fast", "-t", "60", "-l", str(log))
-        assert restarted.returncode == 0, restarted.stdout
+        pg_cluster.restart(timeout=60, log=log)  # raises ClusterError with pg_ctl's output
         traffic.wait_commits(30, 30, what="after the database restart")
     finally:
         traffic.finish()

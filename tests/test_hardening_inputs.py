@@ -27,6 +27,7 @@ import psycopg
 import pytest
 from conftest import MonitorProcess, cli, present
 from ringq.cli import main
+from ringq.cluster import Cluster
 from ringq.engine import (
     ConfigError,
     DatabaseError,
@@ -44,7 +45,6 @@ from ringq.engine import (
 )
 from ringq.monitor import Monitor, MonitorConfig
 from ringq.rtv import Viewer, ViewerConfig
-from ringq.scripting import Cluster
 from ringq.scripting._ddl import (
     MAX_FULL_TIMEOUT,
     MAX_PAYLOAD,

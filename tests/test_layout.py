@@ -1,10 +1,11 @@
 """The packages' layout: dependencies point one way, and only public faces are shared.
 
-cli -> (worker, move, monitor, rtv, regression, scripting) -> engine. The
-engine imports no other ringq package, and no module imports a private
-``_x`` module of another ringq package (tests, benchmarks and examples
-included: for them every ringq package is another). Read from the source
-with ``ast``, so imports inside functions count too.
+cli -> (worker, move, monitor, rtv, regression, scripting) -> cluster -> engine.
+The engine imports no other ringq package, the cluster none but the engine,
+and no module imports a private ``_x`` module of another ringq package
+(tests, benchmarks and examples included: for them every ringq package is
+another). Read from the source with ``ast``, so imports inside functions
+count too.
 """
 
 from __future__ import annotations
@@ -18,13 +19,18 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 OUTSIDE = ("tests", "bench", "examples")  # not ringq packages: every ringq package is another
 ENGINE = "ringq.engine"
+CLUSTER = "ringq.cluster"
+# The bottom of the one-way order: each of these packages imports only the
+# ringq packages named here (the engine none, the cluster the engine).
+BELOW: dict[str, set[str]] = {ENGINE: set(), CLUSTER: {ENGINE}}
 
 # White-box tests: these test files reach into the named private modules on
 # purpose (the monitor's T4 files and samples, the viewer's models, the
 # regression's SQL, a timing constant of the engine patched to rule out its
 # safety net). Nothing else may: not a package, a benchmark or an example.
 WHITE_BOX: dict[str, set[str]] = {
-    "tests/test_cluster.py": {"ringq.scripting._cluster"},
+    # the server's port probes, made to offer a port held by the test
+    "tests/test_cluster.py": {"ringq.cluster._server"},
     # the shared-memory filesystem's free space, made small
     "tests/test_cache.py": {"ringq.engine._section"},
     # the per-process attachment lock, held by a thread across a fork
@@ -133,8 +139,8 @@ def check(package: str | None, base: list[str] | None, source: str, where: str) 
         private = _private_part(module, owner)
         if private is not None and private not in WHITE_BOX.get(where, ()):
             found.append(f"{where}:{line}: imports {private}, private to {owner}")
-        if package == ENGINE:
-            found.append(f"{where}:{line}: the engine imports {module}")
+        if package in BELOW and owner not in BELOW[package]:
+            found.append(f"{where}:{line}: the {package.removeprefix('ringq.')} imports {module}")
     return list(dict.fromkeys(found))
 
 
@@ -199,6 +205,13 @@ def test_the_check_sees_private_imports_and_an_engine_importing_another_package(
     source = "def f():\n    import ringq.monitor\nfrom ringq import __version__\n"
     found = check(ENGINE, engine, source, "e.py")
     assert found == ["e.py:2: the engine imports ringq.monitor"], found
+    cluster = ["ringq", "cluster"]
+    source = "from ringq.engine import RingqError\nfrom ringq.scripting import QueueSpec\n"
+    found = check(CLUSTER, cluster, source, "c.py")
+    assert found == [
+        "c.py:2: the cluster imports ringq.scripting",
+        "c.py:2: the cluster imports ringq.scripting.QueueSpec",
+    ], found
     source = "from ringq.engine import Session, layout\nimport ringq.engine.recovery\n"
     assert check(None, None, source, "t.py") == []
 

@@ -27,13 +27,14 @@ from typing import Any
 import psycopg
 import pytest
 from conftest import MonitorProcess, drain, present, remove_section, wait_for
+from ringq.cluster import Cluster
 from ringq.engine import ConfigError, Section, Session, TransactionError, connect, pid_alive
 from ringq.engine import layout as L
 from ringq.engine.recovery import history_of
 from ringq.monitor import Monitor, MonitorConfig, MonitorRunning, subscribe
 from ringq.monitor import _sample as S
 from ringq.monitor._t4 import HEADER, T4Writer
-from ringq.scripting import Cluster, QueueSpec, create_queue
+from ringq.scripting import QueueSpec, create_queue
 
 API_QUEUE_KEYS = {
     "name", "capacity", "depth", "head", "tail", "enq_rate", "deq_rate", "enq_p50_us", "enq_p99_us",
@@ -990,7 +991,7 @@ def test_first_sigterm_drains_a_second_one_exits_at_once() -> None:
 
 @pytest.mark.slow
 def test_monitor_rides_out_a_database_restart(tmp_path: Path) -> None:
-    from ringq.scripting import Cluster
+    from ringq.cluster import Cluster
 
     cluster = Cluster(tmp_path / "pg")  # its own server: this test stops it
     instance = None

@@ -19,9 +19,9 @@ import pytest
 from conftest import present
 from psycopg import sql
 from ringq.cli import main as cli_main
+from ringq.cluster import Cluster
 from ringq.engine import ConfigError
 from ringq.regression import RegressConfig, Report, RunOutcome, Verifier, run
-from ringq.scripting import Cluster
 from test_failover import stop_all
 
 pytestmark = pytest.mark.slow

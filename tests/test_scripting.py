@@ -25,10 +25,10 @@ import psycopg
 import pytest
 from conftest import cli, closed_port
 from psycopg import sql
+from ringq.cluster import Cluster
 from ringq.engine import MAX_CAPACITY, ConfigError, InvalidQueueName, QueueExists, QueueNotFound
 from ringq.engine.layout import MAX_QUEUES, Q_LEASE_MS, SLOT_POOL
 from ringq.scripting import (
-    Cluster,
     QueueSpec,
     create_queue,
     create_queue_script,
