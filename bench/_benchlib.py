@@ -2,7 +2,7 @@
 
 - :func:`argument_parser`: the options every benchmark has (``--dsn``, ``--out``).
 - :func:`database`: the database a run works in: the one given with ``--dsn``,
-  or a private embedded PostgreSQL (``ringq.scripting.Cluster``, the same
+  or a private embedded PostgreSQL (``ringq.cluster.Cluster``, the same
   server settings as ``ringq db start``) under a temporary home, removed at the end.
 - :func:`drop_queues`: the run's queues dropped at the end (and, on the private
   cluster, the global section and semaphores that would outlive it).

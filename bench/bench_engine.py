@@ -5,7 +5,7 @@ Prints a table and writes JSON (``bench/results/engine-<timestamp>.json`` and
 reported as met or not met.
 
 Everything runs in ONE process tree on ONE database: the project's embedded
-PostgreSQL (``ringq.scripting.Cluster``, started under a temporary home and
+PostgreSQL (``ringq.cluster.Cluster``, started under a temporary home and
 removed afterwards) unless ``--dsn`` names another. The machine is noisy, so
 the short measurements run in interleaved rounds (ringq, SKIP LOCKED, ceiling,
 ringq SQL only, concurrent, rotating the order each round) and the table shows

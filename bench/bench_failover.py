@@ -1,6 +1,6 @@
 """Fail-over benchmark (issue 15): how long a queue stops when its primary dies.
 
-Each run makes a fresh private embedded cluster (``ringq.scripting.Cluster``,
+Each run makes a fresh private embedded cluster (``ringq.cluster.Cluster``,
 the same server settings as ``ringq db start``) under a temporary home, with a
 streaming standby (synchronous by default, ``--async``), and one shared-mode
 queue. ``--producers`` processes commit one-entry enqueue transactions and

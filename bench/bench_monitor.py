@@ -19,7 +19,7 @@ settings: recovery pass every 0.1 s, samples every 1 s, HTTP on):
    the medians [min-max] and the with/without ratio, taken within each pair of
    adjacent rounds, then the median of those.
 
-Runs on a private embedded PostgreSQL (``ringq.scripting.Cluster``, removed at
+Runs on a private embedded PostgreSQL (``ringq.cluster.Cluster``, removed at
 the end) unless ``--dsn`` names another. Prints a table and writes JSON to
 ``bench/results/monitor-<UTC timestamp>.json`` (and ``--out``). It measures;
 it never asserts a timing: the targets are reported as met or NOT MET.

@@ -4,7 +4,7 @@ into the workload and Spark's proof, and the entries per second it sustained.
 It runs the real command, ``python -m ringq.cli regress``, once, with the
 scale given here (default: the original system's, 5 queues x 50,000 slots x
 500,000 committed entries each, payloads 16 B .. 200 KB), against a private
-embedded PostgreSQL (``ringq.scripting.Cluster``, removed at the end) unless
+embedded PostgreSQL (``ringq.cluster.Cluster``, removed at the end) unless
 ``--dsn`` names another, and reads back the cycle's JSON report. Nothing is
 timed here that the report does not time itself: the workload's wall time
 (from the first producer's start to the last consumer's drain), Spark's

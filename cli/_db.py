@@ -21,7 +21,7 @@ A private PostgreSQL server under $RINGQ_HOME (default ./.ringq), listening on
 127.0.0.1 on a free port, with a database 'ringq'. While it runs, its DSN is in
 $RINGQ_HOME/dsn, where every other ringq command finds it when neither --dsn
 nor RINGQ_DSN is given. 'ringq db standby start' adds a streaming standby on
-this host, 'ringq db promote' fails over to it. See scripting/CLUSTER.md."""
+this host, 'ringq db promote' fails over to it. See cluster/CLUSTER.md."""
 
 STANDBY_DESCRIPTION = """\
 A streaming standby of the embedded cluster on this host, in
