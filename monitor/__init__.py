@@ -29,10 +29,12 @@ from ._config import (
     MonitorConfig,
 )
 from ._daemon import RELOADABLE, read_config, read_state, reset_section, run_daemon
+from ._errors import MonitorError, MonitorRunning
 from ._events import Event, Subscription, subscribe
 from ._inbox import pump_inbox
 from ._keys import prune_keys
-from ._service import STATE_FILE, Monitor, MonitorError, MonitorRunning
+from ._service import Monitor
+from ._statefile import STATE_FILE
 
 __all__ = [
     "DEFAULT_HOST",

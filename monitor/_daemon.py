@@ -37,7 +37,9 @@ from ringq.engine import layout as L
 
 from . import _queries as Qy
 from ._config import MonitorConfig
-from ._service import STATE_FILE, Monitor, MonitorRunning
+from ._errors import MonitorRunning
+from ._service import Monitor
+from ._statefile import STATE_FILE
 
 # Exit codes of the monitor daemon (the shared values of `ringq --help`).
 RET_OK = exits.OK  # stopped after a drain

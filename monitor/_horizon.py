@@ -9,11 +9,15 @@ turns those readings into news: *held* once a holder is older than the
 threshold (named: pid, application, user, state, transaction start), and
 *released* once none is. After a release the rings that gained dead rows
 while it was held are vacuumed (:func:`vacuum_rings`), so that their space is
-reused instead of the tables growing on.
+reused instead of the tables growing on. :class:`HorizonReport` is the
+monitor's part of it (in step ``database``): it logs and publishes the news,
+and runs that vacuum in a thread of its own.
 """
 
 from __future__ import annotations
 
+import logging
+import threading
 import time
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -22,7 +26,11 @@ import psycopg
 from psycopg import sql
 from ringq.engine import queue_table
 
+from . import _events as E
 from . import _queries as Qy
+from ._db import connect_step
+from ._link import Link
+from ._step import Note, Settings
 
 
 @dataclass(frozen=True)
@@ -194,3 +202,73 @@ def vacuum_rings(conn: psycopg.Connection[Any], queues: list[str]) -> list[dict[
             "seconds": round(seconds, 3),
         })
     return done
+
+
+class HorizonReport:
+    """Warns of a held snapshot; after its release, vacuums the rings it bloated.
+
+    Part of step ``database``: ``update`` takes that step's connection and its
+    dead-row counts. The vacuum runs in a thread (VACUUM of a bloated ring may
+    take a while: not in the loop that recovers clients), one at a time.
+    """
+
+    def __init__(self, link: Link, settings: Settings, note: Note) -> None:
+        self._link = link
+        self._settings = settings
+        self._note = note
+        self.watch = HorizonWatch()
+        self.xmin_age = 0.0  # seconds, of the oldest holder (0 without one)
+        self.vacuums = 0  # ring tables vacuumed after a held snapshot was released
+        self._thread: threading.Thread | None = None
+
+    def update(self, conn: psycopg.Connection[Any], dead_rows: dict[str, int]) -> None:
+        news = self.watch.update(read_holders(conn), dead_rows, self._settings().xmin_warn_s)
+        oldest = self.watch.oldest
+        self.xmin_age = oldest.age_s if oldest is not None else 0.0
+        if news is not None:
+            self._tell(news)
+
+    def join(self, timeout: float | None) -> None:
+        """Wait for a vacuum under way (its record goes to the journal before it closes)."""
+        thread = self._thread
+        if thread is not None:
+            thread.join(timeout)
+
+    def _tell(self, news: HorizonNews) -> None:
+        cfg = self._settings()
+        if news.what == "held":
+            fields = {
+                **news.holder.as_dict(), "threshold_s": cfg.xmin_warn_s,
+                "reason": "holds back the xmin horizon: every ring update leaves a dead row,"
+                " rings grow",
+            }
+            self._note("database.snapshot_held", logging.WARNING, **fields)
+            self._link.publish(E.make_event(E.SNAPSHOT_HELD, None, **fields))
+            return
+        bloated = sorted(q for q, n in news.dead_rows.items() if n >= cfg.vacuum_dead_rows)
+        if self._thread is not None and self._thread.is_alive():
+            self._note("database.snapshot_released", held_s=round(news.held_s, 3),
+                       pid=news.holder.pid, vacuumed=[], skipped=bloated,
+                       reason="a vacuum is still running")
+            return
+        self._thread = threading.Thread(
+            target=self._vacuum_after_release, args=(news, bloated),
+            name="ringq-monitor-vacuum", daemon=True,
+        )
+        self._thread.start()
+
+    def _vacuum_after_release(self, news: HorizonNews, queues: list[str]) -> None:
+        try:
+            with connect_step(self._settings().dsn) as conn:
+                done = vacuum_rings(conn, queues)
+                self.vacuums += len(done)
+                fields: dict[str, Any] = {
+                    "held_s": round(news.held_s, 3), "pid": news.holder.pid,
+                    "kind": news.holder.kind, "application": news.holder.application,
+                    "vacuumed": done,
+                }
+                self._note("database.snapshot_released", logging.INFO, **fields)
+                E.publish(conn, E.make_event(E.SNAPSHOT_RELEASED, None, **fields))
+        except Exception as exc:  # noqa: BLE001 - logged; autovacuum remains the fallback
+            self._note("step.failed", logging.WARNING, step="vacuum",
+                       error=f"{type(exc).__name__}: {exc}", queues=queues)

@@ -1,6 +1,9 @@
-"""Pruning of spent idempotency keys (``ringq.keys``)."""
+"""Pruning of spent idempotency keys (``ringq.keys``): :func:`prune_keys`, and
+the monitor's step ``keys`` that calls it once a minute."""
 
 from __future__ import annotations
+
+import time
 
 from ringq.engine import converted, queue_table
 from ringq.engine.sqlfile import compose
@@ -8,6 +11,9 @@ from ringq.engine.sqlfile import compose
 from . import _queries as Qy
 from ._config import DEFAULT_KEY_RETENTION
 from ._db import connect_step
+from ._step import Note, Settings
+
+PRUNE_EVERY_S = 60.0  # key pruning runs at most this often (retentions are in hours)
 
 
 def prune_keys(
@@ -41,3 +47,22 @@ def prune_keys(
             if n:
                 pruned[name] = n
     return pruned
+
+
+class PruneKeys:
+    """Step ``keys``: index probes per queue (ringq.keys (queue_id, created_at)),
+    not a scan; still, once a minute is plenty for a retention in hours."""
+
+    def __init__(self, settings: Settings, note: Note) -> None:
+        self._settings = settings
+        self._note = note
+        self._due = 0.0  # monotonic
+
+    def run(self) -> None:
+        now = time.monotonic()
+        if now < self._due:
+            return
+        self._due = now + PRUNE_EVERY_S
+        cfg = self._settings()
+        for queue, n in prune_keys(cfg.dsn, cfg.key_retention).items():
+            self._note("keys.pruned", queue=queue or None, keys=n)

@@ -17,6 +17,7 @@ sample shows at once.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Final
 
@@ -97,3 +98,19 @@ def read_server(conn: psycopg.Connection[Any]) -> ServerState:
         timeline=timeline,
         t=time.time(),
     )
+
+
+class ReadServer:
+    """Step ``server``: which server the connection is on, whether it is the
+    primary, and its history (``server`` in ``/api/queues``); None while
+    disconnected."""
+
+    def __init__(self, connect: Callable[[], psycopg.Connection[Any]]) -> None:
+        self._connect = connect
+        self.server: ServerState | None = None
+
+    def run(self) -> None:
+        self.server = read_server(self._connect())
+
+    def forget(self) -> None:
+        self.server = None  # the next connection may be on another server

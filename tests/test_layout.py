@@ -48,8 +48,8 @@ WHITE_BOX: dict[str, set[str]] = {
     },
     # (and ringq.monitor._daemon, from the script of a subprocess, which this check does not read)
     "tests/test_monitor.py": {
-        "ringq.monitor._sample", "ringq.monitor._t4", "ringq.monitor._service",
-        "ringq.monitor._clients",
+        "ringq.monitor._sample", "ringq.monitor._t4", "ringq.monitor._reclaim",
+        "ringq.monitor._pump", "ringq.monitor._clients",
     },
     "tests/test_regression.py": {
         "ringq.regression._payload", "ringq.regression._queries", "ringq.regression._runner",

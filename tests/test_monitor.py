@@ -380,7 +380,7 @@ def test_sql_enqueue_reaches_the_ring_through_the_monitor(
 def test_a_failing_step_is_counted_and_logged_once_and_the_loop_goes_on(
     dsn: str, make_queue: Any, monitor: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import ringq.monitor._service as svc
+    import ringq.monitor._reclaim as svc
 
     make_queue()
     m = monitor()
@@ -1293,23 +1293,23 @@ def test_a_failing_inbox_pump_waits_for_the_next_sample(
     dsn: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     from ringq.engine import DatabaseUnavailable
-    from ringq.monitor import _service
+    from ringq.monitor import _pump
 
     def down(*_a: Any, **_kw: Any) -> dict[str, int]:
         raise DatabaseUnavailable("database unreachable")
 
     m = Monitor(MonitorConfig(dsn, port=0, interval=5.0, data_dir=tmp_path / "m"))  # never started
-    monkeypatch.setattr(_service, "pump_inbox", down)
-    m._inbox_due = True
+    monkeypatch.setattr(_pump, "pump_inbox", down)
+    m._inbox.due = True
     before = time.monotonic()
     with pytest.raises(DatabaseUnavailable):
-        m._pump_inbox()
+        m._pump.run()
     # Not due on the next 100 ms pass: the next attempt is a sample interval away.
-    assert not m._inbox_due
-    assert m._inbox_retry_at >= before + 5.0
-    monkeypatch.setattr(_service, "pump_inbox", lambda *_a, **_kw: {})
-    m._pump_inbox_all()  # the sample's pump works again: NOTIFYs count at once
-    assert m._inbox_retry_at == 0.0
+    assert not m._inbox.due
+    assert m._inbox.retry_at >= before + 5.0
+    monkeypatch.setattr(_pump, "pump_inbox", lambda *_a, **_kw: {})
+    m._pump_all.run()  # the sample's pump works again: NOTIFYs count at once
+    assert m._inbox.retry_at == 0.0
 
 
 WORKER_ACTIONS = """
