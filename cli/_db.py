@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from ringq.cluster import Cluster, ClusterStatus, NoStandby, StandbyStatus
-from ringq.engine import exits
+from ringq.engine import Tidied, exits
 
 from ._args import env_option, subparser
 
@@ -50,7 +50,9 @@ def register(sub: Any) -> None:
         "stop the cluster, and its standby (harmless when stopped)",
         "Fast shutdown: sessions are disconnected and their transactions rolled back;\n"
         "prepared (two-phase) transactions survive. Removes $RINGQ_HOME/dsn. The\n"
-        "primary stops first, so that the standby receives all its WAL.",
+        "primary stops first, so that the standby receives all its WAL. Then the\n"
+        "global sections and semaphores of the cluster's databases leave /dev/shm;\n"
+        "one that a live process still holds is kept, and named.",
     )
     status = subparser(
         actions,
@@ -182,12 +184,27 @@ def _stop(args: argparse.Namespace) -> int:
     cluster = _cluster(args)
     sb = cluster.standby_status()
     if not cluster.status().running and not (sb is not None and sb.running):
-        cluster.stop()  # still tidies a stale DSN file
+        tidied = cluster.stop()  # still tidies a stale DSN file, and sections left before
         print(f"not running under {cluster.home}")
-        return exits.OK
-    cluster.stop()
-    print(f"stopped (under {cluster.home})")
+    else:
+        tidied = cluster.stop()
+        print(f"stopped (under {cluster.home})")
+    tell_tidied(tidied)
     return exits.OK
+
+
+def tell_tidied(tidied: Tidied) -> None:
+    """Say which global sections left shared memory, and which stay and why."""
+    if tidied.removed:
+        mib = sum(s.memory for s in tidied.removed) / 2**20
+        print(f"removed {len(tidied.removed)} global section(s) from /dev/shm ({mib:.1f} MiB)")
+    for kept in tidied.kept:
+        pids = ", ".join(map(str, kept.pids))
+        print(
+            f"kept global section {kept.name} ({kept.memory / 2**20:.1f} MiB): "
+            f"live process(es) {pids} still attached; 'ringq section prune' removes it "
+            "once they exit"
+        )
 
 
 def _status(args: argparse.Namespace) -> int:

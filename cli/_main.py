@@ -38,6 +38,7 @@ COMMANDS = (
     "_move",
     "_regress",
     "_run",
+    "_section",
 )
 
 

@@ -49,6 +49,17 @@ from ._queue_info import DEFAULT_LEASE
 from ._ring import Ring
 from ._section import Section, pid_alive, section_name
 from ._session import Message, QueueInfo, Session, connect
+from ._shm import (
+    SectionInUse,
+    SectionOnHost,
+    ServerScan,
+    Tidied,
+    database_state,
+    remove_section_on_host,
+    scan_server,
+    sections_on_host,
+    tidy_sections,
+)
 from ._validate import check_group, validate_int, validate_seconds
 
 __all__ = [
@@ -78,18 +89,23 @@ __all__ = [
     "SchemaMissing",
     "Section",
     "SectionError",
+    "SectionInUse",
     "SectionIncompatible",
+    "SectionOnHost",
+    "ServerScan",
     "Session",
     "SessionClosed",
     "StaleSection",
     "StatementRejected",
     "Subscription",
+    "Tidied",
     "TransactionConflict",
     "TransactionError",
     "check_dsn",
     "check_group",
     "connect",
     "converted",
+    "database_state",
     "dsn_file",
     "from_psycopg",
     "one_line",
@@ -98,10 +114,14 @@ __all__ = [
     "queue_table",
     "read_dsn_file",
     "redact_dsn",
+    "remove_section_on_host",
     "resolve_dsn",
     "ringq_home",
+    "scan_server",
     "section_name",
+    "sections_on_host",
     "subscribe",
+    "tidy_sections",
     "validate_int",
     "validate_queue_name",
     "validate_seconds",

@@ -1,5 +1,7 @@
 """Fixtures shared by the test suite: a real PostgreSQL that the suite starts itself.
 
+- ``shm_left_as_found`` (session, autouse): fails the session if it leaves
+  global sections of its own clusters' databases in /dev/shm.
 - ``pg_cluster`` (session): the project's own embedded cluster, under a
   temporary home, stopped when the session ends (even if it ends badly).
 - ``dsn`` (function): a fresh database ``t_<hex>`` on that cluster for each
@@ -24,6 +26,7 @@ import os
 import secrets
 import signal
 import socket
+import struct
 import subprocess
 import sys
 import time
@@ -38,15 +41,53 @@ import pytest
 from psycopg import sql
 from ringq.cli import main
 from ringq.cluster import Cluster
-from ringq.engine import Message, connect
+from ringq.engine import Message, connect, sections_on_host
 from ringq.scripting import QueueSpec, create_queue
 from ringq.scripting import remove_section as remove_section_of
+
+SHM_DIR = "/dev/shm"
 
 # Spark (the regression analysis) must not go looking for the host's public
 # address in a sandbox; loopback is enough for a local master.
 os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
 
 T = TypeVar("T")
+
+
+@pytest.fixture(scope="session", autouse=True)
+def shm_left_as_found(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """Fail the session if it leaves global sections of its own in /dev/shm:
+    new ones that describe a cluster the suite made (their system identifier
+    is one of the clusters under the session's temporary directory). Other
+    runs on the host (another suite, a benchmark) may add and remove theirs
+    meanwhile; those are not counted."""
+    before = set(os.listdir(SHM_DIR))
+    yield
+    sysids = _cluster_sysids(tmp_path_factory.getbasetemp())
+    left = [
+        s for s in sections_on_host()
+        if s.path.name not in before and s.sysid and s.sysid in sysids
+    ]
+    if left:
+        names = ", ".join(f"{s.name} (pids {list(s.pids)}, queues {list(s.queues)})" for s in left)
+        raise AssertionError(
+            f"the test suite left {len(left)} global section(s) in /dev/shm: {names}"
+        )
+
+
+def _cluster_sysids(base: Path) -> set[int]:
+    """The system identifiers of the PostgreSQL data directories under ``base``."""
+    out = set()
+    for here, dirs, files in os.walk(base):
+        if "PG_VERSION" in files:
+            dirs.clear()
+            try:
+                head = Path(here, "global", "pg_control").read_bytes()[:8]
+            except OSError:
+                continue
+            if len(head) == 8:
+                out.add(struct.unpack("=Q", head)[0])
+    return out
 
 
 @pytest.fixture(scope="session")
