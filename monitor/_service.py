@@ -52,6 +52,7 @@ from ._section import Attachment, Heartbeat
 from ._statefile import remove_state_file, write_state_file
 from ._step import Step, StepRunner
 from ._t4 import T4Writer
+from ._tidy import SectionTidy
 from ._watch import WatchQueues
 
 T = TypeVar("T")
@@ -116,6 +117,8 @@ class Monitor:
             ("backends", RecoverBackends(att, link, note)),
             ("prepared", ResolvePrepared(att, settings, note)),
             ("keys", PruneKeys(settings, note)),
+            # sections of this server's dropped databases (at most once a minute)
+            ("tidy", SectionTidy(lambda: self.config.dsn, note)),
             ("inbox", self._pump_all),
             ("sample", sampler),
         ]
