@@ -178,15 +178,34 @@ class SectionIncompatible(SectionError):
     """The global section was made by another layout version; refuse to use it."""
 
 
-# A URL's user information ends at the last "@" before the host part: a
-# password with an unescaped "@" (or "/") is hidden whole, not cut at its
-# first "@". The host part runs to the path, the query or the end.
-_URL_PASSWORD_RE = re.compile(r"(://[^:/@?#\s]*:)(\S*?)(@[^@/?#\s]*(?:[/?#\s]|$))")
-# key=value DSNs and query strings: password='it''s \' quoted' or password=word,
-# and a token in a URL or request line (?token=..., &token=...).
+# Redaction errs towards hiding: where libpq and the writer of a DSN may read
+# it differently, the longer reading of the password is hidden.
+#
+# URLs: libpq ends the user information at the FIRST "@" before any "/"
+# ("u:pa@ss/word@h" is password "pa", host "ss", dbname "word@h"), but whoever
+# wrote an unescaped "@", "/", "?" or "#" into a password meant it to run to the
+# LAST "@" before the host part, so that is where the hidden part ends. A "@"
+# in the query string ("?application_name=a@b") is not that "@": the query
+# starts at "?key=" after a "@", or after a plain host list and path.
+_SCHEME_RE = re.compile(r"\b[A-Za-z][A-Za-z0-9+.\-]*://")
+_QUERY_KEY_RE = re.compile(r"\?[A-Za-z_]+=")
+_HOST = r"(?:\[[^\]/]*\]|[^:/@,\[\]?]*)(?::[0-9]*)?"
+_HOSTS_PATH_RE = re.compile(rf"{_HOST}(?:,{_HOST})*(?:/[^@?]*)?")
+# "user:" at the start of the authority, and a port after it (not a password).
+_USER_COLON_RE = re.compile(r"[^:/?@\[\s]*:")
+_PORT_RE = re.compile(r"[0-9]*(?:[,/?]|$)")
+# password=... in a URL query: libpq ends the value at "&"; it runs here to the
+# next "&key=" ("a&b" is one value) or the end of the URL.
+_QUERY_SECRET_RE = re.compile(r"([?&][A-Za-z_]*password=)(.*?)(?=&[A-Za-z_]+=|$)", re.IGNORECASE)
+# key=value DSNs (libpq skips blanks around "=", reads '...' with backslash
+# escapes, and a backslash escapes a blank in an unquoted value), and any
+# PGPASSWORD=..., sslpassword=...; quoted pieces run on ('it''s' is hidden
+# whole, though libpq rejects it), an unterminated quote to the end.
 _KEYWORD_SECRET_RE = re.compile(
-    r"\b((?:ssl)?password\s*=\s*)('(?:[^'\\]|\\.)*'?|\S*)|([?&;]token=)([^&#\s\"']*)", re.IGNORECASE
+    r"\b(\w*password\s*=\s*)((?:'(?:[^'\\]|\\[\s\S])*'?|\\[\s\S]?|[^\s'\\])*)", re.IGNORECASE
 )
+# A token in a URL or a logged request line (?token=..., &token=...).
+_TOKEN_RE = re.compile(r"([?&;]token=)([^&#\s\"']*)", re.IGNORECASE)
 
 
 def one_line(exc: BaseException | str) -> str:
@@ -201,18 +220,57 @@ def redact_dsn(dsn: str) -> str:
     """Return ``dsn`` with any password replaced by ``***``.
 
     Covers URL DSNs (``postgresql://user:***@host``, the password running to
-    the last ``@`` before the host), key=value DSNs and query parameters
-    (``password=***``), and tokens in URLs or logged request lines
-    (``?token=***``), so that the text may be printed or logged.
+    the last ``@`` before the host, even where libpq would cut it shorter),
+    key=value DSNs and query parameters (``password=***``, quoted or escaped
+    values whole), DSNs libpq rejects (a password with blanks), and tokens
+    in URLs or logged request lines (``?token=***``), so that the text may
+    be printed or logged. Several DSNs in one text are each redacted.
     """
-    text = _URL_PASSWORD_RE.sub(lambda m: m.group(1) + "***" + m.group(3), dsn)
+    out: list[str] = []
+    pos = 0
+    while (m := _SCHEME_RE.search(dsn, pos)) is not None:
+        out.append(_redact_keywords(dsn[pos : m.end()]))
+        shown, pos = _redact_url(dsn, m.end())
+        out.append(shown)
+    out.append(_redact_keywords(dsn[pos:]))
+    return _TOKEN_RE.sub(lambda t: t.group(1) + "***", "".join(out))
 
-    def _keyword(m: re.Match[str]) -> str:
-        if m.group(1):
-            return m.group(1) + "***"
-        return m.group(3) + "***"
 
-    return _KEYWORD_SECRET_RE.sub(_keyword, text)
+def _redact_keywords(text: str) -> str:
+    return _KEYWORD_SECRET_RE.sub(lambda k: k.group(1) + "***", text)
+
+
+def _url_end(text: str, start: int) -> int:
+    blank = re.search(r"\s", text[start:])
+    return start + blank.start() if blank else len(text)
+
+
+def _redact_url(text: str, start: int) -> tuple[str, int]:
+    """The URL whose authority starts at ``text[start]``, redacted, and where
+    it ends (at a blank, or past a blank inside a password libpq rejects)."""
+    end = _url_end(text, start)
+    url = _QUERY_SECRET_RE.sub(lambda k: k.group(1) + "***", text[start:end])
+    query = len(url)
+    for key in _QUERY_KEY_RE.finditer(url):
+        before = url[: key.start()]
+        if "@" in before or _HOSTS_PATH_RE.fullmatch(before):
+            query = key.start()
+            break
+    at = url.rfind("@", 0, query)
+    if at >= 0:
+        user = url.find(":", 0, at)
+        return (url if user < 0 else url[: user + 1] + "***" + url[at:]), end
+    user_colon = _USER_COLON_RE.match(url)
+    if user_colon is None or _PORT_RE.match(url, user_colon.end()):
+        return url, end
+    # "user:secret" and no "@" before a blank: a password with blanks (libpq
+    # rejects it) ends at a "@" further on the line, else hide the rest.
+    line_end = text.find("\n", end)
+    at = text.find("@", end, line_end if line_end >= 0 else len(text))
+    if at < 0:
+        return url[: user_colon.end()] + "***", end
+    host_end = _url_end(text, at)
+    return url[: user_colon.end()] + "***" + text[at:host_end], host_end
 
 
 # SQLSTATEs (and classes) that say the database, or this connection to it,

@@ -15,8 +15,10 @@
 
 And the helpers that several test modules share (``from conftest import ...``):
 :func:`present`, :func:`wait_for`, :func:`drain`, :func:`queue_in`,
-:func:`remove_section`, :func:`cli`, :func:`closed_port`, :func:`prepared_gids`,
-:func:`decided_gids` and :class:`MonitorProcess`.
+:func:`remove_section`, :func:`fresh_database`, :func:`terminate_backend`,
+:func:`activity_of`,
+:func:`cli`, :func:`closed_port`, :func:`prepared_gids`, :func:`decided_gids`
+and :class:`MonitorProcess`.
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ import uuid
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, LiteralString, TypeVar
 
 import psycopg
 import pytest
@@ -127,21 +129,22 @@ os.register_at_fork(after_in_child=_default_sigterm_in_child)
 
 @pytest.fixture
 def dsn(pg_cluster: Cluster) -> Iterator[str]:
-    with _fresh_database(pg_cluster) as url:
+    with fresh_database(pg_cluster) as url:
         yield url
 
 
 @pytest.fixture
 def dsn2(pg_cluster: Cluster) -> Iterator[str]:
     """A second database beside ``dsn`` (the other side of a move or a transfer)."""
-    with _fresh_database(pg_cluster) as url:
+    with fresh_database(pg_cluster) as url:
         yield url
 
 
 @contextmanager
-def _fresh_database(cluster: Cluster) -> Iterator[str]:
-    """A new database ``t_<hex>`` on ``cluster`` (its URL), dropped afterwards."""
-    name = f"t_{secrets.token_hex(6)}"
+def fresh_database(cluster: Cluster, prefix: str = "t") -> Iterator[str]:
+    """A new database ``<prefix>_<hex>`` on ``cluster`` (its URL), dropped
+    afterwards."""
+    name = f"{prefix}_{secrets.token_hex(6)}"
     with psycopg.connect(cluster.url("postgres"), autocommit=True) as conn:
         conn.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(name)))
     try:
@@ -251,6 +254,25 @@ def drain(dsn: str, queue: str, *, wait: float | None = None, batch: int = 1) ->
             if not got:
                 return out
             out.extend(got)
+
+
+def terminate_backend(dsn: str, pid: int) -> None:
+    """End the backend ``pid`` (a session's connection dies under it, as when
+    the server kills it) and wait until PostgreSQL has let it go."""
+    with psycopg.connect(dsn, autocommit=True) as admin:
+        admin.execute("SELECT pg_terminate_backend(%s)", (pid,))
+        while present(
+            admin.execute("SELECT count(*) FROM pg_stat_activity WHERE pid = %s", (pid,)).fetchone()
+        )[0]:
+            time.sleep(0.01)
+
+
+def activity_of(dsn: str, pid: int, columns: LiteralString) -> tuple[Any, ...]:
+    """``columns`` (expressions over pg_stat_activity, e.g. ``"state, backend_xmin"``)
+    of the backend ``pid``, which must be there."""
+    query = sql.SQL("SELECT {} FROM pg_stat_activity WHERE pid = %s").format(sql.SQL(columns))
+    with psycopg.connect(dsn, autocommit=True) as admin:
+        return tuple(present(admin.execute(query, (pid,)).fetchone()))
 
 
 def cli(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:

@@ -12,7 +12,7 @@ from typing import Any
 
 import psycopg
 import pytest
-from conftest import drain, present
+from conftest import drain, present, terminate_backend
 from ringq.engine import RingqError, TransactionError, connect
 from test_deferred import round_trips, wire_trace
 
@@ -96,8 +96,7 @@ def test_a_lost_connection_takes_nothing_and_loses_nothing(
         p.commit()
     with connect(dsn) as c:
         assert present(c.dequeue(q)).payload == b"first"
-        with psycopg.connect(dsn, autocommit=True) as a:
-            a.execute("SELECT pg_terminate_backend(%s)", (c.backend_pid,))
+        terminate_backend(dsn, c.backend_pid)
         with pytest.raises((TransactionError, RingqError)):
             c.commit_and_dequeue(q)
         got = [(m.payload, m.deliveries) for m in c.dequeue_many(q, 5)]

@@ -23,7 +23,7 @@ from typing import Any
 
 import psycopg
 import pytest
-from conftest import present
+from conftest import activity_of, drain, present
 from psycopg import pq, sql
 from ringq.engine import Session, StaleSection, TransactionError, connect
 from ringq.engine import layout as L
@@ -83,22 +83,8 @@ def row(dsn: str, queue: str, slot: int) -> tuple[int, int, bytes | None]:
 
 def backend(dsn: str, pid: int) -> tuple[str, bool]:
     """(state, whether a transaction is open) of a backend, from pg_stat_activity."""
-    with psycopg.connect(dsn, autocommit=True) as c:
-        r = c.execute(
-            "SELECT state, xact_start IS NOT NULL FROM pg_stat_activity WHERE pid = %s", (pid,)
-        ).fetchone()
-    assert r is not None
-    return r[0], r[1]
-
-
-def drain(dsn: str, queue: str) -> list[bytes]:
-    out = []
-    with connect(dsn) as s:
-        while (m := s.dequeue(queue)) is not None:
-            out.append(m.payload)
-            s.commit()
-        s.commit()
-    return out
+    state, in_transaction = activity_of(dsn, pid, "state, xact_start IS NOT NULL")
+    return state, in_transaction
 
 
 def warm(s: Session, *queues: str) -> None:
@@ -149,7 +135,7 @@ def test_enqueue_sends_nothing_until_commit(dsn: str, make_queue: Callable[..., 
         assert not sent(wire, "BEGIN") and not sent(wire, "COMMIT")  # autocommit: the writes alone
         assert row(dsn, q, seq % 8) == (1, seq, b"later")
         assert backend(dsn, s.backend_pid) == ("idle", False)
-    assert drain(dsn, q) == [b"later", b"b1", b"b2"]
+    assert [m.payload for m in drain(dsn, q)] == [b"later", b"b1", b"b2"]
 
 
 @pytest.mark.parametrize("cached", [True, False])
@@ -200,8 +186,8 @@ def test_each_transaction_is_one_round_trip(
         assert round_trips(wire) == 1
         s.commit()
         assert backend(dsn, s.backend_pid) == ("idle", False)
-    assert drain(dsn, q) == [b"three", b"keyed"]  # c took "one"
-    assert drain(dsn, other) == [b"two"]
+    assert [m.payload for m in drain(dsn, q)] == [b"three", b"keyed"]  # c took "one"
+    assert [m.payload for m in drain(dsn, other)] == [b"two"]
     assert app_rows(dsn) == [1]
 
 
@@ -233,7 +219,7 @@ def test_stale_section_raises_at_commit_and_commits_nothing(
             s.connection.execute("INSERT INTO app VALUES (1)")
         assert s.enqueue(q, b"d") == 3  # the retry
         s.commit()
-    assert drain(dsn, q) == [b"a", b"b", b"c", b"d"]
+    assert [m.payload for m in drain(dsn, q)] == [b"a", b"b", b"c", b"d"]
     assert app_rows(dsn) == ([1] if own_sql else [])
 
 
@@ -251,12 +237,12 @@ def test_stale_section_in_one_queue_commits_no_write_of_another(
         with pytest.raises(StaleSection) as err:
             s.commit()
         assert err.value.queue == stale
-        assert drain(dsn, good) == []
+        assert [m.payload for m in drain(dsn, good)] == []
         s.enqueue(good, b"good")
         s.enqueue(stale, b"x")
         s.commit()
-    assert drain(dsn, good) == [b"good"]
-    assert drain(dsn, stale) == [b"a", b"b", b"x"]
+    assert [m.payload for m in drain(dsn, good)] == [b"good"]
+    assert [m.payload for m in drain(dsn, stale)] == [b"a", b"b", b"x"]
 
 
 def test_stale_section_gives_dequeued_entries_back_without_a_strike(
@@ -277,8 +263,8 @@ def test_stale_section_gives_dequeued_entries_back_without_a_strike(
         assert m is not None and m.payload == b"work" and m.deliveries == 1
         s.enqueue(dst, b"result")
         s.commit()
-    assert drain(dsn, src) == []
-    assert drain(dsn, dst) == [b"a", b"result"]
+    assert [m.payload for m in drain(dsn, src)] == []
+    assert [m.payload for m in drain(dsn, dst)] == [b"a", b"result"]
 
 
 # -- flush, rollback, two-phase commit ------------------------------------------------------------
@@ -311,7 +297,7 @@ def test_flush_makes_pending_writes_visible_to_the_transaction(
         assert backend(dsn, s.backend_pid)[1]  # the transaction is open
         assert row(dsn, q, seq % 8)[:2] != (1, seq)
         s.commit()
-    assert drain(dsn, q) == [b"mine", b"again"]
+    assert [m.payload for m in drain(dsn, q)] == [b"mine", b"again"]
 
 
 def test_flush_of_a_stale_write_rolls_the_transaction_back(
@@ -331,7 +317,7 @@ def test_flush_of_a_stale_write_rolls_the_transaction_back(
         assert app_rows(dsn) == []
         s.enqueue(q, b"b")
         s.commit()
-    assert drain(dsn, q) == [b"a", b"b"]
+    assert [m.payload for m in drain(dsn, q)] == [b"a", b"b"]
 
 
 def test_rollback_with_pending_writes_sends_nothing_and_frees_the_slots(
@@ -347,10 +333,10 @@ def test_rollback_with_pending_writes_sends_nothing_and_frees_the_slots(
             s.rollback()
         assert wire == []
         assert ring.counts()["locked"] == 0
-        assert drain(dsn, q) == []
+        assert [m.payload for m in drain(dsn, q)] == []
         s.enqueue_many(q, [b"5", b"6", b"7", b"8"])  # every slot is free again
         s.commit()
-    assert drain(dsn, q) == [b"5", b"6", b"7", b"8"]
+    assert [m.payload for m in drain(dsn, q)] == [b"5", b"6", b"7", b"8"]
 
 
 def test_tpc_prepare_flushes_the_pending_writes(dsn: str, make_queue: Callable[..., str]) -> None:
@@ -366,7 +352,7 @@ def test_tpc_prepare_flushes_the_pending_writes(dsn: str, make_queue: Callable[.
         s.tpc_begin(s.xid(uuid.uuid4().hex))
         s.enqueue(q, b"one phase")
         s.tpc_commit()  # not prepared: a one-phase commit, the write goes first
-    assert drain(dsn, q) == [b"prepared", b"one phase"]
+    assert [m.payload for m in drain(dsn, q)] == [b"prepared", b"one phase"]
 
 
 def test_commit_around_the_library_leaves_pending_writes_to_the_session(
@@ -378,9 +364,9 @@ def test_commit_around_the_library_leaves_pending_writes_to_the_session(
         s.connection.execute("INSERT INTO app VALUES (1)")
         s.enqueue(q, b"pending")
         s.connection.commit()  # not through the session: the write was never sent
-        assert drain(dsn, q) == []
+        assert [m.payload for m in drain(dsn, q)] == []
         s.commit()  # the session's own commit sends it
-    assert drain(dsn, q) == [b"pending"]
+    assert [m.payload for m in drain(dsn, q)] == [b"pending"]
 
 
 # -- kill -9 -------------------------------------------------------------------------------------
@@ -422,7 +408,7 @@ def test_kill9_between_reserve_and_commit_loses_and_doubles_nothing(
             s.commit()
             got.append(present(s.dequeue(q)).payload)
             s.commit()
-    got += drain(dsn, q)
+    got += [m.payload for m in drain(dsn, q)]
     assert got == [b"committed"] + [b"after %d" % i for i in range(8)]
 
 
@@ -466,7 +452,9 @@ def test_recovery_passes_leave_the_pending_writes_of_a_live_session_alone(
         assert ring.counts()["locked"] == 3
         assert backend(dsn, s.backend_pid) == ("idle", False)
         s.commit()
-    assert sorted(drain(dsn, q)) == [b"committed", b"pending", b"pending 2", b"pending 3"]
+    assert sorted(m.payload for m in drain(dsn, q)) == [
+        b"committed", b"pending", b"pending 2", b"pending 3"
+    ]
 
 
 def _die_during_commit(after: int) -> None:
@@ -531,7 +519,7 @@ def test_kill9_during_commit_loses_and_doubles_nothing(
                 if ring.counts()["locked"] == 0:
                     break
             assert ring.counts()["locked"] == 0
-            got = drain(dsn, q)
+            got = [m.payload for m in drain(dsn, q)]
             twice = len(got) != len(set(got)) or delivered & set(got)
             assert not twice, "an entry was delivered twice"
             delivered.update(got)

@@ -13,7 +13,7 @@ from typing import Any
 
 import psycopg
 import pytest
-from conftest import decided_gids, drain, prepared_gids, present
+from conftest import activity_of, decided_gids, drain, prepared_gids, present, terminate_backend
 from ringq.engine import (
     DatabaseUnavailable,
     InDoubt,
@@ -449,15 +449,6 @@ def test_typed_errors(dsn: str, make_queue: Callable[..., str]) -> None:
     assert "secret" not in str(err.value)
 
 
-def _terminate(dsn: str, pid: int) -> None:
-    with psycopg.connect(dsn, autocommit=True) as admin:
-        admin.execute("SELECT pg_terminate_backend(%s)", (pid,))
-        while present(
-            admin.execute("SELECT count(*) FROM pg_stat_activity WHERE pid = %s", (pid,)).fetchone()
-        )[0]:
-            pass
-
-
 @contextmanager
 def _no_new_connections(dsn: str) -> Iterator[None]:
     """The database refuses new connections (existing ones keep working)."""
@@ -485,7 +476,7 @@ def test_backend_terminated_before_first_enqueue_raises_database_unavailable(
 ) -> None:
     q = make_queue()
     with connect(dsn) as s:
-        _terminate(dsn, s.backend_pid)
+        terminate_backend(dsn, s.backend_pid)
         with pytest.raises(DatabaseUnavailable):
             s.enqueue(q, b"x")
         s.enqueue(q, b"after")  # the session reconnected
@@ -528,7 +519,7 @@ def test_connection_lost_after_a_commit_around_the_library_is_converted(
         s.enqueue(q, b"committed around")
         s.flush()  # the row write goes now (else it waits for the session's own commit)
         conn.commit()  # not through the session: the next call learns it from the rows
-        _terminate(dsn, s.backend_pid)
+        terminate_backend(dsn, s.backend_pid)
         with pytest.raises(DatabaseUnavailable):
             s.dequeue(q)
         m = s.dequeue(q)
@@ -543,6 +534,8 @@ def test_every_public_method_of_a_closed_session_raises_session_closed(
     s = connect(dsn)
     s.queue_info(q)  # cached, and the queue loaded: nothing left that needs the database
     s.ring(q)
+    # white-box (Session._cidx): the index of the session's client entry, to read
+    # that entry in the section after close; no public name gives it.
     cidx = s._cidx
     s.close()
     entry = s.section.clients[cidx * L.CLIENT_WORDS : (cidx + 1) * L.CLIENT_WORDS].tolist()
@@ -869,6 +862,8 @@ def test_tpc_commit_clears_the_decision_even_if_what_follows_fails(
         def finish_fails(*args: object, **kwargs: object) -> None:
             raise DatabaseUnavailable("failed after COMMIT PREPARED")
 
+        # white-box (Session._finish): the step after COMMIT PREPARED fails; no public
+        # hook can make it fail while the COMMIT PREPARED itself went through.
         monkeypatch.setattr(s, "_finish", finish_fails)
         with pytest.raises(DatabaseUnavailable):
             s.tpc_commit()
@@ -895,8 +890,7 @@ def test_tpc_commit_in_doubt_is_resolved_by_the_decision(
         s.tpc_prepare()
         if decide:
             s.tpc_decide()
-        with psycopg.connect(dsn, autocommit=True) as admin:
-            admin.execute("SELECT pg_terminate_backend(%s)", (s.backend_pid,))
+        terminate_backend(dsn, s.backend_pid)
         with pytest.raises(InDoubt):
             s.tpc_commit()
         assert s.ring(q).counts()["locked"] == 1  # held for recovery, not guessed
@@ -916,8 +910,7 @@ def test_connection_lost_mid_transaction_frees_slots(
         s.commit()
         m = s.dequeue(q)
         assert m is not None
-        with psycopg.connect(dsn, autocommit=True) as admin:
-            admin.execute("SELECT pg_terminate_backend(%s)", (s.backend_pid,))
+        terminate_backend(dsn, s.backend_pid)
         with pytest.raises(TransactionError):
             s.commit()
         # The session recovered: the entry is ready again (not lost, not consumed).
@@ -1002,6 +995,8 @@ def test_client_entry_records_the_errors_it_hits_not_the_callers_sql(
 
     q = make_queue(capacity=8, max_payload=4)
     with connect(dsn) as s:
+        # white-box (Session._cidx): the client entry whose counters the test reads
+        # in the section; no public name gives its index.
         cidx, sec = s._cidx, s.section
         qid = s.queue_info(q).id
         s.enqueue(q, b"a")
@@ -1057,7 +1052,7 @@ def test_close_after_the_server_ended_the_connection_is_quiet(
     sec, ring = s.section, s.ring(q)
     if holding:
         assert s.dequeue(q) is not None
-    _terminate(dsn, s.backend_pid)
+    terminate_backend(dsn, s.backend_pid)
     with caplog.at_level(logging.INFO, logger="ringq"):
         s.close()
     ours = [r for r in caplog.records if r.name.startswith("ringq")]
@@ -1077,12 +1072,8 @@ def test_close_after_the_server_ended_the_connection_is_quiet(
 
 
 def _activity(dsn: str, pid: int) -> tuple[str, object]:
-    with psycopg.connect(dsn, autocommit=True) as admin:
-        row = admin.execute(
-            "SELECT state, backend_xmin FROM pg_stat_activity WHERE pid = %s", (pid,)
-        ).fetchone()
-    assert row is not None
-    return row
+    state, xmin = activity_of(dsn, pid, "state, backend_xmin")
+    return state, xmin
 
 
 def test_a_session_is_idle_outside_any_transaction_between_transactions(

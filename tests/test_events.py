@@ -44,6 +44,8 @@ def _wait_in_socket(sub: Subscription, payloads: list[str]) -> None:
     payload as C strings.
     """
     need = sum(1 + 4 + 4 + len(CHANNEL) + 1 + len(p.encode()) + 1 for p in payloads)
+    # white-box (Subscription._conn): the socket itself, to see the notifications
+    # waiting in it before the subscription reads them; no public name gives it.
     fd = sub._conn.fileno()
     buf = array.array("i", [0])
     deadline = time.monotonic() + 10

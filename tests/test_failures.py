@@ -34,7 +34,7 @@ import pytest
 from conftest import MonitorProcess, present, remove_section, wait_for
 from psycopg import sql
 from ringq.cluster import Cluster
-from ringq.engine import RingqError, Section, connect
+from ringq.engine import RingqError, Section, Session, connect
 from ringq.engine import layout as L
 from ringq.engine.recovery import rebuild_into, section_differences
 from ringq.scripting import QueueSpec, create_queue
@@ -108,6 +108,18 @@ def _die_inside_the_lock(after: int, deaths: Any, seed: int) -> None:
     sys.settrace(on_call)
 
 
+def _take_into_got(s: Session, queue: str, *, wait: float) -> bool:
+    """Dequeue one entry of ``queue`` and record it in the table ``got`` in the
+    same transaction, left open for the caller to commit; False, with the
+    transaction committed, when no entry came within ``wait`` seconds."""
+    m = s.dequeue(queue, wait=wait)
+    if m is None:
+        s.commit()
+        return False
+    s.connection.execute("INSERT INTO got VALUES (%s, %s, %s)", (m.payload, queue, m.seq))
+    return True
+
+
 def _worker(dsn: str, queues: list[str], role: str, seed: int, commits: Any, stop: Any,
             die_after: int, deaths: Any) -> None:
     """Produce or consume until stopped or killed, reconnecting after any failure.
@@ -135,15 +147,8 @@ def _worker(dsn: str, queues: list[str], role: str, seed: int, commits: Any, sto
                             payload = f"{seed}:{i}".encode()
                             s.enqueue(rnd.choice(queues), payload, timeout=1.0)
                             s.connection.execute("INSERT INTO sent VALUES (%s)", (payload,))
-                    else:
-                        q = rnd.choice(queues)
-                        m = s.dequeue(q, wait=0.05)
-                        if m is None:
-                            s.commit()
-                            continue
-                        s.connection.execute(
-                            "INSERT INTO got VALUES (%s, %s, %s)", (m.payload, q, m.seq)
-                        )
+                    elif not _take_into_got(s, rnd.choice(queues), wait=0.05):
+                        continue
                     s.commit()
                     commits[seed] += 1
         except (RingqError, psycopg.Error):
@@ -397,13 +402,8 @@ def _reconnecting_consumers(dsn: str, queue: str, threads: int, stop: Any, commi
             try:
                 with connect(dsn, application_name="ringq-test") as s:
                     while not stop.is_set():
-                        m = s.dequeue(queue, wait=0.2)
-                        if m is None:
-                            s.commit()
+                        if not _take_into_got(s, queue, wait=0.2):
                             continue
-                        s.connection.execute(
-                            "INSERT INTO got VALUES (%s, %s, %s)", (m.payload, queue, m.seq)
-                        )
                         s.commit()
                         with commits.get_lock():
                             commits.value += 1

@@ -12,7 +12,7 @@ from typing import Any
 
 import psycopg
 import pytest
-from conftest import present, wait_for
+from conftest import present, terminate_backend, wait_for
 from ringq.engine import connect
 from ringq.engine import layout as L
 from ringq.engine.recovery import history_of
@@ -93,9 +93,10 @@ def test_a_session_with_no_server_to_reconnect_to_stays_open_and_reconnects_late
         def no_server() -> psycopg.Connection[Any]:
             raise DatabaseUnavailable("no server is primary yet")
 
+        # white-box (Session._open_connection): no server to reconnect to, as in the
+        # middle of a fail-over; the reconnect path has no public hook.
         monkeypatch.setattr(s, "_open_connection", no_server)
-        with psycopg.connect(dsn, autocommit=True) as a:
-            a.execute("SELECT pg_terminate_backend(%s)", (s.backend_pid,))
+        terminate_backend(dsn, s.backend_pid)
         with pytest.raises(RingqError):
             s.commit()
         assert not s.closed

@@ -26,7 +26,7 @@ from typing import Any
 
 import psycopg
 import pytest
-from conftest import MonitorProcess, drain, present, remove_section, wait_for
+from conftest import MonitorProcess, drain, present, remove_section, terminate_backend, wait_for
 from ringq.cluster import Cluster
 from ringq.engine import ConfigError, Section, Session, TransactionError, connect, pid_alive
 from ringq.engine import layout as L
@@ -1234,8 +1234,7 @@ def test_client_errors_are_not_logged_again_after_a_reconnect_or_a_monitor_resta
         # The session's backend dies; its next exchange with the database (the
         # commit: an enqueue sends nothing) finds out, and it reconnects.
         old_backend = s.backend_pid
-        with psycopg.connect(dsn, autocommit=True) as admin:
-            admin.execute("SELECT pg_terminate_backend(%s)", (old_backend,))
+        terminate_backend(dsn, old_backend)
         s.enqueue(q, b"a")
         with pytest.raises(RingqError):
             s.commit()

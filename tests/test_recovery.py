@@ -14,7 +14,7 @@ from typing import Any
 
 import psycopg
 import pytest
-from conftest import decided_gids, drain, prepared_gids, present, remove_section
+from conftest import decided_gids, drain, prepared_gids, present, remove_section, terminate_backend
 from ringq.engine import Ring, Section, connect
 from ringq.engine import layout as L
 from ringq.engine.recovery import (
@@ -378,6 +378,8 @@ def test_stale_decisions_are_dropped_after_the_timeout(
     make_queue()
     with connect(dsn) as s:
         sec = s.section
+        # white-box (Session._conn): the Xid built as Session.xid() builds it, with the
+        # format (0) and branch ("ringq") that recovery looks for spelled out here.
         gid = s._conn.xid(0, uuid.uuid4().hex, "ringq")
     with psycopg.connect(dsn, autocommit=True) as c:
         # A session died between COMMIT PREPARED and clearing its decision.
@@ -447,7 +449,9 @@ def test_session_dropped_without_close_is_recovered(
         sec, ring = s.section, s.ring(q)
         leaked = connect(dsn)
         assert leaked.dequeue(q) is not None
-        leaked._conn.close()  # as garbage collection would
+        # white-box (Session._conn): the connection goes without Session.close(), as
+        # garbage collection would take it; the client entry stays behind.
+        leaked._conn.close()
         del leaked
         gc.collect()
         _recover_until(sec, dsn, lambda: ring.counts()["locked"] == 0)
@@ -549,15 +553,6 @@ def test_key_pruning_errors_are_ringq_errors(dsn: str, make_queue: Callable[...,
 # -- owner tokens: slots are decided by the identity of the connection that held them -------------
 
 
-def _terminate(dsn: str, pid: int) -> None:
-    with psycopg.connect(dsn, autocommit=True) as admin:
-        admin.execute("SELECT pg_terminate_backend(%s)", (pid,))
-        while present(
-            admin.execute("SELECT count(*) FROM pg_stat_activity WHERE pid = %s", (pid,)).fetchone()
-        )[0]:
-            time.sleep(0.01)
-
-
 def test_session_that_cannot_decide_its_lost_slots_hands_them_over(
     dsn: str, make_queue: Callable[..., str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -571,14 +566,18 @@ def test_session_that_cannot_decide_its_lost_slots_hands_them_over(
         p.enqueue(q, b"held")
         p.commit()
     s = connect(dsn)
+    # white-box (Session._cidx): the client entry, to read its state in the section
+    # after the session has gone on under a fresh identity.
     old_token, cidx = s.owner, s._cidx
     assert s.dequeue(q) is not None
 
     def fails(*args: object) -> None:
         raise DatabaseUnavailable("the new connection was terminated too")
 
+    # white-box (Session._decide_lost): deciding the lost transaction fails too;
+    # no public hook reaches that step.
     monkeypatch.setattr(s, "_decide_lost", fails)
-    _terminate(dsn, s.backend_pid)
+    terminate_backend(dsn, s.backend_pid)
     with pytest.raises(InDoubt):
         s.commit()
     monkeypatch.undo()
@@ -618,9 +617,12 @@ def test_a_commit_in_doubt_is_told_from_the_rows(
     def fails(*args: object) -> None:
         raise DatabaseUnavailable("deciding failed too")
 
+    # white-box (Session._decide_lost, Session._send_writes): deciding fails, so that
+    # the caller gets InDoubt, and the COMMIT's answer is lost after it ran; only
+    # these private steps lie between the COMMIT and its answer.
     monkeypatch.setattr(s, "_decide_lost", fails)  # so that the caller gets InDoubt
     if answer == "never sent":
-        _terminate(dsn, s.backend_pid)
+        terminate_backend(dsn, s.backend_pid)
     else:
         send = s._send_writes
 
@@ -692,13 +694,15 @@ def test_orphaned_slot_is_decided_once_its_holder_backend_is_gone(
         held_by = s.backend_pid
         slot = ring.tail % ring.cap
         assert ring.holder(slot) == held_by and ring.bits(slot)[3] == s.owner
+        # white-box (Session._cidx, Session._ops): orphan the token while its backend
+        # lives, as a process that lost track of its session would; no public call does.
         s.owner = sec.renew_client(s._cidx, held_by)  # the old token is orphaned; its backend lives
         s._ops = []
         assert recover_dead_clients(sec, dsn) == []  # its transaction is open: it may still commit
         assert ring.counts()["locked"] == 1
         if mode == "single":
             assert other.dequeue(q) is None  # the orphaned token holds the dequeuer role
-        _terminate(dsn, held_by)
+        terminate_backend(dsn, held_by)
         [rec] = recover_dead_clients(sec, dsn)
         assert (rec.slots, rec.rolled_back, rec.backend_pid) == (1, 1, held_by)
         assert sec.c(s._cidx, L.C_STATE) == L.CS_ACTIVE  # the entry is not touched
@@ -715,6 +719,8 @@ def test_close_never_frees_an_entry_with_slots_locked_under_it(
         p.enqueue(q, b"leaked")
         p.commit()
     s = connect(dsn)
+    # white-box (Session._cidx, Session._ops): the client entry, read after close, and
+    # the session made to forget what it holds; no public name gives either.
     sec, ring, cidx = s.section, s.ring(q), s._cidx
     assert s.dequeue(q) is not None
     s._ops = []  # the session lost track of it (as an interrupted call could)

@@ -7,7 +7,6 @@ into the stored run, caught with the right kind, and taken out again.
 
 from __future__ import annotations
 
-import glob
 import json
 import os
 import re
@@ -21,13 +20,12 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-import posix_ipc
 import psycopg
 import pytest
-from conftest import present
+from conftest import fresh_database, present, remove_section
 from psycopg import sql
 from ringq.cli import main as cli_main
-from ringq.engine import ConfigError, pid_alive, section_name
+from ringq.engine import ConfigError, pid_alive
 from ringq.regression import (
     MIN_PAYLOAD,
     RegressConfig,
@@ -51,52 +49,11 @@ GROUP_KINDS = ("group_order_breaks", "group_in_flight_twice")
 QUEUES = len(SIZES) + 1  # one per payload size, and the grouped queue
 
 
-def _drop_database(admin: str, dsn: str, name: str) -> None:
-    with psycopg.connect(dsn, autocommit=True) as conn:
-        for (gid,) in conn.execute(
-            "SELECT gid FROM pg_prepared_xacts WHERE database = current_database()"
-        ).fetchall():
-            conn.execute(sql.SQL("ROLLBACK PREPARED {}").format(sql.Literal(gid)))
-    _unlink_section(dsn)
-    with psycopg.connect(admin, autocommit=True) as conn:
-        conn.execute(
-            sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(name))
-        )
-
-
-def _unlink_section(dsn: str) -> None:
-    """Remove the database's global section and wake-up semaphores. The run's
-    queues are dropped, so their ids are gone: the semaphores go by name."""
-    with psycopg.connect(dsn, autocommit=True) as conn:
-        if conn.execute("SELECT to_regclass('ringq.meta')").fetchone() == (None,):
-            return
-        row = conn.execute("SELECT value FROM ringq.meta WHERE key = 'instance_id'").fetchone()
-    if not row or not row[0]:
-        return
-    name = section_name(row[0])
-    for path in glob.glob(f"/dev/shm/sem.{name.lstrip('/')}.*"):
-        try:
-            posix_ipc.unlink_semaphore("/" + os.path.basename(path)[len("sem.") :])
-        except posix_ipc.ExistentialError:
-            pass
-    try:
-        posix_ipc.unlink_shared_memory(name)
-    except posix_ipc.ExistentialError:
-        pass
-
-
 @pytest.fixture(scope="module")
 def module_dsn(pg_cluster: Any) -> Iterator[str]:
     """A database for this module's stored run (the suite's ``dsn`` is per test)."""
-    name = f"t_regress_{secrets.token_hex(4)}"
-    admin = pg_cluster.url("postgres")
-    with psycopg.connect(admin, autocommit=True) as conn:
-        conn.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(name)))
-    dsn = pg_cluster.url(name)
-    try:
-        yield dsn
-    finally:
-        _drop_database(admin, dsn, name)
+    with fresh_database(pg_cluster, "t_regress") as url:
+        yield url
 
 
 @pytest.fixture(scope="module")
@@ -483,7 +440,7 @@ def test_sigterm_stops_after_the_current_cycle(dsn: str, tmp_path: Path) -> None
         _, err = proc.communicate(timeout=120)
     finally:
         proc.kill()
-    _unlink_section(dsn)
+    remove_section(dsn)
     assert proc.returncode == 0, err
     assert "cycle 1: workload done" in err and "stopped after 1 cycle(s)" in err, err
     assert "cycle 2:" not in err
@@ -499,7 +456,7 @@ def test_second_signal_aborts_the_cycle(dsn: str, tmp_path: Path) -> None:
         _, err = proc.communicate(timeout=60)
     finally:
         proc.kill()
-    _unlink_section(dsn)
+    remove_section(dsn)
     assert proc.returncode == 130, err
     assert "cycle 1: workload aborted" in err and "aborted after 1 cycle(s)" in err, err
     with psycopg.connect(dsn) as conn:
@@ -570,7 +527,7 @@ def test_a_cycle_under_chaos_is_proven(dsn: str, verifier: Verifier, tmp_path: P
     try:
         outcome = run(dsn, config, cycles=1, verifier=verifier, report_dir=tmp_path)
     finally:
-        _unlink_section(dsn)
+        remove_section(dsn)
     result = outcome.results[0]
     assert result.status == "done" and not result.errors, result
     report = outcome.reports[0]
@@ -684,4 +641,4 @@ def test_chaos_takes_over_the_serving_monitor(
         deadline = time.monotonic() + 20
         while pid_alive(pid) and time.monotonic() < deadline:
             time.sleep(0.05)
-        _unlink_section(dsn)
+        remove_section(dsn)
