@@ -265,6 +265,7 @@ def one_round(side: Contender, kind: str, rnd: int, cfg: Config, payload: bytes)
     done_in_time = [0] * n
     done_all = [0] * n
     enqueued = [0]
+    seen = [0, 0]  # the producer's view of the ready entries: sum, looks (timed part)
     clock: dict[str, int] = {}
     stop = threading.Event()
     errors: list[BaseException] = []
@@ -294,7 +295,11 @@ def one_round(side: Contender, kind: str, rnd: int, cfg: Config, payload: bytes)
         with side.producer() as p:
             barrier.wait()
             while not stop.is_set():
-                if enqueued[0] - sum(took) < cfg.ready:
+                ready = enqueued[0] - sum(took)
+                if time.monotonic_ns() <= clock["end"]:
+                    seen[0] += ready
+                    seen[1] += 1
+                if ready < cfg.ready:
                     ids = p.put(items)
                     t = time.monotonic_ns()
                     for i in ids:
@@ -350,6 +355,7 @@ def one_round(side: Contender, kind: str, rnd: int, cfg: Config, payload: bytes)
         "completed_all": sum(done_all),
         "enqueued": enqueued[0],
         "left": left,
+        "ready_mean": seen[0] / seen[1] if seen[1] else None,
         "lost": enqueued[0] - sum(done_all) - left,
         "claim_latency": latency_ms(
             [t - committed[i] for per in taken for i, t in per if i in committed]
@@ -413,13 +419,18 @@ FIGURES = (  # (label, key in the summary, path into a round's result, format)
     ("claim latency p50 (ms)", "claim_p50_ms", ("claim_latency", "p50_ms"), "{:,.1f}"),
     ("claim latency p99 (ms)", "claim_p99_ms", ("claim_latency", "p99_ms"), "{:,.1f}"),
     ("CPU s per 1,000 entries", "cpu_s_per_1000", ("cpu_s_per_1000",), "{:.3f}"),
+    ("ready, producer's view", "ready_mean", ("ready_mean",), "{:,.0f}"),
 )
 
 
 def _get(d: dict[str, Any], path: tuple[str, ...]) -> float:
     for p in path:
         d = d[p]
-    return float(d)  # type: ignore[arg-type]
+    return float("nan") if d is None else float(d)  # type: ignore[arg-type]
+
+
+def _ratio(a: float, b: float) -> float:
+    return a / b if b else float("nan")
 
 
 def _med(values: list[float]) -> dict[str, float]:
@@ -433,7 +444,7 @@ def summarize(raw: dict[str, Any]) -> dict[str, Any]:
     for _label, key, path, _f in FIGURES:
         fig[key] = {kind: _med([_get(r[kind], path) for r in rounds]) for kind in KINDS}
         ratios[f"{key}_ringq_over_skq"] = _med(
-            [_get(r["ringq"], path) / _get(r["skip_locked"], path) for r in rounds]
+            [_ratio(_get(r["ringq"], path), _get(r["skip_locked"], path)) for r in rounds]
         )
     checks = {
         kind: {k: sum(r[kind][k] for r in rounds) for k in ("lost", "duplicates", "left")}
