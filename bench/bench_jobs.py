@@ -54,6 +54,7 @@ import psycopg
 from _benchlib import argument_parser, cpu_load, drop_queues, machine, run_in_database
 from _benchlib import server_settings as settings_of
 from psycopg import sql
+from psycopg.conninfo import make_conninfo
 from ringq.engine import Session, connect
 from ringq.scripting import QueueSpec, create_queue
 
@@ -91,6 +92,7 @@ class Config:
     work_ms: float
     wait: float
     poll_ms: float
+    statement_timeout: float
 
 
 @dataclass(frozen=True)
@@ -339,8 +341,11 @@ def one_round(side: Contender, kind: str, rnd: int, cfg: Config, payload: bytes)
         cpu1 = _cpu()
     finally:
         stop.set()
+        deadline = time.monotonic() + cfg.statement_timeout + 30.0
         for th in threads:
-            th.join(30)
+            th.join(max(0.0, deadline - time.monotonic()))
+    if any(th.is_alive() for th in threads):
+        errors.append(RuntimeError("threads still busy long after the end of the round"))
     if errors:
         raise RuntimeError(f"{kind} round {rnd}: a thread failed: {errors[0]!r}") from errors[0]
     left = 0
@@ -386,9 +391,15 @@ def run(dsn: str, cfg: Config, names: Names) -> dict[str, Any]:
         admin.execute(q(SKQ_CREATE, names.table))
         admin.execute(q(DONE_CREATE, names.done))
         env = {"server": settings_of(admin), **machine(), **cpu_load("start")}
+    # A statement that hangs fails the round instead of the run waiting for ever (seen
+    # once: 32 SKIP LOCKED DELETEs stuck for minutes on the LockManager lock on a machine
+    # loaded 8x over).
+    bounded = make_conninfo(
+        dsn, options=f"-c statement_timeout={int(cfg.statement_timeout * 1000)}"
+    )
     sides: dict[str, Contender] = {
-        "ringq": Ringq(dsn, names.queue, names.done, cfg.wait),
-        "skip_locked": SkipLocked(dsn, names.table, names.done, cfg.poll_ms / 1000),
+        "ringq": Ringq(bounded, names.queue, names.done, cfg.wait),
+        "skip_locked": SkipLocked(bounded, names.table, names.done, cfg.poll_ms / 1000),
     }
     for kind, side in sides.items():
         print(f"warm-up: {cfg.capacity:,} entries through {kind} ...", file=sys.stderr, flush=True)
@@ -522,12 +533,26 @@ def parse_args(argv: list[str] | None) -> Any:
         default=10.0,
         help="skip-locked consumer's sleep after finding nothing (ms)",
     )
+    p.add_argument(
+        "--statement-timeout",
+        type=float,
+        default=30.0,
+        help="statement_timeout of the contenders' connections (s): a hang fails",
+    )
     a = p.parse_args(argv)
     for name in ("consumers", "rounds", "take", "produce_batch", "ready", "capacity", "payload"):
         if getattr(a, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1")
-    if not a.duration > 0 or a.work_ms < 0 or a.wait < 0 or a.poll_ms < 0:
-        p.error("--duration must be > 0; --work-ms, --wait and --poll-ms >= 0")
+    if (
+        not a.duration > 0
+        or not a.statement_timeout > 0
+        or a.work_ms < 0
+        or a.wait < 0
+        or a.poll_ms < 0
+    ):
+        p.error(
+            "--duration and --statement-timeout must be > 0; --work-ms, --wait and --poll-ms >= 0"
+        )
     if a.payload > a.max_payload or a.ready + a.produce_batch > a.capacity:
         p.error("--payload must fit --max-payload, --ready + --produce-batch fit --capacity")
     return a
@@ -536,7 +561,8 @@ def parse_args(argv: list[str] | None) -> Any:
 def main(argv: list[str] | None = None) -> int:
     a = parse_args(argv)
     cfg = Config(a.duration, a.consumers, a.rounds, a.take, a.produce_batch, a.ready, a.capacity,
-                 a.max_payload, a.payload, a.work_ms, a.wait, a.poll_ms)  # fmt: skip
+                 a.max_payload, a.payload, a.work_ms, a.wait, a.poll_ms,
+                 a.statement_timeout)  # fmt: skip
     names = Names(secrets.token_hex(4))
     return run_in_database(
         "jobs",
