@@ -13,6 +13,12 @@ the median of the rounds with their spread; ratios are taken within a round,
 then the median of those. The targets of the engine-speed issue are printed as
 met / NOT MET.
 
+ringq, the SKIP LOCKED table and ringq's SQL alone are each a driver of
+``_contenders`` timed by the one loop there (``measure``); the wake-up figures
+are in ``_wakeup``, the table-size test in ``_volume``, the concurrent figure in
+``_concurrent``; this module creates the objects, runs the rounds, and
+summarizes and prints.
+
 Run ``python bench/bench_engine.py --help``; ``bench/README.md`` says what each
 figure means.
 """
@@ -20,19 +26,16 @@ figure means.
 from __future__ import annotations
 
 import argparse
-import multiprocessing as mp
-import os
 import secrets
 import statistics
 import sys
 import time
 from collections.abc import Callable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from multiprocessing.connection import Connection
 from typing import Any
 
 import numpy as np
-import posix_ipc
 import psycopg
 from _benchlib import (
     CEIL_UPDATE,
@@ -46,64 +49,26 @@ from _benchlib import (
     server_settings,
 )
 from _concurrent import concurrent_ringq, concurrent_skq
-from psycopg import sql
-from ringq.engine import connect, metrics, queue_table
-from ringq.engine.sqlfile import load
+from _contenders import (
+    SKQ_CREATE,
+    SKQ_DEQUEUE,
+    SKQ_DEQUEUE_MANY,
+    SKQ_ENQUEUE,
+    Driver,
+    RingSQL,
+    measure,
+    pass_through,
+    q,
+    ring_sql_driver,
+    ringq_driver,
+    skq_driver,
+)
+from _volume import volume
+from _wakeup import bench_sem_wakeup, bench_wakeup
 from ringq.scripting import QueueSpec, create_queue
 
-FORK = mp.get_context("fork")
-ENGINE_SQL = load(
-    "ringq.engine", "queries.sql"
-)  # the engine's own statements, for the SQL-only baseline
-
-# -- the SQL of the comparison queues (named blocks; tables only via sql.Identifier) --------
-
-SKQ_CREATE = (
-    "CREATE TABLE {t} (id bigserial PRIMARY KEY, payload bytea, enq_at timestamptz DEFAULT now())"
-)
-SKQ_ENQUEUE = "INSERT INTO {t} (payload) VALUES (%s)"
-SKQ_DEQUEUE = (
-    "DELETE FROM {t} WHERE id = (SELECT id FROM {t} ORDER BY id FOR UPDATE SKIP LOCKED LIMIT 1) "
-    "RETURNING payload"
-)
-SKQ_ENQUEUE_MANY = "INSERT INTO {t} (payload) SELECT unnest(%s::bytea[])"
-SKQ_DEQUEUE_MANY = (
-    "DELETE FROM {t} WHERE id IN (SELECT id FROM {t} ORDER BY id FOR UPDATE SKIP LOCKED LIMIT %s) "
-    "RETURNING payload"
-)
 # The next BEGIN riding on COMMIT (ringq's former eager-begin protocol).
 CEIL_UPDATE_EAGER = "COMMIT; BEGIN"
-SIZES = """
-SELECT pg_relation_size(c.oid),
-       COALESCE(pg_total_relation_size(NULLIF(c.reltoastrelid, 0)), 0),
-       pg_indexes_size(c.oid),
-       pg_total_relation_size(c.oid)
-FROM pg_class c WHERE c.oid = %s::regclass
-"""
-TABLE_STATS = """
-SELECT n_live_tup, n_dead_tup, n_tup_ins, n_tup_upd, n_tup_hot_upd, n_tup_del,
-       autovacuum_count, vacuum_count
-FROM pg_stat_user_tables WHERE relid = %s::regclass
-"""
-
-
-# -- figures -------------------------------------------------------------------------------
-
-
-def latency_summary(samples_ns: list[int]) -> dict[str, float]:
-    """p50/p90/p99/max/mean of call latencies, in microseconds."""
-    a = np.asarray(samples_ns, dtype=np.float64) / 1000.0
-    if a.size == 0:
-        return {"n": 0}
-    p50, p90, p99 = np.percentile(a, [50, 90, 99])
-    return {
-        "n": int(a.size),
-        "p50_us": float(p50),
-        "p90_us": float(p90),
-        "p99_us": float(p99),
-        "max_us": float(a.max()),
-        "mean_us": float(a.mean()),
-    }
 
 
 @dataclass(frozen=True)
@@ -149,346 +114,12 @@ class Names:
         return f"ceil_{self.tag}"
 
 
-def q(template: str, table: str) -> sql.Composed:
-    return sql.SQL(template).format(t=sql.Identifier(table))
-
-
 def ring_table(queue: str) -> str:
     return f"ringq.q_{queue}"
 
 
-# -- ringq ---------------------------------------------------------------------------------
-
-
-def bench_ringq(
-    dsn: str, queue: str, payload: bytes, n_single: int, n_batches: int, batch: int
-) -> dict[str, Any]:
-    """Call latency each way, single-entry tx/s each way, batched entries/s each way."""
-    with connect(dsn) as prod, connect(dsn) as cons:
-        # Warm-up: queue info cached, section block loaded, statements prepared.
-        for _ in range(10):
-            prod.enqueue(queue, payload)
-            prod.commit()
-        for _ in range(10):
-            assert cons.dequeue(queue) is not None
-            cons.commit()
-
-        lat: list[int] = []
-        pc = time.perf_counter_ns
-        start = pc()
-        for _ in range(n_single):
-            t0 = pc()
-            prod.enqueue(queue, payload)
-            lat.append(pc() - t0)
-            prod.commit()
-        enq_elapsed = pc() - start
-        enq = latency_summary(lat)
-
-        lat = []
-        start = pc()
-        for _ in range(n_single):
-            t0 = pc()
-            m = cons.dequeue(queue)
-            lat.append(pc() - t0)
-            cons.commit()
-            if m is None:
-                raise RuntimeError(f"ringq: queue {queue} ran dry after {len(lat)} dequeues")
-        deq_elapsed = pc() - start
-        deq = latency_summary(lat)
-
-        batch_payloads = [payload] * batch
-        start = pc()
-        for _ in range(n_batches):
-            prod.enqueue_many(queue, batch_payloads)
-            prod.commit()
-        enq_many_elapsed = pc() - start
-        got = 0
-        start = pc()
-        for _ in range(n_batches):
-            got += len(cons.dequeue_many(queue, batch))
-            cons.commit()
-        deq_many_elapsed = pc() - start
-        if got != n_batches * batch:
-            raise RuntimeError(f"ringq: dequeued {got} of {n_batches * batch} batched entries")
-    return {
-        "enqueue_latency": enq,
-        "dequeue_latency": deq,
-        "enqueue_tx_per_s": n_single / (enq_elapsed / 1e9),
-        "dequeue_tx_per_s": n_single / (deq_elapsed / 1e9),
-        "enqueue_many_entries_per_s": n_batches * batch / (enq_many_elapsed / 1e9),
-        "dequeue_many_entries_per_s": n_batches * batch / (deq_many_elapsed / 1e9),
-    }
-
-
-def _wake_consumer(dsn: str, queue: str, n: int, pipe: Connection) -> None:
-    """Child process: block in dequeue(wait=...) n times; send back (seq, monotonic ns at
-    return)."""
-    out: list[tuple[int, int]] = []
-    try:
-        with connect(dsn) as s:
-            s.queue_info(queue)
-            for _ in range(n):
-                pipe.send(("ready", None))
-                m = s.dequeue(queue, wait=10.0)
-                t = time.monotonic_ns()
-                s.commit()
-                if m is None:
-                    raise RuntimeError("wake-up: no entry within 10 s")
-                out.append((m.seq, t))
-        pipe.send(("done", out))
-    except BaseException as exc:  # report to the parent instead of hanging it
-        pipe.send(("error", repr(exc)))
-        raise
-
-
-def bench_wakeup(dsn: str, queue: str, payload: bytes, n: int) -> dict[str, Any]:
-    """Commit-to-dequeue latency: producer's clock after commit() returns, consumer's after
-    dequeue() returns.
-
-    Both read CLOCK_MONOTONIC (time.monotonic_ns), which is shared by the
-    processes of one host. Before each enqueue the producer waits until the
-    section shows the consumer registered as a sleeping dequeuer, then 1 ms more
-    so that it is inside the semaphore wait, not between registering and sleeping.
-    """
-    parent, child = FORK.Pipe()
-    proc = FORK.Process(target=_wake_consumer, args=(dsn, queue, n, child), daemon=True)
-    proc.start()
-    sent: dict[int, int] = {}
-    confirmed = 0
-    try:
-        with connect(dsn) as prod:
-            prod.queue_info(queue)
-            for _ in range(n):
-                what, detail = parent.recv()
-                if what != "ready":
-                    raise RuntimeError(f"wake-up consumer: {detail}")
-                deadline = time.monotonic() + 2.0
-                while prod.stats(queue)[metrics.WAIT_READY] == 0 and time.monotonic() < deadline:
-                    time.sleep(0.0002)
-                confirmed += prod.stats(queue)[metrics.WAIT_READY] > 0
-                time.sleep(0.001)
-                seq = prod.enqueue(queue, payload)
-                prod.commit()
-                sent[seq] = time.monotonic_ns()
-        what, got = parent.recv()
-        if what != "done":
-            raise RuntimeError(f"wake-up consumer: {got}")
-    finally:
-        proc.join(30)
-        if proc.is_alive():
-            proc.kill()
-            proc.join()
-    diffs = [t - sent[seq] for seq, t in got if seq in sent]
-    out = latency_summary(diffs)
-    out["consumer_confirmed_asleep"] = confirmed
-    out["negative"] = sum(
-        d < 0 for d in diffs
-    )  # consumer returned before the producer's commit() did
-    return out
-
-
-class RingSQL:
-    """The engine's own statements (engine/queries.sql) issued straight through psycopg on a
-    queue table the engine never loads: what ringq would cost with a free section and no
-    Python around the SQL. Same protocol as a session: an enqueue transaction is its guarded
-    row write alone, in autocommit (one round trip); a dequeue is BEGIN + the consuming
-    UPDATE in one pipeline, then COMMIT (two). A dequeue's engine time = ringq - this."""
-
-    def __init__(self, queue: str) -> None:
-        self.queue = queue
-        self.next_seq = 0  # next sequence to enqueue (the table's rows start at seq -1)
-        self.next_deq = 0  # oldest sequence not yet dequeued
-
-    def stmt(self, name: str) -> str:
-        return (
-            sql.SQL(ENGINE_SQL[name])
-            .format(table=queue_table(self.queue), queue=sql.Literal(self.queue))
-            .as_string(None)
-        )
-
-
-def _begin_with(conn: psycopg.Connection[Any], query: str, params: Any) -> psycopg.Cursor[Any]:
-    """BEGIN and ``query`` in one round trip (``conn`` is in autocommit), as a session's dequeue."""
-    cur = conn.cursor()
-    with conn.pipeline():
-        conn.execute("BEGIN", prepare=False)
-        cur.execute(query, params, binary=True)
-    return cur
-
-
-def bench_ring_sql(
-    dsn: str, st: RingSQL, capacity: int, payload: bytes, n_single: int, n_batches: int, batch: int
-) -> dict[str, Any]:
-    enq_sql, deq_sql = st.stmt("enqueue"), st.stmt("dequeue")
-    enq_many_sql, deq_many_sql = st.stmt("enqueue_many"), st.stmt("dequeue_many")
-    pc = time.perf_counter_ns
-
-    def enqueue(conn: psycopg.Connection[Any]) -> None:
-        s = st.next_seq
-        # raises if the guard fails
-        conn.execute(enq_sql, (s, payload, "bench", s, None, s % capacity, s))  # no group
-        st.next_seq += 1
-
-    def dequeue(conn: psycopg.Connection[Any]) -> None:
-        s = st.next_deq
-        if _begin_with(conn, deq_sql, (s % capacity, s)).fetchone() is None:
-            raise RuntimeError(f"ringq SQL baseline: dequeue of seq {s} matched no row")
-        st.next_deq += 1
-
-    def end(kind: str, conn: psycopg.Connection[Any]) -> None:
-        if kind == "dequeue":  # an enqueue committed by itself (autocommit)
-            conn.execute("COMMIT")
-
-    with (
-        psycopg.connect(dsn, autocommit=True) as prod,
-        psycopg.connect(dsn, autocommit=True) as cons,
-    ):
-        for _ in range(10):
-            enqueue(prod)
-        for _ in range(10):
-            dequeue(cons)
-            end("dequeue", cons)
-        out: dict[str, Any] = {}
-        for kind, conn, fn in (("enqueue", prod, enqueue), ("dequeue", cons, dequeue)):
-            lat: list[int] = []
-            start = pc()
-            for _ in range(n_single):
-                t0 = pc()
-                fn(conn)
-                lat.append(pc() - t0)
-                end(kind, conn)
-            out[f"{kind}_tx_per_s"] = n_single / ((pc() - start) / 1e9)
-            out[f"{kind}_latency"] = latency_summary(lat)
-
-        items = [payload] * batch
-        start = pc()
-        for _ in range(n_batches):
-            seqs = list(range(st.next_seq, st.next_seq + batch))
-            prod.execute(
-                enq_many_sql,
-                ([x % capacity for x in seqs], seqs, items, ["bench"] * batch, seqs,
-                 [None] * batch, batch),
-            )
-            st.next_seq += batch  # committed by itself (autocommit); a guard that fails raises
-        out["enqueue_many_entries_per_s"] = n_batches * batch / ((pc() - start) / 1e9)
-        start = pc()
-        for _ in range(n_batches):
-            seqs = list(range(st.next_deq, st.next_deq + batch))
-            rows = _begin_with(cons, deq_many_sql, ([x % capacity for x in seqs], seqs)).fetchall()
-            if len(rows) != batch:
-                raise RuntimeError("ringq SQL baseline: a batched dequeue matched fewer rows")
-            st.next_deq += batch
-            cons.execute("COMMIT")
-        out["dequeue_many_entries_per_s"] = n_batches * batch / ((pc() - start) / 1e9)
-    return out
-
-
-def _sem_waiter(name: str, n: int, pipe: Connection) -> None:
-    sem = posix_ipc.Semaphore(name)
-    out: list[int] = []
-    try:
-        for _ in range(n):
-            pipe.send("ready")
-            sem.acquire(10.0)
-            out.append(time.monotonic_ns())
-        pipe.send(out)
-    finally:
-        sem.close()
-
-
-def bench_sem_wakeup(n: int) -> dict[str, Any]:
-    """The floor under the wake-up figure: a bare posix-ipc semaphore post waking a sleeping
-    process (the kind of wake-up the engine uses), timed the same way, with no database."""
-    name = f"/ringq-bench-{os.getpid()}-{secrets.token_hex(4)}"
-    sem = posix_ipc.Semaphore(name, posix_ipc.O_CREX, initial_value=0)
-    parent, child = FORK.Pipe()
-    proc = FORK.Process(target=_sem_waiter, args=(name, n, child), daemon=True)
-    proc.start()
-    sent: list[int] = []
-    try:
-        for _ in range(n):
-            parent.recv()
-            time.sleep(0.001)
-            sem.release()
-            sent.append(time.monotonic_ns())
-        got = parent.recv()
-    finally:
-        proc.join(30)
-        if proc.is_alive():
-            proc.kill()
-            proc.join()
-        sem.unlink()
-        sem.close()
-    return latency_summary([g - s for g, s in zip(got, sent, strict=True)])
-
-
-# -- SKIP LOCKED textbook queue -----------------------------------------------------------------
-
-
 def create_skq(admin: psycopg.Connection[Any], table: str) -> None:
     admin.execute(q(SKQ_CREATE, table))
-
-
-def bench_skq(
-    dsn: str, table: str, payload: bytes, n_single: int, n_batches: int, batch: int
-) -> dict[str, Any]:
-    """The same figures for INSERT / DELETE ... FOR UPDATE SKIP LOCKED, on a default psycopg
-    connection."""
-    enq_sql, deq_sql = q(SKQ_ENQUEUE, table), q(SKQ_DEQUEUE, table)
-    enq_many_sql, deq_many_sql = q(SKQ_ENQUEUE_MANY, table), q(SKQ_DEQUEUE_MANY, table)
-    with psycopg.connect(dsn) as prod, psycopg.connect(dsn) as cons:
-        for _ in range(10):
-            prod.execute(enq_sql, (payload,))
-            prod.commit()
-        for _ in range(10):
-            assert cons.execute(deq_sql).fetchone() is not None
-            cons.commit()
-
-        pc = time.perf_counter_ns
-        lat: list[int] = []
-        start = pc()
-        for _ in range(n_single):
-            t0 = pc()
-            prod.execute(enq_sql, (payload,))
-            lat.append(pc() - t0)
-            prod.commit()
-        enq_elapsed = pc() - start
-        enq = latency_summary(lat)
-
-        lat = []
-        start = pc()
-        for _ in range(n_single):
-            t0 = pc()
-            row = cons.execute(deq_sql).fetchone()
-            lat.append(pc() - t0)
-            cons.commit()
-            if row is None:
-                raise RuntimeError(f"skq: table {table} ran dry after {len(lat)} dequeues")
-        deq_elapsed = pc() - start
-        deq = latency_summary(lat)
-
-        batch_payloads = [payload] * batch
-        start = pc()
-        for _ in range(n_batches):
-            prod.execute(enq_many_sql, (batch_payloads,))
-            prod.commit()
-        enq_many_elapsed = pc() - start
-        got = 0
-        start = pc()
-        for _ in range(n_batches):
-            got += len(cons.execute(deq_many_sql, (batch,)).fetchall())
-            cons.commit()
-        deq_many_elapsed = pc() - start
-        if got != n_batches * batch:
-            raise RuntimeError(f"skq: dequeued {got} of {n_batches * batch} batched entries")
-    return {
-        "enqueue_latency": enq,
-        "dequeue_latency": deq,
-        "enqueue_tx_per_s": n_single / (enq_elapsed / 1e9),
-        "dequeue_tx_per_s": n_single / (deq_elapsed / 1e9),
-        "enqueue_many_entries_per_s": n_batches * batch / (enq_many_elapsed / 1e9),
-        "dequeue_many_entries_per_s": n_batches * batch / (deq_many_elapsed / 1e9),
-    }
 
 
 # -- ceiling -------------------------------------------------------------------------------------
@@ -531,155 +162,6 @@ def bench_ceiling(dsn: str, table: str, n: int) -> dict[str, float]:
     return out
 
 
-# -- volume: table size after many entries -----------------------------------------------------
-
-
-def table_sizes(conn: psycopg.Connection[Any], table: str) -> dict[str, int]:
-    row = conn.execute(SIZES, (table,)).fetchone()
-    assert row is not None
-    heap, toast, indexes, total = row
-    st = conn.execute(TABLE_STATS, (table,)).fetchone()
-    keys = ("n_live_tup", "n_dead_tup", "n_tup_ins", "n_tup_upd", "n_tup_hot_upd", "n_tup_del",
-            "autovacuum_count", "vacuum_count")  # fmt: skip
-    stats = dict(zip(keys, st, strict=True)) if st else {}
-    return {"heap": heap, "toast": toast, "indexes": indexes, "total": total, **stats}
-
-
-class Progress:
-    """One status line on a terminal (rewritten), a line every 10% otherwise."""
-
-    def __init__(self, label: str, total: int) -> None:
-        self.label, self.total = label, total
-        self.tty = sys.stderr.isatty()
-        self.start = time.perf_counter()
-        self.last_tenth = -1
-        self.last_draw = 0.0
-
-    def update(self, done: int) -> None:
-        now = time.perf_counter()
-        rate = done / max(now - self.start, 1e-9)
-        text = (
-            f"  {self.label}: {done:,}/{self.total:,} ({100 * done / self.total:3.0f}%) "
-            f"{rate:,.0f} entries/s"
-        )
-        if self.tty:
-            if now - self.last_draw > 0.25 or done == self.total:
-                sys.stderr.write("\r" + text + "   ")
-                sys.stderr.flush()
-                self.last_draw = now
-        else:
-            tenth = 10 * done // self.total
-            if tenth != self.last_tenth:
-                self.last_tenth = tenth
-                print(text, file=sys.stderr, flush=True)
-
-    def done(self) -> float:
-        if self.tty:
-            sys.stderr.write("\n")
-        return time.perf_counter() - self.start
-
-
-def settled_sizes(
-    conn: psycopg.Connection[Any], table: str, before: dict[str, int]
-) -> dict[str, int]:
-    """Sizes and statistics once the closed sessions' backends have flushed their counters
-    (they do at exit; until then pg_stat_user_tables lags): counters steady for 0.5 s, at most
-    10 s."""
-    deadline = time.monotonic() + 10.0
-    last = table_sizes(conn, table)
-    steady_since = time.monotonic()
-    while time.monotonic() < deadline:
-        time.sleep(0.1)
-        now = table_sizes(conn, table)
-        if now != last:
-            last, steady_since = now, time.monotonic()
-        elif time.monotonic() - steady_since >= 0.5 and now.get("n_tup_ins", 0) + now.get(
-            "n_tup_upd", 0
-        ) > before.get("n_tup_ins", 0) + before.get("n_tup_upd", 0):
-            break
-    return last
-
-
-def volume_ringq(
-    dsn: str, queue: str, payload: bytes, volume: int, batch: int, wrap_at: int
-) -> dict[str, Any]:
-    """``volume`` entries through the queue, ``batch`` per transaction each way; sizes before,
-    after ``wrap_at`` entries (the ring's first wrap: every row has held a payload) and after."""
-    table = ring_table(queue)
-    with psycopg.connect(dsn, autocommit=True) as admin:
-        before = table_sizes(admin, table)
-        wrap: dict[str, int] | None = None
-        with connect(dsn) as prod, connect(dsn) as cons:
-            items = [payload] * batch
-            prog = Progress("ringq volume", volume)
-            done = 0
-            while done < volume:
-                n = min(batch, volume - done)
-                prod.enqueue_many(queue, items[:n])
-                prod.commit()
-                got = len(cons.dequeue_many(queue, n))
-                cons.commit()
-                if got != n:
-                    raise RuntimeError(f"ringq volume: dequeued {got} of {n}")
-                if done < wrap_at <= done + n:
-                    wrap = table_sizes(admin, table)
-                done += n
-                prog.update(done)
-            elapsed = prog.done()
-        after = settled_sizes(admin, table, before)
-    return _volume_result(before, wrap, after, volume, elapsed)
-
-
-def volume_skq(
-    dsn: str, table: str, payload: bytes, volume: int, batch: int, wrap_at: int
-) -> dict[str, Any]:
-    enq_many_sql, deq_many_sql = q(SKQ_ENQUEUE_MANY, table), q(SKQ_DEQUEUE_MANY, table)
-    with psycopg.connect(dsn, autocommit=True) as admin:
-        before = table_sizes(admin, table)
-        wrap: dict[str, int] | None = None
-        with psycopg.connect(dsn) as prod, psycopg.connect(dsn) as cons:
-            items = [payload] * batch
-            prog = Progress("skip-locked volume", volume)
-            done = 0
-            while done < volume:
-                n = min(batch, volume - done)
-                prod.execute(enq_many_sql, (items[:n],))
-                prod.commit()
-                got = len(cons.execute(deq_many_sql, (n,)).fetchall())
-                cons.commit()
-                if got != n:
-                    raise RuntimeError(f"skq volume: dequeued {got} of {n}")
-                if done < wrap_at <= done + n:
-                    wrap = table_sizes(admin, table)
-                done += n
-                prog.update(done)
-            elapsed = prog.done()
-        after = settled_sizes(admin, table, before)
-    return _volume_result(before, wrap, after, volume, elapsed)
-
-
-def _volume_result(
-    before: dict[str, int],
-    wrap: dict[str, int] | None,
-    after: dict[str, int],
-    volume: int,
-    elapsed: float,
-) -> dict[str, Any]:
-    def growth(a: dict[str, int] | None, b: dict[str, int]) -> float | None:
-        return (b["total"] - a["total"]) / a["total"] if a and a["total"] else None
-
-    return {
-        "entries": volume,
-        "seconds": elapsed,
-        "entries_per_s_each_way": volume / elapsed,
-        "before": before,
-        "after_first_wrap": wrap,
-        "after": after,
-        "growth": growth(before, after),
-        "growth_after_first_wrap": growth(wrap, after),
-    }
-
-
 # -- the run -------------------------------------------------------------------------------------
 
 
@@ -718,8 +200,7 @@ def run(dsn: str, cfg: Config, names: Names) -> dict[str, Any]:
         create_skq(admin, names.skq_concurrent)
         create_ceiling(admin, names.ceiling)
         env = environment(admin)
-
-    ring_sql = RingSQL(names.ring_sql)
+    ring_sql = RingSQL(names.ring_sql, cfg.capacity)
     # Steady state first: every ring row has held a payload once (the first wrap widens
     # the pre-populated rows, see the volume part), and the SKIP LOCKED table has had the
     # same traffic. The rounds then measure a queue in use, not a fresh one.
@@ -727,23 +208,13 @@ def run(dsn: str, cfg: Config, names: Names) -> dict[str, Any]:
     warm_up(dsn, names, ring_sql, cfg, payload)
 
     rounds: list[dict[str, Any]] = []
-    # Each takes the round's index (0, 1, ...).
+    # Each takes the round's index (0, 1, ...); the same loop times the three contenders.
+    n = (cfg.single, cfg.batches, cfg.batch)
     kinds: list[tuple[str, Callable[[int], Any]]] = [
-        (
-            "ringq",
-            lambda r: bench_ringq(dsn, names.ring, payload, cfg.single, cfg.batches, cfg.batch),
-        ),
-        (
-            "skip_locked",
-            lambda r: bench_skq(dsn, names.skq, payload, cfg.single, cfg.batches, cfg.batch),
-        ),
+        ("ringq", lambda r: _measured(ringq_driver(dsn, names.ring, payload), n)),
+        ("skip_locked", lambda r: _measured(skq_driver(dsn, names.skq, payload), n)),
         ("ceiling", lambda r: bench_ceiling(dsn, names.ceiling, cfg.single)),
-        (
-            "ringq_sql",
-            lambda r: bench_ring_sql(
-                dsn, ring_sql, cfg.capacity, payload, cfg.single, cfg.batches, cfg.batch
-            ),
-        ),
+        ("ringq_sql", lambda r: _measured(ring_sql_driver(dsn, ring_sql, payload), n)),
     ]
     if cfg.concurrent_seconds:
         kinds.append(("concurrent", lambda r: bench_concurrent(dsn, names, cfg, payload, r)))
@@ -758,19 +229,22 @@ def run(dsn: str, cfg: Config, names: Names) -> dict[str, Any]:
                 res["ringq"]["semaphore_wakeup"] = bench_sem_wakeup(cfg.wakeups)
         rounds.append(res)
 
-    volume: dict[str, Any] = {}
+    vol: dict[str, Any] = {}
     if cfg.volume:
         print(f"volume: {cfg.volume:,} entries through a {cfg.volume_capacity:,}-slot ringq queue, "
               f"then through the SKIP LOCKED table, {cfg.batch} per transaction",
               file=sys.stderr, flush=True)  # fmt: skip
-        volume["ringq"] = volume_ringq(
-            dsn, names.ring_volume, payload, cfg.volume, cfg.batch, cfg.volume_capacity
-        )
-        volume["skip_locked"] = volume_skq(
-            dsn, names.skq_volume, payload, cfg.volume, cfg.batch, cfg.volume_capacity
-        )
+        for kind, label, driver, table in (
+            ("ringq", "ringq", ringq_driver(dsn, names.ring_volume, payload),
+             ring_table(names.ring_volume)),
+            ("skip_locked", "skip-locked", skq_driver(dsn, names.skq_volume, payload),
+             names.skq_volume),
+        ):  # fmt: skip
+            vol[kind] = volume(
+                dsn, driver, table, label, cfg.volume, cfg.batch, cfg.volume_capacity
+            )
     env.update(cpu_load("end"))
-    return {"environment": env, "rounds": rounds, "volume": volume}
+    return {"environment": env, "rounds": rounds, "volume": vol}
 
 
 def bench_concurrent(
@@ -795,38 +269,23 @@ def bench_concurrent(
     return out
 
 
+def _measured(driver: AbstractContextManager[Driver], n: tuple[int, int, int]) -> dict[str, Any]:
+    """``measure`` the contender ``driver`` opens, on connections opened for the round."""
+    with driver as d:
+        return measure(d, *n)
+
+
 def warm_up(dsn: str, names: Names, ring_sql: RingSQL, cfg: Config, payload: bytes) -> None:
     """Pass ``cfg.capacity`` entries through each contender, ``cfg.batch`` per transaction."""
-    items = [payload] * cfg.batch
-    passes = -(-cfg.capacity // cfg.batch)
-    with connect(dsn) as prod, connect(dsn) as cons:
-        for ring in (names.ring, names.ring_concurrent):
-            for _ in range(passes):
-                prod.enqueue_many(ring, items)
-                prod.commit()
-                cons.dequeue_many(ring, cfg.batch)
-                cons.commit()
-    enq_many_sql, deq_many_sql = ring_sql.stmt("enqueue_many"), ring_sql.stmt("dequeue_many")
-    cap = cfg.capacity
-    with psycopg.connect(dsn) as conn:
-        for _ in range(passes):
-            seqs = list(range(ring_sql.next_seq, ring_sql.next_seq + cfg.batch))
-            slots = [x % cap for x in seqs]
-            conn.execute(
-                enq_many_sql,
-                (slots, seqs, items, ["bench"] * cfg.batch, seqs, [None] * cfg.batch, cfg.batch),
-            )
-            conn.commit()
-            conn.execute(deq_many_sql, (slots, seqs), binary=True)
-            conn.commit()
-            ring_sql.next_seq += cfg.batch
-            ring_sql.next_deq += cfg.batch
-        for table in (names.skq, names.skq_concurrent):
-            for _ in range(passes):
-                conn.execute(q(SKQ_ENQUEUE_MANY, table), (items,))
-                conn.commit()
-                conn.execute(q(SKQ_DEQUEUE_MANY, table), (cfg.batch,))
-                conn.commit()
+    for driver in (
+        ringq_driver(dsn, names.ring, payload),
+        ringq_driver(dsn, names.ring_concurrent, payload),
+        ring_sql_driver(dsn, ring_sql, payload),
+        skq_driver(dsn, names.skq, payload),
+        skq_driver(dsn, names.skq_concurrent, payload),
+    ):
+        with driver as d:
+            pass_through(d, cfg.capacity, cfg.batch)
 
 
 def environment(conn: psycopg.Connection[Any]) -> dict[str, Any]:
