@@ -11,10 +11,10 @@ from ringq.engine import redact_dsn
 
 from . import _failover, _store
 from ._config import RegressConfig
+from ._cycle import CycleResult, Progress, run_cycle
 from ._monitors import serving_monitor
 from ._report import Report
 from ._verify import Verifier
-from ._workload import CycleResult, Progress, run_cycle
 
 
 @dataclass
