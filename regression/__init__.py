@@ -22,6 +22,8 @@ held at once) and intact payloads.
 """
 
 from ._config import DEFAULT_PAYLOAD_SIZES, RegressConfig, parse_sizes, validate_run_id
+from ._cycle import CycleResult, Progress, run_cycle
+from ._jdbc import DEFAULT_JDBC_JAR, jdbc_target
 from ._monitors import ForeignMonitor, ServingMonitor, serving_monitor
 from ._payload import MIN_PAYLOAD
 from ._report import VIOLATION_KINDS, Report
@@ -37,8 +39,7 @@ from ._store import (
     list_runs,
     load_run,
 )
-from ._verify import DEFAULT_JDBC_JAR, SparkUnavailable, Verifier, jdbc_target
-from ._workload import CycleResult, Progress, run_cycle
+from ._verify import SparkUnavailable, Verifier
 
 __all__ = [
     "DEFAULT_JDBC_JAR",

@@ -11,10 +11,10 @@ from ringq.engine import redact_dsn
 
 from . import _failover, _store
 from ._config import RegressConfig
+from ._cycle import CycleResult, Progress, run_cycle
 from ._monitors import serving_monitor
 from ._report import Report
 from ._verify import Verifier
-from ._workload import CycleResult, Progress, run_cycle
 
 
 @dataclass
@@ -79,19 +79,7 @@ def run(
     :raises ClusterError: (fail-over) the standby could not be made or started.
     """
     say = notify or (lambda _msg: None)
-    monitor_dsns: tuple[str, ...] = ()
-    if config.chaos_failover is not None:
-        monitor_dsns = (dsn,)
-        dsn = _failover.prepare(dsn, config.chaos_failover, say)
-        say(f"fail-over ({config.chaos_failover}): every process uses {redact_dsn(dsn)}")
-    if config.resilient:
-        serving = serving_monitor(dsn, monitor_dir, also=monitor_dsns)
-        if serving is not None:
-            say(
-                f"chaos: the monitor serving the database (pid {serving.pid}, "
-                f"{serving.url or 'no HTTP'}) "
-                "is killed and restarted as it was; it stays up after the run"
-            )
+    dsn, monitor_dsns = _prepare(dsn, config, monitor_dir, say)
     info = _store.create_run(dsn, config, run_id)
     say(f"run {info.run_id}: {len(info.queues)} queues x {config.capacity:,} slots, "
         f"{config.entries_per_queue:,} entries per queue per cycle, {config.producers} producers")
@@ -140,6 +128,28 @@ def run(
         final = outcome.status if outcome.ok or outcome.status != "done" else "failed"
         _store.finish_run(dsn, info, final, drop_queues=not keep_queues)
     return outcome
+
+
+def _prepare(
+    dsn: str, config: RegressConfig, monitor_dir: Path | None, say: Callable[[str], None]
+) -> tuple[str, tuple[str, ...]]:
+    """Before the run: the fail-over's standby, and a check of the monitor chaos
+    will take over. Returns the DSN every process uses and the other DSNs a
+    serving monitor may be found on."""
+    monitor_dsns: tuple[str, ...] = ()
+    if config.chaos_failover is not None:
+        monitor_dsns = (dsn,)
+        dsn = _failover.prepare(dsn, config.chaos_failover, say)
+        say(f"fail-over ({config.chaos_failover}): every process uses {redact_dsn(dsn)}")
+    if config.resilient:
+        serving = serving_monitor(dsn, monitor_dir, also=monitor_dsns)
+        if serving is not None:
+            say(
+                f"chaos: the monitor serving the database (pid {serving.pid}, "
+                f"{serving.url or 'no HTTP'}) "
+                "is killed and restarted as it was; it stays up after the run"
+            )
+    return dsn, monitor_dsns
 
 
 def verify(

@@ -4,12 +4,12 @@
 -- validated names; {cycles} is a list of psycopg.sql.Literal cycle numbers. A
 -- statement of more than four parameters names them (%(name)s).
 --
--- The jdbc_ blocks are what Spark reads through JDBC (regression/_verify.py),
--- rendered to text and so kept free of comments: jdbc_sent's {committed_at}
--- is one of the two committed_at_ fragments; jdbc_received's (and
--- jdbc_received_grouped's, jdbc_sent_groups') {idx} is the queue's index in
--- payload headers (a Literal); jdbc_dbtable wraps a query as
--- Spark's derived table; jdbc_partition is one of {partitions} predicates that
+-- The jdbc_ blocks are what Spark reads through JDBC (regression/_checks.py,
+-- regression/_jdbc.py), rendered to text and so kept free of comments:
+-- jdbc_sent's {committed_at} is one of the two committed_at_ fragments;
+-- jdbc_received's (and jdbc_received_grouped's, jdbc_sent_groups') {idx} is
+-- the queue's index in payload headers (a Literal); jdbc_dbtable wraps a
+-- query as Spark's derived table; jdbc_partition is one of {partitions} predicates that
 -- split a read ({column} an Identifier, {partitions} and {part} Literals).
 
 -- create_run --
