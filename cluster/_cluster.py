@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import os
 import struct
-import subprocess
 from pathlib import Path
 from types import TracebackType
 from typing import Self
@@ -345,10 +344,6 @@ class Cluster:
             found = conn.execute(Qy.DATABASE_EXISTS, (DATABASE,)).fetchone()
             if found is None:
                 conn.execute(compose(Qy.CREATE_DATABASE, database=sql.Identifier(DATABASE)))
-
-    def _pg_ctl(self, *args: str) -> subprocess.CompletedProcess[str]:
-        # Only until regression/_workload.py's chaos calls restart() instead: remove then.
-        return self._replication.primary().pg_ctl(*args)
 
 
 def _instances(port: int | None) -> set[str]:

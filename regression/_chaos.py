@@ -140,12 +140,7 @@ class Chaos:
                     "the DSN is not the embedded cluster: PostgreSQL not restarted"
                 )
                 return
-            log = cluster.datadir / "log" / "startup.log"
-            # lead: switch to the cluster's public restart
-            proc = cluster._pg_ctl("restart", "-m", "fast", "-t", "60", "-l", str(log))
-            if proc.returncode != 0:
-                self.pg_errors.append(f"pg_ctl restart failed: {proc.stdout.strip()[-300:]}")
-                return
+            cluster.restart(timeout=60)  # fast: sessions cut, the same port
             self.kills["pg_restarts"] += 1
         except Exception as exc:  # noqa: BLE001 - reported, the cycle goes on
             self.pg_errors.append(f"PostgreSQL restart failed: {type(exc).__name__}: {exc}")
