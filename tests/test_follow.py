@@ -93,7 +93,8 @@ def test_a_session_with_no_server_to_reconnect_to_stays_open_and_reconnects_late
         def no_server() -> psycopg.Connection[Any]:
             raise DatabaseUnavailable("no server is primary yet")
 
-        monkeypatch.setattr(s, "_open_connection", no_server)
+        # the session's link opens its connections
+        monkeypatch.setattr(s._link, "open_connection", no_server)
         with psycopg.connect(dsn, autocommit=True) as a:
             a.execute("SELECT pg_terminate_backend(%s)", (s.backend_pid,))
         with pytest.raises(RingqError):

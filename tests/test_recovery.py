@@ -378,7 +378,7 @@ def test_stale_decisions_are_dropped_after_the_timeout(
     make_queue()
     with connect(dsn) as s:
         sec = s.section
-        gid = s._conn.xid(0, uuid.uuid4().hex, "ringq")
+        gid = s._link.conn.xid(0, uuid.uuid4().hex, "ringq")  # the link holds the connection
     with psycopg.connect(dsn, autocommit=True) as c:
         # A session died between COMMIT PREPARED and clearing its decision.
         c.execute(
@@ -447,7 +447,7 @@ def test_session_dropped_without_close_is_recovered(
         sec, ring = s.section, s.ring(q)
         leaked = connect(dsn)
         assert leaked.dequeue(q) is not None
-        leaked._conn.close()  # as garbage collection would
+        leaked._link.conn.close()  # as garbage collection would
         del leaked
         gc.collect()
         _recover_until(sec, dsn, lambda: ring.counts()["locked"] == 0)
@@ -571,13 +571,14 @@ def test_session_that_cannot_decide_its_lost_slots_hands_them_over(
         p.enqueue(q, b"held")
         p.commit()
     s = connect(dsn)
-    old_token, cidx = s.owner, s._cidx
+    old_token, cidx = s.owner, s._link.cidx
     assert s.dequeue(q) is not None
 
     def fails(*args: object) -> None:
         raise DatabaseUnavailable("the new connection was terminated too")
 
-    monkeypatch.setattr(s, "_decide_lost", fails)
+    # deciding the lost connection's slots fails (the session's link calls it)
+    monkeypatch.setattr("ringq.engine._link.decide_lost", fails)
     _terminate(dsn, s.backend_pid)
     with pytest.raises(InDoubt):
         s.commit()
@@ -618,18 +619,20 @@ def test_a_commit_in_doubt_is_told_from_the_rows(
     def fails(*args: object) -> None:
         raise DatabaseUnavailable("deciding failed too")
 
-    monkeypatch.setattr(s, "_decide_lost", fails)  # so that the caller gets InDoubt
+    # so that the caller gets InDoubt (the session's link decides a lost connection's slots)
+    monkeypatch.setattr("ringq.engine._link.decide_lost", fails)
     if answer == "never sent":
         _terminate(dsn, s.backend_pid)
     else:
-        send = s._send_writes
+        # the row writes go through the session's transaction object
+        send = s._txn.send_writes
 
         def send_then_lose(writes: Any, *, commit: bool) -> None:
             send(writes, commit=commit)  # the COMMIT runs...
             s.connection.close()  # ...and its answer is lost
             raise DatabaseUnavailable("the connection was lost")
 
-        monkeypatch.setattr(s, "_send_writes", send_then_lose)
+        monkeypatch.setattr(s._txn, "send_writes", send_then_lose)
     with pytest.raises(InDoubt) as caught:
         s.commit()
     monkeypatch.undo()
@@ -692,8 +695,9 @@ def test_orphaned_slot_is_decided_once_its_holder_backend_is_gone(
         held_by = s.backend_pid
         slot = ring.tail % ring.cap
         assert ring.holder(slot) == held_by and ring.bits(slot)[3] == s.owner
-        s.owner = sec.renew_client(s._cidx, held_by)  # the old token is orphaned; its backend lives
-        s._ops = []
+        # the old token is orphaned; its backend lives (the link holds the entry and the ops)
+        s.owner = sec.renew_client(s._link.cidx, held_by)
+        s._link.ops = []
         assert recover_dead_clients(sec, dsn) == []  # its transaction is open: it may still commit
         assert ring.counts()["locked"] == 1
         if mode == "single":
@@ -701,7 +705,7 @@ def test_orphaned_slot_is_decided_once_its_holder_backend_is_gone(
         _terminate(dsn, held_by)
         [rec] = recover_dead_clients(sec, dsn)
         assert (rec.slots, rec.rolled_back, rec.backend_pid) == (1, 1, held_by)
-        assert sec.c(s._cidx, L.C_STATE) == L.CS_ACTIVE  # the entry is not touched
+        assert sec.c(s._link.cidx, L.C_STATE) == L.CS_ACTIVE  # the entry is not touched
         m = other.dequeue(q)
         assert m is not None and m.payload == b"first" and m.deliveries == 2
         other.commit()
@@ -715,9 +719,9 @@ def test_close_never_frees_an_entry_with_slots_locked_under_it(
         p.enqueue(q, b"leaked")
         p.commit()
     s = connect(dsn)
-    sec, ring, cidx = s.section, s.ring(q), s._cidx
+    sec, ring, cidx = s.section, s.ring(q), s._link.cidx
     assert s.dequeue(q) is not None
-    s._ops = []  # the session lost track of it (as an interrupted call could)
+    s._link.ops = []  # the session lost track of it (as an interrupted call could)
     s.close()
     assert sec.c(cidx, L.C_STATE) == L.CS_IN_DOUBT
     _recover_until(sec, dsn, lambda: ring.counts()["locked"] == 0)
