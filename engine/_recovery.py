@@ -741,8 +741,8 @@ HELP_RECOVER_S = 1.0
 # the death) for MONITOR_GRACE_S seconds before it recovers it itself.
 MONITOR_FRESH_S = 2.0
 MONITOR_GRACE_S = 2.0
-_last_help: dict[tuple[str, int], float] = {}  # (instance, queue id) -> time of the last look
-_dead_since: dict[tuple[str, int], float] = {}  # (instance, queue id) -> a dead holder first seen
+_last_help: dict[tuple[str, int], float] = {}  # (instance, qid) -> last look; first dead seen:
+_dead_since: dict[tuple[str, int], float] = {}
 
 
 def help_recover(
@@ -753,9 +753,7 @@ def help_recover(
     recovery for it, at once when no monitor serves, else after
     ``MONITOR_GRACE_S`` if the monitor has not. Looked at most every
     ``HELP_RECOVER_S`` per process and queue; returns True if recovery
-    decided anything.
-
-    Failures are logged, not raised: the caller only found nothing.
+    decided anything. Failures are logged, not raised: the caller only found nothing.
     """
     key = (instance, ring.qid)
     now = time.monotonic()
@@ -771,9 +769,8 @@ def help_recover(
     try:
         recovered = recover_dead_clients(sec, dsn)
     except RingqError as exc:
-        _session_log.info(
-            "ringq: queue %s: recovering a dead holder in its way failed: %s", queue, exc
-        )
+        _session_log.info("ringq: queue %s: recovering a dead holder in its way failed: %s",
+                          queue, exc)
         return False
     if recovered:
         _session_log.info(

@@ -84,12 +84,8 @@ def connect(
     :raises SchemaMissing: the database holds no ringq schema (create a queue first).
     :raises SectionIncompatible: the host's global section has a foreign layout.
     """
-    return Session(
-        resolve_dsn(dsn),
-        producer=producer,
-        connect_timeout=connect_timeout,
-        application_name=application_name,
-    )
+    return Session(resolve_dsn(dsn), producer=producer, connect_timeout=connect_timeout,
+                   application_name=application_name)
 
 
 class Session:
@@ -125,15 +121,12 @@ class Session:
         self._tpc = TwoPhase(self._link, self._txn)
         self.dsn, self.instance = dsn, self._link.instance
 
-    # -- identity ---------------------------------------------------------------------
-
     @property
     def backend_pid(self) -> int:
         return self._link.backend_pid
 
     @property
-    def owner(self) -> int:
-        """Our token in the section (the OWNER word of every slot we lock)."""
+    def owner(self) -> int:  # our token in the section (the OWNER word of the slots we lock)
         return self._link.owner
 
     @owner.setter
@@ -141,8 +134,7 @@ class Session:
         self._link.owner = value
 
     @property
-    def producer(self) -> str:
-        """The producer name written with each entry this session enqueues."""
+    def producer(self) -> str:  # the producer name written with each entry we enqueue
         return self._link.producer
 
     @producer.setter
@@ -199,11 +191,8 @@ class Session:
             elif link.conn.closed or link.conn.broken:
                 # The server ended the connection and rolled back: nothing to
                 # send. Slots still held go to recovery (release_entry).
-                logger.info(
-                    "ringq: session closed after its connection was lost "
-                    "(%d slots left to recovery)",
-                    len(link.ops),
-                )
+                logger.info("ringq: session closed after its connection was lost "
+                            "(%d slots left to recovery)", len(link.ops))
             elif link.ops or link.conn.info.transaction_status != _IDLE:
                 link.closing = True  # a rollback that finds the connection lost does not reconnect
                 self.rollback()
@@ -247,8 +236,6 @@ class Session:
         self._link.queues, self._link.stmts = old.queues, old.stmts
         self._tpc.xid, self._tpc.prepared, self._tpc.decided = tpc.xid, tpc.prepared, tpc.decided
         self._link.tpc_open = tpc.xid is not None
-
-    # -- queues -------------------------------------------------------------------
 
     def queue_info(self, name: str) -> QueueInfo:
         """The queue's settings (cached for the session's life).
@@ -312,10 +299,8 @@ class Session:
         :raises DatabaseUnavailable: no server answers yet: ask again later.
         :raises DatabaseError:
         """
-        return in_doubt_outcome(
-            self.dsn, exc, timeout=timeout,
-            connect_timeout=max(1, int(self._link.connect_timeout)),
-        )
+        connect_timeout = max(1, int(self._link.connect_timeout))
+        return in_doubt_outcome(self.dsn, exc, timeout=timeout, connect_timeout=connect_timeout)
 
     def flush(self) -> None:
         """Send the row writes the session holds now (one round trip, opening
@@ -332,9 +317,8 @@ class Session:
         self._flush()
 
     def _flush(self) -> None:
-        """Send the held row writes; a stale one rolls the whole transaction
-        back (two-phase too; no strikes: not the entries' fault), resyncs
-        the queue's block from the rows, and raises :class:`StaleSection`."""
+        """Send the held row writes; a stale one rolls the transaction back (two-phase
+        too; no strikes), resyncs the queue's block, and raises :class:`StaleSection`."""
         writes = self._txn.held_writes()
         if not writes:
             return
@@ -582,7 +566,7 @@ class Session:
         ring = link.ring(link.info(queue))
         wait_dead_holders(link.section, link.dsn, ring, queue, owner=link.owner, timeout=timeout)
 
-    # -- events ----------------------------------------------------------------------------
+    # -- events and introspection ----------------------------------------------------------
 
     def subscribe(self, *patterns: str) -> Subscription:
         """Receive the monitor's named events matching shell-style ``patterns``
@@ -594,8 +578,6 @@ class Session:
         """Publish a named event in the current transaction (sent at commit)."""
         self._check()
         self._link.call(lambda: publish(self._link.conn, name, **data))
-
-    # -- introspection ---------------------------------------------------------------------
 
     def stats(self, queue: str) -> dict[str, int]:
         """The queue's counters in the section (see ringq.engine.metrics)."""
