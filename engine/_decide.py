@@ -4,8 +4,10 @@ What a session runs after its connection was lost, and what recovery (the
 monitor, or any linked client) runs for a dead client: once the old backend
 has ended, each in-flight slot is decided from its row (:func:`decide_ops`).
 Also here: loading a queue's block from its table (:func:`load_queue`),
-re-reading a loaded one (:func:`resync_queue`), and telling a caller whether
-a commit in doubt committed (:func:`in_doubt_outcome`).
+re-reading a loaded one (:func:`resync_queue`), telling a caller whether
+a commit in doubt committed (:func:`in_doubt_outcome`), deciding a session's
+own slots after its connection was lost (:func:`decide_lost`), and telling
+whether a dead holder is in a queue's way (:func:`dead_in_the_way`).
 """
 
 from __future__ import annotations
@@ -210,6 +212,51 @@ def decide_ops(
         finally:
             sec.unlock_queue(ring.qidx)
     return outcome
+
+
+def decide_lost(
+    sec: Section,
+    dsn: str,
+    ops: list[Op],
+    old_pid: int,
+    old_token: int,
+    *,
+    cidx: int,
+    connect_timeout: float,
+) -> bool | None:
+    """Decide the slots of a session's lost connection (backend ``old_pid``)
+    that ``old_token`` still holds, once that backend has ended; then give up
+    a single-dequeuer role that token holds with nothing left in flight.
+    ``cidx`` is the session's client entry (its start time tells its backend
+    from a later one with the same pid)."""
+    if not ops:
+        return None
+    with psycopg.connect(
+        dsn, autocommit=True, connect_timeout=max(1, int(connect_timeout))
+    ) as aux:
+        # a backend of that pid that started after we registered is not ours
+        wait_backend_gone(aux, old_pid, not_after_ns=sec.c(cidx, L.C_STARTED_NS))
+        committed = decide_ops(sec, aux, ops, old_token)
+    for op in ops:
+        sec.lock_queue(op.ring.qidx)
+        try:
+            if op.ring.role_owner() == old_token and not sec.locked_under(
+                old_token, [op.ring.qidx]
+            ):
+                op.ring.release_role(old_token)
+        finally:
+            sec.unlock_queue(op.ring.qidx)
+    return committed
+
+
+def dead_in_the_way(sec: Section, ring: Ring, owner: int) -> bool:
+    """Whether a slot of the queue, or its dequeuer role, is held under a
+    token (not ``owner``, ours) whose holder is dead as the section tells
+    (see Section.token_dead)."""
+    tokens = {t for _slot, t, _holder in ring.locked_slots() if t > 0}
+    tokens.add(ring.role_owner())
+    tokens -= {0, owner}
+    return any(sec.token_dead(t) for t in tokens)
 
 
 def in_flight(ops: Sequence[Op]) -> tuple[InFlight, ...]:

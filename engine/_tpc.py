@@ -1,5 +1,6 @@
 """Two-phase commit for sessions (psycopg's ``tpc_*`` API), kept beside the
-Session as psycopg keeps its ``_tpc.py`` beside its Connection.
+Session as psycopg keeps its ``_tpc.py`` beside its Connection: an object
+the Session holds (:class:`TwoPhase`).
 
 Inside a distributed transaction a commit is prepare-then-commit. Row locks
 of a prepared transaction are invisible to other sessions, so before it
@@ -13,25 +14,22 @@ from __future__ import annotations
 
 import base64
 import logging
-from collections.abc import Callable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any
 
 import psycopg
 from psycopg.pq import TransactionStatus
 
 from . import _layout as L
-from ._errors import InDoubt, RingqError, SessionClosed, TransactionError, one_line
+from ._errors import InDoubt, RingqError, TransactionError, one_line
 from ._queries import QUERIES as _Q
-from ._section import Section
 
 if TYPE_CHECKING:
-
-    from ._ops import Op
+    from ._link import Link
+    from ._transaction import Transaction
 
 logger = logging.getLogger("ringq.engine")
 
 _IDLE = TransactionStatus.IDLE
-T = TypeVar("T")
 
 TPC_BRANCH = "ringq"  # the branch qualifier of Session.xid(): marks the gids ringq made
 
@@ -49,252 +47,178 @@ def is_ringq_gid(gid: str) -> bool:
 
 
 class TwoPhase:
-    """The two-phase commit half of :class:`~ringq.engine.Session` (a mixin).
+    """The two-phase commit of a session (psycopg's ``tpc_*`` API), an
+    object the :class:`~ringq.engine.Session` holds.
 
     State: the open xid, whether it is prepared, whether the coordinator's
     decision to commit is recorded, and the side connection the slot log and
-    the decision are written on.
+    the decision are written on. It works through the session's link and
+    transaction (the slots in flight, and telling the section their
+    outcome); the session flushes the held row writes before
+    :meth:`prepare`, and before :meth:`end` of a one-phase commit.
     """
 
-    _tpc_xid: Any
-    _tpc_prepared: bool
-    _tpc_decided: bool
-    _aux: psycopg.Connection[Any] | None
+    def __init__(self, link: Link, txn: Transaction) -> None:
+        self.link = link
+        self.txn = txn
+        self.xid: Any = None
+        self.prepared = False
+        self.decided = False
+        self.aux: psycopg.Connection[Any] | None = None
 
-    if TYPE_CHECKING:
-        # Provided by Session.
-        dsn: str
-        _closed: bool
-        _connect_timeout: float
-        _conn: psycopg.Connection[Any]
-        _ops: list[Op]
-        _section: Section
+    def make_xid(self, gtrid: str) -> Any:
+        """A transaction id for :meth:`begin` (format 0, branch ``ringq``)."""
+        return self.link.conn.xid(0, gtrid, TPC_BRANCH)
 
-        def _check(self) -> None: ...
-        def _call(
-            self,
-            fn: Callable[[], T],
-            *,
-            queue: str | None = None,
-            qid: int = 0,
-            seq: int = -1,
-            recover: bool = True,
-        ) -> T: ...
-        def _execute(
-            self,
-            query: str,
-            params: Sequence[Any] | Mapping[str, Any] | None = None,
-            *,
-            conn: psycopg.Connection[Any] | None = None,
-            binary: bool = False,
-            queue: str | None = None,
-            qid: int = 0,
-            seq: int = -1,
-            recover: bool = True,
-        ) -> psycopg.Cursor[Any]: ...
-        def flush(self) -> None: ...
-        def _finish(
-            self, ops: list[Op], *, committed: bool, count_delivery: bool = True
-        ) -> None: ...
-        def _recover(self, ops: list[Op], *, reason: str) -> bool | None: ...
-        def _record_ops_error(self, code: int, ops: list[Op]) -> None: ...
+    def require_open(self) -> None:
+        """:raises TransactionError: no two-phase transaction is open."""
+        if self.xid is None:
+            raise TransactionError("no two-phase transaction is open")
 
-    def _tpc_reset(self) -> None:
-        """No two-phase transaction open (a new session, or one after fork)."""
-        self._tpc_xid = None
-        self._tpc_prepared = False
-        self._tpc_decided = False
-        self._aux = None
-
-    def xid(self, gtrid: str) -> Any:
-        """A transaction id for :meth:`tpc_begin` (format 0, branch ``ringq``)."""
-        if self._closed:
-            raise SessionClosed("the session is closed")
-        return self._conn.xid(0, gtrid, TPC_BRANCH)
-
-    def tpc_begin(self, xid: Any) -> None:
-        """Start a two-phase transaction (psycopg's ``tpc_begin``); the connection must be idle."""
-        self._check()
-        if self._ops:
+    def begin(self, xid: Any) -> None:
+        """Start a two-phase transaction; the connection must be idle."""
+        link = self.link
+        if link.ops:
             raise TransactionError("tpc_begin inside a transaction with queue operations")
 
         def begin() -> Any:
-            if self._conn.info.transaction_status != _IDLE:
-                self._conn.rollback()
-            x = self.xid(xid) if isinstance(xid, str) else xid
-            self._conn.tpc_begin(x)
+            if link.conn.info.transaction_status != _IDLE:
+                link.conn.rollback()
+            x = self.make_xid(xid) if isinstance(xid, str) else xid
+            link.conn.tpc_begin(x)
             return x
 
-        self._tpc_xid = self._call(begin)
+        self.xid = link.call(begin)
+        link.tpc_open = True
 
-    def tpc_prepare(self) -> None:
-        """Send the row writes the session holds (:meth:`flush`), log the
-        slots this transaction touches (committed on its own), then PREPARE.
-
-        :raises StaleSection: a row write did not match (see :meth:`flush`):
-            the transaction was rolled back; retry it.
-        """
-        self._check()
-        if self._tpc_xid is None:
-            raise TransactionError("no two-phase transaction is open")
-        self.flush()
+    def prepare(self) -> None:
+        """Log the slots this transaction touches (committed on its own),
+        then PREPARE (the held row writes were flushed already)."""
+        link = self.link
         gid = self._gid()
-        if self._ops:
-            self._execute(
+        if link.ops:
+            link.execute(
                 _Q["tpc_log"],
                 {
                     "gid": gid,
-                    "queue_ids": [op.info.id for op in self._ops],
-                    "slots": [op.slot for op in self._ops],
-                    "seqs": [op.seq for op in self._ops],
-                    "kinds": [op.kind.value for op in self._ops],
+                    "queue_ids": [op.info.id for op in link.ops],
+                    "slots": [op.slot for op in link.ops],
+                    "seqs": [op.seq for op in link.ops],
+                    "kinds": [op.kind.value for op in link.ops],
                 },
                 conn=self._aux_conn(),
             )
-        self._call(self._conn.tpc_prepare)
-        self._tpc_prepared = True
+        link.call(link.conn.tpc_prepare)
+        self.prepared = True
 
     def _aux_conn(self) -> psycopg.Connection[Any]:
         """A second, autocommit connection for bookkeeping outside the
         transaction (the two-phase slot log), opened once."""
-        aux = self._aux
+        aux = self.aux
         if aux is None or aux.closed or aux.broken:
-            aux = self._call(
+            link = self.link
+            aux = link.call(
                 lambda: psycopg.connect(
-                    self.dsn, autocommit=True, connect_timeout=max(1, int(self._connect_timeout))
+                    link.dsn, autocommit=True, connect_timeout=max(1, int(link.connect_timeout))
                 ),
                 recover=False,
             )
-            self._aux = aux
+            self.aux = aux
         return aux
 
-    def _hold(self, ops: list[Op]) -> None:
-        """Keep slots locked with no live owner (in doubt) for recovery to decide."""
-        sec = self._section
-        for op in ops:
-            sec.lock_queue(op.ring.qidx)
-            try:
-                op.ring.hold(op.slot)
-            finally:
-                sec.unlock_queue(op.ring.qidx)
+    def close(self) -> None:
+        if self.aux is not None:
+            self.aux.close()
 
-    def tpc_decide(self) -> None:
-        """Record the coordinator's durable decision to commit the prepared transaction.
-
-        Call it after :meth:`tpc_prepare` (on every participant, once all have
-        prepared) and before :meth:`tpc_commit`. The decision is committed on
-        the session's side connection, on its own: if this process dies
-        before COMMIT PREPARED, recovery (the monitor's ``resolve_prepared``)
-        commits the transaction; without a decision it rolls it back once
-        older than its timeout. :meth:`tpc_commit` clears the decision right
-        after COMMIT PREPARED. Once decided, the transaction only commits:
-        :meth:`tpc_rollback` (and :meth:`rollback`) refuse, and :meth:`close`
-        leaves it prepared for recovery.
+    def decide(self) -> None:
+        """Record the coordinator's durable decision to commit (see ``Session.tpc_decide``).
 
         :raises TransactionError: no prepared two-phase transaction.
-        :raises DatabaseUnavailable: the decision could not be recorded (then
-            it is not made: roll back, or retry).
+        :raises DatabaseUnavailable: the decision could not be recorded.
         """
-        self._check()
-        if self._tpc_xid is None or not self._tpc_prepared:
+        if self.xid is None or not self.prepared:
             raise TransactionError(
                 "tpc_decide needs a prepared two-phase transaction (call tpc_prepare first)"
             )
-        self._execute(_Q["tpc_decide"], (self._gid(),), conn=self._aux_conn())
-        self._tpc_decided = True
+        self.link.execute(_Q["tpc_decide"], (self._gid(),), conn=self._aux_conn())
+        self.decided = True
 
-    def tpc_commit(self) -> None:
-        """COMMIT PREPARED (or one-phase commit if not prepared); then publish.
-
-        :raises InDoubt: the answer to COMMIT PREPARED was lost; recovery
-            commits the transaction if :meth:`tpc_decide` recorded it, else
-            rolls it back after a timeout.
-        """
-        if self._closed:
-            raise SessionClosed("the session is closed")
-        self._tpc_end(commit=True)
-
-    def tpc_rollback(self) -> None:
-        """ROLLBACK PREPARED (or a plain rollback if not prepared).
-
-        :raises TransactionError: :meth:`tpc_decide` recorded the decision to
-            commit: once durable it stands (other participants may have
-            committed already), so only :meth:`tpc_commit` or recovery may
-            finish the transaction, and both commit it.
-        """
-        if self._closed:
-            raise SessionClosed("the session is closed")
-        if self._tpc_decided:
+    def refuse_rollback(self) -> None:
+        """:raises TransactionError: the decision to commit is recorded."""
+        if self.decided:
             raise TransactionError(
                 f"{self._gid()} is decided to commit: call tpc_commit(), or leave it to recovery"
             )
-        self._tpc_end(commit=False)
 
-    def _leave_decided(self) -> None:
+    def leave_decided(self) -> None:
         """At close: leave a decided prepared transaction to recovery. Its
         slots stay locked with no live owner (as an in-doubt one's do), and
         ``resolve_prepared`` commits it from the recorded decision."""
-        ops, self._ops = self._ops, []
+        link = self.link
+        ops, link.ops = link.ops, []
         gid = self._gid()
-        self._tpc_xid = None
-        self._tpc_prepared = False
-        self._tpc_decided = False
-        self._hold(ops)
+        self._reset()
+        self.txn.hold(ops)
         logger.warning(
             "ringq: session closed with %s decided but not committed: left to recovery", gid
         )
 
+    def _reset(self) -> None:
+        self.xid = None
+        self.link.tpc_open = False
+        self.prepared = False
+        self.decided = False
+
     def _gid(self) -> str:
-        x = self._tpc_xid
+        x = self.xid
         return f"{x.format_id}_{_b64(x.gtrid)}_{_b64(x.bqual)}"
 
-    def _tpc_end(self, *, commit: bool) -> None:
-        if self._tpc_xid is None:
-            raise TransactionError("no two-phase transaction is open")
-        if commit and not self._tpc_prepared:
-            self.flush()  # a one-phase commit: the row writes go first
-        ops, self._ops = self._ops, []
+    def end(self, *, commit: bool) -> None:
+        """COMMIT PREPARED or ROLLBACK PREPARED (or one phase if not
+        prepared: the session flushed the row writes first); then tell the
+        section. :raises InDoubt: the answer to a prepared one was lost."""
+        link = self.link
+        ops, link.ops = link.ops, []
         gid = self._gid()
         try:
-            self._call(self._conn.tpc_commit if commit else self._conn.tpc_rollback, recover=False)
+            link.call(link.conn.tpc_commit if commit else link.conn.tpc_rollback, recover=False)
         except RingqError as err:
             exc = err.__cause__
-            self._tpc_xid = None
-            self._tpc_decided = False  # a recorded decision stays for recovery
-            if self._tpc_prepared:
+            self.xid = None
+            link.tpc_open = False
+            self.decided = False  # a recorded decision stays for recovery
+            if self.prepared:
                 # A prepared transaction outlives the connection: its rows do
                 # not tell the outcome yet. Hold the slots for the monitor's
                 # resolve_prepared (the coordinator's decision decides).
-                self._tpc_prepared = False
-                self._hold(ops)
-                self._record_ops_error(L.ERR_IN_DOUBT, ops)
-                self._recover([], reason=f"tpc end failed: {exc}")
+                self.prepared = False
+                self.txn.hold(ops)
+                link.record_ops_error(L.ERR_IN_DOUBT, ops)
+                link.recover([], reason=f"tpc end failed: {exc}")
                 raise InDoubt(
                     f"two-phase {'commit' if commit else 'rollback'} of {gid} in doubt: "
                     f"{one_line(str(exc))}"
                 ) from exc
             if commit:
-                self._record_ops_error(L.ERR_COMMIT_FAILED, ops)
-            self._recover(ops, reason=f"tpc end failed: {exc}")
+                link.record_ops_error(L.ERR_COMMIT_FAILED, ops)
+            link.recover(ops, reason=f"tpc end failed: {exc}")
             raise
-        self._tpc_xid = None
-        self._tpc_prepared = False
-        decided, self._tpc_decided = self._tpc_decided, False
+        decided = self.decided
+        self._reset()
         if decided:
             # Clear the decision at once: committed, it has done its work, and
             # a row left behind would commit a later transaction reusing the
             # gid. (If we die first, recovery drops it once the gid is no
             # longer prepared.)
             try:
-                self._execute(_Q["tpc_undecide"], (gid,), conn=self._aux_conn(), recover=False)
+                link.execute(_Q["tpc_undecide"], (gid,), conn=self._aux_conn(), recover=False)
             except RingqError:
                 logger.warning("ringq: could not clear the decision for %s (recovery will)", gid)
         try:
-            self._finish(ops, committed=commit)
+            self.txn.finish(ops, committed=commit)
         finally:
             if ops:
                 try:
-                    self._execute(_Q["tpc_forget"], (gid,), conn=self._aux_conn(), recover=False)
+                    link.execute(_Q["tpc_forget"], (gid,), conn=self._aux_conn(), recover=False)
                 except RingqError:
                     logger.warning("ringq: could not clear tpc_log for %s", gid)
-

@@ -30,7 +30,7 @@ not (see :func:`execute`).
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import Any
 
@@ -177,3 +177,22 @@ def rollback_then(
             cur.execute(query, params)
     return cursors
 
+
+def int_array(values: Iterable[int]) -> str:
+    """A PostgreSQL array literal of integers: one text parameter (psycopg
+    dumps a list element by element, a regular expression each)."""
+    return "{" + ",".join(map(str, values)) + "}"
+
+
+def text_array(values: Sequence[str | None]) -> str:
+    """A PostgreSQL array literal of strings (None: NULL), each quoted; the
+    usual case (one producer, or one group, for the whole batch) quoted once."""
+    def quoted(v: str | None) -> str:
+        if v is None:
+            return "NULL"
+        return '"' + v.replace("\\", "\\\\").replace('"', '\\"') + '"'
+
+    first = values[0] if values else ""
+    if all(v == first for v in values):
+        return "{" + ",".join([quoted(first)] * len(values)) + "}"
+    return "{" + ",".join(map(quoted, values)) + "}"

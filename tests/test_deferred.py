@@ -412,8 +412,8 @@ def test_kill9_between_reserve_and_commit_loses_and_doubles_nothing(
     assert got == [b"committed"] + [b"after %d" % i for i in range(8)]
 
 
-_COMMIT_PATH = (
-    "commit", "_send_writes", "_finish", "send", "_no_implicit_begin", "finish_batch",
+_COMMIT_PATH = (  # Session.commit, then Transaction.commit, send_writes, finish
+    "commit", "send_writes", "finish", "send", "_no_implicit_begin", "finish_batch",
     "finish_enqueue",
 )
 

@@ -336,10 +336,10 @@ def test_database_without_ringq_schema_is_schema_missing(
 def test_waiting_dequeuer_is_woken_by_commit(
     dsn: str, make_queue: Callable[..., str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from ringq.engine import _session
+    from ringq.engine import _claim
 
     # No safety-net recheck within the test: only the commit's post can wake it.
-    monkeypatch.setattr(_session, "CLAIM_RECHECK_S", 60.0)
+    monkeypatch.setattr(_claim, "CLAIM_RECHECK_S", 60.0)
     q = make_queue()
     result: dict[str, Any] = {}
 
@@ -534,9 +534,9 @@ def test_every_public_method_of_a_closed_session_raises_session_closed(
     s = connect(dsn)
     s.queue_info(q)  # cached, and the queue loaded: nothing left that needs the database
     s.ring(q)
-    # white-box (Session._cidx): the index of the session's client entry, to read
+    # white-box (Session._link.cidx): the index of the session's client entry, to read
     # that entry in the section after close; no public name gives it.
-    cidx = s._cidx
+    cidx = s._link.cidx
     s.close()
     entry = s.section.clients[cidx * L.CLIENT_WORDS : (cidx + 1) * L.CLIENT_WORDS].tolist()
     calls: dict[str, Callable[[], object]] = {
@@ -862,9 +862,9 @@ def test_tpc_commit_clears_the_decision_even_if_what_follows_fails(
         def finish_fails(*args: object, **kwargs: object) -> None:
             raise DatabaseUnavailable("failed after COMMIT PREPARED")
 
-        # white-box (Session._finish): the step after COMMIT PREPARED fails; no public
+        # white-box (Session._txn.finish): the step after COMMIT PREPARED fails; no public
         # hook can make it fail while the COMMIT PREPARED itself went through.
-        monkeypatch.setattr(s, "_finish", finish_fails)
+        monkeypatch.setattr(s._txn, "finish", finish_fails)
         with pytest.raises(DatabaseUnavailable):
             s.tpc_commit()
         assert prepared_gids(dsn) == [] and decided_gids(dsn) == []
@@ -995,9 +995,9 @@ def test_client_entry_records_the_errors_it_hits_not_the_callers_sql(
 
     q = make_queue(capacity=8, max_payload=4)
     with connect(dsn) as s:
-        # white-box (Session._cidx): the client entry whose counters the test reads
+        # white-box (Session._link.cidx): the client entry whose counters the test reads
         # in the section; no public name gives its index.
-        cidx, sec = s._cidx, s.section
+        cidx, sec = s._link.cidx, s.section
         qid = s.queue_info(q).id
         s.enqueue(q, b"a")
         s.commit()

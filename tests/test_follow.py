@@ -93,9 +93,9 @@ def test_a_session_with_no_server_to_reconnect_to_stays_open_and_reconnects_late
         def no_server() -> psycopg.Connection[Any]:
             raise DatabaseUnavailable("no server is primary yet")
 
-        # white-box (Session._open_connection): no server to reconnect to, as in the
+        # white-box (Session._link.open_connection): no server to reconnect to, as in the
         # middle of a fail-over; the reconnect path has no public hook.
-        monkeypatch.setattr(s, "_open_connection", no_server)
+        monkeypatch.setattr(s._link, "open_connection", no_server)
         terminate_backend(dsn, s.backend_pid)
         with pytest.raises(RingqError):
             s.commit()

@@ -513,24 +513,24 @@ def _mover_dies_publishing(src: str, sq: str, dst: str, dq: str, paused_fd: int)
     """A mover that dies after its destination COMMIT was answered and before
     the section learnt it: its destination entries are committed, but their
     slots stay locked under a dead holder until someone decides them."""
-    from ringq.engine import Session
+    from ringq.engine._transaction import Transaction  # where a session tells the section
 
-    publish = Session._finish
+    publish = Transaction.finish
 
     def finish(
-        self: Session,
+        self: Transaction,
         ops: list[Any],
         *,
         committed: bool,
         count_delivery: bool = True,
         poisoned: set[tuple[int, int]] | None = None,
     ) -> None:
-        if committed and self.dsn == dst and ops:
+        if committed and self.link.dsn == dst and ops:
             os.write(paused_fd, os.getpid().to_bytes(8, "little"))
             threading.Event().wait(600)  # killed here
         publish(self, ops, committed=committed, count_delivery=count_delivery, poisoned=poisoned)
 
-    Session._finish = finish  # type: ignore[method-assign]
+    Transaction.finish = finish  # type: ignore[method-assign]
     Mover(src, sq, dst, dq, config=MoveConfig(batch=5, wait=0.05)).move_batch()
 
 

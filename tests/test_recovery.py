@@ -378,9 +378,9 @@ def test_stale_decisions_are_dropped_after_the_timeout(
     make_queue()
     with connect(dsn) as s:
         sec = s.section
-        # white-box (Session._conn): the Xid built as Session.xid() builds it, with the
+        # white-box (Session._link.conn): the Xid built as Session.xid() builds it, with the
         # format (0) and branch ("ringq") that recovery looks for spelled out here.
-        gid = s._conn.xid(0, uuid.uuid4().hex, "ringq")
+        gid = s._link.conn.xid(0, uuid.uuid4().hex, "ringq")  # the link holds the connection
     with psycopg.connect(dsn, autocommit=True) as c:
         # A session died between COMMIT PREPARED and clearing its decision.
         c.execute(
@@ -449,9 +449,9 @@ def test_session_dropped_without_close_is_recovered(
         sec, ring = s.section, s.ring(q)
         leaked = connect(dsn)
         assert leaked.dequeue(q) is not None
-        # white-box (Session._conn): the connection goes without Session.close(), as
+        # white-box (Session._link.conn): the connection goes without Session.close(), as
         # garbage collection would take it; the client entry stays behind.
-        leaked._conn.close()
+        leaked._link.conn.close()  # as garbage collection would
         del leaked
         gc.collect()
         _recover_until(sec, dsn, lambda: ring.counts()["locked"] == 0)
@@ -566,17 +566,17 @@ def test_session_that_cannot_decide_its_lost_slots_hands_them_over(
         p.enqueue(q, b"held")
         p.commit()
     s = connect(dsn)
-    # white-box (Session._cidx): the client entry, to read its state in the section
+    # white-box (Session._link.cidx): the client entry, to read its state in the section
     # after the session has gone on under a fresh identity.
-    old_token, cidx = s.owner, s._cidx
+    old_token, cidx = s.owner, s._link.cidx
     assert s.dequeue(q) is not None
 
     def fails(*args: object) -> None:
         raise DatabaseUnavailable("the new connection was terminated too")
 
-    # white-box (Session._decide_lost): deciding the lost transaction fails too;
+    # white-box (_link.decide_lost): deciding the lost transaction fails too;
     # no public hook reaches that step.
-    monkeypatch.setattr(s, "_decide_lost", fails)
+    monkeypatch.setattr("ringq.engine._link.decide_lost", fails)
     terminate_backend(dsn, s.backend_pid)
     with pytest.raises(InDoubt):
         s.commit()
@@ -617,21 +617,22 @@ def test_a_commit_in_doubt_is_told_from_the_rows(
     def fails(*args: object) -> None:
         raise DatabaseUnavailable("deciding failed too")
 
-    # white-box (Session._decide_lost, Session._send_writes): deciding fails, so that
+    # white-box (_link.decide_lost, Session._txn.send_writes): deciding fails, so that
     # the caller gets InDoubt, and the COMMIT's answer is lost after it ran; only
     # these private steps lie between the COMMIT and its answer.
-    monkeypatch.setattr(s, "_decide_lost", fails)  # so that the caller gets InDoubt
+    monkeypatch.setattr("ringq.engine._link.decide_lost", fails)
     if answer == "never sent":
         terminate_backend(dsn, s.backend_pid)
     else:
-        send = s._send_writes
+        # the row writes go through the session's transaction object
+        send = s._txn.send_writes
 
         def send_then_lose(writes: Any, *, commit: bool) -> None:
             send(writes, commit=commit)  # the COMMIT runs...
             s.connection.close()  # ...and its answer is lost
             raise DatabaseUnavailable("the connection was lost")
 
-        monkeypatch.setattr(s, "_send_writes", send_then_lose)
+        monkeypatch.setattr(s._txn, "send_writes", send_then_lose)
     with pytest.raises(InDoubt) as caught:
         s.commit()
     monkeypatch.undo()
@@ -694,10 +695,10 @@ def test_orphaned_slot_is_decided_once_its_holder_backend_is_gone(
         held_by = s.backend_pid
         slot = ring.tail % ring.cap
         assert ring.holder(slot) == held_by and ring.bits(slot)[3] == s.owner
-        # white-box (Session._cidx, Session._ops): orphan the token while its backend
+        # white-box (Session._link.cidx, Session._link.ops): orphan the token while its backend
         # lives, as a process that lost track of its session would; no public call does.
-        s.owner = sec.renew_client(s._cidx, held_by)  # the old token is orphaned; its backend lives
-        s._ops = []
+        s.owner = sec.renew_client(s._link.cidx, held_by)
+        s._link.ops = []
         assert recover_dead_clients(sec, dsn) == []  # its transaction is open: it may still commit
         assert ring.counts()["locked"] == 1
         if mode == "single":
@@ -705,7 +706,7 @@ def test_orphaned_slot_is_decided_once_its_holder_backend_is_gone(
         terminate_backend(dsn, held_by)
         [rec] = recover_dead_clients(sec, dsn)
         assert (rec.slots, rec.rolled_back, rec.backend_pid) == (1, 1, held_by)
-        assert sec.c(s._cidx, L.C_STATE) == L.CS_ACTIVE  # the entry is not touched
+        assert sec.c(s._link.cidx, L.C_STATE) == L.CS_ACTIVE  # the entry is not touched
         m = other.dequeue(q)
         assert m is not None and m.payload == b"first" and m.deliveries == 2
         other.commit()
@@ -719,11 +720,11 @@ def test_close_never_frees_an_entry_with_slots_locked_under_it(
         p.enqueue(q, b"leaked")
         p.commit()
     s = connect(dsn)
-    # white-box (Session._cidx, Session._ops): the client entry, read after close, and
+    # white-box (Session._link.cidx, Session._link.ops): the client entry, read after close, and
     # the session made to forget what it holds; no public name gives either.
-    sec, ring, cidx = s.section, s.ring(q), s._cidx
+    sec, ring, cidx = s.section, s.ring(q), s._link.cidx
     assert s.dequeue(q) is not None
-    s._ops = []  # the session lost track of it (as an interrupted call could)
+    s._link.ops = []  # the session lost track of it (as an interrupted call could)
     s.close()
     assert sec.c(cidx, L.C_STATE) == L.CS_IN_DOUBT
     _recover_until(sec, dsn, lambda: ring.counts()["locked"] == 0)

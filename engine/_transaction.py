@@ -1,0 +1,389 @@
+"""A session's transaction: what is written, and when.
+
+The row writes a session holds (its enqueues', and the consuming writes of
+dequeues served from the payload cache) go in one round trip: with the
+COMMIT (:meth:`Transaction.commit`), or earlier (:meth:`Transaction.flush`).
+A rollback drops them and sends the strikes of its dequeues with the
+ROLLBACK. Only once the database has answered is the section told the
+outcome (:meth:`Transaction.finish`); a commit whose answer was lost is
+decided from the rows (in doubt if they cannot tell).
+
+It works on the slots in flight that the :class:`~._link.Link` holds, and
+calls down only: the link, the wire, the rings.
+"""
+
+from __future__ import annotations
+
+import logging
+from contextlib import suppress
+from typing import Any
+
+import psycopg
+from psycopg.pq import TransactionStatus
+
+from . import _layout as L
+from . import _wire
+from ._decide import in_flight
+from ._errors import InDoubt, RingqError, StaleSection, TransactionError, one_line
+from ._link import Link
+from ._ops import POISON_REASON, Op, OpKind, RowState
+from ._queue_info import QueueInfo
+
+logger = logging.getLogger("ringq.engine")
+
+_INERROR = TransactionStatus.INERROR
+_ENDED_STATES = frozenset({"57P01", "57P02", "57P05", "25P03"})
+
+
+class Transaction:
+    """The transaction open on a session's link (one per session, reused)."""
+
+    def __init__(self, link: Link) -> None:
+        self.link = link
+        # enq_at (us) of the rows the transaction's enqueue writes made, once sent
+        self.enq_at_us: int | None = None
+
+    # -- commit -------------------------------------------------------------------
+
+    def commit(
+        self, then: Op | None = None, then_stmt: _wire.Statement | None = None
+    ) -> psycopg.Cursor[Any] | None:
+        """Commit in one round trip (see ``Session.commit``); with ``then``
+        (a claimed slot whose entry is read from its row: the transaction
+        holds no row write and is open), the COMMIT carries ``then_stmt`` in
+        a new transaction. Returns its cursor, or None if the COMMIT stood but
+        the statement failed (``then`` given back); if the commit fails,
+        ``then`` is given back too, without a strike."""
+        link = self.link
+        if link.tpc_open:
+            raise TransactionError("a two-phase transaction is open: use tpc_commit()")
+        ops = link.ops
+        status = link.conn.info.transaction_status
+        if status == _INERROR:
+            self.rollback()
+            raise TransactionError("the transaction failed earlier and was rolled back")
+        writes = [op for op in ops if op.held]
+        cur = None
+        try:
+            if then is not None:
+                assert then_stmt is not None and not writes
+                query, params = then_stmt
+                cur = link.call(
+                    lambda: _wire.commit_then(link.conn, query, params), recover=False
+                )
+            elif writes:
+                try:
+                    self.send_writes(writes, commit=True)
+                except StaleSection as err:
+                    self._after_stale(err, writes)
+                    raise
+            else:
+                link.call(link.conn.commit, recover=False)
+        except StaleSection:
+            raise  # rolled back and resynced already
+        except RingqError as err:
+            self._commit_failed(err, ops, then)
+            return None
+        link.ops = []
+        self.finish(ops, committed=True)
+        return cur
+
+    def _commit_failed(self, err: RingqError, ops: list[Op], then: Op | None) -> None:
+        """The commit of ``ops`` (and ``then``) raised ``err``: decide what
+        that means, tell the section, and raise (or return None when the
+        COMMIT stood after all)."""
+        link = self.link
+        exc = err.__cause__
+        # A stale write's rollback ran already (then its resync failed):
+        # nothing committed, whatever the error says.
+        rolled_back = link.ops is not ops
+        link.ops = []
+        lost = link.conn.broken or link.conn.closed or _answer_lost(exc) and not rolled_back
+        if then is not None and not lost and link.conn.pgconn.transaction_status == _INERROR:
+            # The COMMIT went through; the statement after it failed.
+            with suppress(RingqError):
+                link.call(link.conn.rollback, recover=False)
+            self.finish(ops, committed=True)
+            self.finish([then], committed=False, count_delivery=False)
+            logger.warning("ringq: queue %s: the dequeue sent with a commit failed: %s",
+                           then.info.name, exc)
+            return
+        if lost:
+            # The answer may have been lost after the COMMIT ran: a backend
+            # terminated during the pipeline can leave psycopg with "cannot
+            # exit pipeline mode while busy" (no SQLSTATE) on a connection
+            # that does not read as broken yet. Decide from the rows (the
+            # slot claimed after the COMMIT, if any, with them: its
+            # transaction never committed, so it comes back).
+            decided = ops if then is None else [*ops, then]
+            backend = (link.backend_pid, link.section.c(link.cidx, L.C_STARTED_NS))
+            committed = link.recover(decided, reason=f"commit answer lost: {exc}")
+            if committed is None and link.section.lease_ended(link.cidx):
+                # past the lease
+                committed = False if any(op.kind == OpKind.DEQUEUE for op in ops) else None
+            if committed is None:
+                link.record_ops_error(L.ERR_IN_DOUBT, ops)
+                raise InDoubt(
+                    f"commit outcome unknown: {one_line(str(exc))}",
+                    entries=in_flight(ops),
+                    backend=backend,
+                ) from exc
+            if committed:
+                logger.warning("ringq: commit answer lost, but the rows show it committed")
+                return
+            link.record_ops_error(L.ERR_COMMIT_FAILED, ops)
+            raise TransactionError(f"commit failed and was rolled back: {exc}") from exc
+        # The server refused the commit (deferred constraint, serialization,
+        # a row write that failed): rolled back, or to be rolled back when
+        # a failed statement kept the COMMIT behind it from running.
+        with suppress(RingqError):
+            link.call(link.conn.rollback, recover=False)
+        self.finish(ops, committed=False)
+        if then is not None:
+            self.finish([then], committed=False, count_delivery=False)
+        if ops:
+            link.record_ops_error(L.ERR_COMMIT_FAILED, ops)
+        raise err
+
+    def _after_stale(self, err: StaleSection, writes: list[Op]) -> None:
+        """A row write of a commit did not match: roll back (no strikes: not
+        the entries' fault) and resync the queue's block from the rows."""
+        info = self.stale_queue(err, writes)
+        self.rollback(count_delivery=False)
+        self.resync_stale(info)
+
+    def resync_stale(self, info: QueueInfo) -> None:
+        """After the rollback of a stale row write: resync the queue's block."""
+        self.link.resync(info)
+        logger.warning(
+            "ringq: queue %s: stale section (a row write did not match its row): resynced",
+            info.name,
+        )
+
+    def stale_queue(self, err: StaleSection, writes: list[Op]) -> QueueInfo:
+        """The queue whose row write did not match (recorded as our error)."""
+        group = [op for op in writes if op.info.name == err.queue] or writes
+        info = group[0].info
+        self.link.record_error(L.ERR_ROW_MISMATCH, info.id, group[0].seq)
+        return info
+
+    # -- the row writes -------------------------------------------------------------
+
+    def held_writes(self) -> list[Op]:
+        """The ops whose row write the session still holds."""
+        return [op for op in self.link.ops if op.held]
+
+    def send_writes(self, writes: list[Op], *, commit: bool) -> None:
+        """Send the row writes the session holds for ``writes`` in one round
+        trip: after a BEGIN if no transaction is open, one statement per
+        queue and kind, then the COMMIT if ``commit``. The enqueues' payloads
+        stay with their ops (``fill``) for the payload cache, with the rows'
+        enqueue time (:attr:`enq_at_us`).
+
+        Every write is guarded: a row that does not match makes its statement
+        fail (SQLSTATE RQ001), so nothing after it runs; :class:`StaleSection`
+        is raised, and the caller rolls the whole transaction back and resyncs.
+        """
+        link = self.link
+        by_queue: dict[str, list[Op]] = {}
+        for op in writes:
+            by_queue.setdefault(op.info.name, []).append(op)
+        statements: list[_wire.Statement] = []
+        enqueues: list[int] = []  # index of each enqueue statement in statements
+        for name, group in by_queue.items():
+            enq = [op for op in group if op.write is not None]
+            if enq:
+                enqueues.append(len(statements))
+                statements.append(self._write_statement(name, enq))
+            consume = [op for op in group if op.consume]
+            if consume:
+                statements.append(self._consume_statement(name, consume))
+        link.sent_any = True
+        cursors = link.call(
+            lambda: _wire.send(link.conn, statements, commit=commit, may_begin=not link.tpc_open),
+            recover=not commit,  # commit() decides itself what a lost answer means
+        )
+        if enqueues:
+            row = cursors[enqueues[0]].fetchone()
+            self.enq_at_us = None if row is None else int(row[1])
+        for op in writes:
+            op.fill, op.write, op.consume = op.write, None, False
+
+    def _consume_statement(self, queue: str, ops: list[Op]) -> _wire.Statement:
+        """The guarded consuming write of ``ops`` (cached dequeues of one queue)."""
+        if len(ops) == 1:
+            return self.link.stmt("consume", queue), (ops[0].slot, ops[0].seq)
+        return self.link.stmt("consume_many", queue), (
+            _wire.int_array(op.slot for op in ops), _wire.int_array(op.seq for op in ops), len(ops),
+        )
+
+    def _write_statement(self, queue: str, ops: list[Op]) -> _wire.Statement:
+        """The guarded row write of ``ops`` (enqueues of one queue): one statement."""
+        if len(ops) == 1:
+            op = ops[0]
+            w = op.write
+            assert w is not None
+            return self.link.stmt("enqueue", queue), (
+                op.seq,
+                w.payload,
+                w.producer,
+                w.producer_seq,
+                w.group,
+                op.slot,
+                op.seq,
+            )
+        writes = [op.write for op in ops if op.write is not None]
+        return self.link.stmt("enqueue_many", queue), (
+            _wire.int_array(op.slot for op in ops),
+            _wire.int_array(op.seq for op in ops),
+            [w.payload for w in writes],
+            _wire.text_array([w.producer for w in writes]),
+            _wire.int_array(w.producer_seq for w in writes),
+            _wire.text_array([w.group for w in writes]),
+            len(ops),
+        )
+
+    # -- rollback -------------------------------------------------------------------
+
+    def rollback(self, *, count_delivery: bool = True) -> None:
+        """Roll back in one round trip at most (see ``Session.rollback``)."""
+        link = self.link
+        ops, link.ops = link.ops, []
+        deq = [op for op in ops if op.kind == OpKind.DEQUEUE] if count_delivery else []
+        poisoned: set[tuple[int, int]] = set()
+        try:
+            if deq:
+                poisoned = self._strike(deq, rollback=True)
+            else:
+                link.call(link.conn.rollback, recover=False)
+        except RingqError as err:
+            link.recover(ops, reason=f"rollback failed: {err.__cause__}")
+            raise
+        self.finish(ops, committed=False, poisoned=poisoned)
+
+    # -- telling the section ----------------------------------------------------------
+
+    def finish(
+        self,
+        ops: list[Op],
+        *,
+        committed: bool,
+        count_delivery: bool = True,
+        poisoned: set[tuple[int, int]] | None = None,
+    ) -> None:
+        """Tell the section the outcome of ``ops`` (the database already decided).
+
+        Not committed, rolled-back dequeues count a delivery (unless
+        ``count_delivery`` is false), unless ``poisoned`` is given: the
+        strikes were written already, and these (slot, seq) were poisoned.
+        """
+        if not ops:
+            return
+        link = self.link
+        sec = link.section
+        sec.clear_hold(link.cidx)
+        if poisoned is None:
+            poisoned = set()
+            if not committed and count_delivery:
+                poisoned = self._strike([op for op in ops if op.kind == OpKind.DEQUEUE])
+        by_ring: dict[int, list[Op]] = {}
+        for op in ops:
+            by_ring.setdefault(op.ring.qidx, []).append(op)
+        posts: list[tuple[int, str, int]] = []
+        enq_at_us, self.enq_at_us = self.enq_at_us, None
+        for qidx, group in by_ring.items():
+            ring = group[0].ring
+            exclusive = group[0].info.dequeue_mode == "single"
+            sec.lock_queue(qidx)
+            try:
+                wake_r, wake_s = ring.finish_batch(
+                    group, link.owner, committed=committed, poisoned=poisoned,
+                    exclusive=exclusive, enq_at_us=enq_at_us,
+                )
+            finally:
+                sec.unlock_queue(qidx)
+            if wake_r:
+                posts.append((ring.qid, "r", wake_r))
+            if wake_s:
+                posts.append((ring.qid, "s", wake_s))
+        sec.count_client(link.cidx, L.C_N_COMMIT if committed else L.C_N_ROLLBACK)
+        for qid, kind, n in posts:
+            sec.post(qid, kind, n)
+
+    def hold(self, ops: list[Op]) -> None:
+        """Keep slots locked with no live owner (in doubt) for recovery to decide."""
+        sec = self.link.section
+        for op in ops:
+            sec.lock_queue(op.ring.qidx)
+            try:
+                op.ring.hold(op.slot)
+            finally:
+                sec.unlock_queue(op.ring.qidx)
+
+    def _strike(self, deq_ops: list[Op], *, rollback: bool = False) -> set[tuple[int, int]]:
+        """Count a failed delivery on each rolled-back dequeue; returns the poisoned ones.
+
+        One round trip: the ROLLBACK of the open transaction (with
+        ``rollback``; else the transaction has ended already), then one
+        strike statement per queue, in autocommit.
+
+        :raises RingqError: with ``rollback`` only, when the connection was
+            lost (recovery decides the slots); a strike that fails otherwise
+            is logged and skipped.
+        """
+        if not deq_ops:
+            return set()
+        link = self.link
+        by_queue: dict[str, list[Op]] = {}
+        for op in deq_ops:
+            by_queue.setdefault(op.info.name, []).append(op)
+        statements: list[_wire.Statement] = []
+        for name, group in by_queue.items():
+            info = group[0].info
+            params = {
+                "max_deliveries": info.max_deliveries,
+                "slots": [op.slot for op in group],
+                "seqs": [op.seq for op in group],
+                "queue_id": info.id,
+                "reason": POISON_REASON,
+            }
+            statements.append((link.stmt("strike", name), params))
+        try:
+            # ROLLBACK (if a transaction is open) and, after it, each queue's
+            # strike in autocommit: one round trip.
+            cursors = link.call(lambda: _wire.rollback_then(link.conn, statements), recover=False)
+        except RingqError:
+            if rollback and (link.conn.broken or link.conn.closed):
+                raise  # the ROLLBACK may not have run: the caller recovers
+            # Losing a strike is harmless: the entry is redelivered; the
+            # monitor counts strikes of clients that die.
+            logger.warning("ringq: could not record a failed delivery", exc_info=True)
+            return set()
+        poisoned: set[tuple[int, int]] = set()
+        for name, cur in zip(by_queue, cursors, strict=True):
+            for slot, seq, state, deliveries, moved_to, kept_because, group in cur.fetchall():
+                if state == RowState.CONSUMED:
+                    poisoned.add((slot, seq))
+                    logger.warning(
+                        "ringq: entry %s/%s%s poisoned after %s deliveries: "
+                        "moved to ringq.exceptions%s",
+                        name,
+                        seq,
+                        "" if group is None else f" (group {group!r}, which goes on without it)",
+                        deliveries,
+                        f" and queue {moved_to}"
+                        if moved_to
+                        else f" only ({kept_because})"
+                        if kept_because
+                        else "",
+                    )
+        return poisoned
+
+
+def _answer_lost(exc: BaseException | None) -> bool:
+    """Whether ``exc``, raised by a commit, leaves its outcome unknown: no
+    verdict of the server (a client-side error, no SQLSTATE), or the server
+    ended the connection (admin or crash shutdown, a session timeout, a
+    connection exception: SQLSTATE class 08), perhaps after the COMMIT ran."""
+    state = getattr(exc, "sqlstate", None)
+    return state is None or state in _ENDED_STATES or state.startswith("08")
