@@ -16,7 +16,8 @@ setup:
 setup-run:
 	@./.ci/setup run
 
-test: setup
+# lint (ruff) and types (mypy --strict) first: a red check fails the test run.
+test: check
 	.venv/bin/python -m pytest -q
 
 # The main job: embedded PostgreSQL, queues, the monitor and the viewer in the
@@ -25,7 +26,7 @@ test: setup
 run: setup-run
 	$(RINGQ) run
 
-# ruff and mypy --strict over the packages, the tests and the benchmarks (not part of `make test`).
-check:
-	@./.ci/setup test
+# ruff (the rules in pyproject.toml) and mypy --strict over the packages, the
+# tests and the benchmarks; `make test` runs it first.
+check: setup
 	./.ci/typecheck

@@ -4,6 +4,7 @@ the embedded PostgreSQL cluster under ``$RINGQ_HOME``, and its streaming standby
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import sys
 import time
@@ -229,10 +230,8 @@ def _status(args: argparse.Namespace) -> int:
             ("  port", str(sb.port) if sb.port else "-"),
             ("  datadir", str(sb.datadir)),
         ]
-        try:
+        with contextlib.suppress(NoStandby):
             rows.append(("both", cluster.url(both=True)))
-        except NoStandby:
-            pass
     width = max(len(k) for k, _ in rows)
     for key, value in rows:
         print(f"{key:<{width}}  {value}")

@@ -17,7 +17,7 @@ from __future__ import annotations
 import fcntl
 import os
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass, fields
 from pathlib import Path
 
@@ -105,10 +105,8 @@ def write_dsn(home: Path, dsn: str) -> None:
 
 
 def remove_dsn(home: Path) -> None:
-    try:
+    with suppress(FileNotFoundError):
         (home / DSN_FILE).unlink()
-    except FileNotFoundError:
-        pass
 
 
 @contextmanager

@@ -317,7 +317,7 @@ def from_psycopg(
     if isinstance(exc, psycopg.errors.InvalidSchemaName | psycopg.errors.UndefinedTable):
         return SchemaMissing(f"ringq schema missing or incomplete: {exc}")
     state: str | None = getattr(exc, "sqlstate", None)
-    if state is None and isinstance(exc, psycopg.OperationalError | psycopg.InterfaceError) or (
+    if (state is None and isinstance(exc, psycopg.OperationalError | psycopg.InterfaceError)) or (
         state is not None and (state[:2] in _UNAVAILABLE_CLASSES or state in _UNAVAILABLE_STATES)
     ):
         where = f" at {redact_dsn(dsn)!r}" if dsn else ""
@@ -331,7 +331,10 @@ def from_psycopg(
             "(stale section); nothing of the transaction committed: retry it",
             queue=name,
         )
-    if state is not None and (state in _CONFLICT_STATES or state[:2] == "40" and state != "40002"):
+    conflict = state is not None and (
+        state in _CONFLICT_STATES or (state[:2] == "40" and state != "40002")
+    )
+    if conflict:
         return TransactionConflict(
             f"transaction rolled back, retry it: {_primary(exc)}", sqlstate=state
         )

@@ -63,7 +63,7 @@ class Event:
         """Parse a NOTIFY payload; :raises ValueError: it is not an event."""
         obj = json.loads(payload)
         if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
-            raise ValueError("not a ringq event")  # noqa: TRY004 - one error for any bad payload
+            raise ValueError("not a ringq event")
         name = obj.pop("name")
         queue = obj.pop("queue", None)
         try:

@@ -327,8 +327,8 @@ class Link:
             if recover:
                 lost = (
                     self.conn.broken
-                    or isinstance(exc, psycopg.OperationalError | psycopg.InterfaceError)
-                    and self.conn.closed
+                    or (isinstance(exc, psycopg.OperationalError | psycopg.InterfaceError)
+                    and self.conn.closed)
                 )
                 # A statement refused because the caller's own SQL already failed
                 # the transaction is the caller's error, not ours.
@@ -377,10 +377,8 @@ class Link:
     def record_error(self, code: int, qid: int = 0, seq: int = -1) -> None:
         """Record an error this client hit in its section entry (error paths only;
         the monitor logs it with our pid, the queue and the seq)."""
-        try:
+        with suppress(ValueError, IndexError, TypeError):  # a released view: the section is gone
             self.section.record_client_error(self.cidx, code, qid, seq)
-        except (ValueError, IndexError, TypeError):  # a released view: the section is gone
-            pass
 
     def record_ops_error(self, code: int, ops: Sequence[Op]) -> None:
         op = ops[0] if ops else None
@@ -417,7 +415,7 @@ class Link:
                 recover=False,
             )
         # whatever failed, recovery decides, never a later session
-        except Exception as exc:  # noqa: BLE001
+        except Exception as exc:
             self._hand_over(old_conn, reason=f"{reason}; deciding failed: {exc}", slots=len(ops))
             return None
         self.backend_pid = self.conn.info.backend_pid

@@ -18,6 +18,7 @@ rebuilt from the tables (:mod:`ringq.engine._ring`).
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import logging
@@ -27,6 +28,7 @@ import secrets
 import threading
 import time
 from collections.abc import Iterable
+from contextlib import suppress
 from typing import Final
 
 import numpy as np
@@ -198,10 +200,8 @@ class Section:
         del self.enq, self.deq, self.lck, self.owner, self.holder, self.group
         self._buf.release()
         mm, self._mm = self._mm, None
-        try:
+        with suppress(BufferError):  # a numpy view still referenced elsewhere: it dies with it
             mm.close()
-        except BufferError:
-            pass  # a numpy view still referenced elsewhere; the mapping dies with it
         self._shm.close_fd()
 
     @property
@@ -708,7 +708,7 @@ class Section:
                 cidx
                 for cidx in self.active_clients()
                 if self.c(cidx, L.C_STATE) == L.CS_IN_DOUBT
-                or self.c(cidx, L.C_STATE) == L.CS_ACTIVE and not pid_alive(self.c(cidx, L.C_PID))
+                or (self.c(cidx, L.C_STATE) == L.CS_ACTIVE and not pid_alive(self.c(cidx, L.C_PID)))
             ]
         finally:
             self.unlock_section()
@@ -743,7 +743,5 @@ class Section:
         name = section_name(instance_id)
         for qid in qids:
             for kind in "rs":
-                try:
+                with contextlib.suppress(posix_ipc.ExistentialError):
                     posix_ipc.unlink_semaphore(f"{name}.{qid}{kind}")
-                except posix_ipc.ExistentialError:
-                    pass

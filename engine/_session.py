@@ -34,8 +34,8 @@ from ._dsn import resolve_dsn
 from ._errors import InDoubt, RingqError, SessionClosed, StaleSection, TransactionError
 from ._events import Subscription, publish
 from ._link import Link
-from ._message import Message as Message  # noqa: PLC0414 (re-exported for ringq.engine)
-from ._queue_info import QueueInfo as QueueInfo  # noqa: PLC0414 (re-exported for ringq.engine)
+from ._message import Message as Message
+from ._queue_info import QueueInfo as QueueInfo
 from ._recovery import wait_dead_holders
 from ._ring import Ring, group_tag
 from ._section import Section

@@ -23,6 +23,7 @@ section this process maps is read from the attachment instead.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import struct
 from collections.abc import Iterable
@@ -225,10 +226,8 @@ def sections_on_host(shm_dir: str = SHM_DIR) -> list[SectionOnHost]:
             continue  # removed meanwhile
         memory = st.st_blocks * 512
         for sem in sems:
-            try:
+            with contextlib.suppress(OSError):
                 memory += sem.stat().st_blocks * 512
-            except OSError:
-                pass
         pids = set(held.get(entry, ()))
         for sem in sems:
             pids |= held.get(sem.name, set())
@@ -275,15 +274,11 @@ def _describe(
 
 
 def _unlink(found: SectionOnHost) -> None:
-    try:
+    with contextlib.suppress(posix_ipc.ExistentialError):
         posix_ipc.unlink_shared_memory(found.name)
-    except posix_ipc.ExistentialError:
-        pass
     for sem in found.semaphores:
-        try:
+        with contextlib.suppress(posix_ipc.ExistentialError):
             posix_ipc.unlink_semaphore("/" + sem.name[len("sem.") :])
-        except posix_ipc.ExistentialError:
-            pass
 
 
 def remove_section_on_host(instance_id: str, shm_dir: str = SHM_DIR) -> SectionOnHost:

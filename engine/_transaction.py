@@ -98,7 +98,7 @@ class Transaction:
         # nothing committed, whatever the error says.
         rolled_back = link.ops is not ops
         link.ops = []
-        lost = link.conn.broken or link.conn.closed or _answer_lost(exc) and not rolled_back
+        lost = link.conn.broken or link.conn.closed or (_answer_lost(exc) and not rolled_back)
         if then is not None and not lost and link.conn.pgconn.transaction_status == _INERROR:
             # The COMMIT went through; the statement after it failed.
             with suppress(RingqError):

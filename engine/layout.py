@@ -11,4 +11,4 @@ The definitions (and their comments) are in ``ringq/engine/_layout.py``.
 
 from __future__ import annotations
 
-from ._layout import *  # every public name of the layout, nothing else
+from ._layout import *  # noqa: F403 - every public name of the layout, nothing else

@@ -269,6 +269,6 @@ class HorizonReport:
                 }
                 self._note("database.snapshot_released", logging.INFO, **fields)
                 E.publish(conn, E.make_event(E.SNAPSHOT_RELEASED, None, **fields))
-        except Exception as exc:  # noqa: BLE001 - logged; autovacuum remains the fallback
+        except Exception as exc:
             self._note("step.failed", logging.WARNING, step="vacuum",
                        error=f"{type(exc).__name__}: {exc}", queues=queues)

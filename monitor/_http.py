@@ -8,6 +8,7 @@ is used, when installed, only to render ``/metrics``).
 
 from __future__ import annotations
 
+import contextlib
 import hmac
 import ipaddress
 import json
@@ -154,10 +155,8 @@ class _Handler(BaseHTTPRequestHandler):
             pass
         except Exception as exc:
             logger.exception("ringq monitor: %s failed", redact_dsn(self.path))
-            try:
+            with contextlib.suppress(OSError):
                 self._error(HTTPStatus.INTERNAL_SERVER_ERROR, f"{type(exc).__name__}: {exc}")
-            except OSError:
-                pass
 
     # -- routes ---------------------------------------------------------------------
 

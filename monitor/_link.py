@@ -9,6 +9,7 @@ another port, or its standby was promoted), the monitor follows it.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
@@ -140,10 +141,8 @@ class Link:
         for hook in self.on_drop:
             hook()  # the next connection may be on another server
         if conn is not None:
-            try:
+            with contextlib.suppress(Exception):
                 conn.close()
-            except Exception:  # noqa: BLE001, S110 - already broken; nothing to tell
-                pass
 
     def close(self) -> None:
         """Close the connection (which releases the monitor lock)."""

@@ -50,6 +50,7 @@ import struct
 import threading
 import time
 from collections.abc import Callable, Sequence
+from contextlib import suppress
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from typing import Any, Self
@@ -499,10 +500,8 @@ class Mover:
         s.batches_since_prune = 0
         conn, s.lock_conn = s.lock_conn, None
         if conn is not None and not conn.closed:
-            try:
+            with suppress(psycopg.Error):  # closing the connection releases it anyway
                 conn.execute(SQL["unlock"], (s.src_qid,))
-            except psycopg.Error:
-                pass  # closing the connection releases it anyway
             conn.close()
 
     # -- moving -----------------------------------------------------------------------------
@@ -641,10 +640,12 @@ class Mover:
                 dst.commit()
                 if self._stop is not None and self._stop.is_set():
                     raise
-            except posix_ipc.SignalError:
+            except posix_ipc.SignalError as exc:
                 dst.commit()
                 if self._stop is not None and self._stop.is_set():
-                    raise QueueFull("stopped while the destination was full", queue=self.dst_queue)
+                    raise QueueFull(
+                        "stopped while the destination was full", queue=self.dst_queue
+                    ) from exc
 
     @staticmethod
     def _rollback(sess: Session | None) -> None:

@@ -142,7 +142,7 @@ class Chaos:
                 return
             cluster.restart(timeout=60)  # fast: sessions cut, the same port
             self.kills["pg_restarts"] += 1
-        except Exception as exc:  # noqa: BLE001 - reported, the cycle goes on
+        except Exception as exc:
             self.pg_errors.append(f"PostgreSQL restart failed: {type(exc).__name__}: {exc}")
 
     def stop(self) -> None:

@@ -34,6 +34,7 @@ import random
 import signal
 import time
 from collections.abc import Callable, Iterator
+from contextlib import suppress
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -162,10 +163,8 @@ class Failover:
             self.times["kill_to_gone_s"] = time.monotonic() - self.killed_at
         finally:
             if walsender is not None:
-                try:
+                with suppress(ProcessLookupError):
                     os.kill(walsender, signal.SIGKILL)  # the rest of the old primary
-                except ProcessLookupError:
-                    pass
         cluster.promote()
         self.promoted_at = time.monotonic()
         self.times["kill_to_promoted_s"] = self.promoted_at - self.killed_at

@@ -259,7 +259,7 @@ class _Producer:
 def _gtrid(gid: str) -> str:
     try:
         return str(psycopg.Xid.from_string(gid).gtrid)
-    except Exception:  # noqa: BLE001 - not one of ours
+    except Exception:
         return gid
 
 

@@ -14,7 +14,7 @@ import secrets
 import socket
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
@@ -250,10 +250,8 @@ def drop_run(dsn: str, run_id: str) -> None:
 
 def _drop_queues(conn: psycopg.Connection[Any], run: RunInfo) -> None:
     for ref in run.queues:
-        try:
+        with suppress(QueueNotFound):
             drop_queue(conn, ref.name)
-        except QueueNotFound:
-            pass
 
 
 def leftovers(dsn: str, run: RunInfo) -> dict[str, int]:

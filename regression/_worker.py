@@ -107,7 +107,7 @@ def run_worker(role: str, body: Callable[..., None], args: WorkerArgs, *rest: An
     errors: Any = rest[-1]
     try:
         body(args, *rest)
-    except BaseException as exc:  # noqa: BLE001 - anything at all: report it, then exit non-zero
+    except BaseException as exc:
         # The name's last part: the producer's index, the queue's, or queue.worker
         # for a consumer of the grouped queue.
         index = mp.current_process().name.rsplit("-", 1)[-1]

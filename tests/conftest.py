@@ -34,7 +34,7 @@ import sys
 import time
 import uuid
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from pathlib import Path
 from typing import Any, LiteralString, TypeVar
 
@@ -118,10 +118,8 @@ def _sigterm_as_interrupt(signum: int, frame: object) -> None:
 def _default_sigterm_in_child() -> None:
     # Processes forked by tests keep the default: killed at once by SIGTERM.
     if signal.getsignal(signal.SIGTERM) is _sigterm_as_interrupt:
-        try:
+        with suppress(ValueError):  # not the main thread: nothing we can do
             signal.signal(signal.SIGTERM, signal.SIG_DFL)
-        except ValueError:  # not the main thread: nothing we can do
-            pass
 
 
 os.register_at_fork(after_in_child=_default_sigterm_in_child)

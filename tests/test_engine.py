@@ -401,7 +401,7 @@ def test_same_key_from_two_sessions_at_once_yields_one_entry(
         def b_enqueues() -> None:
             try:
                 got["seq"] = b.enqueue(q, b"from b", key="retry-1")
-            except BaseException as exc:  # noqa: BLE001 - reported below
+            except BaseException as exc:
                 got["error"] = exc
 
         t = threading.Thread(target=b_enqueues)
@@ -668,7 +668,7 @@ def _child_uses_inherited_session(s: Any, queue: str, conn_q: Any) -> None:
         s.enqueue(queue, b"from child")
         s.commit()
         conn_q.put("ok")
-    except Exception as exc:  # noqa: BLE001
+    except Exception as exc:
         conn_q.put(repr(exc))
 
 
@@ -692,7 +692,7 @@ def _child_enqueues(dsn: str, queue: str, out: Any) -> None:
             s.enqueue(queue, b"from child")
             s.commit()
         out.put("ok")
-    except Exception as exc:  # noqa: BLE001
+    except Exception as exc:
         out.put(repr(exc))
 
 

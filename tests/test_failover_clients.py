@@ -79,7 +79,7 @@ class Producer:
                 if n == BEFORE:
                     assert self.promoted.wait(60), "never told the promotion was done"
                 session = self._one(session, n)
-        except BaseException as exc:  # noqa: BLE001 - reported by join()
+        except BaseException as exc:
             self.error = exc
         finally:
             if session is not None:

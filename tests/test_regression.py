@@ -16,7 +16,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from pathlib import Path
 from typing import Any
 
@@ -634,10 +634,8 @@ def test_chaos_takes_over_the_serving_monitor(
         assert holder is not None and holder[1] == "ringq-monitor"
     finally:
         pid = _monitor_state(data)["pid"] if (data / "monitor.json").exists() else first["pid"]
-        try:
+        with suppress(ProcessLookupError):
             os.kill(pid, signal.SIGTERM)
-        except ProcessLookupError:
-            pass
         deadline = time.monotonic() + 20
         while pid_alive(pid) and time.monotonic() < deadline:
             time.sleep(0.05)

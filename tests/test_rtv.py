@@ -3,6 +3,7 @@ headless chromium (against a real monitor and a real workload), the terminal vie
 
 from __future__ import annotations
 
+import contextlib
 import http.client
 import json
 import math
@@ -557,10 +558,8 @@ def test_tui_command_refreshes_in_place_and_ctrl_c_exits_0(fake_monitor: FakeMon
                 break
             ready, _, _ = select.select([fd], [], [], 0.2)
             if ready:
-                try:
+                with contextlib.suppress(OSError):
                     os.read(fd, 65536)
-                except OSError:
-                    pass
         assert status is not None, "ringq rtv --tui did not exit on SIGINT"
         assert os.waitstatus_to_exitcode(status) == 0
     finally:

@@ -303,7 +303,7 @@ def test_exception_queue_and_tablespace_are_validated(capsys: pytest.CaptureFixt
     with pytest.raises(ConfigError, match="its own exception queue"):
         QueueSpec("q", 10, 10, exception_queue="q")
     for bad in ("", "a" * 64, "é" * 32, "fast\nssd"):
-        with pytest.raises(ConfigError, match="^invalid tablespace name"):
+        with pytest.raises(ConfigError, match=r"^invalid tablespace name"):
             QueueSpec("q", 10, 10, tablespace=bad)
     code, out, err = cli(
         capsys, "script", "create-queue", *spec_args("q", 10, 10, "--tablespace", "a" * 64)
@@ -377,7 +377,7 @@ def test_concurrent_creators_exactly_one_reports_created(dsn: str) -> None:
             def other() -> None:
                 try:
                     results["second"] = create_queue(second, spec)
-                except BaseException as exc:  # noqa: BLE001 - reported by the assertion below
+                except BaseException as exc:
                     results["second"] = exc
 
             thread = threading.Thread(target=other)

@@ -232,7 +232,7 @@ def test_time_limit_aborts_a_python_loop_and_rolls_back(
         try:
             while True:
                 pass
-        except Exception:  # noqa: BLE001 - a time limit must not be swallowed by this
+        except Exception:
             pytest.fail("ActionTimeout was caught as an Exception")
 
     (seq,) = enqueue(dsn, q, b"slow")

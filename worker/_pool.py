@@ -10,6 +10,7 @@ Children exit with a :class:`WorkerExit` code (the values of
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import itertools
 import logging
@@ -20,6 +21,7 @@ import signal
 import sys
 import threading
 import time
+from contextlib import suppress
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import FrameType
@@ -223,10 +225,8 @@ def _watch(
 def _send(report: Any, stats: dict[str, int]) -> None:
     if report is None:
         return
-    try:
+    with suppress(OSError, ValueError):  # the parent is gone or stopped listening
         report.send(stats)
-    except (OSError, ValueError):
-        pass  # the parent is gone or stopped listening
 
 
 @dataclass
@@ -446,10 +446,8 @@ class WorkerPool:
             logger.warning("ringq worker pool: stop requested: %s", what)
             for ch in self._children:
                 if ch.proc is not None and ch.proc.exitcode is None:
-                    try:
+                    with contextlib.suppress(ProcessLookupError):
                         os.kill(ch.proc.pid, signal.SIGTERM)
-                    except ProcessLookupError:
-                        pass
 
     def _until_next_start(self) -> float:
         due = [

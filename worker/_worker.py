@@ -46,6 +46,7 @@ import os
 import signal
 import threading
 import time
+from contextlib import suppress
 from dataclasses import dataclass
 from types import FrameType
 from typing import Any, Final, Self
@@ -420,11 +421,9 @@ class Worker:
         if s is None or s.closed:
             return
         st = self._stats
-        try:
+        # the section was released under us: the next open re-publishes
+        with suppress(ValueError, IndexError):
             s.write_client_words((word, st[key]) for key, word in _SECTION_WORDS)
-        except (ValueError, IndexError):
-            # the section was released under us: the next open re-publishes
-            pass
 
     def _call(self, act: Action, msg: Message) -> object:
         timeout = act.timeout
