@@ -33,7 +33,6 @@ from ringq.engine import (
     DatabaseUnavailable,
     RingqError,
     Tidied,
-    converted,
     ringq_home,
     scan_server,
     tidy_sections,
@@ -340,7 +339,7 @@ class Cluster:
         return f"Cluster({str(self.home)!r})"
 
     def _ensure_database(self, port: int) -> None:
-        with converted(dsn=dsn_of(port, "postgres")), admin(port) as conn:
+        with admin(port) as conn:
             found = conn.execute(Qy.DATABASE_EXISTS, (DATABASE,)).fetchone()
             if found is None:
                 conn.execute(compose(Qy.CREATE_DATABASE, database=sql.Identifier(DATABASE)))

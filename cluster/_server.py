@@ -24,11 +24,13 @@ import socket
 import subprocess
 import tempfile
 import time
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import psycopg
+from ringq.engine import RingqError, pg
 
 from . import _queries as Qy
 from ._errors import ClusterError, PostgresNotFound
@@ -143,7 +145,7 @@ class Server:
         try:
             with admin(port, timeout=5) as conn:
                 row = conn.execute(Qy.IN_RECOVERY).fetchone()
-        except psycopg.Error:
+        except RingqError:
             return None
         return None if row is None else bool(row[0])
 
@@ -394,9 +396,14 @@ def dsn_of(port: int, dbname: str = DATABASE) -> str:
     return f"postgresql://{SUPERUSER}@{HOST}:{port}/{dbname}"
 
 
-def admin(port: int, *, timeout: int = 10) -> psycopg.Connection[tuple[Any, ...]]:
-    """A superuser connection to database ``postgres`` on ``port``, autocommit."""
-    return psycopg.connect(dsn_of(port, "postgres"), autocommit=True, connect_timeout=timeout)
+def admin(port: int, *, timeout: int = 10) -> AbstractContextManager[psycopg.Connection[Any]]:
+    """A superuser connection to database ``postgres`` on ``port``, autocommit,
+    for one ``with`` block: psycopg errors in it are converted (the DSN named).
+
+    :raises DatabaseUnavailable: the server does not answer on ``port``.
+    :raises RingqError: a statement of the block failed, converted.
+    """
+    return pg.connected(dsn_of(port, "postgres"), connect_timeout=timeout)
 
 
 def _lingers(pid: int) -> bool:

@@ -13,8 +13,7 @@ import time
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
 
-import psycopg
-from ringq.engine import DatabaseUnavailable, converted
+from ringq.engine import DatabaseUnavailable, RingqError
 
 from . import _queries as Qy
 from ._errors import ClusterError, NoStandby
@@ -122,7 +121,7 @@ class Replication:
             try:
                 with admin(port, timeout=5) as conn:
                     row = conn.execute(Qy.REPLICATION_STATE, (STANDBY_NAME,)).fetchone()
-            except psycopg.Error:
+            except RingqError:
                 row = None
             if row is not None:
                 streaming, sync_state, lag = row
@@ -307,7 +306,7 @@ class Replication:
         """Wait until the primary streams to the standby (and counts it as synchronous)."""
         deadline = time.monotonic() + STREAM_TIMEOUT
         row = None
-        with converted(), admin(primary_port) as conn:
+        with admin(primary_port) as conn:
             while time.monotonic() < deadline:
                 row = conn.execute(Qy.REPLICATION_STATE, (STANDBY_NAME,)).fetchone()
                 if row is not None and row[0] == "streaming" and (not sync or row[1] == SYNC):
@@ -323,13 +322,13 @@ class Replication:
         )
 
     def _create_slot(self, primary_port: int) -> None:
-        with converted(), admin(primary_port) as conn:
+        with admin(primary_port) as conn:
             conn.execute(Qy.CREATE_SLOT, {"slot": STANDBY_NAME})
 
     def _drop_slot(self, primary_port: int) -> None:
         """Drop the standby's slot, once the walsender of the stopped standby has left it."""
         deadline = time.monotonic() + STREAM_TIMEOUT
-        with converted(), admin(primary_port) as conn:
+        with admin(primary_port) as conn:
             while True:
                 conn.execute(Qy.DROP_SLOT, (STANDBY_NAME,))
                 if conn.execute(Qy.SLOT_EXISTS, (STANDBY_NAME,)).fetchone() is None:
@@ -400,7 +399,7 @@ class Replication:
         # pg_rewind reads the source's timeline from its control file, which a
         # fresh promotion updates only at its first checkpoint: without one,
         # it would take the two for the same history ("no rewind required").
-        with converted(), admin(primary_port) as conn:
+        with admin(primary_port) as conn:
             conn.execute(Qy.CHECKPOINT)
         try:
             proc = self.programs.run(

@@ -7,8 +7,10 @@ The engine imports no other ringq package; the others build on it. Beside
 the names below, its public submodules are :mod:`~ringq.engine.layout` (the
 section's word indexes and limits), :mod:`~ringq.engine.recovery` (rebuild,
 reclaim, dead clients, prepared transactions), :mod:`~ringq.engine.metrics`
-(counter names), :mod:`~ringq.engine.exits` (exit codes) and
-:mod:`~ringq.engine.sqlfile` (named SQL blocks in ``.sql`` files).
+(counter names), :mod:`~ringq.engine.exits` (exit codes),
+:mod:`~ringq.engine.sqlfile` (named SQL blocks in ``.sql`` files) and
+:mod:`~ringq.engine.pg` (the one way every package reaches PostgreSQL:
+connections, statements, psycopg errors turned into the tree below).
 """
 
 from ._dsn import check_dsn, dsn_file, read_dsn_file, resolve_dsn, ringq_home
@@ -36,8 +38,6 @@ from ._errors import (
     StatementRejected,
     TransactionConflict,
     TransactionError,
-    converted,
-    from_psycopg,
     one_line,
     redact_dsn,
 )
@@ -45,6 +45,7 @@ from ._events import CHANNEL as EVENTS_CHANNEL
 from ._events import Event, Subscription, publish, subscribe
 from ._layout import MAX_CAPACITY, MAX_QUEUES
 from ._names import queue_table, validate_queue_name
+from ._pg import converted, from_psycopg
 from ._queue_info import DEFAULT_LEASE
 from ._ring import Ring
 from ._section import Section, pid_alive, section_name

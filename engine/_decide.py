@@ -21,9 +21,10 @@ import psycopg
 from psycopg import sql
 
 from . import _layout as L
-from ._errors import DatabaseError, DatabaseUnavailable, InDoubt, InFlight, from_psycopg
+from ._errors import DatabaseError, DatabaseUnavailable, InDoubt, InFlight
 from ._names import queue_table
 from ._ops import Op, OpKind, RowState
+from ._pg import from_psycopg
 from ._queries import QUERIES as _Q
 from ._queue_info import QueueInfo
 from ._ring import Ring, group_tag

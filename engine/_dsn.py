@@ -16,6 +16,7 @@ import psycopg
 from psycopg.conninfo import conninfo_to_dict
 
 from ._errors import ConfigError, DatabaseUnavailable
+from ._pg import from_psycopg
 
 DEFAULT_HOME = ".ringq"
 DSN_FILE = "dsn"
@@ -95,10 +96,8 @@ def check_dsn(dsn: str, *, where: str = "DSN") -> dict[str, Any]:
     try:
         params = conninfo_to_dict(dsn)
     except psycopg.Error as exc:
-        detail = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise ConfigError(
-            f"invalid {where} (not shown, it may hold a password): {detail}"
-        ) from None
+        # from None: the chained error may quote the DSN, password and all
+        raise from_psycopg(exc, parsing=where) from None
     ports = str(params.get("port") or "")
     port_list = ports.split(",") if ports else []
     for port in port_list:

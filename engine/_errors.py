@@ -1,18 +1,19 @@
-"""The ringq exception tree.
+"""The ringq exception tree, and the redaction of DSNs in its messages.
 
-Every error ringq raises on purpose derives from :class:`RingqError`; psycopg
-errors are converted in exactly one place (:func:`convert`), so a caller never
-has to catch a driver exception to handle a ringq failure.
+Every error ringq raises on purpose derives from :class:`RingqError`. psycopg
+errors become these classes through one mapping, :func:`ringq.engine.pg.from_psycopg`
+(``engine/_pg.py``), applied where ringq meets PostgreSQL: the functions of
+:mod:`ringq.engine.pg` that every package opens connections and runs
+statements with, and the session's ``Link.call`` (``engine/_link.py``). So a
+caller never has to catch a driver exception to handle a ringq failure.
+This module holds no psycopg import: the tree is the API, the mapping is the
+boundary.
 """
 
 from __future__ import annotations
 
 import re
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
-
-import psycopg
 
 
 class RingqError(Exception):
@@ -271,94 +272,3 @@ def _redact_url(text: str, start: int) -> tuple[str, int]:
         return url[: user_colon.end()] + "***", end
     host_end = _url_end(text, at)
     return url[: user_colon.end()] + "***" + text[at:host_end], host_end
-
-
-# SQLSTATEs (and classes) that say the database, or this connection to it,
-# is gone: retrying later (reconnecting) may succeed.
-# connection exception; insufficient resources (too many connections)
-_UNAVAILABLE_CLASSES = ("08", "53")
-_UNAVAILABLE_STATES = frozenset(
-    {
-        "57P01",  # admin_shutdown
-        "57P02",  # crash_shutdown
-        "57P03",  # cannot_connect_now
-        "57P04",  # database_dropped
-        "57P05",  # idle_session_timeout
-        "25P03",  # idle_in_transaction_session_timeout: the server closed the session
-    }
-)
-# The transaction lost a conflict: retrying the whole transaction may succeed.
-_CONFLICT_STATES = frozenset({"40001", "40P01", "55P03"})
-# A deferred row write found its row not as the global section said
-# (ringq.expect_rows, scripting/ddl.sql): retry the transaction.
-STALE_SQLSTATE = "RQ001"
-# The statement itself is refused: the same call fails the same way.
-_REJECTED_CLASSES = ("22", "23", "42", "54")
-
-
-def from_psycopg(
-    exc: BaseException, *, dsn: str | None = None, queue: str | None = None
-) -> RingqError:
-    """Map a psycopg exception to the ringq class a user can act on.
-
-    By SQLSTATE: 08 (connection), 53 (resources), 57P01-57P05 (shutdown,
-    crash, cannot connect now, database dropped, session timeout) ->
-    :class:`DatabaseUnavailable`; 40001, 40P01, 55P03 (serialization,
-    deadlock, lock not available) -> :class:`TransactionConflict`; 22, 23,
-    42, 54 (data, integrity, syntax/access, limits) -> :class:`StatementRejected`;
-    RQ001 (a guarded row write did not match) -> :class:`StaleSection`.
-    A driver error without a code (refused connection, lost connection) is
-    :class:`DatabaseUnavailable`; any other is :class:`DatabaseError`.
-    """
-    if isinstance(exc, RingqError):
-        return exc
-    if isinstance(exc, psycopg.errors.UndefinedTable) and queue:
-        return QueueNotFound(f"queue {queue!r} does not exist", queue=queue)
-    if isinstance(exc, psycopg.errors.InvalidSchemaName | psycopg.errors.UndefinedTable):
-        return SchemaMissing(f"ringq schema missing or incomplete: {exc}")
-    state: str | None = getattr(exc, "sqlstate", None)
-    if (state is None and isinstance(exc, psycopg.OperationalError | psycopg.InterfaceError)) or (
-        state is not None and (state[:2] in _UNAVAILABLE_CLASSES or state in _UNAVAILABLE_STATES)
-    ):
-        where = f" at {redact_dsn(dsn)!r}" if dsn else ""
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        return DatabaseUnavailable(f"database unavailable{where}: {redact_dsn(first)}")
-    if state == STALE_SQLSTATE:
-        table = getattr(getattr(exc, "diag", None), "table_name", None) or ""
-        name = table.removeprefix("q_") or queue
-        return StaleSection(
-            f"queue {name!r}: a row write did not find its row as the global section said "
-            "(stale section); nothing of the transaction committed: retry it",
-            queue=name,
-        )
-    conflict = state is not None and (
-        state in _CONFLICT_STATES or (state[:2] == "40" and state != "40002")
-    )
-    if conflict:
-        return TransactionConflict(
-            f"transaction rolled back, retry it: {_primary(exc)}", sqlstate=state
-        )
-    if state is not None and state[:2] in _REJECTED_CLASSES:
-        return StatementRejected(_primary(exc), sqlstate=state)
-    return DatabaseError(str(exc).strip() or type(exc).__name__, sqlstate=state)
-
-
-def _primary(exc: BaseException) -> str:
-    """PostgreSQL's primary message and its code: never the statement (psycopg's
-    text may quote it, with its values, after the first line)."""
-    diag = getattr(exc, "diag", None)
-    primary = (
-        getattr(diag, "message_primary", None)
-        or (str(exc).strip().splitlines() or [type(exc).__name__])[0]
-    )
-    state = getattr(exc, "sqlstate", None)
-    return f"{primary} (SQLSTATE {state})" if state else primary
-
-
-@contextmanager
-def converted(*, dsn: str | None = None, queue: str | None = None) -> Iterator[None]:
-    """Run a block and re-raise any psycopg error as its ringq class (``raise X from exc``)."""
-    try:
-        yield
-    except psycopg.Error as exc:
-        raise from_psycopg(exc, dsn=dsn, queue=queue) from exc

@@ -26,7 +26,8 @@ from typing import Any, Final, Self
 import psycopg
 from psycopg import sql
 
-from ._errors import DatabaseUnavailable, SessionClosed, from_psycopg, redact_dsn
+from . import _pg
+from ._errors import DatabaseUnavailable, SessionClosed, redact_dsn
 from ._queries import QUERIES as _Q
 from ._sqlfile import compose
 
@@ -121,19 +122,15 @@ class Subscription:
         self._dsn = dsn
         self._pending: deque[Event] = deque()
         self._closed = False
-        try:
-            self._conn: psycopg.Connection[Any] = psycopg.connect(
-                dsn, autocommit=True, connect_timeout=max(1, int(connect_timeout)),
-                application_name="ringq-subscriber",
-            )
-        except psycopg.Error as exc:
-            raise from_psycopg(exc, dsn=dsn) from exc
+        self._conn: psycopg.Connection[Any] = _pg.connect(
+            dsn, connect_timeout=connect_timeout, application_name="ringq-subscriber"
+        )
         try:
             # LISTEN has taken effect when this returns: later events reach us.
-            self._conn.execute(_LISTEN)
-        except psycopg.Error as exc:
+            _pg.run(self._conn, _LISTEN, dsn=dsn)
+        except BaseException:
             self._conn.close()
-            raise from_psycopg(exc, dsn=dsn) from exc
+            raise
 
     def matches(self, name: str) -> bool:
         """Whether ``name`` matches one of the subscription's patterns."""

@@ -27,9 +27,10 @@ from psycopg.pq import TransactionStatus
 from . import _layout as L
 from . import _wire
 from ._decide import decide_lost, decide_ops, load_queue, resync_queue
-from ._errors import QueueNotFound, RingqError, SchemaMissing, from_psycopg, one_line, redact_dsn
+from ._errors import QueueNotFound, RingqError, SchemaMissing, one_line, redact_dsn
 from ._names import queue_table, validate_queue_name
 from ._ops import Op
+from ._pg import from_psycopg
 from ._queries import QUERIES as _Q
 from ._queue_info import QueueInfo
 from ._recovery import history_of, section_following

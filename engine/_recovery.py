@@ -33,9 +33,10 @@ from ._decide import (
     mark_dropped,
     resync_queue,
 )
-from ._errors import DatabaseUnavailable, QueueError, RingqError, SectionError, from_psycopg
+from ._errors import DatabaseUnavailable, QueueError, RingqError, SectionError
 from ._names import queue_table
 from ._ops import POISON_REASON, Op, OpKind, RowState
+from ._pg import from_psycopg
 from ._process import _Process
 from ._queries import QUERIES as _Q
 from ._queue_info import QueueInfo

@@ -32,11 +32,11 @@ from pathlib import Path
 from typing import Any
 
 import posix_ipc
-import psycopg
 from psycopg import conninfo
 
 from . import _layout as L
-from ._errors import SectionError, from_psycopg, redact_dsn
+from . import _pg
+from ._errors import RingqError, SectionError, redact_dsn
 from ._process import _Process
 from ._section import SHM_DIR, Section, pid_alive, section_name
 from ._sqlfile import load
@@ -364,20 +364,17 @@ def scan_server(dsn: str, *, timeout: int = 3) -> ServerScan:
     :raises DatabaseUnavailable: the server does not answer at ``dsn``.
     """
     scan = ServerScan(dsn=redact_dsn(dsn))
-    try:
-        with psycopg.connect(dsn, autocommit=True, connect_timeout=timeout) as conn:
-            row = conn.execute(_Q["history"]).fetchone()
-            scan.sysid = int(row[0]) & ((1 << 64) - 1) if row else 0
-            names = [r[0] for r in conn.execute(_Q["databases"]).fetchall()]
-    except psycopg.Error as exc:
-        raise from_psycopg(exc, dsn=dsn) from exc
+    with _pg.connected(dsn, connect_timeout=timeout) as conn:
+        row = conn.execute(_Q["history"]).fetchone()
+        scan.sysid = int(row[0]) & ((1 << 64) - 1) if row else 0
+        names = [r[0] for r in conn.execute(_Q["databases"]).fetchall()]
     for name in names:
         url = conninfo.make_conninfo(dsn, dbname=name)
         try:
-            with psycopg.connect(url, autocommit=True, connect_timeout=timeout) as conn:
+            with _pg.connected(url, connect_timeout=timeout) as conn:
                 has = conn.execute(_Q["has_meta"]).fetchone()
                 row = conn.execute(_Q["instance_id"]).fetchone() if has and has[0] else None
-        except psycopg.Error:
+        except RingqError:
             scan.complete = False  # no permission, or dropped meanwhile: cannot tell
             continue
         if row is not None and row[0]:

@@ -21,7 +21,6 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
-import psycopg
 from ringq.engine import (
     ConfigError,
     DatabaseUnavailable,
@@ -30,7 +29,7 @@ from ringq.engine import (
     Section,
     SectionIncompatible,
     exits,
-    from_psycopg,
+    pg,
     pid_alive,
 )
 from ringq.engine import layout as L
@@ -221,7 +220,7 @@ def reset_section(dsn: str) -> int:
     :raises DatabaseUnavailable: the database cannot be reached.
     """
     try:
-        with psycopg.connect(dsn, autocommit=True, connect_timeout=5) as conn:
+        with pg.connected(dsn, connect_timeout=5, attaching=True) as conn:
             row = conn.execute(Qy.INSTANCE_ID).fetchone()
             qids = [r[0] for r in conn.execute(Qy.QUEUES).fetchall()]
             locked = conn.execute(Qy.TRY_MONITOR_LOCK).fetchone()
@@ -229,11 +228,9 @@ def reset_section(dsn: str) -> int:
                 print("ringq monitor: another monitor serves this database: "
                       "stop it before --reset-section", file=sys.stderr)
                 return RET_ALREADY_RUNNING
-    except psycopg.errors.UndefinedTable:
+    except SchemaMissing:  # attaching: a missing ringq table is no ringq schema
         print("ringq monitor: no ringq schema in this database: nothing to reset", file=sys.stderr)
         return RET_OK
-    except psycopg.Error as exc:
-        raise from_psycopg(exc, dsn=dsn) from exc
     if not row:
         return RET_OK
     instance = str(row[0])

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import time
 
-from ringq.engine import converted, queue_table
+from ringq.engine import queue_table
 from ringq.engine.sqlfile import compose
 
 from . import _queries as Qy
@@ -34,7 +34,7 @@ def prune_keys(
     :raises RingqError: any other database error, converted.
     """
     pruned: dict[str, int] = {}
-    with connect_step(dsn) as conn, converted(dsn=dsn):
+    with connect_step(dsn) as conn:
         dropped = conn.execute(Qy.KEYS_PRUNE_DROPPED, (batch,)).rowcount
         if dropped:
             pruned[""] = dropped

@@ -21,10 +21,10 @@ import psycopg
 from psycopg import sql
 from ringq.engine import (
     DatabaseUnavailable,
+    RingqError,
     SchemaMissing,
-    from_psycopg,
+    pg,
     read_dsn_file,
-    redact_dsn,
 )
 from ringq.engine.sqlfile import compose
 
@@ -76,38 +76,29 @@ class Link:
         while True:
             dsn = self._settings().dsn
             try:
-                conn = psycopg.connect(
-                    dsn, autocommit=True, connect_timeout=5, application_name="ringq-monitor"
-                )
+                conn = pg.connect(dsn, connect_timeout=5, application_name="ringq-monitor")
                 break
-            except psycopg.Error as exc:
+            except RingqError as err:
                 if self._follow_dsn():
                     continue  # the embedded cluster came back under another DSN: try that one
-                err = from_psycopg(exc, dsn=dsn)
                 self._error = str(err)
-                raise err from exc
+                raise
         try:
-            row = conn.execute(Qy.INSTANCE_ID).fetchone()
+            # attaching: a missing ringq.meta is SchemaMissing, "create a queue first"
+            row = pg.run(conn, Qy.INSTANCE_ID, dsn=dsn, attaching=True).fetchone()
             if not row or not row[0]:
                 raise SchemaMissing("ringq.meta holds no instance_id")
-            locked = conn.execute(Qy.TRY_MONITOR_LOCK).fetchone()
+            locked = pg.run(conn, Qy.TRY_MONITOR_LOCK, dsn=dsn).fetchone()
             if not locked or not locked[0]:
-                holder = conn.execute(Qy.MONITOR_LOCK_HOLDER).fetchone()
+                holder = pg.run(conn, Qy.MONITOR_LOCK_HOLDER, dsn=dsn).fetchone()
                 who = (
                     f" (backend pid {holder[0]}, {holder[1] or 'no application name'})"
                     if holder
                     else ""
                 )
                 raise MonitorRunning(f"another ringq monitor serves this database{who}")
-            conn.execute(compose(Qy.LISTEN_INBOX, channel=sql.Identifier(Qy.INBOX_CHANNEL)))
-        except psycopg.errors.UndefinedTable as exc:
-            conn.close()
-            raise SchemaMissing(
-                f"no ringq schema in {redact_dsn(dsn)!r}: create a queue first (ringq queue create)"
-            ) from exc
-        except psycopg.Error as exc:
-            conn.close()
-            raise from_psycopg(exc, dsn=dsn) from exc
+            listen = compose(Qy.LISTEN_INBOX, channel=sql.Identifier(Qy.INBOX_CHANNEL))
+            pg.run(conn, listen, dsn=dsn)
         except BaseException:
             conn.close()
             raise

@@ -38,7 +38,7 @@ from datetime import datetime
 from typing import Any
 
 import psycopg
-from ringq.engine import ConfigError, Message, Session, from_psycopg
+from ringq.engine import ConfigError, Message, Session, StatementRejected, pg
 
 from ._mover import Moved, is_moved, unwrap
 from ._queries import SQL
@@ -62,17 +62,15 @@ def create_applied_table(dsn: str) -> None:
 
     :raises DatabaseUnavailable, DatabaseError:
     """
-    try:
-        with psycopg.connect(dsn, autocommit=True, connect_timeout=10) as conn:
-            for _attempt in range(5):
-                try:
-                    conn.execute(SQL["applied_create"])
-                    break
-                except psycopg.errors.UniqueViolation:
-                    # Two first creations raced in the catalog: the other won.
-                    continue
-    except psycopg.Error as exc:
-        raise from_psycopg(exc, dsn=dsn) from exc
+    with pg.connect(dsn, connect_timeout=10) as conn:
+        for _attempt in range(5):
+            try:
+                pg.run(conn, SQL["applied_create"], dsn=dsn)
+                break
+            except StatementRejected as exc:
+                if exc.sqlstate != pg.UNIQUE_VIOLATION:
+                    raise
+                # Two first creations raced in the catalog: the other won.
     with _ready_lock:
         _ready.add(dsn)
 
@@ -122,19 +120,13 @@ def already_applied(
             known = dsn in _ready
         if not known:
             _ensure_in_transaction(conn, dsn)
-    try:
-        row = conn.execute(SQL["applied_record"], (consumer, queue, seq, enqueued_at)).fetchone()
-    except psycopg.Error as exc:
-        raise from_psycopg(exc, dsn=dsn) from exc
-    return row is None
+    cur = pg.run(conn, SQL["applied_record"], (consumer, queue, seq, enqueued_at), dsn=dsn)
+    return cur.fetchone() is None
 
 
 def _ensure(conn: psycopg.Connection[Any], dsn: str) -> None:
     """Create the table on first use (checked on the caller's connection, created on another)."""
-    try:
-        row = conn.execute(SQL["applied_exists"]).fetchone()
-    except psycopg.Error as exc:
-        raise from_psycopg(exc, dsn=dsn) from exc
+    row = pg.run(conn, SQL["applied_exists"], dsn=dsn).fetchone()
     if row and row[0]:
         with _ready_lock:
             _ready.add(dsn)
@@ -145,19 +137,18 @@ def _ensure(conn: psycopg.Connection[Any], dsn: str) -> None:
 def _ensure_in_transaction(conn: psycopg.Connection[Any], dsn: str) -> None:
     """For a bare connection (whose password we do not know): create the table in a
     savepoint of the caller's transaction; it exists for others once that commits."""
+    row = pg.run(conn, SQL["applied_exists"], dsn=dsn).fetchone()
+    if row and row[0]:
+        if dsn not in _created_here:
+            # Not our own (maybe uncommitted) creation: it is there for good.
+            with _ready_lock:
+                _ready.add(dsn)
+        return
     try:
-        row = conn.execute(SQL["applied_exists"]).fetchone()
-        if row and row[0]:
-            if dsn not in _created_here:
-                # Not our own (maybe uncommitted) creation: it is there for good.
-                with _ready_lock:
-                    _ready.add(dsn)
-            return
-        try:
-            with conn.transaction():
-                conn.execute(SQL["applied_create"])
-            _created_here.add(dsn)  # exists for good only if the caller commits
-        except psycopg.errors.UniqueViolation:
-            pass  # created concurrently by another first user: it is there now
-    except psycopg.Error as exc:
-        raise from_psycopg(exc, dsn=dsn) from exc
+        with pg.transaction(conn, dsn=dsn):  # a savepoint of the caller's transaction
+            conn.execute(SQL["applied_create"])
+        _created_here.add(dsn)  # exists for good only if the caller commits
+    except StatementRejected as exc:
+        if exc.sqlstate != pg.UNIQUE_VIOLATION:
+            raise
+        # created concurrently by another first user: it is there now

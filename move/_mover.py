@@ -66,8 +66,8 @@ from ringq.engine import (
     RingqError,
     Session,
     dsn_file,
-    from_psycopg,
     one_line,
+    pg,
     read_dsn_file,
     redact_dsn,
     resolve_dsn,
@@ -445,18 +445,14 @@ class Mover:
             return True
         self.open()
         if s.lock_conn is None or s.lock_conn.closed:
-            try:
-                s.lock_conn = psycopg.connect(
-                    self.src_dsn, autocommit=True, application_name=self._appname + "-lock",
-                    connect_timeout=10,
-                )
-            except psycopg.Error as exc:
-                raise from_psycopg(exc, dsn=self.src_dsn) from exc
+            s.lock_conn = pg.connect(
+                self.src_dsn, application_name=self._appname + "-lock", connect_timeout=10
+            )
         try:
-            row = s.lock_conn.execute(SQL["try_lock"], (s.src_qid,)).fetchone()
-        except psycopg.Error as exc:
+            row = pg.run(s.lock_conn, SQL["try_lock"], (s.src_qid,), dsn=self.src_dsn).fetchone()
+        except RingqError:
             self._release()
-            raise from_psycopg(exc, dsn=self.src_dsn) from exc
+            raise
         assert row is not None
         if not row[0]:
             return False
@@ -476,8 +472,8 @@ class Mover:
         if now - s.lock_checked < self.config.lock_check:
             return False
         try:
-            s.lock_conn.execute(SQL["ping"])
-        except psycopg.Error:
+            pg.run(s.lock_conn, SQL["ping"])
+        except RingqError:
             logger.warning("ringq.move: %s: lock connection lost; back to standby", self.src_queue)
             self._release()
             return True
@@ -591,26 +587,28 @@ class Mover:
                     queue=self.dst_queue,
                 )
         conn = dst.connection
-        try:
-            if (
-                cfg.prune_every
-                and s.batches_since_prune >= cfg.prune_every
-                and s.prune_upto >= 0
-                and self._lock_held_now()
-            ):
-                cur = conn.execute(
-                    SQL["prune_keys"], (s.dst_qid, s.prune_upto, _key_prefix(s.instance, s.src_qid))
-                )
-                s.stats[STAT_PRUNED_KEYS] += max(0, cur.rowcount)
-                s.batches_since_prune = 0
-            redelivered = [k for m, k in zip(msgs, keys, strict=True) if m.redelivered]
-            found: dict[str, int] = {}
-            if redelivered:
-                s.stats[STAT_REDELIVERED] += len(redelivered)
-                rows = conn.execute(SQL["moved_keys"], (s.dst_qid, redelivered)).fetchall()
-                found = {k: int(q) for k, q in rows}
-        except psycopg.Error as exc:
-            raise from_psycopg(exc, dsn=self.dst_dsn, queue=self.dst_queue) from exc
+        if (
+            cfg.prune_every
+            and s.batches_since_prune >= cfg.prune_every
+            and s.prune_upto >= 0
+            and self._lock_held_now()
+        ):
+            prefix = _key_prefix(s.instance, s.src_qid)
+            cur = pg.run(
+                conn, SQL["prune_keys"], (s.dst_qid, s.prune_upto, prefix),
+                dsn=self.dst_dsn, queue=self.dst_queue,
+            )
+            s.stats[STAT_PRUNED_KEYS] += max(0, cur.rowcount)
+            s.batches_since_prune = 0
+        redelivered = [k for m, k in zip(msgs, keys, strict=True) if m.redelivered]
+        found: dict[str, int] = {}
+        if redelivered:
+            s.stats[STAT_REDELIVERED] += len(redelivered)
+            rows = pg.run(
+                conn, SQL["moved_keys"], (s.dst_qid, redelivered),
+                dsn=self.dst_dsn, queue=self.dst_queue,
+            ).fetchall()
+            found = {k: int(q) for k, q in rows}
         seqs: list[int] = []
         for msg, body, key in zip(msgs, bodies, keys, strict=True):
             if key in found:

@@ -42,7 +42,7 @@ from typing import Any
 import psycopg
 from psycopg.conninfo import conninfo_to_dict
 from ringq.cluster import Cluster, ClusterError
-from ringq.engine import ConfigError, converted
+from ringq.engine import ConfigError, pg
 
 from . import _queries as S
 from . import _store
@@ -58,7 +58,7 @@ def embedded_cluster(dsn: str) -> Cluster | None:
     """The running embedded cluster whose primary serves ``dsn`` (found by its
     data directory, ``<home>/pgdata`` or, after a promotion,
     ``<home>/standby/pgdata``); None if ``dsn`` is some other server."""
-    with converted(dsn=dsn), psycopg.connect(dsn, autocommit=True) as conn:
+    with pg.connected(dsn) as conn:
         row = conn.execute(S.DATA_DIRECTORY).fetchone()
     if not row:
         return None
@@ -171,9 +171,7 @@ class Failover:
 
     def _read_gap(self, primary_dsn: str) -> int | None:
         """Record how far behind the standby is; its walsender's pid."""
-        with converted(dsn=primary_dsn), psycopg.connect(
-            primary_dsn, autocommit=True, connect_timeout=5
-        ) as conn:
+        with pg.connected(primary_dsn, connect_timeout=5) as conn:
             row = conn.execute(S.REPLICATION_GAP).fetchone()
         if row is None:
             self.gap.update(unflushed_bytes=None, unreplayed_bytes=None, sync_state=None)

@@ -12,10 +12,8 @@ from __future__ import annotations
 import os
 from typing import TYPE_CHECKING
 
-import psycopg
 from psycopg import sql
-from psycopg.conninfo import conninfo_to_dict
-from ringq.engine import ConfigError, converted
+from ringq.engine import ConfigError, check_dsn, pg
 from ringq.engine.sqlfile import compose
 
 from . import _queries as S
@@ -33,12 +31,9 @@ FETCH_BYTES = 4 << 20  # and this much per JDBC fetch
 def jdbc_target(dsn: str) -> tuple[str, dict[str, str]]:
     """The JDBC URL and connection properties for a libpq DSN (URI or key=value).
 
-    :raises ConfigError: the DSN names a unix socket (JDBC speaks TCP only).
+    :raises ConfigError: the DSN does not parse, or names a unix socket (JDBC speaks TCP only).
     """
-    try:
-        d = conninfo_to_dict(dsn)
-    except psycopg.ProgrammingError as exc:
-        raise ConfigError(f"invalid DSN: {exc}") from exc
+    d = check_dsn(dsn)  # ConfigError "invalid DSN ..." if libpq cannot parse it
     hosts = str(d.get("hostaddr") or d.get("host") or "localhost").split(",")
     ports = str(d.get("port") or "5432").split(",")
     if any(h.startswith(("/", "@")) for h in hosts):
@@ -109,7 +104,7 @@ def received_counts(dsn: str, run: RunInfo, cycles: sql.Composable) -> dict[int,
     """Rows per received table in ``cycles`` (a list of literals), to choose how many
     JDBC partitions to read with."""
     out = {}
-    with converted(dsn=dsn), psycopg.connect(dsn, autocommit=True) as conn:
+    with pg.connected(dsn) as conn:
         for ref in run.queues:
             row = conn.execute(
                 compose(

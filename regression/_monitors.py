@@ -30,8 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import psycopg
-from ringq.engine import RingqError, exits, from_psycopg, pid_alive, redact_dsn
+from ringq.engine import RingqError, exits, pg, pid_alive, redact_dsn
 
 from . import _queries as S
 
@@ -112,11 +111,8 @@ def serving_monitor(
     :raises ForeignMonitor: one does, but not one found in ``monitor_dir``.
     :raises DatabaseUnavailable: the database cannot be reached.
     """
-    try:
-        with psycopg.connect(dsn, autocommit=True, connect_timeout=10) as conn:
-            holder = conn.execute(S.MONITOR_LOCK_HOLDER).fetchone()
-    except psycopg.Error as exc:
-        raise from_psycopg(exc, dsn=dsn) from exc
+    with pg.connected(dsn, connect_timeout=10) as conn:
+        holder = conn.execute(S.MONITOR_LOCK_HOLDER).fetchone()
     if holder is None:
         return None
     who = (

@@ -13,8 +13,7 @@ import json
 import secrets
 import socket
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager, suppress
+from contextlib import AbstractContextManager, suppress
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
@@ -22,7 +21,7 @@ from typing import Any
 import psycopg
 from psycopg.types.json import Jsonb
 from ringq import __version__
-from ringq.engine import QueueNotFound, RingqError, converted, queue_table
+from ringq.engine import QueueNotFound, RingqError, pg, queue_table
 from ringq.engine.sqlfile import compose
 from ringq.scripting import QueueSpec, create_queue, drop_queue
 
@@ -84,15 +83,10 @@ def queue_name(run_id: str, idx: int) -> str:
     return f"regress_{run_id}_{idx}"
 
 
-@contextmanager
-def _connect(dsn: str, *, autocommit: bool = True) -> Iterator[psycopg.Connection[Any]]:
-    with converted(dsn=dsn):
-        conn = psycopg.connect(dsn, autocommit=autocommit, application_name="ringq-regress")
-    try:
-        with converted(dsn=dsn):
-            yield conn
-    finally:
-        conn.close()
+def _connect(
+    dsn: str, *, autocommit: bool = True
+) -> AbstractContextManager[psycopg.Connection[Any]]:
+    return pg.connected(dsn, autocommit=autocommit, application_name="ringq-regress")
 
 
 def queue_refs(run_id: str, config: RegressConfig) -> tuple[QueueRef, ...]:

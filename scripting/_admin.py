@@ -2,8 +2,8 @@
 read, and the exception entries (``ringq queue exceptions|requeue|discard``).
 
 Data only: these functions return dataclasses and the CLI renders them. psycopg
-errors are converted here (and in :mod:`._ddl`), so callers handle ringq
-errors alone.
+errors are converted by the engine's :mod:`ringq.engine.pg`, which every
+statement here runs through, so callers handle ringq errors alone.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from ringq.engine import (
     QueueNotFound,
     Section,
     check_dsn,
-    converted,
+    pg,
     queue_table,
     validate_queue_name,
 )
@@ -80,13 +80,14 @@ def connect_admin(dsn: str) -> psycopg.Connection[Any]:
         connection; the message names the DSN without its password.
     """
     params = check_dsn(dsn)  # a malformed DSN is a ConfigError, before any connection
-    extra: dict[str, Any] = {}
+    # The DSN's own settings (or libpq's variables) win over ours.
+    timeout = None
     if "connect_timeout" not in params and not os.environ.get("PGCONNECT_TIMEOUT"):
-        extra["connect_timeout"] = DEFAULT_CONNECT_TIMEOUT
+        timeout = DEFAULT_CONNECT_TIMEOUT
+    appname = None
     if "application_name" not in params and not os.environ.get("PGAPPNAME"):
-        extra["application_name"] = APPLICATION_NAME
-    with converted(dsn=dsn):
-        return psycopg.connect(dsn, autocommit=True, **extra)
+        appname = APPLICATION_NAME
+    return pg.connect(dsn, connect_timeout=timeout, application_name=appname)
 
 
 def remove_section(conn: psycopg.Connection[Any]) -> str | None:
@@ -98,10 +99,9 @@ def remove_section(conn: psycopg.Connection[Any]) -> str | None:
 
     :returns: the section's instance id, or None when there is no ringq schema.
     """
-    with converted():
-        if not _schema_present(conn):
-            return None
-        row = conn.execute(_Q["section_ids"]).fetchone()
+    if not _schema_present(conn):
+        return None
+    row = pg.run(conn, _Q["section_ids"]).fetchone()
     if row is None or not row[0]:
         return None
     instance, last_id = str(row[0]), int(row[1])
@@ -115,10 +115,9 @@ def list_queues(conn: psycopg.Connection[Any]) -> list[QueueSummary]:
 
     :raises DatabaseUnavailable: the connection was lost.
     """
-    with converted():
-        if not _schema_present(conn):
-            return []
-        rows = conn.execute(_Q["list_queues"]).fetchall()
+    if not _schema_present(conn):
+        return []
+    rows = pg.run(conn, _Q["list_queues"]).fetchall()
     return [QueueSummary(*row) for row in rows]
 
 
@@ -129,7 +128,7 @@ def describe_queue(conn: psycopg.Connection[Any], name: str) -> QueueDetails:
     :raises QueueNotFound: no such queue (or no ringq schema at all).
     """
     table = queue_table(validate_queue_name(name))
-    with converted(queue=name), conn.transaction():
+    with pg.transaction(conn, queue=name):
         # One snapshot, so depth, inbox and slot counts agree with each other.
         conn.execute(_Q["snapshot"])
         if not _schema_present(conn):
@@ -169,7 +168,7 @@ def list_exceptions(conn: psycopg.Connection[Any], name: str) -> list[ExceptionE
     :raises InvalidQueueName: ``name`` is not a valid queue name.
     :raises QueueNotFound: no such queue (or no ringq schema at all).
     """
-    with converted(queue=name), conn.transaction():
+    with pg.transaction(conn, queue=name):
         qid = _queue_id(conn, name)
         rows = conn.execute(_Q["list_exceptions"], (qid,)).fetchall()
     return [ExceptionEntry(*row) for row in rows]
@@ -187,7 +186,7 @@ def requeue_exception(conn: psycopg.Connection[Any], name: str, seq: int) -> int
     :raises QueueNotFound: no such queue.
     :raises EntryNotFound: the queue has no exception entry ``seq``.
     """
-    with converted(queue=name), conn.transaction():
+    with pg.transaction(conn, queue=name):
         qid = _queue_id(conn, name)
         row = conn.execute(_Q["requeue_exception"], (qid, seq)).fetchone()
         if row is None:
@@ -202,7 +201,7 @@ def discard_exception(conn: psycopg.Connection[Any], name: str, seq: int) -> Non
     :raises QueueNotFound: no such queue.
     :raises EntryNotFound: the queue has no exception entry ``seq``.
     """
-    with converted(queue=name), conn.transaction():
+    with pg.transaction(conn, queue=name):
         qid = _queue_id(conn, name)
         if conn.execute(_Q["discard_exception"], (qid, seq)).fetchone() is None:
             raise _no_entry(name, seq)
@@ -213,10 +212,10 @@ def exception_queue_of(conn: psycopg.Connection[Any], name: str) -> list[str]:
 
     Dropping ``name`` leaves their poison entries in ``ringq.exceptions`` only.
     """
-    with converted(queue=name):
-        if not _schema_present(conn):
-            return []
-        return [str(r[0]) for r in conn.execute(_Q["exception_queue_of"], (name,)).fetchall()]
+    if not _schema_present(conn):
+        return []
+    rows = pg.run(conn, _Q["exception_queue_of"], (name,), queue=name).fetchall()
+    return [str(r[0]) for r in rows]
 
 
 def _queue_id(conn: psycopg.Connection[Any], name: str) -> int:
@@ -238,5 +237,5 @@ def _no_entry(name: str, seq: int) -> EntryNotFound:
 
 
 def _schema_present(conn: psycopg.Connection[Any]) -> bool:
-    row = conn.execute(Qy.SCHEMA_PRESENT).fetchone()
+    row = pg.run(conn, Qy.SCHEMA_PRESENT).fetchone()
     return bool(row and row[0])

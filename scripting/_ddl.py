@@ -17,10 +17,9 @@ from ringq.engine import (
     DEFAULT_LEASE,
     MAX_CAPACITY,
     ConfigError,
-    QueueExists,
     QueueNotFound,
     Section,
-    converted,
+    pg,
     queue_table,
     validate_queue_name,
 )
@@ -217,7 +216,7 @@ def create_queue_script(spec: QueueSpec) -> str:
 
 def create_schema(conn: psycopg.Connection[Any]) -> None:
     """Create (or migrate) the management schema in its own transaction."""
-    with converted(), conn.transaction():
+    with pg.transaction(conn):
         conn.execute(schema_sql())
 
 
@@ -231,42 +230,14 @@ def create_queue(conn: psycopg.Connection[Any], spec: QueueSpec) -> bool:
     :raises ConfigError: it would not fit in the global section beside the
         queues already in the database (``MAX_QUEUES`` queues, ``SLOT_POOL`` slots).
     """
-    try:
-        with conn.transaction():
-            # The schema block takes the DDL advisory lock: look only after it,
-            # so that of two concurrent creators exactly one reports "created".
-            conn.execute(schema_sql())
-            existed = _queue_exists(conn, spec.name)
-            conn.execute(queue_sql(spec))
-    except psycopg.errors.DuplicateObject as exc:
-        raise QueueExists(
-            f"queue {spec.name!r} exists with different settings", queue=spec.name
-        ) from exc
-    except psycopg.errors.UndefinedObject as exc:
-        if spec.exception_queue is None or not (exc.diag.message_primary or "").startswith(
-            "ringq: exception queue"
-        ):  # not ours: e.g. an unknown tablespace, named by PostgreSQL's message
-            from ringq.engine import from_psycopg
-
-            raise from_psycopg(exc, queue=spec.name) from exc
-        # The exception queue check of the queue block (ddl.sql).
-        raise QueueNotFound(
-            f"exception queue {spec.exception_queue!r} of queue {spec.name!r} does not exist "
-            "(create it first)",
-            queue=spec.exception_queue,
-        ) from exc
-    except psycopg.errors.InvalidParameterValue as exc:
-        raise ConfigError((exc.diag.message_primary or str(exc)).removeprefix("ringq: ")) from exc
-    except psycopg.errors.ProgramLimitExceeded as exc:
-        # The section budget check of the queue block: a usage error, as a
-        # capacity over MAX_CAPACITY is (the message says what is taken).
-        primary = (exc.diag.message_primary or str(exc)).removeprefix("ringq: ")
-        hint = f"; {exc.diag.message_hint}" if exc.diag.message_hint else ""
-        raise ConfigError(primary + hint) from exc
-    except psycopg.Error as exc:
-        from ringq.engine import from_psycopg
-
-        raise from_psycopg(exc, queue=spec.name) from exc
+    # creating: the queue block's own checks (ddl.sql) mean QueueExists,
+    # QueueNotFound (its exception queue) or ConfigError (see pg.from_psycopg).
+    with pg.transaction(conn, queue=spec.name, creating=True):
+        # The schema block takes the DDL advisory lock: look only after it,
+        # so that of two concurrent creators exactly one reports "created".
+        conn.execute(schema_sql())
+        existed = _queue_exists(conn, spec.name)
+        conn.execute(queue_sql(spec))
     return not existed
 
 
@@ -277,7 +248,7 @@ def drop_queue(conn: psycopg.Connection[Any], name: str) -> None:
 
     :raises QueueNotFound: no such queue.
     """
-    with converted(queue=name), conn.transaction():
+    with pg.transaction(conn, queue=name):
         if not _queue_exists(conn, name):
             raise QueueNotFound(f"queue {name!r} does not exist", queue=name)
         row = conn.execute(Qy.QUEUE_SECTION, (name,)).fetchone()
