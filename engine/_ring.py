@@ -37,52 +37,23 @@ from __future__ import annotations
 import hashlib
 import secrets
 import time
-from collections.abc import Iterator, Sequence
+from collections import Counter
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import numpy as np
 
 from . import _layout as L
+from ._cache import Cached, PayloadCache
 from ._ops import OpKind, RowState
+from ._scan import RingScan, bit_mask, set_bits
 from ._section import Section
 
 if TYPE_CHECKING:
     from ._ops import Op
 
 _U64 = (1 << 64) - 1
-# A payload cache hit: (payload, producer, producer_seq, enqueued at in us, group).
-Cached = tuple[bytes, str, int, int, str | None]
-_FIRST_CHUNK = 2
-_MAX_CHUNK = 1024
-_GROUPED_PY_WORDS = 4  # words a grouped claim reads as plain ints before numpy chunks
-_ISIN_FROM = 16  # busy groups from which np.isin beats one comparison per group
-
-
-def _lowest_bit(x: int) -> int:
-    return (x & -x).bit_length() - 1
-
-
-def _set_bits(words: np.ndarray) -> np.ndarray:
-    """Positions (word * 64 + bit, ascending) of the set bits of ``words``
-    (uint64), unpacking only the words that have one."""
-    nz = np.flatnonzero(words)
-    if not nz.size:
-        return nz
-    rows, cols = np.nonzero(
-        np.unpackbits(words[nz].view(np.uint8), bitorder="little").reshape(-1, 64)
-    )
-    return nz[rows] * 64 + cols
-
-
-def _not_in(tags: np.ndarray, busy: set[int]) -> np.ndarray:
-    """A mask of the ``tags`` not in ``busy`` (non-empty)."""
-    if len(busy) >= _ISIN_FROM:
-        return ~np.isin(tags, np.fromiter(busy, dtype=np.int64, count=len(busy)))
-    keep = np.ones(tags.shape, dtype=bool)
-    for tag in busy:
-        keep &= tags != tag
-    return keep
-
+_VECTOR_FROM = 8  # ops from which a finish works on arrays (below, numpy's call cost dominates)
 
 def group_tag(group: str | None) -> int:
     """The section's tag of a group name: 64 bits of its BLAKE2b digest
@@ -96,23 +67,16 @@ def group_tag(group: str | None) -> int:
     return tag or 1
 
 
-class Ring:
+class Ring(RingScan):
     """A view of queue block ``qidx`` (cheap to make; holds no lock itself)."""
 
-    __slots__ = ("Q", "base", "cache_payload", "cap", "cbase", "qb", "qid", "qidx", "sec",
-                 "stride", "w0")
+    __slots__ = ("cache", "cbase", "qid", "stride")
 
     def __init__(self, sec: Section, qidx: int) -> None:
-        self.sec = sec
-        self.qidx = qidx
-        self.qb = qidx * L.QUEUE_WORDS
-        self.Q = sec.queues
+        super().__init__(sec, qidx)
         self.qid = self.Q[self.qb + L.Q_QID]
-        self.cap = self.Q[self.qb + L.Q_CAPACITY]
-        self.base = self.Q[self.qb + L.Q_BASE]
-        self.w0 = self.base >> 6
-        self.cache_payload = self.Q[self.qb + L.Q_CACHE_PAYLOAD]
-        self.stride = self.Q[self.qb + L.Q_CACHE_STRIDE]
+        self.cache = PayloadCache(sec, self.qb)
+        self.stride = self.cache.stride  # bytes of a slot's cache record (0: no cache)
         self.cbase = self.Q[self.qb + L.Q_CACHE_BASE]
 
     # -- positions ----------------------------------------------------------------
@@ -179,6 +143,47 @@ class Ring:
         Q[b + L.Q_N_ENQ] += 1
         return slot, head
 
+    def reserve_many(
+        self, owner: int, backend: int, n: int, tags: Sequence[int] | None = None
+    ) -> tuple[int, int]:
+        """Reserve up to ``n`` slots at the head for ``owner`` (held by
+        ``backend``), the i-th for group ``tags[i]`` (None: no groups), as
+        array writes in :meth:`reserve`'s order (bits cleared, holders,
+        owners and groups, then LCK, then the head moves). Returns (first
+        seq, how many): the slots are the seqs modulo the capacity."""
+        Q, b = self.Q, self.qb
+        head = Q[b + L.Q_HEAD]
+        room = self.cap - (head - Q[b + L.Q_TAIL])
+        if room < n:
+            self.reclaim()
+            room = self.cap - (head - Q[b + L.Q_TAIL])
+        k = min(n, room)
+        if k <= 0:
+            return head, 0
+        if k < _VECTOR_FROM:
+            for i in range(k):
+                self.reserve(owner, backend, tags[i] if tags else 0)
+            return head, k
+        slots = (head + np.arange(k, dtype=np.int64)) % self.cap
+        s = self.sec
+        lo, mask = bit_mask(slots)
+        at = slice(self.w0 + lo, self.w0 + lo + mask.size)
+        s.enq[at] &= ~mask
+        s.deq[at] &= ~mask
+        g = self.base + slots
+        s.holder[g] = backend
+        s.owner[g] = owner
+        if tags:
+            s.group[g] = np.asarray(tags[:k], dtype=np.int64)
+            if any(tags[:k]):
+                Q[b + L.Q_GROUPED] = 1
+        else:
+            s.group[g] = 0
+        s.lck[at] |= mask
+        Q[b + L.Q_HEAD] = head + k
+        Q[b + L.Q_N_ENQ] += k
+        return head, k
+
     def set_group(self, slot: int, tag: int) -> None:
         """Give a locked slot's entry the group ``tag`` (before it is published)."""
         self.sec.group_w[self.base + slot] = tag
@@ -239,140 +244,43 @@ class Ring:
     def claim_many(
         self, owner: int, backend: int, n: int, *, exclusive: bool
     ) -> list[tuple[int, int]]:
-        """Lock up to ``n`` of the oldest ready entries for ``owner`` with one scan."""
+        """Lock up to ``n`` of the oldest ready entries for ``owner``: (slot, seq) pairs."""
+        slots, seqs = self.claim_batch(owner, backend, n, exclusive=exclusive)
+        return list(zip(slots.tolist(), seqs.tolist(), strict=True))
+
+    def claim_batch(
+        self, owner: int, backend: int, n: int, *, exclusive: bool
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """Lock up to ``n`` of the oldest ready entries for ``owner`` (held by
+        ``backend``) with one scan: their slots and seqs (int64 arrays, oldest
+        first). The holders and owners are written before the LCK bits, the
+        LCK bits before the DEQ bits, as one array write each."""
         Q, b = self.Q, self.qb
+        none = np.empty(0, dtype=np.int64)
         if exclusive:
             holder = Q[b + L.Q_DEQ_OWNER]
             if holder and holder != owner:
-                return []
+                return none, none
         tail = Q[b + L.Q_TAIL]
         window = Q[b + L.Q_HEAD] - tail
         if window <= 0:
-            return []
-        slots = self._ready_slots(tail, window, n)
+            return none, none
+        slots = self.ready_array(tail, window, n)
+        if not slots.size:
+            return none, none
         s = self.sec
-        out = []
-        for slot in slots:
-            w, m = self._bit(slot)
-            s.holder_w[self.base + slot] = backend
-            s.owner_w[self.base + slot] = owner
-            s.lck_w[w] |= m
-            s.deq_w[w] |= m
-            out.append((slot, tail + (slot - tail) % self.cap))
-        if out:
-            if exclusive:
-                Q[b + L.Q_DEQ_OWNER] = owner
-                Q[b + L.Q_DEQ_INFLIGHT] += len(out)
-            Q[b + L.Q_N_DEQ] += len(out)
-        return out
-
-    def _ready_slots(self, tail: int, window: int, n: int) -> list[int]:
-        """Up to ``n`` of the oldest ready slots of the window (``window``
-        slots from ``tail``); in a grouped queue, passing over entries whose
-        group is busy, and at most one per group."""
-        busy = self.busy_groups() if self.Q[self.qb + L.Q_GROUPED] else None
-        start = tail % self.cap
-        slots: list[int] = []
-        end = start + window
-        if end <= self.cap:
-            self._collect(start, end, n, slots, busy)
-        else:
-            self._collect(start, self.cap, n, slots, busy)
-            if len(slots) < n:
-                self._collect(0, end - self.cap, n, slots, busy)
-        return slots
-
-    def busy_groups(self) -> set[int]:
-        """Tags of the groups with an entry held by a dequeuer (LCK and DEQ
-        set: dequeued, or in a prepared transaction) in this queue: a scan of
-        the window's words (slots outside it are done, never locked)."""
-        s = self.sec
-        tail = self.Q[self.qb + L.Q_TAIL]
-        window = self.Q[self.qb + L.Q_HEAD] - tail
-        if window <= 0:
-            return set()
-        busy: set[int] = set()
-        start = tail % self.cap
-        end = start + window
-        spans = [(start, end)] if end <= self.cap else [(start, self.cap), (0, end - self.cap)]
-        for a, b in spans:
-            g0, g1 = self.w0 + (a >> 6), self.w0 + ((b - 1) >> 6) + 1
-            held = (a >> 6) * 64 + _set_bits(s.lck[g0:g1] & s.deq[g0:g1])
-            tags = s.group[self.base + held]
-            busy.update(tags[tags != 0].tolist())
-        return busy
-
-    def _collect(
-        self, a: int, b: int, n: int, out: list[int], busy: set[int] | None = None
-    ) -> None:
-        """Append ready slots in [a, b) to ``out``, oldest first, until it
-        holds ``n``. With ``busy`` (a grouped queue), a slot whose group tag is
-        in it is passed over, and each slot taken adds its group."""
-        if busy is not None:
-            self._collect_grouped(a, b, n, out, busy)
-            return
-        wl = (b - 1) >> 6
-        chunk = _FIRST_CHUNK
-        w = a >> 6
-        while w <= wl and len(out) < n:
-            we = min(wl + 1, w + chunk)
-            words = self._words(w, we, a, b, ready=True)
-            for i in np.flatnonzero(words):
-                x = int(words[i])
-                while x and len(out) < n:
-                    low = x & -x
-                    out.append(((w + int(i)) << 6) + low.bit_length() - 1)
-                    x ^= low
-                if len(out) >= n:
-                    return
-            w = we
-            chunk = min(chunk * 4, _MAX_CHUNK)
-
-    def _collect_grouped(self, a: int, b: int, n: int, out: list[int], busy: set[int]) -> None:
-        skipped = 0
-        for slot, tag in self._ready_tagged(a, b, busy):
-            if tag:
-                if tag in busy:
-                    skipped += 1
-                    continue
-                busy.add(tag)
-            out.append(slot)
-            if len(out) >= n:
-                break
-        if skipped:
-            self.Q[self.qb + L.Q_N_GROUP_SKIPS] += skipped
-
-    def _ready_tagged(self, a: int, b: int, busy: set[int]) -> Iterator[tuple[int, int]]:
-        """Ready slots in [a, b), oldest first, each with its group tag. A
-        numpy chunk leaves out the slots whose group is in ``busy`` as the
-        chunk is read (counted as group skips); the caller tests the rest."""
-        wl = (b - 1) >> 6
-        G, base = self.sec.group_w, self.base
-        # Near the tail, as _find_in: plain ints through the memoryviews
-        # (numpy's per-call cost is most of a short scan).
-        w = a >> 6
-        stop = min(wl + 1, w + _GROUPED_PY_WORDS)
-        while w < stop:
-            word = self._word(w, a, b, ready=True)
-            while word:
-                low = word & -word
-                word ^= low
-                slot = (w << 6) + low.bit_length() - 1
-                yield slot, G[base + slot]
-            w += 1
-        chunk = _FIRST_CHUNK * 4
-        while w <= wl:
-            we = min(wl + 1, w + chunk)
-            slots = w * 64 + _set_bits(self._words(w, we, a, b, ready=True))  # in order
-            if slots.size:
-                tags = self.sec.group[base + slots]
-                if busy:
-                    keep = _not_in(tags, busy)
-                    self.Q[self.qb + L.Q_N_GROUP_SKIPS] += int(slots.size - np.count_nonzero(keep))
-                    slots, tags = slots[keep], tags[keep]
-                yield from zip(slots.tolist(), tags.tolist(), strict=True)
-            w = we
-            chunk = min(chunk * 4, _MAX_CHUNK)
+        g = self.base + slots
+        s.holder[g] = backend
+        s.owner[g] = owner
+        lo, mask = bit_mask(slots)
+        at = slice(self.w0 + lo, self.w0 + lo + mask.size)
+        s.lck[at] |= mask
+        s.deq[at] |= mask
+        if exclusive:
+            Q[b + L.Q_DEQ_OWNER] = owner
+            Q[b + L.Q_DEQ_INFLIGHT] += slots.size
+        Q[b + L.Q_N_DEQ] += slots.size
+        return slots, tail + (slots - tail) % self.cap
 
     def finish_dequeue(
         self, slot: int, consumed: bool, *, exclusive: bool, reclaim: bool = True
@@ -391,7 +299,7 @@ class Ring:
             # Consumed, or its row counts a delivery now: a record serves one
             # first delivery (a redelivery, or a section that went wrong,
             # reads the row).
-            s.cache_w[(self._record(slot) >> 3) + L.R_TAG] = 0
+            s.cache_w[self.cache.cw0 + slot * self.cache.sw + L.R_TAG] = 0
         s.lck_w[w] &= ~m & _U64
         s.owner_w[self.base + slot] = 0
         if exclusive and Q[b + L.Q_DEQ_INFLIGHT] > 0:
@@ -446,43 +354,82 @@ class Ring:
         wake-ups. Returns (ready, space): how many sleeping dequeuers and
         enqueuers the caller wakes (after releasing the lock).
         """
+        if len(ops) < _VECTOR_FROM:
+            return self._finish_each(ops, owner, committed=committed, poisoned=poisoned,
+                                     exclusive=exclusive, enq_at_us=enq_at_us)
         Q, b = self.Q, self.qb
-        n_ready = n_space = 0
-        latencies: dict[tuple[OpKind, int], int] = {}  # a batch's ops share one latency
-        for op in ops:
-            if not self.held_by(op.slot, owner):
-                continue  # already decided by recovery (never finish a slot twice)
-            if op.kind == OpKind.ENQUEUE:
-                if committed and enq_at_us is not None and op.fill is not None and self.stride:
-                    f = op.fill
-                    self.cache_put(
-                        op.slot, op.seq, f.payload, f.producer.encode(), f.producer_seq, enq_at_us,
-                        None if f.group is None else f.group.encode(),
-                    )
-                self.finish_enqueue(op.slot, committed)
-                n_ready += committed
-            else:
-                consumed = committed or (op.slot, op.seq) in poisoned
+        s = self.sec
+        n_ready = n_space = n_poisoned = 0
+        enq = [op for op in ops if op.kind is OpKind.ENQUEUE]
+        deq = [op for op in ops if op.kind is not OpKind.ENQUEUE]
+        if enq:
+            enq, slots = self._held(enq, owner)
+            if slots.size:
+                lo, mask = bit_mask(slots)
+                at = slice(self.w0 + lo, self.w0 + lo + mask.size)
+                if committed:
+                    if enq_at_us is not None and self.stride:
+                        filled = [op for op in enq if op.fill is not None]
+                        self.cache.put_many(
+                            [op.slot for op in filled], [op.seq for op in filled],
+                            [op.fill for op in filled if op.fill is not None], enq_at_us,
+                        )
+                    s.enq[at] |= mask
+                    Q[b + L.Q_DEPTH_HINT] += slots.size
+                    Q[b + L.Q_N_ENQ_COMMIT] += slots.size
+                    n_ready += slots.size
+                else:
+                    s.deq[at] |= mask
+                    Q[b + L.Q_N_ENQ_ROLLBACK] += slots.size
+                s.lck[at] &= ~mask
+                s.owner[self.base + slots] = 0
+                self._record_latencies(OpKind.ENQUEUE, enq)
+        if deq:
+            deq, slots = self._held(deq, owner)
+            if slots.size:
+                if poisoned:
+                    hit = [(op.slot, op.seq) in poisoned for op in deq]
+                    n_poisoned = sum(hit)
+                    consumed = np.array(hit, dtype=bool) | committed
+                else:
+                    consumed = np.full(slots.size, committed, dtype=bool)
+                n_consumed = int(np.count_nonzero(consumed))
                 was_owner = Q[b + L.Q_DEQ_OWNER]
                 # a consumed entry of a group frees the group: its next entry
                 # may be what a sleeping dequeuer waits for
-                freed_group = consumed and self.sec.group_w[self.base + op.slot] != 0
-                self.finish_dequeue(op.slot, consumed, exclusive=exclusive, reclaim=False)
-                n_space += consumed
-                n_ready += (
-                    (not consumed)
-                    or freed_group
-                    or (exclusive and was_owner and not Q[b + L.Q_DEQ_OWNER])
+                freed = int(np.count_nonzero(consumed & (s.group[self.base + slots] != 0)))
+                Q[b + L.Q_DEPTH_HINT] -= n_consumed
+                Q[b + L.Q_N_DEQ_COMMIT] += n_consumed
+                back = slots[~consumed]
+                if back.size:
+                    lo, mask = bit_mask(back)
+                    s.deq[self.w0 + lo : self.w0 + lo + mask.size] &= ~mask
+                    Q[b + L.Q_N_DEQ_ROLLBACK] += back.size
+                # Consumed, or its row counts a delivery now: a record serves
+                # one first delivery (a redelivery reads the row).
+                self.cache.clear(slots)
+                lo, mask = bit_mask(slots)
+                s.lck[self.w0 + lo : self.w0 + lo + mask.size] &= ~mask
+                s.owner[self.base + slots] = 0
+                if exclusive and Q[b + L.Q_DEQ_INFLIGHT] > 0:
+                    Q[b + L.Q_DEQ_INFLIGHT] = max(0, Q[b + L.Q_DEQ_INFLIGHT] - slots.size)
+                    if Q[b + L.Q_DEQ_INFLIGHT] == 0:
+                        Q[b + L.Q_DEQ_OWNER] = 0
+                n_space += n_consumed
+                n_ready += (slots.size - n_consumed) + freed + int(
+                    exclusive and bool(was_owner) and not Q[b + L.Q_DEQ_OWNER]
                 )
-            key = (op.kind, op.latency_ns)
-            latencies[key] = latencies.get(key, 0) + 1
-        for (kind, ns), n in latencies.items():
-            self.record_latency(kind, ns, n)
+                self._record_latencies(OpKind.DEQUEUE, deq)
+        if n_poisoned:
+            Q[b + L.Q_N_POISONED] += n_poisoned
+        return self._after_finish(n_ready, n_space)
+
+    def _after_finish(self, n_ready: int, n_space: int) -> tuple[int, int]:
+        """Reclaim once and count the wake-ups a finish makes: (ready, space)."""
+        Q, b = self.Q, self.qb
         if n_space:
             self.reclaim()  # once per queue, not once per entry
-        if (poisoned_here := sum(1 for op in ops if (op.slot, op.seq) in poisoned)):
-            Q[b + L.Q_N_POISONED] += poisoned_here
-        wake_r = min(n_ready, Q[b + L.Q_WAIT_READY])
+        wake_r = self._wake_count(n_ready)
         wake_s = min(n_space, Q[b + L.Q_WAIT_SPACE])
         if n_space and Q[b + L.Q_FULL_SINCE_NS]:
             Q[b + L.Q_FULL_NS] += time.monotonic_ns() - Q[b + L.Q_FULL_SINCE_NS]
@@ -491,11 +438,77 @@ class Ring:
             Q[b + L.Q_N_WAKEUPS] += wake_r
         return wake_r, wake_s
 
-    # -- payload cache ---------------------------------------------------------------
+    def _finish_each(
+        self,
+        ops: Sequence[Op],
+        owner: int,
+        *,
+        committed: bool,
+        poisoned: set[tuple[int, int]],
+        exclusive: bool,
+        enq_at_us: int | None,
+    ) -> tuple[int, int]:
+        """:meth:`finish_batch` one slot at a time: for a few ops, plain ints
+        cost less than numpy's per-call overhead."""
+        Q, b = self.Q, self.qb
+        n_ready = n_space = 0
+        for op in ops:
+            if not self.held_by(op.slot, owner):
+                continue  # already decided by recovery (never finish a slot twice)
+            if op.kind is OpKind.ENQUEUE:
+                if committed and enq_at_us is not None and op.fill is not None and self.stride:
+                    f = op.fill
+                    self.cache.put(
+                        op.slot, op.seq, f.payload, f.producer.encode(), f.producer_seq, enq_at_us,
+                        None if f.group is None else f.group.encode(),
+                    )
+                self.finish_enqueue(op.slot, committed)
+                n_ready += committed
+            else:
+                consumed = committed or (op.slot, op.seq) in poisoned
+                was_owner = Q[b + L.Q_DEQ_OWNER]
+                freed_group = consumed and self.sec.group_w[self.base + op.slot] != 0
+                self.finish_dequeue(op.slot, consumed, exclusive=exclusive, reclaim=False)
+                n_space += consumed
+                n_ready += (
+                    (not consumed)
+                    or freed_group
+                    or (exclusive and was_owner and not Q[b + L.Q_DEQ_OWNER])
+                )
+                if consumed and not committed:
+                    Q[b + L.Q_N_POISONED] += 1
+            self.record_latency(op.kind, op.latency_ns)
+        return self._after_finish(n_ready, n_space)
 
-    def _record(self, slot: int) -> int:
-        """Where ``slot``'s cache record starts in the pool (bytes; a multiple of 8)."""
-        return self.cbase + slot * self.stride
+    def _held(self, ops: list[Op], owner: int) -> tuple[list[Op], np.ndarray]:
+        """``ops`` whose slots ``owner`` still holds (LCK set, its token in
+        OWNER; the others were decided by recovery: never finish a slot
+        twice), and their slots (int64)."""
+        s = self.sec
+        slots = np.fromiter((op.slot for op in ops), dtype=np.int64, count=len(ops))
+        lck = (s.lck[self.w0 + (slots >> 6)] >> (slots & 63).astype(np.uint64)) & np.uint64(1)
+        held = (lck != 0) & (s.owner[self.base + slots] == owner)
+        if held.all():
+            return ops, slots
+        return [op for op, h in zip(ops, held.tolist(), strict=True) if h], slots[held]
+
+    def _record_latencies(self, kind: OpKind, ops: list[Op]) -> None:
+        # a batch's ops share one latency: one histogram update per distinct value
+        for ns, n in Counter(op.latency_ns for op in ops).items():
+            self.record_latency(kind, ns, n)
+
+    def _wake_count(self, n_ready: int) -> int:
+        """How many sleeping dequeuers ``n_ready`` new ready entries make
+        work for: each waiter recorded how many it wants (``Q_WAIT_WANT``),
+        so a batch wakes enough waiters to take it, not every waiter."""
+        Q, b = self.Q, self.qb
+        waiters = Q[b + L.Q_WAIT_READY]
+        if not n_ready or waiters <= 0:
+            return 0
+        per = max(1, Q[b + L.Q_WAIT_WANT] // waiters)  # entries a waiter wants, on average
+        return min(waiters, -(-n_ready // per))
+
+    # -- payload cache ---------------------------------------------------------------
 
     def cache_put(
         self,
@@ -507,59 +520,12 @@ class Ring:
         enq_at_us: int,
         group: bytes | None = None,
     ) -> bool:
-        """Write the record of ``slot``'s new entry ``seq`` (the caller holds
-        the slot and the queue lock, and has not set ENQ yet). False if the
-        queue has no cache or the entry does not fit its record."""
-        if (
-            len(payload) > self.cache_payload
-            or len(producer) > L.CACHE_PRODUCER_BYTES
-            or (group is not None and len(group) > L.GROUP_BYTES)
-        ):
-            return False
-        off = self._record(slot)
-        s = self.sec
-        cw, w = s.cache_w, off >> 3
-        cw[w + L.R_TAG] = 0  # not trusted while half written (and a wrong tag anyway)
-        cw[w + L.R_EPOCH] = self.Q[self.qb + L.Q_CACHE_EPOCH]
-        cw[w + L.R_LEN] = len(payload)
-        cw[w + L.R_PRODUCER_LEN] = len(producer)
-        cw[w + L.R_PRODUCER_SEQ] = producer_seq
-        cw[w + L.R_ENQ_AT_US] = enq_at_us
-        cw[w + L.R_GROUP_LEN] = -1 if group is None else len(group)
-        at = off + L.RECORD_WORDS * 8
-        s.cache[at : at + len(producer)] = producer
-        if group:
-            at = off + L.RECORD_GROUP
-            s.cache[at : at + len(group)] = group
-        at = off + L.RECORD_HEAD
-        s.cache[at : at + len(payload)] = payload
-        cw[w + L.R_TAG] = seq + 1
-        return True
+        """Write the cache record of ``slot``'s new entry (see :meth:`PayloadCache.put`)."""
+        return self.cache.put(slot, seq, payload, producer, producer_seq, enq_at_us, group)
 
     def cache_get(self, slot: int, seq: int) -> Cached | None:
-        """(payload, producer, producer_seq, enqueued at in us, group) of
-        entry ``seq`` from its record, if the record holds it (the caller
-        holds the slot and the queue lock); else None, and the caller reads
-        the row. Counted."""
-        if not self.stride:
-            return None
-        off = self._record(slot)
-        s = self.sec
-        cw, w = s.cache_w, off >> 3
-        Q, b = self.Q, self.qb
-        if cw[w + L.R_TAG] != seq + 1 or cw[w + L.R_EPOCH] != Q[b + L.Q_CACHE_EPOCH]:
-            Q[b + L.Q_N_CACHE_MISSES] += 1
-            return None
-        n, pn = cw[w + L.R_LEN], cw[w + L.R_PRODUCER_LEN]
-        at = off + L.RECORD_WORDS * 8
-        producer = bytes(s.cache[at : at + pn]).decode()
-        gn = cw[w + L.R_GROUP_LEN]
-        at = off + L.RECORD_GROUP
-        group = None if gn < 0 else bytes(s.cache[at : at + gn]).decode()
-        at = off + L.RECORD_HEAD
-        Q[b + L.Q_N_CACHE_HITS] += 1
-        return (bytes(s.cache[at : at + n]), producer, cw[w + L.R_PRODUCER_SEQ],
-                cw[w + L.R_ENQ_AT_US], group)
+        """Entry ``seq`` from ``slot``'s cache record, or None (see :meth:`PayloadCache.get`)."""
+        return self.cache.get(slot, seq)
 
     # -- counters and waiters ---------------------------------------------------------
 
@@ -600,19 +566,36 @@ class Ring:
         """How many ``kind`` callers (enqueuers or dequeuers) sleep on the queue's wake-up."""
         return self.Q[self.qb + self._wait_word(kind)]
 
-    def add_waiter(self, kind: OpKind) -> None:
-        """A ``kind`` caller is about to sleep on the queue's wake-up."""
+    def add_waiter(self, kind: OpKind, want: int = 1) -> None:
+        """A ``kind`` caller is about to sleep on the queue's wake-up; a
+        dequeuer says how many entries it wants."""
         self.Q[self.qb + self._wait_word(kind)] += 1
+        if kind is OpKind.DEQUEUE:
+            self.Q[self.qb + L.Q_WAIT_WANT] += want
 
-    def remove_waiter(self, kind: OpKind) -> None:
-        """A ``kind`` caller woke up (registered by :meth:`add_waiter`)."""
+    def remove_waiter(self, kind: OpKind, want: int = 1) -> None:
+        """A ``kind`` caller woke up (registered by :meth:`add_waiter` with ``want``)."""
         self.Q[self.qb + self._wait_word(kind)] -= 1
+        if kind is OpKind.DEQUEUE:
+            self.Q[self.qb + L.Q_WAIT_WANT] = max(0, self.Q[self.qb + L.Q_WAIT_WANT] - want)
 
-    def abandon_wait(self, kind: OpKind) -> None:
+    def abandon_wait(self, kind: OpKind, want: int = 1) -> None:
         """A ``kind`` caller left its wait by an exception: undo its registration, if any."""
         word = self.qb + self._wait_word(kind)
         if self.Q[word] > 0:
             self.Q[word] -= 1
+            if kind is OpKind.DEQUEUE:
+                self.Q[self.qb + L.Q_WAIT_WANT] = max(0, self.Q[self.qb + L.Q_WAIT_WANT] - want)
+
+    def maybe_ready(self) -> bool:
+        """Whether the bitmaps show a ready entry in the window, read without
+        the queue lock: a hint. A dequeuer woken by a post sees every bit the
+        poster set before it (the semaphore orders them), so a False here
+        means another took the entries: it sleeps again, still registered,
+        without a lock round."""
+        tail = self.Q[self.qb + L.Q_TAIL]
+        n = self.Q[self.qb + L.Q_HEAD] - tail
+        return n > 0 and self._find(tail % self.cap, n, ready=True) is not None
 
     # -- configuration ------------------------------------------------------------------
 
@@ -649,82 +632,12 @@ class Ring:
             Q[b + L.Q_TAIL] = tail + done
         return done
 
-    # -- scanning -------------------------------------------------------------------
-
-    def _find(self, start: int, n: int, *, ready: bool) -> int | None:
-        """First slot from ``start`` over ``n`` slots (wrapping) that is ready
-        (ENQ, not DEQ, not LCK) or, with ``ready=False``, not done (DEQ unset or LCK set)."""
-        end = start + n
-        if end <= self.cap:
-            return self._find_in(start, end, ready)
-        found = self._find_in(start, self.cap, ready)
-        if found is not None:
-            return found
-        return self._find_in(0, end - self.cap, ready)
-
-    def _word(self, w: int, a: int, b: int, *, ready: bool) -> int:
-        """Queue-relative word ``w`` of the ready bits (ENQ, not DEQ, not
-        LCK) or, with ``ready=False``, of the not-done bits (DEQ unset or LCK
-        set), as a plain int masked to the slots [a, b)."""
-        s = self.sec
-        g = self.w0 + w
-        if ready:
-            word = s.enq_w[g] & ~s.deq_w[g] & ~s.lck_w[g]
-        else:
-            word = (~s.deq_w[g] | s.lck_w[g]) & _U64
-        if w == a >> 6 and a & 63:
-            word &= (_U64 << (a & 63)) & _U64
-        if w == (b - 1) >> 6 and b & 63:
-            word &= (1 << (b & 63)) - 1
-        return word
-
-    def _words(self, w: int, we: int, a: int, b: int, *, ready: bool) -> np.ndarray:
-        """Queue-relative words [w, we) as :meth:`_word` makes one, as a
-        numpy array (a copy)."""
-        s = self.sec
-        g0, g1 = self.w0 + w, self.w0 + we
-        if ready:
-            words = s.enq[g0:g1] & ~s.deq[g0:g1] & ~s.lck[g0:g1]
-        else:
-            words = ~s.deq[g0:g1] | s.lck[g0:g1]
-        if w == a >> 6 and a & 63:
-            words[0] &= np.uint64((_U64 << (a & 63)) & _U64)
-        if we == ((b - 1) >> 6) + 1 and b & 63:
-            words[-1] &= np.uint64((1 << (b & 63)) - 1)
-        return words
-
-    def _find_in(self, a: int, b: int, ready: bool) -> int | None:
-        wa, wl = a >> 6, (b - 1) >> 6  # first and last word (inclusive), queue-relative
-        # The answer is nearly always within a word or two of the tail: read
-        # those as plain ints through the memoryviews (numpy's per-call cost,
-        # a microsecond per operation, is the larger part of a short scan).
-        w = wa
-        stop = min(wl + 1, wa + _FIRST_CHUNK)
-        while w < stop:
-            word = self._word(w, a, b, ready=ready)
-            if word:
-                return (w << 6) + _lowest_bit(word)
-            w += 1
-        chunk = _FIRST_CHUNK * 4
-        while w <= wl:
-            we = min(wl + 1, w + chunk)
-            words = self._words(w, we, a, b, ready=ready)
-            nz = np.flatnonzero(words)
-            if nz.size:
-                i = int(nz[0])
-                return ((w + i) << 6) + _lowest_bit(int(words[i]))
-            w = we
-            chunk = min(chunk * 4, _MAX_CHUNK)
-        return None
-
-    # -- holders ------------------------------------------------------------------------
-
     def locked_slots(self) -> list[tuple[int, int, int]]:
         """(slot, owner, holder) of every locked slot of the queue (a vectorized scan)."""
         s = self.sec
         # a copy: other processes change the words under a caller without the lock
         # (few words hold a locked slot: only those are unpacked)
-        slots = _set_bits(s.lck[self.w0 : self.w0 + (self.cap + 63) // 64].copy())
+        slots = set_bits(s.lck[self.w0 : self.w0 + (self.cap + 63) // 64].copy())
         owners = s.owner[self.base + slots]
         holders = s.holder[self.base + slots]
         return [(int(a), int(b), int(c)) for a, b, c in zip(slots, owners, holders, strict=True)]
@@ -744,7 +657,7 @@ class Ring:
         words = s.enq[g0 : g0 + nw] & ~s.deq[g0 : g0 + nw] & ~s.lck[g0 : g0 + nw]
         busy = self.busy_groups()
         out["busy"] = len(busy)
-        slots = _set_bits(words)
+        slots = set_bits(words)
         tags = s.group[self.base + slots]
         grouped = tags != 0
         if not grouped.any():
@@ -820,7 +733,7 @@ class Ring:
         old_lck = s.lck[g0:g1].copy() if keep_locked else np.zeros(nwords, dtype=np.uint64)
         # slots locked by live clients (resync): kept as they are
         old_locked = np.zeros(cap, dtype=bool)
-        at = _set_bits(old_lck)
+        at = set_bits(old_lck)
         old_locked[at[at < cap]] = True
         locked_seqs = [self.seq_of(int(slot)) for slot in np.flatnonzero(old_locked)]
         max_seq = int(seq_by_slot.max()) if cap else -1
