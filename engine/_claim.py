@@ -30,7 +30,7 @@ from ._ops import Op, OpKind, RowState, RowWrite
 from ._queries import QUERIES as _Q
 from ._queue_info import QueueInfo
 from ._recovery import help_recover
-from ._ring import Ring
+from ._ring import Ring, group_tag
 from ._transaction import Transaction
 
 logger = logging.getLogger("ringq.engine")
@@ -69,25 +69,41 @@ class Claims:
 
     # -- enqueue -----------------------------------------------------------------------
 
+    def enqueue_checked(
+        self, info: QueueInfo, payload: bytes, key: str | None, group: str | None,
+        timeout: float | None, t0: int,
+    ) -> int:
+        """:meth:`enqueue` (or :meth:`enqueue_key` with a ``key``) after the
+        checks of the payload's size and of the transaction."""
+        self.check_payload(info, payload)
+        self.check_not_failed()
+        tag = group_tag(group)
+        if key is None:
+            return self.enqueue(info, payload, group, tag, timeout, t0)
+        return self.enqueue_key(info, payload, key, group, tag, timeout, t0)
+
     def enqueue(
         self, info: QueueInfo, payload: bytes, group: str | None, tag: int,
         timeout: float | None, t0: int,
     ) -> int:
         """Reserve a slot and hold its row write for the commit; returns its seq."""
         link = self.link
-        slot, seq = self._reserve(info, timeout, tag)
+        ring = link.ring(info)
+        # The lean path: one lock round; the generic one (waiting for room,
+        # recovery of a dead holder in the way) only when the ring is full.
+        sec = link.section
+        sec.lock_queue(ring.qidx)
+        try:
+            got = ring.reserve(link.owner, link.backend_pid, tag)
+        finally:
+            sec.unlock_queue(ring.qidx)
+        slot, seq = got if got is not None else self._reserve(info, timeout, tag)
         link.producer_seq += 1
-        op = Op(
-            link.ring(info),
-            info,
-            slot,
-            seq,
-            OpKind.ENQUEUE,
-            write=RowWrite(payload, link.producer_seq, link.producer, group),
-        )
-        link.ops.append(op)
-        op.latency_ns = time.perf_counter_ns() - t0
-        link.section.count_client(link.cidx, L.C_N_ENQ)
+        link.ops.append(Op(
+            ring, info, slot, seq, OpKind.ENQUEUE, time.perf_counter_ns() - t0,
+            RowWrite(payload, link.producer_seq, link.producer, group),
+        ))
+        sec.count_client(link.cidx, L.C_N_ENQ)
         return seq
 
     def enqueue_key(
@@ -148,6 +164,22 @@ class Claims:
         raise SectionError(
             f"queue {queue!r}: could not reserve a slot after 8 attempts (section unstable)"
         )
+
+    def enqueue_many_checked(
+        self, info: QueueInfo, items: list[bytes], groups: list[str | None] | None,
+        timeout: float | None, t0: int,
+    ) -> list[int]:
+        """:meth:`enqueue_many` after the checks of each payload's size and
+        of the transaction, with the groups' tags."""
+        limit = info.max_payload
+        for p in items:
+            if len(p) > limit:
+                self.check_payload(info, p)
+        if not items:
+            return []
+        self.check_not_failed()
+        tags = None if groups is None else [group_tag(g) for g in groups]
+        return self.enqueue_many(info, items, groups, tags, timeout, t0)
 
     def enqueue_many(
         self, info: QueueInfo, items: list[bytes], groups: list[str | None] | None,
@@ -236,7 +268,7 @@ class Claims:
             if got:
                 return got
             try:
-                if not self_blocked and self._help_recover(ring, info):
+                if not self_blocked and _recover_in_way(self.link, ring, info):
                     continue  # a dead holder's slots were decided: try again now
             except BaseException:
                 if waiting:
@@ -352,7 +384,7 @@ class Claims:
         lat = (time.perf_counter_ns() - t0) // len(ops)
         stale = [op for op in ops if op.slot not in got]
         if stale:
-            self._repair_dequeue(info, ring, stale, exclusive)
+            repair_dequeue(link, info, ring, stale, exclusive)
         messages = []
         tz = link.conn.info.timezone
         for slot, seq, c in zip(slots, seqs, cached, strict=True):
@@ -410,7 +442,7 @@ class Claims:
         row = cur.fetchone()
         if row is None:
             link.ops.append(op)  # for the repair, which finishes it
-            self._repair_dequeue(info, ring, [op], exclusive)
+            repair_dequeue(link, info, ring, [op], exclusive)
             return (None,)
         self._taken([op], t0)
         payload, producer, pseq, enq_at, deliveries, group = row
@@ -467,7 +499,7 @@ class Claims:
             if slots:
                 return slots, seqs, cached
             try:
-                if self._help_recover(ring, info):
+                if _recover_in_way(self.link, ring, info):
                     continue  # a dead holder's slots were decided: look again now
             except BaseException:
                 if waiting:
@@ -510,44 +542,45 @@ class Claims:
         finally:
             sec.unlock_queue(ring.qidx)
 
-    def _help_recover(self, ring: Ring, info: QueueInfo) -> bool:
-        link = self.link
-        return help_recover(
-            link.section, link.dsn, ring, info.name, owner=link.owner, instance=link.instance
-        )
 
-    def _repair_dequeue(
-        self, info: QueueInfo, ring: Ring, stale: list[Op], exclusive: bool
-    ) -> None:
-        """The rows did not match the section: decide those slots from the rows."""
-        link = self.link
+def repair_dequeue(
+    link: Link, info: QueueInfo, ring: Ring, stale: list[Op], exclusive: bool
+) -> None:
+    """The rows did not match the section: decide those slots from the rows."""
+    for op in stale:
+        link.ops.remove(op)
+    link.record_error(L.ERR_ROW_MISMATCH, info.id, stale[0].seq)
+    rows = link.execute(
+        link.stmt("rows", info.name),
+        ([op.slot for op in stale],),
+        queue=info.name,
+        qid=info.id,
+        seq=stale[0].seq,
+    ).fetchall()
+    by_slot = {slot: (state, seq) for slot, state, seq, _group in rows}
+    need_resync = False
+    sec = link.section
+    sec.lock_queue(ring.qidx)
+    try:
         for op in stale:
-            link.ops.remove(op)
-        link.record_error(L.ERR_ROW_MISMATCH, info.id, stale[0].seq)
-        rows = link.execute(
-            link.stmt("rows", info.name),
-            ([op.slot for op in stale],),
-            queue=info.name,
-            qid=info.id,
-            seq=stale[0].seq,
-        ).fetchall()
-        by_slot = {slot: (state, seq) for slot, state, seq, _group in rows}
-        need_resync = False
-        sec = link.section
-        sec.lock_queue(ring.qidx)
-        try:
-            for op in stale:
-                if not ring.held_by(op.slot, link.owner):
-                    continue
-                state, seq = by_slot.get(op.slot, (RowState.FREE, -1))
-                # Not there (void) or already consumed: the slot is done.
-                ring.finish_stale(op.slot, exclusive=exclusive)
-                if state == RowState.QUEUED and seq != op.seq:
-                    need_resync = True  # an entry the section does not know about
-        finally:
-            sec.unlock_queue(ring.qidx)
-        logger.warning(
-            "ringq: queue %s: %d stale section entries repaired from rows", info.name, len(stale)
-        )
-        if need_resync:
-            link.resync(info)
+            if not ring.held_by(op.slot, link.owner):
+                continue
+            state, seq = by_slot.get(op.slot, (RowState.FREE, -1))
+            # Not there (void) or already consumed: the slot is done.
+            ring.finish_stale(op.slot, exclusive=exclusive)
+            if state == RowState.QUEUED and seq != op.seq:
+                need_resync = True  # an entry the section does not know about
+    finally:
+        sec.unlock_queue(ring.qidx)
+    logger.warning(
+        "ringq: queue %s: %d stale section entries repaired from rows", info.name, len(stale)
+    )
+    if need_resync:
+        link.resync(info)
+
+
+def _recover_in_way(link: Link, ring: Ring, info: QueueInfo) -> bool:
+    """Decide the slots of dead holders in the queue's way (True if any was)."""
+    return help_recover(
+        link.section, link.dsn, ring, info.name, owner=link.owner, instance=link.instance
+    )

@@ -34,10 +34,7 @@ disagree with them after a kill -9.
 
 from __future__ import annotations
 
-import hashlib
-import secrets
 import time
-from collections import Counter
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
@@ -45,27 +42,17 @@ import numpy as np
 
 from . import _layout as L
 from ._cache import Cached, PayloadCache
-from ._ops import OpKind, RowState
-from ._scan import RingScan, bit_mask, set_bits
+from ._finish import VECTOR_FROM, finish_batch
+from ._load import load_rows
+from ._ops import OpKind
+from ._scan import RingScan, bit_mask
+from ._scan import group_tag as group_tag  # re-exported: callers import it from here
 from ._section import Section
 
 if TYPE_CHECKING:
     from ._ops import Op
 
 _U64 = (1 << 64) - 1
-_VECTOR_FROM = 8  # ops from which a finish works on arrays (below, numpy's call cost dominates)
-
-def group_tag(group: str | None) -> int:
-    """The section's tag of a group name: 64 bits of its BLAKE2b digest
-    (never 0, which means no group). Two groups that share a tag (odds of
-    2**-64 per pair) are served as one group: in order, never wrongly."""
-    if group is None:
-        return 0
-    tag = int.from_bytes(
-        hashlib.blake2b(group.encode(), digest_size=8).digest(), "little", signed=True
-    )
-    return tag or 1
-
 
 class Ring(RingScan):
     """A view of queue block ``qidx`` (cheap to make; holds no lock itself)."""
@@ -160,7 +147,7 @@ class Ring(RingScan):
         k = min(n, room)
         if k <= 0:
             return head, 0
-        if k < _VECTOR_FROM:
+        if k < VECTOR_FROM:
             for i in range(k):
                 self.reserve(owner, backend, tags[i] if tags else 0)
             return head, k
@@ -352,161 +339,11 @@ class Ring(RingScan):
         Slots ``owner`` no longer holds (decided by recovery) are passed over.
         Records the latencies, reclaims once, and counts poisoned entries and
         wake-ups. Returns (ready, space): how many sleeping dequeuers and
-        enqueuers the caller wakes (after releasing the lock).
+        enqueuers the caller wakes (after releasing the lock). See ``_finish``.
         """
-        if len(ops) < _VECTOR_FROM:
-            return self._finish_each(ops, owner, committed=committed, poisoned=poisoned,
-                                     exclusive=exclusive, enq_at_us=enq_at_us)
-        Q, b = self.Q, self.qb
-        s = self.sec
-        n_ready = n_space = n_poisoned = 0
-        enq = [op for op in ops if op.kind is OpKind.ENQUEUE]
-        deq = [op for op in ops if op.kind is not OpKind.ENQUEUE]
-        if enq:
-            enq, slots = self._held(enq, owner)
-            if slots.size:
-                lo, mask = bit_mask(slots)
-                at = slice(self.w0 + lo, self.w0 + lo + mask.size)
-                if committed:
-                    if enq_at_us is not None and self.stride:
-                        filled = [op for op in enq if op.fill is not None]
-                        self.cache.put_many(
-                            [op.slot for op in filled], [op.seq for op in filled],
-                            [op.fill for op in filled if op.fill is not None], enq_at_us,
-                        )
-                    s.enq[at] |= mask
-                    Q[b + L.Q_DEPTH_HINT] += slots.size
-                    Q[b + L.Q_N_ENQ_COMMIT] += slots.size
-                    n_ready += slots.size
-                else:
-                    s.deq[at] |= mask
-                    Q[b + L.Q_N_ENQ_ROLLBACK] += slots.size
-                s.lck[at] &= ~mask
-                s.owner[self.base + slots] = 0
-                self._record_latencies(OpKind.ENQUEUE, enq)
-        if deq:
-            deq, slots = self._held(deq, owner)
-            if slots.size:
-                if poisoned:
-                    hit = [(op.slot, op.seq) in poisoned for op in deq]
-                    n_poisoned = sum(hit)
-                    consumed = np.array(hit, dtype=bool) | committed
-                else:
-                    consumed = np.full(slots.size, committed, dtype=bool)
-                n_consumed = int(np.count_nonzero(consumed))
-                was_owner = Q[b + L.Q_DEQ_OWNER]
-                # a consumed entry of a group frees the group: its next entry
-                # may be what a sleeping dequeuer waits for
-                freed = int(np.count_nonzero(consumed & (s.group[self.base + slots] != 0)))
-                Q[b + L.Q_DEPTH_HINT] -= n_consumed
-                Q[b + L.Q_N_DEQ_COMMIT] += n_consumed
-                back = slots[~consumed]
-                if back.size:
-                    lo, mask = bit_mask(back)
-                    s.deq[self.w0 + lo : self.w0 + lo + mask.size] &= ~mask
-                    Q[b + L.Q_N_DEQ_ROLLBACK] += back.size
-                # Consumed, or its row counts a delivery now: a record serves
-                # one first delivery (a redelivery reads the row).
-                self.cache.clear(slots)
-                lo, mask = bit_mask(slots)
-                s.lck[self.w0 + lo : self.w0 + lo + mask.size] &= ~mask
-                s.owner[self.base + slots] = 0
-                if exclusive and Q[b + L.Q_DEQ_INFLIGHT] > 0:
-                    Q[b + L.Q_DEQ_INFLIGHT] = max(0, Q[b + L.Q_DEQ_INFLIGHT] - slots.size)
-                    if Q[b + L.Q_DEQ_INFLIGHT] == 0:
-                        Q[b + L.Q_DEQ_OWNER] = 0
-                n_space += n_consumed
-                n_ready += (slots.size - n_consumed) + freed + int(
-                    exclusive and bool(was_owner) and not Q[b + L.Q_DEQ_OWNER]
-                )
-                self._record_latencies(OpKind.DEQUEUE, deq)
-        if n_poisoned:
-            Q[b + L.Q_N_POISONED] += n_poisoned
-        return self._after_finish(n_ready, n_space)
+        return finish_batch(self, ops, owner, committed=committed, poisoned=poisoned,
+                            exclusive=exclusive, enq_at_us=enq_at_us)
 
-    def _after_finish(self, n_ready: int, n_space: int) -> tuple[int, int]:
-        """Reclaim once and count the wake-ups a finish makes: (ready, space)."""
-        Q, b = self.Q, self.qb
-        if n_space:
-            self.reclaim()  # once per queue, not once per entry
-        wake_r = self._wake_count(n_ready)
-        wake_s = min(n_space, Q[b + L.Q_WAIT_SPACE])
-        if n_space and Q[b + L.Q_FULL_SINCE_NS]:
-            Q[b + L.Q_FULL_NS] += time.monotonic_ns() - Q[b + L.Q_FULL_SINCE_NS]
-            Q[b + L.Q_FULL_SINCE_NS] = 0
-        if wake_r:
-            Q[b + L.Q_N_WAKEUPS] += wake_r
-        return wake_r, wake_s
-
-    def _finish_each(
-        self,
-        ops: Sequence[Op],
-        owner: int,
-        *,
-        committed: bool,
-        poisoned: set[tuple[int, int]],
-        exclusive: bool,
-        enq_at_us: int | None,
-    ) -> tuple[int, int]:
-        """:meth:`finish_batch` one slot at a time: for a few ops, plain ints
-        cost less than numpy's per-call overhead."""
-        Q, b = self.Q, self.qb
-        n_ready = n_space = 0
-        for op in ops:
-            if not self.held_by(op.slot, owner):
-                continue  # already decided by recovery (never finish a slot twice)
-            if op.kind is OpKind.ENQUEUE:
-                if committed and enq_at_us is not None and op.fill is not None and self.stride:
-                    f = op.fill
-                    self.cache.put(
-                        op.slot, op.seq, f.payload, f.producer.encode(), f.producer_seq, enq_at_us,
-                        None if f.group is None else f.group.encode(),
-                    )
-                self.finish_enqueue(op.slot, committed)
-                n_ready += committed
-            else:
-                consumed = committed or (op.slot, op.seq) in poisoned
-                was_owner = Q[b + L.Q_DEQ_OWNER]
-                freed_group = consumed and self.sec.group_w[self.base + op.slot] != 0
-                self.finish_dequeue(op.slot, consumed, exclusive=exclusive, reclaim=False)
-                n_space += consumed
-                n_ready += (
-                    (not consumed)
-                    or freed_group
-                    or (exclusive and was_owner and not Q[b + L.Q_DEQ_OWNER])
-                )
-                if consumed and not committed:
-                    Q[b + L.Q_N_POISONED] += 1
-            self.record_latency(op.kind, op.latency_ns)
-        return self._after_finish(n_ready, n_space)
-
-    def _held(self, ops: list[Op], owner: int) -> tuple[list[Op], np.ndarray]:
-        """``ops`` whose slots ``owner`` still holds (LCK set, its token in
-        OWNER; the others were decided by recovery: never finish a slot
-        twice), and their slots (int64)."""
-        s = self.sec
-        slots = np.fromiter((op.slot for op in ops), dtype=np.int64, count=len(ops))
-        lck = (s.lck[self.w0 + (slots >> 6)] >> (slots & 63).astype(np.uint64)) & np.uint64(1)
-        held = (lck != 0) & (s.owner[self.base + slots] == owner)
-        if held.all():
-            return ops, slots
-        return [op for op, h in zip(ops, held.tolist(), strict=True) if h], slots[held]
-
-    def _record_latencies(self, kind: OpKind, ops: list[Op]) -> None:
-        # a batch's ops share one latency: one histogram update per distinct value
-        for ns, n in Counter(op.latency_ns for op in ops).items():
-            self.record_latency(kind, ns, n)
-
-    def _wake_count(self, n_ready: int) -> int:
-        """How many sleeping dequeuers ``n_ready`` new ready entries make
-        work for: each waiter recorded how many it wants (``Q_WAIT_WANT``),
-        so a batch wakes enough waiters to take it, not every waiter."""
-        Q, b = self.Q, self.qb
-        waiters = Q[b + L.Q_WAIT_READY]
-        if not n_ready or waiters <= 0:
-            return 0
-        per = max(1, Q[b + L.Q_WAIT_WANT] // waiters)  # entries a waiter wants, on average
-        return min(waiters, -(-n_ready // per))
 
     # -- payload cache ---------------------------------------------------------------
 
@@ -632,72 +469,6 @@ class Ring(RingScan):
             Q[b + L.Q_TAIL] = tail + done
         return done
 
-    def locked_slots(self) -> list[tuple[int, int, int]]:
-        """(slot, owner, holder) of every locked slot of the queue (a vectorized scan)."""
-        s = self.sec
-        # a copy: other processes change the words under a caller without the lock
-        # (few words hold a locked slot: only those are unpacked)
-        slots = set_bits(s.lck[self.w0 : self.w0 + (self.cap + 63) // 64].copy())
-        owners = s.owner[self.base + slots]
-        holders = s.holder[self.base + slots]
-        return [(int(a), int(b), int(c)) for a, b, c in zip(slots, owners, holders, strict=True)]
-
-    def group_counts(self) -> dict[str, int]:
-        """Groups of the queue, for inspection (a vectorized scan; call it
-        under the queue lock for an exact answer): ``ready`` groups have a
-        ready entry and none held, ``busy`` groups have one held, and
-        ``oldest_seq`` / ``oldest_slot`` name the oldest ready entry of any
-        group (-1: none): the head of the group that has waited longest."""
-        out = {"ready": 0, "busy": 0, "oldest_seq": -1, "oldest_slot": -1}
-        if not self.Q[self.qb + L.Q_GROUPED]:
-            return out
-        s = self.sec
-        nw = (self.cap + 63) // 64
-        g0 = self.w0
-        words = s.enq[g0 : g0 + nw] & ~s.deq[g0 : g0 + nw] & ~s.lck[g0 : g0 + nw]
-        busy = self.busy_groups()
-        out["busy"] = len(busy)
-        slots = set_bits(words)
-        tags = s.group[self.base + slots]
-        grouped = tags != 0
-        if not grouped.any():
-            return out
-        slots, tags = slots[grouped], tags[grouped]
-        out["ready"] = len(set(tags.tolist()) - busy)
-        tail = self.tail
-        seqs = tail + (slots - tail) % self.cap
-        i = int(np.argmin(seqs))
-        out["oldest_seq"], out["oldest_slot"] = int(seqs[i]), int(slots[i])
-        return out
-
-    def role_owner(self) -> int:
-        """The token holding the single-dequeuer role, 0 if none."""
-        return self.Q[self.qb + L.Q_DEQ_OWNER]
-
-    # -- counts -----------------------------------------------------------------------
-
-    def counts(self) -> dict[str, int]:
-        """Ready, locked and done slots within the window (a full scan; for inspection)."""
-        tail, head = self.tail, self.head
-        bits = self.window_bits()
-        return {
-            "window": head - tail,
-            "ready": int(np.count_nonzero(bits["enq"] & ~bits["deq"] & ~bits["lck"])),
-            "locked": int(np.count_nonzero(bits["lck"])),
-            "done": int(np.count_nonzero(bits["deq"] & ~bits["lck"])),
-        }
-
-    def window_bits(self) -> dict[str, np.ndarray]:
-        """Boolean arrays (ENQ, DEQ, LCK) for positions tail..head-1, in sequence order."""
-        tail, head = self.tail, self.head
-        slots = np.arange(tail, head, dtype=np.int64) % self.cap
-        out = {}
-        for key, arr in (("enq", self.sec.enq), ("deq", self.sec.deq), ("lck", self.sec.lck)):
-            words = arr[self.w0 : self.w0 + (self.cap + 63) // 64]
-            bits = np.unpackbits(words.view(np.uint8), bitorder="little")[: self.cap].astype(bool)
-            out[key] = bits[slots]
-        return out
-
     # -- rebuild ------------------------------------------------------------------------
 
     def load_rows(
@@ -711,92 +482,5 @@ class Ring(RingScan):
         groups: Sequence[tuple[int, str]] = (),
     ) -> None:
         """Set head, tail and the bitmaps from the rows (``SELECT slot, state, seq``),
-        and the group tags from ``groups``: (slot, group) of the queued rows that have one.
-
-        ``keep_locked`` preserves slots locked by live clients (a resync under
-        traffic); ``held`` lists (slot, seq) pairs of in-doubt prepared
-        transactions, kept locked with no owner until recovery decides them.
-        """
-        cap = self.cap
-        Q, b = self.Q, self.qb
-        # A new epoch: no record written before this load is trusted (a
-        # random one, as a reused block's records carry a former queue's).
-        Q[b + L.Q_CACHE_EPOCH] = secrets.randbits(62) | 1
-        seq_by_slot = np.full(cap, -1, dtype=np.int64)
-        state_by_slot = np.zeros(cap, dtype=np.int64)
-        seq_by_slot[slots] = seqs
-        state_by_slot[slots] = states
-        nwords = (cap + 63) // 64
-        g0, g1 = self.w0, self.w0 + nwords
-        s = self.sec
-
-        old_lck = s.lck[g0:g1].copy() if keep_locked else np.zeros(nwords, dtype=np.uint64)
-        # slots locked by live clients (resync): kept as they are
-        old_locked = np.zeros(cap, dtype=bool)
-        at = set_bits(old_lck)
-        old_locked[at[at < cap]] = True
-        locked_seqs = [self.seq_of(int(slot)) for slot in np.flatnonzero(old_locked)]
-        max_seq = int(seq_by_slot.max()) if cap else -1
-        head = max_seq + 1
-        if keep_locked:
-            head = max(head, Q[b + L.Q_HEAD])
-        held = held or []
-        for _slot, seq in held:
-            head = max(head, seq + 1)
-        queued = seq_by_slot[state_by_slot == RowState.QUEUED]
-        candidates = [int(queued.min())] if queued.size else []
-        candidates += locked_seqs + [seq for _slot, seq in held]
-        tail = min(candidates) if candidates else head
-        tail = max(tail, head - cap, 0)
-
-        pos = np.arange(tail, head, dtype=np.int64)
-        at = pos % cap
-        written = seq_by_slot[at] == pos
-        enq = np.zeros(cap, dtype=bool)
-        deq = np.zeros(cap, dtype=bool)
-        enq[at] = written & (state_by_slot[at] >= RowState.QUEUED)
-        # consumed, or void (never written)
-        deq[at] = ~(written & (state_by_slot[at] == RowState.QUEUED))
-        lck = np.zeros(cap, dtype=bool)
-        for h_slot, h_seq in held:
-            lck[h_slot] = True
-            enq[h_slot] = seq_by_slot[h_slot] == h_seq and state_by_slot[h_slot] >= RowState.QUEUED
-            deq[h_slot] = bool(enq[h_slot])  # a held dequeue; a held enqueue has neither bit
-
-        def words(bits: np.ndarray) -> np.ndarray:
-            padded = np.zeros(nwords * 64, dtype=bool)
-            padded[:cap] = bits
-            return np.packbits(padded, bitorder="little").view(np.uint64)
-
-        new_enq, new_deq, new_lck = words(enq), words(deq), words(lck)
-        tags = np.zeros(cap, dtype=np.int64)
-        if groups:
-            tags[[slot for slot, _g in groups]] = [group_tag(g) for _s, g in groups]
-        # a locked slot keeps the tag its reservation wrote
-        tags[old_locked] = s.group[self.base : self.base + cap][old_locked]
-        s.group[self.base : self.base + cap] = tags
-        Q[b + L.Q_GROUPED] = int(bool(np.any(tags)))
-        if keep_locked:
-            new_enq = (new_enq & ~old_lck) | (s.enq[g0:g1] & old_lck)
-            new_deq = (new_deq & ~old_lck) | (s.deq[g0:g1] & old_lck)
-            new_lck = new_lck | old_lck
-        else:
-            s.owner[self.base : self.base + cap] = 0
-            Q[b + L.Q_DEQ_OWNER] = 0
-            Q[b + L.Q_DEQ_INFLIGHT] = 0
-        # Slots of prepared transactions that no live client here holds: locked
-        # with owner HELD (set before the LCK bits), for recovery to decide from
-        # the rows once the transaction is resolved (recovery.resolve_prepared,
-        # or recover_dead_clients when someone else resolved it).
-        for h_slot, _h_seq in held:
-            if not old_locked[h_slot]:
-                s.holder_w[self.base + h_slot] = 0
-                s.owner_w[self.base + h_slot] = L.OWNER_HELD
-        # Tail first, then bits, then head: readers only look inside [tail, head).
-        Q[b + L.Q_TAIL] = tail
-        s.enq[g0:g1] = new_enq
-        s.deq[g0:g1] = new_deq
-        s.lck[g0:g1] = new_lck
-        Q[b + L.Q_HEAD] = head
-        Q[b + L.Q_DEPTH_HINT] = int(np.count_nonzero(state_by_slot == RowState.QUEUED))
-        self.reclaim()
+        and the group tags from ``groups`` (see :func:`._load.load_rows`)."""
+        load_rows(self, slots, states, seqs, keep_locked=keep_locked, held=held, groups=groups)

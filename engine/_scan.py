@@ -11,6 +11,7 @@ like it, every method must be called under the queue's lock.
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
@@ -64,6 +65,18 @@ def bit_mask(slots: np.ndarray) -> tuple[int, np.ndarray]:
     bits = np.zeros((hi - lo + 1) * 64, dtype=bool)
     bits[slots - lo * 64] = True
     return lo, np.packbits(bits, bitorder="little").view(np.uint64)
+
+
+def group_tag(group: str | None) -> int:
+    """The section's tag of a group name: 64 bits of its BLAKE2b digest
+    (never 0, which means no group). Two groups that share a tag (odds of
+    2**-64 per pair) are served as one group: in order, never wrongly."""
+    if group is None:
+        return 0
+    tag = int.from_bytes(
+        hashlib.blake2b(group.encode(), digest_size=8).digest(), "little", signed=True
+    )
+    return tag or 1
 
 
 class RingScan:
@@ -294,4 +307,72 @@ class RingScan:
         if not parts:
             return np.empty(0, dtype=np.int64)
         out: np.ndarray = parts[0] if len(parts) == 1 else np.concatenate(parts)
+        return out
+
+    # -- inspection ---------------------------------------------------------------
+
+    def locked_slots(self) -> list[tuple[int, int, int]]:
+        """(slot, owner, holder) of every locked slot of the queue (a vectorized scan)."""
+        s = self.sec
+        # a copy: other processes change the words under a caller without the lock
+        # (few words hold a locked slot: only those are unpacked)
+        slots = set_bits(s.lck[self.w0 : self.w0 + (self.cap + 63) // 64].copy())
+        owners = s.owner[self.base + slots]
+        holders = s.holder[self.base + slots]
+        return [(int(a), int(b), int(c)) for a, b, c in zip(slots, owners, holders, strict=True)]
+
+    def group_counts(self) -> dict[str, int]:
+        """Groups of the queue, for inspection (a vectorized scan; call it
+        under the queue lock for an exact answer): ``ready`` groups have a
+        ready entry and none held, ``busy`` groups have one held, and
+        ``oldest_seq`` / ``oldest_slot`` name the oldest ready entry of any
+        group (-1: none): the head of the group that has waited longest."""
+        out = {"ready": 0, "busy": 0, "oldest_seq": -1, "oldest_slot": -1}
+        if not self.Q[self.qb + L.Q_GROUPED]:
+            return out
+        s = self.sec
+        nw = (self.cap + 63) // 64
+        g0 = self.w0
+        words = s.enq[g0 : g0 + nw] & ~s.deq[g0 : g0 + nw] & ~s.lck[g0 : g0 + nw]
+        busy = self.busy_groups()
+        out["busy"] = len(busy)
+        slots = set_bits(words)
+        tags = s.group[self.base + slots]
+        grouped = tags != 0
+        if not grouped.any():
+            return out
+        slots, tags = slots[grouped], tags[grouped]
+        out["ready"] = len(set(tags.tolist()) - busy)
+        tail = self.Q[self.qb + L.Q_TAIL]
+        seqs = tail + (slots - tail) % self.cap
+        i = int(np.argmin(seqs))
+        out["oldest_seq"], out["oldest_slot"] = int(seqs[i]), int(slots[i])
+        return out
+
+    def role_owner(self) -> int:
+        """The token holding the single-dequeuer role, 0 if none."""
+        return self.Q[self.qb + L.Q_DEQ_OWNER]
+
+    # -- counts -----------------------------------------------------------------------
+
+    def counts(self) -> dict[str, int]:
+        """Ready, locked and done slots within the window (a full scan; for inspection)."""
+        tail, head = self.Q[self.qb + L.Q_TAIL], self.Q[self.qb + L.Q_HEAD]
+        bits = self.window_bits()
+        return {
+            "window": head - tail,
+            "ready": int(np.count_nonzero(bits["enq"] & ~bits["deq"] & ~bits["lck"])),
+            "locked": int(np.count_nonzero(bits["lck"])),
+            "done": int(np.count_nonzero(bits["deq"] & ~bits["lck"])),
+        }
+
+    def window_bits(self) -> dict[str, np.ndarray]:
+        """Boolean arrays (ENQ, DEQ, LCK) for positions tail..head-1, in sequence order."""
+        tail, head = self.Q[self.qb + L.Q_TAIL], self.Q[self.qb + L.Q_HEAD]
+        slots = np.arange(tail, head, dtype=np.int64) % self.cap
+        out = {}
+        for key, arr in (("enq", self.sec.enq), ("deq", self.sec.deq), ("lck", self.sec.lck)):
+            words = arr[self.w0 : self.w0 + (self.cap + 63) // 64]
+            bits = np.unpackbits(words.view(np.uint8), bitorder="little")[: self.cap].astype(bool)
+            out[key] = bits[slots]
         return out
