@@ -22,6 +22,7 @@ from psycopg.pq import TransactionStatus
 
 from . import _layout as L
 from . import _wire
+from ._cache import Cached
 from ._errors import PayloadTooLarge, QueueFull, SectionError, TransactionError
 from ._link import Link
 from ._message import Message, cached_message
@@ -29,7 +30,7 @@ from ._ops import Op, OpKind, RowState, RowWrite
 from ._queries import QUERIES as _Q
 from ._queue_info import QueueInfo
 from ._recovery import help_recover
-from ._ring import Cached, Ring
+from ._ring import Ring, group_tag
 from ._transaction import Transaction
 
 logger = logging.getLogger("ringq.engine")
@@ -41,7 +42,6 @@ _INTRANS = TransactionStatus.INTRANS
 # semaphore post); it also looks again this often, in seconds, as a safety net.
 CLAIM_RECHECK_S = 1.0
 
-Claimed = tuple[int, int, Cached | None]  # (slot, seq, its cache record if it holds the entry)
 
 
 class Claims:
@@ -69,25 +69,41 @@ class Claims:
 
     # -- enqueue -----------------------------------------------------------------------
 
+    def enqueue_checked(
+        self, info: QueueInfo, payload: bytes, key: str | None, group: str | None,
+        timeout: float | None, t0: int,
+    ) -> int:
+        """:meth:`enqueue` (or :meth:`enqueue_key` with a ``key``) after the
+        checks of the payload's size and of the transaction."""
+        self.check_payload(info, payload)
+        self.check_not_failed()
+        tag = group_tag(group)
+        if key is None:
+            return self.enqueue(info, payload, group, tag, timeout, t0)
+        return self.enqueue_key(info, payload, key, group, tag, timeout, t0)
+
     def enqueue(
         self, info: QueueInfo, payload: bytes, group: str | None, tag: int,
         timeout: float | None, t0: int,
     ) -> int:
         """Reserve a slot and hold its row write for the commit; returns its seq."""
         link = self.link
-        slot, seq = self._reserve(info, timeout, tag)
+        ring = link.ring(info)
+        # The lean path: one lock round; the generic one (waiting for room,
+        # recovery of a dead holder in the way) only when the ring is full.
+        sec = link.section
+        sec.lock_queue(ring.qidx)
+        try:
+            got = ring.reserve(link.owner, link.backend_pid, tag)
+        finally:
+            sec.unlock_queue(ring.qidx)
+        slot, seq = got if got is not None else self._reserve(info, timeout, tag)
         link.producer_seq += 1
-        op = Op(
-            link.ring(info),
-            info,
-            slot,
-            seq,
-            OpKind.ENQUEUE,
-            write=RowWrite(payload, link.producer_seq, link.producer, group),
-        )
-        link.ops.append(op)
-        op.latency_ns = time.perf_counter_ns() - t0
-        link.section.count_client(link.cidx, L.C_N_ENQ)
+        link.ops.append(Op(
+            ring, info, slot, seq, OpKind.ENQUEUE, time.perf_counter_ns() - t0,
+            RowWrite(payload, link.producer_seq, link.producer, group),
+        ))
+        sec.count_client(link.cidx, L.C_N_ENQ)
         return seq
 
     def enqueue_key(
@@ -148,6 +164,22 @@ class Claims:
         raise SectionError(
             f"queue {queue!r}: could not reserve a slot after 8 attempts (section unstable)"
         )
+
+    def enqueue_many_checked(
+        self, info: QueueInfo, items: list[bytes], groups: list[str | None] | None,
+        timeout: float | None, t0: int,
+    ) -> list[int]:
+        """:meth:`enqueue_many` after the checks of each payload's size and
+        of the transaction, with the groups' tags."""
+        limit = info.max_payload
+        for p in items:
+            if len(p) > limit:
+                self.check_payload(info, p)
+        if not items:
+            return []
+        self.check_not_failed()
+        tags = None if groups is None else [group_tag(g) for g in groups]
+        return self.enqueue_many(info, items, groups, tags, timeout, t0)
 
     def enqueue_many(
         self, info: QueueInfo, items: list[bytes], groups: list[str | None] | None,
@@ -214,11 +246,11 @@ class Claims:
                 if waiting:
                     ring.remove_waiter(OpKind.ENQUEUE)
                     waiting = False
-                while len(got) < n:
-                    r = ring.reserve(link.owner, link.backend_pid, tags[len(got)] if tags else 0)
-                    if r is None:
-                        break
-                    got.append(r)
+                first, k = ring.reserve_many(
+                    link.owner, link.backend_pid, n, tags[:n] if tags else None
+                )
+                cap = ring.cap
+                got = [((first + i) % cap, first + i) for i in range(k)]
                 self_blocked = False
                 if not got:
                     ring.note_full()
@@ -236,7 +268,7 @@ class Claims:
             if got:
                 return got
             try:
-                if not self_blocked and self._help_recover(ring, info):
+                if not self_blocked and _recover_in_way(self.link, ring, info):
                     continue  # a dead holder's slots were decided: try again now
             except BaseException:
                 if waiting:
@@ -284,71 +316,89 @@ class Claims:
         queue = info.name
         ring = link.ring(info)
         exclusive = info.dequeue_mode == "single"
-        holding = any(op.kind == OpKind.DEQUEUE for op in link.ops)
+        holding = any(op.kind is OpKind.DEQUEUE for op in link.ops)
         for _attempt in range(64):
-            claimed = self.claim(ring, info, max_n, deadline, exclusive)
-            if not claimed:
+            slots, seqs, cached = self.claim(ring, info, max_n, deadline, exclusive)
+            if not slots:
                 return []
             if not holding:  # the queue's lease runs from the transaction's first entry
                 link.section.note_hold(link.cidx)
                 holding = True
-            ops = [
-                Op(ring, info, slot, seq, OpKind.DEQUEUE, consume=cached is not None)
-                for slot, seq, cached in claimed
-            ]
-            link.ops.extend(ops)
-            from_cache = {
-                slot: cached for slot, _seq, cached in claimed if cached is not None
-            }
-            if from_cache:
-                # Served from the payload cache: the consuming write waits for the commit.
-                lat = (time.perf_counter_ns() - t0) // len(ops)
-                for op in ops:
-                    op.latency_ns = lat
-                if len(from_cache) == len(ops):
-                    link.section.count_client(link.cidx, L.C_N_DEQ, len(ops))
-                    tz = link.conn.info.timezone
-                    return [
-                        cached_message(queue, op.seq, from_cache[op.slot], tz) for op in ops
-                    ]
-                ops = [op for op in ops if not op.consume]
-            if len(ops) == 1:
-                row = link.execute(
-                    link.stmt("dequeue", queue), (ops[0].slot, ops[0].seq),
-                    binary=True, queue=queue, qid=info.id, seq=ops[0].seq,
-                ).fetchone()
-                rows = [] if row is None else [(ops[0].slot, ops[0].seq, *row)]
-            else:
-                rows = link.execute(
-                    link.stmt("dequeue_many", queue),
-                    (_wire.int_array(op.slot for op in ops), _wire.int_array(op.seq for op in ops)),
-                    binary=True,
-                    queue=queue,
-                    qid=info.id,
-                    seq=ops[0].seq,
-                ).fetchall()
-            got = {r[0]: r for r in rows}
-            lat = (time.perf_counter_ns() - t0) // len(ops)
-            stale = [op for op in ops if op.slot not in got]
-            if stale:
-                self._repair_dequeue(info, ring, stale, exclusive)
-            messages = []
-            tz = link.conn.info.timezone
-            for slot, seq, cached in claimed:
-                if cached is not None:
-                    messages.append(cached_message(queue, seq, cached, tz))
-                elif slot in got:
-                    _slot, seq, payload, producer, pseq, enq_at, deliveries, group = got[slot]
-                    messages.append(
-                        Message(queue, seq, bytes(payload), producer, pseq, enq_at,
-                                deliveries + 1, group)
-                    )
-            for op in ops:
-                op.latency_ns = lat
+            if cached is not None and None not in cached:
+                # All served from the payload cache: the consuming writes wait for the commit.
+                lat = (time.perf_counter_ns() - t0) // len(slots)
+                dq = OpKind.DEQUEUE
+                link.ops.extend([
+                    Op(ring, info, slot, seq, dq, lat, None, None, True)
+                    for slot, seq in zip(slots, seqs, strict=True)
+                ])
+                link.section.count_client(link.cidx, L.C_N_DEQ, len(slots))
+                tz = link.conn.info.timezone
+                return [
+                    cached_message(queue, seq, c, tz)
+                    for seq, c in zip(seqs, cached, strict=True)
+                    if c is not None
+                ]
+            messages = self._dequeue_rows(info, ring, slots, seqs, cached, t0, exclusive)
             if messages:
                 link.section.count_client(link.cidx, L.C_N_DEQ, len(messages))
                 return messages
         return []
+
+    def _dequeue_rows(
+        self, info: QueueInfo, ring: Ring, slots: list[int], seqs: list[int],
+        cached: list[Cached | None] | None, t0: int, exclusive: bool,
+    ) -> list[Message]:
+        """The messages of claimed slots, some (or all) read from their rows
+        in one statement; a slot whose row does not match is repaired."""
+        link = self.link
+        queue = info.name
+        if cached is None:
+            cached = [None] * len(slots)
+        ops = [
+            Op(ring, info, slot, seq, OpKind.DEQUEUE, consume=c is not None)
+            for slot, seq, c in zip(slots, seqs, cached, strict=True)
+        ]
+        link.ops.extend(ops)
+        lat = (time.perf_counter_ns() - t0) // len(ops)
+        for op in ops:
+            if op.consume:
+                op.latency_ns = lat
+        ops = [op for op in ops if not op.consume]
+        if len(ops) == 1:
+            row = link.execute(
+                link.stmt("dequeue", queue), (ops[0].slot, ops[0].seq),
+                binary=True, queue=queue, qid=info.id, seq=ops[0].seq,
+            ).fetchone()
+            rows = [] if row is None else [(ops[0].slot, ops[0].seq, *row)]
+        else:
+            rows = link.execute(
+                link.stmt("dequeue_many", queue),
+                (_wire.int_array(op.slot for op in ops), _wire.int_array(op.seq for op in ops)),
+                binary=True,
+                queue=queue,
+                qid=info.id,
+                seq=ops[0].seq,
+            ).fetchall()
+        got = {r[0]: r for r in rows}
+        lat = (time.perf_counter_ns() - t0) // len(ops)
+        stale = [op for op in ops if op.slot not in got]
+        if stale:
+            repair_dequeue(link, info, ring, stale, exclusive)
+        messages = []
+        tz = link.conn.info.timezone
+        for slot, seq, c in zip(slots, seqs, cached, strict=True):
+            if c is not None:
+                messages.append(cached_message(queue, seq, c, tz))
+            elif slot in got:
+                _slot, seq, payload, producer, pseq, enq_at, deliveries, group = got[slot]
+                messages.append(
+                    Message(queue, seq, bytes(payload), producer, pseq, enq_at,
+                            deliveries + 1, group)
+                )
+        for op in ops:
+            op.latency_ns = lat
+        return messages
 
     def commit_and_dequeue(
         self, txn: Transaction, info: QueueInfo
@@ -370,11 +420,12 @@ class Claims:
             txn.commit()
             return None
         t0 = time.perf_counter_ns()
-        claimed = self.claim(ring, info, 1, None, exclusive)
-        if not claimed:
+        slots, seqs, cached_list = self.claim(ring, info, 1, None, exclusive)
+        if not slots:
             txn.commit()
             return None
-        slot, seq, cached = claimed[0]
+        slot, seq = slots[0], seqs[0]
+        cached = None if cached_list is None else cached_list[0]
         op = Op(ring, info, slot, seq, OpKind.DEQUEUE, consume=cached is not None)
         if cached is not None:
             try:
@@ -391,7 +442,7 @@ class Claims:
         row = cur.fetchone()
         if row is None:
             link.ops.append(op)  # for the repair, which finishes it
-            self._repair_dequeue(info, ring, [op], exclusive)
+            repair_dequeue(link, info, ring, [op], exclusive)
             return (None,)
         self._taken([op], t0)
         payload, producer, pseq, enq_at, deliveries, group = row
@@ -399,57 +450,77 @@ class Claims:
 
     def claim(
         self, ring: Ring, info: QueueInfo, max_n: int, deadline: float | None, exclusive: bool
-    ) -> list[Claimed]:
-        """Claim up to ``max_n`` ready slots, each with its payload cache
-        record if it holds the entry (read under the queue lock), else None."""
+    ) -> tuple[list[int], list[int], list[Cached | None] | None]:
+        """Claim up to ``max_n`` ready slots: their slots, seqs and, in a
+        queue with a payload cache, each one's record if it holds the entry
+        (read under the queue lock; None: read the row), else None.
+
+        A waiter registers with how many entries it wants, so a commit wakes
+        as many as its entries make work for; woken, it looks at the bitmaps
+        without the lock first, and if another took the entries it sleeps
+        again, still registered, without a lock round."""
         link = self.link
         sec = link.section
         waiting = False
         sem = None
+        qidx = ring.qidx
         while True:
-            got: list[tuple[int, int]] = []
-            sec.lock_queue(ring.qidx)
+            cached: list[Cached | None] | None = None
+            sec.lock_queue(qidx)
             try:
                 if waiting:
-                    ring.remove_waiter(OpKind.DEQUEUE)
+                    ring.remove_waiter(OpKind.DEQUEUE, max_n)
                     waiting = False
                 if max_n == 1:
                     r = ring.claim(link.owner, link.backend_pid, exclusive=exclusive)
-                    if r is not None:
-                        got.append(r)
+                    if r is None:
+                        slots: list[int] = []
+                        seqs: list[int] = []
+                    else:
+                        slots, seqs = [r[0]], [r[1]]
+                        if ring.stride:
+                            cached = [ring.cache.get(r[0], r[1])]
                 else:
-                    got = ring.claim_many(link.owner, link.backend_pid, max_n, exclusive=exclusive)
-                if not got:
+                    sl, sq = ring.claim_batch(
+                        link.owner, link.backend_pid, max_n, exclusive=exclusive
+                    )
+                    if sl.size and ring.stride:
+                        cached = ring.cache.get_many(sl, sq)
+                    slots, seqs = sl.tolist(), sq.tolist()
+                if not slots:
                     ring.note_empty()
                     if deadline is not None and deadline > time.monotonic():
                         # Registered inside the same critical section as the
                         # failed scan, so a commit right after cannot miss us.
-                        ring.add_waiter(OpKind.DEQUEUE)
+                        ring.add_waiter(OpKind.DEQUEUE, max_n)
                         waiting = True
-                elif ring.stride:
-                    return [(slot, seq, ring.cache_get(slot, seq)) for slot, seq in got]
             finally:
-                sec.unlock_queue(ring.qidx)
-            if got:
-                return [(slot, seq, None) for slot, seq in got]
+                sec.unlock_queue(qidx)
+            if slots:
+                return slots, seqs, cached
             try:
-                if self._help_recover(ring, info):
+                if _recover_in_way(self.link, ring, info):
                     continue  # a dead holder's slots were decided: look again now
             except BaseException:
                 if waiting:
-                    self._unwait(ring, OpKind.DEQUEUE)
+                    self._unwait(ring, OpKind.DEQUEUE, max_n)
                 raise
             if not waiting:
-                return []
+                return [], [], None
             assert deadline is not None
             if sem is None:
                 sem = sec.semaphore(info.id, "r")
             try:
-                sem.acquire(max(0.0, min(deadline - time.monotonic(), CLAIM_RECHECK_S)))
+                while True:
+                    sem.acquire(max(0.0, min(deadline - time.monotonic(), CLAIM_RECHECK_S)))
+                    # Woken: if the entries are gone already, sleep again
+                    # (still registered) rather than queue for the lock.
+                    if ring.maybe_ready() or deadline <= time.monotonic():
+                        break
             except (posix_ipc.BusyError, posix_ipc.SignalError):
                 pass  # timed out, or a signal whose handler did not raise: look again
             except BaseException:
-                self._unwait(ring, OpKind.DEQUEUE)
+                self._unwait(ring, OpKind.DEQUEUE, max_n)
                 raise
 
     def _taken(self, ops: list[Op], t0: int) -> None:
@@ -462,53 +533,54 @@ class Claims:
         link.section.note_hold(link.cidx)
         link.section.count_client(link.cidx, L.C_N_DEQ, len(ops))
 
-    def _unwait(self, ring: Ring, kind: OpKind) -> None:
+    def _unwait(self, ring: Ring, kind: OpKind, want: int = 1) -> None:
         """Undo a waiter registration when an exception leaves the wait."""
         sec = self.link.section
         sec.lock_queue(ring.qidx)
         try:
-            ring.abandon_wait(kind)
+            ring.abandon_wait(kind, want)
         finally:
             sec.unlock_queue(ring.qidx)
 
-    def _help_recover(self, ring: Ring, info: QueueInfo) -> bool:
-        link = self.link
-        return help_recover(
-            link.section, link.dsn, ring, info.name, owner=link.owner, instance=link.instance
-        )
 
-    def _repair_dequeue(
-        self, info: QueueInfo, ring: Ring, stale: list[Op], exclusive: bool
-    ) -> None:
-        """The rows did not match the section: decide those slots from the rows."""
-        link = self.link
+def repair_dequeue(
+    link: Link, info: QueueInfo, ring: Ring, stale: list[Op], exclusive: bool
+) -> None:
+    """The rows did not match the section: decide those slots from the rows."""
+    for op in stale:
+        link.ops.remove(op)
+    link.record_error(L.ERR_ROW_MISMATCH, info.id, stale[0].seq)
+    rows = link.execute(
+        link.stmt("rows", info.name),
+        ([op.slot for op in stale],),
+        queue=info.name,
+        qid=info.id,
+        seq=stale[0].seq,
+    ).fetchall()
+    by_slot = {slot: (state, seq) for slot, state, seq, _group in rows}
+    need_resync = False
+    sec = link.section
+    sec.lock_queue(ring.qidx)
+    try:
         for op in stale:
-            link.ops.remove(op)
-        link.record_error(L.ERR_ROW_MISMATCH, info.id, stale[0].seq)
-        rows = link.execute(
-            link.stmt("rows", info.name),
-            ([op.slot for op in stale],),
-            queue=info.name,
-            qid=info.id,
-            seq=stale[0].seq,
-        ).fetchall()
-        by_slot = {slot: (state, seq) for slot, state, seq, _group in rows}
-        need_resync = False
-        sec = link.section
-        sec.lock_queue(ring.qidx)
-        try:
-            for op in stale:
-                if not ring.held_by(op.slot, link.owner):
-                    continue
-                state, seq = by_slot.get(op.slot, (RowState.FREE, -1))
-                # Not there (void) or already consumed: the slot is done.
-                ring.finish_stale(op.slot, exclusive=exclusive)
-                if state == RowState.QUEUED and seq != op.seq:
-                    need_resync = True  # an entry the section does not know about
-        finally:
-            sec.unlock_queue(ring.qidx)
-        logger.warning(
-            "ringq: queue %s: %d stale section entries repaired from rows", info.name, len(stale)
-        )
-        if need_resync:
-            link.resync(info)
+            if not ring.held_by(op.slot, link.owner):
+                continue
+            state, seq = by_slot.get(op.slot, (RowState.FREE, -1))
+            # Not there (void) or already consumed: the slot is done.
+            ring.finish_stale(op.slot, exclusive=exclusive)
+            if state == RowState.QUEUED and seq != op.seq:
+                need_resync = True  # an entry the section does not know about
+    finally:
+        sec.unlock_queue(ring.qidx)
+    logger.warning(
+        "ringq: queue %s: %d stale section entries repaired from rows", info.name, len(stale)
+    )
+    if need_resync:
+        link.resync(info)
+
+
+def _recover_in_way(link: Link, ring: Ring, info: QueueInfo) -> bool:
+    """Decide the slots of dead holders in the queue's way (True if any was)."""
+    return help_recover(
+        link.section, link.dsn, ring, info.name, owner=link.owner, instance=link.instance
+    )

@@ -17,7 +17,8 @@ from __future__ import annotations
 # 3: owner tokens (C_GEN, C_TOKEN) and the HOLDER array (backend pid per slot)
 # 4: the payload cache (a pool after HOLDER, H_NEXT_CACHE, Q_CACHE_*)
 # 5: groups (the GROUP array after HOLDER, Q_GROUPED, R_GROUP_LEN and the group in a record)
-LAYOUT_VERSION = 5
+# 6: Q_WAIT_WANT (what sleeping dequeuers want; older clients would not keep it)
+LAYOUT_VERSION = 6
 MAGIC = 0x52494E47_51534543  # "RINGQSEC"
 
 MAX_QUEUES = 128
@@ -106,6 +107,10 @@ Q_N_CACHE_MISSES = 41  # dequeues of a cached queue that read the row
 # sets it from the rows). Ungrouped queues keep the plain scan.
 Q_GROUPED = 42
 Q_N_GROUP_SKIPS = 43  # ready entries a claim passed over because their group was busy
+# Entries the dequeuers sleeping on the ready semaphore want, summed (each
+# adds its batch size with Q_WAIT_READY): a commit wakes as many waiters as
+# its new ready entries make work for, not all of them.
+Q_WAIT_WANT = 44
 Q_ENQ_HIST = 64  # HIST_BUCKETS words
 Q_DEQ_HIST = 96  # HIST_BUCKETS words
 QUEUE_WORDS = 128

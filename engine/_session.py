@@ -37,7 +37,7 @@ from ._link import Link
 from ._message import Message as Message
 from ._queue_info import QueueInfo as QueueInfo
 from ._recovery import wait_dead_holders
-from ._ring import Ring, group_tag
+from ._ring import Ring
 from ._section import Section
 from ._tpc import TwoPhase
 from ._transaction import Transaction
@@ -228,9 +228,9 @@ class Session:
         self._link.settle(two_phase_prepared=self._tpc.prepared)
 
     def _after_fork(self) -> None:
-        # The inherited connection belongs to the parent: never close it here
-        # (psycopg does not finish a connection made in another process), nor
-        # the two-phase side connection. The queues known stay known.
+        """A new connection and entry; the parent's (and its two-phase side
+        connection) are never closed here: psycopg does not finish a
+        connection made in another process. The queues known stay known."""
         old, tpc = self._link, self._tpc
         self._open(old.dsn, _new_producer(), old.connect_timeout, old.appname, old.role)
         self._link.queues, self._link.stmts = old.queues, old.stmts
@@ -480,12 +480,7 @@ class Session:
         check_wait("timeout", timeout)
         t0 = time.perf_counter_ns()
         info = self._link.info(queue)
-        self._claims.check_payload(info, payload)
-        self._claims.check_not_failed()
-        tag = group_tag(group)
-        if key is None:
-            return self._claims.enqueue(info, payload, group, tag, timeout, t0)
-        return self._claims.enqueue_key(info, payload, key, group, tag, timeout, t0)
+        return self._claims.enqueue_checked(info, payload, key, group, timeout, t0)
 
     def enqueue_many(
         self,
@@ -509,16 +504,10 @@ class Session:
         self._check()
         items = as_payloads(payloads)
         groups = as_groups(group, len(items))
-        tags = None if groups is None else [group_tag(g) for g in groups]
         check_wait("timeout", timeout)
         t0 = time.perf_counter_ns()
         info = self._link.info(queue)
-        for p in items:
-            self._claims.check_payload(info, p)
-        if not items:
-            return []
-        self._claims.check_not_failed()
-        return self._claims.enqueue_many(info, items, groups, tags, timeout, t0)
+        return self._claims.enqueue_many_checked(info, items, groups, timeout, t0)
 
     # -- dequeue -----------------------------------------------------------------------
 

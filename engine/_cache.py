@@ -1,0 +1,201 @@
+"""The payload cache of one queue block: a record per slot in the section's cache pool.
+
+A record (``L.R_*`` words, then the producer name, the group, then the
+payload) is written by the session whose commit made the entry, under the
+queue lock, before the entry's ENQ bit is set; read by the dequeuer that
+claimed the slot, under the queue lock; and trusted only when its tag is the
+entry's seq + 1 and its epoch the queue's (every load from the rows starts a
+new epoch). A dequeue that does not commit clears its record's tag, so a
+redelivery reads the row.
+
+A batch reads and writes the records' words as one numpy gather or scatter
+over the pool; only the variable-length bytes (payload, producer, group) are
+copied one entry at a time.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from . import _layout as L
+
+if TYPE_CHECKING:
+    from ._ops import RowWrite
+    from ._section import Section
+
+# A payload cache hit: (payload, producer, producer_seq, enqueued at in us, group).
+Cached = tuple[bytes, str, int, int, str | None]
+
+_FIELDS = np.arange(L.RECORD_WORDS, dtype=np.int64)
+_P0 = L.RECORD_WORDS * 8  # where the producer name starts in a record
+
+
+class PayloadCache:
+    """Records of queue block ``qb`` (cheap to make; the caller holds the queue lock)."""
+
+    __slots__ = ("Q", "_names", "cap_bytes", "cw0", "qb", "sec", "stride", "sw")
+
+    def __init__(self, sec: Section, qb: int) -> None:
+        self.sec = sec
+        self.qb = qb
+        self.Q = sec.queues
+        self.cap_bytes = self.Q[qb + L.Q_CACHE_PAYLOAD]  # payload bytes a record holds
+        self.stride = self.Q[qb + L.Q_CACHE_STRIDE]  # 0: the queue has no cache
+        self.cw0 = self.Q[qb + L.Q_CACHE_BASE] >> 3  # first record's first word
+        self.sw = self.stride >> 3  # words per record
+        # decoded producer and group names by their bytes: a batch's entries share them
+        self._names: dict[bytes, str] = {}
+
+    def _name(self, raw: bytes) -> str:
+        name = self._names.get(raw)
+        if name is None:
+            if len(self._names) > 256:
+                self._names.clear()
+            name = self._names[raw] = raw.decode()
+        return name
+
+    def put(
+        self,
+        slot: int,
+        seq: int,
+        payload: bytes,
+        producer: bytes,
+        producer_seq: int,
+        enq_at_us: int,
+        group: bytes | None = None,
+    ) -> bool:
+        """Write the record of ``slot``'s new entry ``seq`` (the caller holds
+        the slot and the queue lock, and has not set ENQ yet). False if the
+        queue has no cache or the entry does not fit its record."""
+        if (
+            not self.stride
+            or len(payload) > self.cap_bytes
+            or len(producer) > L.CACHE_PRODUCER_BYTES
+            or (group is not None and len(group) > L.GROUP_BYTES)
+        ):
+            return False
+        s = self.sec
+        w = self.cw0 + slot * self.sw
+        off = w << 3
+        cw = s.cache_w
+        cw[w + L.R_TAG] = 0  # not trusted while half written (and a wrong tag anyway)
+        cw[w + L.R_EPOCH] = self.Q[self.qb + L.Q_CACHE_EPOCH]
+        cw[w + L.R_LEN] = len(payload)
+        cw[w + L.R_PRODUCER_LEN] = len(producer)
+        cw[w + L.R_PRODUCER_SEQ] = producer_seq
+        cw[w + L.R_ENQ_AT_US] = enq_at_us
+        cw[w + L.R_GROUP_LEN] = -1 if group is None else len(group)
+        at = off + _P0
+        s.cache[at : at + len(producer)] = producer
+        if group:
+            at = off + L.RECORD_GROUP
+            s.cache[at : at + len(group)] = group
+        at = off + L.RECORD_HEAD
+        s.cache[at : at + len(payload)] = payload
+        cw[w + L.R_TAG] = seq + 1
+        return True
+
+    def put_many(
+        self, slots: Sequence[int], seqs: Sequence[int], writes: Sequence[RowWrite], enq_at_us: int
+    ) -> None:
+        """Write the records of a batch of new entries (as :meth:`put`, each
+        one that fits): the head words as one scatter, tags last."""
+        if not self.stride:
+            return
+        s = self.sec
+        cache = s.cache
+        limit = self.cap_bytes
+        epoch = self.Q[self.qb + L.Q_CACHE_EPOCH]
+        rows: list[tuple[int, int, int, int, int, int, int]] = []
+        at_w: list[int] = []
+        tags: list[int] = []
+        encoded: dict[str, bytes] = {}
+        for slot, seq, wr in zip(slots, seqs, writes, strict=True):
+            payload = wr.payload
+            producer = encoded.get(wr.producer)
+            if producer is None:
+                producer = encoded[wr.producer] = wr.producer.encode()
+            group = None if wr.group is None else wr.group.encode()
+            if (
+                len(payload) > limit
+                or len(producer) > L.CACHE_PRODUCER_BYTES
+                or (group is not None and len(group) > L.GROUP_BYTES)
+            ):
+                continue
+            w = self.cw0 + slot * self.sw
+            off = w << 3
+            cache[off + _P0 : off + _P0 + len(producer)] = producer
+            if group:
+                cache[off + L.RECORD_GROUP : off + L.RECORD_GROUP + len(group)] = group
+            cache[off + L.RECORD_HEAD : off + L.RECORD_HEAD + len(payload)] = payload
+            at_w.append(w)
+            rows.append((0, epoch, len(payload), len(producer), wr.producer_seq, enq_at_us,
+                         -1 if group is None else len(group)))
+            tags.append(seq + 1)
+        if not at_w:
+            return
+        at = np.array(at_w, dtype=np.int64)
+        cq = s.cache_q
+        # Tags stay 0 (untrusted) until the rest of each record is written.
+        # (A record's old tag names an older entry of the slot: never ``seq``.)
+        cq[at[:, None] + _FIELDS] = np.array(rows, dtype=np.int64)
+        cq[at + L.R_TAG] = np.array(tags, dtype=np.int64)
+
+    def get(self, slot: int, seq: int) -> Cached | None:
+        """(payload, producer, producer_seq, enqueued at in us, group) of
+        entry ``seq`` from its record, if the record holds it (the caller
+        holds the slot and the queue lock); else None, and the caller reads
+        the row. Counted."""
+        if not self.stride:
+            return None
+        s = self.sec
+        cw = s.cache_w
+        w = self.cw0 + slot * self.sw
+        Q, b = self.Q, self.qb
+        if cw[w + L.R_TAG] != seq + 1 or cw[w + L.R_EPOCH] != Q[b + L.Q_CACHE_EPOCH]:
+            Q[b + L.Q_N_CACHE_MISSES] += 1
+            return None
+        Q[b + L.Q_N_CACHE_HITS] += 1
+        return self._read(w, cw[w + L.R_LEN], cw[w + L.R_PRODUCER_LEN],
+                          cw[w + L.R_PRODUCER_SEQ], cw[w + L.R_ENQ_AT_US], cw[w + L.R_GROUP_LEN])
+
+    def _read(self, w: int, n: int, pn: int, pseq: int, enq_at: int, gn: int) -> Cached:
+        cache = self.sec.cache
+        off = w << 3
+        producer = self._name(bytes(cache[off + _P0 : off + _P0 + pn]))
+        group = (
+            None if gn < 0
+            else self._name(bytes(cache[off + L.RECORD_GROUP : off + L.RECORD_GROUP + gn]))
+        )
+        at = off + L.RECORD_HEAD
+        return bytes(cache[at : at + n]), producer, pseq, enq_at, group
+
+    def get_many(self, slots: np.ndarray, seqs: np.ndarray) -> list[Cached | None]:
+        """:meth:`get` for a batch (int64 arrays): the record heads read as one gather."""
+        if not self.stride:
+            return [None] * len(slots)
+        w = self.cw0 + slots * self.sw
+        heads = self.sec.cache_q[w[:, None] + _FIELDS]
+        hit = (heads[:, L.R_TAG] == seqs + 1) & (
+            heads[:, L.R_EPOCH] == self.Q[self.qb + L.Q_CACHE_EPOCH]
+        )
+        n_hit = int(np.count_nonzero(hit))
+        Q, b = self.Q, self.qb
+        Q[b + L.Q_N_CACHE_HITS] += n_hit
+        Q[b + L.Q_N_CACHE_MISSES] += len(slots) - n_hit
+        read = self._read
+        return [
+            read(wi, h[L.R_LEN], h[L.R_PRODUCER_LEN], h[L.R_PRODUCER_SEQ], h[L.R_ENQ_AT_US],
+                 h[L.R_GROUP_LEN]) if ok else None
+            for wi, h, ok in zip(w.tolist(), heads.tolist(), hit.tolist(), strict=True)
+        ]
+
+    def clear(self, slots: np.ndarray) -> None:
+        """Untrust the records of ``slots`` (int64 array): their entries are
+        consumed, or their rows count a delivery now (a record serves one
+        first delivery)."""
+        if self.stride and len(slots):
+            self.sec.cache_q[self.cw0 + slots * self.sw + L.R_TAG] = 0

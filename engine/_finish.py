@@ -1,0 +1,213 @@
+"""Finishing a transaction's slots in a queue block once the database decided.
+
+An enqueue's slot becomes ready (its cache record written first) or void;
+a dequeue's slot consumed or ready again; then its entry lock is released.
+A batch does each step as one array write over the block's words, in the
+order the ring's crash rules ask (``_ring``'s module docstring): records
+before ENQ, ENQ and DEQ before LCK is cleared, the tail moved last; a few
+ops go one slot at a time (plain ints cost less than numpy's calls). Called
+by :meth:`Ring.finish_batch <._ring.Ring.finish_batch>` under the queue lock.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from . import _layout as L
+from ._ops import OpKind
+from ._scan import bit_mask
+
+if TYPE_CHECKING:
+    from ._ops import Op
+    from ._ring import Ring
+
+VECTOR_FROM = 8  # ops from which a finish works on arrays (below, numpy's call cost dominates)
+
+
+def finish_batch(
+    ring: Ring,
+    ops: Sequence[Op],
+    owner: int,
+    *,
+    committed: bool,
+    poisoned: set[tuple[int, int]],
+    exclusive: bool,
+    enq_at_us: int | None = None,
+) -> tuple[int, int]:
+    """Finish ``owner``'s slots ``ops`` once the database has decided:
+    enqueued entries become ready (``committed``) or void, dequeued ones
+    consumed (committed, or ``poisoned``: (slot, seq) pairs) or ready again.
+
+    With ``enq_at_us`` (the rows' enqueue time in us), committed enqueues
+    whose row write the op still carries (``fill``) are written to the
+    payload cache before they become ready.
+
+    Slots ``owner`` no longer holds (decided by recovery) are passed over.
+    Records the latencies, reclaims once, and counts poisoned entries and
+    wake-ups. Returns (ready, space): how many sleeping dequeuers and
+    enqueuers the caller wakes (after releasing the lock).
+    """
+    if len(ops) < VECTOR_FROM:
+        return _finish_each(ring, ops, owner, committed=committed, poisoned=poisoned,
+                            exclusive=exclusive, enq_at_us=enq_at_us)
+    Q, b = ring.Q, ring.qb
+    s = ring.sec
+    n_ready = n_space = n_poisoned = 0
+    enq = [op for op in ops if op.kind is OpKind.ENQUEUE]
+    deq = [op for op in ops if op.kind is not OpKind.ENQUEUE]
+    if enq:
+        enq, slots = _held(ring, enq, owner)
+        if slots.size:
+            lo, mask = bit_mask(slots)
+            at = slice(ring.w0 + lo, ring.w0 + lo + mask.size)
+            if committed:
+                if enq_at_us is not None and ring.stride:
+                    filled = [op for op in enq if op.fill is not None]
+                    ring.cache.put_many(
+                        [op.slot for op in filled], [op.seq for op in filled],
+                        [op.fill for op in filled if op.fill is not None], enq_at_us,
+                    )
+                s.enq[at] |= mask
+                Q[b + L.Q_DEPTH_HINT] += slots.size
+                Q[b + L.Q_N_ENQ_COMMIT] += slots.size
+                n_ready += slots.size
+            else:
+                s.deq[at] |= mask
+                Q[b + L.Q_N_ENQ_ROLLBACK] += slots.size
+            s.lck[at] &= ~mask
+            s.owner[ring.base + slots] = 0
+            _record_latencies(ring, OpKind.ENQUEUE, enq)
+    if deq:
+        deq, slots = _held(ring, deq, owner)
+        if slots.size:
+            if poisoned:
+                hit = [(op.slot, op.seq) in poisoned for op in deq]
+                n_poisoned = sum(hit)
+                consumed = np.array(hit, dtype=bool) | committed
+            else:
+                consumed = np.full(slots.size, committed, dtype=bool)
+            n_consumed = int(np.count_nonzero(consumed))
+            was_owner = Q[b + L.Q_DEQ_OWNER]
+            # a consumed entry of a group frees the group: its next entry
+            # may be what a sleeping dequeuer waits for
+            freed = int(np.count_nonzero(consumed & (s.group[ring.base + slots] != 0)))
+            Q[b + L.Q_DEPTH_HINT] -= n_consumed
+            Q[b + L.Q_N_DEQ_COMMIT] += n_consumed
+            back = slots[~consumed]
+            if back.size:
+                lo, mask = bit_mask(back)
+                s.deq[ring.w0 + lo : ring.w0 + lo + mask.size] &= ~mask
+                Q[b + L.Q_N_DEQ_ROLLBACK] += back.size
+            # Consumed, or its row counts a delivery now: a record serves
+            # one first delivery (a redelivery reads the row).
+            ring.cache.clear(slots)
+            lo, mask = bit_mask(slots)
+            s.lck[ring.w0 + lo : ring.w0 + lo + mask.size] &= ~mask
+            s.owner[ring.base + slots] = 0
+            if exclusive and Q[b + L.Q_DEQ_INFLIGHT] > 0:
+                Q[b + L.Q_DEQ_INFLIGHT] = max(0, Q[b + L.Q_DEQ_INFLIGHT] - slots.size)
+                if Q[b + L.Q_DEQ_INFLIGHT] == 0:
+                    Q[b + L.Q_DEQ_OWNER] = 0
+            n_space += n_consumed
+            n_ready += (slots.size - n_consumed) + freed + int(
+                exclusive and bool(was_owner) and not Q[b + L.Q_DEQ_OWNER]
+            )
+            _record_latencies(ring, OpKind.DEQUEUE, deq)
+    if n_poisoned:
+        Q[b + L.Q_N_POISONED] += n_poisoned
+    return _after_finish(ring, n_ready, n_space)
+
+
+def _after_finish(ring: Ring, n_ready: int, n_space: int) -> tuple[int, int]:
+    """Reclaim once and count the wake-ups a finish makes: (ready, space)."""
+    Q, b = ring.Q, ring.qb
+    if n_space:
+        ring.reclaim()  # once per queue, not once per entry
+    wake_r = _wake_count(ring, n_ready)
+    wake_s = min(n_space, Q[b + L.Q_WAIT_SPACE])
+    if n_space and Q[b + L.Q_FULL_SINCE_NS]:
+        Q[b + L.Q_FULL_NS] += time.monotonic_ns() - Q[b + L.Q_FULL_SINCE_NS]
+        Q[b + L.Q_FULL_SINCE_NS] = 0
+    if wake_r:
+        Q[b + L.Q_N_WAKEUPS] += wake_r
+    return wake_r, wake_s
+
+
+def _finish_each(
+    ring: Ring,
+    ops: Sequence[Op],
+    owner: int,
+    *,
+    committed: bool,
+    poisoned: set[tuple[int, int]],
+    exclusive: bool,
+    enq_at_us: int | None,
+) -> tuple[int, int]:
+    """:meth:`finish_batch` one slot at a time: for a few ops, plain ints
+    cost less than numpy's per-call overhead."""
+    Q, b = ring.Q, ring.qb
+    n_ready = n_space = 0
+    for op in ops:
+        if not ring.held_by(op.slot, owner):
+            continue  # already decided by recovery (never finish a slot twice)
+        if op.kind is OpKind.ENQUEUE:
+            if committed and enq_at_us is not None and op.fill is not None and ring.stride:
+                f = op.fill
+                ring.cache.put(
+                    op.slot, op.seq, f.payload, f.producer.encode(), f.producer_seq, enq_at_us,
+                    None if f.group is None else f.group.encode(),
+                )
+            ring.finish_enqueue(op.slot, committed)
+            n_ready += committed
+        else:
+            consumed = committed or (op.slot, op.seq) in poisoned
+            was_owner = Q[b + L.Q_DEQ_OWNER]
+            freed_group = consumed and ring.sec.group_w[ring.base + op.slot] != 0
+            ring.finish_dequeue(op.slot, consumed, exclusive=exclusive, reclaim=False)
+            n_space += consumed
+            n_ready += (
+                (not consumed)
+                or freed_group
+                or (exclusive and was_owner and not Q[b + L.Q_DEQ_OWNER])
+            )
+            if consumed and not committed:
+                Q[b + L.Q_N_POISONED] += 1
+        ring.record_latency(op.kind, op.latency_ns)
+    return _after_finish(ring, n_ready, n_space)
+
+
+def _held(ring: Ring, ops: list[Op], owner: int) -> tuple[list[Op], np.ndarray]:
+    """``ops`` whose slots ``owner`` still holds (LCK set, its token in
+    OWNER; the others were decided by recovery: never finish a slot
+    twice), and their slots (int64)."""
+    s = ring.sec
+    slots = np.fromiter((op.slot for op in ops), dtype=np.int64, count=len(ops))
+    lck = (s.lck[ring.w0 + (slots >> 6)] >> (slots & 63).astype(np.uint64)) & np.uint64(1)
+    held = (lck != 0) & (s.owner[ring.base + slots] == owner)
+    if held.all():
+        return ops, slots
+    return [op for op, h in zip(ops, held.tolist(), strict=True) if h], slots[held]
+
+
+def _record_latencies(ring: Ring, kind: OpKind, ops: list[Op]) -> None:
+    # a batch's ops share one latency: one histogram update per distinct value
+    for ns, n in Counter(op.latency_ns for op in ops).items():
+        ring.record_latency(kind, ns, n)
+
+
+def _wake_count(ring: Ring, n_ready: int) -> int:
+    """How many sleeping dequeuers ``n_ready`` new ready entries make
+    work for: each waiter recorded how many it wants (``Q_WAIT_WANT``),
+    so a batch wakes enough waiters to take it, not every waiter."""
+    Q, b = ring.Q, ring.qb
+    waiters = Q[b + L.Q_WAIT_READY]
+    if not n_ready or waiters <= 0:
+        return 0
+    per = max(1, Q[b + L.Q_WAIT_WANT] // waiters)  # entries a waiter wants, on average
+    return min(waiters, -(-n_ready // per))
+

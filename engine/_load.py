@@ -1,0 +1,121 @@
+"""Loading a queue block's positions and bitmaps from its table's rows
+(a queue's first use, a resync, a rebuild): :func:`load_rows`, behind
+:meth:`Ring.load_rows <._ring.Ring.load_rows>`."""
+
+from __future__ import annotations
+
+import secrets
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from . import _layout as L
+from ._ops import RowState
+from ._scan import group_tag, set_bits
+
+if TYPE_CHECKING:
+    from ._ring import Ring
+
+
+def load_rows(
+    ring: Ring,
+    slots: np.ndarray,
+    states: np.ndarray,
+    seqs: np.ndarray,
+    *,
+    keep_locked: bool,
+    held: list[tuple[int, int]] | None = None,
+    groups: Sequence[tuple[int, str]] = (),
+) -> None:
+    """Set head, tail and the bitmaps from the rows (``SELECT slot, state, seq``),
+    and the group tags from ``groups``: (slot, group) of the queued rows that have one.
+
+    ``keep_locked`` preserves slots locked by live clients (a resync under
+    traffic); ``held`` lists (slot, seq) pairs of in-doubt prepared
+    transactions, kept locked with no owner until recovery decides them.
+    """
+    cap = ring.cap
+    Q, b = ring.Q, ring.qb
+    # A new epoch: no record written before this load is trusted (a
+    # random one, as a reused block's records carry a former queue's).
+    Q[b + L.Q_CACHE_EPOCH] = secrets.randbits(62) | 1
+    seq_by_slot = np.full(cap, -1, dtype=np.int64)
+    state_by_slot = np.zeros(cap, dtype=np.int64)
+    seq_by_slot[slots] = seqs
+    state_by_slot[slots] = states
+    nwords = (cap + 63) // 64
+    g0, g1 = ring.w0, ring.w0 + nwords
+    s = ring.sec
+
+    old_lck = s.lck[g0:g1].copy() if keep_locked else np.zeros(nwords, dtype=np.uint64)
+    # slots locked by live clients (resync): kept as they are
+    old_locked = np.zeros(cap, dtype=bool)
+    at = set_bits(old_lck)
+    old_locked[at[at < cap]] = True
+    locked_seqs = [ring.seq_of(int(slot)) for slot in np.flatnonzero(old_locked)]
+    max_seq = int(seq_by_slot.max()) if cap else -1
+    head = max_seq + 1
+    if keep_locked:
+        head = max(head, Q[b + L.Q_HEAD])
+    held = held or []
+    for _slot, seq in held:
+        head = max(head, seq + 1)
+    queued = seq_by_slot[state_by_slot == RowState.QUEUED]
+    candidates = [int(queued.min())] if queued.size else []
+    candidates += locked_seqs + [seq for _slot, seq in held]
+    tail = min(candidates) if candidates else head
+    tail = max(tail, head - cap, 0)
+
+    pos = np.arange(tail, head, dtype=np.int64)
+    at = pos % cap
+    written = seq_by_slot[at] == pos
+    enq = np.zeros(cap, dtype=bool)
+    deq = np.zeros(cap, dtype=bool)
+    enq[at] = written & (state_by_slot[at] >= RowState.QUEUED)
+    # consumed, or void (never written)
+    deq[at] = ~(written & (state_by_slot[at] == RowState.QUEUED))
+    lck = np.zeros(cap, dtype=bool)
+    for h_slot, h_seq in held:
+        lck[h_slot] = True
+        enq[h_slot] = seq_by_slot[h_slot] == h_seq and state_by_slot[h_slot] >= RowState.QUEUED
+        deq[h_slot] = bool(enq[h_slot])  # a held dequeue; a held enqueue has neither bit
+
+    def words(bits: np.ndarray) -> np.ndarray:
+        padded = np.zeros(nwords * 64, dtype=bool)
+        padded[:cap] = bits
+        return np.packbits(padded, bitorder="little").view(np.uint64)
+
+    new_enq, new_deq, new_lck = words(enq), words(deq), words(lck)
+    tags = np.zeros(cap, dtype=np.int64)
+    if groups:
+        tags[[slot for slot, _g in groups]] = [group_tag(g) for _s, g in groups]
+    # a locked slot keeps the tag its reservation wrote
+    tags[old_locked] = s.group[ring.base : ring.base + cap][old_locked]
+    s.group[ring.base : ring.base + cap] = tags
+    Q[b + L.Q_GROUPED] = int(bool(np.any(tags)))
+    if keep_locked:
+        new_enq = (new_enq & ~old_lck) | (s.enq[g0:g1] & old_lck)
+        new_deq = (new_deq & ~old_lck) | (s.deq[g0:g1] & old_lck)
+        new_lck = new_lck | old_lck
+    else:
+        s.owner[ring.base : ring.base + cap] = 0
+        Q[b + L.Q_DEQ_OWNER] = 0
+        Q[b + L.Q_DEQ_INFLIGHT] = 0
+    # Slots of prepared transactions that no live client here holds: locked
+    # with owner HELD (set before the LCK bits), for recovery to decide from
+    # the rows once the transaction is resolved (recovery.resolve_prepared,
+    # or recover_dead_clients when someone else resolved it).
+    for h_slot, _h_seq in held:
+        if not old_locked[h_slot]:
+            s.holder_w[ring.base + h_slot] = 0
+            s.owner_w[ring.base + h_slot] = L.OWNER_HELD
+    # Tail first, then bits, then head: readers only look inside [tail, head).
+    Q[b + L.Q_TAIL] = tail
+    s.enq[g0:g1] = new_enq
+    s.deq[g0:g1] = new_deq
+    s.lck[g0:g1] = new_lck
+    Q[b + L.Q_HEAD] = head
+    Q[b + L.Q_DEPTH_HINT] = int(np.count_nonzero(state_by_slot == RowState.QUEUED))
+    ring.reclaim()
+
