@@ -181,8 +181,10 @@ def thin(x: np.ndarray, ys: Sequence[np.ndarray], rules: Sequence[str], max_poin
     for y, rule in zip(ys, rules, strict=True):
         if rule == M.MAX:
             out.append(np.fmax.reduceat(y, starts))
-        elif rule == M.MEAN:
-            out.append(np.add.reduceat(np.nan_to_num(y), starts) / (ends - starts))
+        elif rule == M.MEAN:  # of the points that have a value (NaN: none measured)
+            seen = np.add.reduceat((~np.isnan(y)).astype(np.float64), starts)
+            total = np.add.reduceat(np.nan_to_num(y), starts)
+            out.append(np.divide(total, seen, out=np.full(len(starts), np.nan), where=seen > 0))
         else:
             out.append(y[ends - 1])
     return x[ends - 1], out

@@ -38,8 +38,8 @@ def period_page(
 ) -> Path:
     """Write the page of ``t0 < t <= t1`` (unix seconds) into ``out_dir``; its path.
 
-    :raises NoData: the data directory holds no sample of the period (of ``queues``, if given)
-        and no event of the monitor's log.
+    :raises NoData: the data directory holds no sample of the period and no event of the
+        monitor's log (with ``queues``: no sample of them).
     """
     say = progress or (lambda _msg: None)
     say(f"reading the T4 files in {data_dir}")
@@ -47,7 +47,7 @@ def period_page(
     say(f"reading {data_dir / 'monitor.log'}")
     records = journal_records(data_dir, t0, t1)
     evs = E.events(records, set(queues) if queues else None)
-    if not rows and not evs:
+    if not rows and (queues or not evs):  # the queues asked for: their samples
         what = f"queue {', '.join(queues)}" if queues else "any queue"
         raise NoData(
             f"no data for {what} from {utc(t0)} to {utc(t1)} UTC in {data_dir} "
@@ -98,6 +98,9 @@ def queue_charts(page: Page, name: str, r: np.ndarray, marks: list[Mark] | None 
                  ) -> None:
     """The charts of one queue's samples (columns as ``SAMPLE_KEYS``)."""
     keys = list(M.SAMPLE_KEYS)
+    r = r.copy()
+    for k in (M.ENQ_P50, M.ENQ_P99, M.DEQ_P50, M.DEQ_P99):  # 0: no call in the interval
+        r[:, COL[k]] = np.where(r[:, COL[k]] > 0, r[:, COL[k]], np.nan)
     t, cols = thin(r[:, 0], [r[:, i] for i in range(r.shape[1])], [M.BUCKET[k] for k in keys])
     c = dict(zip(keys, cols, strict=True))
     mk = marks or []
