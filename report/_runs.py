@@ -32,8 +32,8 @@ from ._charts import BarChart, Line, Mark, TimeChart
 from ._errors import NoData
 from ._page import Page, utc
 
-STEP_S: Final = 0.5  # the cycle's course is recorded at most this often
-MAX_SAMPLES: Final = 20_000  # then every other sample is dropped (a cycle of hours)
+STEP_S: Final = 0.2  # the cycle's course is recorded at most this often (its loop: 0.2 s)
+MAX_SAMPLES: Final = 20_000  # then every other sample is dropped (a cycle over an hour)
 COUNTERS: Final = (M.ENQ_COMMITS, M.DEQ_COMMITS, M.DEQ_ROLLBACKS, M.POISONED, M.FULL_NS)
 RUN_FILE: Final = "run.json"
 RUN_PAGE: Final = "run"
@@ -213,7 +213,7 @@ class _Cycle:
         d = np.diff(c, axis=0)
         d = np.where(d < 0, c[1:], d)  # the section was rebuilt: counters restarted
         dt = np.diff(self.t)[:, None]
-        out: np.ndarray = np.r_[np.zeros((1, c.shape[1])), d / np.where(dt > 0, dt, np.nan)]
+        out: np.ndarray = np.r_[np.full((1, c.shape[1]), np.nan), d / np.where(dt > 0, dt, np.nan)]
         return out
 
 
