@@ -71,6 +71,10 @@ def run(
     cycle unless ``keep_going``. The run's queues are dropped at the end unless
     ``keep_queues``; its evidence stays in schema ``regress_<run id>``.
 
+    With ``report_dir``, the run's directory there gets each cycle's page of
+    charts (``cycle-N.html``, beside its proof's ``cycle-N.json``) and the
+    run's (``run.html``, ``RunOutcome.page``): :mod:`ringq.report`.
+
     With ``config.chaos``, a monitor already serving the database is taken over
     (killed and restarted as it was) if its state file is in ``monitor_dir``.
 

@@ -15,7 +15,7 @@ from ._charts import Mark
 
 # record event -> (the kind shown in the legend and the events table, colour)
 MARKED: Final = {
-    "client.recovered": ("consumer died", "tab:red"),
+    "client.recovered": ("client died (consumer.died)", "tab:red"),
     "entry.lease_expired": ("lease expired", "tab:orange"),
     "database.snapshot_held": ("held snapshot", "tab:purple"),
     "database.snapshot_released": ("snapshot released", "tab:pink"),

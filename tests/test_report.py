@@ -200,7 +200,7 @@ def test_a_period_renders_every_queue_chart_and_event_without_a_monitor(
     assert "clients" in names  # per client kind: the recovered consumer
     assert len(list((out / "report_png").glob("*.png"))) == len(page.images)
     text = page.all_text
-    assert "consumer died" in text and queues[0] in text
+    assert "client died (consumer.died)" in text and queues[0] in text
     # Mailed: the page alone, without its PNG folder, shows every chart in a browser.
     mailed = tmp_path / "mailed" / "report.html"
     mailed.parent.mkdir()
