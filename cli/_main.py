@@ -39,6 +39,7 @@ COMMANDS = (
     "_regress",
     "_run",
     "_section",
+    "_report",
 )
 
 

@@ -433,6 +433,8 @@ def _run(args: argparse.Namespace) -> int:
         verdict = "stored, not verified"
     print(f"regress: run {outcome.run_id} {outcome.status} after {cycles} cycle(s); {verdict}; "
           f"verify: ringq regress verify {outcome.run_id}", file=sys.stderr)
+    if outcome.page:
+        print(f"regress: charts: {outcome.page}", file=sys.stderr)
     if outcome.status == "aborted":
         return RET_INTERRUPTED
     return RET_OK if outcome.ok else RET_FAILURE

@@ -126,6 +126,9 @@ def run(args: argparse.Namespace) -> int:
     viewer = _start_viewer(home, monitor_url, args.rtv_port)
     print(f"\n  Real Time Viewer: {viewer}\n", flush=True)
 
+    from ringq.regression import new_run_id
+
+    run_id = new_run_id()
     cmd = _ringq(
         "regress",
         "--dsn", dsn,
@@ -136,6 +139,7 @@ def run(args: argparse.Namespace) -> int:
         "--grouped-consumers", str(args.grouped_consumers),
         "--groups", str(args.groups),
         "--monitor-dir", str(home / "monitor"),  # where the monitor started above keeps its state
+        "--run-id", run_id,  # known here: its page is printed at the end
     )
     if args.chaos:
         cmd.append("--chaos")
@@ -147,6 +151,10 @@ def run(args: argparse.Namespace) -> int:
         rc = exits.INTERRUPTED
     _say(f"regression finished in {time.monotonic() - t0:.0f}s with exit code {rc} "
          f"({'proven: no violations' if rc == 0 else 'see the report above'})")
+    reports = os.environ.get("RINGQ_REGRESS_REPORTS") or home / "regress"  # as regress reads it
+    page = Path(reports) / run_id / "run.html"
+    if page.is_file():
+        _say(f"charts: {page} (each cycle's page beside it; ringq report --runs A B compares runs)")
     print(
         f"\n  The monitor and the viewer keep running: {viewer}\n"
         "  Stop everything with: ringq run --stop   (or: .venv/bin/ringq run --stop)\n",

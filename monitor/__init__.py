@@ -17,7 +17,9 @@ HTTP (``monitor/API.md``).
 
 :func:`run_daemon` is the body of ``ringq monitor`` (signals, pidfile,
 ``--detach``, SIGHUP reload of a config file); :func:`pump_inbox` and
-:func:`prune_keys` are two of the monitor's steps, callable on their own.
+:func:`prune_keys` are two of the monitor's steps, callable on their own;
+:func:`t4_rows`, :func:`t4_queues` and :func:`journal_records` read its files
+back without a monitor (``ringq report``).
 """
 
 from ._config import (
@@ -33,6 +35,7 @@ from ._errors import MonitorError, MonitorRunning
 from ._events import Event, Subscription, subscribe
 from ._inbox import pump_inbox
 from ._keys import prune_keys
+from ._readback import journal_records, t4_queues, t4_rows
 from ._service import Monitor
 from ._statefile import STATE_FILE
 
@@ -50,6 +53,7 @@ __all__ = [
     "MonitorError",
     "MonitorRunning",
     "Subscription",
+    "journal_records",
     "prune_keys",
     "pump_inbox",
     "read_config",
@@ -57,4 +61,6 @@ __all__ = [
     "reset_section",
     "run_daemon",
     "subscribe",
+    "t4_queues",
+    "t4_rows",
 ]

@@ -38,6 +38,7 @@ from ._store import (
     drop_run,
     list_runs,
     load_run,
+    new_run_id,
 )
 from ._verify import SparkUnavailable, Verifier
 
@@ -65,6 +66,7 @@ __all__ = [
     "jdbc_target",
     "list_runs",
     "load_run",
+    "new_run_id",
     "parse_sizes",
     "run",
     "run_cycle",

@@ -82,6 +82,9 @@ class Progress:
     full_tx: int
     depth: list[int]
     capacity: int
+    # each queue's section counters now (ringq.engine.metrics.queue_stats; the
+    # cycle's pages draw rates from them), as ``depth`` the last read
+    stats: list[dict[str, int]] = field(default_factory=list)
 
 
 @dataclass
@@ -221,6 +224,7 @@ class _Cycle:
         self.errors: list[str] = []
         self.max_depth = [0] * self.nq
         self.depths = [0] * self.nq
+        self.stats_now: list[dict[str, int]] = []
         self.watcher: Session | None = None  # the parent's stats session
         self.before: list[dict[str, Any]] = []
         self.after: list[dict[str, Any]] = []
@@ -375,7 +379,8 @@ class _Cycle:
         """Each queue's depth now (the last one read while PostgreSQL restarts)."""
         try:
             assert self.watcher is not None
-            self.depths = [self.watcher.stats(ref.name)[M.DEPTH] for ref in self.run.queues]
+            self.stats_now = [self.watcher.stats(ref.name) for ref in self.run.queues]
+            self.depths = [s[M.DEPTH] for s in self.stats_now]
         except LOST_SESSION:
             if self.chaos is None:
                 raise
@@ -393,6 +398,7 @@ class _Cycle:
             full_tx=self._sum(self.producer_slots, P_FULL_TX),
             depth=self.depths,
             capacity=self.cfg.capacity,
+            stats=self.stats_now,
         )
 
     def _watch(

@@ -5,7 +5,9 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from ringq.engine import redact_dsn
 
@@ -14,7 +16,11 @@ from ._config import RegressConfig
 from ._cycle import CycleResult, Progress, run_cycle
 from ._monitors import serving_monitor
 from ._report import Report
+from ._store import RunInfo
 from ._verify import Verifier
+
+if TYPE_CHECKING:
+    from ringq.report import RunPages
 
 
 @dataclass
@@ -28,6 +34,7 @@ class RunOutcome:
     results: list[CycleResult] = field(default_factory=list)
     reports: list[Report] = field(default_factory=list)
     dsn: str = ""  # the DSN the run used (fail-over: the multi-host one)
+    page: str | None = None  # the run's page (run.html), when it was written
 
     @property
     def ok(self) -> bool:
@@ -64,6 +71,10 @@ def run(
     cycle unless ``keep_going``. The run's queues are dropped at the end unless
     ``keep_queues``; its evidence stays in schema ``regress_<run id>``.
 
+    With ``report_dir``, the run's directory there gets each cycle's page of
+    charts (``cycle-N.html``, beside its proof's ``cycle-N.json``) and the
+    run's (``run.html``, ``RunOutcome.page``): :mod:`ringq.report`.
+
     With ``config.chaos``, a monitor already serving the database is taken over
     (killed and restarted as it was) if its state file is in ``monitor_dir``.
 
@@ -81,6 +92,7 @@ def run(
     say = notify or (lambda _msg: None)
     dsn, monitor_dsns = _prepare(dsn, config, monitor_dir, say)
     info = _store.create_run(dsn, config, run_id)
+    pages = _pages(report_dir, info, monitor_dir)
     say(f"run {info.run_id}: {len(info.queues)} queues x {config.capacity:,} slots, "
         f"{config.entries_per_queue:,} entries per queue per cycle, {config.producers} producers")
     outcome = RunOutcome(info.run_id, "done", dsn=dsn)
@@ -92,7 +104,9 @@ def run(
                 break
             n += 1
             cycle = _store.start_cycle(dsn, info.run_id)
-            result = run_cycle(dsn, info, cycle, progress=progress, abort_requested=abort_requested,
+            rec = pages.recorder(cycle) if pages is not None else None
+            result = run_cycle(dsn, info, cycle, progress=rec.chain(progress) if rec else progress,
+                               abort_requested=abort_requested,
                                monitor_dir=monitor_dir, monitor_dsns=monitor_dsns)
             _store.end_cycle(
                 dsn,
@@ -106,10 +120,10 @@ def run(
             outcome.results.append(result)
             say(f"cycle {cycle}: workload {result.status} in {result.workload_s:.1f} s"
                 + (f" ({len(result.errors)} errors)" if result.errors else ""))
+            report = None
             if result.status == "aborted":
                 outcome.status = "aborted"
-                break
-            if verifier is not None:
+            elif verifier is not None:
                 say(f"cycle {cycle}: proving with Spark ({verifier.master})")
                 report = verifier.verify(dsn, info.run_id, [cycle])
                 if report_dir is not None:
@@ -120,14 +134,40 @@ def run(
                     on_report(report)
                 if not report.ok and not keep_going:
                     outcome.status = "failed"
-                    break
             elif not result.ok and not keep_going:
                 outcome.status = "failed"
+            if pages is not None and rec is not None:
+                _page(say, f"cycle {cycle}", partial(pages.cycle_page, rec, result, report))
+            if outcome.status != "done":
                 break
     finally:
         final = outcome.status if outcome.ok or outcome.status != "done" else "failed"
         _store.finish_run(dsn, info, final, drop_queues=not keep_queues)
+        if pages is not None:
+            outcome.page = _page(say, "run", partial(pages.run_page, final))
     return outcome
+
+
+def _pages(report_dir: Path | None, info: RunInfo, monitor_dir: Path | None) -> RunPages | None:
+    """The run's pages beside its JSON reports (none without a report directory)."""
+    if report_dir is None:
+        return None
+    from ringq.report import RunPages
+
+    return RunPages(report_dir / info.run_id, info.run_id, [q.name for q in info.queues],
+                    info.config.capacity, info.config.to_json(),
+                    [monitor_dir] if monitor_dir is not None else [])
+
+
+def _page(say: Callable[[str], None], what: str, write: Callable[[], Path]) -> str | None:
+    """Write a page; a page that cannot be drawn is reported, never fails the run."""
+    try:
+        path = write()
+    except Exception as exc:
+        say(f"{what}: page not written: {type(exc).__name__}: {exc}")
+        return None
+    say(f"{what}: page {path}")
+    return str(path)
 
 
 def _prepare(

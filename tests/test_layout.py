@@ -23,6 +23,10 @@ CLUSTER = "ringq.cluster"
 # The bottom of the one-way order: each of these packages imports only the
 # ringq packages named here (the engine none, the cluster the engine).
 BELOW: dict[str, set[str]] = {ENGINE: set(), CLUSTER: {ENGINE}}
+# The report draws from files: the monitor's (through its public readers) and a
+# regression run's directory. The regression runner calls it, so it must not
+# import the regression (nor the cli): it reads what the runner hands it.
+BELOW["ringq.report"] = {ENGINE, "ringq.monitor"}
 
 # White-box tests: these test files reach into the named private modules on
 # purpose (the monitor's T4 files and samples, the viewer's models, the

@@ -1,0 +1,158 @@
+"""The page of a period of the monitor's history (``ringq report --from … --to …``).
+
+Read from the monitor's data directory alone (T4 day files, ``monitor.log``):
+no monitor, no database. Per queue: depth, enqueue and dequeue rates, latency
+percentiles, full and empty time, deliveries (retries) and poison, with the
+marked events on the time axis; per client kind the counts the log holds;
+the events listed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from ringq.engine import metrics as M
+from ringq.monitor import journal_records, t4_rows
+
+from . import _events as E
+from ._charts import BarChart, Line, Mark, TimeChart, thin
+from ._errors import NoData
+from ._page import Page, utc
+
+COL = {k: i for i, k in enumerate(M.SAMPLE_KEYS)}
+Progress = Callable[[str], None]
+
+
+def period_page(
+    data_dir: Path,
+    t0: float,
+    t1: float,
+    out_dir: Path,
+    *,
+    queues: list[str] | None = None,
+    progress: Progress | None = None,
+    stem: str = "report",
+) -> Path:
+    """Write the page of ``t0 < t <= t1`` (unix seconds) into ``out_dir``; its path.
+
+    :raises NoData: the data directory holds no sample of the period and no event of the
+        monitor's log (with ``queues``: no sample of them).
+    """
+    say = progress or (lambda _msg: None)
+    say(f"reading the T4 files in {data_dir}")
+    rows = t4_rows(data_dir, t0, t1, queues)
+    say(f"reading {data_dir / 'monitor.log'}")
+    records = journal_records(data_dir, t0, t1)
+    evs = E.events(records, set(queues) if queues else None)
+    if not rows and (queues or not evs):  # the queues asked for: their samples
+        what = f"queue {', '.join(queues)}" if queues else "any queue"
+        raise NoData(
+            f"no data for {what} from {utc(t0)} to {utc(t1)} UTC in {data_dir} "
+            "(no T4 sample, no event in monitor.log)"
+        )
+    page = Page(f"ringq report: {utc(t0)} to {utc(t1)} UTC")
+    page.paragraph(
+        f"From the monitor's files in {data_dir}: {len(rows)} queue(s), "
+        f"{sum(len(r) for r in rows.values()):,} samples, {len(evs)} marked event(s)."
+    )
+    if queues:
+        missing = [q for q in queues if q not in rows]
+        if missing:
+            page.paragraph(f"No samples in this period for: {', '.join(missing)}.", "empty")
+    _summary(page, rows)
+    for i, (name, r) in enumerate(sorted(rows.items()), 1):
+        say(f"drawing queue {name} ({i}/{len(rows)}, {len(r):,} samples)")
+        queue_charts(page, name, r, E.marks(evs, name))
+    _clients(page, records)
+    _event_list(page, evs)
+    say(f"writing the page into {out_dir}")
+    return page.write(out_dir, stem)
+
+
+def _summary(page: Page, rows: dict[str, np.ndarray]) -> None:
+    page.heading("Queues")
+    table = []
+    for name, r in sorted(rows.items()):
+        dt = np.diff(r[:, 0], prepend=r[0, 0])
+        table.append([
+            name, len(r), utc(r[0, 0]), utc(r[-1, 0]),
+            int(r[:, COL[M.DEPTH]].max()), int(r[-1, COL[M.CAPACITY]]),
+            float(np.sum(r[:, COL[M.ENQ_RATE]] * dt)), float(np.sum(r[:, COL[M.DEQ_RATE]] * dt)),
+            float(r[:, COL[M.FULL]].sum()), float(r[:, COL[M.EMPTY]].sum()),
+            int(r[:, COL[M.RETRIES]].sum()), int(r[:, COL[M.POISONED]].sum()),
+            int(r[-1, COL[M.EXCEPTIONS]]),
+        ])
+    page.table(
+        ["queue", "samples", "first (UTC)", "last (UTC)", "max depth", "capacity",
+         "enqueued ~", "dequeued ~", "full s", "empty s", "retries", "poisoned", "exceptions"],
+        table, left=4,
+    )
+    page.paragraph("enqueued ~ / dequeued ~: the rates integrated over the samples' intervals.",
+                   "note")
+
+
+def queue_charts(page: Page, name: str, r: np.ndarray, marks: list[Mark] | None = None,
+                 ) -> None:
+    """The charts of one queue's samples (columns as ``SAMPLE_KEYS``)."""
+    keys = list(M.SAMPLE_KEYS)
+    r = r.copy()
+    for k in (M.ENQ_P50, M.ENQ_P99, M.DEQ_P50, M.DEQ_P99):  # 0: no call in the interval
+        r[:, COL[k]] = np.where(r[:, COL[k]] > 0, r[:, COL[k]], np.nan)
+    t, cols = thin(r[:, 0], [r[:, i] for i in range(r.shape[1])], [M.BUCKET[k] for k in keys])
+    c = dict(zip(keys, cols, strict=True))
+    mk = marks or []
+    page.heading(f"Queue {name}", 3)
+    page.chart(f"{name}-depth", TimeChart(
+        f"{name}: depth", "entries", [Line("depth", t, c[M.DEPTH])], mk,
+        hline=("capacity", float(r[-1, COL[M.CAPACITY]])),
+    ), "the largest depth of each point's samples")
+    page.chart(f"{name}-rates", TimeChart(
+        f"{name}: committed enqueues and dequeues", "per second",
+        [Line("enqueue", t, c[M.ENQ_RATE]), Line("dequeue", t, c[M.DEQ_RATE], "--")], mk,
+    ))
+    page.chart(f"{name}-latency", TimeChart(
+        f"{name}: call latency percentiles", "µs (log)",
+        [Line("enqueue p50", t, c[M.ENQ_P50]), Line("enqueue p99", t, c[M.ENQ_P99], "--"),
+         Line("dequeue p50", t, c[M.DEQ_P50]), Line("dequeue p99", t, c[M.DEQ_P99], "--")],
+        mk, log=True,
+    ), "enqueue: the enqueue call; dequeue: the dequeue call (from enqueue to dequeue: the "
+       "regression pages' Spark latency); no traffic: no point")
+    page.chart(f"{name}-full-empty", TimeChart(
+        f"{name}: full and empty time", "s per sample interval",
+        [Line("full", t, c[M.FULL]), Line("empty", t, c[M.EMPTY], "--")], mk,
+    ))
+    page.chart(f"{name}-deliveries", TimeChart(
+        f"{name}: redeliveries (dequeues rolled back), poison, exception table", "entries",
+        [Line("retries", t, c[M.RETRIES]), Line("poisoned", t, c[M.POISONED], "--"),
+         Line("in exception table", t, c[M.EXCEPTIONS], ":")], mk,
+    ))
+
+
+def _clients(page: Page, records: list[dict[str, Any]]) -> None:
+    page.heading("Clients, by kind")
+    counts = E.client_counts(records)
+    if not counts:
+        page.paragraph("The monitor's log holds no client error, recovery or expired lease "
+                       "in this period.", "note")
+        return
+    what = sorted({k for c in counts.values() for k in c})
+    roles = sorted(counts)
+    page.table(["client kind", *what], [[r, *(counts[r][k] for k in what)] for r in roles])
+    page.chart("clients", BarChart(
+        "client events by kind", "count", what, {r: [float(counts[r][k]) for k in what]
+                                                 for r in roles},
+    ))
+
+
+def _event_list(page: Page, evs: list[E.Event]) -> None:
+    page.heading("Events")
+    if not evs:
+        page.paragraph("No marked event in this period.", "note")
+        return
+    page.table(["time (UTC)", "event", "queue", "detail"],
+               [[utc(e.t), e.kind, e.queue, e.detail] for e in evs[:500]], left=4)
+    if len(evs) > 500:
+        page.paragraph(f"… and {len(evs) - 500:,} more.", "note")
