@@ -12,7 +12,9 @@ malformed ``RINGQ_MOVE_BATCH`` is a usage error naming the variable for
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
+import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -23,6 +25,7 @@ class Formatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionH
     pass
 
 
+@dataclasses.dataclass(frozen=True, slots=True, repr=False)
 class EnvValue:
     """The unconverted text of a ``RINGQ_*`` variable, as an option's default.
 
@@ -30,21 +33,11 @@ class EnvValue:
     after parsing, so that a bad value is reported against its variable.
     """
 
-    __slots__ = ("choices", "convert", "env", "flag", "raw")
-
-    def __init__(
-        self,
-        env: str,
-        raw: str,
-        flag: str,
-        convert: Callable[[str], Any] | None,
-        choices: Sequence[Any] | None,
-    ) -> None:
-        self.env = env
-        self.raw = raw
-        self.flag = flag
-        self.convert = convert
-        self.choices = choices
+    env: str
+    raw: str
+    flag: str
+    convert: Callable[[str], Any] | None
+    choices: Sequence[Any] | None
 
     def __str__(self) -> str:  # what --help shows as the default; no secrets
         if "TOKEN" in self.env or "PASSWORD" in self.env:
@@ -131,3 +124,32 @@ def subparser(
         name, help=help, description=description or help, formatter_class=Formatter, epilog=EPILOG
     )
     return p
+
+
+def command_group(sub: Any, name: str, help: str, description: str | None = None) -> Any:
+    """A command made of actions (``ringq NAME ACTION``); ``ringq NAME`` alone prints its help.
+
+    Returns the subparsers to add the actions to (with :func:`action`).
+    """
+    group = subparser(sub, name, help, description)
+    group.set_defaults(_parser=group)
+    return group.add_subparsers(dest=f"{name}_command", metavar="ACTION")
+
+
+def action(
+    actions: Any,
+    name: str,
+    func: Callable[[argparse.Namespace], int],
+    help: str,
+    description: str | None = None,
+) -> argparse.ArgumentParser:
+    """An action of a :func:`command_group` that runs ``func`` (its exit code is the command's)."""
+    p = subparser(actions, name, help, description)
+    p.set_defaults(func=func)
+    return p
+
+
+def failed(exc: BaseException, code: int) -> int:
+    """Say ``exc`` on stderr as ``ringq: <message>`` and return the exit code ``code``."""
+    print(f"ringq: {exc}", file=sys.stderr)
+    return code

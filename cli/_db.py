@@ -15,7 +15,7 @@ from typing import Any
 from ringq.cluster import Cluster, ClusterStatus, NoStandby, StandbyStatus
 from ringq.engine import Tidied, exits
 
-from ._args import env_option, subparser
+from ._args import action, command_group, env_option, failed
 
 DESCRIPTION = """\
 A private PostgreSQL server under $RINGQ_HOME (default ./.ringq), listening on
@@ -31,74 +31,82 @@ machine. 'ringq db promote' makes it the primary; 'ringq db standby rebuild'
 then brings the old primary back as the new primary's standby."""
 
 
-def register(sub: Any) -> None:
-    db = subparser(sub, "db", "the embedded PostgreSQL cluster", DESCRIPTION)
-    db.set_defaults(_parser=db)
-    actions = db.add_subparsers(dest="db_command", metavar="ACTION")
+START_HELP = """\
+Create the cluster on first use, start it if it is not running, and create
+the database 'ringq'. Prints what it did; the DSN is the last line.
+Harmless when it already runs (the DSN is the same). Starts the standby
+too when there is one (not stopped with 'ringq db standby stop')."""
 
-    start = subparser(
-        actions,
-        "start",
-        "create (first time) and start the cluster; print its DSN",
-        "Create the cluster on first use, start it if it is not running, and create\n"
-        "the database 'ringq'. Prints what it did; the DSN is the last line.\n"
-        "Harmless when it already runs (the DSN is the same). Starts the standby\n"
-        "too when there is one (not stopped with 'ringq db standby stop').",
-    )
-    stop = subparser(
-        actions,
-        "stop",
-        "stop the cluster, and its standby (harmless when stopped)",
-        "Fast shutdown: sessions are disconnected and their transactions rolled back;\n"
-        "prepared (two-phase) transactions survive. Removes $RINGQ_HOME/dsn. The\n"
-        "primary stops first, so that the standby receives all its WAL. Then the\n"
-        "global sections and semaphores of the cluster's databases leave /dev/shm;\n"
-        "one that a live process still holds is kept, and named.",
-    )
-    status = subparser(
-        actions,
-        "status",
-        "show the primary and the standby: running, where, which is primary "
-        "(exit 0 if the primary runs, 1 if not)",
-    )
-    url = subparser(
-        actions,
-        "url",
-        "print only the DSN (exit 3 if the cluster is not running)",
-        'Print only the DSN, for scripts: psql "$(ringq db url)".\n'
-        "With --both, a multi-host DSN naming the primary and the standby with\n"
-        "target_session_attrs=read-write: clients that reconnect with it follow\n"
-        "a promotion (exit 4 if there is no standby).",
-    )
+STOP_HELP = """\
+Fast shutdown: sessions are disconnected and their transactions rolled back;
+prepared (two-phase) transactions survive. Removes $RINGQ_HOME/dsn. The
+primary stops first, so that the standby receives all its WAL. Then the
+global sections and semaphores of the cluster's databases leave /dev/shm;
+one that a live process still holds is kept, and named."""
+
+URL_HELP = """\
+Print only the DSN, for scripts: psql "$(ringq db url)".
+With --both, a multi-host DSN naming the primary and the standby with
+target_session_attrs=read-write: clients that reconnect with it follow
+a promotion (exit 4 if there is no standby)."""
+
+PROMOTE_HELP = """\
+Promote the standby (pg_ctl promote) and point $RINGQ_HOME/dsn at it, so
+every ringq process that reads that file follows it. A primary still
+running is stopped first (a switchover: nothing is lost, even with an
+asynchronous standby); a dead one is a fail-over. The old primary is not
+started again: 'ringq db standby rebuild' brings it back as a standby."""
+
+STANDBY_START_HELP = """\
+The first time: a base backup of the running primary (pg_basebackup through
+the replication slot 'ringq_standby') into $RINGQ_HOME/standby/pgdata.
+Then start it on a free port of its own (kept across restarts), wait until
+it streams, and with --sync until the primary waits for it at every commit
+(synchronous_standby_names). Harmless when it runs: changes the mode if asked."""
+
+STANDBY_STOP_HELP = """\
+The primary stops waiting for it first (synchronous replication off), then
+the standby stops. 'ringq db standby start' starts it again and catches up."""
+
+STANDBY_REBUILD_HELP = """\
+Stop it if it runs, then pg_rewind it to the new primary's history (what it
+committed that the new primary never received is undone), or, with --fresh
+or when pg_rewind cannot, copy it anew with pg_basebackup. Its port and logs
+are kept. Then start it as a standby, as 'standby start' does."""
+
+# What 'ringq db --help' and 'ringq db standby --help' say of each action.
+ACTIONS = {
+    "start": "create (first time) and start the cluster; print its DSN",
+    "stop": "stop the cluster, and its standby (harmless when stopped)",
+    "status": "show the primary and the standby: running, where, which is primary "
+    "(exit 0 if the primary runs, 1 if not)",
+    "url": "print only the DSN (exit 3 if the cluster is not running)",
+    "promote": "make the standby the primary; print the new DSN (exit 4 if no standby)",
+    "standby start": "make (first time) and start the standby; print its DSN",
+    "standby stop": "stop the standby (kept, with its slot; harmless when stopped)",
+    "standby rebuild": "bring the old primary (after a promotion) back as a standby of the new one",
+    "standby remove": "stop the standby, drop its slot and delete its data directory",
+}
+
+
+def register(sub: Any) -> None:
+    actions = command_group(sub, "db", "the embedded PostgreSQL cluster", DESCRIPTION)
+    homed = [
+        action(actions, "start", _start, ACTIONS["start"], START_HELP),
+        action(actions, "stop", _stop, ACTIONS["stop"], STOP_HELP),
+        action(actions, "status", _status, ACTIONS["status"]),
+    ]
+    url = action(actions, "url", _url, ACTIONS["url"], URL_HELP)
     url.add_argument(
         "--both",
         action="store_true",
         help="the multi-host DSN of the primary and its standby",
     )
-    promote = subparser(
-        actions,
-        "promote",
-        "make the standby the primary; print the new DSN (exit 4 if no standby)",
-        "Promote the standby (pg_ctl promote) and point $RINGQ_HOME/dsn at it, so\n"
-        "every ringq process that reads that file follows it. A primary still\n"
-        "running is stopped first (a switchover: nothing is lost, even with an\n"
-        "asynchronous standby); a dead one is a fail-over. The old primary is not\n"
-        "started again: 'ringq db standby rebuild' brings it back as a standby.",
-    )
-    homed = [(start, _start), (stop, _stop), (status, _status), (url, _url), (promote, _promote)]
+    homed += [url, action(actions, "promote", _promote, ACTIONS["promote"], PROMOTE_HELP)]
 
-    standby = subparser(actions, "standby", "the streaming standby", STANDBY_DESCRIPTION)
-    standby.set_defaults(_parser=standby)
-    standby_actions = standby.add_subparsers(dest="standby_command", metavar="ACTION")
-    s_start = subparser(
-        standby_actions,
-        "start",
-        "make (first time) and start the standby; print its DSN",
-        "The first time: a base backup of the running primary (pg_basebackup through\n"
-        "the replication slot 'ringq_standby') into $RINGQ_HOME/standby/pgdata.\n"
-        "Then start it on a free port of its own (kept across restarts), wait until\n"
-        "it streams, and with --sync until the primary waits for it at every commit\n"
-        "(synchronous_standby_names). Harmless when it runs: changes the mode if asked.",
+    standby = command_group(actions, "standby", "the streaming standby", STANDBY_DESCRIPTION)
+    s_start = action(
+        standby, "start", _standby_start, ACTIONS["standby start"], STANDBY_START_HELP
     )
     mode = s_start.add_mutually_exclusive_group()
     mode.add_argument(
@@ -118,33 +126,16 @@ def register(sub: Any) -> None:
         help="asynchronous: commits do not wait; a fail-over loses what the standby "
         "had not received yet",
     )
-    s_stop = subparser(
-        standby_actions,
-        "stop",
-        "stop the standby (kept, with its slot; harmless when stopped)",
-        "The primary stops waiting for it first (synchronous replication off), then\n"
-        "the standby stops. 'ringq db standby start' starts it again and catches up.",
-    )
-    s_rebuild = subparser(
-        standby_actions,
-        "rebuild",
-        "bring the old primary (after a promotion) back as a standby of the new one",
-        "Stop it if it runs, then pg_rewind it to the new primary's history (what it\n"
-        "committed that the new primary never received is undone), or, with --fresh\n"
-        "or when pg_rewind cannot, copy it anew with pg_basebackup. Its port and logs\n"
-        "are kept. Then start it as a standby, as 'standby start' does.",
+    s_stop = action(standby, "stop", _standby_stop, ACTIONS["standby stop"], STANDBY_STOP_HELP)
+    s_rebuild = action(
+        standby, "rebuild", _standby_rebuild, ACTIONS["standby rebuild"], STANDBY_REBUILD_HELP
     )
     s_rebuild.add_argument(
         "--fresh", action="store_true", help="a fresh base backup instead of pg_rewind"
     )
-    s_remove = subparser(
-        standby_actions,
-        "remove",
-        "stop the standby, drop its slot and delete its data directory",
-    )
-    homed += [(s_start, _standby_start), (s_stop, _standby_stop)]
-    homed += [(s_rebuild, _standby_rebuild), (s_remove, _standby_remove)]
-    for parser, func in homed:
+    s_remove = action(standby, "remove", _standby_remove, ACTIONS["standby remove"])
+    homed += [s_start, s_stop, s_rebuild, s_remove]
+    for parser in homed:
         env_option(
             parser,
             "--home",
@@ -152,7 +143,6 @@ def register(sub: Any) -> None:
             default=".ringq",
             help="directory of the cluster (data, socket, DSN file)",
         )
-        parser.set_defaults(func=func)
 
 
 def _cluster(args: argparse.Namespace) -> Cluster:
@@ -269,8 +259,7 @@ def _needs_standby(
         try:
             return command(args)
         except NoStandby as exc:
-            print(f"ringq: {exc}", file=sys.stderr)
-            return exits.NOT_FOUND
+            return failed(exc, exits.NOT_FOUND)
 
     return run
 

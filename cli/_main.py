@@ -23,7 +23,16 @@ from ringq.engine import (
     exits,
 )
 
-from ._args import Formatter, resolve_env
+from ._args import Formatter, failed, resolve_env
+
+# The exit code of an error that reaches the top, by its class: the first row
+# the error is an instance of decides; any other RingqError is FAILURE.
+EXIT_CODES: tuple[tuple[type[RingqError] | tuple[type[RingqError], ...], int], ...] = (
+    (DatabaseUnavailable, exits.DB_UNAVAILABLE),
+    ((QueueNotFound, EntryNotFound), exits.NOT_FOUND),
+    (QueueExists, exits.CONFLICT),
+    (ConfigError, exits.USAGE),
+)
 
 # Subcommand modules, loaded lazily so `ringq --help` stays fast and a missing
 # optional dependency (pyspark) only affects its own command.
@@ -88,8 +97,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         args = parse_args(argv, parser)
     except ConfigError as exc:  # a malformed RINGQ_* variable: named in the message
-        print(f"ringq: {exc}", file=sys.stderr)
-        return exits.USAGE
+        return failed(exc, exits.USAGE)
     func = getattr(args, "func", None)
     if func is None:
         # `ringq` or `ringq db` alone: show the relevant help.
@@ -109,22 +117,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("ringq: interrupted", file=sys.stderr)
         return exits.INTERRUPTED
-    except DatabaseUnavailable as exc:
-        print(f"ringq: {exc}", file=sys.stderr)
-        return exits.DB_UNAVAILABLE
-    except (QueueNotFound, EntryNotFound) as exc:
-        print(f"ringq: {exc}", file=sys.stderr)
-        return exits.NOT_FOUND
-    except QueueExists as exc:
-        print(f"ringq: {exc}", file=sys.stderr)
-        return exits.CONFLICT
-    except ConfigError as exc:
-        print(f"ringq: {exc}", file=sys.stderr)
-        return exits.USAGE
     except RingqError as exc:
-        print(f"ringq: {exc}", file=sys.stderr)
-        return exits.FAILURE
+        return failed(exc, exit_code(exc))
     except OSError as exc:  # a file or directory in the way, a device full: one line, no traceback
         where = f": {exc.filename}" if exc.filename else ""
         print(f"ringq: {exc.strerror or exc}{where}", file=sys.stderr)
         return exits.FAILURE
+
+
+def exit_code(exc: RingqError) -> int:
+    """The exit code ``ringq`` ends with when ``exc`` reaches the top (see :data:`EXIT_CODES`)."""
+    return next((code for kind, code in EXIT_CODES if isinstance(exc, kind)), exits.FAILURE)

@@ -29,7 +29,7 @@ from ringq.scripting import (
     requeue_exception,
 )
 
-from ._args import add_dsn, subparser
+from ._args import action, add_dsn, command_group
 from ._spec import add_queue_options, spec_from_args
 
 DESCRIPTION = """\
@@ -59,84 +59,56 @@ A copy already put on the exception queue is not touched. Unknown queue or
 SEQ: exit 4."""
 
 
+CREATE_HELP = """\
+Apply the SQL of 'ringq script create-queue' in one transaction.
+Prints 'created', or 'exists (unchanged)' when the queue already exists
+with these settings; other settings are refused (exit 5), never altered.
+A new queue's --exception-queue must exist (else exit 4) and take payloads
+at least as large (else exit 2)."""
+
+SHOW_HELP = """\
+Settings, depth, slots by state, inbox and exception counts, and the
+table's size and dead row versions. Unknown queue: exit 4."""
+
+DROP_HELP = """\
+Drop the queue's table and its rows in ringq.queues, the inbox, the
+idempotency keys and the exceptions. Its entries are lost. Asks for
+confirmation on a terminal; elsewhere --yes is required. Unknown queue: exit 4."""
+
+# What 'ringq queue --help' says of each action.
+ACTIONS = {
+    "create": "create a queue (harmless if it exists with the same settings)",
+    "list": "one line per queue: capacity, depth, max payload, mode, policy",
+    "show": "every setting of a queue and its current figures",
+    "drop": "drop a queue with its entries (asks, unless --yes)",
+    "exceptions": "list a queue's poison entries (seq, deliveries, reason, when, size)",
+    "requeue": "put a poison entry back on its queue",
+    "discard": "delete a poison entry for good",
+}
+LIST_HELP = "One line per queue. depth: committed entries waiting (ring + SQL inbox)."
+SEQ_HELP = "the entry's SEQ in 'ringq queue exceptions NAME'"
+JSON_TABLE_HELP = "print a JSON array instead of a table"
+
+
 def register(sub: Any) -> None:
-    queue = subparser(
-        sub, "queue", "create, list, show and drop queues; their poison entries", DESCRIPTION
-    )
-    queue.set_defaults(_parser=queue)
-    actions = queue.add_subparsers(dest="queue_command", metavar="ACTION")
-
-    create = subparser(
-        actions,
-        "create",
-        "create a queue (harmless if it exists with the same settings)",
-        "Apply the SQL of 'ringq script create-queue' in one transaction.\n"
-        "Prints 'created', or 'exists (unchanged)' when the queue already exists\n"
-        "with these settings; other settings are refused (exit 5), never altered.\n"
-        "A new queue's --exception-queue must exist (else exit 4) and take payloads\n"
-        "at least as large (else exit 2).",
-    )
+    what = "create, list, show and drop queues; their poison entries"
+    actions = command_group(sub, "queue", what, DESCRIPTION)
+    create = action(actions, "create", _create, ACTIONS["create"], CREATE_HELP)
     add_queue_options(create)
-    create.set_defaults(func=_create)
-
-    lst = subparser(
-        actions,
-        "list",
-        "one line per queue: capacity, depth, max payload, mode, policy",
-        "One line per queue. depth: committed entries waiting (ring + SQL inbox).",
-    )
-    lst.add_argument("--json", action="store_true", help="print a JSON array instead of a table")
-    lst.set_defaults(func=_list)
-
-    show = subparser(
-        actions,
-        "show",
-        "every setting of a queue and its current figures",
-        "Settings, depth, slots by state, inbox and exception counts, and the\n"
-        "table's size and dead row versions. Unknown queue: exit 4.",
-    )
-    show.add_argument("name", metavar="NAME")
+    lst = action(actions, "list", _list, ACTIONS["list"], LIST_HELP)
+    show = action(actions, "show", _show, ACTIONS["show"], SHOW_HELP)
+    drop = action(actions, "drop", _drop, ACTIONS["drop"], DROP_HELP)
+    exceptions = action(actions, "exceptions", _exceptions, ACTIONS["exceptions"], EXCEPTIONS_HELP)
+    requeue = action(actions, "requeue", _requeue, ACTIONS["requeue"], REQUEUE_HELP)
+    discard = action(actions, "discard", _discard, ACTIONS["discard"], DISCARD_HELP)
+    for named in (show, drop, exceptions, requeue, discard):
+        named.add_argument("name", metavar="NAME")
+    for entry in (requeue, discard):
+        entry.add_argument("seq", metavar="SEQ", type=int, help=SEQ_HELP)
+    for table in (lst, exceptions):
+        table.add_argument("--json", action="store_true", help=JSON_TABLE_HELP)
     show.add_argument("--json", action="store_true", help="print a JSON object instead of text")
-    show.set_defaults(func=_show)
-
-    drop = subparser(
-        actions,
-        "drop",
-        "drop a queue with its entries (asks, unless --yes)",
-        "Drop the queue's table and its rows in ringq.queues, the inbox, the\n"
-        "idempotency keys and the exceptions. Its entries are lost. Asks for\n"
-        "confirmation on a terminal; elsewhere --yes is required. Unknown queue: exit 4.",
-    )
-    drop.add_argument("name", metavar="NAME")
     drop.add_argument("--yes", "-y", action="store_true", help="do not ask for confirmation")
-    drop.set_defaults(func=_drop)
-
-    exceptions = subparser(
-        actions,
-        "exceptions",
-        "list a queue's poison entries (seq, deliveries, reason, when, size)",
-        EXCEPTIONS_HELP,
-    )
-    exceptions.add_argument("name", metavar="NAME")
-    exceptions.add_argument(
-        "--json", action="store_true", help="print a JSON array instead of a table"
-    )
-    exceptions.set_defaults(func=_exceptions)
-
-    requeue = subparser(actions, "requeue", "put a poison entry back on its queue", REQUEUE_HELP)
-    requeue.add_argument("name", metavar="NAME")
-    requeue.add_argument(
-        "seq", metavar="SEQ", type=int, help="the entry's SEQ in 'ringq queue exceptions NAME'"
-    )
-    requeue.set_defaults(func=_requeue)
-
-    discard = subparser(actions, "discard", "delete a poison entry for good", DISCARD_HELP)
-    discard.add_argument("name", metavar="NAME")
-    discard.add_argument(
-        "seq", metavar="SEQ", type=int, help="the entry's SEQ in 'ringq queue exceptions NAME'"
-    )
-    discard.set_defaults(func=_discard)
-
     for parser in (create, lst, show, drop, exceptions, requeue, discard):
         add_dsn(parser)
 

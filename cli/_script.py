@@ -9,7 +9,7 @@ from typing import Any
 from ringq.engine import exits
 from ringq.scripting import create_queue_script
 
-from ._args import subparser
+from ._args import action, command_group
 from ._spec import add_queue_options, spec_from_args
 
 DESCRIPTION = """\
@@ -18,23 +18,20 @@ idempotent: applying it again changes nothing, and applying it where the queue
 exists with other settings fails without changing anything."""
 
 
+CREATE_QUEUE_HELP = """\
+Print the management schema (created if absent, versioned) and the queue:
+its row in ringq.queues and its ring table with exactly --capacity rows.
+
+  ringq script create-queue orders --capacity 1000 --max-payload 512 \\
+      | psql "$DSN" -v ON_ERROR_STOP=1"""
+
+
 def register(sub: Any) -> None:
-    script = subparser(
-        sub, "script", "print SQL scripts to review and apply with psql", DESCRIPTION
-    )
-    script.set_defaults(_parser=script)
-    actions = script.add_subparsers(dest="script_command", metavar="ACTION")
-    create = subparser(
-        actions,
-        "create-queue",
-        "the schema (if absent) and one queue: its row, its pre-filled table",
-        "Print the management schema (created if absent, versioned) and the queue:\n"
-        "its row in ringq.queues and its ring table with exactly --capacity rows.\n\n"
-        "  ringq script create-queue orders --capacity 1000 --max-payload 512 \\\n"
-        '      | psql "$DSN" -v ON_ERROR_STOP=1',
-    )
+    what = "print SQL scripts to review and apply with psql"
+    actions = command_group(sub, "script", what, DESCRIPTION)
+    one_queue = "the schema (if absent) and one queue: its row, its pre-filled table"
+    create = action(actions, "create-queue", _create_queue, one_queue, CREATE_QUEUE_HELP)
     add_queue_options(create)
-    create.set_defaults(func=_create_queue)
 
 
 def _create_queue(args: argparse.Namespace) -> int:

@@ -34,7 +34,7 @@ from ringq.engine import (
     sections_on_host,
 )
 
-from ._args import subparser
+from ._args import action, command_group, failed
 
 DESCRIPTION = """\
 Every database's global section lives in /dev/shm (memory) until removed:
@@ -53,53 +53,46 @@ DB_HELP = (
 )
 
 
-def register(sub: Any) -> None:
-    p = subparser(sub, "section", "the global sections in this host's shared memory", DESCRIPTION)
-    p.set_defaults(_parser=p)
-    actions = p.add_subparsers(dest="section_command", metavar="ACTION")
+LIST_HELP = """\
+One line per section: its instance id, its database's state (live: a known
+server has it; dropped: its server answers without it; unknown: no known
+server is its own), the DSN where known, the memory it takes, its queues
+and the live processes attached."""
 
-    lst = subparser(
-        actions,
-        "list",
-        "every ringq section on this host: database, memory, attached processes",
-        "One line per section: its instance id, its database's state (live: a known\n"
-        "server has it; dropped: its server answers without it; unknown: no known\n"
-        "server is its own), the DSN where known, the memory it takes, its queues\n"
-        "and the live processes attached.",
-    )
+REMOVE_HELP = """\
+Remove the section of instance ID (as 'ringq section list' shows it) and its
+semaphores. Refused while a live process is attached (exit 5); exit 4 when
+there is no such section. A database that still exists rebuilds it from
+its rows at its next use."""
+
+PRUNE_HELP = """\
+Remove every section that no live process holds and whose database is not
+live on a known server (dropped, or its server does not answer or is not
+known). A section removed by mistake costs a rebuild from the rows, never
+data."""
+
+# What 'ringq section --help' says of each action.
+ACTIONS = {
+    "list": "every ringq section on this host: database, memory, attached processes",
+    "remove": "remove one section and its semaphores (exit 5 if a live process holds it)",
+    "prune": "remove every section nobody holds whose database is gone or does not answer",
+}
+
+
+def register(sub: Any) -> None:
+    what = "the global sections in this host's shared memory"
+    actions = command_group(sub, "section", what, DESCRIPTION)
+    lst = action(actions, "list", _list, ACTIONS["list"], LIST_HELP)
     lst.add_argument("--dsn", action="append", default=[], help=DB_HELP)
     lst.add_argument("--json", action="store_true", help="print a JSON array instead of a table")
-    lst.set_defaults(func=_list)
-
-    rm = subparser(
-        actions,
-        "remove",
-        "remove one section and its semaphores (exit 5 if a live process holds it)",
-        "Remove the section of instance ID (as 'ringq section list' shows it) and its\n"
-        "semaphores. Refused while a live process is attached (exit 5); exit 4 when\n"
-        "there is no such section. A database that still exists rebuilds it from\n"
-        "its rows at its next use.",
-    )
+    rm = action(actions, "remove", _remove, ACTIONS["remove"], REMOVE_HELP)
     rm.add_argument("instance_id", metavar="ID", help="the section's instance id")
-    rm.set_defaults(func=_remove)
-
-    prune = subparser(
-        actions,
-        "prune",
-        "remove every section nobody holds whose database is gone or does not answer",
-        "Remove every section that no live process holds and whose database is not\n"
-        "live on a known server (dropped, or its server does not answer or is not\n"
-        "known). A section removed by mistake costs a rebuild from the rows, never\n"
-        "data.",
-    )
+    prune = action(actions, "prune", _prune, ACTIONS["prune"], PRUNE_HELP)
     prune.add_argument(
         "instance_ids", metavar="ID", nargs="*", help="consider only these sections (default: all)"
     )
     prune.add_argument("--dsn", action="append", default=[], help=DB_HELP)
-    prune.add_argument(
-        "--dry-run", action="store_true", help="only say what would be removed"
-    )
-    prune.set_defaults(func=_prune)
+    prune.add_argument("--dry-run", action="store_true", help="only say what would be removed")
 
 
 def known_dsns(given: Sequence[str]) -> list[str]:
@@ -163,11 +156,9 @@ def _remove(args: argparse.Namespace) -> int:
     try:
         gone = remove_section_on_host(args.instance_id)
     except SectionInUse as exc:
-        print(f"ringq: {exc}", file=sys.stderr)
-        return exits.CONFLICT
+        return failed(exc, exits.CONFLICT)
     except SectionError as exc:
-        print(f"ringq: {exc}", file=sys.stderr)
-        return exits.NOT_FOUND
+        return failed(exc, exits.NOT_FOUND)
     print(f"removed {gone.name} ({_mib(gone.memory)}) and {len(gone.semaphores)} semaphore(s)")
     return exits.OK
 

@@ -219,6 +219,23 @@ def test_sync_failover_keeps_every_committed_entry_once_and_in_order(
         assert sb.state == "rebuild" and not sb.running
 
 
+def wait_for_standby(
+    standby: psycopg.Connection[Any], stage: str, lsn: str, what: str
+) -> None:
+    """Wait until ``standby`` has done ``stage`` ("receive" or "replay") up to the WAL
+    position ``lsn``."""
+    query = {
+        "receive": "SELECT pg_last_wal_receive_lsn() >= %s::pg_lsn",
+        "replay": "SELECT pg_last_wal_replay_lsn() >= %s::pg_lsn",
+    }[stage]
+
+    def reached() -> bool:
+        row = standby.execute(query, (lsn,)).fetchone()
+        return bool(row and row[0])
+
+    wait_for(reached, what=what)
+
+
 @contextmanager
 def replication_gap(cluster: Cluster) -> Iterator[None]:
     """Wait until the standby has received all the primary's WAL, stop the
@@ -228,13 +245,7 @@ def replication_gap(cluster: Cluster) -> Iterator[None]:
         lsn = present(conn.execute("SELECT pg_current_wal_lsn()").fetchone())[0]
         with psycopg.connect(present(present(cluster.standby_status()).dsn)) as standby:
 
-            def received() -> bool:
-                row = standby.execute(
-                    "SELECT pg_last_wal_receive_lsn() >= %s::pg_lsn", (lsn,)
-                ).fetchone()
-                return bool(row and row[0])
-
-            wait_for(received, what="the standby to receive the primary's WAL")
+            wait_for_standby(standby, "receive", lsn, "the standby to receive the primary's WAL")
         walsender = present(conn.execute("SELECT pid FROM pg_stat_replication").fetchone())[0]
     os.kill(walsender, signal.SIGSTOP)
     try:
@@ -357,13 +368,8 @@ def test_the_old_primary_comes_back_as_a_standby_of_the_new_one(
             lsn = present(conn.execute("SELECT pg_current_wal_lsn()").fetchone())[0]
         with psycopg.connect(present(sb.dsn), autocommit=True) as standby:
 
-            def caught_up() -> bool:
-                row = standby.execute(
-                    "SELECT pg_last_wal_replay_lsn() >= %s::pg_lsn", (lsn,)
-                ).fetchone()
-                return bool(row and row[0])
-
-            wait_for(caught_up, what="the rebuilt standby to replay the new primary's WAL")
+            what = "the rebuilt standby to replay the new primary's WAL"
+            wait_for_standby(standby, "replay", lsn, what)
             assert standby.execute("SELECT count(*) FROM after_promotion").fetchone() == (1000,)
             count = sql.SQL("SELECT count(*) FROM {} WHERE state = 1").format(queue_table(queue))
             rows = standby.execute(count).fetchone()  # state 1: queued

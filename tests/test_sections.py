@@ -102,59 +102,61 @@ def dropped_database_section(cluster: Cluster) -> str:
 # -- stopping is clean ---------------------------------------------------------------------------
 
 
-def test_db_stop_removes_the_sections_of_its_databases(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
-) -> None:
+@pytest.fixture
+def home_cluster(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Cluster]:
+    """An embedded cluster of its own that ``ringq db`` finds by $RINGQ_HOME (not started);
+    stopped at the end, whatever happened."""
     home = tmp_path / "home"
     monkeypatch.setenv("RINGQ_HOME", str(home))
     monkeypatch.delenv("RINGQ_DSN", raising=False)
     cluster = Cluster(home)
     try:
-        dsn = cluster.start()
-        queue = queue_in(dsn)
-        use_queue(dsn, queue)
-        live = instance_of(dsn)
-        dropped = dropped_database_section(cluster)  # found by the cluster's system identifier
-        assert shm_of(live) and shm_of(dropped)
-        code, out, _ = cli(capsys, "db", "stop")
-        assert code == 0, out
-        assert "removed 2 global section(s)" in out
-        assert shm_of(live) == [] and shm_of(dropped) == []
-        # Used again after a restart: the section is made anew from the rows.
-        dsn = cluster.start()
-        with connect(dsn) as s:
-            assert [present(s.dequeue(queue)).payload for _ in range(2)] == [b"m1", b"m2"]
-            s.commit()
-        assert shm_of(live)
+        yield cluster
     finally:
         cluster.stop()
+
+
+def test_db_stop_removes_the_sections_of_its_databases(
+    home_cluster: Cluster, capsys: pytest.CaptureFixture[str]
+) -> None:
+    cluster = home_cluster
+    dsn = cluster.start()
+    queue = queue_in(dsn)
+    use_queue(dsn, queue)
+    live = instance_of(dsn)
+    dropped = dropped_database_section(cluster)  # found by the cluster's system identifier
+    assert shm_of(live) and shm_of(dropped)
+    code, out, _ = cli(capsys, "db", "stop")
+    assert code == 0, out
+    assert "removed 2 global section(s)" in out
+    assert shm_of(live) == [] and shm_of(dropped) == []
+    # Used again after a restart: the section is made anew from the rows.
+    dsn = cluster.start()
+    with connect(dsn) as s:
+        assert [present(s.dequeue(queue)).payload for _ in range(2)] == [b"m1", b"m2"]
+        s.commit()
+    assert shm_of(live)
+    cluster.stop()
     assert shm_of(live) == []
 
 
 def test_db_stop_keeps_a_section_a_live_client_holds_and_says_why(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+    home_cluster: Cluster, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    home = tmp_path / "home"
-    monkeypatch.setenv("RINGQ_HOME", str(home))
-    monkeypatch.delenv("RINGQ_DSN", raising=False)
-    cluster = Cluster(home)
-    try:
-        dsn = cluster.start()
-        queue = queue_in(dsn)
-        instance = instance_of(dsn)
-        with holder(dsn, queue) as child:
-            code, out, _ = cli(capsys, "db", "stop")
-            assert code == 0, out
-            assert f"kept global section /ringq.{instance}" in out
-            assert str(child.pid) in out and "still attached" in out
-            assert f"ringq.{instance}" in shm_of(instance)
-        # Its holder gone, prune takes it (its server is stopped: "unknown").
-        code, out, _ = cli(capsys, "section", "prune", instance)
+    dsn = home_cluster.start()
+    queue = queue_in(dsn)
+    instance = instance_of(dsn)
+    with holder(dsn, queue) as child:
+        code, out, _ = cli(capsys, "db", "stop")
         assert code == 0, out
-        assert f"removed /ringq.{instance}" in out
-        assert shm_of(instance) == []
-    finally:
-        cluster.stop()
+        assert f"kept global section /ringq.{instance}" in out
+        assert str(child.pid) in out and "still attached" in out
+        assert f"ringq.{instance}" in shm_of(instance)
+    # Its holder gone, prune takes it (its server is stopped: "unknown").
+    code, out, _ = cli(capsys, "section", "prune", instance)
+    assert code == 0, out
+    assert f"removed /ringq.{instance}" in out
+    assert shm_of(instance) == []
 
 
 # -- list, remove, prune -------------------------------------------------------------------------
