@@ -37,7 +37,6 @@ from . import _layout as L
 from ._clients import ClientTable
 from ._clients import pid_alive as pid_alive  # re-exported: callers import it from here
 from ._errors import SectionError, SectionIncompatible
-from ._flock import ByteLocks
 
 _U64: Final = (1 << 64) - 1
 
@@ -103,7 +102,6 @@ class Section(ClientTable):
         )
         # section, queues, recovery
         self._tlocks = [threading.Lock() for _ in range(L.MAX_QUEUES + 2)]
-        self._bytes = ByteLocks(self._fd)
         self._sems: dict[tuple[int, str], posix_ipc.Semaphore] = {}
         self.generation = self.header[L.H_GENERATION]
 
@@ -228,24 +226,19 @@ class Section(ClientTable):
         self._tlocks[0].release()
 
     def lock_queue(self, qidx: int) -> None:
-        """Enter queue block ``qidx``'s critical section (short: no I/O inside).
-
-        The fcntl lock is taken without giving up the GIL when no other
-        process holds it (``_flock``): a thread inside never waits for the
-        GIL while the threads behind it wait for the queue."""
-        t = self._tlocks[qidx + 1]
-        t.acquire()
+        """Enter queue block ``qidx``'s critical section (short: no I/O inside)."""
+        self._tlocks[qidx + 1].acquire()
         try:
-            self._bytes.lock(qidx + 1)
+            fcntl.lockf(self._fd, fcntl.LOCK_EX, 1, qidx + 1)
         except BaseException:
-            t.release()
+            self._tlocks[qidx + 1].release()
             raise
         # Recorded so the monitor can tell a holder that died inside from a live one.
         self.queues[qidx * L.QUEUE_WORDS + L.Q_LOCK_HOLDER] = self.pid
 
     def unlock_queue(self, qidx: int) -> None:
         self.queues[qidx * L.QUEUE_WORDS + L.Q_LOCK_HOLDER] = 0
-        self._bytes.unlock(qidx + 1)
+        fcntl.lockf(self._fd, fcntl.LOCK_UN, 1, qidx + 1)
         self._tlocks[qidx + 1].release()
 
     def try_lock_recovery(self) -> bool:
