@@ -16,8 +16,11 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Sequence
+from datetime import tzinfo
+from typing import Any
 
 import posix_ipc
+import psycopg
 from psycopg.pq import TransactionStatus
 
 from . import _layout as L
@@ -42,6 +45,17 @@ _INTRANS = TransactionStatus.INTRANS
 # semaphore post); it also looks again this often, in seconds, as a safety net.
 CLAIM_RECHECK_S = 1.0
 
+_TIMEZONES: dict[bytes | None, tzinfo] = {}
+
+
+def conn_timezone(conn: psycopg.Connection[Any]) -> tzinfo:
+    """The connection's time zone (as ``conn.info.timezone``), by its
+    TimeZone parameter: one libpq call per dequeue, no ConnectionInfo."""
+    name = conn.pgconn.parameter_status(b"TimeZone")
+    tz = _TIMEZONES.get(name)
+    if tz is None:
+        tz = _TIMEZONES[name] = conn.info.timezone
+    return tz
 
 
 class Claims:
@@ -333,7 +347,7 @@ class Claims:
                     for slot, seq in zip(slots, seqs, strict=True)
                 ])
                 link.section.count_client(link.cidx, L.C_N_DEQ, len(slots))
-                tz = link.conn.info.timezone
+                tz = conn_timezone(link.conn)
                 return [
                     cached_message(queue, seq, c, tz)
                     for seq, c in zip(seqs, cached, strict=True)
@@ -386,7 +400,7 @@ class Claims:
         if stale:
             repair_dequeue(link, info, ring, stale, exclusive)
         messages = []
-        tz = link.conn.info.timezone
+        tz = conn_timezone(link.conn)
         for slot, seq, c in zip(slots, seqs, cached, strict=True):
             if c is not None:
                 messages.append(cached_message(queue, seq, c, tz))
@@ -433,7 +447,7 @@ class Claims:
             except BaseException:
                 txn.finish([op], committed=False, count_delivery=False)  # not taken after all
                 raise
-            tz = link.conn.info.timezone
+            tz = conn_timezone(link.conn)
             self._taken([op], t0)
             return (cached_message(queue, seq, cached, tz),)
         cur = txn.commit(then=op, then_stmt=(link.stmt("dequeue", queue), (slot, seq)))

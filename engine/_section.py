@@ -102,7 +102,7 @@ class Section(ClientTable):
         )
         # section, queues, recovery
         self._tlocks = [threading.Lock() for _ in range(L.MAX_QUEUES + 2)]
-        self._sems: dict[str, posix_ipc.Semaphore] = {}
+        self._sems: dict[tuple[int, str], posix_ipc.Semaphore] = {}
         self.generation = self.header[L.H_GENERATION]
 
     # -- life cycle ---------------------------------------------------------------
@@ -465,7 +465,7 @@ class Section(ClientTable):
 
     def semaphore(self, qid: int, kind: str) -> posix_ipc.Semaphore:
         """The counting semaphore ``kind`` ('r' ready, 's' space) of queue ``qid``."""
-        key = f"{qid}{kind}"
+        key = (qid, kind)  # no string made per call
         sem = self._sems.get(key)
         if sem is None:
             sem = posix_ipc.Semaphore(

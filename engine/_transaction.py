@@ -58,8 +58,7 @@ class Transaction:
         if link.tpc_open:
             raise TransactionError("a two-phase transaction is open: use tpc_commit()")
         ops = link.ops
-        status = link.conn.info.transaction_status
-        if status == _INERROR:
+        if link.conn.pgconn.transaction_status == _INERROR:  # libpq's int: nothing made
             self.rollback()
             raise TransactionError("the transaction failed earlier and was rolled back")
         writes = [op for op in ops if op.held]
@@ -185,11 +184,20 @@ class Transaction:
         is raised, and the caller rolls the whole transaction back and resyncs.
         """
         link = self.link
-        by_queue: dict[str, list[Op]] = {}
-        for op in writes:
-            by_queue.setdefault(op.info.name, []).append(op)
         statements: list[_wire.Statement] = []
         enqueues: list[int] = []  # index of each enqueue statement in statements
+        if len(writes) == 1:  # a single entry: no grouping
+            op = writes[0]
+            if op.write is not None:
+                enqueues.append(0)
+                statements.append(self._write_statement(op.info.name, writes))
+            else:
+                statements.append(self._consume_statement(op.info.name, writes))
+            by_queue: dict[str, list[Op]] = {}
+        else:
+            by_queue = {}
+            for op in writes:
+                by_queue.setdefault(op.info.name, []).append(op)
         for name, group in by_queue.items():
             enq = [op for op in group if op.write is not None]
             if enq:
@@ -286,9 +294,12 @@ class Transaction:
             poisoned = set()
             if not committed and count_delivery:
                 poisoned = self._strike([op for op in ops if op.kind == OpKind.DEQUEUE])
-        by_ring: dict[int, list[Op]] = {}
-        for op in ops:
-            by_ring.setdefault(op.ring.qidx, []).append(op)
+        if len(ops) == 1:  # a single entry: no grouping
+            by_ring = {ops[0].ring.qidx: ops}
+        else:
+            by_ring = {}
+            for op in ops:
+                by_ring.setdefault(op.ring.qidx, []).append(op)
         posts: list[tuple[int, str, int]] = []
         enq_at_us, self.enq_at_us = self.enq_at_us, None
         for qidx, group in by_ring.items():

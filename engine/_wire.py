@@ -73,7 +73,7 @@ def _no_implicit_begin(conn: psycopg.Connection[Any], allowed: bool = True) -> I
     if not allowed or conn.autocommit:
         yield False
         return
-    idle = conn.info.transaction_status == _IDLE
+    idle = conn.pgconn.transaction_status == _IDLE  # libpq's int: no ConnectionInfo made
     conn._autocommit = True
     try:
         yield idle
@@ -138,6 +138,16 @@ def send(
     (all or nothing), the least PostgreSQL can be sent. After an error the
     transaction is in a failed state (roll it back), or was rolled back.
     """
+    if len(statements) == 1 and commit and may_begin and not conn.autocommit:
+        # The common case (one queue's writes, committed): as
+        # _no_implicit_begin, inline (its generator costs more than the rest).
+        query, params = statements[0]
+        conn._autocommit = True
+        try:
+            if conn.pgconn.transaction_status == _IDLE:
+                return [conn.execute(query, params)]
+        finally:
+            conn._autocommit = False
     with _no_implicit_begin(conn, may_begin) as idle:
         message = list(statements)
         if idle and not commit:
