@@ -31,24 +31,8 @@ from ringq.engine import Message, Session, connect, queue_table
 from ringq.engine import metrics as M
 
 from . import _queries as S
-from ._worker import (
-    C_ENTRIES,
-    C_FILLED,
-    C_FIRST_AFTER,
-    C_RB_TX,
-    C_REDELIVERED,
-    C_STALLS,
-    C_TX,
-    HEARTBEAT,
-    POLL_S,
-    PROMOTED,
-    RESUMED,
-    WORDS,
-    WorkerArgs,
-    retrying,
-    run_worker,
-    wait_recovered,
-)
+from . import _worker as W
+from ._worker import WorkerArgs, retrying, run_worker, wait_recovered
 
 # A consumer waits for producers to find its queue full at most
 # max(STALL_MAX_S, capacity / STALL_MIN_RATE) seconds: long enough for a
@@ -99,7 +83,7 @@ class _Consumer:
         self.ref = ref = args.queues[args.index]
         self.cfg = cfg = args.config
         self.rng = rng = random.Random(args.seed)
-        self.base = args.slot * WORDS
+        self.base = args.slot * W.WORDS
         self.table = S.received_table(ref.name)
         self.stmt = S.q(
             S.INSERT_RECEIVED_GROUPED if ref.grouped else S.INSERT_RECEIVED, args.run_id, self.table
@@ -121,7 +105,7 @@ class _Consumer:
             if ref.grouped
             else sorted(rng.sample(range(1, early + 1), min(early, rng.randint(1, 2)))),
         )
-        self.filled = args.first_slot * WORDS + C_FILLED
+        self.filled = args.first_slot * W.WORDS + W.C_FILLED
         self.pid = os.getpid()
         self.left_sql = S.q(S.LEFTOVERS, args.run_id, queue_table(ref.name))
         self.order = 0  # the last recv_order recorded
@@ -159,14 +143,14 @@ class _Consumer:
         assert row is not None
         self.order, self.taken = int(row[0]), int(row[1])
         if self.taken:
-            self.c[self.base + RESUMED] += 1
+            self.c[self.base + W.RESUMED] += 1
             self.rng.seed(f"{a.seed}:{self.order}:{self.pid}")
             self.stalls[:] = [n for n in self.stalls if n > self.taken]
-        self.c[self.base + C_ENTRIES] = self.taken
+        self.c[self.base + W.C_ENTRIES] = self.taken
 
     def wait_filled(self, s: Session) -> None:
         """The grouped queue's consumers: wait together, once, for a full queue."""
-        self.c[self.base + C_STALLS] += 1
+        self.c[self.base + W.C_STALLS] += 1
         if _wait_full(
             s,
             self.ref.name,
@@ -186,9 +170,9 @@ class _Consumer:
         n = rng.choice((1, 1, 4, 16, 32, 64))
         if self.stalls:
             n = max(1, min(n, self.stalls[0] - self.taken))
-        msgs = s.dequeue_many(self.ref.name, n, wait=POLL_S)
+        msgs = s.dequeue_many(self.ref.name, n, wait=W.POLL_S)
         deq_ns = time.monotonic_ns()
-        c[base + HEARTBEAT] += 1
+        c[base + W.HEARTBEAT] += 1
         if not msgs:
             if finished:
                 # Nothing left, unless a dead client (or a lost session)
@@ -205,7 +189,7 @@ class _Consumer:
             # Only first deliveries: an entry is never struck out to the
             # exception queue by our own choice.
             s.rollback()
-            c[base + C_RB_TX] += 1
+            c[base + W.C_RB_TX] += 1
             return False
         s.commit()
         self.committed(s, msgs)
@@ -242,17 +226,17 @@ class _Consumer:
     def committed(self, s: Session, msgs: list[Message]) -> None:
         """Count a committed batch; stop for a full queue when a stall is due."""
         c, base = self.c, self.base
-        if self.cfg.chaos_failover is not None and not c[base + C_FIRST_AFTER]:
-            now_us, promoted = int(time.monotonic() * 1e6), c[PROMOTED]
+        if self.cfg.chaos_failover is not None and not c[base + W.C_FIRST_AFTER]:
+            now_us, promoted = int(time.monotonic() * 1e6), c[W.PROMOTED]
             if promoted and now_us >= promoted:
-                c[base + C_FIRST_AFTER] = now_us
+                c[base + W.C_FIRST_AFTER] = now_us
         self.taken += len(msgs)
-        c[base + C_ENTRIES] += len(msgs)
-        c[base + C_TX] += 1
-        c[base + C_REDELIVERED] += sum(1 for m in msgs if m.deliveries > 1)
+        c[base + W.C_ENTRIES] += len(msgs)
+        c[base + W.C_TX] += 1
+        c[base + W.C_REDELIVERED] += sum(1 for m in msgs if m.deliveries > 1)
         if self.stalls and self.taken >= self.stalls[0]:
             self.stalls.pop(0)
-            c[base + C_STALLS] += 1
+            c[base + W.C_STALLS] += 1
             _wait_full(s, self.ref.name, self.producers_done, self.abort, self.max_stall_s)
 
 

@@ -28,32 +28,13 @@ from ringq.engine import Session, connect
 from ringq.engine import metrics as M
 
 from . import _store
+from . import _worker as W
 from ._chaos import Chaos
 from ._consumer import consumer_main
 from ._failover import Failover
 from ._producer import producer_main
 from ._store import RunInfo
-from ._worker import (
-    C_ENTRIES,
-    C_FIRST_AFTER,
-    C_RB_TX,
-    C_REDELIVERED,
-    C_STALLS,
-    C_TX,
-    HEARTBEAT,
-    LOST_SESSION,
-    P_ENTRIES,
-    P_FULL_TX,
-    P_MULTI_TX,
-    P_RB_ENTRIES,
-    P_RB_TX,
-    P_TX,
-    P_TX_2PC,
-    POLL_S,
-    PROMOTED,
-    WORDS,
-    WorkerArgs,
-)
+from ._worker import WorkerArgs
 
 STATS_KEYS = (
     M.FULL_HITS,
@@ -186,8 +167,8 @@ class _Cycle:
             for w in range(cfg.grouped_consumers if ref.grouped else 1)
         ]
         self.nc = len(taking)
-        # a block per worker, then the PROMOTED word
-        self.counters = self.ctx.Array("q", (self.np + self.nc) * WORDS + 1, lock=False)
+        # a block per worker, then the W.PROMOTED word
+        self.counters = self.ctx.Array("q", (self.np + self.nc) * W.WORDS + 1, lock=False)
         self.producers_done = self.ctx.Event()
         self.abort = self.ctx.Event()
         self.errors_q = self.ctx.Queue()
@@ -276,7 +257,7 @@ class _Cycle:
         return self.workers[self.nc :]
 
     def _sum(self, slots: Sequence[int], word: int) -> int:
-        return int(sum(self.counters[i * WORDS + word] for i in slots))
+        return int(sum(self.counters[i * W.WORDS + word] for i in slots))
 
     @property
     def producer_slots(self) -> range:
@@ -323,7 +304,7 @@ class _Cycle:
         progress: Callable[[Progress], None] | None,
         abort_requested: Callable[[], bool] | None,
     ) -> bool:
-        """One turn of the loop (about POLL_S); False once every worker has exited."""
+        """One turn of the loop (about _worker.POLL_S); False once every worker has exited."""
         if self.chaos is not None and self.status == "done":
             self._restart_killed()
         alive = [p for p in self.workers if p.exitcode is None]
@@ -335,18 +316,18 @@ class _Cycle:
             self.producers_done.set()
         if not alive:
             return False
-        multiprocessing.connection.wait([p.sentinel for p in alive], timeout=POLL_S)
+        multiprocessing.connection.wait([p.sentinel for p in alive], timeout=W.POLL_S)
         now = time.monotonic()
         if self.chaos is not None and self.status == "done":
             self.chaos.tick(now, self.producers, self.consumers, self.producers_done.is_set())
-        committed = self._sum(self.producer_slots, P_ENTRIES)
+        committed = self._sum(self.producer_slots, W.P_ENTRIES)
         failover = self.failover
         if failover is not None and self.status == "done" and failover.due(committed):
             failover.strike()  # kill -9 of the primary, promotion: about a second
-            self.counters[PROMOTED] = int(failover.promoted_at * 1e6) or 1
+            self.counters[W.PROMOTED] = int(failover.promoted_at * 1e6) or 1
             now = time.monotonic()
         self._sample_depths()
-        beat = self._sum(range(self.np + self.nc), HEARTBEAT)
+        beat = self._sum(range(self.np + self.nc), W.HEARTBEAT)
         if beat != self.last_beat:
             self.last_beat, self.last_change = beat, now
         if progress is not None:
@@ -381,7 +362,7 @@ class _Cycle:
             assert self.watcher is not None
             self.stats_now = [self.watcher.stats(ref.name) for ref in self.run.queues]
             self.depths = [s[M.DEPTH] for s in self.stats_now]
-        except LOST_SESSION:
+        except W.LOST_SESSION:
             if self.chaos is None:
                 raise
             self._reconnect()
@@ -393,9 +374,9 @@ class _Cycle:
             elapsed_s=now - self.t0,
             expected=self.expected,
             committed=committed,
-            received=self._sum(self.consumer_slots, C_ENTRIES),
-            rolled_back_tx=self._sum(self.producer_slots, P_RB_TX),
-            full_tx=self._sum(self.producer_slots, P_FULL_TX),
+            received=self._sum(self.consumer_slots, W.C_ENTRIES),
+            rolled_back_tx=self._sum(self.producer_slots, W.P_RB_TX),
+            full_tx=self._sum(self.producer_slots, W.P_FULL_TX),
             depth=self.depths,
             capacity=self.cfg.capacity,
             stats=self.stats_now,
@@ -439,7 +420,7 @@ class _Cycle:
         assert self.watcher is not None
         try:
             self.after = [self.watcher.stats(ref.name) for ref in self.run.queues]
-        except LOST_SESSION:
+        except W.LOST_SESSION:
             self._reconnect()
             self.after = [self.watcher.stats(ref.name) for ref in self.run.queues]
 
@@ -474,20 +455,20 @@ class _Cycle:
         stats: dict[str, Any] = {
             "seed": self.base_seed,
             "producers": {
-                "committed_entries": self._sum(prod, P_ENTRIES),
-                "committed_tx": self._sum(prod, P_TX),
-                "two_phase_tx": self._sum(prod, P_TX_2PC),
-                "multi_queue_tx": self._sum(prod, P_MULTI_TX),
-                "rolled_back_tx": self._sum(prod, P_RB_TX),
-                "full_rolled_back_tx": self._sum(prod, P_FULL_TX),
-                "rolled_back_entries": self._sum(prod, P_RB_ENTRIES),
+                "committed_entries": self._sum(prod, W.P_ENTRIES),
+                "committed_tx": self._sum(prod, W.P_TX),
+                "two_phase_tx": self._sum(prod, W.P_TX_2PC),
+                "multi_queue_tx": self._sum(prod, W.P_MULTI_TX),
+                "rolled_back_tx": self._sum(prod, W.P_RB_TX),
+                "full_rolled_back_tx": self._sum(prod, W.P_FULL_TX),
+                "rolled_back_entries": self._sum(prod, W.P_RB_ENTRIES),
             },
             "consumers": {
-                "committed_entries": self._sum(cons, C_ENTRIES),
-                "committed_tx": self._sum(cons, C_TX),
-                "rolled_back_tx": self._sum(cons, C_RB_TX),
-                "stalls": self._sum(cons, C_STALLS),
-                "redelivered": self._sum(cons, C_REDELIVERED),
+                "committed_entries": self._sum(cons, W.C_ENTRIES),
+                "committed_tx": self._sum(cons, W.C_TX),
+                "rolled_back_tx": self._sum(cons, W.C_RB_TX),
+                "stalls": self._sum(cons, W.C_STALLS),
+                "redelivered": self._sum(cons, W.C_REDELIVERED),
             },
             "chaos": (
                 self.chaos.report(self.counters, range(self.np + self.nc))
@@ -516,7 +497,7 @@ class _Cycle:
         """The fail-over's figures, with the acknowledged entries stored for the proof."""
         failover = self.failover
         assert failover is not None
-        firsts = [self.counters[i * WORDS + C_FIRST_AFTER] for i in self.consumer_slots]
+        firsts = [self.counters[i * W.WORDS + W.C_FIRST_AFTER] for i in self.consumer_slots]
         first = min((t for t in firsts if t), default=0)
         report = failover.report(first / 1e6 if first else None)
         try:
@@ -557,7 +538,7 @@ def _reconnect_watcher(dsn: str) -> Session:
             w = connect(dsn, application_name="ringq-regress")
             w.commit()
             return w
-        except LOST_SESSION:
+        except W.LOST_SESSION:
             if time.monotonic() > deadline:
                 raise
             time.sleep(0.2)

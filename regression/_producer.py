@@ -24,24 +24,9 @@ from ringq.engine import QueueFull, Session, connect
 
 from . import _payload as P
 from . import _queries as S
+from . import _worker as W
 from ._failover import AckLog
-from ._worker import (
-    HEARTBEAT,
-    P_ENTRIES,
-    P_FULL_TX,
-    P_MULTI_TX,
-    P_RB_ENTRIES,
-    P_RB_TX,
-    P_TX,
-    P_TX_2PC,
-    PROMOTED,
-    RESUMED,
-    WORDS,
-    WorkerArgs,
-    retrying,
-    run_worker,
-    wait_recovered,
-)
+from ._worker import WorkerArgs, retrying, run_worker, wait_recovered
 
 # An entry a producer wrote: (queue, qseq, pseq, length, digest, group or None).
 Entry = tuple[int, int, int, int, bytes, str | None]
@@ -62,7 +47,7 @@ class _Producer:
         self.s = s
         self.rng = random.Random(args.seed)
         self.c = counters
-        self.base = args.slot * WORDS
+        self.base = args.slot * W.WORDS
         self.quota = list(args.quota)
         self.pseq = 0
         self.tx = 0
@@ -114,9 +99,9 @@ class _Producer:
         self.quota = [
             max(0, owed - done) for owed, done in zip(self.a.quota, committed, strict=True)
         ]
-        self.c[self.base + P_ENTRIES] = sum(committed)
+        self.c[self.base + W.P_ENTRIES] = sum(committed)
         if self.pseq or self.tx:
-            self.bump(RESUMED)
+            self.bump(W.RESUMED)
         return True
 
     def plan(self) -> list[tuple[int, int]]:
@@ -154,7 +139,7 @@ class _Producer:
         except QueueFull:
             s.rollback()
             self.log_rolled_back(done, kind, "full")
-            self.bump(P_FULL_TX)
+            self.bump(W.P_FULL_TX)
             time.sleep(rng.uniform(0.01, 0.2))
             return
         self.record(self.sent_sql, done, kind)
@@ -165,15 +150,15 @@ class _Producer:
                 reason = "deliberate-prepared"
             s.rollback()
             self.log_rolled_back(done, kind, reason)
-            self.bump(P_RB_TX)
+            self.bump(W.P_RB_TX)
             return
         self.commit(kind, done)
         for q, n in plan:
             self.quota[q] -= n
-        self.bump(P_ENTRIES, len(done))
-        self.bump(P_TX)
+        self.bump(W.P_ENTRIES, len(done))
+        self.bump(W.P_TX)
         if len(plan) > 1:
-            self.bump(P_MULTI_TX)
+            self.bump(W.P_MULTI_TX)
 
     def enqueue(
         self, plan: list[tuple[int, int]], kind: int, timeout: float, done: list[Entry]
@@ -219,7 +204,7 @@ class _Producer:
                 # dies before COMMIT PREPARED, the monitor commits for it.
                 s.tpc_decide()
             s.tpc_commit()  # clears a recorded decision
-            self.bump(P_TX_2PC)
+            self.bump(W.P_TX_2PC)
         else:
             s.commit()
         if self.acks is not None:  # acknowledged: the commit returned
@@ -252,7 +237,7 @@ class _Producer:
             return
         self.record(self.rb_sql, done, kind, reason=reason)
         self.s.commit()
-        self.bump(P_RB_ENTRIES, len(done))
+        self.bump(W.P_RB_ENTRIES, len(done))
 
 
 
@@ -297,7 +282,7 @@ def _produce_session(args: WorkerArgs, counters: Any, abort: Any, acks: AckLog |
                     left = 0
                     continue
             p.transaction()
-            counters[p.base + HEARTBEAT] += 1
+            counters[p.base + W.HEARTBEAT] += 1
             left -= 1
             if mode == "trickle":
                 time.sleep(rng.uniform(0.0, 0.02))
@@ -306,7 +291,7 @@ def _produce_session(args: WorkerArgs, counters: Any, abort: Any, acks: AckLog |
                 # asynchronous standby never received (acknowledged, then
                 # lost) shows only in the database: once the fail-over is
                 # over, what is owed is read again from there.
-                while not counters[PROMOTED] and not abort.is_set():
+                while not counters[W.PROMOTED] and not abort.is_set():
                     abort.wait(0.05)
                 if not p.resume(abort):
                     return True
