@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import numpy as np
@@ -70,15 +70,10 @@ class Recovered:
     queues: list[str] = field(default_factory=list)
 
     def as_dict(self) -> dict[str, Any]:
-        return {
-            "pid": self.pid,
-            "backend_pid": self.backend_pid,
-            "slots": self.slots,
-            "committed": self.committed,
-            "rolled_back": self.rolled_back,
-            "held": self.held,
-            "queues": self.queues,
-        }
+        """Every field but the client entry's index (reused: it names no client)."""
+        fields = asdict(self)
+        del fields["cidx"]
+        return fields
 
 
 def _connect(dsn: str) -> psycopg.Connection[Any]:
