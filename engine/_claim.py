@@ -486,14 +486,14 @@ class Claims:
                     ring.remove_waiter(OpKind.DEQUEUE, max_n)
                     waiting = False
                 if max_n == 1:
-                    r = ring.claim(link.owner, link.backend_pid, exclusive=exclusive)
+                    r = ring.take_one(link.owner, link.backend_pid, exclusive=exclusive)
                     if r is None:
                         slots: list[int] = []
                         seqs: list[int] = []
                     else:
                         slots, seqs = [r[0]], [r[1]]
                         if ring.stride:
-                            cached = [ring.cache.get(r[0], r[1])]
+                            cached = [r[2]]
                 else:
                     sl, sq = ring.claim_batch(
                         link.owner, link.backend_pid, max_n, exclusive=exclusive

@@ -26,6 +26,8 @@ if TYPE_CHECKING:
     from ._ops import Op
     from ._ring import Ring
 
+_U64 = (1 << 64) - 1
+
 VECTOR_FROM = 8  # ops from which a finish works on arrays (below, numpy's call cost dominates)
 
 
@@ -136,6 +138,65 @@ def _after_finish(ring: Ring, n_ready: int, n_space: int) -> tuple[int, int]:
     if wake_r:
         Q[b + L.Q_N_WAKEUPS] += wake_r
     return wake_r, wake_s
+
+
+def finish_one(
+    ring: Ring,
+    op: Op,
+    owner: int,
+    *,
+    committed: bool,
+    poisoned: set[tuple[int, int]],
+    exclusive: bool,
+    enq_at_us: int | None,
+) -> tuple[int, int]:
+    """:func:`finish_batch` of one op, inline (a single-entry transaction:
+    no lists, no numpy, the bits as plain ints), in the same order of writes."""
+    s = ring.sec
+    slot = op.slot
+    w, m = ring.w0 + (slot >> 6), 1 << (slot & 63)
+    g = ring.base + slot
+    if not (s.lck_w[w] & m and s.owner_w[g] == owner):
+        return 0, 0  # already decided by recovery (never finish a slot twice)
+    Q, b = ring.Q, ring.qb
+    n_ready = n_space = 0
+    if op.kind is OpKind.ENQUEUE:
+        if committed:
+            f = op.fill
+            if enq_at_us is not None and f is not None and ring.stride:
+                ring.cache.put(
+                    slot, op.seq, f.payload, f.producer.encode(), f.producer_seq, enq_at_us,
+                    None if f.group is None else f.group.encode(),
+                )
+            s.enq_w[w] |= m
+            Q[b + L.Q_DEPTH_HINT] += 1
+            Q[b + L.Q_N_ENQ_COMMIT] += 1
+            n_ready = 1
+        else:
+            s.deq_w[w] |= m
+            Q[b + L.Q_N_ENQ_ROLLBACK] += 1
+        s.lck_w[w] &= ~m & _U64
+        s.owner_w[g] = 0
+        hist, total = L.Q_ENQ_HIST, L.Q_ENQ_LAT_NS
+    else:
+        consumed = committed or (slot, op.seq) in poisoned
+        was_owner = Q[b + L.Q_DEQ_OWNER]
+        freed_group = consumed and s.group_w[g] != 0
+        ring.finish_dequeue(slot, consumed, exclusive=exclusive, reclaim=False)
+        n_space = int(consumed)
+        n_ready = int(
+            (not consumed) or freed_group or (exclusive and was_owner and not Q[b + L.Q_DEQ_OWNER])
+        )
+        if consumed and not committed:
+            Q[b + L.Q_N_POISONED] += 1
+        hist, total = L.Q_DEQ_HIST, L.Q_DEQ_LAT_NS
+    ns = op.latency_ns
+    if ns > 0:  # as Ring.record_latency
+        Q[b + hist + min((ns // 1000).bit_length(), L.HIST_BUCKETS - 1)] += 1
+        Q[b + total] += ns
+    if not n_space and Q[b + L.Q_WAIT_READY] <= 0:
+        return 0, 0  # nothing to reclaim, nobody to wake (_after_finish's answer)
+    return _after_finish(ring, n_ready, n_space)
 
 
 def _finish_each(

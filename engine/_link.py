@@ -224,7 +224,7 @@ class Link:
 
             self.call(decide)
             self.ops = [op for op in self.ops if op.held]
-        if not self.ops and self.section.unlinked():
+        if not self.ops and self.section.unlinked_lately():
             # Replaced by another client, perhaps after a fail-over that this
             # session has not seen yet (its connection may be dead): attach as
             # the server's history says now, never as this session last knew

@@ -209,15 +209,25 @@ class Ring(RingScan):
         n = Q[b + L.Q_HEAD] - tail
         if n <= 0:
             return None
+        s = self.sec
         if Q[b + L.Q_GROUPED]:
             found = self._ready_slots(tail, n, 1)
             slot = found[0] if found else None
         else:
-            slot = self._find(tail % self.cap, n, ready=True)
+            # The tail's own word first, inline (nearly always the answer).
+            start = tail % self.cap
+            off = start & 63
+            g = self.w0 + (start >> 6)
+            word = ((s.enq_w[g] & ~s.deq_w[g] & ~s.lck_w[g]) >> off) & (
+                (1 << min(n, 64 - off, self.cap - start)) - 1
+            )
+            if word:
+                slot = start + (word & -word).bit_length() - 1
+            else:
+                slot = self._find(start, n, ready=True)
         if slot is None:
             return None
-        w, m = self._bit(slot)
-        s = self.sec
+        w, m = self.w0 + (slot >> 6), 1 << (slot & 63)
         s.holder_w[self.base + slot] = backend
         s.owner_w[self.base + slot] = owner
         s.lck_w[w] |= m
@@ -227,6 +237,18 @@ class Ring(RingScan):
             Q[b + L.Q_DEQ_INFLIGHT] += 1
         Q[b + L.Q_N_DEQ] += 1
         return slot, tail + (slot - tail) % self.cap
+
+    def take_one(
+        self, owner: int, backend: int, *, exclusive: bool
+    ) -> tuple[int, int, Cached | None] | None:
+        """:meth:`claim`, and the slot's cache record read in the same
+        critical section: (slot, seq, the record if it holds the entry, else
+        None: read the row), or None if nothing is ready."""
+        got = self.claim(owner, backend, exclusive=exclusive)
+        if got is None:
+            return None
+        slot, seq = got
+        return slot, seq, self.cache.get(slot, seq) if self.stride else None
 
     def claim_many(
         self, owner: int, backend: int, n: int, *, exclusive: bool

@@ -42,6 +42,8 @@ _U64: Final = (1 << 64) - 1
 
 logger = logging.getLogger("ringq")
 SHM_DIR = "/dev/shm"  # where Linux keeps POSIX shared memory (glibc's shm_open)
+# how often (ns) Section.unlinked_lately asks the kernel whether the segment was removed
+UNLINK_CHECK_NS: Final = 5_000_000
 
 
 def section_name(instance_id: str) -> str:
@@ -104,6 +106,10 @@ class Section(ClientTable):
         self._tlocks = [threading.Lock() for _ in range(L.MAX_QUEUES + 2)]
         self._sems: dict[tuple[int, str], posix_ipc.Semaphore] = {}
         self.generation = self.header[L.H_GENERATION]
+        # unlinked_lately(): once seen unlinked it stays so (a name never comes back
+        # to a segment); until then looked at no sooner than this (monotonic ns)
+        self._gone = False
+        self._look_at_ns = 0
 
     # -- life cycle ---------------------------------------------------------------
 
@@ -200,6 +206,23 @@ class Section(ClientTable):
             return os.fstat(self._fd).st_nlink == 0
         except OSError:
             return True
+
+    def unlinked_lately(self) -> bool:
+        """:meth:`unlinked`, asked of the kernel at most every
+        ``UNLINK_CHECK_NS`` per section object (a session asks before each
+        call: an ``fstat`` each was a syscall per enqueue). A replacement made
+        through this object (:meth:`replace`) is seen at once; one made
+        elsewhere within that time. Using a replaced section a little longer
+        is what a call that began just before the unlink does anyway: the
+        rows decide, and a stale section costs a retryable error."""
+        if self._gone:
+            return True
+        now = time.monotonic_ns()
+        if now < self._look_at_ns:
+            return False
+        self._look_at_ns = now + UNLINK_CHECK_NS
+        self._gone = self.unlinked()
+        return self._gone
 
     @staticmethod
     def unlink(instance_id: str) -> bool:
@@ -437,6 +460,7 @@ class Section(ClientTable):
             if not self.unlinked():
                 Section.unlink(instance_id)
                 logger.warning("ringq: global section %s replaced: %s", self.name, why)
+            self._gone = True
         finally:
             self.unlock_section()
 

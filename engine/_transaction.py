@@ -25,6 +25,7 @@ from . import _layout as L
 from . import _wire
 from ._decide import in_flight
 from ._errors import InDoubt, RingqError, StaleSection, TransactionError, one_line
+from ._finish import finish_one
 from ._link import Link
 from ._ops import POISON_REASON, Op, OpKind, RowState
 from ._queue_info import QueueInfo
@@ -294,14 +295,14 @@ class Transaction:
             poisoned = set()
             if not committed and count_delivery:
                 poisoned = self._strike([op for op in ops if op.kind == OpKind.DEQUEUE])
-        if len(ops) == 1:  # a single entry: no grouping
-            by_ring = {ops[0].ring.qidx: ops}
-        else:
-            by_ring = {}
-            for op in ops:
-                by_ring.setdefault(op.ring.qidx, []).append(op)
-        posts: list[tuple[int, str, int]] = []
         enq_at_us, self.enq_at_us = self.enq_at_us, None
+        if len(ops) == 1:  # a single entry: one fused finish, no grouping
+            self._finish_one(ops[0], committed, poisoned, enq_at_us)
+            return
+        by_ring: dict[int, list[Op]] = {}
+        for op in ops:
+            by_ring.setdefault(op.ring.qidx, []).append(op)
+        posts: list[tuple[int, str, int]] = []
         for qidx, group in by_ring.items():
             ring = group[0].ring
             exclusive = group[0].info.dequeue_mode == "single"
@@ -320,6 +321,28 @@ class Transaction:
         sec.count_client(link.cidx, L.C_N_COMMIT if committed else L.C_N_ROLLBACK)
         for qid, kind, n in posts:
             sec.post(qid, kind, n)
+
+    def _finish_one(
+        self, op: Op, committed: bool, poisoned: set[tuple[int, int]], enq_at_us: int | None
+    ) -> None:
+        """:meth:`finish` of a single op: one lock round, the fused finish."""
+        link = self.link
+        sec = link.section
+        ring = op.ring
+        qidx = ring.qidx
+        sec.lock_queue(qidx)
+        try:
+            wake_r, wake_s = finish_one(
+                ring, op, link.owner, committed=committed, poisoned=poisoned,
+                exclusive=op.info.dequeue_mode == "single", enq_at_us=enq_at_us,
+            )
+        finally:
+            sec.unlock_queue(qidx)
+        sec.count_client(link.cidx, L.C_N_COMMIT if committed else L.C_N_ROLLBACK)
+        if wake_r:
+            sec.post(ring.qid, "r", wake_r)
+        if wake_s:
+            sec.post(ring.qid, "s", wake_s)
 
     def hold(self, ops: list[Op]) -> None:
         """Keep slots locked with no live owner (in doubt) for recovery to decide."""
