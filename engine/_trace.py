@@ -183,12 +183,14 @@ class _Traced:
                 log.debug(
                     "%s session=%d pid=%d %s rt=%d us=%d%s",
                     name, owner, pid,
-                    _Line(name, queue, before, n0, held, now.ops), rt, us, error,
+                    # made now: the ops change on (a commit clears ``consume``), and a
+                    # handler may format the record later
+                    str(_Line(name, queue, before, n0, held, now.ops)), rt, us, error,
                 )
 
 
 class _Line:
-    """The slots part of a trace line, made only if the line is written."""
+    """The slots part of a trace line (made only while the logger is enabled)."""
 
     __slots__ = ("after", "before", "held", "n0", "name", "queue")
 
