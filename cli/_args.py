@@ -115,6 +115,27 @@ def add_dsn(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def add_trace(parser: argparse.ArgumentParser) -> None:
+    """``--trace``: for the commands that run sessions (see :func:`apply_trace`)."""
+    parser.add_argument(
+        "--trace",
+        action="store_true",
+        help="log every queue operation (enqueue, dequeue, commit, rollback, flush, prepare, "
+        "recovery decision) on one line each, on the ringq.trace logger; to stderr, or to "
+        "the file RINGQ_TRACE_FILE names; child processes too [env: RINGQ_TRACE=1]",
+    )
+
+
+def apply_trace(args: argparse.Namespace) -> None:
+    """Turn the engine's trace on for ``--trace``: in this process, and (by
+    ``RINGQ_TRACE``, read by the engine at import) in the processes it starts."""
+    if getattr(args, "trace", False):
+        from ringq.engine import enable_trace
+
+        os.environ["RINGQ_TRACE"] = "1"
+        enable_trace()
+
+
 def subparser(
     sub: Any, name: str, help: str, description: str | None = None
 ) -> argparse.ArgumentParser:

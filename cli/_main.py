@@ -23,7 +23,7 @@ from ringq.engine import (
     exits,
 )
 
-from ._args import Formatter, failed, resolve_env
+from ._args import Formatter, add_trace, apply_trace, failed, resolve_env
 
 # The exit code of an error that reaches the top, by its class: the first row
 # the error is an instance of decides; any other RingqError is FAILURE.
@@ -51,6 +51,9 @@ COMMANDS = (
     "_report",
 )
 
+# The commands that run sessions: they take --trace (the engine's trace of queue operations).
+TRACED_COMMANDS = ("worker", "move", "monitor", "regress", "run")
+
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
@@ -77,6 +80,9 @@ def build_parser() -> argparse.ArgumentParser:
                 continue  # not written yet
             raise
         module.register(sub)
+    for name in TRACED_COMMANDS:
+        if name in sub.choices:
+            add_trace(sub.choices[name])
     return parser
 
 
@@ -103,6 +109,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         # `ringq` or `ringq db` alone: show the relevant help.
         (getattr(args, "_parser", None) or parser).print_help()
         return exits.USAGE
+    apply_trace(args)
     try:
         code = int(func(args) or 0)
         sys.stdout.flush()  # a closed pipe shows here, not at exit as a traceback

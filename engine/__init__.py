@@ -61,6 +61,7 @@ from ._shm import (
     sections_on_host,
     tidy_sections,
 )
+from ._trace import enable_trace
 from ._validate import check_group, validate_int, validate_seconds
 
 __all__ = [
@@ -108,6 +109,7 @@ __all__ = [
     "converted",
     "database_state",
     "dsn_file",
+    "enable_trace",
     "from_psycopg",
     "one_line",
     "pid_alive",

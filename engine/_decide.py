@@ -12,6 +12,7 @@ whether a dead holder is in a queue's way (:func:`dead_in_the_way`).
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -21,6 +22,7 @@ import psycopg
 from psycopg import sql
 
 from . import _layout as L
+from . import _trace
 from ._errors import DatabaseError, DatabaseUnavailable, InDoubt, InFlight
 from ._names import queue_table
 from ._ops import Op, OpKind, RowState
@@ -174,14 +176,18 @@ def decide_ops(
     conn: psycopg.Connection[Any],
     ops: Sequence[Op],
     owner: int | None = None,
+    *,
+    why: str = "rows",
 ) -> bool | None:
     """Decide in-flight slots from their rows (the old backend has ended).
 
     An enqueue committed iff its row holds its sequence (queued or consumed);
     a dequeue committed iff its row is consumed. With ``owner``, only slots
     it still holds are decided. Returns whether the transaction committed
-    (None if no op tells), after updating the section.
+    (None if no op tells), after updating the section. ``why`` names the
+    occasion in the trace (``ringq.trace``: one line per queue).
     """
+    tracing = _trace.log.isEnabledFor(logging.DEBUG)
     by_queue: dict[int, list[Op]] = {}
     for op in ops:
         by_queue.setdefault(op.info.id, []).append(op)
@@ -194,6 +200,7 @@ def decide_ops(
         ).fetchall()
         by_slot = {slot: (state, seq, group) for slot, state, seq, group in rows}
         exclusive = info.dequeue_mode == "single"
+        done_ops: tuple[list[Op], list[Op]] = ([], [])  # (rolled back, committed), traced
         sec.lock_queue(ring.qidx)
         try:
             for op in group:
@@ -210,8 +217,12 @@ def decide_ops(
                 else:
                     ring.finish_dequeue(op.slot, consumed=done, exclusive=exclusive)
                 outcome = done if outcome is None else (outcome or done)
+                if tracing:
+                    done_ops[done].append(op)
         finally:
             sec.unlock_queue(ring.qidx)
+        if tracing and (done_ops[0] or done_ops[1]):
+            _trace.decided(why, info.name, owner, done_ops[1], done_ops[0])
     return outcome
 
 
@@ -237,7 +248,7 @@ def decide_lost(
     ) as aux:
         # a backend of that pid that started after we registered is not ours
         wait_backend_gone(aux, old_pid, not_after_ns=sec.c(cidx, L.C_STARTED_NS))
-        committed = decide_ops(sec, aux, ops, old_token)
+        committed = decide_ops(sec, aux, ops, old_token, why="connection-lost")
     for op in ops:
         sec.lock_queue(op.ring.qidx)
         try:

@@ -78,6 +78,8 @@ class Link:
         self.rings: dict[int, Ring] = {}
         self.stmts: dict[tuple[str, str], str] = {}
         self.role = role  # C_ROLE of our client entry (a worker sets CR_WORKER)
+        # database exchanges made (each call()), for the trace's per-call count
+        self.round_trips = 0
         self.conn = self.open_connection()
         self.attach()
 
@@ -322,6 +324,7 @@ class Link:
         connections, and for the paths that decide themselves what a failure
         means (commit, rollback, strikes, recovery itself).
         """
+        self.round_trips += 1
         try:
             return fn()
         except psycopg.Error as exc:
@@ -470,7 +473,7 @@ class Link:
     def decide_from_rows(self, conn: psycopg.Connection[Any], ops: list[Op]) -> bool | None:
         if not ops:
             return None
-        return decide_ops(self.section, conn, ops, self.owner)
+        return decide_ops(self.section, conn, ops, self.owner, why="ended-on-connection")
 
 
 def _orphaned(sec: Section, cidx: int, pid: int, registered_ns: int) -> None:

@@ -24,6 +24,7 @@ import psycopg
 from psycopg import sql
 
 from . import _layout as L
+from . import _trace
 from ._decide import (
     dead_in_the_way,
     decide_ops,
@@ -339,7 +340,7 @@ def _decide_unheld(
             continue
         ops += [_slot_op(ring, info, slot) for slot in slots if (info.id, slot) not in prepared]
     if ops:
-        decide_ops(sec, conn, ops, HELD)
+        decide_ops(sec, conn, ops, HELD, why="prepared-resolved-elsewhere")
         logger.warning(
             "ringq: %d slots held for prepared transactions resolved elsewhere decided from rows",
             len(ops),
@@ -421,6 +422,8 @@ def _ops_or_hold(
                 ring.hold(slot)
             finally:
                 sec.unlock_queue(ring.qidx)
+            _trace.log.debug("hold queue=%s slot=%d seq=%d: prepared, left to resolve_prepared",
+                             info.name, slot, ring.seq_of(slot))
             rec.held += 1
             continue
         ops.append(_slot_op(ring, info, slot))
@@ -529,7 +532,7 @@ def _decide_and_strike(
                 "reason": POISON_REASON,
             },
         )
-    decide_ops(sec, conn, ops, token)
+    decide_ops(sec, conn, ops, token, why=f"dead-client:{rec.pid}" if rec.pid else "orphaned")
     rows_by_q: dict[int, dict[int, tuple[int, int]]] = {}
     for op in ops:
         info = op.info
@@ -664,7 +667,7 @@ def resolve_prepared(
                 )
             )
             if ops:
-                decide_ops(sec, conn, ops, HELD)
+                decide_ops(sec, conn, ops, HELD, why=f"prepared-{verb} gid={gid}")
             conn.execute(_Q["tpc_forget"], (gid,))
             conn.execute(_Q["tpc_undecide"], (gid,))
             done.append((gid, verb))

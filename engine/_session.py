@@ -28,6 +28,7 @@ import psycopg
 from psycopg.pq import TransactionStatus
 
 from . import _layout as L
+from . import _trace
 from ._claim import Claims
 from ._decide import in_doubt_outcome
 from ._dsn import resolve_dsn
@@ -120,6 +121,8 @@ class Session:
         self._claims = Claims(self._link)
         self._tpc = TwoPhase(self._link, self._txn)
         self.dsn, self.instance = dsn, self._link.instance
+        if _trace.wanted():  # decided per session: off, its calls are the class's, untouched
+            _trace.attach(self)
 
     @property
     def backend_pid(self) -> int:

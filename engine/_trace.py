@@ -1,0 +1,271 @@
+"""The trace of queue operations: one line per call, on the ``ringq.trace`` logger.
+
+Turned on by ``RINGQ_TRACE=1`` (read here, once, at import: a user's own
+program must be able to turn it on without code), by :func:`enable_trace`
+(the CLI's ``--trace``), or by the ``ringq.trace`` logger enabled for DEBUG
+when a session opens. Each traced call of a session (enqueue, dequeue,
+commit, rollback, flush, two-phase prepare, commit and rollback) logs, once
+it returned or raised::
+
+    commit session=<token> pid=<backend> queue=mq n=2 slots=7..8 seqs=107..108 enq=2 deq=0
+        rt=1 us=212
+
+its client token (the OWNER word of the slots it locks, renewed on a
+reconnect), its PostgreSQL backend pid, each queue's slots and sequences
+(runs as ``a..b``), for a dequeue how many came from the payload cache
+(``cache=hits/n``), the database round trips it made and the time it took
+(µs); ``error=<class>`` if it raised. Recovery logs each decision on the same
+logger (``_decide.decide_ops``, ``_recovery``).
+
+Why the switch is read when a session opens, not per call: the logging
+module has no hook for a level change, and a check on every call is what
+this must not cost. So a session opened while tracing gets traced methods in
+its own ``__dict__`` (shadowing the class's; no reference cycle: they hold
+the session weakly), and any other session runs the class's methods
+untouched: off, the hot path pays nothing at all, not even a flag read. A
+session opened before the logger was enabled stays untraced.
+
+``RINGQ_TRACE=1`` alone, in a program that configures no logging, writes the
+lines to stderr (a handler that stands aside as soon as any other handler
+would take them), or appends them to the file ``RINGQ_TRACE_FILE`` names
+(then only there: a trace is long, and not the application's log).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import time
+import weakref
+from collections.abc import Callable, Iterable, Sequence
+from typing import TYPE_CHECKING, Any, TextIO
+
+from ._ops import Op, OpKind
+
+if TYPE_CHECKING:
+    from ._link import Link
+    from ._session import Session
+
+log = logging.getLogger("ringq.trace")
+
+# The Session calls traced: those that take slots, and those that end them.
+TAKE = ("enqueue", "enqueue_many", "dequeue", "dequeue_many")
+END = ("commit", "rollback", "tpc_commit", "tpc_rollback")
+SEND = ("flush", "tpc_prepare")  # send the held row writes, end nothing
+TRACED = (*TAKE, *END, *SEND, "commit_and_dequeue")
+
+# Runs of slots or seqs shown per queue before the rest is only counted.
+MAX_RUNS = 16
+
+ON = False  # RINGQ_TRACE=1 at import, or enable_trace(): every session opened is traced
+
+
+def enable_trace(file: str | None = None) -> None:
+    """Trace every session opened from now on (as ``RINGQ_TRACE=1``): set
+    the ``ringq.trace`` logger to DEBUG and give it an output: the file
+    ``file`` (else ``RINGQ_TRACE_FILE``) if named, else stderr while no
+    other logging handler takes its lines."""
+    global ON
+    ON = True
+    if not log.isEnabledFor(logging.DEBUG):
+        log.setLevel(logging.DEBUG)
+    if any(isinstance(h, _Stderr | _File) for h in log.handlers):
+        return
+    path = file or os.environ.get("RINGQ_TRACE_FILE") or None
+    handler: logging.Handler
+    if path:
+        handler = _File(path)
+        log.propagate = False
+    else:
+        handler = _Stderr()
+    handler.setFormatter(logging.Formatter("%(asctime)s %(process)d %(name)s: %(message)s"))
+    log.addHandler(handler)
+
+
+def wanted() -> bool:
+    """Whether a session opening now is traced (once per session open)."""
+    return ON or log.isEnabledFor(logging.DEBUG)
+
+
+class _Stderr(logging.StreamHandler):  # type: ignore[type-arg]
+    """stderr (as it is when a line is written), only while no other handler
+    on the logger's way up would take the line: a program that configures
+    logging gets the trace through its own handlers, once."""
+
+    def __init__(self) -> None:
+        super().__init__(sys.stderr)
+
+    @property
+    def stream(self) -> TextIO:
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, value: TextIO) -> None:
+        pass  # always the stderr of the moment (as logging's last resort)
+
+    def handle(self, record: logging.LogRecord) -> bool:
+        logger: logging.Logger | None = log
+        while logger is not None:
+            if any(h is not self for h in logger.handlers):
+                return False
+            if not logger.propagate:
+                break
+            logger = logger.parent
+        return bool(super().handle(record))
+
+
+class _File(logging.FileHandler):
+    """Appends to RINGQ_TRACE_FILE, opened at the first line (several
+    processes may append to one file: a line is one write)."""
+
+    def __init__(self, path: str) -> None:
+        super().__init__(path, mode="a", encoding="utf-8", delay=True)
+
+
+if os.environ.get("RINGQ_TRACE", "").strip().lower() in ("1", "true", "yes", "on"):
+    enable_trace()
+
+
+# -- the traced calls -------------------------------------------------------------------
+
+
+def attach(session: Session) -> None:
+    """Give ``session`` traced versions of its :data:`TRACED` calls."""
+    ref = weakref.ref(session)
+    cls = type(session)
+    depth = [0]  # nested traced calls (dequeue -> dequeue_many) log once, as the outer
+    for name in TRACED:
+        session.__dict__[name] = _Traced(ref, getattr(cls, name), name, depth)
+
+
+class _Traced:
+    """One traced call of one session: runs the class's method and logs a line."""
+
+    __slots__ = ("depth", "fn", "name", "ref")
+
+    def __init__(
+        self, ref: weakref.ref[Session], fn: Callable[..., Any], name: str, depth: list[int]
+    ) -> None:
+        self.ref, self.fn, self.name, self.depth = ref, fn, name, depth
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        session = self.ref()
+        if session is None or self.depth[0] or session.closed:
+            return self.fn(session, *args, **kwargs)
+        link: Link = session._link
+        before = link.ops
+        n0 = len(before)
+        name = self.name
+        # the ops a line tells of: the held writes a flush sends, the ops a
+        # commit or rollback ends (a copy: a rollback may empty the list in place)
+        held = (
+            before if name in TAKE
+            else [op for op in before if op.held] if name in SEND
+            else list(before)
+        )
+        rt0, pid, owner = link.round_trips, link.backend_pid, link.owner
+        error = ""
+        self.depth[0] += 1
+        t0 = time.perf_counter_ns()
+        try:
+            return self.fn(session, *args, **kwargs)
+        except BaseException as exc:
+            error = " error=" + type(exc).__name__
+            raise
+        finally:
+            us = (time.perf_counter_ns() - t0) // 1000
+            self.depth[0] -= 1
+            if log.isEnabledFor(logging.DEBUG):
+                now = session._link
+                rt = now.round_trips - rt0 if now is link else now.round_trips
+                queue = args[0] if args else kwargs.get("queue")
+                log.debug(
+                    "%s session=%d pid=%d %s rt=%d us=%d%s",
+                    name, owner, pid,
+                    # made now: the ops change on (a commit clears ``consume``), and a
+                    # handler may format the record later
+                    str(_Line(name, queue, before, n0, held, now.ops)), rt, us, error,
+                )
+
+
+class _Line:
+    """The slots part of a trace line (made only while the logger is enabled)."""
+
+    __slots__ = ("after", "before", "held", "n0", "name", "queue")
+
+    def __init__(
+        self, name: str, queue: str | None, before: list[Op], n0: int, held: list[Op],
+        after: list[Op],
+    ) -> None:
+        self.name, self.queue, self.before, self.n0 = name, queue, before, n0
+        self.held, self.after = held, after
+
+    def taken(self) -> list[Op]:
+        """The ops the call added to the link's (appended, or on a new list)."""
+        if self.after is self.before:
+            return self.after[self.n0:]
+        mine = {id(op) for op in self.before[: self.n0]}
+        return [op for op in self.after if id(op) not in mine]
+
+    def __str__(self) -> str:
+        name = self.name
+        if name in TAKE:
+            return ops_text(self.taken(), self.queue, cache=name.startswith("dequeue"))
+        if name == "commit_and_dequeue":
+            return (ops_text(self.held, None, kinds=True) + " then "
+                    + ops_text(self.taken(), self.queue, cache=True))
+        return ops_text(self.held, None, kinds=name in END)
+
+
+def ops_text(
+    ops: Sequence[Op], queue: str | None, *, cache: bool = False, kinds: bool = False
+) -> str:
+    """``queue=Q n=N slots=.. seqs=..`` per queue (in order of first use),
+    with ``cache=hits/N`` (a dequeue: served from the payload cache) or
+    ``enq=E deq=D``; ``queue=Q n=0`` (or ``n=0``) if there are none."""
+    if not ops:
+        return f"queue={queue} n=0" if queue else "n=0"
+    by_queue: dict[str, list[Op]] = {}
+    for op in ops:
+        by_queue.setdefault(op.info.name, []).append(op)
+    parts = []
+    for name, group in by_queue.items():
+        text = (f"queue={name} n={len(group)} slots={runs(op.slot for op in group)} "
+                f"seqs={runs(op.seq for op in group)}")
+        if cache:
+            text += f" cache={sum(1 for op in group if op.consume)}/{len(group)}"
+        if kinds:
+            enq = sum(1 for op in group if op.kind == OpKind.ENQUEUE)
+            text += f" enq={enq} deq={len(group) - enq}"
+        parts.append(text)
+    return " ".join(parts)
+
+
+def runs(values: Iterable[int]) -> str:
+    """``3..7,9,12..13``: consecutive values as runs; past :data:`MAX_RUNS`
+    runs, ``+N`` counts the values left out."""
+    spans: list[list[int]] = []  # [first, last]
+    for v in values:
+        if spans and v == spans[-1][1] + 1:
+            spans[-1][1] = v
+        else:
+            spans.append([v, v])
+    shown = ",".join(f"{a}" if a == b else f"{a}..{b}" for a, b in spans[:MAX_RUNS])
+    left = sum(b - a + 1 for a, b in spans[MAX_RUNS:])
+    return shown + (f",+{left}" if left else "")
+
+
+def decided(
+    why: str, queue: str, owner: int | None, committed: list[Op], rolled_back: list[Op]
+) -> None:
+    """A recovery decision: ``queue``'s slots that ``owner`` held (None:
+    whoever holds them), committed and rolled back, decided from their rows
+    (call only if :data:`log` is enabled for DEBUG)."""
+    log.debug(
+        "decide why=%s queue=%s owner=%s committed=%d slots=%s seqs=%s rolled_back=%d "
+        "slots=%s seqs=%s",
+        why, queue, owner, len(committed), runs(op.slot for op in committed),
+        runs(op.seq for op in committed), len(rolled_back),
+        runs(op.slot for op in rolled_back), runs(op.seq for op in rolled_back),
+    )
