@@ -106,16 +106,13 @@ class Session:
         connect_timeout: float = 10.0,
         application_name: str = "ringq",
     ) -> None:
-        self._closed = False
         self._open(dsn, producer or _new_producer(), connect_timeout, application_name,
                    L.CR_CLIENT)  # C_ROLE of our client entry (a worker sets CR_WORKER)
 
-    def _open(
-        self, dsn: str, producer: str, connect_timeout: float, appname: str, role: int
-    ) -> None:
+    def _open(self, dsn: str, producer: str, timeout: float, appname: str, role: int) -> None:
         """Connect, take a client entry, and make the objects the session delegates to."""
-        self._pid = os.getpid()
-        self._link = Link(dsn, producer=producer, connect_timeout=connect_timeout,
+        self._pid, self._closed = os.getpid(), False
+        self._link = Link(dsn, producer=producer, connect_timeout=timeout,
                           application_name=appname, role=role)
         self._txn = Transaction(self._link)
         self._claims = Claims(self._link)
