@@ -41,7 +41,7 @@ class KindCounts:
 
     def __init__(self) -> None:
         self._prev: dict[Key, dict[str, int]] = {}
-        self._prev_kinds: set[str] = set()
+        self._known: set[str] = set()  # every kind seen since restart: a row each sample
         self._prev_wall_ns = 0
         self._prev_mono_ns = 0
         self.restart()
@@ -51,7 +51,7 @@ class KindCounts:
         one): the next sample counts the clients that register from now on
         whole, and those already attached from that sample on."""
         self._prev = {}
-        self._prev_kinds = set()
+        self._known = set()
         self._prev_wall_ns, self._prev_mono_ns = time.time_ns(), time.monotonic_ns()
 
     def sample(
@@ -80,11 +80,10 @@ class KindCounts:
             busy = max(0, c.stats[M.BUSY_NS] - (before[M.BUSY_NS] if before else 0))
             row[M.BUSY_S] += busy / 1e9
         self._prev, self._prev_wall_ns, self._prev_mono_ns = cur, wall_ns, mono_ns
-        seen = set(kinds)
-        gone, self._prev_kinds = self._prev_kinds - seen, seen
+        self._known.update(kinds)
         if mono_ns <= prev_mono_ns:
             return []
-        for kind in gone:  # its last clients exited: a row of 0, not a gap
+        for kind in self._known - set(kinds):  # no client of it now: a row of 0, not a gap
             kinds[kind] = _zero()
         dt = (mono_ns - prev_mono_ns) / 1e9
         out: list[dict[str, float | str]] = []

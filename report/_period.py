@@ -154,10 +154,10 @@ def _clients(page: Page, kinds: dict[str, np.ndarray], records: list[dict[str, A
         for i, (kind, r) in enumerate(sorted(kinds.items()), 1):
             say(f"drawing client kind {kind} ({i}/{len(kinds)}, {len(r):,} samples)")
             kind_charts(page, kind, r, mk)
-        t_c = [thin(r[:, 0], [r[:, KCOL[KIND_CLIENTS]]], [M.MAX]) for r in kinds.values()]
+        t_c = [thin(*_gaps(r, [r[:, KCOL[KIND_CLIENTS]]]), [M.MAX]) for r in kinds.values()]
         page.chart("kinds-clients", TimeChart(
             "clients attached, by kind", "clients",
-            [Line(k, t, c[0]) for k, (t, c) in zip(kinds, t_c, strict=True)], mk,
+            [Line(k, t, c[0]) for k, (t, c) in zip(kinds, t_c, strict=True)], mk, steps=True,
         ), "sessions in the section's client table at each sample")
     page.heading("Client errors, deaths and expired leases", 3)
     counts = E.client_counts(records)
@@ -200,12 +200,24 @@ def kind_charts(page: Page, kind: str, r: np.ndarray, marks: list[Mark] | None =
     if any(r[:, KCOL[k]].any() for k, _label, _style in WORK):
         groups.append(("work", "messages handled per second", WORK))
     for slug, what, series in groups:
-        t, cols = thin(r[:, 0], [per_s[k] for k, _l, _s in series], [M.MEAN] * len(series))
+        t, cols = thin(*_gaps(r, [per_s[k] for k, _l, _s in series]), [M.MEAN] * len(series))
         page.chart(f"kind-{kind}-{slug}", TimeChart(
             f"{kind}: {what}", "per second",
             [Line(label, t, c, style)
-             for (_k, label, style), c in zip(series, cols, strict=True)], mk,
-        ), f"all clients of kind {kind}, every queue")
+             for (_k, label, style), c in zip(series, cols, strict=True)], mk, steps=True,
+        ), f"each step: over one sample interval; all clients of kind {kind}, every queue")
+
+
+def _gaps(r: np.ndarray, ys: list[np.ndarray]) -> tuple[np.ndarray, list[np.ndarray]]:
+    """Times and ``ys`` of kind rows with a NaN point where no row covers a stretch
+    (the monitor was down): a step line would otherwise draw the row after the
+    stretch across it."""
+    t, dt = r[:, 0], r[:, KCOL[INTERVAL_S]]
+    start = t - dt  # each row's counts cover (start, t]
+    gap = np.flatnonzero(start[1:] > t[:-1] + np.maximum(dt[1:], 1.0)) + 1
+    if not len(gap):
+        return t, ys
+    return np.insert(t, gap, start[gap]), [np.insert(y, gap, np.nan) for y in ys]
 
 
 def _event_list(page: Page, evs: list[E.Event]) -> None:

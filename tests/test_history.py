@@ -235,7 +235,11 @@ def test_history_kinds_counts_survive_clients_exiting(
             wait_for(lambda: clients()[:, col[M.ENQUEUED]].sum() >= want,  # noqa: B023
                      what="the client's calls counted")
         wait_for(lambda: clients()[-1, col["clients"]] == 0, what="the client gone")
+    n = len(clients())
+    # a kind with no client left keeps a row of 0 per sample: no gap in its line
+    wait_for(lambda: len(clients()) >= n + 2, what="two more samples")
     rows = kind_rows(data_dir, t0, time.time() + 1)["client"]
+    assert (rows[n - 1:, col["clients"]] == 0).all() and (rows[n - 1:, 3:] == 0).all()
     assert rows[:, col[M.ENQUEUED]].sum() == 8 and rows[:, col[M.COMMITS]].sum() == 8
     assert (rows[:, 1:] >= 0).all()  # no count ran backwards when a client left
     assert set(rows[:, col["clients"]]) >= {0, 1}
