@@ -18,8 +18,9 @@ HTTP (``monitor/API.md``).
 :func:`run_daemon` is the body of ``ringq monitor`` (signals, pidfile,
 ``--detach``, SIGHUP reload of a config file); :func:`pump_inbox` and
 :func:`prune_keys` are two of the monitor's steps, callable on their own;
-:func:`t4_rows`, :func:`t4_queues` and :func:`journal_records` read its files
-back without a monitor (``ringq report``).
+:func:`t4_rows`, :func:`t4_queues`, :func:`kind_rows` (per client kind, columns
+:data:`KIND_KEYS`), :func:`client_kinds` and :func:`journal_records` read its
+files back without a monitor (``ringq report``).
 """
 
 from ._config import (
@@ -35,7 +36,14 @@ from ._errors import MonitorError, MonitorRunning
 from ._events import Event, Subscription, subscribe
 from ._inbox import pump_inbox
 from ._keys import prune_keys
-from ._readback import journal_records, t4_queues, t4_rows
+from ._readback import (
+    KIND_KEYS,
+    client_kinds,
+    journal_records,
+    kind_rows,
+    t4_queues,
+    t4_rows,
+)
 from ._service import Monitor
 from ._statefile import STATE_FILE
 
@@ -45,6 +53,7 @@ __all__ = [
     "DEFAULT_KEY_RETENTION",
     "DEFAULT_PORT",
     "DEFAULT_PREPARED_TIMEOUT",
+    "KIND_KEYS",
     "RELOADABLE",
     "STATE_FILE",
     "Event",
@@ -53,7 +62,9 @@ __all__ = [
     "MonitorError",
     "MonitorRunning",
     "Subscription",
+    "client_kinds",
     "journal_records",
+    "kind_rows",
     "prune_keys",
     "pump_inbox",
     "read_config",

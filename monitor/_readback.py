@@ -7,6 +7,8 @@ private modules and the file formats stay known in one package.
 
 - :func:`t4_rows`: every queue's samples of a period, one array per queue,
   columns as :data:`ringq.engine.metrics.SAMPLE_KEYS` (``t`` first);
+- :func:`kind_rows`: per client kind (``client``, ``worker``), what its clients
+  did over each sample interval, columns as :data:`KIND_KEYS` (``t`` first);
 - :func:`journal_records`: the records of ``monitor.log`` (and of the files
   logrotate moved aside, ``monitor.log.1`` …, not compressed ones) in a period.
 """
@@ -22,22 +24,28 @@ from typing import Any
 
 import numpy as np
 
-from . import _sample as S
+from . import _kinds as K
 from ._journal import LOG_NAME
-from ._t4 import HEADER, T4Reader, day_of
+from ._t4 import KINDS, QUEUES, Format, T4Reader, day_of
 
 _MAX_T = 253_402_300_799.0  # the last second a date holds (9999-12-31)
+
+# The columns of a :func:`kind_rows` array, in order: ``t`` (unix seconds, the
+# sample's time), ``clients`` (of the kind attached then), ``interval_s`` (the
+# seconds since the previous sample), then what the kind's clients did over
+# that interval: ``enqueued`` and ``dequeued`` calls, ``commits``,
+# ``rollbacks``, ``errors``, the workers' ``handled``, ``declined``,
+# ``failed``, ``timeouts``, ``aborted``, ``poisoned``, ``in_doubt``, and
+# ``busy_s`` (seconds spent handling). A count divided by ``interval_s`` is a
+# rate. Counts are sums of per-client deltas: a client's exit never makes
+# them run backwards; its calls after the last sample before its exit are
+# not counted.
+KIND_KEYS: tuple[str, ...] = tuple(K.NUMERIC_KEYS)
 
 
 def t4_queues(data_dir: Path, t0: float, t1: float) -> list[str]:
     """The names of the queues the T4 files of the days of ``t0 < t <= t1`` hold, sorted."""
-    if not t1 > t0:
-        return []
-    reader = T4Reader(data_dir)
-    names: set[str] = set()
-    for path in reader.files(day_of(max(t0, 0.0)), day_of(min(t1, _MAX_T))):
-        names.update(_names_in(path))
-    return sorted(names)
+    return _series(data_dir, t0, t1, QUEUES)
 
 
 def t4_rows(
@@ -45,10 +53,40 @@ def t4_rows(
 ) -> dict[str, np.ndarray]:
     """Samples with ``t0 < t <= t1`` of ``queues`` (default: every queue of those
     days), by queue, oldest first; a queue without a sample in the period is left out."""
-    reader = T4Reader(data_dir)
-    wanted = list(queues) if queues is not None else t4_queues(data_dir, t0, t1)
+    return _rows(data_dir, t0, t1, queues, QUEUES)
+
+
+def client_kinds(data_dir: Path, t0: float, t1: float) -> list[str]:
+    """The client kinds the kinds' T4 files of the days of ``t0 < t <= t1`` hold, sorted."""
+    return _series(data_dir, t0, t1, KINDS)
+
+
+def kind_rows(
+    data_dir: Path, t0: float, t1: float, kinds: Iterable[str] | None = None
+) -> dict[str, np.ndarray]:
+    """Rows with ``t0 < t <= t1`` of client ``kinds`` (default: every kind of
+    those days), by kind, oldest first, columns as :data:`KIND_KEYS`; a kind
+    without a row in the period is left out. Monitors before this file: none."""
+    return _rows(data_dir, t0, t1, kinds, KINDS)
+
+
+def _series(data_dir: Path, t0: float, t1: float, fmt: Format) -> list[str]:
+    if not t1 > t0:
+        return []
+    reader = T4Reader(data_dir, fmt=fmt)
+    names: set[str] = set()
+    for path in reader.files(day_of(max(t0, 0.0)), day_of(min(t1, _MAX_T))):
+        names.update(_names_in(path, fmt))
+    return sorted(names)
+
+
+def _rows(
+    data_dir: Path, t0: float, t1: float, wanted: Iterable[str] | None, fmt: Format
+) -> dict[str, np.ndarray]:
+    reader = T4Reader(data_dir, fmt=fmt)
+    names = list(wanted) if wanted is not None else _series(data_dir, t0, t1, fmt)
     out: dict[str, np.ndarray] = {}
-    for name in wanted:
+    for name in names:
         rows = reader.read(name, t0, t1)
         if len(rows):
             out[name] = rows
@@ -87,7 +125,7 @@ def _rotation(path: Path) -> int:
     return int(tail) if tail.isdigit() else 0
 
 
-def _names_in(path: Path) -> set[str]:
+def _names_in(path: Path, fmt: Format) -> set[str]:
     names: set[str] = set()
     try:
         f = open(path, encoding="utf-8", errors="replace", newline="")  # noqa: SIM115
@@ -95,17 +133,17 @@ def _names_in(path: Path) -> set[str]:
         return names
     with f:
         header = f.readline().rstrip("\r\n")
-        if header == HEADER:
-            at = HEADER.split(",").index(S.NAME)
+        if header == fmt.header:
+            at = fmt.columns.index(fmt.key)
             for line in f:
                 parts = line.split(",", at + 1)
                 if len(parts) > at + 1 and parts[at]:
                     names.add(parts[at])
         else:  # a file of another version: its own columns
             cols = next(csv.reader([header]), [])
-            if S.NAME not in cols:
+            if fmt.key not in cols:
                 return names
-            at = cols.index(S.NAME)
+            at = cols.index(fmt.key)
             for row in csv.reader(f):
                 if len(row) > at and row[at]:
                     names.add(row[at])

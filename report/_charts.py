@@ -53,6 +53,9 @@ class TimeChart:
     time_axis: bool = True  # False: x is plain numbers (seconds since a start)
     xlabel: str = ""
     hline: tuple[str, float] | None = None  # (label, y): a limit, as capacity
+    # True: each y holds over the interval that ends at its x (a count per sample
+    # interval), drawn as a step, not a slope between two instants
+    steps: bool = False
 
 
 @dataclass
@@ -98,7 +101,8 @@ def _time_chart(ax: Any, chart: TimeChart) -> None:
         lo, hi = min(lo, float(x[0])), max(hi, float(x[-1]))
         if not np.isfinite(y).any():
             continue
-        ax.plot(_xs(x, chart.time_axis), y, line.style, label=line.label, linewidth=1.2)
+        ax.plot(_xs(x, chart.time_axis), y, line.style, label=line.label, linewidth=1.2,
+                drawstyle="steps-pre" if chart.steps else "default")
         drawn = True
     if chart.hline is not None:
         ax.axhline(chart.hline[1], color="grey", linestyle=":", linewidth=1, label=chart.hline[0])

@@ -3,8 +3,10 @@
 Read from the monitor's data directory alone (T4 day files, ``monitor.log``):
 no monitor, no database. Per queue: depth, enqueue and dequeue rates, latency
 percentiles, full and empty time, deliveries (retries) and poison, with the
-marked events on the time axis; per client kind the counts the log holds;
-the events listed.
+marked events on the time axis; per client kind (the section's client roles:
+``client``, ``worker``) its clients' calls, commits, rollbacks and errors per
+second (the monitor's kinds T4 file) and the errors, deaths and expired leases
+the log holds; the events listed.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from typing import Any
 
 import numpy as np
 from ringq.engine import metrics as M
-from ringq.monitor import journal_records, t4_rows
+from ringq.monitor import KIND_KEYS, journal_records, kind_rows, t4_rows
 
 from . import _events as E
 from ._charts import BarChart, Line, Mark, TimeChart, thin
@@ -23,6 +25,15 @@ from ._errors import NoData
 from ._page import Page, utc
 
 COL = {k: i for i, k in enumerate(M.SAMPLE_KEYS)}
+KCOL = {k: i for i, k in enumerate(KIND_KEYS)}
+KIND_CLIENTS = "clients"  # the KIND_KEYS column of the clients attached at a sample
+INTERVAL_S = "interval_s"  # the KIND_KEYS column of the seconds a row's counts cover
+# per kind, the counts drawn as rates: (column, legend, line style)
+Series = tuple[tuple[str, str, str], ...]
+CALLS: Series = ((M.ENQUEUED, "enqueue calls", "-"), (M.DEQUEUED, "dequeues", "--"),
+         (M.COMMITS, "commits", "-"), (M.ROLLBACKS, "rollbacks", ":"), (M.ERRORS, "errors", "-."))
+WORK: Series = ((M.HANDLED, "messages handled", "-"), (M.FAILED, "failed", "--"),
+        (M.TIMEOUTS, "timed out", ":"), (M.ABORTED, "aborted", "-."))
 Progress = Callable[[str], None]
 
 
@@ -44,10 +55,11 @@ def period_page(
     say = progress or (lambda _msg: None)
     say(f"reading the T4 files in {data_dir}")
     rows = t4_rows(data_dir, t0, t1, queues)
+    kinds = kind_rows(data_dir, t0, t1)
     say(f"reading {data_dir / 'monitor.log'}")
     records = journal_records(data_dir, t0, t1)
     evs = E.events(records, set(queues) if queues else None)
-    if not rows and (queues or not evs):  # the queues asked for: their samples
+    if not rows and (queues or not (evs or kinds)):  # the queues asked for: their samples
         what = f"queue {', '.join(queues)}" if queues else "any queue"
         raise NoData(
             f"no data for {what} from {utc(t0)} to {utc(t1)} UTC in {data_dir} "
@@ -66,7 +78,7 @@ def period_page(
     for i, (name, r) in enumerate(sorted(rows.items()), 1):
         say(f"drawing queue {name} ({i}/{len(rows)}, {len(r):,} samples)")
         queue_charts(page, name, r, E.marks(evs, name))
-    _clients(page, records)
+    _clients(page, kinds, records, E.marks(evs), say)
     _event_list(page, evs)
     say(f"writing the page into {out_dir}")
     return page.write(out_dir, stem)
@@ -131,8 +143,23 @@ def queue_charts(page: Page, name: str, r: np.ndarray, marks: list[Mark] | None 
     ))
 
 
-def _clients(page: Page, records: list[dict[str, Any]]) -> None:
+def _clients(page: Page, kinds: dict[str, np.ndarray], records: list[dict[str, Any]],
+             mk: list[Mark], say: Progress) -> None:
     page.heading("Clients, by kind")
+    if not kinds:
+        page.paragraph("The monitor's kinds T4 files hold no client counts in this period "
+                       "(no client attached, or a monitor older than those files).", "note")
+    else:
+        _kind_totals(page, kinds)
+        for i, (kind, r) in enumerate(sorted(kinds.items()), 1):
+            say(f"drawing client kind {kind} ({i}/{len(kinds)}, {len(r):,} samples)")
+            kind_charts(page, kind, r, mk)
+        t_c = [thin(*_gaps(r, [r[:, KCOL[KIND_CLIENTS]]]), [M.MAX]) for r in kinds.values()]
+        page.chart("kinds-clients", TimeChart(
+            "clients attached, by kind", "clients",
+            [Line(k, t, c[0]) for k, (t, c) in zip(kinds, t_c, strict=True)], mk, steps=True,
+        ), "sessions in the section's client table at each sample")
+    page.heading("Client errors, deaths and expired leases", 3)
     counts = E.client_counts(records)
     if not counts:
         page.paragraph("The monitor's log holds no client error, recovery or expired lease "
@@ -145,6 +172,52 @@ def _clients(page: Page, records: list[dict[str, Any]]) -> None:
         "client events by kind", "count", what, {r: [float(counts[r][k]) for k in what]
                                                  for r in roles},
     ))
+
+
+def _kind_totals(page: Page, kinds: dict[str, np.ndarray]) -> None:
+    shown = [k for k, _label, _style in CALLS + WORK]
+    page.table(
+        ["client kind", "samples", "max clients", *shown],
+        [[kind, len(r), int(r[:, KCOL[KIND_CLIENTS]].max()),
+          *(int(r[:, KCOL[k]].sum()) for k in shown)] for kind, r in sorted(kinds.items())],
+    )
+    page.paragraph(
+        "Counted over the period from each client's counters between two samples of the "
+        "monitor (a client's exit never makes a count run backwards); what a client did after "
+        "the last sample before it exited is not counted.", "note")
+
+
+def kind_charts(page: Page, kind: str, r: np.ndarray, marks: list[Mark] | None = None) -> None:
+    """The charts of one client kind's rows (columns as ``ringq.monitor.KIND_KEYS``):
+    its clients' calls per second and, for a kind that handled messages (workers), those."""
+    dt = r[:, KCOL[INTERVAL_S]]
+    per_s = {k: np.divide(r[:, KCOL[k]], dt, out=np.full(len(r), np.nan), where=dt > 0)
+             for k, _label, _style in CALLS + WORK}
+    mk = marks or []
+    page.heading(f"Client kind {kind}", 3)
+    groups: list[tuple[str, str, Series]] = [
+        ("calls", "calls, commits, rollbacks and errors per second", CALLS)]
+    if any(r[:, KCOL[k]].any() for k, _label, _style in WORK):
+        groups.append(("work", "messages handled per second", WORK))
+    for slug, what, series in groups:
+        t, cols = thin(*_gaps(r, [per_s[k] for k, _l, _s in series]), [M.MEAN] * len(series))
+        page.chart(f"kind-{kind}-{slug}", TimeChart(
+            f"{kind}: {what}", "per second",
+            [Line(label, t, c, style)
+             for (_k, label, style), c in zip(series, cols, strict=True)], mk, steps=True,
+        ), f"each step: over one sample interval; all clients of kind {kind}, every queue")
+
+
+def _gaps(r: np.ndarray, ys: list[np.ndarray]) -> tuple[np.ndarray, list[np.ndarray]]:
+    """Times and ``ys`` of kind rows with a NaN point where no row covers a stretch
+    (the monitor was down): a step line would otherwise draw the row after the
+    stretch across it."""
+    t, dt = r[:, 0], r[:, KCOL[INTERVAL_S]]
+    start = t - dt  # each row's counts cover (start, t]
+    gap = np.flatnonzero(start[1:] > t[:-1] + np.maximum(dt[1:], 1.0)) + 1
+    if not len(gap):
+        return t, ys
+    return np.insert(t, gap, start[gap]), [np.insert(y, gap, np.nan) for y in ys]
 
 
 def _event_list(page: Page, evs: list[E.Event]) -> None:

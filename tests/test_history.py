@@ -17,10 +17,12 @@ from typing import Any
 import numpy as np
 import pytest
 from conftest import wait_for
+from ringq.engine import connect
 from ringq.engine import metrics as M
+from ringq.monitor import KIND_KEYS, client_kinds, kind_rows, t4_queues, t4_rows
 from ringq.monitor import _sample as S
 from ringq.monitor._history import BUCKET, HistoryReader, downsample
-from ringq.monitor._t4 import HEADER, T4Reader, T4Writer, file_for
+from ringq.monitor._t4 import HEADER, KINDS, T4Reader, T4Writer, file_for
 from ringq.rtv import _metrics as K
 
 # The monitor test module's helpers and fixtures (monitor, make_queue).
@@ -162,6 +164,86 @@ def test_history_memory_and_files_join_without_duplicates(tmp_path: Path) -> Non
     thinned = h.query("q", now - 4 * 3600, max_points=50, now=now)
     assert thinned is not None and len(thinned.points) <= 50 and thinned.points[-1][S.T] == live[-1]
     assert h.query("other", 0, now=now) is None
+
+
+# -- the client kinds' file ------------------------------------------------------------------
+
+
+def kind_row(kind: str, t: float, **counts: float) -> dict[str, float | str]:
+    row: dict[str, float | str] = {"role": kind, **{k: 0 for k in KIND_KEYS}}
+    row.update(counts)
+    row["t"] = round(t, 3)
+    return row
+
+
+def test_history_kinds_file_lives_beside_the_queues_and_reads_back_by_kind(
+    tmp_path: Path,
+) -> None:
+    day = datetime(2030, 5, 1, 12, tzinfo=UTC).timestamp()
+    old = datetime(2030, 4, 1, 12, tzinfo=UTC).timestamp()
+    write_rows(tmp_path, "q", [day, day + 1])
+    kinds = T4Writer(tmp_path, keep_days=3, fmt=KINDS)
+    try:
+        kinds.write([kind_row("client", old, enqueued=9)])  # a month old: pruned below
+        kinds.write([kind_row("client", day, clients=2, interval_s=0.5, enqueued=7),
+                     kind_row("worker", day, clients=1, interval_s=0.5, handled=3)])
+        kinds.write([kind_row("client", day + 1, clients=1, interval_s=1, enqueued=1)])
+        path = kinds.path
+    finally:
+        kinds.close()
+    assert path == tmp_path / "t4-kinds-2030-05-01.csv"
+    lines = path.read_text().splitlines()
+    assert lines[0] == "time,t,role," + ",".join(KIND_KEYS[1:]) and len(lines) == 4
+    # each format prunes its own files only: the queues' file of the day stays
+    assert not (tmp_path / "t4-kinds-2030-04-01.csv").exists()
+    assert file_for(tmp_path, datetime(2030, 5, 1).date()).is_file()
+    t0, t1 = day - 3600, day + 3600
+    assert client_kinds(tmp_path, t0, t1) == ["client", "worker"]
+    assert t4_queues(tmp_path, t0, t1) == ["q"]  # the kinds are not queues
+    assert list(t4_rows(tmp_path, t0, t1)) == ["q"]
+    got = kind_rows(tmp_path, t0, t1)
+    col = {k: i for i, k in enumerate(KIND_KEYS)}
+    client, worker = got["client"], got["worker"]
+    assert client.shape == (2, len(KIND_KEYS)) and worker.shape == (1, len(KIND_KEYS))
+    assert list(client[:, col["t"]]) == [day, day + 1]
+    assert list(client[:, col[M.ENQUEUED]]) == [7, 1] and list(client[:, col["clients"]]) == [2, 1]
+    assert worker[0, col[M.HANDLED]] == 3 and worker[0, col["interval_s"]] == 0.5
+    assert list(kind_rows(tmp_path, t0, t1, ["worker", "mover"])) == ["worker"]
+    assert kind_rows(tmp_path, day + 1, t1) == {}
+
+
+def test_history_kinds_counts_survive_clients_exiting(
+    dsn: str, make_queue: Any, monitor: Any, tmp_path: Path  # noqa: F811 (the fixtures imported above)
+) -> None:
+    """A monitor's kind rows count each client's calls once, exactly, though the
+    clients exit: sums of per-client deltas, never a total that drops when one leaves."""
+    q = make_queue()
+    data_dir = tmp_path / "monitor"
+    t0 = time.time()
+    monitor(data_dir=data_dir)
+    col = {k: i for i, k in enumerate(KIND_KEYS)}
+
+    def clients() -> np.ndarray:
+        return kind_rows(data_dir, t0, time.time() + 1).get("client", np.empty((0, len(col))))
+
+    for n in (5, 3):  # two clients, one after the other, each closed once counted
+        want = clients()[:, col[M.ENQUEUED]].sum() + n
+        with connect(dsn) as s:
+            for i in range(n):
+                s.enqueue(q, b"k%d" % i)
+                s.commit()
+            wait_for(lambda: clients()[:, col[M.ENQUEUED]].sum() >= want,  # noqa: B023
+                     what="the client's calls counted")
+        wait_for(lambda: clients()[-1, col["clients"]] == 0, what="the client gone")
+    n = len(clients())
+    # a kind with no client left keeps a row of 0 per sample: no gap in its line
+    wait_for(lambda: len(clients()) >= n + 2, what="two more samples")
+    rows = kind_rows(data_dir, t0, time.time() + 1)["client"]
+    assert (rows[n - 1:, col["clients"]] == 0).all() and (rows[n - 1:, 3:] == 0).all()
+    assert rows[:, col[M.ENQUEUED]].sum() == 8 and rows[:, col[M.COMMITS]].sum() == 8
+    assert (rows[:, 1:] >= 0).all()  # no count ran backwards when a client left
+    assert set(rows[:, col["clients"]]) >= {0, 1}
+    assert (rows[:, col["interval_s"]] > 0).all()
 
 
 # -- through HTTP, with real monitors ------------------------------------------------------------

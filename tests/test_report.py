@@ -22,14 +22,18 @@ from html.parser import HTMLParser
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 from conftest import MonitorProcess, cli, drain, fresh_database, queue_in, wait_for
 from ringq.engine import connect, exits
-from ringq.monitor import journal_records, t4_rows
+from ringq.engine import metrics as M
+from ringq.monitor import KIND_KEYS, journal_records, kind_rows, t4_rows
 from ringq.regression import RegressConfig, RunOutcome, Verifier, run
+from ringq.worker import Actions, Worker, WorkerConfig
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 PER_QUEUE = ("depth", "rates", "latency", "full-empty", "deliveries")
+KCOL = {k: i for i, k in enumerate(KIND_KEYS)}
 
 HOLDER = r"""
 import sys, time
@@ -42,19 +46,22 @@ time.sleep(120)
 
 
 class _Page(HTMLParser):
-    """The images, headings and text of a page."""
+    """The images, headings, table rows and text of a page."""
 
     def __init__(self, text: str) -> None:
         super().__init__()
         self.images: list[dict[str, str]] = []
         self.text: list[str] = []
         self.headings: list[str] = []
+        self.rows: list[list[str]] = []  # every table row's cells, of every table
         self._in: str | None = None
         self.feed(text)
 
     def handle_starttag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
         if tag == "img":
             self.images.append({k: v or "" for k, v in attrs})
+        if tag == "tr":
+            self.rows.append([])
         self._in = tag
 
     def handle_endtag(self, tag: str) -> None:
@@ -64,6 +71,20 @@ class _Page(HTMLParser):
         self.text.append(data)
         if self._in in ("h1", "h2", "h3"):
             self.headings.append(data)
+        if self._in in ("td", "th") and self.rows:
+            self.rows[-1].append(data)
+
+    def table(self, first_header: str) -> list[dict[str, str]]:
+        """The rows of the table whose header row starts with ``first_header``, as dicts."""
+        for i, row in enumerate(self.rows):
+            if row and row[0] == first_header:
+                body = []
+                for r in self.rows[i + 1:]:
+                    if len(r) != len(row):
+                        break
+                    body.append(dict(zip(row, r, strict=True)))
+                return body
+        raise AssertionError(f"no table headed {first_header!r}")
 
     @property
     def all_text(self) -> str:
@@ -145,20 +166,36 @@ def iso(t: float) -> str:
 
 @pytest.fixture
 def recorded(dsn: str, tmp_path: Path) -> Iterator[tuple[Path, list[str], float, float]]:
-    """Two queues with traffic sampled by a real monitor process, a consumer killed
-    holding an entry of the first (recovered: an event); the monitor stopped after."""
+    """Two queues with traffic sampled by a real monitor process: a client enqueues
+    into both, a worker handles the second's messages (two client kinds, each
+    attached until the monitor counted its calls), a consumer is killed holding an
+    entry of the first (recovered: an event); the monitor stopped after."""
     queues = [queue_in(dsn, 64), queue_in(dsn, 64)]
     data = tmp_path / "monitor"
     t0 = time.time()
     mon = MonitorProcess(dsn, data)
+
+    def counted(kind: str, key: str) -> float:
+        rows = kind_rows(data, t0, time.time() + 1).get(kind, np.empty((0, len(KCOL))))
+        return float(rows[:, KCOL[key]].sum())
+
     try:
         with connect(dsn) as s:
             for i in range(40):
                 for q in queues:
                     s.enqueue(q, b"x%d" % i)
                 s.commit()
-        for q in queues:
-            assert len(drain(dsn, q)) == 40
+            wait_for(lambda: counted("client", M.COMMITS) >= 40, what="the client counted")
+        # Each call counted once: the client's, and no other client's yet.
+        assert counted("client", M.ENQUEUED) == 80 and counted("client", M.COMMITS) == 40
+        app = Actions()
+        app.add(queues[1], lambda msg, session: None)
+        with Worker(app, dsn, config=WorkerConfig(idle_wait=0.1)) as w:
+            w.open()
+            assert w.run(max_messages=40) == 40
+            wait_for(lambda: counted("worker", M.HANDLED) >= 40, what="the worker counted")
+        assert counted("worker", M.HANDLED) == 40 and counted("worker", M.DEQUEUED) == 40
+        assert len(drain(dsn, queues[0])) == 40
         with connect(dsn) as s:
             s.enqueue(queues[0], b"held")
             s.commit()
@@ -198,6 +235,19 @@ def test_a_period_renders_every_queue_chart_and_event_without_a_monitor(
         assert f"Queue {q}" in page.headings
         assert {f"{q}-{chart}" for chart in PER_QUEUE} <= names, names
     assert "clients" in names  # per client kind: the recovered consumer
+    # Per client kind its counts over time, from the monitor's kinds file.
+    assert {"kind-client-calls", "kind-worker-calls", "kind-worker-work",
+            "kinds-clients"} <= names, names
+    assert "kind-client-work" not in names  # a plain client handles no messages
+    assert {"Client kind client", "Client kind worker"} <= set(page.headings)
+    totals = {r["client kind"]: r for r in page.table("client kind")}
+    assert set(totals) == {"client", "worker"}, totals
+    # the "held" entry's session closes within milliseconds: counted only if a sample
+    # fell while it was attached (a client's calls after the last sample are not counted)
+    assert int(totals["client"][M.ENQUEUED].replace(",", "")) in (80, 81)
+    assert int(totals["client"][M.COMMITS].replace(",", "")) >= 40
+    assert totals["worker"][M.HANDLED] == "40" and totals["worker"][M.DEQUEUED] == "40"
+    assert int(totals["worker"]["max clients"]) == 1
     assert len(list((out / "report_png").glob("*.png"))) == len(page.images)
     text = page.all_text
     assert "client died (consumer.died)" in text and queues[0] in text
