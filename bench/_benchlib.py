@@ -40,7 +40,6 @@ from typing import Any
 
 import psycopg
 from psycopg import sql
-from ringq.cluster import Cluster
 from ringq.engine import Section
 from ringq.scripting import drop_queue
 
@@ -74,6 +73,8 @@ def database(
         yield dsn, None
         return
     home = home or tempfile.mkdtemp(prefix=prefix)
+    from ringq.cluster import Cluster  # here: --dsn runs need no cluster (nor its ringq version)
+
     cluster = Cluster(home)
     try:
         print(f"starting an embedded PostgreSQL under {home} ...", file=sys.stderr, flush=True)
