@@ -120,6 +120,8 @@ def finish_batch(
                 exclusive and bool(was_owner) and not Q[b + L.Q_DEQ_OWNER]
             )
             _record_latencies(ring, OpKind.DEQUEUE, deq)
+            if committed:
+                _record_waits(ring, deq)
     if n_poisoned:
         Q[b + L.Q_N_POISONED] += n_poisoned
     return _after_finish(ring, n_ready, n_space)
@@ -189,6 +191,8 @@ def finish_one(
         )
         if consumed and not committed:
             Q[b + L.Q_N_POISONED] += 1
+        elif committed and op.enq_us:
+            ring.record_wait(time.time_ns() // 1000 - op.enq_us)
         hist, total = L.Q_DEQ_HIST, L.Q_DEQ_LAT_NS
     ns = op.latency_ns
     if ns > 0:  # as Ring.record_latency
@@ -213,6 +217,7 @@ def _finish_each(
     cost less than numpy's per-call overhead."""
     Q, b = ring.Q, ring.qb
     n_ready = n_space = 0
+    now_us = time.time_ns() // 1000 if committed else 0  # the commit, as the waits end
     for op in ops:
         if not ring.held_by(op.slot, owner):
             continue  # already decided by recovery (never finish a slot twice)
@@ -238,6 +243,8 @@ def _finish_each(
             )
             if consumed and not committed:
                 Q[b + L.Q_N_POISONED] += 1
+            elif committed and op.enq_us:
+                ring.record_wait(now_us - op.enq_us)
         ring.record_latency(op.kind, op.latency_ns)
     return _after_finish(ring, n_ready, n_space)
 
@@ -259,6 +266,23 @@ def _record_latencies(ring: Ring, kind: OpKind, ops: list[Op]) -> None:
     # a batch's ops share one latency: one histogram update per distinct value
     for ns, n in Counter(op.latency_ns for op in ops).items():
         ring.record_latency(kind, ns, n)
+
+
+def _record_waits(ring: Ring, ops: list[Op]) -> None:
+    """The waits of committed dequeues ``ops`` (enqueue to now, the commit),
+    into the wait histogram in one pass: buckets as :meth:`Ring.record_wait`'s
+    (``frexp``'s exponent of a positive integer is its bit length)."""
+    enq = np.fromiter((op.enq_us for op in ops), dtype=np.int64, count=len(ops))
+    enq = enq[enq > 0]  # 0: enqueue time unknown
+    if not enq.size:
+        return
+    us = np.maximum(time.time_ns() // 1000 - enq, 0)
+    buckets = np.minimum(np.frexp(us.astype(np.float64))[1], L.HIST_BUCKETS - 1)
+    counts = np.bincount(buckets, minlength=L.HIST_BUCKETS)
+    Q, w = ring.Q, ring.qb + L.Q_WAIT_HIST
+    for bucket in np.flatnonzero(counts).tolist():
+        Q[w + bucket] += int(counts[bucket])
+    Q[ring.qb + L.Q_WAIT_US] += int(us.sum())
 
 
 def _wake_count(ring: Ring, n_ready: int) -> int:
