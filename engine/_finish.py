@@ -29,6 +29,8 @@ if TYPE_CHECKING:
 _U64 = (1 << 64) - 1
 
 VECTOR_FROM = 8  # ops from which a finish works on arrays (below, numpy's call cost dominates)
+# distinct enqueue times from which a batch's waits are bucketed by numpy (see _record_waits)
+WAIT_VECTOR_FROM = 24
 
 
 def finish_batch(
@@ -269,20 +271,26 @@ def _record_latencies(ring: Ring, kind: OpKind, ops: list[Op]) -> None:
 
 
 def _record_waits(ring: Ring, ops: list[Op]) -> None:
-    """The waits of committed dequeues ``ops`` (enqueue to now, the commit),
-    into the wait histogram in one pass: buckets as :meth:`Ring.record_wait`'s
-    (``frexp``'s exponent of a positive integer is its bit length)."""
-    enq = np.fromiter((op.enq_us for op in ops), dtype=np.int64, count=len(ops))
-    enq = enq[enq > 0]  # 0: enqueue time unknown
-    if not enq.size:
+    """The waits of committed dequeues ``ops`` (enqueue to now, the commit)
+    into the wait histogram. Entries of one enqueuing transaction share their
+    enq_at: one update per distinct enqueue time, and past a few of them one
+    numpy pass (buckets as :meth:`Ring.record_wait`'s: ``frexp``'s exponent of
+    a positive integer is its bit length)."""
+    now_us = time.time_ns() // 1000
+    by_enq = Counter(op.enq_us for op in ops)
+    by_enq.pop(0, None)  # 0: enqueue time unknown
+    if len(by_enq) <= WAIT_VECTOR_FROM:
+        for enq_us, n in by_enq.items():
+            ring.record_wait(now_us - enq_us, n)
         return
-    us = np.maximum(time.time_ns() // 1000 - enq, 0)
+    us = np.maximum(now_us - np.fromiter(by_enq.keys(), dtype=np.int64, count=len(by_enq)), 0)
+    weight = np.fromiter(by_enq.values(), dtype=np.int64, count=len(by_enq))
     buckets = np.minimum(np.frexp(us.astype(np.float64))[1], L.HIST_BUCKETS - 1)
-    counts = np.bincount(buckets, minlength=L.HIST_BUCKETS)
+    counts = np.bincount(buckets, weights=weight, minlength=L.HIST_BUCKETS)
     Q, w = ring.Q, ring.qb + L.Q_WAIT_HIST
     for bucket in np.flatnonzero(counts).tolist():
         Q[w + bucket] += int(counts[bucket])
-    Q[ring.qb + L.Q_WAIT_US] += int(us.sum())
+    Q[ring.qb + L.Q_WAIT_US] += int(np.dot(us, weight))
 
 
 def _wake_count(ring: Ring, n_ready: int) -> int:
