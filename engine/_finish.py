@@ -193,8 +193,10 @@ def finish_one(
         )
         if consumed and not committed:
             Q[b + L.Q_N_POISONED] += 1
-        elif committed and op.enq_us:
-            ring.record_wait(time.time_ns() // 1000 - op.enq_us)
+        elif committed and op.enq_us:  # as Ring.record_wait, inline
+            us = max(0, time.time_ns() // 1000 - op.enq_us)
+            Q[b + L.Q_WAIT_HIST + min(us.bit_length(), L.HIST_BUCKETS - 1)] += 1
+            Q[b + L.Q_WAIT_US] += us
         hist, total = L.Q_DEQ_HIST, L.Q_DEQ_LAT_NS
     ns = op.latency_ns
     if ns > 0:  # as Ring.record_latency

@@ -17,11 +17,10 @@ from typing import Any
 
 import pytest
 from conftest import present
+from ringq.engine import Ring, connect
 from ringq.engine import _finish as F
-from ringq.engine import connect
 from ringq.engine import layout as L
 from ringq.engine import metrics as M
-from ringq.engine._ring import Ring
 
 WAIT_S = 0.2  # the known wait between the enqueue's commit and the dequeue's
 
