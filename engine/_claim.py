@@ -16,7 +16,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Sequence
-from datetime import tzinfo
+from datetime import UTC, datetime, timedelta, tzinfo
 from typing import Any
 
 import posix_ipc
@@ -46,6 +46,15 @@ _INTRANS = TransactionStatus.INTRANS
 CLAIM_RECHECK_S = 1.0
 
 _TIMEZONES: dict[bytes | None, tzinfo] = {}
+
+_EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
+_ONE_US = timedelta(microseconds=1)
+
+
+def _us(at: datetime) -> int:
+    """A row's ``enq_at`` as the payload cache keeps it: us since the epoch
+    (exact: timedelta // timedelta is an int)."""
+    return (at - _EPOCH) // _ONE_US
 
 
 def conn_timezone(conn: psycopg.Connection[Any]) -> tzinfo:
@@ -343,8 +352,9 @@ class Claims:
                 lat = (time.perf_counter_ns() - t0) // len(slots)
                 dq = OpKind.DEQUEUE
                 link.ops.extend([
-                    Op(ring, info, slot, seq, dq, lat, None, None, True)
-                    for slot, seq in zip(slots, seqs, strict=True)
+                    Op(ring, info, slot, seq, dq, lat, None, None, True, c[3])
+                    for slot, seq, c in zip(slots, seqs, cached, strict=True)
+                    if c is not None
                 ])
                 link.section.count_client(link.cidx, L.C_N_DEQ, len(slots))
                 tz = conn_timezone(link.conn)
@@ -370,7 +380,8 @@ class Claims:
         if cached is None:
             cached = [None] * len(slots)
         ops = [
-            Op(ring, info, slot, seq, OpKind.DEQUEUE, consume=c is not None)
+            Op(ring, info, slot, seq, OpKind.DEQUEUE, consume=c is not None,
+               enq_us=0 if c is None else c[3])
             for slot, seq, c in zip(slots, seqs, cached, strict=True)
         ]
         link.ops.extend(ops)
@@ -412,6 +423,9 @@ class Claims:
                 )
         for op in ops:
             op.latency_ns = lat
+            r = got.get(op.slot)
+            if r is not None:
+                op.enq_us = _us(r[5])
         return messages
 
     def commit_and_dequeue(
@@ -440,7 +454,8 @@ class Claims:
             return None
         slot, seq = slots[0], seqs[0]
         cached = None if cached_list is None else cached_list[0]
-        op = Op(ring, info, slot, seq, OpKind.DEQUEUE, consume=cached is not None)
+        op = Op(ring, info, slot, seq, OpKind.DEQUEUE, consume=cached is not None,
+                enq_us=0 if cached is None else cached[3])
         if cached is not None:
             try:
                 txn.commit()
@@ -460,6 +475,7 @@ class Claims:
             return (None,)
         self._taken([op], t0)
         payload, producer, pseq, enq_at, deliveries, group = row
+        op.enq_us = _us(enq_at)
         return (Message(queue, seq, bytes(payload), producer, pseq, enq_at, deliveries + 1, group),)
 
     def claim(

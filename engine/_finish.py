@@ -29,6 +29,8 @@ if TYPE_CHECKING:
 _U64 = (1 << 64) - 1
 
 VECTOR_FROM = 8  # ops from which a finish works on arrays (below, numpy's call cost dominates)
+# distinct enqueue times from which a batch's waits are bucketed by numpy (see _record_waits)
+WAIT_VECTOR_FROM = 24
 
 
 def finish_batch(
@@ -120,6 +122,8 @@ def finish_batch(
                 exclusive and bool(was_owner) and not Q[b + L.Q_DEQ_OWNER]
             )
             _record_latencies(ring, OpKind.DEQUEUE, deq)
+            if committed:
+                _record_waits(ring, deq)
     if n_poisoned:
         Q[b + L.Q_N_POISONED] += n_poisoned
     return _after_finish(ring, n_ready, n_space)
@@ -189,6 +193,10 @@ def finish_one(
         )
         if consumed and not committed:
             Q[b + L.Q_N_POISONED] += 1
+        elif committed and op.enq_us:  # as Ring.record_wait, inline
+            us = max(0, time.time_ns() // 1000 - op.enq_us)
+            Q[b + L.Q_WAIT_HIST + min(us.bit_length(), L.HIST_BUCKETS - 1)] += 1
+            Q[b + L.Q_WAIT_US] += us
         hist, total = L.Q_DEQ_HIST, L.Q_DEQ_LAT_NS
     ns = op.latency_ns
     if ns > 0:  # as Ring.record_latency
@@ -213,6 +221,7 @@ def _finish_each(
     cost less than numpy's per-call overhead."""
     Q, b = ring.Q, ring.qb
     n_ready = n_space = 0
+    now_us = time.time_ns() // 1000 if committed else 0  # the commit, as the waits end
     for op in ops:
         if not ring.held_by(op.slot, owner):
             continue  # already decided by recovery (never finish a slot twice)
@@ -238,6 +247,8 @@ def _finish_each(
             )
             if consumed and not committed:
                 Q[b + L.Q_N_POISONED] += 1
+            elif committed and op.enq_us:
+                ring.record_wait(now_us - op.enq_us)
         ring.record_latency(op.kind, op.latency_ns)
     return _after_finish(ring, n_ready, n_space)
 
@@ -259,6 +270,29 @@ def _record_latencies(ring: Ring, kind: OpKind, ops: list[Op]) -> None:
     # a batch's ops share one latency: one histogram update per distinct value
     for ns, n in Counter(op.latency_ns for op in ops).items():
         ring.record_latency(kind, ns, n)
+
+
+def _record_waits(ring: Ring, ops: list[Op]) -> None:
+    """The waits of committed dequeues ``ops`` (enqueue to now, the commit)
+    into the wait histogram. Entries of one enqueuing transaction share their
+    enq_at: one update per distinct enqueue time, and past a few of them one
+    numpy pass (buckets as :meth:`Ring.record_wait`'s: ``frexp``'s exponent of
+    a positive integer is its bit length)."""
+    now_us = time.time_ns() // 1000
+    by_enq = Counter(op.enq_us for op in ops)
+    by_enq.pop(0, None)  # 0: enqueue time unknown
+    if len(by_enq) <= WAIT_VECTOR_FROM:
+        for enq_us, n in by_enq.items():
+            ring.record_wait(now_us - enq_us, n)
+        return
+    us = np.maximum(now_us - np.fromiter(by_enq.keys(), dtype=np.int64, count=len(by_enq)), 0)
+    weight = np.fromiter(by_enq.values(), dtype=np.int64, count=len(by_enq))
+    buckets = np.minimum(np.frexp(us.astype(np.float64))[1], L.HIST_BUCKETS - 1)
+    counts = np.bincount(buckets, weights=weight, minlength=L.HIST_BUCKETS)
+    Q, w = ring.Q, ring.qb + L.Q_WAIT_HIST
+    for bucket in np.flatnonzero(counts).tolist():
+        Q[w + bucket] += int(counts[bucket])
+    Q[ring.qb + L.Q_WAIT_US] += int(np.dot(us, weight))
 
 
 def _wake_count(ring: Ring, n_ready: int) -> int:

@@ -18,7 +18,8 @@ from __future__ import annotations
 # 4: the payload cache (a pool after HOLDER, H_NEXT_CACHE, Q_CACHE_*)
 # 5: groups (the GROUP array after HOLDER, Q_GROUPED, R_GROUP_LEN and the group in a record)
 # 6: Q_WAIT_WANT (what sleeping dequeuers want; older clients would not keep it)
-LAYOUT_VERSION = 6
+# 7: queue blocks of 160 words: the enqueue-to-dequeue wait (Q_WAIT_US, Q_WAIT_HIST)
+LAYOUT_VERSION = 7
 MAGIC = 0x52494E47_51534543  # "RINGQSEC"
 
 MAX_QUEUES = 128
@@ -111,9 +112,15 @@ Q_N_GROUP_SKIPS = 43  # ready entries a claim passed over because their group wa
 # adds its batch size with Q_WAIT_READY): a commit wakes as many waiters as
 # its new ready entries make work for, not all of them.
 Q_WAIT_WANT = 44
+# Sum (us) of the waits Q_WAIT_HIST counts: an entry's enqueue (its row's
+# enq_at) to the commit of the dequeue that consumed it.
+Q_WAIT_US = 45
 Q_ENQ_HIST = 64  # HIST_BUCKETS words
 Q_DEQ_HIST = 96  # HIST_BUCKETS words
-QUEUE_WORDS = 128
+# HIST_BUCKETS words, bucketed as the call latencies: the waits of consumed
+# entries, counted when their dequeue commits (not the calls: the entries).
+Q_WAIT_HIST = 128
+QUEUE_WORDS = 160
 
 QS_UNUSED = 0
 QS_READY = 1

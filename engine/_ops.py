@@ -57,7 +57,10 @@ class Op:
     holds it (None once sent, and for every other op), then ``fill``: the
     same, sent, kept for the payload cache until the commit is finished;
     and ``consume``: a dequeue served from the payload cache whose consuming
-    row write the session still holds (sent with the commit).
+    row write the session still holds (sent with the commit); ``enq_us``: a
+    dequeue's entry's enqueue time (its row's ``enq_at``, us since the epoch),
+    set where its message is made, for the wait its commit records (0:
+    unknown, nothing recorded: ops recovery rebuilds, rows found stale).
     """
 
     ring: Ring
@@ -69,6 +72,7 @@ class Op:
     write: RowWrite | None = None
     fill: RowWrite | None = None
     consume: bool = False
+    enq_us: int = 0
 
     @property
     def held(self) -> bool:

@@ -401,6 +401,15 @@ class Ring(RingScan):
         self.Q[self.qb + hist_word + bucket] += n
         self.Q[self.qb + sum_word] += ns * n
 
+    def record_wait(self, us: int, n: int = 1) -> None:
+        """Add ``n`` consumed entries' wait (us each: enqueue to the dequeue's
+        commit) to the wait histogram and sum; a negative wait (the clocks of
+        the server that stamped enq_at and of this host disagree) counts as 0."""
+        us = max(0, us)
+        b = self.qb
+        self.Q[b + L.Q_WAIT_HIST + min(us.bit_length(), L.HIST_BUCKETS - 1)] += n
+        self.Q[b + L.Q_WAIT_US] += us * n
+
     def note_full(self) -> None:
         """An enqueue found no free slot: count it; the queue is full from now if it was not."""
         Q, b = self.Q, self.qb

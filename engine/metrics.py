@@ -34,6 +34,8 @@ WAKEUPS: Final = "wakeups"
 FULL_NS: Final = "full_ns"
 ENQ_LAT_NS: Final = "enq_latency_ns_sum"
 DEQ_LAT_NS: Final = "deq_latency_ns_sum"
+# consumed entries' waits, enqueue (the row's enq_at) to the dequeue's commit, summed (us)
+WAIT_US: Final = "wait_us_sum"
 WAIT_READY: Final = "waiting_dequeuers"
 WAIT_SPACE: Final = "waiting_enqueuers"
 GROUP_SKIPS: Final = "group_skips"  # ready entries claims passed over: their group was busy
@@ -58,6 +60,7 @@ _WORDS: Final = {
     FULL_NS: L.Q_FULL_NS,
     ENQ_LAT_NS: L.Q_ENQ_LAT_NS,
     DEQ_LAT_NS: L.Q_DEQ_LAT_NS,
+    WAIT_US: L.Q_WAIT_US,
     WAIT_READY: L.Q_WAIT_READY,
     WAIT_SPACE: L.Q_WAIT_SPACE,
     GROUP_SKIPS: L.Q_N_GROUP_SKIPS,
@@ -78,6 +81,15 @@ def latency_histograms(sec: Section, qidx: int) -> tuple[list[int], list[int]]:
     enq = [int(sec.queues[base + L.Q_ENQ_HIST + b]) for b in range(L.HIST_BUCKETS)]
     deq = [int(sec.queues[base + L.Q_DEQ_HIST + b]) for b in range(L.HIST_BUCKETS)]
     return enq, deq
+
+
+def wait_histogram(sec: Section, qidx: int) -> list[int]:
+    """The enqueue-to-dequeue wait histogram: bucket b counts consumed
+    entries that waited [2**(b-1), 2**b) microseconds from their enqueue (the
+    row's enq_at) to the commit of the dequeue that consumed them (bucket 0:
+    under 1 us; counted at that commit)."""
+    base = qidx * L.QUEUE_WORDS + L.Q_WAIT_HIST
+    return [int(sec.queues[base + b]) for b in range(L.HIST_BUCKETS)]
 
 
 def percentile_us(hist: list[int], q: float) -> float:
@@ -179,6 +191,14 @@ ENQ_P50: Final = "enq_p50_us"  # enqueue call latency over the interval, microse
 ENQ_P99: Final = "enq_p99_us"
 DEQ_P50: Final = "deq_p50_us"
 DEQ_P99: Final = "deq_p99_us"
+# An entry's wait from its enqueue (the row's enq_at) to the commit of the
+# dequeue that consumed it, over the entries consumed in the interval,
+# microseconds (the upper bound of the histogram bucket; 0: none consumed,
+# or a T4 file written before these columns).
+WAIT_P50: Final = "wait_p50_us"
+WAIT_P95: Final = "wait_p95_us"
+WAIT_P99: Final = "wait_p99_us"
+WAIT_KEYS: Final = (WAIT_P50, WAIT_P95, WAIT_P99)
 FULL: Final = "full"  # seconds of the interval the queue had no free slot
 EMPTY: Final = "empty"  # seconds of the interval nothing was ready (recovery-pass resolution)
 RETRIES: Final = "retries"  # dequeues rolled back in the interval (delivery retries)
@@ -198,7 +218,7 @@ GROUP_KEYS: Final = (GROUPS_READY, GROUPS_BUSY, GROUP_OLDEST_AGE_S, GROUP_SKIPS)
 SAMPLE_KEYS: Final = (
     T, CAPACITY, DEPTH, HEAD, TAIL, ENQ_RATE, DEQ_RATE, ENQ_P50, ENQ_P99, DEQ_P50, DEQ_P99,
     FULL, EMPTY, RETRIES, EXCEPTIONS, COMMITS, ROLLBACKS, WAIT_READY, WAIT_SPACE, POISONED,
-    DEAD_ROWS,
+    DEAD_ROWS, *WAIT_KEYS,  # new columns go at the end: older readers map T4 columns by name
 )
 
 # How a bucket of samples sums each figure up when a long window of history is
@@ -232,6 +252,9 @@ BUCKET: Final = {
     WAIT_SPACE: MAX,
     POISONED: MAX,
     DEAD_ROWS: MAX,
+    WAIT_P50: MEAN,
+    WAIT_P95: MAX,
+    WAIT_P99: MAX,
 }
 
 # One client of GET /api/clients (a session attached to the section): these, the

@@ -35,6 +35,10 @@ from ringq.engine.metrics import (
     RETRIES,
     ROLLBACKS,
     TAIL,
+    WAIT_KEYS,
+    WAIT_P50,
+    WAIT_P95,
+    WAIT_P99,
     WAIT_READY,
     WAIT_SPACE,
 )
@@ -56,6 +60,7 @@ class _Snap:
     enq_hist: np.ndarray
     deq_hist: np.ndarray
     full_cum_ns: int  # closed full periods + the open one so far
+    wait_hist: np.ndarray  # consumed entries' enqueue-to-commit waits (M.wait_histogram)
 
 
 def snapshot(sec: Section, qidx: int, now_ns: int) -> _Snap:
@@ -65,7 +70,8 @@ def snapshot(sec: Section, qidx: int, now_ns: int) -> _Snap:
     full_cum = stats[M.FULL_NS] + (max(0, now_ns - since) if since else 0)
     ident = (sec.q(qidx, L.Q_QID), sec.q(qidx, L.Q_LOADED_NS), int(sec.generation))
     return _Snap(
-        now_ns, ident, stats, np.array(enq, dtype=np.int64), np.array(deq, dtype=np.int64), full_cum
+        now_ns, ident, stats, np.array(enq, dtype=np.int64), np.array(deq, dtype=np.int64),
+        full_cum, np.array(M.wait_histogram(sec, qidx), dtype=np.int64),
     )
 
 
@@ -104,7 +110,7 @@ def compute(
     }
     if prev is None or prev.ident != cur.ident or cur.mono_ns <= prev.mono_ns:
         out.update({k: 0.0 for k in (ENQ_RATE, DEQ_RATE, ENQ_P50, ENQ_P99, DEQ_P50, DEQ_P99, FULL,
-                                      RETRIES, COMMITS, ROLLBACKS, POISONED)})
+                                      RETRIES, COMMITS, ROLLBACKS, POISONED, *WAIT_KEYS)})
         out[EMPTY] = 0.0
         return out
     dt = (cur.mono_ns - prev.mono_ns) / 1e9
@@ -121,6 +127,10 @@ def compute(
     out[ENQ_P99] = _pct(enq_h, 0.99)
     out[DEQ_P50] = _pct(deq_h, 0.50)
     out[DEQ_P99] = _pct(deq_h, 0.99)
+    wait_h = np.maximum(cur.wait_hist - prev.wait_hist, 0)
+    out[WAIT_P50] = _pct(wait_h, 0.50)
+    out[WAIT_P95] = _pct(wait_h, 0.95)
+    out[WAIT_P99] = _pct(wait_h, 0.99)
     # Enqueuers time the full periods they meet (exact); the monitor's passes
     # catch the ones nobody met. The larger of the two.
     blocked = max(0, cur.full_cum_ns - prev.full_cum_ns) / 1e9

@@ -101,8 +101,15 @@ def _time_chart(ax: Any, chart: TimeChart) -> None:
         lo, hi = min(lo, float(x[0])), max(hi, float(x[-1]))
         if not np.isfinite(y).any():
             continue
-        ax.plot(_xs(x, chart.time_axis), y, line.style, label=line.label, linewidth=1.2,
-                drawstyle="steps-pre" if chart.steps else "default")
+        (drawn_line,) = ax.plot(_xs(x, chart.time_axis), y, line.style, label=line.label,
+                                linewidth=1.2, drawstyle="steps-pre" if chart.steps else "default")
+        # A value between two gaps (sparse traffic: one sample with a latency)
+        # is no segment: a line alone would not show it, a dot does.
+        fin = np.isfinite(y)
+        alone = fin & ~np.r_[False, fin[:-1]] & ~np.r_[fin[1:], False]
+        if alone.any():
+            ax.plot(_xs(x[alone], chart.time_axis), y[alone], ".", markersize=5,
+                    color=drawn_line.get_color())
         drawn = True
     if chart.hline is not None:
         ax.axhline(chart.hline[1], color="grey", linestyle=":", linewidth=1, label=chart.hline[0])

@@ -1,12 +1,13 @@
 """The page of a period of the monitor's history (``ringq report --from … --to …``).
 
 Read from the monitor's data directory alone (T4 day files, ``monitor.log``):
-no monitor, no database. Per queue: depth, enqueue and dequeue rates, latency
-percentiles, full and empty time, deliveries (retries) and poison, with the
-marked events on the time axis; per client kind (the section's client roles:
-``client``, ``worker``) its clients' calls, commits, rollbacks and errors per
-second (the monitor's kinds T4 file) and the errors, deaths and expired leases
-the log holds; the events listed.
+no monitor, no database. Per queue: depth, enqueue and dequeue rates, call
+latency percentiles, enqueue → dequeue latency percentiles, full and empty
+time, deliveries (retries) and poison, with the marked events on the time
+axis; per client kind (the section's client roles: ``client``, ``worker``)
+its clients' calls, commits, rollbacks and errors per second (the monitor's
+kinds T4 file) and the errors, deaths and expired leases the log holds; the
+events listed.
 """
 
 from __future__ import annotations
@@ -111,7 +112,8 @@ def queue_charts(page: Page, name: str, r: np.ndarray, marks: list[Mark] | None 
     """The charts of one queue's samples (columns as ``SAMPLE_KEYS``)."""
     keys = list(M.SAMPLE_KEYS)
     r = r.copy()
-    for k in (M.ENQ_P50, M.ENQ_P99, M.DEQ_P50, M.DEQ_P99):  # 0: no call in the interval
+    # 0: no call (no entry consumed) in the interval, or a T4 file without the column
+    for k in (M.ENQ_P50, M.ENQ_P99, M.DEQ_P50, M.DEQ_P99, *M.WAIT_KEYS):
         r[:, COL[k]] = np.where(r[:, COL[k]] > 0, r[:, COL[k]], np.nan)
     t, cols = thin(r[:, 0], [r[:, i] for i in range(r.shape[1])], [M.BUCKET[k] for k in keys])
     c = dict(zip(keys, cols, strict=True))
@@ -132,6 +134,14 @@ def queue_charts(page: Page, name: str, r: np.ndarray, marks: list[Mark] | None 
         mk, log=True,
     ), "enqueue: the enqueue call; dequeue: the dequeue call (from enqueue to dequeue: the "
        "regression pages' Spark latency); no traffic: no point")
+    page.chart(f"{name}-wait", TimeChart(
+        f"{name}: enqueue → dequeue latency (commit to commit)", "µs (log)",
+        [Line("p50", t, c[M.WAIT_P50]), Line("p95", t, c[M.WAIT_P95], "--"),
+         Line("p99", t, c[M.WAIT_P99], ":")],
+        mk, log=True,
+    ), "from an entry's enqueue (its row's enq_at) to the commit of the dequeue that consumed "
+       "it, over the entries consumed in each sample interval (upper bounds of power-of-two "
+       "buckets); none consumed, or a monitor older than these figures: no point")
     page.chart(f"{name}-full-empty", TimeChart(
         f"{name}: full and empty time", "s per sample interval",
         [Line("full", t, c[M.FULL]), Line("empty", t, c[M.EMPTY], "--")], mk,

@@ -30,6 +30,7 @@ from conftest import MonitorProcess, drain, present, remove_section, terminate_b
 from ringq.cluster import Cluster
 from ringq.engine import ConfigError, Section, Session, TransactionError, connect, pid_alive
 from ringq.engine import layout as L
+from ringq.engine import metrics as M
 from ringq.engine.recovery import history_of
 from ringq.monitor import Monitor, MonitorConfig, MonitorRunning, subscribe
 from ringq.monitor import _sample as S
@@ -39,7 +40,7 @@ from ringq.scripting import QueueSpec, create_queue
 API_QUEUE_KEYS = {
     "name", "capacity", "depth", "head", "tail", "enq_rate", "deq_rate", "enq_p50_us", "enq_p99_us",
     "deq_p50_us", "deq_p99_us", "full", "empty", "retries", "exceptions", "commits", "rollbacks",
-    "waiting_dequeuers", "waiting_enqueuers",
+    "waiting_dequeuers", "waiting_enqueuers", "wait_p50_us", "wait_p95_us", "wait_p99_us",
 }
 FAST = 0.2  # sample interval (s) used by the tests
 
@@ -355,6 +356,45 @@ def test_t4_file_has_a_header_and_rows(
     assert set(got[0]) == set(HEADER.split(","))
     assert float(got[-1]["t"]) > float(got[0]["t"])
     assert m.running
+
+
+def test_the_sample_has_the_enqueue_to_dequeue_wait_percentiles(
+    dsn: str, make_queue: Any, monitor: Any, tmp_path: Path
+) -> None:
+    """An entry enqueued, left 200 ms, dequeued and committed: the sample of the
+    interval of that commit has its wait as p50, p95 and p99 (the bucket's upper
+    bound), in /api/queues and in the T4 file; the other samples none (0)."""
+    q = make_queue()
+    monitor()
+    with connect(dsn) as s:
+        before_enq = time.time_ns() // 1000
+        s.enqueue(q, b"x")
+        s.commit()
+        after_enq = time.time_ns() // 1000
+        time.sleep(0.2)  # the wait measured, not a synchronisation
+        assert s.dequeue(q) is not None
+        before_deq = time.time_ns() // 1000
+        s.commit()
+        after_deq = time.time_ns() // 1000
+        qidx = s.ring(q).qidx
+        wait_us = M.queue_stats(s.section, qidx)[M.WAIT_US]
+    lo, hi = before_deq - after_enq, after_deq - before_enq
+    assert 200_000 <= lo <= wait_us <= hi
+    bound = float(1 << wait_us.bit_length())  # the bucket's upper bound: under twice the wait
+    print(f"\nwait {wait_us} us (bounds {lo} .. {hi} us); p50 = p95 = p99 = {bound:.0f} us")
+    assert 200_000 <= bound <= 2 * hi
+    day = datetime.now(UTC).date().isoformat()
+    path = tmp_path / "monitor" / f"t4-{day}.csv"
+
+    def waited() -> list[dict[str, str]] | None:
+        with open(path, newline="") as f:
+            got = [r for r in csv.DictReader(f) if r["name"] == q]
+        return got if any(float(r[M.WAIT_P50]) > 0 for r in got) else None
+
+    rows = wait_for(waited, what="a T4 row with the wait")
+    assert [(float(r[M.WAIT_P50]), float(r[M.WAIT_P95]), float(r[M.WAIT_P99]))
+            for r in rows if float(r[M.WAIT_P99]) > 0] == [(bound, bound, bound)]
+    assert all(float(r[k]) == 0 for r in rows if float(r[M.WAIT_P99]) == 0 for k in M.WAIT_KEYS)
 
 
 def test_sql_enqueue_reaches_the_ring_through_the_monitor(

@@ -29,10 +29,11 @@ from ringq.engine import connect, exits
 from ringq.engine import metrics as M
 from ringq.monitor import KIND_KEYS, journal_records, kind_rows, t4_rows
 from ringq.regression import RegressConfig, RunOutcome, Verifier, run
+from ringq.report import period_page
 from ringq.worker import Actions, Worker, WorkerConfig
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
-PER_QUEUE = ("depth", "rates", "latency", "full-empty", "deliveries")
+PER_QUEUE = ("depth", "rates", "latency", "wait", "full-empty", "deliveries")
 KCOL = {k: i for i, k in enumerate(KIND_KEYS)}
 
 HOLDER = r"""
@@ -250,6 +251,11 @@ def test_a_period_renders_every_queue_chart_and_event_without_a_monitor(
     assert int(totals["worker"]["max clients"]) == 1
     assert len(list((out / "report_png").glob("*.png"))) == len(page.images)
     text = page.all_text
+    # Both queues' entries were consumed: their waits, enqueue to the consuming commit.
+    waits = t4_rows(data, t0, t1, queues)
+    for q in queues:
+        assert waits[q][:, M.SAMPLE_KEYS.index(M.WAIT_P50)].max() > 0, q
+    assert "to the commit of the dequeue that consumed it" in text
     assert "client died (consumer.died)" in text and queues[0] in text
     # Mailed: the page alone, without its PNG folder, shows every chart in a browser.
     mailed = tmp_path / "mailed" / "report.html"
@@ -290,6 +296,32 @@ def test_a_period_without_data_says_so_and_exits_not_found(
     assert code == exits.USAGE and "ISO 8601" in err
     code, help_text, _err = cli(capsys, "report", "--help")
     assert code == 0 and "--from" in help_text and "--runs" in help_text
+
+
+def test_a_t4_file_without_the_wait_columns_reads_and_gets_its_page(tmp_path: Path) -> None:
+    """A day file a monitor wrote before the wait percentiles: its rows read with
+    those columns 0 (nothing measured), the others by name; the page has the
+    wait chart, without points."""
+    data = tmp_path / "old"
+    data.mkdir()
+    old_keys = [k for k in M.SAMPLE_KEYS if k not in M.WAIT_KEYS]
+    t0 = datetime(2026, 11, 20, 12, tzinfo=UTC).timestamp()
+    lines = [",".join(["time", "t", "name", *old_keys[1:]])]
+    for i in range(5):
+        t = t0 + i
+        vals = {k: 0 for k in old_keys} | {M.DEPTH: i, M.CAPACITY: 64, M.ENQ_P50: 8}
+        stamp = datetime.fromtimestamp(t, UTC).isoformat(timespec="milliseconds")
+        lines.append(",".join([stamp, str(t), "oldq", *(str(vals[k]) for k in old_keys[1:])]))
+    (data / "t4-2026-11-20.csv").write_text("\n".join(lines) + "\n")
+    rows = t4_rows(data, t0 - 1, t0 + 10)["oldq"]
+    col = {k: i for i, k in enumerate(M.SAMPLE_KEYS)}
+    assert rows.shape == (5, len(M.SAMPLE_KEYS))
+    assert rows[:, col[M.DEPTH]].tolist() == [0, 1, 2, 3, 4]
+    assert set(rows[:, col[M.ENQ_P50]].tolist()) == {8.0}
+    assert not rows[:, [col[k] for k in M.WAIT_KEYS]].any()
+    path = period_page(data, t0 - 1, t0 + 10, tmp_path / "out")
+    page = read_page(path)
+    assert {f"oldq-{c}" for c in PER_QUEUE} <= {img["alt"] for img in page.images}
 
 
 def test_importing_the_report_does_not_import_matplotlib() -> None:
