@@ -350,19 +350,9 @@ class Ring(RingScan):
         exclusive: bool,
         enq_at_us: int | None = None,
     ) -> tuple[int, int]:
-        """Finish ``owner``'s slots ``ops`` once the database has decided:
-        enqueued entries become ready (``committed``) or void, dequeued ones
-        consumed (committed, or ``poisoned``: (slot, seq) pairs) or ready again.
-
-        With ``enq_at_us`` (the rows' enqueue time in us), committed enqueues
-        whose row write the op still carries (``fill``) are written to the
-        payload cache before they become ready.
-
-        Slots ``owner`` no longer holds (decided by recovery) are passed over.
-        Records the latencies, reclaims once, and counts poisoned entries and
-        wake-ups. Returns (ready, space): how many sleeping dequeuers and
-        enqueuers the caller wakes (after releasing the lock). See ``_finish``.
-        """
+        """Finish ``owner``'s slots ``ops`` once the database has decided;
+        returns (ready, space), the sleepers to wake (see
+        :func:`._finish.finish_batch`)."""
         return finish_batch(self, ops, owner, committed=committed, poisoned=poisoned,
                             exclusive=exclusive, enq_at_us=enq_at_us)
 

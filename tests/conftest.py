@@ -31,6 +31,7 @@ import socket
 import struct
 import subprocess
 import sys
+import tempfile
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -40,7 +41,7 @@ from typing import Any, LiteralString, TypeVar
 
 import psycopg
 import pytest
-from psycopg import sql
+from psycopg import pq, sql
 from ringq.cli import main
 from ringq.cluster import Cluster
 from ringq.engine import Message, connect, sections_on_host
@@ -342,3 +343,23 @@ class MonitorProcess:
         if self.proc.poll() is None:
             self.proc.kill()
         self.stop()
+
+
+@contextmanager
+def wire_trace(conn: psycopg.Connection[Any]) -> Iterator[list[str]]:
+    """The protocol messages ``conn`` exchanges inside the block (libpq's trace)."""
+    lines: list[str] = []
+    with tempfile.TemporaryFile("w+") as f:
+        conn.pgconn.trace(f.fileno())
+        conn.pgconn.set_trace_flags(pq.Trace.SUPPRESS_TIMESTAMPS | pq.Trace.REGRESS_MODE)
+        try:
+            yield lines
+        finally:
+            conn.pgconn.untrace()
+            f.seek(0)
+            lines.extend(f.read().splitlines())
+
+
+def round_trips(lines: list[str]) -> int:
+    """Exchanges in a trace: each one ends with the server's ReadyForQuery."""
+    return sum(1 for line in lines if "\tReadyForQuery\t" in line)

@@ -2,7 +2,7 @@
 
 Entries read from their rows (no payload cache) cost one round trip per
 message in a loop: COMMIT, BEGIN and the next dequeue go in one message.
-Round trips are counted from libpq's trace (tests/test_deferred.py's helpers).
+Round trips are counted from libpq's trace (conftest's wire_trace).
 """
 
 from __future__ import annotations
@@ -12,9 +12,8 @@ from typing import Any
 
 import psycopg
 import pytest
-from conftest import drain, present, terminate_backend
+from conftest import drain, present, round_trips, terminate_backend, wire_trace
 from ringq.engine import RingqError, TransactionError, connect
-from test_deferred import round_trips, wire_trace
 
 
 @pytest.mark.parametrize("cached", [False, True])

@@ -13,17 +13,15 @@ import os
 import random
 import signal
 import sys
-import tempfile
 import time
 import uuid
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from types import FrameType
 from typing import Any
 
 import psycopg
 import pytest
-from conftest import activity_of, drain, present
+from conftest import activity_of, drain, present, round_trips, wire_trace
 from psycopg import pq, sql
 from ringq.engine import Session, StaleSection, TransactionError, connect
 from ringq.engine import layout as L
@@ -40,25 +38,6 @@ FORK = mp.get_context("fork")
 
 # -- helpers ----------------------------------------------------------------------------------
 
-
-@contextmanager
-def wire_trace(conn: psycopg.Connection[Any]) -> Iterator[list[str]]:
-    """The protocol messages ``conn`` exchanges inside the block (libpq's trace)."""
-    lines: list[str] = []
-    with tempfile.TemporaryFile("w+") as f:
-        conn.pgconn.trace(f.fileno())
-        conn.pgconn.set_trace_flags(pq.Trace.SUPPRESS_TIMESTAMPS | pq.Trace.REGRESS_MODE)
-        try:
-            yield lines
-        finally:
-            conn.pgconn.untrace()
-            f.seek(0)
-            lines.extend(f.read().splitlines())
-
-
-def round_trips(lines: list[str]) -> int:
-    """Exchanges in a trace: each one ends with the server's ReadyForQuery."""
-    return sum(1 for line in lines if "\tReadyForQuery\t" in line)
 
 
 def sent(lines: list[str], statement: str) -> bool:

@@ -15,16 +15,12 @@ import re
 import signal
 import subprocess
 import sys
-import tempfile
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import psycopg
 import pytest
-from conftest import cli, present
-from psycopg import pq
+from conftest import cli, present, round_trips, wire_trace
 from ringq.engine import QueueNotFound, connect
 
 FORK = mp.get_context("fork")
@@ -32,24 +28,6 @@ TRACE = "ringq.trace"
 LINE = re.compile(r"^(?P<call>\w+) session=(?P<session>\d+) pid=(?P<pid>\d+) (?P<ops>.*) "
                   r"rt=(?P<rt>\d+) us=(?P<us>\d+)(?: error=(?P<error>\w+))?$")
 
-
-@contextmanager
-def wire_trace(conn: psycopg.Connection[Any]) -> Iterator[list[str]]:
-    """The protocol messages ``conn`` exchanges inside the block (libpq's trace)."""
-    lines: list[str] = []
-    with tempfile.TemporaryFile("w+") as f:
-        conn.pgconn.trace(f.fileno())
-        conn.pgconn.set_trace_flags(pq.Trace.SUPPRESS_TIMESTAMPS | pq.Trace.REGRESS_MODE)
-        try:
-            yield lines
-        finally:
-            conn.pgconn.untrace()
-            f.seek(0)
-            lines.extend(f.read().splitlines())
-
-
-def round_trips(lines: list[str]) -> int:
-    return sum(1 for line in lines if "\tReadyForQuery\t" in line)
 
 
 def trace_lines(caplog: pytest.LogCaptureFixture) -> list[str]:
