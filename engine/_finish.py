@@ -154,38 +154,26 @@ def finish_one(
     exclusive: bool,
     enq_at_us: int | None,
 ) -> tuple[int, int]:
-    """:func:`finish_batch` of one op, inline (a single-entry transaction:
-    no lists, no numpy, the bits as plain ints), in the same order of writes."""
-    s = ring.sec
+    """:func:`finish_batch` of one op (a single-entry transaction: no lists, no
+    numpy, no grouping of latencies), in the same order of writes."""
     slot = op.slot
-    w, m = ring.w0 + (slot >> 6), 1 << (slot & 63)
-    g = ring.base + slot
-    if not (s.lck_w[w] & m and s.owner_w[g] == owner):
+    if not ring.held_by(slot, owner):
         return 0, 0  # already decided by recovery (never finish a slot twice)
     Q, b = ring.Q, ring.qb
     n_ready = n_space = 0
     if op.kind is OpKind.ENQUEUE:
-        if committed:
-            f = op.fill
-            if enq_at_us is not None and f is not None and ring.stride:
-                ring.cache.put(
-                    slot, op.seq, f.payload, f.producer.encode(), f.producer_seq, enq_at_us,
-                    None if f.group is None else f.group.encode(),
-                )
-            s.enq_w[w] |= m
-            Q[b + L.Q_DEPTH_HINT] += 1
-            Q[b + L.Q_N_ENQ_COMMIT] += 1
-            n_ready = 1
-        else:
-            s.deq_w[w] |= m
-            Q[b + L.Q_N_ENQ_ROLLBACK] += 1
-        s.lck_w[w] &= ~m & _U64
-        s.owner_w[g] = 0
-        hist, total = L.Q_ENQ_HIST, L.Q_ENQ_LAT_NS
+        f = op.fill
+        if committed and enq_at_us is not None and f is not None and ring.stride:
+            ring.cache.put(
+                slot, op.seq, f.payload, f.producer.encode(), f.producer_seq, enq_at_us,
+                None if f.group is None else f.group.encode(),
+            )
+        ring.finish_enqueue(slot, committed)  # the record before ENQ, as finish_batch
+        n_ready = int(committed)
     else:
         consumed = committed or (slot, op.seq) in poisoned
         was_owner = Q[b + L.Q_DEQ_OWNER]
-        freed_group = consumed and s.group_w[g] != 0
+        freed_group = consumed and ring.sec.group_w[ring.base + slot] != 0
         ring.finish_dequeue(slot, consumed, exclusive=exclusive, reclaim=False)
         n_space = int(consumed)
         n_ready = int(
@@ -193,15 +181,9 @@ def finish_one(
         )
         if consumed and not committed:
             Q[b + L.Q_N_POISONED] += 1
-        elif committed and op.enq_us:  # as Ring.record_wait, inline
-            us = max(0, time.time_ns() // 1000 - op.enq_us)
-            Q[b + L.Q_WAIT_HIST + min(us.bit_length(), L.HIST_BUCKETS - 1)] += 1
-            Q[b + L.Q_WAIT_US] += us
-        hist, total = L.Q_DEQ_HIST, L.Q_DEQ_LAT_NS
-    ns = op.latency_ns
-    if ns > 0:  # as Ring.record_latency
-        Q[b + hist + min((ns // 1000).bit_length(), L.HIST_BUCKETS - 1)] += 1
-        Q[b + total] += ns
+        elif committed and op.enq_us:
+            ring.record_wait(time.time_ns() // 1000 - op.enq_us)
+    ring.record_latency(op.kind, op.latency_ns)
     if not n_space and Q[b + L.Q_WAIT_READY] <= 0:
         return 0, 0  # nothing to reclaim, nobody to wake (_after_finish's answer)
     return _after_finish(ring, n_ready, n_space)
