@@ -95,15 +95,28 @@ def held_slots(conn: psycopg.Connection[Any], qid: int) -> list[tuple[int, int]]
     return [(int(s), int(q)) for s, q in rows]
 
 
+def offered_slots(conn: psycopg.Connection[Any], qid: int) -> list[tuple[int, int]]:
+    """(slot, seq) of the entries set aside for SQL consumers (``ringq.offers``)."""
+    row = conn.execute(_Q["has_offers"]).fetchone()
+    if not row or not row[0]:
+        return []  # a schema older than SQL consumers
+    rows = conn.execute(_Q["offered_slots"], (qid,)).fetchall()
+    return [(int(s), int(q)) for s, q in rows]
+
+
 def load_block(
     sec: Section,
     qidx: int,
     info: QueueInfo,
-    rows: Sequence[tuple[int, int, int, str | None]],
-    held: list[tuple[int, int]],
+    conn: psycopg.Connection[Any],
 ) -> None:
     """Fill a freshly allocated block (caller holds the section lock) from
-    its rows (``all_rows``: slot, state, seq, group)."""
+    its rows (``all_rows``: slot, state, seq, group), its prepared
+    transactions' slots and its entries set aside for SQL consumers, read on
+    ``conn`` (autocommit)."""
+    rows = conn.execute(sql.SQL(_Q["all_rows"]).format(table=queue_table(info.name))).fetchall()
+    held = held_slots(conn, info.id)
+    offered = offered_slots(conn, info.id)
     ring = Ring(sec, qidx)
     ring.configure(
         max_payload=info.max_payload,
@@ -115,7 +128,8 @@ def load_block(
     sec.set_lease(qidx, info.lease)
     arr, groups = _split_rows(rows)
     ring.load_rows(
-        arr[:, 0], arr[:, 1], arr[:, 2], keep_locked=False, held=held, groups=groups
+        arr[:, 0], arr[:, 1], arr[:, 2], keep_locked=False, held=held, groups=groups,
+        offered=offered,
     )
     sec.mark_queue_ready(qidx)
 
@@ -143,9 +157,7 @@ def load_queue(sec: Section, conn: psycopg.Connection[Any], info: QueueInfo) -> 
             return qidx
         mark_dropped(sec, {r[0] for r in conn.execute(_Q["queue_ids"]).fetchall()})
         qidx = sec.allocate_queue(info.id, info.name, info.capacity, info.cache_payload)
-        rows = conn.execute(sql.SQL(_Q["all_rows"]).format(table=queue_table(info.name))).fetchall()
-        held = held_slots(conn, info.id)
-        load_block(sec, qidx, info, rows, held)
+        load_block(sec, qidx, info, conn)
         return qidx
     finally:
         sec.unlock_section()
@@ -160,11 +172,13 @@ def resync_queue(sec: Section, ring: Ring, info: QueueInfo, dsn: str) -> None:
     with psycopg.connect(dsn, autocommit=True) as aux:
         sql_rows = sql.SQL(_Q["all_rows"]).format(table=queue_table(info.name))
         held = held_slots(aux, info.id)
+        offered = offered_slots(aux, info.id)
         sec.lock_queue(ring.qidx)
         try:
             arr, groups = _split_rows(aux.execute(sql_rows).fetchall())
             ring.load_rows(
-                arr[:, 0], arr[:, 1], arr[:, 2], keep_locked=True, held=held, groups=groups
+                arr[:, 0], arr[:, 1], arr[:, 2], keep_locked=True, held=held, groups=groups,
+                offered=offered,
             )
             ring.note_resync()
         finally:

@@ -196,6 +196,9 @@ ERR_CONNECTION_LOST = 7  # the connection died under a queue statement or a comm
 CS_FREE = 0
 CS_ACTIVE = 1
 OWNER_HELD = -1  # slot of a prepared transaction whose session is gone: recovery decides
+# Slot set aside for SQL consumers (ringq.offers): the section's agent (the
+# monitor) decides it from the rows; recovery never does (no client holds it).
+OWNER_SQL = -2
 
 CS_IN_DOUBT = 2  # lost its connection with slots held: the rows decide (monitor)
 

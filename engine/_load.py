@@ -27,13 +27,17 @@ def load_rows(
     keep_locked: bool,
     held: list[tuple[int, int]] | None = None,
     groups: Sequence[tuple[int, str]] = (),
+    offered: Sequence[tuple[int, int]] = (),
 ) -> None:
     """Set head, tail and the bitmaps from the rows (``SELECT slot, state, seq``),
     and the group tags from ``groups``: (slot, group) of the queued rows that have one.
 
     ``keep_locked`` preserves slots locked by live clients (a resync under
     traffic); ``held`` lists (slot, seq) pairs of in-doubt prepared
-    transactions, kept locked with no owner until recovery decides them.
+    transactions, kept locked with no owner until recovery decides them;
+    ``offered`` the (slot, seq) pairs set aside for SQL consumers
+    (``ringq.offers``), locked for them (owner ``OWNER_SQL``) while their
+    rows still hold them queued.
     """
     cap = ring.cap
     Q, b = ring.Q, ring.qb
@@ -110,6 +114,24 @@ def load_rows(
         if not old_locked[h_slot]:
             s.holder_w[ring.base + h_slot] = 0
             s.owner_w[ring.base + h_slot] = L.OWNER_HELD
+    # Entries set aside for SQL consumers stay theirs: a take may be under way
+    # (its row update not committed yet reads as queued here).
+    n_sql = 0
+    lck_sql = np.zeros(cap, dtype=bool)
+    for o_slot, o_seq in offered:
+        if (0 <= o_slot < cap and not old_locked[o_slot] and tail <= o_seq < head
+                and seq_by_slot[o_slot] == o_seq and state_by_slot[o_slot] == RowState.QUEUED):
+            lck_sql[o_slot] = True
+            s.holder_w[ring.base + o_slot] = 0
+            s.owner_w[ring.base + o_slot] = L.OWNER_SQL
+            n_sql += 1
+    if n_sql:
+        sql_words = words(lck_sql)
+        new_lck = new_lck | sql_words
+        new_deq = new_deq | sql_words
+        if Q[b + L.Q_MODE] == 0 and not Q[b + L.Q_DEQ_OWNER]:
+            Q[b + L.Q_DEQ_OWNER] = L.OWNER_SQL
+            Q[b + L.Q_DEQ_INFLIGHT] = n_sql
     # Tail first, then bits, then head: readers only look inside [tail, head).
     Q[b + L.Q_TAIL] = tail
     s.enq[g0:g1] = new_enq

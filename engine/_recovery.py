@@ -28,7 +28,6 @@ from . import _trace
 from ._decide import (
     dead_in_the_way,
     decide_ops,
-    held_slots,
     latest_start,
     load_block,
     mark_dropped,
@@ -185,10 +184,7 @@ def _load_queues(sec: Section, conn: psycopg.Connection[Any]) -> None:
             if sec.find_queue(info.id) is not None:
                 continue
             qidx = sec.allocate_queue(info.id, info.name, info.capacity, info.cache_payload)
-            rows = conn.execute(
-                sql.SQL(_Q["all_rows"]).format(table=queue_table(info.name))
-            ).fetchall()
-            load_block(sec, qidx, info, rows, held_slots(conn, info.id))
+            load_block(sec, qidx, info, conn)
             logger.info(
                 "ringq: queue %s loaded into the section (%d slots)", info.name, info.capacity
             )

@@ -501,7 +501,9 @@ class Ring(RingScan):
         keep_locked: bool,
         held: list[tuple[int, int]] | None = None,
         groups: Sequence[tuple[int, str]] = (),
+        offered: Sequence[tuple[int, int]] = (),
     ) -> None:
         """Set head, tail and the bitmaps from the rows (``SELECT slot, state, seq``),
         and the group tags from ``groups`` (see :func:`._load.load_rows`)."""
-        load_rows(self, slots, states, seqs, keep_locked=keep_locked, held=held, groups=groups)
+        load_rows(self, slots, states, seqs, keep_locked=keep_locked, held=held, groups=groups,
+                  offered=offered)

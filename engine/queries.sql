@@ -228,6 +228,14 @@ SELECT slot, state, seq, CASE WHEN state = 1 THEN msg_group END FROM {table}
 SELECT l.slot, l.seq FROM ringq.tpc_log l JOIN pg_prepared_xacts p ON p.gid = l.gid
 WHERE l.queue_id = %s
 
+-- offered_slots --
+-- (slot, seq) of the entries set aside for SQL consumers in one queue (ringq.dequeue).
+SELECT slot, seq FROM ringq.offers WHERE queue_id = %s
+
+-- has_offers --
+-- Whether the schema has SQL consumers' table (a database made before has none).
+SELECT to_regclass('ringq.offers') IS NOT NULL
+
 -- prepared_slots --
 -- (queue id, slot) of every prepared two-phase transaction's slots.
 SELECT l.queue_id, l.slot FROM ringq.tpc_log l JOIN pg_prepared_xacts p ON p.gid = l.gid
@@ -326,3 +334,61 @@ LISTEN {channel}
 
 -- notify_event --
 SELECT pg_notify(%s, %s)
+
+-- offers_queues --
+-- The queues with entries set aside for SQL consumers (ringq.dequeue).
+SELECT DISTINCT queue_id FROM ringq.offers
+
+-- offers_state --
+-- What became of the entries set aside for SQL consumers: the row's state at
+-- that seq (NULL: the row holds another seq now), and whether a take of it did
+-- not commit (a rolled-back update leaves its xid in xmax; a live take holds
+-- the row locked and is told apart by FOR UPDATE SKIP LOCKED in offers_strike).
+SELECT o.seq, o.slot, CASE WHEN r.seq = o.seq THEN r.state END, r.xmax <> '0'::xid
+FROM ringq.offers o LEFT JOIN {table} r ON r.slot = o.slot
+WHERE o.queue_id = %s
+ORDER BY o.seq
+
+-- offers_aborted --
+-- The set-aside entries whose last take did not commit and that no take holds
+-- now (a live take's lock makes SKIP LOCKED pass it), locked for the strike
+-- that follows in the same transaction.
+SELECT slot, seq FROM {table}
+WHERE slot = ANY(%s::integer[]) AND seq = ANY(%s::bigint[]) AND state = 1 AND xmax <> '0'::xid
+FOR UPDATE SKIP LOCKED
+
+-- offers_clean --
+-- The struck rows written again (same values) in a transaction of their own:
+-- the strike's row lock lives on in the version it wrote (PostgreSQL keeps a
+-- transaction's lock on the row it then updates), and a set-aside row must show
+-- xmax 0 unless a take of it did not commit. No take waits here: takers pass
+-- rows with a non-zero xmax.
+UPDATE {table} SET state = state
+WHERE slot = ANY(%s::integer[]) AND seq = ANY(%s::bigint[]) AND state = 1 AND xmax <> '0'::xid
+
+-- offers_add --
+-- Set entries aside for SQL consumers. A row whose xmax is left over from a
+-- linked client's rollback is written again first (same values), so that a
+-- non-zero xmax on a set-aside row always means a SQL take that did not commit.
+WITH f AS (
+    UPDATE {table} SET state = state
+    WHERE slot = ANY(%(slots)s::integer[]) AND seq = ANY(%(seqs)s::bigint[]) AND state = 1
+      AND xmax <> '0'::xid
+    RETURNING 1
+)
+INSERT INTO ringq.offers (queue_id, seq, slot)
+SELECT %(queue_id)s, s.seq, s.slot
+FROM unnest(%(seqs)s::bigint[], %(slots)s::integer[]) AS s(seq, slot)
+ON CONFLICT DO NOTHING
+
+-- offers_drop --
+DELETE FROM ringq.offers WHERE queue_id = %s AND seq = ANY(%s::bigint[])
+
+-- offers_quiet --
+-- Taking back entries set aside for SQL consumers (none asked for a while):
+-- only while no SQL dequeue of the queue is under way (ringq.dequeue holds
+-- this lock, shared, for its transaction), so none can take them after.
+SELECT pg_try_advisory_xact_lock(hashtext('ringq.dequeue'), %s)
+
+-- offers_ready --
+SELECT pg_notify('ringq_ready', %s)

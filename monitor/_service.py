@@ -49,6 +49,7 @@ from ._recover import RecoverBackends, RecoverClients, RepairLocks, ResolvePrepa
 from ._sample import History
 from ._sampler import Sampler
 from ._section import Attachment, Heartbeat
+from ._sql_consumers import SqlConsumers
 from ._statefile import remove_state_file, write_state_file
 from ._step import Step, StepRunner
 from ._t4 import T4Writer
@@ -124,6 +125,8 @@ class Monitor:
         ]
         # Between samples, when a NOTIFY (or a reclaim) says the inbox has entries:
         self._pump = Pump(inbox, settings, note, retry_full=False)
+        # The SQL consumers' agent (ringq.dequeue): a thread of its own, see _sql_consumers.
+        self._sql = SqlConsumers(settings, att, note)
         self._docs = Documents(Sources(
             settings=settings, running=lambda: self.running, started=lambda: self._started_t,
             attachment=att, link=link, runner=self._runner, recover=recover, leases=leases,
@@ -172,6 +175,7 @@ class Monitor:
         self._running = True
         self._thread = threading.Thread(target=self._run, name="ringq-monitor", daemon=True)
         self._thread.start()
+        self._sql.start()
         self._write_state_file()
         sec = self._attachment.section
         self.note(
@@ -188,6 +192,7 @@ class Monitor:
         if not self._running:
             return
         self._stop.set()
+        self._sql.stop(timeout)
         if self._thread is not None:
             self._thread.join(timeout)
             self._thread = None

@@ -223,6 +223,104 @@ BEGIN
 END
 $ringq$;
 
+-- SQL consumers (ringq.dequeue, for other hosts and languages). SQL cannot
+-- touch the global section, so the section's agent (the monitor) sets ready
+-- entries aside for them: it locks their slots in the section for the SQL
+-- path, so linked clients read past them, and lists them here. A SQL consumer
+-- takes listed entries by updating their ring rows, as a linked consumer
+-- does, in its own transaction: consumed iff that transaction commits. The
+-- agent reads what became of them from the rows: consumed (state 2) it
+-- unlists and finishes; a take that did not commit leaves its xid in the
+-- row's xmax (PostgreSQL keeps it on a row whose update rolled back), which
+-- takers pass over and the agent counts as a delivery (the strike) before
+-- the entry is taken again.
+CREATE TABLE IF NOT EXISTS ringq.offers (
+    queue_id integer NOT NULL,
+    seq      bigint  NOT NULL,
+    slot     integer NOT NULL,
+    PRIMARY KEY (queue_id, seq)
+);
+
+-- ringq.dequeue(queue, max_n): up to max_n entries, oldest first, consumed if
+-- and only if the caller's transaction commits (a rollback, a failed statement
+-- or a dead connection gives them back, counted as a delivery). single: one
+-- SQL dequeuer at a time (a second gets nothing, as a second linked dequeuer
+-- does), in order; shared: consumers read past entries others hold. Nothing
+-- set aside (no agent running, or none asked yet): no rows, and a NOTIFY on
+-- ringq_want, delivered at commit, asks the agent for some; the agent's
+-- NOTIFY on ringq_ready (payload: the queue's name) says when there are.
+CREATE OR REPLACE FUNCTION ringq.dequeue(queue text, max_n integer DEFAULT 1)
+RETURNS TABLE (seq bigint, payload bytea, producer text, producer_seq bigint,
+               deliveries integer, msg_group text, enqueued_at timestamptz)
+LANGUAGE plpgsql
+AS $ringq$
+#variable_conflict use_column
+DECLARE
+    q   ringq.queues;
+    got bigint;
+BEGIN
+    SELECT * INTO q FROM ringq.queues WHERE name = queue;
+    IF NOT FOUND THEN
+        RAISE EXCEPTION 'ringq: queue "%" does not exist', queue USING ERRCODE = 'undefined_object';
+    END IF;
+    IF max_n IS NULL OR max_n < 1 OR max_n > 10000 THEN
+        RAISE EXCEPTION 'ringq: max_n must be 1 to 10000, not %', max_n
+            USING ERRCODE = 'invalid_parameter_value';
+    END IF;
+    IF q.dequeue_mode = 'single' THEN
+        -- One SQL dequeuer at a time; it takes the set-aside entries in order
+        -- and stops before the first whose last take did not commit (the agent
+        -- counts that delivery first), so the order holds across rollbacks.
+        IF NOT pg_try_advisory_xact_lock(hashtext('ringq.dequeue'), q.id) THEN
+            RETURN;
+        END IF;
+        RETURN QUERY EXECUTE format($sql$
+            WITH c AS (
+                SELECT r.slot, r.seq, r.xmax <> '0'::xid AS touched
+                FROM ringq.offers o JOIN ringq.%1$I r ON r.slot = o.slot
+                WHERE o.queue_id = $1 AND r.seq = o.seq AND r.state = 1
+                ORDER BY o.seq LIMIT $2
+            ), t AS (
+                SELECT r.slot FROM ringq.%1$I r JOIN c ON r.slot = c.slot AND r.seq = c.seq
+                WHERE c.seq < coalesce((SELECT min(c2.seq) FROM c c2 WHERE c2.touched),
+                                       9223372036854775807)
+                FOR UPDATE OF r
+            ), u AS (
+                UPDATE ringq.%1$I r SET state = 2, deq_at = now(), deq_user = current_user
+                FROM t WHERE r.slot = t.slot AND r.state = 1
+                RETURNING r.seq, r.payload, r.producer, r.producer_seq, r.deliveries + 1,
+                          r.msg_group, r.enq_at
+            )
+            SELECT * FROM u ORDER BY 1 $sql$, 'q_' || q.name)
+        USING q.id, max_n;
+    ELSE
+        -- Shared with the other takers; the agent takes it alone to take entries
+        -- back, so that no take under way can see them after.
+        PERFORM pg_advisory_xact_lock_shared(hashtext('ringq.dequeue'), q.id);
+        RETURN QUERY EXECUTE format($sql$
+            WITH t AS (
+                SELECT r.slot
+                FROM ringq.offers o JOIN ringq.%1$I r ON r.slot = o.slot
+                WHERE o.queue_id = $1 AND r.seq = o.seq AND r.state = 1 AND r.xmax = '0'::xid
+                ORDER BY o.seq LIMIT $2
+                FOR UPDATE OF r SKIP LOCKED
+            ), u AS (
+                UPDATE ringq.%1$I r SET state = 2, deq_at = now(), deq_user = current_user
+                FROM t WHERE r.slot = t.slot AND r.state = 1
+                RETURNING r.seq, r.payload, r.producer, r.producer_seq, r.deliveries + 1,
+                          r.msg_group, r.enq_at
+            )
+            SELECT * FROM u ORDER BY 1 $sql$, 'q_' || q.name)
+        USING q.id, max_n;
+    END IF;
+    GET DIAGNOSTICS got = ROW_COUNT;
+    IF got = 0 THEN
+        PERFORM pg_notify('ringq_want', queue);
+    END IF;
+    RETURN;
+END
+$ringq$;
+
 -- ringq.expect_rows(got, want, queue): the guard of the engine's deferred row
 -- writes. A linked client keeps an enqueue's row write until its commit and
 -- sends it as a statement that ends in this call: when the guarded UPDATE
@@ -410,5 +508,11 @@ DO $ringq$ BEGIN PERFORM pg_advisory_xact_lock(hashtext('ringq.ddl')); END $ring
 DELETE FROM ringq.keys WHERE queue_id = (SELECT id FROM ringq.queues WHERE name = {name});
 DELETE FROM ringq.inbox WHERE queue_id = (SELECT id FROM ringq.queues WHERE name = {name});
 DELETE FROM ringq.exceptions WHERE queue_id = (SELECT id FROM ringq.queues WHERE name = {name});
+-- (ringq.offers: a schema older than SQL consumers has none)
+DO $ringq$ BEGIN
+    IF to_regclass('ringq.offers') IS NOT NULL THEN
+        DELETE FROM ringq.offers WHERE queue_id = (SELECT id FROM ringq.queues WHERE name = {name});
+    END IF;
+END $ringq$;
 DELETE FROM ringq.queues WHERE name = {name};
 DROP TABLE IF EXISTS {table};

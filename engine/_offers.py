@@ -1,0 +1,309 @@
+"""The SQL path's agent: it sets ready entries aside for SQL consumers
+(``ringq.dequeue``, for other hosts and languages) and decides them from the rows.
+
+SQL cannot reach the global section, so a linked process (the monitor) acts
+for SQL consumers. :class:`SqlAgent` claims ready entries in the section under
+the owner ``OWNER_SQL`` (linked clients read past them, as past any locked
+entry) and lists them in ``ringq.offers``; ``ringq.dequeue`` takes listed
+entries by updating their ring rows in the caller's transaction, as a linked
+dequeue does. On each pass the agent reads the rows back:
+
+- consumed (state 2, committed): unlisted and finished in the section;
+- a take that did not commit (the row's ``xmax`` holds its xid, and no take
+  holds the row now): struck, as a linked rollback is (``deliveries + 1``;
+  at ``max_deliveries`` the entry moves to the exceptions), and offered again
+  at its place; takers pass such a row until then, so a delivery is never
+  missed by a take that came first;
+- untaken while no SQL consumer asked for :data:`DEMAND_S`: taken back (under
+  an advisory lock every take holds shared, so no take under way can still
+  see them) and given back to linked consumers.
+
+The rows decide: a section rebuilt from them locks the listed entries for
+SQL again (``load_rows(offered=...)``); entries locked for SQL but not listed
+(the agent died between its claim and its insert) are given back.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import psycopg
+from psycopg import sql
+
+from . import _layout as L
+from ._decide import load_queue
+from ._names import queue_table
+from ._ops import POISON_REASON, OpKind, RowState
+from ._queries import QUERIES as _Q
+from ._queue_info import QueueInfo
+from ._recovery import _queue_infos
+from ._ring import Ring
+from ._section import Section
+
+logger = logging.getLogger("ringq.sql")
+
+OFFER_LOW = 64  # set more aside when fewer than this wait untaken
+OFFER_BATCH = 256  # at most this many set aside per queue and pass
+DEMAND_S = 5.0  # a queue keeps entries set aside this long after its last ask or take
+SCAN_S = 1.0  # how often an idle agent looks for queues with entries set aside
+WANT_CHANNEL = "ringq_want"  # ringq.dequeue() found nothing: payload, the queue's name
+READY_CHANNEL = "ringq_ready"  # the agent set entries aside: payload, the queue's name
+
+
+@dataclass
+class AgentFigures:
+    """What the agent did since it started."""
+
+    offered: int = 0
+    taken: int = 0
+    struck: int = 0
+    poisoned: int = 0
+    withdrawn: int = 0
+    given_back: int = 0  # locked for SQL but not listed (an agent died mid-offer)
+
+    def as_dict(self) -> dict[str, int]:
+        return dict(self.__dict__)
+
+
+@dataclass
+class SqlAgent:
+    """One database's agent for SQL consumers; :meth:`run` is one pass, on an
+    autocommit connection of the database whose section ``sec`` is."""
+
+    clock: Callable[[], float] = time.monotonic
+    figures: AgentFigures = field(default_factory=AgentFigures)
+    _asked: dict[str, float] = field(default_factory=dict)  # queue name -> last ask or take
+    _listed: set[int] = field(default_factory=set)  # queue ids with entries set aside
+    _scanned: float = float("-inf")
+    _infos: dict[int, QueueInfo] = field(default_factory=dict)
+
+    def forget(self) -> None:
+        """Look at every queue again on the next pass (a new connection: asks
+        sent while there was none are lost)."""
+        self._scanned = float("-inf")
+
+    def asked(self, queue: str) -> None:
+        """A SQL consumer found nothing in ``queue`` (its NOTIFY on ``ringq_want``)."""
+        self._asked[queue] = self.clock()
+
+    def run(self, sec: Section, conn: psycopg.Connection[Any]) -> bool:
+        """One pass over the queues SQL consumers use; True while one of them
+        is busy (set-aside entries or recent asks: come back soon)."""
+        now = self.clock()
+        wanted = {n for n, t in self._asked.items() if now - t < DEMAND_S}
+        if now - self._scanned >= SCAN_S:
+            self._listed = {int(r[0]) for r in conn.execute(_Q["offers_queues"]).fetchall()}
+            self._scanned = now
+            self._infos = _queue_infos(conn)
+            self._reconcile_all(sec)
+        if wanted and not {i.name for i in self._infos.values()} >= wanted:
+            self._infos = _queue_infos(conn)
+        busy = False
+        for info in list(self._infos.values()):
+            if info.id in self._listed or info.name in wanted:
+                busy |= self._pass_queue(sec, conn, info, info.name in wanted)
+        for name in [n for n, t in self._asked.items() if now - t >= DEMAND_S]:
+            del self._asked[name]
+        return busy
+
+    # -- one queue --------------------------------------------------------------------
+
+    def _pass_queue(
+        self, sec: Section, conn: psycopg.Connection[Any], info: QueueInfo, wanted: bool
+    ) -> bool:
+        qidx = sec.find_queue(info.id)
+        if qidx is None:
+            qidx = load_queue(sec, conn, info)
+        ring = Ring(sec, qidx)
+        table = queue_table(info.name)
+        rows = conn.execute(sql.SQL(_Q["offers_state"]).format(table=table), (info.id,)).fetchall()
+        done: list[tuple[int, int]] = []  # consumed, or no longer at that seq
+        aborted: list[tuple[int, int]] = []
+        waiting = 0
+        for seq, slot, state, touched in rows:
+            if state is None or state != RowState.QUEUED:
+                done.append((slot, seq))
+            elif touched:
+                aborted.append((slot, seq))
+            else:
+                waiting += 1
+        poisoned = self._strike(conn, info, table, aborted) if aborted else []
+        if done or poisoned:
+            self._finish(sec, ring, info, done + poisoned)
+            conn.execute(_Q["offers_drop"], (info.id, [s for _slot, s in done + poisoned]))
+            self.figures.taken += len(done)
+            self._asked[info.name] = self.clock()
+            wanted = True
+        listed = len(rows) - len(done) - len(poisoned)
+        if wanted and waiting < OFFER_LOW:
+            listed += self._offer(sec, conn, ring, info)
+        elif not wanted and waiting:
+            listed -= self._withdraw(sec, conn, ring, info, table)
+        if listed > 0:
+            self._listed.add(info.id)
+        else:
+            self._listed.discard(info.id)
+        return wanted or listed > 0
+
+    def _strike(
+        self, conn: psycopg.Connection[Any], info: QueueInfo, table: sql.Composable,
+        aborted: list[tuple[int, int]],
+    ) -> list[tuple[int, int]]:
+        """Count the deliveries of takes that did not commit; returns the
+        entries that reached ``max_deliveries`` (moved to the exceptions)."""
+        slots = [s for s, _q in aborted]
+        seqs = [q for _s, q in aborted]
+        with conn.transaction():
+            free = conn.execute(
+                sql.SQL(_Q["offers_aborted"]).format(table=table), (slots, seqs)
+            ).fetchall()
+            if not free:
+                return []  # all still held by live takes
+            struck = conn.execute(sql.SQL(_Q["strike"]).format(table=table), {
+                "max_deliveries": info.max_deliveries,
+                "slots": [int(r[0]) for r in free],
+                "seqs": [int(r[1]) for r in free],
+                "queue_id": info.id,
+                "reason": POISON_REASON,
+            }).fetchall()
+        again = [r for r in struck if r[2] == RowState.QUEUED]
+        if again:
+            conn.execute(sql.SQL(_Q["offers_clean"]).format(table=table),
+                         ([int(r[0]) for r in again], [int(r[1]) for r in again]))
+        self.figures.struck += len(struck)
+        out = [(int(r[0]), int(r[1])) for r in struck if r[2] == RowState.CONSUMED]
+        self.figures.poisoned += len(out)
+        return out
+
+    def _finish(
+        self, sec: Section, ring: Ring, info: QueueInfo, done: list[tuple[int, int]]
+    ) -> None:
+        """Finish consumed entries in the section; wake blocked enqueuers."""
+        exclusive = info.dequeue_mode == "single"
+        sec.lock_queue(ring.qidx)
+        try:
+            for slot, seq in done:
+                if ring.held_by(slot, L.OWNER_SQL) and ring.seq_of(slot) == seq:
+                    ring.finish_dequeue(slot, consumed=True, exclusive=exclusive, reclaim=False)
+            freed = ring.reclaim()
+            space = min(freed, ring.waiters(OpKind.ENQUEUE))
+            ready = self._role_freed(ring, exclusive)
+        finally:
+            sec.unlock_queue(ring.qidx)
+        if space:
+            sec.post(ring.qid, "s", space)
+        if ready:
+            sec.post(ring.qid, "r", ready)
+
+    @staticmethod
+    def _role_freed(ring: Ring, exclusive: bool) -> int:
+        """Linked dequeuers to wake when the SQL path let go of a ``single``
+        queue's dequeuer role (it has nothing set aside any more)."""
+        if not exclusive or ring.role_owner() != 0:
+            return 0
+        return min(1, ring.waiters(OpKind.DEQUEUE))
+
+    def _offer(
+        self, sec: Section, conn: psycopg.Connection[Any], ring: Ring, info: QueueInfo
+    ) -> int:
+        """Set up to :data:`OFFER_BATCH` ready entries aside; returns how many."""
+        exclusive = info.dequeue_mode == "single"
+        sec.lock_queue(ring.qidx)
+        try:
+            if exclusive and ring.role_owner() not in (0, L.OWNER_SQL):
+                return 0  # a linked dequeuer holds the role
+            if exclusive and ring.role_owner() == 0 and ring.waiters(OpKind.DEQUEUE):
+                return 0  # linked dequeuers wait: the role goes to them first
+            slots, seqs = ring.claim_batch(L.OWNER_SQL, 0, OFFER_BATCH, exclusive=exclusive)
+        finally:
+            sec.unlock_queue(ring.qidx)
+        if not slots.size:
+            return 0
+        try:
+            with conn.transaction():
+                conn.execute(sql.SQL(_Q["offers_add"]).format(table=queue_table(info.name)), {
+                    "queue_id": info.id, "slots": slots.tolist(), "seqs": seqs.tolist(),
+                })
+                conn.execute(_Q["offers_ready"], (info.name,))
+        except BaseException:
+            self._give_back(sec, ring, info, list(zip(slots.tolist(), seqs.tolist(), strict=True)))
+            raise
+        self.figures.offered += int(slots.size)
+        return int(slots.size)
+
+    def _withdraw(
+        self, sec: Section, conn: psycopg.Connection[Any], ring: Ring, info: QueueInfo,
+        table: sql.Composable,
+    ) -> int:
+        """Take back untaken entries of a queue no SQL consumer asked for lately;
+        returns how many."""
+        with conn.transaction():
+            got = conn.execute(_Q["offers_quiet"], (info.id,)).fetchone()
+            if not got or not got[0]:
+                return 0  # a take is under way: later
+            # Read again under the lock: a take may have committed since.
+            rows = conn.execute(
+                sql.SQL(_Q["offers_state"]).format(table=table), (info.id,)
+            ).fetchall()
+            back = [(int(slot), int(seq)) for seq, slot, state, touched in rows
+                    if state == RowState.QUEUED and not touched]
+            if not back:
+                return 0
+            conn.execute(_Q["offers_drop"], (info.id, [q for _s, q in back]))
+        self._give_back(sec, ring, info, back)
+        self.figures.withdrawn += len(back)
+        return len(back)
+
+    def _give_back(
+        self, sec: Section, ring: Ring, info: QueueInfo, entries: list[tuple[int, int]]
+    ) -> int:
+        """Make entries locked for SQL ready for linked consumers again (no
+        delivery counted: none took them)."""
+        exclusive = info.dequeue_mode == "single"
+        n = 0
+        sec.lock_queue(ring.qidx)
+        try:
+            for slot, seq in entries:
+                if ring.held_by(slot, L.OWNER_SQL) and ring.seq_of(slot) == seq:
+                    ring.finish_dequeue(slot, consumed=False, exclusive=exclusive)
+                    # Not a dequeue nor a rollback: take back what the claim and
+                    # the finish counted.
+                    ring.Q[ring.qb + L.Q_N_DEQ] -= 1
+                    ring.Q[ring.qb + L.Q_N_DEQ_ROLLBACK] -= 1
+                    n += 1
+            wake = min(n, ring.waiters(OpKind.DEQUEUE))
+        finally:
+            sec.unlock_queue(ring.qidx)
+        if wake:
+            sec.post(ring.qid, "r", wake)
+        return n
+
+    def _reconcile_all(self, sec: Section) -> None:
+        """Give back entries locked for SQL in a queue with none listed (an
+        agent that died between its claim and its insert)."""
+        listed_ids = self._listed
+        for qidx in sec.loaded_queues():
+            ring = Ring(sec, qidx)
+            if ring.qid in listed_ids:
+                continue
+            info = self._infos.get(ring.qid)
+            if info is None:
+                continue
+            sec.lock_queue(qidx)
+            try:
+                owners = sec.owner[ring.base : ring.base + ring.cap]
+                cand = np.flatnonzero(owners == L.OWNER_SQL)
+                lost = [(int(s), ring.seq_of(int(s))) for s in cand
+                        if ring.held_by(int(s), L.OWNER_SQL)]
+            finally:
+                sec.unlock_queue(qidx)
+            if lost:
+                # Nothing listed, so no take can hold them (a take needs the listing).
+                self.figures.given_back += self._give_back(sec, ring, info, lost)
+                logger.warning("ringq: %d entries of queue %s locked for SQL consumers "
+                               "but not listed were given back", len(lost), info.name)
