@@ -10,10 +10,9 @@ from typing import Any
 
 import psycopg
 import pytest
+from conftest import present, wait_for
 from ringq.engine import connect
 from ringq.monitor import Monitor, MonitorConfig
-
-from conftest import present, wait_for
 
 FAST = 0.2
 
