@@ -52,7 +52,7 @@ def sql_take(conn: psycopg.Connection[Any], queue: str, n: int = 1,
     while True:
         rows = conn.execute("SELECT * FROM ringq.dequeue(%s, %s)", (queue, n)).fetchall()
         if rows or time.monotonic() > deadline:
-            return [tuple(r) for r in rows]  # type: ignore[misc]
+            return [tuple(r) for r in rows]
         if not conn.autocommit:
             conn.commit()  # the ask (NOTIFY) goes out at commit
         time.sleep(0.005)
