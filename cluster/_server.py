@@ -406,14 +406,21 @@ def admin(port: int, *, timeout: int = 10) -> AbstractContextManager[psycopg.Con
     return pg.connected(dsn_of(port, "postgres"), connect_timeout=timeout)
 
 
-def _lingers(pid: int) -> bool:
-    """Whether a dead postmaster's ``pid`` still exists: as a zombie, or still dying."""
+def _exists(pid: int) -> bool:
+    """Whether ``pid`` names a process, ours or another user's, a zombie included."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
     except PermissionError:
-        pass
+        pass  # alive, another user's
+    return True
+
+
+def _lingers(pid: int) -> bool:
+    """Whether a dead postmaster's ``pid`` still exists: as a zombie, or still dying."""
+    if not _exists(pid):
+        return False
     try:
         fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     except (OSError, IndexError):
@@ -441,12 +448,8 @@ def _processes_in(directory: Path) -> list[int]:
 
 
 def _is_postmaster(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
+    if not _exists(pid):
         return False
-    except PermissionError:
-        pass  # alive, another user's
     try:
         cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
     except FileNotFoundError:

@@ -62,7 +62,7 @@ from ._shm import (
     tidy_sections,
 )
 from ._trace import enable_trace
-from ._validate import check_group, validate_int, validate_seconds
+from ._validate import check_group, is_finite_number, validate_int, validate_seconds
 
 __all__ = [
     "DEFAULT_LEASE",
@@ -111,6 +111,7 @@ __all__ = [
     "dsn_file",
     "enable_trace",
     "from_psycopg",
+    "is_finite_number",
     "one_line",
     "pid_alive",
     "publish",

@@ -357,25 +357,6 @@ class Ring(RingScan):
                             exclusive=exclusive, enq_at_us=enq_at_us)
 
 
-    # -- payload cache ---------------------------------------------------------------
-
-    def cache_put(
-        self,
-        slot: int,
-        seq: int,
-        payload: bytes,
-        producer: bytes,
-        producer_seq: int,
-        enq_at_us: int,
-        group: bytes | None = None,
-    ) -> bool:
-        """Write the cache record of ``slot``'s new entry (see :meth:`PayloadCache.put`)."""
-        return self.cache.put(slot, seq, payload, producer, producer_seq, enq_at_us, group)
-
-    def cache_get(self, slot: int, seq: int) -> Cached | None:
-        """Entry ``seq`` from ``slot``'s cache record, or None (see :meth:`PayloadCache.get`)."""
-        return self.cache.get(slot, seq)
-
     # -- counters and waiters ---------------------------------------------------------
 
     def record_latency(self, kind: OpKind, ns: int, n: int = 1) -> None:

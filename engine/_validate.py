@@ -5,11 +5,19 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable
+from typing import TypeGuard
 
 from ._errors import ConfigError, InvalidArgument, InvalidArgumentType
 
 MAX_KEY_BYTES = 1000  # an idempotency key, UTF-8 encoded
 MAX_GROUP_BYTES = 128  # a group name, UTF-8 encoded (ringq.engine.layout.GROUP_BYTES)
+
+
+def is_finite_number(value: object) -> TypeGuard[int | float]:
+    """Whether ``value`` is a finite int or float: a bool is refused (it is an
+    int to Python, but never a number of seconds or a rate here), and so are
+    NaN and the infinities."""
+    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
 
 
 def validate_seconds(what: str, value: object, low: float, high: float) -> None:
@@ -18,12 +26,7 @@ def validate_seconds(what: str, value: object, low: float, high: float) -> None:
     :raises ConfigError: ``value`` is not a finite int or float (bools are
         refused) or lies outside the range; the message names ``what``.
     """
-    if (
-        isinstance(value, bool)
-        or not isinstance(value, int | float)
-        or not math.isfinite(value)
-        or not low <= value <= high
-    ):
+    if not is_finite_number(value) or not low <= value <= high:
         raise ConfigError(f"{what} must be a number from {low:g} to {high:g}, not {value!r}")
 
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 import psycopg
@@ -60,17 +60,11 @@ class Holder:
         return (self.kind, self.pid, self.xact_start, self.gid)
 
     def as_dict(self) -> dict[str, Any]:
-        return {
-            "kind": self.kind,
-            "pid": self.pid,
-            "application": self.application,
-            "user": self.user,
-            "state": self.state,
+        """The fields in their order, the times rounded to the millisecond."""
+        return asdict(self) | {
             "xact_start": None if self.xact_start is None else round(self.xact_start, 3),
             "query_start": None if self.query_start is None else round(self.query_start, 3),
             "age_s": round(self.age_s, 3),
-            "xid_age": self.xid_age,
-            "gid": self.gid,
         }
 
 

@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import math
 import re
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from ringq.engine import MAX_CAPACITY, ConfigError, validate_int
+from ringq.engine import MAX_CAPACITY, ConfigError, is_finite_number, validate_int
 
 from ._payload import MIN_PAYLOAD
 
@@ -98,10 +97,7 @@ class RegressConfig:
         if (
             not isinstance(ci, tuple)
             or len(ci) != 2
-            or any(
-                isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v)
-                for v in ci
-            )
+            or not all(is_finite_number(v) for v in ci)
             or not 0 < ci[0] <= ci[1]
         ):
             raise ConfigError(
@@ -134,12 +130,7 @@ class RegressConfig:
                 raise ConfigError(f"{name} must be a number from 0 to below 1, not {v!r}")
         for name in ("enqueue_timeout", "stall_timeout"):
             v = getattr(self, name)
-            if (
-                isinstance(v, bool)
-                or not isinstance(v, int | float)
-                or not math.isfinite(v)
-                or v <= 0
-            ):
+            if not is_finite_number(v) or v <= 0:
                 raise ConfigError(f"{name} must be a positive number of seconds, not {v!r}")
         if self.filler not in FILLERS:
             raise ConfigError(f"filler must be one of {', '.join(FILLERS)}, not {self.filler!r}")

@@ -10,10 +10,10 @@ its sample carries no group figures, and no table grows a column for them.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping
 from typing import Any
 
+from ringq.engine import is_finite_number
 from ringq.engine import metrics as M
 
 
@@ -32,7 +32,7 @@ def groups_line(queue: Mapping[str, Any]) -> str | None:
 
 
 def _number(v: object) -> float | None:
-    if isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v):
+    if not is_finite_number(v):
         return None
     return float(v)
 

@@ -7,7 +7,6 @@ what runs.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -19,6 +18,7 @@ from ringq.engine import (
     ConfigError,
     QueueNotFound,
     Section,
+    is_finite_number,
     pg,
     queue_table,
     validate_queue_name,
@@ -80,22 +80,13 @@ class QueueSpec:
             raise ConfigError(
                 f"dequeue_mode must be 'single' or 'shared', not {self.dequeue_mode!r}"
             )
-        if (
-            isinstance(self.full_timeout, bool)
-            or not isinstance(self.full_timeout, int | float)
-            or not math.isfinite(self.full_timeout)
-            or not 0 <= self.full_timeout <= MAX_FULL_TIMEOUT
-        ):
+        timeout = self.full_timeout
+        if not is_finite_number(timeout) or not 0 <= timeout <= MAX_FULL_TIMEOUT:
             raise ConfigError(
                 f"full_timeout must be a number of seconds from 0 to {MAX_FULL_TIMEOUT:g}, "
                 f"not {self.full_timeout!r}"
             )
-        if (
-            isinstance(self.lease, bool)
-            or not isinstance(self.lease, int | float)
-            or not math.isfinite(self.lease)
-            or not 0 <= self.lease <= MAX_LEASE
-        ):
+        if not is_finite_number(self.lease) or not 0 <= self.lease <= MAX_LEASE:
             raise ConfigError(
                 f"lease must be a number of seconds from 0 to {MAX_LEASE:g} (0: none), "
                 f"not {self.lease!r}"

@@ -16,7 +16,7 @@
 And the helpers that several test modules share (``from conftest import ...``):
 :func:`present`, :func:`wait_for`, :func:`drain`, :func:`queue_in`,
 :func:`remove_section`, :func:`fresh_database`, :func:`terminate_backend`,
-:func:`activity_of`,
+:func:`activity_of`, :func:`make_stale`,
 :func:`cli`, :func:`closed_port`, :func:`prepared_gids`, :func:`decided_gids`
 and :class:`MonitorProcess`.
 """
@@ -44,7 +44,8 @@ import pytest
 from psycopg import pq, sql
 from ringq.cli import main
 from ringq.cluster import Cluster
-from ringq.engine import Message, connect, sections_on_host
+from ringq.engine import Message, Session, connect, sections_on_host
+from ringq.engine import layout as L
 from ringq.scripting import QueueSpec, create_queue
 from ringq.scripting import remove_section as remove_section_of
 
@@ -264,6 +265,14 @@ def terminate_backend(dsn: str, pid: int) -> None:
             admin.execute("SELECT count(*) FROM pg_stat_activity WHERE pid = %s", (pid,)).fetchone()
         )[0]:
             time.sleep(0.01)
+
+
+def make_stale(s: Session, queue: str) -> None:
+    """Move the queue's block back to seq 0, as a section restored from an old copy would be."""
+    ring = s.ring(queue)
+    s.section.queues[ring.qb + L.Q_HEAD] = 0
+    s.section.queues[ring.qb + L.Q_TAIL] = 0
+    s.section.enq[ring.w0 : ring.w0 + (ring.cap + 63) // 64] = 0
 
 
 def activity_of(dsn: str, pid: int, columns: LiteralString) -> tuple[Any, ...]:

@@ -21,10 +21,9 @@ from typing import Any
 
 import psycopg
 import pytest
-from conftest import activity_of, drain, present, round_trips, wire_trace
+from conftest import activity_of, drain, make_stale, present, round_trips, wire_trace
 from psycopg import pq, sql
 from ringq.engine import Session, StaleSection, TransactionError, connect
-from ringq.engine import layout as L
 from ringq.engine.recovery import (
     end_holders,
     overdue_holders,
@@ -72,14 +71,6 @@ def warm(s: Session, *queues: str) -> None:
         s.queue_info(q)
         s.ring(q)
     s.commit()
-
-
-def make_stale(s: Session, queue: str) -> None:
-    """Move the queue's block back to seq 0, as a section restored from an old copy would be."""
-    ring = s.ring(queue)
-    s.section.queues[ring.qb + L.Q_HEAD] = 0
-    s.section.queues[ring.qb + L.Q_TAIL] = 0
-    s.section.enq[ring.w0 : ring.w0 + (ring.cap + 63) // 64] = 0
 
 
 @pytest.fixture

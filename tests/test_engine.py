@@ -13,7 +13,15 @@ from typing import Any
 
 import psycopg
 import pytest
-from conftest import activity_of, decided_gids, drain, prepared_gids, present, terminate_backend
+from conftest import (
+    activity_of,
+    decided_gids,
+    drain,
+    make_stale,
+    prepared_gids,
+    present,
+    terminate_backend,
+)
 from ringq.engine import (
     DatabaseUnavailable,
     InDoubt,
@@ -494,10 +502,7 @@ def test_psycopg_errors_of_side_connections_are_converted(
             s.enqueue(q, b"x")  # loading the queue into the section
         s.enqueue_many(q, [b"a", b"b"])
         s.commit()
-        ring = s.ring(q)
-        s.section.queues[ring.qb + L.Q_HEAD] = 0  # stale: the next commit must resync
-        s.section.queues[ring.qb + L.Q_TAIL] = 0
-        s.section.enq[ring.w0] = 0
+        make_stale(s, q)  # the next commit must resync
         s.enqueue(q, b"c")  # its row write goes with the commit
         with _no_new_connections(dsn), pytest.raises(DatabaseUnavailable):
             s.commit()  # rolled back (stale), then the resync of the section fails
@@ -607,10 +612,7 @@ def test_head_behind_rows_is_repaired_without_overwrite(
     with connect(dsn) as s:
         s.enqueue_many(q, [b"a", b"b", b"c"])
         s.commit()
-        ring = s.ring(q)
-        s.section.queues[ring.qb + L.Q_HEAD] = 0  # stale head: seq 0..2 are taken
-        s.section.queues[ring.qb + L.Q_TAIL] = 0
-        s.section.enq[ring.w0] = 0
+        make_stale(s, q)  # stale head: seq 0..2 are taken
         s.enqueue(q, b"d")  # reserves seq 0 again: its row write is refused at commit
         with pytest.raises(StaleSection):
             s.commit()
@@ -1020,9 +1022,7 @@ def test_client_entry_records_the_errors_it_hits_not_the_callers_sql(
         s.enqueue_many(q, [b"c", b"d"])
         s.commit()
         ring = s.ring(q)
-        sec.queues[ring.qb + L.Q_HEAD] = 0
-        sec.queues[ring.qb + L.Q_TAIL] = 0
-        sec.enq[ring.w0] = 0
+        make_stale(s, q)
         s.enqueue(q, b"e")
         with pytest.raises(StaleSection):
             s.commit()  # nothing committed; resynced: the retry goes through

@@ -82,6 +82,17 @@ def make_queue(dsn: str) -> str:
     return name
 
 
+@contextmanager
+def pair_with_queue(
+    home: Path, capsys: pytest.CaptureFixture[str], mode: str
+) -> Iterator[tuple[Cluster, str, str]]:
+    """A :func:`pair`, its multi-host DSN (``ringq db url --both``) and a new
+    queue made through it."""
+    with pair(home, capsys, mode) as cluster:
+        both = cluster.url(both=True)
+        yield cluster, both, make_queue(both)
+
+
 def kill_primary(cluster: Cluster) -> None:
     """kill -9 the primary's postmaster, and wait until it is gone."""
     pid = present(cluster.status().pid)
@@ -255,6 +266,19 @@ def replication_gap(cluster: Cluster) -> Iterator[None]:
         os.kill(walsender, signal.SIGKILL)  # the rest of the old primary
 
 
+def dequeues_lost_in_the_gap(
+    cluster: Cluster, capsys: pytest.CaptureFixture[str], session: Session, queue: str, n: int
+) -> None:
+    """Dequeue and commit ``n`` entries in a :func:`replication_gap` (on the
+    old primary alone), then ``ringq db promote``: those dequeues are lost."""
+    with replication_gap(cluster):
+        for _ in range(n):
+            present(session.dequeue(queue))
+            session.commit()
+    code, _, err = cli(capsys, "db", "promote", "--home", str(cluster.home))
+    assert code == 0, err
+
+
 def queued_in_table(dsn: str, queue: str) -> list[int]:
     """The payloads of the queue's queued rows, by seq: the database's truth."""
     with psycopg.connect(dsn) as conn:
@@ -269,9 +293,7 @@ def queued_in_table(dsn: str, queue: str) -> list[int]:
 def test_async_failover_loses_the_replication_gap_and_delivers_nothing_twice(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    with pair(tmp_path / "home", capsys, "--async") as cluster:
-        both = cluster.url(both=True)
-        queue = make_queue(both)
+    with pair_with_queue(tmp_path / "home", capsys, "--async") as (cluster, both, queue):
         idle = connect(both)
         producer = Producer(both, queue, pauses=(100, 150))
         producer.thread.start()
@@ -312,19 +334,12 @@ def test_async_failover_loses_the_replication_gap_and_delivers_nothing_twice(
 def test_async_failover_delivers_entries_whose_dequeue_was_lost_in_the_gap(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    with pair(tmp_path / "home", capsys, "--async") as cluster:
-        both = cluster.url(both=True)
-        queue = make_queue(both)
+    with pair_with_queue(tmp_path / "home", capsys, "--async") as (cluster, both, queue):
         with connect(both) as session:
             for n in range(20):
                 session.enqueue(queue, str(n).encode())
                 session.commit()
-            with replication_gap(cluster):
-                for _ in range(5):  # consumed on the old primary alone
-                    present(session.dequeue(queue))
-                    session.commit()
-            code, _, err = cli(capsys, "db", "promote", "--home", str(cluster.home))
-            assert code == 0, err
+            dequeues_lost_in_the_gap(cluster, capsys, session, queue, 5)
             assert queued_in_table(both, queue) == list(range(20))  # the dequeues were lost
             got = drain_after_reattach(session, queue)
         assert got == list(range(20))
@@ -334,10 +349,8 @@ def test_the_old_primary_comes_back_as_a_standby_of_the_new_one(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     home = tmp_path / "home"
-    with pair(home, capsys, "--sync") as cluster:
+    with pair_with_queue(home, capsys, "--sync") as (cluster, both, queue):
         old_datadir, old_port = cluster.datadir, cluster.status().port
-        both = cluster.url(both=True)
-        queue = make_queue(both)
         with connect(both) as session:
             for n in range(50):
                 session.enqueue(queue, str(n).encode())

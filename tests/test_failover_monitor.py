@@ -10,10 +10,15 @@ from pathlib import Path
 
 import psycopg
 import pytest
-from conftest import MonitorProcess, present, wait_for
+from conftest import MonitorProcess, wait_for
 from ringq.engine import Section, SectionError, connect
 from ringq.engine.recovery import history_of
-from test_failover import drain_after_reattach, make_queue, pair, queued_in_table, replication_gap
+from test_failover import (
+    dequeues_lost_in_the_gap,
+    drain_after_reattach,
+    pair_with_queue,
+    queued_in_table,
+)
 
 
 def section_history(instance: str) -> tuple[int, int] | None:
@@ -31,11 +36,7 @@ def section_history(instance: str) -> tuple[int, int] | None:
 def test_the_monitor_follows_a_fail_over_and_replaces_the_section(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from conftest import cli
-
-    with pair(tmp_path / "home", capsys, "--async") as cluster:
-        both = cluster.url(both=True)
-        queue = make_queue(both)
+    with pair_with_queue(tmp_path / "home", capsys, "--async") as (cluster, both, queue):
         with psycopg.connect(both, autocommit=True) as conn:
             sysid, timeline = history_of(conn)
         monitor = MonitorProcess(both, tmp_path / "monitor")
@@ -46,12 +47,7 @@ def test_the_monitor_follows_a_fail_over_and_replaces_the_section(
                     session.enqueue(queue, str(n).encode())
                     session.commit()
                 assert section_history(instance) == (sysid, timeline)
-                with replication_gap(cluster):
-                    for _ in range(3):  # consumed on the old primary alone
-                        present(session.dequeue(queue))
-                        session.commit()
-                code, _, err = cli(capsys, "db", "promote", "--home", str(cluster.home))
-                assert code == 0, err
+                dequeues_lost_in_the_gap(cluster, capsys, session, queue, 3)
                 assert queued_in_table(both, queue) == list(range(10))
                 # No client has called yet: the monitor alone moves the section on.
                 wait_for(

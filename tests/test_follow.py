@@ -37,7 +37,7 @@ def test_a_section_of_another_history_is_replaced_before_use(
         sec.lock_queue(ring.qidx)
         try:
             slot, seq = present(ring.reserve(s.owner, s.backend_pid))
-            assert ring.cache_put(slot, seq, b"phantom", b"p", 1, 0)
+            assert ring.cache.put(slot, seq, b"phantom", b"p", 1, 0)
             ring.finish_enqueue(slot, committed=True)
         finally:
             sec.unlock_queue(ring.qidx)

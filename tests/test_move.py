@@ -58,6 +58,13 @@ def produce(dsn: str, queue: str, producer: str, n: int, per_tx: int = 1) -> Non
                 s.commit()
 
 
+def move_until_empty(mv: Mover) -> dict[str, int]:
+    """Move batches until the source has nothing ready; the mover's stats then."""
+    while mv.move_batch():
+        pass
+    return mv.get_stats()
+
+
 def check_arrivals(msgs: list[Any], expected: dict[str, int]) -> None:
     """Every source entry exactly once, and per producer in order."""
     by_producer: dict[str, list[int]] = defaultdict(list)
@@ -132,9 +139,7 @@ def test_groups_survive_a_move_in_order(dsn: str, dsn2: str) -> None:
                 s.commit()
         s.commit()
     with Mover(dsn, src, dsn2, dst, config=MoveConfig(batch=16)) as mv:
-        while mv.move_batch():
-            pass
-        assert mv.get_stats()["moved"] == 45
+        assert move_until_empty(mv)["moved"] == 45
     msgs = drain(dsn2, dst, batch=100)
     arrived: dict[str | None, list[int]] = defaultdict(list)
     for m in msgs:
@@ -162,9 +167,7 @@ def test_redelivered_after_destination_commit_is_skipped_by_key(dsn: str, dsn2: 
     with Mover(dsn, src, dsn2, dst, config=MoveConfig(batch=4), between_commits=between) as mv:
         with pytest.raises(Crash):
             mv.move_batch()
-        while mv.move_batch():
-            pass
-        stats = mv.get_stats()
+        stats = move_until_empty(mv)
     assert stats["redelivered"] == 4 and stats["duplicates"] == 4
     check_arrivals(drain(dsn2, dst, batch=100), {"a": 10})
 
@@ -179,8 +182,7 @@ def test_key_is_unique_across_wraps(dsn: str, dsn2: str) -> None:
                 prod.enqueue(src, json.dumps({"p": "a", "i": i}).encode())
                 if i % 3 == 0:
                     prod.commit()
-                    while mv.move_batch():
-                        pass
+                    move_until_empty(mv)
                     reclaim_all(sec)  # the monitor's reclaim: slots come round again
             stats = mv.get_stats()
     assert stats["moved"] == 30 and stats["duplicates"] == 0
@@ -259,8 +261,7 @@ def test_destination_too_small_for_the_envelope_is_refused_at_start(dsn: str, ds
             s.enqueue(src, b"y" * 4096)
             s.commit()
         with Mover(dsn, src, dsn2, dst, config=MoveConfig(envelope=envelope)) as mv:
-            while mv.move_batch():
-                pass
+            move_until_empty(mv)
         got = drain(dsn2, dst)
         assert len(got) >= 1 and len(got[-1].payload) <= dst_size
 
@@ -340,9 +341,7 @@ def test_lost_lock_connection_is_noticed_and_the_lock_taken_again(dsn: str, dsn2
                 "SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
                 "WHERE application_name = 'ringq-move-lock'"
             )
-        while mv.move_batch():
-            pass
-        stats = mv.get_stats()
+        stats = move_until_empty(mv)
     assert stats["takeovers"] == 2 and stats["moved"] == 6
     check_arrivals(drain(dsn2, dst, batch=100), {"a": 6})
 

@@ -11,12 +11,11 @@ second stop request).
 from __future__ import annotations
 
 import importlib
-import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from ringq.engine import ConfigError, Message, Session, validate_queue_name
+from ringq.engine import ConfigError, Message, Session, is_finite_number, validate_queue_name
 
 # -- outcomes -----------------------------------------------------------------------------
 
@@ -69,12 +68,7 @@ _UNSET: Any = object()
 def _check_timeout(timeout: float | None) -> float | None:
     if timeout is None:
         return None
-    if (
-        isinstance(timeout, bool)
-        or not isinstance(timeout, int | float)
-        or not math.isfinite(timeout)
-        or timeout <= 0
-    ):
+    if not is_finite_number(timeout) or timeout <= 0:
         raise ConfigError(f"timeout must be a positive number of seconds or None, not {timeout!r}")
     return float(timeout)
 
