@@ -47,8 +47,10 @@ from ._section import Section
 
 logger = logging.getLogger("ringq.sql")
 
-OFFER_LOW = 64  # set more aside when fewer than this wait untaken
-OFFER_BATCH = 256  # at most this many set aside per queue and pass
+# Entries kept set aside per queue: twice what SQL consumers took since the
+# last pass, within these bounds; more are set aside once fewer than half wait.
+OFFER_MIN = 64
+OFFER_MAX = 4096
 DEMAND_S = 5.0  # a queue keeps entries set aside this long after its last ask or take
 SCAN_S = 1.0  # how often an idle agent looks for queues with entries set aside
 WANT_CHANNEL = "ringq_want"  # ringq.dequeue() found nothing: payload, the queue's name
@@ -81,6 +83,7 @@ class SqlAgent:
     _listed: set[int] = field(default_factory=set)  # queue ids with entries set aside
     _scanned: float = float("-inf")
     _infos: dict[int, QueueInfo] = field(default_factory=dict)
+    _target: dict[int, int] = field(default_factory=dict)  # queue id -> entries to keep aside
 
     def forget(self) -> None:
         """Look at every queue again on the next pass (a new connection: asks
@@ -140,8 +143,14 @@ class SqlAgent:
             self._asked[info.name] = self.clock()
             wanted = True
         listed = len(rows) - len(done) - len(poisoned)
-        if wanted and waiting < OFFER_LOW:
-            listed += self._offer(sec, conn, ring, info)
+        target = self._target.get(info.id, OFFER_MIN)
+        if done:
+            target = min(OFFER_MAX, max(target, 2 * len(done)))
+        else:
+            target = max(OFFER_MIN, target - target // 16)  # a quiet pass: keep less aside
+        self._target[info.id] = target
+        if wanted and waiting < target // 2 + 1:
+            listed += self._offer(sec, conn, ring, info, target - waiting)
         elif not wanted and waiting:
             listed -= self._withdraw(sec, conn, ring, info, table)
         if listed > 0:
@@ -209,9 +218,9 @@ class SqlAgent:
         return min(1, ring.waiters(OpKind.DEQUEUE))
 
     def _offer(
-        self, sec: Section, conn: psycopg.Connection[Any], ring: Ring, info: QueueInfo
+        self, sec: Section, conn: psycopg.Connection[Any], ring: Ring, info: QueueInfo, n: int
     ) -> int:
-        """Set up to :data:`OFFER_BATCH` ready entries aside; returns how many."""
+        """Set up to ``n`` ready entries aside; returns how many."""
         exclusive = info.dequeue_mode == "single"
         sec.lock_queue(ring.qidx)
         try:
@@ -219,7 +228,7 @@ class SqlAgent:
                 return 0  # a linked dequeuer holds the role
             if exclusive and ring.role_owner() == 0 and ring.waiters(OpKind.DEQUEUE):
                 return 0  # linked dequeuers wait: the role goes to them first
-            slots, seqs = ring.claim_batch(L.OWNER_SQL, 0, OFFER_BATCH, exclusive=exclusive)
+            slots, seqs = ring.claim_batch(L.OWNER_SQL, 0, n, exclusive=exclusive)
         finally:
             sec.unlock_queue(ring.qidx)
         if not slots.size:
