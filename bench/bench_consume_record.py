@@ -600,6 +600,9 @@ class Bench:
             waited = th.is_alive()
             first_[0].commit()
             th.join()
+            if inner_first and outcome[0] != "committed":  # the rest of the outer stretch
+                self.consume(ring, 5, first=t)
+                self.consume(ring, 10, first=t + 10)
             ring.tail = t + 20
             return (
                 f"{ring.label}, {'inner' if inner_first else 'outer'} first: first committed, "
