@@ -50,7 +50,7 @@ logger = logging.getLogger("ringq.sql")
 # Entries kept set aside per queue: twice what SQL consumers took since the
 # last pass, within these bounds; more are set aside once fewer than half wait.
 OFFER_MIN = 64
-OFFER_MAX = 4096
+OFFER_MAX = 1024
 DEMAND_S = 5.0  # a queue keeps entries set aside this long after its last ask or take
 SCAN_S = 1.0  # how often an idle agent looks for queues with entries set aside
 WANT_CHANNEL = "ringq_want"  # ringq.dequeue() found nothing: payload, the queue's name
@@ -168,6 +168,9 @@ class SqlAgent:
         slots = [s for s, _q in aborted]
         seqs = [q for _s, q in aborted]
         with conn.transaction():
+            # Durable at once, whatever the connection's setting: a strike lost
+            # in a crash after its row was cleaned would be counted twice.
+            conn.execute("SET LOCAL synchronous_commit = on")
             free = conn.execute(
                 sql.SQL(_Q["offers_aborted"]).format(table=table), (slots, seqs)
             ).fetchall()
@@ -182,8 +185,10 @@ class SqlAgent:
             }).fetchall()
         again = [r for r in struck if r[2] == RowState.QUEUED]
         if again:
-            conn.execute(sql.SQL(_Q["offers_clean"]).format(table=table),
-                         ([int(r[0]) for r in again], [int(r[1]) for r in again]))
+            with conn.transaction():
+                conn.execute("SET LOCAL synchronous_commit = on")
+                conn.execute(sql.SQL(_Q["offers_clean"]).format(table=table),
+                             ([int(r[0]) for r in again], [int(r[1]) for r in again]))
         self.figures.struck += len(struck)
         out = [(int(r[0]), int(r[1])) for r in struck if r[2] == RowState.CONSUMED]
         self.figures.poisoned += len(out)

@@ -69,6 +69,12 @@ class SqlConsumers:
                 if conn is None or conn.closed or conn.broken:
                     conn = pg.connect(self._settings().dsn, autocommit=True, connect_timeout=5)
                     conn.execute(f"LISTEN {WANT_CHANNEL}")
+                    # The agent's own commits (its listings, its strikes) need not
+                    # wait for the WAL flush: a take that commits flushes the
+                    # listing it saw before it (the WAL is one sequence), and a
+                    # listing or strike lost in a crash is made again from the
+                    # rows (a non-zero xmax is still there).
+                    conn.execute("SET synchronous_commit = off")
                     agent.forget()  # asks sent while we were away are lost: look again
                 busy = self._attachment.read(functools.partial(self._pass, conn))
                 wait = BUSY_WAIT_S if busy else self._settings().recovery_interval

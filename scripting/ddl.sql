@@ -277,8 +277,10 @@ BEGIN
         RETURN QUERY EXECUTE format($sql$
             WITH c AS (
                 SELECT r.slot, r.seq, r.xmax <> '0'::xid AS touched
-                FROM ringq.offers o JOIN ringq.%1$I r ON r.slot = o.slot
-                WHERE o.queue_id = $1 AND r.seq = o.seq AND r.state = 1
+                FROM (SELECT o.seq, o.slot FROM ringq.offers o WHERE o.queue_id = $1
+                      ORDER BY o.seq LIMIT $2 + 256) o
+                JOIN ringq.%1$I r ON r.slot = o.slot
+                WHERE r.seq = o.seq AND r.state = 1
                 ORDER BY o.seq LIMIT $2
             ), t AS (
                 SELECT r.slot FROM ringq.%1$I r JOIN c ON r.slot = c.slot AND r.seq = c.seq
@@ -300,8 +302,10 @@ BEGIN
         RETURN QUERY EXECUTE format($sql$
             WITH t AS (
                 SELECT r.slot
-                FROM ringq.offers o JOIN ringq.%1$I r ON r.slot = o.slot
-                WHERE o.queue_id = $1 AND r.seq = o.seq AND r.state = 1 AND r.xmax = '0'::xid
+                FROM (SELECT o.seq, o.slot FROM ringq.offers o WHERE o.queue_id = $1
+                      ORDER BY o.seq LIMIT $2 * 8 + 256) o
+                JOIN ringq.%1$I r ON r.slot = o.slot
+                WHERE r.seq = o.seq AND r.state = 1 AND r.xmax = '0'::xid
                 ORDER BY o.seq LIMIT $2
                 FOR UPDATE OF r SKIP LOCKED
             ), u AS (

@@ -1,0 +1,282 @@
+"""SQL consumers benchmark (issue 23): ``ringq.dequeue`` against a SKIP LOCKED queue.
+
+One database, one monitor (in this process: the agent that sets entries aside
+for SQL consumers), a ringq ``shared`` queue and a SKIP LOCKED table driven the
+same way from psycopg, in autocommit (one statement, one transaction):
+
+- **single**: ``SELECT * FROM ringq.dequeue(q, 1)`` against ``DELETE FROM t
+  WHERE id = (SELECT id FROM t ORDER BY id FOR UPDATE SKIP LOCKED LIMIT 1)
+  RETURNING payload``, entries/s;
+- **batch**: the same with 100 per statement (``DELETE ... WHERE id IN
+  (SELECT ... LIMIT 100) RETURNING``), entries/s;
+- **capacity**: the single-entry SQL dequeue on a 1,000-slot and on a
+  100,000-slot queue (the second / the first: no table scans on the path);
+- **latency**: commit of an enqueue → the entry in a waiting consumer's hands,
+  p50/p99: linked enqueue → SQL consumer waiting on ``LISTEN ringq_ready``;
+  SQL enqueue (``ringq.enqueue``) → linked consumer waiting in ``dequeue(wait=)``.
+
+Both queues are filled before each timed stretch (not timed); rounds
+interleave ringq and SKIP LOCKED and the ratios are taken within a round.
+Run ``python bench/bench_sql.py --help``.
+"""
+
+from __future__ import annotations
+
+import secrets
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import psycopg
+from _benchlib import argument_parser, cpu_load, drop_queues, machine, run_in_database
+from psycopg import sql
+from ringq.engine import connect
+from ringq.monitor import Monitor, MonitorConfig
+from ringq.scripting import QueueSpec, create_queue
+
+FILL_BATCH = 500
+SKL_CREATE = "CREATE TABLE {t} (id bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY, payload bytea)"
+SKL_FILL = "INSERT INTO {t} (payload) SELECT %s::bytea FROM generate_series(1, %s)"
+SKL_TAKE = (
+    "DELETE FROM {t} WHERE id IN (SELECT id FROM {t} ORDER BY id FOR UPDATE SKIP LOCKED"
+    " LIMIT %s) RETURNING payload"
+)
+RQ_TAKE = "SELECT payload FROM ringq.dequeue(%s, %s)"
+
+
+@dataclass(frozen=True)
+class Config:
+    entries: int  # per timed stretch
+    rounds: int
+    payload: int
+    latency_samples: int
+
+
+@dataclass(frozen=True)
+class Names:
+    tag: str
+
+    def queue(self, what: str) -> str:
+        return f"bsql_{self.tag}_{what}"
+
+    @property
+    def skl(self) -> str:
+        return f"bsql_{self.tag}_skl"
+
+    @property
+    def queues(self) -> list[str]:
+        return [self.queue(w) for w in ("main", "small", "large", "lat")]
+
+
+def fill_ringq(dsn: str, queue: str, n: int, payload: bytes) -> None:
+    with connect(dsn, producer="bench-fill") as s:
+        for start in range(0, n, FILL_BATCH):
+            s.enqueue_many(queue, [payload] * min(FILL_BATCH, n - start))
+            s.commit()
+
+
+def warm(conn: psycopg.Connection[Any], queue: str) -> None:
+    """Ask until the agent has set entries aside (the first ask returns nothing)."""
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        if conn.execute("SELECT count(*) FROM ringq.offers o JOIN ringq.queues q"
+                        " ON q.id = o.queue_id WHERE q.name = %s", (queue,)).fetchone() != (0,):
+            return
+        conn.execute("SELECT pg_notify('ringq_want', %s)", (queue,))
+        time.sleep(0.01)
+    raise RuntimeError(f"the agent set nothing aside for {queue} within 10 s")
+
+
+def drain_rate(conn: psycopg.Connection[Any], stmt: Any, args: tuple[Any, ...], n: int,
+               per: int) -> tuple[float, int]:
+    """entries/s taking ``n`` entries ``per`` statement; and the empty answers."""
+    got = empty = 0
+    t0 = time.perf_counter()
+    while got < n:
+        rows = conn.execute(stmt, args).fetchall()
+        if not rows:
+            empty += 1
+            if empty > 200_000:
+                raise RuntimeError("the queue stopped giving entries")
+            continue
+        got += len(rows)
+    return got / (time.perf_counter() - t0), empty
+
+
+def one_round(dsn: str, names: Names, cfg: Config, per: int, payload: bytes) -> dict[str, Any]:
+    q = names.queue("main")
+    fill_ringq(dsn, q, cfg.entries, payload)
+    skl = sql.Identifier(names.skl)
+    with psycopg.connect(dsn, autocommit=True) as c:
+        c.execute(sql.SQL(SKL_FILL).format(t=skl), (payload, cfg.entries))
+        c.execute(sql.SQL("VACUUM ANALYZE {t}").format(t=skl))
+        warm(c, q)
+        rq, rq_empty = drain_rate(c, RQ_TAKE, (q, per), cfg.entries, per)
+        sk, _ = drain_rate(c, sql.SQL(SKL_TAKE).format(t=skl), (per,), cfg.entries, per)
+    return {"ringq": rq, "skip_locked": sk, "ratio": rq / sk, "ringq_empty_answers": rq_empty}
+
+
+def capacity_round(dsn: str, names: Names, cfg: Config, payload: bytes) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    n = min(cfg.entries, 900)
+    with psycopg.connect(dsn, autocommit=True) as c:
+        for what in ("small", "large"):
+            q = names.queue(what)
+            fill_ringq(dsn, q, n, payload)
+            warm(c, q)
+            out[what], _ = drain_rate(c, RQ_TAKE, (q, 1), n, 1)
+    out["large_over_small"] = out["large"] / out["small"]
+    return out
+
+
+def latency(dsn: str, names: Names, cfg: Config, payload: bytes) -> dict[str, Any]:
+    """Commit → in a waiting consumer's hands, both ways (ms)."""
+    q = names.queue("lat")
+    to_sql: list[float] = []
+    with psycopg.connect(dsn, autocommit=True) as c, connect(dsn) as s:
+        c.execute("LISTEN ringq_ready")
+        for _ in range(cfg.latency_samples):
+            s.enqueue(q, payload)
+            s.commit()
+            t0 = time.perf_counter()
+            while not c.execute(RQ_TAKE, (q, 1)).fetchall():
+                for _n in c.notifies(timeout=1.0, stop_after=1):
+                    pass
+            to_sql.append((time.perf_counter() - t0) * 1000)
+            time.sleep(0.005)
+    to_linked: list[float] = []
+    sent = threading.Event()
+    t_sent = [0.0]
+
+    def consume() -> None:
+        with connect(dsn) as s2:
+            for _ in range(cfg.latency_samples):
+                m = s2.dequeue(q, wait=10)
+                t = time.perf_counter()
+                s2.commit()
+                if m is not None:
+                    to_linked.append((t - t_sent[0]) * 1000)
+                sent.clear()
+
+    th = threading.Thread(target=consume)
+    th.start()
+    with psycopg.connect(dsn, autocommit=True) as c:
+        for _ in range(cfg.latency_samples):
+            time.sleep(0.02)  # the consumer is waiting again
+            t_sent[0] = time.perf_counter()
+            c.execute("SELECT ringq.enqueue(%s, %s)", (q, payload))
+    th.join(60)
+
+    def pct(xs: list[float], p: float) -> float:
+        xs = sorted(xs)
+        return xs[min(len(xs) - 1, int(p * len(xs)))] if xs else float("nan")
+
+    return {
+        "linked_enqueue_to_sql_ms": {"p50": pct(to_sql, 0.5), "p99": pct(to_sql, 0.99),
+                                     "n": len(to_sql)},
+        "sql_enqueue_to_linked_ms": {"p50": pct(to_linked, 0.5), "p99": pct(to_linked, 0.99),
+                                     "n": len(to_linked)},
+    }
+
+
+def run(dsn: str, cfg: Config, names: Names) -> dict[str, Any]:
+    with psycopg.connect(dsn) as conn:
+        create_queue(conn, QueueSpec(names.queue("main"), max(2 * cfg.entries, 1000), 1024,
+                                     dequeue_mode="shared"))
+        create_queue(conn, QueueSpec(names.queue("small"), 1000, 1024, dequeue_mode="shared"))
+        create_queue(conn, QueueSpec(names.queue("large"), 100_000, 1024, dequeue_mode="shared"))
+        create_queue(conn, QueueSpec(names.queue("lat"), 1000, 1024, dequeue_mode="shared"))
+        conn.execute(sql.SQL(SKL_CREATE).format(t=sql.Identifier(names.skl)))
+        conn.commit()
+    payload = b"x" * cfg.payload
+    raw: dict[str, Any] = {"machine": machine(), "load_start": cpu_load("start"), "rounds": []}
+    with tempfile.TemporaryDirectory(prefix="bench-sql-") as tmp:
+        mon = Monitor(MonitorConfig(dsn, port=0, http=False, data_dir=Path(tmp)))
+        mon.start()
+        try:
+            for rnd in range(cfg.rounds):
+                r = {"single": one_round(dsn, names, cfg, 1, payload),
+                     "batch": one_round(dsn, names, cfg, 100, payload),
+                     "capacity": capacity_round(dsn, names, cfg, payload)}
+                print(f"round {rnd + 1}: single {r['single']['ratio']:.2f}x, batch "
+                      f"{r['batch']['ratio']:.2f}x, capacity "
+                      f"{r['capacity']['large_over_small']:.2f}", file=sys.stderr, flush=True)
+                raw["rounds"].append(r)
+            raw["latency"] = latency(dsn, names, cfg, payload)
+            raw["agent"] = mon._sql.figures.as_dict()
+        finally:
+            mon.stop()
+    raw["load_end"] = cpu_load("end")
+    return raw
+
+
+def summarize(raw: dict[str, Any]) -> dict[str, Any]:
+    def med(path: tuple[str, str]) -> float:
+        return float(statistics.median(r[path[0]][path[1]] for r in raw["rounds"]))
+
+    return {"summary": {
+        "single": {k: med(("single", k)) for k in ("ringq", "skip_locked", "ratio")},
+        "batch": {k: med(("batch", k)) for k in ("ringq", "skip_locked", "ratio")},
+        "capacity_large_over_small": med(("capacity", "large_over_small")),
+        "latency": raw["latency"],
+    }}
+
+
+def render(raw: dict[str, Any], summary: dict[str, Any], cfg: Config, seconds: float) -> str:
+    s = summary["summary"]
+    lat = s["latency"]
+    lines = [
+        f"SQL consumers (ringq.dequeue) against SKIP LOCKED, {cfg.rounds} rounds of "
+        f"{cfg.entries} entries, {cfg.payload} B payloads, medians ({seconds:.0f} s)",
+        f"{'':28} {'ringq/s':>10} {'SKIP LOCKED/s':>14} {'ratio':>7}",
+        f"{'1 per transaction':28} {s['single']['ringq']:>10.0f} "
+        f"{s['single']['skip_locked']:>14.0f} {s['single']['ratio']:>6.2f}x",
+        f"{'100 per transaction':28} {s['batch']['ringq']:>10.0f} "
+        f"{s['batch']['skip_locked']:>14.0f} {s['batch']['ratio']:>6.2f}x",
+        f"capacity 100,000 / 1,000 slots (1 per transaction): "
+        f"{s['capacity_large_over_small']:.2f}x",
+        f"linked enqueue -> SQL consumer: p50 {lat['linked_enqueue_to_sql_ms']['p50']:.2f} ms, "
+        f"p99 {lat['linked_enqueue_to_sql_ms']['p99']:.2f} ms",
+        f"SQL enqueue -> linked consumer: p50 {lat['sql_enqueue_to_linked_ms']['p50']:.2f} ms, "
+        f"p99 {lat['sql_enqueue_to_linked_ms']['p99']:.2f} ms",
+        f"agent: {raw['agent']}",
+        f"load: start {raw['load_start']}, end {raw['load_end']}",
+    ]
+    return "\n".join(lines)
+
+
+def cleanup(dsn: str, names: Names, *, embedded: bool) -> None:
+    drop_queues(dsn, names.queues, embedded=embedded, tables=[names.skl])
+
+
+def parse_args(argv: list[str] | None) -> Any:
+    p = argument_parser(__doc__.split("\n")[0])
+    p.add_argument("--entries", type=int, default=5000, help="entries per timed stretch")
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--payload", type=int, default=100, help="payload bytes")
+    p.add_argument("--latency-samples", type=int, default=200)
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    cfg = Config(args.entries, args.rounds, args.payload, args.latency_samples)
+    names = Names(secrets.token_hex(4))
+    return run_in_database(
+        "sql",
+        args,
+        cfg,
+        run=lambda dsn: run(dsn, cfg, names),
+        cleanup=lambda dsn, embedded: cleanup(dsn, names, embedded=embedded),
+        summarize=summarize,
+        render=lambda raw, summary, seconds: render(raw, summary, cfg, seconds),
+    )
+
+
+if __name__ == "__main__":
+    sys.exit(main())
