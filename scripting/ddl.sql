@@ -249,39 +249,40 @@ CREATE TABLE IF NOT EXISTS ringq.offers (
 -- set aside (no agent running, or none asked yet): no rows, and a NOTIFY on
 -- ringq_want, delivered at commit, asks the agent for some; the agent's
 -- NOTIFY on ringq_ready (payload: the queue's name) says when there are.
-CREATE OR REPLACE FUNCTION ringq.dequeue(queue text, max_n integer DEFAULT 1)
-RETURNS TABLE (seq bigint, payload bytea, producer text, producer_seq bigint,
-               deliveries integer, msg_group text, enqueued_at timestamptz)
+--
+-- Each queue has its own function, ringq.dq_<name>(max_n), made with the
+-- queue (and for queues made before, by this block): its statements name the
+-- queue's table, so PostgreSQL plans them once per session, where one
+-- function for every queue would plan its statement on every call.
+-- ringq.dequeue(queue, max_n) finds it by name.
+CREATE OR REPLACE FUNCTION ringq.make_dequeue(queue text)
+RETURNS void
 LANGUAGE plpgsql
 AS $ringq$
-#variable_conflict use_column
 DECLARE
-    q   ringq.queues;
-    got bigint;
+    q    ringq.queues;
+    take text;
 BEGIN
     SELECT * INTO q FROM ringq.queues WHERE name = queue;
     IF NOT FOUND THEN
         RAISE EXCEPTION 'ringq: queue "%" does not exist', queue USING ERRCODE = 'undefined_object';
     END IF;
-    IF max_n IS NULL OR max_n < 1 OR max_n > 10000 THEN
-        RAISE EXCEPTION 'ringq: max_n must be 1 to 10000, not %', max_n
-            USING ERRCODE = 'invalid_parameter_value';
-    END IF;
     IF q.dequeue_mode = 'single' THEN
         -- One SQL dequeuer at a time; it takes the set-aside entries in order
         -- and stops before the first whose last take did not commit (the agent
         -- counts that delivery first), so the order holds across rollbacks.
-        IF NOT pg_try_advisory_xact_lock(hashtext('ringq.dequeue'), q.id) THEN
-            RETURN;
-        END IF;
-        RETURN QUERY EXECUTE format($sql$
+        take := format($take$
+            IF NOT pg_try_advisory_xact_lock(hashtext('ringq.dequeue'), %2$s) THEN
+                RETURN;
+            END IF;
+            RETURN QUERY
             WITH c AS (
                 SELECT r.slot, r.seq, r.xmax <> '0'::xid AS touched
-                FROM (SELECT o.seq, o.slot FROM ringq.offers o WHERE o.queue_id = $1
-                      ORDER BY o.seq LIMIT $2 + 256) o
+                FROM (SELECT o.seq, o.slot FROM ringq.offers o WHERE o.queue_id = %2$s
+                      ORDER BY o.seq LIMIT max_n + 256) o
                 JOIN ringq.%1$I r ON r.slot = o.slot
                 WHERE r.seq = o.seq AND r.state = 1
-                ORDER BY o.seq LIMIT $2
+                ORDER BY o.seq LIMIT max_n
             ), t AS (
                 SELECT r.slot FROM ringq.%1$I r JOIN c ON r.slot = c.slot AND r.seq = c.seq
                 WHERE c.seq < coalesce((SELECT min(c2.seq) FROM c c2 WHERE c2.touched),
@@ -293,20 +294,20 @@ BEGIN
                 RETURNING r.seq, r.payload, r.producer, r.producer_seq, r.deliveries + 1,
                           r.msg_group, r.enq_at
             )
-            SELECT * FROM u ORDER BY 1 $sql$, 'q_' || q.name)
-        USING q.id, max_n;
+            SELECT * FROM u ORDER BY 1;$take$, 'q_' || q.name, q.id);
     ELSE
-        -- Shared with the other takers; the agent takes it alone to take entries
-        -- back, so that no take under way can see them after.
-        PERFORM pg_advisory_xact_lock_shared(hashtext('ringq.dequeue'), q.id);
-        RETURN QUERY EXECUTE format($sql$
+        -- The lock is shared with the other takers; the agent takes it alone to
+        -- take entries back, so that no take under way can see them after.
+        take := format($take$
+            PERFORM pg_advisory_xact_lock_shared(hashtext('ringq.dequeue'), %2$s);
+            RETURN QUERY
             WITH t AS (
                 SELECT r.slot
-                FROM (SELECT o.seq, o.slot FROM ringq.offers o WHERE o.queue_id = $1
-                      ORDER BY o.seq LIMIT $2 * 8 + 256) o
+                FROM (SELECT o.seq, o.slot FROM ringq.offers o WHERE o.queue_id = %2$s
+                      ORDER BY o.seq LIMIT max_n * 8 + 256) o
                 JOIN ringq.%1$I r ON r.slot = o.slot
                 WHERE r.seq = o.seq AND r.state = 1 AND r.xmax = '0'::xid
-                ORDER BY o.seq LIMIT $2
+                ORDER BY o.seq LIMIT max_n
                 FOR UPDATE OF r SKIP LOCKED
             ), u AS (
                 UPDATE ringq.%1$I r SET state = 2, deq_at = now(), deq_user = current_user
@@ -314,14 +315,59 @@ BEGIN
                 RETURNING r.seq, r.payload, r.producer, r.producer_seq, r.deliveries + 1,
                           r.msg_group, r.enq_at
             )
-            SELECT * FROM u ORDER BY 1 $sql$, 'q_' || q.name)
-        USING q.id, max_n;
+            SELECT * FROM u ORDER BY 1;$take$, 'q_' || q.name, q.id);
     END IF;
+    EXECUTE format($fn$
+        CREATE OR REPLACE FUNCTION ringq.%1$I(max_n integer DEFAULT 1)
+        RETURNS TABLE (seq bigint, payload bytea, producer text, producer_seq bigint,
+                       deliveries integer, msg_group text, enqueued_at timestamptz)
+        LANGUAGE plpgsql
+        AS %2$L$fn$, 'dq_' || q.name, format($body$
+#variable_conflict use_column
+DECLARE
+    got bigint;
+BEGIN
+    IF max_n IS NULL OR max_n < 1 OR max_n > 10000 THEN
+        RAISE EXCEPTION 'ringq: max_n must be 1 to 10000, not %%', max_n
+            USING ERRCODE = 'invalid_parameter_value';
+    END IF;
+    %1$s
     GET DIAGNOSTICS got = ROW_COUNT;
     IF got = 0 THEN
-        PERFORM pg_notify('ringq_want', queue);
+        PERFORM pg_notify('ringq_want', %2$L);
     END IF;
     RETURN;
+END
+$body$, take, q.name));
+END
+$ringq$;
+
+CREATE OR REPLACE FUNCTION ringq.dequeue(queue text, max_n integer DEFAULT 1)
+RETURNS TABLE (seq bigint, payload bytea, producer text, producer_seq bigint,
+               deliveries integer, msg_group text, enqueued_at timestamptz)
+LANGUAGE plpgsql
+AS $ringq$
+BEGIN
+    IF NOT EXISTS (SELECT 1 FROM ringq.queues WHERE name = queue) THEN
+        RAISE EXCEPTION 'ringq: queue "%" does not exist', queue USING ERRCODE = 'undefined_object';
+    END IF;
+    IF to_regprocedure(format('ringq.%I(integer)', 'dq_' || queue)) IS NULL THEN
+        RAISE EXCEPTION 'ringq: queue "%" has no SQL dequeue function yet', queue
+            USING ERRCODE = 'undefined_function',
+                  HINT = 'apply the schema again (ringq db upgrade, or ringq script schema)';
+    END IF;
+    RETURN QUERY EXECUTE format('SELECT * FROM ringq.%I($1)', 'dq_' || queue) USING max_n;
+END
+$ringq$;
+
+-- Queues made before SQL consumers get their function here.
+DO $ringq$
+DECLARE
+    n text;
+BEGIN
+    FOR n IN SELECT name FROM ringq.queues LOOP
+        PERFORM ringq.make_dequeue(n);
+    END LOOP;
 END
 $ringq$;
 
@@ -507,6 +553,9 @@ SELECT g, repeat(' ', 24), current_user, current_user, now(), now(), 0,
 FROM generate_series(0, {capacity} - 1) AS g
 WHERE NOT EXISTS (SELECT 1 FROM {table});
 
+-- Its SQL dequeue function, ringq.dq_<name>(max_n) (see ringq.make_dequeue).
+SELECT ringq.make_dequeue({name});
+
 -- drop_queue --
 DO $ringq$ BEGIN PERFORM pg_advisory_xact_lock(hashtext('ringq.ddl')); END $ringq$;
 DELETE FROM ringq.keys WHERE queue_id = (SELECT id FROM ringq.queues WHERE name = {name});
@@ -517,6 +566,7 @@ DO $ringq$ BEGIN
     IF to_regclass('ringq.offers') IS NOT NULL THEN
         DELETE FROM ringq.offers WHERE queue_id = (SELECT id FROM ringq.queues WHERE name = {name});
     END IF;
+    EXECUTE format('DROP FUNCTION IF EXISTS ringq.%I(integer)', 'dq_' || {name});
 END $ringq$;
 DELETE FROM ringq.queues WHERE name = {name};
 DROP TABLE IF EXISTS {table};
