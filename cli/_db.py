@@ -13,9 +13,10 @@ from pathlib import Path
 from typing import Any
 
 from ringq.cluster import Cluster, ClusterStatus, NoStandby, StandbyStatus
-from ringq.engine import Tidied, exits
+from ringq.engine import Tidied, exits, resolve_dsn
+from ringq.scripting import connect_admin, create_schema
 
-from ._args import action, command_group, env_option, failed
+from ._args import action, add_dsn, command_group, env_option, failed
 
 DESCRIPTION = """\
 A private PostgreSQL server under $RINGQ_HOME (default ./.ringq), listening on
@@ -86,7 +87,15 @@ ACTIONS = {
     "standby stop": "stop the standby (kept, with its slot; harmless when stopped)",
     "standby rebuild": "bring the old primary (after a promotion) back as a standby of the new one",
     "standby remove": "stop the standby, drop its slot and delete its data directory",
+    "upgrade": "bring a database's ringq schema up to date (any database: --dsn)",
 }
+
+UPGRADE_HELP = """\
+Apply the management schema to the database: objects a newer ringq adds
+(tables, columns, SQL functions such as ringq.dequeue and each queue's
+ringq.dq_<name>) are created, nothing is dropped, and applying it again
+changes nothing. The database is --dsn, else RINGQ_DSN, else the embedded
+cluster. Exit 0 when done, 3 if the database cannot be reached."""
 
 
 def register(sub: Any) -> None:
@@ -103,6 +112,7 @@ def register(sub: Any) -> None:
         help="the multi-host DSN of the primary and its standby",
     )
     homed += [url, action(actions, "promote", _promote, ACTIONS["promote"], PROMOTE_HELP)]
+    add_dsn(action(actions, "upgrade", _upgrade, ACTIONS["upgrade"], UPGRADE_HELP))
 
     standby = command_group(actions, "standby", "the streaming standby", STANDBY_DESCRIPTION)
     s_start = action(
@@ -143,6 +153,16 @@ def register(sub: Any) -> None:
             default=".ringq",
             help="directory of the cluster (data, socket, DSN file)",
         )
+
+
+def _upgrade(args: argparse.Namespace) -> int:
+    with connect_admin(resolve_dsn(args.dsn)) as conn:
+        create_schema(conn)
+        queues = conn.execute("SELECT count(*) FROM ringq.queues").fetchone()
+    n = queues[0] if queues else 0
+    print(f"ringq schema up to date ({n} queue{'s' if n != 1 else ''}, each with its SQL "
+          "dequeue function)")
+    return exits.OK
 
 
 def _cluster(args: argparse.Namespace) -> Cluster:

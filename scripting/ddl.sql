@@ -371,6 +371,36 @@ BEGIN
 END
 $ringq$;
 
+-- ringq.stats(queue): what an operator without the CLI needs, by SQL (a
+-- full read of the ring, like ringq.depth): entries waiting in the ring and in
+-- the inbox, those set aside for SQL consumers (taken or not yet), poison
+-- entries, the oldest waiting entry's enqueue time, and the queue's settings.
+CREATE OR REPLACE FUNCTION ringq.stats(queue text)
+RETURNS TABLE (queue_name text, capacity integer, dequeue_mode text, ready bigint,
+               inbox bigint, set_aside bigint, exceptions bigint,
+               oldest_enqueued_at timestamptz, max_deliveries integer)
+LANGUAGE plpgsql STABLE
+AS $ringq$
+#variable_conflict use_column
+DECLARE
+    q      ringq.queues;
+    n      bigint;
+    oldest timestamptz;
+BEGIN
+    SELECT * INTO q FROM ringq.queues WHERE name = queue;
+    IF NOT FOUND THEN
+        RAISE EXCEPTION 'ringq: queue "%" does not exist', queue USING ERRCODE = 'undefined_object';
+    END IF;
+    EXECUTE format('SELECT count(*), min(enq_at) FROM ringq.%I WHERE state = 1', 'q_' || queue)
+        INTO n, oldest;
+    RETURN QUERY SELECT q.name, q.capacity, q.dequeue_mode, n,
+        (SELECT count(*) FROM ringq.inbox i WHERE i.queue_id = q.id),
+        (SELECT count(*) FROM ringq.offers o WHERE o.queue_id = q.id),
+        (SELECT count(*) FROM ringq.exceptions e WHERE e.queue_id = q.id),
+        oldest, q.max_deliveries;
+END
+$ringq$;
+
 -- ringq.expect_rows(got, want, queue): the guard of the engine's deferred row
 -- writes. A linked client keeps an enqueue's row write until its commit and
 -- sends it as a statement that ends in this call: when the guarded UPDATE
