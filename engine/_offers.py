@@ -67,6 +67,7 @@ class AgentFigures:
     poisoned: int = 0
     withdrawn: int = 0
     given_back: int = 0  # locked for SQL but not listed (an agent died mid-offer)
+    lease_expired: int = 0  # SQL consumers' backends ended for holding an entry too long
 
     def as_dict(self) -> dict[str, int]:
         return dict(self.__dict__)
@@ -104,6 +105,7 @@ class SqlAgent:
             self._scanned = now
             self._infos = _queue_infos(conn)
             self._reconcile_all(sec)
+            self._end_overdue(conn)
         if wanted and not {i.name for i in self._infos.values()} >= wanted:
             self._infos = _queue_infos(conn)
         busy = False
@@ -296,6 +298,20 @@ class SqlAgent:
         if wake:
             sec.post(ring.qid, "r", wake)
         return n
+
+    def _end_overdue(self, conn: psycopg.Connection[Any]) -> None:
+        """End the backends of SQL consumers holding a set-aside entry past
+        the queue's lease (as the monitor ends linked sessions): their
+        transaction rolls back and the entry comes back counted."""
+        for info in self._infos.values():
+            if info.id not in self._listed or info.lease <= 0:
+                continue
+            stmt = sql.SQL(_Q["offers_overdue"]).format(table=queue_table(info.name))
+            for (pid,) in conn.execute(stmt, (info.id, info.lease)).fetchall():
+                conn.execute(_Q["offers_end"], (pid,))
+                self.figures.lease_expired += 1
+                logger.warning("ringq: SQL consumer backend %s held an entry of queue %s past "
+                               "its lease (%g s): ended", pid, info.name, info.lease)
 
     def _reconcile_all(self, sec: Section) -> None:
         """Give back entries locked for SQL in a queue with none listed (an

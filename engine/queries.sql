@@ -392,3 +392,17 @@ SELECT pg_try_advisory_xact_lock(hashtext('ringq.dequeue'), %s)
 
 -- offers_ready --
 SELECT pg_notify('ringq_ready', %s)
+
+-- offers_overdue --
+-- SQL consumers whose transaction has held a set-aside entry longer than the
+-- queue's lease: the backend whose transaction id is the row's xmax (a take
+-- under way) whose transaction started longer ago than the lease.
+SELECT DISTINCT a.pid
+FROM ringq.offers o
+JOIN {table} r ON r.slot = o.slot AND r.seq = o.seq
+JOIN pg_stat_activity a ON a.backend_xid = r.xmax
+WHERE o.queue_id = %s AND r.state = 1 AND r.xmax <> '0'::xid
+  AND a.xact_start < now() - make_interval(secs => %s)
+
+-- offers_end --
+SELECT pg_terminate_backend(%s)
