@@ -1,18 +1,34 @@
 """SQL consumers: ``ringq.dequeue(queue, n)`` from a plain connection, beside
-linked sessions, with the monitor as the section's agent."""
+linked sessions, with the monitor as the section's agent.
+
+The step tests script two sessions as pgmq's isolation specs do (``c1`` and
+``c2`` are SQL connections, ``s`` a linked session); the agent's moves are
+waited for on what it writes (``ringq.offers``, the row's ``deliveries``).
+Failure tests kill real processes and backends, restart the database, the
+monitor, and remove the global section under it."""
 
 from __future__ import annotations
 
+import collections
+import os
+import signal
+import subprocess
+import sys
+import threading
 import time
+import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import psycopg
 import pytest
-from conftest import present, wait_for
-from ringq.engine import connect
+from conftest import drain, present, remove_section, terminate_backend, wait_for
+from psycopg import errors, sql
+from ringq.cluster import Cluster
+from ringq.engine import Section, connect, queue_table
 from ringq.monitor import Monitor, MonitorConfig
+from ringq.scripting import QueueSpec, create_queue
 
 FAST = 0.2
 
@@ -42,6 +58,75 @@ def enqueue(dsn: str, queue: str, payloads: list[bytes], **kw: Any) -> None:
         for p in payloads:
             s.enqueue(queue, p, **kw)
         s.commit()
+
+
+def take(conn: psycopg.Connection[Any], queue: str, n: int = 1) -> list[Row]:
+    """One ``ringq.dequeue`` call in the connection's current transaction."""
+    rows = conn.execute("SELECT * FROM ringq.dequeue(%s, %s)", (queue, n)).fetchall()
+    return [tuple(r) for r in rows]
+
+
+def got(rows: list[Row]) -> list[tuple[bytes, int]]:
+    """(payload, deliveries) of each row taken."""
+    return [(r[1], r[4]) for r in rows]
+
+
+def offers(dsn: str, queue: str) -> list[int]:
+    """The seqs of the queue's entries set aside for SQL consumers (listed)."""
+    with psycopg.connect(dsn, autocommit=True) as c:
+        return [int(r[0]) for r in c.execute(
+            "SELECT o.seq FROM ringq.offers o JOIN ringq.queues q ON q.id = o.queue_id"
+            " WHERE q.name = %s ORDER BY o.seq", (queue,))]
+
+
+def set_aside(dsn: str, queue: str, n: int) -> list[int]:
+    """Ask the agent for entries of ``queue`` as ``ringq.dequeue`` does when it
+    finds nothing (NOTIFY ringq_want), and wait until ``n`` are listed."""
+    with psycopg.connect(dsn, autocommit=True) as c:
+        c.execute("SELECT pg_notify('ringq_want', %s)", (queue,))
+    listed: list[int] = wait_for(lambda: len(o := offers(dsn, queue)) == n and o,
+                                 what=f"{n} entries set aside")
+    return listed
+
+
+def strikes(dsn: str, queue: str, seq: int) -> int | None:
+    """The row's count of deliveries that did not commit, once the entry is
+    ready to be taken again (None: not queued at ``seq``, or a take's xid still
+    in its ``xmax``: held, or not yet struck)."""
+    query = sql.SQL(
+        "SELECT deliveries FROM {} WHERE seq = %s AND state = 1 AND xmax = '0'::xid"
+    ).format(queue_table(queue))
+    with psycopg.connect(dsn, autocommit=True) as c:
+        row = c.execute(query, (seq,)).fetchone()
+    return None if row is None else int(row[0])
+
+
+def collect(dsn: str, queue: str, count: int, n: int = 10, timeout: float = 15.0) -> list[Row]:
+    """Take entries of ``queue`` on an autocommit connection (each call
+    commits) until ``count`` came; then check that no more come."""
+    out: list[Row] = []
+    with psycopg.connect(dsn, autocommit=True) as c:
+        def more() -> bool:
+            out.extend(take(c, queue, n))
+            return len(out) >= count
+
+        wait_for(more, timeout, f"{count} entries taken", every=0.005)
+        assert nothing_for(c, queue) and len(out) == count, got(out)
+    return out
+
+
+def nothing_for(conn: psycopg.Connection[Any], queue: str, seconds: float = 0.3) -> bool:
+    """True if ``ringq.dequeue`` returns nothing for ``seconds`` (each empty
+    call's ask delivered: the agent had its chance to set entries aside).
+    ``conn`` holds nothing taken (an empty call commits when it is not autocommit)."""
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        if take(conn, queue, 10):
+            return False
+        if not conn.autocommit:
+            conn.commit()
+        time.sleep(0.01)  # polling for an absence over a span, not synchronizing
+    return True
 
 
 def sql_take(conn: psycopg.Connection[Any], queue: str, n: int = 1,
@@ -111,3 +196,135 @@ def test_linked_consumers_read_past_entries_set_aside_and_get_them_back_when_sql
         m = present(wait_for(lambda: s.dequeue(q), timeout=10, what="entry given back"))
         assert m.payload == b"2" and m.deliveries == 1
         s.commit()
+
+
+# -- two sessions, step by step (pgmq's isolation specs), SQL and linked mixed -----------------
+
+
+def test_shared_steps_sql_and_linked_read_past_and_a_rollback_comes_back_counted(
+    dsn: str, make_queue: Callable[..., str], monitor: Callable[..., Monitor]
+) -> None:
+    q = make_queue(capacity=64, dequeue_mode="shared")
+    enqueue(dsn, q, [b"a", b"b", b"c", b"d"])
+    monitor()
+    with psycopg.connect(dsn) as c1, psycopg.connect(dsn) as c2, connect(dsn) as s:
+        # s (linked) takes a before any SQL consumer asked; the agent sets the rest aside.
+        assert present(s.dequeue(q)).payload == b"a"
+        seq_a = min(set_aside(dsn, q, 3)) - 1
+        assert got(take(c1, q)) == [(b"b", 1)]           # c1 dequeue
+        assert got(take(c2, q)) == [(b"c", 1)]           # c2 dequeue: reads past b
+        s.rollback()                                      # a back at the head, counted
+        wait_for(lambda: seq_a in offers(dsn, q), what="a set aside after the linked rollback")
+        c1.rollback()                                     # b given back, counted by the agent
+        c2.commit()                                       # c consumed
+        wait_for(lambda: strikes(dsn, q, seq_a + 1) == 1, what="b struck")
+        assert got(take(c2, q, 5)) == [(b"a", 2), (b"b", 2), (b"d", 1)]
+        assert s.dequeue(q) is None                       # all held by c2: s reads past
+        s.rollback()
+        c2.commit()
+        assert nothing_for(c1, q) and s.dequeue(q) is None
+        s.commit()
+    wait_for(lambda: not offers(dsn, q), what="the offers emptied")
+    with psycopg.connect(dsn) as c:
+        assert c.execute("SELECT ringq.depth(%s)", (q,)).fetchone() == (0,)
+
+
+def test_single_steps_one_sql_dequeuer_at_a_time_in_order_then_the_role_goes_to_linked(
+    dsn: str, make_queue: Callable[..., str], monitor: Callable[..., Monitor],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from ringq.engine import _offers
+
+    q = make_queue(capacity=64, dequeue_mode="single")
+    enqueue(dsn, q, [b"a", b"b", b"c"])
+    monitor()
+    set_aside(dsn, q, 3)
+    with psycopg.connect(dsn) as c1, psycopg.connect(dsn) as c2, connect(dsn) as s:
+        assert got(take(c1, q)) == [(b"a", 1)]            # c1 dequeue
+        assert take(c2, q, 3) == []                       # c2: one SQL dequeuer at a time
+        c2.commit()
+        assert s.dequeue(q) is None                       # linked: the SQL path holds the role
+        s.rollback()
+        c1.rollback()
+        # The order holds across the rollback: whatever c2 gets first starts with a.
+        rows = sql_take(c2, q, 3)
+        assert got(rows) == [(b"a", 2), (b"b", 1), (b"c", 1)]
+        assert take(c1, q) == []                          # c2 still holds the SQL dequeuer lock
+        c1.commit()
+        c2.commit()
+        # SQL consumers are done and go quiet: what is set aside afterwards goes
+        # back to the linked dequeuer once nobody asked for DEMAND_S.
+        enqueue(dsn, q, [b"d", b"e"])
+        monkeypatch.setattr(_offers, "DEMAND_S", 0.3)
+        m = present(s.dequeue(q, wait=10.0))
+        assert (m.payload, m.deliveries) == (b"d", 1)
+        # ... and while it holds the role, SQL consumers get nothing.
+        assert nothing_for(c1, q)
+        s.commit()
+        m = present(s.dequeue(q, wait=10.0))  # at once, or when the agent gives it back
+        assert (m.payload, m.deliveries) == (b"e", 1)
+        s.commit()
+    wait_for(lambda: not offers(dsn, q), what="the offers emptied")
+
+
+def test_groups_one_entry_held_across_sql_and_linked_and_in_order(
+    dsn: str, make_queue: Callable[..., str], monitor: Callable[..., Monitor]
+) -> None:
+    q = make_queue(capacity=64, dequeue_mode="shared")
+    with connect(dsn) as p:
+        for payload, group in [(b"g1", "g"), (b"g2", "g"), (b"h1", "h"), (b"g3", "g"),
+                               (b"h2", "h")]:
+            p.enqueue(q, payload, group=group)
+        p.commit()
+    monitor()
+    with psycopg.connect(dsn) as c1, psycopg.connect(dsn) as c2, connect(dsn) as s:
+        g1 = present(s.dequeue(q))                        # s holds g1: group g is busy
+        assert g1.payload == b"g1"
+        set_aside(dsn, q, 1)                              # h1 only: g2 waits behind g1
+        assert got(take(c1, q, 5)) == [(b"h1", 1)]        # c1 holds h1: group h busy too
+        assert take(c2, q, 5) == []
+        c2.commit()
+        s.rollback()                                      # g1 back at the head of g
+        rows = sql_take(c2, q, 5)                         # g1 again, g2 not with it
+        assert [(r[1], r[4], r[5]) for r in rows] == [(b"g1", 2, "g")]
+        assert s.dequeue(q) is None                       # both groups held by SQL
+        s.rollback()
+        c1.rollback()                                     # h1 back, counted
+        c2.commit()                                       # g1 consumed: g2 next
+        order: list[tuple[bytes, int]] = []
+        with psycopg.connect(dsn, autocommit=True) as c3:
+            def step() -> bool:
+                rows = take(c3, q, 5)
+                # At most one entry of a group per take (each take commits at once).
+                assert len({r[5] for r in rows}) == len(rows), got(rows)
+                order.extend(got(rows))
+                return len(order) >= 4
+            wait_for(step, what="the rest of both groups", every=0.005)
+            assert nothing_for(c3, q)
+        assert [x for x in order if x[0][:1] == b"g"] == [(b"g2", 1), (b"g3", 1)]
+        assert [x for x in order if x[0][:1] == b"h"] == [(b"h1", 2), (b"h2", 1)]
+        assert s.dequeue(q) is None
+        s.commit()
+
+
+def test_a_sql_take_rolled_back_max_deliveries_times_is_poison(
+    dsn: str, make_queue: Callable[..., str], monitor: Callable[..., Monitor]
+) -> None:
+    q = make_queue(capacity=64, dequeue_mode="single", max_deliveries=2)
+    enqueue(dsn, q, [b"bad", b"good"])
+    monitor()
+    with psycopg.connect(dsn) as c:
+        for n in (1, 2):
+            rows = sql_take(c, q)
+            assert got(rows) == [(b"bad", n)]
+            c.rollback()
+        rows = sql_take(c, q, 5)                          # bad moved aside: good is next
+        assert got(rows) == [(b"good", 1)]
+        c.commit()
+        assert nothing_for(c, q)
+        ex = c.execute(
+            "SELECT e.payload, e.deliveries FROM ringq.exceptions e"
+            " JOIN ringq.queues q ON q.id = e.queue_id WHERE q.name = %s", (q,)).fetchall()
+        assert ex == [(b"bad", 2)]
+        assert c.execute("SELECT ringq.depth(%s)", (q,)).fetchone() == (0,)
+    assert drain(dsn, q) == []
