@@ -328,3 +328,144 @@ def test_a_sql_take_rolled_back_max_deliveries_times_is_poison(
         assert ex == [(b"bad", 2)]
         assert c.execute("SELECT ringq.depth(%s)", (q,)).fetchone() == (0,)
     assert drain(dsn, q) == []
+
+
+# -- failures: kill -9, terminated backends, monitor and database restarts, lost section --------
+
+# A SQL consumer in a process of its own: takes up to argv[3] entries of queue
+# argv[2] in one transaction, prints its backend pid and the seqs, then holds
+# them (the transaction open) until killed.
+HOLDER = r"""
+import sys, time, psycopg
+c = psycopg.connect(sys.argv[1])
+end = time.monotonic() + 20
+rows = []
+while not rows and time.monotonic() < end:
+    rows = c.execute("SELECT seq FROM ringq.dequeue(%s, %s)", (sys.argv[2], int(sys.argv[3]))).fetchall()
+    if not rows:
+        c.commit()
+        time.sleep(0.005)
+print(c.info.backend_pid, *[r[0] for r in rows], flush=True)
+sys.stdin.read()
+"""
+
+
+def test_entries_of_a_sql_consumer_killed_9_or_terminated_come_back_counted_once(
+    dsn: str, make_queue: Callable[..., str], monitor: Callable[..., Monitor]
+) -> None:
+    q = make_queue(capacity=64, dequeue_mode="shared")
+    enqueue(dsn, q, [b"k1", b"k2", b"k3", b"k4"])
+    monitor()
+    with subprocess.Popen([sys.executable, "-c", HOLDER, dsn, q, "2"],
+                          stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True) as holder:
+        try:
+            line = present(holder.stdout).readline().split()
+            assert len(line) == 3, line               # its backend pid and two seqs
+        finally:
+            os.kill(holder.pid, signal.SIGKILL)
+            holder.wait(10)
+    rows = collect(dsn, q, 4)
+    assert sorted(got(rows)) == [(b"k1", 2), (b"k2", 2), (b"k3", 1), (b"k4", 1)]
+
+    # pg_terminate_backend of a SQL consumer's backend: the same.
+    enqueue(dsn, q, [b"t1", b"t2"])
+    c = psycopg.connect(dsn)
+    try:
+        assert got(sql_take(c, q, 1)) == [(b"t1", 1)]
+        terminate_backend(dsn, c.info.backend_pid)
+        with pytest.raises(psycopg.OperationalError):
+            c.execute("SELECT 1")
+    finally:
+        c.close()
+    rows = collect(dsn, q, 2)
+    assert sorted(got(rows)) == [(b"t1", 2), (b"t2", 1)]
+    assert drain(dsn, q) == []
+
+
+def test_a_monitor_stopped_and_restarted_with_entries_set_aside_loses_and_doubles_nothing(
+    dsn: str, make_queue: Callable[..., str], monitor: Callable[..., Monitor]
+) -> None:
+    q = make_queue(capacity=64, dequeue_mode="shared")
+    enqueue(dsn, q, [b"e%d" % i for i in range(6)])
+    m = monitor()
+    set_aside(dsn, q, 6)
+    with psycopg.connect(dsn) as c1, psycopg.connect(dsn) as c2, connect(dsn) as s:
+        assert got(take(c1, q, 2)) == [(b"e0", 1), (b"e1", 1)]
+        m.stop()
+        # With the agent away, listed entries can still be taken and committed
+        # or rolled back; the linked session still reads past them.
+        c1.commit()
+        assert got(take(c2, q)) == [(b"e2", 1)]
+        c2.rollback()
+        assert got(take(c2, q)) == [(b"e3", 1)]           # e2's take not struck yet: passed
+        c2.commit()
+        assert s.dequeue(q) is None
+        s.rollback()
+        monitor()
+        rows = collect(dsn, q, 3)
+        assert sorted(got(rows)) == [(b"e2", 2), (b"e4", 1), (b"e5", 1)]
+        # The SQL consumer carries on with what comes next.
+        enqueue(dsn, q, [b"n1"])
+        assert got(collect(dsn, q, 1)) == [(b"n1", 1)]
+        assert s.dequeue(q) is None
+        s.commit()
+    wait_for(lambda: not offers(dsn, q), what="the offers emptied")
+
+
+def test_a_section_removed_with_entries_set_aside_is_rebuilt_with_them_locked_for_sql(
+    dsn: str, make_queue: Callable[..., str], monitor: Callable[..., Monitor]
+) -> None:
+    q = make_queue(capacity=64, dequeue_mode="shared")
+    enqueue(dsn, q, [b"r0", b"r1", b"r2", b"r3"])
+    m = monitor()
+    set_aside(dsn, q, 4)
+    with psycopg.connect(dsn) as c1:
+        assert got(take(c1, q)) == [(b"r0", 1)]
+        gen = m.read_section(lambda sec: sec.generation)
+        remove_section(dsn)
+        wait_for(lambda: m.read_section(lambda sec: sec.generation) not in (None, gen),
+                 what="a new section")
+        with connect(dsn) as s:
+            assert s.dequeue(q) is None                   # still locked for SQL consumers
+            s.rollback()
+            c1.commit()
+            rows = collect(dsn, q, 3)
+            assert got(rows) == [(b"r1", 1), (b"r2", 1), (b"r3", 1)]
+            assert s.dequeue(q) is None
+            s.commit()
+    wait_for(lambda: not offers(dsn, q), what="the offers emptied")
+    with psycopg.connect(dsn) as c:
+        assert c.execute("SELECT ringq.depth(%s)", (q,)).fetchone() == (0,)
+
+
+def test_a_database_restart_under_sql_consumers_loses_and_doubles_nothing(tmp_path: Path) -> None:
+    cluster = Cluster(tmp_path / "pg")  # its own server: this test stops it
+    instance = None
+    dsn = cluster.start()
+    try:
+        q = "q_" + uuid.uuid4().hex[:10]
+        with psycopg.connect(dsn) as conn:
+            create_queue(conn, QueueSpec(q, 64, 100, dequeue_mode="shared"))
+            instance = present(conn.execute(
+                "SELECT value FROM ringq.meta WHERE key = 'instance_id'").fetchone())[0]
+        enqueue(dsn, q, [b"d%d" % i for i in range(5)])
+        with Monitor(MonitorConfig(dsn, port=0, interval=FAST, data_dir=tmp_path / "m")) as m:
+            set_aside(dsn, q, 5)
+            c = psycopg.connect(dsn)
+            assert got(take(c, q, 2)) == [(b"d0", 1), (b"d1", 1)]  # held across the restart
+            cluster.stop()
+            c.close()
+            assert cluster.start() == dsn
+            wait_for(lambda: m.status()["database"], 20, "the monitor reconnected")
+            rows = collect(dsn, q, 5, timeout=30)
+            assert sorted(got(rows)) == [(b"d0", 2), (b"d1", 2), (b"d2", 1), (b"d3", 1),
+                                         (b"d4", 1)]
+            enqueue(dsn, q, [b"after"])
+            assert got(collect(dsn, q, 1)) == [(b"after", 1)]
+            assert drain(dsn, q) == []
+    finally:
+        if instance is not None and cluster.status().running:
+            remove_section(dsn)
+        cluster.stop()
+        if instance is not None:
+            Section.unlink(instance)
