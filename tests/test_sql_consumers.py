@@ -81,12 +81,19 @@ def offers(dsn: str, queue: str) -> list[int]:
 
 def set_aside(dsn: str, queue: str, n: int) -> list[int]:
     """Ask the agent for entries of ``queue`` as ``ringq.dequeue`` does when it
-    finds nothing (NOTIFY ringq_want), and wait until ``n`` are listed."""
+    finds nothing (NOTIFY ringq_want), and wait until ``n`` are listed. Asks
+    again while waiting, as a consumer's loop does: an ask sent before the
+    agent's connection LISTENs (a monitor just started) is lost."""
     with psycopg.connect(dsn, autocommit=True) as c:
-        c.execute("SELECT pg_notify('ringq_want', %s)", (queue,))
-    listed: list[int] = wait_for(lambda: len(o := offers(dsn, queue)) == n and o,
-                                 what=f"{n} entries set aside")
-    return listed
+        def listed() -> list[int] | None:
+            o = offers(dsn, queue)
+            if len(o) == n:
+                return o
+            c.execute("SELECT pg_notify('ringq_want', %s)", (queue,))
+            return None
+
+        out: list[int] = wait_for(listed, what=f"{n} entries set aside")
+    return out
 
 
 def strikes(dsn: str, queue: str, seq: int) -> int | None:
@@ -341,7 +348,8 @@ c = psycopg.connect(sys.argv[1])
 end = time.monotonic() + 20
 rows = []
 while not rows and time.monotonic() < end:
-    rows = c.execute("SELECT seq FROM ringq.dequeue(%s, %s)", (sys.argv[2], int(sys.argv[3]))).fetchall()
+    rows = c.execute("SELECT seq FROM ringq.dequeue(%s, %s)",
+                     (sys.argv[2], int(sys.argv[3]))).fetchall()
     if not rows:
         c.commit()
         time.sleep(0.005)
@@ -469,3 +477,137 @@ def test_a_database_restart_under_sql_consumers_loses_and_doubles_nothing(tmp_pa
         cluster.stop()
         if instance is not None:
             Section.unlink(instance)
+
+
+# -- linked and SQL consumers on one queue at once -----------------------------------------------
+
+
+def test_linked_and_sql_consumers_on_one_shared_queue_take_every_entry_once_in_producer_order(
+    dsn: str, make_queue: Callable[..., str], monitor: Callable[..., Monitor]
+) -> None:
+    producers, per_producer = 2, 150
+    total = producers * per_producer
+    q = make_queue(capacity=128, dequeue_mode="shared")
+    monitor()
+    taken: dict[str, list[bytes]] = {}  # consumer -> payloads, in the order it took them
+    lock = threading.Lock()
+    done = threading.Event()
+    failures: list[BaseException] = []
+
+    def record(name: str, payloads: list[bytes]) -> None:
+        with lock:
+            taken[name].extend(payloads)
+            if sum(len(v) for v in taken.values()) >= total:
+                done.set()
+
+    def produce(k: str) -> None:
+        with connect(dsn) as s:
+            for i in range(per_producer):
+                s.enqueue(q, b"p%s:%04d" % (k.encode(), i))
+                s.commit()
+
+    def linked(name: str) -> None:
+        with connect(dsn) as s:
+            while not done.is_set():
+                got_ = s.dequeue_many(q, 5, wait=0.05)
+                s.commit()
+                record(name, [m.payload for m in got_])
+
+    def by_sql(name: str) -> None:
+        with psycopg.connect(dsn) as c:
+            while not done.is_set():
+                rows = take(c, q, 5)
+                c.commit()
+                record(name, [r[1] for r in rows])
+                if not rows:
+                    time.sleep(0.005)  # an idle consumer's poll interval
+
+    def guarded(fn: Callable[[str], None], name: str) -> Callable[[], None]:
+        def run() -> None:
+            try:
+                fn(name)
+            except BaseException as exc:
+                failures.append(exc)
+                done.set()
+        return run
+
+    consumers = [(linked, "linked0"), (linked, "linked1"), (by_sql, "sql0"), (by_sql, "sql1")]
+    taken.update({name: [] for _fn, name in consumers})
+    threads = [threading.Thread(target=guarded(fn, name)) for fn, name in consumers]
+    threads += [threading.Thread(target=guarded(produce, str(k))) for k in range(producers)]
+    for t in threads:
+        t.start()
+    done.wait(60)
+    done.set()
+    for t in threads:
+        t.join(30)
+    assert not failures, failures
+    every = collections.Counter(p for v in taken.values() for p in v)
+    assert len(every) == total and set(every.values()) == {1}, every.most_common(3)
+    for name, payloads in taken.items():
+        for k in range(producers):
+            mine = [p for p in payloads if p.startswith(b"p%d:" % k)]
+            assert mine == sorted(mine), f"{name} took producer {k}'s entries out of order"
+    shares = {name: len(v) for name, v in taken.items()}
+    print(f"\nentries taken per consumer: {shares}")
+    assert shares["sql0"] + shares["sql1"] > 0 and shares["linked0"] + shares["linked1"] > 0
+    assert drain(dsn, q) == []
+
+
+# -- no monitor, security -------------------------------------------------------------------------
+
+
+def test_without_a_monitor_sql_dequeue_returns_nothing_and_linked_consumers_get_everything(
+    dsn: str, make_queue: Callable[..., str]
+) -> None:
+    q = make_queue(capacity=64, dequeue_mode="shared")
+    enqueue(dsn, q, [b"a", b"b", b"c"])
+    with psycopg.connect(dsn, autocommit=True) as c:
+        assert nothing_for(c, q)
+    assert offers(dsn, q) == []
+    assert [(m.payload, m.deliveries) for m in drain(dsn, q)] == [(b"a", 1), (b"b", 1), (b"c", 1)]
+
+
+@pytest.fixture
+def stranger(dsn: str) -> Iterator[str]:
+    """A login role of its own on the cluster (dropped afterwards)."""
+    role = "r_" + uuid.uuid4().hex[:10]
+    with psycopg.connect(dsn, autocommit=True) as c:
+        c.execute(sql.SQL("CREATE ROLE {} LOGIN").format(sql.Identifier(role)))
+    yield role
+    with psycopg.connect(dsn, autocommit=True) as c:
+        c.execute(sql.SQL("DROP OWNED BY {}").format(sql.Identifier(role)))
+        c.execute(sql.SQL("DROP ROLE {}").format(sql.Identifier(role)))
+
+
+def test_a_role_without_the_grant_cannot_take_and_hostile_arguments_are_refused(
+    dsn: str, make_queue: Callable[..., str], monitor: Callable[..., Monitor], stranger: str
+) -> None:
+    q = make_queue(capacity=64, dequeue_mode="shared")
+    other = make_queue(capacity=64, dequeue_mode="shared")
+    enqueue(dsn, q, [b"secret"])
+    monitor()
+    set_aside(dsn, q, 1)
+    role = sql.Identifier(stranger)
+    with psycopg.connect(dsn, autocommit=True) as admin:
+        # What a role granted another queue has: the schema and its catalog.
+        admin.execute(sql.SQL("GRANT USAGE ON SCHEMA ringq TO {}").format(role))
+        admin.execute(sql.SQL("GRANT SELECT ON ringq.queues, ringq.offers TO {}").format(role))
+        admin.execute(sql.SQL("GRANT SELECT, UPDATE ON {} TO {}").format(
+            queue_table(other), role))
+    with psycopg.connect(dsn, user=stranger, autocommit=True) as c:
+        assert take(c, other) == []                       # the grant it has works
+        with pytest.raises(errors.InsufficientPrivilege):
+            take(c, q)
+        # Hostile names: refused before any table is named.
+        for name in ['x"; DROP TABLE ringq.queues; --', "q'; SELECT 1; --", "queues",
+                     "pg_catalog.pg_authid", "../" + q, q + " ", q.upper(), ""]:
+            with pytest.raises(errors.UndefinedObject):
+                take(c, name)
+    with psycopg.connect(dsn, autocommit=True) as c:
+        for n in (0, -1, 10001, None):
+            with pytest.raises(errors.InvalidParameterValue):
+                c.execute("SELECT * FROM ringq.dequeue(%s, %s)", (q, n))
+        assert c.execute("SELECT count(*) FROM ringq.queues").fetchone() == (2,)
+        # Nothing changed: the entry is still there for a consumer with the grant.
+        assert got(take(c, q)) == [(b"secret", 1)]
