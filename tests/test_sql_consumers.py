@@ -27,6 +27,7 @@ from conftest import drain, present, remove_section, terminate_backend, wait_for
 from psycopg import errors, sql
 from ringq.cluster import Cluster
 from ringq.engine import Section, connect, queue_table
+from ringq.engine.sqlpath import DEMAND_S
 from ringq.monitor import Monitor, MonitorConfig
 from ringq.scripting import QueueSpec, create_queue
 
@@ -184,12 +185,8 @@ def test_sql_rollback_gives_the_entry_back_counted(
 
 
 def test_linked_consumers_read_past_entries_set_aside_and_get_them_back_when_sql_goes(
-    dsn: str, make_queue: Callable[..., str], monitor: Callable[..., Monitor],
-    monkeypatch: pytest.MonkeyPatch,
+    dsn: str, make_queue: Callable[..., str], monitor: Callable[..., Monitor]
 ) -> None:
-    from ringq.engine import _offers
-
-    monkeypatch.setattr(_offers, "DEMAND_S", 0.5)
     q = make_queue(capacity=64, dequeue_mode="shared")
     enqueue(dsn, q, [b"1", b"2"])
     monitor()
@@ -200,7 +197,7 @@ def test_linked_consumers_read_past_entries_set_aside_and_get_them_back_when_sql
         assert s.dequeue(q) is None
         s.rollback()
         # ... until no SQL consumer has asked for DEMAND_S: then it is given back.
-        m = present(wait_for(lambda: s.dequeue(q), timeout=10, what="entry given back"))
+        m = present(wait_for(lambda: s.dequeue(q), timeout=DEMAND_S + 10, what="entry given back"))
         assert m.payload == b"2" and m.deliveries == 1
         s.commit()
 
@@ -237,11 +234,8 @@ def test_shared_steps_sql_and_linked_read_past_and_a_rollback_comes_back_counted
 
 
 def test_single_steps_one_sql_dequeuer_at_a_time_in_order_then_the_role_goes_to_linked(
-    dsn: str, make_queue: Callable[..., str], monitor: Callable[..., Monitor],
-    monkeypatch: pytest.MonkeyPatch,
+    dsn: str, make_queue: Callable[..., str], monitor: Callable[..., Monitor]
 ) -> None:
-    from ringq.engine import _offers
-
     q = make_queue(capacity=64, dequeue_mode="single")
     enqueue(dsn, q, [b"a", b"b", b"c"])
     monitor()
@@ -262,8 +256,7 @@ def test_single_steps_one_sql_dequeuer_at_a_time_in_order_then_the_role_goes_to_
         # SQL consumers are done and go quiet: what is set aside afterwards goes
         # back to the linked dequeuer once nobody asked for DEMAND_S.
         enqueue(dsn, q, [b"d", b"e"])
-        monkeypatch.setattr(_offers, "DEMAND_S", 0.3)
-        m = present(s.dequeue(q, wait=10.0))
+        m = present(s.dequeue(q, wait=DEMAND_S + 10))
         assert (m.payload, m.deliveries) == (b"d", 1)
         # ... and while it holds the role, SQL consumers get nothing.
         assert nothing_for(c1, q)
