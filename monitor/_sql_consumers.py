@@ -29,6 +29,7 @@ logger = logging.getLogger("ringq.monitor")
 
 BUSY_WAIT_S = 0.002  # between passes while SQL consumers take entries
 RETRY_S = 0.5  # after a failed pass (the database away …)
+LISTEN_WAIT_S = 5.0  # start() waits this long at most for the agent to LISTEN
 
 
 class SqlConsumers:
@@ -41,6 +42,7 @@ class SqlConsumers:
         self._agent = SqlAgent()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._listening = threading.Event()
         self._logged: tuple[str, float] = ("", 0.0)
         self.failures = 0
 
@@ -52,8 +54,13 @@ class SqlConsumers:
         if self._thread is not None:
             return
         self._stop.clear()
+        self._listening.clear()
         self._thread = threading.Thread(target=self._run, name="ringq-sql-consumers", daemon=True)
         self._thread.start()
+        # A SQL consumer's ask (NOTIFY) sent before the agent LISTENs is lost, and
+        # one that then waits on ringq_ready would wait in vain: return once asks
+        # are heard (or, the database away, after LISTEN_WAIT_S).
+        self._listening.wait(LISTEN_WAIT_S)
 
     def stop(self, timeout: float | None = 10.0) -> None:
         self._stop.set()
@@ -75,6 +82,7 @@ class SqlConsumers:
                     # listing or strike lost in a crash is made again from the
                     # rows (a non-zero xmax is still there).
                     conn.execute("SET synchronous_commit = off")
+                    self._listening.set()
                     agent.forget()  # asks sent while we were away are lost: look again
                 busy = self._attachment.read(functools.partial(self._pass, conn))
                 wait = BUSY_WAIT_S if busy else self._settings().recovery_interval
