@@ -86,6 +86,12 @@ class SqlAgent:
     _infos: dict[int, QueueInfo] = field(default_factory=dict)
     _target: dict[int, int] = field(default_factory=dict)  # queue id -> entries to keep aside
 
+    @staticmethod
+    def prepare(conn: psycopg.Connection[Any]) -> None:
+        """Make ``conn`` the agent's: LISTEN for asks, commit without waiting for the flush."""
+        conn.execute(_Q["agent_listen"])
+        conn.execute(_Q["agent_async_commit"])
+
     def forget(self) -> None:
         """Look at every queue again on the next pass (a new connection: asks
         sent while there was none are lost)."""
@@ -172,7 +178,7 @@ class SqlAgent:
         with conn.transaction():
             # Durable at once, whatever the connection's setting: a strike lost
             # in a crash after its row was cleaned would be counted twice.
-            conn.execute("SET LOCAL synchronous_commit = on")
+            conn.execute(_Q["agent_sync_commit"])
             free = conn.execute(
                 sql.SQL(_Q["offers_aborted"]).format(table=table), (slots, seqs)
             ).fetchall()
@@ -188,7 +194,7 @@ class SqlAgent:
         again = [r for r in struck if r[2] == RowState.QUEUED]
         if again:
             with conn.transaction():
-                conn.execute("SET LOCAL synchronous_commit = on")
+                conn.execute(_Q["agent_sync_commit"])
                 conn.execute(sql.SQL(_Q["offers_clean"]).format(table=table),
                              ([int(r[0]) for r in again], [int(r[1]) for r in again]))
         self.figures.struck += len(struck)

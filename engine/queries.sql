@@ -406,3 +406,17 @@ WHERE o.queue_id = %s AND r.state = 1 AND r.xmax <> '0'::xid
 
 -- offers_end --
 SELECT pg_terminate_backend(%s)
+
+-- agent_listen --
+-- The agent's connection: hears SQL consumers' asks (ringq.dequeue found nothing).
+LISTEN ringq_want
+
+-- agent_async_commit --
+-- The agent's own commits (its listings) need not wait for the WAL flush: a
+-- take that commits flushes the listing it saw before it (the WAL is one
+-- sequence), and a listing lost in a crash is made again from the rows.
+SET synchronous_commit = off
+
+-- agent_sync_commit --
+-- One transaction of the agent's durable at once (its strikes).
+SET LOCAL synchronous_commit = on

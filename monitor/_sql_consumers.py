@@ -20,7 +20,7 @@ from typing import Any
 
 import psycopg
 from ringq.engine import Section, pg
-from ringq.engine.sqlpath import WANT_CHANNEL, AgentFigures, SqlAgent
+from ringq.engine.sqlpath import AgentFigures, SqlAgent
 
 from ._section import Attachment
 from ._step import REPEAT_LOG_S, Note, Settings
@@ -75,13 +75,7 @@ class SqlConsumers:
             try:
                 if conn is None or conn.closed or conn.broken:
                     conn = pg.connect(self._settings().dsn, autocommit=True, connect_timeout=5)
-                    conn.execute(f"LISTEN {WANT_CHANNEL}")
-                    # The agent's own commits (its listings, its strikes) need not
-                    # wait for the WAL flush: a take that commits flushes the
-                    # listing it saw before it (the WAL is one sequence), and a
-                    # listing or strike lost in a crash is made again from the
-                    # rows (a non-zero xmax is still there).
-                    conn.execute("SET synchronous_commit = off")
+                    SqlAgent.prepare(conn)  # LISTEN ringq_want; asynchronous commits
                     self._listening.set()
                     agent.forget()  # asks sent while we were away are lost: look again
                 busy = self._attachment.read(functools.partial(self._pass, conn))

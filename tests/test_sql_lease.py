@@ -9,9 +9,8 @@ from pathlib import Path
 from typing import Any
 
 import psycopg
-from ringq.monitor import Monitor, MonitorConfig
-
 from conftest import drain, wait_for
+from ringq.monitor import Monitor, MonitorConfig
 
 
 def test_sql_consumer_past_the_lease_is_ended_and_the_entry_comes_back(
