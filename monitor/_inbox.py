@@ -10,7 +10,7 @@ import logging
 from collections.abc import Collection
 from typing import Any
 
-from ringq.engine import QueueFull, RingqError, check_group, connect
+from ringq.engine import QueueFull, RingqError, Session, check_group, connect
 from ringq.engine.recovery import queue_room
 
 from . import _queries as Qy
@@ -53,9 +53,12 @@ def pump_inbox(
     batch: int = 500,
     skip: Collection[str] = (),
     full: dict[str, int] | None = None,
+    session: Session | None = None,
 ) -> dict[str, int]:
     """Move entries enqueued through ``ringq.enqueue()`` into their rings, in inbox order;
-    returns {queue: entries moved}.
+    returns {queue: entries moved}. ``session``: a linked session kept by the
+    caller (the monitor's pump keeps one: opening two connections per pump was
+    most of an SQL enqueue's way to its consumer), else one made for the call.
 
     One pumper per queue at a time (advisory lock); each batch moves in one
     transaction, so an entry is in the inbox or in the ring, never both.
@@ -66,67 +69,78 @@ def pump_inbox(
     added to ``full`` ({name: queue id}) and is left for a later call; the
     other queues go on. Queues named in ``skip`` are not looked at.
     """
+    if session is None:
+        with connect_step(dsn) as conn:
+            if not conn.execute(Qy.INBOX_PENDING, (list(skip),)).fetchall():
+                return {}
+        with connect(dsn) as s:
+            return _pump(s, batch, skip, full)
+    return _pump(session, batch, skip, full)
+
+
+def _pump(
+    s: Session, batch: int, skip: Collection[str], full: dict[str, int] | None
+) -> dict[str, int]:
     moved: dict[str, int] = {}
-    with connect_step(dsn) as conn:
-        pending = conn.execute(Qy.INBOX_PENDING, (list(skip),)).fetchall()
+    pending = s.connection.execute(Qy.INBOX_PENDING, (list(skip),)).fetchall()
+    s.rollback()
     if not pending:
         return moved
-    with connect(dsn) as s:
-        sec = s.section  # the process's attachment: the ring enqueue_many reserves in
-        for name, qid in pending:
-            total = 0
-            while True:
-                c = s.connection
-                got = c.execute(Qy.INBOX_LOCK, (qid,)).fetchone()
-                if not got or not got[0]:
-                    s.rollback()
-                    break
-                room = queue_room(sec, qid)  # None: not loaded yet, enqueue_many loads it
-                limit = batch if room is None else min(batch, room)
-                if limit <= 0:
-                    waiting = c.execute(Qy.INBOX_WAITING, (qid,))
-                    row = waiting.fetchone()
-                    s.rollback()
-                    if full is not None and row and row[0]:
-                        full[name] = qid
-                    break
-                rows = c.execute(Qy.INBOX_BATCH, (qid, limit)).fetchall()
-                if not rows:
-                    s.rollback()
-                    break
-                rows.sort(key=lambda r: r[0])
-                rows = _refuse_bad(c, qid, name, s.queue_info(name).max_payload, rows)
-                try:
-                    i = 0
-                    while i < len(rows):
-                        j = i
-                        while j < len(rows) and rows[j][2] == rows[i][2]:
-                            j += 1
-                        s.producer = rows[i][2]
-                        # Producer sequences follow the inbox ids (first id of the
-                        # run, then +1 each): they rise for a producer across
-                        # passes and pump sessions, where the session's own
-                        # counter would start again at 1 on every pass.
-                        s.producer_seq = rows[i][0] - 1
-                        # timeout=0: the monitor's loop must never sleep on a full queue.
-                        s.enqueue_many(
-                            name,
-                            [bytes(r[1]) for r in rows[i:j]],
-                            group=[r[3] for r in rows[i:j]],
-                            timeout=0,
-                        )
-                        i = j
-                except QueueFull:
-                    # Space went between the look and the reservation (another
-                    # producer): the rows go back to the inbox with the rollback.
-                    s.rollback()
-                    if full is not None:
-                        full[name] = qid
-                    break
-                s.commit()
-                total += len(rows)
-                if len(rows) < limit:
-                    break
-            if total:
-                moved[name] = total
+    sec = s.section  # the process's attachment: the ring enqueue_many reserves in
+    for name, qid in pending:
+        total = 0
+        while True:
+            c = s.connection
+            got = c.execute(Qy.INBOX_LOCK, (qid,)).fetchone()
+            if not got or not got[0]:
+                s.rollback()
+                break
+            room = queue_room(sec, qid)  # None: not loaded yet, enqueue_many loads it
+            limit = batch if room is None else min(batch, room)
+            if limit <= 0:
+                waiting = c.execute(Qy.INBOX_WAITING, (qid,))
+                row = waiting.fetchone()
+                s.rollback()
+                if full is not None and row and row[0]:
+                    full[name] = qid
+                break
+            rows = c.execute(Qy.INBOX_BATCH, (qid, limit)).fetchall()
+            if not rows:
+                s.rollback()
+                break
+            rows.sort(key=lambda r: r[0])
+            rows = _refuse_bad(c, qid, name, s.queue_info(name).max_payload, rows)
+            try:
+                i = 0
+                while i < len(rows):
+                    j = i
+                    while j < len(rows) and rows[j][2] == rows[i][2]:
+                        j += 1
+                    s.producer = rows[i][2]
+                    # Producer sequences follow the inbox ids (first id of the
+                    # run, then +1 each): they rise for a producer across
+                    # passes and pump sessions, where the session's own
+                    # counter would start again at 1 on every pass.
+                    s.producer_seq = rows[i][0] - 1
+                    # timeout=0: the monitor's loop must never sleep on a full queue.
+                    s.enqueue_many(
+                        name,
+                        [bytes(r[1]) for r in rows[i:j]],
+                        group=[r[3] for r in rows[i:j]],
+                        timeout=0,
+                    )
+                    i = j
+            except QueueFull:
+                # Space went between the look and the reservation (another
+                # producer): the rows go back to the inbox with the rollback.
+                s.rollback()
+                if full is not None:
+                    full[name] = qid
+                break
+            s.commit()
+            total += len(rows)
+            if len(rows) < limit:
+                break
+        if total:
+            moved[name] = total
     return moved

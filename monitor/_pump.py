@@ -10,9 +10,12 @@ at the next sample, not on every pass.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from dataclasses import dataclass, field
+
+from ringq.engine import Session, connect
 
 from ._inbox import pump_inbox
 from ._step import REPEAT_LOG_S, Note, Settings
@@ -46,6 +49,26 @@ class Pump:
         self._settings = settings
         self._note = note
         self._retry_full = retry_full
+        # Kept between pumps (a new session is two connections: most of an SQL
+        # enqueue's way to its consumer); made again after a failure or a new DSN.
+        self._session: Session | None = None
+        self._session_dsn = ""
+
+    def _linked(self) -> Session:
+        dsn = self._settings().dsn
+        if self._session is not None and (self._session.closed or self._session_dsn != dsn):
+            self.close()
+        if self._session is None:
+            self._session = connect(dsn)
+            self._session_dsn = dsn
+        return self._session
+
+    def close(self) -> None:
+        """Close the kept session (the monitor stops, or a pump failed)."""
+        session, self._session = self._session, None
+        if session is not None:
+            with contextlib.suppress(Exception):
+                session.close()
 
     def run(self) -> None:
         inbox = self._inbox
@@ -53,8 +76,10 @@ class Pump:
         full: dict[str, int] = {}
         skip = () if self._retry_full else tuple(inbox.full)
         try:
-            moved = pump_inbox(self._settings().dsn, skip=skip, full=full)
+            moved = pump_inbox(self._settings().dsn, skip=skip, full=full,
+                               session=self._linked())
         except BaseException:
+            self.close()
             # Retried by the next sample's pump; until then NOTIFYs only mark it due.
             inbox.retry_at = time.monotonic() + self._settings().interval
             raise

@@ -206,6 +206,8 @@ class Monitor:
         if self._http is not None:
             self._http.stop()
             self._http = None
+        self._pump.close()  # their linked sessions, before the section goes
+        self._pump_all.close()
         self._attachment.release()
         self._link.close()  # releases the monitor lock
         if self._sampler.t4 is not None:

@@ -1329,10 +1329,12 @@ def test_error_watch_knows_a_client_across_reconnects_and_starts_from_the_counte
 
 
 def test_a_failing_inbox_pump_waits_for_the_next_sample(
-    dsn: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    dsn: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, make_queue: Callable[..., str]
 ) -> None:
     from ringq.engine import DatabaseUnavailable
     from ringq.monitor import _pump
+
+    make_queue()  # the schema: the pump keeps a linked session between pumps
 
     def down(*_a: Any, **_kw: Any) -> dict[str, int]:
         raise DatabaseUnavailable("database unreachable")
@@ -1347,7 +1349,10 @@ def test_a_failing_inbox_pump_waits_for_the_next_sample(
     assert not m._inbox.due
     assert m._inbox.retry_at >= before + 5.0
     monkeypatch.setattr(_pump, "pump_inbox", lambda *_a, **_kw: {})
-    m._pump_all.run()  # the sample's pump works again: NOTIFYs count at once
+    try:
+        m._pump_all.run()  # the sample's pump works again: NOTIFYs count at once
+    finally:
+        m._pump_all.close()  # its kept session (the monitor never started, so never stops)
     assert m._inbox.retry_at == 0.0
 
 
