@@ -70,7 +70,7 @@ class Names:
 
     @property
     def queues(self) -> list[str]:
-        return [self.queue(w) for w in ("main", "small", "large", "lat")]
+        return [self.queue(w) for w in ("main", "small", "large", "lat", "lat2")]
 
 
 def fill_ringq(dsn: str, queue: str, n: int, payload: bytes) -> None:
@@ -136,7 +136,7 @@ def capacity_round(dsn: str, names: Names, cfg: Config, payload: bytes) -> dict[
 
 def latency(dsn: str, names: Names, cfg: Config, payload: bytes) -> dict[str, Any]:
     """Commit → in a waiting consumer's hands, both ways (ms)."""
-    q = names.queue("lat")
+    q = names.queue("lat")  # SQL consumers only: linked consumers never wait on it
     to_sql: list[float] = []
     with psycopg.connect(dsn, autocommit=True) as c, connect(dsn) as s:
         c.execute("LISTEN ringq_ready")
@@ -153,10 +153,12 @@ def latency(dsn: str, names: Names, cfg: Config, payload: bytes) -> dict[str, An
     sent = threading.Event()
     t_sent = [0.0]
 
+    q2 = names.queue("lat2")  # linked consumers only: the agent never sets its entries aside
+
     def consume() -> None:
         with connect(dsn) as s2:
             for _ in range(cfg.latency_samples):
-                m = s2.dequeue(q, wait=10)
+                m = s2.dequeue(q2, wait=10)
                 t = time.perf_counter()
                 s2.commit()
                 if m is not None:
@@ -169,7 +171,7 @@ def latency(dsn: str, names: Names, cfg: Config, payload: bytes) -> dict[str, An
         for _ in range(cfg.latency_samples):
             time.sleep(0.02)  # the consumer is waiting again
             t_sent[0] = time.perf_counter()
-            c.execute("SELECT ringq.enqueue(%s, %s)", (q, payload))
+            c.execute("SELECT ringq.enqueue(%s, %s)", (q2, payload))
     th.join(60)
 
     def pct(xs: list[float], p: float) -> float:
@@ -191,6 +193,7 @@ def run(dsn: str, cfg: Config, names: Names) -> dict[str, Any]:
         create_queue(conn, QueueSpec(names.queue("small"), 1000, 1024, dequeue_mode="shared"))
         create_queue(conn, QueueSpec(names.queue("large"), 100_000, 1024, dequeue_mode="shared"))
         create_queue(conn, QueueSpec(names.queue("lat"), 1000, 1024, dequeue_mode="shared"))
+        create_queue(conn, QueueSpec(names.queue("lat2"), 1000, 1024, dequeue_mode="shared"))
         conn.execute(sql.SQL(SKL_CREATE).format(t=sql.Identifier(names.skl)))
         conn.commit()
     payload = b"x" * cfg.payload

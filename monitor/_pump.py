@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 
 from ringq.engine import Session, connect
 
+from . import _queries as Qy
 from ._inbox import pump_inbox
 from ._step import REPEAT_LOG_S, Note, Settings
 
@@ -61,6 +62,8 @@ class Pump:
         if self._session is None:
             self._session = connect(dsn)
             self._session_dsn = dsn
+            self._session.connection.execute(Qy.PUMP_ASYNC_COMMIT)
+            self._session.commit()  # a SET in a transaction rolled back would be undone
         return self._session
 
     def close(self) -> None:

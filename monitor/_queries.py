@@ -29,6 +29,7 @@ GROUP_OLDEST_AGE: Final = _Q["group_oldest_age"]  # {table}
 INBOX_PENDING: Final = _Q["inbox_pending"]
 INBOX_LOCK: Final = _Q["inbox_lock"]
 INBOX_WAITING: Final = _Q["inbox_waiting"]
+PUMP_ASYNC_COMMIT: Final = _Q["pump_async_commit"]
 INBOX_BATCH: Final = _Q["inbox_batch"]
 INBOX_REFUSE: Final = _Q["inbox_refuse"]
 # idempotency-key pruning

@@ -274,7 +274,7 @@ class Monitor:
     # -- the loop -----------------------------------------------------------------------
 
     def _run(self) -> None:
-        next_sample = time.monotonic()
+        next_sample = next_fast = time.monotonic()
         try:
             while not self._stop.is_set():
                 tick = time.monotonic()
@@ -290,11 +290,16 @@ class Monitor:
                         next_sample = tick + self.config.interval
                 elif self._inbox.due and tick >= self._inbox.retry_at:
                     slow = [("inbox", self._pump)]
-                for name, step in self._fast + slow:
+                # Woken early by an inbox NOTIFY: the pump alone, at once (an SQL
+                # enqueue's consumer waits for it); the fast steps keep their pace.
+                fast = self._fast if tick >= next_fast or slow is self._slow else []
+                if fast:
+                    next_fast = tick + self.config.recovery_interval
+                for name, step in fast + slow:
                     if self._stop.is_set():
                         break  # drain: the step under way was finished
                     self._runner.run(name, step)
-                delay = min(tick + self.config.recovery_interval, next_sample) - time.monotonic()
+                delay = min(next_fast, next_sample) - time.monotonic()
                 if self._link.wait(delay, self._stop):
                     self._inbox.due = True
         except BaseException as exc:

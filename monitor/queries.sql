@@ -156,3 +156,11 @@ WHERE ctid = ANY(ARRAY(
 -- Wakes the inbox pump: ringq.enqueue() notifies {channel} (filled only with
 -- psycopg.sql.Identifier).
 LISTEN {channel}
+
+-- pump_async_commit --
+-- The inbox pump's session commits without waiting for the WAL flush: a
+-- consumer's commit of a moved entry flushes the move before it (the WAL is one
+-- sequence), and a move lost in a crash leaves its entries in the inbox (the
+-- move and the inbox delete are one transaction), to be moved again; the
+-- section's stale bits cost a re-read, never a loss or a duplicate.
+SET synchronous_commit = off
