@@ -22,6 +22,7 @@ Run ``python bench/bench_sql.py --help``.
 
 from __future__ import annotations
 
+import functools
 import secrets
 import statistics
 import sys
@@ -57,20 +58,12 @@ class Config:
     latency_samples: int
 
 
-@dataclass(frozen=True)
-class Names:
-    tag: str
+QUEUES = ("main", "small", "large", "lat", "lat2")
 
-    def queue(self, what: str) -> str:
-        return f"bsql_{self.tag}_{what}"
 
-    @property
-    def skl(self) -> str:
-        return f"bsql_{self.tag}_skl"
-
-    @property
-    def queues(self) -> list[str]:
-        return [self.queue(w) for w in ("main", "small", "large", "lat", "lat2")]
+def queue_name(tag: str, what: str) -> str:
+    """One of the run's queues (a tag of its own, so --dsn never touches another run's)."""
+    return f"bsql_{tag}_{what}"
 
 
 def fill_ringq(dsn: str, queue: str, n: int, payload: bytes) -> None:
@@ -108,10 +101,10 @@ def drain_rate(conn: psycopg.Connection[Any], stmt: Any, args: tuple[Any, ...], 
     return got / (time.perf_counter() - t0), empty
 
 
-def one_round(dsn: str, names: Names, cfg: Config, per: int, payload: bytes) -> dict[str, Any]:
-    q = names.queue("main")
+def one_round(dsn: str, tag: str, cfg: Config, per: int, payload: bytes) -> dict[str, Any]:
+    q = queue_name(tag, "main")
     fill_ringq(dsn, q, cfg.entries, payload)
-    skl = sql.Identifier(names.skl)
+    skl = sql.Identifier(f"bsql_{tag}_skl")
     with psycopg.connect(dsn, autocommit=True) as c:
         c.execute(sql.SQL(SKL_FILL).format(t=skl), (payload, cfg.entries))
         c.execute(sql.SQL("VACUUM ANALYZE {t}").format(t=skl))
@@ -121,12 +114,12 @@ def one_round(dsn: str, names: Names, cfg: Config, per: int, payload: bytes) -> 
     return {"ringq": rq, "skip_locked": sk, "ratio": rq / sk, "ringq_empty_answers": rq_empty}
 
 
-def capacity_round(dsn: str, names: Names, cfg: Config, payload: bytes) -> dict[str, Any]:
+def capacity_round(dsn: str, tag: str, cfg: Config, payload: bytes) -> dict[str, Any]:
     out: dict[str, Any] = {}
     n = min(cfg.entries, 900)
     with psycopg.connect(dsn, autocommit=True) as c:
         for what in ("small", "large"):
-            q = names.queue(what)
+            q = queue_name(tag, what)
             fill_ringq(dsn, q, n, payload)
             warm(c, q)
             out[what], _ = drain_rate(c, RQ_TAKE, (q, 1), n, 1)
@@ -134,9 +127,9 @@ def capacity_round(dsn: str, names: Names, cfg: Config, payload: bytes) -> dict[
     return out
 
 
-def latency(dsn: str, names: Names, cfg: Config, payload: bytes) -> dict[str, Any]:
+def latency(dsn: str, tag: str, cfg: Config, payload: bytes) -> dict[str, Any]:
     """Commit → in a waiting consumer's hands, both ways (ms)."""
-    q = names.queue("lat")  # SQL consumers only: linked consumers never wait on it
+    q = queue_name(tag, "lat")  # SQL consumers only: linked consumers never wait on it
     to_sql: list[float] = []
     with psycopg.connect(dsn, autocommit=True) as c, connect(dsn) as s:
         c.execute("LISTEN ringq_ready")
@@ -153,7 +146,7 @@ def latency(dsn: str, names: Names, cfg: Config, payload: bytes) -> dict[str, An
     sent = threading.Event()
     t_sent = [0.0]
 
-    q2 = names.queue("lat2")  # linked consumers only: the agent never sets its entries aside
+    q2 = queue_name(tag, "lat2")  # linked consumers only: the agent never sets its entries aside
 
     def consume() -> None:
         with connect(dsn) as s2:
@@ -186,15 +179,13 @@ def latency(dsn: str, names: Names, cfg: Config, payload: bytes) -> dict[str, An
     }
 
 
-def run(dsn: str, cfg: Config, names: Names) -> dict[str, Any]:
+def run(dsn: str, cfg: Config, tag: str) -> dict[str, Any]:
     with psycopg.connect(dsn) as conn:
-        create_queue(conn, QueueSpec(names.queue("main"), max(2 * cfg.entries, 1000), 1024,
-                                     dequeue_mode="shared"))
-        create_queue(conn, QueueSpec(names.queue("small"), 1000, 1024, dequeue_mode="shared"))
-        create_queue(conn, QueueSpec(names.queue("large"), 100_000, 1024, dequeue_mode="shared"))
-        create_queue(conn, QueueSpec(names.queue("lat"), 1000, 1024, dequeue_mode="shared"))
-        create_queue(conn, QueueSpec(names.queue("lat2"), 1000, 1024, dequeue_mode="shared"))
-        conn.execute(sql.SQL(SKL_CREATE).format(t=sql.Identifier(names.skl)))
+        sizes = {"main": max(2 * cfg.entries, 1000), "large": 100_000}
+        for what in QUEUES:
+            create_queue(conn, QueueSpec(queue_name(tag, what), sizes.get(what, 1000), 1024,
+                                         dequeue_mode="shared"))
+        conn.execute(sql.SQL(SKL_CREATE).format(t=sql.Identifier(f"bsql_{tag}_skl")))
         conn.commit()
     payload = b"x" * cfg.payload
     raw: dict[str, Any] = {"machine": machine(), "load_start": cpu_load("start"), "rounds": []}
@@ -203,14 +194,14 @@ def run(dsn: str, cfg: Config, names: Names) -> dict[str, Any]:
         mon.start()
         try:
             for rnd in range(cfg.rounds):
-                r = {"single": one_round(dsn, names, cfg, 1, payload),
-                     "batch": one_round(dsn, names, cfg, 100, payload),
-                     "capacity": capacity_round(dsn, names, cfg, payload)}
+                r = {"single": one_round(dsn, tag, cfg, 1, payload),
+                     "batch": one_round(dsn, tag, cfg, 100, payload),
+                     "capacity": capacity_round(dsn, tag, cfg, payload)}
                 print(f"round {rnd + 1}: single {r['single']['ratio']:.2f}x, batch "
                       f"{r['batch']['ratio']:.2f}x, capacity "
                       f"{r['capacity']['large_over_small']:.2f}", file=sys.stderr, flush=True)
                 raw["rounds"].append(r)
-            raw["latency"] = latency(dsn, names, cfg, payload)
+            raw["latency"] = latency(dsn, tag, cfg, payload)
             raw["agent"] = mon._sql.figures.as_dict()
         finally:
             mon.stop()
@@ -253,8 +244,9 @@ def render(raw: dict[str, Any], summary: dict[str, Any], cfg: Config, seconds: f
     return "\n".join(lines)
 
 
-def cleanup(dsn: str, names: Names, *, embedded: bool) -> None:
-    drop_queues(dsn, names.queues, embedded=embedded, tables=[names.skl])
+def cleanup(dsn: str, tag: str, *, embedded: bool) -> None:
+    queues = [queue_name(tag, w) for w in QUEUES]
+    drop_queues(dsn, queues, embedded=embedded, tables=[f"bsql_{tag}_skl"])
 
 
 def parse_args(argv: list[str] | None) -> Any:
@@ -269,16 +261,16 @@ def parse_args(argv: list[str] | None) -> Any:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     cfg = Config(args.entries, args.rounds, args.payload, args.latency_samples)
-    names = Names(secrets.token_hex(4))
-    return run_in_database(
-        "sql",
-        args,
-        cfg,
-        run=lambda dsn: run(dsn, cfg, names),
-        cleanup=lambda dsn, embedded: cleanup(dsn, names, embedded=embedded),
-        summarize=summarize,
-        render=lambda raw, summary, seconds: render(raw, summary, cfg, seconds),
-    )
+    tag = secrets.token_hex(4)
+
+    def tidy(dsn: str, embedded: bool) -> None:
+        cleanup(dsn, tag, embedded=embedded)
+
+    def table(raw: dict[str, Any], summary: dict[str, Any], seconds: float) -> str:
+        return render(raw, summary, cfg, seconds)
+
+    return run_in_database("sql", args, cfg, functools.partial(run, cfg=cfg, tag=tag), tidy,
+                           summarize, table)
 
 
 if __name__ == "__main__":

@@ -163,6 +163,24 @@ CREATE TABLE IF NOT EXISTS ringq.tpc_decisions (
     decided_at timestamptz NOT NULL DEFAULT now()
 );
 
+-- ringq.queue_of(queue): the queue's row; a name that is no queue's (a hostile
+-- one too: it is only ever compared) raises undefined_object. The SQL
+-- functions below use it first.
+CREATE OR REPLACE FUNCTION ringq.queue_of(queue text)
+RETURNS ringq.queues
+LANGUAGE plpgsql STABLE
+AS $ringq$
+DECLARE
+    q ringq.queues;
+BEGIN
+    SELECT * INTO q FROM ringq.queues WHERE name = queue;
+    IF NOT FOUND THEN
+        RAISE EXCEPTION 'ringq: queue "%" does not exist', queue USING ERRCODE = 'undefined_object';
+    END IF;
+    RETURN q;
+END
+$ringq$;
+
 -- ringq.enqueue(queue, payload[, msg_group]): the SQL API for clients that
 -- cannot link the library. Returns the inbox id; the entry reaches the ring
 -- in inbox order, in group msg_group (NULL: none). Two functions, not one
@@ -176,10 +194,7 @@ DECLARE
     q  ringq.queues;
     id bigint;
 BEGIN
-    SELECT * INTO q FROM ringq.queues WHERE name = queue;
-    IF NOT FOUND THEN
-        RAISE EXCEPTION 'ringq: queue "%" does not exist', queue USING ERRCODE = 'undefined_object';
-    END IF;
+    q := ringq.queue_of(queue);
     IF payload IS NULL THEN
         RAISE EXCEPTION 'ringq: payload must not be NULL' USING ERRCODE = 'null_value_not_allowed';
     END IF;
@@ -214,10 +229,7 @@ DECLARE
     q ringq.queues;
     n bigint;
 BEGIN
-    SELECT * INTO q FROM ringq.queues WHERE name = queue;
-    IF NOT FOUND THEN
-        RAISE EXCEPTION 'ringq: queue "%" does not exist', queue USING ERRCODE = 'undefined_object';
-    END IF;
+    q := ringq.queue_of(queue);
     EXECUTE format('SELECT count(*) FROM ringq.%I WHERE state = 1', 'q_' || queue) INTO n;
     RETURN n + (SELECT count(*) FROM ringq.inbox WHERE queue_id = q.id);
 END
@@ -263,10 +275,7 @@ DECLARE
     q    ringq.queues;
     take text;
 BEGIN
-    SELECT * INTO q FROM ringq.queues WHERE name = queue;
-    IF NOT FOUND THEN
-        RAISE EXCEPTION 'ringq: queue "%" does not exist', queue USING ERRCODE = 'undefined_object';
-    END IF;
+    q := ringq.queue_of(queue);
     IF q.dequeue_mode = 'single' THEN
         -- One SQL dequeuer at a time; it takes the set-aside entries in order
         -- and stops before the first whose last take did not commit (the agent
@@ -288,13 +297,7 @@ BEGIN
                 WHERE c.seq < coalesce((SELECT min(c2.seq) FROM c c2 WHERE c2.touched),
                                        9223372036854775807)
                 FOR UPDATE OF r
-            ), u AS (
-                UPDATE ringq.%1$I r SET state = 2, deq_at = now(), deq_user = current_user
-                FROM t WHERE r.slot = t.slot AND r.state = 1
-                RETURNING r.seq, r.payload, r.producer, r.producer_seq, r.deliveries + 1,
-                          r.msg_group, r.enq_at
-            )
-            SELECT * FROM u ORDER BY 1;$take$, 'q_' || q.name, q.id);
+            )$take$, 'q_' || q.name, q.id);
     ELSE
         -- The lock is shared with the other takers; the agent takes it alone to
         -- take entries back, so that no take under way can see them after.
@@ -309,14 +312,16 @@ BEGIN
                 WHERE r.seq = o.seq AND r.state = 1 AND r.xmax = '0'::xid
                 ORDER BY o.seq LIMIT max_n
                 FOR UPDATE OF r SKIP LOCKED
-            ), u AS (
+            )$take$, 'q_' || q.name, q.id);
+    END IF;
+    -- Both modes end alike: the rows chosen (t) consumed, returned oldest first.
+    take := take || format($take$, u AS (
                 UPDATE ringq.%1$I r SET state = 2, deq_at = now(), deq_user = current_user
                 FROM t WHERE r.slot = t.slot AND r.state = 1
                 RETURNING r.seq, r.payload, r.producer, r.producer_seq, r.deliveries + 1,
                           r.msg_group, r.enq_at
             )
-            SELECT * FROM u ORDER BY 1;$take$, 'q_' || q.name, q.id);
-    END IF;
+            SELECT * FROM u ORDER BY 1;$take$, 'q_' || q.name);
     EXECUTE format($fn$
         CREATE OR REPLACE FUNCTION ringq.%1$I(max_n integer DEFAULT 1)
         RETURNS TABLE (seq bigint, payload bytea, producer text, producer_seq bigint,
@@ -348,9 +353,7 @@ RETURNS TABLE (seq bigint, payload bytea, producer text, producer_seq bigint,
 LANGUAGE plpgsql
 AS $ringq$
 BEGIN
-    IF NOT EXISTS (SELECT 1 FROM ringq.queues WHERE name = queue) THEN
-        RAISE EXCEPTION 'ringq: queue "%" does not exist', queue USING ERRCODE = 'undefined_object';
-    END IF;
+    PERFORM ringq.queue_of(queue);
     IF to_regprocedure(format('ringq.%I(integer)', 'dq_' || queue)) IS NULL THEN
         RAISE EXCEPTION 'ringq: queue "%" has no SQL dequeue function yet', queue
             USING ERRCODE = 'undefined_function',
@@ -387,10 +390,7 @@ DECLARE
     n      bigint;
     oldest timestamptz;
 BEGIN
-    SELECT * INTO q FROM ringq.queues WHERE name = queue;
-    IF NOT FOUND THEN
-        RAISE EXCEPTION 'ringq: queue "%" does not exist', queue USING ERRCODE = 'undefined_object';
-    END IF;
+    q := ringq.queue_of(queue);
     EXECUTE format('SELECT count(*), min(enq_at) FROM ringq.%I WHERE state = 1', 'q_' || queue)
         INTO n, oldest;
     RETURN QUERY SELECT q.name, q.capacity, q.dequeue_mode, n,

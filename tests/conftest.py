@@ -46,6 +46,7 @@ from ringq.cli import main
 from ringq.cluster import Cluster
 from ringq.engine import Message, Session, connect, sections_on_host
 from ringq.engine import layout as L
+from ringq.monitor import Monitor, MonitorConfig
 from ringq.scripting import QueueSpec, create_queue
 from ringq.scripting import remove_section as remove_section_of
 
@@ -56,6 +57,7 @@ SHM_DIR = "/dev/shm"
 os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
 
 T = TypeVar("T")
+MONITOR_INTERVAL = 0.2  # the sample interval (s) of the monitors tests start
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -188,6 +190,25 @@ def make_queue(dsn: str) -> Iterator[Callable[..., str]]:
 
     yield make
     remove_section(dsn)
+
+
+@pytest.fixture
+def monitor(dsn: str, tmp_path: Path) -> Iterator[Callable[..., Monitor]]:
+    """In-process monitors, stopped after the test."""
+    made: list[Monitor] = []
+
+    def start(**kw: Any) -> Monitor:
+        kw.setdefault("port", 0)
+        kw.setdefault("interval", MONITOR_INTERVAL)
+        kw.setdefault("data_dir", tmp_path / "monitor")
+        m = Monitor(MonitorConfig(dsn, **kw))
+        m.start()
+        made.append(m)
+        return m
+
+    yield start
+    for m in made:
+        m.stop()
 
 
 # -- helpers shared by the test modules ----------------------------------------------------

@@ -25,8 +25,8 @@ from ringq.monitor._history import BUCKET, HistoryReader, downsample
 from ringq.monitor._t4 import HEADER, KINDS, T4Reader, T4Writer, file_for
 from ringq.rtv import _metrics as K
 
-# The monitor test module's helpers and fixtures (monitor, make_queue).
-from test_monitor import get_json, http, monitor, produce, queue_doc  # noqa: F401
+# The monitor test module's helpers (the monitor fixture is in conftest).
+from test_monitor import get_json, http, produce, queue_doc
 
 WIDTH = len(S.NUMERIC_KEYS)
 
@@ -213,7 +213,7 @@ def test_history_kinds_file_lives_beside_the_queues_and_reads_back_by_kind(
 
 
 def test_history_kinds_counts_survive_clients_exiting(
-    dsn: str, make_queue: Any, monitor: Any, tmp_path: Path  # noqa: F811 (the fixtures imported above)
+    dsn: str, make_queue: Any, monitor: Any, tmp_path: Path
 ) -> None:
     """A monitor's kind rows count each client's calls once, exactly, though the
     clients exit: sums of per-client deltas, never a total that drops when one leaves."""
@@ -250,7 +250,7 @@ def test_history_kinds_counts_survive_clients_exiting(
 
 
 def test_history_after_a_restart_serves_the_t4_files(
-    dsn: str, make_queue: Any, monitor: Any, tmp_path: Path  # noqa: F811 (the fixtures imported above)
+    dsn: str, make_queue: Any, monitor: Any, tmp_path: Path
 ) -> None:
     q = make_queue()
     data_dir = tmp_path / "monitor"
@@ -306,7 +306,7 @@ def test_history_after_a_restart_serves_the_t4_files(
 
 
 def test_history_a_day_of_one_second_samples_is_served_thinned(
-    dsn: str, make_queue: Any, monitor: Any, tmp_path: Path  # noqa: F811 (the fixtures imported above)
+    dsn: str, make_queue: Any, monitor: Any, tmp_path: Path
 ) -> None:
     q = make_queue()
     data_dir = tmp_path / "monitor"

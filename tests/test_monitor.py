@@ -72,25 +72,6 @@ def queue_doc(base: str, name: str, token: str | None = None) -> dict[str, Any] 
     return next((q for q in doc["queues"] if q["name"] == name), None)
 
 
-@pytest.fixture
-def monitor(dsn: str, tmp_path: Path) -> Iterator[Callable[..., Monitor]]:
-    """In-process monitors, stopped after the test."""
-    made: list[Monitor] = []
-
-    def start(**kw: Any) -> Monitor:
-        kw.setdefault("port", 0)
-        kw.setdefault("interval", FAST)
-        kw.setdefault("data_dir", tmp_path / "monitor")
-        m = Monitor(MonitorConfig(dsn, **kw))
-        m.start()
-        made.append(m)
-        return m
-
-    yield start
-    for m in made:
-        m.stop()
-
-
 def ringq_cmd(*args: str) -> list[str]:
     return [sys.executable, "-m", "ringq.cli", *args]
 

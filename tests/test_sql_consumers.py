@@ -36,24 +36,6 @@ FAST = 0.2
 Row = tuple[int, bytes, str, int, int, str | None, Any]
 
 
-@pytest.fixture
-def monitor(dsn: str, tmp_path: Path) -> Iterator[Callable[..., Monitor]]:
-    made: list[Monitor] = []
-
-    def start(**kw: Any) -> Monitor:
-        kw.setdefault("port", 0)
-        kw.setdefault("interval", FAST)
-        kw.setdefault("data_dir", tmp_path / "monitor")
-        m = Monitor(MonitorConfig(dsn, **kw))
-        m.start()
-        made.append(m)
-        return m
-
-    yield start
-    for m in made:
-        m.stop()
-
-
 def enqueue(dsn: str, queue: str, payloads: list[bytes], **kw: Any) -> None:
     with connect(dsn) as s:
         for p in payloads:
