@@ -35,6 +35,7 @@ from ringq.engine import metrics as M
 
 from . import _queries as S
 from . import _worker as W
+from ._store import sql_taking
 from ._worker import WorkerArgs, retrying, run_worker, wait_recovered
 
 # A consumer waits for producers to find its queue full at most
@@ -47,6 +48,11 @@ STALL_MAX_S = 30.0
 STALL_MIN_RATE = 100.0  # entries/s
 STALL_IDLE_S = 3.0  # ... and gives up sooner when no producer writes to it any more
 STALL_START_GRACE_S = 10.0  # ... at the start of a cycle, while producers start
+# The consumer of a single-mode queue that SQL consumers share steps aside now
+# and then: the SQL path gets the dequeuer role only while no linked dequeuer
+# holds it or waits for it, which a busy linked consumer never leaves.
+STEP_ASIDE_RATE = 0.2  # of its committed batches
+STEP_ASIDE_S = 0.1
 
 
 def consumer_main(
@@ -110,6 +116,9 @@ class _Consumer:
         )
         self.filled = args.first_slot * W.WORDS + W.C_FILLED
         self.paused = self.base + W.C_PAUSED
+        self.steps_aside = not ref.grouped and any(
+            q == args.index for q, _w in sql_taking(args.queues, cfg)
+        )
         self.pid = os.getpid()
         self.left_sql = S.q(S.LEFTOVERS, args.run_id, queue_table(ref.name))
         self.order = 0  # the last recv_order recorded
@@ -240,6 +249,8 @@ class _Consumer:
         c[base + W.C_ENTRIES] += len(msgs)
         c[base + W.C_TX] += 1
         c[base + W.C_REDELIVERED] += sum(1 for m in msgs if m.deliveries > 1)
+        if self.steps_aside and self.rng.random() < STEP_ASIDE_RATE:
+            self.abort.wait(STEP_ASIDE_S)
         if self.stalls and self.taken >= self.stalls[0]:
             self.stalls.pop(0)
             c[base + W.C_STALLS] += 1

@@ -173,7 +173,7 @@ class _Cycle:
         self.nc = len(taking)
         # (queue, worker) of each SQL consumer: dealt out over the queues in turn,
         # the grouped queue first; numbered after the queue's linked consumers
-        self.sql_taking = sql_taking(run, cfg.sql_consumers)
+        self.sql_taking = sql_taking(run.queues, cfg)
         self.ns = len(self.sql_taking)
         # a block per worker, then the W.PROMOTED word
         self.counters = self.ctx.Array(

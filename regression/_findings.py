@@ -278,7 +278,7 @@ def _group_figures(
         "groups": run.config.groups,
         "groups_seen": int(got["groups"] or 0),
         "consumers": run.config.grouped_consumers,
-        "sql_consumers": sum(1 for q, _w in sql_taking(run, run.config.sql_consumers)
+        "sql_consumers": sum(1 for q, _w in sql_taking(run.queues, run.config)
                              if q == grouped.idx),
         "consumers_seen": int(got["workers"] or 0),
         "committed": committed,

@@ -105,17 +105,18 @@ def queue_refs(run_id: str, config: RegressConfig) -> tuple[QueueRef, ...]:
     return tuple(refs)
 
 
-def sql_taking(run: RunInfo, n: int) -> list[tuple[int, int]]:
-    """(queue, worker) of ``n`` SQL consumers: dealt out over the run's queues in
+def sql_taking(
+    queues: tuple[QueueRef, ...], config: RegressConfig
+) -> list[tuple[int, int]]:
+    """(queue, worker) of the run's SQL consumers: dealt out over ``queues`` in
     turn, the grouped queue first (its shared mode, then a ``single`` queue's);
     each numbered after its queue's linked consumers and the SQL ones before it."""
-    order = sorted(range(len(run.queues)), key=lambda q: not run.queues[q].grouped)
-    cfg = run.config
+    order = sorted(range(len(queues)), key=lambda q: not queues[q].grouped)
     out: list[tuple[int, int]] = []
     count = dict.fromkeys(order, 0)
-    for k in range(n):
+    for k in range(config.sql_consumers):
         q = order[k % len(order)]
-        linked = cfg.grouped_consumers if run.queues[q].grouped else 1
+        linked = config.grouped_consumers if queues[q].grouped else 1
         out.append((q, linked + count[q]))
         count[q] += 1
     return out
