@@ -2,8 +2,10 @@
 
 :func:`run_cycle` sets up the shared counters and the workers' arguments,
 starts one consumer process per queue (``grouped_consumers`` on the grouped
-queue) and ``config.producers`` producer processes (:mod:`._consumer`,
-:mod:`._producer`), then drives the cycle: it restarts the workers chaos
+queue), ``config.producers`` producer processes and ``config.sql_consumers``
+SQL consumer processes (:mod:`._consumer`, :mod:`._producer`,
+:mod:`._sql_consumer`; with SQL consumers it runs a monitor, their agent, if
+none serves the database), then drives the cycle: it restarts the workers chaos
 killed (:mod:`._chaos`), kills the primary once for a fail-over cycle
 (:mod:`._failover`), samples the queues' depths, reports progress and watches
 for an abort or a stall. When every worker has exited it stops chaos and the
