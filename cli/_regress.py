@@ -42,6 +42,18 @@ when it was dequeued and when its commit began. The proof adds: per
 never an entry of a group dequeued while another of that group was held
 ("groups in flight twice").
 
+SQL consumers (--sql-consumers N, default 0): N more consumer processes that
+are plain psycopg connections, no ringq session: each loops
+SELECT ... FROM ringq.dequeue(queue, n) in its own transaction, records what it
+took in the same transaction, and waits on LISTEN ringq_ready when it gets
+nothing. They are dealt out over the queues in turn, the grouped queue first
+(shared mode), then the single-mode queues (one dequeuer at a time, linked or
+SQL). Every consumer then records when it took each entry, and the proof's
+order holds across linked and SQL consumers of a queue. They need the
+monitor's agent: the run uses the monitor serving the database, or starts its
+own. With --chaos they are killed too (kill -9, and pg_terminate_backend of
+their backends). The report counts entries and entries/s per kind.
+
 --chaos: every --chaos-interval seconds while producers work, kill -9 a random
 producer, consumer or the monitor, and restart it; --chaos-pg-restart also
 restarts the embedded PostgreSQL once per cycle (workers reconnect). Restarted
@@ -78,8 +90,9 @@ Spark needs Java 17 and the PostgreSQL JDBC driver
 (apt-get install -y libpostgresql-jdbc-java)."""
 
 CHAOS_HELP = (
-    "fault injection: every --chaos-interval seconds kill -9 a random producer, consumer or the "
-    "monitor serving the database (the run's own if none serves) and restart it; restarted workers "
+    "fault injection: every --chaos-interval seconds kill -9 a random producer, consumer, SQL "
+    "consumer (or end its backend) or the monitor serving the database (the run's own if none "
+    "serves) and restart it; restarted workers "
     "resume from what the database recorded; the proof must still pass"
 )
 
@@ -120,6 +133,9 @@ def register(sub: Any) -> None:
                type=int, help="consumer processes of the grouped queue (0: no grouped queue)")
     env_option(p, "--groups", env="RINGQ_REGRESS_GROUPS", default=50, type=int,
                help="groups the grouped queue's entries are spread over (at random)")
+    env_option(p, "--sql-consumers", env="RINGQ_REGRESS_SQL_CONSUMERS", default=0, type=int,
+               help="consumer processes calling ringq.dequeue from plain psycopg connections, "
+                    "beside the linked ones (dealt over the queues, the grouped one first)")
     env_option(p, "--rollback-rate", env="RINGQ_REGRESS_ROLLBACK_RATE", default=0.05, type=float,
                help="share of producer transactions rolled back on purpose")
     env_option(p, "--two-phase-rate", env="RINGQ_REGRESS_TWO_PHASE_RATE", default=0.3, type=float,
@@ -377,6 +393,7 @@ def _run(args: argparse.Namespace) -> int:
         chaos_failover=(args.failover_mode or "sync") if args.chaos_failover else None,
         grouped_consumers=args.grouped_consumers,
         groups=args.groups,
+        sql_consumers=args.sql_consumers,
     )
     dsn = resolve_dsn(args.dsn)
     monitor_dir = Path(args.monitor_dir) if args.monitor_dir else ringq_home() / "monitor"

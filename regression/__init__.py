@@ -9,7 +9,9 @@ queue (``grouped_consumers``: entries in groups, ``shared`` mode); then Spark
 reads what was sent, rolled back and received through JDBC and proves
 exactly-once delivery, no delivered rollback, FIFO per (queue, producer) (per
 (producer, group) on the grouped queue, where no two entries of a group may be
-held at once) and intact payloads.
+held at once) and intact payloads. With ``sql_consumers``, some dequeuers
+are plain psycopg connections calling ``ringq.dequeue`` beside the linked
+ones, recording in the same tables, held to the same proof.
 
     from ringq.regression import RegressConfig, Verifier, run, verify
 

@@ -1,11 +1,13 @@
 """Fault injection of a regression cycle (``--chaos``).
 
-:class:`Chaos` kills a random producer, consumer or the monitor every
-``chaos_interval`` seconds (the monitor is restarted at once; the workers are
-restarted by the cycle's loop, :mod:`._cycle`), and with ``chaos_pg_restart``
-restarts the embedded PostgreSQL once. It also runs the monitor of a
-``chaos_failover`` cycle, on the DSN that follows the primary. Its figures go
-to the cycle's ``stats["chaos"]``.
+:class:`Chaos` kills a random producer, consumer, SQL consumer or the monitor
+every ``chaos_interval`` seconds, or ends a SQL consumer's backend
+(``pg_terminate_backend``: the process lives on and reconnects); the monitor
+is restarted at once, the workers by the cycle's loop (:mod:`._cycle`). With
+``chaos_pg_restart`` it restarts the embedded PostgreSQL once. It also runs
+the monitor of a ``chaos_failover`` cycle, on the DSN that follows the
+primary, and of a cycle with SQL consumers (their agent) when none serves the
+database. Its figures go to the cycle's ``stats["chaos"]``.
 """
 
 from __future__ import annotations
@@ -19,10 +21,14 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from ringq.engine import pg
+
+from . import _queries as S
 from ._config import RegressConfig
 from ._failover import embedded_cluster
-from ._monitors import OwnMonitor, TakenMonitor, serving_monitor
-from ._worker import RECONNECTS, RESUMED, WORDS
+from ._monitors import OwnMonitor, TakenMonitor, monitor_serves, serving_monitor
+from ._sql_consumer import application_name
+from ._worker import LOST_SESSION, RECONNECTS, RESUMED, WORDS
 
 
 class Chaos:
@@ -33,7 +39,9 @@ class Chaos:
     the cycle's own, or the one already serving the database, taken over
     (:mod:`._monitors`). Killing stops once the producers are done, so the
     cycle can drain. Without ``chaos`` (a ``chaos_failover`` cycle alone) it
-    only runs the monitor, on the DSN that follows the primary.
+    only runs the monitor, on the DSN that follows the primary; without
+    either (a cycle with SQL consumers) it only runs a monitor if none serves
+    the database, and leaves a serving one alone.
 
     :raises ForeignMonitor: (start) a monitor serves the database that cannot be taken over.
     """
@@ -51,7 +59,8 @@ class Chaos:
         self.cfg = cfg
         self.rng = rng
         self.monitor_dir = monitor_dir
-        self.kills = {"producers": 0, "consumers": 0, "monitor": 0, "pg_restarts": 0}
+        self.kills = {"producers": 0, "consumers": 0, "monitor": 0, "pg_restarts": 0,
+                      "sql_consumers": 0, "sql_backends": 0}
         self.killed: set[int] = set()  # pids we killed (their exit is not a failure)
         self.monitor: OwnMonitor | TakenMonitor | None = None
         self.next_at = 0.0
@@ -59,13 +68,21 @@ class Chaos:
         self.pg_event = rng.randint(2, 3) if cfg.chaos_pg_restart else -1
         # The first kills cover every kind (in random order), then any kind.
         self.first_kinds = ["producers", "consumers", "monitor"]
+        if cfg.sql_consumers:
+            self.first_kinds += ["sql_consumers", "sql_backends"]
         rng.shuffle(self.first_kinds)
         self.pg_errors: list[str] = []
         self.logdir = ""
 
     def start(self, now: float) -> None:
-        serving = serving_monitor(self.dsn, self.monitor_dir, also=self.monitor_dsns)
         self.logdir = tempfile.mkdtemp(prefix="ringq-regress-chaos-")
+        if not self.cfg.resilient:
+            # Only the SQL consumers' agent is needed: any monitor serving will do.
+            if not monitor_serves(self.dsn):
+                self.monitor = OwnMonitor(self.dsn, self.logdir)
+                self.monitor.start()
+            return
+        serving = serving_monitor(self.dsn, self.monitor_dir, also=self.monitor_dsns)
         if serving is None:
             self.monitor = OwnMonitor(self.dsn, self.logdir)
         elif self.cfg.chaos_failover is not None:
@@ -90,7 +107,12 @@ class Chaos:
         return False
 
     def tick(
-        self, now: float, producers: Sequence[Any], consumers: Sequence[Any], producers_done: bool
+        self,
+        now: float,
+        producers: Sequence[Any],
+        consumers: Sequence[Any],
+        producers_done: bool,
+        sql_consumers: Sequence[Any] = (),
     ) -> None:
         if self.monitor is not None:
             self.monitor.tick()  # restarts it if it died, follows a restart under way
@@ -100,16 +122,25 @@ class Chaos:
         if self.events == self.pg_event:
             self._restart_pg()
         else:
-            self._kill_one(producers, consumers)
+            self._kill_one(producers, consumers, sql_consumers)
         self._schedule(time.monotonic())
 
-    def _kill_one(self, producers: Sequence[Any], consumers: Sequence[Any]) -> None:
-        """kill -9 a random live producer or consumer, or kill (and restart) the
-        monitor; the first kills cover every kind, in random order."""
+    def _kill_one(
+        self, producers: Sequence[Any], consumers: Sequence[Any], sql_consumers: Sequence[Any]
+    ) -> None:
+        """kill -9 a random live producer, consumer or SQL consumer, end a SQL
+        consumer's backend, or kill (and restart) the monitor; the first kills
+        cover every kind, in random order."""
+
+        def live(procs: Sequence[Any]) -> list[Any]:
+            return [p for p in procs if p.exitcode is None and p.pid not in self.killed]
+
         choices = {
-            "producers": [p for p in producers if p.exitcode is None and p.pid not in self.killed],
-            "consumers": [c for c in consumers if c.exitcode is None and c.pid not in self.killed],
+            "producers": live(producers),
+            "consumers": live(consumers),
             "monitor": [self.monitor] if self.monitor is not None and self.monitor.alive() else [],
+            "sql_consumers": live(sql_consumers),
+            "sql_backends": live(sql_consumers),
         }
         kinds = [k for k, v in choices.items() if v]
         first = [k for k in self.first_kinds if k in kinds]
@@ -123,6 +154,9 @@ class Chaos:
         if kind == "monitor":
             if victim.kill():  # and restart it
                 self.kills[kind] += 1
+        elif kind == "sql_backends":
+            if self._terminate_backend(victim.pid):
+                self.kills[kind] += 1
         else:
             try:
                 os.kill(victim.pid, signal.SIGKILL)
@@ -131,6 +165,16 @@ class Chaos:
             else:
                 self.kills[kind] += 1
                 self.killed.add(victim.pid)
+
+    def _terminate_backend(self, pid: int) -> bool:
+        """pg_terminate_backend of SQL consumer ``pid``'s backend (none yet, or
+        the database away: no kill)."""
+        try:
+            with pg.connected(self.dsn, connect_timeout=5) as conn:
+                row = conn.execute(S.TERMINATE_SQL_CONSUMER, (application_name(pid),)).fetchone()
+        except LOST_SESSION:
+            return False
+        return bool(row and row[0])
 
     def _restart_pg(self) -> None:
         try:

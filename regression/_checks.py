@@ -28,7 +28,8 @@ from ._store import QueueRef, RunInfo
 if TYPE_CHECKING:
     from pyspark.sql import DataFrame
 
-# Columns only the grouped queue's received table has, and their Spark types.
+# Columns only the timed received tables have (the grouped queue's, and every
+# queue's in a run with SQL consumers), and their Spark types.
 GROUPED_COLUMNS = {
     "worker": "short",
     "msg_group": "string",
@@ -93,8 +94,9 @@ def check(
     ).persist()
     rolled = rolled.persist()
 
-    # The first delivery: by dequeue time on the grouped queue (its consumers'
-    # recv_order are their own), by recv_order on the others (no deq_ns).
+    # The first delivery: by dequeue time on the timed queues (the grouped one,
+    # and all in a run with SQL consumers: each consumer's recv_order is its
+    # own), by recv_order on the others (no deq_ns).
     nth = recv.withColumn(
         "nth",
         F.row_number().over(Window.partitionBy(*key).orderBy("deq_ns", "recv_order")),
@@ -102,7 +104,8 @@ def check(
     first = nth.filter("nth = 1").drop("nth")
     judged = _judge(first, sent, rolled)
     # Per (queue, producer), and on the grouped queue per group too (grp is
-    # NULL elsewhere), in dequeue order.
+    # NULL elsewhere), in dequeue order: across every consumer of a queue,
+    # linked and SQL alike (a single-mode queue has one dequeuer at a time).
     by_producer = Window.partitionBy("cycle", "queue", "producer", "grp").orderBy(
         "deq_ns", "recv_order"
     )
@@ -141,7 +144,7 @@ def _received(
         parts.append(
             reader.read(
                 compose(
-                    S.JDBC_RECEIVED_GROUPED if ref.grouped else S.JDBC_RECEIVED,
+                    S.JDBC_RECEIVED_GROUPED if ref.timed else S.JDBC_RECEIVED,
                     idx=sql.Literal(ref.idx),
                     schema=schema,
                     table=S.received_table(ref.name),
@@ -154,7 +157,7 @@ def _received(
     raw = parts[0]
     for p in parts[1:]:
         raw = raw.unionByName(p, allowMissingColumns=True)
-    # What only the grouped queue's consumers record (NULL for the other queues).
+    # What only the timed queues' consumers record (NULL for the other queues).
     for name, kind in GROUPED_COLUMNS.items():
         if name not in raw.columns:
             raw = raw.withColumn(name, F.lit(None).cast(kind))

@@ -17,6 +17,7 @@ MAX_PAYLOAD_SIZE = 16 << 20  # a regression entry is held in memory several time
 FILLERS = ("random", "pattern")
 FAILOVER_MODES = ("sync", "async")  # the standby of a --chaos-failover cycle
 MAX_GROUPED_CONSUMERS = 64
+MAX_SQL_CONSUMERS = 64
 MAX_GROUPS = 1_000_000
 
 RUN_ID_RE = re.compile(r"^[a-z0-9][a-z0-9_]{0,29}$")
@@ -57,6 +58,7 @@ class RegressConfig:
     - ``chaos``: kill -9 a random producer, consumer or the run's own monitor
       every ``chaos_interval`` (min, max) seconds during a cycle and restart it;
       with ``chaos_pg_restart`` also restart the embedded PostgreSQL once per cycle.
+      SQL consumers are killed too, and their backends ended (``pg_terminate_backend``).
     - ``chaos_failover``: ``sync`` or ``async``: the embedded cluster gets (or
       keeps) a standby of that kind, every process uses the multi-host DSN that
       follows the primary, and in the middle of each cycle the primary's
@@ -70,6 +72,14 @@ class RegressConfig:
       consumed by this many consumer processes at once; the proof adds per-group
       order and "never two entries of a group held at once". 0: no such queue.
     - ``groups``: how many groups the grouped queue's entries are spread over.
+    - ``sql_consumers``: consumer processes that are plain psycopg connections
+      calling ``ringq.dequeue`` (the SQL path, served by the monitor's agent:
+      the cycle runs a monitor if none serves the database), dealt out over
+      the queues in turn, the grouped queue first; they dequeue beside the
+      queue's linked consumers and record in the same received table, in the
+      same transaction. Every received table of such a run records who took
+      each entry and when (as the grouped queue's does), so that the proof's
+      order covers linked and SQL consumers together. 0: none.
 
     :raises ConfigError: a value is out of range (the message says which).
     """
@@ -91,6 +101,7 @@ class RegressConfig:
     chaos_failover: str | None = None
     grouped_consumers: int = 3
     groups: int = 50
+    sql_consumers: int = 0
 
     def __post_init__(self) -> None:
         ci = self.chaos_interval
@@ -124,6 +135,7 @@ class RegressConfig:
         validate_int("producers", self.producers, 1, MAX_PRODUCERS)
         validate_int("grouped_consumers", self.grouped_consumers, 0, MAX_GROUPED_CONSUMERS)
         validate_int("groups", self.groups, 1, MAX_GROUPS)
+        validate_int("sql_consumers", self.sql_consumers, 0, MAX_SQL_CONSUMERS)
         for name in ("rollback_rate", "two_phase_rate", "consumer_rollback_rate"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int | float) or not 0 <= v < 1:
@@ -148,6 +160,12 @@ class RegressConfig:
     def grouped(self) -> bool:
         """Whether a cycle has the grouped queue (the last, index ``len(payload_sizes)``)."""
         return self.grouped_consumers > 0
+
+    @property
+    def timed(self) -> bool:
+        """Whether every received table records the consumer and the times
+        (a run with SQL consumers; the grouped queue's always does)."""
+        return self.sql_consumers > 0
 
     @property
     def resilient(self) -> bool:

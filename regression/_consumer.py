@@ -13,7 +13,10 @@ right after the dequeue returned and the time just before the commit
 per-group order and whether two entries of a group were ever held at once.
 They wait together at the start of the cycle until producers find their queue
 full (one of them seeing it is enough for all), so the groups have a backlog
-to be taken from in parallel.
+to be taken from in parallel. While a consumer stands still for its queue to
+fill (``C_PAUSED`` in its block), the queue's SQL consumers (:mod:`._sql_consumer`)
+stand still too. In a run with SQL consumers every consumer records who took
+an entry and when, as the grouped queue's do (``QueueRef.timed``).
 
 A consumer killed by chaos (or whose session was lost) is started again and
 resumes from what its received table durably holds.
@@ -32,6 +35,7 @@ from ringq.engine import metrics as M
 
 from . import _queries as S
 from . import _worker as W
+from ._store import sql_taking
 from ._worker import WorkerArgs, retrying, run_worker, wait_recovered
 
 # A consumer waits for producers to find its queue full at most
@@ -44,6 +48,11 @@ STALL_MAX_S = 30.0
 STALL_MIN_RATE = 100.0  # entries/s
 STALL_IDLE_S = 3.0  # ... and gives up sooner when no producer writes to it any more
 STALL_START_GRACE_S = 10.0  # ... at the start of a cycle, while producers start
+# The consumer of a single-mode queue that SQL consumers share steps aside now
+# and then: the SQL path gets the dequeuer role only while no linked dequeuer
+# holds it or waits for it, which a busy linked consumer never leaves.
+STEP_ASIDE_RATE = 0.2  # of its committed batches
+STEP_ASIDE_S = 0.1
 
 
 def consumer_main(
@@ -86,7 +95,7 @@ class _Consumer:
         self.base = args.slot * W.WORDS
         self.table = S.received_table(ref.name)
         self.stmt = S.q(
-            S.INSERT_RECEIVED_GROUPED if ref.grouped else S.INSERT_RECEIVED, args.run_id, self.table
+            S.INSERT_RECEIVED_GROUPED if ref.timed else S.INSERT_RECEIVED, args.run_id, self.table
         )
         # A few times per cycle the consumer stops until producers find the queue
         # full (or STALL_MAX_S passes): the queues are driven full, not just busy.
@@ -106,6 +115,10 @@ class _Consumer:
             else sorted(rng.sample(range(1, early + 1), min(early, rng.randint(1, 2)))),
         )
         self.filled = args.first_slot * W.WORDS + W.C_FILLED
+        self.paused = self.base + W.C_PAUSED
+        self.steps_aside = not ref.grouped and any(
+            q == args.index for q, _w in sql_taking(args.queues, cfg)
+        )
         self.pid = os.getpid()
         self.left_sql = S.q(S.LEFTOVERS, args.run_id, queue_table(ref.name))
         self.order = 0  # the last recv_order recorded
@@ -124,6 +137,7 @@ class _Consumer:
             self.resume(s)
             if self.ref.grouped and not self.c[self.filled]:
                 self.wait_filled(s)
+            self.c[self.paused] = 0  # (a killed predecessor may have left it set)
             while not self.abort.is_set():
                 if self.take(s):
                     return True
@@ -132,7 +146,7 @@ class _Consumer:
     def resume(self, s: Session) -> None:
         """Go on from the last order and the count the received table holds."""
         a = self.a
-        if self.ref.grouped:
+        if self.ref.timed:  # the table holds other consumers' takes too: count our own
             resume = S.q(S.RESUME_GROUPED_CONSUMER, a.run_id, self.table)
             row = s.connection.execute(resume, (a.cycle, a.worker)).fetchone()
         else:
@@ -151,6 +165,7 @@ class _Consumer:
     def wait_filled(self, s: Session) -> None:
         """The grouped queue's consumers: wait together, once, for a full queue."""
         self.c[self.base + W.C_STALLS] += 1
+        self.c[self.paused] = 1
         if _wait_full(
             s,
             self.ref.name,
@@ -234,10 +249,16 @@ class _Consumer:
         c[base + W.C_ENTRIES] += len(msgs)
         c[base + W.C_TX] += 1
         c[base + W.C_REDELIVERED] += sum(1 for m in msgs if m.deliveries > 1)
+        if self.steps_aside and self.rng.random() < STEP_ASIDE_RATE:
+            self.abort.wait(STEP_ASIDE_S)
         if self.stalls and self.taken >= self.stalls[0]:
             self.stalls.pop(0)
             c[base + W.C_STALLS] += 1
-            _wait_full(s, self.ref.name, self.producers_done, self.abort, self.max_stall_s)
+            c[self.paused] = 1  # the queue's SQL consumers stand still too
+            try:
+                _wait_full(s, self.ref.name, self.producers_done, self.abort, self.max_stall_s)
+            finally:
+                c[self.paused] = 0
 
 
 def _wait_full(

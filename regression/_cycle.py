@@ -2,8 +2,10 @@
 
 :func:`run_cycle` sets up the shared counters and the workers' arguments,
 starts one consumer process per queue (``grouped_consumers`` on the grouped
-queue) and ``config.producers`` producer processes (:mod:`._consumer`,
-:mod:`._producer`), then drives the cycle: it restarts the workers chaos
+queue), ``config.producers`` producer processes and ``config.sql_consumers``
+SQL consumer processes (:mod:`._consumer`, :mod:`._producer`,
+:mod:`._sql_consumer`; with SQL consumers it runs a monitor, their agent, if
+none serves the database), then drives the cycle: it restarts the workers chaos
 killed (:mod:`._chaos`), kills the primary once for a fail-over cycle
 (:mod:`._failover`), samples the queues' depths, reports progress and watches
 for an abort or a stall. When every worker has exited it stops chaos and the
@@ -33,7 +35,8 @@ from ._chaos import Chaos
 from ._consumer import consumer_main
 from ._failover import Failover
 from ._producer import producer_main
-from ._store import RunInfo
+from ._sql_consumer import sql_consumer_main
+from ._store import RunInfo, sql_taking
 from ._worker import WorkerArgs
 
 STATS_KEYS = (
@@ -92,7 +95,10 @@ def _context() -> Any:
         # A fork server that imported only the workers' modules: workers start fast
         # and inherit no connection, section mapping, thread or JVM from the parent.
         ctx = mp.get_context("forkserver")
-        ctx.set_forkserver_preload(["ringq.regression._producer", "ringq.regression._consumer"])
+        ctx.set_forkserver_preload([
+            "ringq.regression._producer", "ringq.regression._consumer",
+            "ringq.regression._sql_consumer",
+        ])
         _CTX = ctx
     return _CTX
 
@@ -167,8 +173,14 @@ class _Cycle:
             for w in range(cfg.grouped_consumers if ref.grouped else 1)
         ]
         self.nc = len(taking)
+        # (queue, worker) of each SQL consumer: dealt out over the queues in turn,
+        # the grouped queue first; numbered after the queue's linked consumers
+        self.sql_taking = sql_taking(run.queues, cfg)
+        self.ns = len(self.sql_taking)
         # a block per worker, then the W.PROMOTED word
-        self.counters = self.ctx.Array("q", (self.np + self.nc) * W.WORDS + 1, lock=False)
+        self.counters = self.ctx.Array(
+            "q", (self.np + self.nc + self.ns) * W.WORDS + 1, lock=False
+        )
         self.producers_done = self.ctx.Event()
         self.abort = self.ctx.Event()
         self.errors_q = self.ctx.Queue()
@@ -189,6 +201,11 @@ class _Cycle:
             tempfile.mkdtemp(prefix="ringq-regress-acks-") if self.failover is not None else ""
         )
         self.specs = self._specs(taking)
+        # The grouped queue's consumers stand still at first, until it is full
+        # (its SQL consumers with them): set before any of them starts.
+        for c, (q, _w) in enumerate(taking):
+            if run.queues[q].grouped:
+                self.counters[(self.np + c) * W.WORDS + W.C_PAUSED] = 1
         self.workers = [self.ctx.Process(target=t, args=a, name=n) for t, a, n in self.specs]
         self.chaos = (
             Chaos(
@@ -198,7 +215,7 @@ class _Cycle:
                 monitor_dir,
                 monitor_dsns,
             )
-            if cfg.resilient
+            if cfg.resilient or self.ns
             else None
         )
         self.status = "done"
@@ -228,10 +245,13 @@ class _Cycle:
         )
 
     def _specs(self, taking: list[tuple[int, int]]) -> list[tuple[Any, tuple[Any, ...], str]]:
-        """(target, args, name) of each worker, consumers first: a killed one is
-        started again from it."""
-        np_, queues = self.np, self.run.queues
+        """(target, args, name) of each worker, consumers first, then producers,
+        then SQL consumers: a killed one is started again from it."""
+        np_, nc, queues = self.np, self.nc, self.run.queues
         shared = (self.counters, self.producers_done, self.abort, self.errors_q)
+        first: dict[int, int] = {}  # queue -> the block of its first linked consumer
+        for c, (q, _w) in enumerate(taking):
+            first.setdefault(q, np_ + c)
         return [
             (
                 consumer_main,
@@ -246,6 +266,13 @@ class _Cycle:
                 f"regress-producer-{p}",
             )
             for p, quota in enumerate(quotas(self.cfg.entries_per_queue, np_, self.nq))
+        ] + [
+            (
+                sql_consumer_main,
+                (self._args(q, np_ + nc + k, worker=w, first_slot=first[q]), *shared),
+                f"regress-sql_consumer-{q}.{w}",
+            )
+            for k, (q, w) in enumerate(self.sql_taking)
         ]
 
     @property
@@ -254,7 +281,11 @@ class _Cycle:
 
     @property
     def producers(self) -> list[Any]:
-        return self.workers[self.nc :]
+        return self.workers[self.nc : self.nc + self.np]
+
+    @property
+    def sql_consumers(self) -> list[Any]:
+        return self.workers[self.nc + self.np :]
 
     def _sum(self, slots: Sequence[int], word: int) -> int:
         return int(sum(self.counters[i * W.WORDS + word] for i in slots))
@@ -266,6 +297,14 @@ class _Cycle:
     @property
     def consumer_slots(self) -> range:
         return range(self.np, self.np + self.nc)
+
+    @property
+    def sql_slots(self) -> range:
+        return range(self.np + self.nc, self.np + self.nc + self.ns)
+
+    @property
+    def all_slots(self) -> range:
+        return range(self.np + self.nc + self.ns)
 
     # -- start ----------------------------------------------------------------------------
 
@@ -294,7 +333,7 @@ class _Cycle:
                 pass
         except BaseException:
             self.abort.set()
-            _stop(self.consumers + self.producers)
+            _stop(self.workers)
             if self.chaos is not None:
                 self.chaos.stop()
             raise
@@ -319,7 +358,10 @@ class _Cycle:
         multiprocessing.connection.wait([p.sentinel for p in alive], timeout=W.POLL_S)
         now = time.monotonic()
         if self.chaos is not None and self.status == "done":
-            self.chaos.tick(now, self.producers, self.consumers, self.producers_done.is_set())
+            self.chaos.tick(
+                now, self.producers, self.consumers, self.producers_done.is_set(),
+                self.sql_consumers,
+            )
         committed = self._sum(self.producer_slots, W.P_ENTRIES)
         failover = self.failover
         if failover is not None and self.status == "done" and failover.due(committed):
@@ -327,7 +369,7 @@ class _Cycle:
             self.counters[W.PROMOTED] = int(failover.promoted_at * 1e6) or 1
             now = time.monotonic()
         self._sample_depths()
-        beat = self._sum(range(self.np + self.nc), W.HEARTBEAT)
+        beat = self._sum(self.all_slots, W.HEARTBEAT)
         if beat != self.last_beat:
             self.last_beat, self.last_change = beat, now
         if progress is not None:
@@ -374,7 +416,8 @@ class _Cycle:
             elapsed_s=now - self.t0,
             expected=self.expected,
             committed=committed,
-            received=self._sum(self.consumer_slots, W.C_ENTRIES),
+            received=self._sum(self.consumer_slots, W.C_ENTRIES)
+            + self._sum(self.sql_slots, W.C_ENTRIES),
             rolled_back_tx=self._sum(self.producer_slots, W.P_RB_TX),
             full_tx=self._sum(self.producer_slots, W.P_FULL_TX),
             depth=self.depths,
@@ -401,7 +444,7 @@ class _Cycle:
     def _abandon(self, status: str) -> None:
         self.status = status
         self.abort.set()
-        _stop(self.consumers + self.producers)
+        _stop(self.workers)
 
     def _reconnect(self) -> None:
         if self.watcher is not None:
@@ -437,7 +480,7 @@ class _Cycle:
         while not self.errors_q.empty():
             self.errors.append(self.errors_q.get_nowait())
         if self.status != "aborted":
-            for proc in self.consumers + self.producers:
+            for proc in self.workers:
                 if proc.exitcode == 0:
                     continue
                 if self.status == "done":
@@ -451,7 +494,8 @@ class _Cycle:
 
     def result(self) -> CycleResult:
         """The cycle's figures: workers' counters, chaos, fail-over, per-queue statistics."""
-        prod, cons = self.producer_slots, self.consumer_slots
+        prod, cons, sqls = self.producer_slots, self.consumer_slots, self.sql_slots
+        secs = self.workload_s or 1e-9
         stats: dict[str, Any] = {
             "seed": self.base_seed,
             "producers": {
@@ -469,10 +513,23 @@ class _Cycle:
                 "rolled_back_tx": self._sum(cons, W.C_RB_TX),
                 "stalls": self._sum(cons, W.C_STALLS),
                 "redelivered": self._sum(cons, W.C_REDELIVERED),
+                "processes": self.nc,
+                "entries_per_s": round(self._sum(cons, W.C_ENTRIES) / secs, 1),
+            },
+            # the SQL path (ringq.dequeue from plain connections), beside the linked ones
+            "sql_consumers": {
+                "committed_entries": self._sum(sqls, W.C_ENTRIES),
+                "committed_tx": self._sum(sqls, W.C_TX),
+                "rolled_back_tx": self._sum(sqls, W.C_RB_TX),
+                "redelivered": self._sum(sqls, W.C_REDELIVERED),
+                "empty_takes": self._sum(sqls, W.S_EMPTY),
+                "processes": self.ns,
+                "queues": sorted({self.run.queues[q].name for q, _w in self.sql_taking}),
+                "entries_per_s": round(self._sum(sqls, W.C_ENTRIES) / secs, 1),
             },
             "chaos": (
-                self.chaos.report(self.counters, range(self.np + self.nc))
-                if self.chaos is not None
+                self.chaos.report(self.counters, self.all_slots)
+                if self.chaos is not None and self.cfg.resilient
                 else None
             ),
             "failover": None,

@@ -15,14 +15,20 @@ from typing import TYPE_CHECKING, Any
 from . import _report as R
 from . import _store
 from ._checks import Checked
-from ._store import QueueRef, RunInfo
+from ._store import QueueRef, RunInfo, sql_taking
 
 if TYPE_CHECKING:
     from pyspark.sql import DataFrame
 
 EXAMPLES = 5
 VERDICTS = (R.CORRUPT, R.ROLLED_BACK_DELIVERED, R.PHANTOM)  # the judged first deliveries' kinds
-CHAOS_COUNTS = ("producers", "consumers", "monitor", "pg_restarts", "reconnects", "resumed")
+CHAOS_COUNTS = (
+    "producers", "consumers", "monitor", "pg_restarts", "reconnects", "resumed",
+    "sql_consumers", "sql_backends",
+)
+# per kind of consumer, what the cycles' workers counted (stats "consumers", "sql_consumers")
+CONSUMER_KINDS = {"linked": "consumers", "sql": "sql_consumers"}
+CONSUMER_COUNTS = ("committed_entries", "committed_tx", "rolled_back_tx", "redelivered")
 
 
 @dataclass
@@ -39,11 +45,12 @@ class _Counts:
     sent_tx: list[Any]  # per transaction kind: n, multi
     sent_q: dict[int, tuple[int, int]]  # per queue: entries, bytes
     rb_tx: list[Any]  # per rolled-back transaction and reason
+    by_sql: int  # first deliveries taken by SQL consumers
 
 
 def tally(run: RunInfo, c: Checked, acked_lost: DataFrame | None, report: R.Report) -> None:
     """Count the checks into ``report`` (violations, examples, figures); frees ``c``."""
-    counts = _count(c, acked_lost)
+    counts = _count(run, c, acked_lost)
     _violations(counts, report)
     report.examples = _examples(run, c, acked_lost, report.violations)
     _figures(run, counts, report)
@@ -55,7 +62,7 @@ def tally(run: RunInfo, c: Checked, acked_lost: DataFrame | None, report: R.Repo
     c.unpersist()
 
 
-def _count(c: Checked, acked_lost: DataFrame | None) -> _Counts:
+def _count(run: RunInfo, c: Checked, acked_lost: DataFrame | None) -> _Counts:
     from pyspark.sql import functions as F
 
     # One job per question; the per-queue rows of a rollup carry the totals in the row
@@ -99,8 +106,21 @@ def _count(c: Checked, acked_lost: DataFrame | None) -> _Counts:
             lost_q[r["queue"]] = lost_q.get(r["queue"], 0) + int(r["count"])
     return _Counts(
         recv_tot, per_queue, lost_q, ooo_q, group_breaks, in_flight_twice, n_reused,
-        sent_tx, sent_q, rb_tx,
+        sent_tx, sent_q, rb_tx, _by_sql(run, c),
     )
+
+
+def _by_sql(run: RunInfo, c: Checked) -> int:
+    """First deliveries taken by SQL consumers: their worker numbers follow
+    their queue's linked consumers' (one, or ``grouped_consumers``)."""
+    from pyspark.sql import functions as F
+
+    if not run.config.sql_consumers:
+        return 0
+    linked = F.lit(1)
+    if c.grouped is not None:
+        linked = F.when(F.col("queue") == c.grouped.idx, run.config.grouped_consumers).otherwise(1)
+    return int(c.judged.filter(F.col("worker") >= linked).count())
 
 
 def _violations(n: _Counts, report: R.Report) -> None:
@@ -193,6 +213,7 @@ def _figures(run: RunInfo, n: _Counts, report: R.Report) -> None:
         "received_rows": int(n.recv_tot["rows"]),
         "delivered": int(total["delivered"]) if total else 0,
         "redelivered": int(n.recv_tot["redelivered"] or 0),
+        "delivered_sql": n.by_sql,
         "transactions": {
             "simple": kinds.get(1, 0),
             "two_phase": kinds.get(2, 0),
@@ -257,6 +278,8 @@ def _group_figures(
         "groups": run.config.groups,
         "groups_seen": int(got["groups"] or 0),
         "consumers": run.config.grouped_consumers,
+        "sql_consumers": sum(1 for q, _w in sql_taking(run.queues, run.config)
+                             if q == grouped.idx),
         "consumers_seen": int(got["workers"] or 0),
         "committed": committed,
         "received_rows": int(got["rows"] or 0),
@@ -304,6 +327,27 @@ def chaos_totals(rows: list[_store.CycleRow]) -> dict[str, int]:
             continue
         for k in CHAOS_COUNTS:
             out[k] = out.get(k, 0) + int(ch.get(k, 0))
+    return out
+
+
+def consumer_totals(rows: list[_store.CycleRow], workload_s: float) -> dict[str, Any]:
+    """What each kind of consumer (linked, SQL) took over ``rows``, with its
+    processes and entries/s over ``workload_s`` (empty: a run without SQL consumers)."""
+    if not any((row.stats or {}).get("sql_consumers", {}).get("processes") for row in rows):
+        return {}
+    out: dict[str, Any] = {}
+    for kind, key in CONSUMER_KINDS.items():
+        tot: dict[str, Any] = dict.fromkeys(CONSUMER_COUNTS, 0)
+        tot["processes"] = 0
+        for row in rows:
+            st = (row.stats or {}).get(key) or {}
+            for k in CONSUMER_COUNTS:
+                tot[k] += int(st.get(k, 0))
+            tot["processes"] = max(tot["processes"], int(st.get("processes", 0)))
+        tot["entries_per_s"] = (
+            round(tot["committed_entries"] / workload_s, 1) if workload_s else 0.0
+        )
+        out[kind] = tot
     return out
 
 

@@ -147,6 +147,15 @@ def serving_monitor(
     return ServingMonitor(pid, state.get("url"), data_dir, tuple(options), _environ(pid))
 
 
+def monitor_serves(dsn: str) -> bool:
+    """Whether a monitor (any, found or not) serves ``dsn``'s database.
+
+    :raises DatabaseUnavailable: the database cannot be reached.
+    """
+    with pg.connected(dsn, connect_timeout=10) as conn:
+        return conn.execute(S.MONITOR_LOCK_HOLDER).fetchone() is not None
+
+
 def _monitor_options(pid: int) -> list[str] | None:
     """What follows ``monitor`` on the command line of a ``ringq monitor`` process."""
     try:

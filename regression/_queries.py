@@ -17,8 +17,9 @@ Everything a run needs to be verified again lives in its schema:
                    right after the rollback, in its own transaction)
 - ``received_<queue>``  what the queue's consumer took, written in the same
                    transaction as the dequeue (payload included); the grouped
-                   queue's also records who took it, its group, and when it
-                   was dequeued and committed (monotonic ns)
+                   queue's (and, in a run with SQL consumers, every queue's)
+                   also records who took it, its group, and when it was
+                   dequeued and committed (monotonic ns)
 
 No indexes beyond primary keys on the small tables: the writers stay cheap and
 Spark does the joins.
@@ -65,6 +66,11 @@ RESUME_PRODUCER: Final = _Q["resume_producer"]
 SENT_BY_QUEUE: Final = _Q["sent_by_queue"]
 RESUME_CONSUMER: Final = _Q["resume_consumer"]  # {table}
 RESUME_GROUPED_CONSUMER: Final = _Q["resume_grouped_consumer"]  # {table}
+# the SQL consumers (plain psycopg, ringq.dequeue) and what chaos does to them
+SQL_DEQUEUE: Final = _Q["sql_dequeue"]
+SQL_DEPTH: Final = _Q["sql_depth"]
+SQL_LISTEN: Final = _Q["sql_listen"]
+TERMINATE_SQL_CONSUMER: Final = _Q["terminate_sql_consumer"]
 PREPARED_GIDS: Final = _Q["prepared_gids"]
 MONITOR_LOCK_HOLDER: Final = _Q["monitor_lock_holder"]
 DATA_DIRECTORY: Final = _Q["data_directory"]

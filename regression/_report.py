@@ -61,6 +61,9 @@ class Report:
     # the grouped queue: its name, groups, consumers (configured and seen taking
     # entries), entries, the most held at once, and its two counters (see ``group_lines``)
     groups: dict[str, Any] = field(default_factory=dict)
+    # a run with SQL consumers: per kind ("linked", "sql"), what the workers
+    # counted (entries, tx, rolled back, processes, entries/s; see ``consumer_lines``)
+    consumers: dict[str, Any] = field(default_factory=dict)
     path: str | None = None
 
     @property
@@ -116,12 +119,19 @@ class Report:
                 f"{q.get('full_hits', 0):>6,} "
                 f"{q.get('empty_hits', 0):>7,} {lat.get('p50', 0):>8.1f} {lat.get('p99', 0):>8.1f}"
             )
+        lines += self.consumer_lines()
         if self.chaos:
             ch = self.chaos
             lines.append(
                 f"  chaos       producers {ch.get('producers', 0):,}  "
                 f"consumers {ch.get('consumers', 0):,}  "
                 f"monitor {ch.get('monitor', 0):,}  pg restarts {ch.get('pg_restarts', 0):,}"
+                + (
+                    f"  sql consumers {ch.get('sql_consumers', 0):,}  "
+                    f"sql backends {ch.get('sql_backends', 0):,}"
+                    if self.consumers
+                    else ""
+                )
             )
         lines += self.group_lines()
         lines += self.failover_lines()
@@ -152,6 +162,21 @@ class Report:
         return "\n".join(lines)
 
 
+    def consumer_lines(self) -> list[str]:
+        """The line of linked and SQL consumers (none without SQL consumers)."""
+        if not self.consumers:
+            return []
+        parts = []
+        for kind, c in self.consumers.items():
+            parts.append(
+                f"{kind} {c.get('processes', 0)} x {c.get('committed_entries', 0):,} entries "
+                f"{c.get('entries_per_s', 0):,.0f}/s "
+                f"({c.get('rolled_back_tx', 0):,} tx rolled back)"
+            )
+        proven = self.counts.get("delivered_sql")
+        tail = f"   proven by sql {proven:,}" if proven is not None else ""
+        return ["  consumers   " + "   ".join(parts) + tail]
+
     def group_lines(self) -> list[str]:
         """The grouped queue's line of the summary (none without one)."""
         g = self.groups
@@ -160,7 +185,10 @@ class Report:
         head = (
             f"  groups      {g.get('queue')}: {g.get('committed', 0):,} entries in "
             f"{g.get('groups_seen', 0):,} of {g.get('groups', 0):,} groups, "
-            f"{g.get('consumers_seen', 0)} of {g.get('consumers', 0)} consumers took entries, "
+            f"{g.get('consumers_seen', 0)} of "
+            f"{g.get('consumers', 0) + g.get('sql_consumers', 0)} consumers"
+            + (f" ({g['sql_consumers']} SQL)" if g.get("sql_consumers") else "")
+            + " took entries, "
             f"up to {g.get('most_held_at_once', 0)} held at once"
         )
         checks = (

@@ -37,13 +37,16 @@ class RunNotFound(RingqError):
 class QueueRef:
     """One queue of a run: its index in payload headers, its ringq name, its payload size
     (bytes); ``grouped``: the grouped queue (``shared`` dequeue mode, entries in groups,
-    several consumers)."""
+    several consumers); ``timed``: its received table records the consumer (``worker``)
+    and the times of each take (the grouped queue, and every queue of a run with SQL
+    consumers)."""
 
     idx: int
     name: str
     payload_size: int
     capacity: int
     grouped: bool = False
+    timed: bool = False
 
 
 @dataclass(frozen=True)
@@ -93,12 +96,30 @@ def queue_refs(run_id: str, config: RegressConfig) -> tuple[QueueRef, ...]:
     """The run's queues: one per payload size, then the grouped one (if any),
     with the smallest payload size."""
     sizes = config.payload_sizes
-    refs = [QueueRef(i, queue_name(run_id, i), size, config.capacity)
+    refs = [QueueRef(i, queue_name(run_id, i), size, config.capacity, timed=config.timed)
             for i, size in enumerate(sizes)]
     if config.grouped:
         n = len(sizes)
-        refs.append(QueueRef(n, queue_name(run_id, n), min(sizes), config.capacity, grouped=True))
+        refs.append(QueueRef(n, queue_name(run_id, n), min(sizes), config.capacity,
+                             grouped=True, timed=True))
     return tuple(refs)
+
+
+def sql_taking(
+    queues: tuple[QueueRef, ...], config: RegressConfig
+) -> list[tuple[int, int]]:
+    """(queue, worker) of the run's SQL consumers: dealt out over ``queues`` in
+    turn, the grouped queue first (its shared mode, then a ``single`` queue's);
+    each numbered after its queue's linked consumers and the SQL ones before it."""
+    order = sorted(range(len(queues)), key=lambda q: not queues[q].grouped)
+    out: list[tuple[int, int]] = []
+    count = dict.fromkeys(order, 0)
+    for k in range(config.sql_consumers):
+        q = order[k % len(order)]
+        linked = config.grouped_consumers if queues[q].grouped else 1
+        out.append((q, linked + count[q]))
+        count[q] += 1
+    return out
 
 
 def create_run(dsn: str, config: RegressConfig, run_id: str | None = None) -> RunInfo:
@@ -134,7 +155,7 @@ def create_run(dsn: str, config: RegressConfig, run_id: str | None = None) -> Ru
                     S.q(S.INSERT_QUEUE, run_id), (ref.idx, ref.name, ref.payload_size, ref.capacity)
                 )
                 conn.execute(S.q(S.CREATE_RECEIVED, run_id, S.received_table(ref.name)))
-                if ref.grouped:
+                if ref.timed:
                     conn.execute(S.q(S.ADD_RECEIVED_GROUPED, run_id, S.received_table(ref.name)))
     return load_run(dsn, run_id)
 
@@ -159,7 +180,8 @@ def _load(conn: psycopg.Connection[Any], run_id: str) -> RunInfo:
     # ``queues``, so runs stored before it existed load as they were).
     grouped = len(config.payload_sizes) if config.grouped else -1
     queues = tuple(
-        QueueRef(idx, name, size, capacity, grouped=idx == grouped)
+        QueueRef(idx, name, size, capacity, grouped=idx == grouped,
+                 timed=idx == grouped or config.timed)
         for idx, name, size, capacity in conn.execute(S.q(S.SELECT_QUEUES, run_id)).fetchall()
     )
     return RunInfo(run[0], run[1], run[2], run[3], config, queues)

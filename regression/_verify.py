@@ -66,7 +66,13 @@ from . import _queries as S
 from . import _report as R
 from . import _store
 from ._checks import acked_lost, check, commit_time
-from ._findings import add_section_stats, chaos_totals, failover_totals, tally
+from ._findings import (
+    add_section_stats,
+    chaos_totals,
+    consumer_totals,
+    failover_totals,
+    tally,
+)
 from ._jdbc import DEFAULT_JDBC_JAR, JdbcReader
 from ._store import RunInfo
 
@@ -228,6 +234,7 @@ class Verifier:
         }
         add_section_stats(report, run, [rows[n] for n in chosen])
         report.chaos = chaos_totals([rows[n] for n in chosen])
+        report.consumers = consumer_totals([rows[n] for n in chosen], workload_s)
         if run.config.chaos_failover is not None:
             report.failover.update(failover_totals([rows[n] for n in chosen]))
         committed = int(report.counts.get("committed", 0))

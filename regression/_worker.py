@@ -41,7 +41,7 @@ from ._config import RegressConfig
 from ._store import QueueRef
 
 # -- shared counters: one block of WORDS int64 per worker (each writes only its own) --
-WORDS = 10
+WORDS = 11
 # producer words
 P_ENTRIES = 0  # committed entries
 P_TX = 1  # committed transactions
@@ -63,6 +63,11 @@ C_FILLED = 6
 HEARTBEAT = 7  # any step at all (the watchdog's progress measure)
 RECONNECTS = 8  # both: sessions lost to a database restart and opened again (chaos)
 RESUMED = 9  # both: times the worker resumed from what the database holds (restarts)
+# a linked consumer's block: 1 while it stands still for its queue to fill (the
+# SQL consumers of its queue stand still with it, or the queue would not fill)
+C_PAUSED = 10
+# SQL consumer words (C_ENTRIES, C_TX, C_RB_TX, C_REDELIVERED as a consumer's, and)
+S_EMPTY = 3  # calls of ringq.dequeue that returned nothing
 
 # The word after the workers' blocks: when the standby was promoted (fail-over;
 # time.monotonic() in µs; 0 before, 1 if the fail-over failed), written by the
@@ -96,8 +101,8 @@ class WorkerArgs:
     seed: int
     quota: tuple[int, ...] = ()  # producers: committed entries owed to each queue
     ack_dir: str = ""  # fail-over: where producers log what they were told had committed
-    worker: int = 0  # consumers: its number among its queue's consumers
-    first_slot: int = 0  # consumers: the block of its queue's first consumer
+    worker: int = 0  # consumers: its number among its queue's consumers (linked ones first)
+    first_slot: int = 0  # consumers: the block of its queue's first (linked) consumer
 
 
 def run_worker(role: str, body: Callable[..., None], args: WorkerArgs, *rest: Any) -> None:

@@ -276,3 +276,20 @@ SELECT cycle, queue, qseq, grp FROM {schema}.sent WHERE cycle IN ({cycles}) AND 
 
 -- jdbc_partition --
 {column} % {partitions} = {part}
+
+-- sql_dequeue --
+-- What a SQL consumer of the regression calls: the SQL path as any client would.
+SELECT seq, payload, deliveries, msg_group FROM ringq.dequeue(%s, %s)
+
+-- sql_depth --
+-- Entries of a queue not consumed yet (held, set aside or waiting): a SQL
+-- consumer is done when the producers are and this is 0.
+SELECT ringq.depth(%s)
+
+-- sql_listen --
+LISTEN ringq_ready
+
+-- terminate_sql_consumer --
+-- Chaos: end the backend of one SQL consumer (its application_name names its pid).
+SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity
+WHERE application_name = %s AND datname = current_database()

@@ -495,6 +495,16 @@ def test_grouped_options_are_checked() -> None:
     old = {k: v for k, v in cfg.to_json().items() if k not in ("grouped_consumers", "groups")}
     assert not RegressConfig.from_json(old).grouped
     assert cli_main(["regress", "--groups", "0", "--dsn", "postgresql://nowhere.invalid/x"]) == 2
+    with pytest.raises(ConfigError, match="sql_consumers"):
+        RegressConfig(sql_consumers=-1)
+    sqlc = RegressConfig(sql_consumers=3)
+    assert sqlc.timed and not RegressConfig().timed
+    assert RegressConfig.from_json(sqlc.to_json()) == sqlc
+    assert RegressConfig.from_json(old).sql_consumers == 0  # runs stored before it existed
+    assert (
+        cli_main(["regress", "--sql-consumers", "-1", "--dsn", "postgresql://nowhere.invalid/x"])
+        == 2
+    )
 
 
 def test_chaos_options_are_checked() -> None:
@@ -546,6 +556,98 @@ def test_a_cycle_under_chaos_is_proven(dsn: str, verifier: Verifier, tmp_path: P
     assert saved["chaos"]["monitor"] == chaos["monitor"]
     with psycopg.connect(dsn) as conn:
         assert conn.execute("SELECT count(*) FROM pg_prepared_xacts").fetchone() == (0,)
+
+
+# -- SQL consumers (ringq.dequeue from plain connections) beside the linked ones ------------------
+
+
+def _taken_by_worker(dsn: str, outcome: RunOutcome) -> dict[str, dict[int, int]]:
+    """Received rows per queue and worker (linked consumers first, then SQL ones)."""
+    info = load_run(dsn, outcome.run_id)
+    out: dict[str, dict[int, int]] = {}
+    with psycopg.connect(dsn) as conn:
+        for ref in info.queues:
+            rows = conn.execute(
+                sql.SQL("SELECT worker, count(*) FROM {}.{} GROUP BY worker").format(
+                    S.schema_of(outcome.run_id), S.received_table(ref.name)
+                )
+            ).fetchall()
+            out[ref.name] = {int(w): int(n) for w, n in rows}
+    return out
+
+
+def test_a_cycle_with_sql_consumers_is_proven(
+    dsn: str, verifier: Verifier, tmp_path: Path
+) -> None:
+    """Two SQL consumers (plain psycopg, ringq.dequeue), one on the grouped
+    (shared) queue, one on the first single-mode queue, beside the linked
+    ones: the cycle runs the monitor their agent needs, and the proof holds
+    across both kinds (exactly once, order per producer and per group)."""
+    sizes = (16, 200, 2000)
+    config = RegressConfig(
+        payload_sizes=sizes, capacity=64, entries_per_queue=300, producers=4,
+        seed=20261126, grouped_consumers=2, groups=20, sql_consumers=2,
+        consumer_rollback_rate=0.05,
+    )
+    try:
+        outcome = run(dsn, config, cycles=1, verifier=verifier, report_dir=tmp_path)
+        taken = _taken_by_worker(dsn, outcome)
+    finally:
+        remove_section(dsn)
+    result = outcome.results[0]
+    assert result.status == "done" and not result.errors, result
+    report = outcome.reports[0]
+    assert report.ok, report.summary()
+    queues = len(sizes) + 1
+    assert report.counts["committed"] == report.counts["delivered"] == queues * 300
+    sqls = result.stats["sql_consumers"]
+    assert sqls["processes"] == 2 and sqls["committed_entries"] > 0, sqls
+    assert sqls["committed_tx"] > 0 and sqls["empty_takes"] > 0, sqls
+    # What the SQL consumers counted is what Spark found they took, once each.
+    assert report.counts["delivered_sql"] == sqls["committed_entries"]
+    linked = result.stats["consumers"]["committed_entries"]
+    assert linked + sqls["committed_entries"] == queues * 300
+    # Each SQL consumer took entries of its queue: the grouped queue's (its
+    # worker after the two linked ones) and the first queue's (after its one).
+    names = [q["name"] for q in report.queues]
+    assert taken[names[-1]].get(2, 0) > 0 and taken[names[0]].get(1, 0) > 0, taken
+    assert all(set(taken[n]) == {0} for n in names[1:-1]), taken
+    assert report.consumers["sql"]["committed_entries"] == sqls["committed_entries"]
+    assert report.consumers["linked"]["processes"] == len(sizes) + 2
+    assert report.groups["sql_consumers"] == 1 and report.groups["consumers_seen"] == 3
+    assert re.search(r"consumers +linked 5 x [\d,]+ entries .* sql 2 x [\d,]+ entries",
+                     report.summary()), report.summary()
+
+
+def test_a_cycle_with_sql_consumers_under_chaos_is_proven(
+    dsn: str, verifier: Verifier, tmp_path: Path
+) -> None:
+    """kill -9 of SQL consumers and pg_terminate_backend of their backends (and
+    of the other kinds): they resume from their rows, the takes they had open
+    come back counted, and the proof still passes."""
+    sizes = (16, 2000)
+    config = RegressConfig(
+        payload_sizes=sizes, capacity=64, entries_per_queue=400, producers=4,
+        seed=20261127, grouped_consumers=2, groups=20, sql_consumers=3,
+        chaos=True, chaos_interval=(0.2, 0.4),
+    )
+    try:
+        outcome = run(dsn, config, cycles=1, verifier=verifier, report_dir=tmp_path)
+    finally:
+        remove_section(dsn)
+    result = outcome.results[0]
+    assert result.status == "done" and not result.errors, result
+    report = outcome.reports[0]
+    assert report.ok, report.summary()
+    queues = len(sizes) + 1
+    assert report.counts["committed"] == report.counts["delivered"] == queues * 400
+    chaos = result.stats["chaos"]
+    assert chaos["sql_consumers"] > 0 and chaos["sql_backends"] > 0, chaos
+    assert not chaos["errors"], chaos
+    sqls = result.stats["sql_consumers"]
+    assert sqls["committed_entries"] > 0 and report.counts["delivered_sql"] > 0, sqls
+    assert report.chaos["sql_backends"] == chaos["sql_backends"]
+    assert re.search(r"sql consumers \d+  sql backends \d+", report.summary())
 
 
 # -- chaos takes over the monitor that serves the database -----------------------------------------
