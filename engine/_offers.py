@@ -47,8 +47,8 @@ from ._section import Section
 
 logger = logging.getLogger("ringq.sql")
 
-# Entries kept set aside per queue: twice what SQL consumers took since the
-# last pass, within these bounds; more are set aside once fewer than half wait.
+# Entries kept set aside per queue: four times what SQL consumers took since
+# the last pass, within these bounds; topped up once fewer than 3/4 wait.
 OFFER_MIN = 64
 OFFER_MAX = 1024
 DEMAND_S = 5.0  # a queue keeps entries set aside this long after its last ask or take
@@ -153,11 +153,11 @@ class SqlAgent:
         listed = len(rows) - len(done) - len(poisoned)
         target = self._target.get(info.id, OFFER_MIN)
         if done:
-            target = min(OFFER_MAX, max(target, 2 * len(done)))
+            target = min(OFFER_MAX, max(target, 4 * len(done)))
         else:
             target = max(OFFER_MIN, target - target // 16)  # a quiet pass: keep less aside
         self._target[info.id] = target
-        if wanted and waiting < target // 2 + 1:
+        if wanted and waiting < target - target // 4:
             listed += self._offer(sec, conn, ring, info, target - waiting)
         elif not wanted and waiting:
             listed -= self._withdraw(sec, conn, ring, info, table)
