@@ -11,6 +11,9 @@ same way from psycopg, in autocommit (one statement, one transaction):
   (SELECT ... LIMIT 100) RETURNING``), entries/s;
 - **capacity**: the single-entry SQL dequeue on a 1,000-slot and on a
   100,000-slot queue (the second / the first: no table scans on the path);
+- **mixed**: 4 SQL consumer processes (10 per call, LISTEN when empty) and 2
+  linked ones (``dequeue_many(10)``) on one ``shared`` queue fed by 2 linked
+  producers (``enqueue_many(100)``): entries/s consumed and the SQL share;
 - **latency**: commit of an enqueue → the entry in a waiting consumer's hands,
   p50/p99: linked enqueue → SQL consumer waiting on ``LISTEN ringq_ready``;
   SQL enqueue (``ringq.enqueue``) → linked consumer waiting in ``dequeue(wait=)``.
@@ -23,6 +26,8 @@ Run ``python bench/bench_sql.py --help``.
 from __future__ import annotations
 
 import functools
+import multiprocessing as mp
+import os
 import secrets
 import statistics
 import sys
@@ -56,9 +61,10 @@ class Config:
     rounds: int
     payload: int
     latency_samples: int
+    mixed_seconds: float
 
 
-QUEUES = ("main", "small", "large", "lat", "lat2")
+QUEUES = ("main", "small", "large", "lat", "lat2", "mix")
 
 
 def queue_name(tag: str, what: str) -> str:
@@ -179,9 +185,58 @@ def latency(dsn: str, tag: str, cfg: Config, payload: bytes) -> dict[str, Any]:
     }
 
 
+def _mixed_worker(dsn: str, queue: str, kind: str, until: float, out: Any) -> None:
+    """One process of the mixed run: a linked producer, a linked consumer or a
+    SQL consumer, working until ``until`` (monotonic); puts (kind, entries)."""
+    n = 0
+    payload = b"m" * 100
+    if kind == "producer":
+        with connect(dsn, producer=f"mix-{os.getpid()}") as s:
+            while time.monotonic() < until:
+                s.enqueue_many(queue, [payload] * 100, timeout=1.0)
+                s.commit()
+                n += 100
+    elif kind == "linked":
+        with connect(dsn) as s:
+            while time.monotonic() < until:
+                n += len(s.dequeue_many(queue, 10, wait=0.05))
+                s.commit()
+    else:
+        with psycopg.connect(dsn, autocommit=True) as c:
+            c.execute("LISTEN ringq_ready")
+            while time.monotonic() < until:
+                got = len(c.execute(RQ_TAKE, (queue, 10)).fetchall())
+                n += got
+                if not got:
+                    for _n in c.notifies(timeout=0.05, stop_after=1):
+                        pass
+    out.put((kind, n))
+
+
+def mixed(dsn: str, tag: str, seconds: float) -> dict[str, Any]:
+    """4 SQL and 2 linked consumer processes on one shared queue, 2 linked
+    producers: entries/s in all and each kind's share."""
+    q = queue_name(tag, "mix")
+    ctx = mp.get_context("fork")
+    out: Any = ctx.Queue()
+    until = time.monotonic() + 1.0 + seconds
+    kinds = ["producer"] * 2 + ["linked"] * 2 + ["sql"] * 4
+    procs = [ctx.Process(target=_mixed_worker, args=(dsn, q, k, until, out)) for k in kinds]
+    for p in procs:
+        p.start()
+    got = [out.get(timeout=seconds + 60) for _ in procs]
+    for p in procs:
+        p.join(30)
+    taken = {k: sum(n for kk, n in got if kk == k) for k in ("producer", "linked", "sql")}
+    consumed = taken["linked"] + taken["sql"]
+    return {"seconds": seconds, "enqueued": taken["producer"], "linked": taken["linked"],
+            "sql": taken["sql"], "consumed_per_s": consumed / seconds,
+            "sql_share": taken["sql"] / consumed if consumed else 0.0}
+
+
 def run(dsn: str, cfg: Config, tag: str) -> dict[str, Any]:
     with psycopg.connect(dsn) as conn:
-        sizes = {"main": max(2 * cfg.entries, 1000), "large": 100_000}
+        sizes = {"main": max(2 * cfg.entries, 1000), "large": 100_000, "mix": 10_000}
         for what in QUEUES:
             create_queue(conn, QueueSpec(queue_name(tag, what), sizes.get(what, 1000), 1024,
                                          dequeue_mode="shared"))
@@ -202,6 +257,7 @@ def run(dsn: str, cfg: Config, tag: str) -> dict[str, Any]:
                       f"{r['capacity']['large_over_small']:.2f}", file=sys.stderr, flush=True)
                 raw["rounds"].append(r)
             raw["latency"] = latency(dsn, tag, cfg, payload)
+            raw["mixed"] = mixed(dsn, tag, cfg.mixed_seconds)
             raw["agent"] = mon._sql.figures.as_dict()
         finally:
             mon.stop()
@@ -218,6 +274,7 @@ def summarize(raw: dict[str, Any]) -> dict[str, Any]:
         "batch": {k: med(("batch", k)) for k in ("ringq", "skip_locked", "ratio")},
         "capacity_large_over_small": med(("capacity", "large_over_small")),
         "latency": raw["latency"],
+        "mixed": raw["mixed"],
     }}
 
 
@@ -238,6 +295,9 @@ def render(raw: dict[str, Any], summary: dict[str, Any], cfg: Config, seconds: f
         f"p99 {lat['linked_enqueue_to_sql_ms']['p99']:.2f} ms",
         f"SQL enqueue -> linked consumer: p50 {lat['sql_enqueue_to_linked_ms']['p50']:.2f} ms, "
         f"p99 {lat['sql_enqueue_to_linked_ms']['p99']:.2f} ms",
+        f"4 SQL + 2 linked consumers, 2 linked producers ({s['mixed']['seconds']:g} s): "
+        f"{s['mixed']['consumed_per_s']:.0f} entries/s, SQL share "
+        f"{s['mixed']['sql_share']:.0%} ({s['mixed']['sql']} SQL, {s['mixed']['linked']} linked)",
         f"agent: {raw['agent']}",
         f"load: start {raw['load_start']}, end {raw['load_end']}",
     ]
@@ -255,12 +315,15 @@ def parse_args(argv: list[str] | None) -> Any:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--payload", type=int, default=100, help="payload bytes")
     p.add_argument("--latency-samples", type=int, default=200)
+    p.add_argument("--mixed-seconds", type=float, default=5.0,
+                   help="how long 4 SQL + 2 linked consumers and 2 producers run")
     return p.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    cfg = Config(args.entries, args.rounds, args.payload, args.latency_samples)
+    cfg = Config(args.entries, args.rounds, args.payload, args.latency_samples,
+                 args.mixed_seconds)
     tag = secrets.token_hex(4)
 
     def tidy(dsn: str, embedded: bool) -> None:
