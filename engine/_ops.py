@@ -8,6 +8,7 @@ stored ones and never change.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from datetime import datetime
 from enum import IntEnum, StrEnum
 from typing import TYPE_CHECKING, NamedTuple
 
@@ -37,7 +38,9 @@ class OpKind(StrEnum):
 class RowWrite(NamedTuple):
     """An enqueue's row write, kept in the session until commit (or
     ``flush()``) sends it: the entry's payload, its producer and producer
-    sequence (as they were at the enqueue call), and its group (None: none).
+    sequence (as they were at the enqueue call), its group (None: none),
+    and when it falls due: ``delay`` seconds after the write (the database's
+    clock) or at ``not_before`` (None both: at once).
     (A named tuple: a batch makes one per entry, at a third of a frozen
     dataclass's cost.)"""
 
@@ -45,6 +48,8 @@ class RowWrite(NamedTuple):
     producer_seq: int
     producer: str
     group: str | None = None
+    delay: float | None = None
+    not_before: datetime | None = None
 
 
 @dataclass(slots=True)
@@ -60,7 +65,10 @@ class Op:
     row write the session still holds (sent with the commit); ``enq_us``: a
     dequeue's entry's enqueue time (its row's ``enq_at``, us since the epoch),
     set where its message is made, for the wait its commit records (0:
-    unknown, nothing recorded: ops recovery rebuilds, rows found stale).
+    unknown, nothing recorded: ops recovery rebuilds, rows found stale);
+    ``due_us``: when the entry falls due (the database's clock, us since the
+    epoch; 0: at once), from the row write's answer (an enqueue) or the
+    strike's (a dequeue given back with a backoff), for the section.
     """
 
     ring: Ring
@@ -73,6 +81,7 @@ class Op:
     fill: RowWrite | None = None
     consume: bool = False
     enq_us: int = 0
+    due_us: int = 0
 
     @property
     def held(self) -> bool:
