@@ -23,10 +23,19 @@ import psycopg
 import pytest
 from conftest import present, remove_section
 from psycopg import sql
-from ringq.engine import InvalidArgument, InvalidArgumentType, connect, queue_table
+from ringq.engine import (
+    ConfigError,
+    InvalidArgument,
+    InvalidArgumentType,
+    Message,
+    Session,
+    connect,
+    queue_table,
+)
 from ringq.engine import layout as L
 from ringq.engine.recovery import recover_dead_clients
 from ringq.scripting import alter_retry
+from ringq.worker import Actions, Retry, Worker
 
 FORK = mp.get_context("fork")
 
@@ -294,3 +303,30 @@ def test_section_removed_while_entries_wait_is_rebuilt_with_due_times(
         assert present(s.dequeue(q, wait=3.0)).payload == b"patient"
         s.commit()
     assert_not_early(dsn, q, seq)
+
+
+def test_a_worker_action_raising_retry_is_due_after_its_delay(
+    dsn: str, make_queue: Callable[..., str]
+) -> None:
+    q = make_queue(dequeue_mode="shared", max_deliveries=5)
+    app = Actions()
+    seen: list[int] = []
+
+    @app.action(q)
+    def flaky(msg: Message, session: Session) -> None:
+        seen.append(msg.deliveries)
+        if msg.deliveries == 1:
+            raise Retry(after=0.3)
+
+    with connect(dsn) as s:
+        seq = s.enqueue(q, b"job")
+        s.commit()
+    with Worker(app, dsn) as w:
+        assert w.run_one(wait=0.0)  # the action asked to be retried later
+        assert not w.run_one(wait=0.0)  # not due yet
+        assert w.run_one(wait=3.0)
+        assert w.stats()["failed"] == 1 and w.stats()["handled"] == 1
+    assert seen == [1, 2]
+    assert_not_early(dsn, q, seq)
+    with pytest.raises(ConfigError):
+        Retry(after=-1)
