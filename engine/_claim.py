@@ -29,7 +29,7 @@ from ._cache import Cached
 from ._errors import PayloadTooLarge, QueueFull, SectionError, TransactionError
 from ._link import Link
 from ._message import Message, cached_message
-from ._ops import Op, OpKind, RowState, RowWrite
+from ._ops import DueWrite, Op, OpKind, RowState, RowWrite, Write
 from ._queries import QUERIES as _Q
 from ._queue_info import QueueInfo
 from ._recovery import help_recover
@@ -125,10 +125,10 @@ class Claims:
             sec.unlock_queue(ring.qidx)
         slot, seq = got if got is not None else self._reserve(info, timeout, tag)
         link.producer_seq += 1
-        write = (
+        write: Write = (
             RowWrite(payload, link.producer_seq, link.producer, group)
             if due is None
-            else RowWrite(payload, link.producer_seq, link.producer, group, *due)
+            else DueWrite(payload, link.producer_seq, link.producer, group, *due)
         )
         link.ops.append(
             Op(ring, info, slot, seq, OpKind.ENQUEUE, time.perf_counter_ns() - t0, write)
@@ -247,12 +247,16 @@ class Claims:
                 OpKind.ENQUEUE,
                 latency_ns=lat,
                 write=RowWrite(
-                    payload, pseq + i, link.producer, None if groups is None else groups[i - 1],
-                    *(due or (None, None)),
+                    payload, pseq + i, link.producer, None if groups is None else groups[i - 1]
                 ),
             )
             for i, ((slot, seq), payload) in enumerate(zip(reserved, items, strict=True), start=1)
         ]
+        if due is not None:
+            for op in ops:
+                w = op.write
+                assert w is not None
+                op.write = DueWrite(w.payload, w.producer_seq, w.producer, w.group, *due)
         link.ops.extend(ops)
         link.section.count_client(link.cidx, L.C_N_ENQ, len(ops))
         return [op.seq for op in ops]

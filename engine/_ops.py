@@ -38,9 +38,7 @@ class OpKind(StrEnum):
 class RowWrite(NamedTuple):
     """An enqueue's row write, kept in the session until commit (or
     ``flush()``) sends it: the entry's payload, its producer and producer
-    sequence (as they were at the enqueue call), its group (None: none),
-    and when it falls due: ``delay`` seconds after the write (the database's
-    clock) or at ``not_before`` (None both: at once).
+    sequence (as they were at the enqueue call), and its group (None: none).
     (A named tuple: a batch makes one per entry, at a third of a frozen
     dataclass's cost.)"""
 
@@ -48,8 +46,23 @@ class RowWrite(NamedTuple):
     producer_seq: int
     producer: str
     group: str | None = None
-    delay: float | None = None
-    not_before: datetime | None = None
+
+
+class DueWrite(NamedTuple):
+    """The row write of an enqueue that falls due later: :class:`RowWrite`'s
+    fields, and ``delay`` seconds after the write (the database's clock) or
+    ``not_before``. (A type of its own: two more fields in every RowWrite
+    cost 0.1 us per entry of a batch that has no delay.)"""
+
+    payload: bytes
+    producer_seq: int
+    producer: str
+    group: str | None
+    delay: float | None
+    not_before: datetime | None
+
+
+Write = RowWrite | DueWrite
 
 
 @dataclass(slots=True)
@@ -77,8 +90,8 @@ class Op:
     seq: int
     kind: OpKind
     latency_ns: int = 0
-    write: RowWrite | None = None
-    fill: RowWrite | None = None
+    write: Write | None = None
+    fill: Write | None = None
     consume: bool = False
     enq_us: int = 0
     due_us: int = 0

@@ -27,7 +27,7 @@ from ._decide import in_flight
 from ._errors import InDoubt, RingqError, StaleSection, TransactionError, one_line
 from ._finish import finish_one
 from ._link import Link
-from ._ops import POISON_REASON, Op, OpKind, RowState
+from ._ops import POISON_REASON, DueWrite, Op, OpKind, RowState, Write
 from ._queue_info import QueueInfo
 
 logger = logging.getLogger("ringq.engine")
@@ -239,7 +239,7 @@ class Transaction:
         """The guarded row write of ``ops`` (enqueues of one queue): one
         statement (``enqueue_due`` when an entry has a due time)."""
         writes = [op.write for op in ops if op.write is not None]
-        if any(w.delay is not None or w.not_before is not None for w in writes):
+        if any(type(w) is DueWrite for w in writes):
             return self.link.stmt("enqueue_due", queue), {
                 "slots": _wire.int_array(op.slot for op in ops),
                 "seqs": _wire.int_array(op.seq for op in ops),
@@ -247,12 +247,8 @@ class Transaction:
                 "producers": _wire.text_array([w.producer for w in writes]),
                 "pseqs": _wire.int_array(w.producer_seq for w in writes),
                 "groups": _wire.text_array([w.group for w in writes]),
-                "delays": _wire.text_array(
-                    [None if w.delay is None else repr(w.delay) for w in writes]
-                ),
-                "nbs": _wire.text_array(
-                    [None if w.not_before is None else w.not_before.isoformat() for w in writes]
-                ),
+                "delays": _wire.text_array([_delay(w) for w in writes]),
+                "nbs": _wire.text_array([_not_before(w) for w in writes]),
                 "n": len(ops),
             }
         if len(ops) == 1:
@@ -464,6 +460,16 @@ class Transaction:
             for op in deq_ops:
                 op.due_us = due_by.get((op.info.id, op.slot, op.seq), 0)
         return poisoned
+
+
+def _delay(w: Write) -> str | None:
+    """A write's delay (seconds) as an array element (None: none)."""
+    return repr(w.delay) if type(w) is DueWrite and w.delay is not None else None
+
+
+def _not_before(w: Write) -> str | None:
+    """A write's not_before as an array element (None: none)."""
+    return w.not_before.isoformat() if type(w) is DueWrite and w.not_before is not None else None
 
 
 def _answer_lost(exc: BaseException | None) -> bool:
