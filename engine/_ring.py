@@ -48,7 +48,7 @@ from ._ops import OpKind
 from ._scan import RingScan, bit_mask
 from ._scan import group_tag as group_tag  # re-exported: callers import it from here
 from ._section import Section
-from ._waiting import due_now, first_waiting, make_waiting, release_due, until_due_s, waits
+from ._waiting import due_now, make_waiting, release_due, until_due_s, waits
 
 if TYPE_CHECKING:
     from ._ops import Op
@@ -451,7 +451,7 @@ class Ring(RingScan):
         still waiting (the head waits: order is the promise)."""
         release_due(self)
         if exclusive and self.Q[self.qb + L.Q_N_WAITING]:
-            first = first_waiting(self, tail)
+            first = self.first_waiting(tail)
             if first is not None:
                 return min(window, first)
         return window

@@ -118,9 +118,7 @@ class RingScan:
         head). Walks the ready slots in order past those (rare: only while
         an entry of a group waits; the plain collection ``first`` stands
         when none of it is behind one)."""
-        from ._waiting import waiting_heads
-
-        heads = waiting_heads(self, tail)
+        heads = self.waiting_heads(tail)
         if not heads:
             return first
         cap = self.cap
@@ -147,6 +145,30 @@ class RingScan:
                 if len(out) >= n:
                     return out
         return out
+
+    def first_waiting(self, tail: int) -> int | None:
+        """How many slots from the tail come before the oldest waiting entry
+        (None: none waits): a single-dequeuer queue's claim stops there."""
+        slots = self.waiting_slots()
+        if not slots.size:
+            return None
+        return int(((slots - tail) % self.cap).min())
+
+    def waiting_heads(self, tail: int) -> dict[int, int]:
+        """For each group with a waiting entry: how many slots from the tail
+        come before its oldest waiting entry. The group's later entries wait
+        for it."""
+        slots = self.waiting_slots()
+        if not slots.size:
+            return {}
+        tags = self.sec.group[self.base + slots]
+        offs = (slots - tail) % self.cap
+        keep = tags != 0
+        heads: dict[int, int] = {}
+        for tag, off in zip(tags[keep].tolist(), offs[keep].tolist(), strict=True):
+            if off < heads.get(tag, off + 1):
+                heads[tag] = off
+        return heads
 
     def waiting_slots(self) -> np.ndarray:
         """The queue's waiting slots (ENQ, DEQ and LCK clear inside the

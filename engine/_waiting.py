@@ -102,29 +102,3 @@ def due_now(ring: RingScan) -> bool:
         return False
     nd = Q[b + L.Q_NEXT_DUE_US]
     return not nd or nd <= ring.sec.db_clock_us()
-
-
-def first_waiting(ring: RingScan, tail: int) -> int | None:
-    """How many slots from the tail come before the oldest waiting entry
-    (None: none waits): a single-dequeuer queue's claim stops there."""
-    slots = ring.waiting_slots()
-    if not slots.size:
-        return None
-    return int(((slots - tail) % ring.cap).min())
-
-
-def waiting_heads(ring: RingScan, tail: int) -> dict[int, int]:
-    """For each group with a waiting entry: how many slots from the tail come
-    before its oldest waiting entry. The group's later entries wait for it."""
-    slots = ring.waiting_slots()
-    if not slots.size:
-        return {}
-    tags = ring.sec.group[ring.base + slots]
-    offs = (slots - tail) % ring.cap
-    keep = tags != 0
-    heads: dict[int, int] = {}
-    for tag, off in zip(tags[keep].tolist(), offs[keep].tolist(), strict=True):
-        if off < heads.get(tag, off + 1):
-            heads[tag] = off
-    return heads
-

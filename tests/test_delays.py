@@ -21,7 +21,7 @@ from multiprocessing.synchronize import Event
 
 import psycopg
 import pytest
-from conftest import present, remove_section
+from conftest import cli, present, remove_section
 from psycopg import sql
 from ringq.engine import (
     ConfigError,
@@ -330,3 +330,70 @@ def test_a_worker_action_raising_retry_is_due_after_its_delay(
     assert_not_early(dsn, q, seq)
     with pytest.raises(ConfigError):
         Retry(after=-1)
+
+
+def test_a_delayed_enqueue_in_a_two_phase_transaction_waits_after_its_commit(
+    dsn: str, make_queue: Callable[..., str]
+) -> None:
+    q = make_queue(dequeue_mode="shared")
+    gid = "delays-" + os.urandom(4).hex()
+    with connect(dsn) as s, connect(dsn) as consumer:
+        s.tpc_begin(s.xid(gid))
+        seq = s.enqueue(q, b"prepared", delay=0.3)
+        s.tpc_prepare()
+        assert consumer.dequeue(q) is None  # prepared: not on the queue yet
+        consumer.commit()
+        s.tpc_commit()
+        assert consumer.dequeue(q) is None  # committed, not due yet
+        consumer.commit()
+        m = present(consumer.dequeue(q, wait=3.0))
+        assert m.seq == seq
+        consumer.commit()
+    assert_not_early(dsn, q, seq)
+
+
+def test_a_retried_entry_of_a_single_queue_holds_back_the_entries_behind_it(
+    dsn: str, make_queue: Callable[..., str]
+) -> None:
+    q = make_queue(dequeue_mode="single", retry_delay=0.3)
+    with connect(dsn) as s:
+        s.enqueue_many(q, [b"a", b"b"])
+        s.commit()
+        assert present(s.dequeue(q)).payload == b"a"
+        s.rollback()
+        assert s.dequeue(q) is None  # the head waits for its backoff; b stays behind it
+        s.commit()
+        got = [m.payload for m in s.dequeue_many(q, 10, wait=3.0)]
+        got += [m.payload for m in s.dequeue_many(q, 10)]
+        s.commit()
+        assert got == [b"a", b"b"]
+
+
+def retry_settings(dsn: str, queue: str) -> tuple[float, float, float]:
+    with psycopg.connect(dsn) as conn:
+        row = conn.execute(
+            "SELECT retry_delay, retry_factor, retry_max FROM ringq.queues WHERE name = %s",
+            (queue,),
+        ).fetchone()
+    assert row is not None
+    return row[0], row[1], row[2]
+
+
+def test_queue_create_and_alter_set_the_retry_backoff(
+    dsn: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    name = "rq_" + os.urandom(4).hex()
+    code, _out, err = cli(capsys, "queue", "create", name, "--capacity", "64", "--max-payload",
+                          "64", "--retry-delay", "0.5", "--retry-factor", "2", "--dsn", dsn)
+    assert code == 0, err
+    assert retry_settings(dsn, name) == (0.5, 2.0, 0.0)
+    code, _out, err = cli(capsys, "queue", "alter", name, "--retry-max", "30", "--dsn", dsn)
+    assert code == 0, err
+    assert retry_settings(dsn, name) == (0.5, 2.0, 30.0)  # the others kept
+    code, _out, err = cli(capsys, "queue", "alter", name, "--retry-factor", "0.5", "--dsn", dsn)
+    assert code == 2 and "retry_factor" in err
+    code, _out, err = cli(capsys, "queue", "alter", "no_such_queue", "--retry-delay", "1",
+                          "--dsn", dsn)
+    assert code == 4, err
+    assert retry_settings(dsn, name) == (0.5, 2.0, 30.0)
+    remove_section(dsn)
