@@ -18,6 +18,7 @@ from ringq.scripting import (
     ExceptionEntry,
     QueueDetails,
     QueueSummary,
+    alter_retry,
     connect_admin,
     create_queue,
     describe_queue,
@@ -30,7 +31,7 @@ from ringq.scripting import (
 )
 
 from ._args import action, add_dsn, command_group
-from ._spec import add_queue_options, spec_from_args
+from ._spec import add_queue_options, add_retry_options, spec_from_args
 
 DESCRIPTION = """\
 Create, list, inspect and drop queues; inspect, requeue and discard their
@@ -84,7 +85,13 @@ ACTIONS = {
     "exceptions": "list a queue's poison entries (seq, deliveries, reason, when, size)",
     "requeue": "put a poison entry back on its queue",
     "discard": "delete a poison entry for good",
+    "alter": "change a queue's retry backoff (--retry-delay, --retry-factor, --retry-max)",
 }
+ALTER_HELP = """\
+Change the retry backoff of queue NAME in place: an entry whose delivery did
+not commit is due again --retry-delay * --retry-factor ** (deliveries before)
+seconds later, at most --retry-max (0: no cap). Settings not given are kept.
+Unknown queue: exit 4."""
 LIST_HELP = "One line per queue. depth: committed entries waiting (ring + SQL inbox)."
 SEQ_HELP = "the entry's SEQ in 'ringq queue exceptions NAME'"
 JSON_TABLE_HELP = "print a JSON array instead of a table"
@@ -101,7 +108,9 @@ def register(sub: Any) -> None:
     exceptions = action(actions, "exceptions", _exceptions, ACTIONS["exceptions"], EXCEPTIONS_HELP)
     requeue = action(actions, "requeue", _requeue, ACTIONS["requeue"], REQUEUE_HELP)
     discard = action(actions, "discard", _discard, ACTIONS["discard"], DISCARD_HELP)
-    for named in (show, drop, exceptions, requeue, discard):
+    alter = action(actions, "alter", _alter, ACTIONS["alter"], ALTER_HELP)
+    add_retry_options(alter, defaults=False)
+    for named in (show, drop, exceptions, requeue, discard, alter):
         named.add_argument("name", metavar="NAME")
     for entry in (requeue, discard):
         entry.add_argument("seq", metavar="SEQ", type=int, help=SEQ_HELP)
@@ -109,7 +118,7 @@ def register(sub: Any) -> None:
         table.add_argument("--json", action="store_true", help=JSON_TABLE_HELP)
     show.add_argument("--json", action="store_true", help="print a JSON object instead of text")
     drop.add_argument("--yes", "-y", action="store_true", help="do not ask for confirmation")
-    for parser in (create, lst, show, drop, exceptions, requeue, discard):
+    for parser in (create, lst, show, drop, exceptions, requeue, discard, alter):
         add_dsn(parser)
 
 
@@ -124,6 +133,14 @@ def _create(args: argparse.Namespace) -> int:
         )
     else:
         print(f"queue {spec.name!r} exists (unchanged)")
+    return exits.OK
+
+
+def _alter(args: argparse.Namespace) -> int:
+    with connect_admin(resolve_dsn(args.dsn)) as conn:
+        alter_retry(conn, args.name, retry_delay=args.retry_delay,
+                    retry_factor=args.retry_factor, retry_max=args.retry_max)
+    print(f"queue {args.name!r}: retry backoff altered")
     return exits.OK
 
 

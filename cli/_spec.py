@@ -98,11 +98,33 @@ def add_queue_options(parser: argparse.ArgumentParser) -> None:
         f"memory (default: {DEFAULT_CACHE_PAYLOAD}, or the max payload when smaller, if the "
         "section's cache has room; else 0)",
     )
+    add_retry_options(parser, defaults=True)
     parser.add_argument(
         "--dequeue-mode",
         choices=("single", "shared"),
         default=_DEFAULTS["dequeue_mode"],
         help="one dequeuer at a time (strict FIFO), or several reading past each other",
+    )
+
+
+def add_retry_options(parser: argparse.ArgumentParser, *, defaults: bool) -> None:
+    """--retry-delay, --retry-factor, --retry-max (``defaults``: the
+    QueueSpec's; else None: not given, kept by 'queue alter')."""
+    def default(name: str) -> Any:
+        return _DEFAULTS[name] if defaults else None
+
+    parser.add_argument(
+        "--retry-delay", type=float, metavar="S", default=default("retry_delay"),
+        help="seconds before an entry whose delivery did not commit is due again "
+        "(0: at once)",
+    )
+    parser.add_argument(
+        "--retry-factor", type=float, metavar="F", default=default("retry_factor"),
+        help="each further failed delivery multiplies the delay by F (1: constant)",
+    )
+    parser.add_argument(
+        "--retry-max", type=float, metavar="S", default=default("retry_max"),
+        help="the longest retry delay, seconds (0: no cap)",
     )
 
 
@@ -124,4 +146,7 @@ def spec_from_args(args: argparse.Namespace) -> QueueSpec:
         tablespace=getattr(args, "tablespace", _DEFAULTS["tablespace"]),
         lease=args.lease,
         cache_payload=getattr(args, "cache_payload", _DEFAULTS["cache_payload"]),
+        retry_delay=args.retry_delay,
+        retry_factor=args.retry_factor,
+        retry_max=args.retry_max,
     )

@@ -62,12 +62,13 @@ from ._shm import (
     tidy_sections,
 )
 from ._trace import enable_trace
-from ._validate import check_group, is_finite_number, validate_int, validate_seconds
+from ._validate import MAX_DELAY, check_group, is_finite_number, validate_int, validate_seconds
 
 __all__ = [
     "DEFAULT_LEASE",
     "EVENTS_CHANNEL",
     "MAX_CAPACITY",
+    "MAX_DELAY",
     "MAX_QUEUES",
     "ConfigError",
     "DatabaseError",

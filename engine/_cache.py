@@ -23,7 +23,7 @@ import numpy as np
 from . import _layout as L
 
 if TYPE_CHECKING:
-    from ._ops import RowWrite
+    from ._ops import Write
     from ._section import Section
 
 # A payload cache hit: (payload, producer, producer_seq, enqueued at in us, group).
@@ -99,7 +99,7 @@ class PayloadCache:
         return True
 
     def put_many(
-        self, slots: Sequence[int], seqs: Sequence[int], writes: Sequence[RowWrite], enq_at_us: int
+        self, slots: Sequence[int], seqs: Sequence[int], writes: Sequence[Write], enq_at_us: int
     ) -> None:
         """Write the records of a batch of new entries (as :meth:`put`, each
         one that fits): the head words as one scatter, tags last."""

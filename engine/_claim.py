@@ -29,7 +29,7 @@ from ._cache import Cached
 from ._errors import PayloadTooLarge, QueueFull, SectionError, TransactionError
 from ._link import Link
 from ._message import Message, cached_message
-from ._ops import Op, OpKind, RowState, RowWrite
+from ._ops import DueWrite, Op, OpKind, RowState, RowWrite, Write
 from ._queries import QUERIES as _Q
 from ._queue_info import QueueInfo
 from ._recovery import help_recover
@@ -40,6 +40,8 @@ logger = logging.getLogger("ringq.engine")
 
 _INERROR = TransactionStatus.INERROR
 _INTRANS = TransactionStatus.INTRANS
+
+Due = tuple[float | None, datetime | None]  # (delay s, not_before), as _validate.check_due
 
 # A waiting dequeuer is woken by the commit that makes an entry ready (a
 # semaphore post); it also looks again this often, in seconds, as a safety net.
@@ -94,20 +96,21 @@ class Claims:
 
     def enqueue_checked(
         self, info: QueueInfo, payload: bytes, key: str | None, group: str | None,
-        timeout: float | None, t0: int,
+        timeout: float | None, t0: int, due: Due | None = None,
     ) -> int:
         """:meth:`enqueue` (or :meth:`enqueue_key` with a ``key``) after the
-        checks of the payload's size and of the transaction."""
+        checks of the payload's size and of the transaction; ``due``: (delay,
+        not_before) as ``check_due`` gave them (None: at once)."""
         self.check_payload(info, payload)
         self.check_not_failed()
         tag = group_tag(group)
         if key is None:
-            return self.enqueue(info, payload, group, tag, timeout, t0)
-        return self.enqueue_key(info, payload, key, group, tag, timeout, t0)
+            return self.enqueue(info, payload, group, tag, timeout, t0, due)
+        return self.enqueue_key(info, payload, key, group, tag, timeout, t0, due)
 
     def enqueue(
         self, info: QueueInfo, payload: bytes, group: str | None, tag: int,
-        timeout: float | None, t0: int,
+        timeout: float | None, t0: int, due: Due | None = None,
     ) -> int:
         """Reserve a slot and hold its row write for the commit; returns its seq."""
         link = self.link
@@ -122,16 +125,20 @@ class Claims:
             sec.unlock_queue(ring.qidx)
         slot, seq = got if got is not None else self._reserve(info, timeout, tag)
         link.producer_seq += 1
-        link.ops.append(Op(
-            ring, info, slot, seq, OpKind.ENQUEUE, time.perf_counter_ns() - t0,
-            RowWrite(payload, link.producer_seq, link.producer, group),
-        ))
+        write: Write = (
+            RowWrite(payload, link.producer_seq, link.producer, group)
+            if due is None
+            else DueWrite(payload, link.producer_seq, link.producer, group, *due)
+        )
+        link.ops.append(
+            Op(ring, info, slot, seq, OpKind.ENQUEUE, time.perf_counter_ns() - t0, write)
+        )
         sec.count_client(link.cidx, L.C_N_ENQ)
         return seq
 
     def enqueue_key(
         self, info: QueueInfo, payload: bytes, key: str, group: str | None, tag: int,
-        timeout: float | None, t0: int,
+        timeout: float | None, t0: int, due: Due | None = None,
     ) -> int:
         """Reserve a slot and write its row with ``key`` now; returns its seq,
         or the seq of the entry that holds ``key`` already."""
@@ -153,13 +160,17 @@ class Claims:
                     "producer_seq": link.producer_seq,
                     "group": group,
                     "slot": slot,
+                    "delay": None if due is None else due[0],
+                    "not_before": None if due is None else due[1],
                 },
                 queue=queue,
                 qid=info.id,
                 seq=seq,
             ).fetchone()
             assert row is not None
-            inserted, updated, existing = row
+            inserted, updated, existing, due_us, clock_us = row
+            link.section.note_db_clock(clock_us)
+            op.due_us = due_us or 0
             if inserted == 0 and existing is None:
                 # Another transaction held the key uncommitted; the
                 # INSERT waited for its commit, but under READ
@@ -190,7 +201,7 @@ class Claims:
 
     def enqueue_many_checked(
         self, info: QueueInfo, items: list[bytes], groups: list[str | None] | None,
-        timeout: float | None, t0: int,
+        timeout: float | None, t0: int, due: Due | None = None,
     ) -> list[int]:
         """:meth:`enqueue_many` after the checks of each payload's size and
         of the transaction, with the groups' tags."""
@@ -202,11 +213,11 @@ class Claims:
             return []
         self.check_not_failed()
         tags = None if groups is None else [group_tag(g) for g in groups]
-        return self.enqueue_many(info, items, groups, tags, timeout, t0)
+        return self.enqueue_many(info, items, groups, tags, timeout, t0, due)
 
     def enqueue_many(
         self, info: QueueInfo, items: list[bytes], groups: list[str | None] | None,
-        tags: list[int] | None, timeout: float | None, t0: int,
+        tags: list[int] | None, timeout: float | None, t0: int, due: Due | None = None,
     ) -> list[int]:
         """Reserve a slot for each of ``items`` and hold their row writes."""
         link = self.link
@@ -241,6 +252,11 @@ class Claims:
             )
             for i, ((slot, seq), payload) in enumerate(zip(reserved, items, strict=True), start=1)
         ]
+        if due is not None:
+            for op in ops:
+                w = op.write
+                assert w is not None
+                op.write = DueWrite(w.payload, w.producer_seq, w.producer, w.group, *due)
         link.ops.extend(ops)
         link.section.count_client(link.cidx, L.C_N_ENQ, len(ops))
         return [op.seq for op in ops]
@@ -542,7 +558,9 @@ class Claims:
                 sem = sec.semaphore(info.id, "r")
             try:
                 while True:
-                    sem.acquire(max(0.0, min(deadline - time.monotonic(), CLAIM_RECHECK_S)))
+                    sem.acquire(max(0.0, min(
+                        deadline - time.monotonic(), CLAIM_RECHECK_S, ring.until_due_s()
+                    )))
                     # Woken: if the entries are gone already, sleep again
                     # (still registered) rather than queue for the lock.
                     if ring.maybe_ready() or deadline <= time.monotonic():
@@ -587,7 +605,7 @@ def repair_dequeue(
         qid=info.id,
         seq=stale[0].seq,
     ).fetchall()
-    by_slot = {slot: (state, seq) for slot, state, seq, _group in rows}
+    by_slot = {slot: (state, seq) for slot, state, seq, _group, _due in rows}
     need_resync = False
     sec = link.section
     sec.lock_queue(ring.qidx)

@@ -126,21 +126,25 @@ def load_block(
         max_deliveries=info.max_deliveries,
     )
     sec.set_lease(qidx, info.lease)
-    arr, groups = _split_rows(rows)
+    arr, groups, dues = _split_rows(rows, sec)
     ring.load_rows(
         arr[:, 0], arr[:, 1], arr[:, 2], keep_locked=False, held=held, groups=groups,
-        offered=offered,
+        offered=offered, dues=dues,
     )
     sec.mark_queue_ready(qidx)
 
 
 def _split_rows(
-    rows: Sequence[tuple[int, int, int, str | None]],
-) -> tuple[np.ndarray, list[tuple[int, str]]]:
-    """``all_rows`` rows as an (n, 3) array of (slot, state, seq), and the
-    (slot, group) of those that have a group."""
+    rows: Sequence[tuple[int, int, int, str | None, int | None, int]], sec: Section,
+) -> tuple[np.ndarray, list[tuple[int, str]], list[tuple[int, int]]]:
+    """``all_rows`` rows as an (n, 3) array of (slot, state, seq), the
+    (slot, group) of those that have a group, and the (slot, due us) of those
+    not due yet; the database's clock they carry is noted in ``sec``."""
     arr = np.array([r[:3] for r in rows], dtype=np.int64).reshape(-1, 3)
-    return arr, [(r[0], r[3]) for r in rows if r[3] is not None]
+    if rows:
+        sec.note_db_clock(int(rows[0][5]))
+    return (arr, [(r[0], r[3]) for r in rows if r[3] is not None],
+            [(r[0], r[4]) for r in rows if r[4] is not None])
 
 
 def load_queue(sec: Section, conn: psycopg.Connection[Any], info: QueueInfo) -> int:
@@ -175,10 +179,10 @@ def resync_queue(sec: Section, ring: Ring, info: QueueInfo, dsn: str) -> None:
         offered = offered_slots(aux, info.id)
         sec.lock_queue(ring.qidx)
         try:
-            arr, groups = _split_rows(aux.execute(sql_rows).fetchall())
+            arr, groups, dues = _split_rows(aux.execute(sql_rows).fetchall(), sec)
             ring.load_rows(
                 arr[:, 0], arr[:, 1], arr[:, 2], keep_locked=True, held=held, groups=groups,
-                offered=offered,
+                offered=offered, dues=dues,
             )
             ring.note_resync()
         finally:
@@ -212,7 +216,7 @@ def decide_ops(
             sql.SQL(_Q["rows"]).format(table=queue_table(info.name)),
             ([op.slot for op in group],),
         ).fetchall()
-        by_slot = {slot: (state, seq, group) for slot, state, seq, group in rows}
+        by_slot = {slot: (state, seq, group, due) for slot, state, seq, group, due in rows}
         exclusive = info.dequeue_mode == "single"
         done_ops: tuple[list[Op], list[Op]] = ([], [])  # (rolled back, committed), traced
         sec.lock_queue(ring.qidx)
@@ -220,16 +224,23 @@ def decide_ops(
             for op in group:
                 if owner is not None and not ring.held_by(op.slot, owner):
                     continue  # someone else decided it already
-                state, row_seq, group = by_slot.get(op.slot, (RowState.FREE, -1, None))
+                state, row_seq, group, due = by_slot.get(
+                    op.slot, (RowState.FREE, -1, None, None)
+                )
                 done = op.committed_in(state, row_seq)
+                # the row's due time, if it is still to come (a delayed
+                # enqueue, or a backoff the strike wrote)
+                due_us = due or 0 if row_seq == op.seq else 0
                 if op.kind == OpKind.ENQUEUE:
                     if done and group is not None:
                         # the row's group: a slot held since a load (a prepared
                         # enqueue, its row invisible then) has no tag yet
                         ring.set_group(op.slot, group_tag(group))
-                    ring.finish_enqueue(op.slot, committed=done)
+                    ring.finish_enqueue(op.slot, committed=done, due_us=due_us)
                 else:
-                    ring.finish_dequeue(op.slot, consumed=done, exclusive=exclusive)
+                    ring.finish_dequeue(
+                        op.slot, consumed=done, exclusive=exclusive, due_us=due_us
+                    )
                 outcome = done if outcome is None else (outcome or done)
                 if tracing:
                     done_ops[done].append(op)

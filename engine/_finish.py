@@ -56,7 +56,9 @@ def finish_batch(
     wake-ups. Returns (ready, space): how many sleeping dequeuers and
     enqueuers the caller wakes (after releasing the lock).
     """
-    if len(ops) < VECTOR_FROM:
+    # Entries with a due time (a delay, a backoff) go one slot at a time: they
+    # wait rather than become ready (``_waiting``).
+    if len(ops) < VECTOR_FROM or any(op.due_us for op in ops):
         return _finish_each(ring, ops, owner, committed=committed, poisoned=poisoned,
                             exclusive=exclusive, enq_at_us=enq_at_us)
     Q, b = ring.Q, ring.qb
@@ -168,13 +170,13 @@ def finish_one(
                 slot, op.seq, f.payload, f.producer.encode(), f.producer_seq, enq_at_us,
                 None if f.group is None else f.group.encode(),
             )
-        ring.finish_enqueue(slot, committed)  # the record before ENQ, as finish_batch
+        ring.finish_enqueue(slot, committed, op.due_us)  # the record before ENQ, as finish_batch
         n_ready = int(committed)
     else:
         consumed = committed or (slot, op.seq) in poisoned
         was_owner = Q[b + L.Q_DEQ_OWNER]
         freed_group = consumed and ring.sec.group_w[ring.base + slot] != 0
-        ring.finish_dequeue(slot, consumed, exclusive=exclusive, reclaim=False)
+        ring.finish_dequeue(slot, consumed, exclusive=exclusive, reclaim=False, due_us=op.due_us)
         n_space = int(consumed)
         n_ready = int(
             (not consumed) or freed_group or (exclusive and was_owner and not Q[b + L.Q_DEQ_OWNER])
@@ -214,13 +216,15 @@ def _finish_each(
                     op.slot, op.seq, f.payload, f.producer.encode(), f.producer_seq, enq_at_us,
                     None if f.group is None else f.group.encode(),
                 )
-            ring.finish_enqueue(op.slot, committed)
+            ring.finish_enqueue(op.slot, committed, op.due_us)
             n_ready += committed
         else:
             consumed = committed or (op.slot, op.seq) in poisoned
             was_owner = Q[b + L.Q_DEQ_OWNER]
             freed_group = consumed and ring.sec.group_w[ring.base + op.slot] != 0
-            ring.finish_dequeue(op.slot, consumed, exclusive=exclusive, reclaim=False)
+            ring.finish_dequeue(
+                op.slot, consumed, exclusive=exclusive, reclaim=False, due_us=op.due_us
+            )
             n_space += consumed
             n_ready += (
                 (not consumed)

@@ -4,7 +4,7 @@
 
     [ header | queue blocks x MAX_QUEUES | queue names | clients x MAX_CLIENTS |
       ENQ bits | DEQ bits | LCK bits | OWNER int32 per slot | HOLDER int32 per slot |
-      GROUP int64 per slot | payload cache pool ]
+      GROUP int64 per slot | DUE int64 per slot | payload cache pool ]
 
 Every field is an int64 word at a fixed index, so the layout is plain data
 that any process (and a future non-Python tool) can read. A segment whose
@@ -19,7 +19,8 @@ from __future__ import annotations
 # 5: groups (the GROUP array after HOLDER, Q_GROUPED, R_GROUP_LEN and the group in a record)
 # 6: Q_WAIT_WANT (what sleeping dequeuers want; older clients would not keep it)
 # 7: queue blocks of 160 words: the enqueue-to-dequeue wait (Q_WAIT_US, Q_WAIT_HIST)
-LAYOUT_VERSION = 7
+# 8: entries that wait (the DUE array after GROUP, Q_N_WAITING, Q_NEXT_DUE_US, H_DB_CLOCK_US)
+LAYOUT_VERSION = 8
 MAGIC = 0x52494E47_51534543  # "RINGQSEC"
 
 MAX_QUEUES = 128
@@ -53,6 +54,13 @@ H_NEXT_CACHE = 9  # cache pool allocator: first unused byte (a multiple of 64)
 # rebuilt from that server's rows (Section.follow_history).
 H_DB_SYSID = 10
 H_DB_TIMELINE = 11
+# The database's clock, as this host estimates it: the database's time (us
+# since the epoch) minus time.monotonic_ns() // 1000 when a statement's
+# answer stamped it (clock_timestamp() or now(), so the estimate is never
+# ahead of the database). Due times are compared with it, never with the
+# host's wall clock: a clock change on the host releases nothing early
+# (CLOCK_MONOTONIC is one clock for every process of the host). 0: unknown.
+H_DB_CLOCK_US = 12
 HEADER_WORDS = 64
 
 # -- queue block words ------------------------------------------------------------
@@ -115,6 +123,14 @@ Q_WAIT_WANT = 44
 # Sum (us) of the waits Q_WAIT_HIST counts: an entry's enqueue (its row's
 # enq_at) to the commit of the dequeue that consumed it.
 Q_WAIT_US = 45
+# Entries that wait for their due time (a delay, or a retry's backoff):
+# committed, but neither ready nor done: ENQ, DEQ and LCK clear inside the
+# window, their due time (the database's clock, us) in the DUE array. How
+# many there are, and the earliest due time among them (0: none); a claim
+# releases (sets ENQ) those due once the database's clock passes
+# Q_NEXT_DUE_US, so a queue with none pays one word read per claim.
+Q_N_WAITING = 46
+Q_NEXT_DUE_US = 47
 Q_ENQ_HIST = 64  # HIST_BUCKETS words
 Q_DEQ_HIST = 96  # HIST_BUCKETS words
 # HIST_BUCKETS words, bucketed as the call latencies: the waits of consumed
@@ -260,5 +276,8 @@ OFF_HOLDER = OFF_OWNER + _round(SLOT_POOL * 4)
 # GROUP: the tag of a slot's entry's group (ringq.engine._ring.group_tag; 0: none),
 # written with the reservation (or from the rows at a load).
 OFF_GROUP = OFF_HOLDER + _round(SLOT_POOL * 4)
-OFF_CACHE = OFF_GROUP + _round(SLOT_POOL * 8)
+# DUE: a waiting slot's due time (the database's clock, us since the epoch);
+# meaningful only while the slot waits (ENQ, DEQ, LCK clear inside the window).
+OFF_DUE = OFF_GROUP + _round(SLOT_POOL * 8)
+OFF_CACHE = OFF_DUE + _round(SLOT_POOL * 8)
 SECTION_SIZE = OFF_CACHE + CACHE_POOL

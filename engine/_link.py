@@ -117,7 +117,7 @@ class Link:
                 ) from exc.__cause__
             raise
         assert row is not None
-        instance, version, backend_pid, has_guard, sysid, timeline = row
+        instance, version, backend_pid, has_guard, sysid, timeline, clock_us = row
         if version != SUPPORTED_SCHEMA or not instance:
             self.conn.close()
             raise SchemaMissing(
@@ -140,6 +140,7 @@ class Link:
         except RingqError:  # a standby, a foreign or unusable section: do not leak the connection
             self.conn.close()
             raise
+        self.section.note_db_clock(int(clock_us))  # the estimate that due times are compared with
         self.register_client(backend_pid)
         self.rings = {}
 

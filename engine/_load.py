@@ -28,9 +28,12 @@ def load_rows(
     held: list[tuple[int, int]] | None = None,
     groups: Sequence[tuple[int, str]] = (),
     offered: Sequence[tuple[int, int]] = (),
+    dues: Sequence[tuple[int, int]] = (),
 ) -> None:
     """Set head, tail and the bitmaps from the rows (``SELECT slot, state, seq``),
     and the group tags from ``groups``: (slot, group) of the queued rows that have one.
+    ``dues`` lists (slot, due us) of the queued rows not due yet (the
+    database's clock at the read): they wait (``_waiting``), their bits clear.
 
     ``keep_locked`` preserves slots locked by live clients (a resync under
     traffic); ``held`` lists (slot, seq) pairs of in-doubt prepared
@@ -79,6 +82,15 @@ def load_rows(
     enq[at] = written & (state_by_slot[at] >= RowState.QUEUED)
     # consumed, or void (never written)
     deq[at] = ~(written & (state_by_slot[at] == RowState.QUEUED))
+    # Queued entries not due yet wait: neither ENQ nor DEQ (a prepared
+    # transaction's slot, set below, is held whatever its row says).
+    waiting = np.zeros(cap, dtype=bool)
+    due_by_slot = np.zeros(cap, dtype=np.int64)
+    for d_slot, d_us in dues:
+        if 0 <= d_slot < cap and enq[d_slot] and not deq[d_slot]:
+            waiting[d_slot] = True
+            due_by_slot[d_slot] = d_us
+    enq &= ~waiting
     lck = np.zeros(cap, dtype=bool)
     for h_slot, h_seq in held:
         lck[h_slot] = True
@@ -126,12 +138,24 @@ def load_rows(
             s.owner_w[ring.base + o_slot] = L.OWNER_SQL
             n_sql += 1
     if n_sql:
+        # Held for SQL consumers like a dequeue in flight (ENQ, DEQ, LCK), not
+        # waiting even if not due: the takers check the row's due time.
+        waiting &= ~lck_sql
         sql_words = words(lck_sql)
+        new_enq = new_enq | sql_words
         new_lck = new_lck | sql_words
         new_deq = new_deq | sql_words
         if Q[b + L.Q_MODE] == 0 and not Q[b + L.Q_DEQ_OWNER]:
             Q[b + L.Q_DEQ_OWNER] = L.OWNER_SQL
             Q[b + L.Q_DEQ_INFLIGHT] = n_sql
+    # Waiting entries: due times and counters before the bits (see _waiting);
+    # a slot kept locked (resync) is its holder's, whatever its row says now.
+    waiting &= ~old_locked
+    waiting[[h for h, _q in held]] = False
+    s.due[ring.base : ring.base + cap][waiting] = due_by_slot[waiting]
+    n_wait = int(np.count_nonzero(waiting))
+    Q[b + L.Q_N_WAITING] = n_wait
+    Q[b + L.Q_NEXT_DUE_US] = int(due_by_slot[waiting].min()) if n_wait else 0
     # Tail first, then bits, then head: readers only look inside [tail, head).
     Q[b + L.Q_TAIL] = tail
     s.enq[g0:g1] = new_enq

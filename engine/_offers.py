@@ -136,13 +136,13 @@ class SqlAgent:
         done: list[tuple[int, int]] = []  # consumed, or no longer at that seq
         aborted: list[tuple[int, int]] = []
         waiting = 0
-        for seq, slot, state, touched in rows:
+        for seq, slot, state, touched, _due_us, due in rows:
             if state is None or state != RowState.QUEUED:
                 done.append((slot, seq))
             elif touched:
                 aborted.append((slot, seq))
-            else:
-                waiting += 1
+            elif due:
+                waiting += 1  # takeable now (a retry's backoff keeps others listed)
         poisoned = self._strike(conn, info, table, aborted) if aborted else []
         if done or poisoned:
             self._finish(sec, ring, info, done + poisoned)
@@ -253,7 +253,9 @@ class SqlAgent:
                 })
                 conn.execute(_Q["offers_ready"], (info.name,))
         except BaseException:
-            self._give_back(sec, ring, info, list(zip(slots.tolist(), seqs.tolist(), strict=True)))
+            self._give_back(sec, ring, info,
+                            [(sl, sq, 0) for sl, sq in zip(slots.tolist(), seqs.tolist(),
+                                                           strict=True)])
             raise
         self.figures.offered += int(slots.size)
         return int(slots.size)
@@ -272,27 +274,30 @@ class SqlAgent:
             rows = conn.execute(
                 sql.SQL(_Q["offers_state"]).format(table=table), (info.id,)
             ).fetchall()
-            back = [(int(slot), int(seq)) for seq, slot, state, touched in rows
+            back = [(int(slot), int(seq), int(due_us or 0))
+                    for seq, slot, state, touched, due_us, _due in rows
                     if state == RowState.QUEUED and not touched]
             if not back:
                 return 0
-            conn.execute(_Q["offers_drop"], (info.id, [q for _s, q in back]))
+            conn.execute(_Q["offers_drop"], (info.id, [q for _s, q, _d in back]))
         self._give_back(sec, ring, info, back)
         self.figures.withdrawn += len(back)
         return len(back)
 
     def _give_back(
-        self, sec: Section, ring: Ring, info: QueueInfo, entries: list[tuple[int, int]]
+        self, sec: Section, ring: Ring, info: QueueInfo, entries: list[tuple[int, int, int]]
     ) -> int:
-        """Make entries locked for SQL ready for linked consumers again (no
-        delivery counted: none took them)."""
+        """Make entries (slot, seq, due time in epoch µs or 0) locked for SQL
+        ready for linked consumers again, or waiting if not due yet (a retry's
+        backoff); no delivery counted: none took them."""
         exclusive = info.dequeue_mode == "single"
         n = 0
         sec.lock_queue(ring.qidx)
         try:
-            for slot, seq in entries:
+            for slot, seq, due_us in entries:
                 if ring.held_by(slot, L.OWNER_SQL) and ring.seq_of(slot) == seq:
-                    ring.finish_dequeue(slot, consumed=False, exclusive=exclusive)
+                    ring.finish_dequeue(slot, consumed=False, exclusive=exclusive,
+                                        due_us=due_us)
                     # Not a dequeue nor a rollback: take back what the claim and
                     # the finish counted.
                     ring.Q[ring.qb + L.Q_N_DEQ] -= 1
@@ -334,7 +339,7 @@ class SqlAgent:
             try:
                 owners = sec.owner[ring.base : ring.base + ring.cap]
                 cand = np.flatnonzero(owners == L.OWNER_SQL)
-                lost = [(int(s), ring.seq_of(int(s))) for s in cand
+                lost = [(int(s), ring.seq_of(int(s)), 0) for s in cand
                         if ring.held_by(int(s), L.OWNER_SQL)]
             finally:
                 sec.unlock_queue(qidx)

@@ -48,6 +48,7 @@ from ._ops import OpKind
 from ._scan import RingScan, bit_mask
 from ._scan import group_tag as group_tag  # re-exported: callers import it from here
 from ._section import Section
+from ._waiting import due_now, make_waiting, release_due, until_due_s, waits
 
 if TYPE_CHECKING:
     from ._ops import Op
@@ -177,12 +178,16 @@ class Ring(RingScan):
         if tag:
             self.Q[self.qb + L.Q_GROUPED] = 1
 
-    def finish_enqueue(self, slot: int, committed: bool) -> None:
-        """Publish a committed entry (ENQ) or void a rolled-back one (DEQ), then unlock."""
+    def finish_enqueue(self, slot: int, committed: bool, due_us: int = 0) -> None:
+        """Publish a committed entry (ENQ; or, due at ``due_us`` still in the
+        future, waiting) or void a rolled-back one (DEQ), then unlock."""
         w, m = self._bit(slot)
         s = self.sec
         if committed:
-            s.enq_w[w] |= m
+            if due_us and waits(self, due_us):
+                make_waiting(self, slot, due_us)  # no ENQ: it waits
+            else:
+                s.enq_w[w] |= m
             self.Q[self.qb + L.Q_DEPTH_HINT] += 1
             self.Q[self.qb + L.Q_N_ENQ_COMMIT] += 1
         else:
@@ -209,6 +214,10 @@ class Ring(RingScan):
         n = Q[b + L.Q_HEAD] - tail
         if n <= 0:
             return None
+        if Q[b + L.Q_N_WAITING]:
+            n = self._due_window(tail, n, exclusive)
+            if n <= 0:
+                return None
         s = self.sec
         if Q[b + L.Q_GROUPED]:
             found = self._ready_slots(tail, n, 1)
@@ -274,6 +283,10 @@ class Ring(RingScan):
         window = Q[b + L.Q_HEAD] - tail
         if window <= 0:
             return none, none
+        if Q[b + L.Q_N_WAITING]:
+            window = self._due_window(tail, window, exclusive)
+            if window <= 0:
+                return none, none
         slots = self.ready_array(tail, window, n)
         if not slots.size:
             return none, none
@@ -292,9 +305,12 @@ class Ring(RingScan):
         return slots, tail + (slots - tail) % self.cap
 
     def finish_dequeue(
-        self, slot: int, consumed: bool, *, exclusive: bool, reclaim: bool = True
+        self, slot: int, consumed: bool, *, exclusive: bool, reclaim: bool = True,
+        due_us: int = 0,
     ) -> None:
-        """Mark a dequeued entry consumed (DEQ stays) or ready again, then unlock."""
+        """Mark a dequeued entry consumed (DEQ stays) or ready again (or,
+        given back with a backoff due at ``due_us`` still in the future,
+        waiting), then unlock."""
         w, m = self._bit(slot)
         s = self.sec
         Q, b = self.Q, self.qb
@@ -302,6 +318,9 @@ class Ring(RingScan):
             Q[b + L.Q_DEPTH_HINT] -= 1
             Q[b + L.Q_N_DEQ_COMMIT] += 1
         else:
+            if due_us and waits(self, due_us):
+                make_waiting(self, slot, due_us)
+                s.enq_w[w] &= ~m & _U64
             s.deq_w[w] &= ~m & _U64
             Q[b + L.Q_N_DEQ_ROLLBACK] += 1
         if self.stride:
@@ -426,6 +445,22 @@ class Ring(RingScan):
             if kind is OpKind.DEQUEUE:
                 self.Q[self.qb + L.Q_WAIT_WANT] = max(0, self.Q[self.qb + L.Q_WAIT_WANT] - want)
 
+    def _due_window(self, tail: int, window: int, exclusive: bool) -> int:
+        """A claim in a queue with waiting entries: release those due; in a
+        single-dequeuer queue the claim's window then ends at the oldest one
+        still waiting (the head waits: order is the promise)."""
+        release_due(self)
+        if exclusive and self.Q[self.qb + L.Q_N_WAITING]:
+            first = self.first_waiting(tail)
+            if first is not None:
+                return min(window, first)
+        return window
+
+    def until_due_s(self) -> float:
+        """Seconds until the earliest waiting entry falls due (a large
+        number if none waits): a sleeping dequeuer wakes by then."""
+        return until_due_s(self)
+
     def maybe_ready(self) -> bool:
         """Whether the bitmaps show a ready entry in the window, read without
         the queue lock: a hint. A dequeuer woken by a post sees every bit the
@@ -434,7 +469,7 @@ class Ring(RingScan):
         without a lock round."""
         tail = self.Q[self.qb + L.Q_TAIL]
         n = self.Q[self.qb + L.Q_HEAD] - tail
-        return n > 0 and self._find(tail % self.cap, n, ready=True) is not None
+        return n > 0 and (self._find(tail % self.cap, n, ready=True) is not None or due_now(self))
 
     # -- configuration ------------------------------------------------------------------
 
@@ -483,8 +518,10 @@ class Ring(RingScan):
         held: list[tuple[int, int]] | None = None,
         groups: Sequence[tuple[int, str]] = (),
         offered: Sequence[tuple[int, int]] = (),
+        dues: Sequence[tuple[int, int]] = (),
     ) -> None:
         """Set head, tail and the bitmaps from the rows (``SELECT slot, state, seq``),
-        and the group tags from ``groups`` (see :func:`._load.load_rows`)."""
+        the group tags from ``groups`` and the waiting entries from ``dues``
+        (see :func:`._load.load_rows`)."""
         load_rows(self, slots, states, seqs, keep_locked=keep_locked, held=held, groups=groups,
-                  offered=offered)
+                  offered=offered, dues=dues)

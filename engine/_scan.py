@@ -96,7 +96,8 @@ class RingScan:
     def _ready_slots(self, tail: int, window: int, n: int) -> list[int]:
         """Up to ``n`` of the oldest ready slots of the window (``window``
         slots from ``tail``); in a grouped queue, passing over entries whose
-        group is busy, and at most one per group."""
+        group is busy, or waits for an older entry not due yet, and at most
+        one per group."""
         busy = self.busy_groups() if self.Q[self.qb + L.Q_GROUPED] else None
         start = tail % self.cap
         slots: list[int] = []
@@ -107,7 +108,89 @@ class RingScan:
             self._collect(start, self.cap, n, slots, busy)
             if len(slots) < n:
                 self._collect(0, end - self.cap, n, slots, busy)
+        if busy is not None and slots and self.Q[self.qb + L.Q_N_WAITING]:
+            slots = self._behind_waiting(tail, window, n, slots)
         return slots
+
+    def _behind_waiting(self, tail: int, window: int, n: int, first: list[int]) -> list[int]:
+        """A grouped claim's slots when entries wait: a group's entries
+        after its oldest waiting entry wait for it (the group waits for its
+        head). Walks the ready slots in order past those (rare: only while
+        an entry of a group waits; the plain collection ``first`` stands
+        when none of it is behind one)."""
+        heads = self.waiting_heads(tail)
+        if not heads:
+            return first
+        cap = self.cap
+        G, base = self.sec.group_w, self.base
+
+        def behind(slot: int) -> bool:
+            head = heads.get(G[base + slot])
+            return head is not None and (slot - tail) % cap > head
+
+        if not any(behind(slot) for slot in first):
+            return first
+        busy = self.busy_groups()
+        start = tail % cap
+        spans = ([(start, start + window)] if start + window <= cap
+                 else [(start, cap), (0, start + window - cap)])
+        out: list[int] = []
+        for a, b in spans:
+            for slot, tag in self._ready_tagged(a, b, busy):
+                if tag and (tag in busy or behind(slot)):
+                    continue
+                if tag:
+                    busy.add(tag)
+                out.append(slot)
+                if len(out) >= n:
+                    return out
+        return out
+
+    def first_waiting(self, tail: int) -> int | None:
+        """How many slots from the tail come before the oldest waiting entry
+        (None: none waits): a single-dequeuer queue's claim stops there."""
+        slots = self.waiting_slots()
+        if not slots.size:
+            return None
+        return int(((slots - tail) % self.cap).min())
+
+    def waiting_heads(self, tail: int) -> dict[int, int]:
+        """For each group with a waiting entry: how many slots from the tail
+        come before its oldest waiting entry. The group's later entries wait
+        for it."""
+        slots = self.waiting_slots()
+        if not slots.size:
+            return {}
+        tags = self.sec.group[self.base + slots]
+        offs = (slots - tail) % self.cap
+        keep = tags != 0
+        heads: dict[int, int] = {}
+        for tag, off in zip(tags[keep].tolist(), offs[keep].tolist(), strict=True):
+            if off < heads.get(tag, off + 1):
+                heads[tag] = off
+        return heads
+
+    def waiting_slots(self) -> np.ndarray:
+        """The queue's waiting slots (ENQ, DEQ and LCK clear inside the
+        window: see ``_waiting``), int64, in no particular order."""
+        s = self.sec
+        tail = self.Q[self.qb + L.Q_TAIL]
+        window = self.Q[self.qb + L.Q_HEAD] - tail
+        if window <= 0:
+            return np.empty(0, dtype=np.int64)
+        start = tail % self.cap
+        end = start + window
+        spans = [(start, end)] if end <= self.cap else [(start, self.cap), (0, end - self.cap)]
+        parts = []
+        for a, b in spans:
+            g0, g1 = self.w0 + (a >> 6), self.w0 + ((b - 1) >> 6) + 1
+            words = ~(s.enq[g0:g1] | s.deq[g0:g1] | s.lck[g0:g1])
+            if a & 63:
+                words[0] &= np.uint64((_U64 << (a & 63)) & _U64)
+            if b & 63:
+                words[-1] &= np.uint64((1 << (b & 63)) - 1)
+            parts.append((a >> 6) * 64 + set_bits(words))
+        return parts[0] if len(parts) == 1 else np.concatenate(parts)
 
     def busy_groups(self) -> set[int]:
         """Tags of the groups with an entry held by a dequeuer (LCK and DEQ

@@ -95,6 +95,8 @@ class Section(ClientTable):
         self.holder_w = buf[L.OFF_HOLDER : L.OFF_HOLDER + L.SLOT_POOL * 4].cast("i")
         self.group = np.frombuffer(mm, dtype=np.int64, count=L.SLOT_POOL, offset=L.OFF_GROUP)
         self.group_w = buf[L.OFF_GROUP : L.OFF_GROUP + L.SLOT_POOL * 8].cast("q")
+        self.due = np.frombuffer(mm, dtype=np.int64, count=L.SLOT_POOL, offset=L.OFF_DUE)
+        self.due_w = buf[L.OFF_DUE : L.OFF_DUE + L.SLOT_POOL * 8].cast("q")
         # The payload cache pool: bytes, and the same as int64 words (record heads).
         self.cache = buf[L.OFF_CACHE : L.OFF_CACHE + L.CACHE_POOL]
         self.cache_w = self.cache.cast("q")
@@ -186,10 +188,11 @@ class Section(ClientTable):
             sem.close()
         self._sems.clear()
         for view in (self.header, self.queues, self.clients, self.names, self.enq_w, self.deq_w,
-                     self.lck_w, self.owner_w, self.holder_w, self.group_w, self.cache_w,
-                     self.cache):
+                     self.lck_w, self.owner_w, self.holder_w, self.group_w, self.due_w,
+                     self.cache_w, self.cache):
             view.release()
-        del self.enq, self.deq, self.lck, self.owner, self.holder, self.group, self.cache_q
+        del self.enq, self.deq, self.lck, self.owner, self.holder, self.group, self.due
+        del self.cache_q
         self._buf.release()
         mm, self._mm = self._mm, None
         with suppress(BufferError):  # a numpy view still referenced elsewhere: it dies with it
@@ -427,6 +430,22 @@ class Section(ClientTable):
             return 0, 0
         self.header[L.H_NEXT_CACHE] = start + (need + 63) // 64 * 64
         return start, need
+
+    def note_db_clock(self, db_us: int) -> None:
+        """A statement's answer stamped the database's time ``db_us`` (us since
+        the epoch, ``clock_timestamp()`` or ``now()``): keep the latest as the
+        offset of the database's clock from this host's monotonic clock (one
+        word: readers never see half of it). The stamp was taken before the
+        answer arrived, so the estimate stays behind the database's clock by
+        about a round trip: entries fall due late by that, never early."""
+        if db_us > 0:
+            self.header[L.H_DB_CLOCK_US] = db_us - time.monotonic_ns() // 1000
+
+    def db_clock_us(self) -> int:
+        """The database's clock now as this host estimates it (us since the
+        epoch; 0 while no answer stamped it: nothing falls due)."""
+        off = self.header[L.H_DB_CLOCK_US]
+        return time.monotonic_ns() // 1000 + off if off else 0
 
     def history(self) -> tuple[int, int]:
         """(system identifier, timeline) of the database history described; (0, 0) if not set."""

@@ -22,6 +22,7 @@ import socket
 import time
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
+from datetime import datetime
 from typing import Any, Self
 
 import psycopg
@@ -47,6 +48,7 @@ from ._validate import (
     as_payload,
     as_payloads,
     check_count,
+    check_due,
     check_group,
     check_key,
     check_wait,
@@ -330,11 +332,15 @@ class Session:
             self._txn.resync_stale(info)
             raise
 
-    def rollback(self, *, count_delivery: bool = True) -> None:
+    def rollback(self, *, count_delivery: bool = True, retry_after: float | None = None) -> None:
         """Roll back: enqueued entries are voided, dequeued ones become ready again
         (and count a delivery; at the queue's max_deliveries they move to
         ``ringq.exceptions``). ``count_delivery=False`` gives entries back
         without a strike (a shutdown that aborts work, not the entry's fault).
+        A dequeued entry comes back after the queue's retry backoff, or
+        ``retry_after`` seconds (the database's clock) when given.
+
+        :raises InvalidArgument: ``retry_after`` negative, NaN or infinite.
 
         One round trip at most: the row writes the session holds are simply
         dropped, and the strikes travel with the ROLLBACK."""
@@ -343,10 +349,12 @@ class Session:
         if os.getpid() != self._pid:
             self._after_fork()
             return
+        if retry_after is not None:
+            retry_after = check_due(retry_after, None)[0]
         if self._tpc.xid is not None:
             self.tpc_rollback()  # refuses once decided
             return
-        self._txn.rollback(count_delivery=count_delivery)
+        self._txn.rollback(count_delivery=count_delivery, retry_after=retry_after)
 
     @contextmanager
     def transaction(self) -> Iterator[Session]:
@@ -448,6 +456,8 @@ class Session:
         key: str | None = None,
         group: str | None = None,
         timeout: float | None = None,
+        delay: float | None = None,
+        not_before: datetime | None = None,
     ) -> int:
         """Put ``payload`` on ``queue`` in the current transaction; returns its sequence number.
 
@@ -467,20 +477,29 @@ class Session:
         dequeuer at a time, across all consumers on the host; entries of
         other groups are taken in parallel.
 
+        With ``delay`` (seconds, counted from the commit's row write by the
+        database's clock) or ``not_before`` (an aware datetime), the entry
+        exists from the commit (depth counts it) but no consumer receives it
+        before that time: in a shared queue consumers read past it, in a
+        group the group waits for it, in a single-dequeuer queue the queue
+        waits for it (order is the promise).
+
         :raises QueueNotFound, PayloadTooLarge, QueueFull, SessionClosed, DatabaseUnavailable:
         :raises TransactionError: the transaction failed earlier (roll it back).
         :raises InvalidArgumentType: the payload is not bytes-like, the key or group not a str.
         :raises InvalidArgument: the key is over 1,000 bytes, the group empty or over
-            128 bytes, the timeout negative.
+            128 bytes, the timeout negative; ``delay`` negative, NaN or infinite,
+            ``not_before`` naive, or both given.
         """
         self._check()
         payload = as_payload(payload)
         check_key(key)
         check_group(group)
         check_wait("timeout", timeout)
+        due = check_due(delay, not_before) if delay is not None or not_before is not None else None
         t0 = time.perf_counter_ns()
         info = self._link.info(queue)
-        return self._claims.enqueue_checked(info, payload, key, group, timeout, t0)
+        return self._claims.enqueue_checked(info, payload, key, group, timeout, t0, due)
 
     def enqueue_many(
         self,
@@ -489,12 +508,15 @@ class Session:
         *,
         group: str | Iterable[str | None] | None = None,
         timeout: float | None = None,
+        delay: float | None = None,
+        not_before: datetime | None = None,
     ) -> list[int]:
         """Enqueue several entries; returns their sequence numbers, in order.
 
         As :meth:`enqueue` without a key: nothing goes to the database now;
         the commit writes the rows of a queue in one statement. ``group`` is
-        one group for all the entries, or one group (or None) per entry.
+        one group for all the entries, or one group (or None) per entry;
+        ``delay`` or ``not_before`` (as :meth:`enqueue`) holds for all.
 
         :raises InvalidArgumentType: ``payloads`` is not an iterable of bytes-like
             payloads, or ``group`` not a str, None or an iterable of them.
@@ -505,9 +527,10 @@ class Session:
         items = as_payloads(payloads)
         groups = as_groups(group, len(items))
         check_wait("timeout", timeout)
+        due = check_due(delay, not_before) if delay is not None or not_before is not None else None
         t0 = time.perf_counter_ns()
         info = self._link.info(queue)
-        return self._claims.enqueue_many_checked(info, items, groups, timeout, t0)
+        return self._claims.enqueue_many_checked(info, items, groups, timeout, t0, due)
 
     # -- dequeue -----------------------------------------------------------------------
 

@@ -27,7 +27,7 @@ from ._decide import in_flight
 from ._errors import InDoubt, RingqError, StaleSection, TransactionError, one_line
 from ._finish import finish_one
 from ._link import Link
-from ._ops import POISON_REASON, Op, OpKind, RowState
+from ._ops import POISON_REASON, DueWrite, Op, OpKind, RowState, Write
 from ._queue_info import QueueInfo
 
 logger = logging.getLogger("ringq.engine")
@@ -178,7 +178,8 @@ class Transaction:
         trip: after a BEGIN if no transaction is open, one statement per
         queue and kind, then the COMMIT if ``commit``. The enqueues' payloads
         stay with their ops (``fill``) for the payload cache, with the rows'
-        enqueue time (:attr:`enq_at_us`).
+        enqueue time (:attr:`enq_at_us`); delayed enqueues get their rows'
+        due times (``Op.due_us``).
 
         Every write is guarded: a row that does not match makes its statement
         fail (SQLSTATE RQ001), so nothing after it runs; :class:`StaleSection`
@@ -186,11 +187,12 @@ class Transaction:
         """
         link = self.link
         statements: list[_wire.Statement] = []
-        enqueues: list[int] = []  # index of each enqueue statement in statements
+        # (index of the statement in statements, its ops) of each enqueue statement
+        enqueues: list[tuple[int, list[Op]]] = []
         if len(writes) == 1:  # a single entry: no grouping
             op = writes[0]
             if op.write is not None:
-                enqueues.append(0)
+                enqueues.append((0, writes))
                 statements.append(self._write_statement(op.info.name, writes))
             else:
                 statements.append(self._consume_statement(op.info.name, writes))
@@ -202,7 +204,7 @@ class Transaction:
         for name, group in by_queue.items():
             enq = [op for op in group if op.write is not None]
             if enq:
-                enqueues.append(len(statements))
+                enqueues.append((len(statements), enq))
                 statements.append(self._write_statement(name, enq))
             consume = [op for op in group if op.consume]
             if consume:
@@ -212,9 +214,16 @@ class Transaction:
             lambda: _wire.send(link.conn, statements, commit=commit, may_begin=not link.tpc_open),
             recover=not commit,  # commit() decides itself what a lost answer means
         )
-        if enqueues:
-            row = cursors[enqueues[0]].fetchone()
-            self.enq_at_us = None if row is None else int(row[1])
+        for i, (at, enq) in enumerate(enqueues):
+            row = cursors[at].fetchone()
+            if i == 0:
+                self.enq_at_us = None if row is None else int(row[1])
+            if row is not None and len(row) > 2:  # enqueue_due: the rows' due times
+                _n, _enq_at, slots, dues, clock_us = row
+                link.section.note_db_clock(clock_us)
+                due_by = dict(zip(slots or (), dues or (), strict=True))
+                for op in enq:
+                    op.due_us = due_by.get(op.slot, 0)
         for op in writes:
             op.fill, op.write, op.consume = op.write, None, False
 
@@ -227,11 +236,24 @@ class Transaction:
         )
 
     def _write_statement(self, queue: str, ops: list[Op]) -> _wire.Statement:
-        """The guarded row write of ``ops`` (enqueues of one queue): one statement."""
+        """The guarded row write of ``ops`` (enqueues of one queue): one
+        statement (``enqueue_due`` when an entry has a due time)."""
+        writes = [op.write for op in ops if op.write is not None]
+        if any(type(w) is DueWrite for w in writes):
+            return self.link.stmt("enqueue_due", queue), {
+                "slots": _wire.int_array(op.slot for op in ops),
+                "seqs": _wire.int_array(op.seq for op in ops),
+                "payloads": [w.payload for w in writes],
+                "producers": _wire.text_array([w.producer for w in writes]),
+                "pseqs": _wire.int_array(w.producer_seq for w in writes),
+                "groups": _wire.text_array([w.group for w in writes]),
+                "delays": _wire.text_array([_delay(w) for w in writes]),
+                "nbs": _wire.text_array([_not_before(w) for w in writes]),
+                "n": len(ops),
+            }
         if len(ops) == 1:
             op = ops[0]
-            w = op.write
-            assert w is not None
+            w = writes[0]
             return self.link.stmt("enqueue", queue), (
                 op.seq,
                 w.payload,
@@ -241,7 +263,6 @@ class Transaction:
                 op.slot,
                 op.seq,
             )
-        writes = [op.write for op in ops if op.write is not None]
         return self.link.stmt("enqueue_many", queue), (
             _wire.int_array(op.slot for op in ops),
             _wire.int_array(op.seq for op in ops),
@@ -254,7 +275,7 @@ class Transaction:
 
     # -- rollback -------------------------------------------------------------------
 
-    def rollback(self, *, count_delivery: bool = True) -> None:
+    def rollback(self, *, count_delivery: bool = True, retry_after: float | None = None) -> None:
         """Roll back in one round trip at most (see ``Session.rollback``)."""
         link = self.link
         ops, link.ops = link.ops, []
@@ -262,7 +283,7 @@ class Transaction:
         poisoned: set[tuple[int, int]] = set()
         try:
             if deq:
-                poisoned = self._strike(deq, rollback=True)
+                poisoned = self._strike(deq, rollback=True, retry_after=retry_after)
             else:
                 link.call(link.conn.rollback, recover=False)
         except RingqError as err:
@@ -354,12 +375,17 @@ class Transaction:
             finally:
                 sec.unlock_queue(op.ring.qidx)
 
-    def _strike(self, deq_ops: list[Op], *, rollback: bool = False) -> set[tuple[int, int]]:
+    def _strike(
+        self, deq_ops: list[Op], *, rollback: bool = False, retry_after: float | None = None
+    ) -> set[tuple[int, int]]:
         """Count a failed delivery on each rolled-back dequeue; returns the poisoned ones.
 
         One round trip: the ROLLBACK of the open transaction (with
         ``rollback``; else the transaction has ended already), then one
-        strike statement per queue, in autocommit.
+        strike statement per queue, in autocommit (and, with ``retry_after``,
+        one ``retry_after`` statement per queue: that delay wins over the
+        queue's backoff). An entry that comes back with a due time gets it
+        in its op (``due_us``), for the section.
 
         :raises RingqError: with ``rollback`` only, when the connection was
             lost (recovery decides the slots); a strike that fails otherwise
@@ -382,6 +408,12 @@ class Transaction:
                 "reason": POISON_REASON,
             }
             statements.append((link.stmt("strike", name), params))
+        if retry_after is not None:
+            for name, group in by_queue.items():
+                statements.append((link.stmt("retry_after", name), (
+                    retry_after, _wire.int_array(op.slot for op in group),
+                    _wire.int_array(op.seq for op in group),
+                )))
         try:
             # ROLLBACK (if a transaction is open) and, after it, each queue's
             # strike in autocommit: one round trip.
@@ -394,8 +426,15 @@ class Transaction:
             logger.warning("ringq: could not record a failed delivery", exc_info=True)
             return set()
         poisoned: set[tuple[int, int]] = set()
-        for name, cur in zip(by_queue, cursors, strict=True):
-            for slot, seq, state, deliveries, moved_to, kept_because, group in cur.fetchall():
+        due_by: dict[tuple[int, int, int], int] = {}  # (queue id, slot, seq) -> due us
+        sec = link.section
+        for (name, group_ops), cur in zip(by_queue.items(), cursors, strict=False):
+            qid = group_ops[0].info.id
+            for (slot, seq, state, deliveries, moved_to, kept_because, group, due_us,
+                 clock_us) in cur.fetchall():
+                if due_us:
+                    due_by[(qid, slot, seq)] = due_us
+                    sec.note_db_clock(clock_us)
                 if state == RowState.CONSUMED:
                     poisoned.add((slot, seq))
                     logger.warning(
@@ -411,7 +450,26 @@ class Transaction:
                         if kept_because
                         else "",
                     )
+        for (_name, group_ops), cur in zip(by_queue.items(), cursors[len(by_queue):],
+                                           strict=False):
+            qid = group_ops[0].info.id
+            for slot, seq, due_us, clock_us in cur.fetchall():
+                due_by[(qid, slot, seq)] = due_us
+                sec.note_db_clock(clock_us)
+        if due_by:
+            for op in deq_ops:
+                op.due_us = due_by.get((op.info.id, op.slot, op.seq), 0)
         return poisoned
+
+
+def _delay(w: Write) -> str | None:
+    """A write's delay (seconds) as an array element (None: none)."""
+    return repr(w.delay) if type(w) is DueWrite and w.delay is not None else None
+
+
+def _not_before(w: Write) -> str | None:
+    """A write's not_before as an array element (None: none)."""
+    return w.not_before.isoformat() if type(w) is DueWrite and w.not_before is not None else None
 
 
 def _answer_lost(exc: BaseException | None) -> bool:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable
+from datetime import datetime
 from typing import TypeGuard
 
 from ._errors import ConfigError, InvalidArgument, InvalidArgumentType
@@ -168,3 +169,42 @@ def as_payloads(payloads: object) -> list[bytes]:
             f"payloads must be an iterable of bytes-like payloads, not {type(payloads).__name__}"
         )
     return [as_payload(p) for p in payloads]
+
+
+MAX_DELAY = 1e9  # seconds (about 31 years): what make_interval and the section's us words hold
+
+
+def check_due(delay: object, not_before: object) -> tuple[float | None, datetime | None]:
+    """Check when an entry falls due: ``delay`` (seconds from the commit's
+    row write, by the database's clock) or ``not_before`` (an aware
+    datetime), not both; None both: at once.
+
+    :raises InvalidArgumentType: ``delay`` not a number (bools refused),
+        ``not_before`` not a datetime.
+    :raises InvalidArgument: both given, ``delay`` negative, NaN, infinite or
+        over ``MAX_DELAY``, ``not_before`` naive (no time zone).
+    """
+    if delay is None and not_before is None:
+        return None, None
+    if delay is not None and not_before is not None:
+        raise InvalidArgument("give delay or not_before, not both")
+    if delay is not None:
+        if isinstance(delay, bool) or not isinstance(delay, int | float):
+            raise InvalidArgumentType(
+                f"delay must be a number of seconds or None, not {type(delay).__name__}"
+            )
+        if not math.isfinite(delay) or not 0 <= delay <= MAX_DELAY:
+            raise InvalidArgument(
+                f"delay must be a finite number of seconds from 0 to {MAX_DELAY:g}, not {delay!r}"
+            )
+        return float(delay), None
+    if not isinstance(not_before, datetime):
+        raise InvalidArgumentType(
+            f"not_before must be a datetime or None, not {type(not_before).__name__}"
+        )
+    if not_before.tzinfo is None or not_before.utcoffset() is None:
+        raise InvalidArgument(
+            "not_before must be an aware datetime (with a time zone): a naive one "
+            "would be read in the server's time zone"
+        )
+    return None, not_before

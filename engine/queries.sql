@@ -13,16 +13,20 @@ SELECT (SELECT value FROM ringq.meta WHERE key = 'instance_id'),
 -- and that the schema has the guard of deferred row writes and the groups
 -- (added after version 1 without a version bump: applying the schema script
 -- adds them; the three-argument ringq.enqueue() comes with the msg_group
--- columns); then the database's history (see history).
+-- columns, the retry columns with the rings' not_before); then the
+-- database's history (see history); then the database's clock (us).
 SELECT (SELECT value FROM ringq.meta WHERE key = 'instance_id'),
        (SELECT value FROM ringq.meta WHERE key = 'schema_version'),
        pg_backend_pid(),
        to_regprocedure('ringq.expect_rows(integer, integer, text)') IS NOT NULL
-           AND to_regprocedure('ringq.enqueue(text, bytea, text)') IS NOT NULL,
+           AND to_regprocedure('ringq.enqueue(text, bytea, text)') IS NOT NULL
+           AND EXISTS (SELECT 1 FROM pg_attribute WHERE attrelid = 'ringq.queues'::regclass
+                       AND attname = 'retry_delay' AND NOT attisdropped),
        CASE WHEN has_function_privilege('pg_control_system()', 'execute')
             THEN (SELECT system_identifier FROM pg_control_system()) ELSE 0 END,
        CASE WHEN pg_is_in_recovery() THEN -1
-            ELSE ('x' || substr(pg_walfile_name(pg_current_wal_lsn()), 1, 8))::bit(32)::bigint END
+            ELSE ('x' || substr(pg_walfile_name(pg_current_wal_lsn()), 1, 8))::bit(32)::bigint END,
+       (extract(epoch FROM clock_timestamp()) * 1000000)::bigint
 
 -- history --
 -- Which history of the database this server has: the cluster's system
@@ -67,13 +71,39 @@ FROM ringq.queues q WHERE id = %s
 WITH u AS (
     UPDATE {table}
     SET state = 1, seq = %s::bigint, payload = %b, producer = %s, producer_seq = %s::bigint,
-        msg_group = %s::text, deliveries = 0,
+        msg_group = %s::text, deliveries = 0, not_before = NULL,
         enq_at = now(), enq_user = current_user, deq_at = NULL, deq_user = NULL
     WHERE slot = %s::integer AND state <> 1 AND seq < %s::bigint
     RETURNING 1
 )
 SELECT ringq.expect_rows((SELECT count(*) FROM u)::integer, 1, {queue}),
        (extract(epoch FROM now()) * 1000000)::bigint
+
+-- enqueue_due --
+-- enqueue_many for entries of which some wait: each row's not_before is the
+-- database's clock plus its delay (counted from this write, sent at commit),
+-- or the time given, or NULL (due at once). Also returns the due times in us
+-- of the rows that have one (slots and times as two arrays) and the
+-- database's clock, for the section.
+WITH u AS (
+    UPDATE {table} AS t
+    SET state = 1, seq = v.seq, payload = v.payload, producer = v.producer, producer_seq = v.pseq,
+        msg_group = v.grp, deliveries = 0,
+        not_before = coalesce(clock_timestamp() + make_interval(secs => v.delay), v.nb),
+        enq_at = now(), enq_user = current_user, deq_at = NULL, deq_user = NULL
+    FROM unnest(%(slots)s::integer[], %(seqs)s::bigint[], %(payloads)b::bytea[],
+                %(producers)s::text[], %(pseqs)s::bigint[], %(groups)s::text[],
+                %(delays)s::float8[], %(nbs)s::timestamptz[])
+        AS v(slot, seq, payload, producer, pseq, grp, delay, nb)
+    WHERE t.slot = v.slot AND t.state <> 1 AND t.seq < v.seq
+    RETURNING t.slot, t.not_before
+)
+SELECT ringq.expect_rows((SELECT count(*) FROM u)::integer, %(n)s::integer, {queue}),
+       (extract(epoch FROM now()) * 1000000)::bigint,
+       (SELECT array_agg(slot) FROM u WHERE not_before IS NOT NULL),
+       (SELECT array_agg((extract(epoch FROM not_before) * 1000000)::bigint) FROM u
+        WHERE not_before IS NOT NULL),
+       (extract(epoch FROM clock_timestamp()) * 1000000)::bigint
 
 -- enqueue_key --
 WITH k AS (
@@ -83,12 +113,16 @@ WITH k AS (
     UPDATE {table}
     SET state = 1, seq = %(seq)s::bigint, payload = %(payload)b, producer = %(producer)s,
         producer_seq = %(producer_seq)s::bigint, msg_group = %(group)s::text, deliveries = 0,
+        not_before = coalesce(clock_timestamp() + make_interval(secs => %(delay)s::float8),
+                              %(not_before)s::timestamptz),
         enq_at = now(), enq_user = current_user, deq_at = NULL, deq_user = NULL
     WHERE slot = %(slot)s::integer AND state <> 1 AND seq < %(seq)s::bigint AND EXISTS (SELECT 1 FROM k)
-    RETURNING slot
+    RETURNING slot, not_before
 )
 SELECT (SELECT count(*) FROM k), (SELECT count(*) FROM u),
-       (SELECT seq FROM ringq.keys WHERE queue_id = %(queue_id)s AND key = %(key)s)
+       (SELECT seq FROM ringq.keys WHERE queue_id = %(queue_id)s AND key = %(key)s),
+       (SELECT (extract(epoch FROM not_before) * 1000000)::bigint FROM u),
+       (extract(epoch FROM clock_timestamp()) * 1000000)::bigint
 
 -- key_forget --
 DELETE FROM ringq.keys WHERE queue_id = %s AND key = %s AND seq = %s
@@ -101,8 +135,8 @@ SELECT seq FROM ringq.keys WHERE queue_id = %s AND key = %s
 WITH u AS (
     UPDATE {table} AS t
     SET state = 1, seq = v.seq, payload = v.payload, producer = v.producer, producer_seq = v.pseq,
-        msg_group = v.grp, deliveries = 0, enq_at = now(), enq_user = current_user, deq_at = NULL,
-        deq_user = NULL
+        msg_group = v.grp, deliveries = 0, not_before = NULL, enq_at = now(),
+        enq_user = current_user, deq_at = NULL, deq_user = NULL
     FROM unnest(%s::integer[], %s::bigint[], %b::bytea[], %s::text[], %s::bigint[], %s::text[])
         AS v(slot, seq, payload, producer, pseq, grp)
     WHERE t.slot = v.slot AND t.state <> 1 AND t.seq < v.seq
@@ -165,13 +199,27 @@ SELECT ringq.expect_rows((SELECT count(*) FROM u)::integer, %s::integer, {queue}
 -- was made) or takes smaller payloads is named in the reason, and the entry
 -- stays in ringq.exceptions only. Returns each struck row, the exception
 -- queue it was put on (or NULL) and why not (or NULL).
-WITH s AS (
+-- An entry that comes back waits for the queue's backoff: retry_delay *
+-- retry_factor ^ (deliveries before this one), at most retry_max (0: no
+-- cap; never past 1e9 s), from the database's clock; retry_delay 0 (or a
+-- schema without the columns): due at once. The last columns are its due
+-- time in us (NULL: due at once) and the database's clock, for the section.
+WITH r AS (
+    SELECT coalesce((to_jsonb(q) ->> 'retry_delay')::float8, 0) AS delay,
+           coalesce((to_jsonb(q) ->> 'retry_factor')::float8, 1) AS factor,
+           coalesce(nullif((to_jsonb(q) ->> 'retry_max')::float8, 0), 1e9) AS cap
+    FROM ringq.queues q WHERE q.id = %(queue_id)s::integer
+), s AS (
     UPDATE {table}
     SET deliveries = deliveries + 1,
         state = CASE WHEN deliveries + 1 >= %(max_deliveries)s THEN 2 ELSE 1 END,
-        deq_at = CASE WHEN deliveries + 1 >= %(max_deliveries)s THEN now() END
+        deq_at = CASE WHEN deliveries + 1 >= %(max_deliveries)s THEN now() END,
+        not_before = (SELECT clock_timestamp() + make_interval(secs => least(
+                                 r.cap, 1e9, r.delay * power(r.factor, least(deliveries, 60))))
+                      FROM r WHERE r.delay > 0)
     WHERE slot = ANY(%(slots)s::integer[]) AND seq = ANY(%(seqs)s::bigint[]) AND state = 1
-    RETURNING slot, seq, state, deliveries, payload, producer, producer_seq, enq_at, msg_group
+    RETURNING slot, seq, state, deliveries, payload, producer, producer_seq, enq_at, msg_group,
+              not_before
 ), d AS (
     SELECT v.qid, src.exception_queue AS to_name, e.id AS to_id, e.max_payload AS to_max
     FROM (VALUES (%(queue_id)s::integer)) AS v(qid)
@@ -210,18 +258,41 @@ WITH s AS (
     ) AS z
 )
 SELECT s.slot, s.seq, s.state, s.deliveries,
-       CASE WHEN f.why_not IS NULL THEN f.to_name END, f.why_not, s.msg_group
+       CASE WHEN f.why_not IS NULL THEN f.to_name END, f.why_not, s.msg_group,
+       CASE WHEN s.state = 1 THEN (extract(epoch FROM s.not_before) * 1000000)::bigint END,
+       (extract(epoch FROM clock_timestamp()) * 1000000)::bigint
 FROM s LEFT JOIN f ON f.seq = s.seq CROSS JOIN n
 
+-- retry_after --
+-- A rolled-back delivery whose consumer asked for a delay of its own (the
+-- worker's Retry(after=)): sent after the strike, in the same round trip;
+-- its due time wins over the queue's backoff. Returns (slot, seq, due us,
+-- the database's clock).
+UPDATE {table}
+SET not_before = clock_timestamp() + make_interval(secs => %s::float8)
+WHERE slot = ANY(%s::integer[]) AND seq = ANY(%s::bigint[]) AND state = 1
+RETURNING slot, seq, (extract(epoch FROM not_before) * 1000000)::bigint,
+          (extract(epoch FROM clock_timestamp()) * 1000000)::bigint
+
 -- rows --
-SELECT slot, state, seq, msg_group FROM {table} WHERE slot = ANY(%s::integer[])
+-- The last column: a queued entry's due time in us while it is in the future
+-- (the database's clock), else NULL.
+SELECT slot, state, seq, msg_group,
+       CASE WHEN state = 1 AND not_before > clock_timestamp()
+            THEN (extract(epoch FROM not_before) * 1000000)::bigint END
+FROM {table} WHERE slot = ANY(%s::integer[])
 
 -- in_doubt_rows --
 SELECT slot, state, seq, producer, producer_seq FROM {table} WHERE slot = ANY(%s::integer[])
 
 -- all_rows --
--- (the group of queued entries only: the section tags ready and held slots)
-SELECT slot, state, seq, CASE WHEN state = 1 THEN msg_group END FROM {table}
+-- (the group of queued entries only: the section tags ready and held slots;
+-- the due time in us of queued entries not due yet, and the database's clock)
+SELECT slot, state, seq, CASE WHEN state = 1 THEN msg_group END,
+       CASE WHEN state = 1 AND not_before > clock_timestamp()
+            THEN (extract(epoch FROM not_before) * 1000000)::bigint END,
+       (extract(epoch FROM clock_timestamp()) * 1000000)::bigint
+FROM {table}
 
 -- held_slots --
 -- (slot, seq) of prepared two-phase transactions in one queue: in doubt until resolved.
@@ -344,7 +415,12 @@ SELECT DISTINCT queue_id FROM ringq.offers
 -- that seq (NULL: the row holds another seq now), and whether a take of it did
 -- not commit (a rolled-back update leaves its xid in xmax; a live take holds
 -- the row locked and is told apart by FOR UPDATE SKIP LOCKED in offers_strike).
-SELECT o.seq, o.slot, CASE WHEN r.seq = o.seq THEN r.state END, r.xmax <> '0'::xid
+-- The last two columns: when the entry is due (epoch µs, NULL: at once) and
+-- whether it is due now (a retry's backoff keeps a struck entry listed, but
+-- not takeable, until then).
+SELECT o.seq, o.slot, CASE WHEN r.seq = o.seq THEN r.state END, r.xmax <> '0'::xid,
+       (extract(epoch FROM r.not_before) * 1000000)::bigint,
+       r.not_before IS NULL OR r.not_before <= clock_timestamp()
 FROM ringq.offers o LEFT JOIN {table} r ON r.slot = o.slot
 WHERE o.queue_id = %s
 ORDER BY o.seq

@@ -35,6 +35,8 @@ MAX_DELIVERIES = 1_000_000
 # most 2**63 - 1 ms, about 9.22e15 s); 9e15 s leaves room for float rounding.
 MAX_FULL_TIMEOUT = 9e15  # seconds
 MAX_LEASE = 9e15  # seconds: the section keeps the lease in milliseconds too
+MAX_RETRY = 1e9  # seconds: retry_delay and retry_max (ddl.sql's checks say the same)
+MAX_RETRY_FACTOR = 100.0
 # Payload cache: bytes cached per slot when not given (payloads up to this
 # size are served from shared memory; or max_payload, when smaller), and the
 # most a queue may ask for.
@@ -67,6 +69,12 @@ class QueueSpec:
     # min(max_payload, DEFAULT_CACHE_PAYLOAD) if the section's cache pool has
     # room for it when the queue is made, else 0
     cache_payload: int | None = None
+    # Retry backoff: a delivery that did not commit makes the entry due again
+    # retry_delay * retry_factor ** (deliveries before) seconds later, at most
+    # retry_max (0: no cap); retry_delay 0: at once (the database's clock).
+    retry_delay: float = 0.0
+    retry_factor: float = 1.0
+    retry_max: float = 0.0
 
     def __post_init__(self) -> None:
         validate_queue_name(self.name)
@@ -91,6 +99,7 @@ class QueueSpec:
                 f"lease must be a number of seconds from 0 to {MAX_LEASE:g} (0: none), "
                 f"not {self.lease!r}"
             )
+        check_retry(self.retry_delay, self.retry_factor, self.retry_max)
         if self.cache_payload is not None:
             _int_in(
                 "cache_payload", self.cache_payload, 0,
@@ -102,6 +111,45 @@ class QueueSpec:
                 raise ConfigError("a queue cannot be its own exception queue")
         if self.tablespace is not None:
             validate_tablespace_name(self.tablespace)
+
+
+def check_retry(delay: object, factor: object, cap: object) -> None:
+    """Check a queue's retry backoff settings (see :class:`QueueSpec`).
+
+    :raises ConfigError: a value is not a finite number in its range.
+    """
+    for what, value, low, high in (("retry_delay", delay, 0.0, MAX_RETRY),
+                                   ("retry_factor", factor, 1.0, MAX_RETRY_FACTOR),
+                                   ("retry_max", cap, 0.0, MAX_RETRY)):
+        if not is_finite_number(value) or not low <= value <= high:
+            raise ConfigError(
+                f"{what} must be a number from {low:g} to {high:g}, not {value!r}"
+            )
+
+
+def alter_retry(
+    conn: psycopg.Connection[Any], name: str, *, retry_delay: float | None = None,
+    retry_factor: float | None = None, retry_max: float | None = None,
+) -> None:
+    """Change an existing queue's retry backoff (None: keep); the next
+    strike reads it (it is not in the global section).
+
+    :raises QueueNotFound: no such queue.
+    :raises ConfigError: a value out of range.
+    """
+    validate_queue_name(name)
+    check_retry(0.0 if retry_delay is None else retry_delay,
+                1.0 if retry_factor is None else retry_factor,
+                0.0 if retry_max is None else retry_max)
+    with pg.transaction(conn, queue=name):
+        conn.execute(schema_sql())  # adds the columns to a database made before
+        row = conn.execute(
+            compose(_BLOCKS["alter_retry"], name=sql.Literal(name),
+                    retry_delay=sql.Literal(retry_delay), retry_factor=sql.Literal(retry_factor),
+                    retry_max=sql.Literal(retry_max))
+        ).fetchone()
+        if row is None:
+            raise QueueNotFound(f"queue {name!r} does not exist", queue=name)
 
 
 def validate_tablespace_name(name: object) -> str:
@@ -175,6 +223,9 @@ def queue_sql(spec: QueueSpec) -> sql.Composed:
         max_full_timeout=sql.Literal(MAX_FULL_TIMEOUT),
         lease=sql.Literal(float(spec.lease)),
         max_lease=sql.Literal(MAX_LEASE),
+        retry_delay=sql.Literal(float(spec.retry_delay)),
+        retry_factor=sql.Literal(float(spec.retry_factor)),
+        retry_max=sql.Literal(float(spec.retry_max)),
         cache_payload=sql.Literal(cache),
         cache_given=sql.Literal(spec.cache_payload is not None),
         cache_stride=sql.Literal(cache_stride(cache)),

@@ -68,6 +68,16 @@ ALTER TABLE ringq.queues ADD COLUMN IF NOT EXISTS
 ALTER TABLE ringq.queues ADD COLUMN IF NOT EXISTS
     cache_payload integer NOT NULL DEFAULT 0 CHECK (cache_payload >= 0);
 
+-- Retry backoff: an entry whose delivery did not commit is due again only
+-- retry_delay * retry_factor ^ (its deliveries before) seconds later, at most
+-- retry_max (0: no cap); retry_delay 0: at once. Added like lease.
+ALTER TABLE ringq.queues ADD COLUMN IF NOT EXISTS
+    retry_delay double precision NOT NULL DEFAULT 0 CHECK (retry_delay BETWEEN 0 AND 1e9);
+ALTER TABLE ringq.queues ADD COLUMN IF NOT EXISTS
+    retry_factor double precision NOT NULL DEFAULT 1 CHECK (retry_factor BETWEEN 1 AND 100);
+ALTER TABLE ringq.queues ADD COLUMN IF NOT EXISTS
+    retry_max double precision NOT NULL DEFAULT 0 CHECK (retry_max BETWEEN 0 AND 1e9);
+
 -- What the global section can hold, for rows written by hand as well (the
 -- queue block checks a new queue's settings with a message). Added after
 -- schema version 1 without a version bump, like keys_queue_id_created_at
@@ -131,18 +141,25 @@ CREATE TABLE IF NOT EXISTS ringq.exceptions (
     PRIMARY KEY (queue_id, seq)
 );
 ALTER TABLE ringq.exceptions ADD COLUMN IF NOT EXISTS msg_group text;
+-- An entry's due time (NULL: due at once): a delayed enqueue's, or a retry's
+-- backoff. Added to rings made before as msg_group is (a catalog change only).
+ALTER TABLE ringq.exceptions ADD COLUMN IF NOT EXISTS not_before timestamptz;
 DO $ringq$
 DECLARE
     t regclass;
+    col text;
 BEGIN
-    FOR t IN
-        SELECT c.oid::regclass FROM ringq.queues q
-        JOIN pg_class c ON c.relname = 'q_' || q.name
-                       AND c.relnamespace = 'ringq'::regnamespace
-        WHERE NOT EXISTS (SELECT 1 FROM pg_attribute a
-                          WHERE a.attrelid = c.oid AND a.attname = 'msg_group' AND NOT a.attisdropped)
-    LOOP
-        EXECUTE format('ALTER TABLE %s ADD COLUMN IF NOT EXISTS msg_group text', t);
+    FOREACH col IN ARRAY ARRAY['msg_group text', 'not_before timestamptz'] LOOP
+        FOR t IN
+            SELECT c.oid::regclass FROM ringq.queues q
+            JOIN pg_class c ON c.relname = 'q_' || q.name
+                           AND c.relnamespace = 'ringq'::regnamespace
+            WHERE NOT EXISTS (SELECT 1 FROM pg_attribute a
+                              WHERE a.attrelid = c.oid AND a.attname = split_part(col, ' ', 1)
+                                AND NOT a.attisdropped)
+        LOOP
+            EXECUTE format('ALTER TABLE %s ADD COLUMN IF NOT EXISTS %s', t, col);
+        END LOOP;
     END LOOP;
 END
 $ringq$;
@@ -279,14 +296,16 @@ BEGIN
     IF q.dequeue_mode = 'single' THEN
         -- One SQL dequeuer at a time; it takes the set-aside entries in order
         -- and stops before the first whose last take did not commit (the agent
-        -- counts that delivery first), so the order holds across rollbacks.
+        -- counts that delivery first) or that is not due yet (a retry's
+        -- backoff), so the order holds across rollbacks.
         take := format($take$
             IF NOT pg_try_advisory_xact_lock(hashtext('ringq.dequeue'), %2$s) THEN
                 RETURN;
             END IF;
             RETURN QUERY
             WITH c AS (
-                SELECT r.slot, r.seq, r.xmax <> '0'::xid AS touched
+                SELECT r.slot, r.seq,
+                       r.xmax <> '0'::xid OR r.not_before > clock_timestamp() AS touched
                 FROM (SELECT o.seq, o.slot FROM ringq.offers o WHERE o.queue_id = %2$s
                       ORDER BY o.seq LIMIT max_n + 256) o
                 JOIN ringq.%1$I r ON r.slot = o.slot
@@ -310,6 +329,7 @@ BEGIN
                       ORDER BY o.seq LIMIT max_n * 8 + 256) o
                 JOIN ringq.%1$I r ON r.slot = o.slot
                 WHERE r.seq = o.seq AND r.state = 1 AND r.xmax = '0'::xid
+                  AND (r.not_before IS NULL OR r.not_before <= clock_timestamp())
                 ORDER BY o.seq LIMIT max_n
                 FOR UPDATE OF r SKIP LOCKED
             )$take$, 'q_' || q.name, q.id);
@@ -546,9 +566,11 @@ $ringq$;
 -- The default cache (not given) is kept only if it fits beside the others' caches.
 INSERT INTO ringq.queues (name, capacity, max_payload, full_policy, full_timeout, dequeue_mode,
                           max_deliveries, exception_queue, fillfactor, tablespace, lease,
-                          cache_payload)
+                          retry_delay, retry_factor, retry_max, cache_payload)
 SELECT {name}, {capacity}, {max_payload}, {full_policy}, {full_timeout}, {dequeue_mode},
        {max_deliveries}, {exception_queue}, {fillfactor}, {tablespace}, {lease},
+       {retry_delay}::double precision, {retry_factor}::double precision,
+       {retry_max}::double precision,
        CASE WHEN {cache_given}
               OR (SELECT coalesce(sum(capacity::bigint * {cache_stride_of_column}), 0)
                   FROM ringq.queues) + {capacity}::bigint * {cache_stride} <= {cache_pool}
@@ -570,6 +592,7 @@ CREATE TABLE IF NOT EXISTS {table} (
     enq_user     text,
     deq_user     text,
     msg_group    text,                          -- the entry's group (NULL: none)
+    not_before   timestamptz,                   -- the entry's due time (NULL: at once)
     payload      bytea,
     PRIMARY KEY (slot) {index_tablespace_clause}
 ) WITH (fillfactor = {fillfactor}) {tablespace_clause};
@@ -585,6 +608,15 @@ WHERE NOT EXISTS (SELECT 1 FROM {table});
 
 -- Its SQL dequeue function, ringq.dq_<name>(max_n) (see ringq.make_dequeue).
 SELECT ringq.make_dequeue({name});
+
+-- alter_retry --
+-- A queue's retry backoff, changed in place (NULL: kept); returns its id.
+UPDATE ringq.queues
+SET retry_delay = coalesce({retry_delay}::double precision, retry_delay),
+    retry_factor = coalesce({retry_factor}::double precision, retry_factor),
+    retry_max = coalesce({retry_max}::double precision, retry_max)
+WHERE name = {name}
+RETURNING id;
 
 -- drop_queue --
 DO $ringq$ BEGIN PERFORM pg_advisory_xact_lock(hashtext('ringq.ddl')); END $ringq$;

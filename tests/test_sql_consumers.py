@@ -166,6 +166,33 @@ def test_sql_rollback_gives_the_entry_back_counted(
         assert sql_take(c, q, timeout=0.3) == []
 
 
+@pytest.mark.parametrize("mode", ["shared", "single"])
+def test_a_sql_take_rolled_back_comes_back_only_after_the_retry_delay(
+    dsn: str, make_queue: Callable[..., str], monitor: Callable[..., Monitor], mode: str
+) -> None:
+    q = make_queue(capacity=64, dequeue_mode=mode, retry_delay=1.0)
+    enqueue(dsn, q, [b"x", b"y"])
+    monitor()
+    with psycopg.connect(dsn) as c:
+        assert [r[1] for r in sql_take(c, q)] == [b"x"]
+        c.rollback()
+        rolled_back = time.monotonic()
+        rows = sql_take(c, q)
+        if mode == "shared":  # read past the entry that waits for its retry
+            assert got(rows) == [(b"y", 1)]
+            c.commit()
+            rows = sql_take(c, q)
+        # single: the head waits, and the entries behind it with it
+        assert got(rows) == [(b"x", 2)]
+        assert time.monotonic() - rolled_back >= 0.9
+        c.commit()
+        if mode == "single":
+            assert got(sql_take(c, q)) == [(b"y", 1)]
+            c.commit()
+        row = c.execute(f"SELECT deq_at >= not_before FROM ringq.q_{q} WHERE seq = 0").fetchone()
+        assert row == (True,)  # by the database's clock too
+
+
 def test_linked_consumers_read_past_entries_set_aside_and_get_them_back_when_sql_goes(
     dsn: str, make_queue: Callable[..., str], monitor: Callable[..., Monitor]
 ) -> None:

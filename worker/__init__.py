@@ -26,6 +26,7 @@ from ._actions import (
     Actions,
     ActionTimeout,
     Decline,
+    Retry,
     load_actions,
 )
 from ._pool import PoolConfig, WorkerExit, WorkerPool
@@ -39,6 +40,7 @@ __all__ = [
     "Actions",
     "Decline",
     "PoolConfig",
+    "Retry",
     "Worker",
     "WorkerConfig",
     "WorkerExit",

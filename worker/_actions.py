@@ -3,7 +3,8 @@
 :class:`Actions` pairs each queue with its action, a function
 ``func(msg, session)`` run inside the worker's transaction for the message;
 :func:`load_actions` imports one from ``MODULE[:ATTR]``. An action returns
-``None`` or a :class:`Decline` (both commit), or raises (rolled back); the
+``None`` or a :class:`Decline` (both commit), or raises (rolled back; a
+:class:`Retry` says when the message is due again); the
 worker interrupts it with an :class:`ActionInterrupted` (a time limit, a
 second stop request).
 """
@@ -15,7 +16,14 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from ringq.engine import ConfigError, Message, Session, is_finite_number, validate_queue_name
+from ringq.engine import (
+    MAX_DELAY,
+    ConfigError,
+    Message,
+    Session,
+    is_finite_number,
+    validate_queue_name,
+)
 
 # -- outcomes -----------------------------------------------------------------------------
 
@@ -35,6 +43,25 @@ class ActionTimeout(ActionInterrupted):
 
 class ActionAborted(ActionInterrupted):
     """A second stop request (the second SIGTERM) aborted the action."""
+
+
+class Retry(Exception):  # a request, not an error: read as "raise Retry(after=5)"
+    """Raise this from an action to roll back and have the message delivered
+    again no sooner than ``after`` seconds from now (the database's clock),
+    whatever the queue's retry backoff says. The delivery counts (at the
+    queue's max_deliveries the entry moves to ringq.exceptions as any).
+
+    :raises ConfigError: ``after`` is not a finite number of seconds >= 0.
+    """
+
+    def __init__(self, after: float, reason: str = "") -> None:
+        if not is_finite_number(after) or not 0 <= after <= MAX_DELAY:
+            raise ConfigError(
+                f"Retry(after=) must be a number of seconds from 0 to {MAX_DELAY:g}, "
+                f"not {after!r}"
+            )
+        super().__init__(reason or f"retry after {after:g}s")
+        self.after = float(after)
 
 
 @dataclass(frozen=True)

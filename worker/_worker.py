@@ -69,7 +69,15 @@ from ringq.engine import layout as L
 from ringq.engine import metrics as M
 
 from . import _queries as Qy
-from ._actions import Action, ActionAborted, ActionInterrupted, Actions, ActionTimeout, Decline
+from ._actions import (
+    Action,
+    ActionAborted,
+    ActionInterrupted,
+    Actions,
+    ActionTimeout,
+    Decline,
+    Retry,
+)
 
 logger = logging.getLogger("ringq.worker")
 
@@ -474,8 +482,11 @@ class Worker:
         else:
             kind, what = FAILED, "failed"
         self._pending_timeout = None
+        retry_after = exc.after if isinstance(exc, Retry) else None
+        if retry_after is not None:
+            what = f"asked to be retried after {retry_after:g}s"
         try:
-            self.session.rollback()
+            self.session.rollback(retry_after=retry_after)
         except RingqError as rb_exc:
             logger.warning("ringq worker: rollback after a failed action failed: %s",
                            one_line(rb_exc))

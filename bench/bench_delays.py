@@ -1,0 +1,128 @@
+"""Delays benchmark (issue 24): what entries that wait cost a claim.
+
+Two ``shared`` queues of one database, each with ``--capacity`` slots:
+
+- *plain*: one ready entry at the tail, nothing waits;
+- *waiting*: ``--waiting`` entries delayed by an hour (``enqueue_many(...,
+  delay=3600)``), then one entry due at once behind them.
+
+Each queue's claim is timed in-process: ``Ring.claim`` under the queue lock,
+the claimed entry put back at once (``finish_dequeue`` without a strike),
+``--claims`` times, microseconds per claim (median and p90). The waiting
+queue's claim reads past the waiting entries in the bitmaps (they are
+neither ready nor done), and looks at their due times only when the earliest
+falls due: so the figure shows the cost of the bitmap words, not of a walk
+over 10,000 entries. A third figure times the release pass (the work of the
+claim that finds the earliest due time passed: every waiting entry's due
+time read once, vectorized): the queue's earliest due time is set in the past
+(``Q_NEXT_DUE_US`` = 1) before each claim, so each claim makes the pass and
+finds nothing due.
+
+Run ``python bench/bench_delays.py --help``.
+"""
+
+from __future__ import annotations
+
+import statistics
+import sys
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import psycopg
+from _benchlib import argument_parser, drop_queues, machine, run_in_database
+from ringq.engine import Session, connect
+from ringq.engine import layout as L
+from ringq.scripting import QueueSpec, create_queue
+
+
+@dataclass(frozen=True)
+class Config:
+    capacity: int
+    waiting: int
+    claims: int
+
+
+def _time_claims(s: Session, queue: str, n: int, *, force_pass: bool = False) -> dict[str, float]:
+    """Median and p90 microseconds of ``n`` ``Ring.claim`` calls under the
+    queue lock, each claimed entry put back at once."""
+    ring, sec = s.ring(queue), s.section
+    took: list[int] = []
+    for _ in range(n):
+        sec.lock_queue(ring.qidx)
+        try:
+            if force_pass:
+                ring.Q[ring.qb + L.Q_NEXT_DUE_US] = 1  # the release pass runs (finds none due)
+            t0 = time.perf_counter_ns()
+            got = ring.claim(s.owner, s.backend_pid, exclusive=False)
+            t1 = time.perf_counter_ns()
+            assert got is not None, "the due entry was not claimed"
+            ring.finish_dequeue(got[0], consumed=False, exclusive=False)
+        finally:
+            sec.unlock_queue(ring.qidx)
+        took.append(t1 - t0)
+    us = np.asarray(took) / 1000.0
+    return {"p50_us": float(np.median(us)), "p90_us": float(np.percentile(us, 90))}
+
+
+def run(cfg: Config, dsn: str, names: list[str]) -> dict[str, Any]:
+    plain, waiting = names
+    with psycopg.connect(dsn) as conn:
+        for name in names:
+            create_queue(conn, QueueSpec(name, cfg.capacity, 128, dequeue_mode="shared",
+                                         cache_payload=0))
+    with connect(dsn) as s:
+        s.enqueue(plain, b"due")
+        s.commit()
+        for i in range(0, cfg.waiting, 1000):
+            s.enqueue_many(waiting, [b"later"] * min(1000, cfg.waiting - i), delay=3600)
+            s.commit()
+        s.enqueue(waiting, b"due")
+        s.commit()
+        ring = s.ring(waiting)
+        assert ring.Q[ring.qb + L.Q_N_WAITING] == cfg.waiting
+        out = {
+            "plain": _time_claims(s, plain, cfg.claims),
+            "waiting": _time_claims(s, waiting, cfg.claims),
+            "release_pass": _time_claims(s, waiting, cfg.claims, force_pass=True),
+        }
+        assert ring.Q[ring.qb + L.Q_N_WAITING] == cfg.waiting  # none fell due
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argument_parser("ringq delays benchmark: the claim's cost with entries that wait.")
+    p.add_argument("--capacity", type=int, default=16384, help="slots of each queue")
+    p.add_argument("--waiting", type=int, default=10_000, help="entries delayed by an hour")
+    p.add_argument("--claims", type=int, default=2000, help="claims timed per figure")
+    a = p.parse_args(argv)
+    if not 0 < a.waiting < a.capacity or a.claims < 1:
+        p.error("need 0 < --waiting < --capacity and --claims >= 1")
+    cfg = Config(a.capacity, a.waiting, a.claims)
+    tag = str(time.monotonic_ns() % 1_000_000)
+    names = [f"bd_plain_{tag}", f"bd_wait_{tag}"]
+
+    def summarize(raw: dict[str, Any]) -> dict[str, Any]:
+        return {k: v["p50_us"] for k, v in raw.items()} | {"machine": machine()}
+
+    def render(raw: dict[str, Any], summary: dict[str, Any], seconds: float) -> str:
+        lines = [f"claim cost, us per call ({cfg.claims:,} claims each; {seconds:.1f} s in all)"]
+        for key, what in (("plain", "plain queue, one ready entry"),
+                          ("waiting", f"{cfg.waiting:,} waiting entries ahead of one due"),
+                          ("release_pass", "the same, each claim making the release pass")):
+            lines.append(f"  {what:<52} p50 {raw[key]['p50_us']:8.2f}  "
+                         f"p90 {raw[key]['p90_us']:8.2f}")
+        ratio = statistics.fmean([raw["waiting"]["p50_us"] / raw["plain"]["p50_us"]])
+        lines.append(f"  waiting / plain (p50): {ratio:.2f}")
+        return "\n".join(lines)
+
+    return run_in_database(
+        "delays", a, cfg, lambda dsn: run(cfg, dsn, names),
+        lambda dsn, embedded: drop_queues(dsn, names, embedded=embedded),
+        summarize, render,
+    )
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,399 @@
+"""Entries that wait (issue 24): delayed enqueues and retry backoff.
+
+Due times come from the database's clock and live in the rows; the section
+keeps them for the entries that wait. These tests check from the outside
+that no entry is received before its row's ``not_before`` (the row's
+``deq_at``, the database's time of the consuming write, is never earlier),
+in shared, single and grouped queues, across a rollback with backoff, a
+consumer killed with kill -9 and a section removed while entries wait.
+"""
+
+from __future__ import annotations
+
+import math
+import multiprocessing as mp
+import os
+import signal
+import time
+from collections.abc import Callable
+from datetime import UTC, datetime, timedelta
+from multiprocessing.synchronize import Event
+
+import psycopg
+import pytest
+from conftest import cli, present, remove_section
+from psycopg import sql
+from ringq.engine import (
+    ConfigError,
+    InvalidArgument,
+    InvalidArgumentType,
+    Message,
+    Session,
+    connect,
+    queue_table,
+)
+from ringq.engine import layout as L
+from ringq.engine.recovery import recover_dead_clients
+from ringq.scripting import alter_retry
+from ringq.worker import Actions, Retry, Worker
+
+FORK = mp.get_context("fork")
+
+
+def row_times(dsn: str, queue: str, seq: int) -> tuple[datetime | None, datetime | None]:
+    """(not_before, deq_at) of the row holding ``seq``."""
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        row = conn.execute(
+            sql.SQL("SELECT not_before, deq_at FROM {} WHERE seq = %s").format(
+                queue_table(queue)
+            ),
+            (seq,),
+        ).fetchone()
+    assert row is not None
+    return row[0], row[1]
+
+
+def lateness(dsn: str, queue: str, seq: int) -> float:
+    """Seconds from the row's due time to the database's clock now."""
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        row = conn.execute(
+            sql.SQL(
+                "SELECT extract(epoch FROM clock_timestamp() - not_before)::float8 "
+                "FROM {} WHERE seq = %s"
+            ).format(queue_table(queue)),
+            (seq,),
+        ).fetchone()
+    assert row is not None and row[0] is not None
+    return float(row[0])
+
+
+def assert_not_early(dsn: str, queue: str, seq: int) -> None:
+    """The consumed row's dequeue time is not before its due time."""
+    not_before, deq_at = row_times(dsn, queue, seq)
+    assert not_before is not None and deq_at is not None
+    assert deq_at >= not_before, (deq_at, not_before)
+
+
+def test_bad_due_arguments_are_refused(dsn: str, make_queue: Callable[..., str]) -> None:
+    q = make_queue()
+    with connect(dsn) as s:
+        for bad in (-1, math.nan, math.inf):
+            with pytest.raises(InvalidArgument):
+                s.enqueue(q, b"x", delay=bad)
+        with pytest.raises(InvalidArgumentType):
+            s.enqueue(q, b"x", delay="1")  # type: ignore[arg-type]
+        with pytest.raises(InvalidArgumentType):
+            s.enqueue(q, b"x", delay=True)
+        with pytest.raises(InvalidArgument):
+            s.enqueue(q, b"x", not_before=datetime(2030, 1, 1))  # naive
+        with pytest.raises(InvalidArgument):
+            s.enqueue(q, b"x", delay=1, not_before=datetime.now(UTC))
+        with pytest.raises(InvalidArgument):
+            s.enqueue_many(q, [b"x"], delay=-0.5)
+        with pytest.raises(InvalidArgument):
+            s.rollback(retry_after=-1)
+        s.commit()
+        assert s.dequeue(q) is None  # nothing was enqueued
+        s.commit()
+
+
+@pytest.mark.parametrize("cache_payload", [0, 64])
+def test_shared_consumers_read_past_an_entry_not_due(
+    dsn: str, make_queue: Callable[..., str], cache_payload: int
+) -> None:
+    q = make_queue(dequeue_mode="shared", cache_payload=cache_payload)
+    with connect(dsn) as s:
+        late = s.enqueue(q, b"late", delay=0.4)
+        s.enqueue(q, b"now")
+        s.commit()
+        ring = s.ring(q)
+        assert ring.Q[ring.qb + L.Q_N_WAITING] == 1
+        assert ring.Q[ring.qb + L.Q_DEPTH_HINT] == 2  # depth counts the waiting entry
+        assert present(s.dequeue(q)).payload == b"now"
+        s.commit()
+        assert s.dequeue(q) is None
+        s.commit()
+        m = present(s.dequeue(q, wait=2.0))
+        assert m.payload == b"late" and m.seq == late
+        s.commit()
+        assert s.dequeue(q) is None
+        s.commit()
+    assert_not_early(dsn, q, late)
+
+
+def test_single_mode_head_waits(dsn: str, make_queue: Callable[..., str]) -> None:
+    q = make_queue(dequeue_mode="single")
+    with connect(dsn) as s:
+        s.enqueue(q, b"first", delay=0.3)
+        s.enqueue(q, b"second")
+        s.commit()
+        assert s.dequeue(q) is None  # order is the promise: the head waits
+        s.commit()
+        got = [present(s.dequeue(q, wait=2.0)).payload]
+        got.append(present(s.dequeue(q)).payload)
+        s.commit()
+        assert got == [b"first", b"second"]
+
+
+def test_a_group_waits_for_its_head_others_go_on(dsn: str, make_queue: Callable[..., str]) -> None:
+    q = make_queue(dequeue_mode="shared")
+    with connect(dsn) as s:
+        s.enqueue(q, b"g1", group="g", delay=0.3)
+        s.enqueue(q, b"g2", group="g")
+        s.enqueue(q, b"h1", group="h")
+        s.commit()
+        assert [m.payload for m in s.dequeue_many(q, 10)] == [b"h1"]
+        s.commit()
+        assert s.dequeue_many(q, 10) == []
+        s.commit()
+        first = present(s.dequeue(q, wait=2.0))
+        assert first.payload == b"g1"
+        assert s.dequeue(q) is None  # one entry of a group held at a time
+        s.commit()
+        assert present(s.dequeue(q)).payload == b"g2"
+        s.commit()
+
+
+def test_not_before_and_enqueue_many(dsn: str, make_queue: Callable[..., str]) -> None:
+    q = make_queue(dequeue_mode="shared")
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        db_now = present(conn.execute("SELECT clock_timestamp()").fetchone())[0]
+    with connect(dsn) as s:
+        seqs = s.enqueue_many(q, [b"a", b"b"], not_before=db_now + timedelta(seconds=0.3))
+        later = s.enqueue_many(q, [b"c"], delay=60)
+        s.commit()
+        assert s.dequeue_many(q, 10) == []
+        s.commit()
+        got = present(s.dequeue(q, wait=2.0))
+        got2 = present(s.dequeue(q))
+        s.commit()
+        assert [got.payload, got2.payload] == [b"a", b"b"]
+        assert s.dequeue(q) is None  # c is due in a minute
+        s.commit()
+        assert s.ring(q).Q[s.ring(q).qb + L.Q_N_WAITING] == 1
+    for seq in seqs:
+        assert_not_early(dsn, q, seq)
+    not_before, _ = row_times(dsn, q, later[0])
+    assert not_before is not None and not_before > db_now + timedelta(seconds=59)
+
+
+def test_a_waiting_dequeuer_gets_the_entry_within_50_ms_of_its_time(
+    dsn: str, make_queue: Callable[..., str]
+) -> None:
+    q = make_queue(dequeue_mode="shared")
+    worst = 0.0
+    with connect(dsn) as producer, connect(dsn) as consumer:
+        for _ in range(5):
+            seq = producer.enqueue(q, b"timed", delay=0.25)
+            producer.commit()
+            m = present(consumer.dequeue(q, wait=3.0))
+            late = lateness(dsn, q, seq)
+            assert m.seq == seq
+            assert late >= 0.0  # never before its time
+            worst = max(worst, late)
+            consumer.commit()
+    assert worst < 0.05, worst
+
+
+def test_retry_backoff_is_constant_then_exponential(
+    dsn: str, make_queue: Callable[..., str]
+) -> None:
+    q = make_queue(dequeue_mode="shared", max_deliveries=10, retry_delay=0.2)
+    with connect(dsn) as s:
+        seq = s.enqueue(q, b"flaky")
+        s.commit()
+        assert present(s.dequeue(q)).deliveries == 1
+        s.rollback()
+        assert s.dequeue(q) is None  # not back before its backoff
+        s.commit()
+        not_before, _ = row_times(dsn, q, seq)
+        assert not_before is not None
+        m = present(s.dequeue(q, wait=2.0))
+        assert m.deliveries == 2
+        s.commit()
+        assert_not_early(dsn, q, seq)
+    # exponential: 0.1, 0.2, 0.4 ... capped at 0.3
+    with psycopg.connect(dsn) as conn:
+        alter_retry(conn, q, retry_delay=0.1, retry_factor=2.0, retry_max=0.3)
+    with connect(dsn) as s:
+        seq = s.enqueue(q, b"again")
+        s.commit()
+        gaps = []
+        for _ in range(4):
+            present(s.dequeue(q, wait=3.0))
+            with psycopg.connect(dsn, autocommit=True) as conn:
+                t0 = present(conn.execute("SELECT clock_timestamp()").fetchone())[0]
+            s.rollback()
+            not_before, _ = row_times(dsn, q, seq)
+            assert not_before is not None
+            gaps.append((not_before - t0).total_seconds())
+        assert present(s.dequeue(q, wait=3.0)).deliveries == 5
+        s.commit()
+    expect = [0.1, 0.2, 0.3, 0.3]
+    for gap, want in zip(gaps, expect, strict=True):
+        assert want - 0.01 <= gap <= want + 0.1, (gaps, expect)
+
+
+def test_rollback_with_retry_after_wins_over_the_backoff(
+    dsn: str, make_queue: Callable[..., str]
+) -> None:
+    q = make_queue(dequeue_mode="single")
+    with connect(dsn) as s:
+        seq = s.enqueue(q, b"later")
+        s.commit()
+        present(s.dequeue(q))
+        s.rollback(retry_after=0.3)
+        assert s.dequeue(q) is None
+        s.commit()
+        m = present(s.dequeue(q, wait=2.0))
+        assert m.deliveries == 2
+        s.commit()
+    assert_not_early(dsn, q, seq)
+
+
+def _hold(dsn: str, queue: str, ready: Event) -> None:
+    s = connect(dsn)
+    assert s.dequeue(queue, wait=5.0) is not None
+    ready.set()
+    time.sleep(60)  # held until killed
+
+
+def test_kill9_of_a_consumer_holding_a_delayed_entry(
+    dsn: str, make_queue: Callable[..., str]
+) -> None:
+    q = make_queue(dequeue_mode="shared", retry_delay=0.3)
+    with connect(dsn) as s:
+        seq = s.enqueue(q, b"precious", delay=0.1)
+        s.commit()
+        ready = FORK.Event()
+        p = FORK.Process(target=_hold, args=(dsn, q, ready))
+        p.start()
+        assert ready.wait(30)
+        os.kill(present(p.pid), signal.SIGKILL)
+        p.join(10)
+        ring = s.ring(q)
+        deadline = time.monotonic() + 10
+        while ring.counts()["locked"] and time.monotonic() < deadline:
+            recover_dead_clients(s.section, dsn)
+        assert ring.counts()["locked"] == 0
+        assert s.dequeue(q) is None  # struck with a backoff: it waits
+        s.commit()
+        m = present(s.dequeue(q, wait=3.0))
+        assert m.payload == b"precious" and m.deliveries == 2
+        s.commit()
+    assert_not_early(dsn, q, seq)
+
+
+def test_section_removed_while_entries_wait_is_rebuilt_with_due_times(
+    dsn: str, make_queue: Callable[..., str]
+) -> None:
+    q = make_queue(dequeue_mode="shared")
+    with connect(dsn) as s:
+        seq = s.enqueue(q, b"patient", delay=0.5)
+        s.enqueue(q, b"eager")
+        s.commit()
+    remove_section(dsn)
+    with connect(dsn) as s:
+        assert present(s.dequeue(q)).payload == b"eager"
+        s.commit()
+        ring = s.ring(q)
+        assert ring.Q[ring.qb + L.Q_N_WAITING] == 1
+        assert s.dequeue(q) is None
+        s.commit()
+        assert present(s.dequeue(q, wait=3.0)).payload == b"patient"
+        s.commit()
+    assert_not_early(dsn, q, seq)
+
+
+def test_a_worker_action_raising_retry_is_due_after_its_delay(
+    dsn: str, make_queue: Callable[..., str]
+) -> None:
+    q = make_queue(dequeue_mode="shared", max_deliveries=5)
+    app = Actions()
+    seen: list[int] = []
+
+    @app.action(q)
+    def flaky(msg: Message, session: Session) -> None:
+        seen.append(msg.deliveries)
+        if msg.deliveries == 1:
+            raise Retry(after=0.3)
+
+    with connect(dsn) as s:
+        seq = s.enqueue(q, b"job")
+        s.commit()
+    with Worker(app, dsn) as w:
+        assert w.run_one(wait=0.0)  # the action asked to be retried later
+        assert not w.run_one(wait=0.0)  # not due yet
+        assert w.run_one(wait=3.0)
+        assert w.stats()["failed"] == 1 and w.stats()["handled"] == 1
+    assert seen == [1, 2]
+    assert_not_early(dsn, q, seq)
+    with pytest.raises(ConfigError):
+        Retry(after=-1)
+
+
+def test_a_delayed_enqueue_in_a_two_phase_transaction_waits_after_its_commit(
+    dsn: str, make_queue: Callable[..., str]
+) -> None:
+    q = make_queue(dequeue_mode="shared")
+    gid = "delays-" + os.urandom(4).hex()
+    with connect(dsn) as s, connect(dsn) as consumer:
+        s.tpc_begin(s.xid(gid))
+        seq = s.enqueue(q, b"prepared", delay=0.3)
+        s.tpc_prepare()
+        assert consumer.dequeue(q) is None  # prepared: not on the queue yet
+        consumer.commit()
+        s.tpc_commit()
+        assert consumer.dequeue(q) is None  # committed, not due yet
+        consumer.commit()
+        m = present(consumer.dequeue(q, wait=3.0))
+        assert m.seq == seq
+        consumer.commit()
+    assert_not_early(dsn, q, seq)
+
+
+def test_a_retried_entry_of_a_single_queue_holds_back_the_entries_behind_it(
+    dsn: str, make_queue: Callable[..., str]
+) -> None:
+    q = make_queue(dequeue_mode="single", retry_delay=0.3)
+    with connect(dsn) as s:
+        s.enqueue_many(q, [b"a", b"b"])
+        s.commit()
+        assert present(s.dequeue(q)).payload == b"a"
+        s.rollback()
+        assert s.dequeue(q) is None  # the head waits for its backoff; b stays behind it
+        s.commit()
+        got = [m.payload for m in s.dequeue_many(q, 10, wait=3.0)]
+        got += [m.payload for m in s.dequeue_many(q, 10)]
+        s.commit()
+        assert got == [b"a", b"b"]
+
+
+def retry_settings(dsn: str, queue: str) -> tuple[float, float, float]:
+    with psycopg.connect(dsn) as conn:
+        row = conn.execute(
+            "SELECT retry_delay, retry_factor, retry_max FROM ringq.queues WHERE name = %s",
+            (queue,),
+        ).fetchone()
+    assert row is not None
+    return row[0], row[1], row[2]
+
+
+def test_queue_create_and_alter_set_the_retry_backoff(
+    dsn: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    name = "rq_" + os.urandom(4).hex()
+    code, _out, err = cli(capsys, "queue", "create", name, "--capacity", "64", "--max-payload",
+                          "64", "--retry-delay", "0.5", "--retry-factor", "2", "--dsn", dsn)
+    assert code == 0, err
+    assert retry_settings(dsn, name) == (0.5, 2.0, 0.0)
+    code, _out, err = cli(capsys, "queue", "alter", name, "--retry-max", "30", "--dsn", dsn)
+    assert code == 0, err
+    assert retry_settings(dsn, name) == (0.5, 2.0, 30.0)  # the others kept
+    code, _out, err = cli(capsys, "queue", "alter", name, "--retry-factor", "0.5", "--dsn", dsn)
+    assert code == 2 and "retry_factor" in err
+    code, _out, err = cli(capsys, "queue", "alter", "no_such_queue", "--retry-delay", "1",
+                          "--dsn", dsn)
+    assert code == 4, err
+    assert retry_settings(dsn, name) == (0.5, 2.0, 30.0)
+    remove_section(dsn)
