@@ -146,7 +146,8 @@ class SqlAgent:
         poisoned = self._strike(conn, info, table, aborted) if aborted else []
         if done or poisoned:
             self._finish(sec, ring, info, done + poisoned)
-            conn.execute(_Q["offers_drop"], (info.id, [s for _slot, s in done + poisoned]))
+            gone = {seq for _slot, seq in done + poisoned}
+            self._relist(conn, info, [(r[1], r[0]) for r in rows if r[0] not in gone])
             self.figures.taken += len(done)
             self._asked[info.name] = self.clock()
             wanted = True
@@ -250,6 +251,7 @@ class SqlAgent:
             with conn.transaction():
                 conn.execute(sql.SQL(_Q["offers_add"]).format(table=queue_table(info.name)), {
                     "queue_id": info.id, "slots": slots.tolist(), "seqs": seqs.tolist(),
+                    **_runs(list(zip(slots.tolist(), seqs.tolist(), strict=True)), ring.cap),
                 })
                 conn.execute(_Q["offers_ready"], (info.name,))
         except BaseException:
@@ -259,6 +261,18 @@ class SqlAgent:
             raise
         self.figures.offered += int(slots.size)
         return int(slots.size)
+
+    @staticmethod
+    def _relist(
+        conn: psycopg.Connection[Any], info: QueueInfo, kept: list[tuple[int, int]]
+    ) -> None:
+        """Write the queue's listing again as the runs of ``kept`` (slot, seq):
+        a write per run, whatever left the listing."""
+        with conn.transaction():
+            conn.execute(_Q["offers_clear"], (info.id,))
+            if kept:
+                conn.execute(_Q["offers_runs"], {"queue_id": info.id,
+                                                 **_runs(kept, info.capacity)})
 
     def _withdraw(
         self, sec: Section, conn: psycopg.Connection[Any], ring: Ring, info: QueueInfo,
@@ -279,7 +293,10 @@ class SqlAgent:
                     if state == RowState.QUEUED and not touched]
             if not back:
                 return 0
-            conn.execute(_Q["offers_drop"], (info.id, [q for _s, q, _d in back]))
+            # What stays listed: takes under way or not counted yet (touched),
+            # and what was consumed since (the next pass finishes it).
+            gone = {seq for _slot, seq, _due in back}
+            self._relist(conn, info, [(r[1], r[0]) for r in rows if r[0] not in gone])
         self._give_back(sec, ring, info, back)
         self.figures.withdrawn += len(back)
         return len(back)
@@ -348,3 +365,20 @@ class SqlAgent:
                 self.figures.given_back += self._give_back(sec, ring, info, lost)
                 logger.warning("ringq: %d entries of queue %s locked for SQL consumers "
                                "but not listed were given back", len(lost), info.name)
+
+
+def _runs(entries: list[tuple[int, int]], cap: int) -> dict[str, list[int]]:
+    """``entries`` (slot, seq) as runs of consecutive seqs at consecutive slots
+    (a run never wraps past the ring's last slot): the parameters of
+    ``offers_add`` and ``offers_runs``."""
+    seqs: list[int] = []
+    slots: list[int] = []
+    ns: list[int] = []
+    for slot, seq in sorted(entries, key=lambda e: e[1]):
+        if ns and seq == seqs[-1] + ns[-1] and slot == slots[-1] + ns[-1] and slot < cap:
+            ns[-1] += 1
+        else:
+            seqs.append(int(seq))
+            slots.append(int(slot))
+            ns.append(1)
+    return {"run_seqs": seqs, "run_slots": slots, "run_ns": ns}

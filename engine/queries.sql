@@ -301,7 +301,8 @@ WHERE l.queue_id = %s
 
 -- offered_slots --
 -- (slot, seq) of the entries set aside for SQL consumers in one queue (ringq.dequeue).
-SELECT slot, seq FROM ringq.offers WHERE queue_id = %s
+SELECT o.slot + g, o.seq + g FROM ringq.offers o, generate_series(0, o.n - 1) AS g
+WHERE o.queue_id = %s
 
 -- has_offers --
 -- Whether the schema has SQL consumers' table (a database made before has none).
@@ -418,12 +419,13 @@ SELECT DISTINCT queue_id FROM ringq.offers
 -- The last two columns: when the entry is due (epoch µs, NULL: at once) and
 -- whether it is due now (a retry's backoff keeps a struck entry listed, but
 -- not takeable, until then).
-SELECT o.seq, o.slot, CASE WHEN r.seq = o.seq THEN r.state END, r.xmax <> '0'::xid,
+SELECT o.seq + (r.slot - o.slot), r.slot,
+       CASE WHEN r.seq = o.seq + (r.slot - o.slot) THEN r.state END, r.xmax <> '0'::xid,
        (extract(epoch FROM r.not_before) * 1000000)::bigint,
        r.not_before IS NULL OR r.not_before <= clock_timestamp()
-FROM ringq.offers o LEFT JOIN {table} r ON r.slot = o.slot
+FROM ringq.offers o JOIN {table} r ON r.slot >= o.slot AND r.slot < o.slot + o.n
 WHERE o.queue_id = %s
-ORDER BY o.seq
+ORDER BY 1
 
 -- offers_aborted --
 -- The set-aside entries whose last take did not commit and that no take holds
@@ -452,13 +454,21 @@ WITH f AS (
       AND xmax <> '0'::xid
     RETURNING 1
 )
-INSERT INTO ringq.offers (queue_id, seq, slot)
-SELECT %(queue_id)s, s.seq, s.slot
-FROM unnest(%(seqs)s::bigint[], %(slots)s::integer[]) AS s(seq, slot)
-ON CONFLICT DO NOTHING
+INSERT INTO ringq.offers (queue_id, seq, slot, n)
+SELECT %(queue_id)s, s.seq, s.slot, s.n
+FROM unnest(%(run_seqs)s::bigint[], %(run_slots)s::integer[], %(run_ns)s::integer[])
+    AS s(seq, slot, n)
 
--- offers_drop --
-DELETE FROM ringq.offers WHERE queue_id = %s AND seq = ANY(%s::bigint[])
+-- offers_clear --
+-- A queue's listing deleted, to be written again as the runs of what is still
+-- set aside (offers_runs), in the same transaction.
+DELETE FROM ringq.offers WHERE queue_id = %s
+
+-- offers_runs --
+INSERT INTO ringq.offers (queue_id, seq, slot, n)
+SELECT %(queue_id)s, s.seq, s.slot, s.n
+FROM unnest(%(run_seqs)s::bigint[], %(run_slots)s::integer[], %(run_ns)s::integer[])
+    AS s(seq, slot, n)
 
 -- offers_quiet --
 -- Taking back entries set aside for SQL consumers (none asked for a while):
@@ -475,7 +485,8 @@ SELECT pg_notify('ringq_ready', %s)
 -- under way) whose transaction started longer ago than the lease.
 SELECT DISTINCT a.pid
 FROM ringq.offers o
-JOIN {table} r ON r.slot = o.slot AND r.seq = o.seq
+JOIN {table} r ON r.slot >= o.slot AND r.slot < o.slot + o.n
+                  AND r.seq = o.seq + (r.slot - o.slot)
 JOIN pg_stat_activity a ON a.backend_xid = r.xmax
 WHERE o.queue_id = %s AND r.state = 1 AND r.xmax <> '0'::xid
   AND a.xact_start < now() - make_interval(secs => %s)

@@ -262,13 +262,18 @@ $ringq$;
 -- unlists and finishes; a take that did not commit leaves its xid in the
 -- row's xmax (PostgreSQL keeps it on a row whose update rolled back), which
 -- takers pass over and the agent counts as a delivery (the strike) before
--- the entry is taken again.
+-- the entry is taken again. One row per run of n consecutive entries at
+-- consecutive slots (seq .. seq + n - 1 at slot .. slot + n - 1), so that
+-- setting a batch aside, or unlisting what was taken, is a write or two,
+-- not a write per entry.
 CREATE TABLE IF NOT EXISTS ringq.offers (
     queue_id integer NOT NULL,
     seq      bigint  NOT NULL,
     slot     integer NOT NULL,
+    n        integer NOT NULL DEFAULT 1,
     PRIMARY KEY (queue_id, seq)
 );
+ALTER TABLE ringq.offers ADD COLUMN IF NOT EXISTS n integer NOT NULL DEFAULT 1;
 
 -- ringq.dequeue(queue, max_n): up to max_n entries, oldest first, consumed if
 -- and only if the caller's transaction commits (a rollback, a failed statement
@@ -306,11 +311,11 @@ BEGIN
             WITH c AS (
                 SELECT r.slot, r.seq,
                        r.xmax <> '0'::xid OR r.not_before > clock_timestamp() AS touched
-                FROM (SELECT o.seq, o.slot FROM ringq.offers o WHERE o.queue_id = %2$s
-                      ORDER BY o.seq LIMIT max_n + 256) o
-                JOIN ringq.%1$I r ON r.slot = o.slot
-                WHERE r.seq = o.seq AND r.state = 1
-                ORDER BY o.seq LIMIT max_n
+                FROM (SELECT o.seq, o.slot, o.n FROM ringq.offers o WHERE o.queue_id = %2$s
+                      ORDER BY o.seq LIMIT 64) o
+                JOIN ringq.%1$I r ON r.slot >= o.slot AND r.slot < o.slot + o.n
+                WHERE r.seq = o.seq + (r.slot - o.slot) AND r.state = 1
+                ORDER BY r.seq LIMIT max_n
             ), t AS (
                 SELECT r.slot FROM ringq.%1$I r JOIN c ON r.slot = c.slot AND r.seq = c.seq
                 WHERE c.seq < coalesce((SELECT min(c2.seq) FROM c c2 WHERE c2.touched),
@@ -325,12 +330,12 @@ BEGIN
             RETURN QUERY
             WITH t AS (
                 SELECT r.slot
-                FROM (SELECT o.seq, o.slot FROM ringq.offers o WHERE o.queue_id = %2$s
-                      ORDER BY o.seq LIMIT max_n * 8 + 256) o
-                JOIN ringq.%1$I r ON r.slot = o.slot
-                WHERE r.seq = o.seq AND r.state = 1 AND r.xmax = '0'::xid
+                FROM (SELECT o.seq, o.slot, o.n FROM ringq.offers o WHERE o.queue_id = %2$s
+                      ORDER BY o.seq LIMIT 64) o
+                JOIN ringq.%1$I r ON r.slot >= o.slot AND r.slot < o.slot + o.n
+                WHERE r.seq = o.seq + (r.slot - o.slot) AND r.state = 1 AND r.xmax = '0'::xid
                   AND (r.not_before IS NULL OR r.not_before <= clock_timestamp())
-                ORDER BY o.seq LIMIT max_n
+                ORDER BY r.seq LIMIT max_n
                 FOR UPDATE OF r SKIP LOCKED
             )$take$, 'q_' || q.name, q.id);
     END IF;
@@ -415,7 +420,7 @@ BEGIN
         INTO n, oldest;
     RETURN QUERY SELECT q.name, q.capacity, q.dequeue_mode, n,
         (SELECT count(*) FROM ringq.inbox i WHERE i.queue_id = q.id),
-        (SELECT count(*) FROM ringq.offers o WHERE o.queue_id = q.id),
+        (SELECT coalesce(sum(o.n), 0) FROM ringq.offers o WHERE o.queue_id = q.id),
         (SELECT count(*) FROM ringq.exceptions e WHERE e.queue_id = q.id),
         oldest, q.max_deliveries;
 END

@@ -58,8 +58,8 @@ def offers(dsn: str, queue: str) -> list[int]:
     """The seqs of the queue's entries set aside for SQL consumers (listed)."""
     with psycopg.connect(dsn, autocommit=True) as c:
         return [int(r[0]) for r in c.execute(
-            "SELECT o.seq FROM ringq.offers o JOIN ringq.queues q ON q.id = o.queue_id"
-            " WHERE q.name = %s ORDER BY o.seq", (queue,))]
+            "SELECT o.seq + g FROM ringq.offers o JOIN ringq.queues q ON q.id = o.queue_id,"
+            " generate_series(0, o.n - 1) AS g WHERE q.name = %s ORDER BY 1", (queue,))]
 
 
 def set_aside(dsn: str, queue: str, n: int) -> list[int]:
