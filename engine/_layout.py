@@ -131,6 +131,11 @@ Q_WAIT_US = 45
 # Q_NEXT_DUE_US, so a queue with none pays one word read per claim.
 Q_N_WAITING = 46
 Q_NEXT_DUE_US = 47
+# single mode, SQL consumers: until this monotonic ns (0: never) a linked
+# dequeuer that finds the dequeuer role free leaves it for the SQL path, whose
+# agent asked for it while a linked dequeuer held it (turns between the kinds;
+# short, so an agent that dies holds nobody back for long).
+Q_SQL_ASKS_ROLE_NS = 48
 Q_ENQ_HIST = 64  # HIST_BUCKETS words
 Q_DEQ_HIST = 96  # HIST_BUCKETS words
 # HIST_BUCKETS words, bucketed as the call latencies: the waits of consumed

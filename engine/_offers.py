@@ -51,6 +51,7 @@ logger = logging.getLogger("ringq.sql")
 # the last pass, within these bounds; topped up once fewer than 3/4 wait.
 OFFER_MIN = 64
 OFFER_MAX = 1024
+ROLE_ASK_NS = 50_000_000  # single: how long linked dequeuers leave a free role to the SQL path
 DEMAND_S = 5.0  # a queue keeps entries set aside this long after its last ask or take
 SCAN_S = 1.0  # how often an idle agent looks for queues with entries set aside
 WANT_CHANNEL = "ringq_want"  # ringq.dequeue() found nothing: payload, the queue's name
@@ -238,11 +239,22 @@ class SqlAgent:
         exclusive = info.dequeue_mode == "single"
         sec.lock_queue(ring.qidx)
         try:
-            if exclusive and ring.role_owner() not in (0, L.OWNER_SQL):
-                return 0  # a linked dequeuer holds the role
-            if exclusive and ring.role_owner() == 0 and ring.waiters(OpKind.DEQUEUE):
-                return 0  # linked dequeuers wait: the role goes to them first
+            if exclusive:
+                # single: the role takes turns between the kinds. Held by a
+                # linked dequeuer: ask for it (the next linked claim to find it
+                # free leaves it to us). Ours while linked dequeuers wait: let
+                # what is set aside drain, then theirs. Free while they wait:
+                # theirs, unless we asked first.
+                role = ring.role_owner()
+                if role not in (0, L.OWNER_SQL):
+                    ring.ask_role_for_sql(ROLE_ASK_NS)
+                    return 0
+                linked_wait = ring.waiters(OpKind.DEQUEUE) > 0
+                if linked_wait and (role == L.OWNER_SQL or not ring.role_asked_for_sql()):
+                    return 0
             slots, seqs = ring.claim_batch(L.OWNER_SQL, 0, n, exclusive=exclusive)
+            if exclusive and slots.size:
+                ring.Q[ring.qb + L.Q_SQL_ASKS_ROLE_NS] = 0  # our turn came
         finally:
             sec.unlock_queue(ring.qidx)
         if not slots.size:

@@ -210,6 +210,8 @@ class Ring(RingScan):
             holder = Q[b + L.Q_DEQ_OWNER]
             if holder and holder != owner:
                 return None
+            if not holder and self._role_asked_for_sql(owner):
+                return None
         tail = Q[b + L.Q_TAIL]
         n = Q[b + L.Q_HEAD] - tail
         if n <= 0:
@@ -247,6 +249,21 @@ class Ring(RingScan):
         Q[b + L.Q_N_DEQ] += 1
         return slot, tail + (slot - tail) % self.cap
 
+    def _role_asked_for_sql(self, owner: int) -> bool:
+        """A free ``single`` role that the SQL path's agent asked for lately
+        (``Q_SQL_ASKS_ROLE_NS``): linked dequeuers leave it for the agent."""
+        until = self.Q[self.qb + L.Q_SQL_ASKS_ROLE_NS]
+        return bool(until) and owner != L.OWNER_SQL and until > time.monotonic_ns()
+
+    def ask_role_for_sql(self, for_ns: int) -> None:
+        """The SQL path wants a ``single`` queue's role, held by a linked
+        dequeuer: the next linked claim that finds it free leaves it (for
+        ``for_ns``, or until the agent takes it)."""
+        self.Q[self.qb + L.Q_SQL_ASKS_ROLE_NS] = time.monotonic_ns() + for_ns
+
+    def role_asked_for_sql(self) -> bool:
+        return self._role_asked_for_sql(0)
+
     def take_one(
         self, owner: int, backend: int, *, exclusive: bool
     ) -> tuple[int, int, Cached | None] | None:
@@ -278,6 +295,8 @@ class Ring(RingScan):
         if exclusive:
             holder = Q[b + L.Q_DEQ_OWNER]
             if holder and holder != owner:
+                return none, none
+            if not holder and self._role_asked_for_sql(owner):
                 return none, none
         tail = Q[b + L.Q_TAIL]
         window = Q[b + L.Q_HEAD] - tail

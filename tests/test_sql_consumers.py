@@ -193,6 +193,41 @@ def test_a_sql_take_rolled_back_comes_back_only_after_the_retry_delay(
         assert row == (True,)  # by the database's clock too
 
 
+def test_single_a_busy_linked_consumer_and_a_sql_consumer_take_turns_in_order(
+    dsn: str, make_queue: Callable[..., str], monitor: Callable[..., Monitor]
+) -> None:
+    q = make_queue(capacity=1024, dequeue_mode="single")
+    enqueue(dsn, q, [str(n).encode() for n in range(400)])
+    monitor()
+    stop = threading.Event()
+    linked: list[int] = []
+    sql_got: list[int] = []
+
+    def busy_linked() -> None:  # never pauses: dequeue, commit, again
+        with connect(dsn) as s:
+            while not stop.is_set():
+                got_ = s.dequeue_many(q, 5, wait=0.05)
+                s.commit()
+                linked.extend(int(m.payload) for m in got_)
+
+    t = threading.Thread(target=busy_linked, daemon=True)
+    t.start()
+    try:
+        with psycopg.connect(dsn) as c:
+            def sql_turn() -> bool:
+                sql_got.extend(int(r[1]) for r in take(c, q, 5))
+                c.commit()
+                return len(linked) + len(sql_got) >= 400
+            wait_for(sql_turn, timeout=60, what="every entry taken", every=0.005)
+    finally:
+        stop.set()
+        t.join(30)
+    assert sql_got, "the SQL consumer never got the role from a busy linked consumer"
+    assert linked, "the linked consumer never got the role back"
+    assert sorted(linked + sql_got) == list(range(400))  # each once
+    assert sql_got == sorted(sql_got) and linked == sorted(linked)
+
+
 def test_linked_consumers_read_past_entries_set_aside_and_get_them_back_when_sql_goes(
     dsn: str, make_queue: Callable[..., str], monitor: Callable[..., Monitor]
 ) -> None:
