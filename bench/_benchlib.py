@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
 import multiprocessing as mp
 import os
@@ -36,12 +37,17 @@ from collections.abc import Callable, Iterator, Sequence
 from datetime import UTC, datetime
 from multiprocessing.connection import Connection
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import psycopg
 from psycopg import sql
 from ringq.engine import Section
 from ringq.scripting import drop_queue
+
+if TYPE_CHECKING:
+    from _typeshed import DataclassInstance
+
+C = TypeVar("C", bound="DataclassInstance")
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 SERVER_SETTINGS = (
@@ -60,6 +66,15 @@ def argument_parser(description: str) -> argparse.ArgumentParser:
     p.add_argument("--dsn", help="run in this database instead of a private embedded cluster")
     p.add_argument("--out", type=Path, help="also write the JSON here")
     return p
+
+
+def config_from_options(cls: type[C], args: argparse.Namespace, **given: Any) -> C:
+    """A benchmark's settings ``cls`` (a dataclass): each field from the parsed
+    option of its name, ``given`` the fields computed apart; a field with
+    neither keeps its default."""
+    options = vars(args)
+    named = {f.name: options[f.name] for f in dataclasses.fields(cls) if f.name in options}
+    return cls(**named, **given)
 
 
 @contextlib.contextmanager

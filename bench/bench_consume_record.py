@@ -49,6 +49,7 @@ from typing import Any
 import psycopg
 from _benchlib import (
     argument_parser,
+    config_from_options,
     cpu_load,
     drop_queues,
     machine,
@@ -761,14 +762,7 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, Config]:
             "--rounds >= 1; --growth a multiple of 100; "
             "--capacity >= 2 x (--growth + --growth-single)"
         )
-    cfg = Config(
-        capacity=a.capacity,
-        rounds=a.rounds,
-        tx_single=a.tx_single,
-        tx_batch=a.tx_batch,
-        growth=a.growth,
-        growth_single=a.growth_single,
-    )
+    cfg = config_from_options(Config, a)
     if max(cfg.tx_single, cfg.tx_batch * 100) > cfg.capacity // 2:
         p.error("a cell's entries must fit in half the ring")
     return a, cfg

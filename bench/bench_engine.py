@@ -41,6 +41,7 @@ from _benchlib import (
     CEIL_UPDATE,
     argument_parser,
     ceiling_one_rt,
+    config_from_options,
     cpu_load,
     create_ceiling,
     drop_queues,
@@ -683,18 +684,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    cfg = Config(
-        rounds=args.rounds,
-        single=args.single,
-        batches=args.batches,
-        batch=args.batch,
-        wakeups=args.wakeups,
-        volume=args.volume,
-        volume_capacity=args.volume_capacity,
-        payload=args.payload,
-        concurrent_seconds=args.concurrent_seconds,
-        producers=args.producers,
-        consumers=args.consumers,
+    cfg = config_from_options(
+        Config,
+        args,
         # Entries of one round sit in the queue between its enqueue and dequeue passes.
         capacity=max(args.single, args.batches * args.batch) + 64,
     )

@@ -36,22 +36,18 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
 
 import numpy as np
 
+from . import _finish, _load
 from . import _layout as L
 from ._cache import Cached, PayloadCache
-from ._finish import VECTOR_FROM, finish_batch
-from ._load import load_rows
+from ._finish import VECTOR_FROM
 from ._ops import OpKind
 from ._scan import RingScan, bit_mask
 from ._scan import group_tag as group_tag  # re-exported: callers import it from here
 from ._section import Section
 from ._waiting import due_now, make_waiting, release_due, until_due_s, waits
-
-if TYPE_CHECKING:
-    from ._ops import Op
 
 _U64 = (1 << 64) - 1
 
@@ -378,22 +374,10 @@ class Ring(RingScan):
         Q[b + L.Q_N_DEQ_COMMIT] -= 1
         Q[b + L.Q_N_REPAIRS] += 1
 
-    def finish_batch(
-        self,
-        ops: Sequence[Op],
-        owner: int,
-        *,
-        committed: bool,
-        poisoned: set[tuple[int, int]],
-        exclusive: bool,
-        enq_at_us: int | None = None,
-    ) -> tuple[int, int]:
-        """Finish ``owner``'s slots ``ops`` once the database has decided;
-        returns (ready, space), the sleepers to wake (see
-        :func:`._finish.finish_batch`)."""
-        return finish_batch(self, ops, owner, committed=committed, poisoned=poisoned,
-                            exclusive=exclusive, enq_at_us=enq_at_us)
-
+    # Finish ``owner``'s slots once the database has decided; returns (ready,
+    # space), the sleepers to wake. The function itself, bound as a method: its
+    # signature and docstring stay in one place (_finish.finish_batch).
+    finish_batch = _finish.finish_batch
 
     # -- counters and waiters ---------------------------------------------------------
 
@@ -527,20 +511,6 @@ class Ring(RingScan):
 
     # -- rebuild ------------------------------------------------------------------------
 
-    def load_rows(
-        self,
-        slots: np.ndarray,
-        states: np.ndarray,
-        seqs: np.ndarray,
-        *,
-        keep_locked: bool,
-        held: list[tuple[int, int]] | None = None,
-        groups: Sequence[tuple[int, str]] = (),
-        offered: Sequence[tuple[int, int]] = (),
-        dues: Sequence[tuple[int, int]] = (),
-    ) -> None:
-        """Set head, tail and the bitmaps from the rows (``SELECT slot, state, seq``),
-        the group tags from ``groups`` and the waiting entries from ``dues``
-        (see :func:`._load.load_rows`)."""
-        load_rows(self, slots, states, seqs, keep_locked=keep_locked, held=held, groups=groups,
-                  offered=offered, dues=dues)
+    # Set head, tail, the bitmaps, group tags and waiting entries from the rows;
+    # the function itself, bound as a method (signature and docstring: _load.load_rows).
+    load_rows = _load.load_rows

@@ -259,6 +259,15 @@ def wait_for(
     raise AssertionError(f"timed out after {timeout}s waiting for {what}{last}")
 
 
+def enqueue_committed(dsn: str, queue: str, *payloads: bytes, **options: Any) -> list[int]:
+    """Enqueue ``payloads`` in one transaction of a session of its own, and
+    commit; their seqs. ``options`` go to every enqueue (``group``, ``delay`` ...)."""
+    with connect(dsn) as s:
+        seqs = [s.enqueue(queue, p, **options) for p in payloads]
+        s.commit()
+    return seqs
+
+
 def drain(dsn: str, queue: str, *, wait: float | None = None, batch: int = 1) -> list[Message]:
     """Dequeue every ready entry of ``queue``, oldest first, committing each
     transaction of ``batch`` entries; the messages. ``wait``: how long each

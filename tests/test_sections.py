@@ -18,7 +18,7 @@ from typing import Any
 
 import psycopg
 import pytest
-from conftest import cli, present, queue_in
+from conftest import cli, enqueue_committed, present, queue_in
 from psycopg import sql
 from ringq.cluster import Cluster
 from ringq.engine import (
@@ -207,10 +207,7 @@ def test_a_removed_section_of_a_live_database_is_rebuilt_from_the_rows(
     dsn: str, make_queue: Any, capsys: pytest.CaptureFixture[str]
 ) -> None:
     queue = make_queue()
-    with connect(dsn) as s:
-        for i in range(5):
-            s.enqueue(queue, b"e%d" % i)
-        s.commit()
+    enqueue_committed(dsn, queue, *(b"e%d" % i for i in range(5)))
     instance = instance_of(dsn)
     code, out, _ = cli(capsys, "section", "remove", instance)
     assert code == 0, out

@@ -23,7 +23,7 @@ from typing import Any
 
 import psycopg
 import pytest
-from conftest import drain, present, remove_section, terminate_backend, wait_for
+from conftest import drain, enqueue_committed, present, remove_section, terminate_backend, wait_for
 from psycopg import errors, sql
 from ringq.cluster import Cluster
 from ringq.engine import Section, connect, queue_table
@@ -34,13 +34,6 @@ from ringq.scripting import QueueSpec, create_queue
 FAST = 0.2
 
 Row = tuple[int, bytes, str, int, int, str | None, Any]
-
-
-def enqueue(dsn: str, queue: str, payloads: list[bytes], **kw: Any) -> None:
-    with connect(dsn) as s:
-        for p in payloads:
-            s.enqueue(queue, p, **kw)
-        s.commit()
 
 
 def take(conn: psycopg.Connection[Any], queue: str, n: int = 1) -> list[Row]:
@@ -137,7 +130,7 @@ def test_sql_dequeue_takes_entries_in_order_and_commit_consumes(
     dsn: str, make_queue: Callable[..., str], monitor: Callable[..., Monitor]
 ) -> None:
     q = make_queue(capacity=64, dequeue_mode="shared")
-    enqueue(dsn, q, [b"a", b"b", b"c"])
+    enqueue_committed(dsn, q, b"a", b"b", b"c")
     monitor()
     with psycopg.connect(dsn) as c:
         rows = sql_take(c, q, 2)
@@ -154,7 +147,7 @@ def test_sql_rollback_gives_the_entry_back_counted(
     dsn: str, make_queue: Callable[..., str], monitor: Callable[..., Monitor]
 ) -> None:
     q = make_queue(capacity=64, dequeue_mode="shared")
-    enqueue(dsn, q, [b"x"])
+    enqueue_committed(dsn, q, b"x")
     monitor()
     with psycopg.connect(dsn) as c:
         rows = sql_take(c, q)
@@ -171,7 +164,7 @@ def test_a_sql_take_rolled_back_comes_back_only_after_the_retry_delay(
     dsn: str, make_queue: Callable[..., str], monitor: Callable[..., Monitor], mode: str
 ) -> None:
     q = make_queue(capacity=64, dequeue_mode=mode, retry_delay=1.0)
-    enqueue(dsn, q, [b"x", b"y"])
+    enqueue_committed(dsn, q, b"x", b"y")
     monitor()
     with psycopg.connect(dsn) as c:
         assert [r[1] for r in sql_take(c, q)] == [b"x"]
@@ -232,7 +225,7 @@ def test_linked_consumers_read_past_entries_set_aside_and_get_them_back_when_sql
     dsn: str, make_queue: Callable[..., str], monitor: Callable[..., Monitor]
 ) -> None:
     q = make_queue(capacity=64, dequeue_mode="shared")
-    enqueue(dsn, q, [b"1", b"2"])
+    enqueue_committed(dsn, q, b"1", b"2")
     monitor()
     with psycopg.connect(dsn, autocommit=True) as c:
         assert [r[1] for r in sql_take(c, q, 1)] == [b"1"]
@@ -253,7 +246,7 @@ def test_shared_steps_sql_and_linked_read_past_and_a_rollback_comes_back_counted
     dsn: str, make_queue: Callable[..., str], monitor: Callable[..., Monitor]
 ) -> None:
     q = make_queue(capacity=64, dequeue_mode="shared")
-    enqueue(dsn, q, [b"a", b"b", b"c", b"d"])
+    enqueue_committed(dsn, q, b"a", b"b", b"c", b"d")
     monitor()
     with psycopg.connect(dsn) as c1, psycopg.connect(dsn) as c2, connect(dsn) as s:
         # s (linked) takes a before any SQL consumer asked; the agent sets the rest aside.
@@ -281,7 +274,7 @@ def test_single_steps_one_sql_dequeuer_at_a_time_in_order_then_the_role_goes_to_
     dsn: str, make_queue: Callable[..., str], monitor: Callable[..., Monitor]
 ) -> None:
     q = make_queue(capacity=64, dequeue_mode="single")
-    enqueue(dsn, q, [b"a", b"b", b"c"])
+    enqueue_committed(dsn, q, b"a", b"b", b"c")
     monitor()
     set_aside(dsn, q, 3)
     with psycopg.connect(dsn) as c1, psycopg.connect(dsn) as c2, connect(dsn) as s:
@@ -299,7 +292,7 @@ def test_single_steps_one_sql_dequeuer_at_a_time_in_order_then_the_role_goes_to_
         c2.commit()
         # SQL consumers are done and go quiet: what is set aside afterwards goes
         # back to the linked dequeuer once nobody asked for DEMAND_S.
-        enqueue(dsn, q, [b"d", b"e"])
+        enqueue_committed(dsn, q, b"d", b"e")
         m = present(s.dequeue(q, wait=DEMAND_S + 10))
         assert (m.payload, m.deliveries) == (b"d", 1)
         # ... and while it holds the role, SQL consumers get nothing.
@@ -355,7 +348,7 @@ def test_a_sql_take_rolled_back_max_deliveries_times_is_poison(
     dsn: str, make_queue: Callable[..., str], monitor: Callable[..., Monitor]
 ) -> None:
     q = make_queue(capacity=64, dequeue_mode="single", max_deliveries=2)
-    enqueue(dsn, q, [b"bad", b"good"])
+    enqueue_committed(dsn, q, b"bad", b"good")
     monitor()
     with psycopg.connect(dsn) as c:
         for n in (1, 2):
@@ -399,7 +392,7 @@ def test_entries_of_a_sql_consumer_killed_9_or_terminated_come_back_counted_once
     dsn: str, make_queue: Callable[..., str], monitor: Callable[..., Monitor]
 ) -> None:
     q = make_queue(capacity=64, dequeue_mode="shared")
-    enqueue(dsn, q, [b"k1", b"k2", b"k3", b"k4"])
+    enqueue_committed(dsn, q, b"k1", b"k2", b"k3", b"k4")
     monitor()
     with subprocess.Popen([sys.executable, "-c", HOLDER, dsn, q, "2"],
                           stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True) as holder:
@@ -413,7 +406,7 @@ def test_entries_of_a_sql_consumer_killed_9_or_terminated_come_back_counted_once
     assert sorted(got(rows)) == [(b"k1", 2), (b"k2", 2), (b"k3", 1), (b"k4", 1)]
 
     # pg_terminate_backend of a SQL consumer's backend: the same.
-    enqueue(dsn, q, [b"t1", b"t2"])
+    enqueue_committed(dsn, q, b"t1", b"t2")
     c = psycopg.connect(dsn)
     try:
         assert got(sql_take(c, q, 1)) == [(b"t1", 1)]
@@ -431,7 +424,7 @@ def test_a_monitor_stopped_and_restarted_with_entries_set_aside_loses_and_double
     dsn: str, make_queue: Callable[..., str], monitor: Callable[..., Monitor]
 ) -> None:
     q = make_queue(capacity=64, dequeue_mode="shared")
-    enqueue(dsn, q, [b"e%d" % i for i in range(6)])
+    enqueue_committed(dsn, q, *(b"e%d" % i for i in range(6)))
     m = monitor()
     set_aside(dsn, q, 6)
     with psycopg.connect(dsn) as c1, psycopg.connect(dsn) as c2, connect(dsn) as s:
@@ -450,7 +443,7 @@ def test_a_monitor_stopped_and_restarted_with_entries_set_aside_loses_and_double
         rows = collect(dsn, q, 3)
         assert sorted(got(rows)) == [(b"e2", 2), (b"e4", 1), (b"e5", 1)]
         # The SQL consumer carries on with what comes next.
-        enqueue(dsn, q, [b"n1"])
+        enqueue_committed(dsn, q, b"n1")
         assert got(collect(dsn, q, 1)) == [(b"n1", 1)]
         assert s.dequeue(q) is None
         s.commit()
@@ -461,7 +454,7 @@ def test_a_section_removed_with_entries_set_aside_is_rebuilt_with_them_locked_fo
     dsn: str, make_queue: Callable[..., str], monitor: Callable[..., Monitor]
 ) -> None:
     q = make_queue(capacity=64, dequeue_mode="shared")
-    enqueue(dsn, q, [b"r0", b"r1", b"r2", b"r3"])
+    enqueue_committed(dsn, q, b"r0", b"r1", b"r2", b"r3")
     m = monitor()
     set_aside(dsn, q, 4)
     with psycopg.connect(dsn) as c1:
@@ -493,7 +486,7 @@ def test_a_database_restart_under_sql_consumers_loses_and_doubles_nothing(tmp_pa
             create_queue(conn, QueueSpec(q, 64, 100, dequeue_mode="shared"))
             instance = present(conn.execute(
                 "SELECT value FROM ringq.meta WHERE key = 'instance_id'").fetchone())[0]
-        enqueue(dsn, q, [b"d%d" % i for i in range(5)])
+        enqueue_committed(dsn, q, *(b"d%d" % i for i in range(5)))
         with Monitor(MonitorConfig(dsn, port=0, interval=FAST, data_dir=tmp_path / "m")) as m:
             set_aside(dsn, q, 5)
             c = psycopg.connect(dsn)
@@ -505,7 +498,7 @@ def test_a_database_restart_under_sql_consumers_loses_and_doubles_nothing(tmp_pa
             rows = collect(dsn, q, 5, timeout=30)
             assert sorted(got(rows)) == [(b"d0", 2), (b"d1", 2), (b"d2", 1), (b"d3", 1),
                                          (b"d4", 1)]
-            enqueue(dsn, q, [b"after"])
+            enqueue_committed(dsn, q, b"after")
             assert got(collect(dsn, q, 1)) == [(b"after", 1)]
             assert drain(dsn, q) == []
     finally:
@@ -598,7 +591,7 @@ def test_without_a_monitor_sql_dequeue_returns_nothing_and_linked_consumers_get_
     dsn: str, make_queue: Callable[..., str]
 ) -> None:
     q = make_queue(capacity=64, dequeue_mode="shared")
-    enqueue(dsn, q, [b"a", b"b", b"c"])
+    enqueue_committed(dsn, q, b"a", b"b", b"c")
     with psycopg.connect(dsn, autocommit=True) as c:
         assert nothing_for(c, q)
     assert offers(dsn, q) == []
@@ -622,7 +615,7 @@ def test_a_role_without_the_grant_cannot_take_and_hostile_arguments_are_refused(
 ) -> None:
     q = make_queue(capacity=64, dequeue_mode="shared")
     other = make_queue(capacity=64, dequeue_mode="shared")
-    enqueue(dsn, q, [b"secret"])
+    enqueue_committed(dsn, q, b"secret")
     monitor()
     set_aside(dsn, q, 1)
     role = sql.Identifier(stranger)

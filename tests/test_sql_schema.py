@@ -7,8 +7,7 @@ from collections.abc import Callable
 
 import psycopg
 import pytest
-from conftest import cli
-from ringq.engine import connect
+from conftest import cli, enqueue_committed
 
 
 def test_db_upgrade_gives_queues_made_before_their_sql_dequeue(
@@ -33,10 +32,7 @@ def test_stats_by_sql_count_ready_inbox_and_exceptions(
     dsn: str, make_queue: Callable[..., str]
 ) -> None:
     q = make_queue(capacity=64)
-    with connect(dsn) as s:
-        s.enqueue(q, b"a")
-        s.enqueue(q, b"b")
-        s.commit()
+    enqueue_committed(dsn, q, b"a", b"b")
     with psycopg.connect(dsn, autocommit=True) as c:
         c.execute("SELECT ringq.enqueue(%s, %s)", (q, b"c"))
         row = c.execute(

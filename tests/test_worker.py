@@ -26,7 +26,7 @@ from typing import Any
 
 import psycopg
 import pytest
-from conftest import drain, wait_for
+from conftest import drain, enqueue_committed, wait_for
 from ringq.engine import ConfigError, Message, Session, connect
 from ringq.worker import Actions, ActionTimeout, Decline, Worker, WorkerExit
 
@@ -39,13 +39,6 @@ def effects(dsn: str) -> str:
     with psycopg.connect(dsn) as conn:
         conn.execute("CREATE TABLE effects (seq bigint, deliveries int, pid int, note text)")
     return "effects"
-
-
-def enqueue(dsn: str, queue: str, *payloads: bytes) -> list[int]:
-    with connect(dsn) as s:
-        seqs = [s.enqueue(queue, p) for p in payloads]
-        s.commit()
-    return seqs
 
 
 def record_effect(session: Session, msg: Message, note: str) -> None:
@@ -87,7 +80,7 @@ def test_action_commits_its_writes_and_chained_messages_together(
         record_effect(session, msg, "step1")
         session.enqueue(b, msg.payload + b"->step2")
 
-    (seq,) = enqueue(dsn, a, b"order-1")
+    (seq,) = enqueue_committed(dsn, a, b"order-1")
     with Worker(app, dsn) as w:
         assert w.queues == [a]  # by default a worker serves every queue of its actions
         assert w.run_one(wait=5)
@@ -111,7 +104,7 @@ def test_chaining_across_two_queues_is_atomic_when_the_action_fails(
         if fail["yes"]:
             raise RuntimeError("the next step could not be prepared")
 
-    (seq,) = enqueue(dsn, a, b"x")
+    (seq,) = enqueue_committed(dsn, a, b"x")
     with Worker(app, dsn) as w:
         assert w.run_one(wait=5)  # fails: nothing of it stays
         assert w.stats()["failed"] == 1
@@ -140,7 +133,7 @@ def test_always_raising_action_ends_in_the_exception_queue_after_max_deliveries(
         record_effect(session, msg, "broken")
         raise ValueError("always")
 
-    (seq,) = enqueue(dsn, q, b"poison")
+    (seq,) = enqueue_committed(dsn, q, b"poison")
     caplog.set_level(logging.WARNING, logger="ringq.worker")
     with Worker(app, dsn) as w:
         while w.run_one(wait=0):
@@ -172,7 +165,7 @@ def test_a_decline_commits_and_enqueues_its_reply(
         record_effect(session, msg, "refused")
         return Decline("insufficient funds", reply_to=replies, reply=b"refused:" + msg.payload)
 
-    (seq,) = enqueue(dsn, q, b"pay 100")
+    (seq,) = enqueue_committed(dsn, q, b"pay 100")
     with Worker(app, dsn) as w:
         assert w.run_one(wait=5)
         st = w.stats()
@@ -235,7 +228,7 @@ def test_time_limit_aborts_a_python_loop_and_rolls_back(
         except Exception:
             pytest.fail("ActionTimeout was caught as an Exception")
 
-    (seq,) = enqueue(dsn, q, b"slow")
+    (seq,) = enqueue_committed(dsn, q, b"slow")
     with Worker(_timed_app(q, spin, 0.3), dsn) as w:
         elapsed = _timed_out_delivery(w)
         assert rows(dsn, "SELECT count(*) FROM effects") == [(0,)]  # its write is gone
@@ -253,7 +246,7 @@ def test_time_limit_cancels_sql_in_progress_and_the_session_goes_on(
     def sleep_in_sql(msg: Message, session: Session) -> None:
         session.connection.execute("SELECT pg_sleep(30)")
 
-    (seq,) = enqueue(dsn, q, b"slow sql")
+    (seq,) = enqueue_committed(dsn, q, b"slow sql")
     with Worker(_timed_app(q, sleep_in_sql, 0.3), dsn) as w:
         elapsed = _timed_out_delivery(w)
         assert w.run_one(wait=5)
@@ -275,7 +268,7 @@ def test_time_limit_does_not_leak_slots_when_it_strikes_inside_engine_calls(
         while True:  # most of the time is spent inside session.enqueue
             session.enqueue(big, b"x" * 16)
 
-    seqs = enqueue(dsn, q, b"1", b"2", b"3")
+    seqs = enqueue_committed(dsn, q, b"1", b"2", b"3")
     app = Actions()
 
     @app.action(q, timeout=0.2)
@@ -438,7 +431,7 @@ def test_kill9_mid_action_rolls_its_writes_back_and_the_message_is_handled_again
     worker_process: Callable[..., WorkerProcess],
 ) -> None:
     q = make_queue()
-    seqs = enqueue(dsn, q, b"first", b"block", b"third", b"fourth")
+    seqs = enqueue_committed(dsn, q, b"first", b"block", b"third", b"fourth")
     blocked = seqs[1]
     wp = worker_process(q, "--processes", "1")
     victim = wp.ready_pid(blocked)
@@ -471,7 +464,7 @@ def test_two_processes_on_a_shared_queue_handle_each_message_once(
     worker_process: Callable[..., WorkerProcess],
 ) -> None:
     q = make_queue(capacity=512, dequeue_mode="shared")
-    seqs = enqueue(dsn, q, *[f"m{i}".encode() for i in range(300)])
+    seqs = enqueue_committed(dsn, q, *[f"m{i}".encode() for i in range(300)])
     wp = worker_process(q, "--processes", "2")
     wait_for(lambda: rows(dsn, "SELECT count(*) FROM effects")[0][0] >= 300, 60, "300 effects")
     wp.signal(signal.SIGTERM)
@@ -532,7 +525,7 @@ def test_sigterm_drains_the_message_in_flight_and_exits_0(
     start_method: str,
 ) -> None:
     q = make_queue()
-    blocked, later = enqueue(dsn, q, b"block", b"later")
+    blocked, later = enqueue_committed(dsn, q, b"block", b"later")
     wp = worker_process(q, "--start-method", start_method)
     child = wp.ready_pid(blocked)
     wp.signal(signal.SIGTERM)
@@ -556,7 +549,7 @@ def _second_sigterm_mid_action(
     """A worker handling ``payload``'s message gets SIGTERM, says it finishes
     the message, then gets a second SIGTERM: (worker, queue, seq, child pid)."""
     q = make_queue()
-    (blocked,) = enqueue(dsn, q, payload)
+    (blocked,) = enqueue_committed(dsn, q, payload)
     wp = worker_process(q)
     child = wp.ready_pid(blocked)
     wp.signal(signal.SIGTERM)
