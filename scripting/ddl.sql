@@ -339,9 +339,12 @@ BEGIN
                 FOR UPDATE OF r SKIP LOCKED
             )$take$, 'q_' || q.name, q.id);
     END IF;
-    -- Both modes end alike: the rows chosen (t) consumed, returned oldest first.
+    -- Both modes end alike: the rows chosen (t) consumed, returned oldest first;
+    -- deq_at is when the take ran (clock_timestamp: the rows show that no entry
+    -- was taken before its due time), not when the caller's transaction began.
     take := take || format($take$, u AS (
-                UPDATE ringq.%1$I r SET state = 2, deq_at = now(), deq_user = current_user
+                UPDATE ringq.%1$I r
+                SET state = 2, deq_at = clock_timestamp(), deq_user = current_user
                 FROM t WHERE r.slot = t.slot AND r.state = 1
                 RETURNING r.seq, r.payload, r.producer, r.producer_seq, r.deliveries + 1,
                           r.msg_group, r.enq_at

@@ -190,7 +190,7 @@ def test_single_a_busy_linked_consumer_and_a_sql_consumer_take_turns_in_order(
     dsn: str, make_queue: Callable[..., str], monitor: Callable[..., Monitor]
 ) -> None:
     q = make_queue(capacity=1024, dequeue_mode="single")
-    enqueue(dsn, q, [str(n).encode() for n in range(400)])
+    enqueue_committed(dsn, q, *[str(n).encode() for n in range(400)])
     monitor()
     stop = threading.Event()
     linked: list[int] = []
