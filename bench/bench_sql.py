@@ -169,8 +169,8 @@ def latency(dsn: str, tag: str, cfg: Config, payload: bytes) -> dict[str, Any]:
     with psycopg.connect(dsn, autocommit=True) as c:
         for _ in range(cfg.latency_samples):
             time.sleep(0.02)  # the consumer is waiting again
-            t_sent[0] = time.perf_counter()
             c.execute("SELECT ringq.enqueue(%s, %s)", (q2, payload))
+            t_sent[0] = time.perf_counter()  # committed (autocommit): from here
     th.join(60)
 
     def pct(xs: list[float], p: float) -> float:
