@@ -324,7 +324,10 @@ def test_proxy_forwards_the_monitor_token_and_reports_its_failures() -> None:
             doc = json.loads(body)
             assert [q["name"] for q in doc["queues"]] == ["alpha", "beta"]
             assert doc["interval"] == 1.0
-            assert set(doc["queues"][0]) == {M.NAME, M.T, *K.NUMERIC}
+            assert set(doc["queues"][0]) == {M.NAME, M.T, *K.NUMERIC, *M.DUE_KEYS}
+            # the stand-in does not say how many entries wait: None, and no line
+            assert [doc["queues"][0][k] for k in M.DUE_KEYS] == [None, None]
+            assert "waiting_line" not in doc["queues"][0]
             assert doc["queues"][0]["retries"] in (0.0, 1.0)  # booleans come out as numbers
             # The viewer's token never reaches the monitor; the monitor's does.
             assert {h for _, h in mon.requests} == {"Bearer mon-token"}
