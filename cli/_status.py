@@ -30,7 +30,9 @@ committed enqueue/dequeue rates, call latencies (p50/p99, microseconds),
 delivery retries, entries in the exception table, sleeping dequeuers and
 enqueuers, and a state (full, high, empty, ok), with a line under a grouped
 queue's row (groups ready and busy, how long the oldest ready entry of any
-group has waited, entries read past a busy group); then one row per client
+group has waited, entries read past a busy group) and one under a queue
+whose entries wait for their due time (a delay or a retry's backoff: how
+many, and when the next falls due); then one row per client
 session (pid, role, queues, commits, worker handled/failed/timeouts, errors
 and the last one). The monitor is found at
 --monitor, else where a local `ringq monitor` recorded it
@@ -192,7 +194,7 @@ def render(doc: dict[str, Any], url: str) -> str:
         + (f"  FAILING: {', '.join(failing)}" if failing else "")
         + ("" if mon.get("database", True) else "  DATABASE UNREACHABLE")
     )
-    from ringq.rtv import groups_line, server_line
+    from ringq.rtv import groups_line, server_line, waiting_line
 
     if "server" in doc:  # a monitor older than the server object says nothing
         lines.append(server_line(doc["server"]).text)
@@ -201,11 +203,12 @@ def render(doc: dict[str, Any], url: str) -> str:
         lines.append("no queues")
         return "\n".join(lines)
     rows: list[tuple[str, ...]] = []
-    below: dict[int, str] = {}  # row -> the line printed under it (a grouped queue's)
+    # row -> the lines printed under it (a grouped queue's, one with entries waiting)
+    below: dict[int, list[str]] = {}
     for q in queues:
-        group = groups_line(q)
-        if group is not None:
-            below[len(rows)] = "  " + group
+        for extra in (groups_line(q), waiting_line(q)):
+            if extra is not None:
+                below.setdefault(len(rows), []).append("  " + extra)
         cap = int(q.get("capacity") or 0)
         depth = int(q.get("depth") or 0)
         rows.append((
@@ -234,8 +237,7 @@ def render(doc: dict[str, Any], url: str) -> str:
     lines.append(line(COLUMNS))
     for i, r in enumerate(rows):
         lines.append(line(r))
-        if i in below:
-            lines.append(below[i])
+        lines.extend(below.get(i, ()))
     lines.append(
         "latencies in microseconds (p50/p99 of the last interval); "
         "rates are committed entries per second"

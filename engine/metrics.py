@@ -10,6 +10,7 @@ the viewer reads.
 
 from __future__ import annotations
 
+import time
 from typing import Final
 
 from . import _layout as L
@@ -72,6 +73,20 @@ HIST_BUCKETS: Final = L.HIST_BUCKETS
 def queue_stats(sec: Section, qidx: int) -> dict[str, int]:
     base = qidx * L.QUEUE_WORDS
     return {key: int(sec.queues[base + word]) for key, word in _WORDS.items()}
+
+
+def due_figures(sec: Section, qidx: int) -> dict[str, float]:
+    """:data:`DUE_KEYS` of queue block ``qidx`` now, read without the queue's
+    lock (for display). The earliest due time is the database's clock; it is
+    compared with the host's estimate of that clock (the wall clock while no
+    answer stamped one)."""
+    base = qidx * L.QUEUE_WORDS
+    n = max(0, int(sec.queues[base + L.Q_N_WAITING]))
+    due_us = int(sec.queues[base + L.Q_NEXT_DUE_US])
+    if not n or not due_us:
+        return {WAITING_ENTRIES: n, NEXT_DUE_S: 0.0}
+    now_us = sec.db_clock_us() or time.time_ns() // 1000
+    return {WAITING_ENTRIES: n, NEXT_DUE_S: round(max(0.0, (due_us - now_us) / 1e6), 3)}
 
 
 def latency_histograms(sec: Section, qidx: int) -> tuple[list[int], list[int]]:
@@ -213,6 +228,16 @@ GROUPS_BUSY: Final = "groups_busy"  # groups with an entry held by a dequeuer
 GROUP_OLDEST_AGE_S: Final = "group_oldest_age_s"  # seconds the oldest ready group entry waited
 # GROUP_SKIPS as the section counts it (cumulative since the queue was loaded)
 GROUP_KEYS: Final = (GROUPS_READY, GROUPS_BUSY, GROUP_OLDEST_AGE_S, GROUP_SKIPS)
+
+# Every queue's sample also has these (issue 24): figures of now, read from
+# the queue block's two words (Q_N_WAITING, Q_NEXT_DUE_US), not in the history
+# or the T4 files. An entry that waits is committed (depth counts it) but no
+# consumer receives it before its due time: a delayed enqueue, or a delivery
+# given back with a retry backoff. Until a claim releases it, an entry whose
+# time came still counts here (NEXT_DUE_S is then 0).
+WAITING_ENTRIES: Final = "waiting_entries"  # committed entries waiting for their due time
+NEXT_DUE_S: Final = "next_due_s"  # seconds until the earliest falls due (0: none, or due now)
+DUE_KEYS: Final = (WAITING_ENTRIES, NEXT_DUE_S)
 
 # Every numeric figure of a sample, in this order: the T4 columns and the history's.
 SAMPLE_KEYS: Final = (

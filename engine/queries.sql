@@ -13,13 +13,15 @@ SELECT (SELECT value FROM ringq.meta WHERE key = 'instance_id'),
 -- and that the schema has the guard of deferred row writes and the groups
 -- (added after version 1 without a version bump: applying the schema script
 -- adds them; the three-argument ringq.enqueue() comes with the msg_group
--- columns, the retry columns with the rings' not_before); then the
+-- columns, the retry columns with the rings' not_before, the four-argument
+-- one with the inbox's not_before); then the
 -- database's history (see history); then the database's clock (us).
 SELECT (SELECT value FROM ringq.meta WHERE key = 'instance_id'),
        (SELECT value FROM ringq.meta WHERE key = 'schema_version'),
        pg_backend_pid(),
        to_regprocedure('ringq.expect_rows(integer, integer, text)') IS NOT NULL
            AND to_regprocedure('ringq.enqueue(text, bytea, text)') IS NOT NULL
+           AND to_regprocedure('ringq.enqueue(text, bytea, text, timestamptz)') IS NOT NULL
            AND EXISTS (SELECT 1 FROM pg_attribute WHERE attrelid = 'ringq.queues'::regclass
                        AND attname = 'retry_delay' AND NOT attisdropped),
        CASE WHEN has_function_privilege('pg_control_system()', 'execute')

@@ -266,7 +266,8 @@ def queues_xml(doc: dict[str, Any]) -> bytes:
         _xml_fields(ET.SubElement(root, "server"), server)
     for q in doc["queues"]:
         el = ET.SubElement(root, "queue", {"name": str(q[S.NAME])})
-        for k in (*S.NUMERIC_KEYS, *S.GROUP_KEYS):  # a grouped queue's figures: its sample's
+        # a grouped queue's figures: its sample's; a monitor's own samples always have DUE_KEYS
+        for k in (*S.NUMERIC_KEYS, *S.DUE_KEYS, *S.GROUP_KEYS):
             if k in q:
                 ET.SubElement(el, k).text = _xml_text(q[k])
     body: bytes = ET.tostring(root, encoding="utf-8", xml_declaration=True)

@@ -1,7 +1,8 @@
 """The SQL inbox pump: entries enqueued through ``ringq.enqueue()`` (SQL
 functions, for clients that cannot link the library) wait in ``ringq.inbox``
 until a linked client moves them into their ring, in order: ring slots are
-reserved only through the section.
+reserved only through the section. An entry's due time (``not_before``)
+moves with it: it is due in the ring when it was due in the inbox.
 """
 
 from __future__ import annotations
@@ -22,13 +23,13 @@ logger = logging.getLogger("ringq.monitor")
 def _refuse_bad(
     conn: Any, qid: int, name: str, max_payload: int, rows: list[Any]
 ) -> list[Any]:
-    """The ``rows`` (id, payload, producer, group) the library takes; the
+    """The ``rows`` (id, payload, producer, group, due) the library takes; the
     others (put into the inbox by hand, around ``ringq.enqueue()``, which
     checks the same) go to ``ringq.exceptions`` with the reason, in the
     pump's transaction, so they never stop the entries behind them."""
     good = []
     for row in rows:
-        inbox_id, payload, producer, group = row
+        inbox_id, payload, producer, group, _due = row
         why = None
         if len(payload) > max_payload:
             why = f"payload of {len(payload):,} bytes exceeds max_payload {max_payload:,}"
@@ -115,8 +116,11 @@ def _pump(
             try:
                 i = 0
                 while i < len(rows):
+                    # A run: one producer and one due time (enqueue_many takes
+                    # one not_before for the batch), in inbox order.
                     j = i
-                    while j < len(rows) and rows[j][2] == rows[i][2]:
+                    run = (rows[i][2], rows[i][4])
+                    while j < len(rows) and (rows[j][2], rows[j][4]) == run:
                         j += 1
                     s.producer = rows[i][2]
                     # Producer sequences follow the inbox ids (first id of the
@@ -130,6 +134,7 @@ def _pump(
                         [bytes(r[1]) for r in rows[i:j]],
                         group=[r[3] for r in rows[i:j]],
                         timeout=0,
+                        not_before=rows[i][4],  # None: due at once
                     )
                     i = j
             except QueueFull:

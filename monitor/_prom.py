@@ -46,6 +46,14 @@ _GAUGES: Final = {
     M.TAIL: ("ringq_queue_tail", "Oldest sequence number not yet reclaimed."),
     M.WAIT_READY: ("ringq_queue_waiting_dequeuers", "Dequeuers sleeping on the queue."),
     M.WAIT_SPACE: ("ringq_queue_waiting_enqueuers", "Enqueuers sleeping on a full queue."),
+    M.WAITING_ENTRIES: (
+        "ringq_queue_waiting_entries",
+        "Committed entries waiting for their due time (a delay or a retry's backoff).",
+    ),
+    M.NEXT_DUE_S: (
+        "ringq_queue_next_due_seconds",
+        "Seconds until the earliest waiting entry falls due (0: none waits, or it is due).",
+    ),
 }
 # gauges from the monitor's last sample (need the database)
 _SAMPLED: Final = {
@@ -286,11 +294,12 @@ def _horizon_metrics(st: dict[str, Any]) -> Iterator[Metric]:
     yield leases
 
 
-def _read_queues(sec: Section) -> list[tuple[str, dict[str, int], list[int], list[int]]]:
+def _read_queues(sec: Section) -> list[tuple[str, dict[str, float], list[int], list[int]]]:
     out = []
     for qidx in sec.loaded_queues():
         enq, deq = M.latency_histograms(sec, qidx)
-        out.append((sec.queue_name(qidx), M.queue_stats(sec, qidx), enq, deq))
+        stats: dict[str, float] = {**M.queue_stats(sec, qidx), **M.due_figures(sec, qidx)}
+        out.append((sec.queue_name(qidx), stats, enq, deq))
     return out
 
 

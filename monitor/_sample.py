@@ -47,6 +47,7 @@ NAME: Final = M.NAME
 T: Final = M.T
 NUMERIC_KEYS: Final = M.SAMPLE_KEYS  # numeric: also the T4 columns and the history point keys
 QUEUE_KEYS: Final = (NAME, *NUMERIC_KEYS)  # one queue in /api/queues, in this order
+DUE_KEYS: Final = M.DUE_KEYS  # after them, for every queue (entries that wait: M.due_figures)
 GROUP_KEYS: Final = M.GROUP_KEYS  # after them, for a grouped queue only (monitor/_groups.py)
 
 

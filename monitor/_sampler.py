@@ -2,7 +2,8 @@
 
 Each queue's counters are read from the section and turned into rates and
 percentiles (``_sample``), with the times the queue was empty or full
-(``_watch``), its exception count and dead rows (``_figures``) and, for a
+(``_watch``), its exception count and dead rows (``_figures``), its waiting
+entries and when the next falls due (two words of the queue block) and, for a
 grouped queue, its group figures. The samples go to the in-memory history, the
 T4 file of the day, and ``/api/queues``; the clients' rates are sampled too,
 and per client kind what its clients did over the interval (``_kinds``), into
@@ -14,6 +15,7 @@ from __future__ import annotations
 import time
 
 from ringq.engine import layout as L
+from ringq.engine import metrics as M
 
 from . import _clients as C
 from . import _kinds as K
@@ -92,6 +94,7 @@ class Sampler:
                 exceptions=self._figures.exc_counts.get(qid, 0),
                 dead_rows=self._figures.dead_rows.get(name, 0),
             )
+            sample.update(M.due_figures(sec, qidx))  # two words of the queue block
             if grouped(sec, qidx):  # an ungrouped queue: no scan, no query
                 sample.update(group_figures(sec, qidx, name, self._link.connect))
             samples.append(sample)

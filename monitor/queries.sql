@@ -96,9 +96,14 @@ SELECT EXISTS (SELECT 1 FROM ringq.inbox WHERE queue_id = %s)
 
 -- inbox_batch --
 -- The oldest entries of a queue's inbox, at most a batch, taken out in the
--- pump's transaction (they go back with a rollback).
+-- pump's transaction (they go back with a rollback), with their due times:
+-- NULL when due already (nothing to carry), and a time past what a Python
+-- datetime holds (an 'infinity' put in by hand, around ringq.enqueue())
+-- kept at year 9999: it never falls due, and never stops the pump.
 DELETE FROM ringq.inbox WHERE id IN (SELECT id FROM ringq.inbox WHERE queue_id = %s
-ORDER BY id LIMIT %s) RETURNING id, payload, producer, msg_group
+ORDER BY id LIMIT %s)
+RETURNING id, payload, producer, msg_group,
+          CASE WHEN not_before > now() THEN least(not_before, '9999-12-01 00:00+00') END
 
 -- inbox_refuse --
 -- An inbox entry the library refuses (put there by hand, around

@@ -31,6 +31,12 @@ sequence, the source queue and sequence travel in an envelope around the
 payload (:func:`wrap`/:func:`unwrap`, :class:`Moved`) unless the mover is
 told to move bare payloads.
 
+Due times (issue 24): an entry that waits in the source (a delayed enqueue,
+or a retry's backoff) is taken only once due, as by any consumer; its row's
+``not_before`` is read in the source transaction (one statement per batch)
+and the destination enqueue carries it, so it is due in the destination when
+it was due in the source, never earlier by the destination's clock.
+
 Availability: several movers may run for one source queue; only the one that
 holds a PostgreSQL advisory lock on database 1 (on a connection of its own,
 released by the server when that connection ends) moves. The others are on
@@ -68,11 +74,13 @@ from ringq.engine import (
     dsn_file,
     one_line,
     pg,
+    queue_table,
     read_dsn_file,
     redact_dsn,
     resolve_dsn,
     validate_queue_name,
 )
+from ringq.engine.sqlfile import compose
 
 from ._queries import SQL
 
@@ -539,7 +547,8 @@ class Mover:
         if not msgs:
             return 0
         try:
-            dst_seqs = self._to_destination(dst, msgs)
+            dues = self._due_times(src, msgs)
+            dst_seqs = self._to_destination(dst, msgs, dues)
         except BaseException:
             s.stats[STAT_FAILURES] += 1
             s.careful = n if n > 1 else max(0, s.careful - 1)
@@ -571,8 +580,25 @@ class Mover:
         s.stats[STAT_MOVED] += len(msgs)
         return len(msgs)
 
-    def _to_destination(self, dst: Session, msgs: list[Message]) -> list[int]:
-        """Enqueue the batch in database 2 and commit there; return destination seqs."""
+    def _due_times(self, src: Session, msgs: list[Message]) -> dict[int, datetime]:
+        """{source seq: due time} of the batch's entries that have one, read
+        from their rows in the source transaction (one statement)."""
+        cap = src.queue_info(self.src_queue).capacity
+        rows = pg.run(
+            src.connection,
+            compose(SQL["due_times"], table=queue_table(self.src_queue)),
+            ([m.seq % cap for m in msgs], [m.seq for m in msgs]),
+            dsn=self.src_dsn,
+            queue=self.src_queue,
+        ).fetchall()
+        return {int(seq): due for seq, due in rows}
+
+    def _to_destination(
+        self, dst: Session, msgs: list[Message], dues: dict[int, datetime]
+    ) -> list[int]:
+        """Enqueue the batch in database 2 and commit there; return destination
+        seqs. An entry with a due time in ``dues`` (by source seq) is enqueued
+        with it: due in the destination when it was due in the source."""
         s = self._s
         cfg = self.config
         dst_info = dst.queue_info(self.dst_queue)
@@ -615,11 +641,13 @@ class Mover:
                 s.stats[STAT_DUPLICATES] += 1
                 seqs.append(found[key])
                 continue
-            seqs.append(self._enqueue(dst, body, key, msg.group))
+            seqs.append(self._enqueue(dst, body, key, msg.group, dues.get(msg.seq)))
         dst.commit()
         return seqs
 
-    def _enqueue(self, dst: Session, body: bytes, key: str, group: str | None) -> int:
+    def _enqueue(
+        self, dst: Session, body: bytes, key: str, group: str | None, due: datetime | None
+    ) -> int:
         """Enqueue one entry (in its source group: a source batch holds at
         most one entry per group, so a group keeps its order across the move);
         a full destination is waited out, never a reason to roll back.
@@ -631,7 +659,8 @@ class Mover:
         while True:
             try:
                 return dst.enqueue(
-                    self.dst_queue, body, key=key, group=group, timeout=self.config.full_wait
+                    self.dst_queue, body, key=key, group=group, timeout=self.config.full_wait,
+                    not_before=due,
                 )
             except QueueFull:
                 self._s.stats[STAT_DST_FULL_WAITS] += 1

@@ -1,5 +1,6 @@
 -- SQL of the mover and of the updates-applied helper (ringq.move), loaded once
--- by move/_queries.py. Plain statements: no identifier is ever filled in.
+-- by move/_queries.py. {table} is a queue's table, filled only with
+-- psycopg.sql.Identifier from a validated name; no other identifier is filled in.
 
 -- try_lock --
 -- One lock per source queue: (hashtext('ringq.move'), queue id), the two-key
@@ -12,6 +13,14 @@ SELECT pg_advisory_unlock(hashtext('ringq.move'), %s)
 
 -- ping --
 SELECT 1
+
+-- due_times --
+-- The due times of a source batch's entries that have one (a delayed enqueue,
+-- or a retry's backoff), read in the source transaction by (slot, seq): the
+-- primary key, as the dequeue reads them. The mover enqueues each with it, so
+-- an entry is due in the destination when it was due in the source.
+SELECT seq, not_before FROM {table}
+WHERE slot = ANY(%s::integer[]) AND seq = ANY(%s::bigint[]) AND not_before IS NOT NULL
 
 -- moved_keys --
 -- Keys of entries already moved (read in the destination transaction, for

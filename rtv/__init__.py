@@ -13,7 +13,9 @@ its handled, failed, timed-out and poisoned messages and errors.
   which server the monitor is on, whether it is the primary, and whether the
   section follows its database history.
 - :func:`groups_line` is the line a grouped queue shows below its row (groups
-  ready and busy, the oldest waiting entry's age, read-past skips).
+  ready and busy, the oldest waiting entry's age, read-past skips), and
+  :func:`waiting_line` the line of a queue whose entries wait for their due
+  time (how many, when the next falls due).
 
 The charts use uPlot, shipped in ``static/vendor`` (see its README there).
 """
@@ -33,6 +35,7 @@ from ._server import Viewer, ViewerError
 from ._server_line import ServerLine, server_line
 from ._source import MonitorClient, MonitorError, MonitorUnavailable
 from ._tui import run_tui
+from ._waiting_line import waiting_line
 
 __all__ = [
     "DEFAULT_MONITOR_URL",
@@ -50,4 +53,5 @@ __all__ = [
     "new_token",
     "run_tui",
     "server_line",
+    "waiting_line",
 ]

@@ -30,6 +30,7 @@ from ._config import MAX_WINDOW, WINDOWS, ViewerConfig
 from ._groups_line import groups_line
 from ._server_line import server_line
 from ._source import MonitorClient, MonitorError, MonitorUnavailable, thin
+from ._waiting_line import waiting_line
 
 log = logging.getLogger("ringq.rtv")
 
@@ -147,7 +148,8 @@ class Viewer:
         line the page shows about the server the monitor is on (``text``,
         ``alarm``), or null from a monitor that does not say; and per queue
         a grouped queue's ``groups_line``, the line it shows below its row (a
-        queue without groups has none)."""
+        queue without groups has none), and ``waiting_line`` for a queue with
+        entries waiting for their due time."""
         overview = self.client.overview()
         doc = overview.as_json()
         line = None if overview.server is None else server_line(overview.server)
@@ -156,6 +158,9 @@ class Viewer:
             glines = groups_line(q)
             if glines is not None:  # a queue without groups has no such key
                 q["groups_line"] = glines
+            wline = waiting_line(q)
+            if wline is not None:  # nor one with no entry waiting for its time
+                q["waiting_line"] = wline
         return doc
 
     def api_clients(self) -> dict[str, Any]:

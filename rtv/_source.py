@@ -3,7 +3,8 @@
 The page and the terminal view both read through :class:`MonitorClient`, so
 whatever shape the monitor serves is mended in one place: every row comes out
 with every key of :data:`~ringq.rtv._metrics.NUMERIC` as a float (missing ones
-``None``; a grouped queue's row also every key of
+``None``; every row also every key of :data:`~ringq.engine.metrics.DUE_KEYS`,
+a float or ``None``; a grouped queue's row also every key of
 :data:`~ringq.engine.metrics.GROUP_KEYS`, an ungrouped one's none), queues
 sorted by name, history points sorted by time, clients with every key of
 :data:`~ringq.engine.metrics.CLIENT_KEYS`, workers first; the server the
@@ -258,6 +259,8 @@ def normalize(item: Mapping[str, Any]) -> Row:
             row[key] = float(value)
         else:
             row[key] = _number(value)
+    for key in M.DUE_KEYS:  # every queue's (None from a monitor older than issue 24)
+        row[key] = _number(get(key))
     if any(k in item for k in M.GROUP_KEYS):  # a grouped queue's figures: all of them or none
         for key in M.GROUP_KEYS:
             row[key] = _number(get(key))

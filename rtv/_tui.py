@@ -4,7 +4,8 @@ Data comes from :class:`~ringq.rtv._source.MonitorClient` (kept apart from
 rendering: :class:`TuiModel` fetches, :func:`render` draws). Below the status
 line, the server the monitor is on (:func:`~ringq.rtv._server_line.server_line`).
 Each queue row shows its current figures (a grouped queue's groups on a line
-below the table: :func:`~ringq.rtv._groups_line.groups_line`) and, over the
+below the table: :func:`~ringq.rtv._groups_line.groups_line`; entries waiting
+for their due time too: :func:`~ringq.rtv._waiting_line.waiting_line`) and, over the
 chosen window, sparklines of depth, rates and p99 latencies and a strip of
 its full/empty periods. Below the
 queues, one row per session attached to the section (workers first): its
@@ -33,6 +34,7 @@ from ringq.engine import metrics as M
 from ._groups_line import groups_line
 from ._server_line import server_line
 from ._source import MonitorClient, MonitorError, Row
+from ._waiting_line import waiting_line
 
 BLOCKS = " ▁▂▃▄▅▆▇█"
 SPARK_WIDTH = 24  # default columns of a sparkline
@@ -351,8 +353,14 @@ def render(
         )
     if not model.queues:
         current.add_row(Text("no queue reported yet", style="grey50"), *[""] * 12)
-    # Grouped queues only, one line each below the table: no column for the others.
-    grouped = [(q[M.NAME], text) for q in model.queues if (text := groups_line(q)) is not None]
+    # Grouped queues and queues with entries waiting for their time only, one
+    # line each below the table: no column for the others.
+    grouped = [
+        (q[M.NAME], text)
+        for q in model.queues
+        for text in (groups_line(q), waiting_line(q))
+        if text is not None
+    ]
     groups = Text("\n").join(
         Text.assemble((str(name), "bold"), f"  {text}") for name, text in grouped
     )

@@ -125,6 +125,11 @@ CREATE TABLE IF NOT EXISTS ringq.inbox (
 -- catalog change only: no rewrite), and a session refuses a database whose
 -- schema lacks the three-argument ringq.enqueue() created with them below.
 ALTER TABLE ringq.inbox ADD COLUMN IF NOT EXISTS msg_group text;
+-- An entry's due time (ringq.enqueue(queue, payload, msg_group, not_before);
+-- NULL: at once), which the pump carries into the ring's not_before. Added
+-- like msg_group; a session refuses a database whose schema lacks the
+-- four-argument ringq.enqueue() created with it below.
+ALTER TABLE ringq.inbox ADD COLUMN IF NOT EXISTS not_before timestamptz;
 CREATE INDEX IF NOT EXISTS inbox_queue_id_id ON ringq.inbox (queue_id, id);
 
 -- Poison entries ("three strikes") and why they were moved.
@@ -198,12 +203,17 @@ BEGIN
 END
 $ringq$;
 
--- ringq.enqueue(queue, payload[, msg_group]): the SQL API for clients that
--- cannot link the library. Returns the inbox id; the entry reaches the ring
--- in inbox order, in group msg_group (NULL: none). Two functions, not one
--- with a default: a schema script of an earlier version may create the
--- two-argument one again, and then a call would match both.
-CREATE OR REPLACE FUNCTION ringq.enqueue(queue text, payload bytea, msg_group text)
+-- ringq.enqueue(queue, payload[, msg_group[, not_before]]): the SQL API for
+-- clients that cannot link the library. Returns the inbox id; the entry
+-- reaches the ring in inbox order, in group msg_group (NULL: none), due at
+-- not_before (NULL, or a time already past: at once): it is committed then,
+-- but no consumer receives it before that time (the library's
+-- enqueue(not_before=)). Three functions, not one with defaults: a schema
+-- script of an earlier version may create the shorter ones again, and then a
+-- call would match two.
+CREATE OR REPLACE FUNCTION ringq.enqueue(
+    queue text, payload bytea, msg_group text, not_before timestamptz
+)
 RETURNS bigint
 LANGUAGE plpgsql
 AS $ringq$
@@ -225,17 +235,29 @@ BEGIN
         RAISE EXCEPTION 'ringq: msg_group must be NULL (no group) or 1 to 128 bytes of UTF-8, not %',
             octet_length(convert_to(msg_group, 'UTF8')) USING ERRCODE = 'invalid_parameter_value';
     END IF;
-    INSERT INTO ringq.inbox (queue_id, payload, msg_group) VALUES (q.id, payload, msg_group)
+    -- the ring's rows and the section hold a time of the calendar (PostgreSQL's
+    -- 'infinity' is none)
+    IF NOT isfinite(not_before) THEN
+        RAISE EXCEPTION 'ringq: not_before must be NULL (at once) or a finite time, not %',
+            not_before USING ERRCODE = 'invalid_parameter_value';
+    END IF;
+    INSERT INTO ringq.inbox (queue_id, payload, msg_group, not_before)
+    VALUES (q.id, payload, msg_group, not_before)
     RETURNING inbox.id INTO id;
     PERFORM pg_notify('ringq_inbox', queue);
     RETURN id;
 END
 $ringq$;
 
+CREATE OR REPLACE FUNCTION ringq.enqueue(queue text, payload bytea, msg_group text)
+RETURNS bigint
+LANGUAGE sql
+AS $ringq$ SELECT ringq.enqueue(queue, payload, msg_group, NULL::timestamptz) $ringq$;
+
 CREATE OR REPLACE FUNCTION ringq.enqueue(queue text, payload bytea)
 RETURNS bigint
 LANGUAGE sql
-AS $ringq$ SELECT ringq.enqueue(queue, payload, NULL::text) $ringq$;
+AS $ringq$ SELECT ringq.enqueue(queue, payload, NULL::text, NULL::timestamptz) $ringq$;
 
 -- ringq.depth(queue): committed entries waiting, in the ring and in the inbox.
 CREATE OR REPLACE FUNCTION ringq.depth(queue text)

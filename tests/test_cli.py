@@ -8,11 +8,15 @@ the embedded cluster.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shutil
 import subprocess
 import sys
+import threading
+import time
 import zipfile
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import psycopg
@@ -283,3 +287,49 @@ def test_wheel_holds_the_subpackages_and_their_data_and_no_top_level_engine(
     }
     assert "ringq/rtv/static/index.html" in static and static <= names
     assert b"ringq = ringq.cli:main" in entry_points
+
+
+def test_status_prints_a_line_under_a_queue_whose_entries_wait(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """Issue 24: ``ringq status`` prints, under a queue's row, how many of its
+    entries wait for their due time and when the next falls due (after its
+    groups' line); nothing for a queue with none, or from a monitor that does
+    not say. (A stand-in monitor serves the document.)"""
+    base = {"capacity": 64, "depth": 5}
+    doc = {"t": time.time(), "monitor": {"beat": time.time()}, "queues": [
+        {**base, "name": "grouped", "waiting_entries": 4, "next_due_s": 75.0,
+         "groups_ready": 1, "groups_busy": 0, "group_oldest_age_s": 2.0, "group_skips": 0},
+        {**base, "name": "none", "waiting_entries": 0, "next_due_s": 0.0},
+        {**base, "name": "older"},  # a monitor before issue 24
+        {**base, "name": "ripe", "waiting_entries": 1, "next_due_s": 0.0},
+    ]}
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            body = json.dumps(doc if self.path == "/api/queues" else {"clients": []}).encode()
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, format: str, *args: object) -> None:
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        code, out, err = cli(capsys, "status", "--monitor", f"http://127.0.0.1:{server.server_port}")
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert code == 0, err
+    lines = out.splitlines()
+    at = next(i for i, line in enumerate(lines) if line.startswith("grouped "))
+    assert lines[at + 1].startswith("  groups: 1 ready")
+    assert lines[at + 2] == "  waiting: 4 entries, next due in 1 min 15 s"
+    assert lines[at + 3].startswith("none ") and lines[at + 4].startswith("older ")
+    assert lines[at + 5].startswith("ripe ") and lines[at + 6] == "  waiting: 1 entry, next due now"
+    assert sum("waiting:" in line for line in lines) == 2

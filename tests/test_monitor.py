@@ -10,6 +10,7 @@ import csv
 import json
 import logging
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -41,6 +42,7 @@ API_QUEUE_KEYS = {
     "name", "capacity", "depth", "head", "tail", "enq_rate", "deq_rate", "enq_p50_us", "enq_p99_us",
     "deq_p50_us", "deq_p99_us", "full", "empty", "retries", "exceptions", "commits", "rollbacks",
     "waiting_dequeuers", "waiting_enqueuers", "wait_p50_us", "wait_p95_us", "wait_p99_us",
+    "waiting_entries", "next_due_s",
 }
 FAST = 0.2  # sample interval (s) used by the tests
 
@@ -584,6 +586,52 @@ def test_a_grouped_queue_shows_its_groups(dsn: str, make_queue: Any, monitor: An
         assert lines[row + 1].startswith("  groups: 2 ready, 1 busy, oldest waiting ")
         assert sum("groups:" in line for line in lines) == 1  # none for the plain queue
         held.rollback()
+
+
+def test_entries_that_wait_show_in_api_metrics_and_status(
+    dsn: str, make_queue: Any, monitor: Any
+) -> None:
+    """Issue 24: per queue, how many entries wait for their due time and when
+    the next falls due, in /api/queues (and its XML), /metrics and ``ringq
+    status``; a queue with none shows 0 and no line."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    q, plain = make_queue(dequeue_mode="shared"), make_queue()
+    produce(dsn, plain, 1)
+    with connect(dsn) as s:
+        s.enqueue_many(q, [b"late-1", b"late-2"], delay=600)
+        s.enqueue(q, b"sooner", delay=300)
+        s.enqueue(q, b"now")
+        s.commit()
+        got = present(s.dequeue(q))  # shared: reads past the three waiting
+        assert got.payload == b"now"
+        s.commit()
+    m = monitor()
+    doc = wait_for(
+        lambda: (d := queue_doc(m.url, q)) and d.get("waiting_entries") == 3 and d,
+        what="a sample with the waiting entries",
+    )
+    assert doc["depth"] == 3  # they are committed: depth counts them
+    assert 280 < doc["next_due_s"] <= 300  # the earlier of the two due times
+    assert present(queue_doc(m.url, plain))["waiting_entries"] == 0
+    assert present(queue_doc(m.url, plain))["next_due_s"] == 0
+    root = ET.fromstring(http(m.url + "/api/queues.xml")[1])
+    el = next(e for e in root.iter("queue") if e.get("name") == q)
+    assert el.findtext("waiting_entries") == "3"
+    fams = {
+        f.name: f for f in text_string_to_metric_families(http(m.url + "/metrics")[1].decode())
+    }
+    waiting = {x.labels["queue"]: x.value for x in fams["ringq_queue_waiting_entries"].samples}
+    assert waiting[q] == 3 and waiting[plain] == 0
+    due = {x.labels["queue"]: x.value for x in fams["ringq_queue_next_due_seconds"].samples}
+    assert 280 < due[q] <= 300 and due[plain] == 0
+    r = ringq_run("status", "--monitor", m.url)
+    assert r.returncode == 0, r.stderr
+    print("\n" + r.stdout)
+    lines = r.stdout.splitlines()
+    row = next(i for i, line in enumerate(lines) if line.startswith(q + " "))
+    assert re.fullmatch(r"  waiting: 3 entries, next due in 4 min \d\d s", lines[row + 1])
+    assert sum("waiting:" in line for line in lines) == 1  # none for the plain queue
 
 
 def test_status_with_a_token(dsn: str, make_queue: Any, spawn_monitor: Any) -> None:

@@ -27,7 +27,7 @@ import psycopg
 import pytest
 from conftest import drain, present, queue_in, remove_section
 from psycopg import sql
-from ringq.engine import connect
+from ringq.engine import connect, queue_table
 from ringq.engine.recovery import reclaim_all, recover_dead_clients, repair_lock_holders
 from ringq.move import (
     MoveConfig,
@@ -148,6 +148,45 @@ def test_groups_survive_a_move_in_order(dsn: str, dsn2: str) -> None:
         arrived[m.group].append(body["i"])
     assert arrived == sent and set(sent) == {"g0", "g1", "g2", None}
     assert drain(dsn, src, batch=100) == []
+
+
+def _not_before(dsn: str, queue: str) -> list[tuple[bytes, Any]]:
+    """(payload, not_before) of the queue's entries, by sequence."""
+    with psycopg.connect(dsn, autocommit=True) as c:
+        rows = c.execute(
+            sql.SQL("SELECT payload, not_before FROM {} WHERE seq >= 0 ORDER BY seq").format(
+                queue_table(queue)
+            )
+        ).fetchall()
+    return [(bytes(p), nb) for p, nb in rows]
+
+
+def test_a_moved_entry_keeps_its_due_time(dsn: str, dsn2: str) -> None:
+    """Issue 24: an entry is due in the destination when it was due in the
+    source (its row's not_before, a delay's or a retry's backoff, goes with
+    it); entries without one arrive without one. The source is single: its
+    head waits, so the mover takes the delayed entry only once it is due."""
+    src, dst = _queue(dsn, max_deliveries=10, retry_delay=0.2), _dst(dsn2, dequeue_mode="shared")
+    with connect(dsn, producer="a") as s:
+        s.enqueue(src, b"first")
+        s.enqueue(src, b"delayed", delay=0.5)
+        s.enqueue(src, b"after")
+        s.commit()
+        m = present(s.dequeue(src))
+        assert m.payload == b"first"
+        s.rollback()  # a strike: back after retry_delay, with that due time in its row
+    due = dict(_not_before(dsn, src))
+    assert due[b"first"] is not None and due[b"delayed"] is not None and due[b"after"] is None
+    with Mover(dsn, src, dsn2, dst, config=MoveConfig(batch=16, envelope=False)) as mv:
+        moved = 0
+        deadline = time.monotonic() + 10
+        while moved < 3 and time.monotonic() < deadline:
+            moved += mv.move_batch(wait=1.0)  # single: the head waits for its time
+        assert moved == 3
+    assert _not_before(dsn2, dst) == [
+        (b"first", due[b"first"]), (b"delayed", due[b"delayed"]), (b"after", None)
+    ]
+    assert [m.payload for m in drain(dsn2, dst, batch=10)] == [b"first", b"delayed", b"after"]
 
 
 def test_redelivered_after_destination_commit_is_skipped_by_key(dsn: str, dsn2: str) -> None:

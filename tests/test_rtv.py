@@ -38,6 +38,7 @@ from ringq.rtv import (
     ViewerConfig,
     groups_line,
     server_line,
+    waiting_line,
 )
 from ringq.rtv import _metrics as K
 from ringq.rtv._source import normalize_client, thin
@@ -323,7 +324,10 @@ def test_proxy_forwards_the_monitor_token_and_reports_its_failures() -> None:
             doc = json.loads(body)
             assert [q["name"] for q in doc["queues"]] == ["alpha", "beta"]
             assert doc["interval"] == 1.0
-            assert set(doc["queues"][0]) == {M.NAME, M.T, *K.NUMERIC}
+            assert set(doc["queues"][0]) == {M.NAME, M.T, *K.NUMERIC, *M.DUE_KEYS}
+            # the stand-in does not say how many entries wait: None, and no line
+            assert [doc["queues"][0][k] for k in M.DUE_KEYS] == [None, None]
+            assert "waiting_line" not in doc["queues"][0]
             assert doc["queues"][0]["retries"] in (0.0, 1.0)  # booleans come out as numbers
             # The viewer's token never reaches the monitor; the monitor's does.
             assert {h for _, h in mon.requests} == {"Bearer mon-token"}
@@ -756,6 +760,75 @@ def test_a_grouped_queue_gets_a_line_on_the_page(browser: Any) -> None:
         assert [(q, c) for q, c, _ in rows] == [("alpha", "selected"), ("beta", ""),
                                                 ("beta", "groups")]
         assert rows[2][2] == line
+        page.close()
+    finally:
+        assert _stop(proc) == 0
+        mon.close()
+
+
+class WaitingFakeMonitor(GroupedFakeMonitor):
+    """The grouped stand-in, with 12 of ``beta``'s entries waiting for their due
+    time (issue 24) and none of ``alpha``'s."""
+
+    def sample(self, queue: str, t: int) -> dict[str, Any]:
+        s = super().sample(queue, t)
+        beta = queue == "beta"
+        s.update(waiting_entries=12 if beta else 0, next_due_s=3.2 if beta else 0.0)
+        return s
+
+
+WAITING_LINE = "waiting: 12 entries, next due in 3.2 s"
+
+
+def test_waiting_line_says_how_many_wait_and_when_the_next_is_due() -> None:
+    assert waiting_line({}) is None  # a monitor that does not say
+    assert waiting_line({M.WAITING_ENTRIES: 0, M.NEXT_DUE_S: 0.0}) is None
+    assert waiting_line({M.WAITING_ENTRIES: 12.0, M.NEXT_DUE_S: 3.2}) == WAITING_LINE
+    assert waiting_line({M.WAITING_ENTRIES: 1, M.NEXT_DUE_S: 0}) == "waiting: 1 entry, next due now"
+    assert waiting_line({M.WAITING_ENTRIES: 2_500, M.NEXT_DUE_S: 7_380}) == (
+        "waiting: 2,500 entries, next due in 2 h 03 min"
+    )
+    assert waiting_line({M.WAITING_ENTRIES: 3, M.NEXT_DUE_S: None}) == (
+        "waiting: 3 entries, next due ?"
+    )
+
+
+def test_waiting_entries_get_a_line_in_the_terminal_view() -> None:
+    from rich.console import Console
+
+    mon = WaitingFakeMonitor()
+    try:
+        model = TuiModel(MonitorClient(mon.url), window=60)
+        model.update()
+        assert [(q[M.WAITING_ENTRIES], q[M.NEXT_DUE_S]) for q in model.queues] == [
+            (0.0, 0.0), (12.0, 3.2)
+        ]
+        console = Console(record=True, width=160, color_system=None)
+        console.print(render(model, mon.url, width=160))
+        lines = console.export_text().splitlines()
+        at = lines.index(f"beta  {GROUPS_LINE}")
+        assert lines[at + 1] == f"beta  {WAITING_LINE}"  # below the groups' line
+        assert sum("waiting:" in line for line in lines) == 1  # none for alpha
+    finally:
+        mon.close()
+
+
+def test_waiting_entries_get_a_line_on_the_page(browser: Any) -> None:
+    mon = WaitingFakeMonitor()
+    proc, url = _start_rtv(mon.url)
+    try:
+        page = browser.new_page(viewport={"width": 1400, "height": 900})
+        page.goto(url)
+        _wait_until(page, "window.ringqRtv.state.ticks >= 1")
+        assert [q.get("waiting_line") for q in page.evaluate("window.ringqRtv.state.queues")] == [
+            None, WAITING_LINE
+        ]
+        rows = page.locator("#queues tbody tr").evaluate_all(
+            "rows => rows.map(r => [r.dataset.queue, r.className, r.textContent])"
+        )
+        assert [(q, c) for q, c, _ in rows] == [("alpha", "selected"), ("beta", ""),
+                                                ("beta", "groups"), ("beta", "waiting")]
+        assert rows[3][2] == WAITING_LINE
         page.close()
     finally:
         assert _stop(proc) == 0

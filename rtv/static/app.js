@@ -262,7 +262,10 @@
         "</tr>" +
         // A grouped queue's groups, on a row of their own below it (no column for the others).
         (q.groups_line ? '<tr class="groups" data-queue="' + esc(q.name) + '"><td></td>' +
-          '<td class="name" colspan="13">' + esc(q.groups_line) + "</td></tr>" : "")
+          '<td class="name" colspan="13">' + esc(q.groups_line) + "</td></tr>" : "") +
+        // Entries waiting for their due time (delays, retry backoff): a row below it too.
+        (q.waiting_line ? '<tr class="waiting" data-queue="' + esc(q.name) + '"><td></td>' +
+          '<td class="name" colspan="13">' + esc(q.waiting_line) + "</td></tr>" : "")
       );
     }).join("");
   }
