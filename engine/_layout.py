@@ -203,6 +203,7 @@ CLIENT_WORDS = 32
 # Client roles (C_ROLE).
 CR_CLIENT = 0  # a program's own session
 CR_WORKER = 1  # a ringq worker (ringq.worker)
+CR_MONITOR = 2  # the monitor's own session (its inbox pump)
 
 # Client error codes (C_ERR_CODE); their names are in ringq.engine.metrics.
 ERR_NONE = 0

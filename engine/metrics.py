@@ -164,7 +164,8 @@ CLIENT_COUNTERS: Final = tuple(_CLIENT_WORDS)
 
 ROLE_CLIENT: Final = "client"
 ROLE_WORKER: Final = "worker"
-ROLES: Final = {L.CR_CLIENT: ROLE_CLIENT, L.CR_WORKER: ROLE_WORKER}
+ROLE_MONITOR: Final = "monitor"
+ROLES: Final = {L.CR_CLIENT: ROLE_CLIENT, L.CR_WORKER: ROLE_WORKER, L.CR_MONITOR: ROLE_MONITOR}
 
 # error kinds (the monitor's log and metrics use these names)
 ERROR_KINDS: Final = {

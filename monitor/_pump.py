@@ -16,6 +16,7 @@ import time
 from dataclasses import dataclass, field
 
 from ringq.engine import Session, connect
+from ringq.engine import layout as L
 
 from . import _queries as Qy
 from ._inbox import pump_inbox
@@ -62,6 +63,8 @@ class Pump:
         if self._session is None:
             self._session = connect(dsn)
             self._session_dsn = dsn
+            # Its calls are the monitor's own, not an application client's (kinds).
+            self._session.set_client_role(L.CR_MONITOR)
             self._session.connection.execute(Qy.PUMP_ASYNC_COMMIT)
             self._session.commit()  # a SET in a transaction rolled back would be undone
         return self._session

@@ -466,7 +466,8 @@ def test_every_numeric_queue_setting_is_bounded() -> None:
     # A new numeric setting must get its bound here, in ddl.sql's DO block and constraint.
     numeric = {f.name for f in dataclasses.fields(QueueSpec) if f.type in ("int", "float")}
     assert numeric == {
-        "capacity", "max_payload", "full_timeout", "max_deliveries", "fillfactor", "lease"
+        "capacity", "max_payload", "full_timeout", "max_deliveries", "fillfactor", "lease",
+        "retry_delay", "retry_factor", "retry_max",
     }
     for field in sorted(numeric):
         with pytest.raises(ConfigError, match=field):
