@@ -33,7 +33,7 @@ from ._ops import Op
 from ._pg import from_psycopg
 from ._queries import QUERIES as _Q
 from ._queue_info import QueueInfo
-from ._recovery import history_of, section_following
+from ._recovery import history_of, section_following, wait_dead_holders
 from ._ring import Ring
 from ._section import Section
 
@@ -269,6 +269,17 @@ class Link:
             self.rings[info.id] = ring
             self.section.mark_client_queue(self.cidx, qidx)  # once per session and queue
         return ring
+
+    def wait_dead_holders(self, queue: str, timeout: float) -> None:
+        """Decide the slots of ``queue`` held by dead clients (``Session.recover_dead_holders``)."""
+        ring = self.ring(self.info(queue))
+        wait_dead_holders(self.section, self.dsn, ring, queue, owner=self.owner, timeout=timeout)
+
+    def queue_stats(self, queue: str) -> dict[str, int]:
+        """The queue's counters in the section (``Session.stats``)."""
+        from .metrics import queue_stats  # metrics imports the engine's modules
+
+        return queue_stats(self.section, self.ring(self.info(queue)).qidx)
 
     def _load_queue(self, info: QueueInfo) -> int:
         """Bring a queue into the section from its table (first user on this host)."""

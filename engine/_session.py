@@ -10,8 +10,9 @@ state, and delegates to the objects it holds, each calling down only:
 its :class:`~._link.Link` (the connection, the client entry, the slots in
 flight, a lost connection), its :class:`~._transaction.Transaction` (what is
 written and when: commit, flush, rollback, the in-doubt path), its
-:class:`~._claim.Claims` (which slots, and the section and cache work for
-them) and its :class:`~._tpc.TwoPhase` (two-phase commit).
+:class:`~._reserve.Reservations` (the slots its enqueues take),
+:class:`~._claim.Claims` (the slots its dequeues take, served from the cache
+or the rows) and its :class:`~._tpc.TwoPhase` (two-phase commit).
 """
 
 from __future__ import annotations
@@ -19,7 +20,6 @@ from __future__ import annotations
 import logging
 import os
 import socket
-import time
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from datetime import datetime
@@ -38,20 +38,13 @@ from ._events import Subscription, publish
 from ._link import Link
 from ._message import Message as Message
 from ._queue_info import QueueInfo as QueueInfo
-from ._recovery import wait_dead_holders
+from ._reserve import Reservations
 from ._ring import Ring
 from ._section import Section
 from ._tpc import TwoPhase
 from ._transaction import Transaction
 from ._validate import (
-    as_groups,
-    as_payload,
-    as_payloads,
-    check_count,
     check_due,
-    check_group,
-    check_key,
-    check_wait,
     validate_int,
     validate_seconds,
 )
@@ -118,6 +111,7 @@ class Session:
                           application_name=appname, role=role)
         self._txn = Transaction(self._link)
         self._claims = Claims(self._link)
+        self._reservations = Reservations(self._link)
         self._tpc = TwoPhase(self._link, self._txn)
         self.dsn, self.instance = dsn, self._link.instance
         if _trace.wanted():  # decided per session: off, its calls are the class's, untouched
@@ -349,8 +343,7 @@ class Session:
         if os.getpid() != self._pid:
             self._after_fork()
             return
-        if retry_after is not None:
-            retry_after = check_due(retry_after, None)[0]
+        retry_after = None if retry_after is None else check_due(retry_after, None)[0]
         if self._tpc.xid is not None:
             self.tpc_rollback()  # refuses once decided
             return
@@ -492,14 +485,8 @@ class Session:
             ``not_before`` naive, or both given.
         """
         self._check()
-        payload = as_payload(payload)
-        check_key(key)
-        check_group(group)
-        check_wait("timeout", timeout)
-        due = check_due(delay, not_before) if delay is not None or not_before is not None else None
-        t0 = time.perf_counter_ns()
-        info = self._link.info(queue)
-        return self._claims.enqueue_checked(info, payload, key, group, timeout, t0, due)
+        return self._reservations.enqueue_checked(queue, payload, key, group, timeout, delay,
+                                                  not_before)
 
     def enqueue_many(
         self,
@@ -524,13 +511,8 @@ class Session:
             (as :meth:`enqueue`), or the groups are not one per payload.
         """
         self._check()
-        items = as_payloads(payloads)
-        groups = as_groups(group, len(items))
-        check_wait("timeout", timeout)
-        due = check_due(delay, not_before) if delay is not None or not_before is not None else None
-        t0 = time.perf_counter_ns()
-        info = self._link.info(queue)
-        return self._claims.enqueue_many_checked(info, items, groups, timeout, t0, due)
+        return self._reservations.enqueue_many_checked(queue, payloads, group, timeout, delay,
+                                                       not_before)
 
     # -- dequeue -----------------------------------------------------------------------
 
@@ -551,12 +533,7 @@ class Session:
         :raises InvalidArgument: ``max_n`` is below 1, ``wait`` negative.
         """
         self._check()
-        check_count("max_n", max_n)
-        check_wait("wait", wait)
-        t0 = time.perf_counter_ns()
-        info = self._link.info(queue)
-        deadline = None if wait is None else time.monotonic() + wait
-        return self._claims.dequeue_many(info, max_n, deadline, t0)
+        return self._claims.dequeue_checked(queue, max_n, wait)
 
     # -- recovery ------------------------------------------------------------------------
 
@@ -574,9 +551,7 @@ class Session:
         """
         self._check()
         validate_seconds("timeout", timeout, 0.0, 86400.0)
-        link = self._link
-        ring = link.ring(link.info(queue))
-        wait_dead_holders(link.section, link.dsn, ring, queue, owner=link.owner, timeout=timeout)
+        self._link.wait_dead_holders(queue, timeout)
 
     # -- events and introspection ----------------------------------------------------------
 
@@ -593,11 +568,8 @@ class Session:
 
     def stats(self, queue: str) -> dict[str, int]:
         """The queue's counters in the section (see ringq.engine.metrics)."""
-        from .metrics import queue_stats
-
         self._check()
-        link = self._link
-        return queue_stats(link.section, link.ring(link.info(queue)).qidx)
+        return self._link.queue_stats(queue)
 
     @property
     def section(self) -> Section:
