@@ -235,14 +235,16 @@ class Traffic:
 
 def _quiet(dsn: str, own_pid: int) -> None:
     """Wait until the monitor has recovered every dead client: no client but
-    ours, no slot locked, no queue lock holder."""
+    ours and the monitor's own (its inbox pump's session), no slot locked, no
+    queue lock holder."""
     with connect(dsn) as s:
 
         def done() -> bool:
             s.commit()  # re-attaches if the section was replaced
             sec = s.section
             return (
-                all(sec.c(c, L.C_PID) == own_pid for c in sec.active_clients())
+                all(sec.c(c, L.C_PID) == own_pid or sec.c(c, L.C_ROLE) == L.CR_MONITOR
+                    for c in sec.active_clients())
                 and not any(sec.q(i, L.Q_LOCK_HOLDER) for i in sec.loaded_queues())
                 and not sec.lck.any()
             )
