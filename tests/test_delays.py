@@ -15,26 +15,31 @@ import multiprocessing as mp
 import os
 import signal
 import time
+import uuid
 from collections.abc import Callable
 from datetime import UTC, datetime, timedelta
 from multiprocessing.synchronize import Event
+from pathlib import Path
 
 import psycopg
 import pytest
 from conftest import cli, present, remove_section
 from psycopg import sql
+from ringq.cluster import Cluster
 from ringq.engine import (
     ConfigError,
+    DatabaseUnavailable,
     InvalidArgument,
     InvalidArgumentType,
     Message,
+    Section,
     Session,
     connect,
     queue_table,
 )
 from ringq.engine import layout as L
 from ringq.engine.recovery import recover_dead_clients
-from ringq.scripting import alter_retry
+from ringq.scripting import QueueSpec, alter_retry, create_queue
 from ringq.worker import Actions, Retry, Worker
 
 FORK = mp.get_context("fork")
@@ -397,3 +402,51 @@ def test_queue_create_and_alter_set_the_retry_backoff(
     assert code == 4, err
     assert retry_settings(dsn, name) == (0.5, 2.0, 30.0)
     remove_section(dsn)
+
+
+def test_entries_waiting_across_a_database_restart_keep_their_due_times(tmp_path: Path) -> None:
+    """The server stops and starts again while entries wait (the section stays
+    on the host): none is received before its time, each once, the delayed
+    one and a retried one alike."""
+    cluster = Cluster(tmp_path / "pg")  # its own server: this test stops it
+    dsn = cluster.start()
+    instance = None
+    try:
+        q = "q_" + uuid.uuid4().hex[:10]
+        with psycopg.connect(dsn) as conn:
+            create_queue(conn, QueueSpec(q, 64, 100, dequeue_mode="shared", retry_delay=2.0))
+            instance = present(conn.execute(
+                "SELECT value FROM ringq.meta WHERE key = 'instance_id'").fetchone())[0]
+        with connect(dsn) as s:
+            s.enqueue(q, b"late", delay=2.0)
+            s.enqueue(q, b"retried")
+            s.commit()
+            assert present(s.dequeue(q)).payload == b"retried"
+            s.rollback()  # due again 2 s from now (the queue's backoff)
+        t_due = time.monotonic() + 2.0
+        cluster.stop()
+        assert cluster.start() == dsn
+        got: list[tuple[bytes, int]] = []
+        with connect(dsn) as s:
+            while len(got) < 2:
+                try:
+                    m = s.dequeue(q, wait=0.2)
+                    s.commit()
+                except DatabaseUnavailable:
+                    continue  # the first call after the restart finds its connection gone
+                if m is not None:
+                    assert time.monotonic() >= t_due - 0.3, "received before its due time"
+                    got.append((m.payload, m.deliveries))
+                assert time.monotonic() < t_due + 30, "the waiting entries never came"
+        assert sorted(got) == [(b"late", 1), (b"retried", 2)]
+        with psycopg.connect(dsn) as conn:
+            early = conn.execute(sql.SQL(
+                "SELECT count(*) FROM {} WHERE state = 2 AND deq_at < not_before"
+            ).format(sql.Identifier("ringq", "q_" + q))).fetchone()
+            assert early == (0,)  # by the database's clock too
+    finally:
+        if instance is not None and cluster.status().running:
+            remove_section(dsn)
+        cluster.stop()
+        if instance is not None:
+            Section.unlink(instance)
