@@ -66,6 +66,8 @@ class KindCounts:
         cur: dict[Key, dict[str, int]] = {}
         kinds: dict[str, dict[str, float]] = {}
         for c in clients:
+            if c.role == M.ROLE_MONITOR:
+                continue  # the monitor's own session (its inbox pump): not a kind of client
             cur[c.key] = c.stats
             row = kinds.setdefault(c.role, _zero())
             row[CLIENTS] += 1
