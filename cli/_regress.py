@@ -140,6 +140,16 @@ def register(sub: Any) -> None:
                help="share of producer transactions rolled back on purpose")
     env_option(p, "--two-phase-rate", env="RINGQ_REGRESS_TWO_PHASE_RATE", default=0.3, type=float,
                help="share of producer transactions run as two-phase commits")
+    env_option(p, "--delayed-share", env="RINGQ_REGRESS_DELAYED_SHARE", default=0.0,
+               type=float,
+               help="share of entries enqueued with a delay (random up to --max-delay); the "
+                    "proof checks none was taken before its due time (default 0: none)")
+    env_option(p, "--max-delay", env="RINGQ_REGRESS_MAX_DELAY", default=0.5, type=float,
+               help="the longest delay of a delayed entry, in seconds")
+    env_option(p, "--retry-delay", env="RINGQ_REGRESS_RETRY_DELAY", default=0.0, type=float,
+               help="retry backoff of the run's queues, in seconds: an entry a consumer rolls "
+                    "back comes back that much later, and the proof checks it was not taken "
+                    "again before (default 0: at once)")
     env_option(
         p,
         "--filler",
@@ -394,6 +404,9 @@ def _run(args: argparse.Namespace) -> int:
         grouped_consumers=args.grouped_consumers,
         groups=args.groups,
         sql_consumers=args.sql_consumers,
+        delayed_share=args.delayed_share,
+        max_delay=args.max_delay,
+        retry_delay=args.retry_delay,
     )
     dsn = resolve_dsn(args.dsn)
     monitor_dir = Path(args.monitor_dir) if args.monitor_dir else ringq_home() / "monitor"
