@@ -54,6 +54,18 @@ monitor's agent: the run uses the monitor serving the database, or starts its
 own. With --chaos they are killed too (kill -9, and pg_terminate_backend of
 their backends). The report counts entries and entries/s per kind.
 
+Entries that wait (--delayed-share S, --max-delay SECONDS, --retry-delay
+SECONDS; default 0: none): producers enqueue a share S of their entries with a
+delay (random up to --max-delay) and record the due time the database gave each
+(its row's not_before, read back after the commit); the run's queues get a
+retry backoff of --retry-delay, and consumers log each deliberate rollback with
+the database's time just before it. Every take is recorded with the database's
+time (clock_timestamp() in the consumer's transaction). The proof adds: no
+delayed entry taken before its due time ("taken before due") and no rolled-back
+entry taken again before its backoff ("retried before backoff"), both with no
+tolerance; the order checks stay as strict (a single queue's head waits for its
+time, and a group waits for its head).
+
 --chaos: every --chaos-interval seconds while producers work, kill -9 a random
 producer, consumer or the monitor, and restart it; --chaos-pg-restart also
 restarts the embedded PostgreSQL once per cycle (workers reconnect). Restarted
