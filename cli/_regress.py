@@ -54,6 +54,18 @@ monitor's agent: the run uses the monitor serving the database, or starts its
 own. With --chaos they are killed too (kill -9, and pg_terminate_backend of
 their backends). The report counts entries and entries/s per kind.
 
+Entries that wait (--delayed-share S, --max-delay SECONDS, --retry-delay
+SECONDS; default 0: none): producers enqueue a share S of their entries with a
+delay (random up to --max-delay) and record the due time the database gave each
+(its row's not_before, read back after the commit); the run's queues get a
+retry backoff of --retry-delay, and consumers log each deliberate rollback with
+the database's time just before it. Every take is recorded with the database's
+time (clock_timestamp() in the consumer's transaction). The proof adds: no
+delayed entry taken before its due time ("taken before due") and no rolled-back
+entry taken again before its backoff ("retried before backoff"), both with no
+tolerance; the order checks stay as strict (a single queue's head waits for its
+time, and a group waits for its head).
+
 --chaos: every --chaos-interval seconds while producers work, kill -9 a random
 producer, consumer or the monitor, and restart it; --chaos-pg-restart also
 restarts the embedded PostgreSQL once per cycle (workers reconnect). Restarted
@@ -140,6 +152,16 @@ def register(sub: Any) -> None:
                help="share of producer transactions rolled back on purpose")
     env_option(p, "--two-phase-rate", env="RINGQ_REGRESS_TWO_PHASE_RATE", default=0.3, type=float,
                help="share of producer transactions run as two-phase commits")
+    env_option(p, "--delayed-share", env="RINGQ_REGRESS_DELAYED_SHARE", default=0.0,
+               type=float,
+               help="share of entries enqueued with a delay (random up to --max-delay); the "
+                    "proof checks none was taken before its due time (default 0: none)")
+    env_option(p, "--max-delay", env="RINGQ_REGRESS_MAX_DELAY", default=0.5, type=float,
+               help="the longest delay of a delayed entry, in seconds")
+    env_option(p, "--retry-delay", env="RINGQ_REGRESS_RETRY_DELAY", default=0.0, type=float,
+               help="retry backoff of the run's queues, in seconds: an entry a consumer rolls "
+                    "back comes back that much later, and the proof checks it was not taken "
+                    "again before (default 0: at once)")
     env_option(
         p,
         "--filler",
@@ -394,6 +416,9 @@ def _run(args: argparse.Namespace) -> int:
         grouped_consumers=args.grouped_consumers,
         groups=args.groups,
         sql_consumers=args.sql_consumers,
+        delayed_share=args.delayed_share,
+        max_delay=args.max_delay,
+        retry_delay=args.retry_delay,
     )
     dsn = resolve_dsn(args.dsn)
     monitor_dir = Path(args.monitor_dir) if args.monitor_dir else ringq_home() / "monitor"

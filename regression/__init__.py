@@ -11,7 +11,10 @@ exactly-once delivery, no delivered rollback, FIFO per (queue, producer) (per
 (producer, group) on the grouped queue, where no two entries of a group may be
 held at once) and intact payloads. With ``sql_consumers``, some dequeuers
 are plain psycopg connections calling ``ringq.dequeue`` beside the linked
-ones, recording in the same tables, held to the same proof.
+ones, recording in the same tables, held to the same proof. With
+``delayed_share`` and ``retry_delay``, entries wait for a due time (a delay,
+a backoff after a consumer's rollback), and the proof adds that none was
+taken before it.
 
     from ringq.regression import RegressConfig, Verifier, run, verify
 

@@ -6,7 +6,9 @@ DataFrame per promise (:class:`Checked`): the first deliveries judged against
 what was committed (``verdict``: ok, ``corrupt``, ``rolled_back_delivered``,
 ``phantom``), the extra deliveries, the lost entries, the reused sequences,
 the order breaks, and on the grouped queue the entries dequeued while one of
-their group was held. :func:`acked_lost` compares a fail-over cycle's
+their group was held; in a run whose entries wait (delays, a retry
+backoff), the takes of delayed entries against their due times and the
+takes of rolled-back entries against their backoff. :func:`acked_lost` compares a fail-over cycle's
 acknowledged entries with what the new primary holds. Nothing is counted
 here: :mod:`._findings` turns the DataFrames into the report's numbers.
 """
@@ -54,10 +56,35 @@ class Checked:
     judged: DataFrame  # first deliveries with their ``verdict`` and ``latency_ms``
     ooo: DataFrame  # per (queue, producer[, group]) order breaks
     held: DataFrame | None  # the grouped queue's entries dequeued while their group was held
+    waits: Waits | None = None  # a run whose entries wait: delayed and retried entries
 
     def unpersist(self) -> None:
         for df in (self.recv, self.nth, self.sent, self.rolled, self.judged):
             df.unpersist()
+        if self.waits is not None:
+            self.waits.due.unpersist()
+            self.waits.retried.unpersist()
+
+
+@dataclass
+class Waits:
+    """The entries that waited, and their takes (``after_us``: the take's
+    database time minus the earliest the entry could be taken, us)."""
+
+    due: DataFrame  # delayed entries: the delay asked for, the row's not_before (NULL: not read)
+    delayed: DataFrame  # every received row of a delayed entry whose due time was read
+    retried: DataFrame  # entries a consumer rolled back: the time before the rollback, backoff
+    retaken: DataFrame  # every received row of a retried entry taken after that rollback
+
+    @property
+    def early(self) -> DataFrame:
+        """Delayed entries taken before their due time (tolerance 0)."""
+        return self.delayed.filter("after_us < 0")
+
+    @property
+    def retried_early(self) -> DataFrame:
+        """Rolled-back entries taken again before the backoff (tolerance 0)."""
+        return self.retaken.filter("after_us < 0")
 
 
 def check(
@@ -109,6 +136,10 @@ def check(
     by_producer = Window.partitionBy("cycle", "queue", "producer", "grp").orderBy(
         "deq_ns", "recv_order"
     )
+    # A delay or a backoff never reorders what this order check compares: a
+    # single queue's head waits for its time (holding back what is behind
+    # it), and the only shared queue (the grouped one) is compared per group,
+    # whose head waits too. So the check stays as strict as without waits.
     ooo = (
         judged.filter("sent_match")
         .withColumn("prev_pseq", F.lag("pseq").over(by_producer))
@@ -126,7 +157,43 @@ def check(
         judged=judged,
         ooo=ooo,
         held=_groups_in_flight_twice(recv, grouped),
+        waits=_waits(reader, schema, cycles, recv) if run.config.waits else None,
     )
+
+
+def _waits(
+    reader: JdbcReader, schema: sql.Composable, cycles: sql.Composable, recv: DataFrame
+) -> Waits:
+    """Every take of a delayed entry against the row's due time, and every
+    take of a rolled-back entry after its rollback against the time read
+    before the rollback plus the backoff: both the database's clock, in us,
+    no tolerance. The take's time is the received row's ``deq_at``, written
+    after the take in its transaction; the backoff counts from the strike,
+    after the time read: both sides err towards passing by a round trip at
+    most, never towards a false violation."""
+    key = ["cycle", "queue", "qseq"]
+    due = reader.read(compose(S.JDBC_DUE, schema=schema, cycles=cycles), fetch=10000).persist()
+    retried = (
+        reader.read(compose(S.JDBC_RETRIED, schema=schema, cycles=cycles), fetch=10000)
+        .withColumnRenamed("deliveries", "rb_deliveries")
+        .persist()
+    )
+    takes = recv.select(*key, "deliveries", "deq_at", "recv_order")
+    delayed = (
+        takes.join(due.filter("not_before IS NOT NULL"), key)
+        .selectExpr(*key, "deliveries", "deq_at", "recv_order", "delay", "not_before",
+                    "unix_micros(deq_at) - unix_micros(not_before) AS after_us")
+    )
+    retaken = (
+        takes.join(retried, key)
+        .filter("deliveries > rb_deliveries")
+        .selectExpr(
+            *key, "deliveries", "deq_at", "recv_order", "rb_at", "backoff",
+            "unix_micros(deq_at) - (unix_micros(rb_at) + CAST(floor(backoff * 1e6) AS BIGINT)) "
+            "AS after_us",
+        )
+    )
+    return Waits(due=due, delayed=delayed, retried=retried, retaken=retaken)
 
 
 def _received(

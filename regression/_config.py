@@ -19,6 +19,7 @@ FAILOVER_MODES = ("sync", "async")  # the standby of a --chaos-failover cycle
 MAX_GROUPED_CONSUMERS = 64
 MAX_SQL_CONSUMERS = 64
 MAX_GROUPS = 1_000_000
+MAX_DELAY = 3600.0  # seconds: a delayed entry must fall due within a cycle
 
 RUN_ID_RE = re.compile(r"^[a-z0-9][a-z0-9_]{0,29}$")
 
@@ -80,6 +81,18 @@ class RegressConfig:
       same transaction. Every received table of such a run records who took
       each entry and when (as the grouped queue's does), so that the proof's
       order covers linked and SQL consumers together. 0: none.
+    - ``delayed_share``: entries that producers enqueue with a delay (uniformly
+      random, up to ``max_delay`` seconds; one delay per ``enqueue_many`` call,
+      so the share counts calls as well as entries); each records the due time
+      the database gave (the row's ``not_before``, read back after the commit)
+      in ``due``, and the proof checks that none was taken before it. 0: none.
+    - ``retry_delay``: the retry backoff (seconds) of the run's queues: an
+      entry whose consumer rolled back on purpose comes back only that much
+      later; consumers log each such rollback (``retried``) and the proof
+      checks that the entry was not taken again before its backoff. 0: at once.
+
+    Every received table records the database's time of each take (``deq_at``,
+    ``clock_timestamp()`` in the consumer's own transaction, after the dequeue).
 
     :raises ConfigError: a value is out of range (the message says which).
     """
@@ -102,6 +115,9 @@ class RegressConfig:
     grouped_consumers: int = 3
     groups: int = 50
     sql_consumers: int = 0
+    delayed_share: float = 0.0
+    max_delay: float = 0.5
+    retry_delay: float = 0.0
 
     def __post_init__(self) -> None:
         ci = self.chaos_interval
@@ -136,10 +152,20 @@ class RegressConfig:
         validate_int("grouped_consumers", self.grouped_consumers, 0, MAX_GROUPED_CONSUMERS)
         validate_int("groups", self.groups, 1, MAX_GROUPS)
         validate_int("sql_consumers", self.sql_consumers, 0, MAX_SQL_CONSUMERS)
-        for name in ("rollback_rate", "two_phase_rate", "consumer_rollback_rate"):
+        for name in ("rollback_rate", "two_phase_rate", "consumer_rollback_rate",
+                     "delayed_share"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int | float) or not 0 <= v < 1:
                 raise ConfigError(f"{name} must be a number from 0 to below 1, not {v!r}")
+        if not is_finite_number(self.max_delay) or not 0 < self.max_delay <= MAX_DELAY:
+            raise ConfigError(
+                f"max_delay must be more than 0 and at most {MAX_DELAY:g} seconds, "
+                f"not {self.max_delay!r}"
+            )
+        if not is_finite_number(self.retry_delay) or not 0 <= self.retry_delay <= MAX_DELAY:
+            raise ConfigError(
+                f"retry_delay must be from 0 to {MAX_DELAY:g} seconds, not {self.retry_delay!r}"
+            )
         for name in ("enqueue_timeout", "stall_timeout"):
             v = getattr(self, name)
             if not is_finite_number(v) or v <= 0:
@@ -166,6 +192,12 @@ class RegressConfig:
         """Whether every received table records the consumer and the times
         (a run with SQL consumers; the grouped queue's always does)."""
         return self.sql_consumers > 0
+
+    @property
+    def waits(self) -> bool:
+        """Whether entries wait for a due time in this run (delayed entries or a
+        retry backoff): the proof then reads ``due`` and ``retried``."""
+        return self.delayed_share > 0 or self.retry_delay > 0
 
     @property
     def resilient(self) -> bool:

@@ -18,6 +18,14 @@ fill (``C_PAUSED`` in its block), the queue's SQL consumers (:mod:`._sql_consume
 stand still too. In a run with SQL consumers every consumer records who took
 an entry and when, as the grouped queue's do (``QueueRef.timed``).
 
+Each take's database time is the received row's ``deq_at`` (``clock_timestamp()``
+of the record, in the dequeue's transaction: after the take, so an entry
+released early shows as taken before its due time unless the record came
+later still). Before a deliberate rollback the consumer reads the database's
+clock, and right after it logs the entries in ``retried`` with that time and
+the queue's backoff (``retry_delay``): the entries' strike, and so their
+backoff, counts from a moment after it.
+
 A consumer killed by chaos (or whose session was lost) is started again and
 resumes from what its received table durably holds.
 """
@@ -28,7 +36,8 @@ import os
 import random
 import time
 from collections.abc import Callable
-from typing import Any
+from datetime import datetime
+from typing import Any, cast
 
 from ringq.engine import Message, Session, connect, queue_table
 from ringq.engine import metrics as M
@@ -121,6 +130,7 @@ class _Consumer:
         )
         self.pid = os.getpid()
         self.left_sql = S.q(S.LEFTOVERS, args.run_id, queue_table(ref.name))
+        self.retried_sql = S.q(S.INSERT_RETRIED, args.run_id)
         self.order = 0  # the last recv_order recorded
         self.taken = 0  # entries taken in committed transactions this cycle
         self.max_stall_s = max(STALL_MAX_S, cfg.capacity / STALL_MIN_RATE)
@@ -203,8 +213,14 @@ class _Consumer:
         ):
             # Only first deliveries: an entry is never struck out to the
             # exception queue by our own choice.
+            backoff = self.cfg.retry_delay > 0
+            rb_at = db_clock(s.connection) if backoff else None
             s.rollback()
             c[base + W.C_RB_TX] += 1
+            if rb_at is not None:
+                log_retried(s.connection, self.retried_sql, self.a, self.pid, rb_at,
+                            [(m.seq, m.deliveries) for m in msgs])
+                s.commit()
             return False
         s.commit()
         self.committed(s, msgs)
@@ -259,6 +275,39 @@ class _Consumer:
                 _wait_full(s, self.ref.name, self.producers_done, self.abort, self.max_stall_s)
             finally:
                 c[self.paused] = 0
+
+
+def db_clock(conn: Any) -> datetime:
+    """The database's clock now (read inside the transaction about to roll back)."""
+    row = conn.execute(S.DB_CLOCK).fetchone()
+    assert row is not None
+    return cast(datetime, row[0])
+
+
+def log_retried(
+    conn: Any,
+    stmt: Any,
+    a: WorkerArgs,
+    consumer: int,
+    rb_at: datetime,
+    taken: list[tuple[int, int]],
+) -> None:
+    """Log a deliberate rollback's entries ((seq, deliveries) each) in ``retried``:
+    none may be taken again before ``rb_at`` plus the queue's backoff. (Not
+    committed here; a consumer killed before the commit leaves them unlogged,
+    which only leaves them unchecked.)"""
+    conn.execute(
+        stmt,
+        {
+            "cycle": a.cycle,
+            "queue": a.index,
+            "qseqs": [seq for seq, _d in taken],
+            "deliveries": [d for _s, d in taken],
+            "consumer": consumer,
+            "rb_at": rb_at,
+            "backoff": a.config.retry_delay,
+        },
+    )
 
 
 def _wait_full(

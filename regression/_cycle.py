@@ -506,6 +506,7 @@ class _Cycle:
                 "rolled_back_tx": self._sum(prod, W.P_RB_TX),
                 "full_rolled_back_tx": self._sum(prod, W.P_FULL_TX),
                 "rolled_back_entries": self._sum(prod, W.P_RB_ENTRIES),
+                "delayed_entries": self._sum(prod, W.P_DELAYED),
             },
             "consumers": {
                 "committed_entries": self._sum(cons, W.C_ENTRIES),

@@ -2,7 +2,8 @@
 
 :func:`tally` counts the checks of :mod:`._checks` (one Spark job per
 question) into ``Report.violations``, ``examples``, ``counts``, ``latency_ms``,
-the per-queue rows and the grouped queue's figures. The rest folds what the
+the per-queue rows and the grouped queue's figures, and the waits of delayed and retried entries
+(:func:`_wait_figures`). The rest folds what the
 workload itself recorded per cycle (``regress_cycle.stats``) into the report:
 the global section's per-queue counters, chaos kills, fail-over timings.
 """
@@ -10,11 +11,12 @@ the global section's per-queue counters, chaos kills, fail-over timings.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from datetime import datetime
 from typing import TYPE_CHECKING, Any
 
 from . import _report as R
 from . import _store
-from ._checks import Checked
+from ._checks import Checked, Waits
 from ._store import QueueRef, RunInfo, sql_taking
 
 if TYPE_CHECKING:
@@ -59,7 +61,73 @@ def tally(run: RunInfo, c: Checked, acked_lost: DataFrame | None, report: R.Repo
         report.groups.update(
             order_breaks=counts.group_breaks, in_flight_twice=counts.in_flight_twice
         )
+    if c.waits is not None:
+        _wait_figures(run, c.waits, report)
     c.unpersist()
+
+
+def _wait_figures(run: RunInfo, w: Waits, report: R.Report) -> None:
+    """Delayed and retried entries: how many, how many of their takes were
+    checked, the violations (with examples) and how late after their time
+    they were taken (ms)."""
+    from pyspark.sql import functions as F
+
+    names = {ref.idx: ref.name for ref in run.queues}
+
+    def takes(df: DataFrame) -> Any:
+        ms = F.col("after_us") / 1000.0
+        return df.agg(
+            F.count("*").alias("n"),
+            F.count_if(F.col("after_us") < 0).alias("early"),
+            F.percentile_approx(ms, [0.5, 0.95, 0.99], 10000).alias("pct"),
+            F.max(ms).alias("max"),
+            F.avg(ms).alias("avg"),
+        ).collect()[0]
+
+    def examples(df: DataFrame, *cols: str) -> list[dict[str, Any]]:
+        out = []
+        for r in df.select(*cols).limit(EXAMPLES).collect():
+            d: dict[str, Any] = {
+                k: str(v) if isinstance(v, datetime) else v for k, v in r.asDict().items()
+            }
+            d["queue"] = names.get(d["queue"], d["queue"])
+            out.append(d)
+        return out
+
+    due = w.due.agg(F.count("*").alias("n"), F.count("not_before").alias("read")).collect()[0]
+    delayed, retaken = takes(w.delayed), takes(w.retaken)
+    n_retried = w.retried.count()
+    v = report.violations
+    v[R.TAKEN_EARLY] = int(delayed["early"] or 0)
+    v[R.RETRIED_EARLY] = int(retaken["early"] or 0)
+    if v[R.TAKEN_EARLY]:
+        report.examples[R.TAKEN_EARLY] = examples(
+            w.early, "cycle", "queue", "qseq", "deliveries", "delay", "not_before", "deq_at",
+            "after_us",
+        )
+    if v[R.RETRIED_EARLY]:
+        report.examples[R.RETRIED_EARLY] = examples(
+            w.retried_early, "cycle", "queue", "qseq", "deliveries", "rb_at", "backoff",
+            "deq_at", "after_us",
+        )
+    report.waits = {
+        "delayed": {
+            "entries": int(due["n"] or 0),
+            "due_read": int(due["read"] or 0),
+            "taken": int(delayed["n"] or 0),
+            "early": v[R.TAKEN_EARLY],
+            "max_delay_s": run.config.max_delay,
+            "share": run.config.delayed_share,
+        },
+        "retried": {
+            "entries": n_retried,
+            "taken": int(retaken["n"] or 0),
+            "early": v[R.RETRIED_EARLY],
+            "backoff_s": run.config.retry_delay,
+        },
+        "delayed_after_ms": _lat(delayed) if delayed["n"] else {},
+        "retried_after_ms": _lat(retaken) if retaken["n"] else {},
+    }
 
 
 def _count(run: RunInfo, c: Checked, acked_lost: DataFrame | None) -> _Counts:

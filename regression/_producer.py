@@ -7,6 +7,11 @@ and pauses, so the queues are driven full and empty. Each records what it
 committed in ``sent`` inside the same transaction as the enqueues (the ground
 truth), and every rolled-back entry in ``rolled_back`` right after the rollback.
 On the grouped queue each entry goes to a random group of ``groups``.
+With ``delayed_share``, that share of the entries is enqueued with a random
+delay (up to ``max_delay``): the producer records the delay in ``due`` in
+the same transaction and, right after the commit, the due time the database
+gave the row (its ``not_before``: the delay counts from the row's write, at
+the commit).
 
 A producer killed by chaos (or whose session was lost) is started again and
 resumes from what the database durably holds for it (:meth:`_Producer.resume`).
@@ -20,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 import psycopg
-from ringq.engine import QueueFull, Session, connect
+from ringq.engine import QueueFull, Session, connect, queue_table
 
 from . import _payload as P
 from . import _queries as S
@@ -30,6 +35,8 @@ from ._worker import WorkerArgs, retrying, run_worker, wait_recovered
 
 # An entry a producer wrote: (queue, qseq, pseq, length, digest, group or None).
 Entry = tuple[int, int, int, int, bytes, str | None]
+# A delayed entry: (queue, qseq, delay in seconds).
+Delayed = tuple[int, int, float]
 
 
 def producer_main(args: WorkerArgs, counters: Any, abort: Any, errors: Any) -> None:
@@ -56,6 +63,10 @@ class _Producer:
         self.max_per_tx = max(1, min(50, self.cfg.capacity // (4 * self.cfg.producers)))
         self.sent_sql = S.q(S.INSERT_SENT, args.run_id)
         self.rb_sql = S.q(S.INSERT_ROLLED_BACK, args.run_id)
+        self.due_sql = S.q(S.INSERT_DUE, args.run_id)
+        self.read_due_sql = [
+            S.q(S.READ_DUE, args.run_id, queue_table(ref.name)) for ref in args.queues
+        ]
 
     def bump(self, word: int, n: int = 1) -> None:
         self.c[self.base + word] += n
@@ -132,10 +143,11 @@ class _Producer:
         rollback = rng.random() < self.cfg.rollback_rate
         timeout = self.cfg.enqueue_timeout * rng.uniform(0.5, 1.0)
         done: list[Entry] = []
+        delayed: list[Delayed] = []
         if kind == P.KIND_TWO_PHASE:
             s.tpc_begin(s.xid(self.gtrid(self.tx)))
         try:
-            self.enqueue(plan, kind, timeout, done)
+            self.enqueue(plan, kind, timeout, done, delayed)
         except QueueFull:
             s.rollback()
             self.log_rolled_back(done, kind, "full")
@@ -143,6 +155,12 @@ class _Producer:
             time.sleep(rng.uniform(0.01, 0.2))
             return
         self.record(self.sent_sql, done, kind)
+        if delayed:
+            dq, dseqs, delays = (list(col) for col in zip(*delayed, strict=True))
+            s.connection.execute(
+                self.due_sql,
+                {"cycle": self.a.cycle, "queues": dq, "qseqs": dseqs, "delays": delays},
+            )
         if rollback:
             reason = "deliberate"
             if kind == P.KIND_TWO_PHASE and rng.random() < 0.5:
@@ -153,6 +171,8 @@ class _Producer:
             self.bump(W.P_RB_TX)
             return
         self.commit(kind, done)
+        if delayed:
+            self.read_due(delayed)
         for q, n in plan:
             self.quota[q] -= n
         self.bump(W.P_ENTRIES, len(done))
@@ -160,10 +180,24 @@ class _Producer:
         if len(plan) > 1:
             self.bump(W.P_MULTI_TX)
 
+    def delay(self) -> float | None:
+        """A delay for the next enqueue call (None: none), ``delayed_share`` of the time.
+        (No random number is drawn without delays: such runs stay as they were.)"""
+        cfg = self.cfg
+        if cfg.delayed_share <= 0 or self.rng.random() >= cfg.delayed_share:
+            return None
+        return self.rng.uniform(0.0, cfg.max_delay)
+
     def enqueue(
-        self, plan: list[tuple[int, int]], kind: int, timeout: float, done: list[Entry]
+        self,
+        plan: list[tuple[int, int]],
+        kind: int,
+        timeout: float,
+        done: list[Entry],
+        delayed: list[Delayed],
     ) -> None:
-        """Enqueue ``plan``'s entries, appending each to ``done`` as it is written.
+        """Enqueue ``plan``'s entries, appending each to ``done`` as it is
+        written (and the delayed ones to ``delayed``).
 
         :raises QueueFull: a queue stayed full ``timeout`` seconds (``done`` holds
             what was written before).
@@ -174,12 +208,16 @@ class _Producer:
             for q, n in plan:
                 items = [self.payload(q, kind) for _ in range(n)]
                 ref = self.a.queues[q]
+                delay = self.delay()
                 seqs = s.enqueue_many(
                     ref.name,
                     [p for _, _, p, _ in items],
                     group=[g for _, _, _, g in items] if ref.grouped else None,
                     timeout=timeout,
+                    delay=delay,
                 )
+                if delay is not None:
+                    delayed.extend((q, seq, delay) for seq in seqs)
                 done.extend(
                     (q, seq, ps, ln, P.digest(p), g)
                     for seq, (ps, ln, p, g) in zip(seqs, items, strict=True)
@@ -190,7 +228,10 @@ class _Producer:
             rng.shuffle(order)
             for q in order:
                 ps, ln, p, g = self.payload(q, kind)
-                seq = s.enqueue(self.a.queues[q].name, p, group=g, timeout=timeout)
+                delay = self.delay()
+                seq = s.enqueue(self.a.queues[q].name, p, group=g, timeout=timeout, delay=delay)
+                if delay is not None:
+                    delayed.append((q, seq, delay))
                 done.append((q, seq, ps, ln, P.digest(p), g))
 
     def commit(self, kind: int, done: list[Entry]) -> None:
@@ -211,6 +252,30 @@ class _Producer:
             self.acks.record(
                 self.tx, s.connection.info.port, [(q, seq, ps) for q, seq, ps, *_ in done]
             )
+
+    def read_due(self, delayed: list[Delayed]) -> None:
+        """After the commit: store the due time the database gave each delayed
+        entry (its row's ``not_before``), per queue, and commit. Right after
+        the commit none can be consumed yet and its slot reused (a whole ring
+        later) unless the engine released it early: the proof counts a due
+        time not read."""
+        by_queue: dict[int, list[int]] = {}
+        for q, seq, _delay in delayed:
+            by_queue.setdefault(q, []).append(seq)
+        conn = self.s.connection
+        for q, seqs in by_queue.items():
+            cap = self.a.queues[q].capacity
+            conn.execute(
+                self.read_due_sql[q],
+                {
+                    "cycle": self.a.cycle,
+                    "queue": q,
+                    "qseqs": seqs,
+                    "slots": [seq % cap for seq in seqs],
+                },
+            )
+        self.s.commit()
+        self.bump(W.P_DELAYED, len(delayed))
 
     def record(self, stmt: Any, done: list[Entry], kind: int, **extra: Any) -> None:
         """Write ``done`` with ``stmt`` (INSERT_SENT, or INSERT_ROLLED_BACK with a ``reason``)."""

@@ -15,6 +15,10 @@ Everything a run needs to be verified again lives in its schema:
                    returned, from the producers' logs kept outside the database
 - ``rolled_back``  every entry of a transaction that was rolled back (written
                    right after the rollback, in its own transaction)
+- ``due``          every delayed entry: the delay asked for (in the enqueue's
+                   transaction) and its row's due time (read after the commit)
+- ``retried``      every deliberate consumer rollback's entries: the database's
+                   time just before the rollback and the queue's backoff
 - ``received_<queue>``  what the queue's consumer took, written in the same
                    transaction as the dequeue (payload included); the grouped
                    queue's (and, in a run with SQL consumers, every queue's)
@@ -59,6 +63,10 @@ LEFTOVERS: Final = _Q["leftovers"]  # {table}: a queue's table, no {schema}
 INSERT_SENT: Final = _Q["insert_sent"]
 INSERT_ROLLED_BACK: Final = _Q["insert_rolled_back"]
 INSERT_ACKED: Final = _Q["insert_acked"]
+INSERT_DUE: Final = _Q["insert_due"]
+READ_DUE: Final = _Q["read_due"]  # {table}: the queue's table
+DB_CLOCK: Final = _Q["db_clock"]
+INSERT_RETRIED: Final = _Q["insert_retried"]
 INSERT_RECEIVED: Final = _Q["insert_received"]  # {table}
 INSERT_RECEIVED_GROUPED: Final = _Q["insert_received_grouped"]  # {table}
 # what a restarted worker resumes from (chaos)
@@ -82,6 +90,8 @@ COMMITTED_AT_COMMIT_TS: Final = _Q["committed_at_commit_ts"]
 COMMITTED_AT_SENT: Final = _Q["committed_at_sent"]
 JDBC_ROLLED_BACK: Final = _Q["jdbc_rolled_back"]
 JDBC_ACKED: Final = _Q["jdbc_acked"]
+JDBC_DUE: Final = _Q["jdbc_due"]
+JDBC_RETRIED: Final = _Q["jdbc_retried"]
 JDBC_RECEIVED: Final = _Q["jdbc_received"]  # {table}, {idx}
 JDBC_RECEIVED_GROUPED: Final = _Q["jdbc_received_grouped"]  # {table}, {idx}
 JDBC_SENT_GROUPS: Final = _Q["jdbc_sent_groups"]  # {idx}

@@ -23,6 +23,10 @@ WORKLOAD: Final = "workload_error"  # a worker failed or the cycle stalled
 GROUP_ORDER: Final = "group_order_breaks"
 # the grouped queue: dequeued while an entry of its group was still held
 GROUP_IN_FLIGHT: Final = "group_in_flight_twice"
+# a delayed entry taken before its due time (its row's not_before, the database's clock)
+TAKEN_EARLY: Final = "taken_before_due"
+# an entry a consumer rolled back taken again before the queue's backoff had passed
+RETRIED_EARLY: Final = "retried_before_backoff"
 
 VIOLATION_KINDS: Final = (
     LOST,
@@ -34,6 +38,8 @@ VIOLATION_KINDS: Final = (
     SEQ_REUSED,
     GROUP_ORDER,
     GROUP_IN_FLIGHT,
+    TAKEN_EARLY,
+    RETRIED_EARLY,
     WORKLOAD,
 )
 
@@ -64,6 +70,9 @@ class Report:
     # a run with SQL consumers: per kind ("linked", "sql"), what the workers
     # counted (entries, tx, rolled back, processes, entries/s; see ``consumer_lines``)
     consumers: dict[str, Any] = field(default_factory=dict)
+    # a run with delayed entries or a retry backoff: the entries that waited,
+    # how many were checked, how late after their time they were taken (see ``wait_lines``)
+    waits: dict[str, Any] = field(default_factory=dict)
     path: str | None = None
 
     @property
@@ -134,6 +143,7 @@ class Report:
                 )
             )
         lines += self.group_lines()
+        lines += self.wait_lines()
         lines += self.failover_lines()
         lines.append(
             "  violations  " + "   ".join(f"{k} {v:,}" for k, v in self.violations.items())
@@ -196,6 +206,29 @@ class Report:
             f"in flight twice {g.get('in_flight_twice', 0):,}"
         )
         return [head, checks]
+
+    def wait_lines(self) -> list[str]:
+        """The lines of delayed and retried entries (none in a run without them)."""
+        w = self.waits
+        if not w:
+            return []
+
+        def after(key: str) -> str:
+            lat = w.get(key) or {}
+            return (
+                f"taken p50 {lat.get('p50', 0):.1f} / p99 {lat.get('p99', 0):.1f} / "
+                f"max {lat.get('max', 0):,.1f} ms after it"
+            )
+
+        d, r = w.get("delayed", {}), w.get("retried", {})
+        return [
+            f"  delayed     {d.get('entries', 0):,} entries (due time read for "
+            f"{d.get('due_read', 0):,}), {d.get('taken', 0):,} taken: "
+            f"before their time {d.get('early', 0):,}, {after('delayed_after_ms')}",
+            f"  retried     {r.get('entries', 0):,} entries rolled back by consumers "
+            f"(backoff {r.get('backoff_s', 0):g} s), {r.get('taken', 0):,} taken again: "
+            f"before the backoff {r.get('early', 0):,}, {after('retried_after_ms')}",
+        ]
 
     def failover_lines(self) -> list[str]:
         """The fail-over's lines of the summary (none without ``--chaos-failover``)."""

@@ -6,7 +6,8 @@ plain psycopg connection, no global section, no ringq session. It loops
 what it took to the queue's received table in that same transaction (so the
 proof's exactly-once and order checks cover it as they cover the linked
 consumers), and commits; now and then it rolls back on purpose (the entries
-come back, counted as a delivery). When it gets nothing it commits (the
+come back, counted as a delivery, after the queue's backoff: logged in
+``retried`` as the linked consumer does). When it gets nothing it commits (the
 ``ringq_want`` NOTIFY that asks the monitor's agent for entries goes out at
 commit) and waits on ``ringq_ready`` for a moment.
 
@@ -32,6 +33,7 @@ import psycopg
 
 from . import _queries as S
 from . import _worker as W
+from ._consumer import db_clock, log_retried
 from ._worker import WorkerArgs, retrying, run_worker
 
 WAIT_S = 0.05  # at most this long on ringq_ready after an empty take (a NOTIFY may be missed)
@@ -83,6 +85,7 @@ class _SqlConsumer:
         ]
         self.record_sql = S.q(S.INSERT_RECEIVED_GROUPED, args.run_id, S.received_table(ref.name))
         self.pid = os.getpid()
+        self.retried_sql = S.q(S.INSERT_RETRIED, args.run_id)
         self.order = 0  # the last recv_order recorded
 
     def session(self) -> bool:
@@ -144,8 +147,13 @@ class _SqlConsumer:
         if rng.random() < self.a.config.consumer_rollback_rate and all(r[2] == 1 for r in rows):
             # Only first deliveries, as the linked consumer: never struck out
             # to the exceptions by our own choice.
+            rb_at = db_clock(conn) if self.a.config.retry_delay > 0 else None
             conn.rollback()
             c[base + W.C_RB_TX] += 1
+            if rb_at is not None:
+                log_retried(conn, self.retried_sql, self.a, self.pid, rb_at,
+                            [(r[0], r[2]) for r in rows])
+                conn.commit()
             return False
         conn.commit()
         c[base + W.C_ENTRIES] += len(rows)

@@ -142,6 +142,7 @@ def create_run(dsn: str, config: RegressConfig, run_id: str | None = None) -> Ru
                     ref.payload_size,
                     full_policy="block",
                     dequeue_mode="shared" if ref.grouped else "single",
+                    retry_delay=config.retry_delay,
                 ),
             )
         with conn.transaction():

@@ -25,6 +25,21 @@ promises instead of one consumer's order:
 - the group an entry came out with is the one it was sent with (else
   ``corrupt``, like any other difference from what was committed).
 
+A run whose entries wait (``delayed_share``, ``retry_delay``) adds, by the
+database's clock and with no tolerance:
+
+- no delayed entry was taken before its due time, the ``not_before`` its row
+  got (``taken_before_due``); a take's time is the received row's ``deq_at``
+  (``clock_timestamp()`` in the consumer's transaction, after the take);
+- no entry a consumer rolled back on purpose was taken again (a take with
+  more deliveries) before the time read just before the rollback plus the
+  queue's backoff (``retried_before_backoff``).
+
+Both sides lean towards passing by at most a round trip, never towards a
+false violation. The order checks stay as strict: a single queue's head
+waits for its due time (holding back what is behind it), and the grouped
+queue, the only shared one, is checked per group, whose head waits too.
+
 Rolled-back dequeues wrote nothing, so they are not seen; the times are
 taken a little after the real claim and a little before the real commit
 (one round trip each), so an overlap shorter than that would go unseen.

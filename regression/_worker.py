@@ -66,6 +66,9 @@ RESUMED = 9  # both: times the worker resumed from what the database holds (rest
 # a linked consumer's block: 1 while it stands still for its queue to fill (the
 # SQL consumers of its queue stand still with it, or the queue would not fill)
 C_PAUSED = 10
+# a producer's block: entries it enqueued with a delay (committed; word 10 as
+# C_PAUSED is a linked consumer's only)
+P_DELAYED = 10
 # SQL consumer words (C_ENTRIES, C_TX, C_RB_TX, C_REDELIVERED as a consumer's, and)
 S_EMPTY = 3  # calls of ringq.dequeue that returned nothing
 

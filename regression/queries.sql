@@ -76,6 +76,23 @@ CREATE TABLE {schema}.rolled_back (
     reason        text NOT NULL,
     logged_at     timestamptz NOT NULL DEFAULT clock_timestamp()
 );
+CREATE TABLE {schema}.due (
+    cycle         int4 NOT NULL,
+    queue         int2 NOT NULL,
+    qseq          int8 NOT NULL,
+    delay         float8 NOT NULL,
+    not_before    timestamptz,
+    PRIMARY KEY (cycle, queue, qseq)
+);
+CREATE TABLE {schema}.retried (
+    cycle         int4 NOT NULL,
+    queue         int2 NOT NULL,
+    qseq          int8 NOT NULL,
+    deliveries    int4 NOT NULL,
+    consumer      int4 NOT NULL,
+    rb_at         timestamptz NOT NULL,
+    backoff       float8 NOT NULL
+);
 
 -- create_received --
 CREATE TABLE {schema}.{table} (
@@ -141,6 +158,35 @@ INSERT INTO {schema}.sent (cycle, queue, qseq, producer, pseq, tx, kind, length,
 SELECT %(cycle)s, v.q, v.s, %(producer)s, v.p, %(tx)s, %(kind)s, v.l, v.d, v.g
 FROM unnest(%(queues)s::int2[], %(qseqs)s::int8[], %(pseqs)s::int8[], %(lengths)s::int4[],
             %(digests)b::bytea[], %(groups)s::text[]) AS v(q, s, p, l, d, g)
+
+-- insert_due --
+-- The delayed entries of a producer's transaction, in that transaction (the
+-- delay asked for; the due time the database gives is read after the commit).
+INSERT INTO {schema}.due (cycle, queue, qseq, delay)
+SELECT %(cycle)s, v.q, v.s, v.d
+FROM unnest(%(queues)s::int2[], %(qseqs)s::int8[], %(delays)s::float8[]) AS v(q, s, d)
+
+-- read_due --
+-- After the commit: the due time the database gave each delayed entry of one
+-- queue, read from its row ({table}: the queue's table; a slot is its
+-- sequence modulo the capacity). An entry whose slot has been reused since
+-- (a whole ring later) keeps NULL: the proof counts it as not read.
+UPDATE {schema}.due AS d SET not_before = t.not_before
+FROM {table} AS t
+WHERE t.slot = ANY(%(slots)s::integer[]) AND t.seq = ANY(%(qseqs)s::int8[])
+  AND d.cycle = %(cycle)s AND d.queue = %(queue)s AND d.qseq = t.seq
+
+-- db_clock --
+-- The database's clock, read by a consumer just before it rolls back on
+-- purpose: its entries' backoff counts from a later moment (the strike's).
+SELECT clock_timestamp()
+
+-- insert_retried --
+-- A consumer's deliberate rollback, logged right after it: the entries, the
+-- deliveries they had, the time read before the rollback and the backoff.
+INSERT INTO {schema}.retried (cycle, queue, qseq, deliveries, consumer, rb_at, backoff)
+SELECT %(cycle)s, %(queue)s, v.s, v.d, %(consumer)s, %(rb_at)s, %(backoff)s
+FROM unnest(%(qseqs)s::int8[], %(deliveries)s::int4[]) AS v(s, d)
 
 -- insert_acked --
 -- What producers of a fail-over cycle were told had committed (their commit
@@ -250,6 +296,13 @@ coalesce(pg_xact_commit_timestamp(xmin), sent_at)
 
 -- committed_at_sent --
 sent_at
+
+-- jdbc_due --
+SELECT cycle, queue, qseq, delay, not_before FROM {schema}.due WHERE cycle IN ({cycles})
+
+-- jdbc_retried --
+SELECT cycle, queue, qseq, deliveries, rb_at, backoff
+FROM {schema}.retried WHERE cycle IN ({cycles})
 
 -- jdbc_acked --
 SELECT cycle, producer, queue, qseq, pseq, tx, on_new

@@ -619,6 +619,73 @@ def test_a_cycle_with_sql_consumers_is_proven(
                      report.summary()), report.summary()
 
 
+def test_a_cycle_with_delays_and_backoff_is_proven(
+    dsn: str, verifier: Verifier, tmp_path: Path
+) -> None:
+    """Delayed entries (a fifth, up to 0.3 s) and a 0.05 s retry backoff on
+    consumers' deliberate rollbacks, taken by linked and SQL consumers, on
+    single queues and the grouped one: the proof holds (order as strict as
+    ever), no delayed entry was taken before its row's due time, no
+    rolled-back one again before its backoff; and an entry whose due time
+    or backoff is moved past its take is caught with its kind."""
+    sizes = (16, 2000)
+    config = RegressConfig(
+        payload_sizes=sizes, capacity=64, entries_per_queue=300, producers=3,
+        seed=20261126, grouped_consumers=2, groups=10, sql_consumers=2,
+        consumer_rollback_rate=0.1, delayed_share=0.2, max_delay=0.3, retry_delay=0.05,
+    )
+    try:
+        outcome = run(dsn, config, cycles=1, verifier=verifier, report_dir=tmp_path)
+    finally:
+        remove_section(dsn)
+    result = outcome.results[0]
+    assert result.status == "done" and not result.errors, result
+    report = outcome.reports[0]
+    assert report.ok, report.summary()
+    queues = len(sizes) + 1
+    assert report.counts["committed"] == report.counts["delivered"] == queues * 300
+    d, r = report.waits["delayed"], report.waits["retried"]
+    # Every delayed entry's due time was read back and its one take checked.
+    assert d["entries"] > 50 and d["due_read"] == d["taken"] == d["entries"], report.waits
+    assert d["entries"] == result.stats["producers"]["delayed_entries"], report.waits
+    assert r["entries"] > 0 and r["taken"] == r["entries"] and r["backoff_s"] == 0.05, r
+    assert report.waits["delayed_after_ms"]["max"] >= 0, report.waits
+    assert "taken_before_due 0" in report.summary() and "delayed " in report.summary()
+
+    # Planted faults (an hour added to one due time, and to one backoff) are
+    # caught, each with its kind, and taken out again.
+    schema = sql.Identifier(S.SCHEMA_PREFIX + outcome.run_id)
+    plants = {
+        "taken_before_due": ("due", "not_before = not_before + interval '1 hour'",
+                             "not_before = not_before - interval '1 hour'"),
+        "retried_before_backoff": ("retried", "backoff = backoff + 3600",
+                                   "backoff = backoff - 3600"),
+    }
+    planted: dict[str, tuple[Any, ...]] = {}
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        try:
+            for kind, (table, plant, _undo) in plants.items():
+                row = conn.execute(sql.SQL(
+                    "UPDATE {s}.{t} SET {plant} WHERE ctid = (SELECT min(ctid) FROM {s}.{t}) "
+                    "RETURNING queue, qseq, ctid"
+                ).format(s=schema, t=sql.Identifier(table), plant=sql.SQL(plant))).fetchone()
+                assert row is not None
+                planted[kind] = row
+            caught = verify(dsn, outcome.run_id, verifier=verifier)
+        finally:
+            for kind, row in planted.items():
+                table, _plant, undo = plants[kind]
+                conn.execute(sql.SQL("UPDATE {s}.{t} SET {undo} WHERE ctid = %s").format(
+                    s=schema, t=sql.Identifier(table), undo=sql.SQL(undo)), (row[2],))
+    others = {k: n for k, n in caught.violations.items() if k not in plants and n}
+    assert not others, caught.summary()
+    for kind, row in planted.items():
+        assert caught.violations[kind] == 1, caught.summary()
+        example = caught.examples[kind][0]
+        assert example["qseq"] == row[1] and example["after_us"] < 0, example
+        assert f"{kind} 1" in caught.summary()
+
+
 def test_a_cycle_with_sql_consumers_under_chaos_is_proven(
     dsn: str, verifier: Verifier, tmp_path: Path
 ) -> None:
