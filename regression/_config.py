@@ -6,7 +6,13 @@ import re
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from ringq.engine import MAX_CAPACITY, ConfigError, is_finite_number, validate_int
+from ringq.engine import (
+    MAX_CAPACITY,
+    ConfigError,
+    is_finite_number,
+    validate_int,
+    validate_seconds,
+)
 
 from ._payload import MIN_PAYLOAD
 
@@ -162,10 +168,7 @@ class RegressConfig:
                 f"max_delay must be more than 0 and at most {MAX_DELAY:g} seconds, "
                 f"not {self.max_delay!r}"
             )
-        if not is_finite_number(self.retry_delay) or not 0 <= self.retry_delay <= MAX_DELAY:
-            raise ConfigError(
-                f"retry_delay must be from 0 to {MAX_DELAY:g} seconds, not {self.retry_delay!r}"
-            )
+        validate_seconds("retry_delay", self.retry_delay, 0.0, MAX_DELAY)
         for name in ("enqueue_timeout", "stall_timeout"):
             v = getattr(self, name)
             if not is_finite_number(v) or v <= 0:

@@ -44,7 +44,7 @@ import pytest
 from psycopg import pq, sql
 from ringq.cli import main
 from ringq.cluster import Cluster
-from ringq.engine import Message, Session, connect, sections_on_host
+from ringq.engine import Message, Section, Session, connect, sections_on_host
 from ringq.engine import layout as L
 from ringq.monitor import Monitor, MonitorConfig
 from ringq.scripting import QueueSpec, create_queue
@@ -209,6 +209,31 @@ def monitor(dsn: str, tmp_path: Path) -> Iterator[Callable[..., Monitor]]:
     yield start
     for m in made:
         m.stop()
+
+
+@contextmanager
+def own_server_queue(home: Path, **settings: Any) -> Iterator[tuple[Cluster, str, str]]:
+    """A PostgreSQL server of the test's own (it may stop and start it) with
+    one queue (``settings`` as QueueSpec's, 64 slots of 100 bytes unless
+    given): (the cluster, its DSN, the queue). The database's section is
+    removed and the server stopped afterwards, whatever happened."""
+    cluster = Cluster(home)
+    dsn = cluster.start()
+    instance = None
+    try:
+        q = "q_" + uuid.uuid4().hex[:10]
+        with psycopg.connect(dsn) as conn:
+            create_queue(conn, QueueSpec(q, settings.pop("capacity", 64),
+                                         settings.pop("max_payload", 100), **settings))
+            instance = present(conn.execute(
+                "SELECT value FROM ringq.meta WHERE key = 'instance_id'").fetchone())[0]
+        yield cluster, dsn, q
+    finally:
+        if instance is not None and cluster.status().running:
+            remove_section(dsn)
+        cluster.stop()
+        if instance is not None:
+            Section.unlink(instance)
 
 
 # -- helpers shared by the test modules ----------------------------------------------------

@@ -15,7 +15,6 @@ import multiprocessing as mp
 import os
 import signal
 import time
-import uuid
 from collections.abc import Callable
 from datetime import UTC, datetime, timedelta
 from multiprocessing.synchronize import Event
@@ -23,23 +22,21 @@ from pathlib import Path
 
 import psycopg
 import pytest
-from conftest import cli, present, remove_section
+from conftest import cli, own_server_queue, present, remove_section
 from psycopg import sql
-from ringq.cluster import Cluster
 from ringq.engine import (
     ConfigError,
     DatabaseUnavailable,
     InvalidArgument,
     InvalidArgumentType,
     Message,
-    Section,
     Session,
     connect,
     queue_table,
 )
 from ringq.engine import layout as L
 from ringq.engine.recovery import recover_dead_clients
-from ringq.scripting import QueueSpec, alter_retry, create_queue
+from ringq.scripting import alter_retry
 from ringq.worker import Actions, Retry, Worker
 
 FORK = mp.get_context("fork")
@@ -408,15 +405,9 @@ def test_entries_waiting_across_a_database_restart_keep_their_due_times(tmp_path
     """The server stops and starts again while entries wait (the section stays
     on the host): none is received before its time, each once, the delayed
     one and a retried one alike."""
-    cluster = Cluster(tmp_path / "pg")  # its own server: this test stops it
-    dsn = cluster.start()
-    instance = None
-    try:
-        q = "q_" + uuid.uuid4().hex[:10]
-        with psycopg.connect(dsn) as conn:
-            create_queue(conn, QueueSpec(q, 64, 100, dequeue_mode="shared", retry_delay=2.0))
-            instance = present(conn.execute(
-                "SELECT value FROM ringq.meta WHERE key = 'instance_id'").fetchone())[0]
+    with own_server_queue(tmp_path / "pg", dequeue_mode="shared", retry_delay=2.0) as (
+        cluster, dsn, q,
+    ):
         with connect(dsn) as s:
             s.enqueue(q, b"late", delay=2.0)
             s.enqueue(q, b"retried")
@@ -444,9 +435,3 @@ def test_entries_waiting_across_a_database_restart_keep_their_due_times(tmp_path
                 "SELECT count(*) FROM {} WHERE state = 2 AND deq_at < not_before"
             ).format(sql.Identifier("ringq", "q_" + q))).fetchone()
             assert early == (0,)  # by the database's clock too
-    finally:
-        if instance is not None and cluster.status().running:
-            remove_section(dsn)
-        cluster.stop()
-        if instance is not None:
-            Section.unlink(instance)

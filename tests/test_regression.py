@@ -94,6 +94,26 @@ def stored(module_dsn: str, verifier: Verifier, reports: Path) -> RunOutcome:
     )
 
 
+def proven_cycle(
+    dsn: str, config: RegressConfig, verifier: Any, tmp_path: Path,
+    then: Callable[[Any], None] | None = None,
+) -> tuple[Any, Any, Any]:
+    """One cycle of ``config`` run and proven (``then(outcome)`` first, and the
+    section removed whatever happens): (the run's outcome, its one result, its
+    report), the result done without errors and the report ok."""
+    try:
+        outcome = run(dsn, config, cycles=1, verifier=verifier, report_dir=tmp_path)
+        if then is not None:
+            then(outcome)
+    finally:
+        remove_section(dsn)
+    result = outcome.results[0]
+    assert result.status == "done" and not result.errors, result
+    report = outcome.reports[0]
+    assert report.ok, report.summary()
+    return outcome, result, report
+
+
 def test_a_small_cycle_is_proven(module_dsn: str, stored: RunOutcome, reports: Path) -> None:
     assert stored.status == "stopped" and len(stored.results) == 1, stored
     result = stored.results[0]
@@ -534,14 +554,7 @@ def test_a_cycle_under_chaos_is_proven(dsn: str, verifier: Verifier, tmp_path: P
         chaos_interval=(0.2, 0.5),
         chaos_pg_restart=True,
     )
-    try:
-        outcome = run(dsn, config, cycles=1, verifier=verifier, report_dir=tmp_path)
-    finally:
-        remove_section(dsn)
-    result = outcome.results[0]
-    assert result.status == "done" and not result.errors, result
-    report = outcome.reports[0]
-    assert report.ok, report.summary()
+    _outcome, result, report = proven_cycle(dsn, config, verifier, tmp_path)
     assert report.counts["committed"] == report.counts["delivered"] == QUEUES * 500
     assert report.groups["order_breaks"] == report.groups["in_flight_twice"] == 0
     chaos = result.stats["chaos"]
@@ -589,15 +602,10 @@ def test_a_cycle_with_sql_consumers_is_proven(
         seed=20261126, grouped_consumers=2, groups=20, sql_consumers=2,
         consumer_rollback_rate=0.05,
     )
-    try:
-        outcome = run(dsn, config, cycles=1, verifier=verifier, report_dir=tmp_path)
-        taken = _taken_by_worker(dsn, outcome)
-    finally:
-        remove_section(dsn)
-    result = outcome.results[0]
-    assert result.status == "done" and not result.errors, result
-    report = outcome.reports[0]
-    assert report.ok, report.summary()
+    taken: dict[str, dict[int, int]] = {}
+    _outcome, result, report = proven_cycle(
+        dsn, config, verifier, tmp_path, then=lambda o: taken.update(_taken_by_worker(dsn, o))
+    )
     queues = len(sizes) + 1
     assert report.counts["committed"] == report.counts["delivered"] == queues * 300
     sqls = result.stats["sql_consumers"]
@@ -634,14 +642,7 @@ def test_a_cycle_with_delays_and_backoff_is_proven(
         seed=20261126, grouped_consumers=2, groups=10, sql_consumers=2,
         consumer_rollback_rate=0.1, delayed_share=0.2, max_delay=0.3, retry_delay=0.05,
     )
-    try:
-        outcome = run(dsn, config, cycles=1, verifier=verifier, report_dir=tmp_path)
-    finally:
-        remove_section(dsn)
-    result = outcome.results[0]
-    assert result.status == "done" and not result.errors, result
-    report = outcome.reports[0]
-    assert report.ok, report.summary()
+    outcome, result, report = proven_cycle(dsn, config, verifier, tmp_path)
     queues = len(sizes) + 1
     assert report.counts["committed"] == report.counts["delivered"] == queues * 300
     d, r = report.waits["delayed"], report.waits["retried"]
@@ -698,14 +699,7 @@ def test_a_cycle_with_sql_consumers_under_chaos_is_proven(
         seed=20261127, grouped_consumers=2, groups=20, sql_consumers=3,
         chaos=True, chaos_interval=(0.2, 0.4),
     )
-    try:
-        outcome = run(dsn, config, cycles=1, verifier=verifier, report_dir=tmp_path)
-    finally:
-        remove_section(dsn)
-    result = outcome.results[0]
-    assert result.status == "done" and not result.errors, result
-    report = outcome.reports[0]
-    assert report.ok, report.summary()
+    _outcome, result, report = proven_cycle(dsn, config, verifier, tmp_path)
     queues = len(sizes) + 1
     assert report.counts["committed"] == report.counts["delivered"] == queues * 400
     chaos = result.stats["chaos"]

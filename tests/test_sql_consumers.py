@@ -23,13 +23,19 @@ from typing import Any
 
 import psycopg
 import pytest
-from conftest import drain, enqueue_committed, present, remove_section, terminate_backend, wait_for
+from conftest import (
+    drain,
+    enqueue_committed,
+    own_server_queue,
+    present,
+    remove_section,
+    terminate_backend,
+    wait_for,
+)
 from psycopg import errors, sql
-from ringq.cluster import Cluster
-from ringq.engine import Section, connect, queue_table
+from ringq.engine import connect, queue_table
 from ringq.engine.sqlpath import DEMAND_S
 from ringq.monitor import Monitor, MonitorConfig
-from ringq.scripting import QueueSpec, create_queue
 
 FAST = 0.2
 
@@ -477,15 +483,7 @@ def test_a_section_removed_with_entries_set_aside_is_rebuilt_with_them_locked_fo
 
 
 def test_a_database_restart_under_sql_consumers_loses_and_doubles_nothing(tmp_path: Path) -> None:
-    cluster = Cluster(tmp_path / "pg")  # its own server: this test stops it
-    instance = None
-    dsn = cluster.start()
-    try:
-        q = "q_" + uuid.uuid4().hex[:10]
-        with psycopg.connect(dsn) as conn:
-            create_queue(conn, QueueSpec(q, 64, 100, dequeue_mode="shared"))
-            instance = present(conn.execute(
-                "SELECT value FROM ringq.meta WHERE key = 'instance_id'").fetchone())[0]
+    with own_server_queue(tmp_path / "pg", dequeue_mode="shared") as (cluster, dsn, q):
         enqueue_committed(dsn, q, *(b"d%d" % i for i in range(5)))
         with Monitor(MonitorConfig(dsn, port=0, interval=FAST, data_dir=tmp_path / "m")) as m:
             set_aside(dsn, q, 5)
@@ -501,12 +499,6 @@ def test_a_database_restart_under_sql_consumers_loses_and_doubles_nothing(tmp_pa
             enqueue_committed(dsn, q, b"after")
             assert got(collect(dsn, q, 1)) == [(b"after", 1)]
             assert drain(dsn, q) == []
-    finally:
-        if instance is not None and cluster.status().running:
-            remove_section(dsn)
-        cluster.stop()
-        if instance is not None:
-            Section.unlink(instance)
 
 
 # -- linked and SQL consumers on one queue at once -----------------------------------------------
