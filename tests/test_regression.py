@@ -615,10 +615,15 @@ def test_a_cycle_with_sql_consumers_is_proven(
     assert report.counts["delivered_sql"] == sqls["committed_entries"]
     linked = result.stats["consumers"]["committed_entries"]
     assert linked + sqls["committed_entries"] == queues * 300
-    # Each SQL consumer took entries of its queue: the grouped queue's (its
-    # worker after the two linked ones) and the first queue's (after its one).
+    # The SQL consumers took entries of their queues only: the grouped queue's
+    # (its worker after the two linked ones) and the first queue's (after its
+    # one), and the single queue's took some (turns between the kinds). On the
+    # grouped queue it may get none: two linked consumers taking a batch each
+    # can hold all 20 groups between them all the time (one entry of a group
+    # held anywhere), which a loaded machine made happen once.
     names = [q["name"] for q in report.queues]
-    assert taken[names[-1]].get(2, 0) > 0 and taken[names[0]].get(1, 0) > 0, taken
+    assert taken[names[0]].get(1, 0) > 0, taken
+    assert set(taken[names[-1]]) <= {0, 1, 2} and set(taken[names[0]]) <= {0, 1}, taken
     assert all(set(taken[n]) == {0} for n in names[1:-1]), taken
     assert report.consumers["sql"]["committed_entries"] == sqls["committed_entries"]
     assert report.consumers["linked"]["processes"] == len(sizes) + 2
