@@ -128,10 +128,10 @@ def finish_batch(
                 _record_waits(ring, deq)
     if n_poisoned:
         Q[b + L.Q_N_POISONED] += n_poisoned
-    return _after_finish(ring, n_ready, n_space)
+    return after_finish(ring, n_ready, n_space)
 
 
-def _after_finish(ring: Ring, n_ready: int, n_space: int) -> tuple[int, int]:
+def after_finish(ring: Ring, n_ready: int, n_space: int) -> tuple[int, int]:
     """Reclaim once and count the wake-ups a finish makes: (ready, space)."""
     Q, b = ring.Q, ring.qb
     if n_space:
@@ -187,8 +187,8 @@ def finish_one(
             ring.record_wait(time.time_ns() // 1000 - op.enq_us)
     ring.record_latency(op.kind, op.latency_ns)
     if not n_space and Q[b + L.Q_WAIT_READY] <= 0:
-        return 0, 0  # nothing to reclaim, nobody to wake (_after_finish's answer)
-    return _after_finish(ring, n_ready, n_space)
+        return 0, 0  # nothing to reclaim, nobody to wake (after_finish's answer)
+    return after_finish(ring, n_ready, n_space)
 
 
 def _finish_each(
@@ -236,7 +236,7 @@ def _finish_each(
             elif committed and op.enq_us:
                 ring.record_wait(now_us - op.enq_us)
         ring.record_latency(op.kind, op.latency_ns)
-    return _after_finish(ring, n_ready, n_space)
+    return after_finish(ring, n_ready, n_space)
 
 
 def _held(ring: Ring, ops: list[Op], owner: int) -> tuple[list[Op], np.ndarray]:

@@ -37,6 +37,7 @@ from psycopg import sql
 
 from . import _layout as L
 from ._decide import load_queue
+from ._finish import after_finish
 from ._names import queue_table
 from ._ops import POISON_REASON, OpKind, RowState
 from ._queries import QUERIES as _Q
@@ -207,15 +208,17 @@ class SqlAgent:
     def _finish(
         self, sec: Section, ring: Ring, info: QueueInfo, done: list[tuple[int, int]]
     ) -> None:
-        """Finish consumed entries in the section; wake blocked enqueuers."""
+        """Finish consumed entries in the section; wake blocked enqueuers (as a
+        linked commit's finish does: one reclaim, the full period closed)."""
         exclusive = info.dequeue_mode == "single"
         sec.lock_queue(ring.qidx)
         try:
+            n = 0
             for slot, seq in done:
                 if ring.held_by(slot, L.OWNER_SQL) and ring.seq_of(slot) == seq:
                     ring.finish_dequeue(slot, consumed=True, exclusive=exclusive, reclaim=False)
-            freed = ring.reclaim()
-            space = min(freed, ring.waiters(OpKind.ENQUEUE))
+                    n += 1
+            _ready, space = after_finish(ring, 0, n)
             ready = self._role_freed(ring, exclusive)
         finally:
             sec.unlock_queue(ring.qidx)
@@ -261,9 +264,11 @@ class SqlAgent:
             return 0
         try:
             with conn.transaction():
-                conn.execute(sql.SQL(_Q["offers_add"]).format(table=queue_table(info.name)), {
-                    "queue_id": info.id, "slots": slots.tolist(), "seqs": seqs.tolist(),
-                    **_runs(list(zip(slots.tolist(), seqs.tolist(), strict=True)), ring.cap),
+                conn.execute(sql.SQL(_Q["offers_clean"]).format(table=queue_table(info.name)),
+                             (slots.tolist(), seqs.tolist()))
+                conn.execute(_Q["offers_runs"], {
+                    "queue_id": info.id,
+                    **_runs(list(zip(slots.tolist(), seqs.tolist(), strict=True))),
                 })
                 conn.execute(_Q["offers_ready"], (info.name,))
         except BaseException:
@@ -284,7 +289,7 @@ class SqlAgent:
             conn.execute(_Q["offers_clear"], (info.id,))
             if kept:
                 conn.execute(_Q["offers_runs"], {"queue_id": info.id,
-                                                 **_runs(kept, info.capacity)})
+                                                 **_runs(kept)})
 
     def _withdraw(
         self, sec: Section, conn: psycopg.Connection[Any], ring: Ring, info: QueueInfo,
@@ -379,15 +384,15 @@ class SqlAgent:
                                "but not listed were given back", len(lost), info.name)
 
 
-def _runs(entries: list[tuple[int, int]], cap: int) -> dict[str, list[int]]:
+def _runs(entries: list[tuple[int, int]]) -> dict[str, list[int]]:
     """``entries`` (slot, seq) as runs of consecutive seqs at consecutive slots
-    (a run never wraps past the ring's last slot): the parameters of
-    ``offers_add`` and ``offers_runs``."""
+    (so a run never wraps past the ring's last slot: its next seq is at slot
+    0): ``offers_runs``' parameters."""
     seqs: list[int] = []
     slots: list[int] = []
     ns: list[int] = []
     for slot, seq in sorted(entries, key=lambda e: e[1]):
-        if ns and seq == seqs[-1] + ns[-1] and slot == slots[-1] + ns[-1] and slot < cap:
+        if ns and seq == seqs[-1] + ns[-1] and slot == slots[-1] + ns[-1]:
             ns[-1] += 1
         else:
             seqs.append(int(seq))

@@ -438,28 +438,15 @@ WHERE slot = ANY(%s::integer[]) AND seq = ANY(%s::bigint[]) AND state = 1 AND xm
 FOR UPDATE SKIP LOCKED
 
 -- offers_clean --
--- The struck rows written again (same values) in a transaction of their own:
--- the strike's row lock lives on in the version it wrote (PostgreSQL keeps a
--- transaction's lock on the row it then updates), and a set-aside row must show
--- xmax 0 unless a take of it did not commit. No take waits here: takers pass
--- rows with a non-zero xmax.
+-- Rows written again (same values) so that a set-aside row shows xmax 0 unless
+-- a take of it did not commit: before entries are set aside (a linked
+-- client's rollback can leave its xid there), and after a strike, in a
+-- transaction of its own (the strike's row lock lives on in the version it
+-- wrote: PostgreSQL keeps a transaction's lock on the row it then updates).
+-- No take waits here: takers pass rows with a non-zero xmax, and entries not
+-- listed yet are taken by none.
 UPDATE {table} SET state = state
 WHERE slot = ANY(%s::integer[]) AND seq = ANY(%s::bigint[]) AND state = 1 AND xmax <> '0'::xid
-
--- offers_add --
--- Set entries aside for SQL consumers. A row whose xmax is left over from a
--- linked client's rollback is written again first (same values), so that a
--- non-zero xmax on a set-aside row always means a SQL take that did not commit.
-WITH f AS (
-    UPDATE {table} SET state = state
-    WHERE slot = ANY(%(slots)s::integer[]) AND seq = ANY(%(seqs)s::bigint[]) AND state = 1
-      AND xmax <> '0'::xid
-    RETURNING 1
-)
-INSERT INTO ringq.offers (queue_id, seq, slot, n)
-SELECT %(queue_id)s, s.seq, s.slot, s.n
-FROM unnest(%(run_seqs)s::bigint[], %(run_slots)s::integer[], %(run_ns)s::integer[])
-    AS s(seq, slot, n)
 
 -- offers_clear --
 -- A queue's listing deleted, to be written again as the runs of what is still
