@@ -71,24 +71,26 @@ def pump_inbox(
     other queues go on. Queues named in ``skip`` are not looked at.
     """
     if session is None:
-        with connect_step(dsn) as conn:
-            if not conn.execute(Qy.INBOX_PENDING, (list(skip),)).fetchall():
-                return {}
+        with connect_step(dsn) as conn:  # no session (a client entry) when nothing waits
+            pending = conn.execute(Qy.INBOX_PENDING, (list(skip),)).fetchall()
+        if not pending:
+            return {}
         with connect(dsn) as s:
-            return _pump(s, batch, skip, full)
-    return _pump(session, batch, skip, full)
+            return _pump(s, pending, batch, full)
+    pending = session.connection.execute(Qy.INBOX_PENDING, (list(skip),)).fetchall()
+    if not pending:
+        session.rollback()
+        return {}
+    # The first queue's move goes on in the transaction this read opened (a
+    # round trip less on an SQL enqueue's way to its consumer).
+    return _pump(session, pending, batch, full)
 
 
 def _pump(
-    s: Session, batch: int, skip: Collection[str], full: dict[str, int] | None
+    s: Session, pending: list[Any], batch: int, full: dict[str, int] | None
 ) -> dict[str, int]:
+    """Move the ``pending`` queues' inbox entries (name, queue id) with ``s``."""
     moved: dict[str, int] = {}
-    pending = s.connection.execute(Qy.INBOX_PENDING, (list(skip),)).fetchall()
-    if not pending:
-        s.rollback()
-        return moved
-    # The first queue's move goes on in the transaction this read opened (a
-    # round trip less on an SQL enqueue's way to its consumer).
     sec = s.section  # the process's attachment: the ring enqueue_many reserves in
     for name, qid in pending:
         total = 0
