@@ -32,6 +32,7 @@ from typing import Any
 import numpy as np
 import psycopg
 from _benchlib import argument_parser, drop_queues, machine, run_in_database
+from psycopg import sql
 from ringq.engine import Session, connect
 from ringq.engine import layout as L
 from ringq.scripting import QueueSpec, create_queue
@@ -42,6 +43,7 @@ class Config:
     capacity: int
     waiting: int
     claims: int
+    late: int
 
 
 def _time_claims(s: Session, queue: str, n: int, *, force_pass: bool = False) -> dict[str, float]:
@@ -66,8 +68,39 @@ def _time_claims(s: Session, queue: str, n: int, *, force_pass: bool = False) ->
     return {"p50_us": float(np.median(us)), "p90_us": float(np.percentile(us, 90))}
 
 
+LATE_READ = (
+    "SELECT (extract(epoch FROM deq_at - not_before) * 1000)::float8 FROM {} "
+    "WHERE state = 2 AND not_before IS NOT NULL"
+)
+
+
+def _lateness(dsn: str, queue: str, n: int) -> dict[str, float]:
+    """``n`` entries enqueued at once, each due 30 ms after the one before
+    (from 0.3 s), taken one per transaction by a consumer waiting in
+    ``dequeue(wait=)``: how long after its due time each was received, in ms,
+    by the database's clock (the row's ``deq_at``, the consuming transaction's
+    start, minus its ``not_before``)."""
+    with connect(dsn) as s:
+        for i in range(n):
+            s.enqueue(queue, b"d", delay=0.3 + 0.03 * i)
+        s.commit()
+        got = 0
+        while got < n:
+            m = s.dequeue(queue, wait=5.0)
+            assert m is not None, "a delayed entry never came"
+            s.commit()
+            got += 1
+    with psycopg.connect(dsn) as conn:
+        late = [r[0] for r in conn.execute(
+            sql.SQL(LATE_READ).format(sql.Identifier("ringq", "q_" + queue))).fetchall()]
+    ms = np.asarray(late)
+    return {"n": float(ms.size), "p50_ms": float(np.median(ms)),
+            "p99_ms": float(np.percentile(ms, 99)), "max_ms": float(ms.max()),
+            "min_ms": float(ms.min())}
+
+
 def run(cfg: Config, dsn: str, names: list[str]) -> dict[str, Any]:
-    plain, waiting = names
+    plain, waiting, late = names
     with psycopg.connect(dsn) as conn:
         for name in names:
             create_queue(conn, QueueSpec(name, cfg.capacity, 128, dequeue_mode="shared",
@@ -88,6 +121,7 @@ def run(cfg: Config, dsn: str, names: list[str]) -> dict[str, Any]:
             "release_pass": _time_claims(s, waiting, cfg.claims, force_pass=True),
         }
         assert ring.Q[ring.qb + L.Q_N_WAITING] == cfg.waiting  # none fell due
+    out["lateness"] = _lateness(dsn, late, cfg.late)
     return out
 
 
@@ -96,15 +130,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--capacity", type=int, default=16384, help="slots of each queue")
     p.add_argument("--waiting", type=int, default=10_000, help="entries delayed by an hour")
     p.add_argument("--claims", type=int, default=2000, help="claims timed per figure")
+    p.add_argument("--late", type=int, default=200,
+                   help="delayed entries whose lateness a waiting consumer shows")
     a = p.parse_args(argv)
     if not 0 < a.waiting < a.capacity or a.claims < 1:
         p.error("need 0 < --waiting < --capacity and --claims >= 1")
-    cfg = Config(a.capacity, a.waiting, a.claims)
+    cfg = Config(a.capacity, a.waiting, a.claims, a.late)
     tag = str(time.monotonic_ns() % 1_000_000)
-    names = [f"bd_plain_{tag}", f"bd_wait_{tag}"]
+    names = [f"bd_plain_{tag}", f"bd_wait_{tag}", f"bd_late_{tag}"]
 
     def summarize(raw: dict[str, Any]) -> dict[str, Any]:
-        return {k: v["p50_us"] for k, v in raw.items()} | {"machine": machine()}
+        return ({k: raw[k]["p50_us"] for k in ("plain", "waiting", "release_pass")}
+                | {"lateness": raw["lateness"], "machine": machine()})
 
     def render(raw: dict[str, Any], summary: dict[str, Any], seconds: float) -> str:
         lines = [f"claim cost, us per call ({cfg.claims:,} claims each; {seconds:.1f} s in all)"]
@@ -115,6 +152,11 @@ def main(argv: list[str] | None = None) -> int:
                          f"p90 {raw[key]['p90_us']:8.2f}")
         ratio = statistics.fmean([raw["waiting"]["p50_us"] / raw["plain"]["p50_us"]])
         lines.append(f"  waiting / plain (p50): {ratio:.2f}")
+        late = raw["lateness"]
+        lines.append(f"received after its due time ({late['n']:.0f} entries, a waiting "
+                     f"consumer, database clock): p50 {late['p50_ms']:.1f} ms, p99 "
+                     f"{late['p99_ms']:.1f} ms, max {late['max_ms']:.1f} ms, "
+                     f"min {late['min_ms']:.1f} ms")
         return "\n".join(lines)
 
     return run_in_database(
