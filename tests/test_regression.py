@@ -627,7 +627,10 @@ def test_a_cycle_with_sql_consumers_is_proven(
     assert all(set(taken[n]) == {0} for n in names[1:-1]), taken
     assert report.consumers["sql"]["committed_entries"] == sqls["committed_entries"]
     assert report.consumers["linked"]["processes"] == len(sizes) + 2
-    assert report.groups["sql_consumers"] == 1 and report.groups["consumers_seen"] == 3
+    # Spark saw on the grouped queue exactly the consumers the rows say took from it.
+    grouped_takers = sum(1 for n in taken[names[-1]].values() if n > 0)
+    assert report.groups["sql_consumers"] == 1
+    assert report.groups["consumers_seen"] == grouped_takers >= 2, (report.groups, taken)
     assert re.search(r"consumers +linked 5 x [\d,]+ entries .* sql 2 x [\d,]+ entries",
                      report.summary()), report.summary()
 
