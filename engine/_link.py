@@ -42,6 +42,10 @@ logger = logging.getLogger("ringq.engine")
 _IDLE = TransactionStatus.IDLE
 T = TypeVar("T")
 
+# The statements a commit sends that go through libpq directly (_wire.PgQuery:
+# integer results, parameters ringq makes).
+_FAST = frozenset({"enqueue", "enqueue_many", "consume", "consume_many"})
+
 SUPPORTED_SCHEMA = "1"
 
 
@@ -77,6 +81,8 @@ class Link:
         self.queues: dict[str, QueueInfo] = {}
         self.rings: dict[int, Ring] = {}
         self.stmts: dict[tuple[str, str], str] = {}
+        # the commit's row writes, prepared by ringq itself (see _wire.Prepared)
+        self.prepared = _wire.Prepared()
         self.role = role  # C_ROLE of our client entry (a worker sets CR_WORKER)
         # database exchanges made (each call()), for the trace's per-call count
         self.round_trips = 0
@@ -311,6 +317,8 @@ class Link:
                 .format(table=queue_table(queue), queue=sql.Literal(queue))
                 .as_string(None)
             )
+            if name in _FAST:
+                self.prepared.add(stmt)
             self.stmts[key] = stmt
         return stmt
 

@@ -211,7 +211,8 @@ class Transaction:
                 statements.append(self._consume_statement(name, consume))
         link.sent_any = True
         cursors = link.call(
-            lambda: _wire.send(link.conn, statements, commit=commit, may_begin=not link.tpc_open),
+            lambda: _wire.send(link.conn, statements, commit=commit, may_begin=not link.tpc_open,
+                               prepared=link.prepared),
             recover=not commit,  # commit() decides itself what a lost answer means
         )
         for i, (at, enq) in enumerate(enqueues):

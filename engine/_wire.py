@@ -30,17 +30,262 @@ not (see :func:`execute`).
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
+from struct import Struct
 from typing import Any
 
 import psycopg
-from psycopg.pq import TransactionStatus
+from psycopg import generators
+from psycopg.errors import error_from_result
+from psycopg.pq import ExecStatus, TransactionStatus
 
 Params = Sequence[Any] | Mapping[str, Any] | None
 Statement = tuple[str, Params]  # (query, parameters)
 
 _IDLE = TransactionStatus.IDLE
+_TUPLES_OK = ExecStatus.TUPLES_OK
+_COMMAND_OK = ExecStatus.COMMAND_OK
+
+
+# -- ringq's own prepared statements ---------------------------------------------------
+#
+# psycopg's execute() costs 35-50 us of client CPU per statement beside
+# libpq's own 15-20 (a cursor, the query's conversion, a Transformer dumping
+# each parameter, the prepared-statement manager, the result's loaders),
+# measured on a one-row UPDATE in autocommit. The engine's hot statements
+# (the row writes of a commit) have integer results and parameters ringq makes
+# itself, so it prepares them once per connection and sends them through
+# psycopg's libpq wrapper (pgconn) and its C wait loop (Connection.wait),
+# which keeps Ctrl-C cancelling the statement as psycopg's execute does.
+
+_PLACEHOLDER = re.compile(r"%(?:\((\w+)\))?([sb%])")
+_ARRAY_HEAD = Struct("!iiIii")  # ndim, has-nulls, element oid, length, lower bound
+_LEN = Struct("!i")
+_BYTEA_OID = 17
+_ROWS = object()  # marks a statement's command in Prepared.run
+
+
+class PgQuery:
+    """A statement the engine may send through libpq itself: from its text
+    for psycopg (``%s``, ``%b``, ``%(name)s`` placeholders), its libpq form
+    (``$n``), the parameters' order and formats (``%b``: binary).
+
+    Only for statements whose results are integers (or NULL) and whose
+    parameters are None, int, str, bytes (``%b``) or lists of bytes
+    (``%b``: a bytea array); any other value sends it through psycopg."""
+
+    __slots__ = ("formats", "libpq", "names")
+
+    def __init__(self, query: str) -> None:
+        names: list[str] = []
+        formats: list[int] = []
+
+        def number(m: re.Match[str]) -> str:
+            name, kind = m.group(1), m.group(2)
+            if kind == "%":
+                return "%"
+            if name is not None and name in names:
+                return f"${names.index(name) + 1}"
+            names.append(name or "")
+            formats.append(1 if kind == "b" else 0)
+            return f"${len(names)}"
+
+        self.libpq = _PLACEHOLDER.sub(number, query).encode()
+        # the parameters' names in $n order (None: positional)
+        self.names = tuple(names) if names and names[0] else None
+        self.formats = tuple(formats)
+
+    def encode(self, params: Params) -> list[bytes | None] | None:
+        """The parameters as libpq sends them; None if one is not a kind
+        this path encodes (the statement then goes through psycopg)."""
+        if params is None:
+            return []
+        if self.names is not None:
+            if not isinstance(params, Mapping):
+                return None
+            values: Sequence[Any] = [params[n] for n in self.names]
+        elif isinstance(params, Mapping):
+            return None
+        else:
+            values = params
+        if len(values) != len(self.formats):
+            return None
+        out: list[bytes | None] = []
+        for v, binary in zip(values, self.formats, strict=True):
+            t = type(v)
+            if v is None:
+                out.append(None)
+            elif binary:
+                if t is bytes:
+                    out.append(v)
+                elif t is list and all(type(x) is bytes for x in v):
+                    out.append(bytea_array(v))
+                elif t is bytearray or t is memoryview:
+                    out.append(bytes(v))
+                else:
+                    return None
+            elif t is int or t is str:
+                out.append(str(v).encode())
+            else:
+                return None
+        return out
+
+
+def bytea_array(values: Sequence[bytes]) -> bytes:
+    """A one-dimensional bytea[] in PostgreSQL's binary array format."""
+    parts = [_ARRAY_HEAD.pack(1, 0, _BYTEA_OID, len(values), 1)]
+    for v in values:
+        parts.append(_LEN.pack(len(v)))
+        parts.append(v)
+    return b"".join(parts)
+
+
+class Rows:
+    """A statement's integer rows, read as psycopg's cursor reads them
+    (``fetchone``, ``fetchall``)."""
+
+    __slots__ = ("_rows",)
+
+    def __init__(self, result: Any) -> None:
+        ncols = result.nfields
+        get = result.get_value
+        self._rows = [
+            tuple(None if (v := get(r, c)) is None else int(v) for c in range(ncols))
+            for r in range(result.ntuples)
+        ]
+
+    def fetchone(self) -> tuple[Any, ...] | None:
+        return self._rows.pop(0) if self._rows else None
+
+    def fetchall(self) -> list[tuple[Any, ...]]:
+        rows, self._rows = self._rows, []
+        return rows
+
+
+class Prepared:
+    """ringq's prepared statements on a session's connection (names
+    ``ringq_<n>``, apart from psycopg's ``_pg3_<n>``); forgotten when the
+    connection is a new one. A statement is prepared in the same round trip
+    as its first execution."""
+
+    def __init__(self) -> None:
+        self._pgconn: Any = None
+        self._names: dict[bytes, bytes] = {}
+        self._made = 0  # statements prepared on the connection (for the next name)
+        self._queries: dict[str, PgQuery] = {}  # the statements this path sends
+
+    def add(self, query: str) -> str:
+        """Let ``query`` go through this path (see :class:`PgQuery`); returns it."""
+        self._queries[query] = PgQuery(query)
+        return query
+
+    def run(
+        self,
+        conn: psycopg.Connection[Any],
+        statements: Sequence[Statement],
+        *,
+        begin: bool,
+        commit: bool,
+    ) -> list[Rows] | None:
+        """Send ``statements`` (each a :class:`PgQuery`) in one round trip:
+        after a BEGIN with ``begin``, then a COMMIT with ``commit``; on an
+        idle connection without either, they run in autocommit as one
+        implicit transaction. Raises the first statement's error as psycopg
+        would (the rest was skipped by the server). None, having sent
+        nothing, when a parameter is not for this path or the connection
+        prepares nothing (``prepare_threshold`` None, as behind a
+        transaction-mode pooler): use psycopg then."""
+        if conn.prepare_threshold is None:
+            return None
+        encoded: list[tuple[PgQuery, list[bytes | None]]] = []
+        queries = self._queries
+        for text, params in statements:
+            query = queries.get(text)
+            if query is None:
+                return None
+            values = query.encode(params)
+            if values is None:
+                return None
+            encoded.append((query, values))
+        pg = conn.pgconn
+        with conn.lock:
+            if pg is not self._pgconn:
+                self._pgconn, self._names, self._made = pg, {}, 0
+            names = self._names
+            # (the command, and what its result is: _ROWS a statement's, the
+            # query text of a new prepare, None a BEGIN's or COMMIT's)
+            commands: list[tuple[Any, Any]] = []
+            if begin:
+                commands.append((_sender(pg.send_query_params, begin_statement(conn).encode(),
+                                         None), None))
+            for query, values in encoded:
+                name = names.get(query.libpq)
+                if name is None:
+                    name = b"ringq_%d" % self._made
+                    self._made += 1
+                    commands.append((_sender(pg.send_prepare, name, query.libpq),
+                                     (query.libpq, name)))
+                commands.append((_sender(pg.send_query_prepared, name, values,
+                                         param_formats=query.formats), _ROWS))
+            if commit:
+                commands.append((_sender(pg.send_query_params, b"COMMIT", None), None))
+            if len(commands) == 1:
+                commands[0][0]()
+                results = [conn.wait(generators.execute(pg))[-1]]
+            else:
+                results = _pipeline(conn, [send for send, _ in commands])
+            rows: list[Rows] = []
+            error: psycopg.Error | None = None
+            for res, (_send, what) in zip(results, commands, strict=True):
+                status = res.status
+                if status in (_TUPLES_OK, _COMMAND_OK):
+                    if what is _ROWS:
+                        rows.append(Rows(res))
+                    elif what is not None:  # prepared: later runs skip the Parse
+                        names[what[0]] = what[1]
+                elif status == ExecStatus.FATAL_ERROR and error is None:
+                    error = error_from_result(res, encoding=conn.info.encoding)
+                elif status not in (ExecStatus.PIPELINE_ABORTED, ExecStatus.FATAL_ERROR):
+                    error = error or psycopg.InterfaceError(
+                        f"unexpected result from the server: {status.name}")
+            if error is not None:
+                if error.sqlstate == "26000":  # a statement of ours is gone (DEALLOCATE)
+                    self._names = {}
+                raise error
+            return rows
+
+
+def _sender(fn: Any, *args: Any, **kwargs: Any) -> Any:
+    return lambda: fn(*args, **kwargs)
+
+
+def _pipeline(conn: psycopg.Connection[Any], sends: Sequence[Any]) -> list[Any]:
+    """Send the commands (``sends``, each queuing one) as one libpq
+    pipeline closed by one Sync: one round trip. Returns each command's last
+    result (FATAL_ERROR, or PIPELINE_ABORTED for those the server skipped
+    after an error). A connection left in pipeline mode by an interruption
+    is closed (the session then recovers by the rows)."""
+    pg = conn.pgconn
+    pg.enter_pipeline_mode()
+    done = False
+    try:
+        for send in sends:
+            send()
+        pg.pipeline_sync()
+        conn.wait(generators.send(pg))
+        out = [conn.wait(generators.fetch_many(pg))[-1] for _ in sends]
+        conn.wait(generators.fetch_many(pg))  # the Sync's
+        done = True
+    finally:
+        try:
+            pg.exit_pipeline_mode()
+        except psycopg.Error:
+            if done:
+                raise
+            conn.close()
+    return out
 
 
 def begin_statement(conn: psycopg.Connection[Any]) -> str:
@@ -127,7 +372,8 @@ def send(
     *,
     commit: bool,
     may_begin: bool = True,
-) -> list[psycopg.Cursor[Any]]:
+    prepared: Prepared | None = None,
+) -> list[psycopg.Cursor[Any]] | list[Rows]:
     """Send ``statements`` in one round trip (a failing statement raises: the
     first psycopg error); returns a cursor on each one's rows. With
     ``commit`` the transaction ends with them; else it stays open, opened by
@@ -138,6 +384,11 @@ def send(
     (all or nothing), the least PostgreSQL can be sent. After an error the
     transaction is in a failed state (roll it back), or was rolled back.
     """
+    if prepared is not None and may_begin and not conn.autocommit:
+        idle = conn.pgconn.transaction_status == _IDLE
+        rows = prepared.run(conn, statements, begin=idle and not commit, commit=commit and not idle)
+        if rows is not None:
+            return rows
     if len(statements) == 1 and commit and may_begin and not conn.autocommit:
         # The common case (one queue's writes, committed): as
         # _no_implicit_begin, inline (its generator costs more than the rest).

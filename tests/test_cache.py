@@ -156,19 +156,22 @@ def test_kill9_holding_a_cached_entry_redelivers_it_from_the_row(
 def _die_in_consume_commit(dsn: str, queue: str, when: str, ready: Any) -> None:
     with connect(dsn) as s:
         conn = s.connection
-        execute = conn.execute
 
-        def dying_execute(*args: Any, **kwargs: Any) -> Any:
-            # The commit's one statement: the consuming write, in autocommit.
-            if when == "before":
-                os.kill(os.getpid(), signal.SIGKILL)
-            out = execute(*args, **kwargs)
-            os.kill(os.getpid(), signal.SIGKILL)  # committed; the section never learns it
-            return out
+        class DyingLock:
+            """The connection's lock, held for each whole exchange (psycopg's
+            and the engine's own): the commit's one statement, the consuming
+            write in autocommit, is the first exchange after the dequeue."""
+
+            def __enter__(self) -> None:
+                if when == "before":  # nothing sent yet
+                    os.kill(os.getpid(), signal.SIGKILL)
+
+            def __exit__(self, *exc: object) -> None:
+                os.kill(os.getpid(), signal.SIGKILL)  # committed; the section never learns it
 
         m = present(s.dequeue(queue))
         ready.send(m.seq)
-        conn.execute = dying_execute  # type: ignore[method-assign]
+        conn.lock = DyingLock()  # type: ignore[assignment]
         s.commit()
 
 
