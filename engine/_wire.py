@@ -386,7 +386,16 @@ def send(
     """
     if prepared is not None and may_begin and not conn.autocommit:
         idle = conn.pgconn.transaction_status == _IDLE
-        rows = prepared.run(conn, statements, begin=idle and not commit, commit=commit and not idle)
+        begin, end = idle and not commit, commit and not idle
+        try:
+            rows = prepared.run(conn, statements, begin=begin, commit=end)
+        except psycopg.errors.InvalidSqlStatementName:
+            # Our statements were deallocated (DEALLOCATE ALL, DISCARD ALL by
+            # the caller): forgotten already. Sent alone in autocommit nothing
+            # ran, so they go again, prepared anew; in a transaction it failed.
+            if not (idle and commit):
+                raise
+            rows = prepared.run(conn, statements, begin=begin, commit=end)
         if rows is not None:
             return rows
     if len(statements) == 1 and commit and may_begin and not conn.autocommit:

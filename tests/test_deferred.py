@@ -161,6 +161,37 @@ def test_each_transaction_is_one_round_trip(
     assert app_rows(dsn) == [1]
 
 
+def test_commits_survive_deallocate_all_and_go_without_prepared_statements_when_asked(
+    dsn: str, make_queue: Callable[..., str]
+) -> None:
+    """A commit's row writes go as ringq's own prepared statements: when the
+    caller deallocates them (DEALLOCATE ALL) they are prepared again and the
+    entry is written once; with psycopg's ``prepare_threshold = None`` (a
+    transaction-mode pooler) the commit prepares nothing on the server."""
+    q = make_queue(dequeue_mode="shared")
+    with connect(dsn) as s:
+        s.enqueue(q, b"a")
+        s.commit()
+        s.connection.execute("DEALLOCATE ALL")
+        s.connection.commit()
+        s.enqueue_many(q, [b"b", b"c"])  # enqueue_many: prepared for the first time
+        s.commit()
+        s.enqueue(q, b"d")  # gone after DEALLOCATE ALL: prepared again, sent once
+        s.commit()
+        s.connection.prepare_threshold = None
+        s.connection.execute("DEALLOCATE ALL")
+        s.connection.commit()
+        for p in (b"e", b"f"):
+            s.enqueue(q, p)
+            s.commit()
+        assert s.connection.execute("SELECT count(*) FROM pg_prepared_statements").fetchone() == (0,)
+        s.connection.commit()
+        m = present(s.dequeue(q))
+        s.commit()
+        assert m.payload == b"a"
+    assert [m.payload for m in drain(dsn, q)] == [b"b", b"c", b"d", b"e", b"f"]
+
+
 # -- a stale section: refused at commit, nothing half-committed -----------------------------------
 
 
