@@ -184,7 +184,8 @@ def test_commits_survive_deallocate_all_and_go_without_prepared_statements_when_
         for p in (b"e", b"f"):
             s.enqueue(q, p)
             s.commit()
-        assert s.connection.execute("SELECT count(*) FROM pg_prepared_statements").fetchone() == (0,)
+        prepared = s.connection.execute("SELECT count(*) FROM pg_prepared_statements")
+        assert prepared.fetchone() == (0,)
         s.connection.commit()
         m = present(s.dequeue(q))
         s.commit()
