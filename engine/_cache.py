@@ -105,6 +105,8 @@ class PayloadCache:
         one that fits): the head words as one scatter, tags last."""
         if not self.stride:
             return
+        if self._put_plain(slots, seqs, writes, enq_at_us):
+            return
         s = self.sec
         cache = s.cache
         limit = self.cap_bytes
@@ -143,6 +145,45 @@ class PayloadCache:
         # (A record's old tag names an older entry of the slot: never ``seq``.)
         cq[at[:, None] + _FIELDS] = np.array(rows, dtype=np.int64)
         cq[at + L.R_TAG] = np.array(tags, dtype=np.int64)
+
+    def _put_plain(
+        self, slots: Sequence[int], seqs: Sequence[int], writes: Sequence[Write], enq_at_us: int
+    ) -> bool:
+        """:meth:`put_many` of the usual batch (one producer, no groups,
+        payloads that all fit): a slice copy per entry for its bytes and
+        nothing else per entry in Python; the heads as one scatter, tags
+        last. False, having written nothing, for any other batch."""
+        producer = writes[0].producer
+        if any(w.group is not None or w.producer != producer for w in writes):
+            return False
+        name = producer.encode()
+        payloads = [w.payload for w in writes]
+        lens = list(map(len, payloads))
+        if len(name) > L.CACHE_PRODUCER_BYTES or max(lens) > self.cap_bytes:
+            return False
+        n = len(writes)
+        s = self.sec
+        cache = s.cache
+        cw0, sw, pn = self.cw0, self.sw, len(name)
+        at_w = [cw0 + slot * sw for slot in slots]
+        for w, payload, size in zip(at_w, payloads, lens, strict=True):
+            off = w << 3
+            cache[off + _P0 : off + _P0 + pn] = name
+            cache[off + L.RECORD_HEAD : off + L.RECORD_HEAD + size] = payload
+        at = np.array(at_w, dtype=np.int64)
+        heads = np.empty((n, L.RECORD_WORDS), dtype=np.int64)
+        heads[:, L.R_TAG] = 0
+        heads[:, L.R_EPOCH] = self.Q[self.qb + L.Q_CACHE_EPOCH]
+        heads[:, L.R_LEN] = lens
+        heads[:, L.R_PRODUCER_LEN] = pn
+        heads[:, L.R_PRODUCER_SEQ] = [w.producer_seq for w in writes]
+        heads[:, L.R_ENQ_AT_US] = enq_at_us
+        heads[:, L.R_GROUP_LEN] = -1
+        cq = s.cache_q
+        # Tags stay 0 (untrusted) until the rest of each record is written.
+        cq[at[:, None] + _FIELDS] = heads
+        cq[at + L.R_TAG] = np.array(seqs, dtype=np.int64) + 1
+        return True
 
     def get(self, slot: int, seq: int) -> Cached | None:
         """(payload, producer, producer_seq, enqueued at in us, group) of

@@ -44,7 +44,9 @@ T = TypeVar("T")
 
 # The statements a commit sends that go through libpq directly (_wire.PgQuery:
 # integer results, parameters ringq makes).
-_FAST = frozenset({"enqueue", "enqueue_many", "consume", "consume_many"})
+_FAST = frozenset(
+    {"enqueue", "enqueue_alone", "enqueue_many", "consume", "consume_alone", "consume_many"}
+)
 
 SUPPORTED_SCHEMA = "1"
 

@@ -33,6 +33,7 @@ from ._queue_info import QueueInfo
 logger = logging.getLogger("ringq.engine")
 
 _INERROR = TransactionStatus.INERROR
+_IDLE = TransactionStatus.IDLE
 _ENDED_STATES = frozenset({"57P01", "57P02", "57P05", "25P03"})
 
 
@@ -189,13 +190,19 @@ class Transaction:
         statements: list[_wire.Statement] = []
         # (index of the statement in statements, its ops) of each enqueue statement
         enqueues: list[tuple[int, list[Op]]] = []
+        # One row write that is the whole transaction (a commit on an idle
+        # connection) goes without the server-side guard: checked here.
+        alone = (
+            len(writes) == 1 and commit and not link.tpc_open
+            and link.conn.pgconn.transaction_status == _IDLE and not link.conn.autocommit
+        )
         if len(writes) == 1:  # a single entry: no grouping
             op = writes[0]
             if op.write is not None:
                 enqueues.append((0, writes))
-                statements.append(self._write_statement(op.info.name, writes))
+                statements.append(self._write_statement(op.info.name, writes, alone=alone))
             else:
-                statements.append(self._consume_statement(op.info.name, writes))
+                statements.append(self._consume_statement(op.info.name, writes, alone=alone))
             by_queue: dict[str, list[Op]] = {}
         else:
             by_queue = {}
@@ -215,8 +222,12 @@ class Transaction:
                                prepared=link.prepared),
             recover=not commit,  # commit() decides itself what a lost answer means
         )
+        if alone and not enqueues and cursors[0].fetchone() is None:
+            raise _stale_alone(writes[0])
         for i, (at, enq) in enumerate(enqueues):
             row = cursors[at].fetchone()
+            if alone and row is None:
+                raise _stale_alone(enq[0])
             if i == 0:
                 self.enq_at_us = None if row is None else int(row[1])
             if row is not None and len(row) > 2:  # enqueue_due: the rows' due times
@@ -228,17 +239,24 @@ class Transaction:
         for op in writes:
             op.fill, op.write, op.consume = op.write, None, False
 
-    def _consume_statement(self, queue: str, ops: list[Op]) -> _wire.Statement:
-        """The guarded consuming write of ``ops`` (cached dequeues of one queue)."""
+    def _consume_statement(
+        self, queue: str, ops: list[Op], *, alone: bool = False
+    ) -> _wire.Statement:
+        """The guarded consuming write of ``ops`` (cached dequeues of one
+        queue); ``alone``: the whole transaction (see ``send_writes``)."""
         if len(ops) == 1:
-            return self.link.stmt("consume", queue), (ops[0].slot, ops[0].seq)
+            name = "consume_alone" if alone else "consume"
+            return self.link.stmt(name, queue), (ops[0].slot, ops[0].seq)
         return self.link.stmt("consume_many", queue), (
             _wire.int_array(op.slot for op in ops), _wire.int_array(op.seq for op in ops), len(ops),
         )
 
-    def _write_statement(self, queue: str, ops: list[Op]) -> _wire.Statement:
+    def _write_statement(
+        self, queue: str, ops: list[Op], *, alone: bool = False
+    ) -> _wire.Statement:
         """The guarded row write of ``ops`` (enqueues of one queue): one
-        statement (``enqueue_due`` when an entry has a due time)."""
+        statement (``enqueue_due`` when an entry has a due time); ``alone``:
+        the whole transaction (see ``send_writes``)."""
         writes = [op.write for op in ops if op.write is not None]
         if any(type(w) is DueWrite for w in writes):
             return self.link.stmt("enqueue_due", queue), {
@@ -255,7 +273,7 @@ class Transaction:
         if len(ops) == 1:
             op = ops[0]
             w = writes[0]
-            return self.link.stmt("enqueue", queue), (
+            return self.link.stmt("enqueue_alone" if alone else "enqueue", queue), (
                 op.seq,
                 w.payload,
                 w.producer,
@@ -461,6 +479,17 @@ class Transaction:
             for op in deq_ops:
                 op.due_us = due_by.get((op.info.id, op.slot, op.seq), 0)
         return poisoned
+
+
+def _stale_alone(op: Op) -> StaleSection:
+    """The guard of a row write sent alone (``*_alone``, see ``send_writes``):
+    no row back, so it wrote nothing, the empty transaction committed
+    nothing, and the section was stale (as expect_rows' RQ001 says)."""
+    return StaleSection(
+        f"queue {op.info.name!r}: a row write did not find its row as the global section "
+        "said (stale section); nothing of the transaction committed: retry it",
+        queue=op.info.name,
+    )
 
 
 def _delay(w: Write) -> str | None:

@@ -81,6 +81,19 @@ WITH u AS (
 SELECT ringq.expect_rows((SELECT count(*) FROM u)::integer, 1, {queue}),
        (extract(epoch FROM now()) * 1000000)::bigint
 
+-- enqueue_alone --
+-- enqueue's row write when it is the whole transaction (sent alone in
+-- autocommit: a commit on an idle connection). A row that does not match is
+-- written by no one and the empty transaction commits nothing, so the guard
+-- is the client's (no row back: StaleSection), without expect_rows' CTE and
+-- function call, which cost the server ~15 us per transaction (a ninth).
+UPDATE {table}
+SET state = 1, seq = %s::bigint, payload = %b, producer = %s, producer_seq = %s::bigint,
+    msg_group = %s::text, deliveries = 0, not_before = NULL,
+    enq_at = now(), enq_user = current_user, deq_at = NULL, deq_user = NULL
+WHERE slot = %s::integer AND state <> 1 AND seq < %s::bigint
+RETURNING 1, (extract(epoch FROM now()) * 1000000)::bigint
+
 -- enqueue_due --
 -- enqueue_many for entries of which some wait: each row's not_before is the
 -- database's clock plus its delay (counted from this write, sent at commit),
@@ -180,6 +193,13 @@ WITH u AS (
     RETURNING 1
 )
 SELECT ringq.expect_rows((SELECT count(*) FROM u)::integer, 1, {queue})
+
+-- consume_alone --
+-- consume's write when it is the whole transaction (as enqueue_alone).
+UPDATE {table}
+SET state = 2, deq_at = now(), deq_user = current_user
+WHERE slot = %s::integer AND seq = %s::bigint AND state = 1
+RETURNING 1
 
 -- consume_many --
 -- The arrays as in dequeue_many, for the same reason.

@@ -247,6 +247,42 @@ def test_stale_section_in_one_queue_commits_no_write_of_another(
     assert [m.payload for m in drain(dsn, stale)] == [b"a", b"b", b"x"]
 
 
+def test_a_cached_dequeue_whose_row_was_consumed_around_ringq_commits_nothing(
+    dsn: str, make_queue: Callable[..., str]
+) -> None:
+    """A cached dequeue committed alone (its consuming write the whole
+    transaction) whose row no longer holds the entry ready: StaleSection,
+    nothing written, and the entry is not delivered again."""
+    q = make_queue(dequeue_mode="shared")
+    with connect(dsn) as s:
+        s.enqueue_many(q, [b"a", b"b"])
+        s.commit()
+        m = present(s.dequeue(q))
+        assert m.payload == b"a" and backend(dsn, s.backend_pid) == ("idle", False)  # cached
+        with psycopg.connect(dsn, autocommit=True) as other:  # the table written around ringq
+            other.execute(
+                sql.SQL("UPDATE {} SET state = 2, deq_user = 'other' WHERE seq = %s").format(
+                    sql.Identifier("ringq", "q_" + q)
+                ),
+                (m.seq,),
+            )
+        with pytest.raises(StaleSection) as err:
+            s.commit()
+        assert err.value.queue == q
+        with psycopg.connect(dsn, autocommit=True) as other:
+            got = other.execute(
+                sql.SQL("SELECT deq_user FROM {} WHERE seq = %s").format(
+                    sql.Identifier("ringq", "q_" + q)
+                ),
+                (m.seq,),
+            ).fetchone()
+        assert got == ("other",)  # our consuming write wrote nothing
+        again = present(s.dequeue(q))  # resynced: "a" is consumed, "b" is next
+        assert again.payload == b"b"
+        s.commit()
+    assert drain(dsn, q) == []
+
+
 def test_stale_section_gives_dequeued_entries_back_without_a_strike(
     dsn: str, make_queue: Callable[..., str]
 ) -> None:
