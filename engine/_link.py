@@ -42,11 +42,12 @@ logger = logging.getLogger("ringq.engine")
 _IDLE = TransactionStatus.IDLE
 T = TypeVar("T")
 
-# The statements a commit sends that go through libpq directly (_wire.PgQuery:
-# integer results, parameters ringq makes).
-_FAST = frozenset(
-    {"enqueue", "enqueue_alone", "enqueue_many", "consume", "consume_alone", "consume_many"}
-)
+# The statements that go through libpq directly as ringq's prepared statements
+# (_wire.Prepared): a commit's row writes, and the dequeue that reads rows.
+_FAST = frozenset({
+    "enqueue", "enqueue_alone", "enqueue_many", "consume", "consume_alone", "consume_many",
+    "dequeue", "dequeue_many",
+})
 
 SUPPORTED_SCHEMA = "1"
 
@@ -384,7 +385,7 @@ class Link:
         qid: int = 0,
         seq: int = -1,
         recover: bool = True,
-    ) -> psycopg.Cursor[Any]:
+    ) -> _wire.Fetch:
         """Run one statement on the connection (or ``conn``); errors as in :meth:`call`.
 
         The first statement of a transaction on the connection carries its
@@ -394,8 +395,9 @@ class Link:
         # Inside a two-phase transaction psycopg sends its own BEGIN.
         may_begin = c is self.conn and not self.tpc_open
 
-        def run() -> psycopg.Cursor[Any]:
-            return _wire.execute(c, query, params, binary=binary, may_begin=may_begin)
+        def run() -> _wire.Fetch:
+            return _wire.execute(c, query, params, binary=binary, may_begin=may_begin,
+                                 prepared=self.prepared if c is self.conn else None)
 
         self.sent_any = True
         return self.call(run, queue=queue, qid=qid, seq=seq, recover=recover)

@@ -34,10 +34,11 @@ import re
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from struct import Struct
-from typing import Any
+from typing import Any, Protocol
 
 import psycopg
 from psycopg import generators
+from psycopg.adapt import Transformer
 from psycopg.errors import error_from_result
 from psycopg.pq import ExecStatus, TransactionStatus
 
@@ -55,8 +56,8 @@ _COMMAND_OK = ExecStatus.COMMAND_OK
 # libpq's own 15-20 (a cursor, the query's conversion, a Transformer dumping
 # each parameter, the prepared-statement manager, the result's loaders),
 # measured on a one-row UPDATE in autocommit. The engine's hot statements
-# (the row writes of a commit) have integer results and parameters ringq makes
-# itself, so it prepares them once per connection and sends them through
+# (the row writes of a commit, the dequeue that reads rows) have parameters
+# ringq makes itself, so it prepares them once per connection and sends them through
 # psycopg's libpq wrapper (pgconn) and its C wait loop (Connection.wait),
 # which keeps Ctrl-C cancelling the statement as psycopg's execute does.
 
@@ -72,9 +73,9 @@ class PgQuery:
     for psycopg (``%s``, ``%b``, ``%(name)s`` placeholders), its libpq form
     (``$n``), the parameters' order and formats (``%b``: binary).
 
-    Only for statements whose results are integers (or NULL) and whose
-    parameters are None, int, str, bytes (``%b``) or lists of bytes
-    (``%b``: a bytea array); any other value sends it through psycopg."""
+    Its parameters are None, int, str, bytes (``%b``) or lists of bytes
+    (``%b``: a bytea array); any other value sends it through psycopg. Its
+    results come back in binary, loaded by psycopg's loaders (:class:`Rows`)."""
 
     __slots__ = ("formats", "libpq", "names")
 
@@ -142,19 +143,25 @@ def bytea_array(values: Sequence[bytes]) -> bytes:
     return b"".join(parts)
 
 
+class Fetch(Protocol):
+    """What the engine reads of a statement's results: a psycopg cursor, or :class:`Rows`."""
+
+    def fetchone(self) -> Any: ...
+
+    def fetchall(self) -> list[Any]: ...
+
+
 class Rows:
-    """A statement's integer rows, read as psycopg's cursor reads them
+    """A statement's rows, loaded by psycopg's own (C) loaders for the
+    connection's types, and read as psycopg's cursor reads them
     (``fetchone``, ``fetchall``)."""
 
     __slots__ = ("_rows",)
 
-    def __init__(self, result: Any) -> None:
-        ncols = result.nfields
-        get = result.get_value
-        self._rows = [
-            tuple(None if (v := get(r, c)) is None else int(v) for c in range(ncols))
-            for r in range(result.ntuples)
-        ]
+    def __init__(self, conn: psycopg.Connection[Any], result: Any) -> None:
+        tx = Transformer.from_context(conn)
+        tx.set_pgresult(result)
+        self._rows: list[tuple[Any, ...]] = tx.load_rows(0, result.ntuples, tuple)
 
     def fetchone(self) -> tuple[Any, ...] | None:
         return self._rows.pop(0) if self._rows else None
@@ -228,7 +235,8 @@ class Prepared:
                     commands.append((_sender(pg.send_prepare, name, query.libpq),
                                      (query.libpq, name)))
                 commands.append((_sender(pg.send_query_prepared, name, values,
-                                         param_formats=query.formats), _ROWS))
+                                         param_formats=query.formats, result_format=1),
+                                 _ROWS))
             if commit:
                 commands.append((_sender(pg.send_query_params, b"COMMIT", None), None))
             if len(commands) == 1:
@@ -242,7 +250,7 @@ class Prepared:
                 status = res.status
                 if status in (_TUPLES_OK, _COMMAND_OK):
                     if what is _ROWS:
-                        rows.append(Rows(res))
+                        rows.append(Rows(conn, res))
                     elif what is not None:  # prepared: later runs skip the Parse
                         names[what[0]] = what[1]
                 elif status == ExecStatus.FATAL_ERROR and error is None:
@@ -333,7 +341,8 @@ def execute(
     *,
     binary: bool = False,
     may_begin: bool = True,
-) -> psycopg.Cursor[Any]:
+    prepared: Prepared | None = None,
+) -> Fetch:
     """Run one statement in the connection's transaction: one round trip.
 
     On an idle connection the BEGIN that opens the transaction travels with
@@ -343,7 +352,18 @@ def execute(
     the same for batches. The cursor is then positioned on the statement's
     rows (text results: the same Python values). ``may_begin=False`` leaves
     the BEGIN to psycopg (inside a two-phase transaction).
+
+    With ``prepared``, a statement it knows goes as ringq's prepared
+    statement instead, after a BEGIN in the same libpq pipeline on an idle
+    connection (the server plans it once per connection; psycopg's cursor
+    and client-side binding cost more client CPU than the pipeline).
     """
+    if prepared is not None and may_begin and not conn.autocommit:
+        rows = prepared.run(
+            conn, [(query, params)], begin=conn.pgconn.transaction_status == _IDLE, commit=False
+        )
+        if rows is not None:
+            return rows[0]
     with _no_implicit_begin(conn, may_begin) as idle:
         if not idle:
             return conn.execute(query, params, binary=binary)
