@@ -15,8 +15,9 @@ calls down only: the link, the wire, the rings.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable, Hashable
 from contextlib import suppress
-from typing import Any
+from typing import Any, TypeVar
 
 import psycopg
 from psycopg.pq import TransactionStatus
@@ -31,6 +32,8 @@ from ._ops import POISON_REASON, DueWrite, Op, OpKind, RowState, Write
 from ._queue_info import QueueInfo
 
 logger = logging.getLogger("ringq.engine")
+
+K = TypeVar("K", bound=Hashable)
 
 _INERROR = TransactionStatus.INERROR
 _IDLE = TransactionStatus.IDLE
@@ -205,9 +208,7 @@ class Transaction:
                 statements.append(self._consume_statement(op.info.name, writes, alone=alone))
             by_queue: dict[str, list[Op]] = {}
         else:
-            by_queue = {}
-            for op in writes:
-                by_queue.setdefault(op.info.name, []).append(op)
+            by_queue = _by_key(writes, lambda op: op.info.name)
         for name, group in by_queue.items():
             enq = [op for op in group if op.write is not None]
             if enq:
@@ -339,9 +340,7 @@ class Transaction:
         if len(ops) == 1:  # a single entry: one fused finish, no grouping
             self._finish_one(ops[0], committed, poisoned, enq_at_us)
             return
-        by_ring: dict[int, list[Op]] = {}
-        for op in ops:
-            by_ring.setdefault(op.ring.qidx, []).append(op)
+        by_ring = _by_key(ops, lambda op: op.ring.qidx)
         posts: list[tuple[int, str, int]] = []
         for qidx, group in by_ring.items():
             ring = group[0].ring
@@ -479,6 +478,18 @@ class Transaction:
             for op in deq_ops:
                 op.due_us = due_by.get((op.info.id, op.slot, op.seq), 0)
         return poisoned
+
+
+def _by_key(ops: list[Op], key: Callable[[Op], K]) -> dict[K, list[Op]]:
+    """``ops`` grouped by ``key``, in order; a transaction's ops usually
+    share one queue: then one comparison per op and no list is built."""
+    first = key(ops[0])
+    if all(key(op) == first for op in ops):
+        return {first: ops}
+    groups: dict[K, list[Op]] = {}
+    for op in ops:
+        groups.setdefault(key(op), []).append(op)
+    return groups
 
 
 def _stale_alone(op: Op) -> StaleSection:
