@@ -34,7 +34,7 @@ import re
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from struct import Struct
-from typing import Any, Protocol
+from typing import Any, NoReturn, Protocol
 
 import psycopg
 from psycopg import generators
@@ -221,6 +221,17 @@ class Prepared:
             if pg is not self._pgconn:
                 self._pgconn, self._names, self._made = pg, {}, 0
             names = self._names
+            if len(encoded) == 1 and not begin and not commit:
+                # The usual exchange, one statement prepared already: no pipeline.
+                query, values = encoded[0]
+                name = names.get(query.libpq)
+                if name is not None:
+                    pg.send_query_prepared(name, values, param_formats=query.formats,
+                                           result_format=1)
+                    res = conn.wait(generators.execute(pg))[-1]
+                    if res.status in (_TUPLES_OK, _COMMAND_OK):
+                        return [Rows(conn, res)]
+                    return self._failed(conn, res)
             # (the command, and what its result is: _ROWS a statement's, the
             # query text of a new prepare, None a BEGIN's or COMMIT's)
             commands: list[tuple[Any, Any]] = []
@@ -259,10 +270,19 @@ class Prepared:
                     error = error or psycopg.InterfaceError(
                         f"unexpected result from the server: {status.name}")
             if error is not None:
-                if error.sqlstate == "26000":  # a statement of ours is gone (DEALLOCATE)
-                    self._names = {}
-                raise error
+                return self._failed(conn, error)
             return rows
+
+    def _failed(self, conn: psycopg.Connection[Any], error: Any) -> NoReturn:
+        """Raise ``error`` (or the error of a result) as psycopg would."""
+        if not isinstance(error, psycopg.Error):
+            if error.status != ExecStatus.FATAL_ERROR:
+                raise psycopg.InterfaceError(
+                    f"unexpected result from the server: {error.status.name}")
+            error = error_from_result(error, encoding=conn.info.encoding)
+        if error.sqlstate == "26000":  # a statement of ours is gone (DEALLOCATE)
+            self._names = {}
+        raise error
 
 
 def _sender(fn: Any, *args: Any, **kwargs: Any) -> Any:
