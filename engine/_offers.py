@@ -153,19 +153,22 @@ class SqlAgent:
         table = queue_table(info.name)
         runs: list[tuple[int, int, int]] = []  # (seq, slot, n) listed
         changed: list[tuple[Any, ...]] = []  # listed entries not plainly takeable now
+        held = 0  # listed entries a take under way holds
         if info.id in self._listed:  # only this agent lists: nothing listed, nothing to read
-            for kind, seq, slot, n, state, touched, due_us, due in conn.execute(
+            for kind, seq, slot, n, state, touched, due_us, due, live in conn.execute(
                 sql.SQL(_Q["offers_changes"]).format(table=table), {"queue_id": info.id}
             ).fetchall():
                 if kind == 0:
                     runs.append((int(seq), int(slot), int(n)))
+                elif live and state == RowState.QUEUED:
+                    held += 1  # a take under way: decided on a later pass
                 else:
                     changed.append((int(seq), int(slot), state, touched, due_us, due))
         total = sum(n for _seq, _slot, n in runs)
+        waiting = total - held - len(changed)  # the entries not shipped are takeable now
         pending: list[Write] = []  # sent with the offer's writes: one round trip for both
         done: list[tuple[int, int]] = []  # consumed, or no longer at that seq
         aborted: list[tuple[int, int]] = []
-        waiting = total - len(changed)  # the entries not shipped are takeable now
         for seq, slot, state, touched, _due_us, due in changed:
             if state is None or state != RowState.QUEUED:
                 done.append((slot, seq))
