@@ -414,8 +414,12 @@ RETURNS TABLE (seq bigint, payload bytea, producer text, producer_seq bigint,
 LANGUAGE plpgsql
 AS $ringq$
 BEGIN
-    PERFORM ringq.queue_of(queue);
-    IF to_regprocedure(format('ringq.%I(integer)', 'dq_' || queue)) IS NULL THEN
+    -- The queue's function is made and dropped with it, so finding it is the
+    -- check on the way to a take (ringq.queue_of, a read of ringq.queues, only
+    -- says why not). Only a name a queue may have is looked up at all.
+    IF queue IS NULL OR queue !~ '^[a-z][a-z0-9_]{0,47}$'
+       OR to_regprocedure(format('ringq.%I(integer)', 'dq_' || queue)) IS NULL THEN
+        PERFORM ringq.queue_of(queue);  -- undefined_object: no queue of that name
         RAISE EXCEPTION 'ringq: queue "%" has no SQL dequeue function yet', queue
             USING ERRCODE = 'undefined_function',
                   HINT = 'apply the schema again (ringq db upgrade, or ringq script schema)';
