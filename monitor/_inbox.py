@@ -102,7 +102,10 @@ def _pump(
             "ids": _int_array(rooms), "rooms": _int_array(rooms.values()),
         }).fetchall()
         if not rows:
-            s.rollback()
+            # Nothing was taken: ended with a COMMIT, not a ROLLBACK, after
+            # which psycopg forgets every statement it prepared on the
+            # connection (this one is planned again five times after each).
+            s.commit()
             break
         qid, name, limit, others = (int(rows[0][0]), str(rows[0][1]), int(rows[0][2]),
                                     int(rows[0][3]))
@@ -131,7 +134,7 @@ def _pump(
             Qy.INBOX_FULL, {"ids": _int_array(closed), "skip": _text_array(sorted(passed))}
         ).fetchall():
             full[name] = qid
-        s.rollback()
+        s.commit()  # a read only (see above)
     return moved
 
 
