@@ -54,6 +54,14 @@ OFFER_MIN = 64
 OFFER_MAX = 1024
 ROLE_ASK_NS = 50_000_000  # single: how long linked dequeuers leave a free role to the SQL path
 DEMAND_S = 5.0  # a queue keeps entries set aside this long after its last ask or take
+# Between passes while SQL consumers are busy. Starved (asked, nothing takeable
+# set aside): new entries are seen only by looking, so look often. Supplied:
+# a consumer that runs out asks at once (ringq_want wakes the agent), so a
+# pass is needed only to top up and to finish what was taken; a pass costs the
+# monitor and its backend about a millisecond of CPU, which the consumers'
+# own backends need on a small host.
+STARVED_WAIT_S = 0.002
+SUPPLIED_WAIT_S = 0.010
 SCAN_S = 1.0  # how often an idle agent looks for queues with entries set aside
 WANT_CHANNEL = "ringq_want"  # ringq.dequeue() found nothing: payload, the queue's name
 READY_CHANNEL = "ringq_ready"  # the agent set entries aside: payload, the queue's name
@@ -103,9 +111,13 @@ class SqlAgent:
         """A SQL consumer found nothing in ``queue`` (its NOTIFY on ``ringq_want``)."""
         self._asked[queue] = self.clock()
 
-    def run(self, sec: Section, conn: psycopg.Connection[Any]) -> bool:
-        """One pass over the queues SQL consumers use; True while one of them
-        is busy (set-aside entries or recent asks: come back soon)."""
+    def run(self, sec: Section, conn: psycopg.Connection[Any]) -> float | None:
+        """One pass over the queues SQL consumers use; returns when to come
+        back (seconds): :data:`STARVED_WAIT_S` while a queue SQL consumers
+        asked for has nothing takeable set aside (new entries are seen only by
+        looking), :data:`SUPPLIED_WAIT_S` while they have entries set aside
+        (one that runs out asks at once, ``ringq_want``), None when none is
+        busy."""
         now = self.clock()
         wanted = {n for n, t in self._asked.items() if now - t < DEMAND_S}
         if now - self._scanned >= SCAN_S:
@@ -116,44 +128,63 @@ class SqlAgent:
             self._end_overdue(conn)
         if wanted and not {i.name for i in self._infos.values()} >= wanted:
             self._infos = _queue_infos(conn)
-        busy = False
+        busy = starved = False
         for info in list(self._infos.values()):
             if info.id in self._listed or info.name in wanted:
-                busy |= self._pass_queue(sec, conn, info, info.name in wanted)
+                pace = self._pass_queue(sec, conn, info, info.name in wanted)
+                busy |= pace is not None
+                starved |= pace == STARVED_WAIT_S
         for name in [n for n, t in self._asked.items() if now - t >= DEMAND_S]:
             del self._asked[name]
-        return busy
+        if starved:
+            return STARVED_WAIT_S
+        return SUPPLIED_WAIT_S if busy else None
 
     # -- one queue --------------------------------------------------------------------
 
     def _pass_queue(
         self, sec: Section, conn: psycopg.Connection[Any], info: QueueInfo, wanted: bool
-    ) -> bool:
+    ) -> float | None:
+        """One queue's pass; returns its pace (see :meth:`run`)."""
         qidx = sec.find_queue(info.id)
         if qidx is None:
             qidx = load_queue(sec, conn, info)
         ring = Ring(sec, qidx)
         table = queue_table(info.name)
-        rows = conn.execute(sql.SQL(_Q["offers_state"]).format(table=table), (info.id,)).fetchall()
+        runs: list[tuple[int, int, int]] = []  # (seq, slot, n) listed
+        changed: list[tuple[Any, ...]] = []  # listed entries not plainly takeable now
+        held = 0  # listed entries a take under way holds
+        if info.id in self._listed:  # only this agent lists: nothing listed, nothing to read
+            for kind, seq, slot, n, state, touched, due_us, due, live in conn.execute(
+                sql.SQL(_Q["offers_changes"]).format(table=table), {"queue_id": info.id}
+            ).fetchall():
+                if kind == 0:
+                    runs.append((int(seq), int(slot), int(n)))
+                elif live and state == RowState.QUEUED:
+                    held += 1  # a take under way: decided on a later pass
+                else:
+                    changed.append((int(seq), int(slot), state, touched, due_us, due))
+        total = sum(n for _seq, _slot, n in runs)
+        waiting = total - held - len(changed)  # the entries not shipped are takeable now
+        pending: list[Write] = []  # sent with the offer's writes: one round trip for both
         done: list[tuple[int, int]] = []  # consumed, or no longer at that seq
         aborted: list[tuple[int, int]] = []
-        waiting = 0
-        for seq, slot, state, touched, _due_us, due in rows:
+        for seq, slot, state, touched, _due_us, due in changed:
             if state is None or state != RowState.QUEUED:
                 done.append((slot, seq))
             elif touched:
                 aborted.append((slot, seq))
             elif due:
-                waiting += 1  # takeable now (a retry's backoff keeps others listed)
+                waiting += 1  # fell due between the query's two looks at the clock
         poisoned = self._strike(conn, info, table, aborted) if aborted else []
         if done or poisoned:
             self._finish(sec, ring, info, done + poisoned)
             gone = {seq for _slot, seq in done + poisoned}
-            self._relist(conn, info, [(r[1], r[0]) for r in rows if r[0] not in gone])
+            pending = _relist_writes(info, _minus(runs, gone))
             self.figures.taken += len(done)
             self._asked[info.name] = self.clock()
             wanted = True
-        listed = len(rows) - len(done) - len(poisoned)
+        listed = total - len(done) - len(poisoned)
         target = self._target.get(info.id, OFFER_MIN)
         if done:
             target = min(OFFER_MAX, max(target, 4 * len(done)))
@@ -161,14 +192,20 @@ class SqlAgent:
             target = max(OFFER_MIN, target - target // 16)  # a quiet pass: keep less aside
         self._target[info.id] = target
         if wanted and waiting < target - target // 4:
-            listed += self._offer(sec, conn, ring, info, target - waiting)
-        elif not wanted and waiting:
-            listed -= self._withdraw(sec, conn, ring, info, table)
+            offered = self._offer(sec, conn, ring, info, target - waiting, pending)
+            listed += offered
+            waiting += offered
+        else:
+            _send(conn, pending)
+            if not wanted and waiting:
+                listed -= self._withdraw(sec, conn, ring, info, table)
         if listed > 0:
             self._listed.add(info.id)
         else:
             self._listed.discard(info.id)
-        return wanted or listed > 0
+        if wanted and not waiting:
+            return STARVED_WAIT_S
+        return SUPPLIED_WAIT_S if wanted or listed > 0 else None
 
     def _strike(
         self, conn: psycopg.Connection[Any], info: QueueInfo, table: sql.Composable,
@@ -236,9 +273,46 @@ class SqlAgent:
         return min(1, ring.waiters(OpKind.DEQUEUE))
 
     def _offer(
-        self, sec: Section, conn: psycopg.Connection[Any], ring: Ring, info: QueueInfo, n: int
+        self, sec: Section, conn: psycopg.Connection[Any], ring: Ring, info: QueueInfo, n: int,
+        before: list[Write],
     ) -> int:
-        """Set up to ``n`` ready entries aside; returns how many."""
+        """Set up to ``n`` ready entries aside, the writes ``before`` first in
+        the same transaction; returns how many."""
+        slots = seqs = np.zeros(0, dtype=np.int64)
+        try:
+            slots, seqs = self._claim(sec, ring, info, n)
+        finally:
+            if not slots.size:
+                _send(conn, before)
+        if not slots.size:
+            return 0
+        table = queue_table(info.name)
+        try:
+            _send(conn, [
+                *before,
+                (sql.SQL(_Q["offers_clean"]).format(table=table),
+                 (slots.tolist(), seqs.tolist())),
+                (_Q["offers_runs"], {
+                    "queue_id": info.id,
+                    **_runs(list(zip(slots.tolist(), seqs.tolist(), strict=True))),
+                }),
+                (_Q["offers_ready"], (info.name,)),
+            ])
+        except BaseException:
+            self._give_back(sec, ring, info,
+                            [(sl, sq, 0) for sl, sq in zip(slots.tolist(), seqs.tolist(),
+                                                           strict=True)])
+            raise
+        self.figures.offered += int(slots.size)
+        return int(slots.size)
+
+    @staticmethod
+    def _claim(
+        sec: Section, ring: Ring, info: QueueInfo, n: int
+    ) -> tuple[np.ndarray[Any, Any], np.ndarray[Any, Any]]:
+        """Lock up to ``n`` ready entries for the SQL path in the section:
+        their (slots, seqs)."""
+        none = np.zeros(0, dtype=np.int64)
         exclusive = info.dequeue_mode == "single"
         sec.lock_queue(ring.qidx)
         try:
@@ -251,45 +325,26 @@ class SqlAgent:
                 role = ring.role_owner()
                 if role not in (0, L.OWNER_SQL):
                     ring.ask_role_for_sql(ROLE_ASK_NS)
-                    return 0
+                    return none, none
                 linked_wait = ring.waiters(OpKind.DEQUEUE) > 0
                 if linked_wait and (role == L.OWNER_SQL or not ring.role_asked_for_sql()):
-                    return 0
+                    return none, none
             slots, seqs = ring.claim_batch(L.OWNER_SQL, 0, n, exclusive=exclusive)
             if exclusive and slots.size:
                 ring.Q[ring.qb + L.Q_SQL_ASKS_ROLE_NS] = 0  # our turn came
         finally:
             sec.unlock_queue(ring.qidx)
-        if not slots.size:
-            return 0
-        try:
-            with conn.transaction():
-                conn.execute(sql.SQL(_Q["offers_clean"]).format(table=queue_table(info.name)),
-                             (slots.tolist(), seqs.tolist()))
-                conn.execute(_Q["offers_runs"], {
-                    "queue_id": info.id,
-                    **_runs(list(zip(slots.tolist(), seqs.tolist(), strict=True))),
-                })
-                conn.execute(_Q["offers_ready"], (info.name,))
-        except BaseException:
-            self._give_back(sec, ring, info,
-                            [(sl, sq, 0) for sl, sq in zip(slots.tolist(), seqs.tolist(),
-                                                           strict=True)])
-            raise
-        self.figures.offered += int(slots.size)
-        return int(slots.size)
+        return slots, seqs
 
     @staticmethod
     def _relist(
-        conn: psycopg.Connection[Any], info: QueueInfo, kept: list[tuple[int, int]]
+        conn: psycopg.Connection[Any], info: QueueInfo, runs: list[tuple[int, int, int]]
     ) -> None:
-        """Write the queue's listing again as the runs of ``kept`` (slot, seq):
-        a write per run, whatever left the listing."""
+        """Write the queue's listing again as ``runs`` (seq, slot, n), in a
+        transaction (a savepoint in the caller's)."""
         with conn.transaction():
-            conn.execute(_Q["offers_clear"], (info.id,))
-            if kept:
-                conn.execute(_Q["offers_runs"], {"queue_id": info.id,
-                                                 **_runs(kept)})
+            for query, params in _relist_writes(info, runs):
+                conn.execute(query, params)
 
     def _withdraw(
         self, sec: Section, conn: psycopg.Connection[Any], ring: Ring, info: QueueInfo,
@@ -313,7 +368,9 @@ class SqlAgent:
             # What stays listed: takes under way or not counted yet (touched),
             # and what was consumed since (the next pass finishes it).
             gone = {seq for _slot, seq, _due in back}
-            self._relist(conn, info, [(r[1], r[0]) for r in rows if r[0] not in gone])
+            kept = _runs([(r[1], r[0]) for r in rows if r[0] not in gone])
+            self._relist(conn, info, list(zip(kept["run_seqs"], kept["run_slots"],
+                                              kept["run_ns"], strict=True)))
         self._give_back(sec, ring, info, back)
         self.figures.withdrawn += len(back)
         return len(back)
@@ -384,6 +441,35 @@ class SqlAgent:
                                "but not listed were given back", len(lost), info.name)
 
 
+Write = tuple[str | sql.Composed, Any]  # a statement and its parameters
+
+
+def _send(conn: psycopg.Connection[Any], writes: list[Write]) -> None:
+    """Run ``writes`` in one round trip, as one transaction: in pipeline mode
+    on the agent's autocommit connection, the statements up to the pipeline's
+    Sync are one implicit transaction, all or nothing (a failed one raises
+    here, and none of them took effect)."""
+    if not writes:
+        return
+    with conn.pipeline():
+        for query, params in writes:
+            conn.execute(query, params)
+
+
+def _relist_writes(info: QueueInfo, runs: list[tuple[int, int, int]]) -> list[Write]:
+    """The writes that make the queue's listing ``runs`` (seq, slot, n): a
+    write per run, whatever left the listing."""
+    writes: list[Write] = [(_Q["offers_clear"], (info.id,))]
+    if runs:
+        writes.append((_Q["offers_runs"], {
+            "queue_id": info.id,
+            "run_seqs": [r[0] for r in runs],
+            "run_slots": [r[1] for r in runs],
+            "run_ns": [r[2] for r in runs],
+        }))
+    return writes
+
+
 def _runs(entries: list[tuple[int, int]]) -> dict[str, list[int]]:
     """``entries`` (slot, seq) as runs of consecutive seqs at consecutive slots
     (so a run never wraps past the ring's last slot: its next seq is at slot
@@ -399,3 +485,25 @@ def _runs(entries: list[tuple[int, int]]) -> dict[str, list[int]]:
             slots.append(int(slot))
             ns.append(1)
     return {"run_seqs": seqs, "run_slots": slots, "run_ns": ns}
+
+
+def _minus(runs: list[tuple[int, int, int]], gone: set[int]) -> list[tuple[int, int, int]]:
+    """``runs`` (seq, slot, n) less the entries whose seq is in ``gone``, as
+    runs again (a run split where an entry left it, runs that meet joined, as
+    ``_runs`` makes them); the work is in the runs and the entries gone, not
+    in the entries listed."""
+    out: list[tuple[int, int, int]] = []
+    for seq, slot, n in sorted(runs):
+        cut = sorted(g for g in gone if seq <= g < seq + n) if gone else []
+        start = seq
+        for g in [*cut, seq + n]:
+            if g <= start:
+                start = max(start, g + 1)
+                continue
+            at = slot + (start - seq)
+            if out and out[-1][0] + out[-1][2] == start and out[-1][1] + out[-1][2] == at:
+                out[-1] = (out[-1][0], out[-1][1], out[-1][2] + g - start)  # one run again
+            else:
+                out.append((start, at, g - start))
+            start = g + 1
+    return out

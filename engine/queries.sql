@@ -449,6 +449,33 @@ FROM ringq.offers o JOIN {table} r ON r.slot >= o.slot AND r.slot < o.slot + o.n
 WHERE o.queue_id = %s
 ORDER BY 1
 
+-- offers_changes --
+-- One pass of the agent over a queue's listing, in one round trip: the runs
+-- listed (kind 0: seq, slot, n), then only the set-aside entries that are not
+-- plainly takeable now (kind 1: seq, slot, the row's state at that seq or
+-- NULL, whether a take of it did not commit or holds it, its due time in
+-- epoch µs, whether it is due now, and whether the xmax is a transaction
+-- running now: a take under way, seen without a transaction of row locks
+-- (offers_aborted still decides; a prepared or multi-locker xmax is not
+-- listed there and goes to it)). The entries takeable now are the runs'
+-- entries less these: a pass ships what changed, not the whole listing.
+SELECT 0, o.seq, o.slot, o.n, NULL::smallint, NULL::boolean, NULL::bigint, NULL::boolean,
+       NULL::boolean
+FROM ringq.offers o WHERE o.queue_id = %(queue_id)s
+UNION ALL
+SELECT 1, o.seq + (r.slot - o.slot), r.slot, NULL,
+       CASE WHEN r.seq = o.seq + (r.slot - o.slot) THEN r.state END, r.xmax <> '0'::xid,
+       (extract(epoch FROM r.not_before) * 1000000)::bigint,
+       r.not_before IS NULL OR r.not_before <= clock_timestamp(),
+       -- read once per statement (an InitPlan), and only when a row gets here
+       CASE WHEN r.xmax <> '0'::xid THEN r.xmax = ANY(ARRAY(
+           SELECT a.backend_xid FROM pg_stat_activity a WHERE a.backend_xid IS NOT NULL))
+       END
+FROM ringq.offers o JOIN {table} r ON r.slot >= o.slot AND r.slot < o.slot + o.n
+WHERE o.queue_id = %(queue_id)s
+  AND NOT (r.seq = o.seq + (r.slot - o.slot) AND r.state = 1 AND r.xmax = '0'::xid
+           AND (r.not_before IS NULL OR r.not_before <= clock_timestamp()))
+
 -- offers_aborted --
 -- The set-aside entries whose last take did not commit and that no take holds
 -- now (a live take's lock makes SKIP LOCKED pass it), locked for the strike

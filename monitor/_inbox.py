@@ -8,10 +8,11 @@ moves with it: it is due in the ring when it was due in the inbox.
 from __future__ import annotations
 
 import logging
-from collections.abc import Collection
+from collections.abc import Collection, Iterable
 from typing import Any
 
-from ringq.engine import QueueFull, RingqError, Session, check_group, connect
+from ringq.engine import QueueFull, RingqError, Section, Session, check_group, connect
+from ringq.engine import layout as L
 from ringq.engine.recovery import queue_room
 
 from . import _queries as Qy
@@ -61,8 +62,9 @@ def pump_inbox(
     caller (the monitor's pump keeps one: opening two connections per pump was
     most of an SQL enqueue's way to its consumer), else one made for the call.
 
-    One pumper per queue at a time (advisory lock); each batch moves in one
-    transaction, so an entry is in the inbox or in the ring, never both.
+    One pumper per queue at a time (an advisory lock its batch's statement
+    takes); each batch moves in one transaction, so an entry is in the inbox
+    or in the ring, never both.
 
     Never waits for space: a batch takes at most the ring's free slots and
     enqueues with ``timeout=0``. A queue that is full while entries still wait
@@ -76,80 +78,106 @@ def pump_inbox(
         if not pending:
             return {}
         with connect(dsn) as s:
-            return _pump(s, pending, batch, full)
-    pending = session.connection.execute(Qy.INBOX_PENDING, (list(skip),)).fetchall()
-    if not pending:
-        session.rollback()
-        return {}
-    # The first queue's move goes on in the transaction this read opened (a
-    # round trip less on an SQL enqueue's way to its consumer).
-    return _pump(session, pending, batch, full)
+            return _pump(s, batch, skip, full)
+    return _pump(session, batch, skip, full)
 
 
 def _pump(
-    s: Session, pending: list[Any], batch: int, full: dict[str, int] | None
+    s: Session, batch: int, skip: Collection[str], full: dict[str, int] | None
 ) -> dict[str, int]:
-    """Move the ``pending`` queues' inbox entries (name, queue id) with ``s``."""
+    """Move the inbox's entries with ``s``, a batch a transaction: each
+    batch's statement finds its queue, locks it and takes the entries
+    (``inbox_next``: the first statement of the transaction, so that an SQL
+    enqueue's way to its consumer is that round trip and the commit's)."""
     moved: dict[str, int] = {}
     sec = s.section  # the process's attachment: the ring enqueue_many reserves in
-    for name, qid in pending:
-        total = 0
-        while True:
-            c = s.connection
-            got = c.execute(Qy.INBOX_LOCK, (qid,)).fetchone()
-            if not got or not got[0]:
-                s.rollback()
-                break
-            room = queue_room(sec, qid)  # None: not loaded yet, enqueue_many loads it
-            limit = batch if room is None else min(batch, room)
-            if limit <= 0:
-                waiting = c.execute(Qy.INBOX_WAITING, (qid,))
-                row = waiting.fetchone()
-                s.rollback()
-                if full is not None and row and row[0]:
-                    full[name] = qid
-                break
-            rows = c.execute(Qy.INBOX_BATCH, (qid, limit)).fetchall()
-            if not rows:
-                s.rollback()
-                break
-            rows.sort(key=lambda r: r[0])
-            rows = _refuse_bad(c, qid, name, s.queue_info(name).max_payload, rows)
-            try:
-                i = 0
-                while i < len(rows):
-                    # A run: one producer and one due time (enqueue_many takes
-                    # one not_before for the batch), in inbox order.
-                    j = i
-                    run = (rows[i][2], rows[i][4])
-                    while j < len(rows) and (rows[j][2], rows[j][4]) == run:
-                        j += 1
-                    s.producer = rows[i][2]
-                    # Producer sequences follow the inbox ids (first id of the
-                    # run, then +1 each): they rise for a producer across
-                    # passes and pump sessions, where the session's own
-                    # counter would start again at 1 on every pass.
-                    s.producer_seq = rows[i][0] - 1
-                    # timeout=0: the monitor's loop must never sleep on a full queue.
-                    s.enqueue_many(
-                        name,
-                        [bytes(r[1]) for r in rows[i:j]],
-                        group=[r[3] for r in rows[i:j]],
-                        timeout=0,
-                        not_before=rows[i][4],  # None: due at once
-                    )
-                    i = j
-            except QueueFull:
-                # Space went between the look and the reservation (another
-                # producer): the rows go back to the inbox with the rollback.
-                s.rollback()
-                if full is not None:
-                    full[name] = qid
-                break
+    passed = set(skip)  # and the queues done with (drained, or full)
+    closed: list[int] = []
+    while True:
+        # None: dropped since (not loaded): a whole batch, enqueue_many loads it
+        rooms = {qid: room for qid in _loaded(sec) if (room := queue_room(sec, qid)) is not None}
+        closed = [qid for qid, room in rooms.items() if room <= 0]
+        rows = s.connection.execute(Qy.INBOX_NEXT, {
+            "batch": batch, "skip": _text_array(sorted(passed)),
+            "ids": _int_array(rooms), "rooms": _int_array(rooms.values()),
+        }).fetchall()
+        if not rows:
+            # Nothing was taken: ended with a COMMIT, not a ROLLBACK, after
+            # which psycopg forgets every statement it prepared on the
+            # connection (this one is planned again five times after each).
             s.commit()
-            total += len(rows)
-            if len(rows) < limit:
-                break
-        if total:
-            moved[name] = total
+            break
+        qid, name, limit, others = (int(rows[0][0]), str(rows[0][1]), int(rows[0][2]),
+                                    int(rows[0][3]))
+        entries = sorted((r[4:] for r in rows), key=lambda r: r[0])
+        entries = _refuse_bad(s.connection, qid, name, s.queue_info(name).max_payload, entries)
+        try:
+            _move(s, name, entries)
+        except QueueFull:
+            # Space went between the look and the reservation (another
+            # producer): the rows go back to the inbox with the rollback.
+            s.rollback()
+            if full is not None:
+                full[name] = qid
+            passed.add(name)
+            continue
+        s.commit()
+        moved[name] = moved.get(name, 0) + len(entries)  # those refused are not moved
+        if len(rows) < limit:
+            if not others:
+                closed = []  # none of them has entries waiting either
+                break  # drained, and no other queue had entries: done
+            passed.add(name)  # drained: the next statement looks at the others
+    if full is not None and closed:
+        # Queues with no room now: those with entries waiting are full.
+        for name, qid in s.connection.execute(
+            Qy.INBOX_FULL, {"ids": _int_array(closed), "skip": _text_array(sorted(passed))}
+        ).fetchall():
+            full[name] = qid
+        s.commit()  # a read only (see above)
     return moved
+
+
+def _int_array(values: Iterable[int]) -> str:
+    """An integer[] literal: psycopg's list dumper costs more client CPU than
+    the statement it rides in (the pump's, on an SQL enqueue's way)."""
+    return "{" + ",".join(str(int(v)) for v in values) + "}"
+
+
+def _text_array(values: Iterable[str]) -> str:
+    """A text[] literal, every element quoted (names given to pump_inbox may be any text)."""
+    return "{" + ",".join(
+        '"' + v.replace("\\", "\\\\").replace('"', '\\"') + '"' for v in values
+    ) + "}"
+
+
+def _loaded(sec: Section) -> list[int]:
+    """The ids of the queues loaded in the section."""
+    return [int(sec.q(qidx, L.Q_QID)) for qidx in sec.loaded_queues()]
+
+
+def _move(s: Session, name: str, rows: list[Any]) -> None:
+    """Enqueue inbox ``rows`` (id, payload, producer, group, due) in their
+    order, in ``s``'s transaction. :raises QueueFull: no room for them now."""
+    i = 0
+    while i < len(rows):
+        # A run: one producer and one due time (enqueue_many takes one
+        # not_before for the batch), in inbox order.
+        j = i
+        run = (rows[i][2], rows[i][4])
+        while j < len(rows) and (rows[j][2], rows[j][4]) == run:
+            j += 1
+        s.producer = rows[i][2]
+        # Producer sequences follow the inbox ids (first id of the run, then +1
+        # each): they rise for a producer across passes and pump sessions,
+        # where the session's own counter would start again at 1 on every pass.
+        s.producer_seq = rows[i][0] - 1
+        # timeout=0: the monitor's loop must never sleep on a full queue.
+        s.enqueue_many(
+            name,
+            [bytes(r[1]) for r in rows[i:j]],
+            group=[r[3] for r in rows[i:j]],
+            timeout=0,
+            not_before=rows[i][4],  # None: due at once
+        )
+        i = j

@@ -27,10 +27,9 @@ DEAD_ROWS: Final = _Q["dead_rows"]
 GROUP_OLDEST_AGE: Final = _Q["group_oldest_age"]  # {table}
 # the SQL inbox pump
 INBOX_PENDING: Final = _Q["inbox_pending"]
-INBOX_LOCK: Final = _Q["inbox_lock"]
-INBOX_WAITING: Final = _Q["inbox_waiting"]
+INBOX_FULL: Final = _Q["inbox_full"]
 PUMP_ASYNC_COMMIT: Final = _Q["pump_async_commit"]
-INBOX_BATCH: Final = _Q["inbox_batch"]
+INBOX_NEXT: Final = _Q["inbox_next"]
 INBOX_REFUSE: Final = _Q["inbox_refuse"]
 # idempotency-key pruning
 KEYS_QUEUES: Final = _Q["keys_queues"]

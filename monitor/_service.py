@@ -295,7 +295,10 @@ class Monitor:
                 fast = self._fast if tick >= next_fast or slow is self._slow else []
                 if fast:
                     next_fast = tick + self.config.recovery_interval
-                for name, step in fast + slow:
+                # The NOTIFY-driven pump goes before fast steps that fell due
+                # with it: an SQL enqueue's consumer waits for it.
+                steps = fast + slow if slow is self._slow else slow + fast
+                for name, step in steps:
                     if self._stop.is_set():
                         break  # drain: the step under way was finished
                     self._runner.run(name, step)

@@ -3,9 +3,9 @@
 The engine's :class:`~ringq.engine.sqlpath.SqlAgent` does the work (sets
 ready entries aside for SQL consumers, decides them from the rows); this
 thread gives it a connection that LISTENs on ``ringq_want`` (a SQL consumer
-found nothing) and runs a pass as soon as one asks, every
-:data:`BUSY_WAIT_S` while SQL consumers are busy, and every
-``recovery_interval`` otherwise. A thread of its own, not a step of the
+found nothing) and runs a pass as soon as one asks, as often as the agent
+says while SQL consumers are busy (``STARVED_WAIT_S``, ``SUPPLIED_WAIT_S``),
+and every ``recovery_interval`` otherwise. A thread of its own, not a step of the
 loop: a SQL consumer waits for the agent's answer, and the loop's slow steps
 (figures, pruning, the T4 files) must not stand between them.
 """
@@ -27,7 +27,6 @@ from ._step import REPEAT_LOG_S, Note, Settings
 
 logger = logging.getLogger("ringq.monitor")
 
-BUSY_WAIT_S = 0.002  # between passes while SQL consumers take entries
 RETRY_S = 0.5  # after a failed pass (the database away …)
 LISTEN_WAIT_S = 5.0  # start() waits this long at most for the agent to LISTEN
 
@@ -78,8 +77,8 @@ class SqlConsumers:
                     SqlAgent.prepare(conn)  # LISTEN ringq_want; asynchronous commits
                     self._listening.set()
                     agent.forget()  # asks sent while we were away are lost: look again
-                busy = self._attachment.read(functools.partial(self._pass, conn))
-                wait = BUSY_WAIT_S if busy else self._settings().recovery_interval
+                pace = self._attachment.read(functools.partial(self._pass, conn))
+                wait = self._settings().recovery_interval if pace is None else pace
                 for n in conn.notifies(timeout=wait, stop_after=1):
                     agent.asked(n.payload)
             except Exception as exc:  # a pass that failed is tried again; never fatal
@@ -92,7 +91,7 @@ class SqlConsumers:
         if conn is not None:
             conn.close()
 
-    def _pass(self, conn: psycopg.Connection[Any], sec: Section) -> bool:
+    def _pass(self, conn: psycopg.Connection[Any], sec: Section) -> float | None:
         return self._agent.run(sec, conn)
 
     def _log(self, exc: Exception) -> None:

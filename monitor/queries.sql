@@ -87,22 +87,51 @@ WHERE slot = %s::integer AND seq = %s::bigint AND state = 1
 SELECT q.name, q.id FROM ringq.queues q WHERE q.name <> ALL(%s) AND EXISTS
 (SELECT 1 FROM ringq.inbox i WHERE i.queue_id = q.id) ORDER BY q.id
 
--- inbox_lock --
--- One pumper per queue at a time, for the pump's transaction.
-SELECT pg_try_advisory_xact_lock(hashtext('ringq.inbox'), %s)
+-- inbox_full --
+-- Which of these queues (ids: full in the section now) have entries waiting
+-- in the inbox, but those named in the array.
+SELECT q.name, q.id FROM ringq.queues q
+WHERE q.id = ANY(%(ids)s::integer[]) AND q.name <> ALL(%(skip)s::text[])
+  AND EXISTS (SELECT 1 FROM ringq.inbox i WHERE i.queue_id = q.id)
 
--- inbox_waiting --
-SELECT EXISTS (SELECT 1 FROM ringq.inbox WHERE queue_id = %s)
-
--- inbox_batch --
--- The oldest entries of a queue's inbox, at most a batch, taken out in the
--- pump's transaction (they go back with a rollback), with their due times:
--- NULL when due already (nothing to carry), and a time past what a Python
--- datetime holds (an 'infinity' put in by hand, around ringq.enqueue())
--- kept at year 9999: it never falls due, and never stops the pump.
-DELETE FROM ringq.inbox WHERE id IN (SELECT id FROM ringq.inbox WHERE queue_id = %s
-ORDER BY id LIMIT %s)
-RETURNING id, payload, producer, msg_group,
+-- inbox_next --
+-- The pump's next batch, in one statement (an SQL enqueue's consumer waits
+-- for it): the first queue, by id, with entries in the inbox, not named in
+-- skip, with room (limits: the section's free slots of the queues loaded
+-- there, as arrays of ids and slots; a queue not loaded takes a whole
+-- batch) and whose pump lock this transaction gets (one pumper per queue at
+-- a time, so that entries reach the ring in inbox order; a queue another
+-- pumper holds is passed); then its oldest entries, at most its limit, taken
+-- out in the pump's transaction (they go back with a rollback). Each row
+-- carries the queue's id, name and limit and how many other queues have
+-- entries waiting (the pump is done when none has), then the entry: id, payload,
+-- producer, group and due time (NULL when due already, nothing to carry; a
+-- time past what a Python datetime holds, an 'infinity' put in by hand
+-- around ringq.enqueue(), kept at year 9999: it never falls due, and never
+-- stops the pump). Rows that a pumper which held the lock before moved and
+-- committed after this statement's snapshot are passed over by the DELETE
+-- (deleted concurrently), never moved twice.
+WITH p AS MATERIALIZED (
+    SELECT q.id, q.name, least(%(batch)s, coalesce(r.room, %(batch)s)) AS lim
+    FROM ringq.queues q
+    LEFT JOIN unnest(%(ids)s::integer[], %(rooms)s::integer[]) AS r(qid, room)
+           ON r.qid = q.id
+    WHERE q.name <> ALL(%(skip)s::text[])
+      AND EXISTS (SELECT 1 FROM ringq.inbox i WHERE i.queue_id = q.id)
+    ORDER BY q.id
+), q AS (
+    SELECT p.id, p.name, p.lim FROM (
+        SELECT * FROM p ORDER BY p.id OFFSET 0  -- a fence: the lock is tried in this order, last
+    ) p
+    WHERE p.lim > 0 AND pg_try_advisory_xact_lock(hashtext('ringq.inbox'), p.id)
+    LIMIT 1
+)
+DELETE FROM ringq.inbox WHERE id IN (
+    SELECT i.id FROM ringq.inbox i WHERE i.queue_id = (SELECT id FROM q)
+    ORDER BY i.id LIMIT (SELECT lim FROM q))
+RETURNING (SELECT id FROM q), (SELECT name FROM q), (SELECT lim FROM q),
+          (SELECT count(*) FROM p WHERE p.id <> (SELECT id FROM q)),
+          id, payload, producer, msg_group,
           CASE WHEN not_before > now() THEN least(not_before, '9999-12-01 00:00+00') END
 
 -- inbox_refuse --

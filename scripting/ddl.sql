@@ -331,13 +331,18 @@ BEGIN
             END IF;
             RETURN QUERY
             WITH c AS (
-                SELECT r.slot, r.seq,
-                       r.xmax <> '0'::xid OR r.not_before > clock_timestamp() AS touched
+                SELECT l.slot, l.seq, l.touched
                 FROM (SELECT o.seq, o.slot, o.n FROM ringq.offers o WHERE o.queue_id = %2$s
                       ORDER BY o.seq LIMIT 64) o
-                JOIN ringq.%1$I r ON r.slot >= o.slot AND r.slot < o.slot + o.n
-                WHERE r.seq = o.seq + (r.slot - o.slot) AND r.state = 1
-                ORDER BY r.seq LIMIT max_n
+                CROSS JOIN LATERAL (
+                    SELECT r.slot, r.seq,
+                           r.xmax <> '0'::xid OR r.not_before > clock_timestamp() AS touched
+                    FROM ringq.%1$I r
+                    WHERE r.slot >= o.slot AND r.slot < o.slot + o.n
+                      AND r.seq = o.seq + (r.slot - o.slot) AND r.state = 1
+                    ORDER BY r.slot LIMIT max_n
+                ) l
+                ORDER BY o.seq, l.slot LIMIT max_n
             ), t AS (
                 SELECT r.slot FROM ringq.%1$I r JOIN c ON r.slot = c.slot AND r.seq = c.seq
                 WHERE c.seq < coalesce((SELECT min(c2.seq) FROM c c2 WHERE c2.touched),
@@ -351,14 +356,19 @@ BEGIN
             PERFORM pg_advisory_xact_lock_shared(hashtext('ringq.dequeue'), %2$s);
             RETURN QUERY
             WITH t AS (
-                SELECT r.slot
+                SELECT l.slot
                 FROM (SELECT o.seq, o.slot, o.n FROM ringq.offers o WHERE o.queue_id = %2$s
                       ORDER BY o.seq LIMIT 64) o
-                JOIN ringq.%1$I r ON r.slot >= o.slot AND r.slot < o.slot + o.n
-                WHERE r.seq = o.seq + (r.slot - o.slot) AND r.state = 1 AND r.xmax = '0'::xid
-                  AND (r.not_before IS NULL OR r.not_before <= clock_timestamp())
-                ORDER BY r.seq LIMIT max_n
-                FOR UPDATE OF r SKIP LOCKED
+                CROSS JOIN LATERAL (
+                    SELECT r.slot FROM ringq.%1$I r
+                    WHERE r.slot >= o.slot AND r.slot < o.slot + o.n
+                      AND r.seq = o.seq + (r.slot - o.slot) AND r.state = 1
+                      AND r.xmax = '0'::xid
+                      AND (r.not_before IS NULL OR r.not_before <= clock_timestamp())
+                    ORDER BY r.slot LIMIT max_n
+                    FOR UPDATE OF r SKIP LOCKED
+                ) l
+                LIMIT max_n
             )$take$, 'q_' || q.name, q.id);
     END IF;
     -- Both modes end alike: the rows chosen (t) consumed, returned oldest first;
@@ -377,6 +387,7 @@ BEGIN
         RETURNS TABLE (seq bigint, payload bytea, producer text, producer_seq bigint,
                        deliveries integer, msg_group text, enqueued_at timestamptz)
         LANGUAGE plpgsql
+        SET enable_bitmapscan = off SET enable_seqscan = off
         AS %2$L$fn$, 'dq_' || q.name, format($body$
 #variable_conflict use_column
 DECLARE
@@ -403,8 +414,12 @@ RETURNS TABLE (seq bigint, payload bytea, producer text, producer_seq bigint,
 LANGUAGE plpgsql
 AS $ringq$
 BEGIN
-    PERFORM ringq.queue_of(queue);
-    IF to_regprocedure(format('ringq.%I(integer)', 'dq_' || queue)) IS NULL THEN
+    -- The queue's function is made and dropped with it, so finding it is the
+    -- check on the way to a take (ringq.queue_of, a read of ringq.queues, only
+    -- says why not). Only a name a queue may have is looked up at all.
+    IF queue IS NULL OR queue !~ '^[a-z][a-z0-9_]{0,47}$'
+       OR to_regprocedure(format('ringq.%I(integer)', 'dq_' || queue)) IS NULL THEN
+        PERFORM ringq.queue_of(queue);  -- undefined_object: no queue of that name
         RAISE EXCEPTION 'ringq: queue "%" has no SQL dequeue function yet', queue
             USING ERRCODE = 'undefined_function',
                   HINT = 'apply the schema again (ringq db upgrade, or ringq script schema)';

@@ -28,6 +28,30 @@ def test_db_upgrade_gives_queues_made_before_their_sql_dequeue(
         assert c.execute("SELECT * FROM ringq.dequeue(%s)", (q,)).fetchall() == []
 
 
+def test_db_upgrade_replaces_a_queues_older_sql_dequeue(
+    dsn: str, make_queue: Callable[..., str], capsys: pytest.CaptureFixture[str],
+    ringq_env: dict[str, str],
+) -> None:
+    q = make_queue(capacity=64)
+    fn = f"ringq.dq_{q}(integer)"
+    with psycopg.connect(dsn, autocommit=True) as c:
+        # An earlier version's function: another body, no planner settings.
+        c.execute(f"""CREATE OR REPLACE FUNCTION ringq.dq_{q}(max_n integer DEFAULT 1)
+            RETURNS TABLE (seq bigint, payload bytea, producer text, producer_seq bigint,
+                           deliveries integer, msg_group text, enqueued_at timestamptz)
+            LANGUAGE plpgsql RESET ALL AS $$ BEGIN RETURN; END $$""")
+        assert c.execute("SELECT proconfig FROM pg_proc WHERE oid = %s::regprocedure",
+                         (fn,)).fetchone() == (None,)
+    code, out, _err = cli(capsys, "db", "upgrade", "--dsn", dsn)
+    assert code == 0 and "up to date" in out
+    with psycopg.connect(dsn, autocommit=True) as c:
+        row = c.execute("SELECT proconfig, prosrc FROM pg_proc WHERE oid = %s::regprocedure",
+                        (fn,)).fetchone()
+        assert row is not None
+        # This version's: index scans pinned, each listed run read through LATERAL.
+        assert "enable_seqscan=off" in row[0] and "LATERAL" in row[1]
+
+
 def test_stats_by_sql_count_ready_inbox_and_exceptions(
     dsn: str, make_queue: Callable[..., str]
 ) -> None:
