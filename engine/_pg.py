@@ -169,6 +169,15 @@ def _first_line(exc: BaseException) -> str:
     return text.splitlines()[0] if text else type(exc).__name__
 
 
+def from_callers_statement(exc: BaseException, converted: RingqError) -> RingqError:
+    """The ringq error of the caller's own statement (``Session.execute``):
+    as ``converted`` (:func:`from_psycopg`'s), except that a missing table
+    or schema is the statement's error, not a sign of a missing ringq schema."""
+    if isinstance(exc, psycopg.errors.InvalidSchemaName | psycopg.errors.UndefinedTable):
+        return StatementRejected(_primary(exc), sqlstate=exc.sqlstate)
+    return converted
+
+
 def _primary(exc: BaseException) -> str:
     """PostgreSQL's primary message and its code: never the statement (psycopg's
     text may quote it, with its values, after the first line)."""

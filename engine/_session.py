@@ -37,6 +37,7 @@ from ._errors import InDoubt, RingqError, SessionClosed, StaleSection, Transacti
 from ._events import Subscription, publish
 from ._link import Link
 from ._message import Message as Message
+from ._pg import from_callers_statement
 from ._queue_info import QueueInfo as QueueInfo
 from ._reserve import Reservations
 from ._ring import Ring
@@ -215,6 +216,25 @@ class Session:
         """The psycopg connection whose transaction queue operations join."""
         self._check()
         return self._link.conn
+
+    def execute(self, query: str, params: Any = None) -> Any:
+        """Run your own ``query`` in the session's transaction, in one round
+        trip: on an idle connection the BEGIN that opens the transaction goes
+        in the same message (``connection.execute`` sends it as a round trip
+        of its own). Returns a psycopg cursor on the statement's rows.
+
+        :raises StatementRejected, TransactionConflict, DatabaseUnavailable,
+            DatabaseError: the statement failed (the psycopg error is the
+            ``__cause__``); the transaction is then failed: roll it back.
+        """
+        self._check()
+        try:
+            return self._link.execute(query, params)
+        except RingqError as err:
+            cause = err.__cause__
+            if cause is None:
+                raise
+            raise from_callers_statement(cause, err) from cause
 
     def _check(self) -> None:
         if self._closed:

@@ -97,7 +97,7 @@ def _pump(
         # None: dropped since (not loaded): a whole batch, enqueue_many loads it
         rooms = {qid: room for qid in _loaded(sec) if (room := queue_room(sec, qid)) is not None}
         closed = [qid for qid, room in rooms.items() if room <= 0]
-        rows = s.connection.execute(Qy.INBOX_NEXT, {
+        rows = s.execute(Qy.INBOX_NEXT, {  # its BEGIN in the same message
             "batch": batch, "skip": _text_array(sorted(passed)),
             "ids": _int_array(rooms), "rooms": _int_array(rooms.values()),
         }).fetchall()

@@ -23,7 +23,7 @@ import psycopg
 import pytest
 from conftest import activity_of, drain, make_stale, present, round_trips, wire_trace
 from psycopg import pq, sql
-from ringq.engine import Session, StaleSection, TransactionError, connect
+from ringq.engine import Session, StaleSection, StatementRejected, TransactionError, connect
 from ringq.engine.recovery import (
     end_holders,
     overdue_holders,
@@ -191,6 +191,32 @@ def test_commits_survive_deallocate_all_and_go_without_prepared_statements_when_
         s.commit()
         assert m.payload == b"a"
     assert [m.payload for m in drain(dsn, q)] == [b"b", b"c", b"d", b"e", b"f"]
+
+
+def test_session_execute_carries_its_begin_and_converts_errors(
+    dsn: str, make_queue: Callable[..., str], app_table: str
+) -> None:
+    """Session.execute: the caller's statement that opens the transaction
+    goes with its BEGIN in one round trip (connection.execute takes two),
+    joins the queue work of that transaction, and its error is a ringq error."""
+    q = make_queue()
+    with connect(dsn) as s:
+        with wire_trace(s.connection) as wire:
+            rows = s.execute("INSERT INTO app VALUES (%s) RETURNING v", (7,)).fetchall()
+        assert rows == [(7,)] and round_trips(wire) == 1
+        assert backend(dsn, s.backend_pid)[1] is True  # a transaction is open
+        s.enqueue(q, b"with it")
+        s.rollback()
+        assert app_rows(dsn) == [] and drain(dsn, q) == []
+        s.execute("INSERT INTO app VALUES (%s)", (8,))
+        s.enqueue(q, b"with it")
+        s.commit()
+        with pytest.raises(StatementRejected) as err:
+            s.execute("SELECT * FROM no_such_table")
+        assert isinstance(err.value.__cause__, psycopg.errors.UndefinedTable)
+        s.rollback()
+    assert app_rows(dsn) == [8]
+    assert [m.payload for m in drain(dsn, q)] == [b"with it"]
 
 
 # -- a stale section: refused at commit, nothing half-committed -----------------------------------
