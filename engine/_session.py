@@ -218,23 +218,19 @@ class Session:
         return self._link.conn
 
     def execute(self, query: str, params: Any = None) -> Any:
-        """Run your own ``query`` in the session's transaction, in one round
-        trip: on an idle connection the BEGIN that opens the transaction goes
-        in the same message (``connection.execute`` sends it as a round trip
-        of its own). Returns a psycopg cursor on the statement's rows.
+        """Run your own ``query`` in the session's transaction in one round trip (its
+        BEGIN in the same message; ``connection.execute`` takes two): a psycopg cursor.
 
-        :raises StatementRejected, TransactionConflict, DatabaseUnavailable,
-            DatabaseError: the statement failed (the psycopg error is the
-            ``__cause__``); the transaction is then failed: roll it back.
+        :raises StatementRejected, TransactionConflict, DatabaseError: it failed
+            (``__cause__``: psycopg's error); the transaction is failed: roll it back.
         """
         self._check()
         try:
             return self._link.execute(query, params)
         except RingqError as err:
-            cause = err.__cause__
-            if cause is None:
+            if err.__cause__ is None:
                 raise
-            raise from_callers_statement(cause, err) from cause
+            raise from_callers_statement(err.__cause__, err) from err.__cause__
 
     def _check(self) -> None:
         if self._closed:
@@ -249,7 +245,9 @@ class Session:
         connection made in another process. The queues known stay known."""
         old, tpc = self._link, self._tpc
         self._open(old.dsn, _new_producer(), old.connect_timeout, old.appname, old.role)
-        self._link.queues, self._link.stmts = old.queues, old.stmts
+        # (the prepared statements' names are forgotten: the connection is new)
+        self._link.queues, self._link.stmts, self._link.prepared = (
+            old.queues, old.stmts, old.prepared)
         self._tpc.xid, self._tpc.prepared, self._tpc.decided = tpc.xid, tpc.prepared, tpc.decided
         self._link.tpc_open = tpc.xid is not None
 
@@ -281,14 +279,11 @@ class Session:
         self._txn.commit()
 
     def commit_and_dequeue(self, queue: str) -> Message | None:
-        """Commit, then take the oldest ready entry of ``queue`` in a new
-        transaction: :meth:`commit` then :meth:`dequeue`, in one round trip
-        for the two when the entry is read from its row (not in the payload
-        cache) and this transaction was opened by a statement (a dequeue read
-        from its row, or your own SQL) and holds no row write: the COMMIT, the
-        new BEGIN and the dequeue go in one message. A consumer loop of such
-        entries costs one round trip per message. Returns None if nothing is
-        ready (no wait).
+        """:meth:`commit`, then :meth:`dequeue` of ``queue`` in a new transaction:
+        one message (COMMIT, BEGIN, the dequeue) when the entry is read from
+        its row and this transaction, opened by a statement (a dequeue read
+        from its row, your own SQL), holds no row write: a consumer loop of
+        such entries costs one round trip per message. None if nothing is ready.
 
         :raises: as :meth:`commit`; then nothing was taken.
         """
