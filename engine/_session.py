@@ -44,11 +44,7 @@ from ._ring import Ring
 from ._section import Section
 from ._tpc import TwoPhase
 from ._transaction import Transaction
-from ._validate import (
-    check_due,
-    validate_int,
-    validate_seconds,
-)
+from ._validate import check_due, check_producer, validate_int, validate_seconds
 
 logger = logging.getLogger("ringq.engine")
 
@@ -102,6 +98,7 @@ class Session:
         connect_timeout: float = 10.0,
         application_name: str = "ringq",
     ) -> None:
+        check_producer(producer or "")
         self._open(dsn, producer or _new_producer(), connect_timeout, application_name,
                    L.CR_CLIENT)  # C_ROLE of our client entry (a worker sets CR_WORKER)
 

@@ -94,6 +94,23 @@ def check_key(key: object) -> None:
         raise InvalidArgument(f"key is {size:,} bytes long (UTF-8): {MAX_KEY_BYTES:,} at most")
 
 
+def check_producer(producer: object) -> None:
+    """Check a producer name given to ``connect``: a str, valid UTF-8, without
+    NUL (it is written with every entry, as PostgreSQL text).
+
+    :raises InvalidArgumentType: not a str. :raises InvalidArgument: not
+        encodable, or holds a NUL character.
+    """
+    if not isinstance(producer, str):
+        raise InvalidArgumentType(f"producer must be a str, not {type(producer).__name__}")
+    if "\x00" in producer:
+        raise InvalidArgument("producer must not contain NUL characters")
+    try:
+        producer.encode()
+    except UnicodeEncodeError as exc:
+        raise InvalidArgument(f"producer is not valid UTF-8 text: {exc.reason}") from None
+
+
 def check_group(group: object, what: str = "group") -> str | None:
     """Check a group name: None, or a non-empty str of at most
     ``MAX_GROUP_BYTES`` UTF-8 bytes without NUL.

@@ -127,10 +127,12 @@ class PgQuery:
                     out.append(bytes(v))
                 else:
                     return None
-            elif t is int or t is str:
+            elif t is int:
                 out.append(str(v).encode())
+            elif t is str and "\x00" not in v:  # libpq would cut a text at a NUL
+                out.append(v.encode())
             else:
-                return None
+                return None  # psycopg refuses (a NUL) or dumps it
         return out
 
 

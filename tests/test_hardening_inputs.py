@@ -32,6 +32,8 @@ from ringq.engine import (
     ConfigError,
     DatabaseError,
     DatabaseUnavailable,
+    InvalidArgument,
+    InvalidArgumentType,
     RingqError,
     Section,
     StatementRejected,
@@ -473,3 +475,17 @@ def test_every_numeric_queue_setting_is_bounded() -> None:
         with pytest.raises(ConfigError, match=field):
             settings: dict[str, Any] = {"capacity": 8, "max_payload": 8, field: 2**63}
             QueueSpec("q", **settings)
+
+
+@pytest.mark.parametrize(
+    ("producer", "error"),
+    [("a\x00b", InvalidArgument), ("\udc80", InvalidArgument), (5, InvalidArgumentType)],
+)
+def test_a_producer_name_postgresql_cannot_store_is_refused_before_connecting(
+    producer: object, error: type[Exception]
+) -> None:
+    """connect(producer=) is checked before any I/O (a NUL would be cut by
+    libpq or refused by psycopg at the first commit, after the slots were
+    reserved); the DSN is never reached."""
+    with pytest.raises(error):
+        connect("postgresql://nobody@127.0.0.1:1/none", producer=producer)  # type: ignore[arg-type]
