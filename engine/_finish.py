@@ -131,6 +131,46 @@ def finish_batch(
     return after_finish(ring, n_ready, n_space)
 
 
+def finish_consumed(
+    ring: Ring, done: Sequence[tuple[int, int]], owner: int, *, exclusive: bool
+) -> int:
+    """Finish the consumed dequeues ``done`` ((slot, seq) pairs) that
+    ``owner`` still holds at that seq, as :meth:`Ring.finish_dequeue` with
+    ``consumed`` does one at a time (the SQL path's agent finishes what SQL
+    consumers committed: often hundreds a pass), as one array write per word
+    kind; no reclaim (the caller's :func:`after_finish`). Returns how many."""
+    if len(done) < VECTOR_FROM:
+        n = 0
+        for slot, seq in done:
+            if ring.held_by(slot, owner) and ring.seq_of(slot) == seq:
+                ring.finish_dequeue(slot, consumed=True, exclusive=exclusive, reclaim=False)
+                n += 1
+        return n
+    Q, b, s = ring.Q, ring.qb, ring.sec
+    slots = np.fromiter((d[0] for d in done), dtype=np.int64, count=len(done))
+    seqs = np.fromiter((d[1] for d in done), dtype=np.int64, count=len(done))
+    tail = Q[b + L.Q_TAIL]
+    lck = (s.lck[ring.w0 + (slots >> 6)] >> (slots & 63).astype(np.uint64)) & np.uint64(1)
+    ok = (lck != 0) & (s.owner[ring.base + slots] == owner) & (
+        seqs == tail + (slots - tail) % ring.cap
+    )
+    slots = slots[ok]
+    n = int(slots.size)
+    if not n:
+        return 0
+    Q[b + L.Q_DEPTH_HINT] -= n
+    Q[b + L.Q_N_DEQ_COMMIT] += n
+    ring.cache.clear(slots)  # a record serves one first delivery
+    lo, mask = bit_mask(slots)
+    s.lck[ring.w0 + lo : ring.w0 + lo + mask.size] &= ~mask
+    s.owner[ring.base + slots] = 0
+    if exclusive and Q[b + L.Q_DEQ_INFLIGHT] > 0:
+        Q[b + L.Q_DEQ_INFLIGHT] = max(0, Q[b + L.Q_DEQ_INFLIGHT] - n)
+        if Q[b + L.Q_DEQ_INFLIGHT] == 0:
+            Q[b + L.Q_DEQ_OWNER] = 0
+    return n
+
+
 def after_finish(ring: Ring, n_ready: int, n_space: int) -> tuple[int, int]:
     """Reclaim once and count the wake-ups a finish makes: (ready, space)."""
     Q, b = ring.Q, ring.qb

@@ -250,11 +250,7 @@ class SqlAgent:
         exclusive = info.dequeue_mode == "single"
         sec.lock_queue(ring.qidx)
         try:
-            n = 0
-            for slot, seq in done:
-                if ring.held_by(slot, L.OWNER_SQL) and ring.seq_of(slot) == seq:
-                    ring.finish_dequeue(slot, consumed=True, exclusive=exclusive, reclaim=False)
-                    n += 1
+            n = ring.finish_consumed(done, L.OWNER_SQL, exclusive=exclusive)
             _ready, space = after_finish(ring, 0, n)
             ready = self._role_freed(ring, exclusive)
         finally:

@@ -378,6 +378,8 @@ class Ring(RingScan):
     # space), the sleepers to wake. The function itself, bound as a method: its
     # signature and docstring stay in one place (_finish.finish_batch).
     finish_batch = _finish.finish_batch
+    # Finish consumed dequeues the SQL path's agent learned of (_finish.finish_consumed).
+    finish_consumed = _finish.finish_consumed
 
     # -- counters and waiters ---------------------------------------------------------
 
