@@ -183,6 +183,7 @@ class Prepared:
         self._pgconn: Any = None
         self._names: dict[bytes, bytes] = {}
         self._made = 0  # statements prepared on the connection (for the next name)
+        self._watching = False  # psycopg's DEALLOCATE ALL is seen (_watch)
         self._queries: dict[str, PgQuery] = {}  # the statements this path sends
 
     def add(self, query: str) -> str:
@@ -222,6 +223,9 @@ class Prepared:
         with conn.lock:
             if pg is not self._pgconn:
                 self._pgconn, self._names, self._made = pg, {}, 0
+                self._watching = self._watch(conn)
+            if not self._watching:
+                return None
             names = self._names
             if len(encoded) == 1 and not begin and not commit:
                 # The usual exchange, one statement prepared already: no pipeline.
@@ -274,6 +278,28 @@ class Prepared:
             if error is not None:
                 return self._failed(conn, error)
             return rows
+
+    def _watch(self, conn: psycopg.Connection[Any]) -> bool:
+        """Forget our statements whenever psycopg deallocates all of the
+        connection's: after a ROLLBACK (its ``rollback()``, or a statement),
+        a DROP, an ALTER or a DISCARD ALL, psycopg sends ``DEALLOCATE ALL``
+        if it had prepared any statement itself, and ours go with it. It may
+        send it later than it decides to (with its next statement, say the
+        caller's own after a ROLLBACK in a pipeline), so what is watched is
+        the sending: its ``_deallocate(None)``, wrapped on this connection
+        only. False where psycopg has no such method (then this path is not
+        used on the connection: psycopg sends the statements)."""
+        deallocate = getattr(conn, "_deallocate", None)
+        if deallocate is None:
+            return False
+
+        def deallocating(name: bytes | None) -> Any:
+            if name is None:  # DEALLOCATE ALL
+                self._names = {}
+            return deallocate(name)
+
+        conn._deallocate = deallocating  # type: ignore[method-assign]
+        return True
 
     def _failed(self, conn: psycopg.Connection[Any], error: Any) -> NoReturn:
         """Raise ``error`` (or the error of a result) as psycopg would."""

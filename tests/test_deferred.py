@@ -193,6 +193,42 @@ def test_commits_survive_deallocate_all_and_go_without_prepared_statements_when_
     assert [m.payload for m in drain(dsn, q)] == [b"b", b"c", b"d", b"e", b"f"]
 
 
+def test_psycopgs_deallocate_all_after_a_rollback_does_not_fail_the_next_commit(
+    dsn: str, make_queue: Callable[..., str], app_table: str
+) -> None:
+    """psycopg sends DEALLOCATE ALL after a ROLLBACK once it has prepared a
+    statement of its own on the connection: the engine's prepared statements
+    go with it, and its next commit inside a transaction the caller's
+    statement opened (where nothing can be sent again) prepares them anew."""
+    q = make_queue()
+    with connect(dsn) as s:
+        for i in range(8):  # past psycopg's prepare threshold: psycopg prepares it
+            s.connection.execute("INSERT INTO app VALUES (%s)", (i,))
+            s.enqueue(q, b"x%d" % i)
+            s.commit()
+        for rollback in (s.rollback, s.connection.rollback):
+            s.connection.execute("INSERT INTO app VALUES (%s)", (100,))
+            s.enqueue(q, b"gone")
+            rollback()  # psycopg: ROLLBACK, then DEALLOCATE ALL
+            s.connection.execute("INSERT INTO app VALUES (%s)", (200,))  # opens the transaction
+            s.enqueue(q, b"kept")
+            s.commit()  # the writes then COMMIT: one message, nothing to retry
+        # A dequeue given back: the ROLLBACK goes in psycopg's pipeline with the
+        # strike, and psycopg sends its DEALLOCATE ALL only with its next
+        # statement, here the caller's own, after the engine prepared again.
+        s.connection.execute("INSERT INTO app VALUES (%s)", (300,))
+        m = present(s.dequeue(q))
+        s.rollback()
+        again = present(s.dequeue(q))  # read from its row (a redelivery)
+        assert (again.seq, again.deliveries) == (m.seq, 2)
+        s.connection.execute("INSERT INTO app VALUES (%s)", (400,))
+        s.commit()
+    assert app_rows(dsn) == [*range(8), 200, 200, 400]
+    # (a rollback around the session leaves its pending write for its next commit)
+    assert [m.payload for m in drain(dsn, q)] == [
+        *(b"x%d" % i for i in range(1, 8)), b"kept", b"gone", b"kept"]
+
+
 def test_session_execute_carries_its_begin_and_converts_errors(
     dsn: str, make_queue: Callable[..., str], app_table: str
 ) -> None:
