@@ -214,14 +214,17 @@ class Session:
         self._check()
         return self._link.conn
 
-    def execute(self, query: str, params: Any = None) -> Any:
+    def execute(self, query: str, params: Any = None, *, prepare: bool = False) -> Any:
         """Run your own ``query`` in the session's transaction in one round trip (its
-        BEGIN in the same message; ``connection.execute`` takes two): a psycopg cursor.
+        BEGIN in the same message; ``connection.execute`` takes two): its rows'
+        cursor. ``prepare``: planned once per connection (params None, int, str, bytes).
 
         :raises StatementRejected, TransactionConflict, DatabaseError: it failed
             (``__cause__``: psycopg's error); the transaction is failed: roll it back.
         """
         self._check()
+        if prepare:
+            self._link.prepared.add(query)
         try:
             return self._link.execute(query, params)
         except RingqError as err:

@@ -188,7 +188,8 @@ class Prepared:
 
     def add(self, query: str) -> str:
         """Let ``query`` go through this path (see :class:`PgQuery`); returns it."""
-        self._queries[query] = PgQuery(query)
+        if query not in self._queries:
+            self._queries[query] = PgQuery(query)
         return query
 
     def run(

@@ -97,10 +97,10 @@ def _pump(
         # None: dropped since (not loaded): a whole batch, enqueue_many loads it
         rooms = {qid: room for qid in _loaded(sec) if (room := queue_room(sec, qid)) is not None}
         closed = [qid for qid, room in rooms.items() if room <= 0]
-        rows = s.execute(Qy.INBOX_NEXT, {  # its BEGIN in the same message
+        rows = s.execute(Qy.INBOX_NEXT, {  # its BEGIN in the same message, its plan kept
             "batch": batch, "skip": _text_array(sorted(passed)),
             "ids": _int_array(rooms), "rooms": _int_array(rooms.values()),
-        }).fetchall()
+        }, prepare=True).fetchall()
         if not rows:
             # Nothing was taken: ended with a COMMIT, not a ROLLBACK, after
             # which psycopg forgets every statement it prepared on the

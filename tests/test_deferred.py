@@ -247,11 +247,22 @@ def test_session_execute_carries_its_begin_and_converts_errors(
         s.execute("INSERT INTO app VALUES (%s)", (8,))
         s.enqueue(q, b"with it")
         s.commit()
+        for v in (9, 10):  # prepared: planned once, still one round trip with its BEGIN
+            with wire_trace(s.connection) as wire:
+                got = s.execute("INSERT INTO app VALUES (%(v)s) RETURNING v, %(v)s::text",
+                                {"v": v}, prepare=True).fetchall()
+            assert got == [(v, str(v))] and round_trips(wire) == 1
+            s.commit()
+        named = s.connection.execute(
+            "SELECT count(*) FROM pg_prepared_statements WHERE name LIKE 'ringq%%'"
+            " AND statement LIKE 'INSERT INTO app%%'").fetchone()
+        assert named == (1,)
+        s.connection.commit()
         with pytest.raises(StatementRejected) as err:
             s.execute("SELECT * FROM no_such_table")
         assert isinstance(err.value.__cause__, psycopg.errors.UndefinedTable)
         s.rollback()
-    assert app_rows(dsn) == [8]
+    assert app_rows(dsn) == [8, 9, 10]
     assert [m.payload for m in drain(dsn, q)] == [b"with it"]
 
 
