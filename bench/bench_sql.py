@@ -16,7 +16,9 @@ same way from psycopg, in autocommit (one statement, one transaction):
   producers (``enqueue_many(100)``): entries/s consumed and the SQL share;
 - **latency**: commit of an enqueue → the entry in a waiting consumer's hands,
   p50/p99: linked enqueue → SQL consumer waiting on ``LISTEN ringq_ready``;
-  SQL enqueue (``ringq.enqueue``) → linked consumer waiting in ``dequeue(wait=)``.
+  SQL enqueue (``ringq.enqueue``) → linked consumer waiting in ``dequeue(wait=)``,
+  with the monitor in this process and again with ``ringq monitor`` as its own
+  process (as deployed: not sharing this process's GIL).
 
 Both queues are filled before each timed stretch (not timed); rounds
 interleave ringq and SKIP LOCKED and the ratios are taken within a round.
@@ -30,6 +32,7 @@ import multiprocessing as mp
 import os
 import secrets
 import statistics
+import subprocess
 import sys
 import tempfile
 import threading
@@ -148,15 +151,32 @@ def latency(dsn: str, tag: str, cfg: Config, payload: bytes) -> dict[str, Any]:
                     pass
             to_sql.append((time.perf_counter() - t0) * 1000)
             time.sleep(0.005)
+    to_linked = sql_to_linked(dsn, queue_name(tag, "lat2"), cfg.latency_samples, payload)
+    return {
+        "linked_enqueue_to_sql_ms": _pcts(to_sql),
+        "sql_enqueue_to_linked_ms": _pcts(to_linked),
+    }
+
+
+def _pcts(xs: list[float]) -> dict[str, float]:
+    def pct(p: float) -> float:
+        s = sorted(xs)
+        return s[min(len(s) - 1, int(p * len(s)))] if s else float("nan")
+
+    return {"p50": pct(0.5), "p99": pct(0.99), "n": len(xs)}
+
+
+def sql_to_linked(dsn: str, q2: str, samples: int, payload: bytes) -> list[float]:
+    """Commit of a SQL ``ringq.enqueue`` on ``q2`` (linked consumers only: the
+    agent never sets its entries aside) → the entry in a waiting linked
+    consumer's hands (ms), ``samples`` times."""
     to_linked: list[float] = []
     sent = threading.Event()
     t_sent = [0.0]
 
-    q2 = queue_name(tag, "lat2")  # linked consumers only: the agent never sets its entries aside
-
     def consume() -> None:
         with connect(dsn) as s2:
-            for _ in range(cfg.latency_samples):
+            for _ in range(samples):
                 m = s2.dequeue(q2, wait=10)
                 t = time.perf_counter()
                 s2.commit()
@@ -167,22 +187,32 @@ def latency(dsn: str, tag: str, cfg: Config, payload: bytes) -> dict[str, Any]:
     th = threading.Thread(target=consume)
     th.start()
     with psycopg.connect(dsn, autocommit=True) as c:
-        for _ in range(cfg.latency_samples):
+        for _ in range(samples):
             time.sleep(0.02)  # the consumer is waiting again
             c.execute("SELECT ringq.enqueue(%s, %s)", (q2, payload))
             t_sent[0] = time.perf_counter()  # committed (autocommit): from here
     th.join(60)
+    return to_linked
 
-    def pct(xs: list[float], p: float) -> float:
-        xs = sorted(xs)
-        return xs[min(len(xs) - 1, int(p * len(xs)))] if xs else float("nan")
 
-    return {
-        "linked_enqueue_to_sql_ms": {"p50": pct(to_sql, 0.5), "p99": pct(to_sql, 0.99),
-                                     "n": len(to_sql)},
-        "sql_enqueue_to_linked_ms": {"p50": pct(to_linked, 0.5), "p99": pct(to_linked, 0.99),
-                                     "n": len(to_linked)},
-    }
+def latency_monitor_process(dsn: str, tag: str, cfg: Config, payload: bytes) -> dict[str, Any]:
+    """SQL enqueue → linked consumer with the monitor as its own process, as
+    deployed (``ringq monitor``), not sharing this process and its GIL."""
+    with tempfile.TemporaryDirectory(prefix="bench-sql-mon-") as tmp:
+        mon = subprocess.Popen(
+            [sys.executable, "-m", "ringq.cli", "monitor", "--dsn", dsn, "--port", "0",
+             "--data-dir", tmp],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        )
+        try:
+            time.sleep(3.0)  # attached, listening
+            if mon.poll() is not None:
+                raise RuntimeError(f"ringq monitor exited with {mon.returncode}")
+            ms = sql_to_linked(dsn, queue_name(tag, "lat2"), cfg.latency_samples, payload)
+        finally:
+            mon.terminate()
+            mon.wait(30)
+    return {"sql_enqueue_to_linked_ms": _pcts(ms)}
 
 
 def _mixed_worker(dsn: str, queue: str, kind: str, until: float, out: Any) -> None:
@@ -261,6 +291,7 @@ def run(dsn: str, cfg: Config, tag: str) -> dict[str, Any]:
             raw["agent"] = mon._sql.figures.as_dict()
         finally:
             mon.stop()
+    raw["latency_monitor_process"] = latency_monitor_process(dsn, tag, cfg, payload)
     raw["load_end"] = cpu_load("end")
     return raw
 
@@ -274,6 +305,7 @@ def summarize(raw: dict[str, Any]) -> dict[str, Any]:
         "batch": {k: med(("batch", k)) for k in ("ringq", "skip_locked", "ratio")},
         "capacity_large_over_small": med(("capacity", "large_over_small")),
         "latency": raw["latency"],
+        "latency_monitor_process": raw["latency_monitor_process"],
         "mixed": raw["mixed"],
     }}
 
@@ -281,6 +313,7 @@ def summarize(raw: dict[str, Any]) -> dict[str, Any]:
 def render(raw: dict[str, Any], summary: dict[str, Any], cfg: Config, seconds: float) -> str:
     s = summary["summary"]
     lat = s["latency"]
+    mp = s["latency_monitor_process"]["sql_enqueue_to_linked_ms"]
     lines = [
         f"SQL consumers (ringq.dequeue) against SKIP LOCKED, {cfg.rounds} rounds of "
         f"{cfg.entries} entries, {cfg.payload} B payloads, medians ({seconds:.0f} s)",
@@ -295,6 +328,8 @@ def render(raw: dict[str, Any], summary: dict[str, Any], cfg: Config, seconds: f
         f"p99 {lat['linked_enqueue_to_sql_ms']['p99']:.2f} ms",
         f"SQL enqueue -> linked consumer: p50 {lat['sql_enqueue_to_linked_ms']['p50']:.2f} ms, "
         f"p99 {lat['sql_enqueue_to_linked_ms']['p99']:.2f} ms",
+        f"SQL enqueue -> linked consumer, the monitor as its own process: p50 "
+        f"{mp['p50']:.2f} ms, p99 {mp['p99']:.2f} ms",
         f"4 SQL + 2 linked consumers, 2 linked producers ({s['mixed']['seconds']:g} s): "
         f"{s['mixed']['consumed_per_s']:.0f} entries/s, SQL share "
         f"{s['mixed']['sql_share']:.0%} ({s['mixed']['sql']} SQL, {s['mixed']['linked']} linked)",
