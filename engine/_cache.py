@@ -137,14 +137,18 @@ class PayloadCache:
             rows.append((0, epoch, len(payload), len(producer), wr.producer_seq, enq_at_us,
                          -1 if group is None else len(group)))
             tags.append(seq + 1)
-        if not at_w:
-            return
+        if at_w:
+            self._write_heads(at_w, np.array(rows, dtype=np.int64), np.array(tags, dtype=np.int64))
+
+    def _write_heads(self, at_w: list[int], heads: np.ndarray, tags: np.ndarray) -> None:
+        """Write a batch's record heads (first words ``at_w``) as one
+        scatter, their tags last: a tag stays 0 (untrusted) until the rest
+        of its record is written (a record's old tag names an older entry
+        of the slot: never the new one)."""
         at = np.array(at_w, dtype=np.int64)
-        cq = s.cache_q
-        # Tags stay 0 (untrusted) until the rest of each record is written.
-        # (A record's old tag names an older entry of the slot: never ``seq``.)
-        cq[at[:, None] + _FIELDS] = np.array(rows, dtype=np.int64)
-        cq[at + L.R_TAG] = np.array(tags, dtype=np.int64)
+        cq = self.sec.cache_q
+        cq[at[:, None] + _FIELDS] = heads
+        cq[at + L.R_TAG] = tags
 
     def _put_plain(
         self, slots: Sequence[int], seqs: Sequence[int], writes: Sequence[Write], enq_at_us: int
@@ -170,7 +174,6 @@ class PayloadCache:
             off = w << 3
             cache[off + _P0 : off + _P0 + pn] = name
             cache[off + L.RECORD_HEAD : off + L.RECORD_HEAD + size] = payload
-        at = np.array(at_w, dtype=np.int64)
         heads = np.empty((n, L.RECORD_WORDS), dtype=np.int64)
         heads[:, L.R_TAG] = 0
         heads[:, L.R_EPOCH] = self.Q[self.qb + L.Q_CACHE_EPOCH]
@@ -179,10 +182,7 @@ class PayloadCache:
         heads[:, L.R_PRODUCER_SEQ] = [w.producer_seq for w in writes]
         heads[:, L.R_ENQ_AT_US] = enq_at_us
         heads[:, L.R_GROUP_LEN] = -1
-        cq = s.cache_q
-        # Tags stay 0 (untrusted) until the rest of each record is written.
-        cq[at[:, None] + _FIELDS] = heads
-        cq[at + L.R_TAG] = np.array(seqs, dtype=np.int64) + 1
+        self._write_heads(at_w, heads, np.array(seqs, dtype=np.int64) + 1)
         return True
 
     def get(self, slot: int, seq: int) -> Cached | None:

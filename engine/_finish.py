@@ -109,16 +109,7 @@ def finish_batch(
                 lo, mask = bit_mask(back)
                 s.deq[ring.w0 + lo : ring.w0 + lo + mask.size] &= ~mask
                 Q[b + L.Q_N_DEQ_ROLLBACK] += back.size
-            # Consumed, or its row counts a delivery now: a record serves
-            # one first delivery (a redelivery reads the row).
-            ring.cache.clear(slots)
-            lo, mask = bit_mask(slots)
-            s.lck[ring.w0 + lo : ring.w0 + lo + mask.size] &= ~mask
-            s.owner[ring.base + slots] = 0
-            if exclusive and Q[b + L.Q_DEQ_INFLIGHT] > 0:
-                Q[b + L.Q_DEQ_INFLIGHT] = max(0, Q[b + L.Q_DEQ_INFLIGHT] - slots.size)
-                if Q[b + L.Q_DEQ_INFLIGHT] == 0:
-                    Q[b + L.Q_DEQ_OWNER] = 0
+            _unlock_dequeued(ring, slots, exclusive)
             n_space += n_consumed
             n_ready += (slots.size - n_consumed) + freed + int(
                 exclusive and bool(was_owner) and not Q[b + L.Q_DEQ_OWNER]
@@ -146,29 +137,34 @@ def finish_consumed(
                 ring.finish_dequeue(slot, consumed=True, exclusive=exclusive, reclaim=False)
                 n += 1
         return n
-    Q, b, s = ring.Q, ring.qb, ring.sec
+    Q, b = ring.Q, ring.qb
     slots = np.fromiter((d[0] for d in done), dtype=np.int64, count=len(done))
     seqs = np.fromiter((d[1] for d in done), dtype=np.int64, count=len(done))
     tail = Q[b + L.Q_TAIL]
-    lck = (s.lck[ring.w0 + (slots >> 6)] >> (slots & 63).astype(np.uint64)) & np.uint64(1)
-    ok = (lck != 0) & (s.owner[ring.base + slots] == owner) & (
-        seqs == tail + (slots - tail) % ring.cap
-    )
-    slots = slots[ok]
+    slots = slots[_held_mask(ring, slots, owner) & (seqs == tail + (slots - tail) % ring.cap)]
     n = int(slots.size)
     if not n:
         return 0
     Q[b + L.Q_DEPTH_HINT] -= n
     Q[b + L.Q_N_DEQ_COMMIT] += n
-    ring.cache.clear(slots)  # a record serves one first delivery
+    _unlock_dequeued(ring, slots, exclusive)
+    return n
+
+
+def _unlock_dequeued(ring: Ring, slots: np.ndarray, exclusive: bool) -> None:
+    """Unlock dequeued ``slots`` (their DEQ bits already as they stay) and
+    give back the single-dequeuer role once nothing is in flight. Their
+    records are cleared: consumed, or the row counts a delivery now, a record
+    serves one first delivery (a redelivery reads the row)."""
+    Q, b, s = ring.Q, ring.qb, ring.sec
+    ring.cache.clear(slots)
     lo, mask = bit_mask(slots)
     s.lck[ring.w0 + lo : ring.w0 + lo + mask.size] &= ~mask
     s.owner[ring.base + slots] = 0
     if exclusive and Q[b + L.Q_DEQ_INFLIGHT] > 0:
-        Q[b + L.Q_DEQ_INFLIGHT] = max(0, Q[b + L.Q_DEQ_INFLIGHT] - n)
+        Q[b + L.Q_DEQ_INFLIGHT] = max(0, Q[b + L.Q_DEQ_INFLIGHT] - slots.size)
         if Q[b + L.Q_DEQ_INFLIGHT] == 0:
             Q[b + L.Q_DEQ_OWNER] = 0
-    return n
 
 
 def after_finish(ring: Ring, n_ready: int, n_space: int) -> tuple[int, int]:
@@ -283,13 +279,19 @@ def _held(ring: Ring, ops: list[Op], owner: int) -> tuple[list[Op], np.ndarray]:
     """``ops`` whose slots ``owner`` still holds (LCK set, its token in
     OWNER; the others were decided by recovery: never finish a slot
     twice), and their slots (int64)."""
-    s = ring.sec
     slots = np.fromiter((op.slot for op in ops), dtype=np.int64, count=len(ops))
-    lck = (s.lck[ring.w0 + (slots >> 6)] >> (slots & 63).astype(np.uint64)) & np.uint64(1)
-    held = (lck != 0) & (s.owner[ring.base + slots] == owner)
+    held = _held_mask(ring, slots, owner)
     if held.all():
         return ops, slots
     return [op for op, h in zip(ops, held.tolist(), strict=True) if h], slots[held]
+
+
+def _held_mask(ring: Ring, slots: np.ndarray, owner: int) -> np.ndarray:
+    """Which of ``slots`` (int64) ``owner`` holds: LCK set and its token in OWNER."""
+    s = ring.sec
+    lck = (s.lck[ring.w0 + (slots >> 6)] >> (slots & 63).astype(np.uint64)) & np.uint64(1)
+    held: np.ndarray = (lck != 0) & (s.owner[ring.base + slots] == owner)
+    return held
 
 
 def _record_latencies(ring: Ring, kind: OpKind, ops: list[Op]) -> None:

@@ -120,12 +120,7 @@ def from_psycopg(
         return DatabaseUnavailable(f"database unavailable{where}: {redact_dsn(_first_line(exc))}")
     if state == STALE_SQLSTATE:
         table = getattr(getattr(exc, "diag", None), "table_name", None) or ""
-        name = table.removeprefix("q_") or queue
-        return StaleSection(
-            f"queue {name!r}: a row write did not find its row as the global section said "
-            "(stale section); nothing of the transaction committed: retry it",
-            queue=name,
-        )
+        return stale_section(table.removeprefix("q_") or queue)
     conflict = state is not None and (
         state in _CONFLICT_STATES or (state[:2] == "40" and state != "40002")
     )
@@ -167,6 +162,16 @@ def _creating(exc: BaseException, queue: str | None) -> RingqError | None:
 def _first_line(exc: BaseException) -> str:
     text = str(exc).strip()
     return text.splitlines()[0] if text else type(exc).__name__
+
+
+def stale_section(queue: str | None) -> StaleSection:
+    """A guarded row write of ``queue`` found its row not as the section said
+    (RQ001 from the server, or no row back from a write sent alone)."""
+    return StaleSection(
+        f"queue {queue!r}: a row write did not find its row as the global section said "
+        "(stale section); nothing of the transaction committed: retry it",
+        queue=queue,
+    )
 
 
 def from_callers_statement(exc: BaseException, converted: RingqError) -> RingqError:

@@ -29,6 +29,7 @@ from ._errors import InDoubt, RingqError, StaleSection, TransactionError, one_li
 from ._finish import finish_one
 from ._link import Link
 from ._ops import POISON_REASON, DueWrite, Op, OpKind, RowState, Write
+from ._pg import stale_section
 from ._queue_info import QueueInfo
 
 logger = logging.getLogger("ringq.engine")
@@ -224,11 +225,11 @@ class Transaction:
             recover=not commit,  # commit() decides itself what a lost answer means
         )
         if alone and not enqueues and cursors[0].fetchone() is None:
-            raise _stale_alone(writes[0])
+            raise stale_section(writes[0].info.name)  # wrote nothing: RQ001's case
         for i, (at, enq) in enumerate(enqueues):
             row = cursors[at].fetchone()
             if alone and row is None:
-                raise _stale_alone(enq[0])
+                raise stale_section(enq[0].info.name)
             if i == 0:
                 self.enq_at_us = None if row is None else int(row[1])
             if row is not None and len(row) > 2:  # enqueue_due: the rows' due times
@@ -490,17 +491,6 @@ def _by_key(ops: list[Op], key: Callable[[Op], K]) -> dict[K, list[Op]]:
     for op in ops:
         groups.setdefault(key(op), []).append(op)
     return groups
-
-
-def _stale_alone(op: Op) -> StaleSection:
-    """The guard of a row write sent alone (``*_alone``, see ``send_writes``):
-    no row back, so it wrote nothing, the empty transaction committed
-    nothing, and the section was stale (as expect_rows' RQ001 says)."""
-    return StaleSection(
-        f"queue {op.info.name!r}: a row write did not find its row as the global section "
-        "said (stale section); nothing of the transaction committed: retry it",
-        queue=op.info.name,
-    )
 
 
 def _delay(w: Write) -> str | None:

@@ -103,12 +103,20 @@ def check_producer(producer: object) -> None:
     """
     if not isinstance(producer, str):
         raise InvalidArgumentType(f"producer must be a str, not {type(producer).__name__}")
-    if "\x00" in producer:
-        raise InvalidArgument("producer must not contain NUL characters")
+    _text_bytes("producer", producer)
+
+
+def _text_bytes(what: str, text: str) -> int:
+    """The UTF-8 size of ``text`` that PostgreSQL is to store as text.
+
+    :raises InvalidArgument: it holds a NUL character, or is not encodable.
+    """
+    if "\x00" in text:
+        raise InvalidArgument(f"{what} must not contain NUL characters")
     try:
-        producer.encode()
+        return len(text.encode("utf-8"))
     except UnicodeEncodeError as exc:
-        raise InvalidArgument(f"producer is not valid UTF-8 text: {exc.reason}") from None
+        raise InvalidArgument(f"{what} is not encodable as UTF-8: {exc.reason}") from None
 
 
 def check_group(group: object, what: str = "group") -> str | None:
@@ -124,12 +132,7 @@ def check_group(group: object, what: str = "group") -> str | None:
         raise InvalidArgumentType(f"{what} must be a str or None, not {type(group).__name__}")
     if not group:
         raise InvalidArgument(f"{what} must not be empty (None: no group)")
-    if "\x00" in group:
-        raise InvalidArgument(f"{what} must not contain NUL characters")
-    try:
-        size = len(group.encode("utf-8"))
-    except UnicodeEncodeError as exc:
-        raise InvalidArgument(f"{what} is not encodable as UTF-8: {exc.reason}") from None
+    size = _text_bytes(what, group)
     if size > MAX_GROUP_BYTES:
         raise InvalidArgument(
             f"{what} is {size:,} bytes long (UTF-8): {MAX_GROUP_BYTES:,} at most"

@@ -271,11 +271,8 @@ class Prepared:
                         rows.append(Rows(conn, res))
                     elif what is not None:  # prepared: later runs skip the Parse
                         names[what[0]] = what[1]
-                elif status == ExecStatus.FATAL_ERROR and error is None:
-                    error = error_from_result(res, encoding=conn.info.encoding)
-                elif status not in (ExecStatus.PIPELINE_ABORTED, ExecStatus.FATAL_ERROR):
-                    error = error or psycopg.InterfaceError(
-                        f"unexpected result from the server: {status.name}")
+                elif status != ExecStatus.PIPELINE_ABORTED and error is None:
+                    error = _error_of(conn, res)  # the first; the rest were skipped
             if error is not None:
                 return self._failed(conn, error)
             return rows
@@ -305,13 +302,17 @@ class Prepared:
     def _failed(self, conn: psycopg.Connection[Any], error: Any) -> NoReturn:
         """Raise ``error`` (or the error of a result) as psycopg would."""
         if not isinstance(error, psycopg.Error):
-            if error.status != ExecStatus.FATAL_ERROR:
-                raise psycopg.InterfaceError(
-                    f"unexpected result from the server: {error.status.name}")
-            error = error_from_result(error, encoding=conn.info.encoding)
+            error = _error_of(conn, error)
         if error.sqlstate == "26000":  # a statement of ours is gone (DEALLOCATE)
             self._names = {}
         raise error
+
+
+def _error_of(conn: psycopg.Connection[Any], result: Any) -> psycopg.Error:
+    """The error a result that is not a success stands for, as psycopg makes it."""
+    if result.status == ExecStatus.FATAL_ERROR:
+        return error_from_result(result, encoding=conn.info.encoding)
+    return psycopg.InterfaceError(f"unexpected result from the server: {result.status.name}")
 
 
 def _sender(fn: Any, *args: Any, **kwargs: Any) -> Any:
