@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from . import _layout as L
+from ._ops import RowWrite
 
 if TYPE_CHECKING:
     from ._ops import Write
@@ -140,12 +141,14 @@ class PayloadCache:
         if at_w:
             self._write_heads(at_w, np.array(rows, dtype=np.int64), np.array(tags, dtype=np.int64))
 
-    def _write_heads(self, at_w: list[int], heads: np.ndarray, tags: np.ndarray) -> None:
+    def _write_heads(
+        self, at_w: list[int] | np.ndarray, heads: np.ndarray, tags: np.ndarray
+    ) -> None:
         """Write a batch's record heads (first words ``at_w``) as one
         scatter, their tags last: a tag stays 0 (untrusted) until the rest
         of its record is written (a record's old tag names an older entry
         of the slot: never the new one)."""
-        at = np.array(at_w, dtype=np.int64)
+        at = np.asarray(at_w, dtype=np.int64)
         cq = self.sec.cache_q
         cq[at[:, None] + _FIELDS] = heads
         cq[at + L.R_TAG] = tags
@@ -154,23 +157,52 @@ class PayloadCache:
         self, slots: Sequence[int], seqs: Sequence[int], writes: Sequence[Write], enq_at_us: int
     ) -> bool:
         """:meth:`put_many` of the usual batch (one producer, no groups,
-        payloads that all fit): a slice copy per entry for its bytes and
-        nothing else per entry in Python; the heads as one scatter, tags
-        last. False, having written nothing, for any other batch."""
+        payloads that all fit; see :meth:`_put_arrays`). False, having
+        written nothing, for any other batch."""
         producer = writes[0].producer
         if any(w.group is not None or w.producer != producer for w in writes):
             return False
-        name = producer.encode()
-        payloads = [w.payload for w in writes]
+        return self._put_arrays(
+            np.asarray(slots, dtype=np.int64), np.asarray(seqs, dtype=np.int64),
+            [w.payload for w in writes], producer.encode(),
+            np.fromiter((w.producer_seq for w in writes), dtype=np.int64, count=len(writes)),
+            enq_at_us,
+        )
+
+    def put_run(
+        self, slots: np.ndarray, seqs: np.ndarray, payloads: list[bytes], producer: str,
+        pseqs: np.ndarray, groups: list[str | None] | None, enq_at_us: int,
+    ) -> None:
+        """:meth:`put_many` of a run's entries (int64 ``slots``, ``seqs``,
+        ``pseqs``; one ``producer``; ``groups`` None: no groups)."""
+        if not self.stride:
+            return
+        if (groups is None or all(g is None for g in groups)) and self._put_arrays(
+            slots, seqs, payloads, producer.encode(), pseqs, enq_at_us
+        ):
+            return
+        gs = groups or [None] * len(payloads)
+        self.put_many(slots.tolist(), seqs.tolist(), [
+            RowWrite(p, q, producer, g)
+            for p, q, g in zip(payloads, pseqs.tolist(), gs, strict=True)
+        ], enq_at_us)
+
+    def _put_arrays(
+        self, slots: np.ndarray, seqs: np.ndarray, payloads: list[bytes], name: bytes,
+        pseqs: np.ndarray, enq_at_us: int,
+    ) -> bool:
+        """Records of entries of one producer ``name`` and no group: a slice
+        copy per entry for its bytes and nothing else per entry in Python;
+        the heads as one scatter, tags last. False, having written nothing,
+        if a payload or the name does not fit."""
         lens = list(map(len, payloads))
         if len(name) > L.CACHE_PRODUCER_BYTES or max(lens) > self.cap_bytes:
             return False
-        n = len(writes)
-        s = self.sec
-        cache = s.cache
-        cw0, sw, pn = self.cw0, self.sw, len(name)
-        at_w = [cw0 + slot * sw for slot in slots]
-        for w, payload, size in zip(at_w, payloads, lens, strict=True):
+        n = len(payloads)
+        cache = self.sec.cache
+        pn = len(name)
+        at_w = self.cw0 + slots * self.sw
+        for w, payload, size in zip(at_w.tolist(), payloads, lens, strict=True):
             off = w << 3
             cache[off + _P0 : off + _P0 + pn] = name
             cache[off + L.RECORD_HEAD : off + L.RECORD_HEAD + size] = payload
@@ -179,10 +211,10 @@ class PayloadCache:
         heads[:, L.R_EPOCH] = self.Q[self.qb + L.Q_CACHE_EPOCH]
         heads[:, L.R_LEN] = lens
         heads[:, L.R_PRODUCER_LEN] = pn
-        heads[:, L.R_PRODUCER_SEQ] = [w.producer_seq for w in writes]
+        heads[:, L.R_PRODUCER_SEQ] = pseqs
         heads[:, L.R_ENQ_AT_US] = enq_at_us
         heads[:, L.R_GROUP_LEN] = -1
-        self._write_heads(at_w, heads, np.array(seqs, dtype=np.int64) + 1)
+        self._write_heads(at_w, heads, seqs + 1)
         return True
 
     def get(self, slot: int, seq: int) -> Cached | None:
@@ -215,7 +247,10 @@ class PayloadCache:
         return bytes(cache[at : at + n]), producer, pseq, enq_at, group
 
     def get_many(self, slots: np.ndarray, seqs: np.ndarray) -> list[Cached | None]:
-        """:meth:`get` for a batch (int64 arrays): the record heads read as one gather."""
+        """:meth:`get` for a batch (int64 arrays): the record heads read as
+        one gather; when every record holds its entry, the producer names
+        compared as one array (a batch's entries usually share one) and the
+        hits made without a call per entry."""
         if not self.stride:
             return [None] * len(slots)
         w = self.cw0 + slots * self.sw
@@ -227,12 +262,50 @@ class PayloadCache:
         Q, b = self.Q, self.qb
         Q[b + L.Q_N_CACHE_HITS] += n_hit
         Q[b + L.Q_N_CACHE_MISSES] += len(slots) - n_hit
+        if n_hit == len(slots):
+            return self._hits(w, heads)
         read = self._read
         return [
             read(wi, h[L.R_LEN], h[L.R_PRODUCER_LEN], h[L.R_PRODUCER_SEQ], h[L.R_ENQ_AT_US],
                  h[L.R_GROUP_LEN]) if ok else None
             for wi, h, ok in zip(w.tolist(), heads.tolist(), hit.tolist(), strict=True)
         ]
+
+    def _hits(self, w: np.ndarray, heads: np.ndarray) -> list[Cached | None]:
+        """The entries of records that all hold them (first words ``w``,
+        ``heads`` their head words): a slice per payload; the producer
+        decoded once when every record names the same one, the group None
+        for all when none has one; else per entry (:meth:`_read`)."""
+        n = len(w)
+        off = w << 3
+        pn = heads[:, L.R_PRODUCER_LEN]
+        pn0 = int(pn[0])
+        if not (heads[:, L.R_GROUP_LEN] == -1).all() or not (pn == pn0).all():
+            read = self._read
+            return [
+                read(wi, h[L.R_LEN], h[L.R_PRODUCER_LEN], h[L.R_PRODUCER_SEQ],
+                     h[L.R_ENQ_AT_US], h[L.R_GROUP_LEN])
+                for wi, h in zip(w.tolist(), heads.tolist(), strict=True)
+            ]
+        u8 = np.frombuffer(self.sec.cache, dtype=np.uint8)
+        names = u8[(off + _P0)[:, None] + np.arange(pn0, dtype=np.int64)]
+        if not (names == names[0]).all():
+            read = self._read
+            return [
+                read(wi, h[L.R_LEN], pn0, h[L.R_PRODUCER_SEQ], h[L.R_ENQ_AT_US], -1)
+                for wi, h in zip(w.tolist(), heads.tolist(), strict=True)
+            ]
+        cache = self.sec.cache
+        starts = off + L.RECORD_HEAD
+        payloads = [
+            bytes(cache[a:e])
+            for a, e in zip(starts.tolist(), (starts + heads[:, L.R_LEN]).tolist(), strict=True)
+        ]
+        producer = self._name(names[0].tobytes())
+        return list(zip(
+            payloads, [producer] * n, heads[:, L.R_PRODUCER_SEQ].tolist(),
+            heads[:, L.R_ENQ_AT_US].tolist(), [None] * n, strict=True,
+        ))
 
     def clear(self, slots: np.ndarray) -> None:
         """Untrust the records of ``slots`` (int64 array): their entries are

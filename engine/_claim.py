@@ -15,8 +15,10 @@ from __future__ import annotations
 import logging
 import time
 from datetime import UTC, datetime, timedelta, tzinfo
-from typing import Any
+from operator import itemgetter
+from typing import Any, cast
 
+import numpy as np
 import posix_ipc
 import psycopg
 from psycopg.pq import TransactionStatus
@@ -25,8 +27,8 @@ from . import _layout as L
 from . import _wire
 from ._cache import Cached
 from ._link import Link
-from ._message import Message, cached_message
-from ._ops import Op, OpKind, RowState
+from ._message import Message, cached_message, cached_messages
+from ._ops import Op, OpKind, RowState, Run
 from ._queue_info import QueueInfo
 from ._recovery import help_recover
 from ._ring import Ring
@@ -45,6 +47,8 @@ Due = tuple[float | None, datetime | None]  # (delay s, not_before), as _validat
 CLAIM_RECHECK_S = 1.0
 
 _TIMEZONES: dict[bytes | None, tzinfo] = {}
+
+_ENQ_US = itemgetter(3)  # a cache hit's enqueue time (us)
 
 _EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
 _ONE_US = timedelta(microseconds=1)
@@ -103,7 +107,7 @@ class Claims:
         exclusive = info.dequeue_mode == "single"
         holding = any(op.kind is OpKind.DEQUEUE for op in link.ops)
         for _attempt in range(64):
-            slots, seqs, cached = self.claim(ring, info, max_n, deadline, exclusive)
+            slots, seqs, cached, arrays = self.claim(ring, info, max_n, deadline, exclusive)
             if not slots:
                 return []
             if not holding:  # the queue's lease runs from the transaction's first entry
@@ -113,18 +117,19 @@ class Claims:
                 # All served from the payload cache: the consuming writes wait for the commit.
                 lat = (time.perf_counter_ns() - t0) // len(slots)
                 dq = OpKind.DEQUEUE
-                link.ops.extend([
-                    Op(ring, info, slot, seq, dq, lat, None, None, True, c[3])
-                    for slot, seq, c in zip(slots, seqs, cached, strict=True)
-                    if c is not None
-                ])
+                if arrays is not None:
+                    hits = cast(list[Cached], cached)  # no None in it
+                    enq_us = np.fromiter(map(_ENQ_US, hits), dtype=np.int64, count=len(hits))
+                    link.ops.append(Run(ring, info, dq, arrays[0], arrays[1], lat,
+                                        consume=True, enq_us=enq_us))
+                else:
+                    link.ops.extend([
+                        Op(ring, info, slot, seq, dq, lat, None, None, True, c[3])
+                        for slot, seq, c in zip(slots, seqs, cached, strict=True)
+                        if c is not None
+                    ])
                 link.section.count_client(link.cidx, L.C_N_DEQ, len(slots))
-                tz = conn_timezone(link.conn)
-                return [
-                    cached_message(queue, seq, c, tz)
-                    for seq, c in zip(seqs, cached, strict=True)
-                    if c is not None
-                ]
+                return cached_messages(queue, seqs, cached, conn_timezone(link.conn))
             messages = self._dequeue_rows(info, ring, slots, seqs, cached, t0, exclusive)
             if messages:
                 link.section.count_client(link.cidx, L.C_N_DEQ, len(messages))
@@ -210,7 +215,7 @@ class Claims:
             txn.commit()
             return None
         t0 = time.perf_counter_ns()
-        slots, seqs, cached_list = self.claim(ring, info, 1, None, exclusive)
+        slots, seqs, cached_list, _arrays = self.claim(ring, info, 1, None, exclusive)
         if not slots:
             txn.commit()
             return None
@@ -242,10 +247,12 @@ class Claims:
 
     def claim(
         self, ring: Ring, info: QueueInfo, max_n: int, deadline: float | None, exclusive: bool
-    ) -> tuple[list[int], list[int], list[Cached | None] | None]:
+    ) -> tuple[list[int], list[int], list[Cached | None] | None,
+               tuple[np.ndarray, np.ndarray] | None]:
         """Claim up to ``max_n`` ready slots: their slots, seqs and, in a
         queue with a payload cache, each one's record if it holds the entry
-        (read under the queue lock; None: read the row), else None.
+        (read under the queue lock; None: read the row), else None; and
+        for ``max_n`` above 1, the slots and seqs as int64 arrays too.
 
         A waiter registers with how many entries it wants, so a commit wakes
         as many as its entries make work for; woken, it looks at the bitmaps
@@ -258,6 +265,7 @@ class Claims:
         qidx = ring.qidx
         while True:
             cached: list[Cached | None] | None = None
+            arrays = None
             sec.lock_queue(qidx)
             try:
                 if waiting:
@@ -279,6 +287,7 @@ class Claims:
                     if sl.size and ring.stride:
                         cached = ring.cache.get_many(sl, sq)
                     slots, seqs = sl.tolist(), sq.tolist()
+                    arrays = (sl, sq)
                 if not slots:
                     ring.note_empty()
                     if deadline is not None and deadline > time.monotonic():
@@ -289,7 +298,7 @@ class Claims:
             finally:
                 sec.unlock_queue(qidx)
             if slots:
-                return slots, seqs, cached
+                return slots, seqs, cached, arrays
             try:
                 if recover_in_way(self.link, ring, info):
                     continue  # a dead holder's slots were decided: look again now
@@ -298,7 +307,7 @@ class Claims:
                     unwait(self.link, ring, OpKind.DEQUEUE, max_n)
                 raise
             if not waiting:
-                return [], [], None
+                return [], [], None, None
             assert deadline is not None
             if sem is None:
                 sem = sec.semaphore(info.id, "r")

@@ -23,7 +23,7 @@ from ._ops import OpKind
 from ._scan import bit_mask
 
 if TYPE_CHECKING:
-    from ._ops import Op
+    from ._ops import Op, Run
     from ._ring import Ring
 
 _U64 = (1 << 64) - 1
@@ -120,6 +120,56 @@ def finish_batch(
     if n_poisoned:
         Q[b + L.Q_N_POISONED] += n_poisoned
     return after_finish(ring, n_ready, n_space)
+
+
+def finish_run(
+    ring: Ring, run: Run, owner: int, *, exclusive: bool, enq_at_us: int | None
+) -> tuple[int, int]:
+    """:func:`finish_batch` of a committed :class:`~._ops.Run` (its slots
+    ``owner`` still holds; the others were decided by recovery), as array
+    writes with nothing per entry in Python but the payload cache's byte
+    copies: enqueued entries become ready (their records written first),
+    dequeued ones consumed. Returns (entries made ready or groups freed,
+    slots freed) for :func:`after_finish`, which the caller runs once."""
+    Q, b, s = ring.Q, ring.qb, ring.sec
+    slots = run.slots
+    held = _held_mask(ring, slots, owner)
+    whole = bool(held.all())
+    if not whole:
+        slots = slots[held]
+    n = int(slots.size)
+    if not n:
+        return 0, 0
+    ring.record_latency(run.kind, run.latency_ns, n)
+    if run.kind is OpKind.ENQUEUE:
+        payloads = run.payloads
+        if enq_at_us is not None and ring.stride and payloads is not None:
+            pseqs = run.pseq0 + np.arange(len(run.slots), dtype=np.int64)
+            seqs, groups = run.seqs, run.groups
+            if not whole:
+                keep = held.tolist()
+                seqs, pseqs = seqs[held], pseqs[held]
+                payloads = [p for p, k in zip(payloads, keep, strict=True) if k]
+                if groups is not None:
+                    groups = [g for g, k in zip(groups, keep, strict=True) if k]
+            ring.cache.put_run(slots, seqs, payloads, run.producer, pseqs, groups, enq_at_us)
+        lo, mask = bit_mask(slots)
+        at = slice(ring.w0 + lo, ring.w0 + lo + mask.size)
+        s.enq[at] |= mask
+        Q[b + L.Q_DEPTH_HINT] += n
+        Q[b + L.Q_N_ENQ_COMMIT] += n
+        s.lck[at] &= ~mask
+        s.owner[ring.base + slots] = 0
+        return n, 0
+    was_owner = Q[b + L.Q_DEQ_OWNER]
+    # a consumed entry of a group frees the group (see finish_batch)
+    freed = int(np.count_nonzero(s.group[ring.base + slots] != 0))
+    Q[b + L.Q_DEPTH_HINT] -= n
+    Q[b + L.Q_N_DEQ_COMMIT] += n
+    _unlock_dequeued(ring, slots, exclusive)
+    if run.enq_us is not None:
+        _record_wait_times(ring, run.enq_us if whole else run.enq_us[held])
+    return freed + int(exclusive and bool(was_owner) and not Q[b + L.Q_DEQ_OWNER]), n
 
 
 def finish_consumed(
@@ -306,9 +356,15 @@ def _record_waits(ring: Ring, ops: list[Op]) -> None:
     enq_at: one update per distinct enqueue time, and past a few of them one
     numpy pass (buckets as :meth:`Ring.record_wait`'s: ``frexp``'s exponent of
     a positive integer is its bit length)."""
-    now_us = time.time_ns() // 1000
     by_enq = Counter(op.enq_us for op in ops)
     by_enq.pop(0, None)  # 0: enqueue time unknown
+    _record_wait_counts(ring, by_enq)
+
+
+def _record_wait_counts(ring: Ring, by_enq: dict[int, int]) -> None:
+    """Waits from now back to each enqueue time (us) ``by_enq`` names, as
+    many as it counts, into the wait histogram (see :func:`_record_waits`)."""
+    now_us = time.time_ns() // 1000
     if len(by_enq) <= WAIT_VECTOR_FROM:
         for enq_us, n in by_enq.items():
             ring.record_wait(now_us - enq_us, n)
@@ -321,6 +377,18 @@ def _record_waits(ring: Ring, ops: list[Op]) -> None:
     for bucket in np.flatnonzero(counts).tolist():
         Q[w + bucket] += int(counts[bucket])
     Q[ring.qb + L.Q_WAIT_US] += int(np.dot(us, weight))
+
+
+def _record_wait_times(ring: Ring, enq_us: np.ndarray) -> None:
+    """:func:`_record_waits` of a run's enqueue times (int64 us; 0: unknown)."""
+    first = int(enq_us[0])
+    if (enq_us == first).all():  # the usual run: one enqueuing transaction's entries
+        by_enq = {first: len(enq_us)}
+    else:
+        times, counts = np.unique(enq_us, return_counts=True)
+        by_enq = dict(zip(times.tolist(), counts.tolist(), strict=True))
+    by_enq.pop(0, None)
+    _record_wait_counts(ring, by_enq)
 
 
 def _wake_count(ring: Ring, n_ready: int) -> int:

@@ -29,7 +29,7 @@ from . import _wire
 from ._decide import decide_lost, decide_ops, load_queue, resync_queue
 from ._errors import QueueNotFound, RingqError, SchemaMissing, one_line, redact_dsn
 from ._names import queue_table, validate_queue_name
-from ._ops import Op
+from ._ops import Item, Op, each_op
 from ._pg import from_psycopg
 from ._queries import QUERIES as _Q
 from ._queue_info import QueueInfo
@@ -75,7 +75,7 @@ class Link:
         self.appname = application_name
         self.producer = producer
         self.producer_seq = 0
-        self.ops: list[Op] = []
+        self.ops: list[Item] = []
         # whether a statement went for the ops in flight (reset when there are none)
         self.sent_any = False
         self.tpc_open = False
@@ -248,7 +248,7 @@ class Link:
     def sent(self) -> list[Op]:
         """The in-flight ops whose statements went to the server (all but
         those whose row write the session still holds)."""
-        return [op for op in self.ops if not op.held]
+        return each_op([op for op in self.ops if not op.held])
 
     # -- queues -------------------------------------------------------------------
 
@@ -408,13 +408,14 @@ class Link:
         with suppress(ValueError, IndexError, TypeError):  # a released view: the section is gone
             self.section.record_client_error(self.cidx, code, qid, seq)
 
-    def record_ops_error(self, code: int, ops: Sequence[Op]) -> None:
+    def record_ops_error(self, code: int, ops: Sequence[Item]) -> None:
         op = ops[0] if ops else None
-        self.record_error(code, op.info.id if op else 0, op.seq if op else -1)
+        seq = -1 if op is None else op.seq if isinstance(op, Op) else int(op.seqs[0])
+        self.record_error(code, op.info.id if op else 0, seq)
 
     # -- a lost connection -------------------------------------------------------------
 
-    def recover(self, ops: list[Op], *, reason: str) -> bool | None:
+    def recover(self, items: Sequence[Item], *, reason: str) -> bool | None:
         """Decide ``ops`` from the rows after the connection was lost, then go
         on with a new connection under a new token.
 
@@ -428,6 +429,7 @@ class Link:
         Returns True if the transaction committed, False if not, None if it
         could not be decided now.
         """
+        ops = each_op(items)
         old_pid, old_token, old_conn = self.backend_pid, self.owner, self.conn
         with suppress(Exception):  # already broken: closing is a courtesy
             old_conn.close()

@@ -99,3 +99,14 @@ def cached_message(queue: str, seq: int, cached: Cached, tz: tzinfo) -> Message:
     enqueue time in ``tz``, the connection's time zone, as a row read gives it."""
     payload, producer, pseq, enq_at_us, group = cached
     return _new(Message, (queue, seq, payload, producer, pseq, 1, group, None, enq_at_us, tz))
+
+
+def cached_messages(
+    queue: str, seqs: list[int], cached: list[Cached | None], tz: tzinfo
+) -> list[Message]:
+    """:func:`cached_message` of each hit of a batch (None: not a hit, left out)."""
+    return [
+        _new(Message, (queue, seq, c[0], c[1], c[2], 1, c[4], None, c[3], tz))
+        for seq, c in zip(seqs, cached, strict=True)
+        if c is not None
+    ]

@@ -7,10 +7,13 @@ stored ones and never change.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from enum import IntEnum, StrEnum
 from typing import TYPE_CHECKING, NamedTuple
+
+import numpy as np
 
 # the reason recorded with an entry moved to ringq.exceptions
 POISON_REASON = "max deliveries reached"
@@ -110,3 +113,85 @@ class Op:
         if self.kind == OpKind.ENQUEUE:
             return state in (RowState.QUEUED, RowState.CONSUMED)
         return state == RowState.CONSUMED
+
+
+@dataclass(slots=True, eq=False)
+class Run:
+    """A batch's slots of one kind in one queue, in flight together: what an
+    ``enqueue_many`` (entries due at once) or a ``dequeue_many`` served
+    wholly from the payload cache holds, as arrays instead of an :class:`Op`
+    per entry. A commit that succeeds sends its row write and finishes it
+    as arrays; everything else (a rollback, a failed or lost commit,
+    two-phase commit, recovery, a trace) works on its :meth:`ops`.
+
+    ``slots`` and ``seqs`` are int64 arrays; ``latency_ns`` the batch's call
+    latency per entry. An enqueue run has its ``payloads``, ``producer``, the
+    first entry's producer sequence ``pseq0`` (the i-th has ``pseq0 + i``)
+    and ``groups`` (None: no groups); ``sent`` once its row write has gone
+    (the payloads are then kept for the payload cache until the commit is
+    finished). A dequeue run has its entries' enqueue times ``enq_us`` (us
+    since the epoch) and ``consume`` while the session still holds its
+    consuming row write.
+    """
+
+    ring: Ring
+    info: QueueInfo
+    kind: OpKind
+    slots: np.ndarray
+    seqs: np.ndarray
+    latency_ns: int
+    payloads: list[bytes] | None = None
+    producer: str = ""
+    pseq0: int = 0
+    groups: list[str | None] | None = None
+    sent: bool = False
+    consume: bool = False
+    enq_us: np.ndarray | None = None
+
+    @property
+    def held(self) -> bool:
+        """Whether the session still holds this run's row write (not sent yet)."""
+        return (self.kind is OpKind.ENQUEUE and not self.sent) or self.consume
+
+    def __len__(self) -> int:
+        return len(self.slots)
+
+    def ops(self) -> list[Op]:
+        """The run as one :class:`Op` per entry, in the same state."""
+        ring, info, kind, lat = self.ring, self.info, self.kind, self.latency_ns
+        slots, seqs = self.slots.tolist(), self.seqs.tolist()
+        if kind is OpKind.ENQUEUE:
+            assert self.payloads is not None
+            groups = self.groups or [None] * len(slots)
+            out = []
+            for i, (slot, seq, payload, group) in enumerate(
+                zip(slots, seqs, self.payloads, groups, strict=True)
+            ):
+                w = RowWrite(payload, self.pseq0 + i, self.producer, group)
+                out.append(Op(ring, info, slot, seq, kind, lat,
+                              None if self.sent else w, w if self.sent else None))
+            return out
+        enq = [0] * len(slots) if self.enq_us is None else self.enq_us.tolist()
+        return [
+            Op(ring, info, slot, seq, kind, lat, None, None, self.consume, e)
+            for slot, seq, e in zip(slots, seqs, enq, strict=True)
+        ]
+
+
+Item = Op | Run  # what a session holds in flight
+
+
+def each_op(items: Sequence[Item]) -> list[Op]:
+    """``items`` with every :class:`Run` as its ops (the per-entry paths)."""
+    out: list[Op] = []
+    for i in items:
+        if isinstance(i, Op):
+            out.append(i)
+        else:
+            out.extend(i.ops())
+    return out
+
+
+def entries(items: Sequence[Item]) -> int:
+    """How many entries ``items`` hold."""
+    return sum(1 if isinstance(i, Op) else len(i) for i in items)

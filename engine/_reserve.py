@@ -11,6 +11,7 @@ import time
 from collections.abc import Sequence
 from datetime import datetime
 
+import numpy as np
 import posix_ipc
 from psycopg.pq import TransactionStatus
 
@@ -18,7 +19,7 @@ from . import _layout as L
 from ._claim import Due, recover_in_way, unwait
 from ._errors import PayloadTooLarge, QueueFull, SectionError, TransactionError
 from ._link import Link
-from ._ops import DueWrite, Op, OpKind, RowWrite, Write
+from ._ops import DueWrite, Op, OpKind, RowWrite, Run, Write
 from ._queries import QUERIES as _Q
 from ._queue_info import QueueInfo
 from ._ring import group_tag
@@ -198,57 +199,61 @@ class Reservations:
         self, info: QueueInfo, items: list[bytes], groups: list[str | None] | None,
         tags: list[int] | None, timeout: float | None, t0: int, due: Due | None = None,
     ) -> list[int]:
-        """Reserve a slot for each of ``items`` and hold their row writes."""
+        """Reserve a slot for each of ``items`` and hold their row writes:
+        one :class:`~._ops.Run` (entries due later: an op each)."""
         link = self.link
         ring = link.ring(info)
-        reserved: list[tuple[int, int]] = []
+        chunks: list[tuple[int, int]] = []  # (first seq, how many): contiguous reservations
+        done = 0
         try:
-            while len(reserved) < len(items):
-                reserved.extend(
-                    self._reserve_many(
-                        info, len(items) - len(reserved), timeout,
-                        None if tags is None else tags[len(reserved):],
-                    )
+            while done < len(items):
+                first, k = self._reserve_many(
+                    info, len(items) - done, timeout, None if tags is None else tags[done:],
                 )
+                chunks.append((first, k))
+                done += k
         except BaseException:
-            for slot, seq in reserved:
-                self._void(Op(ring, info, slot, seq, OpKind.ENQUEUE))
+            for first, k in chunks:
+                for seq in range(first, first + k):
+                    self._void(Op(ring, info, seq % ring.cap, seq, OpKind.ENQUEUE))
             raise
         pseq = link.producer_seq
         link.producer_seq += len(items)
         lat = (time.perf_counter_ns() - t0) // len(items)
-        ops = [
-            Op(
-                ring,
-                info,
-                slot,
-                seq,
-                OpKind.ENQUEUE,
-                latency_ns=lat,
-                write=RowWrite(
-                    payload, pseq + i, link.producer, None if groups is None else groups[i - 1]
-                ),
+        if len(chunks) == 1:
+            first, k = chunks[0]
+            seqs = np.arange(first, first + k, dtype=np.int64)
+        else:
+            seqs = np.concatenate(
+                [np.arange(first, first + k, dtype=np.int64) for first, k in chunks]
             )
-            for i, ((slot, seq), payload) in enumerate(zip(reserved, items, strict=True), start=1)
-        ]
-        if due is not None:
-            for op in ops:
-                w = op.write
-                assert w is not None
-                op.write = DueWrite(w.payload, w.producer_seq, w.producer, w.group, *due)
-        link.ops.extend(ops)
-        link.section.count_client(link.cidx, L.C_N_ENQ, len(ops))
-        return [op.seq for op in ops]
+        link.section.count_client(link.cidx, L.C_N_ENQ, len(items))
+        if due is None:
+            link.ops.append(Run(
+                ring, info, OpKind.ENQUEUE, seqs % ring.cap, seqs, lat, list(items),
+                link.producer, pseq + 1, groups,
+            ))
+            return seqs.tolist()
+        seq_list = seqs.tolist()
+        link.ops.extend([
+            Op(ring, info, seq % ring.cap, seq, OpKind.ENQUEUE, latency_ns=lat,
+               write=DueWrite(payload, pseq + i, link.producer,
+                              None if groups is None else groups[i - 1], *due))
+            for i, (seq, payload) in enumerate(zip(seq_list, items, strict=True), start=1)
+        ])
+        return seq_list
 
     def _reserve(self, info: QueueInfo, timeout: float | None, tag: int) -> tuple[int, int]:
-        got = self._reserve_many(info, 1, timeout, (tag,) if tag else None)
-        return got[0]
+        first, _k = self._reserve_many(info, 1, timeout, (tag,) if tag else None)
+        return first % self.link.ring(info).cap, first
 
     def _reserve_many(
         self, info: QueueInfo, n: int, timeout: float | None, tags: Sequence[int] | None = None
-    ) -> list[tuple[int, int]]:
+    ) -> tuple[int, int]:
         """Reserve up to ``n`` slots (at least one, waiting for room as the
-        queue's policy says), the i-th for group tag ``tags[i]`` (None: no groups)."""
+        queue's policy says), the i-th for group tag ``tags[i]`` (None: no
+        groups). Returns (first seq, how many): the slots are the seqs
+        modulo the capacity."""
         link = self.link
         ring = link.ring(info)
         sec = link.section
@@ -258,7 +263,6 @@ class Reservations:
         deadline = time.monotonic() + wait
         waiting = False
         while True:
-            got: list[tuple[int, int]] = []
             sec.lock_queue(ring.qidx)
             try:
                 if waiting:
@@ -267,10 +271,8 @@ class Reservations:
                 first, k = ring.reserve_many(
                     link.owner, link.backend_pid, n, tags[:n] if tags else None
                 )
-                cap = ring.cap
-                got = [((first + i) % cap, first + i) for i in range(k)]
                 self_blocked = False
-                if not got:
+                if not k:
                     ring.note_full()
                     # The ring frees slots only in order: if the oldest busy
                     # slot is our own uncommitted reservation, waiting can
@@ -283,8 +285,8 @@ class Reservations:
                         waiting = True
             finally:
                 sec.unlock_queue(ring.qidx)
-            if got:
-                return got
+            if k:
+                return first, k
             try:
                 if not self_blocked and recover_in_way(self.link, ring, info):
                     continue  # a dead holder's slots were decided: try again now

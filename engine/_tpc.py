@@ -21,6 +21,7 @@ from psycopg.pq import TransactionStatus
 
 from . import _layout as L
 from ._errors import InDoubt, RingqError, TransactionError, one_line
+from ._ops import each_op
 from ._queries import QUERIES as _Q
 
 if TYPE_CHECKING:
@@ -96,15 +97,17 @@ class TwoPhase:
         then PREPARE (the held row writes were flushed already)."""
         link = self.link
         gid = self._gid()
-        if link.ops:
+        ops = each_op(link.ops)
+        link.ops = [*ops]  # per entry from here: the slow paths of two-phase commit
+        if ops:
             link.execute(
                 _Q["tpc_log"],
                 {
                     "gid": gid,
-                    "queue_ids": [op.info.id for op in link.ops],
-                    "slots": [op.slot for op in link.ops],
-                    "seqs": [op.seq for op in link.ops],
-                    "kinds": [op.kind.value for op in link.ops],
+                    "queue_ids": [op.info.id for op in ops],
+                    "slots": [op.slot for op in ops],
+                    "seqs": [op.seq for op in ops],
+                    "kinds": [op.kind.value for op in ops],
                 },
                 conn=self._aux_conn(),
             )
@@ -155,7 +158,7 @@ class TwoPhase:
         slots stay locked with no live owner (as an in-doubt one's do), and
         ``resolve_prepared`` commits it from the recorded decision."""
         link = self.link
-        ops, link.ops = link.ops, []
+        ops, link.ops = each_op(link.ops), []
         gid = self._gid()
         self._reset()
         self.txn.hold(ops)
@@ -178,7 +181,7 @@ class TwoPhase:
         prepared: the session flushed the row writes first); then tell the
         section. :raises InDoubt: the answer to a prepared one was lost."""
         link = self.link
-        ops, link.ops = link.ops, []
+        ops, link.ops = each_op(link.ops), []
         gid = self._gid()
         try:
             link.call(link.conn.tpc_commit if commit else link.conn.tpc_rollback, recover=False)

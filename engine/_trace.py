@@ -41,7 +41,7 @@ import weakref
 from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Any, TextIO
 
-from ._ops import Op, OpKind
+from ._ops import Item, Op, OpKind, each_op
 
 if TYPE_CHECKING:
     from ._link import Link
@@ -195,13 +195,13 @@ class _Line:
     __slots__ = ("after", "before", "held", "n0", "name", "queue")
 
     def __init__(
-        self, name: str, queue: str | None, before: list[Op], n0: int, held: list[Op],
-        after: list[Op],
+        self, name: str, queue: str | None, before: list[Item], n0: int, held: list[Item],
+        after: list[Item],
     ) -> None:
         self.name, self.queue, self.before, self.n0 = name, queue, before, n0
         self.held, self.after = held, after
 
-    def taken(self) -> list[Op]:
+    def taken(self) -> list[Item]:
         """The ops the call added to the link's (appended, or on a new list)."""
         if self.after is self.before:
             return self.after[self.n0:]
@@ -219,11 +219,12 @@ class _Line:
 
 
 def ops_text(
-    ops: Sequence[Op], queue: str | None, *, cache: bool = False, kinds: bool = False
+    items: Sequence[Item], queue: str | None, *, cache: bool = False, kinds: bool = False
 ) -> str:
     """``queue=Q n=N slots=.. seqs=..`` per queue (in order of first use),
     with ``cache=hits/N`` (a dequeue: served from the payload cache) or
     ``enq=E deq=D``; ``queue=Q n=0`` (or ``n=0``) if there are none."""
+    ops = each_op(items)
     if not ops:
         return f"queue={queue} n=0" if queue else "n=0"
     by_queue: dict[str, list[Op]] = {}

@@ -15,7 +15,7 @@ calls down only: the link, the wire, the rings.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Sequence
 from contextlib import suppress
 from typing import Any, TypeVar
 
@@ -26,15 +26,16 @@ from . import _layout as L
 from . import _wire
 from ._decide import in_flight
 from ._errors import InDoubt, RingqError, StaleSection, TransactionError, one_line
-from ._finish import finish_one
+from ._finish import after_finish, finish_one, finish_run
 from ._link import Link
-from ._ops import POISON_REASON, DueWrite, Op, OpKind, RowState, Write
+from ._ops import POISON_REASON, DueWrite, Item, Op, OpKind, RowState, Run, Write, each_op
 from ._pg import stale_section
 from ._queue_info import QueueInfo
 
 logger = logging.getLogger("ringq.engine")
 
 K = TypeVar("K", bound=Hashable)
+T = TypeVar("T")
 
 _INERROR = TransactionStatus.INERROR
 _IDLE = TransactionStatus.IDLE
@@ -93,16 +94,17 @@ class Transaction:
         self.finish(ops, committed=True)
         return cur
 
-    def _commit_failed(self, err: RingqError, ops: list[Op], then: Op | None) -> None:
-        """The commit of ``ops`` (and ``then``) raised ``err``: decide what
+    def _commit_failed(self, err: RingqError, items: list[Item], then: Op | None) -> None:
+        """The commit of ``items`` (and ``then``) raised ``err``: decide what
         that means, tell the section, and raise (or return None when the
         COMMIT stood after all)."""
         link = self.link
         exc = err.__cause__
         # A stale write's rollback ran already (then its resync failed):
         # nothing committed, whatever the error says.
-        rolled_back = link.ops is not ops
+        rolled_back = link.ops is not items
         link.ops = []
+        ops = each_op(items)
         lost = link.conn.broken or link.conn.closed or (_answer_lost(exc) and not rolled_back)
         if then is not None and not lost and link.conn.pgconn.transaction_status == _INERROR:
             # The COMMIT went through; the statement after it failed.
@@ -150,7 +152,7 @@ class Transaction:
             link.record_ops_error(L.ERR_COMMIT_FAILED, ops)
         raise err
 
-    def _after_stale(self, err: StaleSection, writes: list[Op]) -> None:
+    def _after_stale(self, err: StaleSection, writes: Sequence[Item]) -> None:
         """A row write of a commit did not match: roll back (no strikes: not
         the entries' fault) and resync the queue's block from the rows."""
         info = self.stale_queue(err, writes)
@@ -165,26 +167,25 @@ class Transaction:
             info.name,
         )
 
-    def stale_queue(self, err: StaleSection, writes: list[Op]) -> QueueInfo:
+    def stale_queue(self, err: StaleSection, writes: Sequence[Item]) -> QueueInfo:
         """The queue whose row write did not match (recorded as our error)."""
         group = [op for op in writes if op.info.name == err.queue] or writes
-        info = group[0].info
-        self.link.record_error(L.ERR_ROW_MISMATCH, info.id, group[0].seq)
-        return info
+        self.link.record_ops_error(L.ERR_ROW_MISMATCH, group)
+        return group[0].info
 
     # -- the row writes -------------------------------------------------------------
 
-    def held_writes(self) -> list[Op]:
+    def held_writes(self) -> list[Item]:
         """The ops whose row write the session still holds."""
         return [op for op in self.link.ops if op.held]
 
-    def send_writes(self, writes: list[Op], *, commit: bool) -> None:
+    def send_writes(self, writes: Sequence[Item], *, commit: bool) -> None:
         """Send the row writes the session holds for ``writes`` in one round
         trip: after a BEGIN if no transaction is open, one statement per
         queue and kind, then the COMMIT if ``commit``. The enqueues' payloads
-        stay with their ops (``fill``) for the payload cache, with the rows'
-        enqueue time (:attr:`enq_at_us`); delayed enqueues get their rows'
-        due times (``Op.due_us``).
+        stay with their ops (``fill``; a run's ``sent``) for the payload
+        cache, with the rows' enqueue time (:attr:`enq_at_us`); delayed
+        enqueues get their rows' due times (``Op.due_us``).
 
         Every write is guarded: a row that does not match makes its statement
         fail (SQLSTATE RQ001), so nothing after it runs; :class:`StaleSection`
@@ -194,28 +195,30 @@ class Transaction:
         statements: list[_wire.Statement] = []
         # (index of the statement in statements, its ops) of each enqueue statement
         enqueues: list[tuple[int, list[Op]]] = []
+        single = writes[0] if len(writes) == 1 and isinstance(writes[0], Op) else None
         # One row write that is the whole transaction (a commit on an idle
         # connection) goes without the server-side guard: checked here.
         alone = (
-            len(writes) == 1 and commit and not link.tpc_open
+            single is not None and commit and not link.tpc_open
             and link.conn.pgconn.transaction_status == _IDLE and not link.conn.autocommit
         )
-        if len(writes) == 1:  # a single entry: no grouping
-            op = writes[0]
-            if op.write is not None:
-                enqueues.append((0, writes))
-                statements.append(self._write_statement(op.info.name, writes, alone=alone))
+        if single is not None:  # a single entry: no grouping
+            if single.write is not None:
+                enqueues.append((0, [single]))
+                statements.append(self._write_statement(single.info.name, [single], alone=alone))
             else:
-                statements.append(self._consume_statement(op.info.name, writes, alone=alone))
-            by_queue: dict[str, list[Op]] = {}
+                statements.append(self._consume_statement(single.info.name, [single], alone=alone))
+            by_queue: dict[str, list[Item]] = {}
         else:
             by_queue = _by_key(writes, lambda op: op.info.name)
         for name, group in by_queue.items():
-            enq = [op for op in group if op.write is not None]
+            # held items: an enqueue's is its row write, a dequeue's its consuming write
+            enq = [op for op in group if op.kind is OpKind.ENQUEUE]
             if enq:
-                enqueues.append((len(statements), enq))
-                statements.append(self._write_statement(name, enq))
-            consume = [op for op in group if op.consume]
+                statement, due_ops = self._enqueue_statement(name, enq)
+                enqueues.append((len(statements), due_ops))
+                statements.append(statement)
+            consume = [op for op in group if op.kind is not OpKind.ENQUEUE]
             if consume:
                 statements.append(self._consume_statement(name, consume))
         link.sent_any = True
@@ -226,32 +229,58 @@ class Transaction:
         )
         if alone and not enqueues and cursors[0].fetchone() is None:
             raise stale_section(writes[0].info.name)  # wrote nothing: RQ001's case
-        for i, (at, enq) in enumerate(enqueues):
+        for i, (at, due_ops) in enumerate(enqueues):
             row = cursors[at].fetchone()
             if alone and row is None:
-                raise stale_section(enq[0].info.name)
+                raise stale_section(writes[0].info.name)
             if i == 0:
                 self.enq_at_us = None if row is None else int(row[1])
             if row is not None and len(row) > 2:  # enqueue_due: the rows' due times
                 _n, _enq_at, slots, dues, clock_us = row
                 link.section.note_db_clock(clock_us)
                 due_by = dict(zip(slots or (), dues or (), strict=True))
-                for op in enq:
+                for op in due_ops:
                     op.due_us = due_by.get(op.slot, 0)
-        for op in writes:
-            op.fill, op.write, op.consume = op.write, None, False
+        for item in writes:
+            if isinstance(item, Op):
+                item.fill, item.write, item.consume = item.write, None, False
+            else:
+                item.sent, item.consume = True, False
 
     def _consume_statement(
-        self, queue: str, ops: list[Op], *, alone: bool = False
+        self, queue: str, items: Sequence[Item], *, alone: bool = False
     ) -> _wire.Statement:
-        """The guarded consuming write of ``ops`` (cached dequeues of one
+        """The guarded consuming write of ``items`` (cached dequeues of one
         queue); ``alone``: the whole transaction (see ``send_writes``)."""
-        if len(ops) == 1:
+        first = items[0]
+        if len(items) == 1 and isinstance(first, Op):
             name = "consume_alone" if alone else "consume"
-            return self.link.stmt(name, queue), (ops[0].slot, ops[0].seq)
+            return self.link.stmt(name, queue), (first.slot, first.seq)
+        slots, seqs = _slots_seqs(items)
         return self.link.stmt("consume_many", queue), (
-            _wire.int_array(op.slot for op in ops), _wire.int_array(op.seq for op in ops), len(ops),
+            _wire.int_array(slots), _wire.int_array(seqs), len(slots),
         )
+
+    def _enqueue_statement(
+        self, queue: str, items: list[Item]
+    ) -> tuple[_wire.Statement, list[Op]]:
+        """The guarded row write of the enqueues ``items`` of one queue, and
+        the ops whose due times its answer gives (those of ``enqueue_due``)."""
+        if len(items) == 1 and isinstance(items[0], Run):
+            run = items[0]
+            assert run.payloads is not None
+            n = len(run.slots)
+            return (self.link.stmt("enqueue_many", queue), (
+                _wire.int_array(run.slots.tolist()),
+                _wire.int_array(run.seqs.tolist()),
+                run.payloads,
+                _wire.text_array([run.producer] * n),
+                _wire.int_array(range(run.pseq0, run.pseq0 + n)),
+                _wire.text_array(run.groups or [None] * n),
+                n,
+            )), []
+        ops = each_op(items)
+        return self._write_statement(queue, ops), ops
 
     def _write_statement(
         self, queue: str, ops: list[Op], *, alone: bool = False
@@ -299,7 +328,7 @@ class Transaction:
     def rollback(self, *, count_delivery: bool = True, retry_after: float | None = None) -> None:
         """Roll back in one round trip at most (see ``Session.rollback``)."""
         link = self.link
-        ops, link.ops = link.ops, []
+        ops, link.ops = each_op(link.ops), []
         deq = [op for op in ops if op.kind == OpKind.DEQUEUE] if count_delivery else []
         poisoned: set[tuple[int, int]] = set()
         try:
@@ -316,42 +345,61 @@ class Transaction:
 
     def finish(
         self,
-        ops: list[Op],
+        items: Sequence[Item],
         *,
         committed: bool,
         count_delivery: bool = True,
         poisoned: set[tuple[int, int]] | None = None,
     ) -> None:
-        """Tell the section the outcome of ``ops`` (the database already decided).
+        """Tell the section the outcome of ``items`` (the database already decided).
 
         Not committed, rolled-back dequeues count a delivery (unless
         ``count_delivery`` is false), unless ``poisoned`` is given: the
         strikes were written already, and these (slot, seq) were poisoned.
+        A committed run is finished as arrays; anything else per op.
         """
-        if not ops:
+        if not items:
             return
         link = self.link
         sec = link.section
         sec.clear_hold(link.cidx)
+        ops: Sequence[Item] = items
+        if not committed or poisoned is not None:
+            ops = each_op(items)
         if poisoned is None:
             poisoned = set()
             if not committed and count_delivery:
-                poisoned = self._strike([op for op in ops if op.kind == OpKind.DEQUEUE])
+                poisoned = self._strike([op for op in each_op(ops) if op.kind == OpKind.DEQUEUE])
         enq_at_us, self.enq_at_us = self.enq_at_us, None
-        if len(ops) == 1:  # a single entry: one fused finish, no grouping
-            self._finish_one(ops[0], committed, poisoned, enq_at_us)
+        first = ops[0]
+        if len(ops) == 1 and isinstance(first, Op):  # a single entry: one fused finish
+            self._finish_one(first, committed, poisoned, enq_at_us)
             return
         by_ring = _by_key(ops, lambda op: op.ring.qidx)
         posts: list[tuple[int, str, int]] = []
         for qidx, group in by_ring.items():
             ring = group[0].ring
             exclusive = group[0].info.dequeue_mode == "single"
+            plain = [op for op in group if isinstance(op, Op)]
+            runs = [r for r in group if isinstance(r, Run)]
+            wake_r = wake_s = 0
             sec.lock_queue(qidx)
             try:
-                wake_r, wake_s = ring.finish_batch(
-                    group, link.owner, committed=committed, poisoned=poisoned,
-                    exclusive=exclusive, enq_at_us=enq_at_us,
-                )
+                if plain:
+                    wake_r, wake_s = ring.finish_batch(
+                        plain, link.owner, committed=committed, poisoned=poisoned,
+                        exclusive=exclusive, enq_at_us=enq_at_us,
+                    )
+                if runs:  # committed (a run is finished as arrays only then)
+                    n_ready = n_space = 0
+                    for run in runs:
+                        r, sp = finish_run(ring, run, link.owner, exclusive=exclusive,
+                                           enq_at_us=enq_at_us)
+                        n_ready += r
+                        n_space += sp
+                    r, sp = after_finish(ring, n_ready, n_space)
+                    wake_r += r
+                    wake_s += sp
             finally:
                 sec.unlock_queue(qidx)
             if wake_r:
@@ -384,10 +432,10 @@ class Transaction:
         if wake_s:
             sec.post(ring.qid, "s", wake_s)
 
-    def hold(self, ops: list[Op]) -> None:
+    def hold(self, items: Sequence[Item]) -> None:
         """Keep slots locked with no live owner (in doubt) for recovery to decide."""
         sec = self.link.section
-        for op in ops:
+        for op in each_op(items):
             sec.lock_queue(op.ring.qidx)
             try:
                 op.ring.hold(op.slot)
@@ -481,16 +529,30 @@ class Transaction:
         return poisoned
 
 
-def _by_key(ops: list[Op], key: Callable[[Op], K]) -> dict[K, list[Op]]:
+def _by_key(ops: Sequence[T], key: Callable[[T], K]) -> dict[K, list[T]]:
     """``ops`` grouped by ``key``, in order; a transaction's ops usually
-    share one queue: then one comparison per op and no list is built."""
+    share one queue: then one comparison per op."""
     first = key(ops[0])
     if all(key(op) == first for op in ops):
-        return {first: ops}
-    groups: dict[K, list[Op]] = {}
+        return {first: list(ops)}
+    groups: dict[K, list[T]] = {}
     for op in ops:
         groups.setdefault(key(op), []).append(op)
     return groups
+
+
+def _slots_seqs(items: Sequence[Item]) -> tuple[list[int], list[int]]:
+    """The slots and seqs of ``items`` (ops and runs), in order."""
+    slots: list[int] = []
+    seqs: list[int] = []
+    for i in items:
+        if isinstance(i, Op):
+            slots.append(i.slot)
+            seqs.append(i.seq)
+        else:
+            slots.extend(i.slots.tolist())
+            seqs.extend(i.seqs.tolist())
+    return slots, seqs
 
 
 def _delay(w: Write) -> str | None:

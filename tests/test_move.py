@@ -557,16 +557,17 @@ def _mover_dies_publishing(src: str, sq: str, dst: str, dq: str, paused_fd: int)
 
     def finish(
         self: Transaction,
-        ops: list[Any],
+        items: Sequence[Any],
         *,
         committed: bool,
         count_delivery: bool = True,
         poisoned: set[tuple[int, int]] | None = None,
     ) -> None:
-        if committed and self.link.dsn == dst and ops:
+        if committed and self.link.dsn == dst and items:
             os.write(paused_fd, os.getpid().to_bytes(8, "little"))
             threading.Event().wait(600)  # killed here
-        publish(self, ops, committed=committed, count_delivery=count_delivery, poisoned=poisoned)
+        publish(self, items, committed=committed, count_delivery=count_delivery,
+                poisoned=poisoned)
 
     Transaction.finish = finish  # type: ignore[method-assign]
     Mover(src, sq, dst, dq, config=MoveConfig(batch=5, wait=0.05)).move_batch()
