@@ -17,6 +17,7 @@ from conftest import (
     activity_of,
     decided_gids,
     drain,
+    enqueue_committed,
     make_stale,
     prepared_gids,
     present,
@@ -1188,3 +1189,63 @@ def test_bad_arguments_raise_ringq_errors_before_anything_is_done(
         s.commit()
         assert present(s.dequeue(q)).payload == b"ok"
         s.commit()
+
+
+# -- a batch held as one run ----------------------------------------------------------------------
+
+
+def test_batches_and_single_entries_of_two_queues_commit_together_in_order(
+    dsn: str, make_queue: Callable[..., str]
+) -> None:
+    """enqueue_many (held as one run) beside single enqueues on two queues, a
+    flush in the middle: one commit makes them all, each queue in order,
+    with their producer sequences; a rollback of the same shape makes none."""
+    q1, q2 = make_queue(capacity=256), make_queue(capacity=256)
+    with connect(dsn, producer="mixed") as s:
+        first = s.enqueue_many(q1, [b"a%d" % i for i in range(20)])
+        s.enqueue(q2, b"single")
+        s.flush()
+        s.enqueue_many(q2, [b"b%d" % i for i in range(12)])
+        s.enqueue(q1, b"last")
+        s.rollback()
+        assert drain(dsn, q1) == [] and drain(dsn, q2) == []
+        first = s.enqueue_many(q1, [b"a%d" % i for i in range(20)])
+        s.enqueue(q2, b"single")
+        s.flush()
+        s.enqueue_many(q2, [b"b%d" % i for i in range(12)])
+        s.enqueue(q1, b"last")
+        s.commit()
+    got1, got2 = drain(dsn, q1, batch=50), drain(dsn, q2, batch=50)
+    assert [m.payload for m in got1] == [b"a%d" % i for i in range(20)] + [b"last"]
+    assert [m.payload for m in got2] == [b"single"] + [b"b%d" % i for i in range(12)]
+    assert [m.seq for m in got1[:20]] == first
+    pseqs = [m.producer_seq for m in sorted(got1 + got2, key=lambda m: m.producer_seq)]
+    assert pseqs == list(range(pseqs[0], pseqs[0] + 34))
+    assert {m.producer for m in got1 + got2} == {"mixed"}
+
+
+def test_a_cached_batch_rolled_back_is_redelivered_and_one_committed_is_gone(
+    dsn: str, make_queue: Callable[..., str]
+) -> None:
+    """A dequeue_many served from the payload cache (one run): rolled back,
+    every entry comes back with its delivery counted (read from the rows);
+    a cached batch committed leaves nothing, and the counters say so."""
+    q = make_queue(capacity=256)
+    enqueue_committed(dsn, q, *[b"p%d" % i for i in range(40)])
+    with connect(dsn) as s:
+        taken = s.dequeue_many(q, 20)
+        assert len(taken) == 20 and all(m.deliveries == 1 for m in taken)
+        s.rollback()
+        assert s.stats(q)["deq_rollbacks"] == 20
+        again = s.dequeue_many(q, 20)
+        assert [m.seq for m in again] == [m.seq for m in taken]
+        assert all(m.deliveries == 2 for m in again)
+        s.commit()
+        rest = s.dequeue_many(q, 40)
+        assert [m.payload for m in rest] == [b"p%d" % i for i in range(20, 40)]
+        assert all(m.deliveries == 1 for m in rest)
+        s.commit()
+        assert s.dequeue_many(q, 40) == []
+        stats = s.stats(q)
+        assert stats["depth"] == 0 and stats["deq_commits"] == 40, stats
+    assert drain(dsn, q) == []
