@@ -287,20 +287,15 @@ class PayloadCache:
                      h[L.R_ENQ_AT_US], h[L.R_GROUP_LEN])
                 for wi, h in zip(w.tolist(), heads.tolist(), strict=True)
             ]
-        u8 = np.frombuffer(self.sec.cache, dtype=np.uint8)
-        names = u8[(off + _P0)[:, None] + np.arange(pn0, dtype=np.int64)]
+        names = self.sec.cache_u8[(off + _P0)[:, None] + np.arange(pn0, dtype=np.int64)]
         if not (names == names[0]).all():
             read = self._read
             return [
                 read(wi, h[L.R_LEN], pn0, h[L.R_PRODUCER_SEQ], h[L.R_ENQ_AT_US], -1)
                 for wi, h in zip(w.tolist(), heads.tolist(), strict=True)
             ]
-        cache = self.sec.cache
         starts = off + L.RECORD_HEAD
-        payloads = [
-            bytes(cache[a:e])
-            for a, e in zip(starts.tolist(), (starts + heads[:, L.R_LEN]).tolist(), strict=True)
-        ]
+        payloads = self.sec.cache_bytes(starts.tolist(), (starts + heads[:, L.R_LEN]).tolist())
         producer = self._name(names[0].tobytes())
         return list(zip(
             payloads, [producer] * n, heads[:, L.R_PRODUCER_SEQ].tolist(),

@@ -104,6 +104,9 @@ class Section(ClientTable):
         self.cache_q = np.frombuffer(
             mm, dtype=np.int64, count=L.CACHE_POOL // 8, offset=L.OFF_CACHE
         )
+        # and as bytes: a copy of pool bytes a..b is cache_bytes(slice(a, b)) (an
+        # mmap slice: half a memoryview's cost, which makes a view first)
+        self.cache_u8 = np.frombuffer(mm, dtype=np.uint8, count=L.CACHE_POOL, offset=L.OFF_CACHE)
         # section, queues, recovery
         self._tlocks = [threading.Lock() for _ in range(L.MAX_QUEUES + 2)]
         self._sems: dict[tuple[int, str], posix_ipc.Semaphore] = {}
@@ -192,12 +195,20 @@ class Section(ClientTable):
                      self.cache_w, self.cache):
             view.release()
         del self.enq, self.deq, self.lck, self.owner, self.holder, self.group, self.due
-        del self.cache_q
+        del self.cache_q, self.cache_u8
         self._buf.release()
         mm, self._mm = self._mm, None
         with suppress(BufferError):  # a numpy view still referenced elsewhere: it dies with it
             mm.close()
         self._shm.close_fd()
+
+    def cache_bytes(self, starts: list[int], ends: list[int]) -> list[bytes]:
+        """Copies of the payload cache pool's bytes ``starts[i]..ends[i]``."""
+        mm = self._mm
+        if mm is None:
+            raise ValueError("the section is closed")
+        at = L.OFF_CACHE
+        return [mm[a + at : e + at] for a, e in zip(starts, ends, strict=True)]
 
     @property
     def closed(self) -> bool:
