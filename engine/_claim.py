@@ -97,6 +97,43 @@ class Claims:
         deadline = None if wait is None else time.monotonic() + wait
         return self.dequeue_many(info, max_n, deadline, t0)
 
+    def dequeue_one(self, queue: str, wait: float | None) -> Message | None:
+        """``Session.dequeue``: the lean path when it needs no waiting and the
+        oldest ready entry is in the payload cache (one lock round, one op,
+        one message); anything else goes the way of :meth:`dequeue_many`."""
+        check_wait("wait", wait)
+        t0 = time.perf_counter_ns()
+        link = self.link
+        info = link.info(queue)
+        if wait is None:
+            ring = link.ring(info)
+            if ring.stride:
+                sec = link.section
+                exclusive = info.dequeue_mode == "single"
+                sec.lock_queue(ring.qidx)
+                try:
+                    r = ring.take_one(link.owner, link.backend_pid, exclusive=exclusive)
+                finally:
+                    sec.unlock_queue(ring.qidx)
+                if r is not None:
+                    slot, seq, cached = r
+                    if not any(op.kind is OpKind.DEQUEUE for op in link.ops):
+                        sec.note_hold(link.cidx)  # the lease runs from the first entry
+                    if cached is not None:
+                        link.ops.append(Op(ring, info, slot, seq, OpKind.DEQUEUE,
+                                           time.perf_counter_ns() - t0, None, None, True,
+                                           cached[3]))
+                        sec.count_client(link.cidx, L.C_N_DEQ, 1)
+                        return cached_message(queue, seq, cached, conn_timezone(link.conn))
+                    # read from its row (repaired if it does not match: then on as below)
+                    got = self._dequeue_rows(info, ring, [slot], [seq], None, t0, exclusive)
+                    if got:
+                        sec.count_client(link.cidx, L.C_N_DEQ, 1)
+                        return got[0]
+        deadline = None if wait is None else time.monotonic() + wait
+        got = self.dequeue_many(info, 1, deadline, t0)
+        return got[0] if got else None
+
     def dequeue_many(
         self, info: QueueInfo, max_n: int, deadline: float | None, t0: int
     ) -> list[Message]:

@@ -67,6 +67,15 @@ class Reservations:
         """``Session.enqueue``'s arguments checked (before any I/O), then
         :meth:`enqueue` (or :meth:`enqueue_key` with a ``key``) after the
         checks of the payload's size and of the transaction."""
+        if (type(payload) is bytes and key is None and group is None and timeout is None
+                and delay is None and not_before is None):
+            # the usual call: nothing to check but the payload's size
+            t0 = time.perf_counter_ns()
+            info = self.link.info(queue)
+            if len(payload) > info.max_payload:
+                self.check_payload(info, payload)
+            self.check_not_failed()
+            return self.enqueue(info, payload, None, 0, None, t0)
         data = as_payload(payload)
         check_key(key)
         check_group(group)

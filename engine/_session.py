@@ -538,8 +538,8 @@ class Session:
         on the queue's wake-up, if given). The entry is consumed only if the
         transaction commits; on rollback it is delivered again.
         """
-        got = self.dequeue_many(queue, 1, wait=wait)
-        return got[0] if got else None
+        self._check()
+        return self._claims.dequeue_one(queue, wait)
 
     def dequeue_many(self, queue: str, max_n: int, *, wait: float | None = None) -> list[Message]:
         """Take up to ``max_n`` ready entries (oldest first) in one statement.

@@ -34,7 +34,7 @@ import re
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from struct import Struct
-from typing import Any, NoReturn, Protocol
+from typing import Any, NoReturn, Protocol, cast
 
 import psycopg
 from psycopg import generators
@@ -103,10 +103,14 @@ class PgQuery:
         this path encodes (the statement then goes through psycopg)."""
         if params is None:
             return []
+        kind = type(params)
         if self.names is not None:
-            if not isinstance(params, Mapping):
+            if kind is not dict and not isinstance(params, Mapping):
                 return None
-            values: Sequence[Any] = [params[n] for n in self.names]
+            named = cast("Mapping[str, Any]", params)
+            values: Sequence[Any] = [named[n] for n in self.names]
+        elif kind is tuple or kind is list:  # (ahead of Mapping: an ABC check costs more)
+            values = cast("Sequence[Any]", params)
         elif isinstance(params, Mapping):
             return None
         else:
