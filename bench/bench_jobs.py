@@ -10,7 +10,8 @@ has its own connection (or ringq session).
 - **ringq**: a ``shared`` queue (``--capacity`` 50,000 slots, max payload 512);
   the producer calls ``enqueue_many`` + ``commit``; a consumer
   ``dequeue_many(take, wait=1.0)`` (it sleeps on the queue's wake-up when
-  empty), the INSERT on the session's connection, ``commit``.
+  empty), the INSERT through ``Session.execute`` (its BEGIN in the same
+  message, as a ringq user's own statement goes), ``commit``.
 - **skip_locked**: a table ``(id bigserial PRIMARY KEY, payload bytea, enq_at
   timestamptz)``; the producer ``INSERT ... SELECT unnest(%s::bytea[])`` +
   commit; a consumer ``DELETE ... WHERE id IN (SELECT id ... ORDER BY id FOR
@@ -152,7 +153,8 @@ class _RingqProducer:
 
 class _RingqConsumer:
     def __init__(self, s: Session, queue: str, done: sql.Composed, wait: float) -> None:
-        self.s, self.queue, self.done, self.wait = s, queue, done, wait
+        self.s, self.queue, self.wait = s, queue, wait
+        self.done = done.as_string(s.connection)  # a str, for Session.execute
 
     def take(self, n: int) -> list[int]:
         got = self.s.dequeue_many(self.queue, n, wait=self.wait)  # sleeps on the wake-up
@@ -161,7 +163,8 @@ class _RingqConsumer:
         return [m.seq for m in got]
 
     def finish(self, rnd: int, who: int, ids: list[int]) -> None:
-        self.s.connection.execute(self.done, ("ringq", rnd, who, ids))
+        # as a ringq user's own statement goes: its BEGIN in the same message
+        self.s.execute(self.done, ("ringq", rnd, who, ids))
         self.s.commit()
 
     def drain(self, n: int) -> int:
