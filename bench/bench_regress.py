@@ -98,7 +98,8 @@ def main(argv: list[str] | None = None) -> int:
                     [sys.executable, "-m", "ringq.cli", "regress", "--dsn", dsn, "drop", run_id],
                     stdout=subprocess.DEVNULL,
                 )
-        found = sorted(reports.glob("*/cycle-*.json"))
+        # the cycle's report (not its charts' series, cycle-N.series.json)
+        found = sorted(p for p in reports.glob("*/cycle-*.json") if p.suffixes == [".json"])
         report: dict[str, Any] = json.loads(found[-1].read_text()) if found else {}
     finally:
         shutil.rmtree(reports, ignore_errors=True)
