@@ -1201,19 +1201,20 @@ def test_batches_and_single_entries_of_two_queues_commit_together_in_order(
     flush in the middle: one commit makes them all, each queue in order,
     with their producer sequences; a rollback of the same shape makes none."""
     q1, q2 = make_queue(capacity=256), make_queue(capacity=256)
-    with connect(dsn, producer="mixed") as s:
+
+    def put_all(s: Session) -> list[int]:
         first = s.enqueue_many(q1, [b"a%d" % i for i in range(20)])
         s.enqueue(q2, b"single")
         s.flush()
         s.enqueue_many(q2, [b"b%d" % i for i in range(12)])
         s.enqueue(q1, b"last")
+        return first
+
+    with connect(dsn, producer="mixed") as s:
+        put_all(s)
         s.rollback()
         assert drain(dsn, q1) == [] and drain(dsn, q2) == []
-        first = s.enqueue_many(q1, [b"a%d" % i for i in range(20)])
-        s.enqueue(q2, b"single")
-        s.flush()
-        s.enqueue_many(q2, [b"b%d" % i for i in range(12)])
-        s.enqueue(q1, b"last")
+        first = put_all(s)
         s.commit()
     got1, got2 = drain(dsn, q1, batch=50), drain(dsn, q2, batch=50)
     assert [m.payload for m in got1] == [b"a%d" % i for i in range(20)] + [b"last"]
