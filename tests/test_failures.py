@@ -77,19 +77,25 @@ def monitor(dsn: str, tmp_path: Path) -> Iterator[Callable[[], MonitorProcess]]:
 # -- the workers --------------------------------------------------------------------------------
 
 
+_LOCKED_FILES = tuple(
+    f"engine{sep}{name}" for sep in ("/", "\\") for name in ("_ring.py", "_finish.py", "_cache.py")
+)
+
+
 def _die_inside_the_lock(after: int, deaths: Any, seed: int) -> None:
     """Trace this process and SIGKILL it at the ``after``-th line executed in
-    the ring operations (``_ring.py``, all run under the queue's lock) or in
-    ``lock_queue``/``unlock_queue``: a death at a random instruction of the
-    critical section. ``deaths[seed]`` is set if it held a queue lock."""
+    the ring operations (``_ring.py``, and a batch's finish and payload-cache
+    work in ``_finish.py`` and ``_cache.py``: all run under the queue's lock)
+    or in ``lock_queue``/``unlock_queue``: a death at a random instruction of
+    the critical section. ``deaths[seed]`` is set if it held a queue lock."""
     left = [after]
 
     def local(frame: FrameType, event: str, arg: Any) -> Any:
         if event == "line":
             left[0] -= 1
             if left[0] <= 0:
-                this = frame.f_locals.get("self")
-                sec = getattr(this, "sec", this)  # a Ring's section, or the Section itself
+                this = frame.f_locals.get("self", frame.f_locals.get("ring"))
+                sec = getattr(this, "sec", this)  # a Ring's (or cache's) section, or the Section
                 if isinstance(sec, Section) and any(
                     sec.q(i, L.Q_LOCK_HOLDER) == os.getpid() for i in sec.loaded_queues()
                 ):
@@ -99,7 +105,7 @@ def _die_inside_the_lock(after: int, deaths: Any, seed: int) -> None:
 
     def on_call(frame: FrameType, event: str, arg: Any) -> Any:
         code = frame.f_code
-        if code.co_filename.endswith(("engine/_ring.py", "engine\\_ring.py")) or code.co_name in (
+        if code.co_filename.endswith(_LOCKED_FILES) or code.co_name in (
             "lock_queue", "unlock_queue"
         ):
             return local
@@ -108,15 +114,20 @@ def _die_inside_the_lock(after: int, deaths: Any, seed: int) -> None:
     sys.settrace(on_call)
 
 
-def _take_into_got(s: Session, queue: str, *, wait: float) -> bool:
-    """Dequeue one entry of ``queue`` and record it in the table ``got`` in the
-    same transaction, left open for the caller to commit; False, with the
-    transaction committed, when no entry came within ``wait`` seconds."""
-    m = s.dequeue(queue, wait=wait)
-    if m is None:
+def _take_into_got(s: Session, queue: str, *, wait: float, many: int = 0) -> bool:
+    """Dequeue one entry of ``queue`` (with ``many``, up to that many in one
+    batch) and record them in the table ``got`` in the same transaction, left
+    open for the caller to commit; False, with the transaction committed,
+    when no entry came within ``wait`` seconds."""
+    ms = s.dequeue_many(queue, many, wait=wait) if many else [s.dequeue(queue, wait=wait)]
+    taken = [m for m in ms if m is not None]
+    if not taken:
         s.commit()
         return False
-    s.connection.execute("INSERT INTO got VALUES (%s, %s, %s)", (m.payload, queue, m.seq))
+    s.connection.execute(
+        "INSERT INTO got SELECT unnest(%s::bytea[]), %s, unnest(%s::bigint[])",
+        ([m.payload for m in taken], queue, [m.seq for m in taken]),
+    )
     return True
 
 
@@ -130,7 +141,8 @@ def _worker(dsn: str, queues: list[str], role: str, seed: int, commits: Any, sto
     flag (a multiprocessing Event's is_set() takes a lock, and a worker
     killed inside it left every later worker blocked there) and ``deaths`` a
     flag per worker. A producer puts 1-3 entries on random queues per
-    transaction; a consumer takes one.
+    transaction, or (three times in ten) a batch of 1-10 on one queue; a
+    consumer takes one, or (a third of the time) a batch of up to 10.
     """
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # the test asks for stacks when stuck
     rnd = random.Random(seed)
@@ -141,13 +153,20 @@ def _worker(dsn: str, queues: list[str], role: str, seed: int, commits: Any, sto
         try:
             with connect(dsn, producer=f"{role}{seed}") as s:
                 while not stop.value:
-                    if role == "p":
+                    if role == "p" and rnd.random() < 0.3:  # a batch (held as one run)
+                        batch = [f"{seed}:{i + k}".encode() for k in range(1, rnd.randint(2, 12))]
+                        i += len(batch)
+                        s.enqueue_many(rnd.choice(queues), batch, timeout=1.0)
+                        s.connection.execute("INSERT INTO sent SELECT unnest(%s::bytea[])",
+                                             (batch,))
+                    elif role == "p":
                         for _ in range(rnd.randint(1, 3)):
                             i += 1
                             payload = f"{seed}:{i}".encode()
                             s.enqueue(rnd.choice(queues), payload, timeout=1.0)
                             s.connection.execute("INSERT INTO sent VALUES (%s)", (payload,))
-                    elif not _take_into_got(s, rnd.choice(queues), wait=0.05):
+                    elif not _take_into_got(s, rnd.choice(queues), wait=0.05,
+                                            many=rnd.choice([0, 0, rnd.randint(2, 10)])):
                         continue
                     s.commit()
                     commits[seed] += 1
