@@ -156,6 +156,21 @@ class Run:
     def __len__(self) -> int:
         return len(self.slots)
 
+    def span(self) -> tuple[int, int, int] | None:
+        """(first slot, how many, seq - slot) if the run's slots are one
+        stretch of consecutive slots whose seqs are each its slot plus one
+        offset (a batch claimed in one stretch); None otherwise."""
+        slots = self.slots
+        n = len(slots)
+        lo = int(slots.min())
+        if int(slots.max()) - lo != n - 1:  # distinct slots: n of them in a range of n
+            return None
+        offset = self.seqs - slots
+        first = int(offset[0])
+        if not (offset == first).all():
+            return None
+        return lo, n, first
+
     def ops(self) -> list[Op]:
         """The run as one :class:`Op` per entry, in the same state."""
         ring, info, kind, lat = self.ring, self.info, self.kind, self.latency_ns

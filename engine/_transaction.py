@@ -259,6 +259,11 @@ class Transaction:
         if len(items) == 1 and isinstance(first, Op):
             name = "consume_alone" if alone else "consume"
             return self.link.stmt(name, queue), (first.slot, first.seq)
+        if len(items) == 1 and isinstance(first, Run):
+            span = first.span()
+            if span is not None:
+                lo, n, offset = span
+                return self.link.stmt("consume_span", queue), (lo, lo + n, offset, n)
         slots, seqs = _slots_seqs(items)
         return self.link.stmt("consume_many", queue), (
             _wire.int_array(slots), _wire.int_array(seqs), len(slots),

@@ -211,6 +211,20 @@ WITH u AS (
 )
 SELECT ringq.expect_rows((SELECT count(*) FROM u)::integer, %s::integer, {queue})
 
+-- consume_span --
+-- consume_many of a run of consecutive slots first .. first + n - 1 whose
+-- seqs are the slot plus one offset (a batch claimed in one stretch, the
+-- usual one): one range of the primary key instead of n lookups, guarded
+-- the same way.
+WITH u AS (
+    UPDATE {table} AS t
+    SET state = 2, deq_at = now(), deq_user = current_user
+    WHERE t.slot >= %s::integer AND t.slot < %s::integer AND t.seq = t.slot + %s::bigint
+      AND t.state = 1
+    RETURNING 1
+)
+SELECT ringq.expect_rows((SELECT count(*) FROM u)::integer, %s::integer, {queue})
+
 -- strike --
 -- A delivery that did not commit: count it; at max_deliveries the entry moves
 -- to ringq.exceptions (with the reason) and its slot is consumed. When the

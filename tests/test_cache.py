@@ -122,6 +122,33 @@ def test_a_stale_record_fails_at_commit_and_commits_nothing(
     assert drain(dsn, q) == []
 
 
+def test_a_cached_batch_with_one_stale_row_fails_at_commit_and_commits_nothing(
+    dsn: str, make_queue: Callable[..., str]
+) -> None:
+    """A batch served from the cache in one stretch (its consuming write one
+    range of slots) of which one row was consumed behind the section's back:
+    the write's guard fails, nothing of the batch or the caller's own write
+    commits, StaleSection; the others are delivered again, none twice."""
+    q = make_queue(capacity=64)
+    with psycopg.connect(dsn, autocommit=True) as c:
+        c.execute("CREATE TABLE cache_batch_app (v int)")
+    with connect(dsn) as s:
+        seqs = s.enqueue_many(q, [b"p%d" % i for i in range(20)])
+        s.commit()
+        with psycopg.connect(dsn, autocommit=True) as c:
+            c.execute(sql.SQL("UPDATE {} SET state = 2 WHERE seq = %s").format(
+                sql.Identifier("ringq", "q_" + q)), (seqs[7],))
+        taken = s.dequeue_many(q, 20)
+        assert [m.seq for m in taken] == seqs  # from the cache: the section does not know
+        s.connection.execute("INSERT INTO cache_batch_app VALUES (1)")
+        with pytest.raises(StaleSection):
+            s.commit()
+    with psycopg.connect(dsn, autocommit=True) as c:
+        assert present(c.execute("SELECT count(*) FROM cache_batch_app").fetchone())[0] == 0
+    again = drain(dsn, q, batch=50)
+    assert [m.seq for m in again] == seqs[:7] + seqs[8:]
+
+
 def _die_holding(dsn: str, queue: str, ready: Any) -> None:
     with connect(dsn) as s:
         assert s.dequeue(queue) is not None  # from the cache: nothing sent
