@@ -201,13 +201,15 @@ class Claims:
             ).fetchone()
             rows = [] if row is None else [(ops[0].slot, ops[0].seq, *row)]
         else:
+            span = _span([op.slot for op in ops], [op.seq for op in ops])
+            statement: _wire.Statement = (
+                (link.stmt("dequeue_span", queue), span) if span is not None
+                else (link.stmt("dequeue_many", queue),
+                      (_wire.int_array(op.slot for op in ops),
+                       _wire.int_array(op.seq for op in ops)))
+            )
             rows = link.execute(
-                link.stmt("dequeue_many", queue),
-                (_wire.int_array(op.slot for op in ops), _wire.int_array(op.seq for op in ops)),
-                binary=True,
-                queue=queue,
-                qid=info.id,
-                seq=ops[0].seq,
+                *statement, binary=True, queue=queue, qid=info.id, seq=ops[0].seq,
             ).fetchall()
         got = {r[0]: r for r in rows}
         lat = (time.perf_counter_ns() - t0) // len(ops)
@@ -373,6 +375,17 @@ class Claims:
         link.section.note_hold(link.cidx)
         link.section.count_client(link.cidx, L.C_N_DEQ, len(ops))
 
+
+
+def _span(slots: list[int], seqs: list[int]) -> tuple[int, int, int] | None:
+    """(first slot, one past the last, seq - slot) if ``slots`` are one
+    stretch of consecutive slots, in order, whose seqs are each the slot plus
+    one offset (``dequeue_span``'s parameters); None otherwise."""
+    first, offset = slots[0], seqs[0] - slots[0]
+    for i, (slot, seq) in enumerate(zip(slots, seqs, strict=True)):
+        if slot != first + i or seq != slot + offset:
+            return None
+    return first, first + len(slots), offset
 
 
 def repair_dequeue(

@@ -46,7 +46,7 @@ T = TypeVar("T")
 # (_wire.Prepared): a commit's row writes, and the dequeue that reads rows.
 _FAST = frozenset({
     "enqueue", "enqueue_alone", "enqueue_many", "consume", "consume_alone", "consume_many",
-    "consume_span", "dequeue", "dequeue_many",
+    "consume_span", "dequeue", "dequeue_many", "dequeue_span",
 })
 
 SUPPORTED_SCHEMA = "1"

@@ -181,6 +181,17 @@ WHERE t.slot = ANY(%s::integer[]) AND t.seq = ANY(%s::bigint[]) AND t.state = 1
 RETURNING t.slot, t.seq, t.payload, t.producer, t.producer_seq, t.enq_at, t.deliveries,
           t.msg_group
 
+-- dequeue_span --
+-- dequeue_many of slots first .. first + n - 1 whose seqs are the slot plus
+-- one offset (a batch claimed in one stretch, the usual one): one range of
+-- the primary key instead of a lookup per slot (an index condition too).
+UPDATE {table} AS t
+SET state = 2, deq_at = now(), deq_user = current_user
+WHERE t.slot >= %s::integer AND t.slot < %s::integer AND t.seq = t.slot + %s::bigint
+  AND t.state = 1
+RETURNING t.slot, t.seq, t.payload, t.producer, t.producer_seq, t.enq_at, t.deliveries,
+          t.msg_group
+
 -- consume --
 -- The consuming write of a dequeue served from the payload cache, sent at
 -- commit (or flush). Guarded as dequeue, and as a deferred enqueue it fails

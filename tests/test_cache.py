@@ -149,6 +149,27 @@ def test_a_cached_batch_with_one_stale_row_fails_at_commit_and_commits_nothing(
     assert [m.seq for m in again] == seqs[:7] + seqs[8:]
 
 
+def test_a_batch_read_from_rows_skips_a_stale_row_and_takes_the_rest(
+    dsn: str, make_queue: Callable[..., str]
+) -> None:
+    """A batch read from its rows (no payload cache) in one stretch of slots
+    (one range of the primary key) of which one row was consumed behind the
+    section's back: that slot is repaired, the other entries are taken,
+    committed, and none is delivered twice."""
+    q = make_queue(capacity=64, cache_payload=0)
+    with connect(dsn) as s:
+        seqs = s.enqueue_many(q, [b"r%d" % i for i in range(20)])
+        s.commit()
+        with psycopg.connect(dsn, autocommit=True) as c:
+            c.execute(sql.SQL("UPDATE {} SET state = 2 WHERE seq = %s").format(
+                sql.Identifier("ringq", "q_" + q)), (seqs[7],))
+        taken = s.dequeue_many(q, 20)
+        assert [m.seq for m in taken] == seqs[:7] + seqs[8:]
+        assert [m.payload for m in taken][7] == b"r8"
+        s.commit()
+    assert drain(dsn, q, batch=50) == []
+
+
 def _die_holding(dsn: str, queue: str, ready: Any) -> None:
     with connect(dsn) as s:
         assert s.dequeue(queue) is not None  # from the cache: nothing sent
