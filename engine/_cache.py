@@ -106,8 +106,14 @@ class PayloadCache:
         one that fits): the head words as one scatter, tags last."""
         if not self.stride:
             return
-        if self._put_plain(slots, seqs, writes, enq_at_us):
-            return
+        if not self._put_plain(slots, seqs, writes, enq_at_us):
+            self._put_each(slots, seqs, writes, enq_at_us)
+
+    def _put_each(
+        self, slots: Sequence[int], seqs: Sequence[int], writes: Sequence[Write], enq_at_us: int
+    ) -> None:
+        """:meth:`put_many` entry by entry (any producers and groups; an
+        entry that does not fit is left out); the heads as one scatter."""
         s = self.sec
         cache = s.cache
         limit = self.cap_bytes
@@ -182,7 +188,7 @@ class PayloadCache:
         ):
             return
         gs = groups or [None] * len(payloads)
-        self.put_many(slots.tolist(), seqs.tolist(), [
+        self._put_each(slots.tolist(), seqs.tolist(), [
             RowWrite(p, q, producer, g)
             for p, q, g in zip(payloads, pseqs.tolist(), gs, strict=True)
         ], enq_at_us)
@@ -264,11 +270,19 @@ class PayloadCache:
         Q[b + L.Q_N_CACHE_MISSES] += len(slots) - n_hit
         if n_hit == len(slots):
             return self._hits(w, heads)
+        return self._read_each(w, heads, hit.tolist())
+
+    def _read_each(
+        self, w: np.ndarray, heads: np.ndarray, hit: list[bool] | None = None
+    ) -> list[Cached | None]:
+        """:meth:`_read` of each record (first words ``w``, ``heads`` their
+        head words) that ``hit`` marks (None: all); None for the others."""
         read = self._read
+        rows = heads.tolist()
         return [
             read(wi, h[L.R_LEN], h[L.R_PRODUCER_LEN], h[L.R_PRODUCER_SEQ], h[L.R_ENQ_AT_US],
                  h[L.R_GROUP_LEN]) if ok else None
-            for wi, h, ok in zip(w.tolist(), heads.tolist(), hit.tolist(), strict=True)
+            for wi, h, ok in zip(w.tolist(), rows, hit or [True] * len(rows), strict=True)
         ]
 
     def _hits(self, w: np.ndarray, heads: np.ndarray) -> list[Cached | None]:
@@ -281,19 +295,10 @@ class PayloadCache:
         pn = heads[:, L.R_PRODUCER_LEN]
         pn0 = int(pn[0])
         if not (heads[:, L.R_GROUP_LEN] == -1).all() or not (pn == pn0).all():
-            read = self._read
-            return [
-                read(wi, h[L.R_LEN], h[L.R_PRODUCER_LEN], h[L.R_PRODUCER_SEQ],
-                     h[L.R_ENQ_AT_US], h[L.R_GROUP_LEN])
-                for wi, h in zip(w.tolist(), heads.tolist(), strict=True)
-            ]
+            return self._read_each(w, heads)
         names = self.sec.cache_u8[(off + _P0)[:, None] + np.arange(pn0, dtype=np.int64)]
         if not (names == names[0]).all():
-            read = self._read
-            return [
-                read(wi, h[L.R_LEN], pn0, h[L.R_PRODUCER_SEQ], h[L.R_ENQ_AT_US], -1)
-                for wi, h in zip(w.tolist(), heads.tolist(), strict=True)
-            ]
+            return self._read_each(w, heads)
         starts = off + L.RECORD_HEAD
         payloads = self.sec.cache_bytes(starts.tolist(), (starts + heads[:, L.R_LEN]).tolist())
         producer = self._name(names[0].tobytes())

@@ -28,7 +28,7 @@ from . import _wire
 from ._cache import Cached
 from ._link import Link
 from ._message import Message, cached_message, cached_messages
-from ._ops import Op, OpKind, RowState, Run
+from ._ops import Op, OpKind, RowState, Run, stretch
 from ._queue_info import QueueInfo
 from ._recovery import help_recover
 from ._ring import Ring
@@ -201,9 +201,11 @@ class Claims:
             ).fetchone()
             rows = [] if row is None else [(ops[0].slot, ops[0].seq, *row)]
         else:
-            span = _span([op.slot for op in ops], [op.seq for op in ops])
+            span = stretch(np.fromiter((op.slot for op in ops), np.int64, len(ops)),
+                           np.fromiter((op.seq for op in ops), np.int64, len(ops)))
             statement: _wire.Statement = (
-                (link.stmt("dequeue_span", queue), span) if span is not None
+                (link.stmt("dequeue_span", queue), (span[0], span[0] + span[1], span[2]))
+                if span is not None
                 else (link.stmt("dequeue_many", queue),
                       (_wire.int_array(op.slot for op in ops),
                        _wire.int_array(op.seq for op in ops)))
@@ -375,17 +377,6 @@ class Claims:
         link.section.note_hold(link.cidx)
         link.section.count_client(link.cidx, L.C_N_DEQ, len(ops))
 
-
-
-def _span(slots: list[int], seqs: list[int]) -> tuple[int, int, int] | None:
-    """(first slot, one past the last, seq - slot) if ``slots`` are one
-    stretch of consecutive slots, in order, whose seqs are each the slot plus
-    one offset (``dequeue_span``'s parameters); None otherwise."""
-    first, offset = slots[0], seqs[0] - slots[0]
-    for i, (slot, seq) in enumerate(zip(slots, seqs, strict=True)):
-        if slot != first + i or seq != slot + offset:
-            return None
-    return first, first + len(slots), offset
 
 
 def repair_dequeue(

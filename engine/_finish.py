@@ -69,24 +69,15 @@ def finish_batch(
     if enq:
         enq, slots = _held(ring, enq, owner)
         if slots.size:
-            lo, mask = bit_mask(slots)
-            at = slice(ring.w0 + lo, ring.w0 + lo + mask.size)
+            if committed and enq_at_us is not None and ring.stride:
+                filled = [op for op in enq if op.fill is not None]
+                ring.cache.put_many(
+                    [op.slot for op in filled], [op.seq for op in filled],
+                    [op.fill for op in filled if op.fill is not None], enq_at_us,
+                )
+            _end_enqueues(ring, slots, committed)
             if committed:
-                if enq_at_us is not None and ring.stride:
-                    filled = [op for op in enq if op.fill is not None]
-                    ring.cache.put_many(
-                        [op.slot for op in filled], [op.seq for op in filled],
-                        [op.fill for op in filled if op.fill is not None], enq_at_us,
-                    )
-                s.enq[at] |= mask
-                Q[b + L.Q_DEPTH_HINT] += slots.size
-                Q[b + L.Q_N_ENQ_COMMIT] += slots.size
                 n_ready += slots.size
-            else:
-                s.deq[at] |= mask
-                Q[b + L.Q_N_ENQ_ROLLBACK] += slots.size
-            s.lck[at] &= ~mask
-            s.owner[ring.base + slots] = 0
             _record_latencies(ring, OpKind.ENQUEUE, enq)
     if deq:
         deq, slots = _held(ring, deq, owner)
@@ -153,20 +144,12 @@ def finish_run(
                 if groups is not None:
                     groups = [g for g, k in zip(groups, keep, strict=True) if k]
             ring.cache.put_run(slots, seqs, payloads, run.producer, pseqs, groups, enq_at_us)
-        lo, mask = bit_mask(slots)
-        at = slice(ring.w0 + lo, ring.w0 + lo + mask.size)
-        s.enq[at] |= mask
-        Q[b + L.Q_DEPTH_HINT] += n
-        Q[b + L.Q_N_ENQ_COMMIT] += n
-        s.lck[at] &= ~mask
-        s.owner[ring.base + slots] = 0
+        _end_enqueues(ring, slots, committed=True)
         return n, 0
     was_owner = Q[b + L.Q_DEQ_OWNER]
     # a consumed entry of a group frees the group (see finish_batch)
     freed = int(np.count_nonzero(s.group[ring.base + slots] != 0))
-    Q[b + L.Q_DEPTH_HINT] -= n
-    Q[b + L.Q_N_DEQ_COMMIT] += n
-    _unlock_dequeued(ring, slots, exclusive)
+    _consumed(ring, slots, exclusive)
     if run.enq_us is not None:
         _record_wait_times(ring, run.enq_us if whole else run.enq_us[held])
     return freed + int(exclusive and bool(was_owner) and not Q[b + L.Q_DEQ_OWNER]), n
@@ -193,12 +176,35 @@ def finish_consumed(
     tail = Q[b + L.Q_TAIL]
     slots = slots[_held_mask(ring, slots, owner) & (seqs == tail + (slots - tail) % ring.cap)]
     n = int(slots.size)
-    if not n:
-        return 0
-    Q[b + L.Q_DEPTH_HINT] -= n
-    Q[b + L.Q_N_DEQ_COMMIT] += n
-    _unlock_dequeued(ring, slots, exclusive)
+    if n:
+        _consumed(ring, slots, exclusive)
     return n
+
+
+def _end_enqueues(ring: Ring, slots: np.ndarray, committed: bool) -> None:
+    """Held enqueued ``slots`` (their records written first, if any) become
+    ready (``committed``) or void, counted, and are unlocked."""
+    Q, b, s = ring.Q, ring.qb, ring.sec
+    lo, mask = bit_mask(slots)
+    at = slice(ring.w0 + lo, ring.w0 + lo + mask.size)
+    if committed:
+        s.enq[at] |= mask
+        Q[b + L.Q_DEPTH_HINT] += slots.size
+        Q[b + L.Q_N_ENQ_COMMIT] += slots.size
+    else:
+        s.deq[at] |= mask
+        Q[b + L.Q_N_ENQ_ROLLBACK] += slots.size
+    s.lck[at] &= ~mask
+    s.owner[ring.base + slots] = 0
+
+
+def _consumed(ring: Ring, slots: np.ndarray, exclusive: bool) -> None:
+    """Held dequeued ``slots`` whose entries were consumed: counted and
+    unlocked (their DEQ bits stay)."""
+    Q, b = ring.Q, ring.qb
+    Q[b + L.Q_DEPTH_HINT] -= slots.size
+    Q[b + L.Q_N_DEQ_COMMIT] += slots.size
+    _unlock_dequeued(ring, slots, exclusive)
 
 
 def _unlock_dequeued(ring: Ring, slots: np.ndarray, exclusive: bool) -> None:

@@ -157,19 +157,8 @@ class Run:
         return len(self.slots)
 
     def span(self) -> tuple[int, int, int] | None:
-        """(first slot, how many, seq - slot) if the run's slots are one
-        stretch of consecutive slots whose seqs are each its slot plus one
-        offset (a batch claimed in one stretch); None otherwise."""
-        slots = self.slots
-        n = len(slots)
-        lo = int(slots.min())
-        if int(slots.max()) - lo != n - 1:  # distinct slots: n of them in a range of n
-            return None
-        offset = self.seqs - slots
-        first = int(offset[0])
-        if not (offset == first).all():
-            return None
-        return lo, n, first
+        """:func:`stretch` of the run's slots and seqs."""
+        return stretch(self.slots, self.seqs)
 
     def ops(self) -> list[Op]:
         """The run as one :class:`Op` per entry, in the same state."""
@@ -194,6 +183,22 @@ class Run:
 
 
 Item = Op | Run  # what a session holds in flight
+
+
+def stretch(slots: np.ndarray, seqs: np.ndarray) -> tuple[int, int, int] | None:
+    """(first slot, how many, seq - slot) if ``slots`` (int64, distinct, not
+    empty) are one stretch of consecutive slots whose seqs are each the slot
+    plus one offset (a batch claimed in one stretch: ``consume_span``'s and
+    ``dequeue_span``'s range); None otherwise."""
+    n = len(slots)
+    lo = int(slots.min())
+    if int(slots.max()) - lo != n - 1:  # distinct slots: n of them in a range of n
+        return None
+    offset = seqs - slots
+    first = int(offset[0])
+    if not (offset == first).all():
+        return None
+    return lo, n, first
 
 
 def each_op(items: Sequence[Item]) -> list[Op]:

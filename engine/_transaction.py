@@ -372,12 +372,16 @@ class Transaction:
         sec = link.section
         sec.clear_hold(link.cidx)
         ops: Sequence[Item] = items
-        if not committed or poisoned is not None:
-            ops = each_op(items)
-        if poisoned is None:
+        if committed and poisoned is None:
             poisoned = set()
-            if not committed and count_delivery:
-                poisoned = self._strike([op for op in each_op(ops) if op.kind == OpKind.DEQUEUE])
+        else:  # per op (a run is finished as arrays only when committed)
+            plain = each_op(items)
+            ops = plain
+            if poisoned is None:
+                poisoned = (
+                    self._strike([op for op in plain if op.kind == OpKind.DEQUEUE])
+                    if count_delivery else set()
+                )
         enq_at_us, self.enq_at_us = self.enq_at_us, None
         first = ops[0]
         if len(ops) == 1 and isinstance(first, Op):  # a single entry: one fused finish

@@ -95,6 +95,14 @@ def test_default_cache_and_limits_at_create(dsn: str) -> None:
         assert present(row)[0] == 0
 
 
+def consume_around_ringq(dsn: str, queue: str, seq: int) -> None:
+    """Consume entry ``seq``'s row behind the section's back (the section
+    still says it is ready)."""
+    with psycopg.connect(dsn, autocommit=True) as c:
+        c.execute(sql.SQL("UPDATE {} SET state = 2 WHERE seq = %s").format(
+            sql.Identifier("ringq", "q_" + queue)), (seq,))
+
+
 def test_a_stale_record_fails_at_commit_and_commits_nothing(
     dsn: str, make_queue: Callable[..., str]
 ) -> None:
@@ -107,9 +115,7 @@ def test_a_stale_record_fails_at_commit_and_commits_nothing(
     with connect(dsn) as s:
         s.enqueue_many(q, [b"a", b"b"])
         s.commit()
-        with psycopg.connect(dsn, autocommit=True) as c:
-            c.execute(sql.SQL("UPDATE {} SET state = 2 WHERE seq = 0").format(
-                sql.Identifier("ringq", "q_" + q)))
+        consume_around_ringq(dsn, q, 0)
         m = present(s.dequeue(q))
         assert m.payload == b"a"  # from the cache: the section does not know yet
         s.connection.execute("INSERT INTO cache_app VALUES (1)")
@@ -135,9 +141,7 @@ def test_a_cached_batch_with_one_stale_row_fails_at_commit_and_commits_nothing(
     with connect(dsn) as s:
         seqs = s.enqueue_many(q, [b"p%d" % i for i in range(20)])
         s.commit()
-        with psycopg.connect(dsn, autocommit=True) as c:
-            c.execute(sql.SQL("UPDATE {} SET state = 2 WHERE seq = %s").format(
-                sql.Identifier("ringq", "q_" + q)), (seqs[7],))
+        consume_around_ringq(dsn, q, seqs[7])
         taken = s.dequeue_many(q, 20)
         assert [m.seq for m in taken] == seqs  # from the cache: the section does not know
         s.connection.execute("INSERT INTO cache_batch_app VALUES (1)")
@@ -160,9 +164,7 @@ def test_a_batch_read_from_rows_skips_a_stale_row_and_takes_the_rest(
     with connect(dsn) as s:
         seqs = s.enqueue_many(q, [b"r%d" % i for i in range(20)])
         s.commit()
-        with psycopg.connect(dsn, autocommit=True) as c:
-            c.execute(sql.SQL("UPDATE {} SET state = 2 WHERE seq = %s").format(
-                sql.Identifier("ringq", "q_" + q)), (seqs[7],))
+        consume_around_ringq(dsn, q, seqs[7])
         taken = s.dequeue_many(q, 20)
         assert [m.seq for m in taken] == seqs[:7] + seqs[8:]
         assert [m.payload for m in taken][7] == b"r8"
