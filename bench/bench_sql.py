@@ -60,7 +60,8 @@ RQ_TAKE = "SELECT payload FROM ringq.dequeue(%s, %s)"
 
 @dataclass(frozen=True)
 class Config:
-    entries: int  # per timed stretch
+    entries: int  # per timed stretch, one per statement
+    batch_entries: int  # per timed stretch, 100 per statement (a stretch of ~1 s)
     rounds: int
     payload: int
     latency_samples: int
@@ -95,32 +96,40 @@ def warm(conn: psycopg.Connection[Any], queue: str) -> None:
 
 
 def drain_rate(conn: psycopg.Connection[Any], stmt: Any, args: tuple[Any, ...], n: int,
-               per: int) -> tuple[float, int]:
-    """entries/s taking ``n`` entries ``per`` statement; and the empty answers."""
+               per: int) -> tuple[float, int, float]:
+    """entries/s taking ``n`` entries ``per`` statement; the empty answers and
+    the share of the time they took (ringq: waiting for the agent to set
+    entries aside)."""
     got = empty = 0
+    t_empty = 0.0
     t0 = time.perf_counter()
     while got < n:
+        t1 = time.perf_counter()
         rows = conn.execute(stmt, args).fetchall()
         if not rows:
+            t_empty += time.perf_counter() - t1
             empty += 1
             if empty > 200_000:
                 raise RuntimeError("the queue stopped giving entries")
             continue
         got += len(rows)
-    return got / (time.perf_counter() - t0), empty
+    seconds = time.perf_counter() - t0
+    return got / seconds, empty, t_empty / seconds
 
 
 def one_round(dsn: str, tag: str, cfg: Config, per: int, payload: bytes) -> dict[str, Any]:
     q = queue_name(tag, "main")
-    fill_ringq(dsn, q, cfg.entries, payload)
+    n = cfg.entries if per == 1 else cfg.batch_entries
+    fill_ringq(dsn, q, n, payload)
     skl = sql.Identifier(f"bsql_{tag}_skl")
     with psycopg.connect(dsn, autocommit=True) as c:
-        c.execute(sql.SQL(SKL_FILL).format(t=skl), (payload, cfg.entries))
+        c.execute(sql.SQL(SKL_FILL).format(t=skl), (payload, n))
         c.execute(sql.SQL("VACUUM ANALYZE {t}").format(t=skl))
         warm(c, q)
-        rq, rq_empty = drain_rate(c, RQ_TAKE, (q, per), cfg.entries, per)
-        sk, _ = drain_rate(c, sql.SQL(SKL_TAKE).format(t=skl), (per,), cfg.entries, per)
-    return {"ringq": rq, "skip_locked": sk, "ratio": rq / sk, "ringq_empty_answers": rq_empty}
+        rq, rq_empty, rq_empty_share = drain_rate(c, RQ_TAKE, (q, per), n, per)
+        sk, _, _ = drain_rate(c, sql.SQL(SKL_TAKE).format(t=skl), (per,), n, per)
+    return {"ringq": rq, "skip_locked": sk, "ratio": rq / sk, "ringq_empty_answers": rq_empty,
+            "ringq_empty_share": rq_empty_share}
 
 
 def capacity_round(dsn: str, tag: str, cfg: Config, payload: bytes) -> dict[str, Any]:
@@ -131,7 +140,7 @@ def capacity_round(dsn: str, tag: str, cfg: Config, payload: bytes) -> dict[str,
             q = queue_name(tag, what)
             fill_ringq(dsn, q, n, payload)
             warm(c, q)
-            out[what], _ = drain_rate(c, RQ_TAKE, (q, 1), n, 1)
+            out[what], _, _ = drain_rate(c, RQ_TAKE, (q, 1), n, 1)
     out["large_over_small"] = out["large"] / out["small"]
     return out
 
@@ -266,7 +275,8 @@ def mixed(dsn: str, tag: str, seconds: float) -> dict[str, Any]:
 
 def run(dsn: str, cfg: Config, tag: str) -> dict[str, Any]:
     with psycopg.connect(dsn) as conn:
-        sizes = {"main": max(2 * cfg.entries, 1000), "large": 100_000, "mix": 10_000}
+        sizes = {"main": max(2 * cfg.entries, cfg.batch_entries + 1000), "large": 100_000,
+                 "mix": 10_000}
         for what in QUEUES:
             create_queue(conn, QueueSpec(queue_name(tag, what), sizes.get(what, 1000), 1024,
                                          dequeue_mode="shared"))
@@ -302,7 +312,8 @@ def summarize(raw: dict[str, Any]) -> dict[str, Any]:
 
     return {"summary": {
         "single": {k: med(("single", k)) for k in ("ringq", "skip_locked", "ratio")},
-        "batch": {k: med(("batch", k)) for k in ("ringq", "skip_locked", "ratio")},
+        "batch": {k: med(("batch", k))
+                  for k in ("ringq", "skip_locked", "ratio", "ringq_empty_share")},
         "capacity_large_over_small": med(("capacity", "large_over_small")),
         "latency": raw["latency"],
         "latency_monitor_process": raw["latency_monitor_process"],
@@ -316,12 +327,15 @@ def render(raw: dict[str, Any], summary: dict[str, Any], cfg: Config, seconds: f
     mp = s["latency_monitor_process"]["sql_enqueue_to_linked_ms"]
     lines = [
         f"SQL consumers (ringq.dequeue) against SKIP LOCKED, {cfg.rounds} rounds of "
-        f"{cfg.entries} entries, {cfg.payload} B payloads, medians ({seconds:.0f} s)",
+        f"{cfg.entries} entries (one per statement) and {cfg.batch_entries} (100 per "
+        f"statement), {cfg.payload} B payloads, medians ({seconds:.0f} s)",
         f"{'':28} {'ringq/s':>10} {'SKIP LOCKED/s':>14} {'ratio':>7}",
         f"{'1 per transaction':28} {s['single']['ringq']:>10.0f} "
         f"{s['single']['skip_locked']:>14.0f} {s['single']['ratio']:>6.2f}x",
         f"{'100 per transaction':28} {s['batch']['ringq']:>10.0f} "
         f"{s['batch']['skip_locked']:>14.0f} {s['batch']['ratio']:>6.2f}x",
+        f"  ringq's time in empty answers (waiting for the agent), 100 per transaction: "
+        f"{s['batch']['ringq_empty_share']:.0%}",
         f"capacity 100,000 / 1,000 slots (1 per transaction): "
         f"{s['capacity_large_over_small']:.2f}x",
         f"linked enqueue -> SQL consumer: p50 {lat['linked_enqueue_to_sql_ms']['p50']:.2f} ms, "
@@ -346,7 +360,10 @@ def cleanup(dsn: str, tag: str, *, embedded: bool) -> None:
 
 def parse_args(argv: list[str] | None) -> Any:
     p = argument_parser(__doc__.split("\n")[0])
-    p.add_argument("--entries", type=int, default=5000, help="entries per timed stretch")
+    p.add_argument("--entries", type=int, default=5000,
+                   help="entries per timed stretch, one per statement")
+    p.add_argument("--batch-entries", type=int, default=50_000,
+                   help="entries per timed stretch, 100 per statement")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--payload", type=int, default=100, help="payload bytes")
     p.add_argument("--latency-samples", type=int, default=200)
@@ -357,8 +374,8 @@ def parse_args(argv: list[str] | None) -> Any:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    cfg = Config(args.entries, args.rounds, args.payload, args.latency_samples,
-                 args.mixed_seconds)
+    cfg = Config(args.entries, args.batch_entries, args.rounds, args.payload,
+                 args.latency_samples, args.mixed_seconds)
     tag = secrets.token_hex(4)
 
     def tidy(dsn: str, embedded: bool) -> None:

@@ -283,15 +283,12 @@ class SqlAgent:
         if not slots.size:
             return 0
         table = queue_table(info.name)
+        runs = _runs(slots, seqs)
         try:
             _send(conn, [
                 *before,
-                (sql.SQL(_Q["offers_clean"]).format(table=table),
-                 (slots.tolist(), seqs.tolist())),
-                (_Q["offers_runs"], {
-                    "queue_id": info.id,
-                    **_runs(list(zip(slots.tolist(), seqs.tolist(), strict=True))),
-                }),
+                (sql.SQL(_Q["offers_clean_runs"]).format(table=table), runs),
+                (_Q["offers_runs"], {"queue_id": info.id, **runs}),
                 (_Q["offers_ready"], (info.name,)),
             ])
         except BaseException:
@@ -364,7 +361,9 @@ class SqlAgent:
             # What stays listed: takes under way or not counted yet (touched),
             # and what was consumed since (the next pass finishes it).
             gone = {seq for _slot, seq, _due in back}
-            kept = _runs([(r[1], r[0]) for r in rows if r[0] not in gone])
+            keep = [(r[1], r[0]) for r in rows if r[0] not in gone]
+            kept = _runs(np.array([k[0] for k in keep], dtype=np.int64),
+                         np.array([k[1] for k in keep], dtype=np.int64))
             self._relist(conn, info, list(zip(kept["run_seqs"], kept["run_slots"],
                                               kept["run_ns"], strict=True)))
         self._give_back(sec, ring, info, back)
@@ -466,21 +465,19 @@ def _relist_writes(info: QueueInfo, runs: list[tuple[int, int, int]]) -> list[Wr
     return writes
 
 
-def _runs(entries: list[tuple[int, int]]) -> dict[str, list[int]]:
-    """``entries`` (slot, seq) as runs of consecutive seqs at consecutive slots
-    (so a run never wraps past the ring's last slot: its next seq is at slot
-    0): ``offers_runs``' parameters."""
-    seqs: list[int] = []
-    slots: list[int] = []
-    ns: list[int] = []
-    for slot, seq in sorted(entries, key=lambda e: e[1]):
-        if ns and seq == seqs[-1] + ns[-1] and slot == slots[-1] + ns[-1]:
-            ns[-1] += 1
-        else:
-            seqs.append(int(seq))
-            slots.append(int(slot))
-            ns.append(1)
-    return {"run_seqs": seqs, "run_slots": slots, "run_ns": ns}
+def _runs(slots: np.ndarray[Any, Any], seqs: np.ndarray[Any, Any]) -> dict[str, list[int]]:
+    """The entries at ``slots`` with ``seqs`` (int64 arrays, any order) as
+    runs of consecutive seqs at consecutive slots (so a run never wraps past
+    the ring's last slot: its next seq is at slot 0): ``offers_runs``' and
+    ``offers_clean_runs``' parameters."""
+    if not seqs.size:
+        return {"run_seqs": [], "run_slots": [], "run_ns": []}
+    order = np.argsort(seqs, kind="stable")
+    seqs, slots = seqs[order], slots[order]
+    starts = np.flatnonzero(np.r_[True, (np.diff(seqs) != 1) | (np.diff(slots) != 1)])
+    ns = np.diff(np.r_[starts, seqs.size])
+    return {"run_seqs": seqs[starts].tolist(), "run_slots": slots[starts].tolist(),
+            "run_ns": ns.tolist()}
 
 
 def _minus(runs: list[tuple[int, int, int]], gone: set[int]) -> list[tuple[int, int, int]]:

@@ -520,6 +520,17 @@ FOR UPDATE SKIP LOCKED
 UPDATE {table} SET state = state
 WHERE slot = ANY(%s::integer[]) AND seq = ANY(%s::bigint[]) AND state = 1 AND xmax <> '0'::xid
 
+-- offers_clean_runs --
+-- offers_clean of the entries being set aside, given as their runs (seq,
+-- slot, n, as offers_runs): a range of the primary key per run instead of a
+-- lookup per entry (1,024 lookups cost the agent's backend about 1.2 ms a
+-- set-aside, most of its work per entry while SQL consumers drain a queue).
+UPDATE {table} AS r SET state = r.state
+FROM unnest(%(run_seqs)s::bigint[], %(run_slots)s::integer[], %(run_ns)s::integer[])
+    AS s(seq, slot, n)
+WHERE r.slot >= s.slot AND r.slot < s.slot + s.n AND r.seq = s.seq + (r.slot - s.slot)
+  AND r.state = 1 AND r.xmax <> '0'::xid
+
 -- offers_clear --
 -- A queue's listing deleted, to be written again as the runs of what is still
 -- set aside (offers_runs), in the same transaction.

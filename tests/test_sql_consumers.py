@@ -165,6 +165,32 @@ def test_sql_rollback_gives_the_entry_back_counted(
         assert sql_take(c, q, timeout=0.3) == []
 
 
+def test_a_row_another_transaction_touched_is_set_aside_and_taken_without_a_false_delivery(
+    dsn: str, make_queue: Callable[..., str], monitor: Callable[..., Monitor]
+) -> None:
+    """Takers pass a row with a non-zero xmax (a take that did not commit) and
+    the agent counts it as a delivery. A row that another transaction locked
+    or wrote and rolled back (an operator's SELECT ... FOR UPDATE, a linked
+    write whose commit failed) carries one too: the agent writes such rows
+    again before it sets them aside, so the entry is taken at once and
+    counted as its first delivery."""
+    q = make_queue(capacity=256, dequeue_mode="shared")
+    enqueue_committed(dsn, q, *[b"%d" % i for i in range(100)])
+    table = queue_table(q)
+    with psycopg.connect(dsn) as c:
+        c.execute(sql.SQL("SELECT 1 FROM {} WHERE state = 1 AND seq % 2 = 0 FOR UPDATE")
+                  .format(table))
+        c.commit()
+        c.execute(sql.SQL("UPDATE {} SET deliveries = deliveries WHERE state = 1 AND seq % 2 = 1")
+                  .format(table))
+        c.rollback()
+        assert c.execute(sql.SQL("SELECT count(*) FROM {} WHERE state = 1 AND xmax <> '0'::xid")
+                         .format(table)).fetchone() == (100,)
+    monitor()
+    rows = collect(dsn, q, 100, n=100)
+    assert sorted(got(rows)) == sorted((b"%d" % i, 1) for i in range(100))
+
+
 @pytest.mark.parametrize("mode", ["shared", "single"])
 def test_a_sql_take_rolled_back_comes_back_only_after_the_retry_delay(
     dsn: str, make_queue: Callable[..., str], monitor: Callable[..., Monitor], mode: str
