@@ -9,6 +9,8 @@
 - :func:`machine`, :func:`cpu_load`, :func:`server_settings`: the notes that
   say how far the figures can be trusted (what ran them, how loaded the CPUs
   were at start and end, how the server was set).
+- :func:`process_cpu_s`, :func:`postgres_cpu_s`: where the CPU went during a
+  stretch (a backend, the whole local server).
 - :func:`sigterm_tears_down`: SIGTERM ends a run like Ctrl-C does, through its
   ``finally`` blocks, so that the private cluster is stopped.
 - :func:`write_results`: the JSON results, under ``bench/results/`` and ``--out``.
@@ -139,6 +141,36 @@ def cpu_load(when: str) -> dict[str, Any]:
     (1, 5 and 15 min) and ``cpu_pressure_at_<when>``. The machine is shared:
     other work competing for the CPUs moves every figure."""
     return {f"loadavg_at_{when}": os.getloadavg(), f"cpu_pressure_at_{when}": cpu_pressure()}
+
+
+def process_cpu_s(pid: int) -> float | None:
+    """CPU seconds (user + system) process ``pid`` has used, from
+    /proc/<pid>/stat (None: no such process on this host, as for the backend
+    of a remote server)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def postgres_cpu_s() -> float:
+    """CPU seconds used by every process of this host named ``postgres``
+    (backends, the WAL writer, autovacuum ...): with :func:`process_cpu_s` of
+    one backend, what the rest of the server spent meanwhile."""
+    total = 0.0
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/stat") as f:
+                stat = f.read()
+        except OSError:
+            continue
+        if "(postgres)" in stat:
+            total += process_cpu_s(int(name)) or 0.0
+    return total
 
 
 def cpu_pressure() -> str | None:

@@ -42,7 +42,15 @@ from pathlib import Path
 from typing import Any
 
 import psycopg
-from _benchlib import argument_parser, cpu_load, drop_queues, machine, run_in_database
+from _benchlib import (
+    argument_parser,
+    cpu_load,
+    drop_queues,
+    machine,
+    postgres_cpu_s,
+    process_cpu_s,
+    run_in_database,
+)
 from psycopg import sql
 from ringq.engine import connect
 from ringq.monitor import Monitor, MonitorConfig
@@ -126,10 +134,36 @@ def one_round(dsn: str, tag: str, cfg: Config, per: int, payload: bytes) -> dict
         c.execute(sql.SQL(SKL_FILL).format(t=skl), (payload, n))
         c.execute(sql.SQL("VACUUM ANALYZE {t}").format(t=skl))
         warm(c, q)
+        cpu0 = _cpu(c)
         rq, rq_empty, rq_empty_share = drain_rate(c, RQ_TAKE, (q, per), n, per)
+        cpu1 = _cpu(c)
         sk, _, _ = drain_rate(c, sql.SQL(SKL_TAKE).format(t=skl), (per,), n, per)
+        cpu2 = _cpu(c)
     return {"ringq": rq, "skip_locked": sk, "ratio": rq / sk, "ringq_empty_answers": rq_empty,
-            "ringq_empty_share": rq_empty_share}
+            "ringq_empty_share": rq_empty_share,
+            "cpu_us_per_entry": {"ringq": _per_entry(cpu0, cpu1, n),
+                                 "skip_locked": _per_entry(cpu1, cpu2, n)}}
+
+
+def _cpu(conn: psycopg.Connection[Any]) -> tuple[float | None, float, float]:
+    """CPU seconds so far: the consumer's backend (None: the server is not
+    on this host), every postgres process of this host, and this process
+    (the consumer and, for ringq, the monitor's agent thread)."""
+    return (process_cpu_s(conn.info.backend_pid), postgres_cpu_s(),
+            time.process_time())
+
+
+def _per_entry(a: tuple[float | None, float, float], b: tuple[float | None, float, float],
+               n: int) -> dict[str, float] | None:
+    """µs of CPU per entry between two :func:`_cpu` readings: the consumer's
+    backend, the rest of the server (for ringq mostly the agent's backend),
+    this process."""
+    if a[0] is None or b[0] is None:
+        return None
+    backend = b[0] - a[0]
+    return {"consumer_backend": backend / n * 1e6,
+            "other_postgres": (b[1] - a[1] - backend) / n * 1e6,
+            "this_process": (b[2] - a[2]) / n * 1e6}
 
 
 def capacity_round(dsn: str, tag: str, cfg: Config, payload: bytes) -> dict[str, Any]:
@@ -314,11 +348,22 @@ def summarize(raw: dict[str, Any]) -> dict[str, Any]:
         "single": {k: med(("single", k)) for k in ("ringq", "skip_locked", "ratio")},
         "batch": {k: med(("batch", k))
                   for k in ("ringq", "skip_locked", "ratio", "ringq_empty_share")},
+        "batch_cpu_us_per_entry": _cpu_medians(raw),
         "capacity_large_over_small": med(("capacity", "large_over_small")),
         "latency": raw["latency"],
         "latency_monitor_process": raw["latency_monitor_process"],
         "mixed": raw["mixed"],
     }}
+
+
+def _cpu_medians(raw: dict[str, Any]) -> dict[str, dict[str, float]] | None:
+    """The 100-per-statement rounds' CPU per entry, medians by contender and part."""
+    cpus = [r["batch"]["cpu_us_per_entry"] for r in raw["rounds"]]
+    if any(c["ringq"] is None for c in cpus):
+        return None
+    return {who: {part: float(statistics.median(c[who][part] for c in cpus))
+                  for part in cpus[0][who]}
+            for who in ("ringq", "skip_locked")}
 
 
 def render(raw: dict[str, Any], summary: dict[str, Any], cfg: Config, seconds: float) -> str:
@@ -336,6 +381,7 @@ def render(raw: dict[str, Any], summary: dict[str, Any], cfg: Config, seconds: f
         f"{s['batch']['skip_locked']:>14.0f} {s['batch']['ratio']:>6.2f}x",
         f"  ringq's time in empty answers (waiting for the agent), 100 per transaction: "
         f"{s['batch']['ringq_empty_share']:.0%}",
+        *_cpu_lines(s["batch_cpu_us_per_entry"]),
         f"capacity 100,000 / 1,000 slots (1 per transaction): "
         f"{s['capacity_large_over_small']:.2f}x",
         f"linked enqueue -> SQL consumer: p50 {lat['linked_enqueue_to_sql_ms']['p50']:.2f} ms, "
@@ -351,6 +397,15 @@ def render(raw: dict[str, Any], summary: dict[str, Any], cfg: Config, seconds: f
         f"load: start {raw['load_start']}, end {raw['load_end']}",
     ]
     return "\n".join(lines)
+
+
+def _cpu_lines(cpu: dict[str, dict[str, float]] | None) -> list[str]:
+    if cpu is None:
+        return ["  CPU per entry: not measured (the server is not on this host)"]
+    return [f"  CPU per entry, 100 per transaction, {who}: consumer's backend "
+            f"{c['consumer_backend']:.1f} us, rest of the server {c['other_postgres']:.1f} us, "
+            f"this process {c['this_process']:.1f} us"
+            for who, c in (("ringq", cpu["ringq"]), ("SKIP LOCKED", cpu["skip_locked"]))]
 
 
 def cleanup(dsn: str, tag: str, *, embedded: bool) -> None:
