@@ -237,6 +237,17 @@ class Reservations:
                 [np.arange(first, first + k, dtype=np.int64) for first, k in chunks]
             )
         link.section.count_client(link.cidx, L.C_N_ENQ, len(items))
+        if due is None and len(items) == 1:
+            # One entry: an Op, whose commit sends the one-row statement
+            # (a run's is the arrays' statement: about 0.4 ms more on the way
+            # of an SQL enqueue through the monitor's pump, a batch of one).
+            seq = int(seqs[0])
+            link.ops.append(Op(
+                ring, info, seq % ring.cap, seq, OpKind.ENQUEUE, latency_ns=lat,
+                write=RowWrite(items[0], pseq + 1, link.producer,
+                               None if groups is None else groups[0]),
+            ))
+            return [seq]
         if due is None:
             link.ops.append(Run(
                 ring, info, OpKind.ENQUEUE, seqs % ring.cap, seqs, lat, list(items),
