@@ -422,13 +422,19 @@ class Section(ClientTable):
         if reuse and self.queues[base + L.Q_CACHE_AREA] >= need:
             return self.queues[base + L.Q_CACHE_BASE], self.queues[base + L.Q_CACHE_AREA]
         start = self.header[L.H_NEXT_CACHE]
+        dropped = None
         if start + need > L.CACHE_POOL:
-            logger.warning(
-                "ringq: queue %s runs without its payload cache: it needs %d bytes, "
-                "the section's cache pool has %d of %d left", name, need,
-                L.CACHE_POOL - start, L.CACHE_POOL,
-            )
-            return 0, 0
+            # The pool's end is reached: a dropped queue's space that is big
+            # enough serves (its records carry that queue's epoch: never trusted).
+            dropped = self._dropped_cache_area(base, need)
+            if dropped is None:
+                logger.warning(
+                    "ringq: queue %s runs without its payload cache: it needs %d bytes, "
+                    "the section's cache pool has %d of %d left, and no dropped "
+                    "queue's space is that large", name, need, L.CACHE_POOL - start,
+                    L.CACHE_POOL,
+                )
+                return 0, 0
         free = shm_free_bytes()
         if free is not None and need > free:
             # The pool is sparse: its pages are taken when records are written,
@@ -439,8 +445,27 @@ class Section(ClientTable):
                 "the shared-memory filesystem has %d free", name, need, free,
             )
             return 0, 0
+        if dropped is not None:
+            owner = dropped * L.QUEUE_WORDS
+            area = (self.queues[owner + L.Q_CACHE_BASE], self.queues[owner + L.Q_CACHE_AREA])
+            self.queues[owner + L.Q_CACHE_BASE] = 0  # now the new queue's
+            self.queues[owner + L.Q_CACHE_AREA] = 0
+            return area
         self.header[L.H_NEXT_CACHE] = start + (need + 63) // 64 * 64
         return start, need
+
+    def _dropped_cache_area(self, base: int, need: int) -> int | None:
+        """The dropped queue block (other than the one at word ``base``)
+        whose cache space is the smallest of at least ``need`` bytes, or None."""
+        best, best_area = None, 0
+        for i in range(L.MAX_QUEUES):
+            b = i * L.QUEUE_WORDS
+            area = self.queues[b + L.Q_CACHE_AREA]
+            if b == base or self.queues[b + L.Q_STATE] != L.QS_DROPPED or area < need:
+                continue
+            if best is None or area < best_area:
+                best, best_area = i, area
+        return best
 
     def note_db_clock(self, db_us: int) -> None:
         """A statement's answer stamped the database's time ``db_us`` (us since
