@@ -163,8 +163,9 @@ class _RingqConsumer:
         return [m.seq for m in got]
 
     def finish(self, rnd: int, who: int, ids: list[int]) -> None:
-        # as a ringq user's own statement goes: its BEGIN in the same message
-        self.s.execute(self.done, ("ringq", rnd, who, ids))
+        # as a ringq user's own statement goes: its BEGIN in the same message,
+        # planned once (psycopg prepares the SKIP LOCKED side's after 5 runs)
+        self.s.execute(self.done, ("ringq", rnd, who, ids), prepare=True)
         self.s.commit()
 
     def drain(self, n: int) -> int:

@@ -217,7 +217,8 @@ class Session:
     def execute(self, query: str, params: Any = None, *, prepare: bool = False) -> Any:
         """Run your own ``query`` in the session's transaction in one round trip (its
         BEGIN in the same message; ``connection.execute`` takes two): its rows'
-        cursor. ``prepare``: planned once per connection (params None, int, str, bytes).
+        cursor. ``prepare``: planned once per connection (params None, int, str, bytes,
+        lists of int; like a text parameter each takes the type its place in the query says).
 
         :raises StatementRejected, TransactionConflict, DatabaseError: it failed
             (``__cause__``: psycopg's error); the transaction is failed: roll it back.

@@ -73,8 +73,9 @@ class PgQuery:
     for psycopg (``%s``, ``%b``, ``%(name)s`` placeholders), its libpq form
     (``$n``), the parameters' order and formats (``%b``: binary).
 
-    Its parameters are None, int, str, bytes (``%b``) or lists of bytes
-    (``%b``: a bytea array); any other value sends it through psycopg. Its
+    Its parameters are None, int, str, lists of int (an array literal),
+    bytes (``%b``) or lists of bytes (``%b``: a bytea array); any other value
+    sends it through psycopg. Its
     results come back in binary, loaded by psycopg's loaders (:class:`Rows`)."""
 
     __slots__ = ("formats", "libpq", "names")
@@ -135,6 +136,8 @@ class PgQuery:
                 out.append(str(v).encode())
             elif t is str and "\x00" not in v:  # libpq would cut a text at a NUL
                 out.append(v.encode())
+            elif t is list and all(type(x) is int for x in v):
+                out.append(int_array(v).encode())  # an array literal, typed by its place
             else:
                 return None  # psycopg refuses (a NUL) or dumps it
         return out

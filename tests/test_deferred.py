@@ -253,16 +253,22 @@ def test_session_execute_carries_its_begin_and_converts_errors(
                                 {"v": v}, prepare=True).fetchall()
             assert got == [(v, str(v))] and round_trips(wire) == 1
             s.commit()
+        for vs in ([11, 12], [13]):  # a list of ints: an array parameter, prepared too
+            with wire_trace(s.connection) as wire:
+                got = s.execute("INSERT INTO app SELECT unnest(%s::bigint[]) RETURNING v",
+                                (vs,), prepare=True).fetchall()
+            assert got == [(v,) for v in vs] and round_trips(wire) == 1
+            s.commit()
         named = s.connection.execute(
             "SELECT count(*) FROM pg_prepared_statements WHERE name LIKE 'ringq%%'"
             " AND statement LIKE 'INSERT INTO app%%'").fetchone()
-        assert named == (1,)
+        assert named == (2,)
         s.connection.commit()
         with pytest.raises(StatementRejected) as err:
             s.execute("SELECT * FROM no_such_table")
         assert isinstance(err.value.__cause__, psycopg.errors.UndefinedTable)
         s.rollback()
-    assert app_rows(dsn) == [8, 9, 10]
+    assert app_rows(dsn) == [8, 9, 10, 11, 12, 13]
     assert [m.payload for m in drain(dsn, q)] == [b"with it"]
 
 
