@@ -238,9 +238,10 @@ class Reservations:
             )
         link.section.count_client(link.cidx, L.C_N_ENQ, len(items))
         if due is None and len(items) == 1:
-            # One entry: an Op, whose commit sends the one-row statement
-            # (a run's is the arrays' statement: about 0.4 ms more on the way
-            # of an SQL enqueue through the monitor's pump, a batch of one).
+            # One entry: an Op, whose commit sends the one-row statement (a
+            # run's is the arrays' statement, which lengthened an SQL
+            # enqueue's way through the monitor's pump, a batch of one:
+            # bench_sql's "SQL enqueue -> linked consumer").
             seq = int(seqs[0])
             link.ops.append(Op(
                 ring, info, seq % ring.cap, seq, OpKind.ENQUEUE, latency_ns=lat,

@@ -75,8 +75,8 @@ class PgQuery:
 
     Its parameters are None, int, str, lists of int (an array literal),
     bytes (``%b``) or lists of bytes (``%b``: a bytea array); any other value
-    sends it through psycopg. Its
-    results come back in binary, loaded by psycopg's loaders (:class:`Rows`)."""
+    sends it through psycopg. Its results come back in binary, loaded by
+    psycopg's loaders (:class:`Rows`)."""
 
     __slots__ = ("formats", "libpq", "names")
 
