@@ -293,7 +293,8 @@ class Claims:
         """Claim up to ``max_n`` ready slots: their slots, seqs and, in a
         queue with a payload cache, each one's record if it holds the entry
         (read under the queue lock; None: read the row), else None; and
-        for ``max_n`` above 1, the slots and seqs as int64 arrays too.
+        when more than one slot was claimed, the slots and seqs as int64
+        arrays too (a run; one entry is held as an op, as ``enqueue_many``'s).
 
         A waiter registers with how many entries it wants, so a commit wakes
         as many as its entries make work for; woken, it looks at the bitmaps
@@ -328,7 +329,7 @@ class Claims:
                     if sl.size and ring.stride:
                         cached = ring.cache.get_many(sl, sq)
                     slots, seqs = sl.tolist(), sq.tolist()
-                    arrays = (sl, sq)
+                    arrays = (sl, sq) if sl.size > 1 else None
                 if not slots:
                     ring.note_empty()
                     if deadline is not None and deadline > time.monotonic():

@@ -209,7 +209,14 @@ class Reservations:
         tags: list[int] | None, timeout: float | None, t0: int, due: Due | None = None,
     ) -> list[int]:
         """Reserve a slot for each of ``items`` and hold their row writes:
-        one :class:`~._ops.Run` (entries due later: an op each)."""
+        one :class:`~._ops.Run` (entries due later: an op each; one entry:
+        :meth:`enqueue`'s op, whose commit sends the one-row statement where a
+        run's sends the arrays' one: on an SQL enqueue's way through the
+        monitor's pump, a batch of one, that was bench_sql's "SQL enqueue ->
+        linked consumer" step)."""
+        if len(items) == 1:
+            return [self.enqueue(info, items[0], None if groups is None else groups[0],
+                                 0 if tags is None else tags[0], timeout, t0, due)]
         link = self.link
         ring = link.ring(info)
         chunks: list[tuple[int, int]] = []  # (first seq, how many): contiguous reservations
@@ -237,18 +244,6 @@ class Reservations:
                 [np.arange(first, first + k, dtype=np.int64) for first, k in chunks]
             )
         link.section.count_client(link.cidx, L.C_N_ENQ, len(items))
-        if due is None and len(items) == 1:
-            # One entry: an Op, whose commit sends the one-row statement (a
-            # run's is the arrays' statement, which lengthened an SQL
-            # enqueue's way through the monitor's pump, a batch of one:
-            # bench_sql's "SQL enqueue -> linked consumer").
-            seq = int(seqs[0])
-            link.ops.append(Op(
-                ring, info, seq % ring.cap, seq, OpKind.ENQUEUE, latency_ns=lat,
-                write=RowWrite(items[0], pseq + 1, link.producer,
-                               None if groups is None else groups[0]),
-            ))
-            return [seq]
         if due is None:
             link.ops.append(Run(
                 ring, info, OpKind.ENQUEUE, seqs % ring.cap, seqs, lat, list(items),
