@@ -361,9 +361,9 @@ class SqlAgent:
             # What stays listed: takes under way or not counted yet (touched),
             # and what was consumed since (the next pass finishes it).
             gone = {seq for _slot, seq, _due in back}
-            keep = [(r[1], r[0]) for r in rows if r[0] not in gone]
-            kept = _runs(np.array([k[0] for k in keep], dtype=np.int64),
-                         np.array([k[1] for k in keep], dtype=np.int64))
+            keep = [r for r in rows if r[0] not in gone]  # (seq, slot, ...)
+            kept = _runs(np.array([r[1] for r in keep], dtype=np.int64),
+                         np.array([r[0] for r in keep], dtype=np.int64))
             self._relist(conn, info, list(zip(kept["run_seqs"], kept["run_slots"],
                                               kept["run_ns"], strict=True)))
         self._give_back(sec, ring, info, back)
