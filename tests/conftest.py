@@ -184,6 +184,17 @@ def ringq_env(
 
 
 @pytest.fixture
+def section() -> Iterator[Section]:
+    """A private global section, no database: made for the test, removed after."""
+    instance = "sectest" + secrets.token_hex(6)
+    sec = Section.attach(instance)
+    try:
+        yield sec
+    finally:
+        Section.unlink(instance)
+
+
+@pytest.fixture
 def make_queue(dsn: str) -> Iterator[Callable[..., str]]:
     def make(capacity: int = 64, max_payload: int = 1024, **settings: Any) -> str:
         return queue_in(dsn, capacity, max_payload, **settings)

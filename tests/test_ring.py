@@ -1,6 +1,6 @@
 """The ring's bitmap scans against a brute-force reading of the same bits.
 
-No database: a private global section is made for the test and removed after.
+No database: a private global section (conftest's ``section``).
 The scan has a plain-int fast path for the first words and a numpy path for
 the rest; random bitmaps of every density, capacities around word edges and
 windows that wrap exercise both and their seam.
@@ -9,22 +9,10 @@ windows that wrap exercise both and their seam.
 from __future__ import annotations
 
 import random
-import secrets
-from collections.abc import Iterator
 
 import pytest
 from ringq.engine import Ring, Section
 from ringq.engine import layout as L
-
-
-@pytest.fixture
-def section() -> Iterator[Section]:
-    instance = "ringtest" + secrets.token_hex(6)
-    sec = Section.attach(instance)
-    try:
-        yield sec
-    finally:
-        Section.unlink(instance)
 
 
 def _store(ring: Ring, words: memoryview, bits: list[bool]) -> None:

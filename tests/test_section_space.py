@@ -1,26 +1,12 @@
 """The global section's pool space for queues made after others were dropped.
 
-No database: a private global section is made for the test and removed after.
+No database: a private global section (conftest's ``section``).
 """
 
 from __future__ import annotations
 
-import secrets
-from collections.abc import Iterator
-
-import pytest
 from ringq.engine import Section
 from ringq.engine import layout as L
-
-
-@pytest.fixture
-def section() -> Iterator[Section]:
-    instance = "spacetest" + secrets.token_hex(6)
-    sec = Section.attach(instance)
-    try:
-        yield sec
-    finally:
-        Section.unlink(instance)
 
 
 def _cache(sec: Section, qidx: int) -> tuple[int, int]:
