@@ -76,43 +76,23 @@ CEIL_UPDATE_EAGER = "COMMIT; BEGIN"
 class Names:
     """The objects one run creates (unique, so ``--dsn`` never touches anyone else's)."""
 
-    tag: str
+    ring: str  # rounds
+    ring_wake: str
+    ring_volume: str
+    ring_sql: str  # the SQL-only baseline: the engine never touches it
+    ring_concurrent: str  # shared mode: the consumers dequeue side by side
+    skq: str
+    skq_concurrent: str
+    skq_volume: str
+    ceiling: str
 
-    @property
-    def ring(self) -> str:  # rounds
-        return f"bench_{self.tag}"
-
-    @property
-    def ring_wake(self) -> str:
-        return f"bench_{self.tag}_w"
-
-    @property
-    def ring_volume(self) -> str:
-        return f"bench_{self.tag}_v"
-
-    @property
-    def ring_sql(self) -> str:  # the SQL-only baseline: the engine never touches it
-        return f"bench_{self.tag}_s"
-
-    @property
-    def ring_concurrent(self) -> str:  # shared mode: the consumers dequeue side by side
-        return f"bench_{self.tag}_c"
-
-    @property
-    def skq(self) -> str:
-        return f"skq_{self.tag}"
-
-    @property
-    def skq_concurrent(self) -> str:
-        return f"skq_{self.tag}_c"
-
-    @property
-    def skq_volume(self) -> str:
-        return f"skq_{self.tag}_v"
-
-    @property
-    def ceiling(self) -> str:
-        return f"ceil_{self.tag}"
+    @classmethod
+    def fresh(cls) -> Names:
+        tag = secrets.token_hex(4)
+        return cls(ring=f"bench_{tag}", ring_wake=f"bench_{tag}_w", ring_volume=f"bench_{tag}_v",
+                   ring_sql=f"bench_{tag}_s", ring_concurrent=f"bench_{tag}_c",
+                   skq=f"skq_{tag}", skq_concurrent=f"skq_{tag}_c", skq_volume=f"skq_{tag}_v",
+                   ceiling=f"ceil_{tag}")  # fmt: skip
 
 
 def ring_table(queue: str) -> str:
@@ -341,9 +321,6 @@ def summarize(raw: dict[str, Any], cfg: Config) -> dict[str, Any]:
                 "ringq": _med([r["ringq"]["semaphore_wakeup"][p] for r in rounds])
             }
 
-    def ratio(fn: Callable[[dict[str, Any]], float]) -> dict[str, float]:
-        return _med([fn(r) for r in rounds])
-
     R = "ringq"
     S = "skip_locked"
     ratios: dict[str, dict[str, float]] = {}
@@ -351,26 +328,14 @@ def summarize(raw: dict[str, Any], cfg: Config) -> dict[str, Any]:
         for other, suffix in ((S, "skq"), ("ringq_sql", "sql")):
             per_round = [_get(r[R], path) / _get(r[other], path) for r in rounds]
             ratios[f"{key}_ringq_over_{suffix}"] = _med(per_round)
-    ratios |= {
-        "enq_tps_ringq_over_ceiling": ratio(
-            lambda r: r[R]["enqueue_tx_per_s"] / r["ceiling"]["one_rt_tx_per_s"]
-        ),
-        "deq_tps_ringq_over_ceiling": ratio(
-            lambda r: r[R]["dequeue_tx_per_s"] / r["ceiling"]["one_rt_tx_per_s"]
-        ),
-        "enq_tps_ringq_over_ceiling_2rt": ratio(
-            lambda r: r[R]["enqueue_tx_per_s"] / r["ceiling"]["eager_2rt_tx_per_s"]
-        ),
-        "deq_tps_ringq_over_ceiling_2rt": ratio(
-            lambda r: r[R]["dequeue_tx_per_s"] / r["ceiling"]["eager_2rt_tx_per_s"]
-        ),
-        "enq_tps_skq_over_ceiling": ratio(
-            lambda r: r[S]["enqueue_tx_per_s"] / r["ceiling"]["one_rt_tx_per_s"]
-        ),
-        "deq_tps_skq_over_ceiling": ratio(
-            lambda r: r[S]["dequeue_tx_per_s"] / r["ceiling"]["one_rt_tx_per_s"]
-        ),
-    }
+    # one transaction per entry against the ceilings (one round trip; the former two)
+    against = ((R, "ringq", "one_rt", ""), (R, "ringq", "eager_2rt", "_2rt"),
+               (S, "skq", "one_rt", ""))
+    for who, name, ceiling, suffix in against:
+        for op, verb in (("enq", "enqueue"), ("deq", "dequeue")):
+            ratios[f"{op}_tps_{name}_over_ceiling{suffix}"] = _med(
+                [r[who][f"{verb}_tx_per_s"] / r["ceiling"][f"{ceiling}_tx_per_s"] for r in rounds]
+            )
 
     if "concurrent" in rounds[0]:
         for key, field in (
@@ -690,7 +655,7 @@ def main(argv: list[str] | None = None) -> int:
         # Entries of one round sit in the queue between its enqueue and dequeue passes.
         capacity=max(args.single, args.batches * args.batch) + 64,
     )
-    names = Names(secrets.token_hex(4))
+    names = Names.fresh()
     return run_in_database(
         "engine",
         args,

@@ -100,19 +100,14 @@ class Config:
 class Names:
     """The objects one run creates (unique, so ``--dsn`` never touches anyone else's)."""
 
-    tag: str
+    queue: str
+    table: str
+    done: str
 
-    @property
-    def queue(self) -> str:
-        return f"bench_{self.tag}_jobs"
-
-    @property
-    def table(self) -> str:
-        return f"skq_{self.tag}_jobs"
-
-    @property
-    def done(self) -> str:
-        return f"jobs_{self.tag}_done"
+    @classmethod
+    def fresh(cls) -> Names:
+        tag = secrets.token_hex(4)
+        return cls(queue=f"bench_{tag}_jobs", table=f"skq_{tag}_jobs", done=f"jobs_{tag}_done")
 
 
 # -- the contenders: the same four operations each ----------------------------------------------
@@ -567,7 +562,7 @@ def main(argv: list[str] | None = None) -> int:
     cfg = Config(a.duration, a.consumers, a.rounds, a.take, a.produce_batch, a.ready, a.capacity,
                  a.max_payload, a.payload, a.work_ms, a.wait, a.poll_ms,
                  a.statement_timeout)  # fmt: skip
-    names = Names(secrets.token_hex(4))
+    names = Names.fresh()
     return run_in_database(
         "jobs",
         a,

@@ -2,8 +2,8 @@
 (with the monitor's own figures and the server), ``/api/clients``,
 ``/api/history`` and ``/metrics``, made from what the steps last read.
 
-:class:`Documents` builds them; the :class:`~ringq.monitor.Monitor` is the
-:class:`~._http.ApiSource` the HTTP service reads, and hands each call to it.
+:class:`Documents` builds them: it is the :class:`~._http.ApiSource` the HTTP
+service reads.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from ringq.engine import metrics as M
 
 from . import _clients as C
 from ._client_watch import WatchClients
+from ._config import MonitorConfig
 from ._figures import DatabaseFigures
 from ._history import DAY, Answer, HistoryReader
 from ._horizon import HorizonReport
@@ -66,6 +67,14 @@ class Documents:
                                       reach=max(DAY, cfg.history_seconds))
         self._collector = SectionCollector(src.attachment.read, self.status, self._sampled,
                                            self.clients_doc, self.client_errors_by_kind)
+
+    @property
+    def config(self) -> MonitorConfig:
+        """The monitor's configuration now (read per request: ``cors_origin``)."""
+        return self._src.settings()
+
+    def current_token(self) -> str | None:
+        return self._src.settings().token
 
     def status(self) -> dict[str, Any]:
         """The monitor's own figures (the ``monitor`` object of ``/api/queues``)."""

@@ -39,7 +39,7 @@ LISTEN_BACKLOG = 128
 
 
 class ApiSource(Protocol):
-    """What the HTTP service reads (the :class:`Monitor` implements it)."""
+    """What the HTTP service reads (:class:`~._api.Documents` implements it)."""
 
     @property
     def config(self) -> MonitorConfig: ...  # read per request: cors_origin

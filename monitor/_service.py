@@ -12,8 +12,8 @@ through SQL are also pumped as soon as their NOTIFY arrives (``_pump``). A
 step that fails is logged (rate-limited), counted and retried on the next
 pass; it never stops the loop.
 
-The HTTP documents are built by ``_api``; the monitor is the
-:class:`~._http.ApiSource` the HTTP service reads, and hands each call to it.
+The HTTP documents are built by ``_api.Documents``, the
+:class:`~._http.ApiSource` the HTTP service reads.
 """
 
 from __future__ import annotations
@@ -34,7 +34,6 @@ from ._config import MonitorConfig
 from ._errors import MonitorError
 from ._failover import FollowFailover
 from ._figures import DatabaseFigures
-from ._history import Answer
 from ._horizon import HorizonReport
 from ._http import HttpService
 from ._journal import LOG_NAME, Journal
@@ -160,7 +159,7 @@ class Monitor:
             # logged them), errors from after it are.
             self._clients.restart()
             if cfg.http:
-                self._http = HttpService(self, cfg.host, cfg.port)
+                self._http = HttpService(self._docs, cfg.host, cfg.port)
                 try:
                     self._http.start()
                 except OSError as exc:
@@ -327,45 +326,17 @@ class Monitor:
     def _write_state_file(self) -> None:
         write_state_file(self.config.data_dir, self.url, self._started_t, self.config.dsn)
 
-    # -- what the HTTP service reads (ApiSource; built by _api.Documents) -------------------
+    # -- what the HTTP service and the tests read ----------------------------------------
 
     def read_section(self, fn: Callable[[Section], T]) -> T | None:
         """Run ``fn`` on the attached section, under the lock that guards its replacement."""
         return self._attachment.read(fn)
 
-    def current_token(self) -> str | None:
-        return self.config.token
+    @property
+    def documents(self) -> Documents:
+        """The HTTP documents (the :class:`~._http.ApiSource` the HTTP service reads)."""
+        return self._docs
 
     def status(self) -> dict[str, Any]:
         """The monitor's own figures (the ``monitor`` object of ``/api/queues``)."""
         return self._docs.status()
-
-    def queues_doc(self) -> dict[str, Any]:
-        return self._docs.queues_doc()
-
-    def server_doc(self) -> dict[str, Any] | None:
-        """``server`` in ``/api/queues`` (None before the first sample, and while disconnected)."""
-        return self._docs.server_doc()
-
-    def clients_doc(self) -> dict[str, Any]:
-        """``/api/clients``: every client entry, counters read now, rates of the last interval."""
-        return self._docs.clients_doc()
-
-    def client_errors_by_kind(self) -> dict[str, int]:
-        """Client errors the monitor logged since it started, by kind."""
-        return self._docs.client_errors_by_kind()
-
-    def history_points(
-        self,
-        queue: str,
-        since: float,
-        until: float,
-        limit: int,
-        step: float = 0.0,
-        max_points: int | None = None,
-    ) -> Answer | None:
-        return self._docs.history_points(queue, since, until, limit, step=step,
-                                         max_points=max_points)
-
-    def metrics_text(self) -> tuple[bytes, str]:
-        return self._docs.metrics_text()

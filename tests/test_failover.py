@@ -465,7 +465,7 @@ def test_the_monitor_names_the_promoted_standby_as_the_primary(
             url = present(mon.url)
 
             def server() -> dict[str, Any] | None:
-                doc = mon.queues_doc()["server"]
+                doc = mon.documents.queues_doc()["server"]
                 return doc if doc and doc["port"] in (old_port, new_port) else None
 
             before = wait_for(server, what="the monitor's first reading of its server")

@@ -196,7 +196,7 @@ def test_bad_history_parameters_are_400_and_the_token_is_never_logged(
         def broken(*args: Any, **kw: Any) -> None:
             raise RuntimeError("a bug")
 
-        monkeypatch.setattr(m, "history_points", broken)
+        monkeypatch.setattr(m.documents, "history_points", broken)
         assert _get(f"{base}&since=0")[0] == 500
     assert "/api/history" in debug_logs.text and "token=***" in debug_logs.text
     assert token not in debug_logs.text
