@@ -26,7 +26,7 @@ from . import _trace
 from ._errors import DatabaseError, DatabaseUnavailable, InDoubt, InFlight
 from ._names import queue_table
 from ._ops import Op, OpKind, RowState
-from ._pg import from_psycopg
+from ._pg import connect, connected
 from ._queries import QUERIES as _Q
 from ._queue_info import QueueInfo
 from ._ring import Ring, group_tag
@@ -173,7 +173,7 @@ def resync_queue(sec: Section, ring: Ring, info: QueueInfo, dsn: str) -> None:
     Holds the queue's lock while reading (rare: a repair), so no slot changes
     hands between the read and the update.
     """
-    with psycopg.connect(dsn, autocommit=True) as aux:
+    with connect(dsn) as aux:
         sql_rows = sql.SQL(_Q["all_rows"]).format(table=queue_table(info.name))
         held = held_slots(aux, info.id)
         offered = offered_slots(aux, info.id)
@@ -268,9 +268,7 @@ def decide_lost(
     from a later one with the same pid)."""
     if not ops:
         return None
-    with psycopg.connect(
-        dsn, autocommit=True, connect_timeout=max(1, int(connect_timeout))
-    ) as aux:
+    with connect(dsn, connect_timeout=connect_timeout) as aux:
         # a backend of that pid that started after we registered is not ours
         wait_backend_gone(aux, old_pid, not_after_ns=sec.c(cidx, L.C_STARTED_NS))
         committed = decide_ops(sec, aux, ops, old_token, why="connection-lost")
@@ -333,7 +331,7 @@ def _verdict(entry: InFlight, row: tuple[int, int, str | None, int | None]) -> b
 
 
 def in_doubt_outcome(
-    dsn: str, exc: InDoubt, *, timeout: float = 30.0, connect_timeout: int = 10
+    dsn: str, exc: InDoubt, *, timeout: float = 30.0, connect_timeout: float = 10.0
 ) -> bool | None:
     """Whether the transaction whose commit raised ``exc`` committed, from the
     rows of the server ``dsn`` reaches, once the backend that ran it has
@@ -350,21 +348,18 @@ def in_doubt_outcome(
     by_queue: dict[str, list[InFlight]] = {}
     for entry in exc.entries:
         by_queue.setdefault(entry.queue, []).append(entry)
-    try:
-        with psycopg.connect(dsn, autocommit=True, connect_timeout=connect_timeout) as conn:
-            wait_backend_gone(conn, pid, timeout, not_after_ns=registered_ns or None)
-            for queue, entries in by_queue.items():
-                rows = conn.execute(
-                    sql.SQL(_Q["in_doubt_rows"]).format(table=queue_table(queue)),
-                    ([e.slot for e in entries],),
-                ).fetchall()
-                by_slot = {r[0]: r[1:] for r in rows}
-                for e in entries:
-                    verdict = _verdict(e, by_slot.get(e.slot, (RowState.FREE, -1, None, None)))
-                    if verdict is not None:
-                        verdicts.add(verdict)
-    except psycopg.Error as err:
-        raise from_psycopg(err, dsn=dsn) from err
+    with connected(dsn, connect_timeout=connect_timeout) as conn:
+        wait_backend_gone(conn, pid, timeout, not_after_ns=registered_ns or None)
+        for queue, entries in by_queue.items():
+            rows = conn.execute(
+                sql.SQL(_Q["in_doubt_rows"]).format(table=queue_table(queue)),
+                ([e.slot for e in entries],),
+            ).fetchall()
+            by_slot = {r[0]: r[1:] for r in rows}
+            for e in entries:
+                verdict = _verdict(e, by_slot.get(e.slot, (RowState.FREE, -1, None, None)))
+                if verdict is not None:
+                    verdicts.add(verdict)
     if len(verdicts) > 1:
         # A transaction commits whole: its rows cannot disagree unless written around ringq.
         raise DatabaseError(f"the rows disagree on the outcome of {exc.entries}")

@@ -30,7 +30,7 @@ from ._decide import decide_lost, decide_ops, load_queue, resync_queue
 from ._errors import QueueNotFound, RingqError, SchemaMissing, one_line, redact_dsn
 from ._names import queue_table, validate_queue_name
 from ._ops import Item, Op, each_op
-from ._pg import from_psycopg
+from ._pg import connect, from_callers_statement, from_psycopg
 from ._queries import QUERIES as _Q
 from ._queue_info import QueueInfo
 from ._recovery import history_of, section_following, wait_dead_holders
@@ -96,12 +96,8 @@ class Link:
 
     def open_connection(self) -> psycopg.Connection[Any]:
         return self.call(
-            lambda: psycopg.connect(
-                self.dsn,
-                autocommit=False,
-                connect_timeout=max(1, int(self.connect_timeout)),
-                application_name=self.appname,
-            ),
+            lambda: connect(self.dsn, autocommit=False, connect_timeout=self.connect_timeout,
+                            application_name=self.appname),
             recover=False,
         )
 
@@ -295,9 +291,7 @@ class Link:
         # Read the rows on a separate connection: outside the caller's
         # transaction, committed state only.
         def load() -> int:
-            with psycopg.connect(
-                self.dsn, autocommit=True, connect_timeout=max(1, int(self.connect_timeout))
-            ) as aux:
+            with connect(self.dsn, connect_timeout=self.connect_timeout) as aux:
                 return load_queue(self.section, aux, info)
 
         return self.call(load, queue=info.name, recover=False)
@@ -401,6 +395,25 @@ class Link:
 
         self.sent_any = True
         return self.call(run, queue=queue, qid=qid, seq=seq, recover=recover)
+
+    def execute_callers(self, query: str, params: Any, *, prepare: bool) -> _wire.Fetch:
+        """:meth:`execute` of the caller's own statement (``Session.execute``):
+        ``prepare`` plans it once per connection; an error is the caller's
+        (:func:`~._pg.from_callers_statement`)."""
+        if prepare:
+            self.prepared.add(query)
+        try:
+            return self.execute(query, params)
+        except RingqError as err:
+            if err.__cause__ is None:
+                raise
+            raise from_callers_statement(err.__cause__, err) from err.__cause__
+
+    def inherit(self, parent: Link) -> None:
+        """In a forked child, keep what the parent's link learned of the queues and
+        its statements (the prepared statements' names are forgotten: the
+        connection is new)."""
+        self.queues, self.stmts, self.prepared = parent.queues, parent.stmts, parent.prepared
 
     def record_error(self, code: int, qid: int = 0, seq: int = -1) -> None:
         """Record an error this client hit in its section entry (error paths only;

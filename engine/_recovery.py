@@ -33,10 +33,10 @@ from ._decide import (
     mark_dropped,
     resync_queue,
 )
-from ._errors import DatabaseUnavailable, QueueError, RingqError, SectionError
+from ._errors import DatabaseUnavailable, QueueError, RingqError, SchemaMissing, SectionError
 from ._names import queue_table
 from ._ops import POISON_REASON, Op, OpKind, RowState
-from ._pg import from_psycopg
+from ._pg import connect
 from ._process import _Process
 from ._queries import QUERIES as _Q
 from ._queue_info import QueueInfo
@@ -77,16 +77,13 @@ class Recovered:
 
 
 def _connect(dsn: str) -> psycopg.Connection[Any]:
-    try:
-        return psycopg.connect(dsn, autocommit=True, connect_timeout=5)
-    except psycopg.Error as exc:
-        raise from_psycopg(exc, dsn=dsn) from exc
+    return connect(dsn, connect_timeout=5)
 
 
 def _instance(conn: psycopg.Connection[Any]) -> str:
     row = conn.execute(_Q["instance"]).fetchone()  # (instance id, schema version, backend pid)
     if not row or row[0] is None:
-        raise from_psycopg(psycopg.errors.UndefinedTable("ringq.meta has no instance_id"))
+        raise SchemaMissing("ringq schema missing or incomplete: ringq.meta has no instance_id")
     return str(row[0])
 
 

@@ -426,7 +426,7 @@ class Section(ClientTable):
         if start + need > L.CACHE_POOL:
             # The pool's end is reached: a dropped queue's space that is big
             # enough serves (its records carry that queue's epoch: never trusted).
-            dropped = self._dropped_cache_area(base, need)
+            dropped = _dropped_cache_area(self.queues, base, need)
             if dropped is None:
                 logger.warning(
                     "ringq: queue %s runs without its payload cache: it needs %d bytes, "
@@ -453,19 +453,6 @@ class Section(ClientTable):
             return area
         self.header[L.H_NEXT_CACHE] = start + (need + 63) // 64 * 64
         return start, need
-
-    def _dropped_cache_area(self, base: int, need: int) -> int | None:
-        """The dropped queue block (other than the one at word ``base``)
-        whose cache space is the smallest of at least ``need`` bytes, or None."""
-        best, best_area = None, 0
-        for i in range(L.MAX_QUEUES):
-            b = i * L.QUEUE_WORDS
-            area = self.queues[b + L.Q_CACHE_AREA]
-            if b == base or self.queues[b + L.Q_STATE] != L.QS_DROPPED or area < need:
-                continue
-            if best is None or area < best_area:
-                best, best_area = i, area
-        return best
 
     def note_db_clock(self, db_us: int) -> None:
         """A statement's answer stamped the database's time ``db_us`` (us since
@@ -565,3 +552,18 @@ class Section(ClientTable):
             for kind in "rs":
                 with contextlib.suppress(posix_ipc.ExistentialError):
                     posix_ipc.unlink_semaphore(f"{name}.{qid}{kind}")
+
+
+def _dropped_cache_area(queues: memoryview, base: int, need: int) -> int | None:
+    """The dropped queue block in the section's ``queues`` words (other than
+    the one at word ``base``) whose cache space is the smallest of at least
+    ``need`` bytes, or None."""
+    best, best_area = None, 0
+    for i in range(L.MAX_QUEUES):
+        b = i * L.QUEUE_WORDS
+        area = queues[b + L.Q_CACHE_AREA]
+        if b == base or queues[b + L.Q_STATE] != L.QS_DROPPED or area < need:
+            continue
+        if best is None or area < best_area:
+            best, best_area = i, area
+    return best

@@ -37,7 +37,6 @@ from ._errors import InDoubt, RingqError, SessionClosed, StaleSection, Transacti
 from ._events import Subscription, publish
 from ._link import Link
 from ._message import Message as Message
-from ._pg import from_callers_statement
 from ._queue_info import QueueInfo as QueueInfo
 from ._reserve import Reservations
 from ._ring import Ring
@@ -122,10 +121,6 @@ class Session:
     @property
     def owner(self) -> int:  # our token in the section (the OWNER word of the slots we lock)
         return self._link.owner
-
-    @owner.setter
-    def owner(self, value: int) -> None:
-        self._link.owner = value
 
     @property
     def producer(self) -> str:  # the producer name written with each entry we enqueue
@@ -224,21 +219,17 @@ class Session:
             (``__cause__``: psycopg's error); the transaction is failed: roll it back.
         """
         self._check()
-        if prepare:
-            self._link.prepared.add(query)
-        try:
-            return self._link.execute(query, params)
-        except RingqError as err:
-            if err.__cause__ is None:
-                raise
-            raise from_callers_statement(err.__cause__, err) from err.__cause__
+        return self._link.execute_callers(query, params, prepare=prepare)
 
     def _check(self) -> None:
-        if self._closed:
-            raise SessionClosed("the session is closed")
+        self._require_open()
         if os.getpid() != self._pid:
             self._after_fork()
         self._link.settle(two_phase_prepared=self._tpc.prepared)
+
+    def _require_open(self) -> None:
+        if self._closed:
+            raise SessionClosed("the session is closed")
 
     def _after_fork(self) -> None:
         """A new connection and entry; the parent's (and its two-phase side
@@ -246,11 +237,8 @@ class Session:
         connection made in another process. The queues known stay known."""
         old, tpc = self._link, self._tpc
         self._open(old.dsn, _new_producer(), old.connect_timeout, old.appname, old.role)
-        # (the prepared statements' names are forgotten: the connection is new)
-        self._link.queues, self._link.stmts, self._link.prepared = (
-            old.queues, old.stmts, old.prepared)
-        self._tpc.xid, self._tpc.prepared, self._tpc.decided = tpc.xid, tpc.prepared, tpc.decided
-        self._link.tpc_open = tpc.xid is not None
+        self._link.inherit(old)
+        self._tpc.inherit(tpc)
 
     def queue_info(self, name: str) -> QueueInfo:
         """The queue's settings (cached for the session's life).
@@ -311,8 +299,8 @@ class Session:
         :raises DatabaseUnavailable: no server answers yet: ask again later.
         :raises DatabaseError:
         """
-        connect_timeout = max(1, int(self._link.connect_timeout))
-        return in_doubt_outcome(self.dsn, exc, timeout=timeout, connect_timeout=connect_timeout)
+        return in_doubt_outcome(self.dsn, exc, timeout=timeout,
+                                connect_timeout=self._link.connect_timeout)
 
     def flush(self) -> None:
         """Send the row writes the session holds now (one round trip, opening
@@ -343,19 +331,16 @@ class Session:
             raise
 
     def rollback(self, *, count_delivery: bool = True, retry_after: float | None = None) -> None:
-        """Roll back: enqueued entries are voided, dequeued ones become ready again
-        (and count a delivery; at the queue's max_deliveries they move to
+        """Roll back, in one round trip at most (the row writes the session holds
+        are dropped, the strikes travel with the ROLLBACK): enqueued entries
+        are voided, dequeued ones become ready again after the queue's retry
+        backoff, or ``retry_after`` seconds (the database's clock) when given,
+        and count a delivery (at the queue's max_deliveries they move to
         ``ringq.exceptions``). ``count_delivery=False`` gives entries back
         without a strike (a shutdown that aborts work, not the entry's fault).
-        A dequeued entry comes back after the queue's retry backoff, or
-        ``retry_after`` seconds (the database's clock) when given.
 
-        :raises InvalidArgument: ``retry_after`` negative, NaN or infinite.
-
-        One round trip at most: the row writes the session holds are simply
-        dropped, and the strikes travel with the ROLLBACK."""
-        if self._closed:
-            raise SessionClosed("the session is closed")
+        :raises InvalidArgument: ``retry_after`` negative, NaN or infinite."""
+        self._require_open()
         if os.getpid() != self._pid:
             self._after_fork()
             return
@@ -386,8 +371,7 @@ class Session:
 
     def xid(self, gtrid: str) -> Any:
         """A transaction id for :meth:`tpc_begin` (format 0, branch ``ringq``)."""
-        if self._closed:
-            raise SessionClosed("the session is closed")
+        self._require_open()
         return self._tpc.make_xid(gtrid)
 
     def tpc_begin(self, xid: Any) -> None:
@@ -434,8 +418,7 @@ class Session:
             commits the transaction if :meth:`tpc_decide` recorded it, else
             rolls it back after a timeout.
         """
-        if self._closed:
-            raise SessionClosed("the session is closed")
+        self._require_open()
         self._tpc.require_open()
         if not self._tpc.prepared:
             self._flush()  # a one-phase commit: the row writes go first
@@ -449,8 +432,7 @@ class Session:
             committed already), so only :meth:`tpc_commit` or recovery may
             finish the transaction, and both commit it.
         """
-        if self._closed:
-            raise SessionClosed("the session is closed")
+        self._require_open()
         self._tpc.refuse_rollback()
         self._tpc.require_open()
         self._tpc.end(commit=False)

@@ -22,6 +22,7 @@ from psycopg.pq import TransactionStatus
 from . import _layout as L
 from ._errors import InDoubt, RingqError, TransactionError, one_line
 from ._ops import each_op
+from ._pg import connect
 from ._queries import QUERIES as _Q
 
 if TYPE_CHECKING:
@@ -121,9 +122,7 @@ class TwoPhase:
         if aux is None or aux.closed or aux.broken:
             link = self.link
             aux = link.call(
-                lambda: psycopg.connect(
-                    link.dsn, autocommit=True, connect_timeout=max(1, int(link.connect_timeout))
-                ),
+                lambda: connect(link.dsn, connect_timeout=link.connect_timeout),
                 recover=False,
             )
             self.aux = aux
@@ -132,6 +131,11 @@ class TwoPhase:
     def close(self) -> None:
         if self.aux is not None:
             self.aux.close()
+
+    def inherit(self, parent: TwoPhase) -> None:
+        """In a forked child: the parent's open two-phase transaction, as it stood."""
+        self.xid, self.prepared, self.decided = parent.xid, parent.prepared, parent.decided
+        self.link.tpc_open = parent.xid is not None
 
     def decide(self) -> None:
         """Record the coordinator's durable decision to commit (see ``Session.tpc_decide``).

@@ -695,9 +695,9 @@ def test_orphaned_slot_is_decided_once_its_holder_backend_is_gone(
         held_by = s.backend_pid
         slot = ring.tail % ring.cap
         assert ring.holder(slot) == held_by and ring.bits(slot)[3] == s.owner
-        # white-box (Session._link.cidx, Session._link.ops): orphan the token while its backend
+        # white-box (Session._link.owner, .cidx, .ops): orphan the token while its backend
         # lives, as a process that lost track of its session would; no public call does.
-        s.owner = sec.renew_client(s._link.cidx, held_by)
+        s._link.owner = sec.renew_client(s._link.cidx, held_by)
         s._link.ops = []
         assert recover_dead_clients(sec, dsn) == []  # its transaction is open: it may still commit
         assert ring.counts()["locked"] == 1
