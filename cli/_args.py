@@ -95,6 +95,27 @@ def env_option(
     )
 
 
+def add_cycle_options(
+    p: argparse.ArgumentParser, env_prefix: str, *, entries: int, capacity: int
+) -> None:
+    """The regression cycle's shape, as ``ringq regress`` and ``ringq run`` (which
+    passes them on to it) take it; each option's variable is ``env_prefix`` +
+    its name (``RINGQ_RUN_`` + ``ENTRIES``)."""
+    env_option(p, "--cycles", env=f"{env_prefix}CYCLES", default=1, type=int,
+               help="cycles to run; 0 = until stopped (SIGINT/SIGTERM)")
+    env_option(p, "--entries-per-queue", env=f"{env_prefix}ENTRIES", default=entries, type=int,
+               help="committed entries per queue per cycle")
+    env_option(p, "--capacity", env=f"{env_prefix}CAPACITY", default=capacity, type=int,
+               help="slots per queue")
+    env_option(p, "--payload-sizes", env=f"{env_prefix}PAYLOAD_SIZES",
+               default="16,200,2000,20000,200000",
+               help="one queue per size, in bytes (k = 1000, m = 1000000; at least 16)")
+    env_option(p, "--grouped-consumers", env=f"{env_prefix}GROUPED_CONSUMERS", default=3,
+               type=int, help="consumer processes of the grouped queue (0: no grouped queue)")
+    env_option(p, "--groups", env=f"{env_prefix}GROUPS", default=50, type=int,
+               help="groups the grouped queue's entries are spread over (at random)")
+
+
 def resolve_env(args: argparse.Namespace) -> None:
     """Replace every variable-supplied default in ``args`` by its converted value.
 

@@ -13,7 +13,7 @@ from typing import Any, Self
 
 from ringq.engine import exits, ringq_home
 
-from ._args import add_dsn, env_option, subparser
+from ._args import add_cycle_options, add_dsn, env_option, subparser
 
 # Exit codes of `ringq regress` (the shared values of `ringq --help`).
 RET_OK = exits.OK  # every cycle proven (or stored, with --no-verify)
@@ -114,18 +114,7 @@ def register(sub: Any) -> None:
         sub, "regress", "run the randomized regression cycle, proven by Spark", DESCRIPTION
     )
     p.set_defaults(func=_run, _parser=p)
-    env_option(p, "--cycles", env="RINGQ_REGRESS_CYCLES", default=1, type=int,
-               help="cycles to run; 0 = until stopped (SIGINT/SIGTERM)")
-    env_option(p, "--entries-per-queue", env="RINGQ_REGRESS_ENTRIES", default=10000, type=int,
-               help="committed entries per queue per cycle")
-    env_option(
-        p,
-        "--capacity",
-        env="RINGQ_REGRESS_CAPACITY",
-        default=2000,
-        type=int,
-        help="slots per queue",
-    )
+    add_cycle_options(p, "RINGQ_REGRESS_", entries=10000, capacity=2000)
     env_option(
         p,
         "--producers",
@@ -134,17 +123,6 @@ def register(sub: Any) -> None:
         type=int,
         help="producer processes",
     )
-    env_option(
-        p,
-        "--payload-sizes",
-        env="RINGQ_REGRESS_PAYLOAD_SIZES",
-        default="16,200,2000,20000,200000",
-        help="one queue per size, in bytes (k = 1000, m = 1000000; at least 16)",
-    )
-    env_option(p, "--grouped-consumers", env="RINGQ_REGRESS_GROUPED_CONSUMERS", default=3,
-               type=int, help="consumer processes of the grouped queue (0: no grouped queue)")
-    env_option(p, "--groups", env="RINGQ_REGRESS_GROUPS", default=50, type=int,
-               help="groups the grouped queue's entries are spread over (at random)")
     env_option(p, "--sql-consumers", env="RINGQ_REGRESS_SQL_CONSUMERS", default=0, type=int,
                help="consumer processes calling ringq.dequeue from plain psycopg connections, "
                     "beside the linked ones (dealt over the queues, the grouped one first)")

@@ -25,7 +25,7 @@ from typing import Any
 
 from ringq.engine import ConfigError, RingqError, exits, pid_alive, ringq_home
 
-from ._args import add_dsn, env_option, subparser
+from ._args import add_cycle_options, add_dsn, env_option, subparser
 
 RTV_PIDFILE = "rtv.pid"
 RTV_LOG = "rtv.log"
@@ -40,23 +40,8 @@ def register(sub: Any) -> None:
         description=__doc__,
     )
     add_dsn(p)
-    env_option(p, "--entries-per-queue", env="RINGQ_RUN_ENTRIES", default=4000, type=int,
-               help="entries per queue in the regression cycle")
-    env_option(p, "--capacity", env="RINGQ_RUN_CAPACITY", default=1000, type=int,
-               help="slots per regression queue")
-    env_option(p, "--cycles", env="RINGQ_RUN_CYCLES", default=1, type=int,
-               help="regression cycles (0 = until stopped)")
-    env_option(
-        p,
-        "--payload-sizes",
-        env="RINGQ_RUN_PAYLOAD_SIZES",
-        default="16,200,2000,20000,200000",
-        help="payload size of each regression queue, bytes",
-    )
-    env_option(p, "--grouped-consumers", env="RINGQ_RUN_GROUPED_CONSUMERS", default=3, type=int,
-               help="consumer processes of the cycle's grouped queue (0: no grouped queue)")
-    env_option(p, "--groups", env="RINGQ_RUN_GROUPS", default=50, type=int,
-               help="groups of the grouped queue's entries")
+    # the regression cycle's shape, passed on to 'ringq regress'
+    add_cycle_options(p, "RINGQ_RUN_", entries=4000, capacity=1000)
     env_option(p, "--monitor-port", env="RINGQ_MONITOR_PORT", default=7480, type=int,
                help="monitor HTTP port (another free port if taken)")
     env_option(p, "--rtv-port", env="RINGQ_RTV_PORT", default=7481, type=int,
