@@ -4,7 +4,13 @@ Two ``shared`` queues of one database, each with ``--capacity`` slots:
 
 - *plain*: one ready entry at the tail, nothing waits;
 - *waiting*: ``--waiting`` entries delayed by an hour (``enqueue_many(...,
-  delay=3600)``), then one entry due at once behind them.
+  delay=3600)``), then one entry due at once behind them;
+- *grouped*: the same with the waiting entries spread over ``--groups``
+  groups, the due entry in a group of its own;
+- *grouped, behind a head*: the same, with a ready entry of one of the
+  waiting groups ahead of the due one: that group waits for its head, so
+  the claim passes the ready entry over (the walk a grouped claim makes
+  when one of its groups waits).
 
 Each queue's claim is timed in-process: ``Ring.claim`` under the queue lock,
 the claimed entry put back at once (``finish_dequeue`` without a strike),
@@ -23,7 +29,6 @@ Run ``python bench/bench_delays.py --help``.
 
 from __future__ import annotations
 
-import statistics
 import sys
 import time
 from dataclasses import dataclass
@@ -44,6 +49,7 @@ class Config:
     waiting: int
     claims: int
     late: int
+    groups: int
 
 
 def _time_claims(s: Session, queue: str, n: int, *, force_pass: bool = False) -> dict[str, float]:
@@ -67,6 +73,14 @@ def _time_claims(s: Session, queue: str, n: int, *, force_pass: bool = False) ->
     us = np.asarray(took) / 1000.0
     return {"p50_us": float(np.median(us)), "p90_us": float(np.percentile(us, 90))}
 
+
+CASES = {  # figure -> what it times
+    "plain": "plain queue, one ready entry",
+    "waiting": "{cfg.waiting:,} waiting entries ahead of one due",
+    "release_pass": "the same, each claim making the release pass",
+    "grouped": "the same in {cfg.groups:,} groups, the due one in its own",
+    "grouped_behind": "the same, a ready entry behind its group's waiting head first",
+}
 
 LATE_READ = (
     "SELECT (extract(epoch FROM deq_at - not_before) * 1000)::float8 FROM {} "
@@ -99,8 +113,17 @@ def _lateness(dsn: str, queue: str, n: int) -> dict[str, float]:
             "min_ms": float(ms.min())}
 
 
+def _fill_waiting(s: Session, queue: str, cfg: Config, groups: int) -> None:
+    """``cfg.waiting`` entries delayed by an hour (in ``groups`` groups, 0: none)."""
+    for i in range(0, cfg.waiting, 1000):
+        n = min(1000, cfg.waiting - i)
+        group = [f"g{(i + k) % groups}" for k in range(n)] if groups else None
+        s.enqueue_many(queue, [b"later"] * n, group=group, delay=3600)
+        s.commit()
+
+
 def run(cfg: Config, dsn: str, names: list[str]) -> dict[str, Any]:
-    plain, waiting, late = names
+    plain, waiting, late, grouped, behind = names
     with psycopg.connect(dsn) as conn:
         for name in names:
             create_queue(conn, QueueSpec(name, cfg.capacity, 128, dequeue_mode="shared",
@@ -108,19 +131,26 @@ def run(cfg: Config, dsn: str, names: list[str]) -> dict[str, Any]:
     with connect(dsn) as s:
         s.enqueue(plain, b"due")
         s.commit()
-        for i in range(0, cfg.waiting, 1000):
-            s.enqueue_many(waiting, [b"later"] * min(1000, cfg.waiting - i), delay=3600)
-            s.commit()
+        _fill_waiting(s, waiting, cfg, 0)
         s.enqueue(waiting, b"due")
+        _fill_waiting(s, grouped, cfg, cfg.groups)
+        s.enqueue(grouped, b"due", group="free")
+        _fill_waiting(s, behind, cfg, cfg.groups)
+        s.enqueue(behind, b"behind g0's head", group="g0")
+        s.enqueue(behind, b"due", group="free")
         s.commit()
-        ring = s.ring(waiting)
-        assert ring.Q[ring.qb + L.Q_N_WAITING] == cfg.waiting
+        rings = [s.ring(q) for q in (waiting, grouped, behind)]
+        for ring in rings:
+            assert ring.Q[ring.qb + L.Q_N_WAITING] == cfg.waiting
         out = {
             "plain": _time_claims(s, plain, cfg.claims),
             "waiting": _time_claims(s, waiting, cfg.claims),
             "release_pass": _time_claims(s, waiting, cfg.claims, force_pass=True),
+            "grouped": _time_claims(s, grouped, cfg.claims),
+            "grouped_behind": _time_claims(s, behind, cfg.claims),
         }
-        assert ring.Q[ring.qb + L.Q_N_WAITING] == cfg.waiting  # none fell due
+        for ring in rings:
+            assert ring.Q[ring.qb + L.Q_N_WAITING] == cfg.waiting  # none fell due
     out["lateness"] = _lateness(dsn, late, cfg.late)
     return out
 
@@ -130,28 +160,30 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--capacity", type=int, default=16384, help="slots of each queue")
     p.add_argument("--waiting", type=int, default=10_000, help="entries delayed by an hour")
     p.add_argument("--claims", type=int, default=2000, help="claims timed per figure")
+    p.add_argument("--groups", type=int, default=100,
+                   help="groups the grouped queues' waiting entries are spread over")
     p.add_argument("--late", type=int, default=200,
                    help="delayed entries whose lateness a waiting consumer shows")
     a = p.parse_args(argv)
-    if not 0 < a.waiting < a.capacity or a.claims < 1:
-        p.error("need 0 < --waiting < --capacity and --claims >= 1")
-    cfg = Config(a.capacity, a.waiting, a.claims, a.late)
+    if not 0 < a.waiting < a.capacity - 1 or a.claims < 1 or a.groups < 1:
+        p.error("need 0 < --waiting < --capacity - 1, --claims >= 1 and --groups >= 1")
+    cfg = Config(a.capacity, a.waiting, a.claims, a.late, a.groups)
     tag = str(time.monotonic_ns() % 1_000_000)
-    names = [f"bd_plain_{tag}", f"bd_wait_{tag}", f"bd_late_{tag}"]
+    names = [f"bd_plain_{tag}", f"bd_wait_{tag}", f"bd_late_{tag}", f"bd_grp_{tag}",
+             f"bd_grpb_{tag}"]
 
     def summarize(raw: dict[str, Any]) -> dict[str, Any]:
-        return ({k: raw[k]["p50_us"] for k in ("plain", "waiting", "release_pass")}
+        return ({k: raw[k]["p50_us"] for k in CASES}
                 | {"lateness": raw["lateness"], "machine": machine()})
 
     def render(raw: dict[str, Any], summary: dict[str, Any], seconds: float) -> str:
         lines = [f"claim cost, us per call ({cfg.claims:,} claims each; {seconds:.1f} s in all)"]
-        for key, what in (("plain", "plain queue, one ready entry"),
-                          ("waiting", f"{cfg.waiting:,} waiting entries ahead of one due"),
-                          ("release_pass", "the same, each claim making the release pass")):
-            lines.append(f"  {what:<52} p50 {raw[key]['p50_us']:8.2f}  "
+        for key, what in CASES.items():
+            lines.append(f"  {what.format(cfg=cfg):<62} p50 {raw[key]['p50_us']:8.2f}  "
                          f"p90 {raw[key]['p90_us']:8.2f}")
-        ratio = statistics.fmean([raw["waiting"]["p50_us"] / raw["plain"]["p50_us"]])
-        lines.append(f"  waiting / plain (p50): {ratio:.2f}")
+        for key in ("waiting", "grouped", "grouped_behind"):
+            lines.append(f"  {key} / plain (p50): "
+                         f"{raw[key]['p50_us'] / raw['plain']['p50_us']:.2f}")
         late = raw["lateness"]
         lines.append(f"received after its due time ({late['n']:.0f} entries, a waiting "
                      f"consumer, database clock): p50 {late['p50_ms']:.1f} ms, p99 "

@@ -115,17 +115,30 @@ class RingScan:
     def _behind_waiting(self, tail: int, window: int, n: int, first: list[int]) -> list[int]:
         """A grouped claim's slots when entries wait: a group's entries
         after its oldest waiting entry wait for it (the group waits for its
-        head). Walks the ready slots in order past those (rare: only while
-        an entry of a group waits; the plain collection ``first`` stands
-        when none of it is behind one)."""
-        heads = self.waiting_heads(tail)
-        if not heads:
+        head). The plain collection ``first`` stands when none of its groups
+        has an entry waiting ahead of it; else the ready slots are walked in
+        order past those. The waiting entries are never walked in Python:
+        one vectorized pass matches their groups against the claim's, and a
+        group's head is looked up only for the groups the claim meets."""
+        cap, G, base = self.cap, self.sec.group_w, self.base
+        tags = {G[base + slot] for slot in first}
+        tags.discard(0)
+        if not tags:
             return first
-        cap = self.cap
-        G, base = self.sec.group_w, self.base
+        waiting, wtags = self._window_waiting(tail, window)
+        if not_in(wtags[waiting], tags).all():
+            return first  # none of the claim's groups waits
+        heads: dict[int, int | None] = {}
 
         def behind(slot: int) -> bool:
-            head = heads.get(G[base + slot])
+            tag = G[base + slot]
+            if not tag:
+                return False
+            if tag not in heads:  # its oldest waiting entry: slots from the tail, or None
+                hit = waiting & (wtags == tag)
+                first_hit = int(np.argmax(hit))
+                heads[tag] = first_hit if hit[first_hit] else None
+            head = heads[tag]
             return head is not None and (slot - tail) % cap > head
 
         if not any(behind(slot) for slot in first):
@@ -146,6 +159,25 @@ class RingScan:
                     return out
         return out
 
+    def _window_waiting(self, tail: int, window: int) -> tuple[np.ndarray, np.ndarray]:
+        """(waiting, tags) of the ``window`` slots from ``tail``, index = slots
+        from the tail: whether each waits (ENQ, DEQ and LCK clear, see
+        ``_waiting``), and its group tag."""
+        s = self.sec
+        start = tail % self.cap
+        end = start + window
+        spans = [(start, end)] if end <= self.cap else [(start, self.cap), (0, end - self.cap)]
+        masks, tags = [], []
+        for a, b in spans:
+            g0, g1 = self.w0 + (a >> 6), self.w0 + ((b - 1) >> 6) + 1
+            words = ~(s.enq[g0:g1] | s.deq[g0:g1] | s.lck[g0:g1])
+            bits = np.unpackbits(words.view(np.uint8), bitorder="little").view(bool)
+            masks.append(bits[a & 63 : (a & 63) + b - a])
+            tags.append(s.group[self.base + a : self.base + b])
+        if len(spans) == 1:
+            return masks[0], tags[0]
+        return np.concatenate(masks), np.concatenate(tags)
+
     def first_waiting(self, tail: int) -> int | None:
         """How many slots from the tail come before the oldest waiting entry
         (None: none waits): a single-dequeuer queue's claim stops there."""
@@ -153,22 +185,6 @@ class RingScan:
         if not slots.size:
             return None
         return int(((slots - tail) % self.cap).min())
-
-    def waiting_heads(self, tail: int) -> dict[int, int]:
-        """For each group with a waiting entry: how many slots from the tail
-        come before its oldest waiting entry. The group's later entries wait
-        for it."""
-        slots = self.waiting_slots()
-        if not slots.size:
-            return {}
-        tags = self.sec.group[self.base + slots]
-        offs = (slots - tail) % self.cap
-        keep = tags != 0
-        heads: dict[int, int] = {}
-        for tag, off in zip(tags[keep].tolist(), offs[keep].tolist(), strict=True):
-            if off < heads.get(tag, off + 1):
-                heads[tag] = off
-        return heads
 
     def waiting_slots(self) -> np.ndarray:
         """The queue's waiting slots (ENQ, DEQ and LCK clear inside the

@@ -35,8 +35,9 @@ from ringq.engine import (
     queue_table,
 )
 from ringq.engine import layout as L
+from ringq.engine import metrics as M
 from ringq.engine.recovery import recover_dead_clients
-from ringq.scripting import alter_retry
+from ringq.scripting import alter_retry, list_exceptions
 from ringq.worker import Actions, Retry, Worker
 
 FORK = mp.get_context("fork")
@@ -156,6 +157,26 @@ def test_a_group_waits_for_its_head_others_go_on(dsn: str, make_queue: Callable[
         s.commit()
 
 
+def test_a_host_clock_an_hour_ahead_releases_nothing_early(
+    dsn: str, make_queue: Callable[..., str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Due times are the database's clock, compared with the host's estimate
+    of it (monotonic time plus the offset answers stamp): the host's wall
+    clock jumping an hour ahead (here: in this process) releases nothing."""
+    q = make_queue(dequeue_mode="shared")
+    wall, wall_ns = time.time, time.time_ns
+    monkeypatch.setattr(time, "time", lambda: wall() + 3600)
+    monkeypatch.setattr(time, "time_ns", lambda: wall_ns() + 3600 * 10**9)
+    with connect(dsn) as s:
+        seq = s.enqueue(q, b"in a second", delay=1.0)
+        s.commit()
+        assert s.dequeue(q) is None
+        s.commit()
+        assert present(s.dequeue(q, wait=3.0)).seq == seq
+        s.commit()
+    assert_not_early(dsn, q, seq)
+
+
 def test_not_before_and_enqueue_many(dsn: str, make_queue: Callable[..., str]) -> None:
     q = make_queue(dequeue_mode="shared")
     with psycopg.connect(dsn, autocommit=True) as conn:
@@ -236,10 +257,13 @@ def test_retry_backoff_is_constant_then_exponential(
         assert want - 0.01 <= gap <= want + 0.1, (gaps, expect)
 
 
+@pytest.mark.parametrize("backoff", [0.0, 30.0])
 def test_rollback_with_retry_after_wins_over_the_backoff(
-    dsn: str, make_queue: Callable[..., str]
+    dsn: str, make_queue: Callable[..., str], backoff: float
 ) -> None:
-    q = make_queue(dequeue_mode="single")
+    """``retry_after`` sets this rollback's delay, shorter or longer than the
+    queue's own backoff (30 s here: the entry comes back within 2 s)."""
+    q = make_queue(dequeue_mode="single", retry_delay=backoff)
     with connect(dsn) as s:
         seq = s.enqueue(q, b"later")
         s.commit()
@@ -251,6 +275,77 @@ def test_rollback_with_retry_after_wins_over_the_backoff(
         assert m.deliveries == 2
         s.commit()
     assert_not_early(dsn, q, seq)
+
+
+def test_an_entry_with_a_backoff_is_still_poisoned_at_max_deliveries(
+    dsn: str, make_queue: Callable[..., str]
+) -> None:
+    q = make_queue(dequeue_mode="shared", max_deliveries=2, retry_delay=0.2)
+    with connect(dsn) as s:
+        seq = s.enqueue(q, b"bad")
+        s.commit()
+        present(s.dequeue(q))
+        s.rollback()
+        assert s.dequeue(q) is None  # waits for its backoff
+        s.commit()
+        assert present(s.dequeue(q, wait=2.0)).deliveries == 2
+        s.rollback()  # the last delivery: poisoned, not made to wait
+        assert s.dequeue(q, wait=0.5) is None
+        s.commit()
+        ring = s.ring(q)
+        assert M.due_figures(s.section, ring.qidx)[M.WAITING_ENTRIES] == 0
+    with psycopg.connect(dsn) as conn:
+        assert [(e.seq, e.deliveries) for e in list_exceptions(conn, q)] == [(seq, 2)]
+
+
+def test_a_prepared_dequeue_rolled_back_waits_for_its_backoff(
+    dsn: str, make_queue: Callable[..., str]
+) -> None:
+    q = make_queue(dequeue_mode="shared", retry_delay=0.3)
+    gid = "delays-" + os.urandom(4).hex()
+    with connect(dsn) as s, connect(dsn) as other:
+        seq = s.enqueue(q, b"prepared")
+        s.commit()
+        s.tpc_begin(s.xid(gid))
+        assert present(s.dequeue(q)).seq == seq
+        s.tpc_prepare()
+        s.tpc_rollback()  # ROLLBACK PREPARED: a delivery that did not commit
+        assert other.dequeue(q) is None  # not back before its backoff
+        other.commit()
+        m = present(other.dequeue(q, wait=2.0))
+        assert (m.seq, m.deliveries) == (seq, 2)
+        other.commit()
+    assert_not_early(dsn, q, seq)
+
+
+def test_a_group_waits_for_its_retried_head_across_the_rings_end(
+    dsn: str, make_queue: Callable[..., str]
+) -> None:
+    """A grouped entry given back with a backoff holds its group's later
+    entries; other groups go on. The window wraps around the ring's end
+    (capacity 8, the tail moved to slot 6 first), so the claim's look at the
+    waiting entries reads both ends of the ring."""
+    q = make_queue(capacity=8, dequeue_mode="shared", retry_delay=0.4)
+    with connect(dsn) as s:
+        s.enqueue_many(q, [b"x"] * 6)
+        s.commit()
+        assert len(s.dequeue_many(q, 6)) == 6
+        s.commit()
+        s.enqueue_many(q, [b"g1", b"g2", b"h1", b"g3"], group=["g", "g", "h", "g"])
+        s.commit()
+        assert present(s.dequeue(q)).payload == b"g1"
+        s.rollback()  # g1 waits 0.4 s; g2 and g3 wait behind it
+        assert [m.payload for m in s.dequeue_many(q, 10)] == [b"h1"]
+        s.commit()
+        assert s.dequeue_many(q, 10) == []
+        s.commit()
+        got = present(s.dequeue(q, wait=3.0))
+        assert (got.payload, got.deliveries) == (b"g1", 2)
+        s.commit()
+        assert [present(s.dequeue(q)).payload for _ in range(1)] == [b"g2"]
+        s.commit()
+        assert present(s.dequeue(q)).payload == b"g3"
+        s.commit()
 
 
 def _hold(dsn: str, queue: str, ready: Event) -> None:
