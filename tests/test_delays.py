@@ -157,6 +157,21 @@ def test_a_group_waits_for_its_head_others_go_on(dsn: str, make_queue: Callable[
         s.commit()
 
 
+def test_a_delay_counts_from_the_commit_not_the_enqueue_call(
+    dsn: str, make_queue: Callable[..., str]
+) -> None:
+    q = make_queue(dequeue_mode="shared")
+    with connect(dsn) as s, connect(dsn) as consumer:
+        seq = s.enqueue(q, b"half a second after the commit", delay=0.5)
+        time.sleep(0.8)  # longer than the delay, before the commit
+        s.commit()
+        assert consumer.dequeue(q) is None  # due 0.5 s after the commit, not before it
+        consumer.commit()
+        assert present(consumer.dequeue(q, wait=3.0)).seq == seq
+        consumer.commit()
+    assert_not_early(dsn, q, seq)
+
+
 def test_a_host_clock_an_hour_ahead_releases_nothing_early(
     dsn: str, make_queue: Callable[..., str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
