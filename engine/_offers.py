@@ -124,7 +124,7 @@ class SqlAgent:
             self._listed = {int(r[0]) for r in conn.execute(_Q["offers_queues"]).fetchall()}
             self._scanned = now
             self._infos = _queue_infos(conn)
-            self._reconcile_all(sec)
+            self._reconcile_all(sec, conn)
             self._end_overdue(conn)
         if wanted and not {i.name for i in self._infos.values()} >= wanted:
             self._infos = _queue_infos(conn)
@@ -410,9 +410,12 @@ class SqlAgent:
                 logger.warning("ringq: SQL consumer backend %s held an entry of queue %s past "
                                "its lease (%g s): ended", pid, info.name, info.lease)
 
-    def _reconcile_all(self, sec: Section) -> None:
-        """Give back entries locked for SQL in a queue with none listed (an
-        agent that died between its claim and its insert)."""
+    def _reconcile_all(self, sec: Section, conn: psycopg.Connection[Any]) -> None:
+        """Settle entries locked for SQL in a queue with none listed (an agent
+        that died between its claim and its listing, or between a withdraw's
+        commit and its give-back) by their rows: a queued one is given back,
+        waiting if its row's due time (a struck entry's backoff) is still to
+        come; one consumed (or no longer at that seq) is finished."""
         listed_ids = self._listed
         for qidx in sec.loaded_queues():
             ring = Ring(sec, qidx)
@@ -425,15 +428,25 @@ class SqlAgent:
             try:
                 owners = sec.owner[ring.base : ring.base + ring.cap]
                 cand = np.flatnonzero(owners == L.OWNER_SQL)
-                lost = [(int(s), ring.seq_of(int(s)), 0) for s in cand
-                        if ring.held_by(int(s), L.OWNER_SQL)]
+                lost = {int(s): ring.seq_of(int(s)) for s in cand
+                        if ring.held_by(int(s), L.OWNER_SQL)}
             finally:
                 sec.unlock_queue(qidx)
-            if lost:
-                # Nothing listed, so no take can hold them (a take needs the listing).
-                self.figures.given_back += self._give_back(sec, ring, info, lost)
-                logger.warning("ringq: %d entries of queue %s locked for SQL consumers "
-                               "but not listed were given back", len(lost), info.name)
+            if not lost:
+                continue
+            # Nothing listed, so no take can hold them (a take needs the listing).
+            rows = conn.execute(sql.SQL(_Q["rows"]).format(table=queue_table(info.name)),
+                                (list(lost),)).fetchall()
+            queued = {int(slot): int(due or 0) for slot, state, seq, _group, due in rows
+                      if state == RowState.QUEUED and seq == lost[slot]}
+            back = [(slot, seq, queued[slot]) for slot, seq in lost.items() if slot in queued]
+            done = [(slot, seq) for slot, seq in lost.items() if slot not in queued]
+            if done:
+                self._finish(sec, ring, info, done)
+            self.figures.given_back += self._give_back(sec, ring, info, back)
+            logger.warning("ringq: %d entries of queue %s locked for SQL consumers but not "
+                           "listed were settled by their rows (%d given back)", len(lost),
+                           info.name, len(back))
 
 
 Write = tuple[str | sql.Composed, Any]  # a statement and its parameters

@@ -202,12 +202,8 @@ class Ring(RingScan):
         held by another client has nothing for us.
         """
         Q, b = self.Q, self.qb
-        if exclusive:
-            holder = Q[b + L.Q_DEQ_OWNER]
-            if holder and holder != owner:
-                return None
-            if not holder and self._role_asked_for_sql(owner):
-                return None
+        if exclusive and self._not_our_turn(owner):
+            return None
         tail = Q[b + L.Q_TAIL]
         n = Q[b + L.Q_HEAD] - tail
         if n <= 0:
@@ -288,12 +284,8 @@ class Ring(RingScan):
         LCK bits before the DEQ bits, as one array write each."""
         Q, b = self.Q, self.qb
         none = np.empty(0, dtype=np.int64)
-        if exclusive:
-            holder = Q[b + L.Q_DEQ_OWNER]
-            if holder and holder != owner:
-                return none, none
-            if not holder and self._role_asked_for_sql(owner):
-                return none, none
+        if exclusive and self._not_our_turn(owner):
+            return none, none
         tail = Q[b + L.Q_TAIL]
         window = Q[b + L.Q_HEAD] - tail
         if window <= 0:
@@ -333,10 +325,14 @@ class Ring(RingScan):
             Q[b + L.Q_DEPTH_HINT] -= 1
             Q[b + L.Q_N_DEQ_COMMIT] += 1
         else:
+            # DEQ before ENQ: a process killed between the two leaves ENQ
+            # set, and recovery still reads the locked slot as a dequeue
+            # (ENQ clear would read as a reserved enqueue, which its row
+            # "commits" with DEQ still set: a void slot, the entry lost).
+            s.deq_w[w] &= ~m & _U64
             if due_us and waits(self, due_us):
                 make_waiting(self, slot, due_us)
                 s.enq_w[w] &= ~m & _U64
-            s.deq_w[w] &= ~m & _U64
             Q[b + L.Q_N_DEQ_ROLLBACK] += 1
         if self.stride:
             # Consumed, or its row counts a delivery now: a record serves one
@@ -449,6 +445,19 @@ class Ring(RingScan):
             self.Q[word] -= 1
             if kind is OpKind.DEQUEUE:
                 self.Q[self.qb + L.Q_WAIT_WANT] = max(0, self.Q[self.qb + L.Q_WAIT_WANT] - want)
+
+    def _not_our_turn(self, owner: int) -> bool:
+        """Whether a single-dequeuer queue's role is another's (or the SQL
+        path asked for it): nothing for ``owner``. Entries fallen due are still
+        released, so the queue's next due time moves on (a dequeuer waiting
+        here sleeps until then, rather than trying again at once)."""
+        Q, b = self.Q, self.qb
+        holder = Q[b + L.Q_DEQ_OWNER]
+        if (holder and holder != owner) or (not holder and self._role_asked_for_sql(owner)):
+            if Q[b + L.Q_N_WAITING]:
+                release_due(self)
+            return True
+        return False
 
     def _due_window(self, tail: int, window: int, exclusive: bool) -> int:
         """A claim in a queue with waiting entries: release those due; in a

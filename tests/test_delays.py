@@ -14,11 +14,13 @@ import math
 import multiprocessing as mp
 import os
 import signal
+import sys
 import time
 from collections.abc import Callable
 from datetime import UTC, datetime, timedelta
 from multiprocessing.synchronize import Event
 from pathlib import Path
+from typing import Any
 
 import psycopg
 import pytest
@@ -36,7 +38,7 @@ from ringq.engine import (
 )
 from ringq.engine import layout as L
 from ringq.engine import metrics as M
-from ringq.engine.recovery import recover_dead_clients
+from ringq.engine.recovery import recover_dead_clients, repair_lock_holders
 from ringq.scripting import alter_retry, list_exceptions
 from ringq.worker import Actions, Retry, Worker
 
@@ -444,6 +446,69 @@ def test_a_worker_action_raising_retry_is_due_after_its_delay(
         Retry(after=-1)
 
 
+def _roll_back_killed_at_line(dsn: str, queue: str, k: int) -> None:
+    """Dequeue and roll back (the queue's backoff), SIGKILLed at the ``k``-th
+    line ``Ring.finish_dequeue`` runs: between two of its writes, inside the
+    queue lock. Exits 0 if the function has fewer lines than ``k``."""
+    s = connect(dsn)
+    assert s.dequeue(queue, wait=5.0) is not None
+    code = type(s.ring(queue)).finish_dequeue.__code__
+    lines = 0
+
+    def in_finish(frame: Any, event: str, arg: Any) -> Any:
+        nonlocal lines
+        if event == "line":
+            lines += 1
+            if lines == k:
+                os.kill(os.getpid(), signal.SIGKILL)
+        return in_finish
+
+    sys.settrace(lambda frame, event, arg: in_finish if frame.f_code is code else None)
+    s.rollback()
+    sys.settrace(None)
+    os._exit(0)
+
+
+def test_a_consumer_killed_at_any_write_of_its_backoff_give_back_loses_nothing(
+    dsn: str, make_queue: Callable[..., str]
+) -> None:
+    """A rollback with a backoff finishes its slot in the section with several
+    writes (the due time and counters, DEQ, ENQ, LCK). Killed between any two
+    (the lock released by the kernel), the monitor's repair and recovery
+    decide the slot from its row: the entry comes back after its backoff,
+    once. (With ENQ cleared before DEQ, recovery read the slot as a reserved
+    enqueue and voided it: the entry was never delivered again.)"""
+    q = make_queue(dequeue_mode="shared", retry_delay=0.2, max_deliveries=100)
+    kills = 0
+    with connect(dsn) as s:
+        ring = s.ring(q)
+        for k in range(1, 60):
+            seq = s.enqueue(q, f"killed at line {k}".encode())
+            s.commit()
+            p = FORK.Process(target=_roll_back_killed_at_line, args=(dsn, q, k))
+            p.start()
+            p.join(30)
+            if p.exitcode == 0:
+                break  # past finish_dequeue's last line: nothing left to kill at
+            assert p.exitcode == -signal.SIGKILL
+            kills += 1
+            repair_lock_holders(s.section, dsn)
+            deadline = time.monotonic() + 20
+            while ring.counts()["locked"]:
+                recover_dead_clients(s.section, dsn)
+                assert time.monotonic() < deadline, f"line {k}: the slot stays locked"
+                time.sleep(0.05)
+            m = s.dequeue(q, wait=3.0)
+            assert m is not None and m.seq == seq, f"line {k}: the entry was lost"
+            s.commit()
+            assert_not_early(dsn, q, seq)
+        else:
+            pytest.fail("finish_dequeue never ran to its end")
+        assert s.dequeue(q) is None  # each once
+        s.commit()
+    assert kills >= 5, kills
+
+
 def test_a_delayed_enqueue_in_a_two_phase_transaction_waits_after_its_commit(
     dsn: str, make_queue: Callable[..., str]
 ) -> None:
@@ -462,6 +527,29 @@ def test_a_delayed_enqueue_in_a_two_phase_transaction_waits_after_its_commit(
         assert m.seq == seq
         consumer.commit()
     assert_not_early(dsn, q, seq)
+
+
+def test_a_dequeuer_waiting_on_a_single_queue_another_holds_sleeps_past_a_due_time(
+    dsn: str, make_queue: Callable[..., str]
+) -> None:
+    """A ``single`` queue whose role another session holds has nothing for a
+    second dequeuer; when a waiting entry falls due meanwhile, that dequeuer's
+    look releases it (the queue's next due time moves on) and it sleeps again,
+    rather than looking again at once until its wait ends (it did: some
+    100,000 empty looks in a second, a CPU's worth)."""
+    q = make_queue(dequeue_mode="single")
+    with connect(dsn) as holder, connect(dsn) as other:
+        holder.enqueue(q, b"first")
+        holder.enqueue(q, b"due soon", delay=0.2)
+        holder.commit()
+        assert present(holder.dequeue(q)).payload == b"first"  # holds the role
+        looks = other.stats(q)[M.EMPTY_HITS]
+        assert other.dequeue(q, wait=1.0) is None  # the role is the holder's
+        other.commit()
+        assert other.stats(q)[M.EMPTY_HITS] - looks < 100
+        holder.commit()
+        assert present(holder.dequeue(q)).payload == b"due soon"
+        holder.commit()
 
 
 def test_a_retried_entry_of_a_single_queue_holds_back_the_entries_behind_it(

@@ -15,6 +15,7 @@ import pytest
 from conftest import present
 from psycopg import sql
 from ringq.engine import connect, queue_table
+from ringq.engine.sqlpath import DEMAND_S, SqlAgent
 from ringq.monitor import pump_inbox
 
 
@@ -77,3 +78,48 @@ def test_sql_enqueue_with_a_due_time_waits_in_the_ring(
     assert consumed[b"later"][1] is None
     with psycopg.connect(dsn, autocommit=True) as c:
         assert c.execute("SELECT ringq.depth(%s)", (q,)).fetchone() == (1,)  # it counts
+
+
+class _Killed(Exception):
+    """Stands for the monitor's death at a point of the agent's pass."""
+
+
+def test_entries_the_agent_took_back_keep_their_backoff_after_it_died(
+    dsn: str, make_queue: Callable[..., str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The agent takes back entries no SQL consumer asked for lately: it
+    commits their removal from the listing, then gives them back in the
+    section. Killed between the two, the next agent (a restarted monitor)
+    finds them locked for SQL and listed nowhere, and settles them by their
+    rows: one a SQL consumer's rollback struck with the queue's backoff
+    waits for it (it was given back ready, and a linked consumer took it at
+    once), the other is ready."""
+    q = make_queue(dequeue_mode="shared", retry_delay=60.0)
+    now = [1000.0]
+    with connect(dsn) as s, psycopg.connect(dsn, autocommit=True) as aconn:
+        s.enqueue_many(q, [b"struck", b"plain"])
+        s.commit()
+        SqlAgent.prepare(aconn)
+        agent = SqlAgent(clock=lambda: now[0])
+        agent.asked(q)
+        agent.run(s.section, aconn)  # both set aside for SQL consumers
+        with psycopg.connect(dsn) as c:
+            [(payload,)] = c.execute("SELECT payload FROM ringq.dequeue(%s, 1)", (q,)).fetchall()
+            assert bytes(payload) == b"struck"
+            c.rollback()  # a delivery that did not commit: due again in 60 s
+        now[0] += 0.01
+        agent.run(s.section, aconn)  # the strike writes the backoff into the row
+        now[0] += DEMAND_S + 1  # nobody asked since: the next pass takes both back
+
+        def killed(*args: object, **kw: object) -> int:
+            raise _Killed
+
+        # white-box (SqlAgent._give_back): the death point, after the listing's commit
+        monkeypatch.setattr(agent, "_give_back", killed)
+        with pytest.raises(_Killed):
+            agent.run(s.section, aconn)
+        SqlAgent().run(s.section, aconn)  # the restarted monitor's agent
+        got = s.dequeue_many(q, 10)
+        s.commit()
+        assert [(m.payload, m.deliveries) for m in got] == [(b"plain", 1)]
+        assert s.ring(q).counts()["locked"] == 0
