@@ -42,7 +42,7 @@ from pathlib import Path
 from typing import Any
 
 import psycopg
-from _benchlib import database
+from _benchlib import argument_parser, database
 from psycopg import sql
 from ringq.engine import Section, connect, queue_table
 from ringq.monitor import Monitor, MonitorConfig
@@ -180,14 +180,9 @@ def table(runs: list[dict[str, Any]]) -> str:
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(
-        description=(
-            "What a held snapshot costs a ring, with and without the monitor's vacuum after it."
-        ),
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    p = argument_parser(
+        "What a held snapshot costs a ring, with and without the monitor's vacuum after it."
     )
-    p.add_argument("--dsn", help="run in this database instead of a private embedded cluster")
-    p.add_argument("--out", type=Path, help="also write the JSON here")
     p.add_argument("--capacity", type=int, default=1000, help="slots of the ring")
     p.add_argument("--payload", type=int, default=100, help="payload bytes")
     p.add_argument("--baseline", type=float, default=5.0,

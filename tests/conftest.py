@@ -34,7 +34,7 @@ import sys
 import tempfile
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager, suppress
 from pathlib import Path
 from typing import Any, LiteralString, TypeVar
@@ -302,6 +302,15 @@ def enqueue_committed(dsn: str, queue: str, *payloads: bytes, **options: Any) ->
         seqs = [s.enqueue(queue, p, **options) for p in payloads]
         s.commit()
     return seqs
+
+
+def sql_enqueue(dsn: str, entries: Iterable[tuple[str, bytes]]) -> None:
+    """Enqueue each (queue, payload) as a client outside the engine does: a
+    ``SELECT ringq.enqueue(queue, payload)`` of its own, autocommitted (into
+    ``ringq.inbox``, for the monitor's pump)."""
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        for queue, payload in entries:
+            conn.execute("SELECT ringq.enqueue(%s, %s)", (queue, payload))
 
 
 def drain(dsn: str, queue: str, *, wait: float | None = None, batch: int = 1) -> list[Message]:

@@ -159,21 +159,6 @@ def test_a_group_waits_for_its_head_others_go_on(dsn: str, make_queue: Callable[
         s.commit()
 
 
-def test_a_delay_counts_from_the_commit_not_the_enqueue_call(
-    dsn: str, make_queue: Callable[..., str]
-) -> None:
-    q = make_queue(dequeue_mode="shared")
-    with connect(dsn) as s, connect(dsn) as consumer:
-        seq = s.enqueue(q, b"half a second after the commit", delay=0.5)
-        time.sleep(0.8)  # longer than the delay, before the commit
-        s.commit()
-        assert consumer.dequeue(q) is None  # due 0.5 s after the commit, not before it
-        consumer.commit()
-        assert present(consumer.dequeue(q, wait=3.0)).seq == seq
-        consumer.commit()
-    assert_not_early(dsn, q, seq)
-
-
 def test_a_host_clock_an_hour_ahead_releases_nothing_early(
     dsn: str, make_queue: Callable[..., str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -215,6 +200,26 @@ def test_not_before_and_enqueue_many(dsn: str, make_queue: Callable[..., str]) -
         assert_not_early(dsn, q, seq)
     not_before, _ = row_times(dsn, q, later[0])
     assert not_before is not None and not_before > db_now + timedelta(seconds=59)
+
+
+def test_a_delay_counts_from_the_commit_not_the_enqueue_call(
+    dsn: str, make_queue: Callable[..., str]
+) -> None:
+    q = make_queue(dequeue_mode="shared")
+    with connect(dsn) as s, connect(dsn) as consumer:
+        seq = s.enqueue(q, b"half a second after the commit", delay=0.5)
+        time.sleep(0.8)  # longer than the delay, before the commit
+        s.commit()
+        assert consumer.dequeue(q) is None  # due 0.5 s after the commit, not before it
+        consumer.commit()
+        assert present(consumer.dequeue(q, wait=3.0)).seq == seq
+        consumer.commit()
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        [(after_write,)] = conn.execute(
+            sql.SQL("SELECT extract(epoch FROM not_before - enq_at)::float8 FROM {} "
+                    "WHERE seq = %s").format(queue_table(q)), (seq,)
+        ).fetchall()
+    assert 0.5 <= after_write < 0.7  # from the commit's row write (its transaction's start)
 
 
 def test_a_waiting_dequeuer_gets_the_entry_within_50_ms_of_its_time(
@@ -550,6 +555,7 @@ def test_a_dequeuer_waiting_on_a_single_queue_another_holds_sleeps_past_a_due_ti
         holder.commit()
         assert present(holder.dequeue(q)).payload == b"due soon"
         holder.commit()
+        assert M.due_figures(holder.section, holder.ring(q).qidx)[M.WAITING_ENTRIES] == 0
 
 
 def test_a_retried_entry_of_a_single_queue_holds_back_the_entries_behind_it(

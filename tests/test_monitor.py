@@ -27,7 +27,15 @@ from typing import Any
 
 import psycopg
 import pytest
-from conftest import MonitorProcess, drain, present, remove_section, terminate_backend, wait_for
+from conftest import (
+    MonitorProcess,
+    drain,
+    present,
+    remove_section,
+    sql_enqueue,
+    terminate_backend,
+    wait_for,
+)
 from ringq.cluster import Cluster
 from ringq.engine import ConfigError, Section, Session, TransactionError, connect, pid_alive
 from ringq.engine import layout as L
@@ -385,9 +393,7 @@ def test_sql_enqueue_reaches_the_ring_through_the_monitor(
 ) -> None:
     q = make_queue()
     monitor()
-    with psycopg.connect(dsn, autocommit=True) as conn:
-        for i in range(3):
-            conn.execute("SELECT ringq.enqueue(%s, %s)", (q, f"sql {i}".encode()))
+    sql_enqueue(dsn, [(q, f"sql {i}".encode()) for i in range(3)])
     t0 = time.monotonic()
     got: list[bytes] = []
     with connect(dsn) as s:
@@ -925,9 +931,8 @@ def test_a_full_queue_does_not_stall_recovery_and_its_sql_entries_wait_in_order(
     produce(dsn, full, 4, b"ring ")  # full, and nobody drains it yet
     m = monitor()
     log = tmp_path / "monitor" / "monitor.log"
-    with psycopg.connect(dsn, autocommit=True) as conn:
-        for i in range(10):  # more than the capacity: moved over several partial batches
-            conn.execute("SELECT ringq.enqueue(%s, %s)", (full, f"sql {i}".encode()))
+    # more than the capacity: moved over several partial batches
+    sql_enqueue(dsn, [(full, f"sql {i}".encode()) for i in range(10)])
     wait_for(
         lambda: any(
             r["event"] == "inbox.queue_full" and r["queue"] == full for r in _log_records(log)

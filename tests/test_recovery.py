@@ -14,7 +14,15 @@ from typing import Any
 
 import psycopg
 import pytest
-from conftest import decided_gids, drain, prepared_gids, present, remove_section, terminate_backend
+from conftest import (
+    decided_gids,
+    drain,
+    prepared_gids,
+    present,
+    remove_section,
+    sql_enqueue,
+    terminate_backend,
+)
 from ringq.engine import Ring, Section, connect
 from ringq.engine import layout as L
 from ringq.engine.recovery import (
@@ -225,13 +233,10 @@ def _qid(dsn: str, q: str) -> int:
 
 def test_sql_enqueue_reaches_the_ring_in_order(dsn: str, make_queue: Callable[..., str]) -> None:
     q = make_queue()
-    with psycopg.connect(dsn, autocommit=True) as c:
-        for i in range(5):
-            c.execute("SELECT ringq.enqueue(%s, %s)", (q, f"sql{i}".encode()))
+    sql_enqueue(dsn, [(q, f"sql{i}".encode()) for i in range(5)])
     moved = pump_inbox(dsn)
     assert moved == {q: 5}
-    with psycopg.connect(dsn, autocommit=True) as c:  # a second pass, by a new pump session
-        c.execute("SELECT ringq.enqueue(%s, %s)", (q, b"sql5"))
+    sql_enqueue(dsn, [(q, b"sql5")])  # a second pass, by a new pump session
     assert pump_inbox(dsn) == {q: 1}
     got = drain(dsn, q)
     assert [m.payload for m in got] == [f"sql{i}".encode() for i in range(6)]
@@ -251,10 +256,7 @@ def test_pump_never_waits_on_a_full_queue_and_keeps_its_rows(
         for i in range(2):
             s.enqueue(full, f"ring{i}".encode())
         s.commit()
-    with psycopg.connect(dsn, autocommit=True) as c:
-        for i in range(4):
-            c.execute("SELECT ringq.enqueue(%s, %s)", (full, f"sql{i}".encode()))
-        c.execute("SELECT ringq.enqueue(%s, %s)", (other, b"other"))
+    sql_enqueue(dsn, [*((full, f"sql{i}".encode()) for i in range(4)), (other, b"other")])
     reported: dict[str, int] = {}
     t0 = time.monotonic()
     moved = pump_inbox(dsn, full=reported)

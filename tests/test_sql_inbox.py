@@ -7,6 +7,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import psycopg
+from conftest import sql_enqueue
 from ringq.engine import connect
 from ringq.monitor import pump_inbox
 
@@ -23,10 +24,7 @@ def test_the_pump_passes_a_queue_another_pumper_holds_and_moves_it_once_free(
 ) -> None:
     first = make_queue(dequeue_mode="shared")
     second = make_queue(dequeue_mode="shared")
-    with psycopg.connect(dsn, autocommit=True) as c:
-        for q in (first, second):
-            for p in (b"a", b"b", b"c"):
-                c.execute("SELECT ringq.enqueue(%s, %s)", (q, p))
+    sql_enqueue(dsn, [(q, p) for q in (first, second) for p in (b"a", b"b", b"c")])
     with psycopg.connect(dsn) as holder:
         # Another pumper of the first queue, in the middle of its transaction.
         got = holder.execute("SELECT pg_try_advisory_xact_lock(hashtext('ringq.inbox'), %s)",
@@ -46,9 +44,7 @@ def test_the_pump_moves_batches_in_inbox_order_and_reports_a_full_queue(
     dsn: str, make_queue: Callable[..., str]
 ) -> None:
     small = make_queue(capacity=4, dequeue_mode="shared")
-    with psycopg.connect(dsn, autocommit=True) as c:
-        for i in range(7):
-            c.execute("SELECT ringq.enqueue(%s, %s)", (small, bytes([i])))
+    sql_enqueue(dsn, [(small, bytes([i])) for i in range(7)])
     full: dict[str, int] = {}
     assert pump_inbox(dsn, batch=3, full=full) == {small: 4}
     assert full == {small: _queue_id(dsn, small)}
