@@ -507,11 +507,11 @@ def _recover_orphans(
     return out
 
 
-def _decide_and_strike(
-    sec: Section, conn: psycopg.Connection[Any], ops: list[Op], rec: Recovered, token: int
-) -> None:
-    # Count a failed delivery on dequeues that did not commit, while the slots
-    # are still locked; poisoned ones become consumed rows.
+def _strike_dequeues(conn: psycopg.Connection[Any], ops: list[Op]) -> None:
+    """Count a failed delivery on the dequeues of ``ops`` whose rows are still
+    queued at their seq (their transaction did not commit), while the slots
+    are still locked: each waits for the queue's backoff, and one at
+    max_deliveries becomes a consumed row (poison)."""
     for info_id in {op.info.id for op in ops if op.kind == OpKind.DEQUEUE}:
         group = [op for op in ops if op.info.id == info_id and op.kind == OpKind.DEQUEUE]
         info = group[0].info
@@ -525,6 +525,12 @@ def _decide_and_strike(
                 "reason": POISON_REASON,
             },
         )
+
+
+def _decide_and_strike(
+    sec: Section, conn: psycopg.Connection[Any], ops: list[Op], rec: Recovered, token: int
+) -> None:
+    _strike_dequeues(conn, ops)
     decide_ops(sec, conn, ops, token, why=f"dead-client:{rec.pid}" if rec.pid else "orphaned")
     rows_by_q: dict[int, dict[int, tuple[int, int]]] = {}
     for op in ops:
@@ -660,6 +666,8 @@ def resolve_prepared(
                 )
             )
             if ops:
+                if verb == "rollback":
+                    _strike_dequeues(conn, ops)  # a delivery that did not commit
                 decide_ops(sec, conn, ops, HELD, why=f"prepared-{verb} gid={gid}")
             conn.execute(_Q["tpc_forget"], (gid,))
             conn.execute(_Q["tpc_undecide"], (gid,))

@@ -38,7 +38,7 @@ from ringq.engine import (
 )
 from ringq.engine import layout as L
 from ringq.engine import metrics as M
-from ringq.engine.recovery import recover_dead_clients, repair_lock_holders
+from ringq.engine.recovery import recover_dead_clients, repair_lock_holders, resolve_prepared
 from ringq.scripting import alter_retry, list_exceptions
 from ringq.worker import Actions, Retry, Worker
 
@@ -512,6 +512,44 @@ def test_a_consumer_killed_at_any_write_of_its_backoff_give_back_loses_nothing(
         assert s.dequeue(q) is None  # each once
         s.commit()
     assert kills >= 5, kills
+
+
+def _dequeue_prepare_and_die(dsn: str, queue: str, gid: str, ready: Event) -> None:
+    s = connect(dsn)
+    s.tpc_begin(s.xid(gid))
+    assert s.dequeue(queue, wait=5.0) is not None
+    s.tpc_prepare()
+    ready.set()
+    time.sleep(60)  # held until killed, prepared and undecided
+
+
+def test_a_prepared_dequeue_recovery_rolls_back_waits_for_its_backoff(
+    dsn: str, make_queue: Callable[..., str]
+) -> None:
+    """A prepared dequeue whose coordinator died undecided is rolled back by
+    recovery (``resolve_prepared``): a delivery that did not commit, so the
+    entry is counted and comes back after the queue's backoff, as any other."""
+    q = make_queue(dequeue_mode="shared", retry_delay=0.5)
+    with connect(dsn) as s:
+        seq = s.enqueue(q, b"prepared, then orphaned")
+        s.commit()
+        ready = FORK.Event()
+        p = FORK.Process(target=_dequeue_prepare_and_die,
+                         args=(dsn, q, "delays-" + os.urandom(4).hex(), ready))
+        p.start()
+        assert ready.wait(30)
+        os.kill(present(p.pid), signal.SIGKILL)
+        p.join(10)
+        deadline = time.monotonic() + 10
+        while not recover_dead_clients(s.section, dsn):  # its slot: held, not guessed
+            assert time.monotonic() < deadline
+        assert [v for _gid, v in resolve_prepared(s.section, dsn, timeout_s=0)] == ["rollback"]
+        assert s.dequeue(q) is None  # counted, and waiting for its backoff
+        s.commit()
+        m = present(s.dequeue(q, wait=3.0))
+        assert (m.seq, m.deliveries) == (seq, 2)
+        s.commit()
+    assert_not_early(dsn, q, seq)
 
 
 def test_a_delayed_enqueue_in_a_two_phase_transaction_waits_after_its_commit(
