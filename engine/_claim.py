@@ -394,7 +394,7 @@ def repair_dequeue(
         qid=info.id,
         seq=stale[0].seq,
     ).fetchall()
-    by_slot = {slot: (state, seq) for slot, state, seq, _group, _due in rows}
+    by_slot = {slot: (state, seq, due) for slot, state, seq, _group, due in rows}
     need_resync = False
     sec = link.section
     sec.lock_queue(ring.qidx)
@@ -402,7 +402,13 @@ def repair_dequeue(
         for op in stale:
             if not ring.held_by(op.slot, link.owner):
                 continue
-            state, seq = by_slot.get(op.slot, (RowState.FREE, -1))
+            state, seq, due = by_slot.get(op.slot, (RowState.FREE, -1, None))
+            if state == RowState.QUEUED and seq == op.seq:
+                # Queued, but not due yet (the dequeue refuses a row whose due
+                # time is to come): it waits, no delivery counted.
+                ring.finish_dequeue(op.slot, consumed=False, exclusive=exclusive,
+                                    due_us=due or 0)
+                continue
             # Not there (void) or already consumed: the slot is done.
             ring.finish_stale(op.slot, exclusive=exclusive)
             if state == RowState.QUEUED and seq != op.seq:

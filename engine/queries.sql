@@ -161,10 +161,17 @@ SELECT ringq.expect_rows((SELECT count(*) FROM u)::integer, %s::integer, {queue}
        (extract(epoch FROM now()) * 1000000)::bigint
 
 -- dequeue --
--- Guarded by (slot, seq, state): an entry is consumed at most once.
+-- Guarded by (slot, seq, state): an entry is consumed at most once. Every
+-- linked consuming write (this and the six below) also refuses a row whose
+-- due time is still to come: the section releases an entry only once the
+-- database's clock passed it, so this holds back only an entry the section
+-- made ready by mistake (a race between two deciders of a dead delivery, one
+-- of which wrote a backoff): the row decides, and the mismatch is repaired
+-- (a read: the slot waits; a consume at commit: StaleSection, then a resync).
 UPDATE {table}
 SET state = 2, deq_at = now(), deq_user = current_user
 WHERE slot = %s::integer AND seq = %s::bigint AND state = 1
+  AND (not_before IS NULL OR not_before <= clock_timestamp())
 RETURNING payload, producer, producer_seq, enq_at, deliveries, msg_group
 
 -- dequeue_many --
@@ -178,6 +185,7 @@ RETURNING payload, producer, producer_seq, enq_at, deliveries, msg_group
 UPDATE {table} AS t
 SET state = 2, deq_at = now(), deq_user = current_user
 WHERE t.slot = ANY(%s::integer[]) AND t.seq = ANY(%s::bigint[]) AND t.state = 1
+  AND (t.not_before IS NULL OR t.not_before <= clock_timestamp())
 RETURNING t.slot, t.seq, t.payload, t.producer, t.producer_seq, t.enq_at, t.deliveries,
           t.msg_group
 
@@ -188,7 +196,7 @@ RETURNING t.slot, t.seq, t.payload, t.producer, t.producer_seq, t.enq_at, t.deli
 UPDATE {table} AS t
 SET state = 2, deq_at = now(), deq_user = current_user
 WHERE t.slot >= %s::integer AND t.slot < %s::integer AND t.seq = t.slot + %s::bigint
-  AND t.state = 1
+  AND t.state = 1 AND (t.not_before IS NULL OR t.not_before <= clock_timestamp())
 RETURNING t.slot, t.seq, t.payload, t.producer, t.producer_seq, t.enq_at, t.deliveries,
           t.msg_group
 
@@ -201,6 +209,7 @@ WITH u AS (
     UPDATE {table}
     SET state = 2, deq_at = now(), deq_user = current_user
     WHERE slot = %s::integer AND seq = %s::bigint AND state = 1
+      AND (not_before IS NULL OR not_before <= clock_timestamp())
     RETURNING 1
 )
 SELECT ringq.expect_rows((SELECT count(*) FROM u)::integer, 1, {queue})
@@ -210,6 +219,7 @@ SELECT ringq.expect_rows((SELECT count(*) FROM u)::integer, 1, {queue})
 UPDATE {table}
 SET state = 2, deq_at = now(), deq_user = current_user
 WHERE slot = %s::integer AND seq = %s::bigint AND state = 1
+  AND (not_before IS NULL OR not_before <= clock_timestamp())
 RETURNING 1
 
 -- consume_many --
@@ -218,6 +228,7 @@ WITH u AS (
     UPDATE {table} AS t
     SET state = 2, deq_at = now(), deq_user = current_user
     WHERE t.slot = ANY(%s::integer[]) AND t.seq = ANY(%s::bigint[]) AND t.state = 1
+      AND (t.not_before IS NULL OR t.not_before <= clock_timestamp())
     RETURNING 1
 )
 SELECT ringq.expect_rows((SELECT count(*) FROM u)::integer, %s::integer, {queue})
@@ -231,7 +242,7 @@ WITH u AS (
     UPDATE {table} AS t
     SET state = 2, deq_at = now(), deq_user = current_user
     WHERE t.slot >= %s::integer AND t.slot < %s::integer AND t.seq = t.slot + %s::bigint
-      AND t.state = 1
+      AND t.state = 1 AND (t.not_before IS NULL OR t.not_before <= clock_timestamp())
     RETURNING 1
 )
 SELECT ringq.expect_rows((SELECT count(*) FROM u)::integer, %s::integer, {queue})

@@ -33,6 +33,7 @@ from ringq.engine import (
     InvalidArgumentType,
     Message,
     Session,
+    StaleSection,
     connect,
     queue_table,
 )
@@ -548,6 +549,40 @@ def test_a_prepared_dequeue_recovery_rolls_back_waits_for_its_backoff(
         s.commit()
         m = present(s.dequeue(q, wait=3.0))
         assert (m.seq, m.deliveries) == (seq, 2)
+        s.commit()
+    assert_not_early(dsn, q, seq)
+
+
+@pytest.mark.parametrize("cache_payload", [0, 64])
+def test_an_entry_ready_in_the_section_while_its_row_waits_is_not_taken(
+    dsn: str, make_queue: Callable[..., str], cache_payload: int
+) -> None:
+    """The row decides. Two deciders of a dead delivery can leave an entry
+    ready in the section while its row holds a backoff (one decided from
+    the row before the other's strike wrote it). Made here by hand: the
+    dequeue refuses the row (read from it: the slot waits; served from the
+    payload cache: the commit fails with StaleSection and the queue is
+    re-read), and the entry is received once, after its due time."""
+    q = make_queue(dequeue_mode="shared", cache_payload=cache_payload)
+    with connect(dsn) as s:
+        seq = s.enqueue(q, b"its row says wait")
+        s.commit()
+        with psycopg.connect(dsn, autocommit=True) as conn:
+            conn.execute(
+                sql.SQL("UPDATE {} SET not_before = clock_timestamp() + interval '0.5 s' "
+                        "WHERE seq = %s").format(queue_table(q)), (seq,)
+            )
+        if cache_payload:
+            assert present(s.dequeue(q)).seq == seq  # from the cache: consumed at commit
+            with pytest.raises(StaleSection):
+                s.commit()
+        else:
+            assert s.dequeue(q) is None
+            s.commit()
+        assert s.dequeue(q) is None  # it waits for its row's time now
+        s.commit()
+        m = present(s.dequeue(q, wait=3.0))
+        assert (m.seq, m.deliveries) == (seq, 1)
         s.commit()
     assert_not_early(dsn, q, seq)
 
