@@ -144,11 +144,8 @@ class RingScan:
         if not any(behind(slot) for slot in first):
             return first
         busy = self.busy_groups()
-        start = tail % cap
-        spans = ([(start, start + window)] if start + window <= cap
-                 else [(start, cap), (0, start + window - cap)])
         out: list[int] = []
-        for a, b in spans:
+        for a, b in self._spans(tail, window):
             for slot, tag in self._ready_tagged(a, b, busy):
                 if tag and (tag in busy or behind(slot)):
                     continue
@@ -163,18 +160,13 @@ class RingScan:
         """(waiting, tags) of the ``window`` slots from ``tail``, index = slots
         from the tail: whether each waits (ENQ, DEQ and LCK clear, see
         ``_waiting``), and its group tag."""
-        s = self.sec
-        start = tail % self.cap
-        end = start + window
-        spans = [(start, end)] if end <= self.cap else [(start, self.cap), (0, end - self.cap)]
         masks, tags = [], []
-        for a, b in spans:
-            g0, g1 = self.w0 + (a >> 6), self.w0 + ((b - 1) >> 6) + 1
-            words = ~(s.enq[g0:g1] | s.deq[g0:g1] | s.lck[g0:g1])
+        for a, b in self._spans(tail, window):
+            words = self._waiting_words(a, b)
             bits = np.unpackbits(words.view(np.uint8), bitorder="little").view(bool)
             masks.append(bits[a & 63 : (a & 63) + b - a])
-            tags.append(s.group[self.base + a : self.base + b])
-        if len(spans) == 1:
+            tags.append(self.sec.group[self.base + a : self.base + b])
+        if len(masks) == 1:
             return masks[0], tags[0]
         return np.concatenate(masks), np.concatenate(tags)
 
@@ -189,24 +181,35 @@ class RingScan:
     def waiting_slots(self) -> np.ndarray:
         """The queue's waiting slots (ENQ, DEQ and LCK clear inside the
         window: see ``_waiting``), int64, in no particular order."""
-        s = self.sec
         tail = self.Q[self.qb + L.Q_TAIL]
         window = self.Q[self.qb + L.Q_HEAD] - tail
         if window <= 0:
             return np.empty(0, dtype=np.int64)
-        start = tail % self.cap
-        end = start + window
-        spans = [(start, end)] if end <= self.cap else [(start, self.cap), (0, end - self.cap)]
         parts = []
-        for a, b in spans:
-            g0, g1 = self.w0 + (a >> 6), self.w0 + ((b - 1) >> 6) + 1
-            words = ~(s.enq[g0:g1] | s.deq[g0:g1] | s.lck[g0:g1])
+        for a, b in self._spans(tail, window):
+            words = self._waiting_words(a, b)
             if a & 63:
                 words[0] &= np.uint64((_U64 << (a & 63)) & _U64)
             if b & 63:
                 words[-1] &= np.uint64((1 << (b & 63)) - 1)
             parts.append((a >> 6) * 64 + set_bits(words))
         return parts[0] if len(parts) == 1 else np.concatenate(parts)
+
+    def _spans(self, tail: int, window: int) -> list[tuple[int, int]]:
+        """The ``window`` slots from ``tail`` as queue-relative ranges [a, b):
+        one, or two where the window wraps past the ring's last slot."""
+        start = tail % self.cap
+        end = start + window
+        return [(start, end)] if end <= self.cap else [(start, self.cap), (0, end - self.cap)]
+
+    def _waiting_words(self, a: int, b: int) -> np.ndarray:
+        """The words covering slots [a, b) with a slot's bit set where ENQ, DEQ
+        and LCK are all clear (a waiting entry, inside the window; see
+        ``_waiting``), unmasked at the edges: a copy."""
+        s = self.sec
+        g0, g1 = self.w0 + (a >> 6), self.w0 + ((b - 1) >> 6) + 1
+        words: np.ndarray = ~(s.enq[g0:g1] | s.deq[g0:g1] | s.lck[g0:g1])
+        return words
 
     def busy_groups(self) -> set[int]:
         """Tags of the groups with an entry held by a dequeuer (LCK and DEQ
@@ -218,10 +221,7 @@ class RingScan:
         if window <= 0:
             return set()
         busy: set[int] = set()
-        start = tail % self.cap
-        end = start + window
-        spans = [(start, end)] if end <= self.cap else [(start, self.cap), (0, end - self.cap)]
-        for a, b in spans:
+        for a, b in self._spans(tail, window):
             g0, g1 = self.w0 + (a >> 6), self.w0 + ((b - 1) >> 6) + 1
             held = (a >> 6) * 64 + set_bits(s.lck[g0:g1] & s.deq[g0:g1])
             tags = s.group[self.base + held]
