@@ -73,6 +73,19 @@ def lateness(dsn: str, queue: str, seq: int) -> float:
     return float(row[0])
 
 
+def waits_then_arrives(
+    s: Session, dsn: str, queue: str, seq: int, deliveries: int, *, wait: float = 3.0
+) -> None:
+    """Entry ``seq`` is not received now; it is received within ``wait``
+    seconds, with ``deliveries``, and not before its row's due time."""
+    assert s.dequeue(queue) is None
+    s.commit()
+    m = present(s.dequeue(queue, wait=wait))
+    assert (m.seq, m.deliveries) == (seq, deliveries)
+    s.commit()
+    assert_not_early(dsn, queue, seq)
+
+
 def assert_not_early(dsn: str, queue: str, seq: int) -> None:
     """The consumed row's dequeue time is not before its due time."""
     not_before, deq_at = row_times(dsn, queue, seq)
@@ -292,12 +305,7 @@ def test_rollback_with_retry_after_wins_over_the_backoff(
         s.commit()
         present(s.dequeue(q))
         s.rollback(retry_after=0.3)
-        assert s.dequeue(q) is None
-        s.commit()
-        m = present(s.dequeue(q, wait=2.0))
-        assert m.deliveries == 2
-        s.commit()
-    assert_not_early(dsn, q, seq)
+        waits_then_arrives(s, dsn, q, seq, 2, wait=2.0)
 
 
 def test_an_entry_with_a_backoff_is_still_poisoned_at_max_deliveries(
@@ -333,12 +341,7 @@ def test_a_prepared_dequeue_rolled_back_waits_for_its_backoff(
         assert present(s.dequeue(q)).seq == seq
         s.tpc_prepare()
         s.tpc_rollback()  # ROLLBACK PREPARED: a delivery that did not commit
-        assert other.dequeue(q) is None  # not back before its backoff
-        other.commit()
-        m = present(other.dequeue(q, wait=2.0))
-        assert (m.seq, m.deliveries) == (seq, 2)
-        other.commit()
-    assert_not_early(dsn, q, seq)
+        waits_then_arrives(other, dsn, q, seq, 2, wait=2.0)  # after its backoff
 
 
 def test_a_group_waits_for_its_retried_head_across_the_rings_end(
@@ -545,12 +548,7 @@ def test_a_prepared_dequeue_recovery_rolls_back_waits_for_its_backoff(
         while not recover_dead_clients(s.section, dsn):  # its slot: held, not guessed
             assert time.monotonic() < deadline
         assert [v for _gid, v in resolve_prepared(s.section, dsn, timeout_s=0)] == ["rollback"]
-        assert s.dequeue(q) is None  # counted, and waiting for its backoff
-        s.commit()
-        m = present(s.dequeue(q, wait=3.0))
-        assert (m.seq, m.deliveries) == (seq, 2)
-        s.commit()
-    assert_not_early(dsn, q, seq)
+        waits_then_arrives(s, dsn, q, seq, 2)  # counted, and waiting for its backoff
 
 
 @pytest.mark.parametrize("cache_payload", [0, 64])
@@ -579,12 +577,7 @@ def test_an_entry_ready_in_the_section_while_its_row_waits_is_not_taken(
         else:
             assert s.dequeue(q) is None
             s.commit()
-        assert s.dequeue(q) is None  # it waits for its row's time now
-        s.commit()
-        m = present(s.dequeue(q, wait=3.0))
-        assert (m.seq, m.deliveries) == (seq, 1)
-        s.commit()
-    assert_not_early(dsn, q, seq)
+        waits_then_arrives(s, dsn, q, seq, 1)  # it waits for its row's time now
 
 
 def test_a_delayed_enqueue_in_a_two_phase_transaction_waits_after_its_commit(
