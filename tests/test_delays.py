@@ -624,6 +624,24 @@ def test_a_dequeuer_waiting_on_a_single_queue_another_holds_sleeps_past_a_due_ti
         assert M.due_figures(holder.section, holder.ring(q).qidx)[M.WAITING_ENTRIES] == 0
 
 
+def test_in_a_two_phase_transaction_a_delay_counts_from_the_prepare(
+    dsn: str, make_queue: Callable[..., str]
+) -> None:
+    """The row write, and so the due time, goes with ``tpc_prepare()`` (the
+    README says so): a delay shorter than the time to COMMIT PREPARED has
+    passed by then, and the entry is ready at once."""
+    q = make_queue(dequeue_mode="shared")
+    with connect(dsn) as s, connect(dsn) as consumer:
+        s.tpc_begin(s.xid("delays-" + os.urandom(4).hex()))
+        seq = s.enqueue(q, b"due at prepare + 0.3 s", delay=0.3)
+        s.tpc_prepare()
+        time.sleep(0.6)
+        s.tpc_commit()
+        assert present(consumer.dequeue(q)).seq == seq
+        consumer.commit()
+    assert_not_early(dsn, q, seq)
+
+
 def test_a_retried_entry_of_a_single_queue_holds_back_the_entries_behind_it(
     dsn: str, make_queue: Callable[..., str]
 ) -> None:
