@@ -83,7 +83,18 @@ class TransactionError(RingqError):
     """The transaction is in a state that does not allow the operation."""
 
 
-class TransactionConflict(TransactionError):
+class Retryable(TransactionError):
+    """Nothing of the transaction committed, and it is known: retry it whole.
+
+    The base of every error after which the same transaction, run again,
+    may well succeed: :class:`TransactionConflict` (PostgreSQL chose it as
+    a victim), :class:`StaleSection` (the section was stale) and
+    :class:`RolledBack` (the connection was lost and the rows show it did
+    not commit). A retry loop catches this one class. :class:`InDoubt` is
+    not one of them: its outcome is not known yet."""
+
+
+class TransactionConflict(Retryable):
     """PostgreSQL rolled the transaction back to resolve a conflict with a
     concurrent one (SQLSTATE class 40: serialization failure, deadlock; or
     55P03 lock not available). Nothing of it committed: retry the transaction.
@@ -94,7 +105,7 @@ class TransactionConflict(TransactionError):
         self.sqlstate = sqlstate
 
 
-class StaleSection(TransactionError):
+class StaleSection(Retryable):
     """A queue row write sent at commit (or ``flush()``) did not find its row
     as the global section said (the section was stale: rebuilt, restored,
     or the table written around ringq), so PostgreSQL refused it and nothing
@@ -105,6 +116,19 @@ class StaleSection(TransactionError):
     def __init__(self, message: str, *, queue: str | None = None) -> None:
         super().__init__(message)
         self.queue = queue
+
+
+class RolledBack(Retryable):
+    """The connection was lost during the transaction (a commit whose answer
+    never came, a rollback that could not be sent, a fail-over), and the
+    engine decided from the rows, once the old backend had ended, that
+    nothing of it committed: its dequeues come back (counted as a
+    delivery), its enqueues never were. Retry the transaction; the session
+    is usable again (on a new connection). ``reason`` is what was lost."""
+
+    def __init__(self, message: str, *, reason: str = "") -> None:
+        super().__init__(message)
+        self.reason = reason
 
 
 @dataclass(frozen=True, slots=True)

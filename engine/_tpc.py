@@ -20,7 +20,7 @@ import psycopg
 from psycopg.pq import TransactionStatus
 
 from . import _layout as L
-from ._errors import InDoubt, RingqError, TransactionError, one_line
+from ._errors import InDoubt, RingqError, RolledBack, TransactionError, one_line
 from ._ops import each_op
 from ._pg import connect
 from ._queries import QUERIES as _Q
@@ -208,7 +208,17 @@ class TwoPhase:
                 ) from exc
             if commit:
                 link.record_ops_error(L.ERR_COMMIT_FAILED, ops)
-            link.recover(ops, reason=f"tpc end failed: {exc}")
+            committed = link.recover(ops, reason=f"tpc end failed: {exc}")
+            if committed is False:
+                reason = one_line(str(exc or err))
+                raise RolledBack(
+                    f"the connection was lost at {'commit' if commit else 'rollback'} and the "
+                    f"rows show nothing of the transaction committed: {reason}",
+                    reason=reason,
+                ) from err
+            if committed and commit:
+                logger.warning("ringq: commit answer lost, but the rows show it committed")
+                return
             raise
         decided = self.decided
         self._reset()

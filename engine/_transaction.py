@@ -25,7 +25,7 @@ from psycopg.pq import TransactionStatus
 from . import _layout as L
 from . import _wire
 from ._decide import in_flight
-from ._errors import InDoubt, RingqError, StaleSection, TransactionError, one_line
+from ._errors import InDoubt, RingqError, RolledBack, StaleSection, TransactionError, one_line
 from ._finish import after_finish, finish_one, finish_run
 from ._link import Link
 from ._ops import POISON_REASON, DueWrite, Item, Op, OpKind, RowState, Run, Write, each_op
@@ -142,7 +142,12 @@ class Transaction:
                 logger.warning("ringq: commit answer lost, but the rows show it committed")
                 return
             link.record_ops_error(L.ERR_COMMIT_FAILED, ops)
-            raise TransactionError(f"commit failed and was rolled back: {exc}") from exc
+            reason = one_line(str(exc))
+            raise RolledBack(
+                f"commit failed and was rolled back (the connection was lost; the rows show "
+                f"nothing of it committed: retry the transaction): {reason}",
+                reason=reason,
+            ) from exc
         # The server refused the commit (deferred constraint, serialization,
         # a row write that failed): rolled back, or to be rolled back when
         # a failed statement kept the COMMIT behind it from running.
@@ -345,7 +350,14 @@ class Transaction:
             else:
                 link.call(link.conn.rollback, recover=False)
         except RingqError as err:
-            link.recover(ops, reason=f"rollback failed: {err.__cause__}")
+            committed = link.recover(ops, reason=f"rollback failed: {err.__cause__}")
+            if committed is False:
+                reason = one_line(str(err.__cause__ or err))
+                raise RolledBack(
+                    f"the connection was lost at rollback; the rows show nothing of the "
+                    f"transaction committed: {reason}",
+                    reason=reason,
+                ) from err
             raise
         self.finish(ops, committed=False, poisoned=poisoned)
 

@@ -69,6 +69,7 @@ from ringq.engine import (
     PayloadTooLarge,
     QueueFull,
     QueueInfo,
+    Retryable,
     RingqError,
     Session,
     dsn_file,
@@ -711,6 +712,14 @@ class Mover:
                     continue
                 except MoveSourceShared:
                     raise  # a setting, not a failure: retrying cannot help
+                except Retryable as exc:
+                    # Nothing of the batch committed on the side that raised (a
+                    # conflict, a stale section, a commit cut off by a fail-over
+                    # and decided from the rows): move it again now; entries that
+                    # database 2 had committed are skipped by key.
+                    logger.warning("ringq.move: %s: batch rolled back, retried: %s",
+                                   self.src_queue, one_line(exc))
+                    self._reset_after_failure()
                 except RingqError as exc:
                     self._s.stats[STAT_FAILURES] += 1
                     logger.warning("ringq.move: %s: step failed: %s", self.src_queue,

@@ -30,8 +30,8 @@ from ringq.engine import (
     DatabaseError,
     DatabaseUnavailable,
     InDoubt,
+    Retryable,
     Session,
-    StaleSection,
     exits,
     pid_alive,
 )
@@ -80,9 +80,10 @@ PROMOTED = -1
 # Errors of a database going away under a session (chaos restarts PostgreSQL):
 # the worker backs off, opens a new session and resumes from the database.
 LOST_SESSION = (DatabaseUnavailable, InDoubt, DatabaseError, psycopg.OperationalError)
-# ... and, after a fail-over, a transaction refused because the section it began
-# under was replaced (nothing of it committed): the same way back.
-RETRIED = (*LOST_SESSION, StaleSection)
+# ... and any transaction known not to have committed (a conflict; after a
+# fail-over, a section replaced under it, or a commit cut off and decided from
+# the rows): the same way back.
+RETRIED = (*LOST_SESSION, Retryable)
 BACKOFF_S = (0.1, 2.0)
 
 # The parent's loop turns every POLL_S (progress, depth samples, watchdog), and

@@ -37,7 +37,7 @@ from conftest import (
     wait_for,
 )
 from ringq.cluster import Cluster
-from ringq.engine import ConfigError, Section, Session, TransactionError, connect, pid_alive
+from ringq.engine import ConfigError, RolledBack, Section, Session, connect, pid_alive
 from ringq.engine import layout as L
 from ringq.engine import metrics as M
 from ringq.engine.recovery import history_of
@@ -837,7 +837,7 @@ def test_a_session_holding_an_entry_past_the_lease_is_ended_and_the_entry_comes_
             assert ev.data["lease_s"] == lease
             assert ev.data["held_s"] >= lease
             # The holder finds its transaction rolled back: it cannot consume the entry again.
-            with pytest.raises(TransactionError, match="rolled back"):
+            with pytest.raises(RolledBack, match="rolled back"):
                 holder.commit()
             holder.close()
     delays.sort()

@@ -58,6 +58,7 @@ from ringq.engine import (
     ConfigError,
     InDoubt,
     Message,
+    Retryable,
     RingqError,
     Session,
     SessionClosed,
@@ -400,8 +401,17 @@ class Worker:
                 self._pending_timeout = None
                 self._reopen_if_closed()
                 return
+            except Retryable as exc:
+                # Nothing of it committed (a conflict, a stale section, a connection
+                # lost and decided from the rows): the entry comes back, as after a
+                # failure, but the action did nothing wrong: no traceback.
+                self._pending_timeout = None
+                self._count_failure(msg, FAILED, exc, f"commit rolled back, retried "
+                                    f"({type(exc).__name__}: {one_line(str(exc))})")
+                self._reopen_if_closed()
+                return
             except RingqError as exc:
-                # Refused at commit (deferred constraint, serialization): rolled back by the
+                # Refused at commit (deferred constraint, a failed row write): rolled back by the
                 # session.
                 self._pending_timeout = None
                 self._count_failure(msg, FAILED, exc, "commit failed")
@@ -501,7 +511,7 @@ class Worker:
         if poisoned:
             self._stats[POISONED] += 1
         tail = "; moved to ringq.exceptions" if poisoned else "; it will be delivered again"
-        if kind == FAILED and not isinstance(exc, ActionInterrupted):
+        if kind == FAILED and not isinstance(exc, ActionInterrupted | Retryable):
             logger.warning(
                 "ringq worker: queue %s seq %s delivery %s/%s %s: %s: %s%s",
                 msg.queue,
