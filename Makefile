@@ -26,7 +26,8 @@ test: check
 run: setup-run
 	$(RINGQ) run
 
-# ruff (the rules in pyproject.toml) and mypy --strict over the packages, the
-# tests and the benchmarks; `make test` runs it first.
+# ruff (the rules in pyproject.toml), the import contracts (.importlinter) and
+# mypy --strict over the packages, the tests and the benchmarks; `make test`
+# runs it first.
 check: setup
 	./.ci/typecheck
