@@ -21,6 +21,7 @@ from ringq.engine import (
     QueueNotFound,
     RingqError,
     exits,
+    scrub_exception,
 )
 
 from ._args import Formatter, add_trace, apply_trace, failed, resolve_env
@@ -103,6 +104,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         args = parse_args(argv, parser)
     except ConfigError as exc:  # a malformed RINGQ_* variable: named in the message
+        scrub_exception(exc, *_given(argv))
         return failed(exc, exits.USAGE)
     func = getattr(args, "func", None)
     if func is None:
@@ -125,11 +127,21 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("ringq: interrupted", file=sys.stderr)
         return exits.INTERRUPTED
     except RingqError as exc:
+        scrub_exception(exc, *_given(argv))
         return failed(exc, exit_code(exc))
     except OSError as exc:  # a file or directory in the way, a device full: one line, no traceback
         where = f": {exc.filename}" if exc.filename else ""
         print(f"ringq: {exc.strerror or exc}{where}", file=sys.stderr)
         return exits.FAILURE
+
+
+def _given(argv: Sequence[str] | None) -> list[str]:
+    """What a DSN of this command may come from: its arguments and the RINGQ_*
+    variables. Any text of these that could be a password is hidden from the
+    error printed (the engine hides its DSN's already; this also covers a DSN
+    given as ``--from DSN:queue``, or one no error of the engine was told)."""
+    given = list(sys.argv[1:] if argv is None else argv)
+    return given + [v for k, v in os.environ.items() if k.startswith("RINGQ_")]
 
 
 def exit_code(exc: RingqError) -> int:

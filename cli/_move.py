@@ -10,7 +10,7 @@ import threading
 from types import FrameType
 from typing import Any
 
-from ringq.engine import ConfigError, exits, validate_queue_name
+from ringq.engine import ConfigError, exits, redact_dsn, validate_queue_name
 from ringq.move import (
     MoveConfig,
     MoveIntoItself,
@@ -101,7 +101,7 @@ def split_target(text: str | None, default_dsn: str | None, what: str) -> tuple[
         return dsn, validate_queue_name(queue)
     except ConfigError:
         raise ConfigError(
-            f"--{what} {text!r}: expected DSN:queue, the queue name after the last ':'"
+            f"--{what} {redact_dsn(text)!r}: expected DSN:queue, the queue name after the last ':'"
         ) from None
 
 

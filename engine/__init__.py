@@ -41,7 +41,10 @@ from ._errors import (
     TransactionConflict,
     TransactionError,
     one_line,
+    password_fragments,
     redact_dsn,
+    scrub,
+    scrub_exception,
 )
 from ._events import CHANNEL as EVENTS_CHANNEL
 from ._events import Event, Subscription, publish, subscribe
@@ -118,6 +121,7 @@ __all__ = [
     "from_psycopg",
     "is_finite_number",
     "one_line",
+    "password_fragments",
     "pid_alive",
     "publish",
     "queue_table",
@@ -127,6 +131,8 @@ __all__ = [
     "resolve_dsn",
     "ringq_home",
     "scan_server",
+    "scrub",
+    "scrub_exception",
     "section_name",
     "sections_on_host",
     "subscribe",

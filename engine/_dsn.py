@@ -15,7 +15,7 @@ from typing import Any
 import psycopg
 from psycopg.conninfo import conninfo_to_dict
 
-from ._errors import ConfigError, DatabaseUnavailable
+from ._errors import ConfigError, DatabaseUnavailable, scrub
 from ._pg import from_psycopg
 
 DEFAULT_HOME = ".ringq"
@@ -91,20 +91,21 @@ def check_dsn(dsn: str, *, where: str = "DSN") -> dict[str, Any]:
     :raises ConfigError: it does not parse, a port is not a number from 1 to
         65535, or several ports do not pair with the hosts. The DSN itself is
         not echoed (one that does not parse may hide its password from
-        :func:`redact_dsn`); libpq's message names the spot.
+        :func:`redact_dsn`); libpq's message names the spot, with any text of
+        the DSN that could be a password hidden (:func:`scrub`).
     """
     try:
         params = conninfo_to_dict(dsn)
     except psycopg.Error as exc:
         # from None: the chained error may quote the DSN, password and all
-        raise from_psycopg(exc, parsing=where) from None
+        raise from_psycopg(exc, dsn=dsn, parsing=where) from None
     ports = str(params.get("port") or "")
     port_list = ports.split(",") if ports else []
     for port in port_list:
         if port.strip() and not (_PORT_RE.fullmatch(port) and 1 <= int(port) <= 65535):
-            raise ConfigError(
-                f"invalid {where}: port {port.strip()!r} is not a number from 1 to 65535"
-            )
+            # libpq reads "u:pa/ss@h" as host "u", port "pa": the port may be a password's piece
+            shown = scrub(repr(port.strip()), dsn)
+            raise ConfigError(f"invalid {where}: port {shown} is not a number from 1 to 65535")
     hosts = str(params.get("host") or params.get("hostaddr") or "")
     n_hosts = len(hosts.split(",")) if hosts else 1
     if len(port_list) > 1 and len(port_list) != n_hosts:

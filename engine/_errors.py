@@ -296,3 +296,175 @@ def _redact_url(text: str, start: int) -> tuple[str, int]:
         return url[: user_colon.end()] + "***", end
     host_end = _url_end(text, at)
     return url[: user_colon.end()] + "***" + text[at:host_end], host_end
+
+
+# Scrubbing: libpq's own messages quote pieces of the DSN it read, and where it
+# read a password's piece as a host, a port or a database name, the piece is
+# shown ("failed to resolve host 'word@127.0.0.1'" for the password "Pa55@word").
+# redact_dsn cannot see these: they are no longer a DSN. So every text of the
+# DSN that could be a password, under any reading, is hidden in a message:
+# the password to the LAST "@" before the host (the writer's) and to the first
+# "@" before any "/" (libpq's), each raw and URL-decoded, a password=... value
+# read as libpq does and to the next "key=", and every piece of these between
+# the characters libpq may split a DSN at.
+#
+# Where a fragment is hidden: never inside a longer run of letters and digits
+# (a password "word" leaves "password" alone: blanking "pass***" would also
+# tell the password by what is left around it). A fragment of SHORT (4)
+# characters or more is hidden wherever else it occurs; a shorter one only
+# between the characters that bound what libpq quotes of a DSN (blanks, quotes,
+# DSN punctuation) or the text's ends, not next to "." or "-": a password "a"
+# or "1" is hidden in "host 'a@h'", 'after "a"', "port '1'", but "127.0.0.1"
+# and "[Errno -2]" stay readable.
+SHORT = 4
+_PIECE_SPLIT_RE = re.compile(r"[@/?#:,&=;\s'\"\\\[\]]+")
+_EDGE = r"""\s@/?#:,&=;'"\\\[\]()<>"""
+_KEYWORD_START_RE = re.compile(r"(?<!\w)\w*password\s*=\s*", re.IGNORECASE)
+_NEXT_KEYWORD_RE = re.compile(r"(?:\s+|&)[A-Za-z_]+\s*=")
+_QUOTED_RE = re.compile(r"'((?:[^'\\]|\\[\s\S])*)'?")
+
+
+def password_fragments(*dsns: str | None) -> tuple[str, ...]:
+    """Every text of ``dsns`` that could be a password, longest first.
+
+    For a URL, the password up to the last "@" before the host part and up to
+    the first "@" before any "/" (where libpq ends it), even with no "@" at
+    all (``u:pa/ss@h`` is host "u", port "pa" to libpq); for ``password=``
+    (key=value, or a URL's query; ``sslpassword=`` too) its value as libpq
+    reads it and up to the next ``key=``; each raw and URL-decoded or
+    unquoted, and each cut at every character libpq may split a DSN at
+    (``@ / ? # : , & = ;``, blanks, quotes). Texts that are no DSN give none.
+    """
+    readings: set[str] = set()
+    for dsn in dsns:
+        if not dsn:
+            continue
+        urls = list(_SCHEME_RE.finditer(dsn))
+        for i, m in enumerate(urls):
+            end = urls[i + 1].start() if i + 1 < len(urls) else len(dsn)
+            readings.update(_url_passwords(dsn[m.end() : end]))
+        for k in _KEYWORD_START_RE.finditer(dsn):
+            rest = dsn[k.end() :]
+            if dsn[k.start() - 1 : k.start()] in ("?", "&"):
+                # a URL's query: libpq ends the value at "&"
+                readings.add(rest.split("&", 1)[0])
+            elif (narrow := _KEYWORD_SECRET_RE.match(dsn, k.start())) is not None:
+                readings.add(narrow.group(2))
+            broad = _NEXT_KEYWORD_RE.search(rest)
+            readings.add(rest[: broad.start()] if broad else rest)
+    fragments: set[str] = set()
+    for reading in readings:
+        for form in (reading, _unquote(reading), _unescape(reading)):
+            fragments.add(form.strip())
+            fragments.update(_PIECE_SPLIT_RE.split(form))
+    fragments.discard("")
+    return tuple(sorted(fragments, key=lambda f: (-len(f), f)))
+
+
+def _url_passwords(url: str) -> list[str]:
+    """The readings of the password of the URL whose authority starts ``url``
+    (which runs to the text's end: a password with blanks is read whole)."""
+    query = len(url)
+    for key in _QUERY_KEY_RE.finditer(url):
+        before = url[: key.start()]
+        if "@" in before or _HOSTS_PATH_RE.fullmatch(before):
+            query = key.start()
+            break
+    out: list[str] = []
+    at = url.rfind("@", 0, query)
+    if at >= 0:
+        colon = url.find(":", 0, at)
+        if colon >= 0:
+            out.append(url[colon + 1 : at])
+        first = re.search(r"[@/]", url)
+        if first is not None and first.group() == "@":
+            colon = url.find(":", 0, first.start())
+            if colon >= 0:
+                out.append(url[colon + 1 : first.start()])
+    else:
+        user_colon = _USER_COLON_RE.match(url)
+        if user_colon is not None and not _PORT_RE.match(url, user_colon.end()):
+            out.append(url[user_colon.end() : query])
+    return out
+
+
+def _unquote(text: str) -> str:
+    """``text`` URL-decoded as libpq decodes a URL's parts (``+`` stays)."""
+    from urllib.parse import unquote
+
+    return unquote(text)
+
+
+def _unescape(text: str) -> str:
+    """A key=value value as libpq reads it: quotes off, backslash escapes undone."""
+    text = text.strip()
+    quoted = _QUOTED_RE.fullmatch(text)
+    if quoted is not None:
+        text = quoted.group(1)
+    return re.sub(r"\\([\s\S])", r"\1", text)
+
+
+# The pattern of each DSN's fragments, made once (an error converted with its
+# DSN is scrubbed: a conflict under contention should not rebuild it each time).
+_PATTERNS: dict[tuple[str | None, ...], re.Pattern[str] | None] = {}
+
+
+def _pattern(dsns: tuple[str | None, ...]) -> re.Pattern[str] | None:
+    try:
+        return _PATTERNS[dsns]
+    except KeyError:
+        pass
+    made = _fragment_re(password_fragments(*dsns))
+    if len(_PATTERNS) >= 64:
+        _PATTERNS.clear()
+    _PATTERNS[dsns] = made
+    return made
+
+
+def _fragment_re(fragments: tuple[str, ...]) -> re.Pattern[str] | None:
+    alternatives = [
+        rf"(?<![^\W_]){re.escape(f)}(?![^\W_])"
+        if len(f) >= SHORT
+        else rf"(?<![^{_EDGE}]){re.escape(f)}(?![^{_EDGE}])"
+        for f in fragments
+    ]
+    return re.compile("|".join(alternatives)) if alternatives else None
+
+
+def scrub(text: str, *dsns: str | None) -> str:
+    """``text`` fit to print or log, given the DSNs it may quote pieces of:
+    :func:`redact_dsn`, then every :func:`password_fragments` of ``dsns``
+    replaced by ``***``, never inside a longer run of letters and digits (a
+    password "word" leaves "password" readable). Fragments of :data:`SHORT`
+    (4) characters or more are hidden wherever else they occur, shorter ones
+    only where they stand alone between blanks, quotes, DSN punctuation
+    (``@ / ? # : , & = ; [ ] ( ) < >``) or the text's ends: a password "a"
+    is hidden in ``host 'a@h'``, but "127.0.0.1" stays readable when the
+    password is "1"."""
+    text = redact_dsn(text)
+    pattern = _pattern(dsns)
+    return text if pattern is None else pattern.sub("***", text)
+
+
+def scrub_exception(exc: BaseException, *dsns: str | None) -> None:
+    """Scrub ``exc`` in place (see :func:`scrub`), and every exception chained
+    to it (``__cause__``, ``__context__``): their messages (``args``) and notes
+    are what ``str``, ``repr`` and a printed traceback show."""
+    pattern = _pattern(dsns)
+
+    def clean(text: str) -> str:
+        text = redact_dsn(text)
+        return text if pattern is None else pattern.sub("***", text)
+
+    seen: set[int] = set()
+    todo: list[BaseException | None] = [exc]
+    while todo:
+        e = todo.pop()
+        if e is None or id(e) in seen:
+            continue
+        seen.add(id(e))
+        e.args = tuple(clean(a) if isinstance(a, str) else a for a in e.args)
+        notes = getattr(e, "__notes__", None)
+        if isinstance(notes, list):
+            notes[:] = [clean(n) if isinstance(n, str) else n for n in notes]
+        todo += [e.__cause__, e.__context__]

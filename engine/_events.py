@@ -27,7 +27,7 @@ import psycopg
 from psycopg import sql
 
 from . import _pg
-from ._errors import DatabaseUnavailable, SessionClosed, redact_dsn
+from ._errors import DatabaseUnavailable, SessionClosed, redact_dsn, scrub_exception
 from ._queries import QUERIES as _Q
 from ._sqlfile import compose
 
@@ -167,9 +167,12 @@ class Subscription:
                 if self.matches(event.name):
                     self._pending.append(event)
         except psycopg.OperationalError as exc:
-            raise DatabaseUnavailable(
+            scrub_exception(exc, self._dsn)  # it is the cause: printed with the traceback
+            lost = DatabaseUnavailable(
                 f"event subscription to {redact_dsn(self._dsn)} lost its connection: {exc}"
-            ) from exc
+            )
+            scrub_exception(lost, self._dsn)
+            raise lost from exc
 
     def __iter__(self) -> Iterator[Event]:
         while True:

@@ -31,6 +31,7 @@ from ._errors import (
     StatementRejected,
     TransactionConflict,
     redact_dsn,
+    scrub_exception,
 )
 
 # What Connection.execute takes.
@@ -96,7 +97,33 @@ def from_psycopg(
     RQ001 (a guarded row write did not match) -> :class:`StaleSection`.
     A driver error without a code (refused connection, lost connection) is
     :class:`DatabaseUnavailable`; any other is :class:`DatabaseError`.
+
+    With ``dsn``, no text of it that could be a password shows, whichever way
+    libpq split it (its messages quote what it read as a host, a port, a
+    database: see :func:`ringq.engine.scrub`): the error returned is scrubbed,
+    and so is ``exc`` with its chain, in place, so that ``raise ... from exc``
+    prints no password in the cause of a traceback either.
     """
+    if not dsn:
+        return _mapped(exc, queue=queue, creating=creating, attaching=attaching, parsing=parsing)
+    scrub_exception(exc, dsn)
+    made = _mapped(
+        exc, dsn=dsn, queue=queue, creating=creating, attaching=attaching, parsing=parsing
+    )
+    scrub_exception(made, dsn)
+    return made
+
+
+def _mapped(
+    exc: BaseException,
+    *,
+    dsn: str | None = None,
+    queue: str | None = None,
+    creating: bool = False,
+    attaching: bool = False,
+    parsing: str | None = None,
+) -> RingqError:
+    """:func:`from_psycopg`'s mapping, before any scrubbing."""
     if isinstance(exc, RingqError):
         return exc
     if parsing is not None:
