@@ -47,13 +47,13 @@ CREATE CONSTRAINT TRIGGER cut AFTER INSERT ON {table}
 
 def _cut_first_commit(dsn: str, table: str) -> None:
     with psycopg.connect(dsn, autocommit=True) as conn:
-        conn.execute(f"CREATE TABLE {table} (seq bigint PRIMARY KEY)")  # type: ignore[arg-type]
-        conn.execute(CUT_AT_COMMIT.format(table=table))  # type: ignore[arg-type]
+        conn.execute(f"CREATE TABLE {table} (seq bigint PRIMARY KEY)")
+        conn.execute(CUT_AT_COMMIT.format(table=table))
 
 
 def _rows(dsn: str, table: str) -> list[int]:
     with psycopg.connect(dsn) as conn:
-        return [r[0] for r in conn.execute(f"SELECT seq FROM {table} ORDER BY seq")]  # type: ignore[arg-type]
+        return [r[0] for r in conn.execute(f"SELECT seq FROM {table} ORDER BY seq")]
 
 
 def test_retryable_is_the_base_of_what_may_be_retried_and_in_doubt_is_not() -> None:
