@@ -4,7 +4,10 @@
 cycles (payloads reduced to their digests as they are read) and builds one
 DataFrame per promise (:class:`Checked`): the first deliveries judged against
 what was committed (``verdict``: ok, ``corrupt``, ``rolled_back_delivered``,
-``phantom``), the extra deliveries, the lost entries, the reused sequences,
+``phantom``), the extra deliveries, the committed entries never received
+(split into those still queued at the cycle's end, not drained, and the
+lost ones, whose rows are gone or were consumed without a recorded
+delivery), the reused sequences,
 the order breaks, and on the grouped queue the entries dequeued while one of
 their group was held; in a run whose entries wait (delays, a retry
 backoff), the takes of delayed entries against their due times and the
@@ -51,7 +54,8 @@ class Checked:
     recv: DataFrame  # every received row, payload reduced to digest and header
     nth: DataFrame  # recv with each row's delivery number (``nth``)
     extra: DataFrame  # deliveries after the first
-    lost: DataFrame  # committed, never received
+    lost: DataFrame  # committed, never received, not queued at the cycle's end
+    undrained: DataFrame  # committed, never received, still queued at the cycle's end
     reused: DataFrame  # (cycle, queue, qseq) of more than one committed entry
     judged: DataFrame  # first deliveries with their ``verdict`` and ``latency_ms``
     ooo: DataFrame  # per (queue, producer[, group]) order breaks
@@ -140,6 +144,7 @@ def check(
     # single queue's head waits for its time (holding back what is behind
     # it), and the only shared queue (the grouped one) is compared per group,
     # whose head waits too. So the check stays as strict as without waits.
+    lost, undrained = split_undelivered(sent, first, _queued(reader, dsn, run, schema, cycles))
     ooo = (
         judged.filter("sent_match")
         .withColumn("prev_pseq", F.lag("pseq").over(by_producer))
@@ -152,13 +157,38 @@ def check(
         recv=recv,
         nth=nth,
         extra=nth.filter("nth > 1"),
-        lost=sent.join(first.select(*key), key, "left_anti"),
+        lost=lost,
+        undrained=undrained,
         reused=sent.groupBy(*key).count().filter("count > 1"),
         judged=judged,
         ooo=ooo,
         held=_groups_in_flight_twice(recv, grouped),
         waits=_waits(reader, schema, cycles, recv) if run.config.waits else None,
     )
+
+
+def split_undelivered(
+    sent: DataFrame, first: DataFrame, queued: DataFrame
+) -> tuple[DataFrame, DataFrame]:
+    """The committed entries (``sent``) never received (no row in ``first``),
+    as (lost, not drained): not drained, those still queued when their
+    cycle's workload ended (``queued``: a workload stopped early, or one
+    that stalled); lost, the others (their rows gone, or consumed without a
+    recorded delivery). All three are keyed by (cycle, queue, qseq)."""
+    key = ["cycle", "queue", "qseq"]
+    never = sent.join(first.select(*key), key, "left_anti")
+    keys = queued.select(*key)
+    return never.join(keys, key, "left_anti"), never.join(keys, key, "left_semi")
+
+
+def _queued(
+    reader: JdbcReader, dsn: str, run: RunInfo, schema: sql.Composable, cycles: sql.Composable
+) -> DataFrame:
+    """The entries still queued at the end of ``cycles`` (none kept by a run
+    stored before they were)."""
+    if not _store.queued_kept(dsn, run.run_id):
+        return reader.spark.createDataFrame([], "cycle int, queue short, qseq long")
+    return reader.read(compose(S.JDBC_QUEUED, schema=schema, cycles=cycles), fetch=10000)
 
 
 def _waits(

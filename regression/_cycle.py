@@ -136,7 +136,10 @@ def run_cycle(
     consumer has found its queue empty after that. ``abort_requested`` is polled
     (every 0.2 s); when it returns True the workers are stopped and the cycle
     is marked aborted. A cycle without any progress for ``stall_timeout``
-    seconds is aborted as stalled.
+    seconds is aborted as stalled. A worker that fails (exits non-zero
+    without chaos having killed it) stops the others at once: the cycle is
+    failed, and the proof tells what it left queued (not drained) from what
+    was lost.
     """
     c = _Cycle(dsn, run, cycle, monitor_dir, monitor_dsns)  # set-up
     try:
@@ -346,6 +349,11 @@ class _Cycle:
         """One turn of the loop (about _worker.POLL_S); False once every worker has exited."""
         if self.chaos is not None and self.status == "done":
             self._restart_killed()
+        elif self.status == "done" and any(p.exitcode for p in self.workers):
+            # A worker failed (nothing is killed on purpose without chaos): its
+            # share would never come, and the producers, retrying a full
+            # queue, beat on forever, so the stall watch would never end it.
+            self._abandon("failed")
         alive = [p for p in self.workers if p.exitcode is None]
         if (
             not self.producers_done.is_set()
@@ -544,7 +552,8 @@ class _Cycle:
             },
         }
         if self.status != "aborted":
-            left = _store.leftovers(self.dsn, self.run)
+            # Kept for the proof: an entry still queued now was not drained, not lost.
+            left = _store.record_queued(self.dsn, self.run, self.cycle)
             for name, count in left.items():
                 stats["queues"][name]["leftover"] = count
         if self.failover is not None:

@@ -40,6 +40,7 @@ class _Counts:
     recv_tot: Any  # rows, extra, redelivered over every received row
     per_queue: dict[Any, Any]  # judged rollup by queue (None: the totals)
     lost_q: dict[int, int]
+    undrained_q: dict[int, int]  # committed, still queued when the workload ended
     ooo_q: dict[int, int]
     group_breaks: int
     in_flight_twice: int
@@ -151,6 +152,9 @@ def _count(run: RunInfo, c: Checked, acked_lost: DataFrame | None) -> _Counts:
         ).collect()
     }
     lost_q = {r["queue"]: int(r["count"]) for r in c.lost.groupBy("queue").count().collect()}
+    undrained_q = {
+        r["queue"]: int(r["count"]) for r in c.undrained.groupBy("queue").count().collect()
+    }
     ooo_q = {r["queue"]: int(r["count"]) for r in c.ooo.groupBy("queue").count().collect()}
     group_breaks = ooo_q.pop(c.grouped.idx, 0) if c.grouped is not None else 0
     in_flight_twice = c.held.count() if c.held is not None else 0
@@ -173,8 +177,8 @@ def _count(run: RunInfo, c: Checked, acked_lost: DataFrame | None) -> _Counts:
         for r in acked_lost.groupBy("queue").count().collect():
             lost_q[r["queue"]] = lost_q.get(r["queue"], 0) + int(r["count"])
     return _Counts(
-        recv_tot, per_queue, lost_q, ooo_q, group_breaks, in_flight_twice, n_reused,
-        sent_tx, sent_q, rb_tx, _by_sql(run, c),
+        recv_tot, per_queue, lost_q, undrained_q, ooo_q, group_breaks, in_flight_twice,
+        n_reused, sent_tx, sent_q, rb_tx, _by_sql(run, c),
     )
 
 
@@ -195,6 +199,7 @@ def _violations(n: _Counts, report: R.Report) -> None:
     total = n.per_queue.get(None)
     v = report.violations
     v[R.LOST] = sum(n.lost_q.values())
+    v[R.NOT_DRAINED] = sum(n.undrained_q.values())
     v[R.DUPLICATE] = int(n.recv_tot["extra"] or 0)
     v[R.OUT_OF_ORDER] = sum(n.ooo_q.values())
     v[R.GROUP_ORDER] = n.group_breaks
@@ -229,6 +234,8 @@ def _examples(
                 acked_lost.withColumn("acknowledged", F.lit(True)),
                 "cycle", "queue", "qseq", "producer", "pseq", "tx", "acknowledged",
             )
+    if v[R.NOT_DRAINED]:
+        ex[R.NOT_DRAINED] = rows(c.undrained, "cycle", "queue", "qseq", "producer", "pseq", "tx")
     if v[R.DUPLICATE]:
         ex[R.DUPLICATE] = rows(c.extra, "cycle", "queue", "qseq", "recv_order", "deliveries")
     if v[R.OUT_OF_ORDER]:
@@ -305,6 +312,7 @@ def _figures(run: RunInfo, n: _Counts, report: R.Report) -> None:
             "delivered": int(row["delivered"]) if row else 0,
             "violations": {
                 R.LOST: n.lost_q.get(ref.idx, 0),
+                R.NOT_DRAINED: n.undrained_q.get(ref.idx, 0),
                 R.OUT_OF_ORDER: n.ooo_q.get(ref.idx, 0),
                 **{k: int(row[k]) if row else 0 for k in VERDICTS},
                 **(

@@ -19,6 +19,8 @@ Everything a run needs to be verified again lives in its schema:
                    transaction) and its row's due time (read after the commit)
 - ``retried``      every deliberate consumer rollback's entries: the database's
                    time just before the rollback and the queue's backoff
+- ``queued``       every entry still queued in a queue's table at the end of a
+                   cycle (its workers stopped): committed, not drained
 - ``received_<queue>``  what the queue's consumer took, written in the same
                    transaction as the dequeue (payload included); the grouped
                    queue's (and, in a run with SQL consumers, every queue's)
@@ -59,6 +61,8 @@ RUN_EXISTS: Final = _Q["run_exists"]
 DROP_RUN: Final = _Q["drop_run"]
 COMMIT_TS_ON: Final = _Q["commit_ts_on"]
 LEFTOVERS: Final = _Q["leftovers"]  # {table}: a queue's table, no {schema}
+RECORD_QUEUED: Final = _Q["record_queued"]  # {table}: a queue's table
+QUEUED_KEPT: Final = _Q["queued_kept"]
 # the workload's writers: the ground truth and the consumers' records
 INSERT_SENT: Final = _Q["insert_sent"]
 INSERT_ROLLED_BACK: Final = _Q["insert_rolled_back"]
@@ -89,6 +93,7 @@ JDBC_SENT: Final = _Q["jdbc_sent"]  # {committed_at}
 COMMITTED_AT_COMMIT_TS: Final = _Q["committed_at_commit_ts"]
 COMMITTED_AT_SENT: Final = _Q["committed_at_sent"]
 JDBC_ROLLED_BACK: Final = _Q["jdbc_rolled_back"]
+JDBC_QUEUED: Final = _Q["jdbc_queued"]
 JDBC_ACKED: Final = _Q["jdbc_acked"]
 JDBC_DUE: Final = _Q["jdbc_due"]
 JDBC_RETRIED: Final = _Q["jdbc_retried"]

@@ -8,7 +8,12 @@ from pathlib import Path
 from typing import Any, Final
 
 # Violation kinds (the keys of ``Report.violations``; one place, like metric names).
-LOST: Final = "lost"  # committed, never dequeued
+# committed, never dequeued, and not queued when the workload ended: its row is gone,
+# or was consumed without a recorded delivery
+LOST: Final = "lost"
+# committed, never dequeued, still queued when the workload ended (the workload
+# stopped early, or stalled): nothing was lost, but the cycle did not drain it
+NOT_DRAINED: Final = "not_drained"
 DUPLICATE: Final = "duplicate"  # dequeued more than once (counts the extra deliveries)
 # per (queue, producer), dequeued before an entry committed earlier
 OUT_OF_ORDER: Final = "out_of_order"
@@ -28,8 +33,12 @@ TAKEN_EARLY: Final = "taken_before_due"
 # an entry a consumer rolled back taken again before the queue's backoff had passed
 RETRIED_EARLY: Final = "retried_before_backoff"
 
+# In the order the summary prints them: a workload error first (whatever else
+# was found followed from it, or not), then what became of committed entries.
 VIOLATION_KINDS: Final = (
+    WORKLOAD,
     LOST,
+    NOT_DRAINED,
     DUPLICATE,
     OUT_OF_ORDER,
     CORRUPT,
@@ -40,7 +49,6 @@ VIOLATION_KINDS: Final = (
     GROUP_IN_FLIGHT,
     TAKEN_EARLY,
     RETRIED_EARLY,
-    WORKLOAD,
 )
 
 
@@ -100,6 +108,7 @@ class Report:
         c = self.counts
         cyc = _cycles(self.cycles)
         lines = [f"ringq regress: run {self.run_id}, {cyc}: {'PASS' if self.ok else 'FAIL'}"]
+        lines += self.workload_lines()
         tx = c.get("transactions", {})
         rb_reasons = ", ".join(
             f"{k} {v:,}" for k, v in sorted(tx.get("rolled_back_by_reason", {}).items())
@@ -110,6 +119,7 @@ class Report:
             f"dequeued {c.get('delivered', 0):,} ({c.get('received_rows', 0):,} rows, "
             f"{c.get('redelivered', 0):,} after a consumer rollback)"
         )
+        lines += self.drained_lines()
         lines.append(
             f"  tx          simple {tx.get('simple', 0):,}   "
             f"two-phase {tx.get('two_phase', 0):,}   "
@@ -151,8 +161,6 @@ class Report:
         for kind, rows in self.examples.items():
             for row in rows[:3]:
                 lines.append(f"    {kind}: {_row(row)}")
-        for err in self.workload_errors[:5]:
-            lines.append(f"    workload: {err}")
         t = self.throughput
         lines.append(
             f"  throughput  workload {t.get('workload_s', 0):.1f} s   "
@@ -171,6 +179,29 @@ class Report:
             lines.append(f"  report      {self.path}")
         return "\n".join(lines)
 
+
+    def workload_lines(self) -> list[str]:
+        """The workload's errors, the summary's first finding (none: it ran to its end)."""
+        n = len(self.workload_errors)
+        if not n:
+            return []
+        lines = [f"  workload    FAILED: {n:,} error{'s' if n > 1 else ''}"]
+        lines += [f"    workload: {err}" for err in self.workload_errors[:5]]
+        if n > 5:
+            lines.append(f"    workload: ... and {n - 5:,} more")
+        return lines
+
+    def drained_lines(self) -> list[str]:
+        """The entries still queued when the workload ended (none: it drained every queue)."""
+        n = int(self.violations.get(NOT_DRAINED, 0))
+        if not n:
+            return []
+        when = (
+            "when the workload stopped early (its error is above): not lost"
+            if self.workload_errors
+            else "when the workload ended: not lost, but it never drained them (a stall)"
+        )
+        return [f"  not drained {n:,} entries committed and still queued {when}"]
 
     def consumer_lines(self) -> list[str]:
         """The line of linked and SQL consumers (none without SQL consumers)."""

@@ -22,7 +22,6 @@ import psycopg
 from psycopg.types.json import Jsonb
 from ringq import __version__
 from ringq.engine import QueueNotFound, RingqError, pg, queue_table
-from ringq.engine.sqlfile import compose
 from ringq.scripting import QueueSpec, create_queue, drop_queue
 
 from . import _queries as S
@@ -271,14 +270,27 @@ def _drop_queues(conn: psycopg.Connection[Any], run: RunInfo) -> None:
             drop_queue(conn, ref.name)
 
 
-def leftovers(dsn: str, run: RunInfo) -> dict[str, int]:
-    """Entries still queued (committed, never consumed) in each of the run's queues."""
+def record_queued(dsn: str, run: RunInfo, cycle: int) -> dict[str, int]:
+    """At the end of ``cycle`` (its workers stopped): keep the entries still
+    queued (committed, never consumed) in each of the run's queues, for the
+    proof to tell them from lost ones; how many per queue."""
     out: dict[str, int] = {}
     with _connect(dsn) as conn:
         for ref in run.queues:
-            row = conn.execute(compose(S.LEFTOVERS, table=queue_table(ref.name))).fetchone()
+            row = conn.execute(
+                S.q(S.RECORD_QUEUED, run.run_id, queue_table(ref.name)),
+                {"cycle": cycle, "queue": ref.idx},
+            ).fetchone()
             out[ref.name] = int(row[0]) if row else 0
     return out
+
+
+def queued_kept(dsn: str, run_id: str) -> bool:
+    """Whether the run keeps its cycles' still-queued entries (``record_queued``;
+    a run stored before that does not)."""
+    with _connect(dsn) as conn:
+        row = conn.execute(S.QUEUED_KEPT, (S.SCHEMA_PREFIX + run_id,)).fetchone()
+        return bool(row and row[0])
 
 
 def record_acked(

@@ -4,7 +4,11 @@ For the chosen cycles of a run it proves:
 
 - every committed entry (``sent``) was dequeued (``received_*``) exactly once
   (else ``lost`` / ``duplicate``; ``seq_reused`` if two committed entries share
-  a queue sequence);
+  a queue sequence). An entry never dequeued but still queued when the
+  cycle's workload ended (``queued``, kept by the cycle) is ``not_drained``,
+  not ``lost``: the workload stopped early (its ``workload_error`` says why)
+  or, without one, stalled; both fail the proof. ``lost`` is left with the
+  entries whose rows are gone or were consumed without a recorded delivery;
 - nothing rolled back was ever dequeued (``rolled_back_delivered``), and nothing
   dequeued came from nowhere (``phantom``);
 - per (queue, producer) the dequeue order follows the commit order, i.e. the

@@ -84,6 +84,12 @@ CREATE TABLE {schema}.due (
     not_before    timestamptz,
     PRIMARY KEY (cycle, queue, qseq)
 );
+CREATE TABLE {schema}.queued (
+    cycle         int4 NOT NULL,
+    queue         int2 NOT NULL,
+    qseq          int8 NOT NULL,
+    PRIMARY KEY (cycle, queue, qseq)
+);
 CREATE TABLE {schema}.retried (
     cycle         int4 NOT NULL,
     queue         int2 NOT NULL,
@@ -241,6 +247,24 @@ SELECT current_setting('track_commit_timestamp')::boolean
 -- Entries still queued in a ringq queue's table (ringq.engine.queue_table).
 SELECT count(*) FILTER (WHERE state = 1) FROM {table}
 
+-- record_queued --
+-- At a cycle's end, its workers stopped: the entries still queued in one of
+-- the run's queues ({table}: the queue's table), kept for the proof (the
+-- queues are dropped with the run, their evidence stays); how many. An entry
+-- a consumer held when it stopped is queued again (its take rolled back).
+WITH t AS (SELECT seq FROM {table} WHERE state = 1),
+i AS (
+    INSERT INTO {schema}.queued (cycle, queue, qseq)
+    SELECT %(cycle)s, %(queue)s, seq FROM t
+    ON CONFLICT DO NOTHING
+)
+SELECT count(*) FROM t
+
+-- queued_kept --
+-- Whether the run keeps what was queued at its cycles' ends (runs stored
+-- before the queued table existed do not). The parameter is the run's schema name.
+SELECT to_regclass(format('%%I.queued', %s::text)) IS NOT NULL
+
 -- resume_producer --
 -- What a restarted worker resumes from (chaos): only what is durably recorded.
 SELECT coalesce(max(pseq), 0), coalesce(max(tx), 0) FROM (
@@ -307,6 +331,9 @@ FROM {schema}.retried WHERE cycle IN ({cycles})
 -- jdbc_acked --
 SELECT cycle, producer, queue, qseq, pseq, tx, on_new
 FROM {schema}.acked WHERE cycle IN ({cycles})
+
+-- jdbc_queued --
+SELECT cycle, queue, qseq FROM {schema}.queued WHERE cycle IN ({cycles})
 
 -- jdbc_rolled_back --
 SELECT cycle, queue, qseq, producer, pseq, tx, kind, reason

@@ -43,7 +43,7 @@ from ringq.regression import _queries as S
 pytestmark = pytest.mark.slow
 
 SIZES = (16, 200, 2000, 20000, 200000)
-KINDS = ("lost", "duplicate", "out_of_order", "corrupt", "rolled_back_delivered")
+KINDS = ("lost", "not_drained", "duplicate", "out_of_order", "corrupt", "rolled_back_delivered")
 # planted into the grouped queue (the run's last): they must fail the proof too
 GROUP_KINDS = ("group_order_breaks", "group_in_flight_twice")
 QUEUES = len(SIZES) + 1  # one per payload size, and the grouped queue
@@ -185,7 +185,10 @@ def planted(dsn: str, run_id: str, kind: str) -> Iterator[dict[str, Any]]:
     schema = S.schema_of(run_id)
     undo: Callable[[psycopg.Connection[Any]], None]
     with psycopg.connect(dsn, autocommit=True) as conn:
-        if kind == "lost":
+        if kind in ("lost", "not_drained"):
+            # A received row deleted; not drained: its entry was also still
+            # queued at the cycle's end (a cycle that ended without a workload
+            # error and left it: a stall, which fails the proof too).
             row = present(
                 conn.execute(
                     sql.SQL(
@@ -196,6 +199,15 @@ def planted(dsn: str, run_id: str, kind: str) -> Iterator[dict[str, Any]]:
                 ).fetchone()
             )
 
+            queued = sql.SQL("{}.queued").format(schema)
+            if kind == "not_drained":
+                conn.execute(
+                    sql.SQL("INSERT INTO {} (cycle, queue, qseq) VALUES (%s, %s, %s)").format(
+                        queued
+                    ),
+                    (row[0], queue.idx, row[1]),
+                )
+
             def undo(c: psycopg.Connection[Any]) -> None:
                 c.execute(
                     sql.SQL(
@@ -204,6 +216,12 @@ def planted(dsn: str, run_id: str, kind: str) -> Iterator[dict[str, Any]]:
                         "VALUES (%s, %s, %s, %s, %s, %s, %s)"
                     ).format(table),
                     row,
+                )
+                c.execute(
+                    sql.SQL("DELETE FROM {} WHERE cycle = %s AND queue = %s AND qseq = %s").format(
+                        queued
+                    ),
+                    (row[0], queue.idx, row[1]),
                 )
 
             what = {"qseq": row[1]}
