@@ -222,6 +222,12 @@ class Replication:
                 raise ClusterError(
                     f"the standby in {new.datadir} was not promoted: {tail(proc.stdout)}"
                 )
+        # The old primary's slot, made at once: the new primary then keeps
+        # its WAL from the fork on (a slot reserves from the last checkpoint's
+        # redo), which the old primary, rewound, must replay to stream again;
+        # its checkpoints until the rebuild would recycle it otherwise.
+        # max_slot_wal_keep_size bounds what a standby never rebuilt holds.
+        self._create_slot(port)
         pair = Pair(pair.standby, pair.primary, pair.mode, STANDBY_REBUILD)
         pair.write(self.home)
         new.rewrite_conf(self.primary_settings(pair))  # a primary's, for its next start
@@ -246,12 +252,24 @@ class Replication:
         how = None
         if not fresh and (target.datadir / "PG_VERSION").exists():
             how = self._rewind(port, target)
-        if how is None:
-            target.recover_crashed()  # frees the shared memory a killed server left
-            self._base_backup(port, target)
-            how = "copied"
+        if how is not None:
+            try:
+                self._run_standby(pair, primary, target, port=keep_port)
+                return how
+            except ClusterError as exc:
+                # Rewound, it may still need WAL the new primary no longer
+                # has (its checkpoints since the promotion recycled the
+                # segment of the fork: "requested WAL segment ... has already
+                # been removed"): copy it anew instead.
+                with (target.datadir / "log" / "rebuild.log").open("a") as f:
+                    f.write(f"rewound, but it did not stream ({exc}): copying it anew\n")
+                target.stop()
+                target.wait_gone()
+                pair = Pair.read(self.home)
+        target.recover_crashed()  # frees the shared memory a killed server left
+        self._base_backup(port, target)
         self._run_standby(pair, primary, target, port=keep_port)
-        return how
+        return "copied"
 
     # -- steps -----------------------------------------------------------------
 

@@ -345,6 +345,37 @@ def test_async_failover_delivers_entries_whose_dequeue_was_lost_in_the_gap(
         assert got == list(range(20))
 
 
+def test_the_old_primary_is_rewound_after_the_new_one_recycled_wal(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Found by the fail-over hunt (async, 1 run of 4): checkpoints on the new
+    primary between the promotion and the rebuild recycled the segment of the
+    fork, so the rewound old primary could not stream ("requested WAL segment
+    ... has already been removed") and the rebuild failed after a minute. The
+    promotion makes the old primary's slot at once, so the WAL is kept, and a
+    rewound server that still cannot stream is copied anew."""
+    home = tmp_path / "home"
+    with pair_with_queue(home, capsys, "--async") as (cluster, both, queue):
+        with connect(both) as session:
+            for n in range(20):
+                session.enqueue(queue, str(n).encode())
+                session.commit()
+        kill_primary(cluster)
+        code, _, err = cli(capsys, "db", "promote", "--home", str(home))
+        assert code == 0, err
+        with psycopg.connect(both, autocommit=True) as conn:
+            conn.execute("CREATE TABLE churn (x int)")
+            for _ in range(4):  # the fork's segment is no longer the newest ones
+                conn.execute("INSERT INTO churn SELECT generate_series(1, 1000)")
+                conn.execute("SELECT pg_switch_wal()")
+                conn.execute("CHECKPOINT")
+        code, out, err = cli(capsys, "db", "standby", "rebuild", "--home", str(home))
+        assert code == 0, err
+        assert "pg_rewind" in out, out  # rewound, not copied anew
+        sb = present(cluster.standby_status())
+        assert sb.in_recovery is True and sb.streaming == "streaming"
+
+
 def test_the_old_primary_comes_back_as_a_standby_of_the_new_one(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
