@@ -272,6 +272,10 @@ def decide_lost(
         # a backend of that pid that started after we registered is not ours
         wait_backend_gone(aux, old_pid, not_after_ns=sec.c(cidx, L.C_STARTED_NS))
         committed = decide_ops(sec, aux, ops, old_token, why="connection-lost")
+        if committed is None:
+            # Recovery (the monitor, another session) decided our slots
+            # first: the section knows, and the rows still tell us.
+            committed = rows_outcome(aux, in_flight(ops))
     for op in ops:
         sec.lock_queue(op.ring.qidx)
         try:
@@ -344,23 +348,33 @@ def in_doubt_outcome(
     if not exc.entries:
         return None
     pid, registered_ns = exc.backend
-    verdicts: set[bool] = set()
-    by_queue: dict[str, list[InFlight]] = {}
-    for entry in exc.entries:
-        by_queue.setdefault(entry.queue, []).append(entry)
     with connected(dsn, connect_timeout=connect_timeout) as conn:
         wait_backend_gone(conn, pid, timeout, not_after_ns=registered_ns or None)
-        for queue, entries in by_queue.items():
-            rows = conn.execute(
-                sql.SQL(_Q["in_doubt_rows"]).format(table=queue_table(queue)),
-                ([e.slot for e in entries],),
-            ).fetchall()
-            by_slot = {r[0]: r[1:] for r in rows}
-            for e in entries:
-                verdict = _verdict(e, by_slot.get(e.slot, (RowState.FREE, -1, None, None)))
-                if verdict is not None:
-                    verdicts.add(verdict)
+        return rows_outcome(conn, exc.entries)
+
+
+def rows_outcome(conn: psycopg.Connection[Any], entries: Sequence[InFlight]) -> bool | None:
+    """Whether the transaction of ``entries`` committed, as their rows tell
+    (read on ``conn``, once the backend that ran it has ended; see
+    :func:`_verdict`); None when they do not. The section is not touched.
+
+    :raises DatabaseError: the rows disagree.
+    """
+    verdicts: set[bool] = set()
+    by_queue: dict[str, list[InFlight]] = {}
+    for entry in entries:
+        by_queue.setdefault(entry.queue, []).append(entry)
+    for queue, group in by_queue.items():
+        rows = conn.execute(
+            sql.SQL(_Q["in_doubt_rows"]).format(table=queue_table(queue)),
+            ([e.slot for e in group],),
+        ).fetchall()
+        by_slot = {r[0]: r[1:] for r in rows}
+        for e in group:
+            verdict = _verdict(e, by_slot.get(e.slot, (RowState.FREE, -1, None, None)))
+            if verdict is not None:
+                verdicts.add(verdict)
     if len(verdicts) > 1:
         # A transaction commits whole: its rows cannot disagree unless written around ringq.
-        raise DatabaseError(f"the rows disagree on the outcome of {exc.entries}")
+        raise DatabaseError(f"the rows disagree on the outcome of {tuple(entries)}")
     return verdicts.pop() if verdicts else None

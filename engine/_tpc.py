@@ -20,8 +20,9 @@ import psycopg
 from psycopg.pq import TransactionStatus
 
 from . import _layout as L
+from ._decide import decide_ops, in_flight, rows_outcome, wait_backend_gone
 from ._errors import InDoubt, RingqError, RolledBack, TransactionError, one_line
-from ._ops import each_op
+from ._ops import Op, each_op
 from ._pg import connect
 from ._queries import QUERIES as _Q
 
@@ -195,20 +196,49 @@ class TwoPhase:
             link.tpc_open = False
             self.decided = False  # a recorded decision stays for recovery
             if self.prepared:
-                # A prepared transaction outlives the connection: its rows do
-                # not tell the outcome yet. Hold the slots for the monitor's
-                # resolve_prepared (the coordinator's decision decides).
+                # A prepared transaction outlives the connection: hold the
+                # slots for the monitor's resolve_prepared (the coordinator's
+                # decision decides), unless it is prepared no longer (our
+                # COMMIT or ROLLBACK PREPARED ran, or recovery resolved it):
+                # then its rows tell.
                 self.prepared = False
                 self.txn.hold(ops)
-                link.record_ops_error(L.ERR_IN_DOUBT, ops)
+                backend = (link.backend_pid, link.section.c(link.cidx, L.C_STARTED_NS))
                 link.recover([], reason=f"tpc end failed: {exc}")
-                raise InDoubt(
-                    f"two-phase {'commit' if commit else 'rollback'} of {gid} in doubt: "
-                    f"{one_line(str(exc))}"
-                ) from exc
+                committed = self._resolved(gid, ops, backend)
+                what = "commit" if commit else "rollback"
+                if committed is None:
+                    link.record_ops_error(L.ERR_IN_DOUBT, ops)
+                    raise InDoubt(
+                        f"two-phase {what} of {gid} in doubt: {one_line(str(exc))}"
+                    ) from exc
+                if committed == commit:
+                    logger.warning("ringq: the answer to the two-phase %s of %s was lost, but "
+                                   "it is prepared no longer and the rows show it done", what, gid)
+                    return
+                if commit:
+                    reason = one_line(str(exc or err))
+                    raise RolledBack(
+                        f"the connection was lost at the commit of {gid}, which was rolled back "
+                        f"(by recovery): nothing of it committed: {reason}",
+                        reason=reason,
+                    ) from err
+                raise TransactionError(
+                    f"the connection was lost at the rollback of {gid}, which committed (its "
+                    "decision was recorded, and recovery committed it)"
+                ) from err
             if commit:
                 link.record_ops_error(L.ERR_COMMIT_FAILED, ops)
+            backend = (link.backend_pid, link.section.c(link.cidx, L.C_STARTED_NS))
             committed = link.recover(ops, reason=f"tpc end failed: {exc}")
+            if committed is None and commit and ops:
+                # as a plain commit whose answer was lost (Transaction.commit)
+                link.record_ops_error(L.ERR_IN_DOUBT, ops)
+                raise InDoubt(
+                    f"commit outcome unknown: {one_line(str(exc or err))}",
+                    entries=in_flight(ops),
+                    backend=backend,
+                ) from err
             if committed is False:
                 reason = one_line(str(exc or err))
                 raise RolledBack(
@@ -239,3 +269,32 @@ class TwoPhase:
                     link.execute(_Q["tpc_forget"], (gid,), conn=self._aux_conn(), recover=False)
                 except RingqError:
                     logger.warning("ringq: could not clear tpc_log for %s", gid)
+
+    def _resolved(self, gid: str, ops: list[Op], backend: tuple[int, int]) -> bool | None:
+        """After the answer to COMMIT or ROLLBACK PREPARED of ``gid`` was
+        lost, on the link's new connection: once the old backend has ended,
+        None while ``gid`` is still prepared (nothing tells its outcome yet),
+        or when nothing else can be learned; else whether it committed, from
+        the rows of its slots (which are decided for the section if they are
+        still held for it); its decision and slot log are deleted then."""
+        link = self.link
+        if not ops or link.conn.closed or link.conn.broken:
+            return None
+        try:
+            with connect(link.dsn, connect_timeout=link.connect_timeout) as aux:
+                wait_backend_gone(aux, backend[0], not_after_ns=backend[1])
+                if aux.execute(_Q["tpc_is_prepared"], (gid,)).fetchone() is not None:
+                    return None
+                committed = decide_ops(ops[0].ring.sec, aux, ops, L.OWNER_HELD,
+                                       why=f"tpc-end-lost gid={gid}")
+                if committed is None:  # recovery decided the slots first
+                    committed = rows_outcome(aux, in_flight(ops))
+                # its decision and slot log have done their work (as after
+                # a tpc_commit that was answered)
+                aux.execute(_Q["tpc_undecide"], (gid,))
+                aux.execute(_Q["tpc_forget"], (gid,))
+                return committed
+        except (psycopg.Error, RingqError) as err:
+            logger.warning("ringq: could not tell from the rows what became of %s: %s",
+                           gid, one_line(str(err)))
+            return None

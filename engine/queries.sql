@@ -426,6 +426,9 @@ WHERE NOT EXISTS (SELECT 1 FROM pg_prepared_xacts p WHERE p.gid = l.gid)
 DELETE FROM ringq.tpc_log l WHERE l.gid = ANY(%s)
 AND NOT EXISTS (SELECT 1 FROM pg_prepared_xacts p WHERE p.gid = l.gid)
 
+-- tpc_is_prepared --
+SELECT 1 FROM pg_prepared_xacts WHERE gid = %s
+
 -- tpc_decide --
 INSERT INTO ringq.tpc_decisions (gid) VALUES (%s) ON CONFLICT DO NOTHING
 
