@@ -13,8 +13,8 @@ reclaim, dead clients, prepared transactions), :mod:`~ringq.engine.metrics`
 connections, statements, psycopg errors turned into the tree below).
 """
 
-from ._dsn import check_dsn, dsn_file, read_dsn_file, resolve_dsn, ringq_home
-from ._errors import (
+from .driver._dsn import check_dsn, dsn_file, read_dsn_file, resolve_dsn, ringq_home
+from .driver._errors import (
     ConfigError,
     DatabaseError,
     DatabaseUnavailable,
@@ -46,16 +46,14 @@ from ._errors import (
     scrub,
     scrub_exception,
 )
-from ._events import CHANNEL as EVENTS_CHANNEL
-from ._events import Event, Subscription, publish, subscribe
-from ._layout import MAX_CAPACITY, MAX_QUEUES
-from ._names import queue_table, validate_queue_name
-from ._pg import converted, from_psycopg
-from ._queue_info import DEFAULT_LEASE
-from ._ring import Ring
-from ._section import Section, pid_alive, section_name
-from ._session import Message, QueueInfo, Session, connect
-from ._shm import (
+from .driver._names import queue_table, validate_queue_name
+from .driver._pg import converted, from_psycopg
+from .ring._queue_info import DEFAULT_LEASE
+from .ring._ring import Ring
+from .rows._tracelog import enable_trace
+from .section._layout import MAX_CAPACITY, MAX_QUEUES
+from .section._section import Section, pid_alive, section_name
+from .section._shm import (
     SectionInUse,
     SectionOnHost,
     ServerScan,
@@ -66,8 +64,16 @@ from ._shm import (
     sections_on_host,
     tidy_sections,
 )
-from ._trace import enable_trace
-from ._validate import MAX_DELAY, check_group, is_finite_number, validate_int, validate_seconds
+from .session._events import CHANNEL as EVENTS_CHANNEL
+from .session._events import Event, Subscription, publish, subscribe
+from .session._session import Message, QueueInfo, Session, connect
+from .session._validate import (
+    MAX_DELAY,
+    check_group,
+    is_finite_number,
+    validate_int,
+    validate_seconds,
+)
 
 __all__ = [
     "DEFAULT_LEASE",

@@ -6,9 +6,9 @@ client entries, as the monitor, the regression harness and tests read them::
 
     depth = section.q(qidx, L.Q_DEPTH_HINT)
 
-The definitions (and their comments) are in ``ringq/engine/_layout.py``.
+The definitions (and their comments) are in ``ringq/engine/section/_layout.py``.
 """
 
 from __future__ import annotations
 
-from ._layout import *  # noqa: F403 - every public name of the layout, nothing else
+from .section._layout import *  # noqa: F403 - every public name of the layout, nothing else

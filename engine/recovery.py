@@ -9,14 +9,13 @@ keep the global section true to the rows after failures::
     recover_lost_backends(sec, conn) # decide slots of live clients whose backend ended
     reclaim_all(sec)                 # advance tails, wake blocked enqueuers
 
-The functions are defined in ``ringq/engine/_recovery.py`` and ``_lease.py``.
+The functions are defined in ``ringq/engine/rows/_recovery.py`` and ``_lease.py``.
 """
 
 from __future__ import annotations
 
-from ._lease import Holder, end_holders, overdue_holders, recover_lost_backends
-from ._process import _Process
-from ._recovery import (
+from .rows._lease import Holder, end_holders, overdue_holders, recover_lost_backends
+from .rows._recovery import (
     DECIDED_GRACE_S,
     Recovered,
     history_of,
@@ -30,7 +29,8 @@ from ._recovery import (
     section_differences,
     section_following,
 )
-from ._section import Section
+from .section._process import _Process
+from .section._section import Section
 
 __all__ = [
     "DECIDED_GRACE_S",

@@ -1,9 +1,9 @@
 """SQL consumers, public: the agent that sets entries aside for
 ``ringq.dequeue()`` (other hosts, other languages) and decides them from the
-rows. The monitor runs it; see ``ringq/engine/_offers.py``."""
+rows. The monitor runs it; see ``ringq/engine/sqlagent/_offers.py``."""
 
 from __future__ import annotations
 
-from ._offers import DEMAND_S, READY_CHANNEL, WANT_CHANNEL, AgentFigures, SqlAgent
+from .sqlagent._offers import DEMAND_S, READY_CHANNEL, WANT_CHANNEL, AgentFigures, SqlAgent
 
 __all__ = ["DEMAND_S", "READY_CHANNEL", "WANT_CHANNEL", "AgentFigures", "SqlAgent"]

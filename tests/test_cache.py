@@ -307,7 +307,7 @@ def test_a_queue_whose_cache_the_shm_filesystem_cannot_hold_runs_without_it(
 ) -> None:
     """A container's small /dev/shm: writing records it has no pages for would
     kill the writer (SIGBUS). The queue is loaded without its cache instead."""
-    import ringq.engine._section as section_module
+    import ringq.engine.section._section as section_module
 
     q = make_queue(capacity=64)
     monkeypatch.setattr(section_module, "shm_free_bytes", lambda: 1024)

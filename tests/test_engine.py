@@ -345,7 +345,7 @@ def test_database_without_ringq_schema_is_schema_missing(
 def test_waiting_dequeuer_is_woken_by_commit(
     dsn: str, make_queue: Callable[..., str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from ringq.engine import _claim
+    from ringq.engine.session import _claim
 
     # No safety-net recheck within the test: only the commit's post can wake it.
     monkeypatch.setattr(_claim, "CLAIM_RECHECK_S", 60.0)
@@ -705,7 +705,7 @@ def test_a_fork_while_another_thread_holds_the_attachment_lock_does_not_hang_the
     """A monitor's or a pool's recovery thread takes the per-process attachment
     lock every 100 ms; a fork at that moment must not leave the child waiting
     for a lock whose holder does not exist there."""
-    from ringq.engine._process import _Process
+    from ringq.engine.section._process import _Process
 
     q = make_queue()
     with connect(dsn):  # the parent is attached, as a monitor would be

@@ -78,7 +78,9 @@ def monitor(dsn: str, tmp_path: Path) -> Iterator[Callable[[], MonitorProcess]]:
 
 
 _LOCKED_FILES = tuple(
-    f"engine{sep}{name}" for sep in ("/", "\\") for name in ("_ring.py", "_finish.py", "_cache.py")
+    f"engine{sep}ring{sep}{name}"
+    for sep in ("/", "\\")
+    for name in ("_ring.py", "_finish.py", "_cache.py")
 )
 
 

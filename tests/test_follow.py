@@ -60,7 +60,7 @@ def test_a_section_of_another_history_is_replaced_before_use(
 def test_a_backend_that_started_after_the_client_is_never_taken_for_its_own(dsn: str) -> None:
     """After a restart or a fail-over a pid comes back as another backend:
     waiting for a lost backend must not end that one."""
-    from ringq.engine._decide import wait_backend_gone
+    from ringq.engine.rows._decide import wait_backend_gone
 
     before = time.time_ns() - 5_000_000_000
     with psycopg.connect(dsn, autocommit=True) as other, psycopg.connect(

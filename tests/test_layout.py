@@ -36,16 +36,16 @@ WHITE_BOX: dict[str, set[str]] = {
     # the server's port probes, made to offer a port held by the test
     "tests/test_cluster.py": {"ringq.cluster._server"},
     # the shared-memory filesystem's free space, made small
-    "tests/test_cache.py": {"ringq.engine._section"},
+    "tests/test_cache.py": {"ringq.engine.section._section"},
     # the per-process attachment lock, held by a thread across a fork
-    "tests/test_engine.py": {"ringq.engine._claim", "ringq.engine._process"},
+    "tests/test_engine.py": {"ringq.engine.session._claim", "ringq.engine.section._process"},
     "tests/test_events.py": {"ringq.monitor._events"},
     # schema_sql (the script's own text); the HTTP servers' backlog and request logging
     "tests/test_hardening_inputs.py": {
         "ringq.scripting._ddl", "ringq.monitor._http", "ringq.rtv._server",
     },
     # wait_backend_gone, the step a reconnecting session takes
-    "tests/test_follow.py": {"ringq.engine._decide"},
+    "tests/test_follow.py": {"ringq.engine.rows._decide"},
     "tests/test_history.py": {
         "ringq.monitor._sample", "ringq.monitor._history", "ringq.monitor._t4",
         "ringq.rtv._metrics",
@@ -56,9 +56,9 @@ WHITE_BOX: dict[str, set[str]] = {
         "ringq.monitor._pump", "ringq.monitor._clients",
     },
     # a batch's waits bucketed by numpy, against Ring.record_wait one at a time (its clock fixed)
-    "tests/test_waits.py": {"ringq.engine._finish"},
+    "tests/test_waits.py": {"ringq.engine.ring._finish"},
     # a mover killed in Transaction.finish (committed, the section not told yet)
-    "tests/test_move.py": {"ringq.engine._transaction"},
+    "tests/test_move.py": {"ringq.engine.session._transaction"},
     "tests/test_regression.py": {
         "ringq.regression._payload", "ringq.regression._queries", "ringq.regression._runner",
     },

@@ -551,7 +551,7 @@ def _mover_dies_publishing(src: str, sq: str, dst: str, dq: str, paused_fd: int)
     """A mover that dies after its destination COMMIT was answered and before
     the section learnt it: its destination entries are committed, but their
     slots stay locked under a dead holder until someone decides them."""
-    from ringq.engine._transaction import Transaction  # where a session tells the section
+    from ringq.engine.session._transaction import Transaction  # where a session tells the section
 
     publish = Transaction.finish
 

@@ -578,7 +578,7 @@ def test_session_that_cannot_decide_its_lost_slots_hands_them_over(
 
     # white-box (_link.decide_lost): deciding the lost transaction fails too;
     # no public hook reaches that step.
-    monkeypatch.setattr("ringq.engine._link.decide_lost", fails)
+    monkeypatch.setattr("ringq.engine.session._link.decide_lost", fails)
     terminate_backend(dsn, s.backend_pid)
     with pytest.raises(InDoubt):
         s.commit()
@@ -622,7 +622,7 @@ def test_a_commit_in_doubt_is_told_from_the_rows(
     # white-box (_link.decide_lost, Session._txn.send_writes): deciding fails, so that
     # the caller gets InDoubt, and the COMMIT's answer is lost after it ran; only
     # these private steps lie between the COMMIT and its answer.
-    monkeypatch.setattr("ringq.engine._link.decide_lost", fails)
+    monkeypatch.setattr("ringq.engine.session._link.decide_lost", fails)
     if answer == "never sent":
         terminate_backend(dsn, s.backend_pid)
     else:

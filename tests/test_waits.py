@@ -18,9 +18,9 @@ from typing import Any
 import pytest
 from conftest import present
 from ringq.engine import Ring, connect
-from ringq.engine import _finish as F
 from ringq.engine import layout as L
 from ringq.engine import metrics as M
+from ringq.engine.ring import _finish as F
 
 WAIT_S = 0.2  # the known wait between the enqueue's commit and the dequeue's
 

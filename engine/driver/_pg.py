@@ -6,7 +6,7 @@ worker) opens its connections with :func:`connect` or :func:`connected` and
 runs its statements with :func:`run` or inside :func:`transaction`; none
 catches a psycopg error to convert it. :func:`from_psycopg` is the one
 mapping from a psycopg error to a ringq class; the session's ``Link.call``
-(``_link.py``) applies the same mapping to the session's own work.
+(``session/_link.py``) applies the same mapping to the session's own work.
 """
 
 from __future__ import annotations

@@ -16,16 +16,12 @@ copied one entry at a time.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
 
 import numpy as np
 
-from . import _layout as L
-from ._ops import RowWrite
-
-if TYPE_CHECKING:
-    from ._ops import Write
-    from ._section import Section
+from ..section import _layout as L
+from ..section._section import Section
+from ._kinds import RowWrite, Write
 
 # A payload cache hit: (payload, producer, producer_seq, enqueued at in us, group).
 Cached = tuple[bytes, str, int, int, str | None]

@@ -5,8 +5,10 @@ a dequeue's slot consumed or ready again; then its entry lock is released.
 A batch does each step as one array write over the block's words, in the
 order the ring's crash rules ask (``_ring``'s module docstring): records
 before ENQ, ENQ and DEQ before LCK is cleared, the tail moved last; a few
-ops go one slot at a time (plain ints cost less than numpy's calls). Called
-by :meth:`Ring.finish_batch <._ring.Ring.finish_batch>` under the queue lock.
+ops go one slot at a time (plain ints cost less than numpy's calls). Built
+on the :class:`~._ring.Ring` (its one-slot finishes, its array unlocks) and
+the ops in flight; called by the transaction and by the rows' decisions,
+under the queue lock.
 """
 
 from __future__ import annotations
@@ -14,21 +16,15 @@ from __future__ import annotations
 import time
 from collections import Counter
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
 
 import numpy as np
 
-from . import _layout as L
-from ._ops import OpKind
+from ..section import _layout as L
+from ._kinds import OpKind
+from ._ops import Op, Run
+from ._ring import VECTOR_FROM, Ring
 from ._scan import bit_mask
 
-if TYPE_CHECKING:
-    from ._ops import Op, Run
-    from ._ring import Ring
-
-_U64 = (1 << 64) - 1
-
-VECTOR_FROM = 8  # ops from which a finish works on arrays (below, numpy's call cost dominates)
 # distinct enqueue times from which a batch's waits are bucketed by numpy (see _record_waits)
 WAIT_VECTOR_FROM = 24
 
@@ -100,7 +96,7 @@ def finish_batch(
                 lo, mask = bit_mask(back)
                 s.deq[ring.w0 + lo : ring.w0 + lo + mask.size] &= ~mask
                 Q[b + L.Q_N_DEQ_ROLLBACK] += back.size
-            _unlock_dequeued(ring, slots, exclusive)
+            ring.unlock_dequeued(slots, exclusive)
             n_space += n_consumed
             n_ready += (slots.size - n_consumed) + freed + int(
                 exclusive and bool(was_owner) and not Q[b + L.Q_DEQ_OWNER]
@@ -124,7 +120,7 @@ def finish_run(
     slots freed) for :func:`after_finish`, which the caller runs once."""
     Q, b, s = ring.Q, ring.qb, ring.sec
     slots = run.slots
-    held = _held_mask(ring, slots, owner)
+    held = ring.held_mask(slots, owner)
     whole = bool(held.all())
     if not whole:
         slots = slots[held]
@@ -149,36 +145,10 @@ def finish_run(
     was_owner = Q[b + L.Q_DEQ_OWNER]
     # a consumed entry of a group frees the group (see finish_batch)
     freed = int(np.count_nonzero(s.group[ring.base + slots] != 0))
-    _consumed(ring, slots, exclusive)
+    ring.end_consumed(slots, exclusive)
     if run.enq_us is not None:
         _record_wait_times(ring, run.enq_us if whole else run.enq_us[held])
     return freed + int(exclusive and bool(was_owner) and not Q[b + L.Q_DEQ_OWNER]), n
-
-
-def finish_consumed(
-    ring: Ring, done: Sequence[tuple[int, int]], owner: int, *, exclusive: bool
-) -> int:
-    """Finish the consumed dequeues ``done`` ((slot, seq) pairs) that
-    ``owner`` still holds at that seq, as :meth:`Ring.finish_dequeue` with
-    ``consumed`` does one at a time (the SQL path's agent finishes what SQL
-    consumers committed: often hundreds a pass), as one array write per word
-    kind; no reclaim (the caller's :func:`after_finish`). Returns how many."""
-    if len(done) < VECTOR_FROM:
-        n = 0
-        for slot, seq in done:
-            if ring.held_by(slot, owner) and ring.seq_of(slot) == seq:
-                ring.finish_dequeue(slot, consumed=True, exclusive=exclusive, reclaim=False)
-                n += 1
-        return n
-    Q, b = ring.Q, ring.qb
-    slots = np.fromiter((d[0] for d in done), dtype=np.int64, count=len(done))
-    seqs = np.fromiter((d[1] for d in done), dtype=np.int64, count=len(done))
-    tail = Q[b + L.Q_TAIL]
-    slots = slots[_held_mask(ring, slots, owner) & (seqs == tail + (slots - tail) % ring.cap)]
-    n = int(slots.size)
-    if n:
-        _consumed(ring, slots, exclusive)
-    return n
 
 
 def _end_enqueues(ring: Ring, slots: np.ndarray, committed: bool) -> None:
@@ -196,31 +166,6 @@ def _end_enqueues(ring: Ring, slots: np.ndarray, committed: bool) -> None:
         Q[b + L.Q_N_ENQ_ROLLBACK] += slots.size
     s.lck[at] &= ~mask
     s.owner[ring.base + slots] = 0
-
-
-def _consumed(ring: Ring, slots: np.ndarray, exclusive: bool) -> None:
-    """Held dequeued ``slots`` whose entries were consumed: counted and
-    unlocked (their DEQ bits stay)."""
-    Q, b = ring.Q, ring.qb
-    Q[b + L.Q_DEPTH_HINT] -= slots.size
-    Q[b + L.Q_N_DEQ_COMMIT] += slots.size
-    _unlock_dequeued(ring, slots, exclusive)
-
-
-def _unlock_dequeued(ring: Ring, slots: np.ndarray, exclusive: bool) -> None:
-    """Unlock dequeued ``slots`` (their DEQ bits already as they stay) and
-    give back the single-dequeuer role once nothing is in flight. Their
-    records are cleared: consumed, or the row counts a delivery now, a record
-    serves one first delivery (a redelivery reads the row)."""
-    Q, b, s = ring.Q, ring.qb, ring.sec
-    ring.cache.clear(slots)
-    lo, mask = bit_mask(slots)
-    s.lck[ring.w0 + lo : ring.w0 + lo + mask.size] &= ~mask
-    s.owner[ring.base + slots] = 0
-    if exclusive and Q[b + L.Q_DEQ_INFLIGHT] > 0:
-        Q[b + L.Q_DEQ_INFLIGHT] = max(0, Q[b + L.Q_DEQ_INFLIGHT] - slots.size)
-        if Q[b + L.Q_DEQ_INFLIGHT] == 0:
-            Q[b + L.Q_DEQ_OWNER] = 0
 
 
 def after_finish(ring: Ring, n_ready: int, n_space: int) -> tuple[int, int]:
@@ -293,7 +238,7 @@ def _finish_each(
     exclusive: bool,
     enq_at_us: int | None,
 ) -> tuple[int, int]:
-    """:meth:`finish_batch` one slot at a time: for a few ops, plain ints
+    """:func:`finish_batch` one slot at a time: for a few ops, plain ints
     cost less than numpy's per-call overhead."""
     Q, b = ring.Q, ring.qb
     n_ready = n_space = 0
@@ -336,18 +281,10 @@ def _held(ring: Ring, ops: list[Op], owner: int) -> tuple[list[Op], np.ndarray]:
     OWNER; the others were decided by recovery: never finish a slot
     twice), and their slots (int64)."""
     slots = np.fromiter((op.slot for op in ops), dtype=np.int64, count=len(ops))
-    held = _held_mask(ring, slots, owner)
+    held = ring.held_mask(slots, owner)
     if held.all():
         return ops, slots
     return [op for op, h in zip(ops, held.tolist(), strict=True) if h], slots[held]
-
-
-def _held_mask(ring: Ring, slots: np.ndarray, owner: int) -> np.ndarray:
-    """Which of ``slots`` (int64) ``owner`` holds: LCK set and its token in OWNER."""
-    s = ring.sec
-    lck = (s.lck[ring.w0 + (slots >> 6)] >> (slots & 63).astype(np.uint64)) & np.uint64(1)
-    held: np.ndarray = (lck != 0) & (s.owner[ring.base + slots] == owner)
-    return held
 
 
 def _record_latencies(ring: Ring, kind: OpKind, ops: list[Op]) -> None:

@@ -1,21 +1,19 @@
 """Loading a queue block's positions and bitmaps from its table's rows
-(a queue's first use, a resync, a rebuild): :func:`load_rows`, behind
-:meth:`Ring.load_rows <._ring.Ring.load_rows>`."""
+(a queue's first use, a resync, a rebuild): :func:`load_rows`, on a
+:class:`~._ring.Ring` whose block the caller holds (its queue lock, or the
+section lock for a block just allocated)."""
 
 from __future__ import annotations
 
 import secrets
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
 
 import numpy as np
 
-from . import _layout as L
-from ._ops import RowState
+from ..section import _layout as L
+from ._kinds import RowState
+from ._ring import Ring
 from ._scan import group_tag, set_bits
-
-if TYPE_CHECKING:
-    from ._ring import Ring
 
 
 def load_rows(

@@ -14,7 +14,9 @@ dead owner's slot once its holder backend has ended.
 Slot ``s`` of the queue is bit ``base + s`` of the pool bitmaps; ``base`` is a
 multiple of 64, so a queue never shares a bitmap word with another queue.
 
-The Ring is the only writer of its block's words after allocation
+The Ring, with the two steps built on it in this layer (finishing a
+transaction's ops, ``_finish``; loading the block from the rows, ``_load``),
+is the only writer of its block's words after allocation
 (``Section.allocate_queue``): positions, counters, waiters, latency
 histograms, the dequeuer role and the configuration; and of its slots'
 payload cache records (``L.R_*``): written by the session whose commit made
@@ -39,17 +41,18 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from . import _finish, _load
-from . import _layout as L
+from ..section import _layout as L
+from ..section._section import Section
 from ._cache import Cached, PayloadCache
-from ._finish import VECTOR_FROM
-from ._ops import OpKind
+from ._kinds import OpKind
 from ._scan import RingScan, bit_mask
 from ._scan import group_tag as group_tag  # re-exported: callers import it from here
-from ._section import Section
 from ._waiting import due_now, make_waiting, release_due, until_due_s, waits
 
 _U64 = (1 << 64) - 1
+
+VECTOR_FROM = 8  # slots from which a batch works on arrays (below, numpy's call cost dominates)
+
 
 class Ring(RingScan):
     """A view of queue block ``qidx`` (cheap to make; holds no lock itself)."""
@@ -370,12 +373,61 @@ class Ring(RingScan):
         Q[b + L.Q_N_DEQ_COMMIT] -= 1
         Q[b + L.Q_N_REPAIRS] += 1
 
-    # Finish ``owner``'s slots once the database has decided; returns (ready,
-    # space), the sleepers to wake. The function itself, bound as a method: its
-    # signature and docstring stay in one place (_finish.finish_batch).
-    finish_batch = _finish.finish_batch
-    # Finish consumed dequeues the SQL path's agent learned of (_finish.finish_consumed).
-    finish_consumed = _finish.finish_consumed
+    def finish_consumed(
+        self, done: Sequence[tuple[int, int]], owner: int, *, exclusive: bool
+    ) -> int:
+        """Finish the consumed dequeues ``done`` ((slot, seq) pairs) that
+        ``owner`` still holds at that seq, as :meth:`finish_dequeue` with
+        ``consumed`` does one at a time (the SQL path's agent finishes what SQL
+        consumers committed: often hundreds a pass), as one array write per word
+        kind; no reclaim (the caller reclaims once, ``_finish.after_finish``).
+        Returns how many."""
+        if len(done) < VECTOR_FROM:
+            n = 0
+            for slot, seq in done:
+                if self.held_by(slot, owner) and self.seq_of(slot) == seq:
+                    self.finish_dequeue(slot, consumed=True, exclusive=exclusive, reclaim=False)
+                    n += 1
+            return n
+        Q, b = self.Q, self.qb
+        slots = np.fromiter((d[0] for d in done), dtype=np.int64, count=len(done))
+        seqs = np.fromiter((d[1] for d in done), dtype=np.int64, count=len(done))
+        tail = Q[b + L.Q_TAIL]
+        slots = slots[self.held_mask(slots, owner) & (seqs == tail + (slots - tail) % self.cap)]
+        n = int(slots.size)
+        if n:
+            self.end_consumed(slots, exclusive)
+        return n
+
+    def held_mask(self, slots: np.ndarray, owner: int) -> np.ndarray:
+        """Which of ``slots`` (int64) ``owner`` holds: LCK set and its token in OWNER."""
+        s = self.sec
+        lck = (s.lck[self.w0 + (slots >> 6)] >> (slots & 63).astype(np.uint64)) & np.uint64(1)
+        held: np.ndarray = (lck != 0) & (s.owner[self.base + slots] == owner)
+        return held
+
+    def end_consumed(self, slots: np.ndarray, exclusive: bool) -> None:
+        """Held dequeued ``slots`` whose entries were consumed: counted and
+        unlocked (their DEQ bits stay)."""
+        Q, b = self.Q, self.qb
+        Q[b + L.Q_DEPTH_HINT] -= slots.size
+        Q[b + L.Q_N_DEQ_COMMIT] += slots.size
+        self.unlock_dequeued(slots, exclusive)
+
+    def unlock_dequeued(self, slots: np.ndarray, exclusive: bool) -> None:
+        """Unlock dequeued ``slots`` (their DEQ bits already as they stay) and
+        give back the single-dequeuer role once nothing is in flight. Their
+        records are cleared: consumed, or the row counts a delivery now, a record
+        serves one first delivery (a redelivery reads the row)."""
+        Q, b, s = self.Q, self.qb, self.sec
+        self.cache.clear(slots)
+        lo, mask = bit_mask(slots)
+        s.lck[self.w0 + lo : self.w0 + lo + mask.size] &= ~mask
+        s.owner[self.base + slots] = 0
+        if exclusive and Q[b + L.Q_DEQ_INFLIGHT] > 0:
+            Q[b + L.Q_DEQ_INFLIGHT] = max(0, Q[b + L.Q_DEQ_INFLIGHT] - slots.size)
+            if Q[b + L.Q_DEQ_INFLIGHT] == 0:
+                Q[b + L.Q_DEQ_OWNER] = 0
 
     # -- counters and waiters ---------------------------------------------------------
 
@@ -519,9 +571,3 @@ class Ring(RingScan):
         if done:
             Q[b + L.Q_TAIL] = tail + done
         return done
-
-    # -- rebuild ------------------------------------------------------------------------
-
-    # Set head, tail, the bitmaps, group tags and waiting entries from the rows;
-    # the function itself, bound as a method (signature and docstring: _load.load_rows).
-    load_rows = _load.load_rows

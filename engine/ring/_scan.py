@@ -13,14 +13,11 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Iterator
-from typing import TYPE_CHECKING
 
 import numpy as np
 
-from . import _layout as L
-
-if TYPE_CHECKING:
-    from ._section import Section
+from ..section import _layout as L
+from ..section._section import Section
 
 _U64 = (1 << 64) - 1
 

@@ -23,13 +23,8 @@ bits (a count left too high costs one more pass, never a lost entry).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
-from . import _layout as L
-from ._scan import bit_mask
-
-if TYPE_CHECKING:
-    from ._scan import RingScan
+from ..section import _layout as L
+from ._scan import RingScan, bit_mask
 
 # A sleeping dequeuer looks again at most this late after the next due time
 # (its wake-up is bounded by it; the estimate of the database's clock is

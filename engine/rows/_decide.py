@@ -21,16 +21,18 @@ import numpy as np
 import psycopg
 from psycopg import sql
 
-from . import _layout as L
-from . import _trace
-from ._errors import DatabaseError, DatabaseUnavailable, InDoubt, InFlight
-from ._names import queue_table
-from ._ops import Op, OpKind, RowState
-from ._pg import connect, connected
-from ._queries import QUERIES as _Q
-from ._queue_info import QueueInfo
-from ._ring import Ring, group_tag
-from ._section import Section
+from ..driver._errors import DatabaseError, DatabaseUnavailable, InDoubt, InFlight
+from ..driver._names import queue_table
+from ..driver._pg import connect, connected
+from ..driver._queries import QUERIES as _Q
+from ..ring._kinds import OpKind, RowState
+from ..ring._load import load_rows
+from ..ring._ops import Op
+from ..ring._queue_info import QueueInfo
+from ..ring._ring import Ring, group_tag
+from ..section import _layout as L
+from ..section._section import Section
+from . import _tracelog
 
 
 def mark_dropped(sec: Section, existing: set[int]) -> None:
@@ -127,8 +129,8 @@ def load_block(
     )
     sec.set_lease(qidx, info.lease)
     arr, groups, dues = _split_rows(rows, sec)
-    ring.load_rows(
-        arr[:, 0], arr[:, 1], arr[:, 2], keep_locked=False, held=held, groups=groups,
+    load_rows(
+        ring, arr[:, 0], arr[:, 1], arr[:, 2], keep_locked=False, held=held, groups=groups,
         offered=offered, dues=dues,
     )
     sec.mark_queue_ready(qidx)
@@ -180,8 +182,8 @@ def resync_queue(sec: Section, ring: Ring, info: QueueInfo, dsn: str) -> None:
         sec.lock_queue(ring.qidx)
         try:
             arr, groups, dues = _split_rows(aux.execute(sql_rows).fetchall(), sec)
-            ring.load_rows(
-                arr[:, 0], arr[:, 1], arr[:, 2], keep_locked=True, held=held, groups=groups,
+            load_rows(
+                ring, arr[:, 0], arr[:, 1], arr[:, 2], keep_locked=True, held=held, groups=groups,
                 offered=offered, dues=dues,
             )
             ring.note_resync()
@@ -205,7 +207,7 @@ def decide_ops(
     (None if no op tells), after updating the section. ``why`` names the
     occasion in the trace (``ringq.trace``: one line per queue).
     """
-    tracing = _trace.log.isEnabledFor(logging.DEBUG)
+    tracing = _tracelog.log.isEnabledFor(logging.DEBUG)
     by_queue: dict[int, list[Op]] = {}
     for op in ops:
         by_queue.setdefault(op.info.id, []).append(op)
@@ -247,7 +249,7 @@ def decide_ops(
         finally:
             sec.unlock_queue(ring.qidx)
         if tracing and (done_ops[0] or done_ops[1]):
-            _trace.decided(why, info.name, owner, done_ops[1], done_ops[0])
+            _tracelog.decided(why, info.name, owner, done_ops[1], done_ops[0])
     return outcome
 
 

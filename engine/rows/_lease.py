@@ -29,10 +29,13 @@ from typing import Any
 import numpy as np
 import psycopg
 
-from . import _layout as L
-from ._ops import Op, OpKind
-from ._queries import QUERIES as _Q
-from ._queue_info import QueueInfo
+from ..driver._queries import QUERIES as _Q
+from ..ring._kinds import OpKind
+from ..ring._ops import Op
+from ..ring._queue_info import QueueInfo
+from ..ring._ring import Ring
+from ..section import _layout as L
+from ..section._section import Section, pid_alive
 from ._recovery import (
     Recovered,
     _backends_alive,
@@ -41,8 +44,6 @@ from ._recovery import (
     _prepared_slots,
     _queue_infos,
 )
-from ._ring import Ring
-from ._section import Section, pid_alive
 
 TERMINATE_WAIT_S = 2.0  # how long a terminated backend is waited for before the next pass
 

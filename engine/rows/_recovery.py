@@ -23,26 +23,30 @@ import numpy as np
 import psycopg
 from psycopg import sql
 
-from . import _layout as L
-from . import _trace
+from ..driver._errors import (
+    DatabaseUnavailable,
+    SchemaMissing,
+    SectionError,
+)
+from ..driver._names import queue_table
+from ..driver._pg import connect
+from ..driver._queries import QUERIES as _Q
+from ..ring._kinds import POISON_REASON, OpKind, RowState
+from ..ring._ops import Op
+from ..ring._queue_info import QueueInfo
+from ..ring._ring import Ring
+from ..section import _layout as L
+from ..section._process import _Process
+from ..section._section import Section, pid_alive
+from . import _tracelog
 from ._decide import (
-    dead_in_the_way,
     decide_ops,
     latest_start,
     load_block,
     mark_dropped,
     resync_queue,
 )
-from ._errors import DatabaseUnavailable, QueueError, RingqError, SchemaMissing, SectionError
-from ._names import queue_table
-from ._ops import POISON_REASON, Op, OpKind, RowState
-from ._pg import connect
-from ._process import _Process
-from ._queries import QUERIES as _Q
-from ._queue_info import QueueInfo
-from ._ring import Ring
-from ._section import Section, pid_alive
-from ._tpc import is_ringq_gid
+from ._gid import is_ringq_gid
 
 logger = logging.getLogger("ringq.recovery")
 
@@ -415,7 +419,7 @@ def _ops_or_hold(
                 ring.hold(slot)
             finally:
                 sec.unlock_queue(ring.qidx)
-            _trace.log.debug("hold queue=%s slot=%d seq=%d: prepared, left to resolve_prepared",
+            _tracelog.log.debug("hold queue=%s slot=%d seq=%d: prepared, left to resolve_prepared",
                              info.name, slot, ring.seq_of(slot))
             rec.held += 1
             continue
@@ -728,72 +732,3 @@ def queue_room(sec: Section, qid: int) -> int | None:
     if freed and waiters:
         sec.post(ring.qid, "s", min(freed, waiters))
     return room
-
-
-# -- a session helping: dead holders in its queue's way --------------------------------
-
-_session_log = logging.getLogger("ringq.engine")
-# A session that finds nothing ready (or no room) looks for dead holders in
-# the queue's way at most this often, in seconds, per process and queue.
-HELP_RECOVER_S = 1.0
-# With a monitor serving (its heartbeat fresher than MONITOR_FRESH_S), a
-# session leaves a dead holder to it (it recovers every 100 ms, and reports
-# the death) for MONITOR_GRACE_S seconds before it recovers it itself.
-MONITOR_FRESH_S = 2.0
-MONITOR_GRACE_S = 2.0
-_last_help: dict[tuple[str, int], float] = {}  # (instance, qid) -> last look; first dead seen:
-_dead_since: dict[tuple[str, int], float] = {}
-
-
-def help_recover(
-    sec: Section, dsn: str, ring: Ring, queue: str, *, owner: int, instance: str
-) -> bool:
-    """A session (token ``owner``, database ``instance``) found nothing ready (or no room) in
-    ``queue``: if a dead holder's slot or dequeuer role is in the way, run
-    recovery for it, at once when no monitor serves, else after
-    ``MONITOR_GRACE_S`` if the monitor has not. Looked at most every
-    ``HELP_RECOVER_S`` per process and queue; returns True if recovery
-    decided anything. Failures are logged, not raised: the caller only found nothing.
-    """
-    key = (instance, ring.qid)
-    now = time.monotonic()
-    if now - _last_help.get(key, -HELP_RECOVER_S) < HELP_RECOVER_S:
-        return False
-    _last_help[key] = now
-    if not dead_in_the_way(sec, ring, owner):
-        _dead_since.pop(key, None)
-        return False
-    since = _dead_since.setdefault(key, now)
-    if now - since < MONITOR_GRACE_S and sec.monitor_serving(MONITOR_FRESH_S):
-        return False
-    try:
-        recovered = recover_dead_clients(sec, dsn)
-    except RingqError as exc:
-        _session_log.info("ringq: queue %s: recovering a dead holder in its way failed: %s",
-                          queue, exc)
-        return False
-    if recovered:
-        _session_log.info(
-            "ringq: queue %s: a session recovered %d dead holders in its way",
-            queue,
-            len(recovered),
-        )
-    return bool(recovered)
-
-
-def wait_dead_holders(
-    sec: Section, dsn: str, ring: Ring, queue: str, *, owner: int, timeout: float
-) -> None:
-    """``Session.recover_dead_holders``: recover until no dead holder is in
-    ``queue``'s way. :raises QueueError: some remain after ``timeout`` seconds."""
-    deadline = time.monotonic() + timeout
-    while dead_in_the_way(sec, ring, owner):
-        recover_dead_clients(sec, dsn)
-        if not dead_in_the_way(sec, ring, owner):
-            return
-        if time.monotonic() >= deadline:
-            raise QueueError(
-                f"queue {queue!r}: slots of dead clients still held after {timeout:g}s",
-                queue=queue,
-            )
-        time.sleep(0.05)  # their backends are ending, or another process is recovering

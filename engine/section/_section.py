@@ -33,10 +33,10 @@ from typing import Final
 import numpy as np
 import posix_ipc
 
+from ..driver._errors import SectionError, SectionIncompatible
 from . import _layout as L
 from ._clients import ClientTable
 from ._clients import pid_alive as pid_alive  # re-exported: callers import it from here
-from ._errors import SectionError, SectionIncompatible
 
 _U64: Final = (1 << 64) - 1
 

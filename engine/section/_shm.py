@@ -34,17 +34,17 @@ from typing import Any
 import posix_ipc
 from psycopg import conninfo
 
+from ..driver import _pg
+from ..driver._errors import RingqError, SectionError, redact_dsn
+from ..driver._sqlfile import load
 from . import _layout as L
-from . import _pg
-from ._errors import RingqError, SectionError, redact_dsn
 from ._process import _Process
 from ._section import SHM_DIR, Section, pid_alive, section_name
-from ._sqlfile import load
 
 SECTION_PREFIX = "ringq."
 SEMAPHORE_PREFIX = "sem.ringq."
 # What a section's entry in the scan reads: the header, the queue blocks and names.
-_Q = load("ringq.engine", "shm.sql")
+_Q = load("ringq.engine.section", "shm.sql")
 _HEAD_BYTES = L.OFF_NAMES + L.MAX_QUEUES * L.NAME_BYTES
 
 

@@ -4,7 +4,7 @@ payload-cache work for them (its enqueues' reservations: ``_reserve``).
 A dequeue claims ready slots from the tail, each served from its payload
 cache record when that holds the entry, else read from its row. Nothing
 found: a dead holder in the queue's way is recovered
-(``_recovery.help_recover``).
+(``_help.help_recover``).
 
 :class:`Claims` works on the session's :class:`~._link.Link` and adds the
 slots it takes to the link's ops in flight; the transaction finishes them.
@@ -23,15 +23,16 @@ import posix_ipc
 import psycopg
 from psycopg.pq import TransactionStatus
 
-from . import _layout as L
-from . import _wire
-from ._cache import Cached
+from ..driver import _wire
+from ..ring._cache import Cached
+from ..ring._kinds import OpKind, RowState
+from ..ring._ops import Op, Run, stretch
+from ..ring._queue_info import QueueInfo
+from ..ring._ring import Ring
+from ..rows._help import help_recover
+from ..section import _layout as L
 from ._link import Link
 from ._message import Message, cached_message, cached_messages
-from ._ops import Op, OpKind, RowState, Run, stretch
-from ._queue_info import QueueInfo
-from ._recovery import help_recover
-from ._ring import Ring
 from ._transaction import Transaction
 from ._validate import check_count, check_wait
 

@@ -26,10 +26,10 @@ from typing import Any, Final, Self
 import psycopg
 from psycopg import sql
 
-from . import _pg
-from ._errors import DatabaseUnavailable, SessionClosed, redact_dsn, scrub_exception
-from ._queries import QUERIES as _Q
-from ._sqlfile import compose
+from ..driver import _pg
+from ..driver._errors import DatabaseUnavailable, SessionClosed, redact_dsn, scrub_exception
+from ..driver._queries import QUERIES as _Q
+from ..driver._sqlfile import compose
 
 CHANNEL: Final = "ringq_events"
 MAX_PAYLOAD: Final = 7900  # NOTIFY payloads must stay under 8000 bytes

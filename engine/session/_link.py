@@ -24,18 +24,20 @@ import psycopg
 from psycopg import sql
 from psycopg.pq import TransactionStatus
 
-from . import _layout as L
-from . import _wire
-from ._decide import decide_lost, decide_ops, load_queue, resync_queue
-from ._errors import QueueNotFound, RingqError, SchemaMissing, one_line, redact_dsn
-from ._names import queue_table, validate_queue_name
-from ._ops import Item, Op, each_op
-from ._pg import connect, from_callers_statement, from_psycopg
-from ._queries import QUERIES as _Q
-from ._queue_info import QueueInfo
-from ._recovery import history_of, section_following, wait_dead_holders
-from ._ring import Ring
-from ._section import Section
+from ..driver import _wire
+from ..driver._errors import QueueNotFound, RingqError, SchemaMissing, one_line, redact_dsn
+from ..driver._names import queue_table, validate_queue_name
+from ..driver._pg import connect, from_callers_statement, from_psycopg
+from ..driver._queries import QUERIES as _Q
+from ..ring._ops import Item, Op, each_op
+from ..ring._queue_info import QueueInfo
+from ..ring._ring import Ring
+from ..rows._decide import decide_lost, decide_ops, load_queue, resync_queue
+from ..rows._help import wait_dead_holders
+from ..rows._recovery import history_of, section_following
+from ..section import _layout as L
+from ..section._metrics import queue_stats
+from ..section._section import Section
 
 logger = logging.getLogger("ringq.engine")
 
@@ -282,8 +284,6 @@ class Link:
 
     def queue_stats(self, queue: str) -> dict[str, int]:
         """The queue's counters in the section (``Session.stats``)."""
-        from .metrics import queue_stats  # metrics imports the engine's modules
-
         return queue_stats(self.section, self.ring(self.info(queue)).qidx)
 
     def _load_queue(self, info: QueueInfo) -> int:

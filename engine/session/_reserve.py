@@ -15,14 +15,15 @@ import numpy as np
 import posix_ipc
 from psycopg.pq import TransactionStatus
 
-from . import _layout as L
+from ..driver._errors import PayloadTooLarge, QueueFull, SectionError, TransactionError
+from ..driver._queries import QUERIES as _Q
+from ..ring._kinds import DueWrite, OpKind, RowWrite, Write
+from ..ring._ops import Op, Run
+from ..ring._queue_info import QueueInfo
+from ..ring._ring import group_tag
+from ..section import _layout as L
 from ._claim import Due, recover_in_way, unwait
-from ._errors import PayloadTooLarge, QueueFull, SectionError, TransactionError
 from ._link import Link
-from ._ops import DueWrite, Op, OpKind, RowWrite, Run, Write
-from ._queries import QUERIES as _Q
-from ._queue_info import QueueInfo
-from ._ring import group_tag
 from ._validate import (
     as_groups,
     as_payload,

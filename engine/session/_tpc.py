@@ -12,41 +12,25 @@ for every gid in ``pg_prepared_xacts``.
 
 from __future__ import annotations
 
-import base64
 import logging
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import psycopg
 from psycopg.pq import TransactionStatus
 
-from . import _layout as L
-from ._decide import decide_ops, in_flight, rows_outcome, wait_backend_gone
-from ._errors import InDoubt, RingqError, RolledBack, TransactionError, one_line
-from ._ops import Op, each_op
-from ._pg import connect
-from ._queries import QUERIES as _Q
-
-if TYPE_CHECKING:
-    from ._link import Link
-    from ._transaction import Transaction
+from ..driver._errors import InDoubt, RingqError, RolledBack, TransactionError, one_line
+from ..driver._pg import connect
+from ..driver._queries import QUERIES as _Q
+from ..ring._ops import Op, each_op
+from ..rows._decide import decide_ops, in_flight, rows_outcome, wait_backend_gone
+from ..rows._gid import TPC_BRANCH, gid_of
+from ..section import _layout as L
+from ._link import Link
+from ._transaction import Transaction
 
 logger = logging.getLogger("ringq.engine")
 
 _IDLE = TransactionStatus.IDLE
-
-TPC_BRANCH = "ringq"  # the branch qualifier of Session.xid(): marks the gids ringq made
-
-
-def _b64(b: str) -> str:
-    return base64.b64encode(b.encode()).decode()
-
-
-def is_ringq_gid(gid: str) -> bool:
-    """Whether ``gid`` is one :meth:`Session.xid` makes (format 0, branch
-    ``ringq``, as psycopg spells an xid), so recovery may roll it back.
-    Prepared transactions named otherwise are the user's own."""
-    parts = gid.split("_")  # base64 never holds "_"
-    return len(parts) == 3 and parts[0] == "0" and parts[2] == _b64(TPC_BRANCH)
 
 
 class TwoPhase:
@@ -179,7 +163,7 @@ class TwoPhase:
 
     def _gid(self) -> str:
         x = self.xid
-        return f"{x.format_id}_{_b64(x.gtrid)}_{_b64(x.bqual)}"
+        return gid_of(x.format_id, x.gtrid, x.bqual)
 
     def end(self, *, commit: bool) -> None:
         """COMMIT PREPARED or ROLLBACK PREPARED (or one phase if not

@@ -1,11 +1,7 @@
 """The trace of queue operations: one line per call, on the ``ringq.trace`` logger.
 
-Turned on by ``RINGQ_TRACE=1`` (read here, once, at import: a user's own
-program must be able to turn it on without code), by :func:`enable_trace`
-(the CLI's ``--trace``), or by the ``ringq.trace`` logger enabled for DEBUG
-when a session opens. Each traced call of a session (enqueue, dequeue,
-commit, rollback, flush, two-phase prepare, commit and rollback) logs, once
-it returned or raised::
+Each traced call of a session (enqueue, dequeue, commit, rollback, flush,
+two-phase prepare, commit and rollback) logs, once it returned or raised::
 
     commit session=<token> pid=<backend> queue=mq n=2 slots=7..8 seqs=107..108 enq=2 deq=0
         rt=1 us=212
@@ -15,7 +11,7 @@ reconnect), its PostgreSQL backend pid, each queue's slots and sequences
 (runs as ``a..b``), for a dequeue how many came from the payload cache
 (``cache=hits/n``), the database round trips it made and the time it took
 (µs); ``error=<class>`` if it raised. Recovery logs each decision on the same
-logger (``_decide.decide_ops``, ``_recovery``).
+logger; the switch and the output are the logger's (``rows/_tracelog.py``).
 
 Why the switch is read when a session opens, not per call: the logging
 module has no hook for a level change, and a check on every call is what
@@ -24,30 +20,20 @@ its own ``__dict__`` (shadowing the class's; no reference cycle: they hold
 the session weakly), and any other session runs the class's methods
 untouched: off, the hot path pays nothing at all, not even a flag read. A
 session opened before the logger was enabled stays untraced.
-
-``RINGQ_TRACE=1`` alone, in a program that configures no logging, writes the
-lines to stderr (a handler that stands aside as soon as any other handler
-would take them), or appends them to the file ``RINGQ_TRACE_FILE`` names
-(then only there: a trace is long, and not the application's log).
 """
 
 from __future__ import annotations
 
 import logging
-import os
-import sys
 import time
 import weakref
-from collections.abc import Callable, Iterable, Sequence
-from typing import TYPE_CHECKING, Any, TextIO
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol
 
-from ._ops import Item, Op, OpKind, each_op
-
-if TYPE_CHECKING:
-    from ._link import Link
-    from ._session import Session
-
-log = logging.getLogger("ringq.trace")
+from ..ring._kinds import OpKind
+from ..ring._ops import Item, Op, each_op
+from ..rows._tracelog import log, runs
+from ._link import Link
 
 # The Session calls traced: those that take slots, and those that end them.
 TAKE = ("enqueue", "enqueue_many", "dequeue", "dequeue_many")
@@ -55,82 +41,21 @@ END = ("commit", "rollback", "tpc_commit", "tpc_rollback")
 SEND = ("flush", "tpc_prepare")  # send the held row writes, end nothing
 TRACED = (*TAKE, *END, *SEND, "commit_and_dequeue")
 
-# Runs of slots or seqs shown per queue before the rest is only counted.
-MAX_RUNS = 16
 
-ON = False  # RINGQ_TRACE=1 at import, or enable_trace(): every session opened is traced
+class Traceable(Protocol):
+    """What a traced call reads of its session: the Session (which imports
+    this module to trace itself, so it is named here by what it offers)."""
 
-
-def enable_trace(file: str | None = None) -> None:
-    """Trace every session opened from now on (as ``RINGQ_TRACE=1``): set
-    the ``ringq.trace`` logger to DEBUG and give it an output: the file
-    ``file`` (else ``RINGQ_TRACE_FILE``) if named, else stderr while no
-    other logging handler takes its lines."""
-    global ON
-    ON = True
-    if not log.isEnabledFor(logging.DEBUG):
-        log.setLevel(logging.DEBUG)
-    if any(isinstance(h, _Stderr | _File) for h in log.handlers):
-        return
-    path = file or os.environ.get("RINGQ_TRACE_FILE") or None
-    handler: logging.Handler
-    if path:
-        handler = _File(path)
-        log.propagate = False
-    else:
-        handler = _Stderr()
-    handler.setFormatter(logging.Formatter("%(asctime)s %(process)d %(name)s: %(message)s"))
-    log.addHandler(handler)
-
-
-def wanted() -> bool:
-    """Whether a session opening now is traced (once per session open)."""
-    return ON or log.isEnabledFor(logging.DEBUG)
-
-
-class _Stderr(logging.StreamHandler):  # type: ignore[type-arg]
-    """stderr (as it is when a line is written), only while no other handler
-    on the logger's way up would take the line: a program that configures
-    logging gets the trace through its own handlers, once."""
-
-    def __init__(self) -> None:
-        super().__init__(sys.stderr)
+    _link: Link
 
     @property
-    def stream(self) -> TextIO:
-        return sys.stderr
-
-    @stream.setter
-    def stream(self, value: TextIO) -> None:
-        pass  # always the stderr of the moment (as logging's last resort)
-
-    def handle(self, record: logging.LogRecord) -> bool:
-        logger: logging.Logger | None = log
-        while logger is not None:
-            if any(h is not self for h in logger.handlers):
-                return False
-            if not logger.propagate:
-                break
-            logger = logger.parent
-        return bool(super().handle(record))
-
-
-class _File(logging.FileHandler):
-    """Appends to RINGQ_TRACE_FILE, opened at the first line (several
-    processes may append to one file: a line is one write)."""
-
-    def __init__(self, path: str) -> None:
-        super().__init__(path, mode="a", encoding="utf-8", delay=True)
-
-
-if os.environ.get("RINGQ_TRACE", "").strip().lower() in ("1", "true", "yes", "on"):
-    enable_trace()
+    def closed(self) -> bool: ...
 
 
 # -- the traced calls -------------------------------------------------------------------
 
 
-def attach(session: Session) -> None:
+def attach(session: Traceable) -> None:
     """Give ``session`` traced versions of its :data:`TRACED` calls."""
     ref = weakref.ref(session)
     cls = type(session)
@@ -145,7 +70,7 @@ class _Traced:
     __slots__ = ("depth", "fn", "name", "ref")
 
     def __init__(
-        self, ref: weakref.ref[Session], fn: Callable[..., Any], name: str, depth: list[int]
+        self, ref: weakref.ref[Traceable], fn: Callable[..., Any], name: str, depth: list[int]
     ) -> None:
         self.ref, self.fn, self.name, self.depth = ref, fn, name, depth
 
@@ -241,32 +166,3 @@ def ops_text(
             text += f" enq={enq} deq={len(group) - enq}"
         parts.append(text)
     return " ".join(parts)
-
-
-def runs(values: Iterable[int]) -> str:
-    """``3..7,9,12..13``: consecutive values as runs; past :data:`MAX_RUNS`
-    runs, ``+N`` counts the values left out."""
-    spans: list[list[int]] = []  # [first, last]
-    for v in values:
-        if spans and v == spans[-1][1] + 1:
-            spans[-1][1] = v
-        else:
-            spans.append([v, v])
-    shown = ",".join(f"{a}" if a == b else f"{a}..{b}" for a, b in spans[:MAX_RUNS])
-    left = sum(b - a + 1 for a, b in spans[MAX_RUNS:])
-    return shown + (f",+{left}" if left else "")
-
-
-def decided(
-    why: str, queue: str, owner: int | None, committed: list[Op], rolled_back: list[Op]
-) -> None:
-    """A recovery decision: ``queue``'s slots that ``owner`` held (None:
-    whoever holds them), committed and rolled back, decided from their rows
-    (call only if :data:`log` is enabled for DEBUG)."""
-    log.debug(
-        "decide why=%s queue=%s owner=%s committed=%d slots=%s seqs=%s rolled_back=%d "
-        "slots=%s seqs=%s",
-        why, queue, owner, len(committed), runs(op.slot for op in committed),
-        runs(op.seq for op in committed), len(rolled_back),
-        runs(op.slot for op in rolled_back), runs(op.seq for op in rolled_back),
-    )

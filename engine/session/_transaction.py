@@ -22,15 +22,23 @@ from typing import Any, TypeVar
 import psycopg
 from psycopg.pq import TransactionStatus
 
-from . import _layout as L
-from . import _wire
-from ._decide import in_flight
-from ._errors import InDoubt, RingqError, RolledBack, StaleSection, TransactionError, one_line
-from ._finish import after_finish, finish_one, finish_run
+from ..driver import _wire
+from ..driver._errors import (
+    InDoubt,
+    RingqError,
+    RolledBack,
+    StaleSection,
+    TransactionError,
+    one_line,
+)
+from ..driver._pg import stale_section
+from ..ring._finish import after_finish, finish_batch, finish_one, finish_run
+from ..ring._kinds import POISON_REASON, DueWrite, OpKind, RowState, Write
+from ..ring._ops import Item, Op, Run, each_op
+from ..ring._queue_info import QueueInfo
+from ..rows._decide import in_flight
+from ..section import _layout as L
 from ._link import Link
-from ._ops import POISON_REASON, DueWrite, Item, Op, OpKind, RowState, Run, Write, each_op
-from ._pg import stale_section
-from ._queue_info import QueueInfo
 
 logger = logging.getLogger("ringq.engine")
 
@@ -38,7 +46,7 @@ K = TypeVar("K", bound=Hashable)
 T = TypeVar("T")
 
 # entries from which a committed run is finished as arrays (below: per slot, as ops)
-RUN_VECTOR_FROM = 8  # as _finish.VECTOR_FROM: an 8-entry run measured no dearer as arrays
+RUN_VECTOR_FROM = 8  # as the ring's VECTOR_FROM: an 8-entry run measured no dearer as arrays
 
 _INERROR = TransactionStatus.INERROR
 _IDLE = TransactionStatus.IDLE
@@ -414,8 +422,8 @@ class Transaction:
             sec.lock_queue(qidx)
             try:
                 if plain:
-                    wake_r, wake_s = ring.finish_batch(
-                        plain, link.owner, committed=committed, poisoned=poisoned,
+                    wake_r, wake_s = finish_batch(
+                        ring, plain, link.owner, committed=committed, poisoned=poisoned,
                         exclusive=exclusive, enq_at_us=enq_at_us,
                     )
                 if runs:  # committed (a run is finished as arrays only then)

@@ -35,16 +35,16 @@ import numpy as np
 import psycopg
 from psycopg import sql
 
-from . import _layout as L
-from ._decide import load_queue
-from ._finish import after_finish
-from ._names import queue_table
-from ._ops import POISON_REASON, OpKind, RowState
-from ._queries import QUERIES as _Q
-from ._queue_info import QueueInfo
-from ._recovery import _queue_infos
-from ._ring import Ring
-from ._section import Section
+from ..driver._names import queue_table
+from ..driver._queries import QUERIES as _Q
+from ..ring._finish import after_finish
+from ..ring._kinds import POISON_REASON, OpKind, RowState
+from ..ring._queue_info import QueueInfo
+from ..ring._ring import Ring
+from ..rows._decide import load_queue
+from ..rows._recovery import _queue_infos
+from ..section import _layout as L
+from ..section._section import Section
 
 logger = logging.getLogger("ringq.sql")
 
