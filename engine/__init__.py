@@ -13,8 +13,7 @@ reclaim, dead clients, prepared transactions), :mod:`~ringq.engine.metrics`
 connections, statements, psycopg errors turned into the tree below).
 """
 
-from .driver._dsn import check_dsn, dsn_file, read_dsn_file, resolve_dsn, ringq_home
-from .driver._errors import (
+from .driver import (
     ConfigError,
     DatabaseError,
     DatabaseUnavailable,
@@ -40,37 +39,50 @@ from .driver._errors import (
     StatementRejected,
     TransactionConflict,
     TransactionError,
+    check_dsn,
+    converted,
+    dsn_file,
+    from_psycopg,
     one_line,
     password_fragments,
+    queue_table,
+    read_dsn_file,
     redact_dsn,
+    resolve_dsn,
+    ringq_home,
     scrub,
     scrub_exception,
+    validate_queue_name,
 )
-from .driver._names import queue_table, validate_queue_name
-from .driver._pg import converted, from_psycopg
-from .ring._queue_info import DEFAULT_LEASE
-from .ring._ring import Ring
-from .rows._tracelog import enable_trace
-from .section._layout import MAX_CAPACITY, MAX_QUEUES
-from .section._section import Section, pid_alive, section_name
-from .section._shm import (
+from .ring import DEFAULT_LEASE, QueueInfo, Ring
+from .rows.tracelog import enable_trace
+from .section import (
+    Section,
     SectionInUse,
     SectionOnHost,
     ServerScan,
     Tidied,
     database_state,
+    pid_alive,
     remove_section_on_host,
     scan_server,
+    section_name,
     sections_on_host,
     tidy_sections,
 )
-from .session._events import CHANNEL as EVENTS_CHANNEL
-from .session._events import Event, Subscription, publish, subscribe
-from .session._session import Message, QueueInfo, Session, connect
-from .session._validate import (
+from .section.layout import MAX_CAPACITY, MAX_QUEUES
+from .session import CHANNEL as EVENTS_CHANNEL
+from .session import (
     MAX_DELAY,
+    Event,
+    Message,
+    Session,
+    Subscription,
     check_group,
+    connect,
     is_finite_number,
+    publish,
+    subscribe,
     validate_int,
     validate_seconds,
 )

@@ -11,4 +11,4 @@ The definitions (and their comments) are in ``ringq/engine/section/_layout.py``.
 
 from __future__ import annotations
 
-from .section._layout import *  # noqa: F403 - every public name of the layout, nothing else
+from .section.layout import *  # noqa: F403 - every public name of the layout, nothing else

@@ -12,4 +12,4 @@ session's ``stats()`` reads too.
 
 from __future__ import annotations
 
-from .section._metrics import *  # noqa: F403 - every public name of the metrics, nothing else
+from .section.metrics import *  # noqa: F403 - every public name of the metrics, nothing else

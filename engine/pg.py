@@ -17,7 +17,7 @@ The functions are defined in ``ringq/engine/driver/_pg.py``.
 
 from __future__ import annotations
 
-from .driver._pg import (
+from .driver import (
     STALE_SQLSTATE,
     UNIQUE_VIOLATION,
     Params,

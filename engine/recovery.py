@@ -14,23 +14,25 @@ The functions are defined in ``ringq/engine/rows/_recovery.py`` and ``_lease.py`
 
 from __future__ import annotations
 
-from .rows._lease import Holder, end_holders, overdue_holders, recover_lost_backends
-from .rows._recovery import (
+from .rows import (
     DECIDED_GRACE_S,
+    Holder,
     Recovered,
+    end_holders,
     history_of,
+    overdue_holders,
     queue_room,
     rebuild,
     rebuild_into,
     reclaim_all,
     recover_dead_clients,
+    recover_lost_backends,
     repair_lock_holders,
     resolve_prepared,
     section_differences,
     section_following,
 )
-from .section._process import _Process
-from .section._section import Section
+from .section import shared_section
 
 __all__ = [
     "DECIDED_GRACE_S",
@@ -52,15 +54,3 @@ __all__ = [
     "shared_section",
 ]
 
-
-def shared_section(instance_id: str) -> Section:
-    """This process's one attachment of the section of ``instance_id`` (created
-    if absent), the same object its sessions use; made again after ``fork()``.
-
-    A second attachment in one process would not exclude the first one's
-    users: fcntl locks belong to the process, and closing any descriptor of
-    the segment drops them all.
-
-    :raises SectionIncompatible: the host's section has a foreign layout.
-    """
-    return _Process.section(instance_id)

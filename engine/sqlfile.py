@@ -12,6 +12,6 @@ next such line is the block::
 
 from __future__ import annotations
 
-from .driver._sqlfile import compose, load
+from .driver import compose, load
 
 __all__ = ["compose", "load"]

@@ -4,6 +4,6 @@ rows. The monitor runs it; see ``ringq/engine/sqlagent/_offers.py``."""
 
 from __future__ import annotations
 
-from .sqlagent._offers import DEMAND_S, READY_CHANNEL, WANT_CHANNEL, AgentFigures, SqlAgent
+from .sqlagent import DEMAND_S, READY_CHANNEL, WANT_CHANNEL, AgentFigures, SqlAgent
 
 __all__ = ["DEMAND_S", "READY_CHANNEL", "WANT_CHANNEL", "AgentFigures", "SqlAgent"]

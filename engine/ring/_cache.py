@@ -19,8 +19,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from ..section import _layout as L
-from ..section._section import Section
+from ..section import Section
+from ..section import layout as L
 from ._kinds import RowWrite, Write
 
 # A payload cache hit: (payload, producer, producer_seq, enqueued at in us, group).

@@ -19,7 +19,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from ..section import _layout as L
+from ..section import layout as L
 from ._kinds import OpKind
 from ._ops import Op, Run
 from ._ring import VECTOR_FROM, Ring

@@ -10,7 +10,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from ..section import _layout as L
+from ..section import layout as L
 from ._kinds import RowState
 from ._ring import Ring
 from ._scan import group_tag, set_bits

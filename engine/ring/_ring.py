@@ -41,12 +41,11 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from ..section import _layout as L
-from ..section._section import Section
+from ..section import Section
+from ..section import layout as L
 from ._cache import Cached, PayloadCache
 from ._kinds import OpKind
 from ._scan import RingScan, bit_mask
-from ._scan import group_tag as group_tag  # re-exported: callers import it from here
 from ._waiting import due_now, make_waiting, release_due, until_due_s, waits
 
 _U64 = (1 << 64) - 1

@@ -16,8 +16,8 @@ from collections.abc import Iterator
 
 import numpy as np
 
-from ..section import _layout as L
-from ..section._section import Section
+from ..section import Section
+from ..section import layout as L
 
 _U64 = (1 << 64) - 1
 

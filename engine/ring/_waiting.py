@@ -23,7 +23,7 @@ bits (a count left too high costs one more pass, never a lost entry).
 
 from __future__ import annotations
 
-from ..section import _layout as L
+from ..section import layout as L
 from ._scan import RingScan, bit_mask
 
 # A sleeping dequeuer looks again at most this late after the next due time

@@ -21,18 +21,20 @@ import numpy as np
 import psycopg
 from psycopg import sql
 
-from ..driver._errors import DatabaseError, DatabaseUnavailable, InDoubt, InFlight
-from ..driver._names import queue_table
-from ..driver._pg import connect, connected
-from ..driver._queries import QUERIES as _Q
-from ..ring._kinds import OpKind, RowState
-from ..ring._load import load_rows
-from ..ring._ops import Op
-from ..ring._queue_info import QueueInfo
-from ..ring._ring import Ring, group_tag
-from ..section import _layout as L
-from ..section._section import Section
-from . import _tracelog
+from ..driver import QUERIES as _Q
+from ..driver import (
+    DatabaseError,
+    DatabaseUnavailable,
+    InDoubt,
+    InFlight,
+    connect,
+    connected,
+    queue_table,
+)
+from ..ring import Op, OpKind, QueueInfo, Ring, RowState, group_tag, load_rows
+from ..section import Section
+from ..section import layout as L
+from . import tracelog
 
 
 def mark_dropped(sec: Section, existing: set[int]) -> None:
@@ -207,7 +209,7 @@ def decide_ops(
     (None if no op tells), after updating the section. ``why`` names the
     occasion in the trace (``ringq.trace``: one line per queue).
     """
-    tracing = _tracelog.log.isEnabledFor(logging.DEBUG)
+    tracing = tracelog.log.isEnabledFor(logging.DEBUG)
     by_queue: dict[int, list[Op]] = {}
     for op in ops:
         by_queue.setdefault(op.info.id, []).append(op)
@@ -249,7 +251,7 @@ def decide_ops(
         finally:
             sec.unlock_queue(ring.qidx)
         if tracing and (done_ops[0] or done_ops[1]):
-            _tracelog.decided(why, info.name, owner, done_ops[1], done_ops[0])
+            tracelog.decided(why, info.name, owner, done_ops[1], done_ops[0])
     return outcome
 
 

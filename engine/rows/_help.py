@@ -12,9 +12,9 @@ from __future__ import annotations
 import logging
 import time
 
-from ..driver._errors import QueueError, RingqError
-from ..ring._ring import Ring
-from ..section._section import Section
+from ..driver import QueueError, RingqError
+from ..ring import Ring
+from ..section import Section
 from ._decide import dead_in_the_way
 from ._recovery import recover_dead_clients
 

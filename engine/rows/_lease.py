@@ -29,20 +29,17 @@ from typing import Any
 import numpy as np
 import psycopg
 
-from ..driver._queries import QUERIES as _Q
-from ..ring._kinds import OpKind
-from ..ring._ops import Op
-from ..ring._queue_info import QueueInfo
-from ..ring._ring import Ring
-from ..section import _layout as L
-from ..section._section import Section, pid_alive
+from ..driver import QUERIES as _Q
+from ..ring import Op, OpKind, QueueInfo, Ring
+from ..section import Section, pid_alive
+from ..section import layout as L
 from ._recovery import (
     Recovered,
     _backends_alive,
     _connect,
     _decide_and_strike,
     _prepared_slots,
-    _queue_infos,
+    queue_infos,
 )
 
 TERMINATE_WAIT_S = 2.0  # how long a terminated backend is waited for before the next pass
@@ -129,7 +126,7 @@ def end_holders(sec: Section, dsn: str, holders: list[Holder]) -> list[tuple[Hol
     """
     done: list[tuple[Holder, Recovered]] = []
     with _connect(dsn) as conn:
-        infos = _queue_infos(conn)
+        infos = queue_infos(conn)
         prepared = _prepared_slots(conn)
         ended: list[Holder] = []
         for h in holders:
@@ -200,7 +197,7 @@ def recover_lost_backends(sec: Section, conn: psycopg.Connection[Any]) -> list[R
     }
     if not lost:
         return []
-    infos = _queue_infos(conn)
+    infos = queue_infos(conn)
     prepared = _prepared_slots(conn)
     for cidx, (backend, token) in lost.items():
         if (

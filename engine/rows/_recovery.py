@@ -23,22 +23,12 @@ import numpy as np
 import psycopg
 from psycopg import sql
 
-from ..driver._errors import (
-    DatabaseUnavailable,
-    SchemaMissing,
-    SectionError,
-)
-from ..driver._names import queue_table
-from ..driver._pg import connect
-from ..driver._queries import QUERIES as _Q
-from ..ring._kinds import POISON_REASON, OpKind, RowState
-from ..ring._ops import Op
-from ..ring._queue_info import QueueInfo
-from ..ring._ring import Ring
-from ..section import _layout as L
-from ..section._process import _Process
-from ..section._section import Section, pid_alive
-from . import _tracelog
+from ..driver import QUERIES as _Q
+from ..driver import DatabaseUnavailable, SchemaMissing, SectionError, connect, queue_table
+from ..ring import POISON_REASON, Op, OpKind, QueueInfo, Ring, RowState
+from ..section import Section, pid_alive, shared_section
+from ..section import layout as L
+from . import tracelog
 from ._decide import (
     decide_ops,
     latest_start,
@@ -91,7 +81,7 @@ def _instance(conn: psycopg.Connection[Any]) -> str:
     return str(row[0])
 
 
-def _queue_infos(conn: psycopg.Connection[Any]) -> dict[int, QueueInfo]:
+def queue_infos(conn: psycopg.Connection[Any]) -> dict[int, QueueInfo]:
     rows = conn.execute(_Q["queue_infos"]).fetchall()
     return {r[0]: QueueInfo(*r) for r in rows}
 
@@ -125,7 +115,7 @@ def section_following(instance_id: str, history: tuple[int, int], where: str = "
         # The process's one attachment: a second one would not exclude this
         # process's other users (fcntl locks are per process, and closing any
         # descriptor of the segment drops them all).
-        sec = _Process.section(instance_id)
+        sec = shared_section(instance_id)
         if sec.follow_history(sysid, timeline):
             return sec
         old_sysid, old_timeline = sec.history()
@@ -175,7 +165,7 @@ def rebuild_into(dsn: str, instance_id: str) -> Section:
 
 
 def _load_queues(sec: Section, conn: psycopg.Connection[Any]) -> None:
-    infos = _queue_infos(conn)
+    infos = queue_infos(conn)
     mark_dropped(sec, set(infos))
     for info in infos.values():
         if sec.find_queue(info.id) is not None:
@@ -300,7 +290,7 @@ def recover_dead_clients(sec: Section, dsn: str, *, terminate: bool = True) -> l
         if not dead and not orphans and not held:
             return []
         with _connect(dsn) as conn:
-            infos = _queue_infos(conn)
+            infos = queue_infos(conn)
             prepared = _prepared_slots(conn)  # read after the held slots: see _decide_unheld
             out = (
                 _recover_dead(sec, conn, infos, prepared, dead, terminate=terminate) if dead else []
@@ -419,7 +409,7 @@ def _ops_or_hold(
                 ring.hold(slot)
             finally:
                 sec.unlock_queue(ring.qidx)
-            _tracelog.log.debug("hold queue=%s slot=%d seq=%d: prepared, left to resolve_prepared",
+            tracelog.log.debug("hold queue=%s slot=%d seq=%d: prepared, left to resolve_prepared",
                              info.name, slot, ring.seq_of(slot))
             rec.held += 1
             continue
@@ -573,7 +563,7 @@ def repair_lock_holders(sec: Section, dsn: str) -> list[str]:
     if not suspects:
         return repaired
     with _connect(dsn) as conn:
-        infos = _queue_infos(conn)
+        infos = queue_infos(conn)
     for qidx in suspects:
         ring = Ring(sec, qidx)
         info = infos.get(ring.qid)
@@ -641,7 +631,7 @@ def resolve_prepared(
         ]
         if not rows:
             return done
-        infos = _queue_infos(conn)
+        infos = queue_infos(conn)
         for gid, age, decided in rows:
             slots = conn.execute(_Q["tpc_slots"], (gid,)).fetchall()
             # A live client still owns these slots: it is between prepare and commit.

@@ -16,8 +16,8 @@ from typing import Final
 
 import numpy as np
 
-from ..driver._errors import SectionError
-from . import _layout as L
+from ..driver import SectionError
+from . import layout as L
 
 _U64: Final = (1 << 64) - 1
 

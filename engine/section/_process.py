@@ -51,3 +51,16 @@ class _Process:
 
 
 os.register_at_fork(after_in_child=_Process._after_fork_in_child)
+
+
+def shared_section(instance_id: str) -> Section:
+    """This process's one attachment of the section of ``instance_id`` (created
+    if absent), the same object its sessions use; made again after ``fork()``.
+
+    A second attachment in one process would not exclude the first one's
+    users: fcntl locks belong to the process, and closing any descriptor of
+    the segment drops them all.
+
+    :raises SectionIncompatible: the host's section has a foreign layout.
+    """
+    return _Process.section(instance_id)

@@ -33,10 +33,9 @@ from typing import Final
 import numpy as np
 import posix_ipc
 
-from ..driver._errors import SectionError, SectionIncompatible
-from . import _layout as L
-from ._clients import ClientTable
-from ._clients import pid_alive as pid_alive  # re-exported: callers import it from here
+from ..driver import SectionError, SectionIncompatible
+from . import layout as L
+from ._clients import ClientTable, pid_alive
 
 _U64: Final = (1 << 64) - 1
 

@@ -34,12 +34,11 @@ from typing import Any
 import posix_ipc
 from psycopg import conninfo
 
-from ..driver import _pg
-from ..driver._errors import RingqError, SectionError, redact_dsn
-from ..driver._sqlfile import load
-from . import _layout as L
+from ..driver import RingqError, SectionError, connected, load, redact_dsn
+from . import layout as L
+from ._clients import pid_alive
 from ._process import _Process
-from ._section import SHM_DIR, Section, pid_alive, section_name
+from ._section import SHM_DIR, Section, section_name
 
 SECTION_PREFIX = "ringq."
 SEMAPHORE_PREFIX = "sem.ringq."
@@ -364,14 +363,14 @@ def scan_server(dsn: str, *, timeout: int = 3) -> ServerScan:
     :raises DatabaseUnavailable: the server does not answer at ``dsn``.
     """
     scan = ServerScan(dsn=redact_dsn(dsn))
-    with _pg.connected(dsn, connect_timeout=timeout) as conn:
+    with connected(dsn, connect_timeout=timeout) as conn:
         row = conn.execute(_Q["history"]).fetchone()
         scan.sysid = int(row[0]) & ((1 << 64) - 1) if row else 0
         names = [r[0] for r in conn.execute(_Q["databases"]).fetchall()]
     for name in names:
         url = conninfo.make_conninfo(dsn, dbname=name)
         try:
-            with _pg.connected(url, connect_timeout=timeout) as conn:
+            with connected(url, connect_timeout=timeout) as conn:
                 has = conn.execute(_Q["has_meta"]).fetchone()
                 row = conn.execute(_Q["instance_id"]).fetchone() if has and has[0] else None
         except RingqError:

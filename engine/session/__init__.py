@@ -1,4 +1,30 @@
 """The public API: Session over its link, transaction, claims, reservations, 2PC, trace.
 
-Imports only the rows, ring, section and driver layers (not the SQL agent beside it).
+Imports only the rows, ring, section and driver layers (not the SQL agent
+beside it). Its face is what ``ringq.engine`` shows of it: the Session and
+``connect``, the Message a dequeue returns, named events, and the checks of
+settings that every package's configuration shares.
 """
+
+from __future__ import annotations
+
+from ._events import CHANNEL, Event, Subscription, publish, subscribe
+from ._message import Message
+from ._session import Session, connect
+from ._validate import MAX_DELAY, check_group, is_finite_number, validate_int, validate_seconds
+
+__all__ = [
+    "CHANNEL",
+    "MAX_DELAY",
+    "Event",
+    "Message",
+    "Session",
+    "Subscription",
+    "check_group",
+    "connect",
+    "is_finite_number",
+    "publish",
+    "subscribe",
+    "validate_int",
+    "validate_seconds",
+]

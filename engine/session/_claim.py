@@ -23,14 +23,10 @@ import posix_ipc
 import psycopg
 from psycopg.pq import TransactionStatus
 
-from ..driver import _wire
-from ..ring._cache import Cached
-from ..ring._kinds import OpKind, RowState
-from ..ring._ops import Op, Run, stretch
-from ..ring._queue_info import QueueInfo
-from ..ring._ring import Ring
-from ..rows._help import help_recover
-from ..section import _layout as L
+from ..driver import wire
+from ..ring import Cached, Op, OpKind, QueueInfo, Ring, RowState, Run, stretch
+from ..rows import help_recover
+from ..section import layout as L
 from ._link import Link
 from ._message import Message, cached_message, cached_messages
 from ._transaction import Transaction
@@ -204,12 +200,12 @@ class Claims:
         else:
             span = stretch(np.fromiter((op.slot for op in ops), np.int64, len(ops)),
                            np.fromiter((op.seq for op in ops), np.int64, len(ops)))
-            statement: _wire.Statement = (
+            statement: wire.Statement = (
                 (link.stmt("dequeue_span", queue), (span[0], span[0] + span[1], span[2]))
                 if span is not None
                 else (link.stmt("dequeue_many", queue),
-                      (_wire.int_array(op.slot for op in ops),
-                       _wire.int_array(op.seq for op in ops)))
+                      (wire.int_array(op.slot for op in ops),
+                       wire.int_array(op.seq for op in ops)))
             )
             rows = link.execute(
                 *statement, binary=True, queue=queue, qid=info.id, seq=ops[0].seq,

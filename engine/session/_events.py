@@ -26,10 +26,16 @@ from typing import Any, Final, Self
 import psycopg
 from psycopg import sql
 
-from ..driver import _pg
-from ..driver._errors import DatabaseUnavailable, SessionClosed, redact_dsn, scrub_exception
-from ..driver._queries import QUERIES as _Q
-from ..driver._sqlfile import compose
+from ..driver import QUERIES as _Q
+from ..driver import (
+    DatabaseUnavailable,
+    SessionClosed,
+    compose,
+    connect,
+    redact_dsn,
+    run,
+    scrub_exception,
+)
 
 CHANNEL: Final = "ringq_events"
 MAX_PAYLOAD: Final = 7900  # NOTIFY payloads must stay under 8000 bytes
@@ -122,12 +128,12 @@ class Subscription:
         self._dsn = dsn
         self._pending: deque[Event] = deque()
         self._closed = False
-        self._conn: psycopg.Connection[Any] = _pg.connect(
+        self._conn: psycopg.Connection[Any] = connect(
             dsn, connect_timeout=connect_timeout, application_name="ringq-subscriber"
         )
         try:
             # LISTEN has taken effect when this returns: later events reach us.
-            _pg.run(self._conn, _LISTEN, dsn=dsn)
+            run(self._conn, _LISTEN, dsn=dsn)
         except BaseException:
             self._conn.close()
             raise

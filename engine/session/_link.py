@@ -24,20 +24,33 @@ import psycopg
 from psycopg import sql
 from psycopg.pq import TransactionStatus
 
-from ..driver import _wire
-from ..driver._errors import QueueNotFound, RingqError, SchemaMissing, one_line, redact_dsn
-from ..driver._names import queue_table, validate_queue_name
-from ..driver._pg import connect, from_callers_statement, from_psycopg
-from ..driver._queries import QUERIES as _Q
-from ..ring._ops import Item, Op, each_op
-from ..ring._queue_info import QueueInfo
-from ..ring._ring import Ring
-from ..rows._decide import decide_lost, decide_ops, load_queue, resync_queue
-from ..rows._help import wait_dead_holders
-from ..rows._recovery import history_of, section_following
-from ..section import _layout as L
-from ..section._metrics import queue_stats
-from ..section._section import Section
+from ..driver import QUERIES as _Q
+from ..driver import (
+    QueueNotFound,
+    RingqError,
+    SchemaMissing,
+    connect,
+    from_callers_statement,
+    from_psycopg,
+    one_line,
+    queue_table,
+    redact_dsn,
+    validate_queue_name,
+    wire,
+)
+from ..ring import Item, Op, QueueInfo, Ring, each_op
+from ..rows import (
+    decide_lost,
+    decide_ops,
+    history_of,
+    load_queue,
+    resync_queue,
+    section_following,
+    wait_dead_holders,
+)
+from ..section import Section
+from ..section import layout as L
+from ..section.metrics import queue_stats
 
 logger = logging.getLogger("ringq.engine")
 
@@ -45,7 +58,7 @@ _IDLE = TransactionStatus.IDLE
 T = TypeVar("T")
 
 # The statements that go through libpq directly as ringq's prepared statements
-# (_wire.Prepared): a commit's row writes, and the dequeue that reads rows.
+# (wire.Prepared): a commit's row writes, and the dequeue that reads rows.
 _FAST = frozenset({
     "enqueue", "enqueue_alone", "enqueue_many", "consume", "consume_alone", "consume_many",
     "consume_span", "dequeue", "dequeue_many", "dequeue_span",
@@ -86,8 +99,8 @@ class Link:
         self.queues: dict[str, QueueInfo] = {}
         self.rings: dict[int, Ring] = {}
         self.stmts: dict[tuple[str, str], str] = {}
-        # the commit's row writes, prepared by ringq itself (see _wire.Prepared)
-        self.prepared = _wire.Prepared()
+        # the commit's row writes, prepared by ringq itself (see wire.Prepared)
+        self.prepared = wire.Prepared()
         self.role = role  # C_ROLE of our client entry (a worker sets CR_WORKER)
         # database exchanges made (each call()), for the trace's per-call count
         self.round_trips = 0
@@ -379,7 +392,7 @@ class Link:
         qid: int = 0,
         seq: int = -1,
         recover: bool = True,
-    ) -> _wire.Fetch:
+    ) -> wire.Fetch:
         """Run one statement on the connection (or ``conn``); errors as in :meth:`call`.
 
         The first statement of a transaction on the connection carries its
@@ -389,14 +402,14 @@ class Link:
         # Inside a two-phase transaction psycopg sends its own BEGIN.
         may_begin = c is self.conn and not self.tpc_open
 
-        def run() -> _wire.Fetch:
-            return _wire.execute(c, query, params, binary=binary, may_begin=may_begin,
+        def run() -> wire.Fetch:
+            return wire.execute(c, query, params, binary=binary, may_begin=may_begin,
                                  prepared=self.prepared if c is self.conn else None)
 
         self.sent_any = True
         return self.call(run, queue=queue, qid=qid, seq=seq, recover=recover)
 
-    def execute_callers(self, query: str, params: Any, *, prepare: bool) -> _wire.Fetch:
+    def execute_callers(self, query: str, params: Any, *, prepare: bool) -> wire.Fetch:
         """:meth:`execute` of the caller's own statement (``Session.execute``):
         ``prepare`` plans it once per connection; an error is the caller's
         (:func:`~._pg.from_callers_statement`)."""

@@ -6,7 +6,7 @@ from datetime import UTC, datetime, timedelta, tzinfo
 from operator import itemgetter
 from typing import Any
 
-from ..ring._cache import Cached
+from ..ring import Cached
 
 _EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
 _new = tuple.__new__

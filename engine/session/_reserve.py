@@ -15,13 +15,10 @@ import numpy as np
 import posix_ipc
 from psycopg.pq import TransactionStatus
 
-from ..driver._errors import PayloadTooLarge, QueueFull, SectionError, TransactionError
-from ..driver._queries import QUERIES as _Q
-from ..ring._kinds import DueWrite, OpKind, RowWrite, Write
-from ..ring._ops import Op, Run
-from ..ring._queue_info import QueueInfo
-from ..ring._ring import group_tag
-from ..section import _layout as L
+from ..driver import QUERIES as _Q
+from ..driver import PayloadTooLarge, QueueFull, SectionError, TransactionError
+from ..ring import DueWrite, Op, OpKind, QueueInfo, RowWrite, Run, Write, group_tag
+from ..section import layout as L
 from ._claim import Due, recover_in_way, unwait
 from ._link import Link
 from ._validate import (

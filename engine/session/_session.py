@@ -28,19 +28,16 @@ from typing import Any, Self
 import psycopg
 from psycopg.pq import TransactionStatus
 
-from ..driver._dsn import resolve_dsn
-from ..driver._errors import InDoubt, RingqError, SessionClosed, StaleSection, TransactionError
-from ..ring._queue_info import QueueInfo as QueueInfo
-from ..ring._ring import Ring
-from ..rows import _tracelog
-from ..rows._decide import in_doubt_outcome
-from ..section import _layout as L
-from ..section._section import Section
+from ..driver import InDoubt, RingqError, SessionClosed, StaleSection, TransactionError, resolve_dsn
+from ..ring import QueueInfo, Ring
+from ..rows import in_doubt_outcome, tracelog
+from ..section import Section
+from ..section import layout as L
 from . import _trace
 from ._claim import Claims
 from ._events import Subscription, publish
 from ._link import Link
-from ._message import Message as Message
+from ._message import Message
 from ._reserve import Reservations
 from ._tpc import TwoPhase
 from ._transaction import Transaction
@@ -112,7 +109,7 @@ class Session:
         self._reservations = Reservations(self._link)
         self._tpc = TwoPhase(self._link, self._txn)
         self.dsn, self.instance = dsn, self._link.instance
-        if _tracelog.wanted():  # decided per session: off, its calls are the class's, untouched
+        if tracelog.wanted():  # decided per session: off, its calls are the class's, untouched
             _trace.attach(self)
 
     @property

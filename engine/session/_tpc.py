@@ -18,13 +18,11 @@ from typing import Any
 import psycopg
 from psycopg.pq import TransactionStatus
 
-from ..driver._errors import InDoubt, RingqError, RolledBack, TransactionError, one_line
-from ..driver._pg import connect
-from ..driver._queries import QUERIES as _Q
-from ..ring._ops import Op, each_op
-from ..rows._decide import decide_ops, in_flight, rows_outcome, wait_backend_gone
-from ..rows._gid import TPC_BRANCH, gid_of
-from ..section import _layout as L
+from ..driver import QUERIES as _Q
+from ..driver import InDoubt, RingqError, RolledBack, TransactionError, connect, one_line
+from ..ring import Op, each_op
+from ..rows import TPC_BRANCH, decide_ops, gid_of, in_flight, rows_outcome, wait_backend_gone
+from ..section import layout as L
 from ._link import Link
 from ._transaction import Transaction
 

@@ -30,9 +30,8 @@ import weakref
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
-from ..ring._kinds import OpKind
-from ..ring._ops import Item, Op, each_op
-from ..rows._tracelog import log, runs
+from ..ring import Item, Op, OpKind, each_op
+from ..rows.tracelog import log, runs
 from ._link import Link
 
 # The Session calls traced: those that take slots, and those that end them.

@@ -22,22 +22,34 @@ from typing import Any, TypeVar
 import psycopg
 from psycopg.pq import TransactionStatus
 
-from ..driver import _wire
-from ..driver._errors import (
+from ..driver import (
     InDoubt,
     RingqError,
     RolledBack,
     StaleSection,
     TransactionError,
     one_line,
+    stale_section,
+    wire,
 )
-from ..driver._pg import stale_section
-from ..ring._finish import after_finish, finish_batch, finish_one, finish_run
-from ..ring._kinds import POISON_REASON, DueWrite, OpKind, RowState, Write
-from ..ring._ops import Item, Op, Run, each_op
-from ..ring._queue_info import QueueInfo
-from ..rows._decide import in_flight
-from ..section import _layout as L
+from ..ring import (
+    POISON_REASON,
+    DueWrite,
+    Item,
+    Op,
+    OpKind,
+    QueueInfo,
+    RowState,
+    Run,
+    Write,
+    after_finish,
+    each_op,
+    finish_batch,
+    finish_one,
+    finish_run,
+)
+from ..rows import in_flight
+from ..section import layout as L
 from ._link import Link
 
 logger = logging.getLogger("ringq.engine")
@@ -64,7 +76,7 @@ class Transaction:
     # -- commit -------------------------------------------------------------------
 
     def commit(
-        self, then: Op | None = None, then_stmt: _wire.Statement | None = None
+        self, then: Op | None = None, then_stmt: wire.Statement | None = None
     ) -> psycopg.Cursor[Any] | None:
         """Commit in one round trip (see ``Session.commit``); with ``then``
         (a claimed slot whose entry is read from its row: the transaction
@@ -86,7 +98,7 @@ class Transaction:
                 assert then_stmt is not None and not writes
                 query, params = then_stmt
                 cur = link.call(
-                    lambda: _wire.commit_then(link.conn, query, params), recover=False
+                    lambda: wire.commit_then(link.conn, query, params), recover=False
                 )
             elif writes:
                 try:
@@ -208,7 +220,7 @@ class Transaction:
         is raised, and the caller rolls the whole transaction back and resyncs.
         """
         link = self.link
-        statements: list[_wire.Statement] = []
+        statements: list[wire.Statement] = []
         # (index of the statement in statements, its ops) of each enqueue statement
         enqueues: list[tuple[int, list[Op]]] = []
         single = writes[0] if len(writes) == 1 and isinstance(writes[0], Op) else None
@@ -239,7 +251,7 @@ class Transaction:
                 statements.append(self._consume_statement(name, consume))
         link.sent_any = True
         cursors = link.call(
-            lambda: _wire.send(link.conn, statements, commit=commit, may_begin=not link.tpc_open,
+            lambda: wire.send(link.conn, statements, commit=commit, may_begin=not link.tpc_open,
                                prepared=link.prepared),
             recover=not commit,  # commit() decides itself what a lost answer means
         )
@@ -265,7 +277,7 @@ class Transaction:
 
     def _consume_statement(
         self, queue: str, items: Sequence[Item], *, alone: bool = False
-    ) -> _wire.Statement:
+    ) -> wire.Statement:
         """The guarded consuming write of ``items`` (cached dequeues of one
         queue); ``alone``: the whole transaction (see ``send_writes``)."""
         first = items[0]
@@ -279,12 +291,12 @@ class Transaction:
                 return self.link.stmt("consume_span", queue), (lo, lo + n, offset, n)
         slots, seqs = _slots_seqs(items)
         return self.link.stmt("consume_many", queue), (
-            _wire.int_array(slots), _wire.int_array(seqs), len(slots),
+            wire.int_array(slots), wire.int_array(seqs), len(slots),
         )
 
     def _enqueue_statement(
         self, queue: str, items: list[Item]
-    ) -> tuple[_wire.Statement, list[Op]]:
+    ) -> tuple[wire.Statement, list[Op]]:
         """The guarded row write of the enqueues ``items`` of one queue, and
         the ops whose due times its answer gives (those of ``enqueue_due``)."""
         if len(items) == 1 and isinstance(items[0], Run):
@@ -292,12 +304,12 @@ class Transaction:
             assert run.payloads is not None
             n = len(run.slots)
             return (self.link.stmt("enqueue_many", queue), (
-                _wire.int_array(run.slots.tolist()),
-                _wire.int_array(run.seqs.tolist()),
+                wire.int_array(run.slots.tolist()),
+                wire.int_array(run.seqs.tolist()),
                 run.payloads,
-                _wire.text_array([run.producer] * n),
-                _wire.int_array(range(run.pseq0, run.pseq0 + n)),
-                _wire.text_array(run.groups or [None] * n),
+                wire.text_array([run.producer] * n),
+                wire.int_array(range(run.pseq0, run.pseq0 + n)),
+                wire.text_array(run.groups or [None] * n),
                 n,
             )), []
         ops = each_op(items)
@@ -305,21 +317,21 @@ class Transaction:
 
     def _write_statement(
         self, queue: str, ops: list[Op], *, alone: bool = False
-    ) -> _wire.Statement:
+    ) -> wire.Statement:
         """The guarded row write of ``ops`` (enqueues of one queue): one
         statement (``enqueue_due`` when an entry has a due time); ``alone``:
         the whole transaction (see ``send_writes``)."""
         writes = [op.write for op in ops if op.write is not None]
         if any(type(w) is DueWrite for w in writes):
             return self.link.stmt("enqueue_due", queue), {
-                "slots": _wire.int_array(op.slot for op in ops),
-                "seqs": _wire.int_array(op.seq for op in ops),
+                "slots": wire.int_array(op.slot for op in ops),
+                "seqs": wire.int_array(op.seq for op in ops),
                 "payloads": [w.payload for w in writes],
-                "producers": _wire.text_array([w.producer for w in writes]),
-                "pseqs": _wire.int_array(w.producer_seq for w in writes),
-                "groups": _wire.text_array([w.group for w in writes]),
-                "delays": _wire.text_array([_delay(w) for w in writes]),
-                "nbs": _wire.text_array([_not_before(w) for w in writes]),
+                "producers": wire.text_array([w.producer for w in writes]),
+                "pseqs": wire.int_array(w.producer_seq for w in writes),
+                "groups": wire.text_array([w.group for w in writes]),
+                "delays": wire.text_array([_delay(w) for w in writes]),
+                "nbs": wire.text_array([_not_before(w) for w in writes]),
                 "n": len(ops),
             }
         if len(ops) == 1:
@@ -335,12 +347,12 @@ class Transaction:
                 op.seq,
             )
         return self.link.stmt("enqueue_many", queue), (
-            _wire.int_array(op.slot for op in ops),
-            _wire.int_array(op.seq for op in ops),
+            wire.int_array(op.slot for op in ops),
+            wire.int_array(op.seq for op in ops),
             [w.payload for w in writes],
-            _wire.text_array([w.producer for w in writes]),
-            _wire.int_array(w.producer_seq for w in writes),
-            _wire.text_array([w.group for w in writes]),
+            wire.text_array([w.producer for w in writes]),
+            wire.int_array(w.producer_seq for w in writes),
+            wire.text_array([w.group for w in writes]),
             len(ops),
         )
 
@@ -500,7 +512,7 @@ class Transaction:
         by_queue: dict[str, list[Op]] = {}
         for op in deq_ops:
             by_queue.setdefault(op.info.name, []).append(op)
-        statements: list[_wire.Statement] = []
+        statements: list[wire.Statement] = []
         for name, group in by_queue.items():
             info = group[0].info
             params = {
@@ -514,13 +526,13 @@ class Transaction:
         if retry_after is not None:
             for name, group in by_queue.items():
                 statements.append((link.stmt("retry_after", name), (
-                    retry_after, _wire.int_array(op.slot for op in group),
-                    _wire.int_array(op.seq for op in group),
+                    retry_after, wire.int_array(op.slot for op in group),
+                    wire.int_array(op.seq for op in group),
                 )))
         try:
             # ROLLBACK (if a transaction is open) and, after it, each queue's
             # strike in autocommit: one round trip.
-            cursors = link.call(lambda: _wire.rollback_then(link.conn, statements), recover=False)
+            cursors = link.call(lambda: wire.rollback_then(link.conn, statements), recover=False)
         except RingqError:
             if rollback and (link.conn.broken or link.conn.closed):
                 raise  # the ROLLBACK may not have run: the caller recovers

@@ -35,16 +35,12 @@ import numpy as np
 import psycopg
 from psycopg import sql
 
-from ..driver._names import queue_table
-from ..driver._queries import QUERIES as _Q
-from ..ring._finish import after_finish
-from ..ring._kinds import POISON_REASON, OpKind, RowState
-from ..ring._queue_info import QueueInfo
-from ..ring._ring import Ring
-from ..rows._decide import load_queue
-from ..rows._recovery import _queue_infos
-from ..section import _layout as L
-from ..section._section import Section
+from ..driver import QUERIES as _Q
+from ..driver import queue_table
+from ..ring import POISON_REASON, OpKind, QueueInfo, Ring, RowState, after_finish
+from ..rows import load_queue, queue_infos
+from ..section import Section
+from ..section import layout as L
 
 logger = logging.getLogger("ringq.sql")
 
@@ -123,11 +119,11 @@ class SqlAgent:
         if now - self._scanned >= SCAN_S:
             self._listed = {int(r[0]) for r in conn.execute(_Q["offers_queues"]).fetchall()}
             self._scanned = now
-            self._infos = _queue_infos(conn)
+            self._infos = queue_infos(conn)
             self._reconcile_all(sec, conn)
             self._end_overdue(conn)
         if wanted and not {i.name for i in self._infos.values()} >= wanted:
-            self._infos = _queue_infos(conn)
+            self._infos = queue_infos(conn)
         busy = starved = False
         for info in list(self._infos.values()):
             if info.id in self._listed or info.name in wanted:

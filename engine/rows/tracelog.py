@@ -21,7 +21,7 @@ import sys
 from collections.abc import Iterable
 from typing import TextIO
 
-from ..ring._ops import Op
+from ..ring import Op
 
 log = logging.getLogger("ringq.trace")
 

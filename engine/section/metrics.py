@@ -13,7 +13,7 @@ from __future__ import annotations
 import time
 from typing import Final
 
-from . import _layout as L
+from . import layout as L
 from ._section import Section
 
 CAPACITY: Final = "capacity"
