@@ -14,6 +14,15 @@ connections, statements, psycopg errors turned into the tree below).
 """
 
 from .driver import (
+    check_dsn,
+    dsn_file,
+    queue_table,
+    read_dsn_file,
+    resolve_dsn,
+    ringq_home,
+    validate_queue_name,
+)
+from .driver.errors import (
     ConfigError,
     DatabaseError,
     DatabaseUnavailable,
@@ -39,21 +48,13 @@ from .driver import (
     StatementRejected,
     TransactionConflict,
     TransactionError,
-    check_dsn,
-    converted,
-    dsn_file,
-    from_psycopg,
     one_line,
     password_fragments,
-    queue_table,
-    read_dsn_file,
     redact_dsn,
-    resolve_dsn,
-    ringq_home,
     scrub,
     scrub_exception,
-    validate_queue_name,
 )
+from .driver.pg import converted, from_psycopg
 from .ring import DEFAULT_LEASE, QueueInfo, Ring
 from .rows.tracelog import enable_trace
 from .section import (

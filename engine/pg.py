@@ -12,12 +12,12 @@ psycopg error itself::
         ...
 
 :func:`from_psycopg` is the one mapping from a psycopg error to a ringq class.
-The functions are defined in ``ringq/engine/driver/_pg.py``.
+The functions are defined in ``ringq/engine/driver/pg.py``.
 """
 
 from __future__ import annotations
 
-from .driver import (
+from .driver.pg import (
     STALE_SQLSTATE,
     UNIQUE_VIOLATION,
     Params,

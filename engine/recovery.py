@@ -9,24 +9,21 @@ keep the global section true to the rows after failures::
     recover_lost_backends(sec, conn) # decide slots of live clients whose backend ended
     reclaim_all(sec)                 # advance tails, wake blocked enqueuers
 
-The functions are defined in ``ringq/engine/rows/_recovery.py`` and ``_lease.py``.
+The functions are defined in ``ringq/engine/rows/recovery.py`` and ``_lease.py``.
 """
 
 from __future__ import annotations
 
-from .rows import (
+from .rows import Holder, end_holders, overdue_holders, recover_lost_backends
+from .rows.recovery import (
     DECIDED_GRACE_S,
-    Holder,
     Recovered,
-    end_holders,
     history_of,
-    overdue_holders,
     queue_room,
     rebuild,
     rebuild_into,
     reclaim_all,
     recover_dead_clients,
-    recover_lost_backends,
     repair_lock_holders,
     resolve_prepared,
     section_differences,

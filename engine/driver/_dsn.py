@@ -15,8 +15,8 @@ from typing import Any
 import psycopg
 from psycopg.conninfo import conninfo_to_dict
 
-from ._errors import ConfigError, DatabaseUnavailable, scrub
-from ._pg import from_psycopg
+from .errors import ConfigError, DatabaseUnavailable, scrub
+from .pg import from_psycopg
 
 DEFAULT_HOME = ".ringq"
 DSN_FILE = "dsn"

@@ -6,7 +6,7 @@ import re
 
 from psycopg import sql
 
-from ._errors import InvalidQueueName
+from .errors import InvalidQueueName
 
 NAME_RE = re.compile(r"^[a-z][a-z0-9_]{0,47}$")
 SCHEMA = "ringq"

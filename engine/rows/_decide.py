@@ -22,15 +22,9 @@ import psycopg
 from psycopg import sql
 
 from ..driver import QUERIES as _Q
-from ..driver import (
-    DatabaseError,
-    DatabaseUnavailable,
-    InDoubt,
-    InFlight,
-    connect,
-    connected,
-    queue_table,
-)
+from ..driver import queue_table
+from ..driver.errors import DatabaseError, DatabaseUnavailable, InDoubt, InFlight
+from ..driver.pg import connect, connected
 from ..ring import Op, OpKind, QueueInfo, Ring, RowState, group_tag, load_rows
 from ..section import Section
 from ..section import layout as L

@@ -12,11 +12,11 @@ from __future__ import annotations
 import logging
 import time
 
-from ..driver import QueueError, RingqError
+from ..driver.errors import QueueError, RingqError
 from ..ring import Ring
 from ..section import Section
 from ._decide import dead_in_the_way
-from ._recovery import recover_dead_clients
+from .recovery import recover_dead_clients
 
 logger = logging.getLogger("ringq.engine")
 # A session that finds nothing ready (or no room) looks for dead holders in

@@ -1,6 +1,6 @@
 """Leases and lost backends: deciding the entries of a session that still lives.
 
-Recovery (:mod:`._recovery`) decides the slots of dead clients. Two cases leave
+Recovery (:mod:`.recovery`) decides the slots of dead clients. Two cases leave
 the slots of a *live* client undecided while its process goes on:
 
 - Its lease expired: it holds a dequeued entry longer than its queue's lease
@@ -33,7 +33,7 @@ from ..driver import QUERIES as _Q
 from ..ring import Op, OpKind, QueueInfo, Ring
 from ..section import Section, pid_alive
 from ..section import layout as L
-from ._recovery import (
+from .recovery import (
     Recovered,
     _backends_alive,
     _connect,

@@ -1,5 +1,5 @@
 """The ``ringq.trace`` logger: its switch, its output, and the lines that tell
-recovery's decisions (``_decide.decide_ops``, ``_recovery``); the session's
+recovery's decisions (``_decide.decide_ops``, ``recovery``); the session's
 traced calls log on it too (``session/_trace.py``).
 
 Turned on by ``RINGQ_TRACE=1`` (read here, once, at import: a user's own

@@ -16,7 +16,7 @@ from typing import Final
 
 import numpy as np
 
-from ..driver import SectionError
+from ..driver.errors import SectionError
 from . import layout as L
 
 _U64: Final = (1 << 64) - 1

@@ -33,7 +33,7 @@ from typing import Final
 import numpy as np
 import posix_ipc
 
-from ..driver import SectionError, SectionIncompatible
+from ..driver.errors import SectionError, SectionIncompatible
 from . import layout as L
 from ._clients import ClientTable, pid_alive
 

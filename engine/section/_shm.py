@@ -34,7 +34,9 @@ from typing import Any
 import posix_ipc
 from psycopg import conninfo
 
-from ..driver import RingqError, SectionError, connected, load, redact_dsn
+from ..driver import load
+from ..driver.errors import RingqError, SectionError, redact_dsn
+from ..driver.pg import connected
 from . import layout as L
 from ._clients import pid_alive
 from ._process import _Process

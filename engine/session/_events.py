@@ -27,15 +27,9 @@ import psycopg
 from psycopg import sql
 
 from ..driver import QUERIES as _Q
-from ..driver import (
-    DatabaseUnavailable,
-    SessionClosed,
-    compose,
-    connect,
-    redact_dsn,
-    run,
-    scrub_exception,
-)
+from ..driver import compose
+from ..driver.errors import DatabaseUnavailable, SessionClosed, redact_dsn, scrub_exception
+from ..driver.pg import connect, run
 
 CHANNEL: Final = "ringq_events"
 MAX_PAYLOAD: Final = 7900  # NOTIFY payloads must stay under 8000 bytes

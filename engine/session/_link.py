@@ -25,29 +25,12 @@ from psycopg import sql
 from psycopg.pq import TransactionStatus
 
 from ..driver import QUERIES as _Q
-from ..driver import (
-    QueueNotFound,
-    RingqError,
-    SchemaMissing,
-    connect,
-    from_callers_statement,
-    from_psycopg,
-    one_line,
-    queue_table,
-    redact_dsn,
-    validate_queue_name,
-    wire,
-)
+from ..driver import queue_table, validate_queue_name, wire
+from ..driver.errors import QueueNotFound, RingqError, SchemaMissing, one_line, redact_dsn
+from ..driver.pg import connect, from_callers_statement, from_psycopg
 from ..ring import Item, Op, QueueInfo, Ring, each_op
-from ..rows import (
-    decide_lost,
-    decide_ops,
-    history_of,
-    load_queue,
-    resync_queue,
-    section_following,
-    wait_dead_holders,
-)
+from ..rows import decide_lost, decide_ops, load_queue, resync_queue, wait_dead_holders
+from ..rows.recovery import history_of, section_following
 from ..section import Section
 from ..section import layout as L
 from ..section.metrics import queue_stats
@@ -412,7 +395,7 @@ class Link:
     def execute_callers(self, query: str, params: Any, *, prepare: bool) -> wire.Fetch:
         """:meth:`execute` of the caller's own statement (``Session.execute``):
         ``prepare`` plans it once per connection; an error is the caller's
-        (:func:`~._pg.from_callers_statement`)."""
+        (``driver.pg.from_callers_statement``)."""
         if prepare:
             self.prepared.add(query)
         try:

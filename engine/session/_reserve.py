@@ -16,7 +16,7 @@ import posix_ipc
 from psycopg.pq import TransactionStatus
 
 from ..driver import QUERIES as _Q
-from ..driver import PayloadTooLarge, QueueFull, SectionError, TransactionError
+from ..driver.errors import PayloadTooLarge, QueueFull, SectionError, TransactionError
 from ..ring import DueWrite, Op, OpKind, QueueInfo, RowWrite, Run, Write, group_tag
 from ..section import layout as L
 from ._claim import Due, recover_in_way, unwait

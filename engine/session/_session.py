@@ -28,7 +28,8 @@ from typing import Any, Self
 import psycopg
 from psycopg.pq import TransactionStatus
 
-from ..driver import InDoubt, RingqError, SessionClosed, StaleSection, TransactionError, resolve_dsn
+from ..driver import resolve_dsn
+from ..driver.errors import InDoubt, RingqError, SessionClosed, StaleSection, TransactionError
 from ..ring import QueueInfo, Ring
 from ..rows import in_doubt_outcome, tracelog
 from ..section import Section

@@ -19,7 +19,8 @@ import psycopg
 from psycopg.pq import TransactionStatus
 
 from ..driver import QUERIES as _Q
-from ..driver import InDoubt, RingqError, RolledBack, TransactionError, connect, one_line
+from ..driver.errors import InDoubt, RingqError, RolledBack, TransactionError, one_line
+from ..driver.pg import connect
 from ..ring import Op, each_op
 from ..rows import TPC_BRANCH, decide_ops, gid_of, in_flight, rows_outcome, wait_backend_gone
 from ..section import layout as L

@@ -22,16 +22,16 @@ from typing import Any, TypeVar
 import psycopg
 from psycopg.pq import TransactionStatus
 
-from ..driver import (
+from ..driver import wire
+from ..driver.errors import (
     InDoubt,
     RingqError,
     RolledBack,
     StaleSection,
     TransactionError,
     one_line,
-    stale_section,
-    wire,
 )
+from ..driver.pg import stale_section
 from ..ring import (
     POISON_REASON,
     DueWrite,

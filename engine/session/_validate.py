@@ -8,7 +8,7 @@ from collections.abc import Iterable
 from datetime import datetime
 from typing import TypeGuard
 
-from ..driver import ConfigError, InvalidArgument, InvalidArgumentType
+from ..driver.errors import ConfigError, InvalidArgument, InvalidArgumentType
 
 MAX_KEY_BYTES = 1000  # an idempotency key, UTF-8 encoded
 MAX_GROUP_BYTES = 128  # a group name, UTF-8 encoded (ringq.engine.layout.GROUP_BYTES)

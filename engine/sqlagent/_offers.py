@@ -38,7 +38,8 @@ from psycopg import sql
 from ..driver import QUERIES as _Q
 from ..driver import queue_table
 from ..ring import POISON_REASON, OpKind, QueueInfo, Ring, RowState, after_finish
-from ..rows import load_queue, queue_infos
+from ..rows import load_queue
+from ..rows.recovery import queue_infos
 from ..section import Section
 from ..section import layout as L
 

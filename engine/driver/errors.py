@@ -2,7 +2,7 @@
 
 Every error ringq raises on purpose derives from :class:`RingqError`. psycopg
 errors become these classes through one mapping, :func:`ringq.engine.pg.from_psycopg`
-(``engine/driver/_pg.py``), applied where ringq meets PostgreSQL: the functions of
+(``engine/driver/pg.py``), applied where ringq meets PostgreSQL: the functions of
 :mod:`ringq.engine.pg` that every package opens connections and runs
 statements with, and the session's ``Link.call`` (``engine/session/_link.py``). So a
 caller never has to catch a driver exception to handle a ringq failure.

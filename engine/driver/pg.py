@@ -19,7 +19,7 @@ from typing import Any, LiteralString
 import psycopg
 from psycopg import sql
 
-from ._errors import (
+from .errors import (
     ConfigError,
     DatabaseError,
     DatabaseUnavailable,

@@ -24,7 +24,9 @@ import psycopg
 from psycopg import sql
 
 from ..driver import QUERIES as _Q
-from ..driver import DatabaseUnavailable, SchemaMissing, SectionError, connect, queue_table
+from ..driver import queue_table
+from ..driver.errors import DatabaseUnavailable, SchemaMissing, SectionError
+from ..driver.pg import connect
 from ..ring import POISON_REASON, Op, OpKind, QueueInfo, Ring, RowState
 from ..section import Section, pid_alive, shared_section
 from ..section import layout as L
