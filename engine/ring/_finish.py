@@ -52,11 +52,19 @@ def finish_batch(
     wake-ups. Returns (ready, space): how many sleeping dequeuers and
     enqueuers the caller wakes (after releasing the lock).
     """
-    # Entries with a due time (a delay, a backoff) go one slot at a time: they
-    # wait rather than become ready (``_waiting``).
+    # A few ops go one slot at a time (plain ints cost less than numpy's
+    # per-call overhead), and so do entries with a due time (a delay, a
+    # backoff): they wait rather than become ready (``_waiting``).
     if len(ops) < VECTOR_FROM or any(op.due_us for op in ops):
-        return _finish_each(ring, ops, owner, committed=committed, poisoned=poisoned,
-                            exclusive=exclusive, enq_at_us=enq_at_us)
+        n_ready = n_space = 0
+        now_us = time.time_ns() // 1000 if committed else 0  # the commit, as the waits end
+        for op in ops:
+            if ring.held_by(op.slot, owner):  # else decided by recovery: never finish twice
+                ready, space = _finish_op(ring, op, committed, poisoned, exclusive, enq_at_us,
+                                          now_us)
+                n_ready += ready
+                n_space += space
+        return after_finish(ring, n_ready, n_space)
     Q, b = ring.Q, ring.qb
     s = ring.sec
     n_ready = n_space = n_poisoned = 0
@@ -195,11 +203,28 @@ def finish_one(
 ) -> tuple[int, int]:
     """:func:`finish_batch` of one op (a single-entry transaction: no lists, no
     numpy, no grouping of latencies), in the same order of writes."""
-    slot = op.slot
-    if not ring.held_by(slot, owner):
+    if not ring.held_by(op.slot, owner):
         return 0, 0  # already decided by recovery (never finish a slot twice)
-    Q, b = ring.Q, ring.qb
-    n_ready = n_space = 0
+    n_ready, n_space = _finish_op(ring, op, committed, poisoned, exclusive, enq_at_us, 0)
+    if not n_space and ring.Q[ring.qb + L.Q_WAIT_READY] <= 0:
+        return 0, 0  # nothing to reclaim, nobody to wake (after_finish's answer)
+    return after_finish(ring, n_ready, n_space)
+
+
+def _finish_op(
+    ring: Ring,
+    op: Op,
+    committed: bool,
+    poisoned: set[tuple[int, int]],
+    exclusive: bool,
+    enq_at_us: int | None,
+    now_us: int,
+) -> tuple[int, int]:
+    """One op whose slot its owner still holds (the caller looked), finished:
+    its cache record written before its ENQ bit, its latency and (consumed)
+    its wait recorded, ``now_us`` being the commit's time (0: now); no
+    reclaim. Returns (ready, space), as :func:`after_finish` takes them."""
+    slot = op.slot
     if op.kind is OpKind.ENQUEUE:
         f = op.fill
         if committed and enq_at_us is not None and f is not None and ring.stride:
@@ -207,73 +232,23 @@ def finish_one(
                 slot, op.seq, f.payload, f.producer.encode(), f.producer_seq, enq_at_us,
                 None if f.group is None else f.group.encode(),
             )
-        ring.finish_enqueue(slot, committed, op.due_us)  # the record before ENQ, as finish_batch
-        n_ready = int(committed)
-    else:
-        consumed = committed or (slot, op.seq) in poisoned
-        was_owner = Q[b + L.Q_DEQ_OWNER]
-        freed_group = consumed and ring.sec.group_w[ring.base + slot] != 0
-        ring.finish_dequeue(slot, consumed, exclusive=exclusive, reclaim=False, due_us=op.due_us)
-        n_space = int(consumed)
-        n_ready = int(
-            (not consumed) or freed_group or (exclusive and was_owner and not Q[b + L.Q_DEQ_OWNER])
-        )
-        if consumed and not committed:
-            Q[b + L.Q_N_POISONED] += 1
-        elif committed and op.enq_us:
-            ring.record_wait(time.time_ns() // 1000 - op.enq_us)
-    ring.record_latency(op.kind, op.latency_ns)
-    if not n_space and Q[b + L.Q_WAIT_READY] <= 0:
-        return 0, 0  # nothing to reclaim, nobody to wake (after_finish's answer)
-    return after_finish(ring, n_ready, n_space)
-
-
-def _finish_each(
-    ring: Ring,
-    ops: Sequence[Op],
-    owner: int,
-    *,
-    committed: bool,
-    poisoned: set[tuple[int, int]],
-    exclusive: bool,
-    enq_at_us: int | None,
-) -> tuple[int, int]:
-    """:func:`finish_batch` one slot at a time: for a few ops, plain ints
-    cost less than numpy's per-call overhead."""
-    Q, b = ring.Q, ring.qb
-    n_ready = n_space = 0
-    now_us = time.time_ns() // 1000 if committed else 0  # the commit, as the waits end
-    for op in ops:
-        if not ring.held_by(op.slot, owner):
-            continue  # already decided by recovery (never finish a slot twice)
-        if op.kind is OpKind.ENQUEUE:
-            if committed and enq_at_us is not None and op.fill is not None and ring.stride:
-                f = op.fill
-                ring.cache.put(
-                    op.slot, op.seq, f.payload, f.producer.encode(), f.producer_seq, enq_at_us,
-                    None if f.group is None else f.group.encode(),
-                )
-            ring.finish_enqueue(op.slot, committed, op.due_us)
-            n_ready += committed
-        else:
-            consumed = committed or (op.slot, op.seq) in poisoned
-            was_owner = Q[b + L.Q_DEQ_OWNER]
-            freed_group = consumed and ring.sec.group_w[ring.base + op.slot] != 0
-            ring.finish_dequeue(
-                op.slot, consumed, exclusive=exclusive, reclaim=False, due_us=op.due_us
-            )
-            n_space += consumed
-            n_ready += (
-                (not consumed)
-                or freed_group
-                or (exclusive and was_owner and not Q[b + L.Q_DEQ_OWNER])
-            )
-            if consumed and not committed:
-                Q[b + L.Q_N_POISONED] += 1
-            elif committed and op.enq_us:
-                ring.record_wait(now_us - op.enq_us)
+        ring.finish_enqueue(slot, committed, op.due_us)
         ring.record_latency(op.kind, op.latency_ns)
-    return after_finish(ring, n_ready, n_space)
+        return int(committed), 0
+    Q, b = ring.Q, ring.qb
+    consumed = committed or (slot, op.seq) in poisoned
+    was_owner = Q[b + L.Q_DEQ_OWNER]
+    freed_group = consumed and ring.sec.group_w[ring.base + slot] != 0
+    ring.finish_dequeue(slot, consumed, exclusive=exclusive, reclaim=False, due_us=op.due_us)
+    ready = int(
+        (not consumed) or freed_group or (exclusive and was_owner and not Q[b + L.Q_DEQ_OWNER])
+    )
+    if consumed and not committed:
+        Q[b + L.Q_N_POISONED] += 1
+    elif committed and op.enq_us:
+        ring.record_wait((now_us or time.time_ns() // 1000) - op.enq_us)
+    ring.record_latency(op.kind, op.latency_ns)
+    return ready, int(consumed)
 
 
 def _held(ring: Ring, ops: list[Op], owner: int) -> tuple[list[Op], np.ndarray]:
