@@ -55,6 +55,10 @@ WHITE_BOX: dict[str, set[str]] = {
         "ringq.monitor._sample", "ringq.monitor._t4", "ringq.monitor._reclaim",
         "ringq.monitor._pump", "ringq.monitor._clients",
     },
+    # the verdict's split and summary on constructed tables, and a cycle's runner
+    "tests/test_regress_verdict.py": {
+        "ringq.regression._queries", "ringq.regression._checks", "ringq.regression._runner",
+    },
     # a batch's waits bucketed by numpy, against Ring.record_wait one at a time (its clock fixed)
     "tests/test_waits.py": {"ringq.engine.ring._finish"},
     # a mover killed in Transaction.finish (committed, the section not told yet)
