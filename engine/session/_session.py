@@ -29,7 +29,14 @@ import psycopg
 from psycopg.pq import TransactionStatus
 
 from ..driver import resolve_dsn
-from ..driver.errors import InDoubt, RingqError, SessionClosed, StaleSection, TransactionError
+from ..driver.errors import (
+    DatabaseUnavailable,
+    InDoubt,
+    RingqError,
+    SessionClosed,
+    StaleSection,
+    TransactionError,
+)
 from ..ring import QueueInfo, Ring
 from ..rows import in_doubt_outcome, tracelog
 from ..section import Section
@@ -416,11 +423,21 @@ class Session:
         :raises InDoubt: the answer to COMMIT PREPARED was lost; recovery
             commits the transaction if :meth:`tpc_decide` recorded it, else
             rolls it back after a timeout.
+        :raises RolledBack: the connection was lost and nothing of the
+            transaction committed (the rows show it, or it was lost before
+            its COMMIT): retry it.
         """
         self._require_open()
         self._tpc.require_open()
         if not self._tpc.prepared:
-            self._flush()  # a one-phase commit: the row writes go first
+            try:
+                self._flush()  # a one-phase commit: the row writes go first
+            except DatabaseUnavailable as err:
+                if self._link.ops:
+                    raise  # the connection stands: the writes are still the session's
+                # Lost before the COMMIT was sent: nothing of it committed
+                # (the link decided its slots from the rows).
+                raise self._tpc.lost_before_commit(err) from err
         self._tpc.end(commit=True)
 
     def tpc_rollback(self) -> None:

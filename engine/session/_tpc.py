@@ -154,6 +154,18 @@ class TwoPhase:
             "ringq: session closed with %s decided but not committed: left to recovery", gid
         )
 
+    def lost_before_commit(self, err: RingqError) -> RolledBack:
+        """The connection was lost before a one-phase commit's COMMIT was sent
+        (its row writes failed; the link decided their slots): nothing of the
+        transaction committed. Ends it; returns the error to raise."""
+        self._reset()
+        reason = one_line(str(err.__cause__ or err))
+        return RolledBack(
+            "the connection was lost before the commit: nothing of the transaction committed: "
+            + reason,
+            reason=reason,
+        )
+
     def _reset(self) -> None:
         self.xid = None
         self.link.tpc_open = False
