@@ -20,33 +20,37 @@ The instants, made on purpose rather than hoped for:
   the primary is killed, the standby promoted, then the proxy cuts the
   client's connection: the answer never reached it. Committed.
 
-And who decides the client's slots in the global section first (``decider``):
-the client itself, when it learns its connection is lost (no monitor runs
-meanwhile), or recovery (``recover_lost_backends``, what the monitor runs,
-called by the test once the standby is promoted and before the client
-learns anything).
+And who decides the client's slots in the global section first (its
+``decider``): the client itself, when it learns its connection is lost (no
+monitor runs meanwhile), or recovery (``recover_lost_backends``, what the
+monitor's ``backends`` step runs, called by the test once the standby is
+promoted and before those clients learn anything).
 
 Each client goes to the server through a proxy of its own (:class:`Proxy`),
 listed first in a multi-host DSN whose second host is the standby; the
 proxies stop taking connections once the primary is dead, so every
 reconnection reaches the promoted standby.
 
-One test per instant and decider: a pair of servers, one fail-over, and
-every kind of client at that instant of its commit at once (:data:`CLIENTS`):
-linked sessions committing an enqueue, the dequeue of entries served from
-the payload cache, and of entries read from their rows; a two-phase
-participant at COMMIT PREPARED, and a one-phase ``tpc_commit``; a SQL
-consumer (plain psycopg: ``ringq.dequeue``, then COMMIT; the monitor is its
-agent); movers at their destination commit and at their source commit.
+One test per instant: a pair of servers, one fail-over, and every kind of
+client at that instant of its commit at once (:data:`CLIENTS`), twice (once
+per decider): linked sessions committing an enqueue, the dequeue of entries
+served from the payload cache, and of entries read from their rows; a
+two-phase participant at COMMIT PREPARED, and one-phase ``tpc_commit`` calls; a
+SQL consumer (plain psycopg: ``ringq.dequeue``, then COMMIT; the monitor is
+its agent); movers at their destination commit and at their source commit
+(their call is the rest of ``move_batch``).
 
-Each commit must raise :class:`RolledBack` (a :class:`Retryable`) when
-nothing committed, return when it committed, or raise :class:`InDoubt` only
-where the rows cannot decide (``in_doubt_outcome`` says None): a two-phase
-transaction still prepared on the new primary (recovery then commits it, as
-its coordinator decided), or a committed dequeue whose slots recovery
-decided first (its consumed row cannot tell its own commit from a
-redelivery's). Afterwards the queues are drained on the new primary and
-compared with what committed.
+Each commit must raise :class:`RolledBack` (a :class:`Retryable`; the
+session is usable again) when nothing committed, return when it committed,
+or raise :class:`InDoubt` only where the rows cannot decide
+(``in_doubt_outcome`` says None): a two-phase transaction still prepared on
+the new primary (recovery then commits it, as its coordinator decided), or a
+committed dequeue whose slots recovery decided first (its consumed row
+cannot tell its own commit from a redelivery's). The SQL consumer's COMMIT
+never gets an answer; the table it wrote in the same transaction tells what
+committed. Afterwards the queues are drained on the new primary: each entry
+is delivered again (with the deliveries the engine counts) or was consumed,
+once, and no row is left queued.
 """
 
 from __future__ import annotations
@@ -219,6 +223,8 @@ class Proxy:
 
 
 # -- the stage: a pair, the monitor, one proxy per client ------------------------------------
+
+
 @dataclass
 class Stage:
     """A synchronous pair, an admin connection to its primary, a monitor
