@@ -14,8 +14,8 @@ SELECT (SELECT value FROM ringq.meta WHERE key = 'instance_id'),
 -- (added after version 1 without a version bump: applying the schema script
 -- adds them; the three-argument ringq.enqueue() comes with the msg_group
 -- columns, the retry columns with the rings' not_before, the four-argument
--- one with the inbox's not_before); then the
--- database's history (see history); then the database's clock (us).
+-- one with the inbox's not_before, the rings' trace column with the
+-- exceptions'); then the database's history (see history); then the database's clock (us).
 SELECT (SELECT value FROM ringq.meta WHERE key = 'instance_id'),
        (SELECT value FROM ringq.meta WHERE key = 'schema_version'),
        pg_backend_pid(),
@@ -23,7 +23,9 @@ SELECT (SELECT value FROM ringq.meta WHERE key = 'instance_id'),
            AND to_regprocedure('ringq.enqueue(text, bytea, text)') IS NOT NULL
            AND to_regprocedure('ringq.enqueue(text, bytea, text, timestamptz)') IS NOT NULL
            AND EXISTS (SELECT 1 FROM pg_attribute WHERE attrelid = 'ringq.queues'::regclass
-                       AND attname = 'retry_delay' AND NOT attisdropped),
+                       AND attname = 'retry_delay' AND NOT attisdropped)
+           AND EXISTS (SELECT 1 FROM pg_attribute WHERE attrelid = 'ringq.exceptions'::regclass
+                       AND attname = 'trace' AND NOT attisdropped),
        CASE WHEN has_function_privilege('pg_control_system()', 'execute')
             THEN (SELECT system_identifier FROM pg_control_system()) ELSE 0 END,
        CASE WHEN pg_is_in_recovery() THEN -1
@@ -73,7 +75,7 @@ FROM ringq.queues q WHERE id = %s
 WITH u AS (
     UPDATE {table}
     SET state = 1, seq = %s::bigint, payload = %b, producer = %s, producer_seq = %s::bigint,
-        msg_group = %s::text, deliveries = 0, not_before = NULL,
+        msg_group = %s::text, deliveries = 0, not_before = NULL, trace = NULL,
         enq_at = now(), enq_user = current_user, deq_at = NULL, deq_user = NULL
     WHERE slot = %s::integer AND state <> 1 AND seq < %s::bigint
     RETURNING 1
@@ -89,27 +91,29 @@ SELECT ringq.expect_rows((SELECT count(*) FROM u)::integer, 1, {queue}),
 -- function call, which cost the server ~15 us per transaction (a ninth).
 UPDATE {table}
 SET state = 1, seq = %s::bigint, payload = %b, producer = %s, producer_seq = %s::bigint,
-    msg_group = %s::text, deliveries = 0, not_before = NULL,
+    msg_group = %s::text, deliveries = 0, not_before = NULL, trace = NULL,
     enq_at = now(), enq_user = current_user, deq_at = NULL, deq_user = NULL
 WHERE slot = %s::integer AND state <> 1 AND seq < %s::bigint
 RETURNING 1, (extract(epoch FROM now()) * 1000000)::bigint
 
 -- enqueue_due --
--- enqueue_many for entries of which some wait: each row's not_before is the
--- database's clock plus its delay (counted from this write, sent at commit),
--- or the time given, or NULL (due at once). Also returns the due times in us
--- of the rows that have one (slots and times as two arrays) and the
--- database's clock, for the section.
+-- enqueue_many for entries of which some wait or carry a trace context: each
+-- row's not_before is the database's clock plus its delay (counted from this
+-- write, sent at commit), or the time given, or NULL (due at once); its
+-- trace the W3C traceparent given, or NULL (every other row write clears
+-- it). Also returns the due times in us of the rows that have one (slots and
+-- times as two arrays) and the database's clock, for the section.
 WITH u AS (
     UPDATE {table} AS t
     SET state = 1, seq = v.seq, payload = v.payload, producer = v.producer, producer_seq = v.pseq,
         msg_group = v.grp, deliveries = 0,
         not_before = coalesce(clock_timestamp() + make_interval(secs => v.delay), v.nb),
+        trace = v.trace,
         enq_at = now(), enq_user = current_user, deq_at = NULL, deq_user = NULL
     FROM unnest(%(slots)s::integer[], %(seqs)s::bigint[], %(payloads)b::bytea[],
                 %(producers)s::text[], %(pseqs)s::bigint[], %(groups)s::text[],
-                %(delays)s::float8[], %(nbs)s::timestamptz[])
-        AS v(slot, seq, payload, producer, pseq, grp, delay, nb)
+                %(delays)s::float8[], %(nbs)s::timestamptz[], %(traces)s::text[])
+        AS v(slot, seq, payload, producer, pseq, grp, delay, nb, trace)
     WHERE t.slot = v.slot AND t.state <> 1 AND t.seq < v.seq
     RETURNING t.slot, t.not_before
 )
@@ -128,6 +132,7 @@ WITH k AS (
     UPDATE {table}
     SET state = 1, seq = %(seq)s::bigint, payload = %(payload)b, producer = %(producer)s,
         producer_seq = %(producer_seq)s::bigint, msg_group = %(group)s::text, deliveries = 0,
+        trace = %(trace)s::text,
         not_before = coalesce(clock_timestamp() + make_interval(secs => %(delay)s::float8),
                               %(not_before)s::timestamptz),
         enq_at = now(), enq_user = current_user, deq_at = NULL, deq_user = NULL
@@ -150,7 +155,7 @@ SELECT seq FROM ringq.keys WHERE queue_id = %s AND key = %s
 WITH u AS (
     UPDATE {table} AS t
     SET state = 1, seq = v.seq, payload = v.payload, producer = v.producer, producer_seq = v.pseq,
-        msg_group = v.grp, deliveries = 0, not_before = NULL, enq_at = now(),
+        msg_group = v.grp, deliveries = 0, not_before = NULL, trace = NULL, enq_at = now(),
         enq_user = current_user, deq_at = NULL, deq_user = NULL
     FROM unnest(%s::integer[], %s::bigint[], %b::bytea[], %s::text[], %s::bigint[], %s::text[])
         AS v(slot, seq, payload, producer, pseq, grp)
@@ -172,7 +177,7 @@ UPDATE {table}
 SET state = 2, deq_at = now(), deq_user = current_user
 WHERE slot = %s::integer AND seq = %s::bigint AND state = 1
   AND (not_before IS NULL OR not_before <= clock_timestamp())
-RETURNING payload, producer, producer_seq, enq_at, deliveries, msg_group
+RETURNING payload, producer, producer_seq, enq_at, deliveries, msg_group, trace
 
 -- dequeue_many --
 -- The slots and the seqs as two arrays, not a join with unnest(): a ring row's
@@ -187,7 +192,7 @@ SET state = 2, deq_at = now(), deq_user = current_user
 WHERE t.slot = ANY(%s::integer[]) AND t.seq = ANY(%s::bigint[]) AND t.state = 1
   AND (t.not_before IS NULL OR t.not_before <= clock_timestamp())
 RETURNING t.slot, t.seq, t.payload, t.producer, t.producer_seq, t.enq_at, t.deliveries,
-          t.msg_group
+          t.msg_group, t.trace
 
 -- dequeue_span --
 -- dequeue_many of slots first .. first + n - 1 whose seqs are the slot plus
@@ -198,7 +203,7 @@ SET state = 2, deq_at = now(), deq_user = current_user
 WHERE t.slot >= %s::integer AND t.slot < %s::integer AND t.seq = t.slot + %s::bigint
   AND t.state = 1 AND (t.not_before IS NULL OR t.not_before <= clock_timestamp())
 RETURNING t.slot, t.seq, t.payload, t.producer, t.producer_seq, t.enq_at, t.deliveries,
-          t.msg_group
+          t.msg_group, t.trace
 
 -- consume --
 -- The consuming write of a dequeue served from the payload cache, sent at
@@ -277,7 +282,7 @@ WITH r AS (
                       FROM r WHERE r.delay > 0)
     WHERE slot = ANY(%(slots)s::integer[]) AND seq = ANY(%(seqs)s::bigint[]) AND state = 1
     RETURNING slot, seq, state, deliveries, payload, producer, producer_seq, enq_at, msg_group,
-              not_before
+              not_before, trace
 ), d AS (
     SELECT v.qid, src.exception_queue AS to_name, e.id AS to_id, e.max_payload AS to_max
     FROM (VALUES (%(queue_id)s::integer)) AS v(qid)
@@ -285,7 +290,7 @@ WITH r AS (
     LEFT JOIN ringq.queues e ON e.name = src.exception_queue
 ), f AS (
     SELECT s.seq, s.payload, s.producer, s.producer_seq, s.enq_at, s.deliveries, s.msg_group,
-           d.qid, d.to_name, d.to_id,
+           s.trace, d.qid, d.to_name, d.to_id,
            CASE WHEN d.to_name IS NULL THEN NULL
                 WHEN d.to_id IS NULL THEN 'exception queue "' || d.to_name || '" does not exist'
                 WHEN octet_length(s.payload) > d.to_max
@@ -295,8 +300,8 @@ WITH r AS (
     WHERE s.state = 2
 ), x AS (
     INSERT INTO ringq.exceptions (queue_id, seq, payload, producer, producer_seq, enq_at,
-                                  deliveries, msg_group, reason)
-    SELECT qid, seq, payload, producer, producer_seq, enq_at, deliveries, msg_group,
+                                  deliveries, msg_group, trace, reason)
+    SELECT qid, seq, payload, producer, producer_seq, enq_at, deliveries, msg_group, trace,
            %(reason)s || coalesce('; kept here only: ' || why_not, '')
     FROM f
     ON CONFLICT DO NOTHING

@@ -149,12 +149,17 @@ ALTER TABLE ringq.exceptions ADD COLUMN IF NOT EXISTS msg_group text;
 -- An entry's due time (NULL: due at once): a delayed enqueue's, or a retry's
 -- backoff. Added to rings made before as msg_group is (a catalog change only).
 ALTER TABLE ringq.exceptions ADD COLUMN IF NOT EXISTS not_before timestamptz;
+-- An entry's trace context (the W3C traceparent of the span that enqueued it,
+-- the `otel` extra; NULL: none), beside the payload and not counted against
+-- max_payload; a poisoned entry keeps it. Added as msg_group is; a session
+-- refuses a database whose exception table lacks it.
+ALTER TABLE ringq.exceptions ADD COLUMN IF NOT EXISTS trace text;
 DO $ringq$
 DECLARE
     t regclass;
     col text;
 BEGIN
-    FOREACH col IN ARRAY ARRAY['msg_group text', 'not_before timestamptz'] LOOP
+    FOREACH col IN ARRAY ARRAY['msg_group text', 'not_before timestamptz', 'trace text'] LOOP
         FOR t IN
             SELECT c.oid::regclass FROM ringq.queues q
             JOIN pg_class c ON c.relname = 'q_' || q.name
@@ -638,6 +643,7 @@ CREATE TABLE IF NOT EXISTS {table} (
     deq_user     text,
     msg_group    text,                          -- the entry's group (NULL: none)
     not_before   timestamptz,                   -- the entry's due time (NULL: at once)
+    trace        text,                          -- its W3C traceparent (NULL: none)
     payload      bytea,
     PRIMARY KEY (slot) {index_tablespace_clause}
 ) WITH (fillfactor = {fillfactor}) {tablespace_clause};

@@ -454,7 +454,9 @@ class Worker:
                 signal.setitimer(signal.ITIMER_REAL, timeout)
             if self._abort:
                 raise ActionAborted("stop requested before the action started")
-            return act.func(msg, self.session)
+            # with the otel extra: the action runs in a span, its entry's producer's child
+            with ringq.engine.process_span(msg):
+                return act.func(msg, self.session)
         finally:
             self._in_action = False
             if timed:

@@ -20,7 +20,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from ..section import layout as L
-from ._kinds import OpKind
+from ._kinds import DueWrite, OpKind, Write
 from ._ops import Op, Run
 from ._ring import VECTOR_FROM, Ring
 from ._scan import bit_mask
@@ -45,7 +45,8 @@ def finish_batch(
 
     With ``enq_at_us`` (the rows' enqueue time in us), committed enqueues
     whose row write the op still carries (``fill``) are written to the
-    payload cache before they become ready.
+    payload cache before they become ready (but entries that carry a trace
+    context: their dequeue reads the row, which holds it).
 
     Slots ``owner`` no longer holds (decided by recovery) are passed over.
     Records the latencies, reclaims once, and counts poisoned entries and
@@ -74,7 +75,7 @@ def finish_batch(
         enq, slots = _held(ring, enq, owner)
         if slots.size:
             if committed and enq_at_us is not None and ring.stride:
-                filled = [op for op in enq if op.fill is not None]
+                filled = [op for op in enq if _cacheable(op.fill)]
                 ring.cache.put_many(
                     [op.slot for op in filled], [op.seq for op in filled],
                     [op.fill for op in filled if op.fill is not None], enq_at_us,
@@ -227,7 +228,9 @@ def _finish_op(
     slot = op.slot
     if op.kind is OpKind.ENQUEUE:
         f = op.fill
-        if committed and enq_at_us is not None and f is not None and ring.stride:
+        # (inline: _cacheable(f), a call less on the single entry's path)
+        if (committed and enq_at_us is not None and f is not None
+                and (type(f) is not DueWrite or f.trace is None) and ring.stride):
             ring.cache.put(
                 slot, op.seq, f.payload, f.producer.encode(), f.producer_seq, enq_at_us,
                 None if f.group is None else f.group.encode(),
@@ -320,3 +323,8 @@ def _wake_count(ring: Ring, n_ready: int) -> int:
     per = max(1, Q[b + L.Q_WAIT_WANT] // waiters)  # entries a waiter wants, on average
     return min(waiters, -(-n_ready // per))
 
+
+def _cacheable(w: Write | None) -> bool:
+    """Whether an enqueue's row write goes to the payload cache: not an
+    entry that carries a trace context (the cache record has no room for it)."""
+    return w is not None and (type(w) is not DueWrite or w.trace is None)

@@ -45,10 +45,13 @@ class RowWrite(NamedTuple):
 
 
 class DueWrite(NamedTuple):
-    """The row write of an enqueue that falls due later: :class:`RowWrite`'s
-    fields, and ``delay`` seconds after the write (the database's clock) or
-    ``not_before``. (A type of its own: two more fields in every RowWrite
-    cost 0.1 us per entry of a batch that has no delay.)"""
+    """The row write of an enqueue that falls due later, or carries a trace
+    context: :class:`RowWrite`'s fields, and ``delay`` seconds after the
+    write (the database's clock) or ``not_before`` (both None: due at once),
+    and ``trace``, the W3C traceparent the entry carries (None: none; an
+    entry that carries one is not put in the payload cache). (A type of its
+    own: more fields in every RowWrite cost 0.1 us per entry of a batch that
+    has neither.)"""
 
     payload: bytes
     producer_seq: int
@@ -56,6 +59,7 @@ class DueWrite(NamedTuple):
     group: str | None
     delay: float | None
     not_before: datetime | None
+    trace: str | None = None
 
 
 Write = RowWrite | DueWrite

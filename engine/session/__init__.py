@@ -2,7 +2,8 @@
 
 Imports only the rows, ring, section and driver layers (not the SQL agent
 beside it). Its face is what ``ringq.engine`` shows of it: the Session and
-``connect``, the Message a dequeue returns, named events, and the checks of
+``connect``, the Message a dequeue returns, named events, the span a consumer's
+processing runs in (the ``otel`` extra), and the checks of
 settings that every package's configuration shares.
 """
 
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 from ._events import CHANNEL, Event, Subscription, publish, subscribe
 from ._message import Message
+from ._otel import process_span
 from ._session import Session, connect
 from ._validate import MAX_DELAY, check_group, is_finite_number, validate_int, validate_seconds
 
@@ -23,6 +25,7 @@ __all__ = [
     "check_group",
     "connect",
     "is_finite_number",
+    "process_span",
     "publish",
     "subscribe",
     "validate_int",

@@ -221,10 +221,10 @@ class Claims:
             if c is not None:
                 messages.append(cached_message(queue, seq, c, tz))
             elif slot in got:
-                _slot, seq, payload, producer, pseq, enq_at, deliveries, group = got[slot]
+                _slot, seq, payload, producer, pseq, enq_at, deliveries, group, trace = got[slot]
                 messages.append(
                     Message(queue, seq, bytes(payload), producer, pseq, enq_at,
-                            deliveries + 1, group)
+                            deliveries + 1, group, trace)
                 )
         for op in ops:
             op.latency_ns = lat
@@ -279,9 +279,10 @@ class Claims:
             repair_dequeue(link, info, ring, [op], exclusive)
             return (None,)
         self._taken([op], t0)
-        payload, producer, pseq, enq_at, deliveries, group = row
+        payload, producer, pseq, enq_at, deliveries, group, trace = row
         op.enq_us = _us(enq_at)
-        return (Message(queue, seq, bytes(payload), producer, pseq, enq_at, deliveries + 1, group),)
+        return (Message(queue, seq, bytes(payload), producer, pseq, enq_at, deliveries + 1, group,
+                        trace),)
 
     def claim(
         self, ring: Ring, info: QueueInfo, max_n: int, deadline: float | None, exclusive: bool

@@ -129,7 +129,8 @@ class Link:
         if not has_guard:
             self.conn.close()
             raise SchemaMissing(
-                "the ringq schema lacks ringq.expect_rows() or the groups' columns, which this "
+                "the ringq schema lacks ringq.expect_rows() or the groups' or traces' columns, "
+                "which this "
                 "version needs: apply the "
                 "schema script again (ringq queue create, or ringq script create-queue | psql)"
             )

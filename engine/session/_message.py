@@ -18,7 +18,9 @@ class Message(tuple[Any, ...]):
     ``deliveries`` counts this delivery: 1 the first time, more if earlier
     deliveries were rolled back (so the consumer can check idempotency).
     ``group`` is the group it was enqueued in (None: none): entries of a
-    group are delivered in order, one held at a time.
+    group are delivered in order, one held at a time. ``trace`` is the W3C
+    ``traceparent`` of the span that enqueued it (None: none; see the
+    ``otel`` extra), not part of the payload and not compared.
 
     Immutable and compared by value (with messages only). A message served
     from the payload cache keeps its enqueue time as the integer the cache
@@ -39,9 +41,10 @@ class Message(tuple[Any, ...]):
         enqueued_at: datetime,
         deliveries: int,
         group: str | None = None,
+        trace: str | None = None,
     ) -> Message:
         return _new(cls, (queue, seq, payload, producer, producer_seq, deliveries, group,
-                          enqueued_at, 0, None))
+                          enqueued_at, 0, None, trace))
 
     queue: str = property(itemgetter(0))  # type: ignore[assignment]
     seq: int = property(itemgetter(1))  # type: ignore[assignment]
@@ -50,6 +53,7 @@ class Message(tuple[Any, ...]):
     producer_seq: int = property(itemgetter(4))  # type: ignore[assignment]
     deliveries: int = property(itemgetter(5))  # type: ignore[assignment]
     group: str | None = property(itemgetter(6))  # type: ignore[assignment]
+    trace: str | None = property(itemgetter(10))  # type: ignore[assignment]
 
     @property
     def enqueued_at(self) -> datetime:
@@ -86,19 +90,23 @@ class Message(tuple[Any, ...]):
             f"Message(queue={self.queue!r}, seq={self.seq!r}, payload={self.payload!r}, "
             f"producer={self.producer!r}, producer_seq={self.producer_seq!r}, "
             f"enqueued_at={self.enqueued_at!r}, deliveries={self.deliveries!r}, "
-            f"group={self.group!r})"
+            f"group={self.group!r}"
+            + ("" if self[10] is None else f", trace={self[10]!r}") + ")"
         )
 
     def __getnewargs__(self) -> tuple[Any, ...]:
-        return (self[0], self[1], self[2], self[3], self[4], self.enqueued_at, self[5], self[6])
+        return (self[0], self[1], self[2], self[3], self[4], self.enqueued_at, self[5], self[6],
+                self[10])
 
 
 def cached_message(queue: str, seq: int, cached: Cached, tz: tzinfo) -> Message:
     """The message of a cache hit: a first delivery (a dequeue that does not
     commit clears its slot's record, so redeliveries read the row); its
-    enqueue time in ``tz``, the connection's time zone, as a row read gives it."""
+    enqueue time in ``tz``, the connection's time zone, as a row read gives it.
+    (No trace: an entry that carries one is not cached.)"""
     payload, producer, pseq, enq_at_us, group = cached
-    return _new(Message, (queue, seq, payload, producer, pseq, 1, group, None, enq_at_us, tz))
+    return _new(Message, (queue, seq, payload, producer, pseq, 1, group, None, enq_at_us, tz,
+                          None))
 
 
 def cached_messages(
@@ -106,7 +114,7 @@ def cached_messages(
 ) -> list[Message]:
     """:func:`cached_message` of each hit of a batch (None: not a hit, left out)."""
     return [
-        _new(Message, (queue, seq, c[0], c[1], c[2], 1, c[4], None, c[3], tz))
+        _new(Message, (queue, seq, c[0], c[1], c[2], 1, c[4], None, c[3], tz, None))
         for seq, c in zip(seqs, cached, strict=True)
         if c is not None
     ]

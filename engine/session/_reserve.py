@@ -28,12 +28,14 @@ from ._validate import (
     check_due,
     check_group,
     check_key,
+    check_trace,
     check_wait,
 )
 
 logger = logging.getLogger("ringq.engine")
 
 _INERROR = TransactionStatus.INERROR
+_AT_ONCE: Due = (None, None)  # no delay, no not_before
 
 class Reservations:
     """A session's enqueues over the rings of its link."""
@@ -61,12 +63,14 @@ class Reservations:
     def enqueue_checked(
         self, queue: str, payload: object, key: str | None, group: str | None,
         timeout: float | None, delay: float | None, not_before: datetime | None,
+        trace: str | None = None,
     ) -> int:
         """``Session.enqueue``'s arguments checked (before any I/O), then
         :meth:`enqueue` (or :meth:`enqueue_key` with a ``key``) after the
-        checks of the payload's size and of the transaction."""
+        checks of the payload's size and of the transaction. ``trace``: the
+        entry's trace context (beside the payload, not counted in its size)."""
         if (type(payload) is bytes and key is None and group is None and timeout is None
-                and delay is None and not_before is None):
+                and delay is None and not_before is None and trace is None):
             # the usual call: nothing to check but the payload's size
             t0 = time.perf_counter_ns()
             info = self.link.info(queue)
@@ -78,6 +82,7 @@ class Reservations:
         check_key(key)
         check_group(group)
         check_wait("timeout", timeout)
+        check_trace(trace)
         due = _due(delay, not_before)
         t0 = time.perf_counter_ns()
         info = self.link.info(queue)
@@ -85,12 +90,12 @@ class Reservations:
         self.check_not_failed()
         tag = group_tag(group)
         if key is None:
-            return self.enqueue(info, data, group, tag, timeout, t0, due)
-        return self.enqueue_key(info, data, key, group, tag, timeout, t0, due)
+            return self.enqueue(info, data, group, tag, timeout, t0, due, trace)
+        return self.enqueue_key(info, data, key, group, tag, timeout, t0, due, trace)
 
     def enqueue(
         self, info: QueueInfo, payload: bytes, group: str | None, tag: int,
-        timeout: float | None, t0: int, due: Due | None = None,
+        timeout: float | None, t0: int, due: Due | None = None, trace: str | None = None,
     ) -> int:
         """Reserve a slot and hold its row write for the commit; returns its seq."""
         link = self.link
@@ -107,8 +112,9 @@ class Reservations:
         link.producer_seq += 1
         write: Write = (
             RowWrite(payload, link.producer_seq, link.producer, group)
-            if due is None
-            else DueWrite(payload, link.producer_seq, link.producer, group, *due)
+            if due is None and trace is None
+            else DueWrite(payload, link.producer_seq, link.producer, group,
+                          *(due or _AT_ONCE), trace)
         )
         link.ops.append(
             Op(ring, info, slot, seq, OpKind.ENQUEUE, time.perf_counter_ns() - t0, write)
@@ -118,7 +124,7 @@ class Reservations:
 
     def enqueue_key(
         self, info: QueueInfo, payload: bytes, key: str, group: str | None, tag: int,
-        timeout: float | None, t0: int, due: Due | None = None,
+        timeout: float | None, t0: int, due: Due | None = None, trace: str | None = None,
     ) -> int:
         """Reserve a slot and write its row with ``key`` now; returns its seq,
         or the seq of the entry that holds ``key`` already."""
@@ -142,6 +148,7 @@ class Reservations:
                     "slot": slot,
                     "delay": None if due is None else due[0],
                     "not_before": None if due is None else due[1],
+                    "trace": trace,
                 },
                 queue=queue,
                 qid=info.id,
@@ -181,7 +188,7 @@ class Reservations:
 
     def enqueue_many_checked(
         self, queue: str, payloads: object, group: object, timeout: float | None,
-        delay: float | None, not_before: datetime | None,
+        delay: float | None, not_before: datetime | None, trace: str | None = None,
     ) -> list[int]:
         """``Session.enqueue_many``'s arguments checked (before any I/O), then
         :meth:`enqueue_many` after the checks of each payload's size and of
@@ -189,6 +196,7 @@ class Reservations:
         items = as_payloads(payloads)
         groups = as_groups(group, len(items))
         check_wait("timeout", timeout)
+        check_trace(trace)
         due = _due(delay, not_before)
         t0 = time.perf_counter_ns()
         info = self.link.info(queue)
@@ -200,11 +208,12 @@ class Reservations:
             return []
         self.check_not_failed()
         tags = None if groups is None else [group_tag(g) for g in groups]
-        return self.enqueue_many(info, items, groups, tags, timeout, t0, due)
+        return self.enqueue_many(info, items, groups, tags, timeout, t0, due, trace)
 
     def enqueue_many(
         self, info: QueueInfo, items: list[bytes], groups: list[str | None] | None,
         tags: list[int] | None, timeout: float | None, t0: int, due: Due | None = None,
+        trace: str | None = None,
     ) -> list[int]:
         """Reserve a slot for each of ``items`` and hold their row writes:
         one :class:`~._ops.Run` (entries due later: an op each; one entry:
@@ -214,7 +223,7 @@ class Reservations:
         linked consumer" step)."""
         if len(items) == 1:
             return [self.enqueue(info, items[0], None if groups is None else groups[0],
-                                 0 if tags is None else tags[0], timeout, t0, due)]
+                                 0 if tags is None else tags[0], timeout, t0, due, trace)]
         link = self.link
         ring = link.ring(info)
         chunks: list[tuple[int, int]] = []  # (first seq, how many): contiguous reservations
@@ -242,7 +251,7 @@ class Reservations:
                 [np.arange(first, first + k, dtype=np.int64) for first, k in chunks]
             )
         link.section.count_client(link.cidx, L.C_N_ENQ, len(items))
-        if due is None:
+        if due is None and trace is None:
             link.ops.append(Run(
                 ring, info, OpKind.ENQUEUE, seqs % ring.cap, seqs, lat, list(items),
                 link.producer, pseq + 1, groups,
@@ -252,7 +261,8 @@ class Reservations:
         link.ops.extend([
             Op(ring, info, seq % ring.cap, seq, OpKind.ENQUEUE, latency_ns=lat,
                write=DueWrite(payload, pseq + i, link.producer,
-                              None if groups is None else groups[i - 1], *due))
+                              None if groups is None else groups[i - 1], *(due or _AT_ONCE),
+                              trace))
             for i, (seq, payload) in enumerate(zip(seq_list, items, strict=True), start=1)
         ])
         return seq_list

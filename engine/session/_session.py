@@ -41,7 +41,7 @@ from ..ring import QueueInfo, Ring
 from ..rows import in_doubt_outcome, tracelog
 from ..section import Section
 from ..section import layout as L
-from . import _trace
+from . import _otel, _trace
 from ._claim import Claims
 from ._events import Subscription, publish
 from ._link import Link
@@ -271,7 +271,12 @@ class Session:
         :raises TransactionError: the transaction had failed; it was rolled back.
         """
         self._check()
-        self._txn.commit()
+        sp = _otel.spans()
+        if sp is None:
+            self._txn.commit()
+            return
+        with sp.settle("commit", self._link.ops):
+            self._txn.commit()
 
     def commit_and_dequeue(self, queue: str) -> Message | None:
         """:meth:`commit`, then :meth:`dequeue` of ``queue`` in a new transaction:
@@ -285,10 +290,19 @@ class Session:
         self._check()
         if self._tpc.xid is not None:  # before anything is claimed
             raise TransactionError("a two-phase transaction is open: use tpc_commit()")
+        sp = _otel.spans()
+        if sp is None:
+            return self._commit_and_dequeue(queue)
+        with sp.settle("commit", self._link.ops), sp.dequeue(queue, "dequeue") as got:
+            msg = self._commit_and_dequeue(queue)
+            got.messages = () if msg is None else (msg,)
+        return msg
+
+    def _commit_and_dequeue(self, queue: str) -> Message | None:
         info = self._link.info(queue)
         got = self._claims.commit_and_dequeue(self._txn, info)
         if got is None:  # committed alone: the dequeue goes on its own
-            return self.dequeue(queue)
+            return self._claims.dequeue_one(queue, None)
         return got[0]
 
     def in_doubt_outcome(self, exc: InDoubt, *, timeout: float = 30.0) -> bool | None:
@@ -354,7 +368,12 @@ class Session:
         if self._tpc.xid is not None:
             self.tpc_rollback()  # refuses once decided
             return
-        self._txn.rollback(count_delivery=count_delivery, retry_after=retry_after)
+        sp = _otel.spans()
+        if sp is None:
+            self._txn.rollback(count_delivery=count_delivery, retry_after=retry_after)
+            return
+        with sp.settle("rollback", self._link.ops):
+            self._txn.rollback(count_delivery=count_delivery, retry_after=retry_after)
 
     @contextmanager
     def transaction(self) -> Iterator[Session]:
@@ -429,6 +448,14 @@ class Session:
         """
         self._require_open()
         self._tpc.require_open()
+        sp = _otel.spans()
+        if sp is None:
+            self._tpc_commit()
+            return
+        with sp.settle("tpc_commit", self._link.ops):
+            self._tpc_commit()
+
+    def _tpc_commit(self) -> None:
         if not self._tpc.prepared:
             try:
                 self._flush()  # a one-phase commit: the row writes go first
@@ -451,7 +478,12 @@ class Session:
         self._require_open()
         self._tpc.refuse_rollback()
         self._tpc.require_open()
-        self._tpc.end(commit=False)
+        sp = _otel.spans()
+        if sp is None:
+            self._tpc.end(commit=False)
+            return
+        with sp.settle("tpc_rollback", self._link.ops):
+            self._tpc.end(commit=False)
 
     # -- enqueue -----------------------------------------------------------------------
 
@@ -465,6 +497,7 @@ class Session:
         timeout: float | None = None,
         delay: float | None = None,
         not_before: datetime | None = None,
+        trace: str | None = None,
     ) -> int:
         """Put ``payload`` on ``queue`` in the current transaction; returns its sequence number.
 
@@ -491,16 +524,31 @@ class Session:
         group the group waits for it, in a single-dequeuer queue the queue
         waits for it (order is the promise).
 
+        With ``trace`` (a W3C ``traceparent``), the entry carries that trace
+        context, beside its payload (not counted against the queue's
+        max_payload); its dequeue's :attr:`Message.trace` gives it back.
+        With the ``otel`` extra and a tracer provider set, the enqueue makes
+        a producer span, whose context the entry carries unless ``trace`` is
+        given (see ``engine/session/_otel.py``).
+
         :raises QueueNotFound, PayloadTooLarge, QueueFull, SessionClosed, DatabaseUnavailable:
         :raises TransactionError: the transaction failed earlier (roll it back).
         :raises InvalidArgumentType: the payload is not bytes-like, the key or group not a str.
         :raises InvalidArgument: the key is over 1,000 bytes, the group empty or over
             128 bytes, the timeout negative; ``delay`` negative, NaN or infinite,
-            ``not_before`` naive, or both given.
+            ``not_before`` naive, or both given; ``trace`` not printable ASCII or
+            over 512 characters.
         """
         self._check()
-        return self._reservations.enqueue_checked(queue, payload, key, group, timeout, delay,
-                                                  not_before)
+        sp = _otel.spans()
+        if sp is None:
+            return self._reservations.enqueue_checked(queue, payload, key, group, timeout,
+                                                      delay, not_before, trace)
+        with sp.enqueue(queue, "enqueue") as s:
+            seq = self._reservations.enqueue_checked(queue, payload, key, group, timeout,
+                                                     delay, not_before, trace or s.traceparent)
+            s.seqs = (seq,)
+        return seq
 
     def enqueue_many(
         self,
@@ -511,13 +559,15 @@ class Session:
         timeout: float | None = None,
         delay: float | None = None,
         not_before: datetime | None = None,
+        trace: str | None = None,
     ) -> list[int]:
         """Enqueue several entries; returns their sequence numbers, in order.
 
         As :meth:`enqueue` without a key: nothing goes to the database now;
         the commit writes the rows of a queue in one statement. ``group`` is
         one group for all the entries, or one group (or None) per entry;
-        ``delay`` or ``not_before`` (as :meth:`enqueue`) holds for all.
+        ``delay``, ``not_before`` and ``trace`` (as :meth:`enqueue`) hold for
+        all (with the ``otel`` extra: one producer span, for the batch).
 
         :raises InvalidArgumentType: ``payloads`` is not an iterable of bytes-like
             payloads, or ``group`` not a str, None or an iterable of them.
@@ -525,8 +575,14 @@ class Session:
             (as :meth:`enqueue`), or the groups are not one per payload.
         """
         self._check()
-        return self._reservations.enqueue_many_checked(queue, payloads, group, timeout, delay,
-                                                       not_before)
+        sp = _otel.spans()
+        if sp is None:
+            return self._reservations.enqueue_many_checked(queue, payloads, group, timeout,
+                                                           delay, not_before, trace)
+        with sp.enqueue(queue, "enqueue_many") as s:
+            s.seqs = seqs = self._reservations.enqueue_many_checked(
+                queue, payloads, group, timeout, delay, not_before, trace or s.traceparent)
+        return seqs
 
     # -- dequeue -----------------------------------------------------------------------
 
@@ -538,7 +594,13 @@ class Session:
         transaction commits; on rollback it is delivered again.
         """
         self._check()
-        return self._claims.dequeue_one(queue, wait)
+        sp = _otel.spans()
+        if sp is None:
+            return self._claims.dequeue_one(queue, wait)
+        with sp.dequeue(queue, "dequeue") as s:
+            msg = self._claims.dequeue_one(queue, wait)
+            s.messages = () if msg is None else (msg,)
+        return msg
 
     def dequeue_many(self, queue: str, max_n: int, *, wait: float | None = None) -> list[Message]:
         """Take up to ``max_n`` ready entries (oldest first) in one statement.
@@ -547,7 +609,12 @@ class Session:
         :raises InvalidArgument: ``max_n`` is below 1, ``wait`` negative.
         """
         self._check()
-        return self._claims.dequeue_checked(queue, max_n, wait)
+        sp = _otel.spans()
+        if sp is None:
+            return self._claims.dequeue_checked(queue, max_n, wait)
+        with sp.dequeue(queue, "dequeue_many") as s:
+            s.messages = msgs = self._claims.dequeue_checked(queue, max_n, wait)
+        return msgs
 
     # -- recovery ------------------------------------------------------------------------
 

@@ -332,6 +332,7 @@ class Transaction:
                 "groups": wire.text_array([w.group for w in writes]),
                 "delays": wire.text_array([_delay(w) for w in writes]),
                 "nbs": wire.text_array([_not_before(w) for w in writes]),
+                "traces": wire.text_array([_trace(w) for w in writes]),
                 "n": len(ops),
             }
         if len(ops) == 1:
@@ -611,6 +612,11 @@ def _delay(w: Write) -> str | None:
 def _not_before(w: Write) -> str | None:
     """A write's not_before as an array element (None: none)."""
     return w.not_before.isoformat() if type(w) is DueWrite and w.not_before is not None else None
+
+
+def _trace(w: Write) -> str | None:
+    """A write's trace context as an array element (None: none)."""
+    return w.trace if type(w) is DueWrite else None
 
 
 def _answer_lost(exc: BaseException | None) -> bool:

@@ -76,6 +76,26 @@ def check_count(what: str, value: object) -> int:
     return value
 
 
+MAX_TRACE_BYTES = 512  # a trace context an entry carries (a W3C traceparent is 55)
+
+
+def check_trace(trace: object) -> None:
+    """Check a trace context an entry carries: None, or a str of ASCII text of at
+    most ``MAX_TRACE_BYTES`` (a W3C ``traceparent``, ``00-<trace id>-<span id>-<flags>``).
+
+    :raises InvalidArgumentType: not a str.
+    :raises InvalidArgument: too long, or not printable ASCII.
+    """
+    if trace is None:
+        return
+    if not isinstance(trace, str):
+        raise InvalidArgumentType(f"trace must be a str or None, not {type(trace).__name__}")
+    if len(trace) > MAX_TRACE_BYTES or not (trace.isascii() and trace.isprintable()):
+        raise InvalidArgument(
+            f"trace must be printable ASCII of at most {MAX_TRACE_BYTES} characters"
+        )
+
+
 def check_key(key: object) -> None:
     """Check an idempotency key: None, or a str of at most ``MAX_KEY_BYTES`` UTF-8 bytes
     without NUL.
