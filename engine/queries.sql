@@ -71,11 +71,13 @@ FROM ringq.queues q WHERE id = %s
 -- makes the statement fail (ringq.expect_rows raises SQLSTATE RQ001), so the
 -- transaction can never commit without its queue write. {queue} is the
 -- queue's name (a literal), for the error. The second column is the rows'
--- enq_at in microseconds, for the payload cache.
+-- enq_at in microseconds, for the payload cache. Every row write of an
+-- enqueue sets trace, the entry's trace context (NULL: none), so that a slot
+-- never hands an earlier entry's on.
 WITH u AS (
     UPDATE {table}
     SET state = 1, seq = %s::bigint, payload = %b, producer = %s, producer_seq = %s::bigint,
-        msg_group = %s::text, deliveries = 0, not_before = NULL, trace = NULL,
+        msg_group = %s::text, deliveries = 0, not_before = NULL, trace = %s::text,
         enq_at = now(), enq_user = current_user, deq_at = NULL, deq_user = NULL
     WHERE slot = %s::integer AND state <> 1 AND seq < %s::bigint
     RETURNING 1
@@ -91,7 +93,7 @@ SELECT ringq.expect_rows((SELECT count(*) FROM u)::integer, 1, {queue}),
 -- function call, which cost the server ~15 us per transaction (a ninth).
 UPDATE {table}
 SET state = 1, seq = %s::bigint, payload = %b, producer = %s, producer_seq = %s::bigint,
-    msg_group = %s::text, deliveries = 0, not_before = NULL, trace = NULL,
+    msg_group = %s::text, deliveries = 0, not_before = NULL, trace = %s::text,
     enq_at = now(), enq_user = current_user, deq_at = NULL, deq_user = NULL
 WHERE slot = %s::integer AND state <> 1 AND seq < %s::bigint
 RETURNING 1, (extract(epoch FROM now()) * 1000000)::bigint
@@ -151,11 +153,12 @@ DELETE FROM ringq.keys WHERE queue_id = %s AND key = %s AND seq = %s
 SELECT seq FROM ringq.keys WHERE queue_id = %s AND key = %s
 
 -- enqueue_many --
--- Several deferred row writes of one queue in one statement (as enqueue).
+-- Several deferred row writes of one queue in one statement (as enqueue),
+-- all with one trace context (NULL: none).
 WITH u AS (
     UPDATE {table} AS t
     SET state = 1, seq = v.seq, payload = v.payload, producer = v.producer, producer_seq = v.pseq,
-        msg_group = v.grp, deliveries = 0, not_before = NULL, trace = NULL, enq_at = now(),
+        msg_group = v.grp, deliveries = 0, not_before = NULL, trace = %s::text, enq_at = now(),
         enq_user = current_user, deq_at = NULL, deq_user = NULL
     FROM unnest(%s::integer[], %s::bigint[], %b::bytea[], %s::text[], %s::bigint[], %s::text[])
         AS v(slot, seq, payload, producer, pseq, grp)

@@ -139,7 +139,7 @@ def finish_run(
     ring.record_latency(run.kind, run.latency_ns, n)
     if run.kind is OpKind.ENQUEUE:
         payloads = run.payloads
-        if enq_at_us is not None and ring.stride and payloads is not None:
+        if enq_at_us is not None and ring.stride and payloads is not None and run.trace is None:
             pseqs = run.pseq0 + np.arange(len(run.slots), dtype=np.int64)
             seqs, groups = run.seqs, run.groups
             if not whole:

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ._kinds import OpKind, RowState, RowWrite, Write
+from ._kinds import DueWrite, OpKind, RowState, RowWrite, Write
 from ._queue_info import QueueInfo
 from ._ring import Ring
 
@@ -73,8 +73,9 @@ class Run:
 
     ``slots`` and ``seqs`` are int64 arrays; ``latency_ns`` the batch's call
     latency per entry. An enqueue run has its ``payloads``, ``producer``, the
-    first entry's producer sequence ``pseq0`` (the i-th has ``pseq0 + i``)
-    and ``groups`` (None: no groups); ``sent`` once its row write has gone
+    first entry's producer sequence ``pseq0`` (the i-th has ``pseq0 + i``),
+    ``groups`` (None: no groups) and the ``trace`` context they all carry
+    (None: none; then not cached); ``sent`` once its row write has gone
     (the payloads are then kept for the payload cache until the commit is
     finished). A dequeue run has its entries' enqueue times ``enq_us`` (us
     since the epoch) and ``consume`` while the session still holds its
@@ -94,6 +95,7 @@ class Run:
     sent: bool = False
     consume: bool = False
     enq_us: np.ndarray | None = None
+    trace: str | None = None
 
     @property
     def held(self) -> bool:
@@ -118,7 +120,12 @@ class Run:
             for i, (slot, seq, payload, group) in enumerate(
                 zip(slots, seqs, self.payloads, groups, strict=True)
             ):
-                w = RowWrite(payload, self.pseq0 + i, self.producer, group)
+                w: Write = (
+                    RowWrite(payload, self.pseq0 + i, self.producer, group)
+                    if self.trace is None
+                    else DueWrite(payload, self.pseq0 + i, self.producer, group, None, None,
+                                  self.trace)
+                )
                 out.append(Op(ring, info, slot, seq, kind, lat,
                               None if self.sent else w, w if self.sent else None))
             return out

@@ -251,18 +251,17 @@ class Reservations:
                 [np.arange(first, first + k, dtype=np.int64) for first, k in chunks]
             )
         link.section.count_client(link.cidx, L.C_N_ENQ, len(items))
-        if due is None and trace is None:
+        if due is None:
             link.ops.append(Run(
                 ring, info, OpKind.ENQUEUE, seqs % ring.cap, seqs, lat, list(items),
-                link.producer, pseq + 1, groups,
+                link.producer, pseq + 1, groups, trace=trace,
             ))
             return seqs.tolist()
         seq_list = seqs.tolist()
         link.ops.extend([
             Op(ring, info, seq % ring.cap, seq, OpKind.ENQUEUE, latency_ns=lat,
                write=DueWrite(payload, pseq + i, link.producer,
-                              None if groups is None else groups[i - 1], *(due or _AT_ONCE),
-                              trace))
+                              None if groups is None else groups[i - 1], *due, trace))
             for i, (seq, payload) in enumerate(zip(seq_list, items, strict=True), start=1)
         ])
         return seq_list

@@ -40,6 +40,7 @@ from ..ring import (
     OpKind,
     QueueInfo,
     RowState,
+    RowWrite,
     Run,
     Write,
     after_finish,
@@ -304,6 +305,7 @@ class Transaction:
             assert run.payloads is not None
             n = len(run.slots)
             return (self.link.stmt("enqueue_many", queue), (
+                run.trace,
                 wire.int_array(run.slots.tolist()),
                 wire.int_array(run.seqs.tolist()),
                 run.payloads,
@@ -319,9 +321,26 @@ class Transaction:
         self, queue: str, ops: list[Op], *, alone: bool = False
     ) -> wire.Statement:
         """The guarded row write of ``ops`` (enqueues of one queue): one
-        statement (``enqueue_due`` when an entry has a due time); ``alone``:
-        the whole transaction (see ``send_writes``)."""
+        statement (``enqueue_due`` when an entry has a due time, or entries
+        carry trace contexts; one entry due at once: ``enqueue``, with its
+        trace context); ``alone``: the whole transaction (see ``send_writes``)."""
         writes = [op.write for op in ops if op.write is not None]
+        if len(ops) == 1:
+            op = ops[0]
+            w = writes[0]
+            if type(w) is RowWrite or (
+                isinstance(w, DueWrite) and w.delay is None and w.not_before is None
+            ):
+                return self.link.stmt("enqueue_alone" if alone else "enqueue", queue), (
+                    op.seq,
+                    w.payload,
+                    w.producer,
+                    w.producer_seq,
+                    w.group,
+                    w.trace if isinstance(w, DueWrite) else None,
+                    op.slot,
+                    op.seq,
+                )
         if any(type(w) is DueWrite for w in writes):
             return self.link.stmt("enqueue_due", queue), {
                 "slots": wire.int_array(op.slot for op in ops),
@@ -335,19 +354,8 @@ class Transaction:
                 "traces": wire.text_array([_trace(w) for w in writes]),
                 "n": len(ops),
             }
-        if len(ops) == 1:
-            op = ops[0]
-            w = writes[0]
-            return self.link.stmt("enqueue_alone" if alone else "enqueue", queue), (
-                op.seq,
-                w.payload,
-                w.producer,
-                w.producer_seq,
-                w.group,
-                op.slot,
-                op.seq,
-            )
         return self.link.stmt("enqueue_many", queue), (
+            None,  # no trace context (entries that carry one went to enqueue_due)
             wire.int_array(op.slot for op in ops),
             wire.int_array(op.seq for op in ops),
             [w.payload for w in writes],
