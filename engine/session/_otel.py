@@ -10,7 +10,7 @@ and around an ``await``::
     if sp is None:
         return plain_call()
     with sp.enqueue(queue, "enqueue") as s:  # a PRODUCER span, started now
-        s.seqs = [reserve(..., trace=s.traceparent)]  # the entry carries its context
+        s.seqs = [reserve(..., trace=trace or s.traceparent)]  # the entry carries it
     with sp.dequeue(queue, "dequeue") as s:  # a CONSUMER span, made at exit
         s.messages = [...]  # each message's ``trace`` becomes a link
     with sp.settle("commit", ops):  # commit and rollback: the entries they end
@@ -23,8 +23,10 @@ action does (its own spans, its enqueues) joins the trace.
 Off costs nothing but the guard: the ``opentelemetry`` API is imported once,
 here, if installed (nothing is imported without it), and :func:`spans`
 reads one attribute, whether a tracer provider was set (the API's global;
-its ``get_tracer_provider()`` would make a call and hand back a proxy). A
-provider set after sessions opened is picked up at their next call.
+its ``get_tracer_provider()`` would make a call and hand back a proxy):
+35-41 ns a call, measured, beside ~5.9 us of engine time per enqueue call
+(bench/bench_otel.py). A provider set after sessions opened is picked up
+at their next call.
 
 The trace context travels with the entry as a W3C ``traceparent`` (its own
 column of the ring row, not counted against ``max_payload``). An entry that
@@ -72,9 +74,6 @@ A_DELIVERIES = "ringq.deliveries"
 A_QUEUES = "ringq.queues"
 A_ENQUEUED = "ringq.enqueued"
 A_DEQUEUED = "ringq.dequeued"
-
-MAX_TRACE = 512  # bytes of a trace context an entry may carry
-
 
 def spans() -> Spans | None:
     """The hooks, or None: tracing is off (the API is not installed, or no
