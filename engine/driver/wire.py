@@ -31,7 +31,7 @@ not (see :func:`execute`).
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Generator, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from struct import Struct
 from typing import Any, NoReturn, Protocol, cast
@@ -167,7 +167,9 @@ class Rows:
 
     __slots__ = ("_rows",)
 
-    def __init__(self, conn: psycopg.Connection[Any], result: Any) -> None:
+    def __init__(
+        self, conn: psycopg.Connection[Any] | psycopg.AsyncConnection[Any], result: Any
+    ) -> None:
         tx = Transformer.from_context(conn)
         tx.set_pgresult(result)
         self._rows: list[tuple[Any, ...]] = tx.load_rows(0, result.ntuples, tuple)
@@ -215,6 +217,20 @@ class Prepared:
         nothing, when a parameter is not for this path or the connection
         prepares nothing (``prepare_threshold`` None, as behind a
         transaction-mode pooler): use psycopg then."""
+        encoded = self.encoded(conn, statements)
+        if encoded is None:
+            return None
+        with conn.lock:
+            return conn.wait(self.exchange(conn, encoded, begin=begin, commit=commit))
+
+    def encoded(
+        self, conn: psycopg.Connection[Any] | psycopg.AsyncConnection[Any],
+        statements: Sequence[Statement],
+    ) -> list[tuple[PgQuery, list[bytes | None]]] | None:
+        """``statements`` as this path sends them, the connection watched
+        (see :meth:`_watch`); None if they go through psycopg instead (see
+        :meth:`run`). Shared by both faces: :meth:`run` here, and the
+        asyncio face's twin (``driver.awire``)."""
         if conn.prepare_threshold is None:
             return None
         encoded: list[tuple[PgQuery, list[bytes | None]]] = []
@@ -227,64 +243,76 @@ class Prepared:
             if values is None:
                 return None
             encoded.append((query, values))
-        pg = conn.pgconn
-        with conn.lock:
-            if pg is not self._pgconn:
-                self._pgconn, self._names, self._made = pg, {}, 0
-                self._watching = self._watch(conn)
-            if not self._watching:
-                return None
-            names = self._names
-            if len(encoded) == 1 and not begin and not commit:
-                # The usual exchange, one statement prepared already: no pipeline.
-                query, values = encoded[0]
-                name = names.get(query.libpq)
-                if name is not None:
-                    pg.send_query_prepared(name, values, param_formats=query.formats,
-                                           result_format=1)
-                    res = conn.wait(generators.execute(pg))[-1]
-                    if res.status in (_TUPLES_OK, _COMMAND_OK):
-                        return [Rows(conn, res)]
-                    return self._failed(conn, res)
-            # (the command, and what its result is: _ROWS a statement's, the
-            # query text of a new prepare, None a BEGIN's or COMMIT's)
-            commands: list[tuple[Any, Any]] = []
-            if begin:
-                commands.append((_sender(pg.send_query_params, begin_statement(conn).encode(),
-                                         None), None))
-            for query, values in encoded:
-                name = names.get(query.libpq)
-                if name is None:
-                    name = b"ringq_%d" % self._made
-                    self._made += 1
-                    commands.append((_sender(pg.send_prepare, name, query.libpq),
-                                     (query.libpq, name)))
-                commands.append((_sender(pg.send_query_prepared, name, values,
-                                         param_formats=query.formats, result_format=1),
-                                 _ROWS))
-            if commit:
-                commands.append((_sender(pg.send_query_params, b"COMMIT", None), None))
-            if len(commands) == 1:
-                commands[0][0]()
-                results = [conn.wait(generators.execute(pg))[-1]]
-            else:
-                results = _pipeline(conn, [send for send, _ in commands])
-            rows: list[Rows] = []
-            error: psycopg.Error | None = None
-            for res, (_send, what) in zip(results, commands, strict=True):
-                status = res.status
-                if status in (_TUPLES_OK, _COMMAND_OK):
-                    if what is _ROWS:
-                        rows.append(Rows(conn, res))
-                    elif what is not None:  # prepared: later runs skip the Parse
-                        names[what[0]] = what[1]
-                elif status != ExecStatus.PIPELINE_ABORTED and error is None:
-                    error = _error_of(conn, res)  # the first; the rest were skipped
-            if error is not None:
-                return self._failed(conn, error)
-            return rows
+        if conn.pgconn is not self._pgconn:
+            self._pgconn, self._names, self._made = conn.pgconn, {}, 0
+            self._watching = self._watch(conn)
+        if not self._watching:
+            return None
+        return encoded
 
-    def _watch(self, conn: psycopg.Connection[Any]) -> bool:
+    def exchange(
+        self,
+        conn: psycopg.Connection[Any] | psycopg.AsyncConnection[Any],
+        encoded: Sequence[tuple[PgQuery, list[bytes | None]]],
+        *,
+        begin: bool,
+        commit: bool,
+    ) -> Generator[Any, Any, list[Rows]]:
+        """The round trip of :meth:`run` as a psycopg generator (``PQGen``):
+        the sync face runs it with ``Connection.wait``, the asyncio face with
+        ``await AsyncConnection.wait``; the same libpq calls either way."""
+        pg = conn.pgconn
+        names = self._names
+        if len(encoded) == 1 and not begin and not commit:
+            # The usual exchange, one statement prepared already: no pipeline.
+            query, values = encoded[0]
+            name = names.get(query.libpq)
+            if name is not None:
+                pg.send_query_prepared(name, values, param_formats=query.formats,
+                                       result_format=1)
+                res = (yield from generators.execute(pg))[-1]
+                if res.status in (_TUPLES_OK, _COMMAND_OK):
+                    return [Rows(conn, res)]
+                self._failed(conn, res)
+        # (the command, and what its result is: _ROWS a statement's, the
+        # query text of a new prepare, None a BEGIN's or COMMIT's)
+        commands: list[tuple[Any, Any]] = []
+        if begin:
+            commands.append((_sender(pg.send_query_params, begin_statement(conn).encode(),
+                                     None), None))
+        for query, values in encoded:
+            name = names.get(query.libpq)
+            if name is None:
+                name = b"ringq_%d" % self._made
+                self._made += 1
+                commands.append((_sender(pg.send_prepare, name, query.libpq),
+                                 (query.libpq, name)))
+            commands.append((_sender(pg.send_query_prepared, name, values,
+                                     param_formats=query.formats, result_format=1),
+                             _ROWS))
+        if commit:
+            commands.append((_sender(pg.send_query_params, b"COMMIT", None), None))
+        if len(commands) == 1:
+            commands[0][0]()
+            results = [(yield from generators.execute(pg))[-1]]
+        else:
+            results = yield from _pipeline(conn, [send for send, _ in commands])
+        rows: list[Rows] = []
+        error: psycopg.Error | None = None
+        for res, (_send, what) in zip(results, commands, strict=True):
+            status = res.status
+            if status in (_TUPLES_OK, _COMMAND_OK):
+                if what is _ROWS:
+                    rows.append(Rows(conn, res))
+                elif what is not None:  # prepared: later runs skip the Parse
+                    names[what[0]] = what[1]
+            elif status != ExecStatus.PIPELINE_ABORTED and error is None:
+                error = _error_of(conn, res)  # the first; the rest were skipped
+        if error is not None:
+            self._failed(conn, error)
+        return rows
+
+    def _watch(self, conn: psycopg.Connection[Any] | psycopg.AsyncConnection[Any]) -> bool:
         """Forget our statements whenever psycopg deallocates all of the
         connection's: after a ROLLBACK (its ``rollback()``, or a statement),
         a DROP, an ALTER or a DISCARD ALL, psycopg sends ``DEALLOCATE ALL``
@@ -306,7 +334,9 @@ class Prepared:
         conn._deallocate = deallocating  # type: ignore[method-assign]
         return True
 
-    def _failed(self, conn: psycopg.Connection[Any], error: Any) -> NoReturn:
+    def _failed(
+        self, conn: psycopg.Connection[Any] | psycopg.AsyncConnection[Any], error: Any
+    ) -> NoReturn:
         """Raise ``error`` (or the error of a result) as psycopg would."""
         if not isinstance(error, psycopg.Error):
             error = _error_of(conn, error)
@@ -315,7 +345,9 @@ class Prepared:
         raise error
 
 
-def _error_of(conn: psycopg.Connection[Any], result: Any) -> psycopg.Error:
+def _error_of(
+    conn: psycopg.Connection[Any] | psycopg.AsyncConnection[Any], result: Any
+) -> psycopg.Error:
     """The error a result that is not a success stands for, as psycopg makes it."""
     if result.status == ExecStatus.FATAL_ERROR:
         return error_from_result(result, encoding=conn.info.encoding)
@@ -326,12 +358,14 @@ def _sender(fn: Any, *args: Any, **kwargs: Any) -> Any:
     return lambda: fn(*args, **kwargs)
 
 
-def _pipeline(conn: psycopg.Connection[Any], sends: Sequence[Any]) -> list[Any]:
+def _pipeline(
+    conn: psycopg.Connection[Any] | psycopg.AsyncConnection[Any], sends: Sequence[Any]
+) -> Generator[Any, Any, list[Any]]:
     """Send the commands (``sends``, each queuing one) as one libpq
-    pipeline closed by one Sync: one round trip. Returns each command's last
-    result (FATAL_ERROR, or PIPELINE_ABORTED for those the server skipped
-    after an error). A connection left in pipeline mode by an interruption
-    is closed (the session then recovers by the rows)."""
+    pipeline closed by one Sync: one round trip (a psycopg generator).
+    Returns each command's last result (FATAL_ERROR, or PIPELINE_ABORTED for
+    those the server skipped after an error). A connection left in pipeline
+    mode by an interruption is closed (the session then recovers by the rows)."""
     pg = conn.pgconn
     pg.enter_pipeline_mode()
     done = False
@@ -339,9 +373,11 @@ def _pipeline(conn: psycopg.Connection[Any], sends: Sequence[Any]) -> list[Any]:
         for send in sends:
             send()
         pg.pipeline_sync()
-        conn.wait(generators.send(pg))
-        out = [conn.wait(generators.fetch_many(pg))[-1] for _ in sends]
-        conn.wait(generators.fetch_many(pg))  # the Sync's
+        yield from generators.send(pg)
+        out = []
+        for _ in sends:
+            out.append((yield from generators.fetch_many(pg))[-1])
+        yield from generators.fetch_many(pg)  # the Sync's
         done = True
     finally:
         try:
@@ -349,11 +385,20 @@ def _pipeline(conn: psycopg.Connection[Any], sends: Sequence[Any]) -> list[Any]:
         except psycopg.Error:
             if done:
                 raise
-            conn.close()
+            close_now(conn)
     return out
 
 
-def begin_statement(conn: psycopg.Connection[Any]) -> str:
+def close_now(conn: psycopg.Connection[Any] | psycopg.AsyncConnection[Any]) -> None:
+    """Close ``conn`` without waiting (an AsyncConnection's ``close`` is a
+    coroutine: its libpq connection is finished instead, and reads as broken)."""
+    if isinstance(conn, psycopg.Connection):
+        conn.close()
+    else:
+        conn.pgconn.finish()
+
+
+def begin_statement(conn: psycopg.Connection[Any] | psycopg.AsyncConnection[Any]) -> str:
     """The BEGIN psycopg would send: the connection's isolation level,
     read-only and deferrable settings."""
     parts = ["BEGIN"]
@@ -367,7 +412,9 @@ def begin_statement(conn: psycopg.Connection[Any]) -> str:
 
 
 @contextmanager
-def _no_implicit_begin(conn: psycopg.Connection[Any], allowed: bool = True) -> Iterator[bool]:
+def _no_implicit_begin(
+    conn: psycopg.Connection[Any] | psycopg.AsyncConnection[Any], allowed: bool = True
+) -> Iterator[bool]:
     """While the block runs psycopg sends no implicit BEGIN. Yields whether
     the connection was idle (no transaction open): the caller then sends its
     own BEGIN, or means its statements to run in autocommit. Yields False

@@ -77,6 +77,20 @@ def unwait(link: Link, ring: Ring, kind: OpKind, want: int = 1) -> None:
         sec.unlock_queue(ring.qidx)
 
 
+class RowsPlan:
+    """A dequeue's read of rows (:meth:`Claims.rows_plan`): the claimed
+    slots, what the cache held of them, the ops to read and the statement."""
+
+    __slots__ = ("cached", "info", "ops", "seqs", "slots", "statement")
+
+    def __init__(
+        self, info: QueueInfo, slots: list[int], seqs: list[int],
+        cached: list[Cached | None], ops: list[Op], statement: wire.Statement,
+    ) -> None:
+        self.info, self.slots, self.seqs, self.cached = info, slots, seqs, cached
+        self.ops, self.statement = ops, statement
+
+
 class Claims:
     """A session's dequeues over the rings of its link (its enqueues:
     :class:`~._reserve.Reservations`)."""
@@ -149,21 +163,7 @@ class Claims:
                 holding = True
             if cached is not None and None not in cached:
                 # All served from the payload cache: the consuming writes wait for the commit.
-                lat = (time.perf_counter_ns() - t0) // len(slots)
-                dq = OpKind.DEQUEUE
-                if arrays is not None:
-                    hits = cast(list[Cached], cached)  # no None in it
-                    enq_us = np.fromiter(map(_ENQ_US, hits), dtype=np.int64, count=len(hits))
-                    link.ops.append(Run(ring, info, dq, arrays[0], arrays[1], lat,
-                                        consume=True, enq_us=enq_us))
-                else:
-                    link.ops.extend([
-                        Op(ring, info, slot, seq, dq, lat, None, None, True, c[3])
-                        for slot, seq, c in zip(slots, seqs, cached, strict=True)
-                        if c is not None
-                    ])
-                link.section.count_client(link.cidx, L.C_N_DEQ, len(slots))
-                return cached_messages(queue, seqs, cached, conn_timezone(link.conn))
+                return self.take_cached(info, ring, slots, seqs, cached, arrays, t0)
             messages = self._dequeue_rows(info, ring, slots, seqs, cached, t0, exclusive)
             if messages:
                 link.section.count_client(link.cidx, L.C_N_DEQ, len(messages))
@@ -176,6 +176,23 @@ class Claims:
     ) -> list[Message]:
         """The messages of claimed slots, some (or all) read from their rows
         in one statement; a slot whose row does not match is repaired."""
+        link = self.link
+        plan = self.rows_plan(info, ring, slots, seqs, cached, t0)
+        ops, statement = plan.ops, plan.statement
+        fetch = link.execute(*statement, binary=True, queue=info.name, qid=info.id,
+                             seq=ops[0].seq)
+        messages, stale = self.rows_apply(plan, fetch, t0)
+        if stale:
+            repair_dequeue(link, info, ring, stale, exclusive)
+        return messages
+
+    def rows_plan(
+        self, info: QueueInfo, ring: Ring, slots: list[int], seqs: list[int],
+        cached: list[Cached | None] | None, t0: int,
+    ) -> RowsPlan:
+        """The claimed slots join the transaction (as ops); those not served
+        from the payload cache are read from their rows by one statement,
+        built here (both faces send it: see :meth:`_dequeue_rows`)."""
         link = self.link
         queue = info.name
         if cached is None:
@@ -192,32 +209,38 @@ class Claims:
                 op.latency_ns = lat
         ops = [op for op in ops if not op.consume]
         if len(ops) == 1:
-            row = link.execute(
-                link.stmt("dequeue", queue), (ops[0].slot, ops[0].seq),
-                binary=True, queue=queue, qid=info.id, seq=ops[0].seq,
-            ).fetchone()
-            rows = [] if row is None else [(ops[0].slot, ops[0].seq, *row)]
+            statement: wire.Statement = (link.stmt("dequeue", queue), (ops[0].slot, ops[0].seq))
         else:
             span = stretch(np.fromiter((op.slot for op in ops), np.int64, len(ops)),
                            np.fromiter((op.seq for op in ops), np.int64, len(ops)))
-            statement: wire.Statement = (
+            statement = (
                 (link.stmt("dequeue_span", queue), (span[0], span[0] + span[1], span[2]))
                 if span is not None
                 else (link.stmt("dequeue_many", queue),
                       (wire.int_array(op.slot for op in ops),
                        wire.int_array(op.seq for op in ops)))
             )
-            rows = link.execute(
-                *statement, binary=True, queue=queue, qid=info.id, seq=ops[0].seq,
-            ).fetchall()
+        return RowsPlan(info, slots, seqs, cached, ops, statement)
+
+    def rows_apply(
+        self, plan: RowsPlan, fetch: wire.Fetch, t0: int
+    ) -> tuple[list[Message], list[Op]]:
+        """After the rows' statement of ``plan``: the messages, and the ops
+        whose row did not match (to repair: :func:`repair_dequeue`)."""
+        link = self.link
+        queue = plan.info.name
+        ops = plan.ops
+        if len(ops) == 1:
+            row = fetch.fetchone()
+            rows = [] if row is None else [(ops[0].slot, ops[0].seq, *row)]
+        else:
+            rows = fetch.fetchall()
         got = {r[0]: r for r in rows}
         lat = (time.perf_counter_ns() - t0) // len(ops)
         stale = [op for op in ops if op.slot not in got]
-        if stale:
-            repair_dequeue(link, info, ring, stale, exclusive)
         messages = []
         tz = conn_timezone(link.conn)
-        for slot, seq, c in zip(slots, seqs, cached, strict=True):
+        for slot, seq, c in zip(plan.slots, plan.seqs, plan.cached, strict=True):
             if c is not None:
                 messages.append(cached_message(queue, seq, c, tz))
             elif slot in got:
@@ -231,7 +254,7 @@ class Claims:
             r = got.get(op.slot)
             if r is not None:
                 op.enq_us = _us(r[5])
-        return messages
+        return messages, stale
 
     def commit_and_dequeue(
         self, txn: Transaction, info: QueueInfo
@@ -302,41 +325,9 @@ class Claims:
         sec = link.section
         waiting = False
         sem = None
-        qidx = ring.qidx
         while True:
-            cached: list[Cached | None] | None = None
-            arrays = None
-            sec.lock_queue(qidx)
-            try:
-                if waiting:
-                    ring.remove_waiter(OpKind.DEQUEUE, max_n)
-                    waiting = False
-                if max_n == 1:
-                    r = ring.take_one(link.owner, link.backend_pid, exclusive=exclusive)
-                    if r is None:
-                        slots: list[int] = []
-                        seqs: list[int] = []
-                    else:
-                        slots, seqs = [r[0]], [r[1]]
-                        if ring.stride:
-                            cached = [r[2]]
-                else:
-                    sl, sq = ring.claim_batch(
-                        link.owner, link.backend_pid, max_n, exclusive=exclusive
-                    )
-                    if sl.size and ring.stride:
-                        cached = ring.cache.get_many(sl, sq)
-                    slots, seqs = sl.tolist(), sq.tolist()
-                    arrays = (sl, sq) if sl.size > 1 else None
-                if not slots:
-                    ring.note_empty()
-                    if deadline is not None and deadline > time.monotonic():
-                        # Registered inside the same critical section as the
-                        # failed scan, so a commit right after cannot miss us.
-                        ring.add_waiter(OpKind.DEQUEUE, max_n)
-                        waiting = True
-            finally:
-                sec.unlock_queue(qidx)
+            slots, seqs, cached, arrays, waiting = self.claim_once(
+                ring, max_n, deadline, exclusive, waiting)
             if slots:
                 return slots, seqs, cached, arrays
             try:
@@ -365,6 +356,75 @@ class Claims:
             except BaseException:
                 unwait(self.link, ring, OpKind.DEQUEUE, max_n)
                 raise
+
+    def claim_once(
+        self, ring: Ring, max_n: int, deadline: float | None, exclusive: bool, waiting: bool
+    ) -> tuple[list[int], list[int], list[Cached | None] | None,
+               tuple[np.ndarray, np.ndarray] | None, bool]:
+        """One look under the queue's lock (see :meth:`claim`, which both
+        faces share this step of): what was claimed, and whether the caller
+        is now registered as a waiter (nothing claimed, ``deadline`` ahead;
+        ``waiting``: it was registered, and is not any more)."""
+        link = self.link
+        sec = link.section
+        qidx = ring.qidx
+        cached: list[Cached | None] | None = None
+        arrays = None
+        sec.lock_queue(qidx)
+        try:
+            if waiting:
+                ring.remove_waiter(OpKind.DEQUEUE, max_n)
+                waiting = False
+            if max_n == 1:
+                r = ring.take_one(link.owner, link.backend_pid, exclusive=exclusive)
+                if r is None:
+                    slots: list[int] = []
+                    seqs: list[int] = []
+                else:
+                    slots, seqs = [r[0]], [r[1]]
+                    if ring.stride:
+                        cached = [r[2]]
+            else:
+                sl, sq = ring.claim_batch(
+                    link.owner, link.backend_pid, max_n, exclusive=exclusive
+                )
+                if sl.size and ring.stride:
+                    cached = ring.cache.get_many(sl, sq)
+                slots, seqs = sl.tolist(), sq.tolist()
+                arrays = (sl, sq) if sl.size > 1 else None
+            if not slots:
+                ring.note_empty()
+                if deadline is not None and deadline > time.monotonic():
+                    # Registered inside the same critical section as the
+                    # failed scan, so a commit right after cannot miss us.
+                    ring.add_waiter(OpKind.DEQUEUE, max_n)
+                    waiting = True
+        finally:
+            sec.unlock_queue(qidx)
+        return slots, seqs, cached, arrays, waiting
+
+    def take_cached(
+        self, info: QueueInfo, ring: Ring, slots: list[int], seqs: list[int],
+        cached: list[Cached | None], arrays: tuple[np.ndarray, np.ndarray] | None, t0: int,
+    ) -> list[Message]:
+        """Claimed slots all served from the payload cache join the
+        transaction: their consuming writes wait for the commit."""
+        link = self.link
+        lat = (time.perf_counter_ns() - t0) // len(slots)
+        dq = OpKind.DEQUEUE
+        if arrays is not None:
+            hits = cast(list[Cached], cached)  # no None in it
+            enq_us = np.fromiter(map(_ENQ_US, hits), dtype=np.int64, count=len(hits))
+            link.ops.append(Run(ring, info, dq, arrays[0], arrays[1], lat,
+                                consume=True, enq_us=enq_us))
+        else:
+            link.ops.extend([
+                Op(ring, info, slot, seq, dq, lat, None, None, True, c[3])
+                for slot, seq, c in zip(slots, seqs, cached, strict=True)
+                if c is not None
+            ])
+        link.section.count_client(link.cidx, L.C_N_DEQ, len(slots))
+        return cached_messages(info.name, seqs, cached, conn_timezone(link.conn))
 
     def _taken(self, ops: list[Op], t0: int) -> None:
         """Ops of a dequeue join the transaction (its lease runs from now)."""

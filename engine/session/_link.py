@@ -342,28 +342,49 @@ class Link:
         try:
             return fn()
         except psycopg.Error as exc:
-            if recover:
-                lost = (
-                    self.conn.broken
-                    or (isinstance(exc, psycopg.OperationalError | psycopg.InterfaceError)
-                    and self.conn.closed)
-                )
-                # A statement refused because the caller's own SQL already failed
-                # the transaction is the caller's error, not ours.
-                record = qid and not isinstance(exc, psycopg.errors.InFailedSqlTransaction)
-                try:
-                    if lost:
-                        # first: the error is told with the new backend. The
-                        # connection died mid-transaction: nothing committed;
-                        # free our slots by the rows.
-                        ops, self.ops = self.ops, []
-                        self.recover(ops, reason=str(exc))
-                finally:
-                    if record:
-                        self.record_error(
-                            L.ERR_CONNECTION_LOST if lost else L.ERR_DATABASE, qid, seq
-                        )
-            raise from_psycopg(exc, dsn=self.dsn, queue=queue) from exc
+            raise self.failed(exc, queue=queue, qid=qid, seq=seq, recover=recover) from exc
+
+    def failed(
+        self,
+        exc: psycopg.Error,
+        *,
+        queue: str | None = None,
+        qid: int = 0,
+        seq: int = -1,
+        recover: bool = True,
+    ) -> RingqError:
+        """What :meth:`call` does with ``exc``, a psycopg error of the
+        session's database work: the ringq error to raise (``from exc``),
+        having recovered a lost connection (with ``recover``) and recorded
+        the error (with ``qid``). The asyncio face calls it for its own
+        exchanges, in a thread when the connection was lost (the recovery
+        makes round trips of its own)."""
+        if recover:
+            lost = (
+                self.conn.broken
+                or (isinstance(exc, psycopg.OperationalError | psycopg.InterfaceError)
+                and self.conn.closed)
+            )
+            # A statement refused because the caller's own SQL already failed
+            # the transaction is the caller's error, not ours.
+            record = qid and not isinstance(exc, psycopg.errors.InFailedSqlTransaction)
+            try:
+                if lost:
+                    # first: the error is told with the new backend. The
+                    # connection died mid-transaction: nothing committed;
+                    # free our slots by the rows.
+                    ops, self.ops = self.ops, []
+                    self.recover(ops, reason=str(exc))
+            finally:
+                if record:
+                    self.record_error(
+                        L.ERR_CONNECTION_LOST if lost else L.ERR_DATABASE, qid, seq
+                    )
+        return from_psycopg(exc, dsn=self.dsn, queue=queue)
+
+    def is_lost(self) -> bool:
+        """Whether the connection is gone (the asyncio face then recovers in a thread)."""
+        return self.conn.broken or self.conn.closed
 
     def execute(
         self,

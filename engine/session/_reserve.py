@@ -37,11 +37,21 @@ logger = logging.getLogger("ringq.engine")
 _INERROR = TransactionStatus.INERROR
 _AT_ONCE: Due = (None, None)  # no delay, no not_before
 
+class WouldBlock(Exception):
+    """An enqueue found its queue full and would wait for room (or recover a
+    dead holder in its way): raised, before anything is kept, only where
+    :attr:`Reservations.nonblocking` is set (the asyncio face, which then
+    runs the call in a thread)."""
+
+
 class Reservations:
     """A session's enqueues over the rings of its link."""
 
     def __init__(self, link: Link) -> None:
         self.link = link
+        # set by the asyncio face around its calls on the event loop: a full
+        # queue raises WouldBlock rather than wait (see there)
+        self.nonblocking = False
 
     def check_payload(self, info: QueueInfo, payload: bytes) -> None:
         """:raises PayloadTooLarge: over the queue's max_payload (recorded)."""
@@ -310,6 +320,12 @@ class Reservations:
                 sec.unlock_queue(ring.qidx)
             if k:
                 return first, k
+            if self.nonblocking and not self_blocked:
+                # The asyncio face: no waiting (nor recovery) on the event
+                # loop; it runs the call again in a thread (nothing kept).
+                if waiting:
+                    unwait(self.link, ring, OpKind.ENQUEUE)
+                raise WouldBlock
             try:
                 if not self_blocked and recover_in_way(self.link, ring, info):
                     continue  # a dead holder's slots were decided: try again now

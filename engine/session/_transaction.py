@@ -17,7 +17,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Hashable, Sequence
 from contextlib import suppress
-from typing import Any, TypeVar
+from typing import Any, NoReturn, TypeVar
 
 import psycopg
 from psycopg.pq import TransactionStatus
@@ -66,6 +66,22 @@ _IDLE = TransactionStatus.IDLE
 _ENDED_STATES = frozenset({"57P01", "57P02", "57P05", "25P03"})
 
 
+class WritePlan:
+    """The round trip that sends a transaction's held row writes: its
+    statements, built by :meth:`Transaction.plan_writes`, read back by
+    :meth:`Transaction.apply_writes` (the sync face sends it through
+    ``wire.send``, the asyncio face through ``awire.send``)."""
+
+    __slots__ = ("alone", "enqueues", "statements", "writes")
+
+    def __init__(
+        self, writes: Sequence[Item], statements: list[wire.Statement],
+        enqueues: list[tuple[int, list[Op]]], alone: bool,
+    ) -> None:
+        self.writes, self.statements, self.enqueues, self.alone = (
+            writes, statements, enqueues, alone)
+
+
 class Transaction:
     """The transaction open on a session's link (one per session, reused)."""
 
@@ -105,20 +121,24 @@ class Transaction:
                 try:
                     self.send_writes(writes, commit=True)
                 except StaleSection as err:
-                    self._after_stale(err, writes)
+                    self.after_stale(err, writes)
                     raise
             else:
                 link.call(link.conn.commit, recover=False)
         except StaleSection:
             raise  # rolled back and resynced already
         except RingqError as err:
-            self._commit_failed(err, ops, then)
+            self.commit_failed(err, ops, then)
             return None
-        link.ops = []
-        self.finish(ops, committed=True)
+        self.committed(ops)
         return cur
 
-    def _commit_failed(self, err: RingqError, items: list[Item], then: Op | None) -> None:
+    def committed(self, ops: list[Item]) -> None:
+        """The database committed ``ops`` (the transaction's): tell the section."""
+        self.link.ops = []
+        self.finish(ops, committed=True)
+
+    def commit_failed(self, err: RingqError, items: list[Item], then: Op | None) -> None:
         """The commit of ``items`` (and ``then``) raised ``err``: decide what
         that means, tell the section, and raise (or return None when the
         COMMIT stood after all)."""
@@ -181,7 +201,7 @@ class Transaction:
             link.record_ops_error(L.ERR_COMMIT_FAILED, ops)
         raise err
 
-    def _after_stale(self, err: StaleSection, writes: Sequence[Item]) -> None:
+    def after_stale(self, err: StaleSection, writes: Sequence[Item]) -> None:
         """A row write of a commit did not match: roll back (no strikes: not
         the entries' fault) and resync the queue's block from the rows."""
         info = self.stale_queue(err, writes)
@@ -221,6 +241,17 @@ class Transaction:
         is raised, and the caller rolls the whole transaction back and resyncs.
         """
         link = self.link
+        plan = self.plan_writes(writes, commit=commit)
+        cursors = link.call(
+            lambda: wire.send(link.conn, plan.statements, commit=commit,
+                              may_begin=not link.tpc_open, prepared=link.prepared),
+            recover=not commit,  # commit() decides itself what a lost answer means
+        )
+        self.apply_writes(plan, cursors)
+
+    def plan_writes(self, writes: Sequence[Item], *, commit: bool) -> WritePlan:
+        """The statements of :meth:`send_writes` (both faces build them here)."""
+        link = self.link
         statements: list[wire.Statement] = []
         # (index of the statement in statements, its ops) of each enqueue statement
         enqueues: list[tuple[int, list[Op]]] = []
@@ -251,11 +282,14 @@ class Transaction:
             if consume:
                 statements.append(self._consume_statement(name, consume))
         link.sent_any = True
-        cursors = link.call(
-            lambda: wire.send(link.conn, statements, commit=commit, may_begin=not link.tpc_open,
-                               prepared=link.prepared),
-            recover=not commit,  # commit() decides itself what a lost answer means
-        )
+        return WritePlan(writes, statements, enqueues, alone)
+
+    def apply_writes(self, plan: WritePlan, cursors: Sequence[wire.Fetch]) -> None:
+        """After the round trip of ``plan``: check what came back (a write
+        sent alone that found no row is :class:`StaleSection`), and keep with
+        the ops what the payload cache and the due times need."""
+        link = self.link
+        writes, enqueues, alone = plan.writes, plan.enqueues, plan.alone
         if alone and not enqueues and cursors[0].fetchone() is None:
             raise stale_section(writes[0].info.name)  # wrote nothing: RQ001's case
         for i, (at, due_ops) in enumerate(enqueues):
@@ -379,16 +413,21 @@ class Transaction:
             else:
                 link.call(link.conn.rollback, recover=False)
         except RingqError as err:
-            committed = link.recover(ops, reason=f"rollback failed: {err.__cause__}")
-            if committed is False:
-                reason = one_line(str(err.__cause__ or err))
-                raise RolledBack(
-                    f"the connection was lost at rollback; the rows show nothing of the "
-                    f"transaction committed: {reason}",
-                    reason=reason,
-                ) from err
-            raise
+            self.rollback_failed(err, ops)
         self.finish(ops, committed=False, poisoned=poisoned)
+
+    def rollback_failed(self, err: RingqError, ops: list[Op]) -> NoReturn:
+        """The rollback of ``ops`` failed with ``err``: decide them from the
+        rows on a new connection, and raise."""
+        committed = self.link.recover(ops, reason=f"rollback failed: {err.__cause__}")
+        if committed is False:
+            reason = one_line(str(err.__cause__ or err))
+            raise RolledBack(
+                f"the connection was lost at rollback; the rows show nothing of the "
+                f"transaction committed: {reason}",
+                reason=reason,
+            ) from err
+        raise err
 
     # -- telling the section ----------------------------------------------------------
 
@@ -518,6 +557,20 @@ class Transaction:
         if not deq_ops:
             return set()
         link = self.link
+        plan = self.strike_plan(deq_ops, retry_after)
+        try:
+            # ROLLBACK (if a transaction is open) and, after it, each queue's
+            # strike in autocommit: one round trip.
+            cursors = link.call(lambda: wire.rollback_then(link.conn, plan[1]), recover=False)
+        except RingqError as err:
+            return self.strike_failed(err, rollback=rollback)
+        return self.strike_apply(deq_ops, plan, cursors)
+
+    def strike_plan(
+        self, deq_ops: list[Op], retry_after: float | None
+    ) -> tuple[dict[str, list[Op]], list[wire.Statement]]:
+        """The strike statements of :meth:`_strike` (both faces build them here)."""
+        link = self.link
         by_queue: dict[str, list[Op]] = {}
         for op in deq_ops:
             by_queue.setdefault(op.info.name, []).append(op)
@@ -538,17 +591,28 @@ class Transaction:
                     retry_after, wire.int_array(op.slot for op in group),
                     wire.int_array(op.seq for op in group),
                 )))
-        try:
-            # ROLLBACK (if a transaction is open) and, after it, each queue's
-            # strike in autocommit: one round trip.
-            cursors = link.call(lambda: wire.rollback_then(link.conn, statements), recover=False)
-        except RingqError:
-            if rollback and (link.conn.broken or link.conn.closed):
-                raise  # the ROLLBACK may not have run: the caller recovers
-            # Losing a strike is harmless: the entry is redelivered; the
-            # monitor counts strikes of clients that die.
-            logger.warning("ringq: could not record a failed delivery", exc_info=True)
-            return set()
+        return by_queue, statements
+
+    def strike_failed(self, err: RingqError, *, rollback: bool) -> set[tuple[int, int]]:
+        """The strikes' round trip failed: with ``rollback``, a lost connection
+        is raised (the ROLLBACK may not have run: the caller recovers);
+        otherwise nothing is poisoned."""
+        link = self.link
+        if rollback and (link.conn.broken or link.conn.closed):
+            raise err
+        # Losing a strike is harmless: the entry is redelivered; the
+        # monitor counts strikes of clients that die.
+        logger.warning("ringq: could not record a failed delivery", exc_info=err)
+        return set()
+
+    def strike_apply(
+        self, deq_ops: list[Op], plan: tuple[dict[str, list[Op]], list[wire.Statement]],
+        cursors: Sequence[wire.Fetch],
+    ) -> set[tuple[int, int]]:
+        """After the strikes' round trip: which entries were poisoned, and the
+        due times of those that come back later."""
+        link = self.link
+        by_queue = plan[0]
         poisoned: set[tuple[int, int]] = set()
         due_by: dict[tuple[int, int, int], int] = {}  # (queue id, slot, seq) -> due us
         sec = link.section

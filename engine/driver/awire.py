@@ -1,0 +1,156 @@
+"""The wire's asyncio twin: the exchanges of :mod:`.wire` on psycopg's AsyncConnection.
+
+The same messages go out: ringq's prepared statements through libpq in one
+pipeline (:meth:`.wire.Prepared.exchange`, a psycopg generator that both
+faces run: the sync one with ``Connection.wait``, this one with ``await
+AsyncConnection.wait``), else psycopg's own cursors as :mod:`.wire` falls
+back to them. Nothing is built here that the sync wire does not build: only
+the waiting differs.
+
+Cancellation: psycopg's ``AsyncConnection.wait``, cancelled, asks the server
+to cancel the statement and still reads the exchange to its end before it
+re-raises ``CancelledError``. A :class:`Box` passed in keeps what the
+exchange returned (or raised) then, so that the caller can tell the section
+the outcome the server gave instead of guessing it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Generator, Sequence
+from typing import Any, TypeVar
+
+import psycopg
+from psycopg.pq import TransactionStatus
+
+from .wire import Fetch, Prepared, Rows, Statement, begin_statement
+from .wire import _no_implicit_begin as no_implicit_begin
+
+__all__ = ["Box", "execute", "rollback_then", "send"]
+
+_IDLE = TransactionStatus.IDLE
+T = TypeVar("T")
+
+
+class Box:
+    """What an exchange came to, kept even when the await that ran it was
+    cancelled: ``done`` with its ``value``, or its ``error``; neither when it
+    never finished (the connection is then closed or in an unknown state)."""
+
+    __slots__ = ("done", "error", "value")
+
+    def __init__(self) -> None:
+        self.done = False
+        self.value: Any = None
+        self.error: BaseException | None = None
+
+
+def _boxed(gen: Generator[Any, Any, T], box: Box | None) -> Generator[Any, Any, T]:
+    if box is None:
+        return gen
+    return _keep(gen, box)
+
+
+def _keep(gen: Generator[Any, Any, T], box: Box) -> Generator[Any, Any, T]:
+    try:
+        value = yield from gen
+    except BaseException as exc:
+        box.error = exc
+        raise
+    box.done, box.value = True, value
+    return value
+
+
+async def execute(
+    aconn: psycopg.AsyncConnection[Any],
+    query: str,
+    params: Any,
+    *,
+    binary: bool = False,
+    may_begin: bool = True,
+    prepared: Prepared | None = None,
+    box: Box | None = None,
+) -> Fetch:
+    """:func:`.wire.execute` on ``aconn``: one statement in the connection's
+    transaction, its BEGIN in the same message on an idle connection."""
+    if prepared is not None and may_begin and not aconn.autocommit:
+        encoded = prepared.encoded(aconn, [(query, params)])
+        if encoded is not None:
+            begin = aconn.pgconn.transaction_status == _IDLE
+            gen = prepared.exchange(aconn, encoded, begin=begin, commit=False)
+            async with aconn.lock:
+                rows = await aconn.wait(_boxed(gen, box))
+            return rows[0]
+    with no_implicit_begin(aconn, may_begin) as idle:
+        if not idle:
+            return await aconn.execute(query, params, binary=binary)
+        cur = psycopg.AsyncClientCursor(aconn)
+        await cur.execute(begin_statement(aconn) + "; " + cur.mogrify(query, params))
+        cur.nextset()  # past the BEGIN's result
+        return cur
+
+
+async def send(
+    aconn: psycopg.AsyncConnection[Any],
+    statements: Sequence[Statement],
+    *,
+    commit: bool,
+    may_begin: bool = True,
+    prepared: Prepared | None = None,
+    box: Box | None = None,
+) -> list[Rows] | list[psycopg.AsyncCursor[Any]]:
+    """:func:`.wire.send` on ``aconn``: ``statements`` in one round trip,
+    opening the transaction (BEGIN with them) or ending it (``commit``)."""
+    if prepared is not None and may_begin and not aconn.autocommit:
+        idle = aconn.pgconn.transaction_status == _IDLE
+        begin, end = idle and not commit, commit and not idle
+        encoded = prepared.encoded(aconn, statements)
+        if encoded is not None:
+            try:
+                async with aconn.lock:
+                    return await aconn.wait(_boxed(
+                        prepared.exchange(aconn, encoded, begin=begin, commit=end), box))
+            except psycopg.errors.InvalidSqlStatementName:
+                # as wire.send: deallocated behind our back; sent alone in
+                # autocommit nothing ran, so it goes again, prepared anew
+                if not (idle and commit):
+                    raise
+                encoded = prepared.encoded(aconn, statements)
+                if encoded is not None:
+                    async with aconn.lock:
+                        return await aconn.wait(_boxed(
+                            prepared.exchange(aconn, encoded, begin=begin, commit=end), box))
+    with no_implicit_begin(aconn, may_begin) as idle:
+        message = list(statements)
+        if idle and not commit:
+            message.insert(0, (begin_statement(aconn), None))
+        elif commit and not idle:
+            message.append(("COMMIT", None))
+        if len(message) == 1:
+            query, params = message[0]
+            return [await aconn.execute(query, params)]
+        cursors = [aconn.cursor() for _ in statements]
+        other = aconn.cursor()
+        async with aconn.pipeline():
+            at = 0
+            for query, params in message:
+                if params is None:  # BEGIN, COMMIT
+                    await other.execute(query, prepare=False)
+                else:
+                    await cursors[at].execute(query, params)
+                    at += 1
+        return cursors
+
+
+async def rollback_then(
+    aconn: psycopg.AsyncConnection[Any], statements: Sequence[Statement]
+) -> list[psycopg.AsyncCursor[Any]]:
+    """:func:`.wire.rollback_then` on ``aconn``: ROLLBACK (if a transaction is
+    open), then ``statements`` in autocommit, one round trip."""
+    cursors = [aconn.cursor() for _ in statements]
+    with no_implicit_begin(aconn) as idle:
+        async with aconn.pipeline():
+            if not idle:
+                await aconn.execute("ROLLBACK", prepare=False)
+            for cur, (query, params) in zip(cursors, statements, strict=True):
+                await cur.execute(query, params)
+    return cursors
