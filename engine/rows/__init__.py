@@ -22,7 +22,7 @@ from ._decide import (
     wait_backend_gone,
 )
 from ._gid import TPC_BRANCH, gid_of
-from ._help import help_recover, wait_dead_holders
+from ._help import help_due, help_recover, wait_dead_holders
 from ._lease import Holder, end_holders, overdue_holders, recover_lost_backends
 
 __all__ = [
@@ -32,6 +32,7 @@ __all__ = [
     "decide_ops",
     "end_holders",
     "gid_of",
+    "help_due",
     "help_recover",
     "in_doubt_outcome",
     "in_flight",

@@ -31,6 +31,13 @@ _last_help: dict[tuple[str, int], float] = {}  # (instance, qid) -> last look; f
 _dead_since: dict[tuple[str, int], float] = {}
 
 
+def help_due(instance: str, qid: int) -> bool:
+    """Whether :func:`help_recover` of queue ``qid`` would look now (it looks
+    at most every ``HELP_RECOVER_S`` per process and queue): the asyncio face
+    asks first, and runs it in a thread only then (it may make round trips)."""
+    return time.monotonic() - _last_help.get((instance, qid), -HELP_RECOVER_S) >= HELP_RECOVER_S
+
+
 def help_recover(
     sec: Section, dsn: str, ring: Ring, queue: str, *, owner: int, instance: str
 ) -> bool:

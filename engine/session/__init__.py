@@ -9,6 +9,7 @@ settings that every package's configuration shares.
 
 from __future__ import annotations
 
+from ._async import AsyncSession, connect_async
 from ._events import CHANNEL, Event, Subscription, publish, subscribe
 from ._message import Message
 from ._otel import process_span
@@ -18,12 +19,14 @@ from ._validate import MAX_DELAY, check_group, is_finite_number, validate_int, v
 __all__ = [
     "CHANNEL",
     "MAX_DELAY",
+    "AsyncSession",
     "Event",
     "Message",
     "Session",
     "Subscription",
     "check_group",
     "connect",
+    "connect_async",
     "is_finite_number",
     "process_span",
     "publish",

@@ -150,7 +150,6 @@ class Claims:
     ) -> list[Message]:
         """Take up to ``max_n`` ready entries (oldest first) in one statement."""
         link = self.link
-        queue = info.name
         ring = link.ring(info)
         exclusive = info.dequeue_mode == "single"
         holding = any(op.kind is OpKind.DEQUEUE for op in link.ops)
