@@ -447,3 +447,57 @@ def wire_trace(conn: psycopg.Connection[Any]) -> Iterator[list[str]]:
 def round_trips(lines: list[str]) -> int:
     """Exchanges in a trace: each one ends with the server's ReadyForQuery."""
     return sum(1 for line in lines if "\tReadyForQuery\t" in line)
+
+
+class AsyncFace:
+    """A sync front over an :class:`~ringq.engine.AsyncSession`: each call
+    runs the coroutine on the face's own event loop. Lets a test of the sync
+    API's guarantees run against the asyncio face unchanged (the ``face``
+    fixture). ``connection`` is the sync front of the same libpq connection."""
+
+    def __init__(self, dsn: str, **kwargs: Any) -> None:
+        import asyncio
+
+        from ringq.engine import connect_async
+
+        self._loop = asyncio.new_event_loop()
+        self._a = self._loop.run_until_complete(connect_async(dsn, **kwargs))
+
+    def __getattr__(self, name: str) -> Any:
+        import inspect
+
+        attr = getattr(self._a, name)
+        if inspect.iscoroutinefunction(attr):
+            return lambda *a, **k: self._loop.run_until_complete(attr(*a, **k))
+        if callable(attr):
+            return attr
+        return getattr(self._a.session, name) if attr is None else attr
+
+    @property
+    def connection(self) -> psycopg.Connection[Any]:
+        return self._a.session.connection
+
+    def ring(self, queue: str) -> Any:
+        return self._a.session.ring(queue)
+
+    @property
+    def section(self) -> Section:
+        return self._a.session.section
+
+    def close(self) -> None:
+        if not self._loop.is_closed():
+            self._loop.run_until_complete(self._a.close())
+            self._loop.close()
+
+    def __enter__(self) -> AsyncFace:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+@pytest.fixture(params=["sync", "async"])
+def face(request: pytest.FixtureRequest) -> Callable[..., Any]:
+    """``connect``, or the asyncio face behind a sync front (:class:`AsyncFace`):
+    a test of a guarantee taking it runs against both faces."""
+    return connect if request.param == "sync" else AsyncFace

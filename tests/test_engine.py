@@ -45,9 +45,9 @@ from ringq.scripting import QueueSpec, create_queue
 FORK = mp.get_context("fork")
 
 
-def test_entry_is_invisible_until_commit(dsn: str, make_queue: Callable[..., str]) -> None:
+def test_entry_is_invisible_until_commit(dsn: str, make_queue: Callable[..., str], face: Callable[..., Any]) -> None:
     q = make_queue()
-    with connect(dsn) as producer, connect(dsn) as consumer:
+    with face(dsn) as producer, face(dsn) as consumer:
         seq = producer.enqueue(q, b"one")
         assert consumer.dequeue(q) is None
         consumer.commit()
@@ -59,10 +59,10 @@ def test_entry_is_invisible_until_commit(dsn: str, make_queue: Callable[..., str
 
 
 def test_rolled_back_enqueue_is_never_delivered_and_its_slot_reclaimed(
-    dsn: str, make_queue: Callable[..., str]
+    dsn: str, make_queue: Callable[..., str], face: Callable[..., Any]
 ) -> None:
     q = make_queue(capacity=4)
-    with connect(dsn) as s:
+    with face(dsn) as s:
         for _ in range(10):  # more than the capacity: slots must come back
             s.enqueue(q, b"void")
             s.rollback()
@@ -75,10 +75,10 @@ def test_rolled_back_enqueue_is_never_delivered_and_its_slot_reclaimed(
 
 
 def test_rolled_back_dequeue_is_redelivered_with_a_higher_count(
-    dsn: str, make_queue: Callable[..., str]
+    dsn: str, make_queue: Callable[..., str], face: Callable[..., Any]
 ) -> None:
     q = make_queue()
-    with connect(dsn) as s:
+    with face(dsn) as s:
         s.enqueue(q, b"x")
         s.commit()
         first = s.dequeue(q)
@@ -96,10 +96,10 @@ def test_rolled_back_dequeue_is_redelivered_with_a_higher_count(
 
 
 def test_poison_entry_moves_to_exceptions_after_max_deliveries(
-    dsn: str, make_queue: Callable[..., str]
+    dsn: str, make_queue: Callable[..., str], face: Callable[..., Any]
 ) -> None:
     q = make_queue(max_deliveries=3)
-    with connect(dsn) as s:
+    with face(dsn) as s:
         seq = s.enqueue(q, b"poison")
         s.commit()
         for n in range(1, 4):
@@ -117,9 +117,9 @@ def test_poison_entry_moves_to_exceptions_after_max_deliveries(
     assert row == (seq, 3, "max deliveries reached")
 
 
-def test_chaining_is_atomic(dsn: str, make_queue: Callable[..., str]) -> None:
+def test_chaining_is_atomic(dsn: str, make_queue: Callable[..., str], face: Callable[..., Any]) -> None:
     a, b = make_queue(), make_queue()
-    with connect(dsn) as s:
+    with face(dsn) as s:
         s.enqueue(a, b"step1")
         s.commit()
         first = present(s.dequeue(a))
@@ -209,13 +209,13 @@ def test_producers_and_one_consumer_exactly_once_fifo_over_many_wraps(
 
 
 def test_shared_mode_consumers_read_past_each_other(
-    dsn: str, make_queue: Callable[..., str]
+    dsn: str, make_queue: Callable[..., str], face: Callable[..., Any]
 ) -> None:
     q = make_queue(dequeue_mode="shared")
-    with connect(dsn) as p:
+    with face(dsn) as p:
         p.enqueue_many(q, [b"a", b"b", b"c"])
         p.commit()
-    with connect(dsn) as c1, connect(dsn) as c2:
+    with face(dsn) as c1, face(dsn) as c2:
         m1 = present(c1.dequeue(q))
         t0 = time.monotonic()
         m2 = present(c2.dequeue(q))  # must not wait for c1's lock
@@ -243,9 +243,9 @@ def test_single_mode_second_dequeuer_gets_nothing_while_first_holds(
         c2.commit()
 
 
-def test_full_queue_raises_or_blocks_until_space(dsn: str, make_queue: Callable[..., str]) -> None:
+def test_full_queue_raises_or_blocks_until_space(dsn: str, make_queue: Callable[..., str], face: Callable[..., Any]) -> None:
     q_raise = make_queue(capacity=2, full_policy="raise")
-    with connect(dsn) as s:
+    with face(dsn) as s:
         s.enqueue_many(q_raise, [b"1", b"2"])
         s.commit()
         with pytest.raises(QueueFull):
@@ -254,7 +254,7 @@ def test_full_queue_raises_or_blocks_until_space(dsn: str, make_queue: Callable[
     assert [m.payload for m in drain(dsn, q_raise)] == [b"1", b"2"]
 
     q_block = make_queue(capacity=2, full_policy="block", full_timeout=0.2)
-    with connect(dsn) as s:
+    with face(dsn) as s:
         s.enqueue_many(q_block, [b"1", b"2"])
         s.commit()
         t0 = time.monotonic()
@@ -267,7 +267,7 @@ def test_full_queue_raises_or_blocks_until_space(dsn: str, make_queue: Callable[
 
         def consume() -> None:
             done.wait(5)
-            with connect(dsn) as c:
+            with face(dsn) as c:
                 c.dequeue(q_block)
                 c.commit()
 
@@ -343,7 +343,7 @@ def test_database_without_ringq_schema_is_schema_missing(
 
 
 def test_waiting_dequeuer_is_woken_by_commit(
-    dsn: str, make_queue: Callable[..., str], monkeypatch: pytest.MonkeyPatch
+    dsn: str, make_queue: Callable[..., str], face: Callable[..., Any], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     from ringq.engine.session import _claim
 
@@ -353,13 +353,13 @@ def test_waiting_dequeuer_is_woken_by_commit(
     result: dict[str, Any] = {}
 
     def consumer() -> None:
-        with connect(dsn) as c:
+        with face(dsn) as c:
             m = c.dequeue(q, wait=30)
             result["woken_at"] = time.monotonic()
             result["msg"] = m
             c.commit()
 
-    with connect(dsn) as p:
+    with face(dsn) as p:
         ring = p.ring(q)
         wakeups = p.section.queues[ring.qb + L.Q_N_WAKEUPS]
         t = threading.Thread(target=consumer)
@@ -378,9 +378,9 @@ def test_waiting_dequeuer_is_woken_by_commit(
     assert result["woken_at"] - committed_at < 5  # far below the 30 s wait and the 60 s recheck
 
 
-def test_idempotent_enqueue_with_key(dsn: str, make_queue: Callable[..., str]) -> None:
+def test_idempotent_enqueue_with_key(dsn: str, make_queue: Callable[..., str], face: Callable[..., Any]) -> None:
     q = make_queue()
-    with connect(dsn) as s:
+    with face(dsn) as s:
         a = s.enqueue(q, b"x", key="order-1")
         b = s.enqueue(q, b"x", key="order-1")
         assert a == b
@@ -735,9 +735,9 @@ def test_a_fork_while_another_thread_holds_the_attachment_lock_does_not_hang_the
     assert [m.payload for m in drain(dsn, q)] == [b"from child"]
 
 
-def test_two_phase_commit_and_rollback(dsn: str, make_queue: Callable[..., str]) -> None:
+def test_two_phase_commit_and_rollback(dsn: str, make_queue: Callable[..., str], face: Callable[..., Any]) -> None:
     a, b = make_queue(), make_queue()
-    with connect(dsn) as s1, connect(dsn) as s2:
+    with face(dsn) as s1, face(dsn) as s2:
         gid = uuid.uuid4().hex
         s1.tpc_begin(s1.xid(gid + "-1"))
         s2.tpc_begin(s2.xid(gid + "-2"))
@@ -905,10 +905,10 @@ def test_tpc_commit_in_doubt_is_resolved_by_the_decision(
 
 
 def test_connection_lost_mid_transaction_frees_slots(
-    dsn: str, make_queue: Callable[..., str]
+    dsn: str, make_queue: Callable[..., str], face: Callable[..., Any]
 ) -> None:
     q = make_queue()
-    with connect(dsn) as s:
+    with face(dsn) as s:
         s.enqueue(q, b"keep")
         s.commit()
         m = s.dequeue(q)
@@ -937,9 +937,9 @@ def test_subscribe_receives_named_events_by_wildcard(
         assert sub.get(timeout=0.2) is None
 
 
-def test_rollback_without_counting_a_delivery(dsn: str, make_queue: Callable[..., str]) -> None:
+def test_rollback_without_counting_a_delivery(dsn: str, make_queue: Callable[..., str], face: Callable[..., Any]) -> None:
     q = make_queue(max_deliveries=2)
-    with connect(dsn) as s:
+    with face(dsn) as s:
         s.enqueue(q, b"x")
         s.commit()
         for _ in range(3):  # more than max_deliveries: never poisoned

@@ -22,10 +22,10 @@ from typing import Any, TypeVar
 import psycopg
 from psycopg.pq import TransactionStatus
 
-from .wire import Fetch, Prepared, Rows, Statement, begin_statement
+from .wire import Prepared, Rows, Statement, begin_statement
 from .wire import _no_implicit_begin as no_implicit_begin
 
-__all__ = ["Box", "execute", "rollback_then", "send"]
+__all__ = ["Box", "Rows", "execute", "loaded", "rollback_then", "send"]
 
 _IDLE = TransactionStatus.IDLE
 T = TypeVar("T")
@@ -60,6 +60,16 @@ def _keep(gen: Generator[Any, Any, T], box: Box) -> Generator[Any, Any, T]:
     return value
 
 
+def loaded(
+    aconn: psycopg.AsyncConnection[Any], cursors: Sequence[psycopg.AsyncCursor[Any]]
+) -> list[Rows]:
+    """The rows of cursors whose exchange is over, read without awaiting
+    (an AsyncCursor's ``fetchall`` is a coroutine; the engine's steps read a
+    :class:`~.wire.Fetch`)."""
+    return [Rows(aconn, cur.pgresult) if cur.pgresult is not None else Rows.empty()
+            for cur in cursors]
+
+
 async def execute(
     aconn: psycopg.AsyncConnection[Any],
     query: str,
@@ -69,9 +79,12 @@ async def execute(
     may_begin: bool = True,
     prepared: Prepared | None = None,
     box: Box | None = None,
-) -> Fetch:
+    cursor: bool = False,
+) -> Any:
     """:func:`.wire.execute` on ``aconn``: one statement in the connection's
-    transaction, its BEGIN in the same message on an idle connection."""
+    transaction, its BEGIN in the same message on an idle connection. Its
+    rows as a :class:`~.wire.Fetch`; with ``cursor`` (the caller's own
+    statement), psycopg's AsyncCursor when psycopg sent it."""
     if prepared is not None and may_begin and not aconn.autocommit:
         encoded = prepared.encoded(aconn, [(query, params)])
         if encoded is not None:
@@ -82,11 +95,12 @@ async def execute(
             return rows[0]
     with no_implicit_begin(aconn, may_begin) as idle:
         if not idle:
-            return await aconn.execute(query, params, binary=binary)
+            acur = await aconn.execute(query, params, binary=binary)
+            return acur if cursor else loaded(aconn, [acur])[0]
         cur = psycopg.AsyncClientCursor(aconn)
         await cur.execute(begin_statement(aconn) + "; " + cur.mogrify(query, params))
         cur.nextset()  # past the BEGIN's result
-        return cur
+        return cur if cursor else loaded(aconn, [cur])[0]
 
 
 async def send(
@@ -97,7 +111,7 @@ async def send(
     may_begin: bool = True,
     prepared: Prepared | None = None,
     box: Box | None = None,
-) -> list[Rows] | list[psycopg.AsyncCursor[Any]]:
+) -> list[Rows]:
     """:func:`.wire.send` on ``aconn``: ``statements`` in one round trip,
     opening the transaction (BEGIN with them) or ending it (``commit``)."""
     if prepared is not None and may_begin and not aconn.autocommit:
@@ -127,7 +141,7 @@ async def send(
             message.append(("COMMIT", None))
         if len(message) == 1:
             query, params = message[0]
-            return [await aconn.execute(query, params)]
+            return loaded(aconn, [await aconn.execute(query, params)])
         cursors = [aconn.cursor() for _ in statements]
         other = aconn.cursor()
         async with aconn.pipeline():
@@ -138,12 +152,12 @@ async def send(
                 else:
                     await cursors[at].execute(query, params)
                     at += 1
-        return cursors
+        return loaded(aconn, cursors)
 
 
 async def rollback_then(
     aconn: psycopg.AsyncConnection[Any], statements: Sequence[Statement]
-) -> list[psycopg.AsyncCursor[Any]]:
+) -> list[Rows]:
     """:func:`.wire.rollback_then` on ``aconn``: ROLLBACK (if a transaction is
     open), then ``statements`` in autocommit, one round trip."""
     cursors = [aconn.cursor() for _ in statements]
@@ -153,4 +167,4 @@ async def rollback_then(
                 await aconn.execute("ROLLBACK", prepare=False)
             for cur, (query, params) in zip(cursors, statements, strict=True):
                 await cur.execute(query, params)
-    return cursors
+    return loaded(aconn, cursors)

@@ -174,6 +174,13 @@ class Rows:
         tx.set_pgresult(result)
         self._rows: list[tuple[Any, ...]] = tx.load_rows(0, result.ntuples, tuple)
 
+    @classmethod
+    def empty(cls) -> Rows:
+        """No rows (a command that returned none)."""
+        rows = cls.__new__(cls)
+        rows._rows = []
+        return rows
+
     def fetchone(self) -> tuple[Any, ...] | None:
         return self._rows.pop(0) if self._rows else None
 

@@ -414,7 +414,7 @@ class AsyncSession:
 
     async def _execute(
         self, query: str, params: Any, *, box: Box | None = None, queue: str | None = None,
-        qid: int = 0, seq: int = -1, binary: bool = True,
+        qid: int = 0, seq: int = -1, binary: bool = True, cursor: bool = False,
     ) -> Any:
         """``Link.execute`` awaited: one statement, its BEGIN with it; errors
         as ``Link.call`` (a lost connection recovered in a thread)."""
@@ -424,7 +424,7 @@ class AsyncSession:
         try:
             return await awire.execute(self._conn(), query, params, binary=binary,
                                        may_begin=not link.tpc_open, prepared=link.prepared,
-                                       box=box)
+                                       box=box, cursor=cursor)
         except psycopg.Error as exc:
             raise await self._failed(exc, queue=queue, qid=qid, seq=seq) from exc
 
@@ -462,7 +462,8 @@ class AsyncSession:
         if prepare:
             link.prepared.add(query)
         try:
-            return await self._execute(query, params, binary=False)
+            got = await self._execute(query, params, binary=False, cursor=True)
+            return _AsyncRows(got) if isinstance(got, awire.Rows) else got
         except RingqError as err:
             if err.__cause__ is None:
                 raise
@@ -632,6 +633,20 @@ class AsyncSession:
 
     def stats(self, queue: str) -> dict[str, int]:
         return self._s.stats(queue)
+
+
+class _AsyncRows:
+    """Rows read already, with an AsyncCursor's ``fetchone``/``fetchall``
+    (:meth:`AsyncSession.execute` answers alike whichever way it went)."""
+
+    def __init__(self, rows: awire.Rows) -> None:
+        self._rows = rows
+
+    async def fetchone(self) -> Any:
+        return self._rows.fetchone()
+
+    async def fetchall(self) -> list[Any]:
+        return self._rows.fetchall()
 
 
 class _Transaction:
