@@ -47,3 +47,258 @@ def test_enqueue_commit_dequeue_commit(dsn: str, make_queue: Callable[..., str])
 
     assert run(main()) == [b"one", b"two", b"three"]
     assert drain(dsn, q) == []
+
+
+def test_own_sql_joins_the_transaction(dsn: str, make_queue: Callable[..., str]) -> None:
+    q = make_queue()
+    table = "t_" + q
+    with psycopg.connect(dsn, autocommit=True) as c:
+        c.execute(f"CREATE TABLE {table} (v text)")  # test-local name, not user input
+
+    async def main() -> None:
+        async with await engine.connect_async(dsn) as s:
+            await s.execute(f"INSERT INTO {table} VALUES ('through execute')")
+            await s.connection.execute(f"INSERT INTO {table} VALUES ('through connection')")
+            await s.enqueue(q, b"with the rows")
+            await s.rollback()  # neither
+            await s.connection.execute(f"INSERT INTO {table} VALUES ('kept')")
+            await s.enqueue(q, b"kept")
+            await s.commit()  # both
+
+    run(main())
+    with psycopg.connect(dsn) as c:
+        assert c.execute(f"SELECT v FROM {table}").fetchall() == [("kept",)]
+    assert [m.payload for m in drain(dsn, q)] == [b"kept"]
+
+
+def test_a_waiting_dequeue_leaves_the_loop_free_and_a_commit_wakes_it(
+    dsn: str, make_queue: Callable[..., str]
+) -> None:
+    q = make_queue()
+
+    async def main() -> tuple[bytes, int, float]:
+        ticks = 0
+        waiting = asyncio.Event()
+
+        async def ticker() -> None:
+            nonlocal ticks
+            while True:
+                ticks += 1
+                waiting.set()
+                await asyncio.sleep(0.005)
+
+        async with await engine.connect_async(dsn) as c, await engine.connect_async(dsn) as p:
+            await c.queue_info(q)
+            t = asyncio.create_task(ticker())
+            got = asyncio.create_task(c.dequeue(q, wait=30))
+            await waiting.wait()
+            while ticks < 10:  # the loop runs while the dequeue waits
+                await asyncio.sleep(0.005)
+            await p.enqueue(q, b"wake")
+            t0 = time.monotonic()
+            await p.commit()
+            m = await got
+            woke = time.monotonic() - t0
+            await c.commit()
+            t.cancel()
+            assert m is not None
+            return m.payload, ticks, woke
+
+    payload, ticks, woke = run(main())
+    assert payload == b"wake" and ticks >= 10
+    assert woke < 0.5  # the post reached the loop, not the 1 s recheck
+
+
+def test_a_cancelled_wait_takes_nothing_and_leaves_no_waiter(
+    dsn: str, make_queue: Callable[..., str]
+) -> None:
+    q = make_queue()
+
+    async def main() -> None:
+        async with await engine.connect_async(dsn) as s:
+            with pytest.raises(TimeoutError):
+                async with asyncio.timeout(0.1):
+                    await s.dequeue(q, wait=10)
+            ring = s.session.ring(q)
+            assert s.session.section.queues[ring.qb + engine.layout.Q_WAIT_READY] == 0
+            assert s.session._link.ops == []
+
+    run(main())
+    enqueue_committed(dsn, q, b"after")
+    assert [(m.payload, m.deliveries) for m in drain(dsn, q)] == [(b"after", 1)]
+
+
+def _cancel_on_the_wire(monkeypatch: pytest.MonkeyPatch, which: int) -> list[int]:
+    """Cancel the running task at its ``which``-th await on the wire (counted
+    from 1): psycopg asks the server to cancel and reads the answer, then
+    raises CancelledError. Returns the count of awaits so far."""
+    real = psycopg.AsyncConnection.wait
+    seen = [0]
+
+    async def wait(self: psycopg.AsyncConnection[Any], gen: Any, *a: Any, **k: Any) -> Any:
+        seen[0] += 1
+        if seen[0] == which:
+            task = asyncio.current_task()
+            assert task is not None
+            task.cancel()
+        return await real(self, gen, *a, **k)
+
+    monkeypatch.setattr(psycopg.AsyncConnection, "wait", wait)
+    return seen
+
+
+@pytest.mark.parametrize("cache", [None, 0], ids=["cached", "rows"])
+def test_a_dequeue_cancelled_on_the_wire_gives_its_entries_back_once(
+    dsn: str, make_queue: Callable[..., str], monkeypatch: pytest.MonkeyPatch, cache: int | None
+) -> None:
+    """Cache: the dequeue makes no round trip (nothing to cancel there), the
+    commit does; rows: the dequeue's read of the row is cancelled."""
+    q = make_queue(cache_payload=cache)
+    enqueue_committed(dsn, q, b"a", b"b")
+
+    async def main() -> list[bytes]:
+        async with await engine.connect_async(dsn) as s:
+            await s.queue_info(q)
+            _cancel_on_the_wire(monkeypatch, 1)
+            with pytest.raises(asyncio.CancelledError):
+                await s.dequeue_many(q, 2)
+                await s.commit()
+            monkeypatch.undo()
+            assert s.session._link.ops == []
+            got = await s.dequeue_many(q, 2)
+            await s.commit()
+            return [m.payload for m in got]
+
+    taken = run(main())
+    left = [m.payload for m in drain(dsn, q)]
+    # all or nothing, never twice: consumed by the cancelled commit (if the
+    # server committed it), else given back and taken again (or left)
+    assert sorted(taken + left) in ([], [b"a", b"b"])
+    if cache == 0:  # the read itself was cancelled: nothing was committed
+        assert sorted(taken + left) == [b"a", b"b"]
+
+
+@pytest.mark.parametrize("at", [1, 2], ids=["first-await", "second-await"])
+def test_a_commit_cancelled_on_the_wire_decides_once(
+    dsn: str, make_queue: Callable[..., str], monkeypatch: pytest.MonkeyPatch, at: int
+) -> None:
+    """A consumer's transaction (dequeue read from its row, an enqueue) whose
+    awaits on the wire are cancelled one by one: whatever the server
+    answered, each entry ends exactly once (consumed or back, enqueued or
+    not), and the section agrees with the rows (the queue drains cleanly)."""
+    q, out = make_queue(cache_payload=0), make_queue()
+    enqueue_committed(dsn, q, b"in")
+
+    async def main() -> bool:
+        async with await engine.connect_async(dsn) as s:
+            await s.queue_info(q)
+            await s.queue_info(out)
+            _cancel_on_the_wire(monkeypatch, at)
+            cancelled = False
+            try:
+                m = await s.dequeue(q)  # await 1: the row's read
+                assert m is not None
+                await s.enqueue(out, b"out")
+                await s.commit()  # await 2: the commit
+            except asyncio.CancelledError:
+                cancelled = True
+            monkeypatch.undo()
+            assert s.session._link.ops == []
+            # a later transaction works (a doomed one refuses first, once)
+            try:
+                await s.commit()
+            except engine.RolledBack:
+                pass
+            return cancelled
+
+    assert run(main())
+    left = [m.payload for m in drain(dsn, q)]
+    sent = [m.payload for m in drain(dsn, out)]
+    assert (left, sent) in (([b"in"], []), ([], [b"out"]))
+
+
+def test_many_consumers_in_one_loop_take_each_entry_once(
+    dsn: str, make_queue: Callable[..., str]
+) -> None:
+    q = make_queue(capacity=512, dequeue_mode="shared")
+    n = 400
+    enqueue_committed(dsn, q, *[b"%d" % i for i in range(n)])
+
+    async def consumer(got: list[bytes], per_txn: int) -> None:
+        async with await engine.connect_async(dsn) as s:
+            while True:
+                ms = await s.dequeue_many(q, per_txn, wait=0.2)
+                if not ms:
+                    return
+                await s.commit()
+                got.extend(m.payload for m in ms)
+
+    async def main() -> list[bytes]:
+        got: list[bytes] = []
+        await asyncio.gather(*[consumer(got, 1 + i % 3) for i in range(8)])
+        return got
+
+    got = run(main())
+    assert sorted(got, key=int) == [b"%d" % i for i in range(n)]
+
+
+_HOLDER = textwrap.dedent("""
+    import asyncio, sys, time
+    import ringq.engine as engine
+
+    async def main():
+        s = await engine.connect_async(sys.argv[1])
+        m = await s.dequeue(sys.argv[2], wait=10)
+        print("held", m.seq, flush=True)
+        await asyncio.sleep(3600)
+
+    asyncio.run(main())
+""")
+
+
+def test_kill_9_of_an_async_consumer_gives_its_entry_back(
+    dsn: str, make_queue: Callable[..., str]
+) -> None:
+    q = make_queue(dequeue_mode="shared")
+    (seq,) = enqueue_committed(dsn, q, b"held")
+    with subprocess.Popen([sys.executable, "-c", _HOLDER, dsn, q], stdout=subprocess.PIPE,
+                          text=True) as proc:
+        try:
+            assert proc.stdout is not None
+            assert proc.stdout.readline().split() == ["held", str(seq)]
+        finally:
+            os.kill(proc.pid, signal.SIGKILL)
+            proc.wait(10)
+
+    async def main() -> list[tuple[bytes, int]]:
+        async with await engine.connect_async(dsn) as s:
+            await s.recover_dead_holders(q)
+            got = await s.dequeue_many(q, 10, wait=5)
+            await s.commit()
+            return [(m.payload, m.seq) for m in got]
+
+    assert run(main()) == [(b"held", seq)]
+    assert drain(dsn, q) == []
+
+
+def test_a_backend_terminated_under_a_waiting_session_is_survived(
+    dsn: str, make_queue: Callable[..., str]
+) -> None:
+    q = make_queue()
+
+    async def main() -> bytes:
+        async with await engine.connect_async(dsn) as s:
+            await s.enqueue(q, b"x")
+            await s.commit()
+            m = await s.dequeue(q)
+            assert m is not None
+            terminate_backend(dsn, s.backend_pid)
+            with pytest.raises(engine.RingqError):
+                await s.commit()
+            again = await s.dequeue(q, wait=5)
+            assert again is not None and again.seq == m.seq
+            await s.commit()
+            return again.payload
+
+    assert run(main()) == b"x"
+    assert drain(dsn, q) == []
