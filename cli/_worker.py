@@ -56,6 +56,17 @@ def register(sub: Any) -> None:
     )
     env_option(
         p,
+        "--concurrency",
+        "-c",
+        env="RINGQ_WORKER_CONCURRENCY",
+        default=0,
+        type=int,
+        help="consumer coroutines per worker process, one event loop, each message its own "
+        "transaction (async actions are awaited, sync ones run in threads); 0: one "
+        "sync consumer per process",
+    )
+    env_option(
+        p,
         "--start-method",
         env="RINGQ_WORKER_START_METHOD",
         default="fork",
@@ -95,7 +106,8 @@ def run(args: argparse.Namespace) -> int:
     config = PoolConfig(
         processes=args.processes,
         start_method=args.start_method,
-        worker=WorkerConfig(queues=queues, idle_wait=args.idle_wait),
+        worker=WorkerConfig(queues=queues, idle_wait=args.idle_wait,
+                            concurrency=args.concurrency),
     )
     pool = WorkerPool(args.target, args.dsn, config=config)
     try:

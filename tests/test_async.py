@@ -302,3 +302,64 @@ def test_a_backend_terminated_under_a_waiting_session_is_survived(
 
     assert run(main()) == b"x"
     assert drain(dsn, q) == []
+
+
+def _example(name: str, dsn: str, *args: str) -> str:
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parent.parent / "examples" / name
+    p = subprocess.run([sys.executable, str(path), "--dsn", dsn, *args], check=False,
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stdout + p.stderr
+    return p.stdout
+
+
+def test_the_async_examples_run(dsn: str) -> None:
+    """The handler writes each order and its event together (the refused one
+    neither); the async worker then handles every event once."""
+    out = _example("async_handler.py", dsn, "--requests", "40")
+    assert "orders made 39, refused 1" in out
+    assert "orders in the table 39, events on the queue 39" in out
+    assert "every order has its event, and only those: True" in out
+    out = _example("async_worker.py", dsn, "--once")
+    assert "notified rows 39, distinct events 39" in out, out
+    assert drain(dsn, "ex_async_events") == []
+    assert len(drain(dsn, "ex_async_mails")) == 39
+
+
+def test_the_worker_runs_async_actions_with_concurrency(
+    dsn: str, make_queue: Callable[..., str], tmp_path: Any
+) -> None:
+    """``ringq worker mod:app --concurrency 8`` awaits async actions in 8
+    coroutines of one process; SIGTERM stops it, exit 0, each entry once."""
+    q = make_queue(capacity=256, dequeue_mode="shared")
+    done = "t_done_" + q
+    with psycopg.connect(dsn, autocommit=True) as c:
+        c.execute(f"CREATE TABLE {done} (seq bigint PRIMARY KEY)")
+    (tmp_path / "aioapp.py").write_text(textwrap.dedent(f"""
+        from ringq.worker import Actions
+        app = Actions()
+
+        @app.action({q!r})
+        async def act(msg, session):
+            await session.connection.execute("INSERT INTO {done} VALUES (%s)", (msg.seq,))
+    """))
+    enqueue_committed(dsn, q, *[b"%d" % i for i in range(100)])
+    env = {**os.environ, "RINGQ_DSN": dsn, "PYTHONPATH": str(tmp_path)}
+    ringq = os.path.join(os.path.dirname(sys.executable), "ringq")
+    with subprocess.Popen([ringq, "worker", "aioapp:app", "--concurrency", "8"], env=env,
+                          cwd=tmp_path, stderr=subprocess.PIPE, text=True) as proc:
+        deadline = time.monotonic() + 60
+        n = 0
+        while time.monotonic() < deadline:
+            with psycopg.connect(dsn) as c:
+                row = c.execute(f"SELECT count(*) FROM {done}").fetchone()
+                n = row[0] if row else 0
+            if n == 100:
+                break
+            time.sleep(0.1)  # polling another process's progress, not synchronizing
+        proc.send_signal(signal.SIGTERM)
+        _out, err = proc.communicate(timeout=30)
+    assert n == 100, err
+    assert proc.returncode == 0, err
+    assert drain(dsn, q) == []

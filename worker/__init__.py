@@ -29,6 +29,7 @@ from ._actions import (
     Retry,
     load_actions,
 )
+from ._async import AsyncWorker
 from ._pool import PoolConfig, WorkerExit, WorkerPool
 from ._worker import Worker, WorkerConfig
 
@@ -38,6 +39,7 @@ __all__ = [
     "ActionInterrupted",
     "ActionTimeout",
     "Actions",
+    "AsyncWorker",
     "Decline",
     "PoolConfig",
     "Retry",

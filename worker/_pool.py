@@ -46,6 +46,7 @@ from ringq.engine import layout as L
 from ringq.engine.recovery import recover_dead_clients
 
 from ._actions import Actions, load_actions
+from ._async import AsyncWorker
 from ._worker import STATS_KEYS, Worker, WorkerConfig
 
 logger = logging.getLogger("ringq.worker")
@@ -104,7 +105,7 @@ class _StopRequests:
     def __init__(self) -> None:
         self._seq = itertools.count(1)  # next() is atomic: the handler and the watcher may race
         self.count = 0
-        self.worker: Worker | None = None
+        self.worker: Worker | AsyncWorker | None = None
 
     def request(self) -> None:
         n = next(self._seq)
@@ -113,7 +114,7 @@ class _StopRequests:
         if w is not None:
             w.stop(abort=n >= 2)
 
-    def attach(self, worker: Worker) -> None:
+    def attach(self, worker: Worker | AsyncWorker) -> None:
         self.worker = worker
         if self.count:
             worker.stop(abort=self.count >= 2)
@@ -148,7 +149,7 @@ def _child_main(
         )
     ppid = os.getppid()
     code = WorkerExit.FAILURE
-    worker: Worker | None = None
+    worker: Worker | AsyncWorker | None = None
     done = threading.Event()
     # The watcher must not take SIGALRM (the time limits belong to the main thread).
     signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGALRM})
@@ -162,7 +163,10 @@ def _child_main(
     signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGALRM})
     try:
         actions = load_actions(target) if isinstance(target, str) else target
-        worker = Worker(actions, dsn, config=config)
+        worker = (
+            AsyncWorker(actions, dsn, config=config, concurrency=config.concurrency)
+            if config.concurrency else Worker(actions, dsn, config=config)
+        )
         worker.open()
         stops.attach(worker)
         worker.run()

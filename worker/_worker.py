@@ -123,6 +123,8 @@ class WorkerConfig:
     """How a worker takes messages.
 
     ``queues``: the subset of the actions' queues to serve (empty: all).
+    ``concurrency``: consumer coroutines in one event loop (0: one sync
+    consumer; see ``AsyncWorker``).
     ``idle_wait``: seconds a worker sleeps on an empty queue before looking at
     its stop flag and its other queues again (messages wake it at once on the
     queue it sleeps on).
@@ -131,6 +133,9 @@ class WorkerConfig:
     queues: tuple[str, ...] = ()
     idle_wait: float = 0.25
     stats_interval: float = 1.0  # seconds between stats reports from a pool child
+    # consumer coroutines in one event loop per process (0: one sync Worker;
+    # see ._async.AsyncWorker)
+    concurrency: int = 0
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "queues", tuple(self.queues))
@@ -138,6 +143,8 @@ class WorkerConfig:
             validate_queue_name(q)
         if not (0 < self.idle_wait <= 60):
             raise ConfigError(f"idle_wait must be in (0, 60] seconds, not {self.idle_wait!r}")
+        if not (0 <= self.concurrency <= 1024):
+            raise ConfigError(f"concurrency must be from 0 to 1024, not {self.concurrency!r}")
         if not (0 < self.stats_interval <= 3600):
             raise ConfigError(
                 f"stats_interval must be in (0, 3600] seconds, not {self.stats_interval!r}"
