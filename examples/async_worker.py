@@ -45,9 +45,9 @@ def setup(dsn: str) -> None:
     with psycopg.connect(dsn, autocommit=True) as conn:
         conn.execute("CREATE TABLE IF NOT EXISTS ex_async_notified "
                      "(order_id bigint, seq bigint PRIMARY KEY)")
-        have = {r[0] for r in conn.execute("SELECT name FROM ringq.queues")} \
-            if conn.execute("SELECT to_regclass('ringq.queues') IS NOT NULL").fetchone() == (True,) \
-            else set()
+        schema = conn.execute("SELECT to_regclass('ringq.queues') IS NOT NULL").fetchone()
+        have = ({r[0] for r in conn.execute("SELECT name FROM ringq.queues")}
+                if schema == (True,) else set())
     with psycopg.connect(dsn) as conn:
         for q in (EVENTS, MAILS):
             if q not in have:

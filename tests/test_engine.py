@@ -45,7 +45,9 @@ from ringq.scripting import QueueSpec, create_queue
 FORK = mp.get_context("fork")
 
 
-def test_entry_is_invisible_until_commit(dsn: str, make_queue: Callable[..., str], face: Callable[..., Any]) -> None:
+def test_entry_is_invisible_until_commit(
+    dsn: str, make_queue: Callable[..., str], face: Callable[..., Any]
+) -> None:
     q = make_queue()
     with face(dsn) as producer, face(dsn) as consumer:
         seq = producer.enqueue(q, b"one")
@@ -117,7 +119,9 @@ def test_poison_entry_moves_to_exceptions_after_max_deliveries(
     assert row == (seq, 3, "max deliveries reached")
 
 
-def test_chaining_is_atomic(dsn: str, make_queue: Callable[..., str], face: Callable[..., Any]) -> None:
+def test_chaining_is_atomic(
+    dsn: str, make_queue: Callable[..., str], face: Callable[..., Any]
+) -> None:
     a, b = make_queue(), make_queue()
     with face(dsn) as s:
         s.enqueue(a, b"step1")
@@ -243,7 +247,9 @@ def test_single_mode_second_dequeuer_gets_nothing_while_first_holds(
         c2.commit()
 
 
-def test_full_queue_raises_or_blocks_until_space(dsn: str, make_queue: Callable[..., str], face: Callable[..., Any]) -> None:
+def test_full_queue_raises_or_blocks_until_space(
+    dsn: str, make_queue: Callable[..., str], face: Callable[..., Any]
+) -> None:
     q_raise = make_queue(capacity=2, full_policy="raise")
     with face(dsn) as s:
         s.enqueue_many(q_raise, [b"1", b"2"])
@@ -343,7 +349,10 @@ def test_database_without_ringq_schema_is_schema_missing(
 
 
 def test_waiting_dequeuer_is_woken_by_commit(
-    dsn: str, make_queue: Callable[..., str], face: Callable[..., Any], monkeypatch: pytest.MonkeyPatch
+    dsn: str,
+    make_queue: Callable[..., str],
+    face: Callable[..., Any],
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     from ringq.engine.session import _claim
 
@@ -378,7 +387,9 @@ def test_waiting_dequeuer_is_woken_by_commit(
     assert result["woken_at"] - committed_at < 5  # far below the 30 s wait and the 60 s recheck
 
 
-def test_idempotent_enqueue_with_key(dsn: str, make_queue: Callable[..., str], face: Callable[..., Any]) -> None:
+def test_idempotent_enqueue_with_key(
+    dsn: str, make_queue: Callable[..., str], face: Callable[..., Any]
+) -> None:
     q = make_queue()
     with face(dsn) as s:
         a = s.enqueue(q, b"x", key="order-1")
@@ -735,7 +746,9 @@ def test_a_fork_while_another_thread_holds_the_attachment_lock_does_not_hang_the
     assert [m.payload for m in drain(dsn, q)] == [b"from child"]
 
 
-def test_two_phase_commit_and_rollback(dsn: str, make_queue: Callable[..., str], face: Callable[..., Any]) -> None:
+def test_two_phase_commit_and_rollback(
+    dsn: str, make_queue: Callable[..., str], face: Callable[..., Any]
+) -> None:
     a, b = make_queue(), make_queue()
     with face(dsn) as s1, face(dsn) as s2:
         gid = uuid.uuid4().hex
@@ -937,7 +950,9 @@ def test_subscribe_receives_named_events_by_wildcard(
         assert sub.get(timeout=0.2) is None
 
 
-def test_rollback_without_counting_a_delivery(dsn: str, make_queue: Callable[..., str], face: Callable[..., Any]) -> None:
+def test_rollback_without_counting_a_delivery(
+    dsn: str, make_queue: Callable[..., str], face: Callable[..., Any]
+) -> None:
     q = make_queue(max_deliveries=2)
     with face(dsn) as s:
         s.enqueue(q, b"x")

@@ -12,12 +12,13 @@ second stop request).
 from __future__ import annotations
 
 import importlib
-from collections.abc import Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from ringq.engine import (
     MAX_DELAY,
+    AsyncSession,
     ConfigError,
     Message,
     Session,
@@ -87,7 +88,12 @@ class Decline:
             validate_queue_name(self.reply_to)
 
 
-ActionFunc = Callable[[Message, Session], "Decline | None"]
+# a sync action gets the Session; an async one (``async def``, run by the
+# AsyncWorker: ``ringq worker --concurrency N``) gets an AsyncSession
+ActionFunc = (
+    Callable[[Message, Session], "Decline | None"]
+    | Callable[[Message, AsyncSession], "Awaitable[Decline | None]"]
+)
 F = TypeVar("F", bound=Callable[..., Any])
 _UNSET: Any = object()
 

@@ -25,7 +25,8 @@ import inspect
 import logging
 import threading
 import time
-from typing import Any
+from collections.abc import Awaitable, Callable
+from typing import Any, cast
 
 from ringq.engine import (
     AsyncSession,
@@ -33,6 +34,7 @@ from ringq.engine import (
     Message,
     Retryable,
     RingqError,
+    Session,
     connect_async,
     one_line,
 )
@@ -100,6 +102,10 @@ class AsyncWorker:
     def _cancel_all(self) -> None:
         for t in self._tasks:
             t.cancel()
+
+    @property
+    def stopping(self) -> bool:
+        return self._stop.is_set()
 
     @property
     def aborted(self) -> bool:
@@ -197,9 +203,11 @@ class AsyncWorker:
 
     async def _call(self, act: Action, msg: Message, s: AsyncSession) -> object:
         if inspect.iscoroutinefunction(act.func):
-            return await act.func(msg, s)
+            return await cast("Callable[[Message, AsyncSession], Awaitable[object]]",
+                              act.func)(msg, s)
         # a sync action: in a thread, with the sync Session under the AsyncSession
-        return await asyncio.to_thread(act.func, msg, s.session)
+        return await asyncio.to_thread(
+            cast("Callable[[Message, Session], object]", act.func), msg, s.session)
 
     async def _rolled_back(
         self, s: AsyncSession, msg: Message, act: Action, exc: BaseException

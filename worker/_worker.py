@@ -40,16 +40,18 @@ its limits with ``statement_timeout`` only (and says so in the log).
 
 from __future__ import annotations
 
+import inspect
 import logging
 import math
 import os
 import signal
 import threading
 import time
+from collections.abc import Callable
 from contextlib import suppress
 from dataclasses import dataclass
 from types import FrameType
-from typing import Any, Final, Self
+from typing import Any, Final, Self, cast
 
 import posix_ipc
 import psycopg
@@ -176,6 +178,12 @@ class Worker:
                 f"(actions: {', '.join(actions.queues)})"
             )
         self.queues: list[str] = list(self.config.queues or actions.queues)
+        asynchronous = [q for q in self.queues if inspect.iscoroutinefunction(actions[q].func)]
+        if asynchronous:
+            raise ConfigError(
+                f"the action(s) of {', '.join(asynchronous)} are async: run them with "
+                "concurrency (ringq worker --concurrency N, or AsyncWorker)"
+            )
         self._session: Session | None = None
         self._closed = False
         self._stop = False
@@ -463,7 +471,7 @@ class Worker:
                 raise ActionAborted("stop requested before the action started")
             # with the otel extra: the action runs in a span, its entry's producer's child
             with ringq.engine.process_span(msg):
-                return act.func(msg, self.session)
+                return cast("Callable[[Message, Session], object]", act.func)(msg, self.session)
         finally:
             self._in_action = False
             if timed:

@@ -531,8 +531,9 @@ class AsyncSession:
                 if plan is not None:
                     try:
                         txn.apply_writes(plan, box.value)
-                    except StaleSection:
-                        await self._blocking(lambda: txn.after_stale(err, writes))
+                    except StaleSection as err:
+                        stale = err
+                        await self._blocking(lambda: txn.after_stale(stale, writes))
                         return
                 txn.committed(ops)
                 return
@@ -542,12 +543,13 @@ class AsyncSession:
                 # and decide the transaction's slots from the rows
                 link.conn.pgconn.finish()
                 exc = psycopg.OperationalError("the commit was cancelled before its answer")
-            err = link.failed(exc, recover=False)
-            err.__cause__ = exc
-            if isinstance(err, StaleSection):
-                await self._blocking(lambda: txn.after_stale(err, writes))
+            failure = link.failed(exc, recover=False)
+            failure.__cause__ = exc
+            if isinstance(failure, StaleSection):
+                stale_err = failure
+                await self._blocking(lambda: txn.after_stale(stale_err, writes))
             else:
-                await self._blocking(lambda: txn.commit_failed(err, ops, None))
+                await self._blocking(lambda: txn.commit_failed(failure, ops, None))
         except RingqError as outcome:
             logger.info("ringq: a cancelled commit: %s", outcome)
 

@@ -92,16 +92,16 @@ class SemaphoreWaker:
                 with _lock, cond:
                     if _wakers.get(sem.name) is self:
                         del _wakers[sem.name]
-                    for fut in waiters:
-                        fut.get_loop().call_soon_threadsafe(_wake, fut)
+                    for w in waiters:
+                        w.get_loop().call_soon_threadsafe(_wake, w)
                 return
+            fut: asyncio.Future[None] | None = None
             with cond:
-                fut = None
                 while waiters:
-                    fut = waiters.popleft()
-                    if not fut.done():
+                    w = waiters.popleft()
+                    if not w.done():
+                        fut = w
                         break
-                    fut = None
             if fut is None:
                 sem.release()  # nobody here wants it any more: give it back
                 continue
