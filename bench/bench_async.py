@@ -8,7 +8,8 @@ transaction, and committing; ``--work-ms`` of sleep per entry stands for
 the work (0 by default).
 
 - **threads**: ``--consumers`` (32) threads, each with its own ringq Session
-  (``dequeue_many(take, wait=0.2)``, ``Session.execute`` of the INSERT, ``commit``);
+  (``dequeue_many(take, wait=0.2)``, ``Session.execute(..., prepare=True)`` of
+  the INSERT, ``commit``);
 - **coroutines**: as many coroutines in one event loop, each with its own
   AsyncSession (``await`` the same calls): ``ringq worker --concurrency``'s shape;
 - **batch**: a batch consumer over a SKIP LOCKED table (PgQ's shape driven
@@ -23,8 +24,8 @@ system), the server's CPU per entry (every ``postgres`` process of this host,
 from /proc: the embedded cluster's backends, WAL writer, checkpointer...),
 and the latency of a take (the ``dequeue_many`` or ``DELETE`` call) p50/p99.
 Kinds run in interleaved rounds (``--rounds`` 3); medians are printed.
-``--profile KIND`` runs cProfile over one more run of KIND and prints where
-the client's time goes. Prints a table and writes JSON
+``--profile KIND`` runs cProfile (CPU time) over one more run of KIND and
+prints where the client's time goes. Prints a table and writes JSON
 (``bench/results/async-<UTC>.json`` and ``--out``).
 """
 
@@ -117,12 +118,12 @@ def _threads(dsn: str, n: Names, cfg: Config, lat: list[int]) -> int:
         while True:
             t0 = time.perf_counter_ns()
             ms = s.dequeue_many(n.queue, cfg.take, wait=0.2)
-            lat.append(time.perf_counter_ns() - t0)
-            if not ms:
+            if not ms:  # the queue is drained (the last, empty take is not a claim)
                 return
+            lat.append(time.perf_counter_ns() - t0)
             if cfg.work_ms:
                 time.sleep(cfg.work_ms * len(ms) / 1000)
-            s.execute(insert, ([m.seq for m in ms],))
+            s.execute(insert, ([m.seq for m in ms],), prepare=True)
             s.commit()
             done[i] += len(ms)
 
@@ -151,12 +152,12 @@ def _coroutines(dsn: str, n: Names, cfg: Config, lat: list[int]) -> int:
             while True:
                 t0 = time.perf_counter_ns()
                 ms = await s.dequeue_many(n.queue, cfg.take, wait=0.2)
-                lat.append(time.perf_counter_ns() - t0)
-                if not ms:
+                if not ms:  # the queue is drained
                     return done
+                lat.append(time.perf_counter_ns() - t0)
                 if cfg.work_ms:
                     await asyncio.sleep(cfg.work_ms * len(ms) / 1000)
-                await s.execute(insert, ([m.seq for m in ms],))
+                await s.execute(insert, ([m.seq for m in ms],), prepare=True)
                 await s.commit()
                 done += len(ms)
 
@@ -183,10 +184,10 @@ def _batch(dsn: str, n: Names, cfg: Config, lat: list[int]) -> int:
         while True:
             t0 = time.perf_counter_ns()
             rows = conn.execute(take, (cfg.batch,)).fetchall()
-            lat.append(time.perf_counter_ns() - t0)
             if not rows:
                 conn.commit()
                 return
+            lat.append(time.perf_counter_ns() - t0)
             for _row in rows:  # the batch's entries, one by one (as a PgQ consumer does)
                 if cfg.work_ms:
                     time.sleep(cfg.work_ms / 1000)
@@ -243,6 +244,7 @@ def one_run(dsn: str, n: Names, cfg: Config, kind: str,
         "entries_per_s": completed / wall,
         "client_us_per_entry": (cpu1 - cpu0) / completed * 1e6,
         "server_us_per_entry": (srv1 - srv0) / completed * 1e6,
+        # a take that returned entries (the drained queue's last, empty ones left out)
         "take_ms_p50": float(np.percentile(a, 50)),
         "take_ms_p99": float(np.percentile(a, 99)),
         "wall_s": wall,
@@ -258,7 +260,7 @@ def run(dsn: str, cfg: Config, names: Names) -> dict[str, Any]:
         rounds.append([one_run(dsn, names, cfg, k) for k in order])
     out: dict[str, Any] = {"rounds": rounds, "machine": machine()}
     if cfg.profile:
-        prof = cProfile.Profile()
+        prof = cProfile.Profile(time.process_time)  # CPU time: 2 cores, the wall hides it
         one_run(dsn, names, cfg, cfg.profile, prof)
         buf = io.StringIO()
         pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(30)
