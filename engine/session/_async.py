@@ -257,6 +257,7 @@ class AsyncSession:
 
         :raises: as ``Session.enqueue``.
         """
+        # SPAN(otel): enqueue span here (issue 35's hook API, shared with the sync face)
         await self._ready(queue)
         res = self._reservations
 
@@ -318,6 +319,7 @@ class AsyncSession:
         """
         check_count("max_n", max_n)
         check_wait("wait", wait)
+        # SPAN(otel): dequeue span here, linked to each message's producer span
         t0 = time.perf_counter_ns()
         info, ring = await self._ready(queue)
         link = self._link
@@ -476,6 +478,7 @@ class AsyncSession:
 
         :raises StaleSection, InDoubt, RolledBack, TransactionError: as ``Session.commit``.
         """
+        # SPAN(otel): commit span here (around the round trip and _commit_cancelled)
         await self._check()
         link, txn = self._link, self._txn
         if self._doomed:
@@ -559,6 +562,7 @@ class AsyncSession:
         half-way: it finishes, then ``CancelledError``).
 
         :raises InvalidArgument: ``retry_after`` negative, NaN or infinite."""
+        # SPAN(otel): rollback span here
         s = self._s
         s._require_open()
         self._doomed = False
