@@ -16,6 +16,7 @@ other test module runs with tracing on.
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -35,6 +36,7 @@ from ringq.engine import (
     SchemaMissing,
     Session,
     connect,
+    connect_async,
     process_span,
     queue_table,
 )
@@ -398,3 +400,33 @@ def test_a_schema_without_the_trace_columns_is_refused_until_the_script_adds_the
         s.commit()
         assert present(s.dequeue(q)).trace == "00-" + "3" * 32 + "-" + "4" * 16 + "-01"
         s.commit()
+
+
+def test_the_async_face_makes_the_same_spans_and_links(
+    dsn: str, make_queue: Callable[..., str], spans: InMemorySpanExporter
+) -> None:
+    """enqueue, commit, dequeue_many, rollback and dequeue of the asyncio
+    face: the sync face's spans, the dequeue linked to the producer."""
+    q = make_queue(capacity=8)
+
+    async def run() -> tuple[int, list[Message], Message | None]:
+        async with await connect_async(dsn) as s:
+            seq = await s.enqueue(q, b"hello")
+            await s.commit()
+            got = await s.dequeue_many(q, 4)
+            await s.rollback()
+            again = await s.dequeue(q)
+            await s.commit()
+        return seq, got, again
+
+    seq, got, again = asyncio.run(run())
+    send = one(spans, f"enqueue {q}")
+    assert send.kind == SpanKind.PRODUCER and attrs(send)["ringq.seq"] == seq
+    assert [m.seq for m in got] == [seq] and got[0].trace == traceparent_of(send)
+    receive = one(spans, f"dequeue_many {q}")
+    assert receive.kind == SpanKind.CONSUMER and linked(receive) == [ids(send)]
+    assert attrs(one(spans, "rollback"))["ringq.seqs"] == [seq]
+    assert again is not None and again.deliveries == 2 and again.trace == traceparent_of(send)
+    redelivered = one(spans, f"dequeue {q}")
+    assert attrs(redelivered)["ringq.deliveries"] == 2 and linked(redelivered) == [ids(send)]
+    assert [attrs(c)["ringq.seqs"] for c in named(spans, "commit")] == [[seq], [seq]]

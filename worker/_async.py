@@ -37,6 +37,7 @@ from ringq.engine import (
     Session,
     connect_async,
     one_line,
+    process_span,
 )
 
 from ._actions import Action, Actions, Decline, Retry
@@ -172,10 +173,11 @@ class AsyncWorker:
         t0 = time.perf_counter_ns()
         try:
             try:
-                # SPAN(otel): the action's span goes here (issue 35's hook API),
-                # around the action, linked to msg's producer span.
-                async with asyncio.timeout(act.timeout):
-                    result = await self._call(act, msg, s)
+                # with the otel extra: the action runs in a span, its entry's
+                # producer's child (current in this task only: contextvars)
+                with process_span(msg):
+                    async with asyncio.timeout(act.timeout):
+                        result = await self._call(act, msg, s)
                 if isinstance(result, Decline) and result.reply_to is not None:
                     await s.enqueue(result.reply_to,
                                     result.reply if result.reply is not None else b"")

@@ -69,6 +69,7 @@ from ..driver.pg import from_callers_statement
 from ..ring import OpKind, QueueInfo, Ring, each_op
 from ..rows import help_due
 from ..section import layout as L
+from . import _otel
 from ._claim import CLAIM_RECHECK_S, RowsPlan, recover_in_way, repair_dequeue, unwait
 from ._message import Message
 from ._reserve import WouldBlock
@@ -250,19 +251,36 @@ class AsyncSession:
         timeout: float | None = None,
         delay: float | None = None,
         not_before: datetime | None = None,
+        trace: str | None = None,
     ) -> int:
         """As ``Session.enqueue``: nothing goes to the database now (the slot
         is reserved in shared memory); with ``key`` the row is written now, in
-        a thread; a full queue is waited for in a thread.
+        a thread; a full queue is waited for in a thread. With the ``otel``
+        extra, the producer span as the sync face's.
 
         :raises: as ``Session.enqueue``.
         """
-        # SPAN(otel): enqueue span here (issue 35's hook API, shared with the sync face)
+        sp = _otel.spans()
+        if sp is None:
+            return await self._enqueue(queue, payload, key, group, timeout, delay, not_before,
+                                       trace)
+        with sp.enqueue(queue, "enqueue") as span:
+            seq = await self._enqueue(queue, payload, key, group, timeout, delay, not_before,
+                                      trace or span.traceparent)
+            span.seqs = (seq,)
+        return seq
+
+    async def _enqueue(
+        self, queue: str, payload: bytes, key: str | None, group: str | None,
+        timeout: float | None, delay: float | None, not_before: datetime | None,
+        trace: str | None,
+    ) -> int:
         await self._ready(queue)
         res = self._reservations
 
         def call() -> int:
-            return res.enqueue_checked(queue, payload, key, group, timeout, delay, not_before)
+            return res.enqueue_checked(queue, payload, key, group, timeout, delay, not_before,
+                                       trace)
 
         if key is None:
             res.nonblocking = True
@@ -283,14 +301,30 @@ class AsyncSession:
         timeout: float | None = None,
         delay: float | None = None,
         not_before: datetime | None = None,
+        trace: str | None = None,
     ) -> list[int]:
         """As ``Session.enqueue_many`` (a full queue is waited for in a thread)."""
+        sp = _otel.spans()
+        if sp is None:
+            return await self._enqueue_many(queue, payloads, group, timeout, delay, not_before,
+                                            trace)
+        with sp.enqueue(queue, "enqueue_many") as span:
+            span.seqs = seqs = await self._enqueue_many(
+                queue, payloads, group, timeout, delay, not_before, trace or span.traceparent)
+        return seqs
+
+    async def _enqueue_many(
+        self, queue: str, payloads: Iterable[bytes], group: str | Iterable[str | None] | None,
+        timeout: float | None, delay: float | None, not_before: datetime | None,
+        trace: str | None,
+    ) -> list[int]:
         await self._ready(queue)
         res = self._reservations
         items = payloads if isinstance(payloads, list | tuple) else list(payloads)
 
         def call() -> list[int]:
-            return res.enqueue_many_checked(queue, items, group, timeout, delay, not_before)
+            return res.enqueue_many_checked(queue, items, group, timeout, delay, not_before,
+                                            trace)
 
         res.nonblocking = True
         try:
@@ -307,7 +341,12 @@ class AsyncSession:
         """As ``Session.dequeue``: the oldest ready entry, or None (after
         waiting up to ``wait`` seconds, without blocking the loop).
         Cancellable at any await (see the module's docstring)."""
-        got = await self.dequeue_many(queue, 1, wait=wait)
+        sp = _otel.spans()
+        if sp is None:
+            got = await self._dequeue_many(queue, 1, wait)
+            return got[0] if got else None
+        with sp.dequeue(queue, "dequeue") as span:
+            span.messages = got = await self._dequeue_many(queue, 1, wait)
         return got[0] if got else None
 
     async def dequeue_many(
@@ -319,7 +358,16 @@ class AsyncSession:
         """
         check_count("max_n", max_n)
         check_wait("wait", wait)
-        # SPAN(otel): dequeue span here, linked to each message's producer span
+        sp = _otel.spans()
+        if sp is None:
+            return await self._dequeue_many(queue, max_n, wait)
+        with sp.dequeue(queue, "dequeue_many") as span:
+            span.messages = msgs = await self._dequeue_many(queue, max_n, wait)
+        return msgs
+
+    async def _dequeue_many(
+        self, queue: str, max_n: int, wait: float | None
+    ) -> list[Message]:
         t0 = time.perf_counter_ns()
         info, ring = await self._ready(queue)
         link = self._link
@@ -478,7 +526,14 @@ class AsyncSession:
 
         :raises StaleSection, InDoubt, RolledBack, TransactionError: as ``Session.commit``.
         """
-        # SPAN(otel): commit span here (around the round trip and _commit_cancelled)
+        sp = _otel.spans()
+        if sp is None:
+            await self._commit()
+            return
+        with sp.settle("commit", self._link.ops):
+            await self._commit()
+
+    async def _commit(self) -> None:
         await self._check()
         link, txn = self._link, self._txn
         if self._doomed:
@@ -562,7 +617,14 @@ class AsyncSession:
         half-way: it finishes, then ``CancelledError``).
 
         :raises InvalidArgument: ``retry_after`` negative, NaN or infinite."""
-        # SPAN(otel): rollback span here
+        sp = _otel.spans()
+        if sp is None:
+            await self._rollback_checked(count_delivery, retry_after)
+            return
+        with sp.settle("rollback", self._link.ops):
+            await self._rollback_checked(count_delivery, retry_after)
+
+    async def _rollback_checked(self, count_delivery: bool, retry_after: float | None) -> None:
         s = self._s
         s._require_open()
         self._doomed = False
