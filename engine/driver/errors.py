@@ -270,18 +270,25 @@ def _url_end(text: str, start: int) -> int:
     return start + blank.start() if blank else len(text)
 
 
-def _redact_url(text: str, start: int) -> tuple[str, int]:
-    """The URL whose authority starts at ``text[start]``, redacted, and where
-    it ends (at a blank, or past a blank inside a password libpq rejects)."""
-    end = _url_end(text, start)
-    url = _QUERY_SECRET_RE.sub(lambda k: k.group(1) + "***", text[start:end])
+def _query_and_at(url: str) -> tuple[int, int]:
+    """Where the query of the URL whose authority starts ``url`` begins (its
+    first ``key=`` after an "@" or after the hosts and a path; else the
+    URL's end), and the last "@" before it (-1: none)."""
     query = len(url)
     for key in _QUERY_KEY_RE.finditer(url):
         before = url[: key.start()]
         if "@" in before or _HOSTS_PATH_RE.fullmatch(before):
             query = key.start()
             break
-    at = url.rfind("@", 0, query)
+    return query, url.rfind("@", 0, query)
+
+
+def _redact_url(text: str, start: int) -> tuple[str, int]:
+    """The URL whose authority starts at ``text[start]``, redacted, and where
+    it ends (at a blank, or past a blank inside a password libpq rejects)."""
+    end = _url_end(text, start)
+    url = _QUERY_SECRET_RE.sub(lambda k: k.group(1) + "***", text[start:end])
+    at = _query_and_at(url)[1]
     if at >= 0:
         user = url.find(":", 0, at)
         return (url if user < 0 else url[: user + 1] + "***" + url[at:]), end
@@ -364,14 +371,8 @@ def password_fragments(*dsns: str | None) -> tuple[str, ...]:
 def _url_passwords(url: str) -> list[str]:
     """The readings of the password of the URL whose authority starts ``url``
     (which runs to the text's end: a password with blanks is read whole)."""
-    query = len(url)
-    for key in _QUERY_KEY_RE.finditer(url):
-        before = url[: key.start()]
-        if "@" in before or _HOSTS_PATH_RE.fullmatch(before):
-            query = key.start()
-            break
+    query, at = _query_and_at(url)
     out: list[str] = []
-    at = url.rfind("@", 0, query)
     if at >= 0:
         colon = url.find(":", 0, at)
         if colon >= 0:
