@@ -130,6 +130,13 @@ class RolledBack(Retryable):
         super().__init__(message)
         self.reason = reason
 
+    @classmethod
+    def lost(cls, what: str, cause: object) -> RolledBack:
+        """``what`` happened (and nothing committed), then ``cause``'s text on
+        one line, which is also the error's ``reason``."""
+        reason = one_line(str(cause))
+        return cls(f"{what}: {reason}", reason=reason)
+
 
 @dataclass(frozen=True, slots=True)
 class InFlight:

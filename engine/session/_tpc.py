@@ -159,11 +159,9 @@ class TwoPhase:
         (its row writes failed; the link decided their slots): nothing of the
         transaction committed. Ends it; returns the error to raise."""
         self._reset()
-        reason = one_line(str(err.__cause__ or err))
-        return RolledBack(
-            "the connection was lost before the commit: nothing of the transaction committed: "
-            + reason,
-            reason=reason,
+        return RolledBack.lost(
+            "the connection was lost before the commit: nothing of the transaction committed",
+            err.__cause__ or err,
         )
 
     def _reset(self) -> None:
@@ -212,11 +210,10 @@ class TwoPhase:
                                    "it is prepared no longer and the rows show it done", what, gid)
                     return
                 if commit:
-                    reason = one_line(str(exc or err))
-                    raise RolledBack(
+                    raise RolledBack.lost(
                         f"the connection was lost at the commit of {gid}, which was rolled back "
-                        f"(by recovery): nothing of it committed: {reason}",
-                        reason=reason,
+                        "(by recovery): nothing of it committed",
+                        exc or err,
                     ) from err
                 raise TransactionError(
                     f"the connection was lost at the rollback of {gid}, which committed (its "
@@ -228,18 +225,12 @@ class TwoPhase:
             committed = link.recover(ops, reason=f"tpc end failed: {exc}")
             if committed is None and commit and ops:
                 # as a plain commit whose answer was lost (Transaction.commit)
-                link.record_ops_error(L.ERR_IN_DOUBT, ops)
-                raise InDoubt(
-                    f"commit outcome unknown: {one_line(str(exc or err))}",
-                    entries=in_flight(ops),
-                    backend=backend,
-                ) from err
+                raise self.txn.commit_in_doubt(ops, exc or err, backend) from err
             if committed is False:
-                reason = one_line(str(exc or err))
-                raise RolledBack(
+                raise RolledBack.lost(
                     f"the connection was lost at {'commit' if commit else 'rollback'} and the "
-                    f"rows show nothing of the transaction committed: {reason}",
-                    reason=reason,
+                    "rows show nothing of the transaction committed",
+                    exc or err,
                 ) from err
             if committed and commit:
                 logger.warning("ringq: commit answer lost, but the rows show it committed")

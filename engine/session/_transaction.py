@@ -173,21 +173,15 @@ class Transaction:
                 # past the lease
                 committed = False if any(op.kind == OpKind.DEQUEUE for op in ops) else None
             if committed is None:
-                link.record_ops_error(L.ERR_IN_DOUBT, ops)
-                raise InDoubt(
-                    f"commit outcome unknown: {one_line(str(exc))}",
-                    entries=in_flight(ops),
-                    backend=backend,
-                ) from exc
+                raise self.commit_in_doubt(ops, exc, backend) from exc
             if committed:
                 logger.warning("ringq: commit answer lost, but the rows show it committed")
                 return
             link.record_ops_error(L.ERR_COMMIT_FAILED, ops)
-            reason = one_line(str(exc))
-            raise RolledBack(
-                f"commit failed and was rolled back (the connection was lost; the rows show "
-                f"nothing of it committed: retry the transaction): {reason}",
-                reason=reason,
+            raise RolledBack.lost(
+                "commit failed and was rolled back (the connection was lost; the rows show "
+                "nothing of it committed: retry the transaction)",
+                exc,
             ) from exc
         # The server refused the commit (deferred constraint, serialization,
         # a row write that failed): rolled back, or to be rolled back when
@@ -200,6 +194,19 @@ class Transaction:
         if ops:
             link.record_ops_error(L.ERR_COMMIT_FAILED, ops)
         raise err
+
+    def commit_in_doubt(
+        self, ops: list[Op], cause: object, backend: tuple[int, int]
+    ) -> InDoubt:
+        """The commit of ``ops`` lost its answer (``cause``) and the rows do
+        not tell whether it ran: counted as an in-doubt error; returns the
+        error to raise (``backend``: the lost connection's, as ``InDoubt``)."""
+        self.link.record_ops_error(L.ERR_IN_DOUBT, ops)
+        return InDoubt(
+            f"commit outcome unknown: {one_line(str(cause))}",
+            entries=in_flight(ops),
+            backend=backend,
+        )
 
     def after_stale(self, err: StaleSection, writes: Sequence[Item]) -> None:
         """A row write of a commit did not match: roll back (no strikes: not
@@ -421,11 +428,10 @@ class Transaction:
         rows on a new connection, and raise."""
         committed = self.link.recover(ops, reason=f"rollback failed: {err.__cause__}")
         if committed is False:
-            reason = one_line(str(err.__cause__ or err))
-            raise RolledBack(
-                f"the connection was lost at rollback; the rows show nothing of the "
-                f"transaction committed: {reason}",
-                reason=reason,
+            raise RolledBack.lost(
+                "the connection was lost at rollback; the rows show nothing of the "
+                "transaction committed",
+                err.__cause__ or err,
             ) from err
         raise err
 
