@@ -283,13 +283,7 @@ class AsyncSession:
                                        trace)
 
         if key is None:
-            res.nonblocking = True
-            try:
-                return call()
-            except WouldBlock:
-                pass
-            finally:
-                res.nonblocking = False
+            return await self._reserve(call)
         return await self._blocking(call)
 
     async def enqueue_many(
@@ -326,6 +320,12 @@ class AsyncSession:
             return res.enqueue_many_checked(queue, items, group, timeout, delay, not_before,
                                             trace)
 
+        return await self._reserve(call)
+
+    async def _reserve(self, call: Callable[[], T]) -> T:
+        """``call`` (a reservation of slots) on the loop, where it does not
+        wait; where it would wait for a full queue, again in a thread."""
+        res = self._reservations
         res.nonblocking = True
         try:
             return call()
