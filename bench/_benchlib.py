@@ -1,6 +1,8 @@
 """What every benchmark in ``bench/`` does the same way.
 
 - :func:`argument_parser`: the options every benchmark has (``--dsn``, ``--out``).
+- :class:`RunNames`: the ringq queue, SKIP LOCKED table and log table of a run
+  that sets the two against each other.
 - :func:`database`: the database a run works in: the one given with ``--dsn``,
   or a private embedded PostgreSQL (``ringq.cluster.Cluster``, the same
   server settings as ``ringq db start``) under a temporary home, removed at the end.
@@ -30,12 +32,14 @@ import json
 import multiprocessing as mp
 import os
 import platform
+import secrets
 import shutil
 import signal
 import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from multiprocessing.connection import Connection
 from pathlib import Path
@@ -68,6 +72,23 @@ def argument_parser(description: str) -> argparse.ArgumentParser:
     p.add_argument("--dsn", help="run in this database instead of a private embedded cluster")
     p.add_argument("--out", type=Path, help="also write the JSON here")
     return p
+
+
+@dataclass(frozen=True)
+class RunNames:
+    """The objects a run that sets ringq against a SKIP LOCKED table creates:
+    the ``queue``, the ``table`` and the ``done`` table that consumers log
+    into (unique, so ``--dsn`` never touches anyone else's)."""
+
+    queue: str
+    table: str
+    done: str
+
+    @classmethod
+    def fresh(cls, queue: str, table: str, done: str) -> RunNames:
+        """Each name from its template, ``{}`` standing for a new random tag."""
+        tag = secrets.token_hex(4)
+        return cls(queue.format(tag), table.format(tag), done.format(tag))
 
 
 def config_from_options(cls: type[C], args: argparse.Namespace, **given: Any) -> C:

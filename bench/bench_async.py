@@ -35,16 +35,16 @@ import asyncio
 import cProfile
 import io
 import pstats
-import secrets
 import statistics
 import threading
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 import psycopg
-from _benchlib import argument_parser, machine, postgres_cpu_s, run_in_database
+from _benchlib import RunNames, argument_parser, machine, postgres_cpu_s, run_in_database
 from psycopg import sql
 from ringq.engine import connect, connect_async
 from ringq.scripting import QueueSpec, create_queue
@@ -66,23 +66,11 @@ class Config:
     profile: str | None = None
 
 
-@dataclass(frozen=True)
-class Names:
-    queue: str
-    table: str
-    done: str
-
-    @classmethod
-    def fresh(cls) -> Names:
-        tag = secrets.token_hex(4)
-        return cls(f"ba_q_{tag}", f"ba_skq_{tag}", f"ba_done_{tag}")
-
-
 def _q(template: str, *tables: str) -> sql.Composed:
     return sql.SQL(template).format(*[sql.Identifier(t) for t in tables])
 
 
-def setup(dsn: str, n: Names, cfg: Config) -> None:
+def setup(dsn: str, n: RunNames, cfg: Config) -> None:
     with psycopg.connect(dsn) as conn:
         create_queue(conn, QueueSpec(n.queue, max(4 * cfg.entries, 50_000), 512,
                                      dequeue_mode="shared"))
@@ -90,7 +78,7 @@ def setup(dsn: str, n: Names, cfg: Config) -> None:
         conn.execute(_q("CREATE TABLE {} (id bigint)", n.done))
 
 
-def fill(dsn: str, n: Names, kind: str, entries: int) -> None:
+def fill(dsn: str, n: RunNames, kind: str, entries: int) -> None:
     payload = b"x" * PAYLOAD
     if kind == "batch":
         with psycopg.connect(dsn) as conn:
@@ -106,7 +94,7 @@ def fill(dsn: str, n: Names, kind: str, entries: int) -> None:
             s.commit()
 
 
-def _threads(dsn: str, n: Names, cfg: Config, lat: list[int]) -> int:
+def _threads(dsn: str, n: RunNames, cfg: Config, lat: list[int]) -> int:
     insert = _q("INSERT INTO {} SELECT unnest(%s::bigint[])", n.done).as_string(None)
     sessions = [connect(dsn) for _ in range(cfg.consumers)]
     done = [0] * cfg.consumers
@@ -127,19 +115,11 @@ def _threads(dsn: str, n: Names, cfg: Config, lat: list[int]) -> int:
             s.commit()
             done[i] += len(ms)
 
-    threads = [threading.Thread(target=consume, args=(i,)) for i in range(cfg.consumers)]
-    for t in threads:
-        t.start()
-    _mark_start()
-    start.wait()
-    for t in threads:
-        t.join()
-    for s in sessions:
-        s.close()
+    _consume_in_threads(consume, start, sessions)
     return sum(done)
 
 
-def _coroutines(dsn: str, n: Names, cfg: Config, lat: list[int]) -> int:
+def _coroutines(dsn: str, n: RunNames, cfg: Config, lat: list[int]) -> int:
     insert = _q("INSERT INTO {} SELECT unnest(%s::bigint[])", n.done).as_string(None)
 
     async def main() -> int:
@@ -170,7 +150,7 @@ def _coroutines(dsn: str, n: Names, cfg: Config, lat: list[int]) -> int:
     return asyncio.run(main())
 
 
-def _batch(dsn: str, n: Names, cfg: Config, lat: list[int]) -> int:
+def _batch(dsn: str, n: RunNames, cfg: Config, lat: list[int]) -> int:
     take = _q("DELETE FROM {0} WHERE id IN (SELECT id FROM {0} ORDER BY id "
               "FOR UPDATE SKIP LOCKED LIMIT %s) RETURNING id, payload", n.table)
     insert = _q("INSERT INTO {} SELECT unnest(%s::bigint[])", n.done)
@@ -195,16 +175,29 @@ def _batch(dsn: str, n: Names, cfg: Config, lat: list[int]) -> int:
             conn.commit()
             done[i] += len(rows)
 
-    threads = [threading.Thread(target=consume, args=(i,)) for i in range(len(conns))]
+    _consume_in_threads(consume, start, conns)
+    return sum(done)
+
+
+class _Closable(Protocol):
+    def close(self) -> None: ...
+
+
+def _consume_in_threads(
+    consume: Callable[[int], None], start: threading.Barrier, clients: Sequence[_Closable]
+) -> None:
+    """``consume(i)`` in a thread for each of ``clients`` (its session or
+    connection); the clock starts once every thread waits at ``start``. The
+    clients are closed once every thread ended."""
+    threads = [threading.Thread(target=consume, args=(i,)) for i in range(len(clients))]
     for t in threads:
         t.start()
     _mark_start()
     start.wait()
     for t in threads:
         t.join()
-    for c in conns:
+    for c in clients:
         c.close()
-    return sum(done)
 
 
 _started: list[tuple[float, float, float]] = []
@@ -218,7 +211,7 @@ def _mark_start() -> None:
 RUNNERS = {"threads": _threads, "coroutines": _coroutines, "batch": _batch}
 
 
-def one_run(dsn: str, n: Names, cfg: Config, kind: str,
+def one_run(dsn: str, n: RunNames, cfg: Config, kind: str,
             profile: cProfile.Profile | None = None) -> dict[str, Any]:
     fill(dsn, n, kind, cfg.entries)
     lat: list[int] = []
@@ -251,7 +244,7 @@ def one_run(dsn: str, n: Names, cfg: Config, kind: str,
     }
 
 
-def run(dsn: str, cfg: Config, names: Names) -> dict[str, Any]:
+def run(dsn: str, cfg: Config, names: RunNames) -> dict[str, Any]:
     setup(dsn, names, cfg)
     one_run(dsn, names, Config(entries=2000, consumers=4), "threads")  # warm-up (untimed)
     rounds: list[list[dict[str, Any]]] = []
@@ -321,7 +314,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     cfg = Config(args.entries, args.consumers, args.take, args.batch, args.batch_consumers,
                  args.work_ms, args.rounds, args.profile)
-    names = Names.fresh()
+    names = RunNames.fresh("ba_q_{}", "ba_skq_{}", "ba_done_{}")
 
     def cleanup(dsn: str, embedded: bool) -> None:
         if embedded:

@@ -52,7 +52,7 @@ from typing import Any, Protocol
 
 import numpy as np
 import psycopg
-from _benchlib import argument_parser, cpu_load, drop_queues, machine, run_in_database
+from _benchlib import RunNames, argument_parser, cpu_load, drop_queues, machine, run_in_database
 from _benchlib import server_settings as settings_of
 from psycopg import sql
 from psycopg.conninfo import make_conninfo
@@ -94,20 +94,6 @@ class Config:
     wait: float
     poll_ms: float
     statement_timeout: float
-
-
-@dataclass(frozen=True)
-class Names:
-    """The objects one run creates (unique, so ``--dsn`` never touches anyone else's)."""
-
-    queue: str
-    table: str
-    done: str
-
-    @classmethod
-    def fresh(cls) -> Names:
-        tag = secrets.token_hex(4)
-        return cls(queue=f"bench_{tag}_jobs", table=f"skq_{tag}_jobs", done=f"jobs_{tag}_done")
 
 
 # -- the contenders: the same four operations each ----------------------------------------------
@@ -381,7 +367,7 @@ def pass_through(side: Contender, entries: int, payload: bytes) -> None:
                 pass
 
 
-def run(dsn: str, cfg: Config, names: Names) -> dict[str, Any]:
+def run(dsn: str, cfg: Config, names: RunNames) -> dict[str, Any]:
     payload = secrets.token_bytes(cfg.payload)
     with psycopg.connect(dsn, autocommit=True) as admin:
         create_queue(
@@ -509,7 +495,7 @@ def render(raw: dict[str, Any], summary: dict[str, Any], cfg: Config, seconds: f
     return "\n".join(lines)
 
 
-def cleanup(dsn: str, names: Names, *, embedded: bool) -> None:
+def cleanup(dsn: str, names: RunNames, *, embedded: bool) -> None:
     drop_queues(dsn, [names.queue], embedded=embedded, tables=[names.table, names.done])
 
 
@@ -562,7 +548,7 @@ def main(argv: list[str] | None = None) -> int:
     cfg = Config(a.duration, a.consumers, a.rounds, a.take, a.produce_batch, a.ready, a.capacity,
                  a.max_payload, a.payload, a.work_ms, a.wait, a.poll_ms,
                  a.statement_timeout)  # fmt: skip
-    names = Names.fresh()
+    names = RunNames.fresh("bench_{}_jobs", "skq_{}_jobs", "jobs_{}_done")
     return run_in_database(
         "jobs",
         a,
