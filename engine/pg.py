@@ -18,6 +18,7 @@ The functions are defined in ``ringq/engine/driver/pg.py``.
 from __future__ import annotations
 
 from .driver.pg import (
+    FULL_SQLSTATE,
     STALE_SQLSTATE,
     UNIQUE_VIOLATION,
     Params,
@@ -30,6 +31,7 @@ from .driver.pg import (
 )
 
 __all__ = [
+    "FULL_SQLSTATE",
     "STALE_SQLSTATE",
     "UNIQUE_VIOLATION",
     "Params",

@@ -15,13 +15,14 @@ SELECT (SELECT value FROM ringq.meta WHERE key = 'instance_id'),
 -- adds them; the three-argument ringq.enqueue() comes with the msg_group
 -- columns, the retry columns with the rings' not_before, the four-argument
 -- one with the inbox's not_before, the rings' trace column with the
--- exceptions'); then the database's history (see history); then the database's clock (us).
+-- exceptions', ringq.room with the SQL producers' room check); then the database's history (see history); then the database's clock (us).
 SELECT (SELECT value FROM ringq.meta WHERE key = 'instance_id'),
        (SELECT value FROM ringq.meta WHERE key = 'schema_version'),
        pg_backend_pid(),
        to_regprocedure('ringq.expect_rows(integer, integer, text)') IS NOT NULL
            AND to_regprocedure('ringq.enqueue(text, bytea, text)') IS NOT NULL
            AND to_regprocedure('ringq.enqueue(text, bytea, text, timestamptz)') IS NOT NULL
+           AND to_regclass('ringq.room') IS NOT NULL
            AND EXISTS (SELECT 1 FROM pg_attribute WHERE attrelid = 'ringq.queues'::regclass
                        AND attname = 'retry_delay' AND NOT attisdropped)
            AND EXISTS (SELECT 1 FROM pg_attribute WHERE attrelid = 'ringq.exceptions'::regclass

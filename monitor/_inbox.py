@@ -56,6 +56,7 @@ def pump_inbox(
     skip: Collection[str] = (),
     full: dict[str, int] | None = None,
     session: Session | None = None,
+    published: dict[int, int] | None = None,
 ) -> dict[str, int]:
     """Move entries enqueued through ``ringq.enqueue()`` into their rings, in inbox order;
     returns {queue: entries moved}. ``session``: a linked session kept by the
@@ -71,19 +72,29 @@ def pump_inbox(
     for it keeps them in the inbox (its batch rolled back, nothing lost), is
     added to ``full`` ({name: queue id}) and is left for a later call; the
     other queues go on. Queues named in ``skip`` are not looked at.
+
+    At the end of a pass it publishes, for the queues loaded in the section,
+    the ring's free slots in ``ringq.room`` (what ringq.enqueue()'s room check
+    reads; only those that changed since ``published``, {queue id: free},
+    which the caller keeps between passes, else all) and the inbox's entries
+    waiting in the section's ``Q_INBOX`` (what ``Session.stats()`` adds to
+    the depth): 0 for all when the pass drained the inbox, else counted.
     """
     if session is None:
         with connect_step(dsn) as conn:  # no session (a client entry) when nothing waits
             pending = conn.execute(Qy.INBOX_PENDING, (list(skip),)).fetchall()
-        if not pending:
+            # (room freed since the last pass is published even with nothing to move)
+            short = pending or conn.execute(Qy.ROOM_SHORT).fetchone() == (True,)
+        if not short:
             return {}
         with connect(dsn) as s:
-            return _pump(s, batch, skip, full)
-    return _pump(session, batch, skip, full)
+            return _pump(s, batch, skip, full, published)
+    return _pump(session, batch, skip, full, published)
 
 
 def _pump(
-    s: Session, batch: int, skip: Collection[str], full: dict[str, int] | None
+    s: Session, batch: int, skip: Collection[str], full: dict[str, int] | None,
+    published: dict[int, int] | None = None,
 ) -> dict[str, int]:
     """Move the inbox's entries with ``s``, a batch a transaction: each
     batch's statement finds its queue, locks it and takes the entries
@@ -93,6 +104,7 @@ def _pump(
     sec = s.section  # the process's attachment: the ring enqueue_many reserves in
     passed = set(skip)  # and the queues done with (drained, or full)
     closed: list[int] = []
+    drained = False  # the pass ended with no entry waiting for any queue
     while True:
         # None: dropped since (not loaded): a whole batch, enqueue_many loads it
         rooms = {qid: room for qid in _loaded(sec) if (room := queue_room(sec, qid)) is not None}
@@ -126,6 +138,7 @@ def _pump(
         if len(rows) < limit:
             if not others:
                 closed = []  # none of them has entries waiting either
+                drained = not skip  # (a queue skipped may still have some)
                 break  # drained, and no other queue had entries: done
             passed.add(name)  # drained: the next statement looks at the others
     if full is not None and closed:
@@ -135,7 +148,36 @@ def _pump(
         ).fetchall():
             full[name] = qid
         s.commit()  # a read only (see above)
+    _publish(s, sec, drained, published)
     return moved
+
+
+def _publish(s: Session, sec: Section, drained: bool, published: dict[int, int] | None) -> None:
+    """After a pass: the free slots of the queues loaded in ``sec`` into
+    ``ringq.room`` (those that changed since ``published``, which is brought
+    up to date), and the inbox's entries waiting for them into their blocks'
+    ``Q_INBOX`` (0 for all when the pass ``drained`` the inbox, else one count
+    of the inbox's rows for them: few, since ringq.enqueue() lets in only
+    what the room holds)."""
+    blocks = {int(sec.q(qidx, L.Q_QID)): qidx for qidx in sec.loaded_queues()}
+    frees = {qid: room for qid in blocks if (room := queue_room(sec, qid)) is not None}
+    changed = {qid: room for qid, room in frees.items()
+               if published is None or published.get(qid) != room}
+    waiting: dict[int, int] = {}
+    if changed:
+        s.connection.execute(Qy.ROOM_PUBLISH, {"ids": _int_array(changed),
+                                               "frees": _int_array(changed.values())})
+    if not drained and blocks:
+        waiting = {int(qid): int(n) for qid, n in s.connection.execute(
+            Qy.INBOX_COUNTS, {"ids": _int_array(blocks)}).fetchall()}
+    if changed or not drained:
+        s.commit()
+    if published is not None:
+        published.update(changed)
+        for qid in [q for q in published if q not in frees]:
+            del published[qid]
+    for qid, qidx in blocks.items():
+        sec.set_inbox(qidx, waiting.get(qid, 0))
 
 
 def _int_array(values: Iterable[int]) -> str:

@@ -55,6 +55,8 @@ class Pump:
         # enqueue's way to its consumer); made again after a failure or a new DSN.
         self._session: Session | None = None
         self._session_dsn = ""
+        # {queue id: free slots} last written to ringq.room (rewritten only on change)
+        self._published: dict[int, int] = {}
 
     def _linked(self) -> Session:
         dsn = self._settings().dsn
@@ -72,6 +74,7 @@ class Pump:
     def close(self) -> None:
         """Close the kept session (the monitor stops, or a pump failed)."""
         session, self._session = self._session, None
+        self._published.clear()  # written again in full by the next session's pass
         if session is not None:
             with contextlib.suppress(Exception):
                 session.close()
@@ -83,7 +86,7 @@ class Pump:
         skip = () if self._retry_full else tuple(inbox.full)
         try:
             moved = pump_inbox(self._settings().dsn, skip=skip, full=full,
-                               session=self._linked())
+                               session=self._linked(), published=self._published)
         except BaseException:
             self.close()
             # Retried by the next sample's pump; until then NOTIFYs only mark it due.

@@ -31,6 +31,9 @@ INBOX_FULL: Final = _Q["inbox_full"]
 PUMP_ASYNC_COMMIT: Final = _Q["pump_async_commit"]
 INBOX_NEXT: Final = _Q["inbox_next"]
 INBOX_REFUSE: Final = _Q["inbox_refuse"]
+ROOM_PUBLISH: Final = _Q["room_publish"]
+INBOX_COUNTS: Final = _Q["inbox_counts"]
+ROOM_SHORT: Final = _Q["room_short"]
 # idempotency-key pruning
 KEYS_QUEUES: Final = _Q["keys_queues"]
 KEYS_PRUNE: Final = _Q["keys_prune"]  # {table}

@@ -198,3 +198,27 @@ LISTEN {channel}
 -- move and the inbox delete are one transaction), to be moved again; the
 -- section's stale bits cost a re-read, never a loss or a duplicate.
 SET synchronous_commit = off
+
+-- room_publish --
+-- The ring's free slots of these queues as the pump sees them in the section
+-- now (arrays of ids and free slots), for ringq.enqueue()'s room check
+-- (ringq.make_room, scripting/ddl.sql); a row is written only when its
+-- figure changed, and only for a queue that still exists.
+INSERT INTO ringq.room (queue_id, free, at)
+SELECT r.qid, r.free, now()
+FROM unnest(%(ids)s::integer[], %(frees)s::integer[]) AS r(qid, free)
+WHERE EXISTS (SELECT 1 FROM ringq.queues q WHERE q.id = r.qid)
+ON CONFLICT (queue_id) DO UPDATE SET free = excluded.free, at = excluded.at
+WHERE ringq.room.free IS DISTINCT FROM excluded.free
+
+-- inbox_counts --
+-- Entries waiting in the inbox for these queues (ids), for the section's
+-- Q_INBOX: read along inbox_queue_id_id, at most what the room check let in.
+SELECT i.queue_id, count(*) FROM ringq.inbox i
+WHERE i.queue_id = ANY(%(ids)s::integer[]) GROUP BY i.queue_id
+
+-- room_short --
+-- Whether a queue's published room is short of its capacity (a pump made
+-- for one call must then publish it again, even with nothing to move).
+SELECT EXISTS (SELECT 1 FROM ringq.room r JOIN ringq.queues q ON q.id = r.queue_id
+               WHERE r.free < q.capacity)

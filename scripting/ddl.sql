@@ -131,6 +131,18 @@ ALTER TABLE ringq.inbox ADD COLUMN IF NOT EXISTS msg_group text;
 -- four-argument ringq.enqueue() created with it below.
 ALTER TABLE ringq.inbox ADD COLUMN IF NOT EXISTS not_before timestamptz;
 CREATE INDEX IF NOT EXISTS inbox_queue_id_id ON ringq.inbox (queue_id, id);
+-- The room SQL producers may fill: per queue, the ring's free slots as the
+-- monitor's inbox pump last saw them in the global section (written at the
+-- end of a pump pass when it changed). ringq.enqueue() refuses an entry
+-- (SQLSTATE RQ002) when free minus the inbox's entries waiting for the queue
+-- leaves no room for it (docs/design.md, "A full queue for SQL producers").
+-- Added after schema version 1 without a version bump, like lease; for a
+-- queue without a row (no pump has looked at it yet) the ring's rows are read.
+CREATE TABLE IF NOT EXISTS ringq.room (
+    queue_id integer PRIMARY KEY,
+    free     integer NOT NULL,
+    at       timestamptz NOT NULL DEFAULT now()
+);
 
 -- Poison entries ("three strikes") and why they were moved.
 CREATE TABLE IF NOT EXISTS ringq.exceptions (
@@ -208,31 +220,21 @@ BEGIN
 END
 $ringq$;
 
--- ringq.enqueue(queue, payload[, msg_group[, not_before]]): the SQL API for
--- clients that cannot link the library. Returns the inbox id; the entry
--- reaches the ring in inbox order, in group msg_group (NULL: none), due at
--- not_before (NULL, or a time already past: at once): it is committed then,
--- but no consumer receives it before that time (the library's
--- enqueue(not_before=)). Three functions, not one with defaults: a schema
--- script of an earlier version may create the shorter ones again, and then a
--- call would match two.
-CREATE OR REPLACE FUNCTION ringq.enqueue(
-    queue text, payload bytea, msg_group text, not_before timestamptz
+-- ringq.check_entry(q, payload, msg_group, not_before): what the library
+-- would refuse in an entry, refused before it reaches the inbox.
+CREATE OR REPLACE FUNCTION ringq.check_entry(
+    q ringq.queues, payload bytea, msg_group text, not_before timestamptz
 )
-RETURNS bigint
+RETURNS void
 LANGUAGE plpgsql
 AS $ringq$
-DECLARE
-    q  ringq.queues;
-    id bigint;
 BEGIN
-    q := ringq.queue_of(queue);
     IF payload IS NULL THEN
         RAISE EXCEPTION 'ringq: payload must not be NULL' USING ERRCODE = 'null_value_not_allowed';
     END IF;
     IF octet_length(payload) > q.max_payload THEN
         RAISE EXCEPTION 'ringq: payload of % bytes exceeds queue "%" max_payload %',
-            octet_length(payload), queue, q.max_payload USING ERRCODE = 'string_data_right_truncation';
+            octet_length(payload), q.name, q.max_payload USING ERRCODE = 'string_data_right_truncation';
     END IF;
     -- UTF-8 bytes, as the library counts them, whatever the database's encoding
     -- (a group the library would refuse must not reach the inbox's pump)
@@ -246,6 +248,69 @@ BEGIN
         RAISE EXCEPTION 'ringq: not_before must be NULL (at once) or a finite time, not %',
             not_before USING ERRCODE = 'invalid_parameter_value';
     END IF;
+END
+$ringq$;
+
+-- ringq.make_room(q, n): raises RQ002 when queue q has no room for n more
+-- entries from SQL producers: the ring's free slots as the pump last
+-- published them (ringq.room; until then, the ring's rows) minus the inbox's
+-- entries waiting for q (counted only up to that room: a read of at most
+-- free + 1 index entries). Two producers may both pass on the last slots (a
+-- check reads committed rows): the overshoot is bounded by the entries of
+-- enqueues in flight at once, plus the slots taken since the pump's last
+-- pass; the pump moves what the ring takes and leaves the rest waiting.
+CREATE OR REPLACE FUNCTION ringq.make_room(q ringq.queues, n integer)
+RETURNS void
+LANGUAGE plpgsql
+AS $ringq$
+DECLARE
+    free    bigint;
+    waiting bigint;
+BEGIN
+    SELECT r.free INTO free FROM ringq.room r WHERE r.queue_id = q.id;
+    IF free IS NULL THEN
+        -- not published yet: the ring's rows say (a read of the ring)
+        EXECUTE format('SELECT count(*) FROM ringq.%I WHERE state = 1', 'q_' || q.name) INTO free;
+        free := q.capacity - free;
+    END IF;
+    IF free >= n THEN
+        SELECT count(*) INTO waiting FROM (
+            SELECT 1 FROM ringq.inbox i WHERE i.queue_id = q.id LIMIT free - n + 1) w;
+        IF waiting <= free - n THEN
+            RETURN;
+        END IF;
+    ELSE
+        waiting := 0;
+    END IF;
+    RAISE EXCEPTION 'ringq: queue "%" is full for SQL producers: % free slots, % entries waiting in the inbox, % more refused',
+        q.name, free, waiting, n
+        USING ERRCODE = 'RQ002', SCHEMA = 'ringq', TABLE = 'q_' || q.name,
+              HINT = 'Nothing was enqueued; retry once consumers have freed room (the monitor publishes it at each pump pass), or give the queue a larger capacity.';
+END
+$ringq$;
+
+-- ringq.enqueue(queue, payload[, msg_group[, not_before]]): the SQL API for
+-- clients that cannot link the library. Returns the inbox id; the entry
+-- reaches the ring in inbox order, in group msg_group (NULL: none), due at
+-- not_before (NULL, or a time already past: at once): it is committed then,
+-- but no consumer receives it before that time (the library's
+-- enqueue(not_before=)). A queue with no room for it raises RQ002
+-- (ringq.make_room). Three functions, not one with defaults: a schema
+-- script of an earlier version may create the shorter ones again, and then a
+-- call would match two.
+CREATE OR REPLACE FUNCTION ringq.enqueue(
+    queue text, payload bytea, msg_group text, not_before timestamptz
+)
+RETURNS bigint
+LANGUAGE plpgsql
+AS $ringq$
+DECLARE
+    q  ringq.queues;
+    id bigint;
+BEGIN
+    q := ringq.queue_of(queue);
+    PERFORM ringq.check_entry(q, payload, msg_group, not_before);
+    PERFORM ringq.make_room(q, 1);
     INSERT INTO ringq.inbox (queue_id, payload, msg_group, not_before)
     VALUES (q.id, payload, msg_group, not_before)
     RETURNING inbox.id INTO id;
@@ -253,6 +318,59 @@ BEGIN
     RETURN id;
 END
 $ringq$;
+
+-- ringq.enqueue_many(queue, payloads bytea[][, msg_group[, not_before]]): a
+-- batch in one statement, in array order (consecutive inbox ids), every entry
+-- in group msg_group and due at not_before; returns the inbox ids. All or
+-- nothing: each payload is checked as ringq.enqueue() checks one, and the
+-- queue must have room for the whole batch (one check, RQ002). Named apart
+-- from ringq.enqueue: an overload on bytea[] would make ringq.enqueue('q',
+-- '\x01') (an untyped literal) ambiguous.
+CREATE OR REPLACE FUNCTION ringq.enqueue_many(
+    queue text, payloads bytea[], msg_group text, not_before timestamptz
+)
+RETURNS bigint[]
+LANGUAGE plpgsql
+AS $ringq$
+DECLARE
+    q   ringq.queues;
+    p   bytea;
+    n   integer := coalesce(cardinality(payloads), 0);
+    ids bigint[];
+BEGIN
+    q := ringq.queue_of(queue);
+    IF payloads IS NULL OR array_ndims(payloads) > 1 THEN
+        RAISE EXCEPTION 'ringq: payloads must be a one-dimensional array of bytea'
+            USING ERRCODE = 'invalid_parameter_value';
+    END IF;
+    IF n = 0 THEN
+        RETURN '{}'::bigint[];
+    END IF;
+    FOREACH p IN ARRAY payloads LOOP
+        PERFORM ringq.check_entry(q, p, msg_group, not_before);
+    END LOOP;
+    PERFORM ringq.make_room(q, n);
+    WITH ins AS (
+        INSERT INTO ringq.inbox (queue_id, payload, msg_group, not_before)
+        SELECT q.id, x.p, msg_group, not_before
+        FROM unnest(payloads) WITH ORDINALITY AS x(p, o) ORDER BY x.o
+        RETURNING inbox.id
+    )
+    SELECT array_agg(ins.id ORDER BY ins.id) INTO ids FROM ins;
+    PERFORM pg_notify('ringq_inbox', queue);
+    RETURN ids;
+END
+$ringq$;
+
+CREATE OR REPLACE FUNCTION ringq.enqueue_many(queue text, payloads bytea[], msg_group text)
+RETURNS bigint[]
+LANGUAGE sql
+AS $ringq$ SELECT ringq.enqueue_many(queue, payloads, msg_group, NULL::timestamptz) $ringq$;
+
+CREATE OR REPLACE FUNCTION ringq.enqueue_many(queue text, payloads bytea[])
+RETURNS bigint[]
+LANGUAGE sql
+AS $ringq$ SELECT ringq.enqueue_many(queue, payloads, NULL::text, NULL::timestamptz) $ringq$;
 
 CREATE OR REPLACE FUNCTION ringq.enqueue(queue text, payload bytea, msg_group text)
 RETURNS bigint
@@ -674,10 +792,14 @@ DO $ringq$ BEGIN PERFORM pg_advisory_xact_lock(hashtext('ringq.ddl')); END $ring
 DELETE FROM ringq.keys WHERE queue_id = (SELECT id FROM ringq.queues WHERE name = {name});
 DELETE FROM ringq.inbox WHERE queue_id = (SELECT id FROM ringq.queues WHERE name = {name});
 DELETE FROM ringq.exceptions WHERE queue_id = (SELECT id FROM ringq.queues WHERE name = {name});
--- (ringq.offers: a schema older than SQL consumers has none)
+-- (ringq.offers, ringq.room: a schema older than SQL consumers, or than the
+-- room check, has none)
 DO $ringq$ BEGIN
     IF to_regclass('ringq.offers') IS NOT NULL THEN
         DELETE FROM ringq.offers WHERE queue_id = (SELECT id FROM ringq.queues WHERE name = {name});
+    END IF;
+    IF to_regclass('ringq.room') IS NOT NULL THEN
+        DELETE FROM ringq.room WHERE queue_id = (SELECT id FROM ringq.queues WHERE name = {name});
     END IF;
     EXECUTE format('DROP FUNCTION IF EXISTS ringq.%I(integer)', 'dq_' || {name});
 END $ringq$;

@@ -24,6 +24,7 @@ from .errors import (
     DatabaseError,
     DatabaseUnavailable,
     QueueExists,
+    QueueFull,
     QueueNotFound,
     RingqError,
     SchemaMissing,
@@ -57,6 +58,9 @@ _CONFLICT_STATES = frozenset({"40001", "40P01", "55P03"})
 # A deferred row write found its row not as the global section said
 # (ringq.expect_rows, scripting/ddl.sql): retry the transaction.
 STALE_SQLSTATE = "RQ001"
+# ringq.enqueue() / ringq.enqueue_many() found no room in the queue for a
+# SQL producer's entries (ringq.make_room, scripting/ddl.sql): QueueFull.
+FULL_SQLSTATE = "RQ002"
 # The statement itself is refused: the same call fails the same way.
 _REJECTED_CLASSES = ("22", "23", "42", "54")
 
@@ -94,7 +98,8 @@ def from_psycopg(
     :class:`DatabaseUnavailable`; 40001, 40P01, 55P03 (serialization,
     deadlock, lock not available) -> :class:`TransactionConflict`; 22, 23,
     42, 54 (data, integrity, syntax/access, limits) -> :class:`StatementRejected`;
-    RQ001 (a guarded row write did not match) -> :class:`StaleSection`.
+    RQ001 (a guarded row write did not match) -> :class:`StaleSection`;
+    RQ002 (ringq.enqueue() found the queue full) -> :class:`QueueFull`.
     A driver error without a code (refused connection, lost connection) is
     :class:`DatabaseUnavailable`; any other is :class:`DatabaseError`.
 
@@ -148,6 +153,9 @@ def _mapped(
     if state == STALE_SQLSTATE:
         table = getattr(getattr(exc, "diag", None), "table_name", None) or ""
         return stale_section(table.removeprefix("q_") or queue)
+    if state == FULL_SQLSTATE:
+        table = getattr(getattr(exc, "diag", None), "table_name", None) or ""
+        return QueueFull(_primary(exc), queue=table.removeprefix("q_") or queue)
     conflict = state is not None and (
         state in _CONFLICT_STATES or (state[:2] == "40" and state != "40002")
     )

@@ -513,6 +513,10 @@ class Section(ClientTable):
         """Retire the block of a queue dropped from the database; its space is reused."""
         self.queues[qidx * L.QUEUE_WORDS + L.Q_STATE] = L.QS_DROPPED
 
+    def set_inbox(self, qidx: int, waiting: int) -> None:
+        """Queue block ``qidx``'s SQL inbox entries waiting (``Q_INBOX``), as the pump counted."""
+        self.queues[qidx * L.QUEUE_WORDS + L.Q_INBOX] = max(0, int(waiting))
+
     # -- leases -------------------------------------------------------------------
 
     def set_lease(self, qidx: int, lease_s: float) -> None:

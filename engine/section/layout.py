@@ -20,7 +20,8 @@ from __future__ import annotations
 # 6: Q_WAIT_WANT (what sleeping dequeuers want; older clients would not keep it)
 # 7: queue blocks of 160 words: the enqueue-to-dequeue wait (Q_WAIT_US, Q_WAIT_HIST)
 # 8: entries that wait (the DUE array after GROUP, Q_N_WAITING, Q_NEXT_DUE_US, H_DB_CLOCK_US)
-LAYOUT_VERSION = 8
+# 9: Q_INBOX (the SQL inbox's entries waiting for the queue, as the pump counted them)
+LAYOUT_VERSION = 9
 MAGIC = 0x52494E47_51534543  # "RINGQSEC"
 
 MAX_QUEUES = 128
@@ -136,6 +137,11 @@ Q_NEXT_DUE_US = 47
 # agent asked for it while a linked dequeuer held it (turns between the kinds;
 # short, so an agent that dies holds nobody back for long).
 Q_SQL_ASKS_ROLE_NS = 48
+# Entries SQL producers put on (ringq.enqueue) still waiting in ringq.inbox
+# for the queue, as the monitor's inbox pump last counted them (at the end of
+# each pass; 0 when it drained them): Session.stats()'s "inbox", included in
+# its "depth", as ringq.depth() includes them.
+Q_INBOX = 49
 Q_ENQ_HIST = 64  # HIST_BUCKETS words
 Q_DEQ_HIST = 96  # HIST_BUCKETS words
 # HIST_BUCKETS words, bucketed as the call latencies: the waits of consumed

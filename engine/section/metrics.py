@@ -17,7 +17,10 @@ from . import layout as L
 from ._section import Section
 
 CAPACITY: Final = "capacity"
-DEPTH: Final = "depth"  # committed entries not yet consumed
+# committed entries not yet consumed: ready in the ring, and waiting in the
+# SQL inbox (INBOX) as the pump last counted them, as ringq.depth() counts
+DEPTH: Final = "depth"
+INBOX: Final = "inbox"  # entries SQL producers put on, still in ringq.inbox (Q_INBOX)
 HEAD: Final = "head"
 TAIL: Final = "tail"
 ENQUEUED: Final = "enqueued"  # enqueue calls
@@ -65,6 +68,7 @@ _WORDS: Final = {
     WAIT_READY: L.Q_WAIT_READY,
     WAIT_SPACE: L.Q_WAIT_SPACE,
     GROUP_SKIPS: L.Q_N_GROUP_SKIPS,
+    INBOX: L.Q_INBOX,
 }
 
 HIST_BUCKETS: Final = L.HIST_BUCKETS
@@ -72,7 +76,9 @@ HIST_BUCKETS: Final = L.HIST_BUCKETS
 
 def queue_stats(sec: Section, qidx: int) -> dict[str, int]:
     base = qidx * L.QUEUE_WORDS
-    return {key: int(sec.queues[base + word]) for key, word in _WORDS.items()}
+    stats = {key: int(sec.queues[base + word]) for key, word in _WORDS.items()}
+    stats[DEPTH] += stats[INBOX]
+    return stats
 
 
 def due_figures(sec: Section, qidx: int) -> dict[str, float]:
