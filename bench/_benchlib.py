@@ -18,6 +18,8 @@
 - :func:`write_results`: the JSON results, under ``bench/results/`` and ``--out``.
 - :func:`run_together`: child processes forked, started at one moment, their
   results collected.
+- :class:`TimedRound`: a producer thread and consumer threads started at one
+  moment and timed for a duration, a thread's failure stopping the others.
 
 Each script imports it as ``_benchlib`` (a script's own folder is first on
 ``sys.path``).
@@ -37,6 +39,7 @@ import shutil
 import signal
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -356,3 +359,82 @@ def expect(pipe: Connection, what: str, timeout: float, who: str = "a process") 
     if got != what:
         raise RuntimeError(f"{who} failed: {detail}")
     return detail
+
+
+class TimedRound:
+    """A producer thread and ``consumers`` consumer threads, timed for
+    ``duration`` s from their common start: each body calls
+    ``barrier.wait()`` once ready, runs until ``stop`` is set, and times
+    what it does against ``clock["end"]`` (``clock``: ``start`` and ``end``,
+    ``time.monotonic_ns()``, set when every thread and the main one are
+    ready; ``at_start`` runs then too). A thread's failure stops the others
+    and is raised by :meth:`run`."""
+
+    def __init__(
+        self, consumers: int, duration: float, at_start: Callable[[], None] | None = None
+    ) -> None:
+        self.clock: dict[str, int] = {}
+        self.stop = threading.Event()
+        self.errors: list[BaseException] = []
+        self._duration = duration
+        self._at_start = at_start
+        self.barrier = threading.Barrier(consumers + 2, action=self._started)
+
+    def _started(self) -> None:
+        self.clock["start"] = time.monotonic_ns()
+        self.clock["end"] = self.clock["start"] + int(self._duration * 1e9)
+        if self._at_start is not None:
+            self._at_start()
+
+    def _guarded(self, body: Callable[[], None]) -> Callable[[], None]:
+        def run() -> None:
+            try:
+                body()
+            except BaseException as exc:  # surfaced by the main thread
+                self.errors.append(exc)
+                self.stop.set()
+                self.barrier.abort()
+                raise
+
+        return run
+
+    def run(
+        self,
+        bodies: Sequence[Callable[[], None]],
+        *,
+        join_s: float,
+        unit: str,
+        name: str,
+        started: Callable[[], None] | None = None,
+        ended: Callable[[], None] | None = None,
+        stopped: Callable[[], None] | None = None,
+    ) -> None:
+        """Start a thread per body (the producer and the consumers), wait for
+        the common start, run ``started``, sleep to the end, run ``ended``;
+        then set ``stop``, run ``stopped`` and join the threads (for
+        ``join_s`` s at the most). Raises if a thread failed or is still
+        busy (``unit``: "row", "round"; ``name``: the one that failed)."""
+        threads = [threading.Thread(target=self._guarded(b), daemon=True) for b in bodies]
+        for th in threads:
+            th.start()
+        try:
+            self.barrier.wait(timeout=120)
+            if started is not None:
+                started()
+            time.sleep(max(0.0, (self.clock["end"] - time.monotonic_ns()) / 1e9))
+            if ended is not None:
+                ended()
+        except threading.BrokenBarrierError:
+            if not self.errors:
+                self.errors.append(RuntimeError("the threads were not all ready within 120 s"))
+        finally:
+            self.stop.set()
+            if stopped is not None:
+                stopped()
+            deadline = time.monotonic() + join_s
+            for th in threads:
+                th.join(max(0.0, deadline - time.monotonic()))
+        if any(th.is_alive() for th in threads):
+            self.errors.append(RuntimeError(f"threads still busy long after the end of the {unit}"))
+        if self.errors:
+            raise RuntimeError(f"{name}: a thread failed: {self.errors[0]!r}") from self.errors[0]

@@ -93,7 +93,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from datetime import UTC, datetime
 from functools import partial
@@ -103,6 +103,7 @@ from typing import Any
 import numpy as np
 import psycopg
 from _benchlib import (
+    TimedRound,
     argument_parser,
     config_from_options,
     cpu_load,
@@ -239,27 +240,8 @@ def timed_row(side: Side, probe: Probe, kind: str) -> dict[str, Any]:
     empty_takes = [0] * n
     retries = [0] * n
     enqueued = [0]
-    clock: dict[str, int] = {}
-    stop = threading.Event()
-    errors: list[BaseException] = []
-
-    def started() -> None:
-        clock["start"] = time.monotonic_ns()
-        clock["end"] = clock["start"] + int(cfg.duration * 1e9)
-
-    barrier = threading.Barrier(n + 2, action=started)
-
-    def guarded(body: Callable[[], None]) -> Callable[[], None]:
-        def run() -> None:
-            try:
-                body()
-            except BaseException as exc:  # surfaced by the main thread
-                errors.append(exc)
-                stop.set()
-                barrier.abort()
-                raise
-
-        return run
+    timed = TimedRound(n, cfg.duration)
+    clock, stop, barrier = timed.clock, timed.stop, timed.barrier
 
     def produce() -> None:
         next_id = 0
@@ -303,40 +285,27 @@ def timed_row(side: Side, probe: Probe, kind: str) -> dict[str, Any]:
                     done_in_time[who] += len(got)
             retries[who] = c.retries
 
-    threads = [threading.Thread(target=guarded(produce), daemon=True)]
-    threads += [threading.Thread(target=guarded(partial(consume, w)), daemon=True)
-                for w in range(n)]  # fmt: skip
     sampler = Sampler(dsn, sample_queue, cfg.sample_s)
     agent = (ProtoAgent(side, cfg.agent_ms / 1000, reserve=side.producer_kind == "sqlr")
              if row in PROTOTYPES and side.consumer_kind == "chunk" else None)
     if agent is not None:
         agent.start()
-    for th in threads:
-        th.start()
-    r0: Reading | None = None
-    r1: Reading | None = None
+    readings: list[Reading] = []
     depths: dict[str, Any] = {}
-    try:
-        barrier.wait(timeout=120)
+
+    def row_started() -> None:
         probe.reset_statements()
-        r0 = probe.read()
+        readings.append(probe.read())
         sampler.start()
-        time.sleep(max(0.0, (clock["end"] - time.monotonic_ns()) / 1e9))
-        r1 = probe.read()
-        depths = end_depths(side, probe.conn, enqueued[0] - sum(took))
-    except threading.BrokenBarrierError:
-        pass
-    finally:
-        stop.set()
-        sampler.stop()
-        deadline = time.monotonic() + cfg.statement_timeout + 30.0
-        for th in threads:
-            th.join(max(0.0, deadline - time.monotonic()))
-    if any(th.is_alive() for th in threads):
-        errors.append(RuntimeError("threads still busy long after the end of the row"))
-    if errors:
-        raise RuntimeError(f"row {row}: a thread failed: {errors[0]!r}") from errors[0]
-    assert r0 is not None and r1 is not None
+
+    def row_ended() -> None:
+        readings.append(probe.read())
+        depths.update(end_depths(side, probe.conn, enqueued[0] - sum(took)))
+
+    timed.run([produce, *(partial(consume, w) for w in range(n))],
+              join_s=cfg.statement_timeout + 30.0, unit="row", name=f"row {row}",
+              started=row_started, ended=row_ended, stopped=sampler.stop)
+    r0, r1 = readings
     completed = sum(done_in_time)
     return {
         "proto_agent": agent,

@@ -42,9 +42,8 @@ import resource
 import secrets
 import statistics
 import sys
-import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
 from functools import partial
@@ -52,7 +51,15 @@ from typing import Any, Protocol
 
 import numpy as np
 import psycopg
-from _benchlib import RunNames, argument_parser, cpu_load, drop_queues, machine, run_in_database
+from _benchlib import (
+    RunNames,
+    TimedRound,
+    argument_parser,
+    cpu_load,
+    drop_queues,
+    machine,
+    run_in_database,
+)
 from _benchlib import server_settings as settings_of
 from psycopg import sql
 from psycopg.conninfo import make_conninfo
@@ -253,29 +260,10 @@ def one_round(side: Contender, kind: str, rnd: int, cfg: Config, payload: bytes)
     done_all = [0] * n
     enqueued = [0]
     seen = [0, 0]  # the producer's view of the ready entries: sum, looks (timed part)
-    clock: dict[str, int] = {}
-    stop = threading.Event()
-    errors: list[BaseException] = []
-
-    def started() -> None:
-        clock["start"] = time.monotonic_ns()
-        clock["end"] = clock["start"] + int(cfg.duration * 1e9)
-        cpu0.extend(_cpu())
-
     cpu0: list[float] = []
-    barrier = threading.Barrier(n + 2, action=started)
-
-    def guarded(body: Callable[[], None]) -> Callable[[], None]:
-        def run() -> None:
-            try:
-                body()
-            except BaseException as exc:  # surfaced by the main thread
-                errors.append(exc)
-                stop.set()
-                barrier.abort()
-                raise
-
-        return run
+    cpu1: list[float] = []
+    timed = TimedRound(n, cfg.duration, at_start=lambda: cpu0.extend(_cpu()))
+    clock, stop, barrier = timed.clock, timed.stop, timed.barrier
 
     def produce() -> None:
         items = [payload] * cfg.produce_batch
@@ -313,26 +301,9 @@ def one_round(side: Contender, kind: str, rnd: int, cfg: Config, payload: bytes)
                 if time.monotonic_ns() <= end:
                     done_in_time[who] += len(ids)
 
-    threads = [threading.Thread(target=guarded(produce), daemon=True)]
-    threads += [threading.Thread(target=guarded(partial(consume, w)), daemon=True)
-                for w in range(n)]  # fmt: skip
-    for th in threads:
-        th.start()
-    try:
-        barrier.wait(timeout=120)
-        time.sleep(max(0.0, (clock["end"] - time.monotonic_ns()) / 1e9))
-        cpu1 = _cpu()
-    except threading.BrokenBarrierError:
-        cpu1 = _cpu()
-    finally:
-        stop.set()
-        deadline = time.monotonic() + cfg.statement_timeout + 30.0
-        for th in threads:
-            th.join(max(0.0, deadline - time.monotonic()))
-    if any(th.is_alive() for th in threads):
-        errors.append(RuntimeError("threads still busy long after the end of the round"))
-    if errors:
-        raise RuntimeError(f"{kind} round {rnd}: a thread failed: {errors[0]!r}") from errors[0]
+    timed.run([produce, *(partial(consume, w) for w in range(n))],
+              join_s=cfg.statement_timeout + 30.0, unit="round", name=f"{kind} round {rnd}",
+              ended=lambda: cpu1.extend(_cpu()))
     left = 0
     with side.consumer() as c:
         while got := c.drain(DRAIN_BATCH):
