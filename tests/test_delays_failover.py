@@ -9,9 +9,8 @@ from pathlib import Path
 
 import psycopg
 import pytest
-from conftest import cli
 from ringq.engine import DatabaseUnavailable, TransactionError, connect
-from test_failover import kill_primary, pair_with_queue
+from test_failover import kill_primary, pair_with_queue, promote
 
 
 def test_delayed_entries_keep_their_due_times_through_a_sync_failover(
@@ -24,8 +23,7 @@ def test_delayed_entries_keep_their_due_times_through_a_sync_failover(
             s.commit()
         t_due = time.monotonic() + 3.0
         kill_primary(cluster)
-        code, _out, err = cli(capsys, "db", "promote", "--home", str(cluster.home))
-        assert code == 0, err
+        promote(cluster, capsys)
         got: list[bytes] = []
         with connect(both) as s:
             while len(got) < 5:

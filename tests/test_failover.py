@@ -100,6 +100,31 @@ def kill_primary(cluster: Cluster) -> None:
     wait_for(lambda: not cluster.status().running, what="the killed postmaster to be gone")
 
 
+def commit_numbers(session: Session, queue: str, n: int) -> None:
+    """Enqueue entries 0 to ``n`` - 1 (payload: the number), a transaction each."""
+    for i in range(n):
+        session.enqueue(queue, str(i).encode())
+        session.commit()
+
+
+def promote(cluster: Cluster, capsys: pytest.CaptureFixture[str]) -> str:
+    """``ringq db promote`` of the pair's standby, which must succeed; what it printed."""
+    code, out, err = cli(capsys, "db", "promote", "--home", str(cluster.home))
+    assert code == 0, err
+    return out
+
+
+def fail_over_after(
+    cluster: Cluster, capsys: pytest.CaptureFixture[str], dsn: str, queue: str, entries: int
+) -> None:
+    """``entries`` committed (:func:`commit_numbers`), then the primary killed
+    and the standby promoted."""
+    with connect(dsn) as session:
+        commit_numbers(session, queue, entries)
+    kill_primary(cluster)
+    promote(cluster, capsys)
+
+
 @dataclass
 class Producer:
     """A thread committing one entry per transaction (payload: its number)
@@ -170,8 +195,7 @@ def finish_failover(
     producer.thread.join(30)
     assert not producer.thread.is_alive()
     assert producer.failed is not None, "the producer ran out of room before the kill"
-    code, out, err = cli(capsys, "db", "promote", "--home", str(cluster.home))
-    assert code == 0, err
+    out = promote(cluster, capsys)
     done = time.monotonic()
     new_dsn = out.strip().splitlines()[-1]
     assert (cluster.home / "dsn").read_text().strip() == new_dsn  # what ringq processes follow
@@ -275,8 +299,7 @@ def dequeues_lost_in_the_gap(
         for _ in range(n):
             present(session.dequeue(queue))
             session.commit()
-    code, _, err = cli(capsys, "db", "promote", "--home", str(cluster.home))
-    assert code == 0, err
+    promote(cluster, capsys)
 
 
 def queued_in_table(dsn: str, queue: str) -> list[int]:
@@ -336,9 +359,7 @@ def test_async_failover_delivers_entries_whose_dequeue_was_lost_in_the_gap(
 ) -> None:
     with pair_with_queue(tmp_path / "home", capsys, "--async") as (cluster, both, queue):
         with connect(both) as session:
-            for n in range(20):
-                session.enqueue(queue, str(n).encode())
-                session.commit()
+            commit_numbers(session, queue, 20)
             dequeues_lost_in_the_gap(cluster, capsys, session, queue, 5)
             assert queued_in_table(both, queue) == list(range(20))  # the dequeues were lost
             got = drain_after_reattach(session, queue)
@@ -356,13 +377,7 @@ def test_the_old_primary_is_rewound_after_the_new_one_recycled_wal(
     rewound server that still cannot stream is copied anew."""
     home = tmp_path / "home"
     with pair_with_queue(home, capsys, "--async") as (cluster, both, queue):
-        with connect(both) as session:
-            for n in range(20):
-                session.enqueue(queue, str(n).encode())
-                session.commit()
-        kill_primary(cluster)
-        code, _, err = cli(capsys, "db", "promote", "--home", str(home))
-        assert code == 0, err
+        fail_over_after(cluster, capsys, both, queue, 20)
         with psycopg.connect(both, autocommit=True) as conn:
             conn.execute("CREATE TABLE churn (x int)")
             for _ in range(4):  # the fork's segment is no longer the newest ones
@@ -382,13 +397,7 @@ def test_the_old_primary_comes_back_as_a_standby_of_the_new_one(
     home = tmp_path / "home"
     with pair_with_queue(home, capsys, "--sync") as (cluster, both, queue):
         old_datadir, old_port = cluster.datadir, cluster.status().port
-        with connect(both) as session:
-            for n in range(50):
-                session.enqueue(queue, str(n).encode())
-                session.commit()
-        kill_primary(cluster)
-        code, out, err = cli(capsys, "db", "promote", "--home", str(home))
-        assert code == 0, err
+        fail_over_after(cluster, capsys, both, queue, 50)
         # Written on the new primary alone: what the old one must catch up on.
         with psycopg.connect(both, autocommit=True) as conn:
             conn.execute("CREATE TABLE after_promotion (x int)")
@@ -505,8 +514,7 @@ def test_the_monitor_names_the_promoted_standby_as_the_primary(
 
             kill_primary(cluster)
             began = time.monotonic()
-            code, _, err = cli(capsys, "db", "promote", "--home", str(cluster.home))
-            assert code == 0, err
+            promote(cluster, capsys)
             after = wait_for(
                 lambda: (s := server()) and s["port"] == new_port and s["section_follows"] and s,
                 timeout=20,

@@ -14,6 +14,7 @@ from conftest import MonitorProcess, wait_for
 from ringq.engine import Section, SectionError, connect
 from ringq.engine.recovery import history_of
 from test_failover import (
+    commit_numbers,
     dequeues_lost_in_the_gap,
     drain_after_reattach,
     pair_with_queue,
@@ -43,9 +44,7 @@ def test_the_monitor_follows_a_fail_over_and_replaces_the_section(
         try:
             with connect(both) as session:
                 instance = session.instance
-                for n in range(10):
-                    session.enqueue(queue, str(n).encode())
-                    session.commit()
+                commit_numbers(session, queue, 10)
                 assert section_history(instance) == (sysid, timeline)
                 dequeues_lost_in_the_gap(cluster, capsys, session, queue, 3)
                 assert queued_in_table(both, queue) == list(range(10))
