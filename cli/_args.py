@@ -16,9 +16,14 @@ import dataclasses
 import os
 import sys
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from ringq.engine import ConfigError, redact_dsn
+
+if TYPE_CHECKING:
+    from _typeshed import DataclassInstance
+
+D = TypeVar("D", bound="DataclassInstance")
 
 
 class Formatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
@@ -124,6 +129,16 @@ def resolve_env(args: argparse.Namespace) -> None:
     for name, value in vars(args).items():
         if isinstance(value, EnvValue):
             setattr(args, name, value.value())
+
+
+def dataclass_from_args(cls: type[D], args: argparse.Namespace, **given: Any) -> D:
+    """Settings ``cls`` (a dataclass, which checks its values): each field
+    from the parsed option of its name, ``given`` the fields computed apart;
+    a field with neither (no such option, or one not given whose default is
+    ``argparse.SUPPRESS``) keeps the dataclass's default."""
+    options = vars(args)
+    named = {f.name: options[f.name] for f in dataclasses.fields(cls) if f.name in options}
+    return cls(**{**named, **given})
 
 
 def add_dsn(parser: argparse.ArgumentParser) -> None:

@@ -13,7 +13,7 @@ from typing import Any, Self
 
 from ringq.engine import exits, ringq_home
 
-from ._args import add_cycle_options, add_dsn, env_option, subparser
+from ._args import add_cycle_options, add_dsn, dataclass_from_args, env_option, subparser
 
 # Exit codes of `ringq regress` (the shared values of `ringq --help`).
 RET_OK = exits.OK  # every cycle proven (or stored, with --no-verify)
@@ -378,25 +378,12 @@ def _run(args: argparse.Namespace) -> int:
         raise ConfigError(f"--{args.failover_mode} needs --chaos-failover")
     if args.cycles < 0:
         raise ConfigError("--cycles must be 0 (until stopped) or more")
-    config = RegressConfig(
+    config = dataclass_from_args(
+        RegressConfig,
+        args,
         payload_sizes=parse_sizes(args.payload_sizes),
-        capacity=args.capacity,
-        entries_per_queue=args.entries_per_queue,
-        producers=args.producers,
-        rollback_rate=args.rollback_rate,
-        two_phase_rate=args.two_phase_rate,
-        filler=args.filler,
-        seed=args.seed,
-        chaos=args.chaos,
         chaos_interval=_interval(args.chaos_interval),
-        chaos_pg_restart=args.chaos_pg_restart,
         chaos_failover=(args.failover_mode or "sync") if args.chaos_failover else None,
-        grouped_consumers=args.grouped_consumers,
-        groups=args.groups,
-        sql_consumers=args.sql_consumers,
-        delayed_share=args.delayed_share,
-        max_delay=args.max_delay,
-        retry_delay=args.retry_delay,
     )
     dsn = resolve_dsn(args.dsn)
     monitor_dir = Path(args.monitor_dir) if args.monitor_dir else ringq_home() / "monitor"

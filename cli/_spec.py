@@ -13,6 +13,8 @@ from typing import Any
 from ringq.engine import MAX_CAPACITY
 from ringq.scripting import DEFAULT_CACHE_PAYLOAD, MAX_CACHE_PAYLOAD, MAX_PAYLOAD, QueueSpec
 
+from ._args import dataclass_from_args
+
 _DEFAULTS: dict[str, Any] = {f.name: f.default for f in dataclasses.fields(QueueSpec)}
 
 
@@ -129,24 +131,10 @@ def add_retry_options(parser: argparse.ArgumentParser, *, defaults: bool) -> Non
 
 
 def spec_from_args(args: argparse.Namespace) -> QueueSpec:
-    """Build the validated settings.
+    """Build the validated settings: each from its option, the options not
+    given (``--tablespace``, ``--exception-queue``, ``--cache-payload``) the
+    QueueSpec's defaults.
 
     :raises ConfigError: a value is out of range (the message says which).
     """
-    return QueueSpec(
-        name=args.name,
-        capacity=args.capacity,
-        max_payload=args.max_payload,
-        full_policy=args.full_policy,
-        full_timeout=args.full_timeout,
-        dequeue_mode=args.dequeue_mode,
-        max_deliveries=args.max_deliveries,
-        exception_queue=getattr(args, "exception_queue", _DEFAULTS["exception_queue"]),
-        fillfactor=args.fillfactor,
-        tablespace=getattr(args, "tablespace", _DEFAULTS["tablespace"]),
-        lease=args.lease,
-        cache_payload=getattr(args, "cache_payload", _DEFAULTS["cache_payload"]),
-        retry_delay=args.retry_delay,
-        retry_factor=args.retry_factor,
-        retry_max=args.retry_max,
-    )
+    return dataclass_from_args(QueueSpec, args)
