@@ -510,20 +510,42 @@ class LinkedEnqueue(LinkedClient):
         return f"{self.name}: {self.outcome!r}"
 
 
-class LinkedDequeue(LinkedClient):
-    """A linked session committing the dequeue of two entries: served from
-    the payload cache (``cached``: the consuming writes go with the commit),
-    or read from their rows (the transaction is open on the server)."""
+class LinkedDequeuer(LinkedClient):
+    """A linked session whose transaction dequeues entries (``taken``) of a
+    queue filled with ``entries_of(tag)``, whose payload cache serves them
+    (``cached``) or not (they are read from their rows)."""
+
+    tag: str
+    taken: list[bytes]
 
     def __init__(self, st: Stage, decider: str, *, cached: bool) -> None:
         super().__init__(st, decider)
         self.cached = cached
-        self.name = f"linked dequeue ({'cached' if cached else 'read from the rows'})"
 
     def setup(self) -> None:
         self.queue = self.st.queue(cache_payload=None if self.cached else 0)
-        self.entries = entries_of("deq")
+        self.entries = entries_of(self.tag)
         self.st.enqueue(self.queue, self.entries)
+
+    def expected(self, instant: str) -> Outcome:
+        if self.committed(instant) and self.decider == "recovery":
+            return InDoubt  # a consumed row: its commit, or a redelivery's?
+        return super().expected(instant)
+
+    def check(self, instant: str) -> str:
+        return dequeue_check(self, self.queue, self.entries, self.taken, instant)
+
+
+class LinkedDequeue(LinkedDequeuer):
+    """A linked session committing the dequeue of two entries: served from
+    the payload cache (``cached``: the consuming writes go with the commit),
+    or read from their rows (the transaction is open on the server)."""
+
+    tag = "deq"
+
+    def __init__(self, st: Stage, decider: str, *, cached: bool) -> None:
+        super().__init__(st, decider, cached=cached)
+        self.name = f"linked dequeue ({'cached' if cached else 'read from the rows'})"
 
     def prepare(self) -> None:
         self.session = connect(self.dsn, application_name="fo-dequeue")
@@ -534,14 +556,6 @@ class LinkedDequeue(LinkedClient):
 
     def commit(self) -> None:
         self.session.commit()
-
-    def expected(self, instant: str) -> Outcome:
-        if self.committed(instant) and self.decider == "recovery":
-            return InDoubt  # a consumed row: its commit, or a redelivery's?
-        return super().expected(instant)
-
-    def check(self, instant: str) -> str:
-        return dequeue_check(self, self.queue, self.entries, self.taken, instant)
 
 
 def dequeue_check(
@@ -604,23 +618,20 @@ class TwoPhase(LinkedClient):
         return f"{self.name}: {self.outcome!r}"
 
 
-class OnePhase(LinkedClient):
+class OnePhase(LinkedDequeuer):
     """A two-phase transaction committed in one phase (``tpc_commit``
     without ``tpc_prepare``): the dequeue of an entry read from its row; or
     (``cached``) served from the payload cache, its consuming write sent by
     ``tpc_commit`` before the COMMIT, in a round trip of its own (so only
-    ``before``: the other instants are the COMMIT's)."""
+    ``before``: the other instants are the COMMIT's). Its outcome is a
+    plain commit's dequeue's."""
+
+    tag = "one"
 
     def __init__(self, st: Stage, decider: str, *, cached: bool) -> None:
-        super().__init__(st, decider)
-        self.cached = cached
+        super().__init__(st, decider, cached=cached)
         self.name = f"one-phase tpc_commit ({'cached' if cached else 'read from the row'})"
         self.instants = ("before",) if cached else INSTANTS
-
-    def setup(self) -> None:
-        self.queue = self.st.queue(cache_payload=None if self.cached else 0)
-        self.entries = entries_of("one")
-        self.st.enqueue(self.queue, self.entries)
 
     def prepare(self) -> None:
         self.session = connect(self.dsn, application_name="fo-1pc")
@@ -629,14 +640,6 @@ class OnePhase(LinkedClient):
 
     def commit(self) -> None:
         self.session.tpc_commit()
-
-    def expected(self, instant: str) -> Outcome:
-        if self.committed(instant) and self.decider == "recovery":
-            return InDoubt  # as a plain commit's dequeue
-        return super().expected(instant)
-
-    def check(self, instant: str) -> str:
-        return dequeue_check(self, self.queue, self.entries, self.taken, instant)
 
 
 class SqlConsumer(Client):
