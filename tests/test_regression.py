@@ -470,32 +470,39 @@ def _wait_for(proc: subprocess.Popen[str], text: str) -> list[str]:
     raise AssertionError(f"{text!r} never appeared: {''.join(seen)}")
 
 
-def test_sigterm_stops_after_the_current_cycle(dsn: str, tmp_path: Path) -> None:
-    proc = _start_regress(dsn, tmp_path)
+def _signalled(
+    dsn: str, tmp_path: Path, signals: list[tuple[str, signal.Signals]], timeout: float,
+    *extra: str,
+) -> tuple[int, str]:
+    """Start the command (:func:`_start_regress`) and send each signal once
+    its text appeared on stderr: the exit code and the rest of stderr, within
+    ``timeout`` s (killed, whatever happened; the section removed)."""
+    proc = _start_regress(dsn, tmp_path, *extra)
     try:
-        _wait_for(proc, "regress: cycle 1")
-        proc.send_signal(signal.SIGTERM)
-        _, err = proc.communicate(timeout=120)
+        for text, sig in signals:
+            _wait_for(proc, text)
+            proc.send_signal(sig)
+        _, err = proc.communicate(timeout=timeout)
     finally:
         proc.kill()
     remove_section(dsn)
-    assert proc.returncode == 0, err
+    return proc.returncode, err
+
+
+def test_sigterm_stops_after_the_current_cycle(dsn: str, tmp_path: Path) -> None:
+    code, err = _signalled(dsn, tmp_path, [("regress: cycle 1", signal.SIGTERM)], 120)
+    assert code == 0, err
     assert "cycle 1: workload done" in err and "stopped after 1 cycle(s)" in err, err
     assert "cycle 2:" not in err
 
 
 def test_second_signal_aborts_the_cycle(dsn: str, tmp_path: Path) -> None:
-    proc = _start_regress(dsn, tmp_path, "--entries-per-queue", "100000")
-    try:
-        _wait_for(proc, "regress: cycle 1")
-        proc.send_signal(signal.SIGINT)
-        _wait_for(proc, "stopping after this cycle")
-        proc.send_signal(signal.SIGINT)
-        _, err = proc.communicate(timeout=60)
-    finally:
-        proc.kill()
-    remove_section(dsn)
-    assert proc.returncode == 130, err
+    code, err = _signalled(
+        dsn, tmp_path,
+        [("regress: cycle 1", signal.SIGINT), ("stopping after this cycle", signal.SIGINT)], 60,
+        "--entries-per-queue", "100000",
+    )
+    assert code == 130, err
     assert "cycle 1: workload aborted" in err and "aborted after 1 cycle(s)" in err, err
     with psycopg.connect(dsn) as conn:
         # Nothing of the run is left in doubt or queued: the aborted workers' transactions
