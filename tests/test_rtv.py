@@ -743,27 +743,32 @@ def test_a_grouped_queue_gets_a_line_in_the_terminal_view() -> None:
         mon.close()
 
 
-def test_a_grouped_queue_gets_a_line_on_the_page(browser: Any) -> None:
-    line = GROUPS_LINE
-    mon = GroupedFakeMonitor()
+def _page_lines(browser: Any, mon: FakeMonitor, key: str) -> tuple[list[Any], list[list[str]]]:
+    """The page of a viewer of ``mon`` after its first tick: each queue's
+    ``key`` in the page's state, and the rows of the queues' table (queue,
+    class, text). The viewer and ``mon`` are stopped afterwards."""
     proc, url = _start_rtv(mon.url)
     try:
         page = browser.new_page(viewport={"width": 1400, "height": 900})
         page.goto(url)
         _wait_until(page, "window.ringqRtv.state.ticks >= 1")
-        assert [q.get("groups_line") for q in page.evaluate("window.ringqRtv.state.queues")] == [
-            None, line
-        ]
+        lines = [q.get(key) for q in page.evaluate("window.ringqRtv.state.queues")]
         rows = page.locator("#queues tbody tr").evaluate_all(
             "rows => rows.map(r => [r.dataset.queue, r.className, r.textContent])"
         )
-        assert [(q, c) for q, c, _ in rows] == [("alpha", "selected"), ("beta", ""),
-                                                ("beta", "groups")]
-        assert rows[2][2] == line
         page.close()
+        return lines, rows
     finally:
         assert _stop(proc) == 0
         mon.close()
+
+
+def test_a_grouped_queue_gets_a_line_on_the_page(browser: Any) -> None:
+    lines, rows = _page_lines(browser, GroupedFakeMonitor(), "groups_line")
+    assert lines == [None, GROUPS_LINE]
+    assert [(q, c) for q, c, _ in rows] == [("alpha", "selected"), ("beta", ""),
+                                            ("beta", "groups")]
+    assert rows[2][2] == GROUPS_LINE
 
 
 class WaitingFakeMonitor(GroupedFakeMonitor):
@@ -814,25 +819,11 @@ def test_waiting_entries_get_a_line_in_the_terminal_view() -> None:
 
 
 def test_waiting_entries_get_a_line_on_the_page(browser: Any) -> None:
-    mon = WaitingFakeMonitor()
-    proc, url = _start_rtv(mon.url)
-    try:
-        page = browser.new_page(viewport={"width": 1400, "height": 900})
-        page.goto(url)
-        _wait_until(page, "window.ringqRtv.state.ticks >= 1")
-        assert [q.get("waiting_line") for q in page.evaluate("window.ringqRtv.state.queues")] == [
-            None, WAITING_LINE
-        ]
-        rows = page.locator("#queues tbody tr").evaluate_all(
-            "rows => rows.map(r => [r.dataset.queue, r.className, r.textContent])"
-        )
-        assert [(q, c) for q, c, _ in rows] == [("alpha", "selected"), ("beta", ""),
-                                                ("beta", "groups"), ("beta", "waiting")]
-        assert rows[3][2] == WAITING_LINE
-        page.close()
-    finally:
-        assert _stop(proc) == 0
-        mon.close()
+    lines, rows = _page_lines(browser, WaitingFakeMonitor(), "waiting_line")
+    assert lines == [None, WAITING_LINE]
+    assert [(q, c) for q, c, _ in rows] == [("alpha", "selected"), ("beta", ""),
+                                            ("beta", "groups"), ("beta", "waiting")]
+    assert rows[3][2] == WAITING_LINE
 
 
 # -- the real thing: a monitor over a real database and a workload that runs --------------------
