@@ -313,6 +313,20 @@ def sql_enqueue(dsn: str, entries: Iterable[tuple[str, bytes]]) -> None:
             conn.execute("SELECT ringq.enqueue(%s, %s)", (queue, payload))
 
 
+def inbox_insert(dsn: str, entries: Iterable[tuple[str, bytes]]) -> None:
+    """Put each (queue, payload) into ``ringq.inbox`` directly, past the
+    queue's room: what SQL producers racing for its last slots may overshoot
+    (``ringq.enqueue`` refuses an entry it sees no room for, RQ002), so that
+    a test can face the pump with more inbox rows than the ring takes."""
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        for queue, payload in entries:
+            conn.execute(
+                "INSERT INTO ringq.inbox (queue_id, payload) "
+                "SELECT id, %s FROM ringq.queues WHERE name = %s",
+                (payload, queue),
+            )
+
+
 def drain(dsn: str, queue: str, *, wait: float | None = None, batch: int = 1) -> list[Message]:
     """Dequeue every ready entry of ``queue``, oldest first, committing each
     transaction of ``batch`` entries; the messages. ``wait``: how long each

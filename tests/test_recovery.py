@@ -17,6 +17,7 @@ import pytest
 from conftest import (
     decided_gids,
     drain,
+    inbox_insert,
     prepared_gids,
     present,
     remove_section,
@@ -256,7 +257,8 @@ def test_pump_never_waits_on_a_full_queue_and_keeps_its_rows(
         for i in range(2):
             s.enqueue(full, f"ring{i}".encode())
         s.commit()
-    sql_enqueue(dsn, [*((full, f"sql{i}".encode()) for i in range(4)), (other, b"other")])
+    # past the room ringq.enqueue would allow (RQ002): the pump's full-queue path
+    inbox_insert(dsn, [*((full, f"sql{i}".encode()) for i in range(4)), (other, b"other")])
     reported: dict[str, int] = {}
     t0 = time.monotonic()
     moved = pump_inbox(dsn, full=reported)
