@@ -295,7 +295,8 @@ class RingSQLDriver(_Batches):
     def enqueue(self) -> bool:
         s, cap = self.st.next_seq, self.st.capacity
         # committed by itself (autocommit); raises if the guard fails; no group
-        self.prod.execute(self.enq_sql, (s, self.payload, "bench", s, None, s % cap, s))
+        # no group, no trace context (as the engine's untraced enqueue)
+        self.prod.execute(self.enq_sql, (s, self.payload, "bench", s, None, None, s % cap, s))
         self.st.next_seq += 1
         return True
 
@@ -316,7 +317,8 @@ class RingSQLDriver(_Batches):
         seqs = list(range(self.st.next_seq, self.st.next_seq + n))
         slots = [x % self.st.capacity for x in seqs]
         self.prod.execute(
-            self.enq_many_sql, (slots, seqs, self.of(n), ["bench"] * n, seqs, [None] * n, n)
+            self.enq_many_sql,
+            (None, slots, seqs, self.of(n), ["bench"] * n, seqs, [None] * n, n),  # trace: none
         )
         self.st.next_seq += n  # committed by itself (autocommit); a guard that fails raises
 
