@@ -8,8 +8,8 @@ A row of the benchmark is a producer kind and a consumer kind (:data:`ROWS`);
   ``commit``);
 - ``sql``: ``SELECT ringq.enqueue(q, x) FROM unnest(%s::bytea[]) x`` in
   autocommit; a default psycopg connection taking ``SELECT seq, payload FROM
-  ringq.dequeue(q, n)``, the INSERT, ``COMMIT``, and waiting on ``LISTEN
-  ringq_ready`` when it found nothing;
+  ringq.dequeue(q, n)``, the INSERT, ``COMMIT``, and waiting for a
+  notification when it found nothing (the take LISTENs for it);
 - ``pgmq``: a visibility-timeout table as pgmq makes it (send_batch, read
   with a visibility timeout in its own transaction, then delete + the INSERT).
 
@@ -96,7 +96,6 @@ CHUNK = 64  # entries per chunk of the prototypes
 
 SQL_ENQUEUE = "SELECT ringq.enqueue(%s, x) FROM unnest(%s::bytea[]) x"
 SQL_DEQUEUE = "SELECT seq, payload FROM ringq.dequeue(%s, %s)"
-SQL_LISTEN = "LISTEN ringq_ready"
 PGMQ_CREATE = (
     "CREATE TABLE {t} (msg_id bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY,"
     " read_ct integer NOT NULL DEFAULT 0, enqueued_at timestamptz NOT NULL DEFAULT now(),"
@@ -631,8 +630,8 @@ class Side:
             return
         with psycopg.connect(self.dsn) as conn:
             if kind == "sql":
-                yield _SqlConsumer(conn, SQL_DEQUEUE, (self.queue,), sql.SQL(SQL_LISTEN),
-                                   names.done)
+                # ringq.dequeue LISTENs while the queue is empty for it, and only then
+                yield _SqlConsumer(conn, SQL_DEQUEUE, (self.queue,), None, names.done)
             elif kind == "chunk":
                 take = sql.SQL("SELECT seq, payload FROM {}(%s)").format(
                     names.fn("take", self.row))

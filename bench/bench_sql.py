@@ -15,7 +15,7 @@ same way from psycopg, in autocommit (one statement, one transaction):
   linked ones (``dequeue_many(10)``) on one ``shared`` queue fed by 2 linked
   producers (``enqueue_many(100)``): entries/s consumed and the SQL share;
 - **latency**: commit of an enqueue → the entry in a waiting consumer's hands,
-  p50/p99: linked enqueue → SQL consumer waiting on ``LISTEN ringq_ready``;
+  p50/p99: linked enqueue → SQL consumer waiting for its wake-up (``ringq.dequeue`` LISTENs for it);
   SQL enqueue (``ringq.enqueue``) → linked consumer waiting in ``dequeue(wait=)``,
   with the monitor in this process and again with ``ringq monitor`` as its own
   process (as deployed: not sharing this process's GIL).
@@ -184,7 +184,7 @@ def latency(dsn: str, tag: str, cfg: Config, payload: bytes) -> dict[str, Any]:
     q = queue_name(tag, "lat")  # SQL consumers only: linked consumers never wait on it
     to_sql: list[float] = []
     with psycopg.connect(dsn, autocommit=True) as c, connect(dsn) as s:
-        c.execute("LISTEN ringq_ready")
+        # an empty ringq.dequeue LISTENs on the backend's own channel for it
         for _ in range(cfg.latency_samples):
             s.enqueue(q, payload)
             s.commit()
@@ -276,7 +276,6 @@ def _mixed_worker(dsn: str, queue: str, kind: str, until: float, out: Any) -> No
                 s.commit()
     else:
         with psycopg.connect(dsn, autocommit=True) as c:
-            c.execute("LISTEN ringq_ready")
             while time.monotonic() < until:
                 got = len(c.execute(RQ_TAKE, (queue, 10)).fetchall())
                 n += got

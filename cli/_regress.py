@@ -45,8 +45,9 @@ never an entry of a group dequeued while another of that group was held
 SQL consumers (--sql-consumers N, default 0): N more consumer processes that
 are plain psycopg connections, no ringq session: each loops
 SELECT ... FROM ringq.dequeue(queue, n) in its own transaction, records what it
-took in the same transaction, and waits on LISTEN ringq_ready when it gets
-nothing. They are dealt out over the queues in turn, the grouped queue first
+took in the same transaction, and waits for its wake-up when it gets nothing
+(ringq.dequeue LISTENs for it). They are dealt out over the queues in turn, the
+grouped queue first
 (shared mode), then the single-mode queues (one dequeuer at a time, linked or
 SQL). Every consumer then records when it took each entry, and the proof's
 order holds across linked and SQL consumers of a queue. They need the

@@ -478,86 +478,85 @@ LISTEN {channel}
 SELECT pg_notify(%s, %s)
 
 -- offers_queues --
--- The queues with entries set aside for SQL consumers (ringq.dequeue).
-SELECT DISTINCT queue_id FROM ringq.offers
+-- The queues with entries set aside for SQL consumers (ringq.dequeue), and
+-- those SQL consumers wait for (ringq.waiters: an ask the agent may have
+-- missed while it was away): queue id, whether it is waited for.
+SELECT DISTINCT queue_id, false FROM ringq.offers
+UNION
+SELECT DISTINCT queue_id, true FROM ringq.waiters
 
--- offers_state --
--- What became of the entries set aside for SQL consumers: the row's state at
--- that seq (NULL: the row holds another seq now), and whether a take of it did
--- not commit (a rolled-back update leaves its xid in xmax; a live take holds
--- the row locked and is told apart by FOR UPDATE SKIP LOCKED in offers_strike).
--- The last two columns: when the entry is due (epoch µs, NULL: at once) and
--- whether it is due now (a retry's backoff keeps a struck entry listed, but
--- not takeable, until then).
-SELECT o.seq + (r.slot - o.slot), r.slot,
-       CASE WHEN r.seq = o.seq + (r.slot - o.slot) THEN r.state END, r.xmax <> '0'::xid,
-       (extract(epoch FROM r.not_before) * 1000000)::bigint,
-       r.not_before IS NULL OR r.not_before <= clock_timestamp()
-FROM ringq.offers o JOIN {table} r ON r.slot >= o.slot AND r.slot < o.slot + o.n
-WHERE o.queue_id = %s
-ORDER BY 1
-
--- offers_changes --
--- One pass of the agent over a queue's listing, in one round trip: the runs
--- listed (kind 0: seq, slot, n), then only the set-aside entries that are not
--- plainly takeable now (kind 1: seq, slot, the row's state at that seq or
--- NULL, whether a take of it did not commit or holds it, its due time in
--- epoch µs, whether it is due now, and whether the xmax is a transaction
--- running now: a take under way, seen without a transaction of row locks
--- (offers_aborted still decides; a prepared or multi-locker xmax is not
--- listed there and goes to it)). The entries takeable now are the runs'
--- entries less these: a pass ships what changed, not the whole listing.
-SELECT 0, o.seq, o.slot, o.n, NULL::smallint, NULL::boolean, NULL::bigint, NULL::boolean,
-       NULL::boolean
-FROM ringq.offers o WHERE o.queue_id = %(queue_id)s
-UNION ALL
-SELECT 1, o.seq + (r.slot - o.slot), r.slot, NULL,
-       CASE WHEN r.seq = o.seq + (r.slot - o.slot) THEN r.state END, r.xmax <> '0'::xid,
-       (extract(epoch FROM r.not_before) * 1000000)::bigint,
-       r.not_before IS NULL OR r.not_before <= clock_timestamp(),
+-- offers_look --
+-- One pass of the agent over a queue's listing: its chunks (kind 0: seq,
+-- slot, n, whether a take touched the chunk (its xmax: a take under way, or
+-- one that did not commit), and whether that xmax is a transaction running
+-- now (a take under way; a prepared one is not listed there, and
+-- offers_touched, which locks, still tells it apart)), then the number of
+-- waiting SQL consumers (kind 1, in seq).
+SELECT 0, o.seq, o.slot, o.n, o.xmax <> '0'::xid,
        -- read once per statement (an InitPlan), and only when a row gets here
-       CASE WHEN r.xmax <> '0'::xid THEN r.xmax = ANY(ARRAY(
+       CASE WHEN o.xmax <> '0'::xid THEN o.xmax = ANY(ARRAY(
            SELECT a.backend_xid FROM pg_stat_activity a WHERE a.backend_xid IS NOT NULL))
        END
-FROM ringq.offers o JOIN {table} r ON r.slot >= o.slot AND r.slot < o.slot + o.n
-WHERE o.queue_id = %(queue_id)s
-  AND NOT (r.seq = o.seq + (r.slot - o.slot) AND r.state = 1 AND r.xmax = '0'::xid
-           AND (r.not_before IS NULL OR r.not_before <= clock_timestamp()))
+FROM ringq.offers o WHERE o.queue_id = %(queue_id)s
+UNION ALL
+SELECT 1, count(*), NULL, NULL, NULL, NULL FROM ringq.waiters w WHERE w.queue_id = %(queue_id)s
 
--- offers_aborted --
--- The set-aside entries whose last take did not commit and that no take holds
--- now (a live take's lock makes SKIP LOCKED pass it), locked for the strike
--- that follows in the same transaction.
-SELECT slot, seq FROM {table}
-WHERE slot = ANY(%s::integer[]) AND seq = ANY(%s::bigint[]) AND state = 1 AND xmax <> '0'::xid
+-- offers_gone --
+-- Entries the agent listed that are no longer listed (runs: slot, seq, n),
+-- checked by their rows: only those NOT consumed at that seq come back
+-- (slot, seq, state or NULL when the row holds another seq now, due time in
+-- epoch us while in the future). A chunk deleted by a take that committed
+-- was consumed with it (the take is all or nothing), so this is nearly
+-- always empty.
+SELECT r.slot, s.seq + (r.slot - s.slot),
+       CASE WHEN r.seq = s.seq + (r.slot - s.slot) THEN r.state END,
+       CASE WHEN r.state = 1 AND r.not_before > clock_timestamp()
+            THEN (extract(epoch FROM r.not_before) * 1000000)::bigint END
+FROM unnest(%s::bigint[], %s::integer[], %s::integer[]) AS s(seq, slot, n)
+JOIN {table} r ON r.slot >= s.slot AND r.slot < s.slot + s.n
+WHERE NOT (r.seq = s.seq + (r.slot - s.slot) AND r.state = 2)
+
+-- offers_touched --
+-- The touched chunks (seqs) that no take holds now, locked for the strike
+-- that follows in the same transaction: a live take's lock, a prepared one's
+-- too, makes SKIP LOCKED pass its chunk.
+SELECT o.seq, o.slot, o.n FROM ringq.offers o
+WHERE o.queue_id = %s AND o.seq = ANY(%s::bigint[]) AND o.xmax <> '0'::xid
 FOR UPDATE SKIP LOCKED
 
--- offers_clean --
--- Rows written again (same values) so that a set-aside row shows xmax 0 unless
--- a take of it did not commit: before entries are set aside (a linked
--- client's rollback can leave its xid there), and after a strike, in a
--- transaction of its own (the strike's row lock lives on in the version it
--- wrote: PostgreSQL keeps a transaction's lock on the row it then updates).
--- No take waits here: takers pass rows with a non-zero xmax, and entries not
--- listed yet are taken by none.
-UPDATE {table} SET state = state
-WHERE slot = ANY(%s::integer[]) AND seq = ANY(%s::bigint[]) AND state = 1 AND xmax <> '0'::xid
+-- offers_aborted --
+-- The rows of locked touched chunks (runs: seq, slot, n) that a take updated
+-- and did not commit: still queued at that seq, the take's xid in xmax (the
+-- agent cleans a row's xmax before listing it, offers_clean_runs).
+SELECT r.slot, r.seq
+FROM unnest(%s::bigint[], %s::integer[], %s::integer[]) AS s(seq, slot, n)
+JOIN {table} r ON r.slot >= s.slot AND r.slot < s.slot + s.n
+WHERE r.seq = s.seq + (r.slot - s.slot) AND r.state = 1 AND r.xmax <> '0'::xid
+
+-- offers_unlist --
+-- Chunks (seqs) deleted from a queue's listing, in the agent's transaction.
+DELETE FROM ringq.offers WHERE queue_id = %s AND seq = ANY(%s::bigint[])
+
+-- offers_withdraw --
+-- Taking chunks back (nobody asked for the queue lately, or a single queue's
+-- order after a strike): every chunk no take touched, under offers_quiet's
+-- lock (no take under way), in one transaction with it.
+DELETE FROM ringq.offers WHERE queue_id = %s AND xmax = '0'::xid RETURNING seq, slot, n
+
+-- offers_wake --
+-- Wake up to n waiting SQL consumers of a queue (id, name, n), delivered at commit.
+SELECT ringq.wake(%s, %s, %s)
 
 -- offers_clean_runs --
--- offers_clean of the entries being set aside, given as their runs (seq,
--- slot, n, as offers_runs): a range of the primary key per run instead of a
--- lookup per entry (a set-aside of 1,024 entries was 1,024 lookups, a large
--- part of the agent's work per entry while SQL consumers drain a queue).
+-- Rows about to be listed (runs: seq, slot, n, as offers_runs) written again
+-- (same values) where their xmax is not 0 (a linked client's rollback can
+-- leave its xid there), so that a listed row shows xmax 0 unless a take of
+-- it did not commit (offers_aborted); a range of the primary key per run.
 UPDATE {table} AS r SET state = r.state
 FROM unnest(%(run_seqs)s::bigint[], %(run_slots)s::integer[], %(run_ns)s::integer[])
     AS s(seq, slot, n)
 WHERE r.slot >= s.slot AND r.slot < s.slot + s.n AND r.seq = s.seq + (r.slot - s.slot)
   AND r.state = 1 AND r.xmax <> '0'::xid
-
--- offers_clear --
--- A queue's listing deleted, to be written again as the runs of what is still
--- set aside (offers_runs), in the same transaction.
-DELETE FROM ringq.offers WHERE queue_id = %s
 
 -- offers_runs --
 INSERT INTO ringq.offers (queue_id, seq, slot, n)
@@ -571,19 +570,13 @@ FROM unnest(%(run_seqs)s::bigint[], %(run_slots)s::integer[], %(run_ns)s::intege
 -- this lock, shared, for its transaction), so none can take them after.
 SELECT pg_try_advisory_xact_lock(hashtext('ringq.dequeue'), %s)
 
--- offers_ready --
-SELECT pg_notify('ringq_ready', %s)
-
 -- offers_overdue --
--- SQL consumers whose transaction has held a set-aside entry longer than the
--- queue's lease: the backend whose transaction id is the row's xmax (a take
--- under way) whose transaction started longer ago than the lease.
+-- SQL consumers whose transaction has held a listed chunk longer than the
+-- queue's lease: the backend whose transaction id is the chunk's xmax (a
+-- take under way) and whose transaction started longer ago than the lease.
 SELECT DISTINCT a.pid
-FROM ringq.offers o
-JOIN {table} r ON r.slot >= o.slot AND r.slot < o.slot + o.n
-                  AND r.seq = o.seq + (r.slot - o.slot)
-JOIN pg_stat_activity a ON a.backend_xid = r.xmax
-WHERE o.queue_id = %s AND r.state = 1 AND r.xmax <> '0'::xid
+FROM ringq.offers o JOIN pg_stat_activity a ON a.backend_xid = o.xmax
+WHERE o.queue_id = %s AND o.xmax <> '0'::xid
   AND a.xact_start < now() - make_interval(secs => %s)
 
 -- offers_end --

@@ -81,7 +81,6 @@ RESUME_GROUPED_CONSUMER: Final = _Q["resume_grouped_consumer"]  # {table}
 # the SQL consumers (plain psycopg, ringq.dequeue) and what chaos does to them
 SQL_DEQUEUE: Final = _Q["sql_dequeue"]
 SQL_DEPTH: Final = _Q["sql_depth"]
-SQL_LISTEN: Final = _Q["sql_listen"]
 TERMINATE_SQL_CONSUMER: Final = _Q["terminate_sql_consumer"]
 PREPARED_GIDS: Final = _Q["prepared_gids"]
 MONITOR_LOCK_HOLDER: Final = _Q["monitor_lock_holder"]

@@ -9,7 +9,8 @@ consumers), and commits; now and then it rolls back on purpose (the entries
 come back, counted as a delivery, after the queue's backoff: logged in
 ``retried`` as the linked consumer does). When it gets nothing it commits (the
 ``ringq_want`` NOTIFY that asks the monitor's agent for entries goes out at
-commit) and waits on ``ringq_ready`` for a moment.
+commit) and waits for its wake-up (``ringq.dequeue`` LISTENs on the
+backend's own ``ringq_ready_<pid>`` while the queue is empty for it) a moment.
 
 It stands still while a linked consumer of its queue does (``C_PAUSED``:
 waiting for producers to fill the queue), or the queue would never fill. It
@@ -36,7 +37,7 @@ from . import _worker as W
 from ._consumer import db_clock, log_retried
 from ._worker import WorkerArgs, retrying, run_worker
 
-WAIT_S = 0.05  # at most this long on ringq_ready after an empty take (a NOTIFY may be missed)
+WAIT_S = 0.25  # at most this long for a wake-up after an empty take (one may come late)
 PAUSE_S = 0.02  # between looks while the queue's linked consumer stands still
 APP_PREFIX = "ringq-regress-sql-"  # + the process's pid: its backend's application_name
 
@@ -93,8 +94,6 @@ class _SqlConsumer:
         with psycopg.connect(
             a.dsn, application_name=application_name(self.pid), connect_timeout=10
         ) as conn:
-            conn.execute(S.SQL_LISTEN)
-            conn.commit()
             self.resume(conn)
             while not self.abort.is_set():
                 if self.paused():

@@ -366,9 +366,6 @@ SELECT seq, payload, deliveries, msg_group FROM ringq.dequeue(%s, %s)
 -- consumer is done when the producers are and this is 0.
 SELECT ringq.depth(%s)
 
--- sql_listen --
-LISTEN ringq_ready
-
 -- terminate_sql_consumer --
 -- Chaos: end the backend of one SQL consumer (its application_name names its pid).
 SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity

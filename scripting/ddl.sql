@@ -400,17 +400,20 @@ $ringq$;
 -- SQL consumers (ringq.dequeue, for other hosts and languages). SQL cannot
 -- touch the global section, so the section's agent (the monitor) sets ready
 -- entries aside for them: it locks their slots in the section for the SQL
--- path, so linked clients read past them, and lists them here. A SQL consumer
--- takes listed entries by updating their ring rows, as a linked consumer
--- does, in its own transaction: consumed iff that transaction commits. The
--- agent reads what became of them from the rows: consumed (state 2) it
--- unlists and finishes; a take that did not commit leaves its xid in the
--- row's xmax (PostgreSQL keeps it on a row whose update rolled back), which
--- takers pass over and the agent counts as a delivery (the strike) before
--- the entry is taken again. One row per run of n consecutive entries at
--- consecutive slots (seq .. seq + n - 1 at slot .. slot + n - 1), so that
--- setting a batch aside, or unlisting what was taken, is a write or two,
--- not a write per entry.
+-- path, so linked clients read past them, and lists them here as chunks: one
+-- row per run of n (at most 16; fewer when few are listed, so that there are
+-- chunks for many consumers) consecutive entries at consecutive slots (seq ..
+-- seq + n - 1 at slot .. slot + n - 1). A take claims chunks, oldest first,
+-- until it has max_n entries (shared: FOR UPDATE SKIP LOCKED, so concurrent
+-- takers never wait on one another's chunks) and, in the caller's own
+-- transaction, deletes them (or shortens the last, taken in part) and consumes their ring rows by one range of the
+-- primary key each, all or nothing (RQ001 if a row is not what the chunk
+-- says): so a chunk gone is a chunk consumed, and the agent learns what was
+-- taken from the listing, checked by the rows. A take that did not commit
+-- leaves its xid in the chunk's xmax (PostgreSQL keeps it on a row whose
+-- delete rolled back): takers pass such a chunk, and the agent counts the
+-- delivery of the rows it touched (the strike) and gives the chunk back to
+-- the section.
 CREATE TABLE IF NOT EXISTS ringq.offers (
     queue_id integer NOT NULL,
     seq      bigint  NOT NULL,
@@ -420,19 +423,62 @@ CREATE TABLE IF NOT EXISTS ringq.offers (
 );
 ALTER TABLE ringq.offers ADD COLUMN IF NOT EXISTS n integer NOT NULL DEFAULT 1;
 
+-- SQL consumers waiting for entries: a take that finds nothing adds its
+-- backend here and LISTENs on ringq_ready_<its pid>, and whoever lists chunks
+-- wakes as many waiters as it listed chunks (ringq.wake), one NOTIFY each:
+-- not every consumer at every listing. The row is the consumer's ask.
+CREATE TABLE IF NOT EXISTS ringq.waiters (
+    queue_id integer NOT NULL,
+    pid      integer NOT NULL,
+    since    timestamptz NOT NULL DEFAULT now(),
+    PRIMARY KEY (queue_id, pid)
+);
+
+-- ringq.wake(queue_id, queue, n): wake up to n waiting SQL consumers of the
+-- queue (oldest first; delivered at the caller's commit); returns how many.
+CREATE OR REPLACE FUNCTION ringq.wake(queue_id integer, queue text, n integer)
+RETURNS integer
+LANGUAGE plpgsql
+AS $ringq$
+DECLARE
+    woken integer := 0;
+    w integer;
+BEGIN
+    FOR w IN
+        WITH c AS MATERIALIZED (
+            SELECT x.pid FROM ringq.waiters x WHERE x.queue_id = wake.queue_id
+            ORDER BY x.since LIMIT greatest(n, 0) FOR UPDATE SKIP LOCKED
+        )
+        DELETE FROM ringq.waiters x USING c
+        WHERE x.queue_id = wake.queue_id AND x.pid = c.pid
+        RETURNING x.pid
+    LOOP
+        PERFORM pg_notify('ringq_ready_' || w, queue);
+        woken := woken + 1;
+    END LOOP;
+    RETURN woken;
+END
+$ringq$;
+
 -- ringq.dequeue(queue, max_n): up to max_n entries, oldest first, consumed if
 -- and only if the caller's transaction commits (a rollback, a failed statement
 -- or a dead connection gives them back, counted as a delivery). single: one
 -- SQL dequeuer at a time (a second gets nothing, as a second linked dequeuer
--- does), in order; shared: consumers read past entries others hold. Nothing
--- set aside (no agent running, or none asked yet): no rows, and a NOTIFY on
--- ringq_want, delivered at commit, asks the agent for some; the agent's
--- NOTIFY on ringq_ready (payload: the queue's name) says when there are.
+-- does), in order; shared: consumers read past chunks others hold. Nothing
+-- set aside (no agent running, or none asked yet): no rows; the caller is
+-- then a waiter (ringq.waiters: the ask, with a NOTIFY on ringq_want to wake
+-- the agent, delivered at commit) and LISTENs on ringq_ready_<pid>, which
+-- the agent notifies (payload: the queue's name) when it lists entries: wait
+-- for a notification after the commit, then call again. A take that gets
+-- entries stops listening (UNLISTEN, only if it was).
 --
 -- Each queue has its own function, ringq.dq_<name>(max_n), made with the
 -- queue (and for queues made before, by this block): its statements name the
 -- queue's table, so PostgreSQL plans them once per session, where one
--- function for every queue would plan its statement on every call.
+-- function for every queue would plan its statement on every call. It runs
+-- as its owner (SECURITY DEFINER: the listing and the waiters are the
+-- agent's tables) after checking that the caller may UPDATE the queue's
+-- table (else 42501), the privilege a take needs.
 -- ringq.dequeue(queue, max_n) finds it by name.
 CREATE OR REPLACE FUNCTION ringq.make_dequeue(queue text)
 RETURNS void
@@ -440,94 +486,134 @@ LANGUAGE plpgsql
 AS $ringq$
 DECLARE
     q    ringq.queues;
-    take text;
+    pick text;
 BEGIN
     q := ringq.queue_of(queue);
     IF q.dequeue_mode = 'single' THEN
-        -- One SQL dequeuer at a time; it takes the set-aside entries in order
-        -- and stops before the first whose last take did not commit (the agent
-        -- counts that delivery first) or that is not due yet (a retry's
-        -- backoff), so the order holds across rollbacks.
-        take := format($take$
-            IF NOT pg_try_advisory_xact_lock(hashtext('ringq.dequeue'), %2$s) THEN
-                RETURN;
-            END IF;
-            RETURN QUERY
-            WITH c AS (
-                SELECT l.slot, l.seq, l.touched
-                FROM (SELECT o.seq, o.slot, o.n FROM ringq.offers o WHERE o.queue_id = %2$s
-                      ORDER BY o.seq LIMIT 64) o
-                CROSS JOIN LATERAL (
-                    SELECT r.slot, r.seq,
-                           r.xmax <> '0'::xid OR r.not_before > clock_timestamp() AS touched
-                    FROM ringq.%1$I r
-                    WHERE r.slot >= o.slot AND r.slot < o.slot + o.n
-                      AND r.seq = o.seq + (r.slot - o.slot) AND r.state = 1
-                    ORDER BY r.slot LIMIT max_n
-                ) l
-                ORDER BY o.seq, l.slot LIMIT max_n
-            ), t AS (
-                SELECT r.slot FROM ringq.%1$I r JOIN c ON r.slot = c.slot AND r.seq = c.seq
-                WHERE c.seq < coalesce((SELECT min(c2.seq) FROM c c2 WHERE c2.touched),
-                                       9223372036854775807)
-                FOR UPDATE OF r
-            )$take$, 'q_' || q.name, q.id);
+        -- One SQL dequeuer at a time; it takes the listed chunks in order and
+        -- stops before the first a take did not commit (the agent counts that
+        -- delivery and gives the rest back first), so the order holds across
+        -- rollbacks.
+        pick := format($pick$
+    IF NOT pg_try_advisory_xact_lock(hashtext('ringq.dequeue'), %1$s) THEN
+        RETURN;
+    END IF;
+    SELECT array_agg(c.seq ORDER BY c.seq), array_agg(c.slot ORDER BY c.seq),
+           array_agg(c.n ORDER BY c.seq)
+    INTO seqs, slots, ns
+    FROM (SELECT o.seq, o.slot, o.n, bool_or(o.xmax <> '0'::xid) OVER w AS stop,
+                 sum(o.n) OVER w - o.n AS before
+          FROM ringq.offers o WHERE o.queue_id = %1$s
+          WINDOW w AS (ORDER BY o.seq)) c
+    WHERE NOT c.stop AND c.before < max_n;$pick$, q.id);
     ELSE
         -- The lock is shared with the other takers; the agent takes it alone to
-        -- take entries back, so that no take under way can see them after.
-        take := format($take$
-            PERFORM pg_advisory_xact_lock_shared(hashtext('ringq.dequeue'), %2$s);
-            RETURN QUERY
-            WITH t AS (
-                SELECT l.slot
-                FROM (SELECT o.seq, o.slot, o.n FROM ringq.offers o WHERE o.queue_id = %2$s
-                      ORDER BY o.seq LIMIT 64) o
-                CROSS JOIN LATERAL (
-                    SELECT r.slot FROM ringq.%1$I r
-                    WHERE r.slot >= o.slot AND r.slot < o.slot + o.n
-                      AND r.seq = o.seq + (r.slot - o.slot) AND r.state = 1
-                      AND r.xmax = '0'::xid
-                      AND (r.not_before IS NULL OR r.not_before <= clock_timestamp())
-                    ORDER BY r.slot LIMIT max_n
-                    FOR UPDATE OF r SKIP LOCKED
-                ) l
-                LIMIT max_n
-            )$take$, 'q_' || q.name, q.id);
+        -- take chunks back, so that no take under way can see them after. The
+        -- chunks are locked one FETCH at a time, so that exactly those taken
+        -- are locked (a lock left on a chunk not taken would read as touched).
+        pick := format($pick$
+    PERFORM pg_advisory_xact_lock_shared(hashtext('ringq.dequeue'), %1$s);
+    OPEN cur FOR SELECT o.seq, o.slot, o.n FROM ringq.offers o
+                 WHERE o.queue_id = %1$s AND o.xmax = '0'::xid
+                 ORDER BY o.seq FOR UPDATE SKIP LOCKED;
+    LOOP
+        FETCH cur INTO c_seq, c_slot, c_n;
+        EXIT WHEN NOT FOUND;
+        seqs := coalesce(seqs, '{}') || c_seq;
+        slots := coalesce(slots, '{}') || c_slot;
+        ns := coalesce(ns, '{}') || c_n;
+        i := coalesce(i, 0) + c_n;
+        EXIT WHEN i >= max_n;
+    END LOOP;
+    CLOSE cur;$pick$, q.id);
     END IF;
-    -- Both modes end alike: the rows chosen (t) consumed, returned oldest first;
-    -- deq_at is when the take ran (clock_timestamp: the rows show that no entry
-    -- was taken before its due time), not when the caller's transaction began.
-    take := take || format($take$, u AS (
-                UPDATE ringq.%1$I r
-                SET state = 2, deq_at = clock_timestamp(), deq_user = current_user
-                FROM t WHERE r.slot = t.slot AND r.state = 1
-                RETURNING r.seq, r.payload, r.producer, r.producer_seq, r.deliveries + 1,
-                          r.msg_group, r.enq_at
-            )
-            SELECT * FROM u ORDER BY 1;$take$, 'q_' || q.name);
     EXECUTE format($fn$
         CREATE OR REPLACE FUNCTION ringq.%1$I(max_n integer DEFAULT 1)
         RETURNS TABLE (seq bigint, payload bytea, producer text, producer_seq bigint,
                        deliveries integer, msg_group text, enqueued_at timestamptz)
         LANGUAGE plpgsql
+        SECURITY DEFINER
+        SET search_path = pg_catalog, pg_temp
         SET enable_bitmapscan = off SET enable_seqscan = off
         AS %2$L$fn$, 'dq_' || q.name, format($body$
 #variable_conflict use_column
 DECLARE
-    got bigint;
+    who   text := CASE WHEN current_setting('role') = 'none' THEN session_user::text
+                       ELSE current_setting('role') END;
+    seqs  bigint[];
+    slots integer[];
+    ns    integer[];
+    ts    integer[] := '{}';
+    want  integer := 0;
+    got   bigint;
+    i     integer;
+    cur   refcursor;
+    c_seq bigint;
+    c_slot integer;
+    c_n   integer;
 BEGIN
     IF max_n IS NULL OR max_n < 1 OR max_n > 10000 THEN
         RAISE EXCEPTION 'ringq: max_n must be 1 to 10000, not %%', max_n
             USING ERRCODE = 'invalid_parameter_value';
     END IF;
+    IF NOT has_table_privilege(who, %3$L, 'UPDATE') THEN
+        RAISE EXCEPTION 'permission denied for table %%', %4$L
+            USING ERRCODE = 'insufficient_privilege';
+    END IF;
     %1$s
-    GET DIAGNOSTICS got = ROW_COUNT;
-    IF got = 0 THEN
+    IF seqs IS NULL THEN
+        -- Nothing to take: wait as a waiter (the ask), woken on a channel of
+        -- this backend's own; listening only while waiting (PostgreSQL
+        -- signals every listening backend at every notifying commit).
+        INSERT INTO ringq.waiters (queue_id, pid) VALUES (%5$s, pg_backend_pid())
+        ON CONFLICT DO NOTHING;
+        EXECUTE format('LISTEN %%I', 'ringq_ready_' || pg_backend_pid());
         PERFORM pg_notify('ringq_want', %2$L);
+        RETURN;
+    END IF;
+    -- Whole chunks up to max_n; the last one taken in part if it is longer.
+    FOR i IN 1 .. cardinality(seqs) LOOP
+        ts := ts || least(ns[i], max_n - want);
+        want := want + least(ns[i], max_n - want);
+    END LOOP;
+    DELETE FROM ringq.offers o
+    WHERE o.queue_id = %5$s AND o.seq = ANY(seqs[1:cardinality(seqs) - 1]);
+    IF ts[cardinality(ts)] = ns[cardinality(ns)] THEN
+        DELETE FROM ringq.offers o WHERE o.queue_id = %5$s AND o.seq = seqs[cardinality(seqs)];
+    ELSE
+        UPDATE ringq.offers o
+        SET seq = o.seq + ts[cardinality(ts)], slot = o.slot + ts[cardinality(ts)],
+            n = o.n - ts[cardinality(ts)]
+        WHERE o.queue_id = %5$s AND o.seq = seqs[cardinality(seqs)];
+    END IF;
+    -- deq_at is when the take ran (clock_timestamp: the rows show that no
+    -- entry was taken before its due time), not when the transaction began.
+    RETURN QUERY
+    WITH u AS (
+        UPDATE ringq.%6$I r
+        SET state = 2, deq_at = clock_timestamp(), deq_user = who
+        FROM unnest(seqs, slots, ts) AS c(seq, slot, t)
+        WHERE r.slot >= c.slot AND r.slot < c.slot + c.t AND r.seq = c.seq + (r.slot - c.slot)
+          AND r.state = 1 AND (r.not_before IS NULL OR r.not_before <= clock_timestamp())
+        RETURNING r.seq, r.payload, r.producer, r.producer_seq, r.deliveries + 1,
+                  r.msg_group, r.enq_at
+    )
+    SELECT * FROM u ORDER BY 1;
+    GET DIAGNOSTICS got = ROW_COUNT;
+    IF got <> want THEN
+        -- The section listed rows that are not what it says (stale): nothing
+        -- of this take may commit; the agent checks the chunk by its rows.
+        RAISE EXCEPTION 'ringq: %% of %% listed entries of queue %% are not takeable',
+            want - got, want, %2$L USING ERRCODE = 'RQ001';
+    END IF;
+    IF EXISTS (SELECT FROM pg_listening_channels() c WHERE c = 'ringq_ready_' || pg_backend_pid()) THEN
+        EXECUTE format('UNLISTEN %%I', 'ringq_ready_' || pg_backend_pid());
+        DELETE FROM ringq.waiters w WHERE w.queue_id = %5$s AND w.pid = pg_backend_pid();
     END IF;
     RETURN;
 END
-$body$, take, q.name));
+$body$, pick, q.name, 'ringq.' || quote_ident('q_' || q.name), 'q_' || q.name, q.id,
+        'q_' || q.name));
 END
 $ringq$;
 
@@ -797,6 +883,9 @@ DELETE FROM ringq.exceptions WHERE queue_id = (SELECT id FROM ringq.queues WHERE
 DO $ringq$ BEGIN
     IF to_regclass('ringq.offers') IS NOT NULL THEN
         DELETE FROM ringq.offers WHERE queue_id = (SELECT id FROM ringq.queues WHERE name = {name});
+    END IF;
+    IF to_regclass('ringq.waiters') IS NOT NULL THEN
+        DELETE FROM ringq.waiters WHERE queue_id = (SELECT id FROM ringq.queues WHERE name = {name});
     END IF;
     IF to_regclass('ringq.room') IS NOT NULL THEN
         DELETE FROM ringq.room WHERE queue_id = (SELECT id FROM ringq.queues WHERE name = {name});

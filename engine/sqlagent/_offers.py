@@ -1,26 +1,34 @@
-"""The SQL path's agent: it sets ready entries aside for SQL consumers
+"""The SQL path's agent: it lists ready entries for SQL consumers
 (``ringq.dequeue``, for other hosts and languages) and decides them from the rows.
 
 SQL cannot reach the global section, so a linked process (the monitor) acts
 for SQL consumers. :class:`SqlAgent` claims ready entries in the section under
 the owner ``OWNER_SQL`` (linked clients read past them, as past any locked
-entry) and lists them in ``ringq.offers``; ``ringq.dequeue`` takes listed
-entries by updating their ring rows in the caller's transaction, as a linked
-dequeue does. On each pass the agent reads the rows back:
+entry) and lists them in ``ringq.offers`` as chunks of at most :data:`CHUNK`
+consecutive entries. A take (``ringq.dq_<name>``) claims whole chunks with
+``FOR UPDATE SKIP LOCKED``, deletes them (or shortens the last it takes part
+of) and consumes their ring rows by one range each, all or nothing, in the
+caller's transaction. On each pass the agent reads the listing back:
 
-- consumed (state 2, committed): unlisted and finished in the section;
-- a take that did not commit (the row's ``xmax`` holds its xid, and no take
-  holds the row now): struck, as a linked rollback is (``deliveries + 1``;
-  at ``max_deliveries`` the entry moves to the exceptions), and offered again
-  at its place; takers pass such a row until then, so a delivery is never
-  missed by a take that came first;
+- entries it listed that are no longer listed were taken by a take that
+  committed: checked by their rows (only those not consumed come back from
+  the query: given back), then finished in the section;
+- a chunk whose xmax is set and that no take holds was touched by a take that
+  did not commit: the rows that take updated are struck, as a linked rollback
+  is (``deliveries + 1``; at ``max_deliveries`` the entry moves to the
+  exceptions), and the chunk goes back to the section (waiting out the
+  queue's backoff); a ``single`` queue gives back everything listed with it,
+  so that the order holds;
+- SQL consumers waiting (``ringq.waiters``) are woken one per takeable chunk;
 - untaken while no SQL consumer asked for :data:`DEMAND_S`: taken back (under
   an advisory lock every take holds shared, so no take under way can still
   see them) and given back to linked consumers.
 
 The rows decide: a section rebuilt from them locks the listed entries for
-SQL again (``load_rows(offered=...)``); entries locked for SQL but not listed
-(the agent died between its claim and its insert) are given back.
+SQL again (``load_rows(offered=...)``); entries the section holds for SQL that
+are not listed (the agent died between its claim and its listing, or a take
+committed while it was away) are settled by their rows on the agent's first
+look at the queue.
 """
 
 from __future__ import annotations
@@ -45,23 +53,28 @@ from ..section import layout as L
 
 logger = logging.getLogger("ringq.sql")
 
-# Entries kept set aside per queue: four times what SQL consumers took since
-# the last pass, within these bounds; topped up once fewer than 3/4 wait.
+# Entries kept listed per queue: four times what SQL consumers took since the
+# last pass, within these bounds; topped up once fewer than 3/4 are takeable.
 OFFER_MIN = 64
-OFFER_MAX = 1024
+OFFER_MAX = 4096
+CHUNK = 16  # entries per listed chunk at most
 ROLE_ASK_NS = 50_000_000  # single: how long linked dequeuers leave a free role to the SQL path
 DEMAND_S = 5.0  # a queue keeps entries set aside this long after its last ask or take
 # Between passes while SQL consumers are busy. Starved (asked, nothing takeable
-# set aside): new entries are seen only by looking, so look often. Supplied:
-# a consumer that runs out asks at once (ringq_want wakes the agent), so a
-# pass is needed only to top up and to finish what was taken; a pass costs the
-# monitor and its backend about a millisecond of CPU, which the consumers'
-# own backends need on a small host.
+# listed): new entries are seen only by looking, so look often. Supplied: a
+# consumer that runs out asks at once (ringq_want wakes the agent), so a pass
+# is needed only to top up and to finish what was taken.
 STARVED_WAIT_S = 0.002
 SUPPLIED_WAIT_S = 0.010
 SCAN_S = 1.0  # how often an idle agent looks for queues with entries set aside
 WANT_CHANNEL = "ringq_want"  # ringq.dequeue() found nothing: payload, the queue's name
-READY_CHANNEL = "ringq_ready"  # the agent set entries aside: payload, the queue's name
+# A waiting SQL consumer hears its wake-up on READY_CHANNEL + "_" + its backend's
+# pid (payload: the queue's name); ringq.dequeue() LISTENs on it for the caller.
+READY_CHANNEL = "ringq_ready"
+
+Runs = list[tuple[int, int, int]]  # (seq, slot, n): n consecutive entries at consecutive slots
+Entries = tuple["np.ndarray[Any, Any]", "np.ndarray[Any, Any]"]  # (seqs, slots), by seq
+_NONE: Entries = (np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64))
 
 
 @dataclass
@@ -73,8 +86,9 @@ class AgentFigures:
     struck: int = 0
     poisoned: int = 0
     withdrawn: int = 0
-    given_back: int = 0  # locked for SQL but not listed (an agent died mid-offer)
+    given_back: int = 0  # held for SQL but not listed, nor consumed (an agent died mid-offer)
     lease_expired: int = 0  # SQL consumers' backends ended for holding an entry too long
+    woken: int = 0  # waiting SQL consumers notified
 
     def as_dict(self) -> dict[str, int]:
         return dict(self.__dict__)
@@ -91,7 +105,9 @@ class SqlAgent:
     _listed: set[int] = field(default_factory=set)  # queue ids with entries set aside
     _scanned: float = float("-inf")
     _infos: dict[int, QueueInfo] = field(default_factory=dict)
-    _target: dict[int, int] = field(default_factory=dict)  # queue id -> entries to keep aside
+    _target: dict[int, int] = field(default_factory=dict)  # queue id -> entries to keep listed
+    # queue id -> the entries the agent listed and has not settled (seqs, slots)
+    _mine: dict[int, Entries] = field(default_factory=dict)
 
     @staticmethod
     def prepare(conn: psycopg.Connection[Any]) -> None:
@@ -100,9 +116,11 @@ class SqlAgent:
         conn.execute(_Q["agent_async_commit"])
 
     def forget(self) -> None:
-        """Look at every queue again on the next pass (a new connection: asks
-        sent while there was none are lost)."""
+        """Look at every queue again on the next pass, settling what the
+        section holds for SQL from the rows (a new connection: asks sent while
+        there was none are lost)."""
         self._scanned = float("-inf")
+        self._mine.clear()
 
     def asked(self, queue: str) -> None:
         """A SQL consumer found nothing in ``queue`` (its NOTIFY on ``ringq_want``)."""
@@ -111,18 +129,22 @@ class SqlAgent:
     def run(self, sec: Section, conn: psycopg.Connection[Any]) -> float | None:
         """One pass over the queues SQL consumers use; returns when to come
         back (seconds): :data:`STARVED_WAIT_S` while a queue SQL consumers
-        asked for has nothing takeable set aside (new entries are seen only by
-        looking), :data:`SUPPLIED_WAIT_S` while they have entries set aside
-        (one that runs out asks at once, ``ringq_want``), None when none is
-        busy."""
+        asked for has nothing takeable listed (new entries are seen only by
+        looking), :data:`SUPPLIED_WAIT_S` while they have entries listed (one
+        that runs out asks at once, ``ringq_want``), None when none is busy."""
         now = self.clock()
-        wanted = {n for n, t in self._asked.items() if now - t < DEMAND_S}
         if now - self._scanned >= SCAN_S:
-            self._listed = {int(r[0]) for r in conn.execute(_Q["offers_queues"]).fetchall()}
             self._scanned = now
             self._infos = queue_infos(conn)
-            self._reconcile_all(sec, conn)
+            names = {i.id: i.name for i in self._infos.values()}
+            self._listed = set()
+            for qid, waited in conn.execute(_Q["offers_queues"]).fetchall():
+                self._listed.add(int(qid))
+                if waited and int(qid) in names:
+                    self._asked.setdefault(names[int(qid)], now)
+            self._listed |= self._held_queues(sec) | set(self._mine)
             self._end_overdue(conn)
+        wanted = {n for n, t in self._asked.items() if now - t < DEMAND_S}
         if wanted and not {i.name for i in self._infos.values()} >= wanted:
             self._infos = queue_infos(conn)
         busy = starved = False
@@ -148,96 +170,153 @@ class SqlAgent:
             qidx = load_queue(sec, conn, info)
         ring = Ring(sec, qidx)
         table = queue_table(info.name)
-        runs: list[tuple[int, int, int]] = []  # (seq, slot, n) listed
-        changed: list[tuple[Any, ...]] = []  # listed entries not plainly takeable now
-        held = 0  # listed entries a take under way holds
-        if info.id in self._listed:  # only this agent lists: nothing listed, nothing to read
-            for kind, seq, slot, n, state, touched, due_us, due, live in conn.execute(
-                sql.SQL(_Q["offers_changes"]).format(table=table), {"queue_id": info.id}
-            ).fetchall():
-                if kind == 0:
-                    runs.append((int(seq), int(slot), int(n)))
-                elif live and state == RowState.QUEUED:
-                    held += 1  # a take under way: decided on a later pass
-                else:
-                    changed.append((int(seq), int(slot), state, touched, due_us, due))
-        total = sum(n for _seq, _slot, n in runs)
-        waiting = total - held - len(changed)  # the entries not shipped are takeable now
-        pending: list[Write] = []  # sent with the offer's writes: one round trip for both
-        done: list[tuple[int, int]] = []  # consumed, or no longer at that seq
-        aborted: list[tuple[int, int]] = []
-        for seq, slot, state, touched, _due_us, due in changed:
-            if state is None or state != RowState.QUEUED:
-                done.append((slot, seq))
-            elif touched:
-                aborted.append((slot, seq))
-            elif due:
-                waiting += 1  # fell due between the query's two looks at the clock
-        poisoned = self._strike(conn, info, table, aborted) if aborted else []
-        if done or poisoned:
-            self._finish(sec, ring, info, done + poisoned)
-            gone = {seq for _slot, seq in done + poisoned}
-            pending = _relist_writes(info, _minus(runs, gone))
-            self.figures.taken += len(done)
+        mine = self._mine.get(info.id)
+        if mine is None:  # first look: what the section holds for SQL, listed or not
+            mine = _held(sec, ring)
+        chunks: Runs = []  # listed now
+        free: Runs = []  # listed and takeable
+        touched: Runs = []  # listed, a take did not commit and none holds them now
+        waiters = 0
+        for kind, seq, slot, n, touch, live in conn.execute(
+            _Q["offers_look"], {"queue_id": info.id}
+        ).fetchall():
+            if kind == 1:
+                waiters = int(seq)
+                continue
+            chunk = (int(seq), int(slot), int(n))
+            chunks.append(chunk)
+            if not touch:
+                free.append(chunk)
+            elif not live:
+                touched.append(chunk)
+            # else a take under way holds it: decided on a later pass
+        gone = ~np.isin(mine[0], _expand(chunks)[0])
+        taken = 0
+        if gone.any():
+            taken = self._settle_gone(sec, conn, ring, info, table,
+                                      (mine[0][gone], mine[1][gone]))
+            mine = (mine[0][~gone], mine[1][~gone])
+        unlisted: set[int] = set()
+        if touched:
+            unlisted = self._strike(sec, conn, ring, info, table, touched)
+        if unlisted:
+            chunks = [c for c in chunks if c[0] not in unlisted]
+            free = [c for c in free if c[0] not in unlisted]
+            keep = np.isin(mine[0], _expand(chunks)[0])
+            mine = (mine[0][keep], mine[1][keep])
+        if taken:
             self._asked[info.name] = self.clock()
             wanted = True
-        listed = total - len(done) - len(poisoned)
+        wanted = wanted or waiters > 0
+        takeable = sum(n for _seq, _slot, n in free)
         target = self._target.get(info.id, OFFER_MIN)
-        if done:
-            target = min(OFFER_MAX, max(target, 4 * len(done)))
+        if taken:
+            target = min(OFFER_MAX, max(target, 4 * taken))
         else:
             target = max(OFFER_MIN, target - target // 16)  # a quiet pass: keep less aside
         self._target[info.id] = target
-        if wanted and waiting < target - target // 4:
-            offered = self._offer(sec, conn, ring, info, target - waiting, pending)
-            listed += offered
-            waiting += offered
-        else:
-            _send(conn, pending)
-            if not wanted and waiting:
-                listed -= self._withdraw(sec, conn, ring, info, table)
-        if listed > 0:
+        if wanted and takeable < target - target // 4:
+            new = self._offer(sec, conn, ring, info, target - takeable,
+                              len(free) if waiters else 0)
+            if new[0].size:
+                mine = (np.concatenate([mine[0], new[0]]), np.concatenate([mine[1], new[1]]))
+                takeable += int(new[0].size)
+        elif waiters and free:
+            self._wake(conn, info, len(free))
+        elif not wanted and takeable > 0:
+            back = self._withdraw(sec, conn, ring, info)
+            if back.size:
+                keep = ~np.isin(mine[0], back)
+                mine = (mine[0][keep], mine[1][keep])
+        if mine[0].size:
+            order = np.argsort(mine[0], kind="stable")
+            self._mine[info.id] = (mine[0][order], mine[1][order])
             self._listed.add(info.id)
         else:
+            self._mine.pop(info.id, None)
             self._listed.discard(info.id)
-        if wanted and not waiting:
+        if wanted and takeable <= 0:
             return STARVED_WAIT_S
-        return SUPPLIED_WAIT_S if wanted or listed > 0 else None
+        return SUPPLIED_WAIT_S if wanted or mine[0].size else None
+
+    def _settle_gone(
+        self, sec: Section, conn: psycopg.Connection[Any], ring: Ring, info: QueueInfo,
+        table: sql.Composable, gone: Entries,
+    ) -> int:
+        """Settle entries no longer listed by their rows: consumed (or no
+        longer at that seq) finished, still queued given back; returns how
+        many were taken."""
+        runs = _runs(gone[1], gone[0])
+        odd = conn.execute(sql.SQL(_Q["offers_gone"]).format(table=table), (
+            runs["run_seqs"], runs["run_slots"], runs["run_ns"])).fetchall()
+        back = [(int(slot), int(seq), int(due or 0)) for slot, seq, state, due in odd
+                if state == RowState.QUEUED]
+        queued = {seq for _slot, seq, _due in back}
+        done = [(int(slot), int(seq)) for seq, slot in zip(gone[0].tolist(), gone[1].tolist(),
+                                                              strict=True) if seq not in queued]
+        if done:
+            self._finish(sec, ring, info, done)
+            self.figures.taken += len(done)
+        if back:
+            # Not listed and not consumed: the agent died between its claim and
+            # its listing, or someone deleted chunks by hand. Nobody took them.
+            self.figures.given_back += self._give_back(sec, ring, info, back, counted=False)
+            logger.warning("ringq: %d entries of queue %s held for SQL consumers but neither "
+                           "listed nor consumed were given back", len(back), info.name)
+        return len(done)
 
     def _strike(
-        self, conn: psycopg.Connection[Any], info: QueueInfo, table: sql.Composable,
-        aborted: list[tuple[int, int]],
-    ) -> list[tuple[int, int]]:
-        """Count the deliveries of takes that did not commit; returns the
-        entries that reached ``max_deliveries`` (moved to the exceptions)."""
-        slots = [s for s, _q in aborted]
-        seqs = [q for _s, q in aborted]
+        self, sec: Section, conn: psycopg.Connection[Any], ring: Ring, info: QueueInfo,
+        table: sql.Composable, touched: Runs,
+    ) -> set[int]:
+        """Count the deliveries of takes that did not commit and give their
+        chunks back to the section (a ``single`` queue: everything listed,
+        so that the order holds); returns the chunks' seqs unlisted."""
+        single = info.dequeue_mode == "single"
         with conn.transaction():
             # Durable at once, whatever the connection's setting: a strike lost
-            # in a crash after its row was cleaned would be counted twice.
+            # in a crash after its chunk was unlisted would be counted twice.
             conn.execute(_Q["agent_sync_commit"])
-            free = conn.execute(
-                sql.SQL(_Q["offers_aborted"]).format(table=table), (slots, seqs)
-            ).fetchall()
-            if not free:
-                return []  # all still held by live takes
-            struck = conn.execute(sql.SQL(_Q["strike"]).format(table=table), {
-                "max_deliveries": info.max_deliveries,
-                "slots": [int(r[0]) for r in free],
-                "seqs": [int(r[1]) for r in free],
-                "queue_id": info.id,
-                "reason": POISON_REASON,
-            }).fetchall()
-        again = [r for r in struck if r[2] == RowState.QUEUED]
-        if again:
-            with conn.transaction():
-                conn.execute(_Q["agent_sync_commit"])
-                conn.execute(sql.SQL(_Q["offers_clean"]).format(table=table),
-                             ([int(r[0]) for r in again], [int(r[1]) for r in again]))
+            if single:
+                got = conn.execute(_Q["offers_quiet"], (info.id,)).fetchone()
+                if not got or not got[0]:
+                    return set()  # a take is under way: it stops before the touched chunk
+            locked: Runs = [(int(a), int(b), int(c)) for a, b, c in conn.execute(
+                _Q["offers_touched"], (info.id, [t[0] for t in touched])).fetchall()]
+            if not locked:
+                return set()  # all held by takes (a prepared one, say)
+            seqs, slots, ns = ([r[i] for r in locked] for i in range(3))
+            aborted = conn.execute(sql.SQL(_Q["offers_aborted"]).format(table=table),
+                                   (seqs, slots, ns)).fetchall()
+            struck: list[tuple[Any, ...]] = []
+            if aborted:
+                struck = conn.execute(sql.SQL(_Q["strike"]).format(table=table), {
+                    "max_deliveries": info.max_deliveries,
+                    "slots": [int(r[0]) for r in aborted],
+                    "seqs": [int(r[1]) for r in aborted],
+                    "queue_id": info.id,
+                    "reason": POISON_REASON,
+                }).fetchall()
+            conn.execute(_Q["offers_unlist"], (info.id, seqs))
+            rest: Runs = []
+            if single:
+                rest = [(int(a), int(b), int(c))
+                        for a, b, c in conn.execute(_Q["offers_withdraw"], (info.id,)).fetchall()]
+        poisoned = [(int(r[0]), int(r[1])) for r in struck if r[2] == RowState.CONSUMED]
+        due = {int(r[1]): int(r[7] or 0) for r in struck if r[2] == RowState.QUEUED}
+        again = [(sl, sq, due[sq]) for sq, sl in zip(*_as_lists(_expand(locked)), strict=True)
+                 if sq in due]
+        gone = {sq for _sl, sq in poisoned}
+        quiet = [(sl, sq, 0) for sq, sl in zip(*_as_lists(_expand(locked + rest)), strict=True)
+                 if sq not in due and sq not in gone]
         self.figures.struck += len(struck)
-        out = [(int(r[0]), int(r[1])) for r in struck if r[2] == RowState.CONSUMED]
-        self.figures.poisoned += len(out)
-        return out
+        self.figures.poisoned += len(poisoned)
+        if poisoned:
+            self._finish(sec, ring, info, poisoned)
+        self._give_back(sec, ring, info, again, counted=True)
+        self._give_back(sec, ring, info, quiet, counted=False)
+        self.figures.withdrawn += len(quiet)
+        return set(seqs) | {r[0] for r in rest}
 
     def _finish(
         self, sec: Section, ring: Ring, info: QueueInfo, done: list[tuple[int, int]]
@@ -267,34 +346,37 @@ class SqlAgent:
 
     def _offer(
         self, sec: Section, conn: psycopg.Connection[Any], ring: Ring, info: QueueInfo, n: int,
-        before: list[Write],
-    ) -> int:
-        """Set up to ``n`` ready entries aside, the writes ``before`` first in
-        the same transaction; returns how many."""
-        slots = seqs = np.zeros(0, dtype=np.int64)
-        try:
-            slots, seqs = self._claim(sec, ring, info, n)
-        finally:
-            if not slots.size:
-                _send(conn, before)
+        wake: int,
+    ) -> Entries:
+        """List up to ``n`` ready entries for SQL consumers and wake up to
+        ``wake`` (plus one per chunk listed) of those waiting, in one round
+        trip; returns the entries listed (seqs, slots)."""
+        slots, seqs = self._claim(sec, ring, info, n)
         if not slots.size:
-            return 0
+            if wake:
+                self._wake(conn, info, wake)
+            return _NONE
         table = queue_table(info.name)
-        runs = _runs(slots, seqs)
+        # at least 16 chunks when there are 16 entries: a take holds whole chunks
+        runs = _runs(slots, seqs, max(1, min(CHUNK, int(slots.size) // 16)))
         try:
             _send(conn, [
-                *before,
                 (sql.SQL(_Q["offers_clean_runs"]).format(table=table), runs),
                 (_Q["offers_runs"], {"queue_id": info.id, **runs}),
-                (_Q["offers_ready"], (info.name,)),
+                (_Q["offers_wake"], (info.id, info.name, wake + len(runs["run_ns"]))),
             ])
         except BaseException:
             self._give_back(sec, ring, info,
                             [(sl, sq, 0) for sl, sq in zip(slots.tolist(), seqs.tolist(),
-                                                           strict=True)])
+                                                           strict=True)], counted=False)
             raise
         self.figures.offered += int(slots.size)
-        return int(slots.size)
+        return seqs.astype(np.int64), slots.astype(np.int64)
+
+    def _wake(self, conn: psycopg.Connection[Any], info: QueueInfo, n: int) -> None:
+        """Wake up to ``n`` SQL consumers waiting for the queue."""
+        row = conn.execute(_Q["offers_wake"], (info.id, info.name, n)).fetchone()
+        self.figures.woken += int(row[0]) if row else 0
 
     @staticmethod
     def _claim(
@@ -326,53 +408,34 @@ class SqlAgent:
             sec.unlock_queue(ring.qidx)
         return slots, seqs
 
-    @staticmethod
-    def _relist(
-        conn: psycopg.Connection[Any], info: QueueInfo, runs: list[tuple[int, int, int]]
-    ) -> None:
-        """Write the queue's listing again as ``runs`` (seq, slot, n), in a
-        transaction (a savepoint in the caller's)."""
-        with conn.transaction():
-            for query, params in _relist_writes(info, runs):
-                conn.execute(query, params)
-
     def _withdraw(
-        self, sec: Section, conn: psycopg.Connection[Any], ring: Ring, info: QueueInfo,
-        table: sql.Composable,
-    ) -> int:
-        """Take back untaken entries of a queue no SQL consumer asked for lately;
-        returns how many."""
+        self, sec: Section, conn: psycopg.Connection[Any], ring: Ring, info: QueueInfo
+    ) -> np.ndarray[Any, Any]:
+        """Take back untaken entries of a queue no SQL consumer asked for
+        lately; returns their seqs."""
         with conn.transaction():
             got = conn.execute(_Q["offers_quiet"], (info.id,)).fetchone()
             if not got or not got[0]:
-                return 0  # a take is under way: later
-            # Read again under the lock: a take may have committed since.
-            rows = conn.execute(
-                sql.SQL(_Q["offers_state"]).format(table=table), (info.id,)
-            ).fetchall()
-            back = [(int(slot), int(seq), int(due_us or 0))
-                    for seq, slot, state, touched, due_us, _due in rows
-                    if state == RowState.QUEUED and not touched]
-            if not back:
-                return 0
-            # What stays listed: takes under way or not counted yet (touched),
-            # and what was consumed since (the next pass finishes it).
-            gone = {seq for _slot, seq, _due in back}
-            keep = [r for r in rows if r[0] not in gone]  # (seq, slot, ...)
-            kept = _runs(np.array([r[1] for r in keep], dtype=np.int64),
-                         np.array([r[0] for r in keep], dtype=np.int64))
-            self._relist(conn, info, list(zip(kept["run_seqs"], kept["run_slots"],
-                                              kept["run_ns"], strict=True)))
-        self._give_back(sec, ring, info, back)
-        self.figures.withdrawn += len(back)
-        return len(back)
+                return _NONE[0]  # a take is under way: later
+            runs: Runs = [(int(a), int(b), int(c))
+                          for a, b, c in conn.execute(_Q["offers_withdraw"], (info.id,)).fetchall()]
+        seqs, slots = _expand(runs)
+        self._give_back(sec, ring, info, list(zip(slots.tolist(), seqs.tolist(),
+                                                  [0] * len(seqs), strict=True)), counted=False)
+        self.figures.withdrawn += int(seqs.size)
+        return seqs
 
     def _give_back(
-        self, sec: Section, ring: Ring, info: QueueInfo, entries: list[tuple[int, int, int]]
+        self, sec: Section, ring: Ring, info: QueueInfo, entries: list[tuple[int, int, int]],
+        *, counted: bool,
     ) -> int:
-        """Make entries (slot, seq, due time in epoch µs or 0) locked for SQL
+        """Make entries (slot, seq, due time in epoch µs or 0) held for SQL
         ready for linked consumers again, or waiting if not due yet (a retry's
-        backoff); no delivery counted: none took them."""
+        backoff). ``counted``: a delivery that did not commit (a strike);
+        else none took them, and the claim's and the finish's counts are
+        taken back."""
+        if not entries:
+            return 0
         exclusive = info.dequeue_mode == "single"
         n = 0
         sec.lock_queue(ring.qidx)
@@ -381,12 +444,12 @@ class SqlAgent:
                 if ring.held_by(slot, L.OWNER_SQL) and ring.seq_of(slot) == seq:
                     ring.finish_dequeue(slot, consumed=False, exclusive=exclusive,
                                         due_us=due_us)
-                    # Not a dequeue nor a rollback: take back what the claim and
-                    # the finish counted.
-                    ring.Q[ring.qb + L.Q_N_DEQ] -= 1
-                    ring.Q[ring.qb + L.Q_N_DEQ_ROLLBACK] -= 1
+                    if not counted:
+                        ring.Q[ring.qb + L.Q_N_DEQ] -= 1
+                        ring.Q[ring.qb + L.Q_N_DEQ_ROLLBACK] -= 1
                     n += 1
             wake = min(n, ring.waiters(OpKind.DEQUEUE))
+            wake += self._role_freed(ring, exclusive)
         finally:
             sec.unlock_queue(ring.qidx)
         if wake:
@@ -394,56 +457,55 @@ class SqlAgent:
         return n
 
     def _end_overdue(self, conn: psycopg.Connection[Any]) -> None:
-        """End the backends of SQL consumers holding a set-aside entry past
-        the queue's lease (as the monitor ends linked sessions): their
-        transaction rolls back and the entry comes back counted."""
+        """End the backends of SQL consumers holding a listed chunk past the
+        queue's lease (as the monitor ends linked sessions): their
+        transaction rolls back and the entries come back counted."""
         for info in self._infos.values():
             if info.id not in self._listed or info.lease <= 0:
                 continue
-            stmt = sql.SQL(_Q["offers_overdue"]).format(table=queue_table(info.name))
-            for (pid,) in conn.execute(stmt, (info.id, info.lease)).fetchall():
+            for (pid,) in conn.execute(_Q["offers_overdue"], (info.id, info.lease)).fetchall():
                 conn.execute(_Q["offers_end"], (pid,))
                 self.figures.lease_expired += 1
                 logger.warning("ringq: SQL consumer backend %s held an entry of queue %s past "
                                "its lease (%g s): ended", pid, info.name, info.lease)
 
-    def _reconcile_all(self, sec: Section, conn: psycopg.Connection[Any]) -> None:
-        """Settle entries locked for SQL in a queue with none listed (an agent
-        that died between its claim and its listing, or between a withdraw's
-        commit and its give-back) by their rows: a queued one is given back,
-        waiting if its row's due time (a struck entry's backoff) is still to
-        come; one consumed (or no longer at that seq) is finished."""
-        listed_ids = self._listed
+    @staticmethod
+    def _held_queues(sec: Section) -> set[int]:
+        """The queues whose section holds entries for SQL consumers."""
+        out = set()
         for qidx in sec.loaded_queues():
             ring = Ring(sec, qidx)
-            if ring.qid in listed_ids:
-                continue
-            info = self._infos.get(ring.qid)
-            if info is None:
-                continue
-            sec.lock_queue(qidx)
-            try:
-                owners = sec.owner[ring.base : ring.base + ring.cap]
-                cand = np.flatnonzero(owners == L.OWNER_SQL)
-                lost = {int(s): ring.seq_of(int(s)) for s in cand
-                        if ring.held_by(int(s), L.OWNER_SQL)}
-            finally:
-                sec.unlock_queue(qidx)
-            if not lost:
-                continue
-            # Nothing listed, so no take can hold them (a take needs the listing).
-            rows = conn.execute(sql.SQL(_Q["rows"]).format(table=queue_table(info.name)),
-                                (list(lost),)).fetchall()
-            queued = {int(slot): int(due or 0) for slot, state, seq, _group, due in rows
-                      if state == RowState.QUEUED and seq == lost[slot]}
-            back = [(slot, seq, queued[slot]) for slot, seq in lost.items() if slot in queued]
-            done = [(slot, seq) for slot, seq in lost.items() if slot not in queued]
-            if done:
-                self._finish(sec, ring, info, done)
-            self.figures.given_back += self._give_back(sec, ring, info, back)
-            logger.warning("ringq: %d entries of queue %s locked for SQL consumers but not "
-                           "listed were settled by their rows (%d given back)", len(lost),
-                           info.name, len(back))
+            if np.any(sec.owner[ring.base : ring.base + ring.cap] == L.OWNER_SQL):
+                out.add(ring.qid)
+        return out
+
+
+def _held(sec: Section, ring: Ring) -> Entries:
+    """The entries the section holds for SQL consumers in ``ring``: (seqs, slots), by seq."""
+    sec.lock_queue(ring.qidx)
+    try:
+        cand = np.flatnonzero(sec.owner[ring.base : ring.base + ring.cap] == L.OWNER_SQL)
+        slots = [int(s) for s in cand if ring.held_by(int(s), L.OWNER_SQL)]
+        seqs = [ring.seq_of(s) for s in slots]
+    finally:
+        sec.unlock_queue(ring.qidx)
+    a, b = np.array(seqs, dtype=np.int64), np.array(slots, dtype=np.int64)
+    order = np.argsort(a, kind="stable")
+    return a[order], b[order]
+
+
+def _as_lists(entries: Entries) -> tuple[list[int], list[int]]:
+    return entries[0].tolist(), entries[1].tolist()
+
+
+def _expand(runs: Runs) -> Entries:
+    """The entries of ``runs`` (seq, slot, n): (seqs, slots)."""
+    if not runs:
+        return _NONE
+    arr = np.array(runs, dtype=np.int64).reshape(-1, 3)
+    n = arr[:, 2]
+    offs = np.arange(int(n.sum()), dtype=np.int64) - np.repeat(np.cumsum(n) - n, n)
+    return np.repeat(arr[:, 0], n) + offs, np.repeat(arr[:, 1], n) + offs
 
 
 Write = tuple[str | sql.Composed, Any]  # a statement and its parameters
@@ -461,52 +523,25 @@ def _send(conn: psycopg.Connection[Any], writes: list[Write]) -> None:
             conn.execute(query, params)
 
 
-def _relist_writes(info: QueueInfo, runs: list[tuple[int, int, int]]) -> list[Write]:
-    """The writes that make the queue's listing ``runs`` (seq, slot, n): a
-    write per run, whatever left the listing."""
-    writes: list[Write] = [(_Q["offers_clear"], (info.id,))]
-    if runs:
-        writes.append((_Q["offers_runs"], {
-            "queue_id": info.id,
-            "run_seqs": [r[0] for r in runs],
-            "run_slots": [r[1] for r in runs],
-            "run_ns": [r[2] for r in runs],
-        }))
-    return writes
-
-
-def _runs(slots: np.ndarray[Any, Any], seqs: np.ndarray[Any, Any]) -> dict[str, list[int]]:
+def _runs(
+    slots: np.ndarray[Any, Any], seqs: np.ndarray[Any, Any], limit: int = 0
+) -> dict[str, list[int]]:
     """The entries at ``slots`` with ``seqs`` (int64 arrays, any order) as
     runs of consecutive seqs at consecutive slots (so a run never wraps past
-    the ring's last slot: its next seq is at slot 0): ``offers_runs``' and
-    ``offers_clean_runs``' parameters."""
+    the ring's last slot: its next seq is at slot 0), each at most ``limit``
+    long (0: any): ``offers_runs``' and ``offers_clean_runs``' parameters."""
     if not seqs.size:
         return {"run_seqs": [], "run_slots": [], "run_ns": []}
     order = np.argsort(seqs, kind="stable")
     seqs, slots = seqs[order], slots[order]
-    starts = np.flatnonzero(np.r_[True, (np.diff(seqs) != 1) | (np.diff(slots) != 1)])
+    brk = np.r_[True, (np.diff(seqs) != 1) | (np.diff(slots) != 1)]
+    if limit:
+        # a new run every ``limit`` entries within a run
+        run_id = np.cumsum(brk) - 1
+        first = np.flatnonzero(brk)
+        pos = np.arange(seqs.size) - first[run_id]
+        brk = brk | (pos % limit == 0)
+    starts = np.flatnonzero(brk)
     ns = np.diff(np.r_[starts, seqs.size])
     return {"run_seqs": seqs[starts].tolist(), "run_slots": slots[starts].tolist(),
             "run_ns": ns.tolist()}
-
-
-def _minus(runs: list[tuple[int, int, int]], gone: set[int]) -> list[tuple[int, int, int]]:
-    """``runs`` (seq, slot, n) less the entries whose seq is in ``gone``, as
-    runs again (a run split where an entry left it, runs that meet joined, as
-    ``_runs`` makes them); the work is in the runs and the entries gone, not
-    in the entries listed."""
-    out: list[tuple[int, int, int]] = []
-    for seq, slot, n in sorted(runs):
-        cut = sorted(g for g in gone if seq <= g < seq + n) if gone else []
-        start = seq
-        for g in [*cut, seq + n]:
-            if g <= start:
-                start = max(start, g + 1)
-                continue
-            at = slot + (start - seq)
-            if out and out[-1][0] + out[-1][2] == start and out[-1][1] + out[-1][2] == at:
-                out[-1] = (out[-1][0], out[-1][1], out[-1][2] + g - start)  # one run again
-            else:
-                out.append((start, at, g - start))
-            start = g + 1
-    return out
