@@ -6,8 +6,8 @@ A row of the benchmark is a producer kind and a consumer kind (:data:`ROWS`);
 - ``linked``: a ringq session (``enqueue_many`` + ``commit``;
   ``dequeue_many(n, wait=)``, the log INSERT through ``Session.execute``,
   ``commit``);
-- ``sql``: ``SELECT ringq.enqueue(q, x) FROM unnest(%s::bytea[]) x`` in
-  autocommit; a default psycopg connection taking ``SELECT seq, payload FROM
+- ``sql``: ``SELECT ringq.enqueue_many(q, %s::bytea[])`` (one statement per
+  batch) in autocommit; a default psycopg connection taking ``SELECT seq, payload FROM
   ringq.dequeue(q, n)``, the INSERT, ``COMMIT``, and waiting for a
   notification when it found nothing (the take LISTENs for it);
 - ``pgmq``: a visibility-timeout table as pgmq makes it (send_batch, read
@@ -94,7 +94,7 @@ LABELS = {
 HEADER = struct.Struct("<qq")  # enqueue time (monotonic ns), entry id
 CHUNK = 64  # entries per chunk of the prototypes
 
-SQL_ENQUEUE = "SELECT ringq.enqueue(%s, x) FROM unnest(%s::bytea[]) x"
+SQL_ENQUEUE = "SELECT ringq.enqueue_many(%s, %s::bytea[])"
 SQL_DEQUEUE = "SELECT seq, payload FROM ringq.dequeue(%s, %s)"
 PGMQ_CREATE = (
     "CREATE TABLE {t} (msg_id bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY,"

@@ -18,12 +18,13 @@ same run against the same baseline):
 - **linked**: linked producer (``enqueue_many(128)`` + ``commit``) and linked
   consumers (``dequeue_many(8, wait=)``, the INSERT through
   ``Session.execute``, ``commit``);
-- **sql**: SQL producer (``SELECT ringq.enqueue(q, x) FROM unnest(%s::bytea[])
-  x``, one autocommitted statement per 128: there is no batch form) and SQL
-  consumers (a default psycopg connection: ``SELECT seq, payload FROM
+- **sql**: SQL producer (``SELECT ringq.enqueue_many(q, %s::bytea[])``, one
+  autocommitted statement per 128; before issue 34 it was ``SELECT
+  ringq.enqueue(q, x) FROM unnest(%s::bytea[]) x``: there was no batch form)
+  and SQL consumers (a default psycopg connection: ``SELECT seq, payload FROM
   ringq.dequeue(q, 64)``, the INSERT, ``COMMIT``; when it finds nothing it
-  commits and waits for a NOTIFY on ``ringq_ready`` (``LISTEN`` at connect),
-  at most ``--wait`` s);
+  commits and waits for its wake-up (the take LISTENs on the backend's own
+  channel while it waits), at most ``--wait`` s);
 - **linked_sql**: linked producer, SQL consumers;
 - **sql_linked**: SQL producer, linked consumers;
 - **pgmq**: a visibility-timeout queue as pgmq makes it (a table ``(msg_id

@@ -66,6 +66,7 @@ DEMAND_S = 5.0  # a queue keeps entries set aside this long after its last ask o
 # is needed only to top up and to finish what was taken.
 STARVED_WAIT_S = 0.002
 SUPPLIED_WAIT_S = 0.010
+QUIET_LOOK_S = 0.1  # a queue with nothing listed nor ready: its rows read this often at most
 SCAN_S = 1.0  # how often an idle agent looks for queues with entries set aside
 WANT_CHANNEL = "ringq_want"  # ringq.dequeue() found nothing: payload, the queue's name
 # A waiting SQL consumer hears its wake-up on READY_CHANNEL + "_" + its backend's
@@ -108,6 +109,7 @@ class SqlAgent:
     _target: dict[int, int] = field(default_factory=dict)  # queue id -> entries to keep listed
     # queue id -> the entries the agent listed and has not settled (seqs, slots)
     _mine: dict[int, Entries] = field(default_factory=dict)
+    _looked: dict[int, float] = field(default_factory=dict)  # queue id -> its last listing read
 
     @staticmethod
     def prepare(conn: psycopg.Connection[Any]) -> None:
@@ -121,6 +123,7 @@ class SqlAgent:
         there was none are lost)."""
         self._scanned = float("-inf")
         self._mine.clear()
+        self._looked.clear()
 
     def asked(self, queue: str) -> None:
         """A SQL consumer found nothing in ``queue`` (its NOTIFY on ``ringq_want``)."""
@@ -142,7 +145,10 @@ class SqlAgent:
                 self._listed.add(int(qid))
                 if waited and int(qid) in names:
                     self._asked.setdefault(names[int(qid)], now)
-            self._listed |= self._held_queues(sec) | set(self._mine)
+            held = self._held_queues(sec)
+            for qid in held - set(self._mine):
+                self._looked.pop(qid, None)  # held for SQL, not by this agent's listing: settle
+            self._listed |= held | set(self._mine)
             self._end_overdue(conn)
         wanted = {n for n, t in self._asked.items() if now - t < DEMAND_S}
         if wanted and not {i.name for i in self._infos.values()} >= wanted:
@@ -171,8 +177,17 @@ class SqlAgent:
         ring = Ring(sec, qidx)
         table = queue_table(info.name)
         mine = self._mine.get(info.id)
-        if mine is None:  # first look: what the section holds for SQL, listed or not
+        now = self.clock()
+        if mine is None and info.id in self._looked:
+            # Nothing listed: while the section has nothing ready either there
+            # is nothing to list, take back or wake; look at the rows only now
+            # and then (a starved queue is passed every STARVED_WAIT_S).
+            if ring.Q[ring.qb + L.Q_DEPTH_HINT] <= 0 and now - self._looked[info.id] < QUIET_LOOK_S:
+                return STARVED_WAIT_S if wanted else None
+            mine = _NONE
+        elif mine is None:  # first look: what the section holds for SQL, listed or not
             mine = _held(sec, ring)
+        self._looked[info.id] = now
         chunks: Runs = []  # listed now
         free: Runs = []  # listed and takeable
         touched: Runs = []  # listed, a take did not commit and none holds them now
