@@ -56,7 +56,7 @@ def pump_inbox(
     skip: Collection[str] = (),
     full: dict[str, int] | None = None,
     session: Session | None = None,
-    published: dict[int, int] | None = None,
+    published: dict[int, tuple[int, int]] | None = None,
 ) -> dict[str, int]:
     """Move entries enqueued through ``ringq.enqueue()`` into their rings, in inbox order;
     returns {queue: entries moved}. ``session``: a linked session kept by the
@@ -75,7 +75,8 @@ def pump_inbox(
 
     At the end of a pass it publishes, for the queues loaded in the section,
     the ring's free slots in ``ringq.room`` (what ringq.enqueue()'s room check
-    reads; only those that changed since ``published``, {queue id: free},
+    reads; only those that changed since ``published``, {queue id: (free,
+    waiting)},
     which the caller keeps between passes, else all) and the inbox's entries
     waiting in the section's ``Q_INBOX`` (what ``Session.stats()`` adds to
     the depth): 0 for all when the pass drained the inbox, else counted.
@@ -94,7 +95,7 @@ def pump_inbox(
 
 def _pump(
     s: Session, batch: int, skip: Collection[str], full: dict[str, int] | None,
-    published: dict[int, int] | None = None,
+    published: dict[int, tuple[int, int]] | None = None,
 ) -> dict[str, int]:
     """Move the inbox's entries with ``s``, a batch a transaction: each
     batch's statement finds its queue, locks it and takes the entries
@@ -152,28 +153,34 @@ def _pump(
     return moved
 
 
-def _publish(s: Session, sec: Section, drained: bool, published: dict[int, int] | None) -> None:
-    """After a pass: the free slots of the queues loaded in ``sec`` into
-    ``ringq.room`` (those that changed since ``published``, which is brought
-    up to date), and the inbox's entries waiting for them into their blocks'
-    ``Q_INBOX`` (0 for all when the pass ``drained`` the inbox, else one count
+def _publish(
+    s: Session, sec: Section, drained: bool, published: dict[int, tuple[int, int]] | None
+) -> None:
+    """After a pass: the inbox's entries waiting for the queues loaded in
+    ``sec`` (0 for all when the pass ``drained`` the inbox, else one count
     of the inbox's rows for them: few, since ringq.enqueue() lets in only
-    what the room holds)."""
+    what the room holds) into their blocks' ``Q_INBOX``; and into
+    ``ringq.room`` their free slots with those waiting and the inbox's
+    highest id now (for the queues whose figures changed since
+    ``published``, which is brought up to date; a queue with entries waiting
+    always: the highest id moves)."""
     blocks = {int(sec.q(qidx, L.Q_QID)): qidx for qidx in sec.loaded_queues()}
     frees = {qid: room for qid in blocks if (room := queue_room(sec, qid)) is not None}
-    changed = {qid: room for qid, room in frees.items()
-               if published is None or published.get(qid) != room}
     waiting: dict[int, int] = {}
-    if changed:
-        s.connection.execute(Qy.ROOM_PUBLISH, {"ids": _int_array(changed),
-                                               "frees": _int_array(changed.values())})
     if not drained and blocks:
         waiting = {int(qid): int(n) for qid, n in s.connection.execute(
             Qy.INBOX_COUNTS, {"ids": _int_array(blocks)}).fetchall()}
+    changed = {qid: room for qid, room in frees.items()
+               if published is None or waiting.get(qid)
+               or published.get(qid) != (room, waiting.get(qid, 0))}
+    if changed:
+        s.connection.execute(Qy.ROOM_PUBLISH, {
+            "ids": _int_array(changed), "frees": _int_array(changed.values()),
+            "waiting": _int_array(waiting.get(qid, 0) for qid in changed)})
     if changed or not drained:
         s.commit()
     if published is not None:
-        published.update(changed)
+        published.update({qid: (room, waiting.get(qid, 0)) for qid, room in changed.items()})
         for qid in [q for q in published if q not in frees]:
             del published[qid]
     for qid, qidx in blocks.items():

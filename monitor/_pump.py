@@ -55,8 +55,9 @@ class Pump:
         # enqueue's way to its consumer); made again after a failure or a new DSN.
         self._session: Session | None = None
         self._session_dsn = ""
-        # {queue id: free slots} last written to ringq.room (rewritten only on change)
-        self._published: dict[int, int] = {}
+        # {queue id: (free slots, inbox entries waiting)} last written to
+        # ringq.room (rewritten only on change)
+        self._published: dict[int, tuple[int, int]] = {}
 
     def _linked(self) -> Session:
         dsn = self._settings().dsn

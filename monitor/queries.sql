@@ -201,15 +201,20 @@ SET synchronous_commit = off
 
 -- room_publish --
 -- The ring's free slots of these queues as the pump sees them in the section
--- now (arrays of ids and free slots), for ringq.enqueue()'s room check
--- (ringq.make_room, scripting/ddl.sql); a row is written only when its
--- figure changed, and only for a queue that still exists.
-INSERT INTO ringq.room (queue_id, free, at)
-SELECT r.qid, r.free, now()
-FROM unnest(%(ids)s::integer[], %(frees)s::integer[]) AS r(qid, free)
+-- now, the inbox's entries it left waiting for each, and the inbox's highest
+-- id now (arrays of ids, free slots, waiting), for ringq.enqueue()'s room
+-- check (ringq.make_room, scripting/ddl.sql: it counts only the rows past
+-- that id); a row is written only when a figure changed, and only for a
+-- queue that still exists.
+INSERT INTO ringq.room (queue_id, free, waiting, upto, at)
+SELECT r.qid, r.free, r.waiting, (SELECT coalesce(max(i.id), 0) FROM ringq.inbox i), now()
+FROM unnest(%(ids)s::integer[], %(frees)s::integer[], %(waiting)s::integer[])
+    AS r(qid, free, waiting)
 WHERE EXISTS (SELECT 1 FROM ringq.queues q WHERE q.id = r.qid)
-ON CONFLICT (queue_id) DO UPDATE SET free = excluded.free, at = excluded.at
-WHERE ringq.room.free IS DISTINCT FROM excluded.free
+ON CONFLICT (queue_id) DO UPDATE
+SET free = excluded.free, waiting = excluded.waiting, upto = excluded.upto, at = excluded.at
+WHERE (ringq.room.free, ringq.room.waiting, ringq.room.upto)
+      IS DISTINCT FROM (excluded.free, excluded.waiting, excluded.upto)
 
 -- inbox_counts --
 -- Entries waiting in the inbox for these queues (ids), for the section's

@@ -143,6 +143,13 @@ CREATE TABLE IF NOT EXISTS ringq.room (
     free     integer NOT NULL,
     at       timestamptz NOT NULL DEFAULT now()
 );
+-- With the free slots, the pump publishes the inbox's entries it left waiting
+-- for the queue and the inbox's highest id then (upto): a room check counts
+-- only the rows inserted since (id > upto), not every row waiting (it read
+-- up to free + 1 index entries a call, most of an SQL enqueue's cost while
+-- the pump was behind). Added like free.
+ALTER TABLE ringq.room ADD COLUMN IF NOT EXISTS waiting integer NOT NULL DEFAULT 0;
+ALTER TABLE ringq.room ADD COLUMN IF NOT EXISTS upto bigint NOT NULL DEFAULT 0;
 
 -- Poison entries ("three strikes") and why they were moved.
 CREATE TABLE IF NOT EXISTS ringq.exceptions (
@@ -253,37 +260,43 @@ $ringq$;
 
 -- ringq.make_room(q, n): raises RQ002 when queue q has no room for n more
 -- entries from SQL producers: the ring's free slots as the pump last
--- published them (ringq.room; until then, the ring's rows) minus the inbox's
--- entries waiting for q (counted only up to that room: a read of at most
--- free + 1 index entries). Two producers may both pass on the last slots (a
--- check reads committed rows): the overshoot is bounded by the entries of
--- enqueues in flight at once, plus the slots taken since the pump's last
--- pass; the pump moves what the ring takes and leaves the rest waiting.
+-- published them (ringq.room; until then, the ring's rows) less the inbox's
+-- entries it left waiting for q then, less those inserted since (ids past
+-- the inbox's highest then, counted only up to the room: a read of few index
+-- entries, as the pump passes often). Two producers may both pass on the
+-- last slots (a check reads committed rows): the overshoot is bounded by the
+-- entries of enqueues in flight at once, plus the slots taken since the
+-- pump's last pass; the pump moves what the ring takes and leaves the rest
+-- waiting.
 CREATE OR REPLACE FUNCTION ringq.make_room(q ringq.queues, n integer)
 RETURNS void
 LANGUAGE plpgsql
 AS $ringq$
 DECLARE
     free    bigint;
-    waiting bigint;
+    waiting bigint := 0;
+    since   bigint := 0;
+    upto    bigint := 0;
 BEGIN
-    SELECT r.free INTO free FROM ringq.room r WHERE r.queue_id = q.id;
+    SELECT r.free, r.waiting, r.upto INTO free, waiting, upto
+    FROM ringq.room r WHERE r.queue_id = q.id;
     IF free IS NULL THEN
         -- not published yet: the ring's rows say (a read of the ring)
         EXECUTE format('SELECT count(*) FROM ringq.%I WHERE state = 1', 'q_' || q.name) INTO free;
         free := q.capacity - free;
+        waiting := 0;
+        upto := 0;
     END IF;
-    IF free >= n THEN
-        SELECT count(*) INTO waiting FROM (
-            SELECT 1 FROM ringq.inbox i WHERE i.queue_id = q.id LIMIT free - n + 1) w;
-        IF waiting <= free - n THEN
+    IF free - waiting >= n THEN
+        SELECT count(*) INTO since FROM (
+            SELECT 1 FROM ringq.inbox i WHERE i.queue_id = q.id AND i.id > upto
+            LIMIT free - waiting - n + 1) w;
+        IF since <= free - waiting - n THEN
             RETURN;
         END IF;
-    ELSE
-        waiting := 0;
     END IF;
     RAISE EXCEPTION 'ringq: queue "%" is full for SQL producers: % free slots, % entries waiting in the inbox, % more refused',
-        q.name, free, waiting, n
+        q.name, free, waiting + since, n
         USING ERRCODE = 'RQ002', SCHEMA = 'ringq', TABLE = 'q_' || q.name,
               HINT = 'Nothing was enqueued; retry once consumers have freed room (the monitor publishes it at each pump pass), or give the queue a larger capacity.';
 END

@@ -113,9 +113,11 @@ class SqlAgent:
 
     @staticmethod
     def prepare(conn: psycopg.Connection[Any]) -> None:
-        """Make ``conn`` the agent's: LISTEN for asks, commit without waiting for the flush."""
+        """Make ``conn`` the agent's: LISTEN for asks, commit without waiting for
+        the flush, find ring rows by their primary key."""
         conn.execute(_Q["agent_listen"])
         conn.execute(_Q["agent_async_commit"])
+        conn.execute(_Q["agent_index_scans"])
 
     def forget(self) -> None:
         """Look at every queue again on the next pass, settling what the
