@@ -538,10 +538,19 @@ WHERE r.seq = s.seq + (r.slot - s.slot) AND r.state = 1 AND r.xmax <> '0'::xid
 DELETE FROM ringq.offers WHERE queue_id = %s AND seq = ANY(%s::bigint[])
 
 -- offers_withdraw --
--- Taking chunks back (nobody asked for the queue lately, or a single queue's
+-- Taking chunks back from a single queue (nobody asked for it lately, or its
 -- order after a strike): every chunk no take touched, under offers_quiet's
 -- lock (no take under way), in one transaction with it.
 DELETE FROM ringq.offers WHERE queue_id = %s AND xmax = '0'::xid RETURNING seq, slot, n
+
+-- offers_withdraw_shared --
+-- Taking chunks back from a shared queue (nobody asked for it lately): the
+-- chunks no take touched or holds, each locked first (SKIP LOCKED: a take
+-- that locked one keeps it; one that comes after finds it gone).
+DELETE FROM ringq.offers o WHERE o.queue_id = %s AND o.seq IN (
+    SELECT x.seq FROM ringq.offers x WHERE x.queue_id = %s AND x.xmax = '0'::xid
+    FOR UPDATE SKIP LOCKED)
+RETURNING o.seq, o.slot, o.n
 
 -- offers_wake --
 -- Wake up to n waiting SQL consumers of a queue (id, name, n), delivered at commit.
@@ -565,9 +574,9 @@ FROM unnest(%(run_seqs)s::bigint[], %(run_slots)s::integer[], %(run_ns)s::intege
     AS s(seq, slot, n)
 
 -- offers_quiet --
--- Taking back entries set aside for SQL consumers (none asked for a while):
--- only while no SQL dequeue of the queue is under way (ringq.dequeue holds
--- this lock, shared, for its transaction), so none can take them after.
+-- Taking back chunks of a single queue: only while no SQL dequeue of the
+-- queue is under way (its take holds this lock for its transaction), so none
+-- can take them after.
 SELECT pg_try_advisory_xact_lock(hashtext('ringq.dequeue'), %s)
 
 -- offers_overdue --

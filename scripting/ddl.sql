@@ -520,12 +520,11 @@ BEGIN
           WINDOW w AS (ORDER BY o.seq)) c
     WHERE NOT c.stop AND c.before < max_n;$pick$, q.id);
     ELSE
-        -- The lock is shared with the other takers; the agent takes it alone to
-        -- take chunks back, so that no take under way can see them after. The
-        -- chunks are locked one FETCH at a time, so that exactly those taken
-        -- are locked (a lock left on a chunk not taken would read as touched).
+        -- Takers never wait for one another, nor for the agent taking chunks
+        -- back (it deletes those it can lock, SKIP LOCKED too). The chunks
+        -- are locked one FETCH at a time, so that exactly those taken are
+        -- locked (a lock left on a chunk not taken would read as touched).
         pick := format($pick$
-    PERFORM pg_advisory_xact_lock_shared(hashtext('ringq.dequeue'), %1$s);
     OPEN cur FOR SELECT o.seq, o.slot, o.n FROM ringq.offers o
                  WHERE o.queue_id = %1$s AND o.xmax = '0'::xid
                  ORDER BY o.seq FOR UPDATE SKIP LOCKED;

@@ -20,9 +20,9 @@ caller's transaction. On each pass the agent reads the listing back:
   queue's backoff); a ``single`` queue gives back everything listed with it,
   so that the order holds;
 - SQL consumers waiting (``ringq.waiters``) are woken one per takeable chunk;
-- untaken while no SQL consumer asked for :data:`DEMAND_S`: taken back (under
-  an advisory lock every take holds shared, so no take under way can still
-  see them) and given back to linked consumers.
+- untaken while no SQL consumer asked for :data:`DEMAND_S`: taken back (the
+  chunks no take holds, locked with SKIP LOCKED; a ``single`` queue's under
+  the advisory lock its one taker holds) and given back to linked consumers.
 
 The rows decide: a section rebuilt from them locks the listed entries for
 SQL again (``load_rows(offered=...)``); entries the section holds for SQL that
@@ -431,11 +431,14 @@ class SqlAgent:
         """Take back untaken entries of a queue no SQL consumer asked for
         lately; returns their seqs."""
         with conn.transaction():
-            got = conn.execute(_Q["offers_quiet"], (info.id,)).fetchone()
-            if not got or not got[0]:
-                return _NONE[0]  # a take is under way: later
-            runs: Runs = [(int(a), int(b), int(c))
-                          for a, b, c in conn.execute(_Q["offers_withdraw"], (info.id,)).fetchall()]
+            if info.dequeue_mode == "single":
+                got = conn.execute(_Q["offers_quiet"], (info.id,)).fetchone()
+                if not got or not got[0]:
+                    return _NONE[0]  # a take is under way: later
+                rows = conn.execute(_Q["offers_withdraw"], (info.id,)).fetchall()
+            else:
+                rows = conn.execute(_Q["offers_withdraw_shared"], (info.id, info.id)).fetchall()
+            runs: Runs = [(int(a), int(b), int(c)) for a, b, c in rows]
         seqs, slots = _expand(runs)
         self._give_back(sec, ring, info, list(zip(slots.tolist(), seqs.tolist(),
                                                   [0] * len(seqs), strict=True)), counted=False)
