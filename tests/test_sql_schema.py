@@ -48,8 +48,8 @@ def test_db_upgrade_replaces_a_queues_older_sql_dequeue(
         row = c.execute("SELECT proconfig, prosrc FROM pg_proc WHERE oid = %s::regprocedure",
                         (fn,)).fetchone()
         assert row is not None
-        # This version's: index scans pinned, the listed chunks locked one FETCH at a time.
-        assert "enable_seqscan=off" in row[0] and "FETCH cur" in row[1]
+        # This version's: index scans pinned, chunks taken, a waiter row when empty.
+        assert "enable_seqscan=off" in row[0] and "ringq.waiters" in row[1]
 
 
 def test_stats_by_sql_count_ready_inbox_and_exceptions(
