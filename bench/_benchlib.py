@@ -1,6 +1,8 @@
 """What every benchmark in ``bench/`` does the same way.
 
-- :func:`argument_parser`: the options every benchmark has (``--dsn``, ``--out``).
+- :func:`argument_parser`: the options every benchmark has (``--dsn``, ``--out``);
+  :func:`add_options`: a benchmark's own, from a table of defaults and help;
+  :func:`config_from_options`: its settings dataclass from them.
 - :class:`RunNames`: the ringq queue, SKIP LOCKED table and log table of a run
   that sets the two against each other.
 - :func:`database`: the database a run works in: the one given with ``--dsn``,
@@ -92,6 +94,16 @@ class RunNames:
         """Each name from its template, ``{}`` standing for a new random tag."""
         tag = secrets.token_hex(4)
         return cls(queue.format(tag), table.format(tag), done.format(tag))
+
+
+def add_options(p: argparse.ArgumentParser, options: dict[str, tuple[int | float, str]]) -> None:
+    """A benchmark's own options, from ``{field: (default, help)}``: ``--late-ms``
+    for ``late_ms``, of its default's type; :func:`config_from_options` reads
+    them back into the benchmark's settings."""
+    for name, (default, text) in options.items():
+        p.add_argument(
+            "--" + name.replace("_", "-"), type=type(default), default=default, help=text
+        )
 
 
 def config_from_options(cls: type[C], args: argparse.Namespace, **given: Any) -> C:

@@ -25,7 +25,7 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import Callable, Iterator
-from typing import Any, Protocol
+from typing import Any, Generic, Protocol, TypeAlias, TypeVar
 
 import numpy as np
 import psycopg
@@ -151,10 +151,17 @@ def pass_through(d: Driver, entries: int, batch: int) -> None:
         d.dequeue_batch(batch)
 
 
-class _Batches:
-    """A list of ``n`` payloads, made again only when ``n`` changes."""
+PgConnection: TypeAlias = psycopg.Connection[Any]
+Conn = TypeVar("Conn", Session, PgConnection)
 
-    def __init__(self, payload: bytes) -> None:
+
+class _Batches(Generic[Conn]):
+    """A driver's two connections (``prod`` enqueues, ``cons`` dequeues) and its
+    list of ``n`` payloads, made again only when ``n`` changes."""
+
+    def __init__(self, prod: Conn, cons: Conn, payload: bytes) -> None:
+        self.prod: Conn = prod
+        self.cons: Conn = cons
         self.payload = payload
         self.items: list[bytes] = []
 
@@ -167,10 +174,10 @@ class _Batches:
 # -- ringq ----------------------------------------------------------------------------------------
 
 
-class RingqDriver(_Batches):
+class RingqDriver(_Batches[Session]):
     def __init__(self, prod: Session, cons: Session, queue: str, payload: bytes) -> None:
-        super().__init__(payload)
-        self.prod, self.cons, self.queue = prod, cons, queue
+        super().__init__(prod, cons, payload)
+        self.queue = queue
         self.label = f"ringq queue {queue}"
 
     def enqueue(self) -> bool:
@@ -205,16 +212,9 @@ def ringq_driver(dsn: str, queue: str, payload: bytes) -> Iterator[RingqDriver]:
 # -- SKIP LOCKED textbook queue -------------------------------------------------------------------
 
 
-class SkqDriver(_Batches):
-    def __init__(
-        self,
-        prod: psycopg.Connection[Any],
-        cons: psycopg.Connection[Any],
-        table: str,
-        payload: bytes,
-    ) -> None:
-        super().__init__(payload)
-        self.prod, self.cons = prod, cons
+class SkqDriver(_Batches[PgConnection]):
+    def __init__(self, prod: PgConnection, cons: PgConnection, table: str, payload: bytes) -> None:
+        super().__init__(prod, cons, payload)
         self.label = f"skip-locked table {table}"
         self.enq_sql, self.deq_sql = q(SKQ_ENQUEUE, table), q(SKQ_DEQUEUE, table)
         self.enq_many_sql = q(SKQ_ENQUEUE_MANY, table)
@@ -269,7 +269,7 @@ class RingSQL:
         )
 
 
-def _begin_with(conn: psycopg.Connection[Any], query: str, params: Any) -> psycopg.Cursor[Any]:
+def _begin_with(conn: PgConnection, query: str, params: Any) -> psycopg.Cursor[Any]:
     """BEGIN and ``query`` in one round trip (``conn`` is in autocommit), as a session's dequeue."""
     cur = conn.cursor()
     with conn.pipeline():
@@ -278,16 +278,10 @@ def _begin_with(conn: psycopg.Connection[Any], query: str, params: Any) -> psyco
     return cur
 
 
-class RingSQLDriver(_Batches):
-    def __init__(
-        self,
-        prod: psycopg.Connection[Any],
-        cons: psycopg.Connection[Any],
-        st: RingSQL,
-        payload: bytes,
-    ) -> None:
-        super().__init__(payload)
-        self.prod, self.cons, self.st = prod, cons, st
+class RingSQLDriver(_Batches[PgConnection]):
+    def __init__(self, prod: PgConnection, cons: PgConnection, st: RingSQL, payload: bytes) -> None:
+        super().__init__(prod, cons, payload)
+        self.st = st
         self.label = f"ringq SQL baseline on {st.queue}"
         self.enq_sql, self.deq_sql = st.stmt("enqueue"), st.stmt("dequeue")
         self.enq_many_sql, self.deq_many_sql = st.stmt("enqueue_many"), st.stmt("dequeue_many")

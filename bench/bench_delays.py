@@ -36,7 +36,14 @@ from typing import Any
 
 import numpy as np
 import psycopg
-from _benchlib import argument_parser, drop_queues, machine, run_in_database
+from _benchlib import (
+    add_options,
+    argument_parser,
+    config_from_options,
+    drop_queues,
+    machine,
+    run_in_database,
+)
 from psycopg import sql
 from ringq.engine import Session, connect
 from ringq.engine import layout as L
@@ -157,17 +164,17 @@ def run(cfg: Config, dsn: str, names: list[str]) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> int:
     p = argument_parser("ringq delays benchmark: the claim's cost with entries that wait.")
-    p.add_argument("--capacity", type=int, default=16384, help="slots of each queue")
-    p.add_argument("--waiting", type=int, default=10_000, help="entries delayed by an hour")
-    p.add_argument("--claims", type=int, default=2000, help="claims timed per figure")
-    p.add_argument("--groups", type=int, default=100,
-                   help="groups the grouped queues' waiting entries are spread over")
-    p.add_argument("--late", type=int, default=200,
-                   help="delayed entries whose lateness a waiting consumer shows")
+    add_options(p, {
+        "capacity": (16384, "slots of each queue"),
+        "waiting": (10_000, "entries delayed by an hour"),
+        "claims": (2000, "claims timed per figure"),
+        "groups": (100, "groups the grouped queues' waiting entries are spread over"),
+        "late": (200, "delayed entries whose lateness a waiting consumer shows"),
+    })
     a = p.parse_args(argv)
     if not 0 < a.waiting < a.capacity - 1 or a.claims < 1 or a.groups < 1:
         p.error("need 0 < --waiting < --capacity - 1, --claims >= 1 and --groups >= 1")
-    cfg = Config(a.capacity, a.waiting, a.claims, a.late, a.groups)
+    cfg = config_from_options(Config, a)
     tag = str(time.monotonic_ns() % 1_000_000)
     names = [f"bd_plain_{tag}", f"bd_wait_{tag}", f"bd_late_{tag}", f"bd_grp_{tag}",
              f"bd_grpb_{tag}"]

@@ -19,27 +19,23 @@ _DEFAULTS: dict[str, Any] = {f.name: f.default for f in dataclasses.fields(Queue
 
 
 def add_queue_options(parser: argparse.ArgumentParser) -> None:
+    def spec_option(flag: str, **kwargs: Any) -> None:
+        """``flag``, its default the QueueSpec field it sets (``--lease``: ``lease``)."""
+        parser.add_argument(flag, default=_DEFAULTS[flag[2:].replace("-", "_")], **kwargs)
+
     parser.add_argument(
         "name",
         metavar="NAME",
         help="queue name: 1-48 characters, a lowercase letter first, then a-z, 0-9 or '_'",
     )
-    parser.add_argument(
-        "--capacity",
-        type=int,
-        required=True,
-        default=argparse.SUPPRESS,
-        metavar="N",
-        help=f"slots in the ring, 1 to {MAX_CAPACITY:,}; the table is created with exactly N rows",
-    )
-    parser.add_argument(
-        "--max-payload",
-        type=int,
-        required=True,
-        default=argparse.SUPPRESS,
-        metavar="BYTES",
-        help=f"largest payload accepted, 1 to {MAX_PAYLOAD:,} bytes",
-    )
+    for flag, metavar, text in (
+        ("--capacity", "N",
+         f"slots in the ring, 1 to {MAX_CAPACITY:,}; the table is created with exactly N rows"),
+        ("--max-payload", "BYTES", f"largest payload accepted, 1 to {MAX_PAYLOAD:,} bytes"),
+    ):
+        parser.add_argument(
+            flag, type=int, required=True, default=argparse.SUPPRESS, metavar=metavar, help=text
+        )
     parser.add_argument(
         "--tablespace",
         metavar="T",
@@ -47,11 +43,8 @@ def add_queue_options(parser: argparse.ArgumentParser) -> None:
         help="tablespace of the ring table and its index (default: the database's); "
         "used quoted, so case matters: Fast_SSD is not fast_ssd",
     )
-    parser.add_argument(
-        "--fillfactor",
-        type=int,
-        metavar="F",
-        default=_DEFAULTS["fillfactor"],
+    spec_option(
+        "--fillfactor", type=int, metavar="F",
         help="table fillfactor, 10 to 100; below 100 leaves room for HOT updates",
     )
     parser.add_argument(
@@ -62,31 +55,20 @@ def add_queue_options(parser: argparse.ArgumentParser) -> None:
             "an existing queue (max payload at least this one's) that also receives poison entries"
         ),
     )
-    parser.add_argument(
-        "--max-deliveries",
-        type=int,
-        metavar="K",
-        default=_DEFAULTS["max_deliveries"],
+    spec_option(
+        "--max-deliveries", type=int, metavar="K",
         help="deliveries that do not commit before an entry is moved aside as poison",
     )
-    parser.add_argument(
-        "--full-policy",
-        choices=("block", "raise"),
-        default=_DEFAULTS["full_policy"],
+    spec_option(
+        "--full-policy", choices=("block", "raise"),
         help="when the ring is full: wait for a free slot, or raise QueueFull at once",
     )
-    parser.add_argument(
-        "--full-timeout",
-        type=float,
-        metavar="S",
-        default=_DEFAULTS["full_timeout"],
+    spec_option(
+        "--full-timeout", type=float, metavar="S",
         help="seconds a 'block' enqueue waits for a free slot before QueueFull",
     )
-    parser.add_argument(
-        "--lease",
-        type=float,
-        metavar="S",
-        default=_DEFAULTS["lease"],
+    spec_option(
+        "--lease", type=float, metavar="S",
         help="seconds a session may hold a dequeued entry without committing; past it the monitor "
         "ends the session and the entry comes back, counted as a delivery (0: no lease)",
     )
@@ -101,10 +83,8 @@ def add_queue_options(parser: argparse.ArgumentParser) -> None:
         "section's cache has room; else 0)",
     )
     add_retry_options(parser, defaults=True)
-    parser.add_argument(
-        "--dequeue-mode",
-        choices=("single", "shared"),
-        default=_DEFAULTS["dequeue_mode"],
+    spec_option(
+        "--dequeue-mode", choices=("single", "shared"),
         help="one dequeuer at a time (strict FIFO), or several reading past each other",
     )
 

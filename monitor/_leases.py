@@ -9,20 +9,18 @@ from ringq.engine.recovery import end_holders, overdue_holders
 
 from . import _events as E
 from ._link import Link
+from ._recover import RecoveryStep
 from ._section import Attachment
 from ._step import Note, Settings
 
 
-class ExpireLeases:
+class ExpireLeases(RecoveryStep):
     """Step ``leases``. A holding left alone once (a prepared transaction, a
     backend that would not end) is not tried again every pass: recovery
     decides it later."""
 
     def __init__(self, attachment: Attachment, link: Link, settings: Settings, note: Note) -> None:
-        self._attachment = attachment
-        self._link = link
-        self._settings = settings
-        self._note = note
+        super().__init__(attachment, link, settings, note)
         self.expired = 0  # leases expired since the monitor started
         # (client, hold start) past the lease, not ended
         self._left: set[tuple[int, int]] = set()

@@ -9,6 +9,7 @@ reset). Latency histograms map the section's power-of-two buckets: bucket
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Final
 
 from ringq.engine import Section
@@ -93,26 +94,21 @@ def _bucket_bounds() -> list[str]:
     return [repr((1 << b) / 1e6) for b in range(L.HIST_BUCKETS - 1)] + ["+Inf"]
 
 
+@dataclass(frozen=True, eq=False)  # identity: the registry keys its collectors by them
 class SectionCollector:
     """A ``prometheus_client`` collector: call :meth:`collect` per scrape.
 
     ``read`` runs a function on the live section under the monitor's lock (None
-    if no section is attached); ``status`` returns the monitor's own figures.
+    if no section is attached); ``status`` returns the monitor's own figures,
+    ``sampled`` its last sample of each queue, ``clients`` and ``client_errors``
+    (when given) its clients' figures.
     """
 
-    def __init__(
-        self,
-        read: Callable[[Callable[[Section], Any]], Any],
-        status: Callable[[], dict[str, Any]],
-        sampled: Callable[[], dict[str, dict[str, float | str]]],
-        clients: Callable[[], dict[str, Any]] | None = None,
-        client_errors: Callable[[], dict[str, int]] | None = None,
-    ) -> None:
-        self._read = read
-        self._status = status
-        self._sampled = sampled
-        self._clients = clients
-        self._client_errors = client_errors
+    read: Callable[[Callable[[Section], Any]], Any]
+    status: Callable[[], dict[str, Any]]
+    sampled: Callable[[], dict[str, dict[str, float | str]]]
+    clients: Callable[[], dict[str, Any]] | None = None
+    client_errors: Callable[[], dict[str, int]] | None = None
 
     def describe(self) -> list[Metric]:
         return []  # dynamic: no describe-time registration checks
@@ -124,7 +120,7 @@ class SectionCollector:
             HistogramMetricFamily,
         )
 
-        rows = self._read(_read_queues) or []
+        rows = self.read(_read_queues) or []
         labels = ["queue"]
         counters = {k: CounterMetricFamily(n, h, labels=labels) for k, (n, h) in _COUNTERS.items()}
         gauges = {k: GaugeMetricFamily(n, h, labels=labels) for k, (n, h) in _GAUGES.items()}
@@ -159,7 +155,7 @@ class SectionCollector:
         yield enq_lat
         yield deq_lat
 
-        sampled = self._sampled()
+        sampled = self.sampled()
         for key, (n, h) in _SAMPLED.items():
             g = GaugeMetricFamily(n, h, labels=labels)
             for name, sample in sampled.items():
@@ -172,7 +168,7 @@ class SectionCollector:
                     g.add_metric([name], float(sample[key]))
             yield g
 
-        st = self._status()
+        st = self.status()
         up = GaugeMetricFamily("ringq_monitor_up", "1 while the monitor's loop runs.")
         up.add_metric([], 1.0 if st["running"] else 0.0)
         yield up
@@ -207,15 +203,15 @@ class SectionCollector:
         )
         rec.add_metric([], st["recovered_clients"])
         yield rec
-        if self._clients is not None:
-            yield from _client_metrics(self._clients()["clients"])
-        if self._client_errors is not None:
+        if self.clients is not None:
+            yield from _client_metrics(self.clients()["clients"])
+        if self.client_errors is not None:
             logged = CounterMetricFamily(
                 "ringq_monitor_client_errors",
                 "Client errors the monitor logged, by kind.",
                 labels=["kind"],
             )
-            for kind, n in sorted(self._client_errors().items()):
+            for kind, n in sorted(self.client_errors().items()):
                 logged.add_metric([kind], n)
             yield logged
 

@@ -20,14 +20,23 @@ from ._section import Attachment
 from ._step import Note, Settings
 
 
-class RecoverClients:
-    """Step ``recover``: decide the slots of clients whose process died."""
+class RecoveryStep:
+    """What a step that ends or decides clients works with: the attached
+    section, the database link (to publish events), the monitor's settings
+    (the DSN to reach backends) and ``monitor.log``."""
 
     def __init__(self, attachment: Attachment, link: Link, settings: Settings, note: Note) -> None:
         self._attachment = attachment
         self._link = link
         self._settings = settings
         self._note = note
+
+
+class RecoverClients(RecoveryStep):
+    """Step ``recover``: decide the slots of clients whose process died."""
+
+    def __init__(self, attachment: Attachment, link: Link, settings: Settings, note: Note) -> None:
+        super().__init__(attachment, link, settings, note)
         self.recovered = 0  # clients recovered since the monitor started
 
     def run(self) -> None:

@@ -35,6 +35,26 @@ CALLS: Series = ((M.ENQUEUED, "enqueue calls", "-"), (M.DEQUEUED, "dequeues", "-
          (M.COMMITS, "commits", "-"), (M.ROLLBACKS, "rollbacks", ":"), (M.ERRORS, "errors", "-."))
 WORK: Series = ((M.HANDLED, "messages handled", "-"), (M.FAILED, "failed", "--"),
         (M.TIMEOUTS, "timed out", ":"), (M.ABORTED, "aborted", "-."))
+# A queue's charts after its depth: (name, title, unit, series, log scale, caption).
+QUEUE_CHARTS: tuple[tuple[str, str, str, Series, bool, str], ...] = (
+    ("rates", "committed enqueues and dequeues", "per second",
+     ((M.ENQ_RATE, "enqueue", "-"), (M.DEQ_RATE, "dequeue", "--")), False, ""),
+    ("latency", "call latency percentiles", "µs (log)",
+     ((M.ENQ_P50, "enqueue p50", "-"), (M.ENQ_P99, "enqueue p99", "--"),
+      (M.DEQ_P50, "dequeue p50", "-"), (M.DEQ_P99, "dequeue p99", "--")), True,
+     "enqueue: the enqueue call; dequeue: the dequeue call (from enqueue to dequeue: the "
+     "regression pages' Spark latency); no traffic: no point"),
+    ("wait", "enqueue → dequeue latency (commit to commit)", "µs (log)",
+     ((M.WAIT_P50, "p50", "-"), (M.WAIT_P95, "p95", "--"), (M.WAIT_P99, "p99", ":")), True,
+     "from an entry's enqueue (its row's enq_at) to the commit of the dequeue that consumed "
+     "it, over the entries consumed in each sample interval (upper bounds of power-of-two "
+     "buckets); none consumed, or a monitor older than these figures: no point"),
+    ("full-empty", "full and empty time", "s per sample interval",
+     ((M.FULL, "full", "-"), (M.EMPTY, "empty", "--")), False, ""),
+    ("deliveries", "redeliveries (dequeues rolled back), poison, exception table", "entries",
+     ((M.RETRIES, "retries", "-"), (M.POISONED, "poisoned", "--"),
+      (M.EXCEPTIONS, "in exception table", ":")), False, ""),
+)
 Progress = Callable[[str], None]
 
 
@@ -123,34 +143,11 @@ def queue_charts(page: Page, name: str, r: np.ndarray, marks: list[Mark] | None 
         f"{name}: depth", "entries", [Line("depth", t, c[M.DEPTH])], mk,
         hline=("capacity", float(r[-1, COL[M.CAPACITY]])),
     ), "the largest depth of each point's samples")
-    page.chart(f"{name}-rates", TimeChart(
-        f"{name}: committed enqueues and dequeues", "per second",
-        [Line("enqueue", t, c[M.ENQ_RATE]), Line("dequeue", t, c[M.DEQ_RATE], "--")], mk,
-    ))
-    page.chart(f"{name}-latency", TimeChart(
-        f"{name}: call latency percentiles", "µs (log)",
-        [Line("enqueue p50", t, c[M.ENQ_P50]), Line("enqueue p99", t, c[M.ENQ_P99], "--"),
-         Line("dequeue p50", t, c[M.DEQ_P50]), Line("dequeue p99", t, c[M.DEQ_P99], "--")],
-        mk, log=True,
-    ), "enqueue: the enqueue call; dequeue: the dequeue call (from enqueue to dequeue: the "
-       "regression pages' Spark latency); no traffic: no point")
-    page.chart(f"{name}-wait", TimeChart(
-        f"{name}: enqueue → dequeue latency (commit to commit)", "µs (log)",
-        [Line("p50", t, c[M.WAIT_P50]), Line("p95", t, c[M.WAIT_P95], "--"),
-         Line("p99", t, c[M.WAIT_P99], ":")],
-        mk, log=True,
-    ), "from an entry's enqueue (its row's enq_at) to the commit of the dequeue that consumed "
-       "it, over the entries consumed in each sample interval (upper bounds of power-of-two "
-       "buckets); none consumed, or a monitor older than these figures: no point")
-    page.chart(f"{name}-full-empty", TimeChart(
-        f"{name}: full and empty time", "s per sample interval",
-        [Line("full", t, c[M.FULL]), Line("empty", t, c[M.EMPTY], "--")], mk,
-    ))
-    page.chart(f"{name}-deliveries", TimeChart(
-        f"{name}: redeliveries (dequeues rolled back), poison, exception table", "entries",
-        [Line("retries", t, c[M.RETRIES]), Line("poisoned", t, c[M.POISONED], "--"),
-         Line("in exception table", t, c[M.EXCEPTIONS], ":")], mk,
-    ))
+    for slug, what, unit, series, log, caption in QUEUE_CHARTS:
+        page.chart(f"{name}-{slug}", TimeChart(
+            f"{name}: {what}", unit, [Line(label, t, c[k], style) for k, label, style in series],
+            mk, log=log,
+        ), caption)
 
 
 def _clients(page: Page, kinds: dict[str, np.ndarray], records: list[dict[str, Any]],

@@ -73,6 +73,16 @@ def attrs(span: ReadableSpan) -> dict[str, Any]:
     return {k: (list(v) if isinstance(v, tuple) else v) for k, v in (span.attributes or {}).items()}
 
 
+def message_attrs(queue: str, op_type: str, op_name: str, seq: int) -> dict[str, Any]:
+    """The attributes every span about one message of ``queue`` has (the
+    messaging conventions' and ``ringq.seq``); a kind's own are added to them."""
+    return {
+        "messaging.system": "ringq", "messaging.destination.name": queue,
+        "messaging.operation.type": op_type, "messaging.operation.name": op_name,
+        "messaging.message.id": str(seq), "ringq.seq": seq,
+    }
+
+
 def linked(span: ReadableSpan) -> list[tuple[int, int]]:
     """(trace id, span id) of each link of ``span``."""
     return [(link.context.trace_id, link.context.span_id) for link in span.links]
@@ -103,11 +113,7 @@ def test_enqueue_commit_dequeue_commit_make_spans_and_the_dequeue_links_to_the_p
         p.commit()
     send = one(spans, f"enqueue {q}")
     assert send.kind == SpanKind.PRODUCER
-    assert attrs(send) == {
-        "messaging.system": "ringq", "messaging.destination.name": q,
-        "messaging.operation.type": "send", "messaging.operation.name": "enqueue",
-        "messaging.message.id": str(seq), "ringq.seq": seq,
-    }
+    assert attrs(send) == message_attrs(q, "send", "enqueue", seq)
     commit = one(spans, "commit")
     assert commit.kind == SpanKind.CLIENT
     assert attrs(commit) == {
@@ -124,11 +130,7 @@ def test_enqueue_commit_dequeue_commit_make_spans_and_the_dequeue_links_to_the_p
         c.commit()
     receive = one(spans, f"dequeue {q}")
     assert receive.kind == SpanKind.CONSUMER
-    assert attrs(receive) == {
-        "messaging.system": "ringq", "messaging.destination.name": q,
-        "messaging.operation.type": "receive", "messaging.operation.name": "dequeue",
-        "messaging.message.id": str(seq), "ringq.seq": seq, "ringq.deliveries": 1,
-    }
+    assert attrs(receive) == message_attrs(q, "receive", "dequeue", seq) | {"ringq.deliveries": 1}
     assert linked(receive) == [ids(send)]
     assert receive.context is not None and receive.context.trace_id != ids(send)[0]
     assert attrs(one(spans, "commit"))["ringq.dequeued"] == 1
@@ -316,11 +318,7 @@ def test_the_worker_runs_the_action_in_a_span_the_producers_child(
     assert present(process.parent).span_id == ids(send)[1]
     assert ids(process)[0] == ids(send)[0]  # the producer's trace
     assert linked(process) == [ids(send)]
-    assert attrs(process) == {
-        "messaging.system": "ringq", "messaging.destination.name": a,
-        "messaging.operation.type": "process", "messaging.operation.name": "process",
-        "messaging.message.id": str(seq), "ringq.seq": seq, "ringq.deliveries": 1,
-    }
+    assert attrs(process) == message_attrs(a, "process", "process", seq) | {"ringq.deliveries": 1}
     chained = one(spans, f"enqueue {b}")
     assert present(chained.parent).span_id == ids(process)[1]
     assert ids(chained)[0] == ids(send)[0]

@@ -17,6 +17,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from html.parser import HTMLParser
 from pathlib import Path
@@ -165,8 +166,19 @@ def iso(t: float) -> str:
 # -- a period of a real monitor's history ---------------------------------------------------
 
 
+@dataclass(frozen=True)
+class Recorded:
+    """A monitor's history: its data directory, the queues it sampled and the
+    period (epoch seconds) that holds their traffic."""
+
+    data: Path
+    queues: list[str]
+    t0: float
+    t1: float
+
+
 @pytest.fixture
-def recorded(dsn: str, tmp_path: Path) -> Iterator[tuple[Path, list[str], float, float]]:
+def recorded(dsn: str, tmp_path: Path) -> Iterator[Recorded]:
     """Two queues with traffic sampled by a real monitor process: a client enqueues
     into both, a worker handles the second's messages (two client kinds, each
     attached until the monitor counted its calls), a consumer is killed holding an
@@ -215,14 +227,13 @@ def recorded(dsn: str, tmp_path: Path) -> Iterator[tuple[Path, list[str], float,
         time.sleep(MonitorProcess.INTERVAL * 3)  # a few samples after the recovery
     finally:
         assert mon.stop() == 0
-    yield data, queues, t0, time.time()
+    yield Recorded(data, queues, t0, time.time())
 
 
 def test_a_period_renders_every_queue_chart_and_event_without_a_monitor(
-    recorded: tuple[Path, list[str], float, float], tmp_path: Path,
-    capsys: pytest.CaptureFixture[str],
+    recorded: Recorded, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    data, queues, t0, t1 = recorded
+    data, queues, t0, t1 = recorded.data, recorded.queues, recorded.t0, recorded.t1
     out = tmp_path / "out"
     code, stdout, err = cli(capsys, "report", "--from", iso(t0 - 1), "--to", iso(t1 + 1),
                             "--data-dir", str(data), "--out", str(out))
@@ -277,10 +288,9 @@ def test_a_period_renders_every_queue_chart_and_event_without_a_monitor(
 
 
 def test_a_period_without_data_says_so_and_exits_not_found(
-    recorded: tuple[Path, list[str], float, float], tmp_path: Path,
-    capsys: pytest.CaptureFixture[str],
+    recorded: Recorded, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    data, _queues, _t0, _t1 = recorded
+    data = recorded.data
     out = tmp_path / "empty"
     code, _out, err = cli(capsys, "report", "--from", "2020-01-01T08:00",
                           "--to", "2020-01-01T20:00", "--data-dir", str(data), "--out", str(out))

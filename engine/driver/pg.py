@@ -109,26 +109,19 @@ def from_psycopg(
     and so is ``exc`` with its chain, in place, so that ``raise ... from exc``
     prints no password in the cause of a traceback either.
     """
-    if not dsn:
-        return _mapped(exc, queue=queue, creating=creating, attaching=attaching, parsing=parsing)
-    scrub_exception(exc, dsn)
-    made = _mapped(
-        exc, dsn=dsn, queue=queue, creating=creating, attaching=attaching, parsing=parsing
-    )
-    scrub_exception(made, dsn)
+    if dsn:
+        scrub_exception(exc, dsn)
+    made = _mapped(exc, dsn, queue, creating, attaching, parsing)
+    if dsn:
+        scrub_exception(made, dsn)
     return made
 
 
 def _mapped(
-    exc: BaseException,
-    *,
-    dsn: str | None = None,
-    queue: str | None = None,
-    creating: bool = False,
-    attaching: bool = False,
-    parsing: str | None = None,
+    exc: BaseException, dsn: str | None, queue: str | None, creating: bool, attaching: bool,
+    parsing: str | None,
 ) -> RingqError:
-    """:func:`from_psycopg`'s mapping, before any scrubbing."""
+    """:func:`from_psycopg`'s mapping (its arguments, in its order), before any scrubbing."""
     if isinstance(exc, RingqError):
         return exc
     if parsing is not None:
