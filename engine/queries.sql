@@ -591,9 +591,68 @@ WHERE o.queue_id = %s AND o.xmax <> '0'::xid
 -- offers_end --
 SELECT pg_terminate_backend(%s)
 
+-- slots_look --
+-- A queue's chunks of slots reserved for SQL producers (ringq.slots): seq,
+-- slot, n, whether a put touched the chunk (its xmax), and whether that xmax
+-- is a transaction running now (a put under way).
+SELECT s.seq, s.slot, s.n, s.xmax <> '0'::xid,
+       CASE WHEN s.xmax <> '0'::xid THEN s.xmax = ANY(ARRAY(
+           SELECT a.backend_xid FROM pg_stat_activity a WHERE a.backend_xid IS NOT NULL))
+       END
+FROM ringq.slots s WHERE s.queue_id = %s
+
+-- slots_list --
+INSERT INTO ringq.slots (queue_id, seq, slot, n)
+SELECT %(queue_id)s, s.seq, s.slot, s.n
+FROM unnest(%(run_seqs)s::bigint[], %(run_slots)s::integer[], %(run_ns)s::integer[])
+    AS s(seq, slot, n)
+
+-- slots_filled --
+-- Reserved slots no longer listed (runs: seq, slot, n), by their rows: slot,
+-- whether a put wrote an entry there at that seq, its group, and its due
+-- time in epoch us while in the future.
+SELECT r.slot, r.seq = s.seq + (r.slot - s.slot) AND r.state = 1, r.msg_group,
+       CASE WHEN r.not_before > clock_timestamp()
+            THEN (extract(epoch FROM r.not_before) * 1000000)::bigint END
+FROM unnest(%s::bigint[], %s::integer[], %s::integer[]) AS s(seq, slot, n)
+JOIN {table} r ON r.slot >= s.slot AND r.slot < s.slot + s.n
+
+-- slots_unlist_touched --
+-- Chunks (seqs) a put touched and did not commit, those no transaction
+-- holds now (SKIP LOCKED: a prepared put keeps its chunk), unlisted.
+DELETE FROM ringq.slots s WHERE s.queue_id = %(queue_id)s AND s.seq IN (
+    SELECT x.seq FROM ringq.slots x
+    WHERE x.queue_id = %(queue_id)s AND x.seq = ANY(%(seqs)s::bigint[]) AND x.xmax <> '0'::xid
+    FOR UPDATE SKIP LOCKED)
+RETURNING s.seq, s.slot, s.n
+
+-- slots_withdraw --
+-- Unused chunks (seqs) taken back: those no put holds (SKIP LOCKED).
+DELETE FROM ringq.slots s WHERE s.queue_id = %(queue_id)s AND s.seq IN (
+    SELECT x.seq FROM ringq.slots x
+    WHERE x.queue_id = %(queue_id)s AND x.seq = ANY(%(seqs)s::bigint[]) AND x.xmax = '0'::xid
+    FOR UPDATE SKIP LOCKED)
+RETURNING s.seq, s.slot, s.n
+
+-- reserved_slots --
+-- (slot, seq) of the slots reserved for SQL producers in one queue (ringq.slots).
+SELECT s.slot + g, s.seq + g FROM ringq.slots s, generate_series(0, s.n - 1) AS g
+WHERE s.queue_id = %s
+
+-- has_slots --
+-- Whether the schema has SQL producers' reserved slots (a database made before has none).
+SELECT to_regclass('ringq.slots') IS NOT NULL
+
 -- agent_listen --
--- The agent's connection: hears SQL consumers' asks (ringq.dequeue found nothing).
+-- The agent's connection: hears SQL consumers' asks (ringq.dequeue found
+-- nothing), SQL producers' puts into reserved slots and their inbox entries.
 LISTEN ringq_want
+
+-- agent_listen_puts --
+LISTEN ringq_put
+
+-- agent_listen_inbox --
+LISTEN ringq_inbox
 
 -- agent_async_commit --
 -- The agent's own commits (its listings) need not wait for the WAL flush: a

@@ -74,13 +74,13 @@ class SqlConsumers:
             try:
                 if conn is None or conn.closed or conn.broken:
                     conn = pg.connect(self._settings().dsn, autocommit=True, connect_timeout=5)
-                    SqlAgent.prepare(conn)  # LISTEN ringq_want; asynchronous commits
+                    SqlAgent.prepare(conn)  # LISTEN for asks and puts; asynchronous commits
                     self._listening.set()
                     agent.forget()  # asks sent while we were away are lost: look again
                 pace = self._attachment.read(functools.partial(self._pass, conn))
                 wait = self._settings().recovery_interval if pace is None else pace
                 for n in conn.notifies(timeout=wait, stop_after=1):
-                    agent.asked(n.payload)
+                    agent.heard(n.channel, n.payload)
             except Exception as exc:  # a pass that failed is tried again; never fatal
                 self.failures += 1
                 self._log(exc)

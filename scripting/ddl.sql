@@ -258,6 +258,25 @@ BEGIN
 END
 $ringq$;
 
+-- Ring slots the section's agent (the monitor) reserved for SQL producers:
+-- it reserves free slots at the ring's head in the section, as a linked
+-- producer does, and lists them here as chunks (a row per run of n, at most
+-- 16, consecutive seqs at consecutive slots). ringq.enqueue_many writes a
+-- batch into the oldest chunks it can lock (FOR UPDATE SKIP LOCKED) and
+-- deletes them, in the caller's transaction: the entries are on the queue
+-- iff it commits. The agent learns what was filled from the listing (a chunk
+-- gone was used: its rows say which slots hold entries; the rest of a chunk
+-- used in part is void) and publishes the entries in the section; a chunk a
+-- put touched and did not commit (its xmax) it voids. The rows decide: a
+-- section rebuilt from them keeps listed chunks reserved.
+CREATE TABLE IF NOT EXISTS ringq.slots (
+    queue_id integer NOT NULL,
+    seq      bigint  NOT NULL,
+    slot     integer NOT NULL,
+    n        integer NOT NULL,
+    PRIMARY KEY (queue_id, seq)
+);
+
 -- ringq.make_room(q, n): raises RQ002 when queue q has no room for n more
 -- entries from SQL producers: the ring's free slots as the pump last
 -- published them (ringq.room; until then, the ring's rows) less the inbox's
@@ -333,10 +352,13 @@ END
 $ringq$;
 
 -- ringq.enqueue_many(queue, payloads bytea[][, msg_group[, not_before]]): a
--- batch in one statement, in array order (consecutive inbox ids), every entry
--- in group msg_group and due at not_before; returns the inbox ids. All or
--- nothing: each payload is checked as ringq.enqueue() checks one, and the
--- queue must have room for the whole batch (one check, RQ002). Named apart
+-- batch in one statement, in array order, every entry in group msg_group and
+-- due at not_before; returns the entries' ids (ascending; with ringq.enqueue's
+-- ids, one sequence: they are the entries' producer_seq). All or nothing:
+-- each payload is checked as ringq.enqueue() checks one. The batch goes into
+-- ring slots the monitor reserved for SQL producers (ringq.slots, as many as
+-- there are), the rest into the inbox, for which the queue must have room
+-- (one check, RQ002). Named apart
 -- from ringq.enqueue: an overload on bytea[] would make ringq.enqueue('q',
 -- '\x01') (an untyped literal) ambiguous.
 CREATE OR REPLACE FUNCTION ringq.enqueue_many(
@@ -350,6 +372,7 @@ DECLARE
     p   bytea;
     n   integer := coalesce(cardinality(payloads), 0);
     ids bigint[];
+    put bigint[];
 BEGIN
     q := ringq.queue_of(queue);
     IF payloads IS NULL OR array_ndims(payloads) > 1 THEN
@@ -362,16 +385,28 @@ BEGIN
     FOREACH p IN ARRAY payloads LOOP
         PERFORM ringq.check_entry(q, p, msg_group, not_before);
     END LOOP;
-    PERFORM ringq.make_room(q, n);
+    -- Into ring slots reserved for SQL producers first (none while the inbox
+    -- holds entries for the queue: a producer's entries stay in order).
+    IF to_regprocedure(format('ringq.%I(bytea[],text,timestamptz)', 'pq_' || q.name)) IS NOT NULL
+    THEN
+        EXECUTE format('SELECT ringq.%I($1, $2, $3)', 'pq_' || q.name)
+            INTO put USING payloads, msg_group, not_before;
+    END IF;
+    IF coalesce(cardinality(put), 0) = n THEN
+        RETURN put;
+    END IF;
+    -- What the reserved slots did not take waits in the inbox, after them.
+    PERFORM ringq.make_room(q, n - coalesce(cardinality(put), 0));
     WITH ins AS (
         INSERT INTO ringq.inbox (queue_id, payload, msg_group, not_before)
         SELECT q.id, x.p, msg_group, not_before
-        FROM unnest(payloads) WITH ORDINALITY AS x(p, o) ORDER BY x.o
+        FROM unnest(payloads) WITH ORDINALITY AS x(p, o)
+        WHERE x.o > coalesce(cardinality(put), 0) ORDER BY x.o
         RETURNING inbox.id
     )
     SELECT array_agg(ins.id ORDER BY ins.id) INTO ids FROM ins;
     PERFORM pg_notify('ringq_inbox', queue);
-    RETURN ids;
+    RETURN coalesce(put, '{}') || ids;
 END
 $ringq$;
 
@@ -626,6 +661,102 @@ BEGIN
 END
 $body$, pick, q.name, 'ringq.' || quote_ident('q_' || q.name), 'q_' || q.name, q.id,
         'q_' || q.name));
+    -- ringq.pq_<name>(payloads, msg_group, not_before): a batch written into
+    -- ring slots reserved for SQL producers (ringq.slots), in the caller's
+    -- transaction; returns the ids of the entries it put (a prefix of the
+    -- batch; none while the inbox holds entries for the queue, so that a
+    -- producer's entries stay in order). ringq.enqueue_many calls it after its
+    -- checks (checked again here: it can be called alone). It runs as its
+    -- owner after checking that the caller may INSERT into ringq.inbox (the
+    -- privilege an SQL enqueue needs). Chunks are locked one FETCH at a time
+    -- (exactly those used are locked) and deleted whole: the rest of the last
+    -- one is void, never listed again, so a producer never gets a chunk older
+    -- than one it filled before.
+    EXECUTE format($fn$
+        CREATE OR REPLACE FUNCTION ringq.%1$I(payloads bytea[], msg_group text,
+                                              not_before timestamptz)
+        RETURNS bigint[]
+        LANGUAGE plpgsql
+        SECURITY DEFINER
+        SET search_path = pg_catalog, pg_temp
+        SET enable_bitmapscan = off SET enable_seqscan = off
+        AS %2$L$fn$, 'pq_' || q.name, format($body$
+DECLARE
+    who    text := CASE WHEN current_setting('role') = 'none' THEN session_user::text
+                        ELSE current_setting('role') END;
+    want   integer := coalesce(cardinality(payloads), 0);
+    done   integer := 0;
+    got    bigint;
+    k      integer;
+    cur    refcursor;
+    c_seq  bigint;
+    c_slot integer;
+    c_n    integer;
+    seqs   bigint[] := '{}';
+    slots  integer[] := '{}';
+    ts     integer[] := '{}';
+    firsts integer[] := '{}';
+    ids    bigint[];
+    due    timestamptz := CASE WHEN not_before > clock_timestamp() THEN not_before END;
+BEGIN
+    IF want = 0 THEN
+        RETURN '{}';
+    END IF;
+    IF NOT has_table_privilege(who, 'ringq.inbox', 'INSERT') THEN
+        RAISE EXCEPTION 'permission denied for table inbox'
+            USING ERRCODE = 'insufficient_privilege';
+    END IF;
+    IF array_position(payloads, NULL) IS NOT NULL THEN
+        RAISE EXCEPTION 'ringq: payload must not be NULL' USING ERRCODE = 'null_value_not_allowed';
+    END IF;
+    IF (SELECT max(octet_length(x)) FROM unnest(payloads) x) > %1$s THEN
+        RAISE EXCEPTION 'ringq: payload exceeds max_payload (%1$s bytes)'
+            USING ERRCODE = 'string_data_right_truncation';
+    END IF;
+    IF EXISTS (SELECT 1 FROM ringq.inbox i WHERE i.queue_id = %2$s) THEN
+        RETURN '{}';
+    END IF;
+    OPEN cur FOR SELECT s.seq, s.slot, s.n FROM ringq.slots s
+                 WHERE s.queue_id = %2$s AND s.xmax = '0'::xid
+                 ORDER BY s.seq FOR UPDATE SKIP LOCKED;
+    LOOP
+        FETCH cur INTO c_seq, c_slot, c_n;
+        EXIT WHEN NOT FOUND;
+        k := least(c_n, want - done);
+        seqs := seqs || c_seq;
+        slots := slots || c_slot;
+        ts := ts || k;
+        firsts := firsts || done;
+        done := done + k;
+        EXIT WHEN done >= want;
+    END LOOP;
+    CLOSE cur;
+    IF done = 0 THEN
+        RETURN '{}';
+    END IF;
+    -- The ids (producer_seq) come from the inbox's sequence, as an inbox
+    -- entry's do: one producer's rise across both ways in.
+    ids := ARRAY(SELECT nextval(pg_get_serial_sequence('ringq.inbox', 'id'))
+                 FROM generate_series(1, done));
+    DELETE FROM ringq.slots s WHERE s.queue_id = %2$s AND s.seq = ANY(seqs);
+    UPDATE ringq.%3$I r
+    SET state = 1, seq = c.seq + (r.slot - c.slot),
+        payload = payloads[c.f0 + (r.slot - c.slot) + 1],
+        producer = 'sql:' || who, producer_seq = ids[c.f0 + (r.slot - c.slot) + 1],
+        msg_group = %5$I.msg_group, deliveries = 0, not_before = due, trace = NULL,
+        enq_at = now(), enq_user = who, deq_at = NULL, deq_user = NULL
+    FROM unnest(seqs, slots, ts, firsts) AS c(seq, slot, t, f0)
+    WHERE r.slot >= c.slot AND r.slot < c.slot + c.t
+      AND r.state <> 1 AND r.seq < c.seq + (r.slot - c.slot);
+    GET DIAGNOSTICS got = ROW_COUNT;
+    IF got <> done THEN
+        RAISE EXCEPTION 'ringq: %% of %% reserved slots of queue %% are not free',
+            done - got, done, %4$L USING ERRCODE = 'RQ001';
+    END IF;
+    PERFORM pg_notify('ringq_put', %4$L);  -- the agent publishes them (at commit)
+    RETURN ids;
+END
+$body$, q.max_payload, q.id, 'q_' || q.name, q.name, 'pq_' || q.name));
 END
 $ringq$;
 
@@ -902,7 +1033,11 @@ DO $ringq$ BEGIN
     IF to_regclass('ringq.room') IS NOT NULL THEN
         DELETE FROM ringq.room WHERE queue_id = (SELECT id FROM ringq.queues WHERE name = {name});
     END IF;
+    IF to_regclass('ringq.slots') IS NOT NULL THEN
+        DELETE FROM ringq.slots WHERE queue_id = (SELECT id FROM ringq.queues WHERE name = {name});
+    END IF;
     EXECUTE format('DROP FUNCTION IF EXISTS ringq.%I(integer)', 'dq_' || {name});
+    EXECUTE format('DROP FUNCTION IF EXISTS ringq.%I(bytea[], text, timestamptz)', 'pq_' || {name});
 END $ringq$;
 DELETE FROM ringq.queues WHERE name = {name};
 DROP TABLE IF EXISTS {table};

@@ -27,6 +27,7 @@ def load_rows(
     groups: Sequence[tuple[int, str]] = (),
     offered: Sequence[tuple[int, int]] = (),
     dues: Sequence[tuple[int, int]] = (),
+    reserved: Sequence[tuple[int, int]] = (),
 ) -> None:
     """Set head, tail and the bitmaps from the rows (``SELECT slot, state, seq``),
     and the group tags from ``groups``: (slot, group) of the queued rows that have one.
@@ -38,7 +39,10 @@ def load_rows(
     transactions, kept locked with no owner until recovery decides them;
     ``offered`` the (slot, seq) pairs set aside for SQL consumers
     (``ringq.offers``), locked for them (owner ``OWNER_SQL``) while their
-    rows still hold them queued.
+    rows still hold them queued; ``reserved`` the (slot, seq) pairs of slots
+    reserved for SQL producers (``ringq.slots``), reserved for them again
+    (owner ``OWNER_SQL``, neither bit) while their rows do not hold that seq
+    queued yet (a put may be under way).
     """
     cap = ring.cap
     Q, b = ring.Q, ring.qb
@@ -66,9 +70,17 @@ def load_rows(
     held = held or []
     for _slot, seq in held:
         head = max(head, seq + 1)
+    # A reserved slot not written yet is in flight: the head passes it, the
+    # tail stops at it (a put may still fill it).
+    open_reserved = [(r_slot, r_seq) for r_slot, r_seq in reserved
+                     if 0 <= r_slot < cap and r_seq % cap == r_slot
+                     and not (seq_by_slot[r_slot] == r_seq
+                              and state_by_slot[r_slot] >= RowState.QUEUED)]
+    for _slot, seq in open_reserved:
+        head = max(head, seq + 1)
     queued = seq_by_slot[state_by_slot == RowState.QUEUED]
     candidates = [int(queued.min())] if queued.size else []
-    candidates += locked_seqs + [seq for _slot, seq in held]
+    candidates += locked_seqs + [seq for _slot, seq in held] + [q for _s, q in open_reserved]
     tail = min(candidates) if candidates else head
     tail = max(tail, head - cap, 0)
 
@@ -146,6 +158,19 @@ def load_rows(
         if Q[b + L.Q_MODE] == 0 and not Q[b + L.Q_DEQ_OWNER]:
             Q[b + L.Q_DEQ_OWNER] = L.OWNER_SQL
             Q[b + L.Q_DEQ_INFLIGHT] = n_sql
+    # Slots reserved for SQL producers and not written yet stay theirs.
+    lck_put = np.zeros(cap, dtype=bool)
+    for r_slot, r_seq in open_reserved:
+        if not old_locked[r_slot] and tail <= r_seq < head:
+            lck_put[r_slot] = True
+            s.holder_w[ring.base + r_slot] = 0
+            s.owner_w[ring.base + r_slot] = L.OWNER_SQL
+    if lck_put.any():
+        put_words = words(lck_put)
+        new_enq &= ~put_words
+        new_deq &= ~put_words
+        new_lck |= put_words
+        waiting &= ~lck_put
     # Waiting entries: due times and counters before the bits (see _waiting);
     # a slot kept locked (resync) is its holder's, whatever its row says now.
     waiting &= ~old_locked

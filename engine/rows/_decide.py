@@ -102,6 +102,15 @@ def offered_slots(conn: psycopg.Connection[Any], qid: int) -> list[tuple[int, in
     return [(int(s), int(q)) for s, q in rows]
 
 
+def reserved_slots(conn: psycopg.Connection[Any], qid: int) -> list[tuple[int, int]]:
+    """(slot, seq) of the slots reserved for SQL producers (``ringq.slots``)."""
+    row = conn.execute(_Q["has_slots"]).fetchone()
+    if not row or not row[0]:
+        return []  # a schema older than reserved slots
+    rows = conn.execute(_Q["reserved_slots"], (qid,)).fetchall()
+    return [(int(s), int(q)) for s, q in rows]
+
+
 def load_block(
     sec: Section,
     qidx: int,
@@ -115,6 +124,7 @@ def load_block(
     rows = conn.execute(sql.SQL(_Q["all_rows"]).format(table=queue_table(info.name))).fetchall()
     held = held_slots(conn, info.id)
     offered = offered_slots(conn, info.id)
+    reserved = reserved_slots(conn, info.id)
     ring = Ring(sec, qidx)
     ring.configure(
         max_payload=info.max_payload,
@@ -127,7 +137,7 @@ def load_block(
     arr, groups, dues = _split_rows(rows, sec)
     load_rows(
         ring, arr[:, 0], arr[:, 1], arr[:, 2], keep_locked=False, held=held, groups=groups,
-        offered=offered, dues=dues,
+        offered=offered, dues=dues, reserved=reserved,
     )
     sec.mark_queue_ready(qidx)
 
@@ -175,12 +185,13 @@ def resync_queue(sec: Section, ring: Ring, info: QueueInfo, dsn: str) -> None:
         sql_rows = sql.SQL(_Q["all_rows"]).format(table=queue_table(info.name))
         held = held_slots(aux, info.id)
         offered = offered_slots(aux, info.id)
+        reserved = reserved_slots(aux, info.id)
         sec.lock_queue(ring.qidx)
         try:
             arr, groups, dues = _split_rows(aux.execute(sql_rows).fetchall(), sec)
             load_rows(
                 ring, arr[:, 0], arr[:, 1], arr[:, 2], keep_locked=True, held=held, groups=groups,
-                offered=offered, dues=dues,
+                offered=offered, dues=dues, reserved=reserved,
             )
             ring.note_resync()
         finally:

@@ -50,6 +50,8 @@ from ..rows import load_queue
 from ..rows.recovery import queue_infos
 from ..section import Section
 from ..section import layout as L
+from ._puts import SqlPuts
+from ._runs import NONE, Entries, Runs, as_lists, expand, held, runs_of, send
 
 logger = logging.getLogger("ringq.sql")
 
@@ -73,11 +75,6 @@ WANT_CHANNEL = "ringq_want"  # ringq.dequeue() found nothing: payload, the queue
 # pid (payload: the queue's name); ringq.dequeue() LISTENs on it for the caller.
 READY_CHANNEL = "ringq_ready"
 
-Runs = list[tuple[int, int, int]]  # (seq, slot, n): n consecutive entries at consecutive slots
-Entries = tuple["np.ndarray[Any, Any]", "np.ndarray[Any, Any]"]  # (seqs, slots), by seq
-_NONE: Entries = (np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64))
-
-
 @dataclass
 class AgentFigures:
     """What the agent did since it started."""
@@ -95,6 +92,9 @@ class AgentFigures:
         return dict(self.__dict__)
 
 
+PUT_CHANNELS = ("ringq_put", "ringq_inbox")  # SQL producers put entries: payload, the queue's name
+
+
 @dataclass
 class SqlAgent:
     """One database's agent for SQL consumers; :meth:`run` is one pass, on an
@@ -110,12 +110,15 @@ class SqlAgent:
     # queue id -> the entries the agent listed and has not settled (seqs, slots)
     _mine: dict[int, Entries] = field(default_factory=dict)
     _looked: dict[int, float] = field(default_factory=dict)  # queue id -> its last listing read
+    puts: SqlPuts = field(default_factory=SqlPuts)  # the producers' side
+    _held_sql: set[int] = field(default_factory=set)  # queues the section holds for SQL (a scan)
 
     @staticmethod
     def prepare(conn: psycopg.Connection[Any]) -> None:
         """Make ``conn`` the agent's: LISTEN for asks, commit without waiting for
         the flush, find ring rows by their primary key."""
-        conn.execute(_Q["agent_listen"])
+        for listen in ("agent_listen", "agent_listen_puts", "agent_listen_inbox"):
+            conn.execute(_Q[listen])
         conn.execute(_Q["agent_async_commit"])
         conn.execute(_Q["agent_index_scans"])
 
@@ -126,10 +129,19 @@ class SqlAgent:
         self._scanned = float("-inf")
         self._mine.clear()
         self._looked.clear()
+        self.puts.forget()
 
     def asked(self, queue: str) -> None:
         """A SQL consumer found nothing in ``queue`` (its NOTIFY on ``ringq_want``)."""
         self._asked[queue] = self.clock()
+
+    def heard(self, channel: str, queue: str) -> None:
+        """A notification on the agent's connection: a SQL consumer's ask
+        (``ringq_want``) or a SQL producer's put (``ringq_put``, ``ringq_inbox``)."""
+        if channel in PUT_CHANNELS:
+            self.puts.asked(queue)
+        else:
+            self.asked(queue)
 
     def run(self, sec: Section, conn: psycopg.Connection[Any]) -> float | None:
         """One pass over the queues SQL consumers use; returns when to come
@@ -147,20 +159,32 @@ class SqlAgent:
                 self._listed.add(int(qid))
                 if waited and int(qid) in names:
                     self._asked.setdefault(names[int(qid)], now)
-            held = self._held_queues(sec)
-            for qid in held - set(self._mine):
+            held_sql = self._held_queues(sec)
+            for qid in held_sql - set(self._mine):
                 self._looked.pop(qid, None)  # held for SQL, not by this agent's listing: settle
-            self._listed |= held | set(self._mine)
+            self._listed |= held_sql | set(self._mine)
+            self._held_sql = held_sql  # a producers' pass settles any reserved among them
             self._end_overdue(conn)
         wanted = {n for n, t in self._asked.items() if now - t < DEMAND_S}
-        if wanted and not {i.name for i in self._infos.values()} >= wanted:
+        putting = self.puts.busy(now)
+        if (wanted | putting) and not {i.name for i in self._infos.values()} >= wanted | putting:
             self._infos = queue_infos(conn)
         busy = starved = False
+        reserved = self.puts.queues()
         for info in list(self._infos.values()):
-            if info.id in self._listed or info.name in wanted:
-                pace = self._pass_queue(sec, conn, info, info.name in wanted)
+            consumers = info.id in self._listed or info.name in wanted
+            producers = info.id in reserved or info.name in putting or info.id in self._held_sql
+            if not (consumers or producers):
+                continue
+            ring = self._ring(sec, conn, info)
+            if producers:
+                # First: what SQL producers put is published before it is offered.
+                busy |= self.puts.pass_queue(sec, conn, ring, info, info.name in putting)
+            if consumers:
+                pace = self._pass_queue(sec, conn, ring, info, info.name in wanted)
                 busy |= pace is not None
                 starved |= pace == STARVED_WAIT_S
+        self._held_sql = set()  # settled by this pass
         for name in [n for n, t in self._asked.items() if now - t >= DEMAND_S]:
             del self._asked[name]
         if starved:
@@ -169,14 +193,19 @@ class SqlAgent:
 
     # -- one queue --------------------------------------------------------------------
 
-    def _pass_queue(
-        self, sec: Section, conn: psycopg.Connection[Any], info: QueueInfo, wanted: bool
-    ) -> float | None:
-        """One queue's pass; returns its pace (see :meth:`run`)."""
+    @staticmethod
+    def _ring(sec: Section, conn: psycopg.Connection[Any], info: QueueInfo) -> Ring:
+        """The queue's ring in the section (loaded from its rows if it is not yet)."""
         qidx = sec.find_queue(info.id)
         if qidx is None:
             qidx = load_queue(sec, conn, info)
-        ring = Ring(sec, qidx)
+        return Ring(sec, qidx)
+
+    def _pass_queue(
+        self, sec: Section, conn: psycopg.Connection[Any], ring: Ring, info: QueueInfo,
+        wanted: bool,
+    ) -> float | None:
+        """One queue's pass for SQL consumers; returns its pace (see :meth:`run`)."""
         table = queue_table(info.name)
         mine = self._mine.get(info.id)
         now = self.clock()
@@ -186,9 +215,9 @@ class SqlAgent:
             # and then (a starved queue is passed every STARVED_WAIT_S).
             if ring.Q[ring.qb + L.Q_DEPTH_HINT] <= 0 and now - self._looked[info.id] < QUIET_LOOK_S:
                 return STARVED_WAIT_S if wanted else None
-            mine = _NONE
+            mine = NONE
         elif mine is None:  # first look: what the section holds for SQL, listed or not
-            mine = _held(sec, ring)
+            mine = held(sec, ring, reserved=False)
         self._looked[info.id] = now
         chunks: Runs = []  # listed now
         free: Runs = []  # listed and takeable
@@ -207,7 +236,7 @@ class SqlAgent:
             elif not live:
                 touched.append(chunk)
             # else a take under way holds it: decided on a later pass
-        gone = ~np.isin(mine[0], _expand(chunks)[0])
+        gone = ~np.isin(mine[0], expand(chunks)[0])
         taken = 0
         if gone.any():
             taken = self._settle_gone(sec, conn, ring, info, table,
@@ -219,7 +248,7 @@ class SqlAgent:
         if unlisted:
             chunks = [c for c in chunks if c[0] not in unlisted]
             free = [c for c in free if c[0] not in unlisted]
-            keep = np.isin(mine[0], _expand(chunks)[0])
+            keep = np.isin(mine[0], expand(chunks)[0])
             mine = (mine[0][keep], mine[1][keep])
         if taken:
             self._asked[info.name] = self.clock()
@@ -263,7 +292,7 @@ class SqlAgent:
         """Settle entries no longer listed by their rows: consumed (or no
         longer at that seq) finished, still queued given back; returns how
         many were taken."""
-        runs = _runs(gone[1], gone[0])
+        runs = runs_of(gone[1], gone[0])
         odd = conn.execute(sql.SQL(_Q["offers_gone"]).format(table=table), (
             runs["run_seqs"], runs["run_slots"], runs["run_ns"])).fetchall()
         back = [(int(slot), int(seq), int(due or 0)) for slot, seq, state, due in odd
@@ -321,10 +350,10 @@ class SqlAgent:
                         for a, b, c in conn.execute(_Q["offers_withdraw"], (info.id,)).fetchall()]
         poisoned = [(int(r[0]), int(r[1])) for r in struck if r[2] == RowState.CONSUMED]
         due = {int(r[1]): int(r[7] or 0) for r in struck if r[2] == RowState.QUEUED}
-        again = [(sl, sq, due[sq]) for sq, sl in zip(*_as_lists(_expand(locked)), strict=True)
+        again = [(sl, sq, due[sq]) for sq, sl in zip(*as_lists(expand(locked)), strict=True)
                  if sq in due]
         gone = {sq for _sl, sq in poisoned}
-        quiet = [(sl, sq, 0) for sq, sl in zip(*_as_lists(_expand(locked + rest)), strict=True)
+        quiet = [(sl, sq, 0) for sq, sl in zip(*as_lists(expand(locked + rest)), strict=True)
                  if sq not in due and sq not in gone]
         self.figures.struck += len(struck)
         self.figures.poisoned += len(poisoned)
@@ -372,12 +401,12 @@ class SqlAgent:
         if not slots.size:
             if wake:
                 self._wake(conn, info, wake)
-            return _NONE
+            return NONE
         table = queue_table(info.name)
         # at least 16 chunks when there are 16 entries: a take holds whole chunks
-        runs = _runs(slots, seqs, max(1, min(CHUNK, int(slots.size) // 16)))
+        runs = runs_of(slots, seqs, max(1, min(CHUNK, int(slots.size) // 16)))
         try:
-            _send(conn, [
+            send(conn, [
                 (sql.SQL(_Q["offers_clean_runs"]).format(table=table), runs),
                 (_Q["offers_runs"], {"queue_id": info.id, **runs}),
                 (_Q["offers_wake"], (info.id, info.name, wake + len(runs["run_ns"]))),
@@ -434,12 +463,12 @@ class SqlAgent:
             if info.dequeue_mode == "single":
                 got = conn.execute(_Q["offers_quiet"], (info.id,)).fetchone()
                 if not got or not got[0]:
-                    return _NONE[0]  # a take is under way: later
+                    return NONE[0]  # a take is under way: later
                 rows = conn.execute(_Q["offers_withdraw"], (info.id,)).fetchall()
             else:
                 rows = conn.execute(_Q["offers_withdraw_shared"], (info.id, info.id)).fetchall()
             runs: Runs = [(int(a), int(b), int(c)) for a, b, c in rows]
-        seqs, slots = _expand(runs)
+        seqs, slots = expand(runs)
         self._give_back(sec, ring, info, list(zip(slots.tolist(), seqs.tolist(),
                                                   [0] * len(seqs), strict=True)), counted=False)
         self.figures.withdrawn += int(seqs.size)
@@ -500,68 +529,3 @@ class SqlAgent:
         return out
 
 
-def _held(sec: Section, ring: Ring) -> Entries:
-    """The entries the section holds for SQL consumers in ``ring``: (seqs, slots), by seq."""
-    sec.lock_queue(ring.qidx)
-    try:
-        cand = np.flatnonzero(sec.owner[ring.base : ring.base + ring.cap] == L.OWNER_SQL)
-        slots = [int(s) for s in cand if ring.held_by(int(s), L.OWNER_SQL)]
-        seqs = [ring.seq_of(s) for s in slots]
-    finally:
-        sec.unlock_queue(ring.qidx)
-    a, b = np.array(seqs, dtype=np.int64), np.array(slots, dtype=np.int64)
-    order = np.argsort(a, kind="stable")
-    return a[order], b[order]
-
-
-def _as_lists(entries: Entries) -> tuple[list[int], list[int]]:
-    return entries[0].tolist(), entries[1].tolist()
-
-
-def _expand(runs: Runs) -> Entries:
-    """The entries of ``runs`` (seq, slot, n): (seqs, slots)."""
-    if not runs:
-        return _NONE
-    arr = np.array(runs, dtype=np.int64).reshape(-1, 3)
-    n = arr[:, 2]
-    offs = np.arange(int(n.sum()), dtype=np.int64) - np.repeat(np.cumsum(n) - n, n)
-    return np.repeat(arr[:, 0], n) + offs, np.repeat(arr[:, 1], n) + offs
-
-
-Write = tuple[str | sql.Composed, Any]  # a statement and its parameters
-
-
-def _send(conn: psycopg.Connection[Any], writes: list[Write]) -> None:
-    """Run ``writes`` in one round trip, as one transaction: in pipeline mode
-    on the agent's autocommit connection, the statements up to the pipeline's
-    Sync are one implicit transaction, all or nothing (a failed one raises
-    here, and none of them took effect)."""
-    if not writes:
-        return
-    with conn.pipeline():
-        for query, params in writes:
-            conn.execute(query, params)
-
-
-def _runs(
-    slots: np.ndarray[Any, Any], seqs: np.ndarray[Any, Any], limit: int = 0
-) -> dict[str, list[int]]:
-    """The entries at ``slots`` with ``seqs`` (int64 arrays, any order) as
-    runs of consecutive seqs at consecutive slots (so a run never wraps past
-    the ring's last slot: its next seq is at slot 0), each at most ``limit``
-    long (0: any): ``offers_runs``' and ``offers_clean_runs``' parameters."""
-    if not seqs.size:
-        return {"run_seqs": [], "run_slots": [], "run_ns": []}
-    order = np.argsort(seqs, kind="stable")
-    seqs, slots = seqs[order], slots[order]
-    brk = np.r_[True, (np.diff(seqs) != 1) | (np.diff(slots) != 1)]
-    if limit:
-        # a new run every ``limit`` entries within a run
-        run_id = np.cumsum(brk) - 1
-        first = np.flatnonzero(brk)
-        pos = np.arange(seqs.size) - first[run_id]
-        brk = brk | (pos % limit == 0)
-    starts = np.flatnonzero(brk)
-    ns = np.diff(np.r_[starts, seqs.size])
-    return {"run_seqs": seqs[starts].tolist(), "run_slots": slots[starts].tolist(),
-            "run_ns": ns.tolist()}

@@ -1,0 +1,238 @@
+"""The SQL agent's producers' side: ring slots reserved for SQL producers.
+
+SQL cannot reserve slots in the global section, so the agent does it for SQL
+producers, ahead of them: it reserves free slots at the ring's head under the
+owner ``OWNER_SQL`` (as a linked producer reserves: locked, neither ENQ nor
+DEQ) and lists them in ``ringq.slots`` as chunks of at most :data:`CHUNK`.
+``ringq.enqueue_many`` (the queue's ``ringq.pq_<name>``) writes a batch into
+the oldest chunks it can lock and deletes them, in the caller's transaction.
+On each pass the agent reads the listing back:
+
+- slots it reserved that are no longer listed were used by a put that
+  committed: their rows say which hold an entry (published in the section,
+  with its group and due time, as a linked commit publishes) and which were
+  left void (the rest of a chunk used in part);
+- a chunk whose xmax is set and that no transaction holds was touched by a
+  put that did not commit: unlisted and voided;
+- while SQL producers put (a put or an inbox entry within :data:`DEMAND_S`)
+  it keeps four times what they used since its last pass listed; then it
+  takes the unused chunks back and voids them.
+
+A slot reserved is a slot in flight: the ring's room counts it, the tail
+waits at it. The rows decide: a section rebuilt from them keeps the listed
+chunks reserved (``load_rows(reserved=...)``), and the agent's first look at
+a queue starts from what the section holds reserved for SQL.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import psycopg
+from psycopg import sql
+
+from ..driver import QUERIES as _Q
+from ..driver import queue_table
+from ..ring import OpKind, QueueInfo, Ring, after_finish, group_tag
+from ..section import Section
+from ..section import layout as L
+from ._runs import NONE, Entries, Runs, as_lists, expand, held, minus, plus, runs_of, send
+
+logger = logging.getLogger("ringq.sql")
+
+CHUNK = 16  # slots per listed chunk at most (the rest of a chunk used in part is void)
+RESERVE_MIN = 64
+RESERVE_MAX = 2048
+RESERVE_SHARE = 4  # at most capacity / this reserved for SQL producers at once
+DEMAND_S = 5.0  # slots stay reserved this long after the queue's last SQL put
+
+
+@dataclass
+class PutFigures:
+    """What the producers' side did since the agent started."""
+
+    reserved: int = 0
+    put: int = 0  # entries SQL producers wrote into reserved slots, published
+    voided: int = 0  # slots left unused: a chunk used in part, a put rolled back, taken back
+
+    def as_dict(self) -> dict[str, int]:
+        return dict(self.__dict__)
+
+
+@dataclass
+class SqlPuts:
+    """Reserved slots for SQL producers: :meth:`pass_queue` is one queue's pass."""
+
+    clock: Callable[[], float] = time.monotonic
+    figures: PutFigures = field(default_factory=PutFigures)
+    _asked: dict[str, float] = field(default_factory=dict)  # queue name -> last SQL put
+    _mine: dict[int, Entries] = field(default_factory=dict)  # queue id -> slots listed
+    _target: dict[int, int] = field(default_factory=dict)
+
+    def forget(self) -> None:
+        """Start again from what the section holds reserved (a new connection)."""
+        self._mine.clear()
+
+    def asked(self, queue: str) -> None:
+        """An SQL producer put entries in ``queue`` (``ringq_put``, ``ringq_inbox``)."""
+        self._asked[queue] = self.clock()
+
+    def busy(self, now: float) -> set[str]:
+        """The queues SQL producers put into lately."""
+        for name in [n for n, t in self._asked.items() if now - t >= DEMAND_S]:
+            del self._asked[name]
+        return set(self._asked)
+
+    def queues(self) -> set[int]:
+        """The queues with slots listed."""
+        return set(self._mine)
+
+    def pass_queue(
+        self, sec: Section, conn: psycopg.Connection[Any], ring: Ring, info: QueueInfo,
+        wanted: bool,
+    ) -> bool:
+        """One queue's pass; True while it has slots listed or SQL producers put."""
+        mine = self._mine.get(info.id)
+        if mine is None:  # first look: what the section holds reserved for SQL
+            mine = held(sec, ring, reserved=True)
+        chunks: Runs = []
+        free: Runs = []
+        touched: Runs = []
+        for seq, slot, n, touch, live in conn.execute(_Q["slots_look"], (info.id,)).fetchall():
+            chunk = (int(seq), int(slot), int(n))
+            chunks.append(chunk)
+            if not touch:
+                free.append(chunk)
+            elif not live:
+                touched.append(chunk)
+        gone = ~np.isin(mine[0], expand(chunks)[0])
+        used = 0
+        if gone.any():
+            used = self._publish(sec, conn, ring, info, (mine[0][gone], mine[1][gone]))
+            mine = (mine[0][~gone], mine[1][~gone])
+        if touched:
+            voided = self._unlist(sec, conn, ring, info, touched, withdraw=False)
+            mine = minus(mine, voided)
+            free = [c for c in free if c[0] not in set(voided.tolist())]
+        if used:
+            self._asked[info.name] = self.clock()
+            wanted = True
+        target = self._target.get(info.id, RESERVE_MIN)
+        cap = max(CHUNK, ring.cap // RESERVE_SHARE)
+        target = min(RESERVE_MAX, cap, max(target, 4 * used) if used else
+                     max(RESERVE_MIN, target - target // 16))
+        self._target[info.id] = target
+        listed = sum(n for _s, _sl, n in free)
+        if wanted and listed < target - target // 4:
+            mine = plus(mine, self._reserve(sec, conn, ring, info, target - listed))
+        elif not wanted and free:
+            mine = minus(mine, self._unlist(sec, conn, ring, info, free, withdraw=True))
+        if mine[0].size:
+            self._mine[info.id] = mine
+        else:
+            self._mine.pop(info.id, None)
+        return wanted or bool(mine[0].size)
+
+    def _reserve(
+        self, sec: Section, conn: psycopg.Connection[Any], ring: Ring, info: QueueInfo, n: int
+    ) -> Entries:
+        """Reserve up to ``n`` slots at the head for SQL producers and list
+        them; returns them (seqs, slots)."""
+        sec.lock_queue(ring.qidx)
+        try:
+            first, k = ring.reserve_many(L.OWNER_SQL, 0, n)
+        finally:
+            sec.unlock_queue(ring.qidx)
+        if not k:
+            return NONE
+        seqs = np.arange(first, first + k, dtype=np.int64)
+        slots = seqs % ring.cap
+        runs = runs_of(slots, seqs, CHUNK)
+        try:
+            send(conn, [(_Q["slots_list"], {"queue_id": info.id, **runs})])
+        except BaseException:
+            self._finish(sec, ring, [], list(zip(slots.tolist(), seqs.tolist(), strict=True)))
+            raise
+        self.figures.reserved += k
+        return seqs, slots
+
+    def _publish(
+        self, sec: Section, conn: psycopg.Connection[Any], ring: Ring, info: QueueInfo,
+        gone: Entries,
+    ) -> int:
+        """Settle reserved slots no longer listed by their rows: an entry put
+        there is published, a slot left unused is void; returns how many
+        entries were published."""
+        runs = runs_of(gone[1], gone[0])
+        rows = conn.execute(sql.SQL(_Q["slots_filled"]).format(table=queue_table(info.name)), (
+            runs["run_seqs"], runs["run_slots"], runs["run_ns"])).fetchall()
+        filled = {int(slot): (group, int(due or 0)) for slot, ok, group, due in rows if ok}
+        put: list[tuple[int, int, str | None, int]] = []
+        void: list[tuple[int, int]] = []
+        for seq, slot in zip(*as_lists(gone), strict=True):
+            if slot in filled:
+                put.append((slot, seq, *filled[slot]))
+            else:
+                void.append((slot, seq))
+        self._finish(sec, ring, put, void)
+        self.figures.put += len(put)
+        self.figures.voided += len(void)
+        return len(put)
+
+    def _unlist(
+        self, sec: Section, conn: psycopg.Connection[Any], ring: Ring, info: QueueInfo,
+        chunks: Runs, *, withdraw: bool,
+    ) -> np.ndarray[Any, Any]:
+        """Unlist ``chunks`` that no put holds now (touched by a put that did
+        not commit, or unused: ``withdraw``) and void their slots; returns
+        the seqs voided."""
+        query = _Q["slots_withdraw"] if withdraw else _Q["slots_unlist_touched"]
+        with conn.transaction():
+            rows = conn.execute(query, {"queue_id": info.id,
+                                        "seqs": [c[0] for c in chunks]}).fetchall()
+        runs: Runs = [(int(a), int(b), int(c)) for a, b, c in rows]
+        seqs, slots = expand(runs)
+        self._finish(sec, ring, [], list(zip(slots.tolist(), seqs.tolist(), strict=True)))
+        self.figures.voided += int(seqs.size)
+        return seqs
+
+    @staticmethod
+    def _finish(
+        sec: Section, ring: Ring, put: list[tuple[int, int, str | None, int]],
+        void: list[tuple[int, int]],
+    ) -> None:
+        """Publish ``put`` (slot, seq, group, due us) and void ``void`` (slot,
+        seq) among the slots still reserved for SQL at that seq, as a linked
+        commit finishes its enqueues; wake whom it frees."""
+        sec.lock_queue(ring.qidx)
+        try:
+            n_put = n_void = 0
+            for slot, seq, group, due_us in put:
+                if _reserved(ring, slot, seq):
+                    if group is not None:
+                        ring.set_group(slot, group_tag(group))
+                    ring.finish_enqueue(slot, committed=True, due_us=due_us)
+                    n_put += 1
+            for slot, seq in void:
+                if _reserved(ring, slot, seq):
+                    ring.finish_enqueue(slot, committed=False)
+                    n_void += 1
+            ready, space = after_finish(ring, n_put, n_void)
+            ready = min(max(ready, 0), ring.waiters(OpKind.DEQUEUE))
+        finally:
+            sec.unlock_queue(ring.qidx)
+        if ready:
+            sec.post(ring.qid, "r", ready)
+        if space:
+            sec.post(ring.qid, "s", space)
+
+
+def _reserved(ring: Ring, slot: int, seq: int) -> bool:
+    """The slot is reserved for SQL producers at ``seq`` (no entry published)."""
+    enq, deq, lck, owner = ring.bits(slot)
+    return lck and owner == L.OWNER_SQL and not enq and not deq and ring.seq_of(slot) == seq

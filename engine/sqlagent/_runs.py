@@ -1,0 +1,105 @@
+"""Runs of consecutive entries (seq, slot, n), the SQL agent's unit of listing,
+and what it holds in the section, for both its sides (consumers' offers,
+producers' reserved slots)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import psycopg
+from psycopg import sql
+
+from ..ring import Ring
+from ..section import Section
+from ..section import layout as L
+
+Runs = list[tuple[int, int, int]]  # (seq, slot, n): n consecutive entries at consecutive slots
+Entries = tuple["np.ndarray[Any, Any]", "np.ndarray[Any, Any]"]  # (seqs, slots), by seq
+NONE: Entries = (np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64))
+
+
+def held(sec: Section, ring: Ring, *, reserved: bool) -> Entries:
+    """What the section holds for the SQL path in ``ring``, (seqs, slots) by
+    seq: entries claimed for SQL consumers (ENQ set), or, ``reserved``, slots
+    reserved for SQL producers (neither ENQ nor DEQ: no entry published yet)."""
+    sec.lock_queue(ring.qidx)
+    try:
+        cand = np.flatnonzero(sec.owner[ring.base : ring.base + ring.cap] == L.OWNER_SQL)
+        slots = []
+        for s in cand.tolist():
+            enq, deq, lck, owner = ring.bits(s)
+            if lck and owner == L.OWNER_SQL and (not enq and not deq if reserved else enq):
+                slots.append(s)
+        seqs = [ring.seq_of(s) for s in slots]
+    finally:
+        sec.unlock_queue(ring.qidx)
+    a, b = np.array(seqs, dtype=np.int64), np.array(slots, dtype=np.int64)
+    order = np.argsort(a, kind="stable")
+    return a[order], b[order]
+
+
+def as_lists(entries: Entries) -> tuple[list[int], list[int]]:
+    return entries[0].tolist(), entries[1].tolist()
+
+
+def expand(runs: Runs) -> Entries:
+    """The entries of ``runs`` (seq, slot, n): (seqs, slots)."""
+    if not runs:
+        return NONE
+    arr = np.array(runs, dtype=np.int64).reshape(-1, 3)
+    n = arr[:, 2]
+    offs = np.arange(int(n.sum()), dtype=np.int64) - np.repeat(np.cumsum(n) - n, n)
+    return np.repeat(arr[:, 0], n) + offs, np.repeat(arr[:, 1], n) + offs
+
+
+Write = tuple[str | sql.Composed, Any]  # a statement and its parameters
+
+
+def send(conn: psycopg.Connection[Any], writes: list[Write]) -> None:
+    """Run ``writes`` in one round trip, as one transaction: in pipeline mode
+    on the agent's autocommit connection, the statements up to the pipeline's
+    Sync are one implicit transaction, all or nothing (a failed one raises
+    here, and none of them took effect)."""
+    if not writes:
+        return
+    with conn.pipeline():
+        for query, params in writes:
+            conn.execute(query, params)
+
+
+def runs_of(
+    slots: np.ndarray[Any, Any], seqs: np.ndarray[Any, Any], limit: int = 0
+) -> dict[str, list[int]]:
+    """The entries at ``slots`` with ``seqs`` (int64 arrays, any order) as
+    runs of consecutive seqs at consecutive slots (so a run never wraps past
+    the ring's last slot: its next seq is at slot 0), each at most ``limit``
+    long (0: any): ``offers_runs``' and ``offers_clean_runs``' parameters."""
+    if not seqs.size:
+        return {"run_seqs": [], "run_slots": [], "run_ns": []}
+    order = np.argsort(seqs, kind="stable")
+    seqs, slots = seqs[order], slots[order]
+    brk = np.r_[True, (np.diff(seqs) != 1) | (np.diff(slots) != 1)]
+    if limit:
+        # a new run every ``limit`` entries within a run
+        run_id = np.cumsum(brk) - 1
+        first = np.flatnonzero(brk)
+        pos = np.arange(seqs.size) - first[run_id]
+        brk = brk | (pos % limit == 0)
+    starts = np.flatnonzero(brk)
+    ns = np.diff(np.r_[starts, seqs.size])
+    return {"run_seqs": seqs[starts].tolist(), "run_slots": slots[starts].tolist(),
+            "run_ns": ns.tolist()}
+
+
+def minus(entries: Entries, seqs: np.ndarray[Any, Any]) -> Entries:
+    """``entries`` less those whose seq is in ``seqs``."""
+    keep = ~np.isin(entries[0], seqs)
+    return entries[0][keep], entries[1][keep]
+
+
+def plus(entries: Entries, more: Entries) -> Entries:
+    """``entries`` and ``more``, by seq."""
+    a, b = np.concatenate([entries[0], more[0]]), np.concatenate([entries[1], more[1]])
+    order = np.argsort(a, kind="stable")
+    return a[order], b[order]

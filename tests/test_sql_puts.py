@@ -1,0 +1,197 @@
+"""SQL producers write into ring slots the monitor reserved for them (issue 34).
+
+``ringq.enqueue_many`` puts a batch into the chunks of slots the monitor's
+agent lists in ``ringq.slots`` (the rest, and everything while the inbox
+holds entries for the queue, into the inbox as before); the agent publishes
+what was put, from the rows. These tests check that the way in changes no
+guarantee: order per producer, groups and due times, a put rolled back or
+cut off by kill -9, a monitor restarted between a put's commit and its
+publication, a section rebuilt with slots reserved, a full queue.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import Callable
+from datetime import datetime, timedelta
+from typing import Any
+
+import psycopg
+import pytest
+from conftest import drain, present, remove_section, wait_for
+from ringq.engine import connect
+from ringq.monitor import Monitor
+
+
+def reserved(dsn: str, queue: str) -> int:
+    """Slots listed for SQL producers of ``queue``."""
+    with psycopg.connect(dsn, autocommit=True) as c:
+        return int(present(c.execute(
+            "SELECT coalesce(sum(s.n), 0) FROM ringq.slots s JOIN ringq.queues q"
+            " ON q.id = s.queue_id WHERE q.name = %s", (queue,)).fetchone())[0])
+
+
+def inbox(dsn: str, queue: str, conn: psycopg.Connection[Any] | None = None) -> int:
+    """Entries in the inbox for ``queue`` (as ``conn``'s transaction sees them)."""
+    query = ("SELECT count(*) FROM ringq.inbox i JOIN ringq.queues q ON q.id = i.queue_id"
+             " WHERE q.name = %s")
+    if conn is not None:
+        return int(present(conn.execute(query, (queue,)).fetchone())[0])
+    with psycopg.connect(dsn, autocommit=True) as c:
+        return int(present(c.execute(query, (queue,)).fetchone())[0])
+
+
+def put(conn: psycopg.Connection[Any], queue: str, payloads: list[bytes], *more: Any) -> list[int]:
+    args = ", ".join(["%s"] * (2 + len(more)))
+    return list(present(conn.execute(f"SELECT ringq.enqueue_many({args})",
+                                     (queue, payloads, *more)).fetchone())[0])
+
+
+def warmed(dsn: str, queue: str) -> None:
+    """One batch through the inbox (it asks the agent for slots), then wait
+    until slots are reserved and the inbox is empty: the next batch is put."""
+    with psycopg.connect(dsn, autocommit=True) as c:
+        put(c, queue, [b"warm"])
+    wait_for(lambda: reserved(dsn, queue) > 0 and inbox(dsn, queue) == 0, 20,
+             "slots reserved for SQL producers")
+    assert [m.payload for m in drain(dsn, queue, wait=2.0)] == [b"warm"]
+
+
+def test_a_batch_goes_into_reserved_slots_in_order_and_linked_consumers_get_it_once(
+    dsn: str, make_queue: Callable[..., str], monitor: Callable[..., Monitor]
+) -> None:
+    q = make_queue(capacity=512, dequeue_mode="shared")
+    monitor()
+    warmed(dsn, q)
+    sent: list[bytes] = []
+    ids: list[int] = []
+    with psycopg.connect(dsn) as c:
+        for b in range(6):
+            batch = [b"b%d-%02d" % (b, i) for i in range(37)]
+            ids += put(c, q, batch)
+            # Written into ring rows in this transaction, not into the inbox.
+            assert inbox(dsn, q, c) == 0
+            assert present(c.execute(
+                f"SELECT count(*) FROM ringq.q_{q} WHERE state = 1 AND payload = ANY(%s)",
+                (batch,)).fetchone())[0] == len(batch)
+            c.commit()
+            sent += batch
+    assert ids == sorted(ids) and len(set(ids)) == len(ids)
+    got = drain(dsn, q, wait=2.0, batch=16)
+    assert [m.payload for m in got] == sent                  # each once, in order
+    assert [m.producer_seq for m in got] == ids
+    assert inbox(dsn, q) == 0
+
+
+def test_groups_and_due_times_hold_for_entries_put_in_reserved_slots(
+    dsn: str, make_queue: Callable[..., str], monitor: Callable[..., Monitor]
+) -> None:
+    q = make_queue(capacity=256, dequeue_mode="shared")
+    monitor()
+    warmed(dsn, q)
+    with psycopg.connect(dsn, autocommit=True) as c:
+        due = present(c.execute("SELECT now() + interval '1.5 s'").fetchone())[0]
+        put(c, q, [b"later"], None, due)
+        put(c, q, [b"g1", b"g2"], "g")
+    with connect(dsn) as s1, connect(dsn) as s2:
+        first = s1.dequeue(q, wait=5.0)
+        assert first is not None and first.payload == b"g1"
+        assert s2.dequeue(q, wait=0.3) is None  # g2 waits for g1 (its group); later not due
+        s1.commit()
+        nxt = s2.dequeue(q, wait=5.0)
+        assert nxt is not None and nxt.payload == b"g2"
+        s2.commit()
+        late = s1.dequeue(q, wait=5.0)
+        assert late is not None and late.payload == b"later"
+        assert datetime.now(due.tzinfo) >= due - timedelta(milliseconds=50)
+        s1.commit()
+
+
+def test_a_put_rolled_back_or_killed_9_leaves_nothing_and_the_queue_moves_on(
+    dsn: str, make_queue: Callable[..., str], monitor: Callable[..., Monitor]
+) -> None:
+    q = make_queue(capacity=256, dequeue_mode="shared")
+    monitor()
+    warmed(dsn, q)
+    with psycopg.connect(dsn) as c:
+        put(c, q, [b"rolled-back-%d" % i for i in range(20)])
+        c.rollback()
+    script = ("import sys, time, psycopg\n"
+              "c = psycopg.connect(sys.argv[1])\n"
+              "c.execute('SELECT ringq.enqueue_many(%s, %s)', (sys.argv[2], [b'killed'] * 9))\n"
+              "print('put', flush=True)\n"
+              "time.sleep(600)\n")
+    p = subprocess.Popen([sys.executable, "-c", script, dsn, q], stdout=subprocess.PIPE, text=True)
+    try:
+        assert p.stdout is not None and p.stdout.readline().strip() == "put"
+        os.kill(p.pid, signal.SIGKILL)
+        p.wait(10)
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait(10)
+        if p.stdout is not None:
+            p.stdout.close()
+    with psycopg.connect(dsn, autocommit=True) as c:
+        put(c, q, [b"after-%d" % i for i in range(30)])
+    got = [m.payload for m in drain(dsn, q, wait=2.0, batch=8)]
+    assert got == [b"after-%d" % i for i in range(30)]
+
+
+def test_a_put_committed_while_no_monitor_runs_is_published_by_the_next(
+    dsn: str, make_queue: Callable[..., str], monitor: Callable[..., Monitor]
+) -> None:
+    q = make_queue(capacity=256, dequeue_mode="shared")
+    m = monitor()
+    warmed(dsn, q)
+    with psycopg.connect(dsn) as c:
+        put(c, q, [b"x%d" % i for i in range(10)])
+        m.stop()          # the agent goes between the put and its commit
+        c.commit()
+    with connect(dsn) as s:
+        assert s.dequeue(q) is None   # put, but not published in the section yet
+        s.rollback()
+    monitor()             # a new agent: its first look publishes it from the rows
+    assert [x.payload for x in drain(dsn, q, wait=3.0, batch=4)] == [b"x%d" % i for i in range(10)]
+
+
+def test_a_section_rebuilt_keeps_the_reserved_slots_and_a_put_under_way_lands(
+    dsn: str, make_queue: Callable[..., str], monitor: Callable[..., Monitor]
+) -> None:
+    q = make_queue(capacity=256, dequeue_mode="shared")
+    m = monitor()
+    warmed(dsn, q)
+    with psycopg.connect(dsn) as c:
+        put(c, q, [b"in-flight-%d" % i for i in range(12)])
+        gen = m.read_section(lambda sec: sec.generation)
+        remove_section(dsn)
+        wait_for(lambda: m.read_section(lambda sec: sec.generation) not in (None, gen),
+                 what="a new section")
+        with connect(dsn) as s:  # linked producers reserve past the listed slots
+            s.enqueue(q, b"linked")
+            s.commit()
+        c.commit()
+    got = [x.payload for x in drain(dsn, q, wait=3.0)]
+    assert sorted(got) == sorted([b"in-flight-%d" % i for i in range(12)] + [b"linked"])
+
+
+def test_a_full_queue_refuses_sql_producers_with_rq002_and_reserves_a_quarter_at_most(
+    dsn: str, make_queue: Callable[..., str], monitor: Callable[..., Monitor]
+) -> None:
+    q = make_queue(capacity=128, dequeue_mode="shared")
+    monitor()
+    warmed(dsn, q)
+    assert reserved(dsn, q) <= 128 // 4
+    n = 0
+    with psycopg.connect(dsn, autocommit=True) as c:
+        with pytest.raises(psycopg.Error) as refused:
+            for _ in range(100):
+                put(c, q, [b"f"] * 8)
+                n += 8
+    assert refused.value.sqlstate == "RQ002"
+    assert 96 <= n <= 160  # the ring's 128, give or take what the pump's room let through
+    got = drain(dsn, q, wait=2.0, batch=16)
+    assert len(got) == n
