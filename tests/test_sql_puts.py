@@ -186,11 +186,10 @@ def test_a_full_queue_refuses_sql_producers_with_rq002_and_reserves_a_quarter_at
     warmed(dsn, q)
     assert reserved(dsn, q) <= 128 // 4
     n = 0
-    with psycopg.connect(dsn, autocommit=True) as c:
-        with pytest.raises(psycopg.Error) as refused:
-            for _ in range(100):
-                put(c, q, [b"f"] * 8)
-                n += 8
+    with psycopg.connect(dsn, autocommit=True) as c, pytest.raises(psycopg.Error) as refused:
+        for _ in range(100):
+            put(c, q, [b"f"] * 8)
+            n += 8
     assert refused.value.sqlstate == "RQ002"
     assert 96 <= n <= 160  # the ring's 128, give or take what the pump's room let through
     got = drain(dsn, q, wait=2.0, batch=16)
