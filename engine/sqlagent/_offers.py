@@ -139,7 +139,7 @@ class SqlAgent:
         """A notification on the agent's connection: a SQL consumer's ask
         (``ringq_want``) or a SQL producer's put (``ringq_put``, ``ringq_inbox``)."""
         if channel in PUT_CHANNELS:
-            self.puts.asked(queue)
+            self.puts.asked(queue, put=channel == PUT_CHANNELS[0])
         else:
             self.asked(queue)
 

@@ -14,9 +14,10 @@ On each pass the agent reads the listing back:
   left void (the rest of a chunk used in part);
 - a chunk whose xmax is set and that no transaction holds was touched by a
   put that did not commit: unlisted and voided;
-- while SQL producers put (a put or an inbox entry within :data:`DEMAND_S`)
-  it keeps four times what they used since its last pass listed; then it
-  takes the unused chunks back and voids them.
+- while SQL producers put (a put within :data:`DEMAND_S`; an inbox entry
+  starts it) it keeps four times what they used since its last pass listed;
+  then it takes the unused chunks back and voids them (an unused reserved
+  slot holds the ring's tail).
 
 A slot reserved is a slot in flight: the ring's room counts it, the tail
 waits at it. The rows decide: a section rebuilt from them keeps the listed
@@ -46,10 +47,12 @@ from ._runs import NONE, Entries, Runs, as_lists, expand, held, minus, plus, run
 logger = logging.getLogger("ringq.sql")
 
 CHUNK = 16  # slots per listed chunk at most (the rest of a chunk used in part is void)
-RESERVE_MIN = 64
+RESERVE_MIN = 256
 RESERVE_MAX = 2048
 RESERVE_SHARE = 4  # at most capacity / this reserved for SQL producers at once
-DEMAND_S = 5.0  # slots stay reserved this long after the queue's last SQL put
+# Slots stay reserved this long after the queue's last put into them: a slot
+# reserved and unused holds the ring's tail (nothing after it is reclaimed).
+DEMAND_S = 2.0
 
 
 @dataclass
@@ -78,9 +81,14 @@ class SqlPuts:
         """Start again from what the section holds reserved (a new connection)."""
         self._mine.clear()
 
-    def asked(self, queue: str) -> None:
-        """An SQL producer put entries in ``queue`` (``ringq_put``, ``ringq_inbox``)."""
-        self._asked[queue] = self.clock()
+    def asked(self, queue: str, *, put: bool = True) -> None:
+        """An SQL producer put entries into reserved slots of ``queue``
+        (``ringq_put``), or, ``put`` false, into its inbox (``ringq_inbox``):
+        that starts reserving for the queue but does not keep it going (a
+        producer sending to the inbox while its entries wait there would
+        hold reserved slots unused, and with them the ring's tail)."""
+        if put or queue not in self._asked:
+            self._asked[queue] = self.clock()
 
     def busy(self, now: float) -> set[str]:
         """The queues SQL producers put into lately."""
