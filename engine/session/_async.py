@@ -496,7 +496,7 @@ class AsyncSession:
         try:
             async with aconn.lock:
                 gen = aconn._commit_gen() if commit else aconn._rollback_gen()
-                await aconn.wait(awire._boxed(gen, box))
+                await awire.wait(aconn, awire._boxed(gen, box))
         except psycopg.Error as exc:
             raise await self._failed(exc, recover=False) from exc
 
