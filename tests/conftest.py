@@ -34,7 +34,7 @@ import sys
 import tempfile
 import time
 import uuid
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Coroutine, Iterable, Iterator
 from contextlib import contextmanager, suppress
 from pathlib import Path
 from typing import Any, LiteralString, TypeVar
@@ -482,10 +482,17 @@ class AsyncFace:
 
         attr = getattr(self._a, name)
         if inspect.iscoroutinefunction(attr):
-            return lambda *a, **k: self._loop.run_until_complete(attr(*a, **k))
+            return lambda *a, **k: self._run(attr(*a, **k))
         if callable(attr):
             return attr
         return getattr(self._a.session, name) if attr is None else attr
+
+    def _run(self, coro: Coroutine[Any, Any, Any]) -> Any:
+        import asyncio
+
+        if self._loop.is_closed():  # after close(): what a closed session still answers
+            return asyncio.run(coro)  # (in_doubt_outcome), on a loop of its own
+        return self._loop.run_until_complete(coro)
 
     @property
     def connection(self) -> psycopg.Connection[Any]:

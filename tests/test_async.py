@@ -23,6 +23,7 @@ import psycopg
 import pytest
 import ringq.engine as engine
 from conftest import drain, enqueue_committed, terminate_backend
+from ringq.engine.driver import awire
 
 T = TypeVar("T")
 
@@ -130,20 +131,30 @@ def test_a_cancelled_wait_takes_nothing_and_leaves_no_waiter(
 
 def _cancel_on_the_wire(monkeypatch: pytest.MonkeyPatch, which: int) -> list[int]:
     """Cancel the running task at its ``which``-th await on the wire (counted
-    from 1): psycopg asks the server to cancel and reads the answer, then
-    raises CancelledError. Returns the count of awaits so far."""
-    real = psycopg.AsyncConnection.wait
+    from 1; the engine's exchanges await ``awire.wait``, psycopg's own
+    cursors ``AsyncConnection.wait``): the server is asked to cancel and
+    the answer read, then CancelledError raised. Returns the count of awaits
+    so far."""
+    real, real_awire = psycopg.AsyncConnection.wait, awire.wait
     seen = [0]
 
-    async def wait(self: psycopg.AsyncConnection[Any], gen: Any, *a: Any, **k: Any) -> Any:
+    def cancel_at_which() -> None:
         seen[0] += 1
         if seen[0] == which:
             task = asyncio.current_task()
             assert task is not None
             task.cancel()
+
+    async def wait(self: psycopg.AsyncConnection[Any], gen: Any, *a: Any, **k: Any) -> Any:
+        cancel_at_which()
         return await real(self, gen, *a, **k)
 
+    async def wait_awire(aconn: psycopg.AsyncConnection[Any], gen: Any) -> Any:
+        cancel_at_which()
+        return await real_awire(aconn, gen)
+
     monkeypatch.setattr(psycopg.AsyncConnection, "wait", wait)
+    monkeypatch.setattr(awire, "wait", wait_awire)
     return seen
 
 

@@ -695,14 +695,16 @@ def test_queue_create_and_alter_set_the_retry_backoff(
     remove_section(dsn)
 
 
-def test_entries_waiting_across_a_database_restart_keep_their_due_times(tmp_path: Path) -> None:
+def test_entries_waiting_across_a_database_restart_keep_their_due_times(
+    tmp_path: Path, face: Callable[..., Any]
+) -> None:
     """The server stops and starts again while entries wait (the section stays
     on the host): none is received before its time, each once, the delayed
-    one and a retried one alike."""
+    one and a retried one alike (either face)."""
     with own_server_queue(tmp_path / "pg", dequeue_mode="shared", retry_delay=2.0) as (
         cluster, dsn, q,
     ):
-        with connect(dsn) as s:
+        with face(dsn) as s:
             s.enqueue(q, b"late", delay=2.0)
             s.enqueue(q, b"retried")
             s.commit()
@@ -712,7 +714,7 @@ def test_entries_waiting_across_a_database_restart_keep_their_due_times(tmp_path
         cluster.stop()
         assert cluster.start() == dsn
         got: list[tuple[bytes, int]] = []
-        with connect(dsn) as s:
+        with face(dsn) as s:
             while len(got) < 2:
                 try:
                     m = s.dequeue(q, wait=0.2)

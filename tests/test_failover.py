@@ -13,7 +13,7 @@ import signal
 import threading
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -21,7 +21,7 @@ from typing import Any
 
 import psycopg
 import pytest
-from conftest import cli, present, wait_for
+from conftest import AsyncFace, cli, present, wait_for
 from psycopg import sql
 from ringq.cluster import Cluster
 from ringq.engine import (
@@ -129,11 +129,13 @@ def fail_over_after(
 class Producer:
     """A thread committing one entry per transaction (payload: its number)
     until its first error: which commits were acknowledged, and the one in
-    doubt. At each count in ``pauses`` it stops until told to go on."""
+    doubt. At each count in ``pauses`` it stops until told to go on. Its
+    session is ``face``'s (``connect``, or conftest's ``AsyncFace``)."""
 
     dsn: str
     queue: str
     pauses: tuple[int, ...] = (100,)
+    face: Callable[..., Session | AsyncFace] = connect
     acked: list[int] = field(default_factory=list)
     failed: int | None = None  # the number whose commit raised: in doubt
     error: BaseException | None = None
@@ -145,7 +147,7 @@ class Producer:
         self.thread = threading.Thread(target=self.run, daemon=True)
 
     def run(self) -> None:
-        with connect(self.dsn) as session:
+        with self.face(self.dsn) as session:
             for n in range(CAPACITY):
                 if n in self.pauses:
                     self.reached[n].set()
@@ -169,16 +171,17 @@ class Producer:
 
 
 def failover_under_traffic(
-    cluster: Cluster, capsys: pytest.CaptureFixture[str]
-) -> tuple[Producer, Session, str, float]:
+    cluster: Cluster, capsys: pytest.CaptureFixture[str],
+    face: Callable[..., Session | AsyncFace] = connect,
+) -> tuple[Producer, Session | AsyncFace, str, float]:
     """Producer committing, kill -9 of the primary, ``ringq db promote``:
     the producer, an idle session opened before the kill, the queue, and the
-    seconds from the kill to the promotion's end."""
+    seconds from the kill to the promotion's end (both sessions ``face``'s)."""
     both = cluster.url(both=True)
     check_dsn(both)
     queue = make_queue(both)
-    idle = connect(both)  # a client that did nothing during the fail-over
-    producer = Producer(both, queue)
+    idle = face(both)  # a client that did nothing during the fail-over
+    producer = Producer(both, queue, face=face)
     producer.thread.start()
     producer.wait_for(100)
     producer.go_on(100)
@@ -203,7 +206,7 @@ def finish_failover(
     return done
 
 
-def drain_after_reattach(session: Session, queue: str) -> list[int]:
+def drain_after_reattach(session: Session | AsyncFace, queue: str) -> list[int]:
     """Dequeue everything with ``session``, whose connection died with the old
     primary: its first transaction fails (connection lost: at the dequeue, or
     at the commit of an entry served from the payload cache of the old
@@ -224,10 +227,10 @@ def drain_after_reattach(session: Session, queue: str) -> list[int]:
 
 
 def test_sync_failover_keeps_every_committed_entry_once_and_in_order(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], face: Callable[..., Any]
 ) -> None:
     with pair(tmp_path / "home", capsys, "--sync") as cluster:
-        producer, idle, queue, promoted = failover_under_traffic(cluster, capsys)
+        producer, idle, queue, promoted = failover_under_traffic(cluster, capsys, face)
         got = drain_after_reattach(idle, queue)
         idle.close()
         assert len(got) == len(set(got)), "an entry was delivered twice"
@@ -314,11 +317,11 @@ def queued_in_table(dsn: str, queue: str) -> list[int]:
 
 
 def test_async_failover_loses_the_replication_gap_and_delivers_nothing_twice(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], face: Callable[..., Any]
 ) -> None:
     with pair_with_queue(tmp_path / "home", capsys, "--async") as (cluster, both, queue):
-        idle = connect(both)
-        producer = Producer(both, queue, pauses=(100, 150))
+        idle = face(both)
+        producer = Producer(both, queue, pauses=(100, 150), face=face)
         producer.thread.start()
         producer.wait_for(100)
         # Entries 0-99 reach the standby, 100-149 commit on the primary alone.

@@ -7,28 +7,109 @@ AsyncConnection.wait``), else psycopg's own cursors as :mod:`.wire` falls
 back to them. Nothing is built here that the sync wire does not build: only
 the waiting differs.
 
-Cancellation: psycopg's ``AsyncConnection.wait``, cancelled, asks the server
-to cancel the statement and still reads the exchange to its end before it
-re-raises ``CancelledError``. A :class:`Box` passed in keeps what the
-exchange returned (or raised) then, so that the caller can tell the section
-the outcome the server gave instead of guessing it.
+Waiting (:func:`wait`): as psycopg's ``AsyncConnection.wait``, without its
+0.1 s timer per wait (a ``call_later``, its heap and its cancel on every
+exchange: a few per cent of an asyncio consumer's CPU; the timer lets a
+sync wait see Ctrl-C, which reaches a task as its cancellation anyway).
+
+Cancellation: :func:`wait`, cancelled, asks the server to cancel the
+statement and still reads the exchange to its end before it re-raises
+``CancelledError`` (psycopg's ``AsyncConnection.wait`` does the same). A
+:class:`Box` passed in keeps what the exchange returned (or raised) then, so
+that the caller can tell the section the outcome the server gave instead of
+guessing it.
 """
 
 from __future__ import annotations
 
+import asyncio
+import logging
 from collections.abc import Generator, Sequence
 from typing import Any, TypeVar
 
 import psycopg
+from psycopg import waiting
 from psycopg.pq import TransactionStatus
 
 from .wire import Prepared, Rows, Statement, begin_statement
 from .wire import _no_implicit_begin as no_implicit_begin
 
-__all__ = ["Box", "Rows", "execute", "loaded", "rollback_then", "send"]
+__all__ = ["Box", "Rows", "execute", "loaded", "rollback_then", "send", "wait"]
+
+logger = logging.getLogger("ringq.engine")
 
 _IDLE = TransactionStatus.IDLE
+_ACTIVE = TransactionStatus.ACTIVE
+_INTERRUPTED = (asyncio.CancelledError, KeyboardInterrupt, SystemExit)
+_CANCEL_WAIT_S = 5.0  # as psycopg: how long a cancelled statement's end is awaited
 T = TypeVar("T")
+
+
+async def wait(aconn: psycopg.AsyncConnection[Any], gen: Generator[Any, Any, T]) -> T:
+    """``await aconn.wait(gen)`` (see the module's docstring): the
+    generator's exchange on the connection's socket; interrupted (the task
+    cancelled), the statement is cancelled on the server and the exchange
+    read to its end (``gen`` then returns or raises: a :class:`Box` keeps
+    it), the connection closed if it cannot be, and the interruption raised."""
+    fileno = aconn.pgconn.socket
+    try:
+        return await _wait_socket(gen, fileno)
+    except _INTERRUPTED:
+        # psycopg's AsyncConnection.wait, step by step
+        if aconn.pgconn.transaction_status == _ACTIVE:
+            try:
+                await aconn._try_cancel(timeout=_CANCEL_WAIT_S)
+                await waiting.wait_async(gen, fileno, interval=0.1, timeout=_CANCEL_WAIT_S)
+            except psycopg.errors.QueryCanceled:
+                pass  # as expected
+            except psycopg.errors._WaitTimeout:
+                logger.warning("ringq: a statement not ended after its cancel: closing the "
+                               "connection")
+                aconn.pgconn.finish()
+            except BaseException as ex:  # interrupted again, or the cancel failed
+                logger.warning("ringq: a statement's cancel interrupted (%s): closing the "
+                               "connection", type(ex).__name__)
+                aconn.pgconn.finish()
+        raise
+
+
+async def _wait_socket(gen: Generator[Any, Any, T], fileno: int) -> T:
+    """Run ``gen`` (a psycopg generator), awaiting ``fileno`` as it asks:
+    one future and one reader (or writer) per wait, no timer."""
+    loop = asyncio.get_running_loop()
+    fut: asyncio.Future[None] | None = None
+    ready = 0
+
+    def wakeup(state: int) -> None:
+        nonlocal ready
+        ready |= state
+        if fut is not None and not fut.done():
+            fut.set_result(None)
+
+    try:
+        s = next(gen)
+        while True:
+            reader, writer = s & waiting.WAIT_R, s & waiting.WAIT_W
+            ready = 0
+            fut = loop.create_future()
+            if reader:
+                loop.add_reader(fileno, wakeup, waiting.READY_R)
+            if writer:
+                loop.add_writer(fileno, wakeup, waiting.READY_W)
+            try:
+                await fut
+            finally:
+                fut = None
+                if reader:
+                    loop.remove_reader(fileno)
+                if writer:
+                    loop.remove_writer(fileno)
+            s = gen.send(ready)
+    except StopIteration as ex:
+        value: T = ex.value
+        return value
+    except OSError as ex:  # as psycopg: the connection was closed
+        raise psycopg.OperationalError("connection socket closed") from ex
 
 
 class Box:
@@ -91,7 +172,7 @@ async def execute(
             begin = aconn.pgconn.transaction_status == _IDLE
             gen = prepared.exchange(aconn, encoded, begin=begin, commit=False)
             async with aconn.lock:
-                rows = await aconn.wait(_boxed(gen, box))
+                rows = await wait(aconn, _boxed(gen, box))
             return rows[0]
     with no_implicit_begin(aconn, may_begin) as idle:
         if not idle:
@@ -121,7 +202,7 @@ async def send(
         if encoded is not None:
             try:
                 async with aconn.lock:
-                    return await aconn.wait(_boxed(
+                    return await wait(aconn, _boxed(
                         prepared.exchange(aconn, encoded, begin=begin, commit=end), box))
             except psycopg.errors.InvalidSqlStatementName:
                 # as wire.send: deallocated behind our back; sent alone in
@@ -131,7 +212,7 @@ async def send(
                 encoded = prepared.encoded(aconn, statements)
                 if encoded is not None:
                     async with aconn.lock:
-                        return await aconn.wait(_boxed(
+                        return await wait(aconn, _boxed(
                             prepared.exchange(aconn, encoded, begin=begin, commit=end), box))
     with no_implicit_begin(aconn, may_begin) as idle:
         message = list(statements)

@@ -22,6 +22,7 @@ import numpy as np
 from ..section import Section
 from ..section import layout as L
 from ._kinds import RowWrite, Write
+from ._scan import SMALL_BATCH
 
 # A payload cache hit: (payload, producer, producer_seq, enqueued at in us, group).
 Cached = tuple[bytes, str, int, int, str | None]
@@ -287,6 +288,8 @@ class PayloadCache:
         decoded once when every record names the same one, the group None
         for all when none has one; else per entry (:meth:`_read`)."""
         n = len(w)
+        if n <= SMALL_BATCH:
+            return self._hits_small(w.tolist(), heads)
         off = w << 3
         pn = heads[:, L.R_PRODUCER_LEN]
         pn0 = int(pn[0])
@@ -302,6 +305,24 @@ class PayloadCache:
             payloads, [producer] * n, heads[:, L.R_PRODUCER_SEQ].tolist(),
             heads[:, L.R_ENQ_AT_US].tolist(), [None] * n, strict=True,
         ))
+
+    def _hits_small(self, w: list[int], heads: np.ndarray) -> list[Cached | None]:
+        """:meth:`_hits` of a few records, in plain ints (see SMALL_BATCH)."""
+        rows = heads.tolist()
+        pn0 = rows[0][L.R_PRODUCER_LEN]
+        if any(h[L.R_GROUP_LEN] != -1 or h[L.R_PRODUCER_LEN] != pn0 for h in rows):
+            return self._read_each(np.array(w, dtype=np.int64), heads)
+        offs = [x << 3 for x in w]
+        names = self.sec.cache_bytes([o + _P0 for o in offs], [o + _P0 + pn0 for o in offs])
+        name0 = names[0]
+        if any(name != name0 for name in names):
+            return self._read_each(np.array(w, dtype=np.int64), heads)
+        starts = [o + L.RECORD_HEAD for o in offs]
+        payloads = self.sec.cache_bytes(
+            starts, [a + h[L.R_LEN] for a, h in zip(starts, rows, strict=True)])
+        producer = self._name(name0)
+        return [(p, producer, h[L.R_PRODUCER_SEQ], h[L.R_ENQ_AT_US], None)
+                for p, h in zip(payloads, rows, strict=True)]
 
     def clear(self, slots: np.ndarray) -> None:
         """Untrust the records of ``slots`` (int64 array): their entries are

@@ -23,7 +23,7 @@ from ..section import layout as L
 from ._kinds import DueWrite, OpKind, Write
 from ._ops import Op, Run
 from ._ring import VECTOR_FROM, Ring
-from ._scan import bit_mask
+from ._scan import SMALL_BATCH, bit_mask
 
 # distinct enqueue times from which a batch's waits are bucketed by numpy (see _record_waits)
 WAIT_VECTOR_FROM = 24
@@ -130,7 +130,7 @@ def finish_run(
     Q, b, s = ring.Q, ring.qb, ring.sec
     slots = run.slots
     held = ring.held_mask(slots, owner)
-    whole = bool(held.all())
+    whole = all(held.tolist()) if held.size <= SMALL_BATCH else bool(held.all())
     if not whole:
         slots = slots[held]
     n = int(slots.size)
@@ -153,7 +153,7 @@ def finish_run(
         return n, 0
     was_owner = Q[b + L.Q_DEQ_OWNER]
     # a consumed entry of a group frees the group (see finish_batch)
-    freed = int(np.count_nonzero(s.group[ring.base + slots] != 0))
+    freed = int(np.count_nonzero(s.group[ring.base + slots]))
     ring.end_consumed(slots, exclusive)
     if run.enq_us is not None:
         _record_wait_times(ring, run.enq_us if whole else run.enq_us[held])
@@ -303,7 +303,11 @@ def _record_wait_counts(ring: Ring, by_enq: dict[int, int]) -> None:
 def _record_wait_times(ring: Ring, enq_us: np.ndarray) -> None:
     """:func:`_record_waits` of a run's enqueue times (int64 us; 0: unknown)."""
     first = int(enq_us[0])
-    if (enq_us == first).all():  # the usual run: one enqueuing transaction's entries
+    if enq_us.size <= SMALL_BATCH:  # plain ints (see SMALL_BATCH)
+        one = all(t == first for t in enq_us.tolist())
+    else:
+        one = bool((enq_us == first).all())
+    if one:  # the usual run: one enqueuing transaction's entries
         by_enq = {first: len(enq_us)}
     else:
         times, counts = np.unique(enq_us, return_counts=True)

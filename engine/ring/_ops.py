@@ -13,6 +13,7 @@ import numpy as np
 from ._kinds import DueWrite, OpKind, RowState, RowWrite, Write
 from ._queue_info import QueueInfo
 from ._ring import Ring
+from ._scan import SMALL_BATCH
 
 
 @dataclass(slots=True)
@@ -145,6 +146,16 @@ def stretch(slots: np.ndarray, seqs: np.ndarray) -> tuple[int, int, int] | None:
     plus one offset (a batch claimed in one stretch: ``consume_span``'s and
     ``dequeue_span``'s range); None otherwise."""
     n = len(slots)
+    if n <= SMALL_BATCH:  # plain ints (see SMALL_BATCH)
+        xs, ys = slots.tolist(), seqs.tolist()
+        lo = min(xs)
+        if max(xs) - lo != n - 1:
+            return None
+        first = ys[0] - xs[0]
+        for x, y in zip(xs, ys, strict=True):
+            if y - x != first:
+                return None
+        return lo, n, first
     lo = int(slots.min())
     if int(slots.max()) - lo != n - 1:  # distinct slots: n of them in a range of n
         return None

@@ -45,7 +45,7 @@ from ..section import Section
 from ..section import layout as L
 from ._cache import Cached, PayloadCache
 from ._kinds import OpKind
-from ._scan import RingScan, bit_mask
+from ._scan import SMALL_BATCH, RingScan, bit_mask
 from ._waiting import due_now, make_waiting, release_due, until_due_s, waits
 
 _U64 = (1 << 64) - 1
@@ -401,6 +401,11 @@ class Ring(RingScan):
     def held_mask(self, slots: np.ndarray, owner: int) -> np.ndarray:
         """Which of ``slots`` (int64) ``owner`` holds: LCK set and its token in OWNER."""
         s = self.sec
+        if slots.size <= SMALL_BATCH:  # plain ints (see SMALL_BATCH)
+            words, tokens, w0, base = s.lck, s.owner, self.w0, self.base
+            return np.array([int(words[w0 + (x >> 6)]) >> (x & 63) & 1 == 1
+                             and int(tokens[base + x]) == owner for x in slots.tolist()],
+                            dtype=bool)
         lck = (s.lck[self.w0 + (slots >> 6)] >> (slots & 63).astype(np.uint64)) & np.uint64(1)
         held: np.ndarray = (lck != 0) & (s.owner[self.base + slots] == owner)
         return held

@@ -59,6 +59,7 @@ from psycopg.pq import TransactionStatus
 from ..driver import awire, resolve_dsn
 from ..driver.awire import Box
 from ..driver.errors import (
+    InDoubt,
     RingqError,
     RolledBack,
     SessionClosed,
@@ -495,7 +496,7 @@ class AsyncSession:
         try:
             async with aconn.lock:
                 gen = aconn._commit_gen() if commit else aconn._rollback_gen()
-                await aconn.wait(awire._boxed(gen, box))
+                await awire.wait(aconn, awire._boxed(gen, box))
         except psycopg.Error as exc:
             raise await self._failed(exc, recover=False) from exc
 
@@ -658,6 +659,17 @@ class AsyncSession:
             failure = err
             await self._blocking(lambda: txn.rollback_failed(failure, ops))
         txn.finish(ops, committed=False, poisoned=poisoned)
+
+    async def in_doubt_outcome(self, exc: InDoubt, *, timeout: float = 30.0) -> bool | None:
+        """As ``Session.in_doubt_outcome``: whether the commit that raised
+        ``exc`` committed, from the rows of the server the DSN reaches now
+        (in a thread: it connects anew, and may wait up to ``timeout``
+        seconds for the old backend to end).
+
+        :raises DatabaseUnavailable, DatabaseError: as ``Session.in_doubt_outcome``.
+        """
+        s = self._s
+        return await self._blocking(lambda: s.in_doubt_outcome(exc, timeout=timeout))
 
     async def flush(self) -> None:
         """As ``Session.flush`` (in a thread)."""
