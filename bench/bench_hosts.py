@@ -387,13 +387,16 @@ def catch_up(side: Side) -> int:
 
 
 @contextmanager
-def monitor_process(dsn: str, workdir: Path) -> Iterator[subprocess.Popen[bytes]]:
+def monitor_process(
+    dsn: str, workdir: Path, reserve: bool = False
+) -> Iterator[subprocess.Popen[bytes]]:
     """``ringq monitor`` as its own process, as deployed; yields once its SQL
     agent LISTENs (the first SQL consumer's ask is heard)."""
     log = (workdir / "monitor.out").open("wb")
     mon = subprocess.Popen(
         [sys.executable, "-m", "ringq.cli", "monitor", "--dsn", dsn, "--port", "0",
-         "--data-dir", str(workdir), "--log-level", "warning"],
+         "--data-dir", str(workdir), "--log-level", "warning",
+         *(["--sql-reserve-slots"] if reserve else [])],
         stdout=log, stderr=subprocess.STDOUT,
     )  # fmt: skip
     try:
@@ -474,7 +477,8 @@ def run(dsn: str, cfg: Config, names: Names, workdir: Path) -> dict[str, Any]:
         print(f"warm-up: {n:,} entries through {row} ...", file=sys.stderr, flush=True)
         warm(side, n)
     results: list[dict[str, Any]] = []
-    with monitor_process(dsn, workdir) as mon, psycopg.connect(dsn, autocommit=True) as pc:
+    with monitor_process(dsn, workdir, cfg.sql_reserve_slots) as mon, \
+            psycopg.connect(dsn, autocommit=True) as pc:
         probe = Probe(pc, {"monitor": mon.pid, "bench": os.getpid()})
         env["statements_tracked"] = probe.statements
         for rnd in range(1, cfg.rounds + 1):
@@ -813,6 +817,9 @@ def parse_args(argv: list[str] | None) -> Any:
                    help="what the producer keeps at --ready: the bench's own count of "
                         "entries enqueued and not yet taken, or (ringq rows) the depth a "
                         "linked session's stats() shows")
+    p.add_argument("--sql-reserve-slots", action="store_true",
+                   help="run the monitor with --sql-reserve-slots (SQL producers' batches "
+                        "into ring slots reserved for them; experimental)")
     p.add_argument("--statement-timeout", type=float, default=30.0,
                    help="statement_timeout of the rows' connections (s): a hang fails")
     a = p.parse_args(argv)

@@ -62,6 +62,11 @@ def register(sub: Any) -> None:
                help="write the monitor's pid here (default with --detach: DATA_DIR/monitor.pid)")
     p.add_argument("--detach", action="store_true",
                    help="run in the background; exit once it serves")
+    p.add_argument("--sql-reserve-slots", action="store_true",
+                   help="experimental: reserve ring slots for SQL producers' "
+                        "ringq.enqueue_many (faster; a put's entries may come late and out of "
+                        "order around a fail-over); default: every SQL entry goes through the "
+                        "inbox")
     p.add_argument("--reset-section", action="store_true",
                    help="remove the database's global section first (after a layout change; "
                         "stop every client first), then run")
@@ -94,7 +99,7 @@ def run(args: argparse.Namespace) -> int:
             dsn=dsn, interval=args.interval, port=args.port, host=args.host,
             token=args.token or None, data_dir=data_dir, prepared_timeout=args.prepared_timeout,
             cors_origin=args.cors_origin or None,
-            xmin_warn_s=args.xmin_warn,
+            xmin_warn_s=args.xmin_warn, sql_reserve_slots=args.sql_reserve_slots,
             # the embedded cluster's: followed if it comes back elsewhere
             dsn_file=dsn_file(args.dsn),
         )

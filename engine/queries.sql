@@ -593,13 +593,18 @@ SELECT pg_terminate_backend(%s)
 
 -- slots_look --
 -- A queue's chunks of slots reserved for SQL producers (ringq.slots): seq,
--- slot, n, whether a put touched the chunk (its xmax), and whether that xmax
--- is a transaction running now (a put under way).
+-- slot, n, whether a put touched the chunk (its xmax), whether that xmax is
+-- a transaction running now (a put under way); then whether the inbox holds
+-- entries for the queue (the agent reserves nothing while it does).
 SELECT s.seq, s.slot, s.n, s.xmax <> '0'::xid,
        CASE WHEN s.xmax <> '0'::xid THEN s.xmax = ANY(ARRAY(
            SELECT a.backend_xid FROM pg_stat_activity a WHERE a.backend_xid IS NOT NULL))
        END
-FROM ringq.slots s WHERE s.queue_id = %s
+FROM ringq.slots s WHERE s.queue_id = %(queue_id)s
+UNION ALL
+-- and a last row (seq NULL): whether the inbox holds entries for the queue
+SELECT NULL, NULL, NULL, NULL,
+       EXISTS (SELECT 1 FROM ringq.inbox i WHERE i.queue_id = %(queue_id)s)
 
 -- slots_list --
 INSERT INTO ringq.slots (queue_id, seq, slot, n)
@@ -643,6 +648,11 @@ WHERE s.queue_id = %s
 -- Whether the schema has SQL producers' reserved slots (a database made before has none).
 SELECT to_regclass('ringq.slots') IS NOT NULL
 
+-- agent_schema --
+-- Whether the schema has what this agent writes (a database made by an older
+-- ringq gets it from `ringq db upgrade`).
+SELECT to_regclass('ringq.waiters') IS NOT NULL AND to_regclass('ringq.slots') IS NOT NULL
+
 -- agent_listen --
 -- The agent's connection: hears SQL consumers' asks (ringq.dequeue found
 -- nothing), SQL producers' puts into reserved slots and their inbox entries.
@@ -661,10 +671,13 @@ LISTEN ringq_inbox
 SET synchronous_commit = off
 
 -- agent_index_scans --
--- The agent's statements find ring rows by ranges of the primary key (a run
--- of slots each); the planner, costing a join with an unnest() it cannot
--- count, chose a scan of the whole ring (35 ms for 16 entries listed).
-SET enable_seqscan = off
+-- For the rest of the agent's transaction (an implicit one: a pipeline): its
+-- statements find ring rows by ranges of the primary key (a run of slots
+-- each); the planner, costing a join with an unnest() it cannot count,
+-- chose a scan of the whole ring (35 ms for 16 entries listed). Only there:
+-- set for the whole connection, it made the agent slow enough elsewhere to
+-- miss a single queue's turns.
+SELECT set_config('enable_seqscan', 'off', true)
 
 -- agent_sync_commit --
 -- One transaction of the agent's durable at once (its strikes).

@@ -14,6 +14,7 @@ from typing import Any
 from ringq.engine import QueueFull, RingqError, Section, Session, check_group, connect
 from ringq.engine import layout as L
 from ringq.engine.recovery import queue_room
+from ringq.engine.sqlpath import reserved_for_sql
 
 from . import _queries as Qy
 from ._db import connect_step
@@ -106,6 +107,12 @@ def _pump(
     passed = set(skip)  # and the queues done with (drained, or full)
     closed: list[int] = []
     drained = False  # the pass ended with no entry waiting for any queue
+    # Queues with slots reserved for SQL producers: their inbox entries wait
+    # (the agent takes the slots back while they do; moved now, they would
+    # get seqs past chunks a producer's later puts may still fill).
+    held_back = {sec.queue_name(qidx) for qidx in sec.loaded_queues()
+                 if reserved_for_sql(sec, qidx)}
+    passed |= held_back
     while True:
         # None: dropped since (not loaded): a whole batch, enqueue_many loads it
         rooms = {qid: room for qid in _loaded(sec) if (room := queue_room(sec, qid)) is not None}
@@ -139,7 +146,7 @@ def _pump(
         if len(rows) < limit:
             if not others:
                 closed = []  # none of them has entries waiting either
-                drained = not skip  # (a queue skipped may still have some)
+                drained = not skip and not held_back  # (a queue skipped may still have some)
                 break  # drained, and no other queue had entries: done
             passed.add(name)  # drained: the next statement looks at the others
     if full is not None and closed:

@@ -39,6 +39,7 @@ class SqlConsumers:
         self._attachment = attachment
         self._note = note
         self._agent = SqlAgent()
+        self._agent.puts.enabled = settings().sql_reserve_slots
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._listening = threading.Event()

@@ -1,4 +1,5 @@
-"""SQL producers write into ring slots the monitor reserved for them (issue 34).
+"""SQL producers write into ring slots the monitor reserved for them (issue 34;
+the monitor's ``sql_reserve_slots``, off by default).
 
 ``ringq.enqueue_many`` puts a batch into the chunks of slots the monitor's
 agent lists in ``ringq.slots`` (the rest, and everything while the inbox
@@ -17,13 +18,14 @@ import subprocess
 import sys
 from collections.abc import Callable
 from datetime import datetime, timedelta
+from pathlib import Path
 from typing import Any
 
 import psycopg
 import pytest
-from conftest import drain, present, remove_section, wait_for
+from conftest import drain, own_server_queue, present, remove_section, wait_for
 from ringq.engine import connect
-from ringq.monitor import Monitor
+from ringq.monitor import Monitor, MonitorConfig
 
 
 def reserved(dsn: str, queue: str) -> int:
@@ -52,19 +54,20 @@ def put(conn: psycopg.Connection[Any], queue: str, payloads: list[bytes], *more:
 
 def warmed(dsn: str, queue: str) -> None:
     """One batch through the inbox (it asks the agent for slots), then wait
-    until slots are reserved and the inbox is empty: the next batch is put."""
+    until slots are reserved and the inbox is empty: the next batch is put
+    (within the agent's 2 s: unused, the slots are taken back)."""
     with psycopg.connect(dsn, autocommit=True) as c:
         put(c, queue, [b"warm"])
     wait_for(lambda: reserved(dsn, queue) > 0 and inbox(dsn, queue) == 0, 20,
              "slots reserved for SQL producers")
-    assert [m.payload for m in drain(dsn, queue, wait=2.0)] == [b"warm"]
+    assert [m.payload for m in drain(dsn, queue, wait=0.5)] == [b"warm"]
 
 
 def test_a_batch_goes_into_reserved_slots_in_order_and_linked_consumers_get_it_once(
     dsn: str, make_queue: Callable[..., str], monitor: Callable[..., Monitor]
 ) -> None:
     q = make_queue(capacity=512, dequeue_mode="shared")
-    monitor()
+    monitor(sql_reserve_slots=True)
     warmed(dsn, q)
     sent: list[bytes] = []
     ids: list[int] = []
@@ -90,7 +93,7 @@ def test_groups_and_due_times_hold_for_entries_put_in_reserved_slots(
     dsn: str, make_queue: Callable[..., str], monitor: Callable[..., Monitor]
 ) -> None:
     q = make_queue(capacity=256, dequeue_mode="shared")
-    monitor()
+    monitor(sql_reserve_slots=True)
     warmed(dsn, q)
     with psycopg.connect(dsn, autocommit=True) as c:
         due = present(c.execute("SELECT now() + interval '1.5 s'").fetchone())[0]
@@ -114,7 +117,7 @@ def test_a_put_rolled_back_or_killed_9_leaves_nothing_and_the_queue_moves_on(
     dsn: str, make_queue: Callable[..., str], monitor: Callable[..., Monitor]
 ) -> None:
     q = make_queue(capacity=256, dequeue_mode="shared")
-    monitor()
+    monitor(sql_reserve_slots=True)
     warmed(dsn, q)
     with psycopg.connect(dsn) as c:
         put(c, q, [b"rolled-back-%d" % i for i in range(20)])
@@ -145,7 +148,7 @@ def test_a_put_committed_while_no_monitor_runs_is_published_by_the_next(
     dsn: str, make_queue: Callable[..., str], monitor: Callable[..., Monitor]
 ) -> None:
     q = make_queue(capacity=256, dequeue_mode="shared")
-    m = monitor()
+    m = monitor(sql_reserve_slots=True)
     warmed(dsn, q)
     with psycopg.connect(dsn) as c:
         put(c, q, [b"x%d" % i for i in range(10)])
@@ -154,7 +157,7 @@ def test_a_put_committed_while_no_monitor_runs_is_published_by_the_next(
     with connect(dsn) as s:
         assert s.dequeue(q) is None   # put, but not published in the section yet
         s.rollback()
-    monitor()             # a new agent: its first look publishes it from the rows
+    monitor(sql_reserve_slots=True)  # a new agent: its first look publishes it from the rows
     assert [x.payload for x in drain(dsn, q, wait=3.0, batch=4)] == [b"x%d" % i for i in range(10)]
 
 
@@ -162,7 +165,7 @@ def test_a_section_rebuilt_keeps_the_reserved_slots_and_a_put_under_way_lands(
     dsn: str, make_queue: Callable[..., str], monitor: Callable[..., Monitor]
 ) -> None:
     q = make_queue(capacity=256, dequeue_mode="shared")
-    m = monitor()
+    m = monitor(sql_reserve_slots=True)
     warmed(dsn, q)
     with psycopg.connect(dsn) as c:
         put(c, q, [b"in-flight-%d" % i for i in range(12)])
@@ -182,7 +185,7 @@ def test_a_full_queue_refuses_sql_producers_with_rq002_and_reserves_a_quarter_at
     dsn: str, make_queue: Callable[..., str], monitor: Callable[..., Monitor]
 ) -> None:
     q = make_queue(capacity=128, dequeue_mode="shared")
-    monitor()
+    monitor(sql_reserve_slots=True)
     warmed(dsn, q)
     assert reserved(dsn, q) <= 128 // 4
     n = 0
@@ -194,3 +197,28 @@ def test_a_full_queue_refuses_sql_producers_with_rq002_and_reserves_a_quarter_at
     assert 96 <= n <= 160  # the ring's 128, give or take what the pump's room let through
     got = drain(dsn, q, wait=2.0, batch=16)
     assert len(got) == n
+
+
+def test_a_database_restart_under_a_put_loses_and_doubles_nothing(tmp_path: Path) -> None:
+    with own_server_queue(tmp_path / "pg", dequeue_mode="shared") as (cluster, dsn, q), \
+            Monitor(MonitorConfig(dsn, port=0, interval=0.2, data_dir=tmp_path / "m",
+                                  sql_reserve_slots=True)):
+        warmed(dsn, q)
+        with psycopg.connect(dsn, autocommit=True) as c:
+            put(c, q, [b"before-%d" % i for i in range(20)])
+        cut = psycopg.connect(dsn)
+        put(cut, q, [b"cut-%d" % i for i in range(20)])  # in flight across the restart
+        cluster.stop()
+        cut.close()
+        assert cluster.start() == dsn
+        with psycopg.connect(dsn, autocommit=True) as c:
+            def again() -> bool:
+                try:
+                    put(c, q, [b"after"])
+                except psycopg.Error:
+                    return False
+                return True
+
+            wait_for(again, 30, "a put after the restart")
+        got = [m.payload for m in drain(dsn, q, wait=3.0, batch=8)]
+    assert got == [b"before-%d" % i for i in range(20)] + [b"after"]

@@ -8,6 +8,7 @@ the rows, ring, section and driver layers (not the session).
 from __future__ import annotations
 
 from ._offers import DEMAND_S, READY_CHANNEL, WANT_CHANNEL, AgentFigures, SqlAgent
+from ._puts import reserved_for_sql
 
 __all__ = [
     "DEMAND_S",
@@ -15,4 +16,5 @@ __all__ = [
     "WANT_CHANNEL",
     "AgentFigures",
     "SqlAgent",
+    "reserved_for_sql",
 ]

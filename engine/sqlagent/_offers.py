@@ -45,13 +45,14 @@ from psycopg import sql
 
 from ..driver import QUERIES as _Q
 from ..driver import queue_table
+from ..driver.errors import SchemaMissing
 from ..ring import POISON_REASON, OpKind, QueueInfo, Ring, RowState, after_finish
 from ..rows import load_queue
 from ..rows.recovery import queue_infos
 from ..section import Section
 from ..section import layout as L
 from ._puts import SqlPuts
-from ._runs import NONE, Entries, Runs, as_lists, expand, held, runs_of, send
+from ._runs import NONE, Entries, Runs, as_lists, expand, held, indexed, runs_of, send
 
 logger = logging.getLogger("ringq.sql")
 
@@ -115,12 +116,15 @@ class SqlAgent:
 
     @staticmethod
     def prepare(conn: psycopg.Connection[Any]) -> None:
-        """Make ``conn`` the agent's: LISTEN for asks, commit without waiting for
-        the flush, find ring rows by their primary key."""
+        """Make ``conn`` the agent's: LISTEN for asks and puts, commit without
+        waiting for the flush."""
+        row = conn.execute(_Q["agent_schema"]).fetchone()
+        if not row or not row[0]:
+            raise SchemaMissing("the SQL path's tables (ringq.waiters, ringq.slots) are "
+                                 "missing: run `ringq db upgrade`")
         for listen in ("agent_listen", "agent_listen_puts", "agent_listen_inbox"):
             conn.execute(_Q[listen])
         conn.execute(_Q["agent_async_commit"])
-        conn.execute(_Q["agent_index_scans"])
 
     def forget(self) -> None:
         """Look at every queue again on the next pass, settling what the
@@ -293,8 +297,8 @@ class SqlAgent:
         longer at that seq) finished, still queued given back; returns how
         many were taken."""
         runs = runs_of(gone[1], gone[0])
-        odd = conn.execute(sql.SQL(_Q["offers_gone"]).format(table=table), (
-            runs["run_seqs"], runs["run_slots"], runs["run_ns"])).fetchall()
+        odd = indexed(conn, sql.SQL(_Q["offers_gone"]).format(table=table), (
+            runs["run_seqs"], runs["run_slots"], runs["run_ns"]))
         back = [(int(slot), int(seq), int(due or 0)) for slot, seq, state, due in odd
                 if state == RowState.QUEUED]
         queued = {seq for _slot, seq, _due in back}
@@ -332,6 +336,7 @@ class SqlAgent:
             if not locked:
                 return set()  # all held by takes (a prepared one, say)
             seqs, slots, ns = ([r[i] for r in locked] for i in range(3))
+            conn.execute(_Q["agent_index_scans"])  # for the rest of this transaction
             aborted = conn.execute(sql.SQL(_Q["offers_aborted"]).format(table=table),
                                    (seqs, slots, ns)).fetchall()
             struck: list[tuple[Any, ...]] = []
@@ -407,6 +412,7 @@ class SqlAgent:
         runs = runs_of(slots, seqs, max(1, min(CHUNK, int(slots.size) // 16)))
         try:
             send(conn, [
+                (_Q["agent_index_scans"], None),
                 (sql.SQL(_Q["offers_clean_runs"]).format(table=table), runs),
                 (_Q["offers_runs"], {"queue_id": info.id, **runs}),
                 (_Q["offers_wake"], (info.id, info.name, wake + len(runs["run_ns"]))),

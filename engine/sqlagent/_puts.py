@@ -14,6 +14,11 @@ On each pass the agent reads the listing back:
   left void (the rest of a chunk used in part);
 - a chunk whose xmax is set and that no transaction holds was touched by a
   put that did not commit: unlisted and voided;
+- while the inbox holds entries for the queue (a put found too few slots, or
+  none) it reserves nothing and takes the unused chunks back: the pump moves
+  a queue's inbox entries only while no slot is reserved for SQL producers
+  (the entries get seqs at the head; a producer's later puts must land after
+  them, not in a chunk reserved before);
 - while SQL producers put (a put within :data:`DEMAND_S`; an inbox entry
   starts it) it keeps four times what they used since its last pass listed;
   then it takes the unused chunks back and voids them (an unused reserved
@@ -42,7 +47,19 @@ from ..driver import queue_table
 from ..ring import OpKind, QueueInfo, Ring, after_finish, group_tag
 from ..section import Section
 from ..section import layout as L
-from ._runs import NONE, Entries, Runs, as_lists, expand, held, minus, plus, runs_of, send
+from ._runs import (
+    NONE,
+    Entries,
+    Runs,
+    as_lists,
+    expand,
+    held,
+    indexed,
+    minus,
+    plus,
+    runs_of,
+    send,
+)
 
 logger = logging.getLogger("ringq.sql")
 
@@ -73,6 +90,9 @@ class SqlPuts:
 
     clock: Callable[[], float] = time.monotonic
     figures: PutFigures = field(default_factory=PutFigures)
+    # Reserve slots at all (the monitor's --sql-reserve-slots; off: only what
+    # an earlier run left reserved is settled, and SQL entries use the inbox).
+    enabled: bool = False
     _asked: dict[str, float] = field(default_factory=dict)  # queue name -> last SQL put
     _mine: dict[int, Entries] = field(default_factory=dict)  # queue id -> slots listed
     _target: dict[int, int] = field(default_factory=dict)
@@ -111,25 +131,34 @@ class SqlPuts:
         chunks: Runs = []
         free: Runs = []
         touched: Runs = []
-        for seq, slot, n, touch, live in conn.execute(_Q["slots_look"], (info.id,)).fetchall():
+        inbox = False  # the inbox holds entries for the queue: reserve nothing
+        for seq, slot, n, touch, live in conn.execute(
+            _Q["slots_look"], {"queue_id": info.id}
+        ).fetchall():
+            if seq is None:
+                inbox = bool(live)
+                continue
             chunk = (int(seq), int(slot), int(n))
             chunks.append(chunk)
-            if not touch:
-                free.append(chunk)
-            elif not live:
+            if touch and not live:
                 touched.append(chunk)
+            elif not touch:
+                free.append(chunk)
         gone = ~np.isin(mine[0], expand(chunks)[0])
         used = 0
         if gone.any():
             used = self._publish(sec, conn, ring, info, (mine[0][gone], mine[1][gone]))
             mine = (mine[0][~gone], mine[1][~gone])
         if touched:
-            voided = self._unlist(sec, conn, ring, info, touched, withdraw=False)
-            mine = minus(mine, voided)
-            free = [c for c in free if c[0] not in set(voided.tolist())]
+            mine = minus(mine, self._unlist(sec, conn, ring, info, touched, withdraw=False))
         if used:
             self._asked[info.name] = self.clock()
             wanted = True
+        # While SQL entries wait in the inbox the pump holds them back as long
+        # as slots are reserved (their seqs come from the head, past them, and
+        # a producer's later puts would land before them): take the unused
+        # chunks back and reserve nothing until the pump has drained it.
+        wanted = wanted and not inbox and self.enabled
         target = self._target.get(info.id, RESERVE_MIN)
         cap = max(CHUNK, ring.cap // RESERVE_SHARE)
         target = min(RESERVE_MAX, cap, max(target, 4 * used) if used else
@@ -177,8 +206,8 @@ class SqlPuts:
         there is published, a slot left unused is void; returns how many
         entries were published."""
         runs = runs_of(gone[1], gone[0])
-        rows = conn.execute(sql.SQL(_Q["slots_filled"]).format(table=queue_table(info.name)), (
-            runs["run_seqs"], runs["run_slots"], runs["run_ns"])).fetchall()
+        rows = indexed(conn, sql.SQL(_Q["slots_filled"]).format(table=queue_table(info.name)), (
+            runs["run_seqs"], runs["run_slots"], runs["run_ns"]))
         filled = {int(slot): (group, int(due or 0)) for slot, ok, group, due in rows if ok}
         put: list[tuple[int, int, str | None, int]] = []
         void: list[tuple[int, int]] = []
@@ -238,6 +267,18 @@ class SqlPuts:
             sec.post(ring.qid, "r", ready)
         if space:
             sec.post(ring.qid, "s", space)
+
+
+def reserved_for_sql(sec: Section, qidx: int) -> bool:
+    """Whether the section holds slots of queue block ``qidx`` reserved for
+    SQL producers (the pump then holds the queue's inbox entries back)."""
+    ring = Ring(sec, qidx)
+    cand = np.flatnonzero(sec.owner[ring.base : ring.base + ring.cap] == L.OWNER_SQL)
+    for s in cand.tolist():
+        enq, deq, lck, owner = ring.bits(s)
+        if lck and owner == L.OWNER_SQL and not enq and not deq:
+            return True
+    return False
 
 
 def _reserved(ring: Ring, slot: int, seq: int) -> bool:

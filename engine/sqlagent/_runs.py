@@ -10,6 +10,7 @@ import numpy as np
 import psycopg
 from psycopg import sql
 
+from ..driver import QUERIES as _Q
 from ..ring import Ring
 from ..section import Section
 from ..section import layout as L
@@ -66,6 +67,16 @@ def send(conn: psycopg.Connection[Any], writes: list[Write]) -> None:
     with conn.pipeline():
         for query, params in writes:
             conn.execute(query, params)
+
+
+def indexed(conn: psycopg.Connection[Any], query: sql.Composed, params: Any) -> list[Any]:
+    """The rows of ``query``, planned with ring rows found by their primary
+    key (``agent_index_scans`` first, in the same implicit transaction)."""
+    with conn.pipeline():
+        conn.execute(_Q["agent_index_scans"])
+        cur = conn.execute(query, params)
+    rows: list[Any] = cur.fetchall()
+    return rows
 
 
 def runs_of(
