@@ -5,19 +5,13 @@ rows. The monitor runs it; see ``ringq/engine/sqlagent/_offers.py``."""
 from __future__ import annotations
 
 from .sqlagent import (
-    DEMAND_S,
-    READY_CHANNEL,
-    WANT_CHANNEL,
-    AgentFigures,
-    SqlAgent,
-    reserved_for_sql,
+           DEMAND_S,
+           READY_CHANNEL,
+           WANT_CHANNEL,
+           AgentFigures,
+           SqlAgent,
+           reserved_for_sql,
 )
 
-__all__ = [
-    "DEMAND_S",
-    "READY_CHANNEL",
-    "WANT_CHANNEL",
-    "AgentFigures",
-    "SqlAgent",
-    "reserved_for_sql",
-]
+__all__ = ["DEMAND_S", "READY_CHANNEL", "WANT_CHANNEL", "AgentFigures", "SqlAgent",
+           "reserved_for_sql"]

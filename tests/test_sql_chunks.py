@@ -26,6 +26,33 @@ from ringq.monitor import Monitor
 from test_sql_consumers import collect, got, offers, set_aside, take
 
 
+def killed_9(statement: str, *args: str, before: Callable[[str], object] = lambda _: None) -> str:
+    """Run ``statement`` (``%s``: ``args``) in a process of its own, outside
+    autocommit when it says BEGIN, then kill -9 it while it holds what the
+    statement did; ``before(line)`` runs first with its backend's pid.
+    Returns that pid."""
+    script = ("import sys, time, psycopg\n"
+              "c = psycopg.connect(sys.argv[1], autocommit=sys.argv[2] != 'BEGIN')\n"
+              "c.execute(sys.argv[3], sys.argv[4:])\n"
+              "print(c.info.backend_pid, flush=True)\n"
+              "time.sleep(600)\n")
+    proc = subprocess.Popen([sys.executable, "-c", script, *args[:1], *args[1:2], statement,
+                             *args[2:]], stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None
+        line = proc.stdout.readline().strip()
+        before(line)
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(10)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+        if proc.stdout is not None:
+            proc.stdout.close()
+    return line
+
+
 def listening(conn: psycopg.Connection[Any]) -> list[str]:
     """The channels ``conn``'s backend listens on (read outside any transaction:
     a notification waits for the transaction it arrives in to end)."""
@@ -71,25 +98,10 @@ def test_a_waiter_killed_9_does_not_keep_the_others_waiting(
     q = make_queue(capacity=64, dequeue_mode="shared")
     monitor()
     # A consumer in another process takes nothing (a waiter, first in line), then dies.
-    script = ("import sys, time, psycopg\n"
-              "c = psycopg.connect(sys.argv[1], autocommit=True)\n"
-              "c.execute('SELECT * FROM ringq.dequeue(%s, 5)', (sys.argv[2],)).fetchall()\n"
-              "print(c.info.backend_pid, flush=True)\n"
-              "time.sleep(600)\n")
-    dead = subprocess.Popen([sys.executable, "-c", script, dsn, q], stdout=subprocess.PIPE,
-                            text=True)
-    try:
-        assert dead.stdout is not None
-        dead_pid = int(dead.stdout.readline())
-        wait_for(lambda: waiters(dsn, q) == [dead_pid], what="the first waiter")
-        os.kill(dead.pid, signal.SIGKILL)
-        dead.wait(10)
-    finally:
-        if dead.poll() is None:
-            dead.kill()
-            dead.wait(10)
-        if dead.stdout is not None:
-            dead.stdout.close()
+    dead_pid = int(killed_9(
+        "SELECT * FROM ringq.dequeue(%s, 5)", dsn, "autocommit", q,
+        before=lambda pid: wait_for(lambda: waiters(dsn, q) == [int(pid)],
+                                    what="the first waiter")))
     with psycopg.connect(dsn, autocommit=True) as c:
         pid = c.info.backend_pid
         assert take(c, q, 5) == []

@@ -21,11 +21,9 @@ ENTRIES = 300
 
 
 @dataclass
-class SqlConsumer:
-    """Takes up to 5 entries per transaction with ringq.dequeue and records
-    their numbers in ``taken`` in the same transaction, so the table says what
-    was consumed whatever became of a commit whose answer was lost. Reconnects
-    after an error (the primary died) and goes on until told to stop."""
+class Client:
+    """A plain psycopg client in a thread: :meth:`step` again and again,
+    reconnecting after an error (the primary died), until told to stop."""
 
     dsn: str
     queue: str
@@ -43,13 +41,7 @@ class SqlConsumer:
             try:
                 if conn is None:
                     conn = psycopg.connect(self.dsn, connect_timeout=2)
-                rows = conn.execute("SELECT payload FROM ringq.dequeue(%s, 5)",
-                                    (self.queue,)).fetchall()
-                for (payload,) in rows:
-                    conn.execute("INSERT INTO taken (n) VALUES (%s)", (int(payload),))
-                conn.commit()
-                if not rows:
-                    time.sleep(0.01)
+                self.step(conn)
             except psycopg.Error:
                 self.errors += 1
                 if conn is not None:
@@ -58,6 +50,23 @@ class SqlConsumer:
                 time.sleep(0.1)
         if conn is not None:
             conn.close()
+
+    def step(self, conn: psycopg.Connection[Any]) -> None:
+        raise NotImplementedError
+
+
+class SqlConsumer(Client):
+    """Takes up to 5 entries per transaction with ringq.dequeue and records
+    their numbers in ``taken`` in the same transaction, so the table says what
+    was consumed whatever became of a commit whose answer was lost."""
+
+    def step(self, conn: psycopg.Connection[Any]) -> None:
+        rows = conn.execute("SELECT payload FROM ringq.dequeue(%s, 5)", (self.queue,)).fetchall()
+        for (payload,) in rows:
+            conn.execute("INSERT INTO taken (n) VALUES (%s)", (int(payload),))
+        conn.commit()
+        if not rows:
+            time.sleep(0.01)
 
 
 def taken(dsn: str) -> list[int]:
@@ -100,45 +109,21 @@ def test_sql_consumer_through_a_sync_failover_takes_every_entry_once_in_order(
         assert consumer.errors >= 1  # the fail-over did reach the consumer
 
 
-@dataclass
-class SqlProducer:
+class SqlProducer(Client):
     """Puts batches of 10 numbers with ringq.enqueue_many and records them in
     ``sent`` in the same transaction (what committed, whatever became of a
-    commit whose answer was lost); reconnects after an error, and goes on
-    with the next numbers until told to stop."""
+    commit whose answer was lost); after an error it goes on with the next."""
 
-    dsn: str
-    queue: str
-    stop: threading.Event = field(default_factory=threading.Event)
-    errors: int = 0
-    thread: threading.Thread | None = None
+    next_n: int = 0
 
-    def start(self) -> None:
-        self.thread = threading.Thread(target=self.run, daemon=True)
-        self.thread.start()
-
-    def run(self) -> None:
-        conn: psycopg.Connection[Any] | None = None
-        n = 0
-        while not self.stop.is_set():
-            batch = list(range(n, n + 10))
-            n += 10
-            try:
-                if conn is None:
-                    conn = psycopg.connect(self.dsn, connect_timeout=2)
-                conn.execute("SELECT ringq.enqueue_many(%s, %s)",
-                             (self.queue, [str(i).encode() for i in batch]))
-                conn.execute("INSERT INTO sent SELECT unnest(%s::int[])", (batch,))
-                conn.commit()
-                time.sleep(0.005)
-            except psycopg.Error:
-                self.errors += 1
-                if conn is not None:
-                    conn.close()
-                conn = None
-                time.sleep(0.1)
-        if conn is not None:
-            conn.close()
+    def step(self, conn: psycopg.Connection[Any]) -> None:
+        batch = list(range(self.next_n, self.next_n + 10))
+        self.next_n += 10
+        conn.execute("SELECT ringq.enqueue_many(%s, %s)",
+                     (self.queue, [str(i).encode() for i in batch]))
+        conn.execute("INSERT INTO sent SELECT unnest(%s::int[])", (batch,))
+        conn.commit()
+        time.sleep(0.005)
 
 
 def test_sql_producer_through_a_sync_failover_loses_and_doubles_nothing(

@@ -12,10 +12,6 @@ publication, a section rebuilt with slots reserved, a full queue.
 
 from __future__ import annotations
 
-import os
-import signal
-import subprocess
-import sys
 from collections.abc import Callable
 from datetime import datetime, timedelta
 from pathlib import Path
@@ -26,6 +22,7 @@ import pytest
 from conftest import drain, own_server_queue, present, remove_section, wait_for
 from ringq.engine import connect
 from ringq.monitor import Monitor, MonitorConfig
+from test_sql_chunks import killed_9
 
 
 def reserved(dsn: str, queue: str) -> int:
@@ -122,22 +119,8 @@ def test_a_put_rolled_back_or_killed_9_leaves_nothing_and_the_queue_moves_on(
     with psycopg.connect(dsn) as c:
         put(c, q, [b"rolled-back-%d" % i for i in range(20)])
         c.rollback()
-    script = ("import sys, time, psycopg\n"
-              "c = psycopg.connect(sys.argv[1])\n"
-              "c.execute('SELECT ringq.enqueue_many(%s, %s)', (sys.argv[2], [b'killed'] * 9))\n"
-              "print('put', flush=True)\n"
-              "time.sleep(600)\n")
-    p = subprocess.Popen([sys.executable, "-c", script, dsn, q], stdout=subprocess.PIPE, text=True)
-    try:
-        assert p.stdout is not None and p.stdout.readline().strip() == "put"
-        os.kill(p.pid, signal.SIGKILL)
-        p.wait(10)
-    finally:
-        if p.poll() is None:
-            p.kill()
-            p.wait(10)
-        if p.stdout is not None:
-            p.stdout.close()
+    # A producer killed -9 while its put is under way (its transaction open).
+    killed_9("SELECT ringq.enqueue_many(%s, %s::bytea[])", dsn, "BEGIN", q, "{killed,killed}")
     with psycopg.connect(dsn, autocommit=True) as c:
         put(c, q, [b"after-%d" % i for i in range(30)])
     got = [m.payload for m in drain(dsn, q, wait=2.0, batch=8)]

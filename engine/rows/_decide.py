@@ -95,20 +95,20 @@ def held_slots(conn: psycopg.Connection[Any], qid: int) -> list[tuple[int, int]]
 
 def offered_slots(conn: psycopg.Connection[Any], qid: int) -> list[tuple[int, int]]:
     """(slot, seq) of the entries set aside for SQL consumers (``ringq.offers``)."""
-    row = conn.execute(_Q["has_offers"]).fetchone()
-    if not row or not row[0]:
-        return []  # a schema older than SQL consumers
-    rows = conn.execute(_Q["offered_slots"], (qid,)).fetchall()
-    return [(int(s), int(q)) for s, q in rows]
+    return _listed(conn, "has_offers", "offered_slots", qid)
 
 
 def reserved_slots(conn: psycopg.Connection[Any], qid: int) -> list[tuple[int, int]]:
     """(slot, seq) of the slots reserved for SQL producers (``ringq.slots``)."""
-    row = conn.execute(_Q["has_slots"]).fetchone()
+    return _listed(conn, "has_slots", "reserved_slots", qid)
+
+
+def _listed(conn: psycopg.Connection[Any], has: str, query: str, qid: int) -> list[tuple[int, int]]:
+    """(slot, seq) of a listing of the SQL path (none in a schema older than it)."""
+    row = conn.execute(_Q[has]).fetchone()
     if not row or not row[0]:
-        return []  # a schema older than reserved slots
-    rows = conn.execute(_Q["reserved_slots"], (qid,)).fetchall()
-    return [(int(s), int(q)) for s, q in rows]
+        return []
+    return [(int(s), int(q)) for s, q in conn.execute(_Q[query], (qid,)).fetchall()]
 
 
 def load_block(

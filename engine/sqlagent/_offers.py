@@ -52,7 +52,20 @@ from ..rows.recovery import queue_infos
 from ..section import Section
 from ..section import layout as L
 from ._puts import SqlPuts
-from ._runs import NONE, Entries, Runs, as_lists, expand, held, indexed, runs_of, send
+from ._runs import (
+    NONE,
+    Entries,
+    Runs,
+    as_lists,
+    expand,
+    held,
+    indexed,
+    post,
+    runs_of,
+    send,
+    sort_listing,
+    split_gone,
+)
 
 logger = logging.getLogger("ringq.sql")
 
@@ -223,29 +236,11 @@ class SqlAgent:
         elif mine is None:  # first look: what the section holds for SQL, listed or not
             mine = held(sec, ring, reserved=False)
         self._looked[info.id] = now
-        chunks: Runs = []  # listed now
-        free: Runs = []  # listed and takeable
-        touched: Runs = []  # listed, a take did not commit and none holds them now
-        waiters = 0
-        for kind, seq, slot, n, touch, live in conn.execute(
-            _Q["offers_look"], {"queue_id": info.id}
-        ).fetchall():
-            if kind == 1:
-                waiters = int(seq)
-                continue
-            chunk = (int(seq), int(slot), int(n))
-            chunks.append(chunk)
-            if not touch:
-                free.append(chunk)
-            elif not live:
-                touched.append(chunk)
-            # else a take under way holds it: decided on a later pass
-        gone = ~np.isin(mine[0], expand(chunks)[0])
-        taken = 0
-        if gone.any():
-            taken = self._settle_gone(sec, conn, ring, info, table,
-                                      (mine[0][gone], mine[1][gone]))
-            mine = (mine[0][~gone], mine[1][~gone])
+        rows = conn.execute(_Q["offers_look"], {"queue_id": info.id}).fetchall()
+        waiters = next((int(r[1]) for r in rows if r[0] == 1), 0)
+        chunks, free, touched = sort_listing([r[1:] for r in rows if r[0] == 0])
+        gone, mine = split_gone(mine, chunks)
+        taken = self._settle_gone(sec, conn, ring, info, table, gone) if gone[0].size else 0
         unlisted: set[int] = set()
         if touched:
             unlisted = self._strike(sec, conn, ring, info, table, touched)
@@ -382,10 +377,7 @@ class SqlAgent:
             ready = self._role_freed(ring, exclusive)
         finally:
             sec.unlock_queue(ring.qidx)
-        if space:
-            sec.post(ring.qid, "s", space)
-        if ready:
-            sec.post(ring.qid, "r", ready)
+        post(sec, ring, ready, space)
 
     @staticmethod
     def _role_freed(ring: Ring, exclusive: bool) -> int:

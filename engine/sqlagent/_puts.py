@@ -47,19 +47,7 @@ from ..driver import queue_table
 from ..ring import OpKind, QueueInfo, Ring, after_finish, group_tag
 from ..section import Section
 from ..section import layout as L
-from ._runs import (
-    NONE,
-    Entries,
-    Runs,
-    as_lists,
-    expand,
-    held,
-    indexed,
-    minus,
-    plus,
-    runs_of,
-    send,
-)
+from . import _runs as R
 
 logger = logging.getLogger("ringq.sql")
 
@@ -94,7 +82,7 @@ class SqlPuts:
     # an earlier run left reserved is settled, and SQL entries use the inbox).
     enabled: bool = False
     _asked: dict[str, float] = field(default_factory=dict)  # queue name -> last SQL put
-    _mine: dict[int, Entries] = field(default_factory=dict)  # queue id -> slots listed
+    _mine: dict[int, R.Entries] = field(default_factory=dict)  # queue id -> slots listed
     _target: dict[int, int] = field(default_factory=dict)
 
     def forget(self) -> None:
@@ -127,30 +115,14 @@ class SqlPuts:
         """One queue's pass; True while it has slots listed or SQL producers put."""
         mine = self._mine.get(info.id)
         if mine is None:  # first look: what the section holds reserved for SQL
-            mine = held(sec, ring, reserved=True)
-        chunks: Runs = []
-        free: Runs = []
-        touched: Runs = []
-        inbox = False  # the inbox holds entries for the queue: reserve nothing
-        for seq, slot, n, touch, live in conn.execute(
-            _Q["slots_look"], {"queue_id": info.id}
-        ).fetchall():
-            if seq is None:
-                inbox = bool(live)
-                continue
-            chunk = (int(seq), int(slot), int(n))
-            chunks.append(chunk)
-            if touch and not live:
-                touched.append(chunk)
-            elif not touch:
-                free.append(chunk)
-        gone = ~np.isin(mine[0], expand(chunks)[0])
-        used = 0
-        if gone.any():
-            used = self._publish(sec, conn, ring, info, (mine[0][gone], mine[1][gone]))
-            mine = (mine[0][~gone], mine[1][~gone])
+            mine = R.held(sec, ring, reserved=True)
+        rows = conn.execute(_Q["slots_look"], {"queue_id": info.id}).fetchall()
+        inbox = any(r[0] is None and r[4] for r in rows)  # the inbox holds entries for it
+        chunks, free, touched = R.sort_listing([r for r in rows if r[0] is not None])
+        gone, mine = R.split_gone(mine, chunks)
+        used = self._publish(sec, conn, ring, info, gone) if gone[0].size else 0
         if touched:
-            mine = minus(mine, self._unlist(sec, conn, ring, info, touched, withdraw=False))
+            mine = R.minus(mine, self._unlist(sec, conn, ring, info, touched, withdraw=False))
         if used:
             self._asked[info.name] = self.clock()
             wanted = True
@@ -166,9 +138,9 @@ class SqlPuts:
         self._target[info.id] = target
         listed = sum(n for _s, _sl, n in free)
         if wanted and listed < target - target // 4:
-            mine = plus(mine, self._reserve(sec, conn, ring, info, target - listed))
+            mine = R.plus(mine, self._reserve(sec, conn, ring, info, target - listed))
         elif not wanted and free:
-            mine = minus(mine, self._unlist(sec, conn, ring, info, free, withdraw=True))
+            mine = R.minus(mine, self._unlist(sec, conn, ring, info, free, withdraw=True))
         if mine[0].size:
             self._mine[info.id] = mine
         else:
@@ -177,7 +149,7 @@ class SqlPuts:
 
     def _reserve(
         self, sec: Section, conn: psycopg.Connection[Any], ring: Ring, info: QueueInfo, n: int
-    ) -> Entries:
+    ) -> R.Entries:
         """Reserve up to ``n`` slots at the head for SQL producers and list
         them; returns them (seqs, slots)."""
         sec.lock_queue(ring.qidx)
@@ -186,12 +158,12 @@ class SqlPuts:
         finally:
             sec.unlock_queue(ring.qidx)
         if not k:
-            return NONE
+            return R.NONE
         seqs = np.arange(first, first + k, dtype=np.int64)
         slots = seqs % ring.cap
-        runs = runs_of(slots, seqs, CHUNK)
+        runs = R.runs_of(slots, seqs, CHUNK)
         try:
-            send(conn, [(_Q["slots_list"], {"queue_id": info.id, **runs})])
+            R.send(conn, [(_Q["slots_list"], {"queue_id": info.id, **runs})])
         except BaseException:
             self._finish(sec, ring, [], list(zip(slots.tolist(), seqs.tolist(), strict=True)))
             raise
@@ -200,18 +172,18 @@ class SqlPuts:
 
     def _publish(
         self, sec: Section, conn: psycopg.Connection[Any], ring: Ring, info: QueueInfo,
-        gone: Entries,
+        gone: R.Entries,
     ) -> int:
         """Settle reserved slots no longer listed by their rows: an entry put
         there is published, a slot left unused is void; returns how many
         entries were published."""
-        runs = runs_of(gone[1], gone[0])
-        rows = indexed(conn, sql.SQL(_Q["slots_filled"]).format(table=queue_table(info.name)), (
+        runs = R.runs_of(gone[1], gone[0])
+        rows = R.indexed(conn, sql.SQL(_Q["slots_filled"]).format(table=queue_table(info.name)), (
             runs["run_seqs"], runs["run_slots"], runs["run_ns"]))
         filled = {int(slot): (group, int(due or 0)) for slot, ok, group, due in rows if ok}
         put: list[tuple[int, int, str | None, int]] = []
         void: list[tuple[int, int]] = []
-        for seq, slot in zip(*as_lists(gone), strict=True):
+        for seq, slot in zip(*R.as_lists(gone), strict=True):
             if slot in filled:
                 put.append((slot, seq, *filled[slot]))
             else:
@@ -223,7 +195,7 @@ class SqlPuts:
 
     def _unlist(
         self, sec: Section, conn: psycopg.Connection[Any], ring: Ring, info: QueueInfo,
-        chunks: Runs, *, withdraw: bool,
+        chunks: R.Runs, *, withdraw: bool,
     ) -> np.ndarray[Any, Any]:
         """Unlist ``chunks`` that no put holds now (touched by a put that did
         not commit, or unused: ``withdraw``) and void their slots; returns
@@ -232,8 +204,8 @@ class SqlPuts:
         with conn.transaction():
             rows = conn.execute(query, {"queue_id": info.id,
                                         "seqs": [c[0] for c in chunks]}).fetchall()
-        runs: Runs = [(int(a), int(b), int(c)) for a, b, c in rows]
-        seqs, slots = expand(runs)
+        runs: R.Runs = [(int(a), int(b), int(c)) for a, b, c in rows]
+        seqs, slots = R.expand(runs)
         self._finish(sec, ring, [], list(zip(slots.tolist(), seqs.tolist(), strict=True)))
         self.figures.voided += int(seqs.size)
         return seqs
@@ -263,10 +235,7 @@ class SqlPuts:
             ready = min(max(ready, 0), ring.waiters(OpKind.DEQUEUE))
         finally:
             sec.unlock_queue(ring.qidx)
-        if ready:
-            sec.post(ring.qid, "r", ready)
-        if space:
-            sec.post(ring.qid, "s", space)
+        R.post(sec, ring, ready, space)
 
 
 def reserved_for_sql(sec: Section, qidx: int) -> bool:

@@ -114,3 +114,35 @@ def plus(entries: Entries, more: Entries) -> Entries:
     a, b = np.concatenate([entries[0], more[0]]), np.concatenate([entries[1], more[1]])
     order = np.argsort(a, kind="stable")
     return a[order], b[order]
+
+
+def sort_listing(rows: list[Any]) -> tuple[Runs, Runs, Runs]:
+    """Listed chunks (seq, slot, n, touched, live) as (all, free, touched):
+    free ones no transaction touched; touched ones a transaction that is not
+    running now touched (it did not commit); those a running one holds are
+    decided on a later pass."""
+    chunks: Runs = []
+    free: Runs = []
+    touched: Runs = []
+    for seq, slot, n, touch, live in rows:
+        chunk = (int(seq), int(slot), int(n))
+        chunks.append(chunk)
+        if not touch:
+            free.append(chunk)
+        elif not live:
+            touched.append(chunk)
+    return chunks, free, touched
+
+
+def split_gone(mine: Entries, chunks: Runs) -> tuple[Entries, Entries]:
+    """``mine`` as (no longer listed in ``chunks``, still listed)."""
+    gone = ~np.isin(mine[0], expand(chunks)[0])
+    return (mine[0][gone], mine[1][gone]), (mine[0][~gone], mine[1][~gone])
+
+
+def post(sec: Section, ring: Ring, ready: int, space: int) -> None:
+    """Wake ``ready`` dequeuers and ``space`` enqueuers waiting on the queue."""
+    if ready:
+        sec.post(ring.qid, "r", ready)
+    if space:
+        sec.post(ring.qid, "s", space)
