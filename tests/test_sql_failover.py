@@ -42,7 +42,8 @@ class Client:
                 if conn is None:
                     conn = psycopg.connect(self.dsn, connect_timeout=2)
                 self.step(conn)
-            except psycopg.Error:
+            except Exception:  # the primary died (psycopg), or anything else: again
+
                 self.errors += 1
                 if conn is not None:
                     conn.close()
@@ -126,24 +127,41 @@ class SqlProducer(Client):
         time.sleep(0.005)
 
 
+@pytest.mark.parametrize("reserve", [
+    False,
+    pytest.param(True, marks=pytest.mark.xfail(
+        strict=False,
+        reason="known gap of the opt-in reserved slots (issue 34): in about 1 run of 8, entries "
+               "put around the kill are voided or published late in the new section")),
+], ids=["inbox", "reserved-slots"])
 def test_sql_producer_through_a_sync_failover_loses_and_doubles_nothing(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], reserve: bool
 ) -> None:
-    # The monitor's default: SQL entries through the inbox (reserved slots,
-    # --sql-reserve-slots, do not hold the order through a fail-over yet).
+    # The monitor's default (SQL entries through the inbox), and with slots
+    # reserved for SQL producers (--sql-reserve-slots): puts into them are
+    # under way when the primary dies.
     with pair_with_queue(tmp_path / "home", capsys, "--sync") as (cluster, both, queue):
         with psycopg.connect(both, autocommit=True) as c:
             c.execute("CREATE TABLE sent (n int)")
-        monitor = MonitorProcess(both, tmp_path / "monitor")
+        monitor = MonitorProcess(both, tmp_path / "monitor",
+                                 *(["--sql-reserve-slots"] if reserve else []))
         producer = SqlProducer(both, queue)
 
         def sent() -> list[int]:
             with psycopg.connect(both, autocommit=True) as c:
                 return [int(r[0]) for r in c.execute("SELECT n FROM sent")]
 
+        def ready() -> bool:
+            if len(sent()) < 100:
+                return False
+            if not reserve:
+                return True
+            with psycopg.connect(both, autocommit=True) as c:
+                return c.execute("SELECT count(*) FROM ringq.slots").fetchone() != (0,)
+
         try:
             producer.start()
-            wait_for(lambda: len(sent()) >= 100, 30, "100 entries enqueued")
+            wait_for(ready, 30, "100 entries enqueued (and slots reserved)")
             kill_primary(cluster)
             code, _out, err = cli(capsys, "db", "promote", "--home", str(cluster.home))
             assert code == 0, err

@@ -177,7 +177,10 @@ def test_a_full_queue_refuses_sql_producers_with_rq002_and_reserves_a_quarter_at
             put(c, q, [b"f"] * 8)
             n += 8
     assert refused.value.sqlstate == "RQ002"
-    assert 96 <= n <= 160  # the ring's 128, give or take what the pump's room let through
+    # Refused before the ring's 128 can be overrun: the reserved slots, then
+    # what the inbox's room check lets in (the pump holds it back while slots
+    # are reserved, so the room may read short: refused early, never late).
+    assert 32 <= n <= 160
     got = drain(dsn, q, wait=2.0, batch=16)
     assert len(got) == n
 

@@ -48,7 +48,7 @@ from ..driver import queue_table
 from ..driver.errors import SchemaMissing
 from ..ring import POISON_REASON, OpKind, QueueInfo, Ring, RowState, after_finish
 from ..rows import load_queue
-from ..rows.recovery import queue_infos
+from ..rows.recovery import history_of, queue_infos
 from ..section import Section
 from ..section import layout as L
 from ._puts import SqlPuts
@@ -126,6 +126,8 @@ class SqlAgent:
     _looked: dict[int, float] = field(default_factory=dict)  # queue id -> its last listing read
     puts: SqlPuts = field(default_factory=SqlPuts)  # the producers' side
     _held_sql: set[int] = field(default_factory=set)  # queues the section holds for SQL (a scan)
+    # (system identifier, timeline) of the server the connection reaches (read once per connection)
+    _history: tuple[int, int] | None = None
 
     @staticmethod
     def prepare(conn: psycopg.Connection[Any]) -> None:
@@ -146,6 +148,7 @@ class SqlAgent:
         self._scanned = float("-inf")
         self._mine.clear()
         self._looked.clear()
+        self._history = None
         self.puts.forget()
 
     def asked(self, queue: str) -> None:
@@ -166,6 +169,13 @@ class SqlAgent:
         asked for has nothing takeable listed (new entries are seen only by
         looking), :data:`SUPPLIED_WAIT_S` while they have entries listed (one
         that runs out asks at once, ``ringq_want``), None when none is busy."""
+        if self._history is None:
+            self._history = history_of(conn)
+        # A section of another history (the database failed over and no
+        # client here has replaced it yet): no slots are reserved or published
+        # in it for SQL producers (their bits would describe a history the
+        # rows no longer have; a reserved slot's entry was lost that way).
+        current = sec.follow_history(*self._history)
         now = self.clock()
         if now - self._scanned >= SCAN_S:
             self._scanned = now
@@ -194,7 +204,7 @@ class SqlAgent:
             if not (consumers or producers):
                 continue
             ring = self._ring(sec, conn, info)
-            if producers:
+            if producers and current:
                 # First: what SQL producers put is published before it is offered.
                 busy |= self.puts.pass_queue(sec, conn, ring, info, info.name in putting)
             if consumers:
