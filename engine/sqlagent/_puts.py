@@ -241,13 +241,7 @@ class SqlPuts:
 def reserved_for_sql(sec: Section, qidx: int) -> bool:
     """Whether the section holds slots of queue block ``qidx`` reserved for
     SQL producers (the pump then holds the queue's inbox entries back)."""
-    ring = Ring(sec, qidx)
-    cand = np.flatnonzero(sec.owner[ring.base : ring.base + ring.cap] == L.OWNER_SQL)
-    for s in cand.tolist():
-        enq, deq, lck, owner = ring.bits(s)
-        if lck and owner == L.OWNER_SQL and not enq and not deq:
-            return True
-    return False
+    return bool(R.sql_slots(sec, Ring(sec, qidx), reserved=True).size)
 
 
 def _reserved(ring: Ring, slot: int, seq: int) -> bool:

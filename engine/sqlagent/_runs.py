@@ -20,24 +20,35 @@ Entries = tuple["np.ndarray[Any, Any]", "np.ndarray[Any, Any]"]  # (seqs, slots)
 NONE: Entries = (np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64))
 
 
+def sql_slots(sec: Section, ring: Ring, *, reserved: bool) -> np.ndarray[Any, Any]:
+    """The slots of ``ring`` the section holds for the SQL path: entries
+    claimed for SQL consumers (ENQ set), or, ``reserved``, slots reserved for
+    SQL producers (neither ENQ nor DEQ: no entry published yet). One pass of
+    array operations over the queue's words, not a look per slot (the pump
+    asks at every pass)."""
+    cap = ring.cap
+    words = slice(ring.w0, ring.w0 + (cap + 63) // 64)
+
+    def bits(arr: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
+        return np.unpackbits(arr[words].view(np.uint8), bitorder="little")[:cap].astype(bool)
+
+    enq, deq, lck = bits(sec.enq), bits(sec.deq), bits(sec.lck)
+    mine = lck & (sec.owner[ring.base : ring.base + cap] == L.OWNER_SQL)
+    return np.flatnonzero(mine & (~enq & ~deq if reserved else enq))
+
+
 def held(sec: Section, ring: Ring, *, reserved: bool) -> Entries:
-    """What the section holds for the SQL path in ``ring``, (seqs, slots) by
-    seq: entries claimed for SQL consumers (ENQ set), or, ``reserved``, slots
-    reserved for SQL producers (neither ENQ nor DEQ: no entry published yet)."""
+    """What the section holds for the SQL path in ``ring`` (:func:`sql_slots`),
+    as (seqs, slots) by seq."""
     sec.lock_queue(ring.qidx)
     try:
-        cand = np.flatnonzero(sec.owner[ring.base : ring.base + ring.cap] == L.OWNER_SQL)
-        slots = []
-        for s in cand.tolist():
-            enq, deq, lck, owner = ring.bits(s)
-            if lck and owner == L.OWNER_SQL and (not enq and not deq if reserved else enq):
-                slots.append(s)
-        seqs = [ring.seq_of(s) for s in slots]
+        slots = sql_slots(sec, ring, reserved=reserved).astype(np.int64)
+        tail = int(ring.Q[ring.qb + L.Q_TAIL])
     finally:
         sec.unlock_queue(ring.qidx)
-    a, b = np.array(seqs, dtype=np.int64), np.array(slots, dtype=np.int64)
-    order = np.argsort(a, kind="stable")
-    return a[order], b[order]
+    seqs = tail + (slots - tail) % ring.cap  # Ring.seq_of, for every slot at once
+    order = np.argsort(seqs, kind="stable")
+    return seqs[order], slots[order]
 
 
 def as_lists(entries: Entries) -> tuple[list[int], list[int]]:
