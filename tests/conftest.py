@@ -406,7 +406,9 @@ def decided_gids(dsn: str) -> list[str]:
 
 class MonitorProcess:
     """``ringq monitor`` as a real process (a pass every ``INTERVAL`` s, ``extra``
-    arguments after the defaults); ``url`` once it serves."""
+    arguments after the defaults); ``url`` once it serves. Its stderr goes to
+    ``monitor.err`` in ``data_dir`` (a file: a pipe nobody reads could fill
+    and stall the monitor's logging); :meth:`log` reads it."""
 
     INTERVAL = 0.2
 
@@ -414,28 +416,33 @@ class MonitorProcess:
         self, dsn: str, data_dir: Path, *extra: str, env: dict[str, str] | None = None
     ) -> None:
         self.data_dir = data_dir
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "ringq.cli", "monitor", "--dsn", dsn, "--port", "0",
-             "--data-dir", str(data_dir), "--interval", str(self.INTERVAL), *extra],
-            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env,
-        )
+        data_dir.mkdir(parents=True, exist_ok=True)
+        self.err_path = data_dir / "monitor.err"
+        with self.err_path.open("w") as err:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "ringq.cli", "monitor", "--dsn", dsn, "--port", "0",
+                 "--data-dir", str(data_dir), "--interval", str(self.INTERVAL), *extra],
+                stdout=subprocess.DEVNULL, stderr=err, text=True, env=env,
+            )
         self.url: str = wait_for(self._url, 30, "the monitor to serve")
+
+    def log(self) -> str:
+        """What the monitor wrote to stderr so far."""
+        try:
+            return self.err_path.read_text(errors="replace")
+        except OSError:
+            return ""
 
     def _url(self) -> str | None:
         if self.proc.poll() is not None:
-            err = self.proc.stderr.read() if self.proc.stderr else ""
-            raise AssertionError(f"monitor exited {self.proc.returncode}: {err}")
+            raise AssertionError(f"monitor exited {self.proc.returncode}: {self.log()}")
         state = json.loads((self.data_dir / "monitor.json").read_text())
         return state["url"] if state.get("pid") == self.proc.pid else None
 
     def stop(self, sig: int = signal.SIGTERM, timeout: float = 30) -> int:
         if self.proc.poll() is None:
             self.proc.send_signal(sig)
-        try:
-            return self.proc.wait(timeout)
-        finally:
-            if self.proc.stderr:
-                self.proc.stderr.close()
+        return self.proc.wait(timeout)
 
     def kill(self) -> None:
         if self.proc.poll() is None:

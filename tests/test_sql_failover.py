@@ -5,6 +5,7 @@ entry is taken exactly once, and in order (a `single` queue, one consumer)."""
 
 from __future__ import annotations
 
+import itertools
 import threading
 import time
 from dataclasses import dataclass, field
@@ -29,6 +30,7 @@ class Client:
     queue: str
     stop: threading.Event = field(default_factory=threading.Event)
     errors: int = 0
+    last_error: str = ""
     thread: threading.Thread | None = None
 
     def start(self) -> None:
@@ -42,9 +44,9 @@ class Client:
                 if conn is None:
                     conn = psycopg.connect(self.dsn, connect_timeout=2)
                 self.step(conn)
-            except Exception:  # the primary died (psycopg), or anything else: again
-
+            except Exception as exc:  # the primary died (psycopg), or anything else: again
                 self.errors += 1
+                self.last_error = repr(exc)
                 if conn is not None:
                     conn.close()
                 conn = None
@@ -166,23 +168,31 @@ def test_sql_producer_through_a_sync_failover_loses_and_doubles_nothing(
             code, _out, err = cli(capsys, "db", "promote", "--home", str(cluster.home))
             assert code == 0, err
             before = len(sent())
-            wait_for(lambda: len(sent()) >= before + 100, 90, "puts after the promotion")
-        finally:
+            wait_for(lambda: len(sent()) >= before + 100, 90,
+                     f"puts after the promotion (the producer's last error: "
+                     f"{producer.last_error})")
             producer.stop.set()
             if producer.thread is not None:
                 producer.thread.join(30)
-        try:
             got: list[int] = []
             with connect(both) as s:
                 while (m := s.dequeue(queue, wait=3.0)) is not None:
                     got.append(int(m.payload))
                     s.commit()
+        except BaseException:
+            print("the monitor's log:\n" + monitor.log()[-6000:])
+            raise
         finally:
+            producer.stop.set()
+            if producer.thread is not None:
+                producer.thread.join(30)
             monitor.stop()
         want = sent()
         lost = sorted(set(want) - set(got))
         twice = sorted(n for n in set(got) if got.count(n) > 1)
         extra = sorted(set(got) - set(want))
-        assert (lost, twice, extra) == ([], [], []), "lost, delivered twice, never committed"
-        assert got == sorted(got), "the producer's order did not hold"
+        late = [(a, b) for a, b in itertools.pairwise(got) if a > b]
+        log = "\nthe monitor's log:\n" + monitor.log()[-6000:]
+        assert (lost, twice, extra) == ([], [], []), "lost, delivered twice, never committed" + log
+        assert not late, f"the producer's order did not hold: {late[:5]}" + log
         assert producer.errors >= 1  # the fail-over did reach the producer
