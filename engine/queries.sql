@@ -682,3 +682,10 @@ SELECT set_config('enable_seqscan', 'off', true)
 -- agent_sync_commit --
 -- One transaction of the agent's durable at once (its strikes).
 SET LOCAL synchronous_commit = on
+
+-- one_snapshot --
+-- First in a transaction that reads a queue's rows and the SQL path's
+-- listings to load its block: every read sees the same snapshot (read one by
+-- one, a put committing between the rows and ringq.slots left its entries
+-- neither queued nor reserved in the block: stranded).
+SET TRANSACTION ISOLATION LEVEL REPEATABLE READ

@@ -4,6 +4,7 @@ rows. The monitor runs it; see ``ringq/engine/sqlagent/_offers.py``."""
 
 from __future__ import annotations
 
+from .driver.errors import BehindSqlPuts
 from .sqlagent import (
            DEMAND_S,
            READY_CHANNEL,
@@ -13,5 +14,5 @@ from .sqlagent import (
            reserved_for_sql,
 )
 
-__all__ = ["DEMAND_S", "READY_CHANNEL", "WANT_CHANNEL", "AgentFigures", "SqlAgent",
-           "reserved_for_sql"]
+__all__ = ["DEMAND_S", "READY_CHANNEL", "WANT_CHANNEL", "AgentFigures", "BehindSqlPuts",
+           "SqlAgent", "reserved_for_sql"]

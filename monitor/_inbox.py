@@ -14,7 +14,7 @@ from typing import Any
 from ringq.engine import QueueFull, RingqError, Section, Session, check_group, connect
 from ringq.engine import layout as L
 from ringq.engine.recovery import queue_room
-from ringq.engine.sqlpath import reserved_for_sql
+from ringq.engine.sqlpath import BehindSqlPuts, reserved_for_sql
 
 from . import _queries as Qy
 from ._db import connect_step
@@ -103,6 +103,7 @@ def _pump(
     (``inbox_next``: the first statement of the transaction, so that an SQL
     enqueue's way to its consumer is that round trip and the commit's)."""
     moved: dict[str, int] = {}
+    s.behind_sql_puts = True  # (checked again at each reservation, under the queue's lock)
     sec = s.section  # the process's attachment: the ring enqueue_many reserves in
     passed = set(skip)  # and the queues done with (drained, or full)
     closed: list[int] = []
@@ -133,6 +134,13 @@ def _pump(
         entries = _refuse_bad(s.connection, qid, name, s.queue_info(name).max_payload, entries)
         try:
             _move(s, name, entries)
+        except BehindSqlPuts:
+            # The agent reserved slots for SQL producers since the pass
+            # began: the rows go back to the inbox, held back as above.
+            s.rollback()
+            held_back.add(name)
+            passed.add(name)
+            continue
         except QueueFull:
             # Space went between the look and the reservation (another
             # producer): the rows go back to the inbox with the rollback.

@@ -112,14 +112,38 @@ def test_sql_consumer_through_a_sync_failover_takes_every_entry_once_in_order(
         assert consumer.errors >= 1  # the fail-over did reach the consumer
 
 
+def rows_of(dsn: str, queue: str, numbers: list[int]) -> str:
+    """What the rows say of entries ``numbers`` (payloads), the slots still
+    listed and the inbox, for a failure's message."""
+    if not numbers:
+        return ""
+    with psycopg.connect(dsn, autocommit=True) as c:
+        rows = c.execute(
+            f"SELECT slot, seq, state, payload, producer_seq, deliveries, enq_at, deq_at "
+            f"FROM ringq.q_{queue} WHERE payload = ANY(%s) ORDER BY seq",
+            ([str(n).encode() for n in numbers[:40]],)).fetchall()
+        listed = c.execute("SELECT seq, slot, n FROM ringq.slots ORDER BY seq").fetchall()
+        inbox = c.execute("SELECT count(*) FROM ringq.inbox").fetchone()
+        tail = c.execute(f"SELECT min(seq), max(seq) FROM ringq.q_{queue} WHERE state = 1"
+                         ).fetchone()
+    return (f"\nrows (slot, seq, state, n, producer_seq, deliveries): {rows}"
+            f"\nlisted slots: {listed}\ninbox rows: {inbox}\nstate 1 seq range: {tail}")
+
+
 class SqlProducer(Client):
     """Puts batches of 10 numbers with ringq.enqueue_many and records them in
     ``sent`` in the same transaction (what committed, whatever became of a
-    commit whose answer was lost); after an error it goes on with the next."""
+    commit whose answer was lost); after an error it goes on with the next.
+    It stops before number ``limit`` (the queue, 1,024 slots, has no consumer
+    until the end: a full queue would refuse the puts the test waits for)."""
 
     next_n: int = 0
+    limit: int = 400
 
     def step(self, conn: psycopg.Connection[Any]) -> None:
+        if self.next_n >= self.limit:
+            time.sleep(0.01)
+            return
         batch = list(range(self.next_n, self.next_n + 10))
         self.next_n += 10
         conn.execute("SELECT ringq.enqueue_many(%s, %s)",
@@ -168,6 +192,7 @@ def test_sql_producer_through_a_sync_failover_loses_and_doubles_nothing(
             code, _out, err = cli(capsys, "db", "promote", "--home", str(cluster.home))
             assert code == 0, err
             before = len(sent())
+            producer.limit = producer.next_n + 200
             wait_for(lambda: len(sent()) >= before + 100, 90,
                      f"puts after the promotion (the producer's last error: "
                      f"{producer.last_error})")
@@ -192,7 +217,8 @@ def test_sql_producer_through_a_sync_failover_loses_and_doubles_nothing(
         twice = sorted(n for n in set(got) if got.count(n) > 1)
         extra = sorted(set(got) - set(want))
         late = [(a, b) for a, b in itertools.pairwise(got) if a > b]
-        log = "\nthe monitor's log:\n" + monitor.log()[-6000:]
+        log = "\nthe monitor's log:\n" + monitor.log()[-6000:] + rows_of(both, queue, lost)
         assert (lost, twice, extra) == ([], [], []), "lost, delivered twice, never committed" + log
-        assert not late, f"the producer's order did not hold: {late[:5]}" + log
+        assert not late, (f"the producer's order did not hold: {late[:5]}" + log + (rows_of(
+            both, queue, list(range(late[0][1], late[0][0] + 1))) if late else ""))
         assert producer.errors >= 1  # the fail-over did reach the producer

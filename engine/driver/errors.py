@@ -67,6 +67,13 @@ class QueueFull(QueueError):
     """The queue has no free slot and its policy (or the timeout) says not to wait longer."""
 
 
+class BehindSqlPuts(QueueFull):
+    """The SQL inbox's pump only (``Session.behind_sql_puts``): slots of the
+    queue are reserved for SQL producers, so nothing is reserved for the
+    inbox's entries now (they would get seqs past slots a producer's later
+    puts may still fill)."""
+
+
 class PayloadTooLarge(QueueError):
     """The payload is longer than the queue's ``max_payload`` bytes."""
 

@@ -186,5 +186,9 @@ def load_rows(
     s.lck[g0:g1] = new_lck
     Q[b + L.Q_HEAD] = head
     Q[b + L.Q_DEPTH_HINT] = int(np.count_nonzero(state_by_slot == RowState.QUEUED))
+    # Slots reserved for SQL producers now (those kept locked by a resync too).
+    at = set_bits(new_lck & ~new_enq & ~new_deq)
+    at = at[at < cap]
+    Q[b + L.Q_SQL_PUTS] = int(np.count_nonzero(s.owner[ring.base + at] == L.OWNER_SQL))
     ring.reclaim()
 

@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from typing import Any
 
 import numpy as np
@@ -111,6 +112,21 @@ def _listed(conn: psycopg.Connection[Any], has: str, query: str, qid: int) -> li
     return [(int(s), int(q)) for s, q in conn.execute(_Q[query], (qid,)).fetchall()]
 
 
+@contextmanager
+def one_snapshot(conn: psycopg.Connection[Any]) -> Iterator[None]:
+    """The reads inside see one snapshot of the database: a queue's rows and
+    the listings of the SQL path that say which of them are whose must agree
+    (a put or a take committing between two reads would otherwise leave an
+    entry neither queued nor reserved, or queued twice). ``conn`` is
+    autocommit; a connection already in a transaction reads in it as it is."""
+    if not conn.autocommit:
+        yield
+        return
+    with conn.transaction():
+        conn.execute(_Q["one_snapshot"])
+        yield
+
+
 def load_block(
     sec: Section,
     qidx: int,
@@ -121,10 +137,12 @@ def load_block(
     its rows (``all_rows``: slot, state, seq, group), its prepared
     transactions' slots and its entries set aside for SQL consumers, read on
     ``conn`` (autocommit)."""
-    rows = conn.execute(sql.SQL(_Q["all_rows"]).format(table=queue_table(info.name))).fetchall()
-    held = held_slots(conn, info.id)
-    offered = offered_slots(conn, info.id)
-    reserved = reserved_slots(conn, info.id)
+    with one_snapshot(conn):
+        rows = conn.execute(
+            sql.SQL(_Q["all_rows"]).format(table=queue_table(info.name))).fetchall()
+        held = held_slots(conn, info.id)
+        offered = offered_slots(conn, info.id)
+        reserved = reserved_slots(conn, info.id)
     ring = Ring(sec, qidx)
     ring.configure(
         max_payload=info.max_payload,
@@ -183,12 +201,14 @@ def resync_queue(sec: Section, ring: Ring, info: QueueInfo, dsn: str) -> None:
     """
     with connect(dsn) as aux:
         sql_rows = sql.SQL(_Q["all_rows"]).format(table=queue_table(info.name))
-        held = held_slots(aux, info.id)
-        offered = offered_slots(aux, info.id)
-        reserved = reserved_slots(aux, info.id)
         sec.lock_queue(ring.qidx)
         try:
-            arr, groups, dues = _split_rows(aux.execute(sql_rows).fetchall(), sec)
+            with one_snapshot(aux):
+                held = held_slots(aux, info.id)
+                offered = offered_slots(aux, info.id)
+                reserved = reserved_slots(aux, info.id)
+                found = aux.execute(sql_rows).fetchall()
+            arr, groups, dues = _split_rows(found, sec)
             load_rows(
                 ring, arr[:, 0], arr[:, 1], arr[:, 2], keep_locked=True, held=held, groups=groups,
                 offered=offered, dues=dues, reserved=reserved,

@@ -21,7 +21,8 @@ from __future__ import annotations
 # 7: queue blocks of 160 words: the enqueue-to-dequeue wait (Q_WAIT_US, Q_WAIT_HIST)
 # 8: entries that wait (the DUE array after GROUP, Q_N_WAITING, Q_NEXT_DUE_US, H_DB_CLOCK_US)
 # 9: Q_INBOX (the SQL inbox's entries waiting for the queue, as the pump counted them)
-LAYOUT_VERSION = 9
+# 10: Q_SQL_PUTS (slots reserved for SQL producers; the pump reserves nothing while any is)
+LAYOUT_VERSION = 10
 MAGIC = 0x52494E47_51534543  # "RINGQSEC"
 
 MAX_QUEUES = 128
@@ -142,6 +143,12 @@ Q_SQL_ASKS_ROLE_NS = 48
 # each pass; 0 when it drained them): Session.stats()'s "inbox", included in
 # its "depth", as ringq.depth() includes them.
 Q_INBOX = 49
+# Slots the SQL agent holds reserved for SQL producers (owner OWNER_SQL,
+# neither bit: no entry published yet), kept under the queue's lock by the
+# agent (and set by a load). While any is, the inbox's pump reserves nothing
+# in the queue: entries it moved would get seqs past slots a producer's later
+# puts may still fill (Session.behind_sql_puts).
+Q_SQL_PUTS = 50
 Q_ENQ_HIST = 64  # HIST_BUCKETS words
 Q_DEQ_HIST = 96  # HIST_BUCKETS words
 # HIST_BUCKETS words, bucketed as the call latencies: the waits of consumed

@@ -73,6 +73,8 @@ class Link:
         self.appname = application_name
         self.producer = producer
         self.producer_seq = 0
+        # the inbox's pump: reserve nothing while SQL producers hold slots reserved
+        self.behind_sql_puts = False
         self.ops: list[Item] = []
         # whether a statement went for the ops in flight (reset when there are none)
         self.sent_any = False

@@ -16,7 +16,13 @@ import posix_ipc
 from psycopg.pq import TransactionStatus
 
 from ..driver import QUERIES as _Q
-from ..driver.errors import PayloadTooLarge, QueueFull, SectionError, TransactionError
+from ..driver.errors import (
+    BehindSqlPuts,
+    PayloadTooLarge,
+    QueueFull,
+    SectionError,
+    TransactionError,
+)
 from ..ring import DueWrite, Op, OpKind, QueueInfo, RowWrite, Run, Write, group_tag
 from ..section import layout as L
 from ._claim import Due, recover_in_way, unwait
@@ -301,6 +307,10 @@ class Reservations:
                 if waiting:
                     ring.remove_waiter(OpKind.ENQUEUE)
                     waiting = False
+                if link.behind_sql_puts and ring.Q[ring.qb + L.Q_SQL_PUTS] > 0:
+                    # checked under the queue's lock the agent reserves under
+                    raise BehindSqlPuts(f"queue {info.name!r} has slots reserved for SQL "
+                                        "producers", queue=info.name)
                 first, k = ring.reserve_many(
                     link.owner, link.backend_pid, n, tags[:n] if tags else None
                 )

@@ -152,6 +152,18 @@ class Session:
         validate_int("producer_seq", value, 0, (1 << 63) - 2)
         self._link.producer_seq = value
 
+    @property
+    def behind_sql_puts(self) -> bool:
+        """The SQL inbox's pump sets it: while slots of a queue are reserved
+        for SQL producers, an enqueue into it reserves nothing and raises
+        :class:`BehindSqlPuts` (checked under the queue's lock, where the
+        monitor's agent reserves them)."""
+        return self._link.behind_sql_puts
+
+    @behind_sql_puts.setter
+    def behind_sql_puts(self, value: bool) -> None:
+        self._link.behind_sql_puts = bool(value)
+
     def set_client_role(self, role: int) -> None:
         """Mark this session's client entry in the global section with
         ``role`` (``ringq.engine.layout.CR_*``; a worker sets ``CR_WORKER``),

@@ -83,6 +83,7 @@ DEMAND_S = 5.0  # a queue keeps entries set aside this long after its last ask o
 STARVED_WAIT_S = 0.002
 SUPPLIED_WAIT_S = 0.010
 QUIET_LOOK_S = 0.1  # a queue with nothing listed nor ready: its rows read this often at most
+STALE_WAIT_S = 0.05  # a section of another history: until it is replaced
 SCAN_S = 1.0  # how often an idle agent looks for queues with entries set aside
 WANT_CHANNEL = "ringq_want"  # ringq.dequeue() found nothing: payload, the queue's name
 # A waiting SQL consumer hears its wake-up on READY_CHANNEL + "_" + its backend's
@@ -128,6 +129,7 @@ class SqlAgent:
     _held_sql: set[int] = field(default_factory=set)  # queues the section holds for SQL (a scan)
     # (system identifier, timeline) of the server the connection reaches (read once per connection)
     _history: tuple[int, int] | None = None
+    _generation: int | None = None  # the section the agent's memory describes (H_GENERATION)
 
     @staticmethod
     def prepare(conn: psycopg.Connection[Any]) -> None:
@@ -169,13 +171,23 @@ class SqlAgent:
         asked for has nothing takeable listed (new entries are seen only by
         looking), :data:`SUPPLIED_WAIT_S` while they have entries listed (one
         that runs out asks at once, ``ringq_want``), None when none is busy."""
+        generation = int(sec.generation)
+        if generation != self._generation:
+            # Another section (replaced after a fail-over, or removed): what
+            # the agent remembers describes the old one; look again from this
+            # one's bits and the rows.
+            if self._generation is not None:
+                self.forget()
+            self._generation = generation
         if self._history is None:
             self._history = history_of(conn)
         # A section of another history (the database failed over and no
-        # client here has replaced it yet): no slots are reserved or published
-        # in it for SQL producers (their bits would describe a history the
-        # rows no longer have; a reserved slot's entry was lost that way).
-        current = sec.follow_history(*self._history)
+        # client here has replaced it yet; the monitor does at once): nothing
+        # is set aside, reserved or given back in it (its bits describe a
+        # history the rows no longer have: a reserved slot's entry was lost
+        # that way, and entries given back to it stayed held in the new one).
+        if not sec.follow_history(*self._history):
+            return STALE_WAIT_S
         now = self.clock()
         if now - self._scanned >= SCAN_S:
             self._scanned = now
@@ -204,7 +216,7 @@ class SqlAgent:
             if not (consumers or producers):
                 continue
             ring = self._ring(sec, conn, info)
-            if producers and current:
+            if producers:
                 # First: what SQL producers put is published before it is offered.
                 busy |= self.puts.pass_queue(sec, conn, ring, info, info.name in putting)
             if consumers:

@@ -155,6 +155,7 @@ class SqlPuts:
         sec.lock_queue(ring.qidx)
         try:
             first, k = ring.reserve_many(L.OWNER_SQL, 0, n)
+            ring.Q[ring.qb + L.Q_SQL_PUTS] += k
         finally:
             sec.unlock_queue(ring.qidx)
         if not k:
@@ -231,6 +232,8 @@ class SqlPuts:
                 if _reserved(ring, slot, seq):
                     ring.finish_enqueue(slot, committed=False)
                     n_void += 1
+            q_puts = ring.qb + L.Q_SQL_PUTS
+            ring.Q[q_puts] = max(0, int(ring.Q[q_puts]) - n_put - n_void)
             ready, space = after_finish(ring, n_put, n_void)
             ready = min(max(ready, 0), ring.waiters(OpKind.DEQUEUE))
         finally:
@@ -240,8 +243,9 @@ class SqlPuts:
 
 def reserved_for_sql(sec: Section, qidx: int) -> bool:
     """Whether the section holds slots of queue block ``qidx`` reserved for
-    SQL producers (the pump then holds the queue's inbox entries back)."""
-    return bool(R.sql_slots(sec, Ring(sec, qidx), reserved=True).size)
+    SQL producers (``Q_SQL_PUTS``; the pump then holds the queue's inbox
+    entries back)."""
+    return sec.q(qidx, L.Q_SQL_PUTS) > 0
 
 
 def _reserved(ring: Ring, slot: int, seq: int) -> bool:
