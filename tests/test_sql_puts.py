@@ -208,3 +208,59 @@ def test_a_database_restart_under_a_put_loses_and_doubles_nothing(tmp_path: Path
             wait_for(again, 30, "a put after the restart")
         got = [m.payload for m in drain(dsn, q, wait=3.0, batch=8)]
     assert got == [b"before-%d" % i for i in range(20)] + [b"after"]
+
+
+def test_a_put_committing_between_a_loads_reads_is_neither_lost_nor_stranded(
+    dsn: str, make_queue: Callable[..., str], monitor: Callable[..., Monitor],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # A section is loaded from the queue's rows, then from ringq.slots: a put
+    # that commits between the two reads must be seen by both or by neither
+    # (seen by the second only, its entries were neither queued nor reserved
+    # in the new section, and no consumer ever got them).
+    from ringq.engine.rows import _decide
+
+    q = make_queue(capacity=256, dequeue_mode="shared")
+    m = monitor(sql_reserve_slots=True)
+    warmed(dsn, q)
+    c = psycopg.connect(dsn)
+    put(c, q, [b"between-%d" % i for i in range(12)])
+    held_slots = _decide.held_slots
+
+    def commit_first(conn: psycopg.Connection[Any], qid: int) -> list[tuple[int, int]]:
+        if not c.closed:  # once: the put commits after the load read the rows
+            c.commit()
+            c.close()
+        return held_slots(conn, qid)
+
+    monkeypatch.setattr(_decide, "held_slots", commit_first)
+    gen = m.read_section(lambda sec: sec.generation)
+    remove_section(dsn)
+    wait_for(lambda: m.read_section(lambda sec: sec.generation) not in (None, gen),
+             what="a new section")
+    assert c.closed  # the load did read between the two
+    got = [x.payload for x in drain(dsn, q, wait=3.0, batch=4)]
+    assert got == [b"between-%d" % i for i in range(12)]
+
+
+def test_the_pump_reserves_nothing_while_slots_are_reserved_for_sql_producers(
+    dsn: str, make_queue: Callable[..., str], monitor: Callable[..., Monitor]
+) -> None:
+    # The pump's session (behind_sql_puts) checks under the queue's lock, where
+    # the agent reserves: an inbox entry moved past a chunk reserved since the
+    # pump's pass began would come before a producer's later puts into it.
+    from ringq.engine.sqlpath import BehindSqlPuts
+
+    q = make_queue(capacity=256, dequeue_mode="shared")
+    monitor(sql_reserve_slots=True)
+    warmed(dsn, q)
+    with connect(dsn) as s:
+        s.behind_sql_puts = True
+        with pytest.raises(BehindSqlPuts):
+            s.enqueue_many(q, [b"moved-1", b"moved-2"], timeout=0)
+        s.rollback()
+        assert s.stats(q)["depth"] == 0  # nothing reserved, nothing left behind
+        s.behind_sql_puts = False
+        s.enqueue(q, b"linked")  # a linked producer is not held back
+        s.commit()
+    assert [x.payload for x in drain(dsn, q, wait=2.0)] == [b"linked"]
