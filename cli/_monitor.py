@@ -62,11 +62,9 @@ def register(sub: Any) -> None:
                help="write the monitor's pid here (default with --detach: DATA_DIR/monitor.pid)")
     p.add_argument("--detach", action="store_true",
                    help="run in the background; exit once it serves")
-    p.add_argument("--sql-reserve-slots", action="store_true",
-                   help="experimental: reserve ring slots for SQL producers' "
-                        "ringq.enqueue_many (faster; a put's entries may come late and out of "
-                        "order around a fail-over); default: every SQL entry goes through the "
-                        "inbox")
+    p.add_argument("--sql-reserve-slots", action=argparse.BooleanOptionalAction, default=True,
+                   help="reserve ring slots for SQL producers' ringq.enqueue_many (default: "
+                        "on; off: every SQL entry goes through ringq.inbox and the pump)")
     p.add_argument("--reset-section", action="store_true",
                    help="remove the database's global section first (after a layout change; "
                         "stop every client first), then run")

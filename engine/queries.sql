@@ -655,14 +655,12 @@ SELECT to_regclass('ringq.waiters') IS NOT NULL AND to_regclass('ringq.slots') I
 
 -- agent_listen --
 -- The agent's connection: hears SQL consumers' asks (ringq.dequeue found
--- nothing), SQL producers' puts into reserved slots and their inbox entries.
+-- nothing) and SQL producers' batches (ringq.enqueue_many: into reserved
+-- slots, or into the inbox when it found none).
 LISTEN ringq_want
 
 -- agent_listen_puts --
 LISTEN ringq_put
-
--- agent_listen_inbox --
-LISTEN ringq_inbox
 
 -- agent_async_commit --
 -- The agent's own commits (its listings) need not wait for the WAL flush: a

@@ -75,10 +75,9 @@ class MonitorConfig:
     xmin_warn_s: float = DEFAULT_XMIN_WARN_S
     vacuum_dead_rows: int = DEFAULT_VACUUM_DEAD_ROWS
     dsn_file: Path | None = None
-    # Reserve ring slots for SQL producers' ringq.enqueue_many (issue 34;
-    # experimental: a put's entries can come late and out of its producer's
-    # order around a fail-over): off, every SQL entry goes through the inbox.
-    sql_reserve_slots: bool = False
+    # Reserve ring slots for SQL producers' ringq.enqueue_many (issue 34):
+    # off, every SQL entry goes through the inbox and the pump.
+    sql_reserve_slots: bool = True
 
     def __post_init__(self) -> None:
         if not isinstance(self.dsn, str) or not self.dsn:

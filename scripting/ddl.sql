@@ -406,6 +406,9 @@ BEGIN
     )
     SELECT array_agg(ins.id ORDER BY ins.id) INTO ids FROM ins;
     PERFORM pg_notify('ringq_inbox', queue);
+    -- A batch producer: the monitor's agent reserves slots for the next ones
+    -- (ringq.enqueue's single entries never start it: a chunk is 16 slots).
+    PERFORM pg_notify('ringq_put', queue);
     RETURN coalesce(put, '{}') || ids;
 END
 $ringq$;

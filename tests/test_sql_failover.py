@@ -153,24 +153,18 @@ class SqlProducer(Client):
         time.sleep(0.005)
 
 
-@pytest.mark.parametrize("reserve", [
-    False,
-    pytest.param(True, marks=pytest.mark.xfail(
-        strict=False,
-        reason="known gap of the opt-in reserved slots (issue 34): in about 1 run of 8, entries "
-               "put around the kill are voided or published late in the new section")),
-], ids=["inbox", "reserved-slots"])
+@pytest.mark.parametrize("reserve", [False, True], ids=["inbox", "reserved-slots"])
 def test_sql_producer_through_a_sync_failover_loses_and_doubles_nothing(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], reserve: bool
 ) -> None:
-    # The monitor's default (SQL entries through the inbox), and with slots
-    # reserved for SQL producers (--sql-reserve-slots): puts into them are
-    # under way when the primary dies.
+    # The monitor's default (slots reserved for SQL producers: puts into them
+    # are under way when the primary dies), and every SQL entry through the
+    # inbox (--no-sql-reserve-slots).
     with pair_with_queue(tmp_path / "home", capsys, "--sync") as (cluster, both, queue):
         with psycopg.connect(both, autocommit=True) as c:
             c.execute("CREATE TABLE sent (n int)")
         monitor = MonitorProcess(both, tmp_path / "monitor",
-                                 *(["--sql-reserve-slots"] if reserve else []))
+                                 *([] if reserve else ["--no-sql-reserve-slots"]))
         producer = SqlProducer(both, queue)
 
         def sent() -> list[int]:

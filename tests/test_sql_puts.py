@@ -1,5 +1,5 @@
 """SQL producers write into ring slots the monitor reserved for them (issue 34;
-the monitor's ``sql_reserve_slots``, off by default).
+the monitor's ``sql_reserve_slots``, on by default).
 
 ``ringq.enqueue_many`` puts a batch into the chunks of slots the monitor's
 agent lists in ``ringq.slots`` (the rest, and everything while the inbox

@@ -107,7 +107,7 @@ class AgentFigures:
         return dict(self.__dict__)
 
 
-PUT_CHANNELS = ("ringq_put", "ringq_inbox")  # SQL producers put entries: payload, the queue's name
+PUT_CHANNEL = "ringq_put"  # ringq.enqueue_many put a batch: payload, the queue's name
 
 
 @dataclass
@@ -139,7 +139,7 @@ class SqlAgent:
         if not row or not row[0]:
             raise SchemaMissing("the SQL path's tables (ringq.waiters, ringq.slots) are "
                                  "missing: run `ringq db upgrade`")
-        for listen in ("agent_listen", "agent_listen_puts", "agent_listen_inbox"):
+        for listen in ("agent_listen", "agent_listen_puts"):
             conn.execute(_Q[listen])
         conn.execute(_Q["agent_async_commit"])
 
@@ -159,9 +159,9 @@ class SqlAgent:
 
     def heard(self, channel: str, queue: str) -> None:
         """A notification on the agent's connection: a SQL consumer's ask
-        (``ringq_want``) or a SQL producer's put (``ringq_put``, ``ringq_inbox``)."""
-        if channel in PUT_CHANNELS:
-            self.puts.asked(queue, put=channel == PUT_CHANNELS[0])
+        (``ringq_want``) or a SQL producer's batch (``ringq_put``)."""
+        if channel == PUT_CHANNEL:
+            self.puts.asked(queue)
         else:
             self.asked(queue)
 

@@ -19,8 +19,10 @@ On each pass the agent reads the listing back:
   a queue's inbox entries only while no slot is reserved for SQL producers
   (the entries get seqs at the head; a producer's later puts must land after
   them, not in a chunk reserved before);
-- while SQL producers put (a put within :data:`DEMAND_S`; an inbox entry
-  starts it) it keeps four times what they used since its last pass listed;
+- while SQL producers put batches (``ringq.enqueue_many`` within
+  :data:`DEMAND_S`, into reserved slots or into the inbox; ``ringq.enqueue``'s
+  single entries never start it) it keeps four times what they used since
+  its last pass listed;
   then it takes the unused chunks back and voids them (an unused reserved
   slot holds the ring's tail).
 
@@ -89,14 +91,11 @@ class SqlPuts:
         """Start again from what the section holds reserved (a new connection)."""
         self._mine.clear()
 
-    def asked(self, queue: str, *, put: bool = True) -> None:
-        """An SQL producer put entries into reserved slots of ``queue``
-        (``ringq_put``), or, ``put`` false, into its inbox (``ringq_inbox``):
-        that starts reserving for the queue but does not keep it going (a
-        producer sending to the inbox while its entries wait there would
-        hold reserved slots unused, and with them the ring's tail)."""
-        if put or queue not in self._asked:
-            self._asked[queue] = self.clock()
+    def asked(self, queue: str) -> None:
+        """An SQL producer put a batch into ``queue`` (``ringq_put``: into
+        reserved slots, or into the inbox when it found none): reserve for
+        it for :data:`DEMAND_S` more."""
+        self._asked[queue] = self.clock()
 
     def busy(self, now: float) -> set[str]:
         """The queues SQL producers put into lately."""
