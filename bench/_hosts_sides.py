@@ -339,7 +339,7 @@ class Config:
     statement_timeout: float
     pace: str
     agent_ms: float
-    sql_reserve_slots: bool = False
+    sql_reserve_slots: bool = True
 
 
 @dataclass(frozen=True)

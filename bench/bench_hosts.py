@@ -84,6 +84,7 @@ embedded PostgreSQL unless ``--dsn``.
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import os
 import secrets
@@ -396,7 +397,7 @@ def monitor_process(
     mon = subprocess.Popen(
         [sys.executable, "-m", "ringq.cli", "monitor", "--dsn", dsn, "--port", "0",
          "--data-dir", str(workdir), "--log-level", "warning",
-         *(["--sql-reserve-slots"] if reserve else [])],
+         *([] if reserve else ["--no-sql-reserve-slots"])],
         stdout=log, stderr=subprocess.STDOUT,
     )  # fmt: skip
     try:
@@ -817,9 +818,9 @@ def parse_args(argv: list[str] | None) -> Any:
                    help="what the producer keeps at --ready: the bench's own count of "
                         "entries enqueued and not yet taken, or (ringq rows) the depth a "
                         "linked session's stats() shows")
-    p.add_argument("--sql-reserve-slots", action="store_true",
-                   help="run the monitor with --sql-reserve-slots (SQL producers' batches "
-                        "into ring slots reserved for them; experimental)")
+    p.add_argument("--sql-reserve-slots", action=argparse.BooleanOptionalAction, default=True,
+                   help="the monitor reserves ring slots for SQL producers' batches (its "
+                        "default); --no-sql-reserve-slots: every SQL entry through the inbox")
     p.add_argument("--statement-timeout", type=float, default=30.0,
                    help="statement_timeout of the rows' connections (s): a hang fails")
     a = p.parse_args(argv)
