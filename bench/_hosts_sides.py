@@ -340,6 +340,7 @@ class Config:
     pace: str
     agent_ms: float
     sql_reserve_slots: bool = True
+    rate: float = 0.0  # entries/s the producer puts at most (0: as fast as --ready lets it)
 
 
 @dataclass(frozen=True)

@@ -253,10 +253,14 @@ def timed_row(side: Side, probe: Probe, kind: str) -> dict[str, Any]:
             paced = (more.enter_context(connect(dsn))
                      if cfg.pace == "stats" and sample_queue is not None else None)
             barrier.wait()
+            began = time.monotonic()
             while not stop.is_set():
                 ready = (enqueued[0] - sum(took) if paced is None or sample_queue is None
                          else int(paced.stats(sample_queue)["depth"]))
-                if ready < cfg.ready:
+                ahead = cfg.rate and enqueued[0] >= (time.monotonic() - began) * cfg.rate
+                if ahead:  # --rate: not before its time
+                    time.sleep(min(0.005, cfg.produce_batch / cfg.rate))
+                elif ready < cfg.ready:
                     items, next_id = make_payloads(next_id, cfg.produce_batch, cfg.payload)
                     p.put(items)
                     enqueued[0] += len(items)
@@ -653,7 +657,8 @@ def render(raw: dict[str, Any], summary: dict[str, Any], cfg: Config, seconds: f
         (f"ringq from other hosts: PostgreSQL {env['server']['server_version']}, "
          f"synchronous_commit={env['server']['synchronous_commit']}, {env['cpus']} CPUs, "
          f"pg_stat_statements {'on' if env['statements_tracked'] else 'off'}"),
-        (f"1 producer ({cfg.produce_batch}/tx, ~{cfg.ready:,} ready), {cfg.consumers} consumer "
+        (f"1 producer ({cfg.produce_batch}/tx, ~{cfg.ready:,} ready"
+         f"{f', at most {cfg.rate:,.0f}/s' if cfg.rate else ''}), {cfg.consumers} consumer "
          f"threads (linked {cfg.take_linked}, SQL {cfg.take_sql}, pgmq {cfg.take_pgmq} per "
          f"take; {cfg.work_ms:g} ms work per entry; INSERT per batch in the take's "
          f"transaction), payload {cfg.payload} B, {cfg.duration:g} s per row; one ringq "
@@ -821,6 +826,9 @@ def parse_args(argv: list[str] | None) -> Any:
     p.add_argument("--sql-reserve-slots", action=argparse.BooleanOptionalAction, default=True,
                    help="the monitor reserves ring slots for SQL producers' batches (its "
                         "default); --no-sql-reserve-slots: every SQL entry through the inbox")
+    p.add_argument("--rate", type=float, default=0.0,
+                   help="entries/s the producer puts at most (0: no cap): the claim latency "
+                        "at a given rate, below what saturates the machine")
     p.add_argument("--statement-timeout", type=float, default=30.0,
                    help="statement_timeout of the rows' connections (s): a hang fails")
     a = p.parse_args(argv)
@@ -836,8 +844,9 @@ def parse_args(argv: list[str] | None) -> Any:
                  "ready", "capacity", "payload"):
         if getattr(a, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1")
-    if not a.duration > 0 or a.work_ms < 0 or a.wait <= 0 or a.poll_ms < 0 or a.settle < 0:
-        p.error("--duration and --wait must be > 0; --work-ms, --poll-ms, --settle >= 0")
+    if (not a.duration > 0 or a.work_ms < 0 or a.wait <= 0 or a.poll_ms < 0 or a.settle < 0
+            or a.rate < 0):
+        p.error("--duration and --wait must be > 0; --work-ms, --poll-ms, --settle, --rate >= 0")
     if a.payload < HEADER.size or a.payload > a.max_payload:
         p.error(f"--payload must be {HEADER.size} to --max-payload bytes")
     if a.ready + a.produce_batch > a.capacity:
