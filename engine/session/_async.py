@@ -502,9 +502,12 @@ class AsyncSession:
 
     # -- transactions -------------------------------------------------------------------
 
-    async def execute(self, query: str, params: Any = None, *, prepare: bool = False) -> Any:
+    async def execute(
+        self, query: str, params: Any = None, *, prepare: bool = False, defer: bool = False
+    ) -> Any:
         """As ``Session.execute``: your own statement in the session's
         transaction, its BEGIN in the same message; its rows' cursor.
+        ``defer``: sent with the commit's round trip (see ``Session.execute``).
 
         :raises StatementRejected, TransactionConflict, DatabaseError: as ``Session.execute``.
         """
@@ -512,6 +515,11 @@ class AsyncSession:
         link = self._link
         if prepare:
             link.prepared.add(query)
+        if defer:
+            link.deferred.append((query, params))
+            return None
+        if link.deferred:
+            await self.flush()  # they run first, in order
         try:
             got = await self._execute(query, params, binary=False, cursor=True)
             return _AsyncRows(got) if isinstance(got, awire.Rows) else got
@@ -553,7 +561,7 @@ class AsyncSession:
         plan = None
         try:
             try:
-                if writes:
+                if writes or link.deferred:
                     plan = txn.plan_writes(writes, commit=True)
                     link.round_trips += 1
                     try:
@@ -638,6 +646,7 @@ class AsyncSession:
     async def _rollback(self, count_delivery: bool, retry_after: float | None) -> None:
         link, txn = self._link, self._txn
         ops, link.ops = each_op(link.ops), []
+        link.deferred = []  # never sent: nothing of them ran
         deq = [op for op in ops if op.kind == OpKind.DEQUEUE] if count_delivery else []
         poisoned: set[tuple[int, int]] = set()
         try:

@@ -271,6 +271,7 @@ class Claims:
             link.conn.pgconn.transaction_status == _INTRANS
             and any(op.kind == OpKind.DEQUEUE and not op.held for op in ops)
             and not any(op.held for op in ops)
+            and not link.deferred
         ):
             txn.commit()
             return None

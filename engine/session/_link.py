@@ -75,6 +75,9 @@ class Link:
         self.producer_seq = 0
         # the inbox's pump: reserve nothing while SQL producers hold slots reserved
         self.behind_sql_puts = False
+        # the caller's statements to send with the transaction's next round
+        # trip of row writes (its commit, a flush): Session.execute(defer=True)
+        self.deferred: list[wire.Statement] = []
         self.ops: list[Item] = []
         # whether a statement went for the ops in flight (reset when there are none)
         self.sent_any = False
@@ -463,6 +466,7 @@ class Link:
         could not be decided now.
         """
         ops = each_op(items)
+        self.deferred = []  # the lost transaction's: they ran with it, or not at all
         old_pid, old_token, old_conn = self.backend_pid, self.owner, self.conn
         with suppress(Exception):  # already broken: closing is a courtesy
             old_conn.close()

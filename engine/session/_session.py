@@ -227,17 +227,35 @@ class Session:
         self._check()
         return self._link.conn
 
-    def execute(self, query: str, params: Any = None, *, prepare: bool = False) -> Any:
+    def execute(
+        self, query: str, params: Any = None, *, prepare: bool = False, defer: bool = False
+    ) -> Any:
         """Run your own ``query`` in the session's transaction in one round trip (its
         BEGIN in the same message; ``connection.execute`` takes two): its rows'
         cursor. ``prepare``: planned once per connection (params None, int, str, bytes,
         lists of int; like a text parameter each takes the type its place in the query says).
 
+        ``defer``: a statement whose rows you do not need (an INSERT recording
+        your work) is not sent now but with the transaction's row writes, in
+        the commit's round trip (or :meth:`flush`'s, :meth:`tpc_prepare`'s;
+        before your next statement that is not deferred): a consumer's
+        transaction then costs one round trip. Returns None. If it fails,
+        the commit raises its error and the transaction is rolled back (its
+        dequeued entries come back); a rollback drops it unsent.
+
         :raises StatementRejected, TransactionConflict, DatabaseError: it failed
             (``__cause__``: psycopg's error); the transaction is failed: roll it back.
         """
         self._check()
-        return self._link.execute_callers(query, params, prepare=prepare)
+        link = self._link
+        if defer:
+            if prepare:
+                link.prepared.add(query)
+            link.deferred.append((query, params))
+            return None
+        if link.deferred:
+            self._flush()  # they run first, in order
+        return link.execute_callers(query, params, prepare=prepare)
 
     def _check(self) -> None:
         self._require_open()
@@ -352,7 +370,7 @@ class Session:
         """Send the held row writes; a stale one rolls the transaction back (two-phase
         too; no strikes), resyncs the queue's block, and raises :class:`StaleSection`."""
         writes = self._txn.held_writes()
-        if not writes:
+        if not writes and not self._link.deferred:
             return
         try:
             self._txn.send_writes(writes, commit=False)

@@ -180,6 +180,7 @@ class TwoPhase:
         section. :raises InDoubt: the answer to a prepared one was lost."""
         link = self.link
         ops, link.ops = each_op(link.ops), []
+        link.deferred = []  # (flushed before a commit; a rollback drops them)
         gid = self._gid()
         try:
             link.call(link.conn.tpc_commit if commit else link.conn.tpc_rollback, recover=False)

@@ -72,14 +72,15 @@ class WritePlan:
     :meth:`Transaction.apply_writes` (the sync face sends it through
     ``wire.send``, the asyncio face through ``awire.send``)."""
 
-    __slots__ = ("alone", "enqueues", "statements", "writes")
+    __slots__ = ("alone", "enqueues", "skip", "statements", "writes")
 
     def __init__(
         self, writes: Sequence[Item], statements: list[wire.Statement],
-        enqueues: list[tuple[int, list[Op]]], alone: bool,
+        enqueues: list[tuple[int, list[Op]]], alone: bool, skip: int = 0,
     ) -> None:
-        self.writes, self.statements, self.enqueues, self.alone = (
-            writes, statements, enqueues, alone)
+        # skip: the caller's deferred statements first (``Session.execute(defer=True)``)
+        self.writes, self.statements, self.enqueues, self.alone, self.skip = (
+            writes, statements, enqueues, alone, skip)
 
 
 class Transaction:
@@ -117,7 +118,7 @@ class Transaction:
                 cur = link.call(
                     lambda: wire.commit_then(link.conn, query, params), recover=False
                 )
-            elif writes:
+            elif writes or link.deferred:
                 try:
                     self.send_writes(writes, commit=True)
                 except StaleSection as err:
@@ -259,14 +260,17 @@ class Transaction:
     def plan_writes(self, writes: Sequence[Item], *, commit: bool) -> WritePlan:
         """The statements of :meth:`send_writes` (both faces build them here)."""
         link = self.link
-        statements: list[wire.Statement] = []
+        # The caller's deferred statements go first, in this round trip.
+        statements: list[wire.Statement] = link.deferred
+        link.deferred = []
+        skip = len(statements)
         # (index of the statement in statements, its ops) of each enqueue statement
         enqueues: list[tuple[int, list[Op]]] = []
         single = writes[0] if len(writes) == 1 and isinstance(writes[0], Op) else None
         # One row write that is the whole transaction (a commit on an idle
         # connection) goes without the server-side guard: checked here.
         alone = (
-            single is not None and commit and not link.tpc_open
+            single is not None and commit and not link.tpc_open and not skip
             and link.conn.pgconn.transaction_status == _IDLE and not link.conn.autocommit
         )
         if single is not None:  # a single entry: no grouping
@@ -277,7 +281,7 @@ class Transaction:
                 statements.append(self._consume_statement(single.info.name, [single], alone=alone))
             by_queue: dict[str, list[Item]] = {}
         else:
-            by_queue = _by_key(writes, lambda op: op.info.name)
+            by_queue = _by_key(writes, lambda op: op.info.name) if writes else {}
         for name, group in by_queue.items():
             # held items: an enqueue's is its row write, a dequeue's its consuming write
             enq = [op for op in group if op.kind is OpKind.ENQUEUE]
@@ -289,7 +293,7 @@ class Transaction:
             if consume:
                 statements.append(self._consume_statement(name, consume))
         link.sent_any = True
-        return WritePlan(writes, statements, enqueues, alone)
+        return WritePlan(writes, statements, enqueues, alone, skip)
 
     def apply_writes(self, plan: WritePlan, cursors: Sequence[wire.Fetch]) -> None:
         """After the round trip of ``plan``: check what came back (a write
@@ -297,6 +301,7 @@ class Transaction:
         the ops what the payload cache and the due times need."""
         link = self.link
         writes, enqueues, alone = plan.writes, plan.enqueues, plan.alone
+        cursors = cursors[plan.skip:]  # (the caller's deferred statements' first)
         if alone and not enqueues and cursors[0].fetchone() is None:
             raise stale_section(writes[0].info.name)  # wrote nothing: RQ001's case
         for i, (at, due_ops) in enumerate(enqueues):
@@ -412,6 +417,7 @@ class Transaction:
         """Roll back in one round trip at most (see ``Session.rollback``)."""
         link = self.link
         ops, link.ops = each_op(link.ops), []
+        link.deferred = []  # never sent: nothing of them ran
         deq = [op for op in ops if op.kind == OpKind.DEQUEUE] if count_delivery else []
         poisoned: set[tuple[int, int]] = set()
         try:
