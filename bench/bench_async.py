@@ -8,8 +8,9 @@ transaction, and committing; ``--work-ms`` of sleep per entry stands for
 the work (0 by default).
 
 - **threads**: ``--consumers`` (32) threads, each with its own ringq Session
-  (``dequeue_many(take, wait=0.2)``, ``Session.execute(..., prepare=True)`` of
-  the INSERT, ``commit``);
+  (``dequeue_many(take, wait=0.2)``, ``Session.execute(..., prepare=True,
+  defer=True)`` of the INSERT, sent with the ``commit``: one round trip per
+  transaction; ``--no-defer``: the INSERT in its own);
 - **coroutines**: as many coroutines in one event loop, each with its own
   AsyncSession (``await`` the same calls): ``ringq worker --concurrency``'s shape;
 - **batch**: a batch consumer over a SKIP LOCKED table (PgQ's shape driven
@@ -31,6 +32,7 @@ prints where the client's time goes. Prints a table and writes JSON
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import cProfile
 import io
@@ -64,6 +66,7 @@ class Config:
     work_ms: float = 0.0
     rounds: int = 3
     profile: str | None = None
+    defer: bool = True
 
 
 def _q(template: str, *tables: str) -> sql.Composed:
@@ -111,7 +114,7 @@ def _threads(dsn: str, n: RunNames, cfg: Config, lat: list[int]) -> int:
             lat.append(time.perf_counter_ns() - t0)
             if cfg.work_ms:
                 time.sleep(cfg.work_ms * len(ms) / 1000)
-            s.execute(insert, ([m.seq for m in ms],), prepare=True)
+            s.execute(insert, ([m.seq for m in ms],), prepare=True, defer=cfg.defer)
             s.commit()
             done[i] += len(ms)
 
@@ -137,7 +140,7 @@ def _coroutines(dsn: str, n: RunNames, cfg: Config, lat: list[int]) -> int:
                 lat.append(time.perf_counter_ns() - t0)
                 if cfg.work_ms:
                     await asyncio.sleep(cfg.work_ms * len(ms) / 1000)
-                await s.execute(insert, ([m.seq for m in ms],), prepare=True)
+                await s.execute(insert, ([m.seq for m in ms],), prepare=True, defer=cfg.defer)
                 await s.commit()
                 done += len(ms)
 
@@ -311,9 +314,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--work-ms", type=float, default=d.work_ms)
     p.add_argument("--rounds", type=int, default=d.rounds)
     p.add_argument("--profile", choices=KINDS, default=None)
+    p.add_argument("--defer", action=argparse.BooleanOptionalAction, default=d.defer,
+                   help="ringq consumers send their INSERT with the commit "
+                        "(Session.execute(defer=True): one round trip per transaction); "
+                        "--no-defer: the INSERT in a round trip of its own")
     args = p.parse_args(argv)
     cfg = Config(args.entries, args.consumers, args.take, args.batch, args.batch_consumers,
-                 args.work_ms, args.rounds, args.profile)
+                 args.work_ms, args.rounds, args.profile, args.defer)
     names = RunNames.fresh("ba_q_{}", "ba_skq_{}", "ba_done_{}")
 
     def cleanup(dsn: str, embedded: bool) -> None:
