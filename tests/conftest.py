@@ -524,6 +524,18 @@ class AsyncFace:
         self.close()
 
 
+@pytest.fixture
+def stranger(dsn: str) -> Iterator[str]:
+    """A login role of its own on the cluster (dropped afterwards)."""
+    role = "r_" + uuid.uuid4().hex[:10]
+    with psycopg.connect(dsn, autocommit=True) as c:
+        c.execute(sql.SQL("CREATE ROLE {} LOGIN").format(sql.Identifier(role)))
+    yield role
+    with psycopg.connect(dsn, autocommit=True) as c:
+        c.execute(sql.SQL("DROP OWNED BY {}").format(sql.Identifier(role)))
+        c.execute(sql.SQL("DROP ROLE {}").format(sql.Identifier(role)))
+
+
 @pytest.fixture(params=["sync", "async"])
 def face(request: pytest.FixtureRequest) -> Callable[..., Any]:
     """``connect``, or the asyncio face behind a sync front (:class:`AsyncFace`):

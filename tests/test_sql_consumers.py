@@ -16,8 +16,7 @@ import subprocess
 import sys
 import threading
 import time
-import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -614,18 +613,6 @@ def test_without_a_monitor_sql_dequeue_returns_nothing_and_linked_consumers_get_
         assert nothing_for(c, q)
     assert offers(dsn, q) == []
     assert [(m.payload, m.deliveries) for m in drain(dsn, q)] == [(b"a", 1), (b"b", 1), (b"c", 1)]
-
-
-@pytest.fixture
-def stranger(dsn: str) -> Iterator[str]:
-    """A login role of its own on the cluster (dropped afterwards)."""
-    role = "r_" + uuid.uuid4().hex[:10]
-    with psycopg.connect(dsn, autocommit=True) as c:
-        c.execute(sql.SQL("CREATE ROLE {} LOGIN").format(sql.Identifier(role)))
-    yield role
-    with psycopg.connect(dsn, autocommit=True) as c:
-        c.execute(sql.SQL("DROP OWNED BY {}").format(sql.Identifier(role)))
-        c.execute(sql.SQL("DROP ROLE {}").format(sql.Identifier(role)))
 
 
 def test_a_role_without_the_grant_cannot_take_and_hostile_arguments_are_refused(

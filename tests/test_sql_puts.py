@@ -20,6 +20,7 @@ from typing import Any
 import psycopg
 import pytest
 from conftest import drain, own_server_queue, present, remove_section, wait_for
+from psycopg import sql
 from ringq.engine import connect
 from ringq.monitor import Monitor, MonitorConfig
 from test_sql_chunks import killed_9
@@ -264,3 +265,32 @@ def test_the_pump_reserves_nothing_while_slots_are_reserved_for_sql_producers(
         s.enqueue(q, b"linked")  # a linked producer is not held back
         s.commit()
     assert [x.payload for x in drain(dsn, q, wait=2.0)] == [b"linked"]
+
+
+def test_a_role_without_insert_on_the_inbox_cannot_put_into_reserved_slots(
+    dsn: str, make_queue: Callable[..., str], monitor: Callable[..., Monitor], stranger: str
+) -> None:
+    # ringq.pq_<name> runs as its owner (it writes the ring's rows): it checks
+    # first that the caller may INSERT into ringq.inbox, what an SQL enqueue needs.
+    q = make_queue(capacity=256, dequeue_mode="shared")
+    monitor(sql_reserve_slots=True)
+    warmed(dsn, q)
+    listed = reserved(dsn, q)
+    role = sql.Identifier(stranger)
+    with psycopg.connect(dsn, autocommit=True) as admin:
+        admin.execute(sql.SQL("GRANT USAGE ON SCHEMA ringq TO {}").format(role))
+        admin.execute(sql.SQL("GRANT SELECT ON ringq.queues, ringq.room TO {}").format(role))
+    with psycopg.connect(dsn, user=stranger, autocommit=True) as c:
+        with pytest.raises(psycopg.errors.InsufficientPrivilege):
+            put(c, q, [b"refused"])
+        with pytest.raises(psycopg.errors.InsufficientPrivilege):
+            c.execute(f"SELECT ringq.pq_{q}(%s, NULL, NULL)", ([b"refused"],))
+    assert reserved(dsn, q) == listed  # no slot was used
+    with psycopg.connect(dsn, autocommit=True) as admin:
+        admin.execute(sql.SQL("GRANT INSERT ON ringq.inbox TO {}").format(role))
+        admin.execute(sql.SQL("GRANT USAGE ON SEQUENCE ringq.inbox_id_seq TO {}").format(role))
+    with psycopg.connect(dsn, user=stranger, autocommit=True) as c:
+        put(c, q, [b"granted-1", b"granted-2"])
+    got = drain(dsn, q, wait=3.0)
+    assert [(m.payload, m.producer) for m in got] == [
+        (b"granted-1", f"sql:{stranger}"), (b"granted-2", f"sql:{stranger}")]
