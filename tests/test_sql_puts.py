@@ -19,7 +19,14 @@ from typing import Any
 
 import psycopg
 import pytest
-from conftest import drain, own_server_queue, present, remove_section, wait_for
+from conftest import (
+    drain,
+    own_server_queue,
+    present,
+    remove_section,
+    terminate_backend,
+    wait_for,
+)
 from psycopg import sql
 from ringq.engine import connect
 from ringq.monitor import Monitor, MonitorConfig
@@ -111,7 +118,7 @@ def test_groups_and_due_times_hold_for_entries_put_in_reserved_slots(
         s1.commit()
 
 
-def test_a_put_rolled_back_or_killed_9_leaves_nothing_and_the_queue_moves_on(
+def test_a_put_rolled_back_killed_9_or_terminated_leaves_nothing_and_the_queue_moves_on(
     dsn: str, make_queue: Callable[..., str], monitor: Callable[..., Monitor]
 ) -> None:
     q = make_queue(capacity=256, dequeue_mode="shared")
@@ -122,6 +129,13 @@ def test_a_put_rolled_back_or_killed_9_leaves_nothing_and_the_queue_moves_on(
         c.rollback()
     # A producer killed -9 while its put is under way (its transaction open).
     killed_9("SELECT ringq.enqueue_many(%s, %s::bytea[])", dsn, "BEGIN", q, "{killed,killed}")
+    # A producer whose backend is terminated (pg_terminate_backend) mid-transaction.
+    c = psycopg.connect(dsn)
+    put(c, q, [b"terminated-%d" % i for i in range(20)])
+    terminate_backend(dsn, c.info.backend_pid)
+    with pytest.raises(psycopg.OperationalError):
+        c.commit()
+    c.close()
     with psycopg.connect(dsn, autocommit=True) as c:
         put(c, q, [b"after-%d" % i for i in range(30)])
     got = [m.payload for m in drain(dsn, q, wait=2.0, batch=8)]
