@@ -21,7 +21,7 @@ On each pass the agent reads the listing back:
   them, not in a chunk reserved before);
 - while SQL producers put batches (``ringq.enqueue_many`` within
   :data:`DEMAND_S`, into reserved slots or into the inbox; ``ringq.enqueue``'s
-  single entries never start it) it keeps four times what they used since
+  single entries never start it) it keeps eight times what they used since
   its last pass listed;
   then it takes the unused chunks back and voids them (an unused reserved
   slot holds the ring's tail).
@@ -54,9 +54,10 @@ from . import _runs as R
 logger = logging.getLogger("ringq.sql")
 
 CHUNK = 16  # slots per listed chunk at most (the rest of a chunk used in part is void)
-RESERVE_MIN = 256
-RESERVE_MAX = 2048
+RESERVE_MIN = 512
+RESERVE_MAX = 8192
 RESERVE_SHARE = 4  # at most capacity / this reserved for SQL producers at once
+AHEAD = 8  # slots kept listed: this many times what was put since the last pass
 # Slots stay reserved this long after the queue's last put into them: a slot
 # reserved and unused holds the ring's tail (nothing after it is reclaimed).
 DEMAND_S = 2.0
@@ -132,7 +133,7 @@ class SqlPuts:
         wanted = wanted and not inbox and self.enabled
         target = self._target.get(info.id, RESERVE_MIN)
         cap = max(CHUNK, ring.cap // RESERVE_SHARE)
-        target = min(RESERVE_MAX, cap, max(target, 4 * used) if used else
+        target = min(RESERVE_MAX, cap, max(target, AHEAD * used) if used else
                      max(RESERVE_MIN, target - target // 16))
         self._target[info.id] = target
         listed = sum(n for _s, _sl, n in free)
