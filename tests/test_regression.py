@@ -1,7 +1,8 @@
 """The regression cycle and its Spark proof, against a real PostgreSQL and real processes.
 
-One SparkSession and one stored run serve the whole module (Spark starts in
-about 10 s): a small cycle must be proven, then each kind of fault is planted
+The suite's SparkSession (conftest's ``verifier``, shared by the modules that
+prove runs: Spark starts in about 10 s) and one stored run serve the whole
+module: a small cycle must be proven, then each kind of fault is planted
 into the stored run, caught with the right kind, and taken out again.
 """
 
@@ -54,12 +55,6 @@ def module_dsn(pg_cluster: Any) -> Iterator[str]:
     """A database for this module's stored run (the suite's ``dsn`` is per test)."""
     with fresh_database(pg_cluster, "t_regress") as url:
         yield url
-
-
-@pytest.fixture(scope="module")
-def verifier() -> Iterator[Verifier]:
-    with Verifier("local[2]") as v:
-        yield v
 
 
 @pytest.fixture(scope="module")
