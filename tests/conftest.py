@@ -12,6 +12,8 @@
 - ``make_queue`` (function): ``make_queue(capacity=64, max_payload=1024, **settings)``
   creates a queue with a fresh name in that database; afterwards the global
   section and semaphores of that database are removed.
+- ``verifier`` (session): one Spark session (``local[2]``) that proves the
+  regression runs of every module that asks for it, started once (about 10 s).
 
 And the helpers that several test modules share (``from conftest import ...``):
 :func:`present`, :func:`wait_for`, :func:`drain`, :func:`queue_in`,
@@ -47,6 +49,7 @@ from ringq.cluster import Cluster
 from ringq.engine import Message, Section, Session, connect, sections_on_host
 from ringq.engine import layout as L
 from ringq.monitor import Monitor, MonitorConfig
+from ringq.regression import Verifier
 from ringq.scripting import QueueSpec, create_queue
 from ringq.scripting import remove_section as remove_section_of
 
@@ -127,6 +130,14 @@ def _default_sigterm_in_child() -> None:
 
 
 os.register_at_fork(after_in_child=_default_sigterm_in_child)
+
+
+@pytest.fixture(scope="session")
+def verifier() -> Iterator[Verifier]:
+    """The suite's Spark session for the regression's proofs: Spark takes
+    about 10 s to start, and four modules prove runs. Stopped at the end."""
+    with Verifier("local[2]") as v:
+        yield v
 
 
 @pytest.fixture

@@ -27,12 +27,6 @@ from test_failover import stop_all
 pytestmark = pytest.mark.slow
 
 
-@pytest.fixture(scope="module")
-def verifier() -> Iterator[Verifier]:
-    with Verifier("local[2]") as v:
-        yield v
-
-
 @contextmanager
 def embedded(home: Path) -> Iterator[Cluster]:
     """An embedded cluster under ``home``; afterwards its section removed and

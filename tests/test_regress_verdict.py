@@ -13,7 +13,6 @@ import json
 import re
 import secrets
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -30,12 +29,6 @@ ERROR = (
     "cycle 1: consumer 0 (pid 4242): RolledBack: commit failed and was rolled back: "
     "terminating connection due to unexpected postmaster exit"
 )
-
-
-@pytest.fixture(scope="module")
-def verifier() -> Iterator[Verifier]:
-    with Verifier("local[2]") as v:
-        yield v
 
 
 def _report(**violations: int) -> Report:

@@ -349,7 +349,7 @@ SMALL = RegressConfig(payload_sizes=(16, 2000), capacity=32, entries_per_queue=1
 
 
 @pytest.fixture(scope="module")
-def runs(pg_cluster: Any, tmp_path_factory: pytest.TempPathFactory
+def runs(pg_cluster: Any, verifier: Verifier, tmp_path_factory: pytest.TempPathFactory
          ) -> Iterator[tuple[Path, RunOutcome, RunOutcome]]:
     """Run A: one cycle proven by Spark, a monitor serving the database; run B: one
     cycle, not proven."""
@@ -359,9 +359,8 @@ def runs(pg_cluster: Any, tmp_path_factory: pytest.TempPathFactory
         queue_in(dsn, 8)  # the schema, for the monitor to serve
         mon = MonitorProcess(dsn, mon_dir)
         try:
-            with Verifier("local[2]") as v:
-                a = run(dsn, SMALL, cycles=1, verifier=v, report_dir=reports, run_id="rep_a",
-                        monitor_dir=mon_dir)
+            a = run(dsn, SMALL, cycles=1, verifier=verifier, report_dir=reports, run_id="rep_a",
+                    monitor_dir=mon_dir)
             b = run(dsn, SMALL, cycles=1, report_dir=reports, run_id="rep_b")
         finally:
             assert mon.stop() == 0
