@@ -594,17 +594,21 @@ SELECT pg_terminate_backend(%s)
 -- slots_look --
 -- A queue's chunks of slots reserved for SQL producers (ringq.slots): seq,
 -- slot, n, whether a put touched the chunk (its xmax), whether that xmax is
--- a transaction running now (a put under way); then whether the inbox holds
--- entries for the queue (the agent reserves nothing while it does).
+-- a transaction running now (a put under way); then whether the inbox's
+-- oldest entry for the queue has waited longer than stalled_ms (a put
+-- moves the inbox's entries into chunks first; one that none moved, the
+-- agent takes the chunks back for the pump to move it).
 SELECT s.seq, s.slot, s.n, s.xmax <> '0'::xid,
        CASE WHEN s.xmax <> '0'::xid THEN s.xmax = ANY(ARRAY(
            SELECT a.backend_xid FROM pg_stat_activity a WHERE a.backend_xid IS NOT NULL))
        END
 FROM ringq.slots s WHERE s.queue_id = %(queue_id)s
 UNION ALL
--- and a last row (seq NULL): whether the inbox holds entries for the queue
+-- and a last row (seq NULL): whether the inbox's oldest entry waited that long
 SELECT NULL, NULL, NULL, NULL,
-       EXISTS (SELECT 1 FROM ringq.inbox i WHERE i.queue_id = %(queue_id)s)
+       coalesce((SELECT i.enqueued_at FROM ringq.inbox i WHERE i.queue_id = %(queue_id)s
+                 ORDER BY i.id LIMIT 1)
+                < clock_timestamp() - make_interval(secs => %(stalled_ms)s / 1000.0), false)
 
 -- slots_list --
 INSERT INTO ringq.slots (queue_id, seq, slot, n)

@@ -666,9 +666,9 @@ $body$, pick, q.name, 'ringq.' || quote_ident('q_' || q.name), 'q_' || q.name, q
         'q_' || q.name));
     -- ringq.pq_<name>(payloads, msg_group, not_before): a batch written into
     -- ring slots reserved for SQL producers (ringq.slots), in the caller's
-    -- transaction; returns the ids of the entries it put (a prefix of the
-    -- batch; none while the inbox holds entries for the queue, so that a
-    -- producer's entries stay in order). ringq.enqueue_many calls it after its
+    -- transaction, after the entries waiting in the inbox for the queue
+    -- (moved into the oldest slots first, so that a producer's entries stay
+    -- in order); returns the ids of the batch's entries it put (a prefix). ringq.enqueue_many calls it after its
     -- checks (checked again here: it can be called alone). It runs as its
     -- owner after checking that the caller may INSERT into ringq.inbox (the
     -- privilege an SQL enqueue needs). Chunks are locked one FETCH at a time
@@ -701,6 +701,20 @@ DECLARE
     firsts integer[] := '{}';
     ids    bigint[];
     due    timestamptz := CASE WHEN not_before > clock_timestamp() THEN not_before END;
+    -- the inbox's entries moved first: ids, payloads, producers, groups, due times
+    n_in   integer := 0;
+    ok_in  boolean;
+    in_ids bigint[] := '{}';
+    in_pl  bytea[] := '{}';
+    in_pr  text[] := '{}';
+    in_gr  text[] := '{}';
+    in_due timestamptz[] := '{}';
+    n_put  integer;
+    pls    bytea[];
+    prs    text[];
+    pss    bigint[];
+    grs    text[];
+    dues   timestamptz[];
 BEGIN
     IF want = 0 THEN
         RETURN '{}';
@@ -716,8 +730,34 @@ BEGIN
         RAISE EXCEPTION 'ringq: payload exceeds max_payload (%1$s bytes)'
             USING ERRCODE = 'string_data_right_truncation';
     END IF;
+    -- Entries waiting in the inbox for the queue go first, in their order (a
+    -- producer's batch never lands before what it put earlier), into the
+    -- oldest chunks: under the pump's lock of the queue (while the pump moves
+    -- them, the batch goes to the inbox behind them), the first 4,096, and
+    -- only if the library takes every one of them (those it refuses the pump
+    -- moves to ringq.exceptions).
     IF EXISTS (SELECT 1 FROM ringq.inbox i WHERE i.queue_id = %2$s) THEN
-        RETURN '{}';
+        IF NOT pg_try_advisory_xact_lock(hashtext('ringq.inbox'), %2$s) THEN
+            RETURN '{}';
+        END IF;
+        SELECT coalesce(array_agg(i.id ORDER BY i.id), '{}'),
+               coalesce(array_agg(i.payload ORDER BY i.id), '{}'),
+               coalesce(array_agg(i.producer ORDER BY i.id), '{}'),
+               coalesce(array_agg(i.msg_group ORDER BY i.id), '{}'),
+               coalesce(array_agg(CASE WHEN i.not_before > clock_timestamp()
+                                       THEN i.not_before END ORDER BY i.id), '{}'),
+               coalesce(bool_and(octet_length(i.payload) <= %1$s
+                                 AND (i.msg_group IS NULL OR (i.msg_group <> ''
+                                      AND octet_length(convert_to(i.msg_group, 'UTF8')) <= 128))
+                                 AND (i.not_before IS NULL OR isfinite(i.not_before))), true)
+        INTO in_ids, in_pl, in_pr, in_gr, in_due, ok_in
+        FROM (SELECT * FROM ringq.inbox i WHERE i.queue_id = %2$s
+              ORDER BY i.id LIMIT 4096 FOR UPDATE) i;
+        IF NOT ok_in THEN
+            RETURN '{}';
+        END IF;
+        n_in := cardinality(in_ids);
+        want := want + n_in;
     END IF;
     OPEN cur FOR SELECT s.seq, s.slot, s.n FROM ringq.slots s
                  WHERE s.queue_id = %2$s AND s.xmax = '0'::xid
@@ -737,16 +777,28 @@ BEGIN
     IF done = 0 THEN
         RETURN '{}';
     END IF;
-    -- The ids (producer_seq) come from the inbox's sequence, as an inbox
-    -- entry's do: one producer's rise across both ways in.
+    -- The batch's ids (producer_seq) come from the inbox's sequence, as an
+    -- inbox entry's do: one producer's rise across both ways in; an inbox
+    -- entry moved keeps its id.
+    n_put := greatest(0, done - n_in);
     ids := ARRAY(SELECT nextval(pg_get_serial_sequence('ringq.inbox', 'id'))
-                 FROM generate_series(1, done));
+                 FROM generate_series(1, n_put));
+    pls := in_pl[1:done] || payloads[1:n_put];
+    prs := in_pr[1:done] || array_fill('sql:' || who, ARRAY[n_put]);
+    pss := in_ids[1:done] || ids;
+    grs := in_gr[1:done] || array_fill(%5$I.msg_group, ARRAY[n_put]);
+    dues := in_due[1:done] || array_fill(due, ARRAY[n_put]);
+    IF n_in > 0 THEN
+        DELETE FROM ringq.inbox i WHERE i.id = ANY(in_ids[1:done]);
+    END IF;
     DELETE FROM ringq.slots s WHERE s.queue_id = %2$s AND s.seq = ANY(seqs);
     UPDATE ringq.%3$I r
     SET state = 1, seq = c.seq + (r.slot - c.slot),
-        payload = payloads[c.f0 + (r.slot - c.slot) + 1],
-        producer = 'sql:' || who, producer_seq = ids[c.f0 + (r.slot - c.slot) + 1],
-        msg_group = %5$I.msg_group, deliveries = 0, not_before = due, trace = NULL,
+        payload = pls[c.f0 + (r.slot - c.slot) + 1],
+        producer = prs[c.f0 + (r.slot - c.slot) + 1],
+        producer_seq = pss[c.f0 + (r.slot - c.slot) + 1],
+        msg_group = grs[c.f0 + (r.slot - c.slot) + 1], deliveries = 0,
+        not_before = dues[c.f0 + (r.slot - c.slot) + 1], trace = NULL,
         enq_at = now(), enq_user = who, deq_at = NULL, deq_user = NULL
     FROM unnest(seqs, slots, ts, firsts) AS c(seq, slot, t, f0)
     WHERE r.slot >= c.slot AND r.slot < c.slot + c.t
@@ -757,7 +809,7 @@ BEGIN
             done - got, done, %4$L USING ERRCODE = 'RQ001';
     END IF;
     PERFORM pg_notify('ringq_put', %4$L);  -- the agent publishes them (at commit)
-    RETURN ids;
+    RETURN ids;  -- the batch's entries put (a prefix; none when the inbox's took the slots)
 END
 $body$, q.max_payload, q.id, 'q_' || q.name, q.name, 'pq_' || q.name));
 END

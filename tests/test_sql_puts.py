@@ -79,6 +79,8 @@ def test_a_batch_goes_into_reserved_slots_in_order_and_linked_consumers_get_it_o
     with psycopg.connect(dsn) as c:
         for b in range(6):
             batch = [b"b%d-%02d" % (b, i) for i in range(37)]
+            # (the agent tops the listing up after each put's commit)
+            wait_for(lambda: reserved(dsn, q) >= 48, 20, "three chunks listed")
             ids += put(c, q, batch)
             # Written into ring rows in this transaction, not into the inbox.
             assert inbox(dsn, q, c) == 0
@@ -308,3 +310,51 @@ def test_a_role_without_insert_on_the_inbox_cannot_put_into_reserved_slots(
     got = drain(dsn, q, wait=3.0)
     assert [(m.payload, m.producer) for m in got] == [
         (b"granted-1", f"sql:{stranger}"), (b"granted-2", f"sql:{stranger}")]
+
+
+def test_a_put_moves_the_inbox_entries_into_reserved_slots_first_in_their_order(
+    dsn: str, make_queue: Callable[..., str], monitor: Callable[..., Monitor]
+) -> None:
+    # Single entries (ringq.enqueue) wait in the inbox while slots are
+    # reserved (the pump holds them back); the next batch's put moves them
+    # into the oldest chunks first, with their own ids and groups, then its own.
+    q = make_queue(capacity=512, dequeue_mode="shared")
+    monitor(sql_reserve_slots=True)
+    warmed(dsn, q)
+    wait_for(lambda: reserved(dsn, q) >= 64, 20, "four chunks listed")
+    with psycopg.connect(dsn, autocommit=True) as c:
+        singles = [present(c.execute("SELECT ringq.enqueue(%s, %s, %s)",
+                                     (q, b"single-%d" % i, "g" if i == 1 else None)).fetchone())[0]
+                   for i in range(3)]
+    with psycopg.connect(dsn) as c:
+        ids = put(c, q, [b"batch-%d" % i for i in range(5)])
+        assert inbox(dsn, q, c) == 0  # moved into the ring's rows in this transaction
+        c.commit()
+    got = drain(dsn, q, wait=3.0, batch=8)
+    assert [m.payload for m in got] == [b"single-0", b"single-1", b"single-2"] + [
+        b"batch-%d" % i for i in range(5)]
+    assert [m.producer_seq for m in got] == singles + ids  # the inbox's ids kept
+    assert [m.group for m in got][:3] == [None, "g", None]
+
+
+def test_an_inbox_entry_the_library_refuses_is_not_moved_by_a_put_and_nothing_stalls(
+    dsn: str, make_queue: Callable[..., str], monitor: Callable[..., Monitor]
+) -> None:
+    # A row put into ringq.inbox by hand that the library refuses stops a put
+    # from moving the inbox (its batch goes to the inbox behind it); the agent
+    # takes its slots back once the entry has waited, and the pump moves the
+    # refused row to ringq.exceptions and the rest into the ring, in order.
+    q = make_queue(capacity=256, dequeue_mode="shared", max_payload=64)
+    monitor(sql_reserve_slots=True)
+    warmed(dsn, q)
+    with psycopg.connect(dsn, autocommit=True) as c:
+        c.execute("INSERT INTO ringq.inbox (queue_id, payload) SELECT id, %s FROM ringq.queues"
+                  " WHERE name = %s", (b"x" * 100, q))
+        put(c, q, [b"after-%d" % i for i in range(4)])
+    got = drain(dsn, q, wait=5.0, batch=8)
+    assert [m.payload for m in got] == [b"after-%d" % i for i in range(4)]
+    with psycopg.connect(dsn, autocommit=True) as c:
+        refused = c.execute("SELECT count(*) FROM ringq.exceptions e JOIN ringq.queues q"
+                            " ON q.id = e.queue_id WHERE q.name = %s", (q,)).fetchone()
+    assert refused == (1,)
+    assert inbox(dsn, q) == 0

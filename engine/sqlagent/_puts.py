@@ -58,6 +58,8 @@ RESERVE_MIN = 512
 RESERVE_MAX = 8192
 RESERVE_SHARE = 4  # at most capacity / this reserved for SQL producers at once
 AHEAD = 8  # slots kept listed: this many times what was put since the last pass
+# An inbox entry that waited this long with slots reserved: taken back for the pump.
+INBOX_STALLED_MS = 200
 # Slots stay reserved this long after the queue's last put into them: a slot
 # reserved and unused holds the ring's tail (nothing after it is reclaimed).
 DEMAND_S = 2.0
@@ -116,8 +118,10 @@ class SqlPuts:
         mine = self._mine.get(info.id)
         if mine is None:  # first look: what the section holds reserved for SQL
             mine = R.held(sec, ring, reserved=True)
-        rows = conn.execute(_Q["slots_look"], {"queue_id": info.id}).fetchall()
-        inbox = any(r[0] is None and r[4] for r in rows)  # the inbox holds entries for it
+        rows = conn.execute(_Q["slots_look"], {"queue_id": info.id,
+                                               "stalled_ms": INBOX_STALLED_MS}).fetchall()
+        # an inbox entry for the queue that no put moved into chunks
+        inbox = any(r[0] is None and r[4] for r in rows)
         chunks, free, touched = R.sort_listing([r for r in rows if r[0] is not None])
         gone, mine = R.split_gone(mine, chunks)
         used = self._publish(sec, conn, ring, info, gone) if gone[0].size else 0
@@ -126,10 +130,12 @@ class SqlPuts:
         if used:
             self._asked[info.name] = self.clock()
             wanted = True
-        # While SQL entries wait in the inbox the pump holds them back as long
-        # as slots are reserved (their seqs come from the head, past them, and
-        # a producer's later puts would land before them): take the unused
-        # chunks back and reserve nothing until the pump has drained it.
+        # The pump holds the inbox's entries back while slots are reserved
+        # (their seqs would come from the head, past chunks a producer's later
+        # puts may fill): a put moves them into the oldest chunks first. One
+        # that waited INBOX_STALLED_MS (no put came, or the pump held the
+        # queue, or the library refuses one): take the unused chunks back and
+        # reserve nothing until the pump has drained it.
         wanted = wanted and not inbox and self.enabled
         target = self._target.get(info.id, RESERVE_MIN)
         cap = max(CHUNK, ring.cap // RESERVE_SHARE)
