@@ -63,8 +63,8 @@ def register(sub: Any) -> None:
     p.add_argument("--detach", action="store_true",
                    help="run in the background; exit once it serves")
     p.add_argument("--sql-reserve-slots", action=argparse.BooleanOptionalAction, default=True,
-                   help="reserve ring slots for SQL producers' ringq.enqueue_many (default: "
-                        "on; off: every SQL entry goes through ringq.inbox and the pump)")
+                   help="reserve ring slots for SQL producers' ringq.enqueue_many (off: "
+                        "every SQL entry goes through ringq.inbox and the pump)")
     p.add_argument("--reset-section", action="store_true",
                    help="remove the database's global section first (after a layout change; "
                         "stop every client first), then run")
