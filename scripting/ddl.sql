@@ -385,8 +385,8 @@ BEGIN
     FOREACH p IN ARRAY payloads LOOP
         PERFORM ringq.check_entry(q, p, msg_group, not_before);
     END LOOP;
-    -- Into ring slots reserved for SQL producers first (none while the inbox
-    -- holds entries for the queue: a producer's entries stay in order).
+    -- Into ring slots reserved for SQL producers first, after the entries
+    -- waiting in the inbox for the queue (a producer's entries stay in order).
     IF to_regprocedure(format('ringq.%I(bytea[],text,timestamptz)', 'pq_' || q.name)) IS NOT NULL
     THEN
         EXECUTE format('SELECT ringq.%I($1, $2, $3)', 'pq_' || q.name)

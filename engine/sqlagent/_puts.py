@@ -14,11 +14,12 @@ On each pass the agent reads the listing back:
   left void (the rest of a chunk used in part);
 - a chunk whose xmax is set and that no transaction holds was touched by a
   put that did not commit: unlisted and voided;
-- while the inbox holds entries for the queue (a put found too few slots, or
-  none) it reserves nothing and takes the unused chunks back: the pump moves
-  a queue's inbox entries only while no slot is reserved for SQL producers
-  (the entries get seqs at the head; a producer's later puts must land after
-  them, not in a chunk reserved before);
+- the pump moves a queue's inbox entries only while no slot is reserved for
+  SQL producers (they would get seqs at the head, and a producer's later puts
+  must land after them, not in a chunk reserved before): a put moves them
+  into the oldest chunks first (``ringq.pq_<name>``); while one has waited
+  :data:`INBOX_STALLED_MS` (no put came, or the library refuses one) the
+  agent reserves nothing and takes the unused chunks back, for the pump;
 - while SQL producers put batches (``ringq.enqueue_many`` within
   :data:`DEMAND_S`, into reserved slots or into the inbox; ``ringq.enqueue``'s
   single entries never start it) it keeps eight times what they used since
