@@ -666,11 +666,6 @@ LISTEN ringq_want
 -- agent_listen_puts --
 LISTEN ringq_put
 
--- agent_listen_moved --
--- The inbox's pump moved a batch (it may have emptied the queue's inbox:
--- slots can be reserved for SQL producers again).
-LISTEN ringq_moved
-
 -- agent_async_commit --
 -- The agent's own commits (its listings) need not wait for the WAL flush: a
 -- take that commits flushes the listing it saw before it (the WAL is one

@@ -125,15 +125,10 @@ WITH p AS MATERIALIZED (
     ) p
     WHERE p.lim > 0 AND pg_try_advisory_xact_lock(hashtext('ringq.inbox'), p.id)
     LIMIT 1
-), told AS MATERIALIZED (
-    -- At commit, the SQL agent looks again (ringq_moved): it reserves slots for
-    -- SQL producers only while the queue's inbox is empty, and this may empty it.
-    SELECT pg_notify('ringq_moved', (SELECT name FROM q)) WHERE EXISTS (SELECT 1 FROM q)
 )
 DELETE FROM ringq.inbox WHERE id IN (
     SELECT i.id FROM ringq.inbox i WHERE i.queue_id = (SELECT id FROM q)
     ORDER BY i.id LIMIT (SELECT lim FROM q))
-    AND (SELECT count(*) FROM told) >= 0
 RETURNING (SELECT id FROM q), (SELECT name FROM q), (SELECT lim FROM q),
           (SELECT count(*) FROM p WHERE p.id <> (SELECT id FROM q)),
           id, payload, producer, msg_group,

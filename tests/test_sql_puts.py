@@ -68,6 +68,14 @@ def warmed(dsn: str, queue: str) -> None:
     assert [m.payload for m in drain(dsn, queue, wait=0.5)] == [b"warm"]
 
 
+def rebuilt(dsn: str, m: Monitor) -> None:
+    """Remove the database's section and wait until the monitor has made a new one."""
+    gen = m.read_section(lambda sec: sec.generation)
+    remove_section(dsn)
+    wait_for(lambda: m.read_section(lambda sec: sec.generation) not in (None, gen),
+             what="a new section")
+
+
 def test_a_batch_goes_into_reserved_slots_in_order_and_linked_consumers_get_it_once(
     dsn: str, make_queue: Callable[..., str], monitor: Callable[..., Monitor]
 ) -> None:
@@ -169,10 +177,7 @@ def test_a_section_rebuilt_keeps_the_reserved_slots_and_a_put_under_way_lands(
     warmed(dsn, q)
     with psycopg.connect(dsn) as c:
         put(c, q, [b"in-flight-%d" % i for i in range(12)])
-        gen = m.read_section(lambda sec: sec.generation)
-        remove_section(dsn)
-        wait_for(lambda: m.read_section(lambda sec: sec.generation) not in (None, gen),
-                 what="a new section")
+        rebuilt(dsn, m)
         with connect(dsn) as s:  # linked producers reserve past the listed slots
             s.enqueue(q, b"linked")
             s.commit()
@@ -251,10 +256,7 @@ def test_a_put_committing_between_a_loads_reads_is_neither_lost_nor_stranded(
         return held_slots(conn, qid)
 
     monkeypatch.setattr(_decide, "held_slots", commit_first)
-    gen = m.read_section(lambda sec: sec.generation)
-    remove_section(dsn)
-    wait_for(lambda: m.read_section(lambda sec: sec.generation) not in (None, gen),
-             what="a new section")
+    rebuilt(dsn, m)
     assert c.closed  # the load did read between the two
     got = [x.payload for x in drain(dsn, q, wait=3.0, batch=4)]
     assert got == [b"between-%d" % i for i in range(12)]

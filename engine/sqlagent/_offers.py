@@ -139,7 +139,7 @@ class SqlAgent:
         if not row or not row[0]:
             raise SchemaMissing("the SQL path's tables (ringq.waiters, ringq.slots) are "
                                  "missing: run `ringq db upgrade`")
-        for listen in ("agent_listen", "agent_listen_puts", "agent_listen_moved"):
+        for listen in ("agent_listen", "agent_listen_puts"):
             conn.execute(_Q[listen])
         conn.execute(_Q["agent_async_commit"])
 
@@ -159,8 +159,7 @@ class SqlAgent:
 
     def heard(self, channel: str, queue: str) -> None:
         """A notification on the agent's connection: a SQL consumer's ask
-        (``ringq_want``), a SQL producer's batch (``ringq_put``) or the pump's
-        (``ringq_moved``: nothing to note, the next pass looks again)."""
+        (``ringq_want``) or a SQL producer's batch (``ringq_put``)."""
         if channel == PUT_CHANNEL:
             self.puts.asked(queue)
         elif channel == WANT_CHANNEL:
