@@ -553,8 +553,14 @@ DELETE FROM ringq.offers o WHERE o.queue_id = %s AND o.seq IN (
 RETURNING o.seq, o.slot, o.n
 
 -- offers_wake --
--- Wake up to n waiting SQL consumers of a queue (id, name, n), delivered at commit.
+-- Wake waiting SQL consumers of a queue (id, name, n), enough to take n
+-- entries, delivered at commit.
 SELECT ringq.wake(%s, %s, %s)
+
+-- waiters_gone --
+-- The waiter rows of backends that ended while they waited.
+DELETE FROM ringq.waiters w
+WHERE NOT EXISTS (SELECT FROM pg_stat_activity a WHERE a.pid = w.pid)
 
 -- offers_clean_runs --
 -- Rows about to be listed (runs: seq, slot, n, as offers_runs) written again

@@ -475,38 +475,49 @@ CREATE TABLE IF NOT EXISTS ringq.offers (
 ALTER TABLE ringq.offers ADD COLUMN IF NOT EXISTS n integer NOT NULL DEFAULT 1;
 
 -- SQL consumers waiting for entries: a take that finds nothing adds its
--- backend here and LISTENs on ringq_ready_<its pid>, and whoever lists chunks
--- wakes as many waiters as it listed chunks (ringq.wake), one NOTIFY each:
--- not every consumer at every listing. The row is the consumer's ask.
+-- backend here, with how many entries it asked for (want), and LISTENs on
+-- ringq_ready_<its pid>; whoever lists entries wakes enough waiters to take
+-- them (ringq.wake), one NOTIFY each: not every consumer at every listing.
+-- The row is the consumer's ask.
 CREATE TABLE IF NOT EXISTS ringq.waiters (
     queue_id integer NOT NULL,
     pid      integer NOT NULL,
     since    timestamptz NOT NULL DEFAULT now(),
     PRIMARY KEY (queue_id, pid)
 );
+ALTER TABLE ringq.waiters ADD COLUMN IF NOT EXISTS want integer NOT NULL DEFAULT 1;
 
--- ringq.wake(queue_id, queue, n): wake up to n waiting SQL consumers of the
--- queue (oldest first; delivered at the caller's commit); returns how many.
+-- ringq.wake(queue_id, queue, n): wake waiting SQL consumers of the queue,
+-- oldest first, until those woken asked for n entries in all (one whose
+-- take finds nothing waits again; delivered at the caller's commit);
+-- returns how many were woken.
 CREATE OR REPLACE FUNCTION ringq.wake(queue_id integer, queue text, n integer)
 RETURNS integer
 LANGUAGE plpgsql
 AS $ringq$
 DECLARE
     woken integer := 0;
+    wanted bigint := 0;
+    cur refcursor;
     w integer;
+    w_want integer;
 BEGIN
-    FOR w IN
-        WITH c AS MATERIALIZED (
-            SELECT x.pid FROM ringq.waiters x WHERE x.queue_id = wake.queue_id
-            ORDER BY x.since LIMIT greatest(n, 0) FOR UPDATE SKIP LOCKED
-        )
-        DELETE FROM ringq.waiters x USING c
-        WHERE x.queue_id = wake.queue_id AND x.pid = c.pid
-        RETURNING x.pid
+    IF n IS NULL OR n <= 0 THEN
+        RETURN 0;
+    END IF;
+    -- one FETCH at a time: only the waiters woken are locked
+    OPEN cur FOR SELECT x.pid, x.want FROM ringq.waiters x WHERE x.queue_id = wake.queue_id
+                 ORDER BY x.since FOR UPDATE SKIP LOCKED;
     LOOP
+        FETCH cur INTO w, w_want;
+        EXIT WHEN NOT FOUND;
+        DELETE FROM ringq.waiters x WHERE x.queue_id = wake.queue_id AND x.pid = w;
         PERFORM pg_notify('ringq_ready_' || w, queue);
         woken := woken + 1;
+        wanted := wanted + greatest(w_want, 1);
+        EXIT WHEN wanted >= n;
     END LOOP;
+    CLOSE cur;
     RETURN woken;
 END
 $ringq$;
@@ -517,8 +528,9 @@ $ringq$;
 -- SQL dequeuer at a time (a second gets nothing, as a second linked dequeuer
 -- does), in order; shared: consumers read past chunks others hold. Nothing
 -- set aside (no agent running, or none asked yet): no rows; the caller is
--- then a waiter (ringq.waiters: the ask, with a NOTIFY on ringq_want to wake
--- the agent, delivered at commit) and LISTENs on ringq_ready_<pid>, which
+-- then a waiter (ringq.waiters: the ask; the first waiter of the queue also
+-- wakes the agent, a NOTIFY on ringq_want delivered at commit) and LISTENs
+-- on ringq_ready_<pid>, which
 -- the agent notifies (payload: the queue's name) when it lists entries: wait
 -- for a notification after the commit, then call again. A take that gets
 -- entries stops listening (UNLISTEN, only if it was).
@@ -615,10 +627,17 @@ BEGIN
         -- Nothing to take: wait as a waiter (the ask), woken on a channel of
         -- this backend's own; listening only while waiting (PostgreSQL
         -- signals every listening backend at every notifying commit).
-        INSERT INTO ringq.waiters (queue_id, pid) VALUES (%5$s, pg_backend_pid())
+        INSERT INTO ringq.waiters (queue_id, pid, want) VALUES (%5$s, pg_backend_pid(), max_n)
         ON CONFLICT DO NOTHING;
         EXECUTE format('LISTEN %%I', 'ringq_ready_' || pg_backend_pid());
-        PERFORM pg_notify('ringq_want', %2$L);
+        -- The first waiter wakes the agent (ringq_want); while others wait
+        -- the agent knows the queue is wanted (it reads the waiters on its
+        -- passes), and each NOTIFY would cost every listening backend of
+        -- the database a transaction: a waiting consumer costs next to nothing.
+        IF NOT EXISTS (SELECT FROM ringq.waiters w
+                       WHERE w.queue_id = %5$s AND w.pid <> pg_backend_pid()) THEN
+            PERFORM pg_notify('ringq_want', %2$L);
+        END IF;
         RETURN;
     END IF;
     -- Whole chunks up to max_n; the last one taken in part if it is longer.

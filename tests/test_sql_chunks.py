@@ -92,6 +92,32 @@ def test_an_empty_take_waits_on_its_own_channel_and_the_listing_wakes_it(
         assert listening(idle) == [] and list(idle.notifies(timeout=0.3)) == []
 
 
+def test_only_the_first_waiter_asks_the_agent_and_a_wake_counts_what_waiters_want(
+    dsn: str, make_queue: Callable[..., str]
+) -> None:
+    q = make_queue(capacity=64, dequeue_mode="shared")
+    with psycopg.connect(dsn, autocommit=True) as agent, psycopg.connect(dsn) as c1, \
+            psycopg.connect(dsn) as c2, psycopg.connect(dsn) as c3:
+        agent.execute("LISTEN ringq_want")
+        asks = []
+        for c in (c1, c2, c3, c1):  # c1 again: still a waiter
+            assert take(c, q, 10) == []
+            c.commit()
+            asks.append(len(list(agent.notifies(timeout=0.3))))
+        # Each NOTIFY costs every listening backend a transaction: only the
+        # first waiter wakes the agent; it reads the others on its passes.
+        assert asks == [1, 0, 0, 0]
+        assert len(waiters(dsn, q)) == 3
+        qid = present(agent.execute("SELECT id FROM ringq.queues WHERE name = %s",
+                                    (q,)).fetchone())[0]
+        # Enough waiters for the entries listed, oldest first: each asked for 10.
+        assert present(agent.execute("SELECT ringq.wake(%s, %s, 6)", (qid, q)).fetchone()) == (1,)
+        assert [n.channel for n in c1.notifies(timeout=5, stop_after=1)] == [
+            f"ringq_ready_{c1.info.backend_pid}"]
+        assert present(agent.execute("SELECT ringq.wake(%s, %s, 11)", (qid, q)).fetchone()) == (2,)
+        assert waiters(dsn, q) == []
+
+
 def test_a_waiter_killed_9_does_not_keep_the_others_waiting(
     dsn: str, make_queue: Callable[..., str], monitor: Callable[..., Monitor]
 ) -> None:

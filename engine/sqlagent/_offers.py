@@ -204,6 +204,7 @@ class SqlAgent:
             self._listed |= held_sql | set(self._mine)
             self._held_sql = held_sql  # a producers' pass settles any reserved among them
             self._end_overdue(conn)
+            conn.execute(_Q["waiters_gone"])  # a dead waiter's row would keep its queue wanted
         wanted = {n for n, t in self._asked.items() if now - t < DEMAND_S}
         putting = self.puts.busy(now)
         if (wanted | putting) and not {i.name for i in self._infos.values()} >= wanted | putting:
@@ -260,6 +261,10 @@ class SqlAgent:
         self._looked[info.id] = now
         rows = conn.execute(_Q["offers_look"], {"queue_id": info.id}).fetchall()
         waiters = next((int(r[1]) for r in rows if r[0] == 1), 0)
+        if waiters:
+            # A waiter is an ask: only the queue's first waiter sends
+            # ringq_want, so the others keep the queue wanted from here.
+            self._asked[info.name] = now
         chunks, free, touched = sort_listing([r[1:] for r in rows if r[0] == 0])
         gone, mine = split_gone(mine, chunks)
         taken = self._settle_gone(sec, conn, ring, info, table, gone) if gone[0].size else 0
@@ -284,12 +289,12 @@ class SqlAgent:
         self._target[info.id] = target
         if wanted and takeable < target - target // 4:
             new = self._offer(sec, conn, ring, info, target - takeable,
-                              len(free) if waiters else 0)
+                              takeable if waiters else 0)
             if new[0].size:
                 mine = (np.concatenate([mine[0], new[0]]), np.concatenate([mine[1], new[1]]))
                 takeable += int(new[0].size)
         elif waiters and free:
-            self._wake(conn, info, len(free))
+            self._wake(conn, info, takeable)
         elif not wanted and takeable > 0:
             back = self._withdraw(sec, conn, ring, info)
             if back.size:
@@ -413,9 +418,9 @@ class SqlAgent:
         self, sec: Section, conn: psycopg.Connection[Any], ring: Ring, info: QueueInfo, n: int,
         wake: int,
     ) -> Entries:
-        """List up to ``n`` ready entries for SQL consumers and wake up to
-        ``wake`` (plus one per chunk listed) of those waiting, in one round
-        trip; returns the entries listed (seqs, slots)."""
+        """List up to ``n`` ready entries for SQL consumers and wake those
+        waiting, enough to take ``wake`` entries plus those listed, in one
+        round trip; returns the entries listed (seqs, slots)."""
         slots, seqs = self._claim(sec, ring, info, n)
         if not slots.size:
             if wake:
@@ -429,7 +434,7 @@ class SqlAgent:
                 (_Q["agent_index_scans"], None),
                 (sql.SQL(_Q["offers_clean_runs"]).format(table=table), runs),
                 (_Q["offers_runs"], {"queue_id": info.id, **runs}),
-                (_Q["offers_wake"], (info.id, info.name, wake + len(runs["run_ns"]))),
+                (_Q["offers_wake"], (info.id, info.name, wake + int(slots.size))),
             ])
         except BaseException:
             self._give_back(sec, ring, info,
@@ -440,7 +445,7 @@ class SqlAgent:
         return seqs.astype(np.int64), slots.astype(np.int64)
 
     def _wake(self, conn: psycopg.Connection[Any], info: QueueInfo, n: int) -> None:
-        """Wake up to ``n`` SQL consumers waiting for the queue."""
+        """Wake SQL consumers waiting for the queue, enough to take ``n`` entries."""
         row = conn.execute(_Q["offers_wake"], (info.id, info.name, n)).fetchone()
         self.figures.woken += int(row[0]) if row else 0
 
