@@ -491,7 +491,8 @@ SELECT DISTINCT queue_id, true FROM ringq.waiters
 -- one that did not commit), and whether that xmax is a transaction running
 -- now (a take under way; a prepared one is not listed there, and
 -- offers_touched, which locks, still tells it apart)), then the number of
--- waiting SQL consumers (kind 1, in seq).
+-- waiting SQL consumers and the entries they asked for (kind 1, in seq and
+-- slot).
 SELECT 0, o.seq, o.slot, o.n, o.xmax <> '0'::xid,
        -- read once per statement (an InitPlan), and only when a row gets here
        CASE WHEN o.xmax <> '0'::xid THEN o.xmax = ANY(ARRAY(
@@ -499,7 +500,8 @@ SELECT 0, o.seq, o.slot, o.n, o.xmax <> '0'::xid,
        END
 FROM ringq.offers o WHERE o.queue_id = %(queue_id)s
 UNION ALL
-SELECT 1, count(*), NULL, NULL, NULL, NULL FROM ringq.waiters w WHERE w.queue_id = %(queue_id)s
+SELECT 1, count(*), coalesce(sum(w.want), 0), NULL, NULL, NULL FROM ringq.waiters w
+WHERE w.queue_id = %(queue_id)s
 
 -- offers_gone --
 -- Entries the agent listed that are no longer listed (runs: slot, seq, n),

@@ -118,6 +118,26 @@ def test_only_the_first_waiter_asks_the_agent_and_a_wake_counts_what_waiters_wan
         assert waiters(dsn, q) == []
 
 
+def test_what_waiting_consumers_asked_for_is_listed_in_one_pass(
+    dsn: str, make_queue: Callable[..., str]
+) -> None:
+    q = make_queue(capacity=1024, dequeue_mode="shared")
+    with connect(dsn) as s, psycopg.connect(dsn, autocommit=True) as agent_conn, \
+            psycopg.connect(dsn) as c:
+        SqlAgent.prepare(agent_conn)
+        assert take(c, q, 300) == []  # a waiter that asked for 300
+        c.commit()
+        enqueue_committed(dsn, q, *[b"x%03d" % i for i in range(400)])
+        s.queue_info(q)
+        agent = SqlAgent()
+        agent.asked(q)
+        agent.run(s.section, agent_conn)
+        # Not only the agent's first target (64): an idle consumer's ask, at once.
+        assert len(offers(dsn, q)) >= 300
+        assert len(got(take(c, q, 300))) == 300
+        c.commit()
+
+
 def test_a_waiter_killed_9_does_not_keep_the_others_waiting(
     dsn: str, make_queue: Callable[..., str], monitor: Callable[..., Monitor]
 ) -> None:

@@ -260,7 +260,7 @@ class SqlAgent:
             mine = held(sec, ring, reserved=False)
         self._looked[info.id] = now
         rows = conn.execute(_Q["offers_look"], {"queue_id": info.id}).fetchall()
-        waiters = next((int(r[1]) for r in rows if r[0] == 1), 0)
+        waiters, want = next(((int(r[1]), int(r[2])) for r in rows if r[0] == 1), (0, 0))
         if waiters:
             # A waiter is an ask: only the queue's first waiter sends
             # ringq_want, so the others keep the queue wanted from here.
@@ -287,9 +287,12 @@ class SqlAgent:
         else:
             target = max(OFFER_MIN, target - target // 16)  # a quiet pass: keep less aside
         self._target[info.id] = target
-        if wanted and takeable < target - target // 4:
-            new = self._offer(sec, conn, ring, info, target - takeable,
-                              takeable if waiters else 0)
+        # Topped up to the target once a quarter of it was taken; and at once
+        # what waiting consumers asked for (they are idle now).
+        short = max(target - takeable if takeable < target - target // 4 else 0,
+                    want - takeable)
+        if wanted and short > 0:
+            new = self._offer(sec, conn, ring, info, short, takeable if waiters else 0)
             if new[0].size:
                 mine = (np.concatenate([mine[0], new[0]]), np.concatenate([mine[1], new[1]]))
                 takeable += int(new[0].size)
