@@ -382,9 +382,15 @@ BEGIN
     IF n = 0 THEN
         RETURN '{}'::bigint[];
     END IF;
-    FOREACH p IN ARRAY payloads LOOP
-        PERFORM ringq.check_entry(q, p, msg_group, not_before);
-    END LOOP;
+    -- ringq.check_entry's checks, once for the batch: on its first payload
+    -- that is NULL or too long (the error), else on an empty one (the group
+    -- and the due time, the same for every entry).
+    SELECT x INTO p FROM unnest(payloads) x
+    WHERE x IS NULL OR octet_length(x) > q.max_payload LIMIT 1;
+    IF NOT FOUND THEN
+        p := ''::bytea;
+    END IF;
+    PERFORM ringq.check_entry(q, p, msg_group, not_before);
     -- Into ring slots reserved for SQL producers first, after the entries
     -- waiting in the inbox for the queue (a producer's entries stay in order).
     IF to_regprocedure(format('ringq.%I(bytea[],text,timestamptz)', 'pq_' || q.name)) IS NOT NULL
@@ -800,8 +806,7 @@ BEGIN
     -- inbox entry's do: one producer's rise across both ways in; an inbox
     -- entry moved keeps its id.
     n_put := greatest(0, done - n_in);
-    ids := ARRAY(SELECT nextval(pg_get_serial_sequence('ringq.inbox', 'id'))
-                 FROM generate_series(1, n_put));
+    ids := ARRAY(SELECT nextval(%6$L::regclass) FROM generate_series(1, n_put));
     pls := in_pl[1:done] || payloads[1:n_put];
     prs := in_pr[1:done] || array_fill('sql:' || who, ARRAY[n_put]);
     pss := in_ids[1:done] || ids;
@@ -830,7 +835,9 @@ BEGIN
     PERFORM pg_notify('ringq_put', %4$L);  -- the agent publishes them (at commit)
     RETURN ids;  -- the batch's entries put (a prefix; none when the inbox's took the slots)
 END
-$body$, q.max_payload, q.id, 'q_' || q.name, q.name, 'pq_' || q.name));
+$body$, q.max_payload, q.id, 'q_' || q.name, q.name, 'pq_' || q.name,
+        -- the inbox's sequence, looked up once here, not once per id
+        pg_get_serial_sequence('ringq.inbox', 'id')));
 END
 $ringq$;
 
