@@ -26,6 +26,7 @@ from .driver.pg import (
     connected,
     converted,
     from_psycopg,
+    notifies,
     run,
     transaction,
 )
@@ -39,6 +40,7 @@ __all__ = [
     "connected",
     "converted",
     "from_psycopg",
+    "notifies",
     "run",
     "transaction",
 ]

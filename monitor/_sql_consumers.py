@@ -80,7 +80,7 @@ class SqlConsumers:
                     agent.forget()  # asks sent while we were away are lost: look again
                 pace = self._attachment.read(functools.partial(self._pass, conn))
                 wait = self._settings().recovery_interval if pace is None else pace
-                for n in conn.notifies(timeout=wait, stop_after=1):
+                for n in pg.notifies(conn, wait):
                     agent.heard(n.channel, n.payload)
             except Exception as exc:  # a pass that failed is tried again; never fatal
                 self.failures += 1

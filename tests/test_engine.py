@@ -1265,3 +1265,23 @@ def test_a_cached_batch_rolled_back_is_redelivered_and_one_committed_is_gone(
         stats = s.stats(q)
         assert stats["depth"] == 0 and stats["deq_commits"] == 40, stats
     assert drain(dsn, q) == []
+
+
+def test_pg_notifies_returns_what_came_and_waits_at_most_its_timeout(dsn: str) -> None:
+    from ringq.engine import pg
+
+    with psycopg.connect(dsn, autocommit=True) as c, psycopg.connect(dsn, autocommit=True) as o:
+        c.execute("LISTEN t_notifies")
+        began = time.monotonic()
+        assert pg.notifies(c, 0.2) == []
+        assert 0.15 < time.monotonic() - began < 5
+        o.execute("NOTIFY t_notifies, 'a'")
+        assert [n.payload for n in pg.notifies(c, 5)] == ["a"]
+        # One that a statement's results brought (psycopg keeps it aside):
+        # returned at once, not after a wait on a socket with nothing to read.
+        o.execute("NOTIFY t_notifies, 'b'")
+        time.sleep(0.2)
+        c.execute("SELECT 1")
+        began = time.monotonic()
+        assert [n.payload for n in pg.notifies(c, 5)] == ["b"]
+        assert time.monotonic() - began < 2.5
