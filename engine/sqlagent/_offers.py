@@ -125,6 +125,7 @@ class SqlAgent:
     # queue id -> the entries the agent listed and has not settled (seqs, slots)
     _mine: dict[int, Entries] = field(default_factory=dict)
     _looked: dict[int, float] = field(default_factory=dict)  # queue id -> its last listing read
+    _dry: set[int] = field(default_factory=set)  # queue ids with nothing takeable at that read
     puts: SqlPuts = field(default_factory=SqlPuts)  # the producers' side
     _held_sql: set[int] = field(default_factory=set)  # queues the section holds for SQL (a scan)
     # (system identifier, timeline) of the server the connection reaches (read once per connection)
@@ -249,15 +250,18 @@ class SqlAgent:
         table = queue_table(info.name)
         mine = self._mine.get(info.id)
         now = self.clock()
-        if mine is None and info.id in self._looked:
-            # Nothing listed: while the section has nothing ready either there
-            # is nothing to list, take back or wake; look at the rows only now
-            # and then (a starved queue is passed every STARVED_WAIT_S).
-            if ring.Q[ring.qb + L.Q_DEPTH_HINT] <= 0 and now - self._looked[info.id] < QUIET_LOOK_S:
+        looked = self._looked.get(info.id)
+        if looked is not None and (mine is None or info.id in self._dry):
+            # Nothing takeable listed at the last look (none listed, or every
+            # chunk taken): while the section has nothing ready either there
+            # is nothing to list, take back or wake, and what was taken is
+            # settled at the next look; look at the rows only now and then (a
+            # starved queue is passed every STARVED_WAIT_S, at 10 us a pass
+            # where a look costs a query and ~1 ms of the agent's CPU).
+            if ring.Q[ring.qb + L.Q_DEPTH_HINT] <= 0 and now - looked < QUIET_LOOK_S:
                 return STARVED_WAIT_S if wanted else None
-            mine = NONE
-        elif mine is None:  # first look: what the section holds for SQL, listed or not
-            mine = held(sec, ring, reserved=False)
+        if mine is None:  # none listed; at the first look, what the section holds for SQL
+            mine = NONE if looked is not None else held(sec, ring, reserved=False)
         self._looked[info.id] = now
         rows = conn.execute(_Q["offers_look"], {"queue_id": info.id}).fetchall()
         waiters, want = next(((int(r[1]), int(r[2])) for r in rows if r[0] == 1), (0, 0))
@@ -310,6 +314,10 @@ class SqlAgent:
         else:
             self._mine.pop(info.id, None)
             self._listed.discard(info.id)
+        if takeable <= 0:
+            self._dry.add(info.id)
+        else:
+            self._dry.discard(info.id)
         if wanted and takeable <= 0:
             return STARVED_WAIT_S
         return SUPPLIED_WAIT_S if wanted or mine[0].size else None
