@@ -64,6 +64,10 @@ INBOX_STALLED_MS = 200
 # Slots stay reserved this long after the queue's last put into them: a slot
 # reserved and unused holds the ring's tail (nothing after it is reclaimed).
 DEMAND_S = 2.0
+# A queue with slots listed is read this often at most while no put notified
+# (a put notifies ringq_put at its commit): what a put touched and did not
+# commit, a stalled inbox entry and the reservation's size wait that long.
+LOOK_S = 0.05
 
 
 @dataclass
@@ -90,16 +94,20 @@ class SqlPuts:
     _asked: dict[str, float] = field(default_factory=dict)  # queue name -> last SQL put
     _mine: dict[int, R.Entries] = field(default_factory=dict)  # queue id -> slots listed
     _target: dict[int, int] = field(default_factory=dict)
+    _looked: dict[int, float] = field(default_factory=dict)  # queue id -> its last slots read
+    _fresh: set[str] = field(default_factory=set)  # queues a put notified since that read
 
     def forget(self) -> None:
         """Start again from what the section holds reserved (a new connection)."""
         self._mine.clear()
+        self._looked.clear()
 
     def asked(self, queue: str) -> None:
         """An SQL producer put a batch into ``queue`` (``ringq_put``: into
         reserved slots, or into the inbox when it found none): reserve for
         it for :data:`DEMAND_S` more."""
         self._asked[queue] = self.clock()
+        self._fresh.add(queue)
 
     def busy(self, now: float) -> set[str]:
         """The queues SQL producers put into lately."""
@@ -117,6 +125,12 @@ class SqlPuts:
     ) -> bool:
         """One queue's pass; True while it has slots listed or SQL producers put."""
         mine = self._mine.get(info.id)
+        now = self.clock()
+        if (mine is not None and info.name not in self._fresh
+                and now - self._looked.get(info.id, float("-inf")) < LOOK_S):
+            return True  # no put committed since the last look: nothing to publish
+        self._fresh.discard(info.name)
+        self._looked[info.id] = now
         if mine is None:  # first look: what the section holds reserved for SQL
             mine = R.held(sec, ring, reserved=True)
         rows = conn.execute(_Q["slots_look"], {"queue_id": info.id,
