@@ -251,15 +251,15 @@ class SqlAgent:
         mine = self._mine.get(info.id)
         now = self.clock()
         looked = self._looked.get(info.id)
-        if looked is not None and (mine is None or info.id in self._dry):
-            # Nothing takeable listed at the last look (none listed, or every
-            # chunk taken): while the section has nothing ready either there
-            # is nothing to list, take back or wake, and what was taken is
-            # settled at the next look; look at the rows only now and then (a
-            # starved queue is passed every STARVED_WAIT_S, at 10 us a pass
-            # where a look costs a query and ~1 ms of the agent's CPU).
-            if ring.Q[ring.qb + L.Q_DEPTH_HINT] <= 0 and now - looked < QUIET_LOOK_S:
-                return STARVED_WAIT_S if wanted else None
+        # Nothing takeable listed at the last look (none listed, or every chunk
+        # taken): while the section has nothing ready either there is nothing
+        # to list, take back or wake, and what was taken is settled at the
+        # next look; look at the rows only now and then (a starved queue is
+        # passed every STARVED_WAIT_S, at 10 us a pass where a look costs a
+        # query and ~1 ms of the agent's CPU).
+        if (looked is not None and (mine is None or info.id in self._dry)
+                and ring.Q[ring.qb + L.Q_DEPTH_HINT] <= 0 and now - looked < QUIET_LOOK_S):
+            return STARVED_WAIT_S if wanted else None
         if mine is None:  # none listed; at the first look, what the section holds for SQL
             mine = NONE if looked is not None else held(sec, ring, reserved=False)
         self._looked[info.id] = now
