@@ -132,7 +132,7 @@ class _SqlConsumer:
         deq_ns = time.monotonic_ns()
         c[base + W.HEARTBEAT] += 1
         if not rows:
-            conn.commit()  # the ask (NOTIFY ringq_want) goes out at commit
+            conn.commit()  # the waiter row (the ask) at commit; the first waiter wakes the agent
             c[base + W.S_EMPTY] += 1
             if finished:
                 (left,) = conn.execute(S.SQL_DEPTH, (self.ref.name,)).fetchone() or (0,)
