@@ -47,7 +47,7 @@ from psycopg import sql
 
 from ..driver import QUERIES as _Q
 from ..driver import queue_table
-from ..ring import OpKind, QueueInfo, Ring, after_finish, group_tag
+from ..ring import OpKind, QueueInfo, Ring, Run, after_finish, finish_run, group_tag
 from ..section import Section
 from ..section import layout as L
 from . import _runs as R
@@ -187,7 +187,8 @@ class SqlPuts:
         try:
             R.send(conn, [(_Q["slots_list"], {"queue_id": info.id, **runs})])
         except BaseException:
-            self._finish(sec, ring, [], list(zip(slots.tolist(), seqs.tolist(), strict=True)))
+            self._finish(sec, ring, info, [], list(zip(slots.tolist(), seqs.tolist(),
+                                                         strict=True)))
             raise
         self.figures.reserved += k
         return seqs, slots
@@ -210,7 +211,7 @@ class SqlPuts:
                 put.append((slot, seq, *filled[slot]))
             else:
                 void.append((slot, seq))
-        self._finish(sec, ring, put, void)
+        self._finish(sec, ring, info, put, void)
         self.figures.put += len(put)
         self.figures.voided += len(void)
         return len(put)
@@ -228,29 +229,41 @@ class SqlPuts:
                                         "seqs": [c[0] for c in chunks]}).fetchall()
         runs: R.Runs = [(int(a), int(b), int(c)) for a, b, c in rows]
         seqs, slots = R.expand(runs)
-        self._finish(sec, ring, [], list(zip(slots.tolist(), seqs.tolist(), strict=True)))
+        self._finish(sec, ring, info, [], list(zip(slots.tolist(), seqs.tolist(), strict=True)))
         self.figures.voided += int(seqs.size)
         return seqs
 
     @staticmethod
     def _finish(
-        sec: Section, ring: Ring, put: list[tuple[int, int, str | None, int]],
+        sec: Section, ring: Ring, info: QueueInfo, put: list[tuple[int, int, str | None, int]],
         void: list[tuple[int, int]],
     ) -> None:
         """Publish ``put`` (slot, seq, group, due us) and void ``void`` (slot,
         seq) among the slots still reserved for SQL at that seq, as a linked
-        commit finishes its enqueues; wake whom it frees."""
+        commit finishes its enqueues; wake whom it frees. The entries due at
+        once and of no group (a batch's usual) as arrays, with nothing per
+        entry in Python."""
+        plain = [(slot, seq) for slot, seq, group, due_us in put if group is None and not due_us]
+        other = [e for e in put if e[2] is not None or e[3]] if len(plain) < len(put) else []
         sec.lock_queue(ring.qidx)
         try:
             n_put = n_void = 0
-            for slot, seq, group, due_us in put:
+            if plain:
+                slots, seqs = (np.array(x, dtype=np.int64) for x in zip(*plain, strict=True))
+                ok = R.reserved_mask(sec, ring, slots, seqs)
+                slots, seqs = slots[ok], seqs[ok]
+                if slots.size:
+                    n_put += finish_run(ring, Run(ring, info, OpKind.ENQUEUE, slots, seqs, 0),
+                                        L.OWNER_SQL, exclusive=False, enq_at_us=None)[0]
+            for slot, seq, group, due_us in other:
                 if _reserved(ring, slot, seq):
                     if group is not None:
                         ring.set_group(slot, group_tag(group))
                     ring.finish_enqueue(slot, committed=True, due_us=due_us)
                     n_put += 1
-            for slot, seq in void:
-                if _reserved(ring, slot, seq):
+            if void:
+                slots, seqs = (np.array(x, dtype=np.int64) for x in zip(*void, strict=True))
+                for slot in slots[R.reserved_mask(sec, ring, slots, seqs)].tolist():
                     ring.finish_enqueue(slot, committed=False)
                     n_void += 1
             q_puts = ring.qb + L.Q_SQL_PUTS

@@ -37,6 +37,28 @@ def sql_slots(sec: Section, ring: Ring, *, reserved: bool) -> np.ndarray[Any, An
     return np.flatnonzero(mine & (~enq & ~deq if reserved else enq))
 
 
+def reserved_mask(
+    sec: Section, ring: Ring, slots: np.ndarray[Any, Any], seqs: np.ndarray[Any, Any]
+) -> np.ndarray[Any, Any]:
+    """Which of ``slots`` (int64) are still reserved for SQL producers at
+    ``seqs``: LCK set by the owner ``OWNER_SQL``, neither ENQ nor DEQ (no
+    entry published), the slot at that seq; for all at once (the queue's
+    lock held)."""
+    w = ring.w0 + (slots >> 6)
+    shift = (slots & 63).astype(np.uint64)
+
+    def bit(arr: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
+        out: np.ndarray[Any, Any] = ((arr[w] >> shift) & np.uint64(1)) != 0
+        return out
+
+    tail = int(ring.Q[ring.qb + L.Q_TAIL])
+    mask: np.ndarray[Any, Any] = (
+        bit(sec.lck) & ~bit(sec.enq) & ~bit(sec.deq)
+        & (sec.owner[ring.base + slots] == L.OWNER_SQL)
+        & (tail + (slots - tail) % ring.cap == seqs))
+    return mask
+
+
 def held(sec: Section, ring: Ring, *, reserved: bool) -> Entries:
     """What the section holds for the SQL path in ``ring`` (:func:`sql_slots`),
     as (seqs, slots) by seq."""
