@@ -625,14 +625,23 @@ FROM unnest(%(run_seqs)s::bigint[], %(run_slots)s::integer[], %(run_ns)s::intege
     AS s(seq, slot, n)
 
 -- slots_filled --
--- Reserved slots no longer listed (runs: seq, slot, n), by their rows: slot,
--- whether a put wrote an entry there at that seq, its group, and its due
--- time in epoch us while in the future.
-SELECT r.slot, r.seq = s.seq + (r.slot - s.slot) AND r.state = 1, r.msg_group,
-       CASE WHEN r.not_before > clock_timestamp()
-            THEN (extract(epoch FROM r.not_before) * 1000000)::bigint END
-FROM unnest(%s::bigint[], %s::integer[], %s::integer[]) AS s(seq, slot, n)
-JOIN {table} r ON r.slot >= s.slot AND r.slot < s.slot + s.n
+-- Reserved slots no longer listed (runs: seq, slot, n), by their rows: those
+-- where a put wrote an entry at that seq. First one row with the slots of
+-- the entries of no group due at once (an array: a batch's usual), then a
+-- row per other entry: slot, its group, its due time in epoch us while in
+-- the future. The rest were left void.
+WITH f AS (
+    SELECT r.slot, r.msg_group AS grp,
+           CASE WHEN r.not_before > clock_timestamp()
+                THEN (extract(epoch FROM r.not_before) * 1000000)::bigint END AS due
+    FROM unnest(%s::bigint[], %s::integer[], %s::integer[]) AS s(seq, slot, n)
+    JOIN {table} r ON r.slot >= s.slot AND r.slot < s.slot + s.n
+    WHERE r.seq = s.seq + (r.slot - s.slot) AND r.state = 1
+)
+SELECT NULL::integer, coalesce(array_agg(f.slot), '{{}}'), NULL::text, NULL::bigint
+FROM f WHERE f.grp IS NULL AND f.due IS NULL
+UNION ALL
+SELECT f.slot, NULL, f.grp, f.due FROM f WHERE f.grp IS NOT NULL OR f.due IS NOT NULL
 
 -- slots_unlist_touched --
 -- Chunks (seqs) a put touched and did not commit, those no transaction

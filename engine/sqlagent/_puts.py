@@ -187,8 +187,7 @@ class SqlPuts:
         try:
             R.send(conn, [(_Q["slots_list"], {"queue_id": info.id, **runs})])
         except BaseException:
-            self._finish(sec, ring, info, [], list(zip(slots.tolist(), seqs.tolist(),
-                                                         strict=True)))
+            self._finish(sec, ring, info, R.NONE, [], (seqs, slots))
             raise
         self.figures.reserved += k
         return seqs, slots
@@ -203,18 +202,25 @@ class SqlPuts:
         runs = R.runs_of(gone[1], gone[0])
         rows = R.indexed(conn, sql.SQL(_Q["slots_filled"]).format(table=queue_table(info.name)), (
             runs["run_seqs"], runs["run_slots"], runs["run_ns"]))
-        filled = {int(slot): (group, int(due or 0)) for slot, ok, group, due in rows if ok}
-        put: list[tuple[int, int, str | None, int]] = []
-        void: list[tuple[int, int]] = []
-        for seq, slot in zip(*R.as_lists(gone), strict=True):
-            if slot in filled:
-                put.append((slot, seq, *filled[slot]))
+        plain_slots: list[int] = []
+        others: dict[int, tuple[str | None, int]] = {}
+        for slot, plain_ones, group, due in rows:
+            if slot is None:
+                plain_slots = plain_ones
             else:
-                void.append((slot, seq))
-        self._finish(sec, ring, info, put, void)
-        self.figures.put += len(put)
-        self.figures.voided += len(void)
-        return len(put)
+                others[int(slot)] = (group, int(due or 0))
+        seqs, slots = gone
+        is_plain = np.isin(slots, np.asarray(plain_slots, dtype=np.int64))
+        is_other = np.isin(slots, np.fromiter(others, dtype=np.int64, count=len(others)))
+        other = [(slot, seq, *others[slot]) for seq, slot
+                 in zip(seqs[is_other].tolist(), slots[is_other].tolist(), strict=True)]
+        void = ~(is_plain | is_other)
+        self._finish(sec, ring, info, (seqs[is_plain], slots[is_plain]), other,
+                     (seqs[void], slots[void]))
+        n_put = int(np.count_nonzero(is_plain)) + len(other)
+        self.figures.put += n_put
+        self.figures.voided += int(np.count_nonzero(void))
+        return n_put
 
     def _unlist(
         self, sec: Section, conn: psycopg.Connection[Any], ring: Ring, info: QueueInfo,
@@ -229,40 +235,38 @@ class SqlPuts:
                                         "seqs": [c[0] for c in chunks]}).fetchall()
         runs: R.Runs = [(int(a), int(b), int(c)) for a, b, c in rows]
         seqs, slots = R.expand(runs)
-        self._finish(sec, ring, info, [], list(zip(slots.tolist(), seqs.tolist(), strict=True)))
+        self._finish(sec, ring, info, R.NONE, [], (seqs, slots))
         self.figures.voided += int(seqs.size)
         return seqs
 
     @staticmethod
     def _finish(
-        sec: Section, ring: Ring, info: QueueInfo, put: list[tuple[int, int, str | None, int]],
-        void: list[tuple[int, int]],
+        sec: Section, ring: Ring, info: QueueInfo, plain: R.Entries,
+        other: list[tuple[int, int, str | None, int]], void: R.Entries,
     ) -> None:
-        """Publish ``put`` (slot, seq, group, due us) and void ``void`` (slot,
-        seq) among the slots still reserved for SQL at that seq, as a linked
-        commit finishes its enqueues; wake whom it frees. The entries due at
-        once and of no group (a batch's usual) as arrays, with nothing per
-        entry in Python."""
-        plain = [(slot, seq) for slot, seq, group, due_us in put if group is None and not due_us]
-        other = [e for e in put if e[2] is not None or e[3]] if len(plain) < len(put) else []
+        """Publish ``plain`` (seqs, slots: entries of no group due at once, a
+        batch's usual, as arrays) and ``other`` (slot, seq, group, due us),
+        and void ``void`` (seqs, slots), among the slots still reserved for
+        SQL at that seq, as a linked commit finishes its enqueues; wake whom
+        it frees."""
         sec.lock_queue(ring.qidx)
         try:
             n_put = n_void = 0
-            if plain:
-                slots, seqs = (np.array(x, dtype=np.int64) for x in zip(*plain, strict=True))
+            seqs, slots = plain
+            if slots.size:
                 ok = R.reserved_mask(sec, ring, slots, seqs)
-                slots, seqs = slots[ok], seqs[ok]
-                if slots.size:
-                    n_put += finish_run(ring, Run(ring, info, OpKind.ENQUEUE, slots, seqs, 0),
-                                        L.OWNER_SQL, exclusive=False, enq_at_us=None)[0]
+                if ok.any():
+                    run = Run(ring, info, OpKind.ENQUEUE, slots[ok], seqs[ok], 0)
+                    n_put += finish_run(ring, run, L.OWNER_SQL, exclusive=False,
+                                        enq_at_us=None)[0]
             for slot, seq, group, due_us in other:
                 if _reserved(ring, slot, seq):
                     if group is not None:
                         ring.set_group(slot, group_tag(group))
                     ring.finish_enqueue(slot, committed=True, due_us=due_us)
                     n_put += 1
-            if void:
-                slots, seqs = (np.array(x, dtype=np.int64) for x in zip(*void, strict=True))
+            seqs, slots = void
+            if slots.size:
                 for slot in slots[R.reserved_mask(sec, ring, slots, seqs)].tolist():
                     ring.finish_enqueue(slot, committed=False)
                     n_void += 1
