@@ -255,8 +255,21 @@ class RingScan:
             self._collect_grouped(a, b, n, out, busy)
             return
         wl = (b - 1) >> 6
-        chunk = _FIRST_CHUNK
         w = a >> 6
+        # Near the tail, as _find_in: plain ints through the memoryviews,
+        # taking bits only until ``n`` (a take of 8 from full words once
+        # unpacked every bit of two words: most of its claim's CPU).
+        stop = min(wl + 1, w + _PY_WORDS)
+        while w < stop and len(out) < n:
+            x = self._word(w, a, b, ready=True)
+            while x:
+                low = x & -x
+                out.append((w << 6) + low.bit_length() - 1)
+                if len(out) >= n:
+                    return
+                x ^= low
+            w += 1
+        chunk = _FIRST_CHUNK * 4
         while w <= wl and len(out) < n:
             we = min(wl + 1, w + chunk)
             words = self._words(w, we, a, b, ready=True)

@@ -59,6 +59,7 @@ K = TypeVar("K", bound=Hashable)
 T = TypeVar("T")
 
 # entries from which a committed run is finished as arrays (below: per slot, as ops)
+# (a dequeue run goes as a run at any size: see _per_op)
 RUN_VECTOR_FROM = 8  # as the ring's VECTOR_FROM: an 8-entry run measured no dearer as arrays
 
 _INERROR = TransactionStatus.INERROR
@@ -486,10 +487,10 @@ class Transaction:
             exclusive = group[0].info.dequeue_mode == "single"
             plain = [op for op in group if isinstance(op, Op)]
             runs = [r for r in group if isinstance(r, Run)]
-            if runs and any(len(r) < RUN_VECTOR_FROM for r in runs):
+            if runs and any(_per_op(r) for r in runs):
                 # a few entries: per slot costs less than numpy's calls
-                plain += each_op([r for r in runs if len(r) < RUN_VECTOR_FROM])
-                runs = [r for r in runs if len(r) >= RUN_VECTOR_FROM]
+                plain += each_op([r for r in runs if _per_op(r)])
+                runs = [r for r in runs if not _per_op(r)]
             wake_r = wake_s = 0
             sec.lock_queue(qidx)
             try:
@@ -660,6 +661,13 @@ class Transaction:
             for op in deq_ops:
                 op.due_us = due_by.get((op.info.id, op.slot, op.seq), 0)
         return poisoned
+
+
+def _per_op(run: Run) -> bool:
+    """Whether a committed run is finished per op: an enqueue run of a few
+    entries (as arrays, numpy's calls cost more); a dequeue run is finished
+    as a run at any size (a few entries in plain ints: ``finish_run``)."""
+    return run.kind is OpKind.ENQUEUE and len(run) < RUN_VECTOR_FROM
 
 
 def _by_key(ops: Sequence[T], key: Callable[[T], K]) -> dict[K, list[T]]:
