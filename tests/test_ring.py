@@ -93,7 +93,7 @@ def test_finishing_consumed_entries_as_arrays_matches_one_at_a_time(
     assert rings[0].counts()["locked"] == 30 + (0 if exclusive else 10)
 
 
-@pytest.mark.parametrize("capacity", [5, 64, 130, 700])
+@pytest.mark.parametrize("capacity", [5, 64, 130, 700, 2500])
 def test_a_claim_of_a_few_takes_the_oldest_ready_slots(section: Section, capacity: int) -> None:
     """``claim_few`` (plain ints, a take of up to SMALL_BATCH) and the
     scans it shares with ``claim_batch`` take the oldest ready slots of the
