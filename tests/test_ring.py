@@ -10,12 +10,14 @@ from __future__ import annotations
 
 import random
 import time
+from collections.abc import Callable
 
 import numpy as np
 import pytest
 from ringq.engine import Ring, Section
 from ringq.engine import layout as L
 from ringq.engine.ring import (
+    Cached,
     OpKind,
     QueueInfo,
     Run,
@@ -179,3 +181,43 @@ def test_finishing_a_few_consumed_as_a_run_matches_one_at_a_time(
                  *range(L.Q_DEQ_HIST, L.Q_DEQ_HIST + L.HIST_BUCKETS),
                  *range(L.Q_WAIT_HIST, L.Q_WAIT_HIST + L.HIST_BUCKETS)):
         assert section.queues[a.qb + word] == section.queues[b.qb + word], word
+
+
+def test_reading_records_a_few_at_a_time_or_as_arrays_matches_one_by_one(
+    section: Section,
+) -> None:
+    """A batch's cache records read by ``get_few`` (a few, one pass) or
+    ``get_many`` (arrays) give what ``get`` gives for each: two producers,
+    entries in a group, a record of an older entry (wrong tag) and one of
+    an older load (wrong epoch) missed; hits and misses counted alike."""
+    rng = random.Random(5)
+    ring = Ring(section, section.allocate_queue(5000, "records", 200, cache_payload=64))
+    cache = ring.cache
+    for slot in range(200):
+        group = rng.choice((None, None, b"g1", "grüppe".encode()))
+        producer = rng.choice((b"p-one", b"p-two", b""))
+        cache.put(slot, slot + 1000, b"%d" % slot * rng.randint(0, 20), producer, slot, 7 + slot,
+                  group)
+    section.cache_w[cache.cw0 + 3 * cache.sw + L.R_TAG] = 999  # an older entry's record
+    section.cache_w[cache.cw0 + 4 * cache.sw + L.R_EPOCH] = -5  # an older load's
+    qb = ring.qb
+
+    Read = Callable[[list[int], list[int]], list[Cached | None]]
+
+    def counted(read: Read, slots: list[int]) -> tuple[list[Cached | None], int, int]:
+        h0, m0 = section.queues[qb + L.Q_N_CACHE_HITS], section.queues[qb + L.Q_N_CACHE_MISSES]
+        got = read(slots, [s + 1000 for s in slots])
+        return (got, section.queues[qb + L.Q_N_CACHE_HITS] - h0,
+                section.queues[qb + L.Q_N_CACHE_MISSES] - m0)
+
+    def one_by_one(slots: list[int], seqs: list[int]) -> list[Cached | None]:
+        return [cache.get(s, q) for s, q in zip(slots, seqs, strict=True)]
+
+    def as_arrays(slots: list[int], seqs: list[int]) -> list[Cached | None]:
+        return cache.get_many(np.array(slots), np.array(seqs))
+
+    for slots in ([0, 1, 2, 3, 4, 5], list(range(8)), rng.sample(range(200), 32),
+                  rng.sample(range(200), 60)):
+        want = counted(one_by_one, slots)
+        assert counted(cache.get_few, slots) == want == counted(as_arrays, slots)
+        assert want[2] == (3 in slots) + (4 in slots)  # the two missed

@@ -16,6 +16,7 @@ copied one entry at a time.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from struct import Struct
 
 import numpy as np
 
@@ -28,6 +29,7 @@ from ._scan import SMALL_BATCH
 Cached = tuple[bytes, str, int, int, str | None]
 
 _FIELDS = np.arange(L.RECORD_WORDS, dtype=np.int64)
+_HEAD = Struct(f"{L.RECORD_WORDS}q")  # a record's head words, as get_few unpacks them
 _P0 = L.RECORD_WORDS * 8  # where the producer name starts in a record
 
 
@@ -270,21 +272,37 @@ class PayloadCache:
         return self._read_rows(w.tolist(), heads.tolist(), hit.tolist())
 
     def get_few(self, slots: Sequence[int], seqs: Sequence[int]) -> list[Cached | None]:
-        """:meth:`get_many` of a few entries, in plain ints (see SMALL_BATCH):
-        each record's head words read through the pool's word view."""
+        """:meth:`get_many` of a few entries, in plain ints (see SMALL_BATCH)
+        and one pass: each record's head words unpacked from the pool, its
+        bytes copied, the producer decoded once for records in a row that
+        name the same one (a third of the separate passes' time for 8)."""
         if not self.stride:
             return [None] * len(slots)
-        cw, cw0, sw = self.sec.cache_w, self.cw0, self.sw
+        cache, cw0, sw = self.sec.cache, self.cw0, self.sw
         epoch = self.Q[self.qb + L.Q_CACHE_EPOCH]
-        ws = [cw0 + slot * sw for slot in slots]
-        rows = [cw[w : w + L.RECORD_WORDS].tolist() for w in ws]
-        hit = [h[L.R_TAG] == seq + 1 and h[L.R_EPOCH] == epoch
-               for h, seq in zip(rows, seqs, strict=True)]
-        n_hit = sum(hit)
-        self._count(n_hit, len(ws) - n_hit)
-        if n_hit == len(ws):
-            return self._hits_small(ws, rows)
-        return self._read_rows(ws, rows, hit)
+        unpack = _HEAD.unpack_from
+        out: list[Cached | None] = []
+        raw_name, producer = b"", ""
+        for slot, seq in zip(slots, seqs, strict=True):
+            w = cw0 + slot * sw
+            off = w << 3
+            h = unpack(cache, off)
+            n, pn = h[L.R_LEN], h[L.R_PRODUCER_LEN]
+            if h[L.R_TAG] != seq + 1 or h[L.R_EPOCH] != epoch:
+                out.append(None)
+            elif h[L.R_GROUP_LEN] >= 0:  # an entry of a group: as get() reads it
+                out.append(self._read(w, n, pn, h[L.R_PRODUCER_SEQ], h[L.R_ENQ_AT_US],
+                                      h[L.R_GROUP_LEN]))
+            else:
+                raw = cache[off + _P0 : off + _P0 + pn].tobytes()
+                if raw != raw_name:
+                    raw_name, producer = raw, self._name(raw)
+                at = off + L.RECORD_HEAD
+                out.append((cache[at : at + n].tobytes(), producer, h[L.R_PRODUCER_SEQ],
+                            h[L.R_ENQ_AT_US], None))
+        hits = len(out) - out.count(None)
+        self._count(hits, len(out) - hits)
+        return out
 
     def _count(self, hits: int, misses: int) -> None:
         Q, b = self.Q, self.qb
@@ -305,7 +323,7 @@ class PayloadCache:
 
     def _hits(self, w: np.ndarray, heads: np.ndarray) -> list[Cached | None]:
         """The entries of records that all hold them (first words ``w``,
-        ``heads`` their head words; more than SMALL_BATCH): a slice per
+        ``heads`` their head words; more than SMALL_BATCH, see :meth:`get_few`): a slice per
         payload; the producer decoded once when every record names the same
         one, the group None for all when none has one; else per entry
         (:meth:`_read`)."""
@@ -325,24 +343,6 @@ class PayloadCache:
             payloads, [producer] * n, heads[:, L.R_PRODUCER_SEQ].tolist(),
             heads[:, L.R_ENQ_AT_US].tolist(), [None] * n, strict=True,
         ))
-
-    def _hits_small(self, w: list[int], rows: list[list[int]]) -> list[Cached | None]:
-        """:meth:`_hits` of a few records (``rows`` their head words), in
-        plain ints (see SMALL_BATCH)."""
-        pn0 = rows[0][L.R_PRODUCER_LEN]
-        if any(h[L.R_GROUP_LEN] != -1 or h[L.R_PRODUCER_LEN] != pn0 for h in rows):
-            return self._read_rows(w, rows)
-        offs = [x << 3 for x in w]
-        names = self.sec.cache_bytes([o + _P0 for o in offs], [o + _P0 + pn0 for o in offs])
-        name0 = names[0]
-        if any(name != name0 for name in names):
-            return self._read_rows(w, rows)
-        starts = [o + L.RECORD_HEAD for o in offs]
-        payloads = self.sec.cache_bytes(
-            starts, [a + h[L.R_LEN] for a, h in zip(starts, rows, strict=True)])
-        producer = self._name(name0)
-        return [(p, producer, h[L.R_PRODUCER_SEQ], h[L.R_ENQ_AT_US], None)
-                for p, h in zip(payloads, rows, strict=True)]
 
     def clear_few(self, slots: list[int]) -> None:
         """:meth:`clear` of a few slots, in plain ints (see SMALL_BATCH)."""
