@@ -323,10 +323,10 @@ class PayloadCache:
 
     def _hits(self, w: np.ndarray, heads: np.ndarray) -> list[Cached | None]:
         """The entries of records that all hold them (first words ``w``,
-        ``heads`` their head words; more than SMALL_BATCH, see :meth:`get_few`): a slice per
-        payload; the producer decoded once when every record names the same
-        one, the group None for all when none has one; else per entry
-        (:meth:`_read`)."""
+        ``heads`` their head words; more than SMALL_BATCH, see
+        :meth:`get_few`): a slice per payload; the producer decoded once
+        when every record names the same one, the group None for all when
+        none has one; else per entry (:meth:`_read`)."""
         n = len(w)
         off = w << 3
         pn = heads[:, L.R_PRODUCER_LEN]
