@@ -310,7 +310,8 @@ class Prepared:
             status = res.status
             if status in (_TUPLES_OK, _COMMAND_OK):
                 if what is _ROWS:
-                    rows.append(Rows(conn, res))
+                    # (no rows, as a deferred INSERT's: no Transformer to make)
+                    rows.append(Rows(conn, res) if res.ntuples else Rows.empty())
                 elif what is not None:  # prepared: later runs skip the Parse
                     names[what[0]] = what[1]
             elif status != ExecStatus.PIPELINE_ABORTED and error is None:

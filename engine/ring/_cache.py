@@ -16,6 +16,7 @@ copied one entry at a time.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from struct import Struct
 
 import numpy as np
 
@@ -28,6 +29,7 @@ from ._scan import SMALL_BATCH
 Cached = tuple[bytes, str, int, int, str | None]
 
 _FIELDS = np.arange(L.RECORD_WORDS, dtype=np.int64)
+_HEAD = Struct(f"{L.RECORD_WORDS}q")  # a record's head words, as get_few unpacks them
 _P0 = L.RECORD_WORDS * 8  # where the producer name starts in a record
 
 
@@ -253,7 +255,9 @@ class PayloadCache:
         """:meth:`get` for a batch (int64 arrays): the record heads read as
         one gather; when every record holds its entry, the producer names
         compared as one array (a batch's entries usually share one) and the
-        hits made without a call per entry."""
+        hits made without a call per entry. A few entries: :meth:`get_few`."""
+        if len(slots) <= SMALL_BATCH:
+            return self.get_few(slots.tolist(), seqs.tolist())
         if not self.stride:
             return [None] * len(slots)
         w = self.cw0 + slots * self.sw
@@ -262,42 +266,76 @@ class PayloadCache:
             heads[:, L.R_EPOCH] == self.Q[self.qb + L.Q_CACHE_EPOCH]
         )
         n_hit = int(np.count_nonzero(hit))
-        Q, b = self.Q, self.qb
-        Q[b + L.Q_N_CACHE_HITS] += n_hit
-        Q[b + L.Q_N_CACHE_MISSES] += len(slots) - n_hit
+        self._count(n_hit, len(slots) - n_hit)
         if n_hit == len(slots):
             return self._hits(w, heads)
-        return self._read_each(w, heads, hit.tolist())
+        return self._read_rows(w.tolist(), heads.tolist(), hit.tolist())
 
-    def _read_each(
-        self, w: np.ndarray, heads: np.ndarray, hit: list[bool] | None = None
+    def get_few(self, slots: Sequence[int], seqs: Sequence[int]) -> list[Cached | None]:
+        """:meth:`get_many` of a few entries, in plain ints (see SMALL_BATCH)
+        and one pass: each record's head words unpacked from the pool, its
+        bytes copied, the producer decoded once for records in a row that
+        name the same one (a third of the separate passes' time for 8)."""
+        if not self.stride:
+            return [None] * len(slots)
+        cache, cw0, sw = self.sec.cache, self.cw0, self.sw
+        epoch = self.Q[self.qb + L.Q_CACHE_EPOCH]
+        unpack = _HEAD.unpack_from
+        out: list[Cached | None] = []
+        raw_name, producer = b"", ""
+        for slot, seq in zip(slots, seqs, strict=True):
+            w = cw0 + slot * sw
+            off = w << 3
+            h = unpack(cache, off)
+            n, pn = h[L.R_LEN], h[L.R_PRODUCER_LEN]
+            if h[L.R_TAG] != seq + 1 or h[L.R_EPOCH] != epoch:
+                out.append(None)
+            elif h[L.R_GROUP_LEN] >= 0:  # an entry of a group: as get() reads it
+                out.append(self._read(w, n, pn, h[L.R_PRODUCER_SEQ], h[L.R_ENQ_AT_US],
+                                      h[L.R_GROUP_LEN]))
+            else:
+                raw = cache[off + _P0 : off + _P0 + pn].tobytes()
+                if raw != raw_name:
+                    raw_name, producer = raw, self._name(raw)
+                at = off + L.RECORD_HEAD
+                out.append((cache[at : at + n].tobytes(), producer, h[L.R_PRODUCER_SEQ],
+                            h[L.R_ENQ_AT_US], None))
+        hits = len(out) - out.count(None)
+        self._count(hits, len(out) - hits)
+        return out
+
+    def _count(self, hits: int, misses: int) -> None:
+        Q, b = self.Q, self.qb
+        Q[b + L.Q_N_CACHE_HITS] += hits
+        Q[b + L.Q_N_CACHE_MISSES] += misses
+
+    def _read_rows(
+        self, ws: list[int], rows: list[list[int]], hit: list[bool] | None = None
     ) -> list[Cached | None]:
-        """:meth:`_read` of each record (first words ``w``, ``heads`` their
+        """:meth:`_read` of each record (first words ``ws``, ``rows`` their
         head words) that ``hit`` marks (None: all); None for the others."""
         read = self._read
-        rows = heads.tolist()
         return [
             read(wi, h[L.R_LEN], h[L.R_PRODUCER_LEN], h[L.R_PRODUCER_SEQ], h[L.R_ENQ_AT_US],
                  h[L.R_GROUP_LEN]) if ok else None
-            for wi, h, ok in zip(w.tolist(), rows, hit or [True] * len(rows), strict=True)
+            for wi, h, ok in zip(ws, rows, hit or [True] * len(rows), strict=True)
         ]
 
     def _hits(self, w: np.ndarray, heads: np.ndarray) -> list[Cached | None]:
         """The entries of records that all hold them (first words ``w``,
-        ``heads`` their head words): a slice per payload; the producer
-        decoded once when every record names the same one, the group None
-        for all when none has one; else per entry (:meth:`_read`)."""
+        ``heads`` their head words; more than SMALL_BATCH, see
+        :meth:`get_few`): a slice per payload; the producer decoded once
+        when every record names the same one, the group None for all when
+        none has one; else per entry (:meth:`_read`)."""
         n = len(w)
-        if n <= SMALL_BATCH:
-            return self._hits_small(w.tolist(), heads)
         off = w << 3
         pn = heads[:, L.R_PRODUCER_LEN]
         pn0 = int(pn[0])
         if not (heads[:, L.R_GROUP_LEN] == -1).all() or not (pn == pn0).all():
-            return self._read_each(w, heads)
+            return self._read_rows(w.tolist(), heads.tolist())
         names = self.sec.cache_u8[(off + _P0)[:, None] + np.arange(pn0, dtype=np.int64)]
         if not (names == names[0]).all():
-            return self._read_each(w, heads)
+            return self._read_rows(w.tolist(), heads.tolist())
         starts = off + L.RECORD_HEAD
         payloads = self.sec.cache_bytes(starts.tolist(), (starts + heads[:, L.R_LEN]).tolist())
         producer = self._name(names[0].tobytes())
@@ -306,23 +344,12 @@ class PayloadCache:
             heads[:, L.R_ENQ_AT_US].tolist(), [None] * n, strict=True,
         ))
 
-    def _hits_small(self, w: list[int], heads: np.ndarray) -> list[Cached | None]:
-        """:meth:`_hits` of a few records, in plain ints (see SMALL_BATCH)."""
-        rows = heads.tolist()
-        pn0 = rows[0][L.R_PRODUCER_LEN]
-        if any(h[L.R_GROUP_LEN] != -1 or h[L.R_PRODUCER_LEN] != pn0 for h in rows):
-            return self._read_each(np.array(w, dtype=np.int64), heads)
-        offs = [x << 3 for x in w]
-        names = self.sec.cache_bytes([o + _P0 for o in offs], [o + _P0 + pn0 for o in offs])
-        name0 = names[0]
-        if any(name != name0 for name in names):
-            return self._read_each(np.array(w, dtype=np.int64), heads)
-        starts = [o + L.RECORD_HEAD for o in offs]
-        payloads = self.sec.cache_bytes(
-            starts, [a + h[L.R_LEN] for a, h in zip(starts, rows, strict=True)])
-        producer = self._name(name0)
-        return [(p, producer, h[L.R_PRODUCER_SEQ], h[L.R_ENQ_AT_US], None)
-                for p, h in zip(payloads, rows, strict=True)]
+    def clear_few(self, slots: list[int]) -> None:
+        """:meth:`clear` of a few slots, in plain ints (see SMALL_BATCH)."""
+        if self.stride:
+            cw, cw0, sw = self.sec.cache_w, self.cw0 + L.R_TAG, self.sw
+            for slot in slots:
+                cw[cw0 + slot * sw] = 0
 
     def clear(self, slots: np.ndarray) -> None:
         """Untrust the records of ``slots`` (int64 array): their entries are

@@ -270,6 +270,23 @@ class Ring(RingScan):
         slot, seq = got
         return slot, seq, self.cache.get(slot, seq) if self.stride else None
 
+    def take_many(
+        self, owner: int, backend: int, n: int, *, exclusive: bool
+    ) -> tuple[list[int], list[int], list[Cached | None] | None,
+               tuple[np.ndarray, np.ndarray] | None]:
+        """:meth:`claim_batch`, and the slots' cache records read in the same
+        critical section (as :meth:`take_one`): (slots, seqs, each one's
+        record if it holds the entry, else None; None if the queue has no
+        cache; the slots and seqs as int64 arrays when the claim made them,
+        else None). A few entries (up to SMALL_BATCH) go in plain ints."""
+        if n <= SMALL_BATCH:
+            slots, seqs = self.claim_few(owner, backend, n, exclusive=exclusive)
+            cached = self.cache.get_few(slots, seqs) if slots and self.stride else None
+            return slots, seqs, cached, None
+        sl, sq = self.claim_batch(owner, backend, n, exclusive=exclusive)
+        cached = self.cache.get_many(sl, sq) if sl.size and self.stride else None
+        return sl.tolist(), sq.tolist(), cached, (sl, sq)
+
     def claim_many(
         self, owner: int, backend: int, n: int, *, exclusive: bool
     ) -> list[tuple[int, int]]:
@@ -283,23 +300,19 @@ class Ring(RingScan):
         """Lock up to ``n`` of the oldest ready entries for ``owner`` (held by
         ``backend``) with one scan: their slots and seqs (int64 arrays, oldest
         first). The holders and owners are written before the LCK bits, the
-        LCK bits before the DEQ bits, as one array write each."""
-        Q, b = self.Q, self.qb
+        LCK bits before the DEQ bits, as one array write each (a few
+        entries: :meth:`claim_few`, in plain ints)."""
+        if n <= SMALL_BATCH:
+            sl, sq = self.claim_few(owner, backend, n, exclusive=exclusive)
+            return np.array(sl, dtype=np.int64), np.array(sq, dtype=np.int64)
         none = np.empty(0, dtype=np.int64)
-        if exclusive and self._not_our_turn(owner):
-            return none, none
-        tail = Q[b + L.Q_TAIL]
-        window = Q[b + L.Q_HEAD] - tail
+        tail, window = self._claim_window(owner, exclusive)
         if window <= 0:
             return none, none
-        if Q[b + L.Q_N_WAITING]:
-            window = self._due_window(tail, window, exclusive)
-            if window <= 0:
-                return none, none
         slots = self.ready_array(tail, window, n)
         if not slots.size:
             return none, none
-        s = self.sec
+        Q, b, s = self.Q, self.qb, self.sec
         g = self.base + slots
         s.holder[g] = backend
         s.owner[g] = owner
@@ -312,6 +325,51 @@ class Ring(RingScan):
             Q[b + L.Q_DEQ_INFLIGHT] += slots.size
         Q[b + L.Q_N_DEQ] += slots.size
         return slots, tail + (slots - tail) % self.cap
+
+    def claim_few(
+        self, owner: int, backend: int, n: int, *, exclusive: bool
+    ) -> tuple[list[int], list[int]]:
+        """:meth:`claim_batch` of a few entries (``n`` up to SMALL_BATCH) in
+        plain ints: numpy's per-call cost was most of a take of 8. The same
+        writes in the same order: holders and owners, then the LCK bits,
+        then the DEQ bits (one word write per bitmap word)."""
+        tail, window = self._claim_window(owner, exclusive)
+        if window <= 0:
+            return [], []
+        slots = self._ready_slots(tail, window, n)
+        if not slots:
+            return [], []
+        s = self.sec
+        holder_w, owner_w, base, w0 = s.holder_w, s.owner_w, self.base, self.w0
+        masks: dict[int, int] = {}
+        for slot in slots:
+            holder_w[base + slot] = backend
+            owner_w[base + slot] = owner
+            w = w0 + (slot >> 6)
+            masks[w] = masks.get(w, 0) | 1 << (slot & 63)
+        lck_w, deq_w = s.lck_w, s.deq_w
+        for w, m in masks.items():
+            lck_w[w] |= m
+        for w, m in masks.items():
+            deq_w[w] |= m
+        Q, b, cap = self.Q, self.qb, self.cap
+        if exclusive:
+            Q[b + L.Q_DEQ_OWNER] = owner
+            Q[b + L.Q_DEQ_INFLIGHT] += len(slots)
+        Q[b + L.Q_N_DEQ] += len(slots)
+        return slots, [tail + (slot - tail) % cap for slot in slots]
+
+    def _claim_window(self, owner: int, exclusive: bool) -> tuple[int, int]:
+        """(tail, how many slots from it a claim may look at): 0 when a
+        single-dequeuer queue's role is another's, or nothing is due."""
+        Q, b = self.Q, self.qb
+        if exclusive and self._not_our_turn(owner):
+            return 0, 0
+        tail = Q[b + L.Q_TAIL]
+        window = Q[b + L.Q_HEAD] - tail
+        if window > 0 and Q[b + L.Q_N_WAITING]:
+            window = self._due_window(tail, window, exclusive)
+        return tail, window
 
     def finish_dequeue(
         self, slot: int, consumed: bool, *, exclusive: bool, reclaim: bool = True,
@@ -417,6 +475,34 @@ class Ring(RingScan):
         Q[b + L.Q_DEPTH_HINT] -= slots.size
         Q[b + L.Q_N_DEQ_COMMIT] += slots.size
         self.unlock_dequeued(slots, exclusive)
+
+    def held_few(self, slots: list[int], owner: int) -> list[bool]:
+        """:meth:`held_mask` of a few slots, in plain ints (see SMALL_BATCH)."""
+        lck_w, owner_w, w0, base = self.sec.lck_w, self.sec.owner_w, self.w0, self.base
+        return [lck_w[w0 + (x >> 6)] >> (x & 63) & 1 == 1 and owner_w[base + x] == owner
+                for x in slots]
+
+    def end_consumed_few(self, slots: list[int], exclusive: bool) -> None:
+        """:meth:`end_consumed` of a few slots, in plain ints (see SMALL_BATCH):
+        the same writes in the same order (counters; records, LCK, owners)."""
+        Q, b, s = self.Q, self.qb, self.sec
+        n = len(slots)
+        Q[b + L.Q_DEPTH_HINT] -= n
+        Q[b + L.Q_N_DEQ_COMMIT] += n
+        self.cache.clear_few(slots)
+        lck_w, owner_w, w0, base = s.lck_w, s.owner_w, self.w0, self.base
+        masks: dict[int, int] = {}
+        for x in slots:
+            w = w0 + (x >> 6)
+            masks[w] = masks.get(w, 0) | 1 << (x & 63)
+        for w, m in masks.items():
+            lck_w[w] &= ~m & _U64
+        for x in slots:
+            owner_w[base + x] = 0
+        if exclusive and Q[b + L.Q_DEQ_INFLIGHT] > 0:
+            Q[b + L.Q_DEQ_INFLIGHT] = max(0, Q[b + L.Q_DEQ_INFLIGHT] - n)
+            if Q[b + L.Q_DEQ_INFLIGHT] == 0:
+                Q[b + L.Q_DEQ_OWNER] = 0
 
     def unlock_dequeued(self, slots: np.ndarray, exclusive: bool) -> None:
         """Unlock dequeued ``slots`` (their DEQ bits already as they stay) and

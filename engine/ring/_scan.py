@@ -30,6 +30,9 @@ _ISIN_FROM = 16  # busy groups from which np.isin beats one comparison per group
 # asyncio consumer's CPU in numpy's call overhead alone).
 SMALL_BATCH = 32  # slots
 _PY_WORDS = 4  # words
+# words a claim of a few reads as plain ints before numpy chunks: past the
+# tail, 32 consumers taking 8 each hold about 4 words locked
+_COLLECT_PY_WORDS = 16
 
 
 def lowest_bit(x: int) -> int:
@@ -255,8 +258,8 @@ class RingScan:
             self._collect_grouped(a, b, n, out, busy)
             return
         wl = (b - 1) >> 6
-        chunk = _FIRST_CHUNK
-        w = a >> 6
+        w = self._collect_near(a, b, n, out)
+        chunk = _FIRST_CHUNK * 4
         while w <= wl and len(out) < n:
             we = min(wl + 1, w + chunk)
             words = self._words(w, we, a, b, ready=True)
@@ -270,6 +273,37 @@ class RingScan:
                     return
             w = we
             chunk = min(chunk * 4, _MAX_CHUNK)
+
+    def _collect_near(self, a: int, b: int, n: int, out: list[int]) -> int:
+        """:meth:`_collect`'s first ``_COLLECT_PY_WORDS`` words, as plain ints
+        through the memoryviews (inline: a word passed over costs a few
+        hundred ns), taking bits only until ``out`` holds ``n``. A take of 8
+        from full words once unpacked every bit of two words, and the words
+        that many consumers hold locked past the tail went to numpy. Returns
+        the next word to read (past ``b``'s last word once ``out`` is full)."""
+        wl = (b - 1) >> 6
+        if len(out) >= n:
+            return wl + 1
+        w = a >> 6
+        s = self.sec
+        enq_w, deq_w, lck_w, w0 = s.enq_w, s.deq_w, s.lck_w, self.w0
+        stop = min(wl + 1, w + _COLLECT_PY_WORDS)
+        while w < stop:
+            g = w0 + w
+            x = enq_w[g] & ~(deq_w[g] | lck_w[g])
+            if x:
+                if w == a >> 6 and a & 63:
+                    x &= (_U64 << (a & 63)) & _U64
+                if w == wl and b & 63:
+                    x &= (1 << (b & 63)) - 1
+                while x:
+                    low = x & -x
+                    out.append((w << 6) + low.bit_length() - 1)
+                    if len(out) >= n:
+                        return wl + 1
+                    x ^= low
+            w += 1
+        return w
 
     def _collect_grouped(self, a: int, b: int, n: int, out: list[int], busy: set[int]) -> None:
         skipped = 0

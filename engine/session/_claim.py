@@ -314,8 +314,9 @@ class Claims:
         """Claim up to ``max_n`` ready slots: their slots, seqs and, in a
         queue with a payload cache, each one's record if it holds the entry
         (read under the queue lock; None: read the row), else None; and
-        when more than one slot was claimed, the slots and seqs as int64
-        arrays too (a run; one entry is held as an op, as ``enqueue_many``'s).
+        the slots and seqs as int64 arrays when the claim made them (a
+        batch past SMALL_BATCH), else None (:meth:`take_cached` makes them
+        for a run; one entry is held as an op, as ``enqueue_many``'s).
 
         A waiter registers with how many entries it wants, so a commit wakes
         as many as its entries make work for; woken, it looks at the bitmaps
@@ -385,13 +386,9 @@ class Claims:
                     if ring.stride:
                         cached = [r[2]]
             else:
-                sl, sq = ring.claim_batch(
+                slots, seqs, cached, arrays = ring.take_many(
                     link.owner, link.backend_pid, max_n, exclusive=exclusive
                 )
-                if sl.size and ring.stride:
-                    cached = ring.cache.get_many(sl, sq)
-                slots, seqs = sl.tolist(), sq.tolist()
-                arrays = (sl, sq) if sl.size > 1 else None
             if not slots:
                 ring.note_empty()
                 if deadline is not None and deadline > time.monotonic():
@@ -412,11 +409,11 @@ class Claims:
         link = self.link
         lat = (time.perf_counter_ns() - t0) // len(slots)
         dq = OpKind.DEQUEUE
-        if arrays is not None:
+        if len(slots) > 1:
             hits = cast(list[Cached], cached)  # no None in it
             enq_us = np.fromiter(map(_ENQ_US, hits), dtype=np.int64, count=len(hits))
-            link.ops.append(Run(ring, info, dq, arrays[0], arrays[1], lat,
-                                consume=True, enq_us=enq_us))
+            sl, sq = arrays or (np.array(slots, dtype=np.int64), np.array(seqs, dtype=np.int64))
+            link.ops.append(Run(ring, info, dq, sl, sq, lat, consume=True, enq_us=enq_us))
         else:
             link.ops.extend([
                 Op(ring, info, slot, seq, dq, lat, None, None, True, c[3])

@@ -39,6 +39,7 @@ from ..ring import (
     Op,
     OpKind,
     QueueInfo,
+    Ring,
     RowState,
     RowWrite,
     Run,
@@ -59,6 +60,7 @@ K = TypeVar("K", bound=Hashable)
 T = TypeVar("T")
 
 # entries from which a committed run is finished as arrays (below: per slot, as ops)
+# (a dequeue run goes as a run at any size: see _per_op)
 RUN_VECTOR_FROM = 8  # as the ring's VECTOR_FROM: an 8-entry run measured no dearer as arrays
 
 _INERROR = TransactionStatus.INERROR
@@ -456,7 +458,8 @@ class Transaction:
         Not committed, rolled-back dequeues count a delivery (unless
         ``count_delivery`` is false), unless ``poisoned`` is given: the
         strikes were written already, and these (slot, seq) were poisoned.
-        A committed run is finished as arrays; anything else per op.
+        A committed run is finished as a run (arrays; a few entries in plain
+        ints); anything else per op.
         """
         if not items:
             return
@@ -479,37 +482,13 @@ class Transaction:
         if len(ops) == 1 and isinstance(first, Op):  # a single entry: one fused finish
             self._finish_one(first, committed, poisoned, enq_at_us)
             return
-        by_ring = _by_key(ops, lambda op: op.ring.qidx)
+        # (one item, as a consumer's take: no grouping)
+        by_ring = ({first.ring.qidx: [first]} if len(ops) == 1
+                   else _by_key(ops, lambda op: op.ring.qidx))
         posts: list[tuple[int, str, int]] = []
-        for qidx, group in by_ring.items():
+        for group in by_ring.values():
             ring = group[0].ring
-            exclusive = group[0].info.dequeue_mode == "single"
-            plain = [op for op in group if isinstance(op, Op)]
-            runs = [r for r in group if isinstance(r, Run)]
-            if runs and any(len(r) < RUN_VECTOR_FROM for r in runs):
-                # a few entries: per slot costs less than numpy's calls
-                plain += each_op([r for r in runs if len(r) < RUN_VECTOR_FROM])
-                runs = [r for r in runs if len(r) >= RUN_VECTOR_FROM]
-            wake_r = wake_s = 0
-            sec.lock_queue(qidx)
-            try:
-                if plain:
-                    wake_r, wake_s = finish_batch(
-                        ring, plain, link.owner, committed=committed, poisoned=poisoned,
-                        exclusive=exclusive, enq_at_us=enq_at_us,
-                    )
-                if runs:  # committed (a run is finished as arrays only then)
-                    n_ready = n_space = 0
-                    for run in runs:
-                        r, sp = finish_run(ring, run, link.owner, exclusive=exclusive,
-                                           enq_at_us=enq_at_us)
-                        n_ready += r
-                        n_space += sp
-                    r, sp = after_finish(ring, n_ready, n_space)
-                    wake_r += r
-                    wake_s += sp
-            finally:
-                sec.unlock_queue(qidx)
+            wake_r, wake_s = self._finish_in(ring, group, committed, poisoned, enq_at_us)
             if wake_r:
                 posts.append((ring.qid, "r", wake_r))
             if wake_s:
@@ -517,6 +496,43 @@ class Transaction:
         sec.count_client(link.cidx, L.C_N_COMMIT if committed else L.C_N_ROLLBACK)
         for qid, kind, n in posts:
             sec.post(qid, kind, n)
+
+    def _finish_in(
+        self, ring: Ring, group: list[Item], committed: bool, poisoned: set[tuple[int, int]],
+        enq_at_us: int | None,
+    ) -> tuple[int, int]:
+        """:meth:`finish` of the items of one queue, under its lock: the
+        wake-ups to post (ready, space) once it is released."""
+        link = self.link
+        sec = link.section
+        exclusive = group[0].info.dequeue_mode == "single"
+        plain = [op for op in group if isinstance(op, Op)]
+        runs = [r for r in group if isinstance(r, Run)]
+        if runs and any(_per_op(r) for r in runs):
+            # a few entries: per slot costs less than numpy's calls
+            plain += each_op([r for r in runs if _per_op(r)])
+            runs = [r for r in runs if not _per_op(r)]
+        wake_r = wake_s = 0
+        sec.lock_queue(ring.qidx)
+        try:
+            if plain:
+                wake_r, wake_s = finish_batch(
+                    ring, plain, link.owner, committed=committed, poisoned=poisoned,
+                    exclusive=exclusive, enq_at_us=enq_at_us,
+                )
+            if runs:  # committed (a run is finished as a run only then)
+                n_ready = n_space = 0
+                for run in runs:
+                    r, sp = finish_run(ring, run, link.owner, exclusive=exclusive,
+                                       enq_at_us=enq_at_us)
+                    n_ready += r
+                    n_space += sp
+                r, sp = after_finish(ring, n_ready, n_space)
+                wake_r += r
+                wake_s += sp
+        finally:
+            sec.unlock_queue(ring.qidx)
+        return wake_r, wake_s
 
     def _finish_one(
         self, op: Op, committed: bool, poisoned: set[tuple[int, int]], enq_at_us: int | None
@@ -660,6 +676,13 @@ class Transaction:
             for op in deq_ops:
                 op.due_us = due_by.get((op.info.id, op.slot, op.seq), 0)
         return poisoned
+
+
+def _per_op(run: Run) -> bool:
+    """Whether a committed run is finished per op: an enqueue run of a few
+    entries (as arrays, numpy's calls cost more); a dequeue run is finished
+    as a run at any size (a few entries in plain ints: ``finish_run``)."""
+    return run.kind is OpKind.ENQUEUE and len(run) < RUN_VECTOR_FROM
 
 
 def _by_key(ops: Sequence[T], key: Callable[[T], K]) -> dict[K, list[T]]:
