@@ -292,9 +292,10 @@ class SqlAgent:
             target = max(OFFER_MIN, target - target // 16)  # a quiet pass: keep less aside
         self._target[info.id] = target
         # Topped up to the target once a quarter of it was taken; and at once
-        # what waiting consumers asked for (they are idle now).
+        # what waiting consumers asked for (they are idle now), within the
+        # most ever kept aside from linked consumers.
         short = max(target - takeable if takeable < target - target // 4 else 0,
-                    want - takeable)
+                    min(want, OFFER_MAX) - takeable)
         if wanted and short > 0:
             new = self._offer(sec, conn, ring, info, short, takeable if waiters else 0)
             if new[0].size:
