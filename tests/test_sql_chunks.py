@@ -161,6 +161,24 @@ def test_a_waiter_killed_9_does_not_keep_the_others_waiting(
     assert waiters(dsn, q) == []
 
 
+def test_the_agent_deletes_the_waiter_rows_of_backends_that_ended(
+    dsn: str, make_queue: Callable[..., str]
+) -> None:
+    q = make_queue(capacity=64, dequeue_mode="shared")
+    # Only the queue's first waiter wakes the agent, so a dead waiter's row
+    # would keep the next one from asking (and its queue wanted for ever).
+    dead_pid = int(killed_9("SELECT * FROM ringq.dequeue(%s, 5)", dsn, "autocommit", q,
+                            before=lambda pid: wait_for(lambda: waiters(dsn, q) == [int(pid)],
+                                                        what="the waiter")))
+    with connect(dsn) as s, psycopg.connect(dsn, autocommit=True) as agent_conn:
+        wait_for(lambda: not agent_conn.execute(
+            "SELECT 1 FROM pg_stat_activity WHERE pid = %s", (dead_pid,)).fetchall(),
+            what="the killed backend gone")
+        SqlAgent.prepare(agent_conn)
+        SqlAgent().run(s.section, agent_conn)  # a new agent scans at once
+    assert waiters(dsn, q) == []
+
+
 def test_concurrent_takes_share_the_listing_and_a_rollback_strikes_only_its_own(
     dsn: str, make_queue: Callable[..., str], monitor: Callable[..., Monitor]
 ) -> None:
