@@ -259,12 +259,16 @@ class SqlPuts:
                     run = Run(ring, info, OpKind.ENQUEUE, slots[ok], seqs[ok], 0)
                     n_put += finish_run(ring, run, L.OWNER_SQL, exclusive=False,
                                         enq_at_us=None)[0]
-            for slot, seq, group, due_us in other:
-                if _reserved(ring, slot, seq):
-                    if group is not None:
-                        ring.set_group(slot, group_tag(group))
-                    ring.finish_enqueue(slot, committed=True, due_us=due_us)
-                    n_put += 1
+            if other:
+                slots = np.array([e[0] for e in other], dtype=np.int64)
+                seqs = np.array([e[1] for e in other], dtype=np.int64)
+                kept = R.reserved_mask(sec, ring, slots, seqs).tolist()
+                for (slot, _seq, group, due_us), ok in zip(other, kept, strict=True):
+                    if ok:
+                        if group is not None:
+                            ring.set_group(slot, group_tag(group))
+                        ring.finish_enqueue(slot, committed=True, due_us=due_us)
+                        n_put += 1
             seqs, slots = void
             if slots.size:
                 for slot in slots[R.reserved_mask(sec, ring, slots, seqs)].tolist():
@@ -284,9 +288,3 @@ def reserved_for_sql(sec: Section, qidx: int) -> bool:
     SQL producers (``Q_SQL_PUTS``; the pump then holds the queue's inbox
     entries back)."""
     return sec.q(qidx, L.Q_SQL_PUTS) > 0
-
-
-def _reserved(ring: Ring, slot: int, seq: int) -> bool:
-    """The slot is reserved for SQL producers at ``seq`` (no entry published)."""
-    enq, deq, lck, owner = ring.bits(slot)
-    return lck and owner == L.OWNER_SQL and not enq and not deq and ring.seq_of(slot) == seq

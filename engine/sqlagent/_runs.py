@@ -11,6 +11,7 @@ import psycopg
 from psycopg import sql
 
 from ..driver import QUERIES as _Q
+from ..driver.wire import int_array
 from ..ring import Ring
 from ..section import Section
 from ..section import layout as L
@@ -41,20 +42,19 @@ def reserved_mask(
     sec: Section, ring: Ring, slots: np.ndarray[Any, Any], seqs: np.ndarray[Any, Any]
 ) -> np.ndarray[Any, Any]:
     """Which of ``slots`` (int64) are still reserved for SQL producers at
-    ``seqs``: LCK set by the owner ``OWNER_SQL``, neither ENQ nor DEQ (no
-    entry published), the slot at that seq; for all at once (the queue's
-    lock held)."""
+    ``seqs``: held by the owner ``OWNER_SQL`` (:meth:`Ring.held_mask`),
+    neither ENQ nor DEQ (no entry published), the slot at that seq; for all
+    at once (the queue's lock held)."""
     w = ring.w0 + (slots >> 6)
     shift = (slots & 63).astype(np.uint64)
 
-    def bit(arr: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
-        out: np.ndarray[Any, Any] = ((arr[w] >> shift) & np.uint64(1)) != 0
+    def clear(arr: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
+        out: np.ndarray[Any, Any] = ((arr[w] >> shift) & np.uint64(1)) == 0
         return out
 
     tail = int(ring.Q[ring.qb + L.Q_TAIL])
     mask: np.ndarray[Any, Any] = (
-        bit(sec.lck) & ~bit(sec.enq) & ~bit(sec.deq)
-        & (sec.owner[ring.base + slots] == L.OWNER_SQL)
+        ring.held_mask(slots, L.OWNER_SQL) & clear(sec.enq) & clear(sec.deq)
         & (tail + (slots - tail) % ring.cap == seqs))
     return mask
 
@@ -134,13 +134,8 @@ def runs_of(
         brk = brk | (pos % limit == 0)
     starts = np.flatnonzero(brk)
     ns = np.diff(np.r_[starts, seqs.size])
-    return {"run_seqs": array_literal(seqs[starts]), "run_slots": array_literal(slots[starts]),
-            "run_ns": array_literal(ns)}
-
-
-def array_literal(values: np.ndarray[Any, Any]) -> str:
-    """PostgreSQL's text form of an array of these integers."""
-    return "{" + ",".join(map(str, values.tolist())) + "}"
+    return {"run_seqs": int_array(seqs[starts].tolist()),
+            "run_slots": int_array(slots[starts].tolist()), "run_ns": int_array(ns.tolist())}
 
 
 def minus(entries: Entries, seqs: np.ndarray[Any, Any]) -> Entries:
