@@ -340,13 +340,11 @@ class Ring(RingScan):
         if not slots:
             return [], []
         s = self.sec
-        holder_w, owner_w, base, w0 = s.holder_w, s.owner_w, self.base, self.w0
-        masks: dict[int, int] = {}
+        holder_w, owner_w, base = s.holder_w, s.owner_w, self.base
         for slot in slots:
             holder_w[base + slot] = backend
             owner_w[base + slot] = owner
-            w = w0 + (slot >> 6)
-            masks[w] = masks.get(w, 0) | 1 << (slot & 63)
+        masks = self._word_masks(slots)
         lck_w, deq_w = s.lck_w, s.deq_w
         for w, m in masks.items():
             lck_w[w] |= m
@@ -460,10 +458,7 @@ class Ring(RingScan):
         """Which of ``slots`` (int64) ``owner`` holds: LCK set and its token in OWNER."""
         s = self.sec
         if slots.size <= SMALL_BATCH:  # plain ints (see SMALL_BATCH)
-            words, tokens, w0, base = s.lck, s.owner, self.w0, self.base
-            return np.array([int(words[w0 + (x >> 6)]) >> (x & 63) & 1 == 1
-                             and int(tokens[base + x]) == owner for x in slots.tolist()],
-                            dtype=bool)
+            return np.array(self.held_few(slots.tolist(), owner), dtype=bool)
         lck = (s.lck[self.w0 + (slots >> 6)] >> (slots & 63).astype(np.uint64)) & np.uint64(1)
         held: np.ndarray = (lck != 0) & (s.owner[self.base + slots] == owner)
         return held
@@ -475,6 +470,15 @@ class Ring(RingScan):
         Q[b + L.Q_DEPTH_HINT] -= slots.size
         Q[b + L.Q_N_DEQ_COMMIT] += slots.size
         self.unlock_dequeued(slots, exclusive)
+
+    def _word_masks(self, slots: list[int]) -> dict[int, int]:
+        """The section's word index -> the bits of ``slots`` in it (plain ints)."""
+        w0 = self.w0
+        masks: dict[int, int] = {}
+        for x in slots:
+            w = w0 + (x >> 6)
+            masks[w] = masks.get(w, 0) | 1 << (x & 63)
+        return masks
 
     def held_few(self, slots: list[int], owner: int) -> list[bool]:
         """:meth:`held_mask` of a few slots, in plain ints (see SMALL_BATCH)."""
@@ -490,12 +494,8 @@ class Ring(RingScan):
         Q[b + L.Q_DEPTH_HINT] -= n
         Q[b + L.Q_N_DEQ_COMMIT] += n
         self.cache.clear_few(slots)
-        lck_w, owner_w, w0, base = s.lck_w, s.owner_w, self.w0, self.base
-        masks: dict[int, int] = {}
-        for x in slots:
-            w = w0 + (x >> 6)
-            masks[w] = masks.get(w, 0) | 1 << (x & 63)
-        for w, m in masks.items():
+        lck_w, owner_w, base = s.lck_w, s.owner_w, self.base
+        for w, m in self._word_masks(slots).items():
             lck_w[w] &= ~m & _U64
         for x in slots:
             owner_w[base + x] = 0
