@@ -16,8 +16,19 @@ the work (0 by default).
 - **batch**: a batch consumer over a SKIP LOCKED table (PgQ's shape driven
   from Python: ``--batch-consumers`` (1) thread(s) taking ``--batch`` (512)
   rows per transaction by ``DELETE ... FOR UPDATE SKIP LOCKED ... RETURNING``,
-  the INSERT of their ids, COMMIT). Not PgQ itself (the extension is not
-  installed here).
+  the INSERT of their ids, COMMIT);
+- **pgq**: PgQ itself (the C extension, Debian's ``postgresql-15-pgq3``;
+  left out, with a note, where the server does not have it): the fill inserts
+  ``--batch`` events per transaction and ticks after each (``pgq.ticker``,
+  ``ticker_max_lag`` 0: what ``pgqd`` does with ``ticker_max_count`` =
+  ``--batch``), so batches hold 512 events; one consumer (a PgQ consumer
+  reads every event; batches are taken one after another) loops
+  ``pgq.next_batch``, ``pgq.get_batch_events``, the entries one by one, the
+  INSERT of their ids, ``pgq.finish_batch``, COMMIT;
+- **floor**: no queue, the transactions alone: as many coroutines, each
+  committing the INSERT of ``--take`` ids (from a counter) in autocommit, one
+  round trip each, until ``--entries`` ids are recorded: what any consumer
+  that commits every ``--take`` entries cannot beat on this machine.
 
 Per run: entries/s (completed over the wall time until the last commit),
 the client's CPU per entry (this process: ``time.process_time``, user +
@@ -38,6 +49,7 @@ import cProfile
 import io
 import pstats
 import statistics
+import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -51,7 +63,7 @@ from psycopg import sql
 from ringq.engine import connect, connect_async
 from ringq.scripting import QueueSpec, create_queue
 
-KINDS = ("threads", "coroutines", "batch")
+KINDS = ("threads", "coroutines", "batch", "pgq", "floor")
 PAYLOAD = 256
 FILL_BATCH = 1000
 
@@ -73,16 +85,39 @@ def _q(template: str, *tables: str) -> sql.Composed:
     return sql.SQL(template).format(*[sql.Identifier(t) for t in tables])
 
 
-def setup(dsn: str, n: RunNames, cfg: Config) -> None:
+def setup(dsn: str, n: RunNames, cfg: Config) -> tuple[str, ...]:
+    """Create the queues and tables; the kinds this server can run (PgQ only
+    where its extension is installed)."""
     with psycopg.connect(dsn) as conn:
         create_queue(conn, QueueSpec(n.queue, max(4 * cfg.entries, 50_000), 512,
                                      dequeue_mode="shared"))
         conn.execute(_q("CREATE TABLE {} (id bigserial PRIMARY KEY, payload bytea)", n.table))
         conn.execute(_q("CREATE TABLE {} (id bigint)", n.done))
+        if conn.execute("SELECT 1 FROM pg_available_extensions WHERE name = 'pgq'").fetchone():
+            conn.execute("CREATE EXTENSION IF NOT EXISTS pgq")
+            conn.execute("SELECT pgq.create_queue(%s)", (n.queue,))
+            # pgq.ticker(queue) then ticks whenever events arrived since the last tick
+            conn.execute("SELECT pgq.set_queue_config(%s, 'ticker_max_lag', '0')", (n.queue,))
+            conn.execute("SELECT pgq.register_consumer(%s, 'bench')", (n.queue,))
+            return KINDS
+    print("bench_async: PgQ is not installed on this server (Debian: apt-get install "
+          "postgresql-15-pgq3); the 'pgq' kind is left out", file=sys.stderr)
+    return tuple(k for k in KINDS if k != "pgq")
 
 
-def fill(dsn: str, n: RunNames, kind: str, entries: int) -> None:
+def fill(dsn: str, n: RunNames, kind: str, entries: int, batch: int) -> None:
     payload = b"x" * PAYLOAD
+    if kind == "floor":  # nothing to take: the ids come from a counter
+        return
+    if kind == "pgq":  # ev_data is text; a tick after each transaction of `batch` events
+        with psycopg.connect(dsn, autocommit=True) as conn:
+            for i in range(0, entries, batch):
+                k = min(batch, entries - i)
+                with conn.transaction():
+                    conn.execute("SELECT pgq.insert_event(%s, 'job', d) FROM unnest(%s::text[]) d",
+                                 (n.queue, [payload.decode()] * k))
+                conn.execute("SELECT pgq.ticker(%s)", (n.queue,))
+        return
     if kind == "batch":
         with psycopg.connect(dsn) as conn:
             for i in range(0, entries, FILL_BATCH):
@@ -182,6 +217,64 @@ def _batch(dsn: str, n: RunNames, cfg: Config, lat: list[int]) -> int:
     return sum(done)
 
 
+def _pgq(dsn: str, n: RunNames, cfg: Config, lat: list[int]) -> int:
+    insert = _q("INSERT INTO {} SELECT unnest(%s::bigint[])", n.done)
+    conn = psycopg.connect(dsn)
+    done = [0]
+    start = threading.Barrier(2)
+
+    def consume(_i: int) -> None:
+        start.wait()
+        while True:
+            t0 = time.perf_counter_ns()
+            row = conn.execute("SELECT pgq.next_batch(%s, 'bench')", (n.queue,)).fetchone()
+            batch_id = row[0] if row else None
+            if batch_id is None:  # no tick left: drained
+                conn.commit()
+                return
+            rows = conn.execute("SELECT ev_id, ev_data FROM pgq.get_batch_events(%s)",
+                                (batch_id,)).fetchall()
+            lat.append(time.perf_counter_ns() - t0)
+            for _row in rows:
+                if cfg.work_ms:
+                    time.sleep(cfg.work_ms / 1000)
+            conn.execute(insert, ([r[0] for r in rows],))
+            conn.execute("SELECT pgq.finish_batch(%s)", (batch_id,))
+            conn.commit()
+            done[0] += len(rows)
+
+    _consume_in_threads(consume, start, [conn])
+    return done[0]
+
+
+def _floor(dsn: str, n: RunNames, cfg: Config, lat: list[int]) -> int:
+    insert = _q("INSERT INTO {} SELECT unnest(%s::bigint[])", n.done).as_string(None)
+
+    async def main() -> int:
+        conns = [await psycopg.AsyncConnection.connect(dsn, autocommit=True)
+                 for _ in range(cfg.consumers)]
+        next_id = 0
+
+        async def consume(conn: psycopg.AsyncConnection[Any]) -> int:
+            nonlocal next_id
+            done = 0
+            while next_id < cfg.entries:
+                ids = list(range(next_id, min(next_id + cfg.take, cfg.entries)))
+                next_id += len(ids)
+                lat.append(0)  # nothing is taken: no take to time
+                await conn.execute(insert, (ids,), prepare=True)
+                done += len(ids)
+            return done
+
+        _mark_start()
+        counts = await asyncio.gather(*[consume(c) for c in conns])
+        for c in conns:
+            await c.close()
+        return sum(counts)
+
+    return asyncio.run(main())
+
+
 class _Closable(Protocol):
     def close(self) -> None: ...
 
@@ -211,12 +304,13 @@ def _mark_start() -> None:
     _started.append((time.perf_counter(), time.process_time(), postgres_cpu_s()))
 
 
-RUNNERS = {"threads": _threads, "coroutines": _coroutines, "batch": _batch}
+RUNNERS = {"threads": _threads, "coroutines": _coroutines, "batch": _batch, "pgq": _pgq,
+           "floor": _floor}
 
 
 def one_run(dsn: str, n: RunNames, cfg: Config, kind: str,
             profile: cProfile.Profile | None = None) -> dict[str, Any]:
-    fill(dsn, n, kind, cfg.entries)
+    fill(dsn, n, kind, cfg.entries, cfg.batch)
     lat: list[int] = []
     _started.clear()
     if profile is not None:
@@ -248,11 +342,11 @@ def one_run(dsn: str, n: RunNames, cfg: Config, kind: str,
 
 
 def run(dsn: str, cfg: Config, names: RunNames) -> dict[str, Any]:
-    setup(dsn, names, cfg)
+    kinds = setup(dsn, names, cfg)
     one_run(dsn, names, Config(entries=2000, consumers=4), "threads")  # warm-up (untimed)
     rounds: list[list[dict[str, Any]]] = []
     for r in range(cfg.rounds):
-        order = KINDS if r % 2 == 0 else tuple(reversed(KINDS))
+        order = kinds if r % 2 == 0 else tuple(reversed(kinds))
         rounds.append([one_run(dsn, names, cfg, k) for k in order])
     out: dict[str, Any] = {"rounds": rounds, "machine": machine()}
     if cfg.profile:
@@ -273,12 +367,18 @@ def summarize(raw: dict[str, Any]) -> dict[str, Any]:
             "take_ms_p99")
     med = {k: {key: statistics.median(r[key] for r in rs) for key in keys}
            for k, rs in by.items() if rs}
-    ratios = [
-        {r["kind"]: r["entries_per_s"] for r in rnd}["coroutines"]
-        / {r["kind"]: r["entries_per_s"] for r in rnd}["batch"]
-        for rnd in raw["rounds"]
-    ]
-    return {"median": med, "coroutines_over_batch_rate": statistics.median(ratios),
+    def over(kind: str) -> list[float]:
+        """coroutines' entries/s over ``kind``'s, in each round that ran both."""
+        out = []
+        for rnd in raw["rounds"]:
+            rate = {r["kind"]: r["entries_per_s"] for r in rnd}
+            if kind in rate:
+                out.append(rate["coroutines"] / rate[kind])
+        return out
+
+    ratios = {k: over(k) for k in ("batch", "pgq", "floor")}
+    return {"median": med,
+            "coroutines_over": {k: statistics.median(v) for k, v in ratios.items() if v},
             "ratios": ratios,
             "duplicates": sum(r["duplicates"] for rnd in raw["rounds"] for r in rnd)}
 
@@ -295,9 +395,10 @@ def render(raw: dict[str, Any], summary: dict[str, Any], cfg: Config, seconds: f
         lines.append(f"{k:<12}{m['entries_per_s']:>11,.0f}{m['client_us_per_entry']:>13.1f}"
                      f"{m['server_us_per_entry']:>13.1f}{m['take_ms_p50']:>13.2f}"
                      f"{m['take_ms_p99']:>13.2f}")
-    lines.append(f"coroutines / batch entries/s: {summary['coroutines_over_batch_rate']:.2f} "
-                 f"(per round: {', '.join(f'{r:.2f}' for r in summary['ratios'])}); "
-                 f"duplicates: {summary['duplicates']}")
+    for k, med in summary["coroutines_over"].items():
+        lines.append(f"coroutines / {k} entries/s: {med:.2f} (per round: "
+                     f"{', '.join(f'{r:.2f}' for r in summary['ratios'][k])})")
+    lines.append(f"duplicates: {summary['duplicates']}")
     if "profile" in raw:
         lines += ["", f"cProfile of one '{cfg.profile}' run (by own time):", raw["profile"]]
     return "\n".join(lines)
