@@ -17,6 +17,9 @@ other test module runs with tracing on.
 from __future__ import annotations
 
 import asyncio
+import subprocess
+import sys
+import textwrap
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -43,7 +46,7 @@ from ringq.engine import (
 from ringq.engine import layout as L
 from ringq.engine.session import _otel
 from ringq.scripting import create_schema
-from ringq.worker import Actions, Worker
+from ringq.worker import Actions, AsyncWorker, Worker
 
 _EXPORTER = InMemorySpanExporter()
 _PROVIDER = TracerProvider()
@@ -428,3 +431,112 @@ def test_the_async_face_makes_the_same_spans_and_links(
     redelivered = one(spans, f"dequeue {q}")
     assert attrs(redelivered)["ringq.deliveries"] == 2 and linked(redelivered) == [ids(send)]
     assert [attrs(c)["ringq.seqs"] for c in named(spans, "commit")] == [[seq], [seq]]
+
+
+def test_the_async_workers_action_runs_in_a_span_the_producers_child(
+    dsn: str, make_queue: Callable[..., str], spans: InMemorySpanExporter
+) -> None:
+    """``ringq worker --concurrency``'s consumers: an async action runs in the
+    process span, made current, so that its own enqueue is the span's child."""
+    a, b = make_queue(), make_queue()
+    app = Actions()
+
+    @app.action(a)
+    async def step(msg: Message, session: Any) -> None:
+        await session.enqueue(b, msg.payload + b"->next")
+
+    (seq,) = enqueue_committed(dsn, a, b"order")
+    send = one(spans, f"enqueue {a}")
+    assert AsyncWorker(app, dsn, concurrency=2).run(max_messages=1) == 1
+    process = one(spans, f"process {a}")
+    assert process.kind == SpanKind.CONSUMER
+    assert present(process.parent).span_id == ids(send)[1]
+    assert linked(process) == [ids(send)]
+    assert attrs(process) == message_attrs(a, "process", "process", seq) | {"ringq.deliveries": 1}
+    chained = one(spans, f"enqueue {b}")
+    assert present(chained.parent).span_id == ids(process)[1]
+    assert ids(chained)[0] == ids(send)[0]
+
+
+def test_the_async_enqueue_many_makes_one_span_each_entry_carries(
+    dsn: str, make_queue: Callable[..., str], spans: InMemorySpanExporter
+) -> None:
+    q = make_queue(capacity=8)
+
+    async def run() -> tuple[list[int], list[Message]]:
+        async with await connect_async(dsn) as s:
+            seqs = await s.enqueue_many(q, [b"a", b"b", b"c"])
+            await s.commit()
+            got = await s.dequeue_many(q, 8)
+            await s.commit()
+        return seqs, got
+
+    seqs, got = asyncio.run(run())
+    send = one(spans, f"enqueue_many {q}")
+    assert send.kind == SpanKind.PRODUCER and attrs(send)["ringq.seqs"] == seqs
+    assert [m.seq for m in got] == seqs
+    assert [m.trace for m in got] == [traceparent_of(send)] * 3
+    assert linked(one(spans, f"dequeue_many {q}")) == [ids(send)] * 3  # a link per entry
+
+
+# Run in a fresh interpreter where ``import opentelemetry`` fails, as it does
+# without the extra: the engine, both faces and the worker must work, and no
+# module of the API may be imported on the way.
+_WITHOUT_THE_EXTRA = textwrap.dedent("""
+    import asyncio, importlib.abc, sys
+
+    class NoOtel(importlib.abc.MetaPathFinder):
+        def find_spec(self, name, path, target=None):
+            if name == "opentelemetry" or name.startswith("opentelemetry."):
+                raise ImportError("the otel extra is not installed")
+            return None
+
+    sys.meta_path.insert(0, NoOtel())
+    from ringq.engine import connect, connect_async, process_span
+    from ringq.engine.session import _otel
+    from ringq.worker import Actions, Worker
+
+    dsn, q = sys.argv[1], sys.argv[2]
+    assert _otel.API is None and _otel.spans() is None
+    with connect(dsn) as s:
+        s.enqueue(q, b"a")
+        s.enqueue_many(q, [b"b"])
+        s.commit()
+        m = s.dequeue(q)
+        s.commit()
+    assert m.payload == b"a" and m.trace is None
+    with process_span(m) as span:
+        assert span is None
+
+    async def face():
+        async with await connect_async(dsn) as s:
+            got = await s.dequeue_many(q, 4)
+            await s.enqueue(q, b"c")
+            await s.commit()
+        return got
+
+    assert [x.payload for x in asyncio.run(face())] == [b"b"]
+    seen = []
+    app = Actions()
+
+    @app.action(q)
+    def step(msg, session):
+        seen.append(msg.payload)
+
+    with Worker(app, dsn) as w:
+        assert w.run_one(wait=5)
+    assert seen == [b"c"], seen
+    loaded = sorted(n for n in sys.modules if n.split(".")[0] == "opentelemetry")
+    assert not loaded, loaded
+    print("ok")
+""")
+
+
+def test_without_the_extra_nothing_of_it_is_imported_and_everything_works(
+    dsn: str, make_queue: Callable[..., str]
+) -> None:
+    q = make_queue(capacity=8)
+    done = subprocess.run([sys.executable, "-c", _WITHOUT_THE_EXTRA, dsn, q],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip() == "ok"
