@@ -19,6 +19,7 @@ And the helpers that several test modules share (``from conftest import ...``):
 :func:`present`, :func:`wait_for`, :func:`drain`, :func:`queue_in`,
 :func:`remove_section`, :func:`fresh_database`, :func:`terminate_backend`,
 :func:`activity_of`, :func:`make_stale`,
+:func:`worker_of`, :func:`handle_one`,
 :func:`cli`, :func:`closed_port`, :func:`prepared_gids`, :func:`decided_gids`
 and :class:`MonitorProcess`.
 """
@@ -52,6 +53,7 @@ from ringq.monitor import Monitor, MonitorConfig
 from ringq.regression import Verifier
 from ringq.scripting import QueueSpec, create_queue
 from ringq.scripting import remove_section as remove_section_of
+from ringq.worker import Actions, AsyncWorker, Worker
 
 SHM_DIR = "/dev/shm"
 
@@ -304,6 +306,22 @@ def wait_for(
         time.sleep(every)  # polling a condition with a deadline, not synchronizing by sleep
     last = f" (last: {last_exc!r})" if last_exc else ""
     raise AssertionError(f"timed out after {timeout}s waiting for {what}{last}")
+
+
+def worker_of(actions: Actions, dsn: str, concurrency: int) -> Worker | AsyncWorker:
+    """A worker of ``actions``, opened: one sync consumer (``concurrency``
+    0) or an AsyncWorker of ``concurrency`` consumers (``ringq worker
+    --concurrency``), for tests that hold both to the same assertions."""
+    if concurrency:
+        return AsyncWorker(actions, dsn, concurrency=concurrency).open()
+    return Worker(actions, dsn).open()
+
+
+def handle_one(w: Worker | AsyncWorker) -> bool:
+    """Let ``w`` handle one message (waiting for one to be ready): True."""
+    if isinstance(w, Worker):
+        return w.run_one(wait=5)
+    return w.run(max_messages=1) == 1
 
 
 def enqueue_committed(dsn: str, queue: str, *payloads: bytes, **options: Any) -> list[int]:

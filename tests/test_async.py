@@ -15,6 +15,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
@@ -23,7 +24,9 @@ import psycopg
 import pytest
 import ringq.engine as engine
 from conftest import drain, enqueue_committed, terminate_backend
+from ringq.engine import Message, Session
 from ringq.engine.driver import awire
+from ringq.worker import Actions, AsyncWorker
 
 T = TypeVar("T")
 
@@ -336,23 +339,54 @@ def test_the_async_examples_run(dsn: str) -> None:
     assert len(drain(dsn, "ex_async_mails")) == 39
 
 
+# An action of each kind that holds its entry a little (so that overlaps would
+# show) and records when it began and ended (monotonic: one process).
+_CONCURRENT_ACTIONS = {
+    "async": """
+        @app.action({q!r})
+        async def act(msg, session):
+            began = time.monotonic_ns()
+            await asyncio.sleep(0.005)
+            await session.connection.execute("INSERT INTO {done} VALUES (%s, %s, %s)",
+                                             (msg.seq, began, time.monotonic_ns()))
+    """,
+    "sync": """
+        @app.action({q!r})
+        def act(msg, session):
+            began = time.monotonic_ns()
+            time.sleep(0.005)
+            session.connection.execute("INSERT INTO {done} VALUES (%s, %s, %s)",
+                                       (msg.seq, began, time.monotonic_ns()))
+    """,
+}
+
+
+def _most_at_once(spans: list[tuple[int, int]]) -> int:
+    """The most of these (began, ended) spans that overlapped at one time."""
+    events = sorted([(b, 1) for b, _ in spans] + [(e, -1) for _, e in spans])
+    most = now = 0
+    for _, step in events:  # an end sorts before a beginning at the same time
+        now += step
+        most = max(most, now)
+    return most
+
+
+@pytest.mark.parametrize("kind", ["async", "sync"])
 def test_the_worker_runs_async_actions_with_concurrency(
-    dsn: str, make_queue: Callable[..., str], tmp_path: Any
+    dsn: str, make_queue: Callable[..., str], tmp_path: Any, kind: str
 ) -> None:
     """``ringq worker mod:app --concurrency 8`` awaits async actions in 8
-    coroutines of one process; SIGTERM stops it, exit 0, each entry once."""
+    coroutines of one process (sync ones in threads), more than one at a
+    time; SIGTERM stops it, exit 0, each entry once."""
     q = make_queue(capacity=256, dequeue_mode="shared")
     done = "t_done_" + q
     with psycopg.connect(dsn, autocommit=True) as c:
-        c.execute(f"CREATE TABLE {done} (seq bigint PRIMARY KEY)")
-    (tmp_path / "aioapp.py").write_text(textwrap.dedent(f"""
+        c.execute(f"CREATE TABLE {done} (seq bigint PRIMARY KEY, began bigint, ended bigint)")
+    (tmp_path / "aioapp.py").write_text(textwrap.dedent("""
+        import asyncio, time
         from ringq.worker import Actions
         app = Actions()
-
-        @app.action({q!r})
-        async def act(msg, session):
-            await session.connection.execute("INSERT INTO {done} VALUES (%s)", (msg.seq,))
-    """))
+    """) + textwrap.dedent(_CONCURRENT_ACTIONS[kind]).format(q=q, done=done))
     enqueue_committed(dsn, q, *[b"%d" % i for i in range(100)])
     env = {**os.environ, "RINGQ_DSN": dsn, "PYTHONPATH": str(tmp_path)}
     ringq = os.path.join(os.path.dirname(sys.executable), "ringq")
@@ -372,3 +406,49 @@ def test_the_worker_runs_async_actions_with_concurrency(
     assert n == 100, err
     assert proc.returncode == 0, err
     assert drain(dsn, q) == []
+    with psycopg.connect(dsn) as c:
+        spans = c.execute(f"SELECT began, ended FROM {done}").fetchall()
+    assert _most_at_once(spans) > 1
+
+
+def test_a_sync_action_past_its_time_limit_writes_nothing_into_the_next_entry(
+    dsn: str, make_queue: Callable[..., str]
+) -> None:
+    """Under concurrency a sync action runs in a thread, which the time limit
+    cannot stop: what it writes after the limit must go with its own rollback,
+    never commit with the transaction of the next entry of its consumer."""
+    slow, other, out = make_queue(), make_queue(), make_queue()
+    effects = "t_effects_" + slow
+    with psycopg.connect(dsn, autocommit=True) as c:
+        c.execute(f"CREATE TABLE {effects} (note text)")
+    stray_written = threading.Event()
+    app = Actions()
+
+    @app.action(slow, timeout=0.2)
+    def late(msg: Message, session: Session) -> None:
+        if msg.deliveries == 1:
+            time.sleep(0.6)  # past the limit: nothing interrupts Python in a thread
+            session.enqueue(out, b"stray")
+            session.connection.execute(f"INSERT INTO {effects} VALUES ('stray')")
+            stray_written.set()
+        else:
+            session.enqueue(out, b"slow, delivery %d" % msg.deliveries)
+
+    @app.action(other)
+    def next_entry(msg: Message, session: Session) -> None:
+        # Without the wait for the thread, this runs while it sleeps: hold
+        # this entry's transaction open until the stray writes are in.
+        stray_written.wait(5)
+        session.enqueue(out, b"other")
+
+    enqueue_committed(dsn, slow, b"slow")
+    enqueue_committed(dsn, other, b"other")
+    # one consumer: its next entry (the other queue's, round robin) is the one
+    # whose transaction the stray writes would join
+    w = AsyncWorker(app, dsn, concurrency=1)
+    assert w.run(max_messages=3) == 3
+    assert sorted(m.payload for m in drain(dsn, out)) == [b"other", b"slow, delivery 2"]
+    with psycopg.connect(dsn) as c:
+        assert c.execute(f"SELECT note FROM {effects}").fetchall() == []
+    assert w.stats()["timeouts"] == 1 and w.stats()["handled"] == 2
+    assert drain(dsn, slow) == [] and drain(dsn, other) == []

@@ -17,6 +17,7 @@ import signal
 import sys
 import time
 from collections.abc import Callable
+from contextlib import closing
 from datetime import UTC, datetime, timedelta
 from multiprocessing.synchronize import Event
 from pathlib import Path
@@ -24,7 +25,7 @@ from typing import Any
 
 import psycopg
 import pytest
-from conftest import cli, own_server_queue, present, remove_section
+from conftest import cli, handle_one, own_server_queue, present, remove_section, worker_of
 from psycopg import sql
 from ringq.engine import (
     ConfigError,
@@ -41,7 +42,7 @@ from ringq.engine import layout as L
 from ringq.engine import metrics as M
 from ringq.engine.recovery import recover_dead_clients, repair_lock_holders, resolve_prepared
 from ringq.scripting import alter_retry, list_exceptions
-from ringq.worker import Actions, Retry, Worker
+from ringq.worker import Actions, Retry
 
 RECHECK_S = 1.0  # a sleeping dequeuer's recheck (the engine's CLAIM_RECHECK_S)
 
@@ -434,9 +435,11 @@ def test_section_removed_while_entries_wait_is_rebuilt_with_due_times(
     assert_not_early(dsn, q, seq)
 
 
+@pytest.mark.parametrize("concurrency", [0, 8])
 def test_a_worker_action_raising_retry_is_due_after_its_delay(
-    dsn: str, make_queue: Callable[..., str]
+    dsn: str, make_queue: Callable[..., str], concurrency: int
 ) -> None:
+    """The same with ``--concurrency`` (the sync action in a thread)."""
     q = make_queue(dequeue_mode="shared", max_deliveries=5)
     app = Actions()
     seen: list[int] = []
@@ -450,10 +453,11 @@ def test_a_worker_action_raising_retry_is_due_after_its_delay(
     with connect(dsn) as s:
         seq = s.enqueue(q, b"job")
         s.commit()
-    with Worker(app, dsn) as w:
-        assert w.run_one(wait=0.0)  # the action asked to be retried later
-        assert not w.run_one(wait=0.0)  # not due yet
-        assert w.run_one(wait=3.0)
+    with closing(worker_of(app, dsn, concurrency)) as w:
+        assert handle_one(w)  # the action asked to be retried later
+        with connect(dsn) as s:
+            assert s.dequeue(q) is None  # not due yet
+        assert handle_one(w)  # once due
         assert w.stats()["failed"] == 1 and w.stats()["handled"] == 1
     assert seen == [1, 2]
     assert_not_early(dsn, q, seq)

@@ -21,14 +21,15 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
+from contextlib import closing
 from pathlib import Path
 from typing import Any
 
 import psycopg
 import pytest
-from conftest import drain, enqueue_committed, wait_for
+from conftest import drain, enqueue_committed, handle_one, wait_for, worker_of
 from ringq.engine import ConfigError, Message, Session, connect
-from ringq.worker import Actions, ActionTimeout, Decline, Worker, WorkerExit
+from ringq.worker import Actions, ActionTimeout, AsyncWorker, Decline, Worker, WorkerExit
 
 # -- fixtures and helpers -------------------------------------------------------------------
 
@@ -207,10 +208,10 @@ def _timed_app(q: str, body: Callable[[Message, Session], None], timeout: float)
     return app
 
 
-def _timed_out_delivery(w: Worker) -> float:
+def _timed_out_delivery(w: Worker | AsyncWorker) -> float:
     """Run one delivery, which the time limit strikes: its seconds."""
     t0 = time.monotonic()
-    assert w.run_one(wait=5)
+    assert handle_one(w)
     elapsed = time.monotonic() - t0
     assert w.stats()["timeouts"] == 1
     return elapsed
@@ -238,23 +239,27 @@ def test_time_limit_aborts_a_python_loop_and_rolls_back(
     assert rows(dsn, "SELECT seq, deliveries FROM effects") == [(seq, 2)]
 
 
+@pytest.mark.parametrize("concurrency", [0, 8])
 def test_time_limit_cancels_sql_in_progress_and_the_session_goes_on(
-    dsn: str, make_queue: Callable[..., str], effects: str
+    dsn: str, make_queue: Callable[..., str], effects: str, concurrency: int
 ) -> None:
+    """The same with ``--concurrency`` (the sync action in a thread, its
+    statement cancelled at the limit)."""
     q = make_queue()
 
     def sleep_in_sql(msg: Message, session: Session) -> None:
         session.connection.execute("SELECT pg_sleep(30)")
 
     (seq,) = enqueue_committed(dsn, q, b"slow sql")
-    with Worker(_timed_app(q, sleep_in_sql, 0.3), dsn) as w:
+    with closing(worker_of(_timed_app(q, sleep_in_sql, 0.3), dsn, concurrency)) as w:
         elapsed = _timed_out_delivery(w)
-        assert w.run_one(wait=5)
+        assert handle_one(w)
         assert w.stats()["handled"] == 1
-        # No statement of this session is still running on the server.
-        backend = w.session.backend_pid
-        active = rows(dsn, "SELECT state FROM pg_stat_activity WHERE pid = %s", backend)
-        assert active and active[0][0] != "active"
+        # No statement of the action is still running on the server.
+        sleeping = rows(dsn, "SELECT count(*) FROM pg_stat_activity WHERE datname = "
+                             "current_database() AND state = 'active' "
+                             "AND query = 'SELECT pg_sleep(30)'")  # fmt: skip
+        assert sleeping == [(0,)]
     assert elapsed < 3.0
     assert rows(dsn, "SELECT seq, deliveries FROM effects") == [(seq, 2)]
 
@@ -545,12 +550,14 @@ def _second_sigterm_mid_action(
     make_queue: Callable[..., str],
     worker_process: Callable[..., WorkerProcess],
     payload: bytes,
+    *extra: str,
 ) -> tuple[WorkerProcess, str, int, int]:
-    """A worker handling ``payload``'s message gets SIGTERM, says it finishes
-    the message, then gets a second SIGTERM: (worker, queue, seq, child pid)."""
+    """A worker (``ringq worker`` with ``extra``) handling ``payload``'s
+    message gets SIGTERM, says it finishes the message, then gets a second
+    SIGTERM: (worker, queue, seq, child pid)."""
     q = make_queue()
     (blocked,) = enqueue_committed(dsn, q, payload)
-    wp = worker_process(q)
+    wp = worker_process(q, *extra)
     child = wp.ready_pid(blocked)
     wp.signal(signal.SIGTERM)
     wp.wait_line(rf"{child} INFO .*finishing the message in flight")
@@ -576,14 +583,18 @@ def test_second_sigterm_aborts_the_message_in_flight(
     _rolled_back_and_back_on_the_queue(dsn, q, blocked)
 
 
+@pytest.mark.parametrize("concurrency", [0, 8])
 def test_third_sigterm_kills_an_action_that_cannot_be_interrupted(
     dsn: str,
     make_queue: Callable[..., str],
     effects: str,
     worker_process: Callable[..., WorkerProcess],
+    concurrency: int,
 ) -> None:
+    """With ``--concurrency`` the sync action runs in a thread, which no
+    abort can interrupt either: the second SIGTERM waits for it, the third kills."""
     wp, q, blocked, child = _second_sigterm_mid_action(
-        dsn, make_queue, worker_process, b"block-noalarm"
+        dsn, make_queue, worker_process, b"block-noalarm", "--concurrency", str(concurrency)
     )
     wp.wait_line(rf"{child} WARNING .*second SIGTERM")
     wp.signal(signal.SIGTERM)

@@ -16,6 +16,14 @@ timed out. :meth:`AsyncWorker.stop` lets messages in flight finish;
 ``stop(abort=True)`` cancels the actions in flight (rolled back, counted as
 aborted). Like the Worker, it is driven by :meth:`run` (which runs its own
 event loop) and stopped from a signal handler or another thread.
+
+A sync action's thread cannot be interrupted, and its Session is the slot's:
+at its time limit (or an abort) the statement it runs is cancelled (as
+``statement_timeout`` does for a Worker outside the main thread) and the
+slot waits for the thread to return before it rolls back and takes its
+next message. Its writes after the limit so go with its own rollback;
+left running, they would join the slot's next transaction. A thread that
+never returns holds its slot until the third stop request kills the process.
 """
 
 from __future__ import annotations
@@ -26,8 +34,11 @@ import logging
 import threading
 import time
 from collections.abc import Awaitable, Callable
-from typing import Any, cast
+from concurrent.futures import ThreadPoolExecutor
+from functools import partial
+from typing import Any, Final, cast
 
+import psycopg
 from ringq.engine import (
     AsyncSession,
     InDoubt,
@@ -56,6 +67,8 @@ from ._worker import (
 
 logger = logging.getLogger("ringq.worker")
 
+CANCEL_TIMEOUT: Final = 5.0  # seconds for the server to take a timed-out action's cancel
+
 
 class AsyncWorker:
     """``concurrency`` consumer coroutines over the actions' queues (see the module).
@@ -83,6 +96,9 @@ class AsyncWorker:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._tasks: set[asyncio.Task[Any]] = set()
         self._max_deliveries: dict[str, int] = {}
+        # cancels of timed-out sync actions' statements: a thread of their own,
+        # as the loop's default executor may be full of those very actions
+        self._canceller: ThreadPoolExecutor | None = None
 
     def open(self) -> AsyncWorker:
         return self
@@ -124,6 +140,13 @@ class AsyncWorker:
         """:meth:`run` inside a running event loop."""
         self._loop = asyncio.get_running_loop()
         budget = [max_messages]
+        self._canceller = ThreadPoolExecutor(1, thread_name_prefix="ringq-cancel")
+        try:
+            return await self._run_consumers(budget)
+        finally:
+            self._canceller.shutdown(wait=False)
+
+    async def _run_consumers(self, budget: list[int | None]) -> int:
         sessions = [await connect_async(self._dsn) for _ in range(self.concurrency)]
         try:
             for q in self.queues:
@@ -208,8 +231,48 @@ class AsyncWorker:
             return await cast("Callable[[Message, AsyncSession], Awaitable[object]]",
                               act.func)(msg, s)
         # a sync action: in a thread, with the sync Session under the AsyncSession
-        return await asyncio.to_thread(
-            cast("Callable[[Message, Session], object]", act.func), msg, s.session)
+        func = cast("Callable[[Message, Session], object]", act.func)
+        # read here: Session.connection settles the session, not to be done
+        # from the loop while the thread runs (for _outlive's cancel)
+        conn = s.session.connection
+        thread = asyncio.ensure_future(asyncio.to_thread(func, msg, s.session))
+        try:
+            return await asyncio.shield(thread)
+        except asyncio.CancelledError:
+            # The time limit or an abort: the thread goes on, on this slot's
+            # Session. Until it returns nothing else may touch the Session (not
+            # thread-safe); rolled back before, its later writes would join the
+            # slot's next transaction. So: cut its statement short, wait for it,
+            # and only then let the rollback run (see the module).
+            await self._outlive(thread, conn, msg)
+            raise
+
+    async def _outlive(self, thread: asyncio.Future[object], conn: psycopg.Connection[Any],
+                       msg: Message) -> None:
+        """Wait until a sync action's ``thread`` returns, the statement it
+        runs on ``conn`` cancelled first (the server ignores a cancel while no
+        statement runs). The cancel is waited for too: the rollback is sent
+        after both, so it is never the one cancelled. Another cancellation
+        (an abort on top of a time limit) does not stop the wait."""
+        waits: set[asyncio.Future[Any]] = {thread}
+        cancel = None
+        if not thread.done():
+            assert self._canceller is not None
+            cancel = asyncio.get_running_loop().run_in_executor(
+                self._canceller, partial(conn.cancel_safe, timeout=CANCEL_TIMEOUT))
+            waits.add(cancel)
+        while not all(f.done() for f in waits):
+            try:
+                await asyncio.wait(waits)
+            except asyncio.CancelledError:
+                continue
+        if cancel is not None and cancel.exception() is not None:
+            logger.warning("ringq worker: could not cancel a timed-out action's statement: %s",
+                           one_line(str(cancel.exception())))
+        exc = None if thread.cancelled() else thread.exception()
+        logger.info("ringq worker: queue %s seq %s: the action's thread returned after its "
+                    "time limit or abort%s", msg.queue, msg.seq,
+                    f" ({type(exc).__name__}: {one_line(str(exc))})" if exc else "")
 
     async def _rolled_back(
         self, s: AsyncSession, msg: Message, act: Action, exc: BaseException
