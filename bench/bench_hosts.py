@@ -18,7 +18,7 @@ same run against the same baseline):
 - **linked**: linked producer (``enqueue_many(128)`` + ``commit``) and linked
   consumers (``dequeue_many(8, wait=)``, the INSERT through
   ``Session.execute``, ``commit``);
-- **sql**: SQL producer (``SELECT ringq.enqueue_many(q, %s::bytea[])``, one
+- **sql**: SQL producer (``SELECT ringq.enqueue_many(q, %b::bytea[])``, one
   autocommitted statement per 128; before issue 34 it was ``SELECT
   ringq.enqueue(q, x) FROM unnest(%s::bytea[]) x``: there was no batch form)
   and SQL consumers (a default psycopg connection: ``SELECT seq, payload FROM
@@ -29,7 +29,7 @@ same run against the same baseline):
 - **sql_linked**: SQL producer, linked consumers;
 - **pgmq**: a visibility-timeout queue as pgmq makes it (a table ``(msg_id
   identity PRIMARY KEY, read_ct, enqueued_at, vt, message)`` with an index on
-  ``vt``; ``send_batch``: ``INSERT ... SELECT unnest(%s::bytea[])``; ``read(q,
+  ``vt``; ``send_batch``: ``INSERT ... SELECT unnest(%b::bytea[])``; ``read(q,
   vt, 64)``: ``UPDATE ... SET vt = clock_timestamp() + vt, read_ct = read_ct + 1
   FROM (SELECT msg_id ... WHERE vt <= clock_timestamp() ORDER BY msg_id LIMIT
   64 FOR UPDATE SKIP LOCKED)``, its own transaction; then ``DELETE ... WHERE
