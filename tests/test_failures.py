@@ -401,10 +401,11 @@ def test_monitor_restart_and_postgres_restart_in_the_middle_of_traffic(
 
 @pytest.mark.slow
 def test_section_unlinked_while_clients_run(
-    dsn: str, queues: list[str], monitor: Callable[[], MonitorProcess]
+    dsn: str, queues: list[str], monitor: Callable[[], MonitorProcess],
+    face: Callable[..., Any],
 ) -> None:
     monitor()
-    traffic = Traffic(dsn, queues)
+    traffic = Traffic(dsn, queues, face)
     traffic.start()
     try:
         with psycopg.connect(dsn) as c:
