@@ -23,7 +23,7 @@ from typing import Any, TypeVar
 import psycopg
 import pytest
 import ringq.engine as engine
-from conftest import drain, enqueue_committed, terminate_backend
+from conftest import drain, enqueue_committed, terminate_backend, wait_for
 from ringq.engine import Message, Session
 from ringq.engine.driver import awire
 from ringq.worker import Actions, AsyncWorker
@@ -229,6 +229,177 @@ def test_a_commit_cancelled_on_the_wire_decides_once(
     assert (left, sent) in (([b"in"], []), ([], [b"out"]))
 
 
+def _slow_commit_table(dsn: str, name: str) -> str:
+    """A table whose rows are checked at COMMIT by a deferred trigger: a row
+    'fast' passes at once; any other sleeps 0.5 s (a COMMIT running long
+    enough to be cancelled on the server, or left running by a client gone),
+    then a row 'fail' is refused."""
+    with psycopg.connect(dsn, autocommit=True) as c:
+        c.execute(f"""
+            CREATE TABLE {name} (v text);
+            CREATE FUNCTION {name}_check() RETURNS trigger LANGUAGE plpgsql AS $$
+            BEGIN
+                IF NEW.v = 'fast' THEN RETURN NULL; END IF;
+                PERFORM pg_sleep(0.5);
+                IF NEW.v = 'fail' THEN RAISE EXCEPTION 'refused at commit'; END IF;
+                RETURN NULL;
+            END $$;
+            CREATE CONSTRAINT TRIGGER {name}_check AFTER INSERT ON {name}
+                DEFERRABLE INITIALLY DEFERRED FOR EACH ROW EXECUTE FUNCTION {name}_check();
+        """)  # test-local names, not user input
+    return name
+
+
+def _rows_of(dsn: str, table: str) -> list[str]:
+    with psycopg.connect(dsn) as c:
+        return [r[0] for r in c.execute(f"SELECT v FROM {table}").fetchall()]
+
+
+def _cancel_in_the_check(monkeypatch: pytest.MonkeyPatch, dsn: str, pid: int) -> None:
+    """Cancel the task that next awaits the wire once its backend ``pid``
+    runs the COMMIT's check (waiting in its pg_sleep): the COMMIT is on the
+    server then, neither before it nor answered."""
+    real = awire.wait
+
+    def in_check() -> bool:
+        with psycopg.connect(dsn, autocommit=True) as c:
+            row = c.execute("SELECT wait_event, query FROM pg_stat_activity WHERE pid = %s",
+                            (pid,)).fetchone()
+        return row is not None and row[0] == "PgSleep" and row[1] == "COMMIT"
+
+    async def cancel_then(task: asyncio.Task[Any]) -> None:
+        await asyncio.to_thread(wait_for, in_check, 10, "the COMMIT to run its check")
+        task.cancel()
+
+    async def wait(aconn: psycopg.AsyncConnection[Any], gen: Any) -> Any:
+        task = asyncio.current_task()
+        assert task is not None
+        monkeypatch.setattr(awire, "wait", real)  # the first await only
+        canceller = asyncio.ensure_future(cancel_then(task))
+        try:
+            return await real(aconn, gen)
+        finally:
+            await asyncio.shield(canceller)
+
+    monkeypatch.setattr(awire, "wait", wait)
+
+
+@pytest.mark.parametrize("slow", [False, True], ids=["answered", "cancelled-on-server"])
+def test_a_commit_with_no_row_writes_cancelled_decides_once(
+    dsn: str, make_queue: Callable[..., str], monkeypatch: pytest.MonkeyPatch, slow: bool
+) -> None:
+    """A commit with nothing held (the dequeue's read took the row already;
+    the caller's row goes with it: a bare COMMIT, ``_end``) cancelled on the
+    wire: the cancel is sent and the answer read. Answered (a fast COMMIT,
+    cancelled at its first await) the section learns the server's outcome;
+    cancelled on the server (while its deferred check runs) the transaction
+    is rolled back. As the rows say (the caller's row committed or not),
+    the entry is consumed, or given back and taken again once; the section
+    agrees: nothing locked, no op left."""
+    q = make_queue(cache_payload=0)
+    table = _slow_commit_table(dsn, "t_" + q)
+    enqueue_committed(dsn, q, b"in")
+
+    async def main() -> list[bytes]:
+        async with await engine.connect_async(dsn) as s:
+            m = await s.dequeue(q)
+            assert m is not None and m.payload == b"in"
+            await s.connection.execute(f"INSERT INTO {table} VALUES (%s)",
+                                       ("slow" if slow else "fast",))
+            link = s.session._link
+            assert link.ops and not any(op.held for op in link.ops) and not link.deferred
+            if slow:
+                _cancel_in_the_check(monkeypatch, dsn, s.backend_pid)
+            else:
+                _cancel_on_the_wire(monkeypatch, 1)
+            with pytest.raises(asyncio.CancelledError):
+                await s.commit()
+            monkeypatch.undo()
+            assert link.ops == []
+            assert s.session.ring(q).counts()["locked"] == 0
+            again = await s.dequeue(q, wait=0.5)  # given back: ready now
+            await s.commit()
+            return [] if again is None else [again.payload]
+
+    again = run(main())
+    assert drain(dsn, q) == []
+    rows = _rows_of(dsn, table)
+    # as the rows say: consumed with the caller's row, or given back without it
+    assert (again, rows) in (([], ["fast"]), ([b"in"], []))
+    if slow:  # the cancel reached the running check: rolled back
+        assert (again, rows) == ([b"in"], [])
+
+
+def _backend_state(dsn: str, pid: int) -> tuple[str, str] | None:
+    with psycopg.connect(dsn, autocommit=True) as c:
+        row = c.execute("SELECT state, query FROM pg_stat_activity WHERE pid = %s",
+                        (pid,)).fetchone()
+    return None if row is None else (row[0], row[1])
+
+
+@pytest.mark.parametrize("server", ["committed", "running"])
+def test_a_commit_cancelled_twice_is_decided_by_the_rows(
+    dsn: str, make_queue: Callable[..., str], monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture, server: str,
+) -> None:
+    """The commit's task is cancelled on the wire, then again while it asks
+    the server to cancel the COMMIT: the cancel is never sent, the answer
+    never read, the connection closed (``pgconn.finish``), and the rows
+    decide. 'committed': the server had finished the COMMIT (its answer
+    unread): the entry is consumed with the caller's row. 'running': the
+    COMMIT was still in its deferred check (the decision ends that backend):
+    rolled back, the entry given back and taken again once, without the
+    row. Never both, never lost; the section agrees."""
+    q = make_queue(cache_payload=0)
+    table = _slow_commit_table(dsn, "t_" + q)
+    enqueue_committed(dsn, q, b"in")
+    real_try_cancel = psycopg.AsyncConnection._try_cancel
+    tries = [0]
+
+    async def main() -> list[bytes]:
+        async with await engine.connect_async(dsn) as s:
+            m = await s.dequeue(q)
+            assert m is not None and m.payload == b"in"
+            await s.connection.execute(f"INSERT INTO {table} VALUES (%s)",
+                                       ("fast" if server == "committed" else "slow",))
+            old = s.backend_pid
+
+            async def cancelled_again(self: psycopg.AsyncConnection[Any], *a: Any,
+                                      **k: Any) -> None:
+                tries[0] += 1
+                if server == "committed":  # the server is done; its answer waits unread
+                    await asyncio.to_thread(wait_for, lambda: _backend_state(dsn, old) == (
+                        "idle", "COMMIT"), 10, "the COMMIT to end on the server")
+                task = asyncio.current_task()
+                assert task is not None
+                task.cancel()  # the second cancellation, before the cancel request goes out
+                await asyncio.sleep(0)
+                await real_try_cancel(self, *a, **k)  # not reached
+
+            if server == "committed":
+                _cancel_on_the_wire(monkeypatch, 1)
+            else:
+                _cancel_in_the_check(monkeypatch, dsn, old)
+            monkeypatch.setattr(psycopg.AsyncConnection, "_try_cancel", cancelled_again)
+            with pytest.raises(asyncio.CancelledError):
+                await s.commit()
+            monkeypatch.undo()
+            assert tries == [1]
+            assert s.session._link.ops == []
+            assert s.session.ring(q).counts()["locked"] == 0
+            again = await s.dequeue(q, wait=0.5)
+            await s.commit()
+            assert s.backend_pid != old  # the connection was closed under the commit
+            return [] if again is None else [again.payload]
+
+    with caplog.at_level("INFO", logger="ringq.engine"):
+        again = run(main())
+    assert "cancel interrupted" in caplog.text  # the path of the answer never read
+    assert drain(dsn, q) == []
+    rows = _rows_of(dsn, table)
+    assert (again, rows) == (([], ["fast"]) if server == "committed" else ([b"in"], []))
+
+
 def test_many_consumers_in_one_loop_take_each_entry_once(
     dsn: str, make_queue: Callable[..., str]
 ) -> None:
@@ -293,27 +464,52 @@ def test_kill_9_of_an_async_consumer_gives_its_entry_back(
     assert drain(dsn, q) == []
 
 
+@pytest.mark.parametrize("cache", [None, 0], ids=["cached", "rows"])
 def test_a_backend_terminated_under_a_waiting_session_is_survived(
-    dsn: str, make_queue: Callable[..., str]
+    dsn: str, make_queue: Callable[..., str], cache: int | None
 ) -> None:
-    q = make_queue()
+    """A ``dequeue(wait=...)`` task is in its wait (its waiter counted in the
+    section) when its backend is terminated; an entry committed afterwards
+    wakes it. As on the sync face, the wait ends with the documented error
+    of the lost connection (served from the cache: the entry, then the
+    commit rolled back; read from its row: DatabaseUnavailable), the entry
+    is given back and the session reconnects; the entry is consumed exactly
+    once: the retry takes it, nothing is left."""
+    q = make_queue(cache_payload=cache)
 
-    async def main() -> bytes:
+    async def main() -> list[str]:
         async with await engine.connect_async(dsn) as s:
-            await s.enqueue(q, b"x")
-            await s.commit()
-            m = await s.dequeue(q)
-            assert m is not None
-            terminate_backend(dsn, s.backend_pid)
-            with pytest.raises(engine.RingqError):
+            await s.queue_info(q)
+            waiters = s.session.section.queues
+            at = s.session.ring(q).qb + engine.layout.Q_WAIT_READY
+            task = asyncio.create_task(s.dequeue(q, wait=30))
+            while waiters[at] == 0:  # the task's waiter is counted: it is in the wait
+                await asyncio.sleep(0.005)
+            old = s.backend_pid
+            await asyncio.to_thread(terminate_backend, dsn, old)
+            assert not task.done() and waiters[at] == 1  # still waiting, on the loop
+            (seq,) = await asyncio.to_thread(enqueue_committed, dsn, q, b"after")
+            outcomes: list[str] = []
+            try:
+                m = await asyncio.wait_for(task, 10)
+                outcomes.append(f"took {m.payload!r}" if m else "took nothing")
                 await s.commit()
-            again = await s.dequeue(q, wait=5)
-            assert again is not None and again.seq == m.seq
+                outcomes.append("committed")
+            except engine.RingqError as err:
+                outcomes.append(type(err).__name__)
+            assert waiters[at] == 0
+            again = await s.dequeue(q, wait=5)  # the application's retry
+            assert again is not None, f"the entry was lost after {outcomes}"
+            assert (again.payload, again.seq) == (b"after", seq)
             await s.commit()
-            return again.payload
+            assert s.backend_pid != old
+            return outcomes
 
-    assert run(main()) == b"x"
+    outcomes = run(main())
     assert drain(dsn, q) == []
+    # what a sync Session's dequeue waiting in a thread meets in the same place
+    assert outcomes == (["took b'after'", "RolledBack"] if cache is None
+                        else ["DatabaseUnavailable"])
 
 
 def _example(name: str, dsn: str, *args: str) -> str:

@@ -104,7 +104,7 @@ def consume_around_ringq(dsn: str, queue: str, seq: int) -> None:
 
 
 def test_a_stale_record_fails_at_commit_and_commits_nothing(
-    dsn: str, make_queue: Callable[..., str]
+    dsn: str, make_queue: Callable[..., str], face: Callable[..., Any]
 ) -> None:
     """The section says ready, the record matches, but the row was consumed
     behind its back: the deferred consuming write fails its guard, the
@@ -112,7 +112,7 @@ def test_a_stale_record_fails_at_commit_and_commits_nothing(
     q = make_queue(capacity=8)
     with psycopg.connect(dsn, autocommit=True) as c:
         c.execute("CREATE TABLE cache_app (v int)")
-    with connect(dsn) as s:
+    with face(dsn) as s:
         s.enqueue_many(q, [b"a", b"b"])
         s.commit()
         consume_around_ringq(dsn, q, 0)
@@ -129,7 +129,7 @@ def test_a_stale_record_fails_at_commit_and_commits_nothing(
 
 
 def test_a_cached_batch_with_one_stale_row_fails_at_commit_and_commits_nothing(
-    dsn: str, make_queue: Callable[..., str]
+    dsn: str, make_queue: Callable[..., str], face: Callable[..., Any]
 ) -> None:
     """A batch served from the cache in one stretch (its consuming write one
     range of slots) of which one row was consumed behind the section's back:
@@ -138,7 +138,7 @@ def test_a_cached_batch_with_one_stale_row_fails_at_commit_and_commits_nothing(
     q = make_queue(capacity=64)
     with psycopg.connect(dsn, autocommit=True) as c:
         c.execute("CREATE TABLE cache_batch_app (v int)")
-    with connect(dsn) as s:
+    with face(dsn) as s:
         seqs = s.enqueue_many(q, [b"p%d" % i for i in range(20)])
         s.commit()
         consume_around_ringq(dsn, q, seqs[7])
@@ -154,14 +154,14 @@ def test_a_cached_batch_with_one_stale_row_fails_at_commit_and_commits_nothing(
 
 
 def test_a_batch_read_from_rows_skips_a_stale_row_and_takes_the_rest(
-    dsn: str, make_queue: Callable[..., str]
+    dsn: str, make_queue: Callable[..., str], face: Callable[..., Any]
 ) -> None:
     """A batch read from its rows (no payload cache) in one stretch of slots
     (one range of the primary key) of which one row was consumed behind the
     section's back: that slot is repaired, the other entries are taken,
     committed, and none is delivered twice."""
     q = make_queue(capacity=64, cache_payload=0)
-    with connect(dsn) as s:
+    with face(dsn) as s:
         seqs = s.enqueue_many(q, [b"r%d" % i for i in range(20)])
         s.commit()
         consume_around_ringq(dsn, q, seqs[7])

@@ -277,10 +277,11 @@ def test_session_execute_carries_its_begin_and_converts_errors(
 
 @pytest.mark.parametrize("own_sql", [True, False])
 def test_stale_section_raises_at_commit_and_commits_nothing(
-    dsn: str, make_queue: Callable[..., str], app_table: str, own_sql: bool
+    dsn: str, make_queue: Callable[..., str], app_table: str, own_sql: bool,
+    face: Callable[..., Any],
 ) -> None:
     q = make_queue(capacity=8)
-    with connect(dsn) as s:
+    with face(dsn) as s:
         s.enqueue_many(q, [b"a", b"b", b"c"])
         s.commit()
         ring = s.ring(q)
@@ -305,10 +306,10 @@ def test_stale_section_raises_at_commit_and_commits_nothing(
 
 
 def test_stale_section_in_one_queue_commits_no_write_of_another(
-    dsn: str, make_queue: Callable[..., str]
+    dsn: str, make_queue: Callable[..., str], face: Callable[..., Any]
 ) -> None:
     good, stale = make_queue(), make_queue(capacity=8)
-    with connect(dsn) as s:
+    with face(dsn) as s:
         s.enqueue_many(stale, [b"a", b"b"])
         s.commit()
         warm(s, good)
@@ -327,13 +328,13 @@ def test_stale_section_in_one_queue_commits_no_write_of_another(
 
 
 def test_a_cached_dequeue_whose_row_was_consumed_around_ringq_commits_nothing(
-    dsn: str, make_queue: Callable[..., str]
+    dsn: str, make_queue: Callable[..., str], face: Callable[..., Any]
 ) -> None:
     """A cached dequeue committed alone (its consuming write the whole
     transaction) whose row no longer holds the entry ready: StaleSection,
     nothing written, and the entry is not delivered again."""
     q = make_queue(dequeue_mode="shared")
-    with connect(dsn) as s:
+    with face(dsn) as s:
         s.enqueue_many(q, [b"a", b"b"])
         s.commit()
         m = present(s.dequeue(q))
@@ -363,10 +364,10 @@ def test_a_cached_dequeue_whose_row_was_consumed_around_ringq_commits_nothing(
 
 
 def test_stale_section_gives_dequeued_entries_back_without_a_strike(
-    dsn: str, make_queue: Callable[..., str]
+    dsn: str, make_queue: Callable[..., str], face: Callable[..., Any]
 ) -> None:
     src, dst = make_queue(max_deliveries=1), make_queue(capacity=8)
-    with connect(dsn) as s:
+    with face(dsn) as s:
         s.enqueue(src, b"work")
         s.enqueue_many(dst, [b"a"])
         s.commit()
@@ -418,10 +419,10 @@ def test_flush_makes_pending_writes_visible_to_the_transaction(
 
 
 def test_flush_of_a_stale_write_rolls_the_transaction_back(
-    dsn: str, make_queue: Callable[..., str], app_table: str
+    dsn: str, make_queue: Callable[..., str], app_table: str, face: Callable[..., Any]
 ) -> None:
     q = make_queue(capacity=8)
-    with connect(dsn) as s:
+    with face(dsn) as s:
         s.enqueue(q, b"a")
         s.commit()
         make_stale(s, q)

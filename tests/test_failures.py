@@ -354,11 +354,14 @@ def _check_all(dsn: str, queues: list[str], min_sent: int) -> None:
 
 @pytest.mark.slow
 def test_kill9_at_random_points_inside_and_outside_the_lock_under_the_monitor(
-    dsn: str, queues: list[str], monitor: Callable[[], MonitorProcess]
+    dsn: str, queues: list[str], monitor: Callable[[], MonitorProcess],
+    face: Callable[..., Any],
 ) -> None:
+    """Consumers and producers of ``face`` (the async face's ring operations
+    run on its loop's thread, the one traced) die by kill -9 at random points."""
     monitor()
     rnd = random.Random(int(os.environ.get("RINGQ_TEST_SEED", "4")))
-    traffic = Traffic(dsn, queues)
+    traffic = Traffic(dsn, queues, face)
     rounds = 10
     for _ in range(rounds):
         # Half the workers die by themselves at a random line of a ring
@@ -398,10 +401,11 @@ def test_monitor_restart_and_postgres_restart_in_the_middle_of_traffic(
 
 @pytest.mark.slow
 def test_section_unlinked_while_clients_run(
-    dsn: str, queues: list[str], monitor: Callable[[], MonitorProcess]
+    dsn: str, queues: list[str], monitor: Callable[[], MonitorProcess],
+    face: Callable[..., Any],
 ) -> None:
     monitor()
-    traffic = Traffic(dsn, queues)
+    traffic = Traffic(dsn, queues, face)
     traffic.start()
     try:
         with psycopg.connect(dsn) as c:
@@ -419,9 +423,11 @@ def test_section_unlinked_while_clients_run(
 # -- backends terminated under load (the issue's point 0) ------------------------------------------
 
 
-def _reconnecting_consumers(dsn: str, queue: str, threads: int, stop: Any, commits: Any) -> None:
-    """``threads`` consumer sessions in one process, each reopening its session
-    after any error (a terminated backend), as an application would."""
+def _reconnecting_consumers(dsn: str, queue: str, threads: int, stop: Any, commits: Any,
+                            face: Callable[..., Any]) -> None:
+    """``threads`` consumer sessions of ``face`` in one process (an async
+    face's each on its own loop), each reopening its session after any error
+    (a terminated backend), as an application would."""
     import threading
 
     faulthandler.register(signal.SIGUSR1, all_threads=True)
@@ -429,7 +435,7 @@ def _reconnecting_consumers(dsn: str, queue: str, threads: int, stop: Any, commi
     def consume() -> None:
         while not stop.is_set():
             try:
-                with connect(dsn, application_name="ringq-test") as s:
+                with face(dsn, application_name="ringq-test") as s:
                     while not stop.is_set():
                         if not _take_into_got(s, queue, wait=0.2):
                             continue
@@ -446,12 +452,13 @@ def _reconnecting_consumers(dsn: str, queue: str, threads: int, stop: Any, commi
         t.join()
 
 
-def _reconnecting_producer(dsn: str, queue: str, stop: Any, commits: Any) -> None:
+def _reconnecting_producer(dsn: str, queue: str, stop: Any, commits: Any,
+                           face: Callable[..., Any]) -> None:
     faulthandler.register(signal.SIGUSR1, all_threads=True)
     i = 0
     while not stop.is_set():
         try:
-            with connect(dsn, producer="p", application_name="ringq-test") as s:
+            with face(dsn, producer="p", application_name="ringq-test") as s:
                 while not stop.is_set():
                     for _ in range(random.randint(1, 3)):
                         i += 1
@@ -500,7 +507,7 @@ def _locked_slots_report(dsn: str, queue: str) -> str:
 
 @pytest.mark.slow
 def test_backends_terminated_under_load_leave_no_slot_stuck(
-    dsn: str, monitor: Callable[[], MonitorProcess]
+    dsn: str, monitor: Callable[[], MonitorProcess], face: Callable[..., Any]
 ) -> None:
     """Backends (not processes) are terminated twice a second under load while
     the clients reopen their sessions; afterwards the queue drains completely
@@ -516,12 +523,14 @@ def test_backends_terminated_under_load_leave_no_slot_stuck(
     produced, consumed = FORK.Value("q", 0), FORK.Value("q", 0)
     procs = [
         FORK.Process(
-            target=_reconnecting_producer, args=(dsn, queue, stop_p, produced), daemon=True
+            target=_reconnecting_producer, args=(dsn, queue, stop_p, produced, face),
+            daemon=True,
         )
     ]
     procs += [
         FORK.Process(
-            target=_reconnecting_consumers, args=(dsn, queue, 8, stop_c, consumed), daemon=True
+            target=_reconnecting_consumers, args=(dsn, queue, 8, stop_c, consumed, face),
+            daemon=True,
         )
         for _ in range(2)
     ]

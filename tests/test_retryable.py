@@ -10,7 +10,9 @@ backend at COMMIT, once (a sequence counts, outside the transaction).
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import psycopg
 import pytest
@@ -22,7 +24,6 @@ from ringq.engine import (
     StaleSection,
     TransactionConflict,
     TransactionError,
-    connect,
 )
 from ringq.scripting import QueueSpec, create_queue
 
@@ -64,12 +65,12 @@ def test_retryable_is_the_base_of_what_may_be_retried_and_in_doubt_is_not() -> N
 
 @pytest.mark.parametrize("cached", [True, False], ids=["cached", "read-from-row"])
 def test_a_commit_cut_off_and_decided_raises_rolled_back_and_the_entry_comes_back_once(
-    dsn: str, cached: bool
+    dsn: str, cached: bool, face: Callable[..., Any]
 ) -> None:
     q = queue_in(dsn, cache_payload=512 if cached else 0)
     _cut_first_commit(dsn, "shipped")
     [seq] = enqueue_committed(dsn, q, b"x" * 100)
-    with connect(dsn) as s:
+    with face(dsn) as s:
         msg = s.dequeue(q)
         assert msg is not None and msg.seq == seq and msg.deliveries == 1
         s.connection.execute("INSERT INTO shipped VALUES (%s)", (msg.seq,))
