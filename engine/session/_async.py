@@ -75,7 +75,7 @@ from ._claim import CLAIM_RECHECK_S, RowsPlan, recover_in_way, repair_dequeue, u
 from ._message import Message
 from ._reserve import WouldBlock
 from ._session import Session
-from ._validate import check_count, check_due, check_wait
+from ._validate import as_groups, as_payloads, check_count, check_due, check_wait
 from ._waker import waker_for
 
 logger = logging.getLogger("ringq.engine")
@@ -315,10 +315,14 @@ class AsyncSession:
     ) -> list[int]:
         await self._ready(queue)
         res = self._reservations
-        items = payloads if isinstance(payloads, list | tuple) else list(payloads)
+        # An attempt may be made again (after waiting for room): iterators are
+        # read once, here, with the sync face's checks (a list goes as it is).
+        items = payloads if isinstance(payloads, list | tuple) else as_payloads(payloads)
+        groups = (group if group is None or isinstance(group, str | list | tuple)
+                  else as_groups(group, len(items)))
 
         def call() -> list[int]:
-            return res.enqueue_many_checked(queue, items, group, timeout, delay, not_before,
+            return res.enqueue_many_checked(queue, items, groups, timeout, delay, not_before,
                                             trace)
 
         return await self._reserve(call)
@@ -341,7 +345,12 @@ class AsyncSession:
     async def dequeue(self, queue: str, *, wait: float | None = None) -> Message | None:
         """As ``Session.dequeue``: the oldest ready entry, or None (after
         waiting up to ``wait`` seconds, without blocking the loop).
-        Cancellable at any await (see the module's docstring)."""
+        Cancellable at any await (see the module's docstring).
+
+        :raises InvalidArgumentType, InvalidArgument: ``wait`` not a number,
+            negative, NaN or infinite (as ``Session.dequeue``).
+        """
+        check_wait("wait", wait)
         sp = _otel.spans()
         if sp is None:
             got = await self._dequeue_many(queue, 1, wait)
