@@ -358,7 +358,8 @@ def test_waiting_dequeuer_is_woken_by_commit(
 ) -> None:
     from ringq.engine.session import _claim
 
-    # No safety-net recheck within the test: only the commit's post can wake it.
+    # No safety-net recheck within the test: only the commit's post can wake it
+    # (both faces read the setting through _claim at each wait).
     monkeypatch.setattr(_claim, "CLAIM_RECHECK_S", 60.0)
     q = make_queue()
     result: dict[str, Any] = {}

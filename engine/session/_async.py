@@ -70,8 +70,8 @@ from ..driver.pg import from_callers_statement
 from ..ring import OpKind, QueueInfo, Ring, each_op
 from ..rows import help_due
 from ..section import layout as L
-from . import _otel
-from ._claim import CLAIM_RECHECK_S, RowsPlan, recover_in_way, repair_dequeue, unwait
+from . import _claim, _otel
+from ._claim import RowsPlan, recover_in_way, repair_dequeue, unwait
 from ._message import Message
 from ._reserve import WouldBlock
 from ._session import Session
@@ -430,7 +430,8 @@ class AsyncSession:
             try:
                 while True:
                     await waker.wait(max(0.0, min(
-                        deadline - time.monotonic(), CLAIM_RECHECK_S, ring.until_due_s()
+                        # read at use, as the sync claim does: one setting for both faces
+                        deadline - time.monotonic(), _claim.CLAIM_RECHECK_S, ring.until_due_s()
                     )))
                     if ring.maybe_ready() or deadline <= time.monotonic():
                         break
