@@ -26,6 +26,7 @@ import ringq.engine as engine
 from conftest import drain, enqueue_committed, terminate_backend, wait_for
 from ringq.engine import Message, Session
 from ringq.engine.driver import awire
+from ringq.engine.ring import OpKind
 from ringq.worker import Actions, AsyncWorker
 
 T = TypeVar("T")
@@ -130,6 +131,81 @@ def test_a_cancelled_wait_takes_nothing_and_leaves_no_waiter(
     run(main())
     enqueue_committed(dsn, q, b"after")
     assert [(m.payload, m.deliveries) for m in drain(dsn, q)] == [(b"after", 1)]
+
+
+@pytest.mark.parametrize("kind", ["enqueue", "enqueue_many", "keyed"])
+def test_an_enqueue_waiting_for_room_is_cancelled_and_leaves_nothing(
+    dsn: str, make_queue: Callable[..., str], kind: str
+) -> None:
+    """An enqueue into a full queue waits for room on the loop: cancelled
+    there (``asyncio.timeout(0.2)``; the queue's full_timeout is 30 s) it
+    raises TimeoutError at once, nothing of it is enqueued nor left waiting,
+    and the session goes on (a rollback, then an enqueue that commits)."""
+    q = make_queue(capacity=4, full_policy="block", full_timeout=30)
+    enqueue_committed(dsn, q, b"0", b"1", b"2", b"3")
+    puts: dict[str, Callable[[engine.AsyncSession], Coroutine[Any, Any, Any]]] = {
+        "enqueue": lambda s: s.enqueue(q, b"late"),
+        "enqueue_many": lambda s: s.enqueue_many(q, [b"late1", b"late2"]),
+        "keyed": lambda s: s.enqueue(q, b"late", key="k"),
+    }
+
+    async def main() -> float:
+        async with await engine.connect_async(dsn) as s:
+            await s.queue_info(q)
+            t0 = time.monotonic()
+            with pytest.raises(TimeoutError):
+                async with asyncio.timeout(0.2):
+                    await puts[kind](s)
+            took = time.monotonic() - t0
+            ring = s.session.ring(q)
+            assert ring.counts()["locked"] == 0  # no slot held
+            assert ring.waiters(OpKind.ENQUEUE) == 0  # no waiter left registered
+            await s.rollback()
+            assert [m.payload for m in drain(dsn, q)] == [b"0", b"1", b"2", b"3"]
+            await s.enqueue(q, b"after")
+            await s.commit()
+            return took
+
+    assert run(main()) < 1.0
+    assert [m.payload for m in drain(dsn, q)] == [b"after"]
+
+
+def test_an_enqueue_waiting_for_room_is_woken_by_a_commit_and_times_out_as_sync(
+    dsn: str, make_queue: Callable[..., str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The wait for room on the loop: a consumer's commit wakes it (its
+    post, not the recheck: ROOM_RECHECK_S is raised to 60 s); with no room
+    it ends in the sync face's QueueFull once ``timeout`` has passed."""
+    from ringq.engine.session import _reserve
+
+    monkeypatch.setattr(_reserve, "ROOM_RECHECK_S", 60.0)
+    q = make_queue(capacity=4, full_policy="block", full_timeout=30)
+    enqueue_committed(dsn, q, b"0", b"1", b"2", b"3")
+
+    async def main() -> tuple[float, float]:
+        async with await engine.connect_async(dsn) as p, await engine.connect_async(dsn) as c:
+            await p.queue_info(q)
+            ring = p.session.ring(q)
+            t0 = time.monotonic()
+            with pytest.raises(engine.QueueFull, match=r"after waiting 0\.3s"):
+                await p.enqueue_many(q, [b"a", b"b"], timeout=0.3)
+            timed_out = time.monotonic() - t0
+            put = asyncio.create_task(p.enqueue_many(q, [b"a", b"b"]))
+            while ring.waiters(OpKind.ENQUEUE) < 1:  # it registered as a waiter
+                await asyncio.sleep(0.001)
+            assert [m.payload for m in await c.dequeue_many(q, 2)] == [b"0", b"1"]
+            await c.commit()
+            committed = time.monotonic()
+            await put
+            woke = time.monotonic() - committed
+            await p.commit()
+            assert ring.waiters(OpKind.ENQUEUE) == 0
+            return timed_out, woke
+
+    timed_out, woke = run(main())
+    assert 0.3 <= timed_out < 2.0
+    assert woke < 5.0  # far below the 60 s recheck and the 30 s full_timeout
+    assert [m.payload for m in drain(dsn, q)] == [b"2", b"3", b"a", b"b"]
 
 
 def _cancel_on_the_wire(monkeypatch: pytest.MonkeyPatch, which: int) -> list[int]:

@@ -9,6 +9,7 @@ import uuid
 from collections import defaultdict
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from datetime import datetime
 from typing import Any
 
 import psycopg
@@ -40,6 +41,7 @@ from ringq.engine import (
     connect,
 )
 from ringq.engine import layout as L
+from ringq.engine.ring import OpKind
 from ringq.scripting import QueueSpec, create_queue
 
 FORK = mp.get_context("fork")
@@ -356,7 +358,8 @@ def test_waiting_dequeuer_is_woken_by_commit(
 ) -> None:
     from ringq.engine.session import _claim
 
-    # No safety-net recheck within the test: only the commit's post can wake it.
+    # No safety-net recheck within the test: only the commit's post can wake it
+    # (both faces read the setting through _claim at each wait).
     monkeypatch.setattr(_claim, "CLAIM_RECHECK_S", 60.0)
     q = make_queue()
     result: dict[str, Any] = {}
@@ -1162,6 +1165,8 @@ def test_table_statistics_reach_postgresql_while_the_session_stays_open(
 
 # -- arguments are checked up front, inside the RingqError tree (issue point 8) -----------------
 
+_NAIVE = datetime(2030, 1, 1)  # no time zone: refused
+
 
 @pytest.mark.parametrize(
     ("call", "error"),
@@ -1175,24 +1180,49 @@ def test_table_statistics_reach_postgresql_while_the_session_stays_open(
         (lambda s, q: s.enqueue(q, b"x", timeout=-1), "value"),
         (lambda s, q: s.enqueue(q, b"x", timeout=float("nan")), "value"),
         (lambda s, q: s.enqueue(q, b"x", timeout="1"), "type"),
+        (lambda s, q: s.enqueue(q, b"x", group=""), "value"),
+        (lambda s, q: s.enqueue(q, b"x", group=5), "type"),
+        (lambda s, q: s.enqueue(q, b"x", delay=-1), "value"),
+        (lambda s, q: s.enqueue(q, b"x", delay=float("inf")), "value"),
+        (lambda s, q: s.enqueue(q, b"x", delay="1"), "type"),
+        (lambda s, q: s.enqueue(q, b"x", not_before=_NAIVE), "value"),
+        (lambda s, q: s.enqueue(q, b"x", not_before="2030-01-01"), "type"),
+        (lambda s, q: s.enqueue(q, b"x", delay=1, not_before=_NAIVE), "value"),
+        (lambda s, q: s.enqueue(q, b"x", trace=5), "type"),
+        (lambda s, q: s.enqueue(q, b"x", trace="\n"), "value"),
         (lambda s, q: s.enqueue_many(q, b"abc"), "type"),
         (lambda s, q: s.enqueue_many(q, ["a", "b"]), "type"),
         (lambda s, q: s.enqueue_many(q, 5), "type"),
+        (lambda s, q: s.enqueue_many(q, (p for p in [b"a", "b"])), "type"),
+        (lambda s, q: s.enqueue_many(q, [b"a", b"b"], group=["g"]), "value"),
+        (lambda s, q: s.enqueue_many(q, [b"a", b"b"], group=(g for g in ["g"])), "value"),
+        (lambda s, q: s.enqueue_many(q, [b"a"], group=b"g"), "type"),
+        (lambda s, q: s.enqueue_many(q, [b"a"], timeout=-1), "value"),
+        (lambda s, q: s.enqueue_many(q, [b"a"], delay=-1), "value"),
         (lambda s, q: s.dequeue_many(q, 0), "value"),
         (lambda s, q: s.dequeue_many(q, -3), "value"),
         (lambda s, q: s.dequeue_many(q, 2.5), "type"),
         (lambda s, q: s.dequeue_many(q, True), "type"),
+        (lambda s, q: s.dequeue_many(q, 2, wait=-1), "value"),
+        (lambda s, q: s.dequeue_many(q, 2, wait=float("inf")), "value"),
+        (lambda s, q: s.dequeue_many(q, 2, wait="1"), "type"),
         (lambda s, q: s.dequeue(q, wait=-0.5), "value"),
+        (lambda s, q: s.dequeue(q, wait=float("nan")), "value"),
         (lambda s, q: s.dequeue(q, wait=float("inf")), "value"),
+        (lambda s, q: s.dequeue(q, wait="1"), "type"),
     ],
 )
+@pytest.mark.timeout(60)  # a wait=inf that is not refused would wait for ever
 def test_bad_arguments_raise_ringq_errors_before_anything_is_done(
-    dsn: str, make_queue: Callable[..., str], call: Callable[[Session, str], object], error: str
+    dsn: str, make_queue: Callable[..., str], face: Callable[..., Any],
+    call: Callable[[Any, str], object], error: str,
 ) -> None:
+    """Each face (sync, asyncio) refuses each bad argument with the same
+    InvalidArgument, before it reserves, claims or sends anything."""
     from ringq.engine import InvalidArgument, InvalidArgumentType, RingqError
 
     q = make_queue()
-    with connect(dsn) as s:
+    with face(dsn) as s:
         with pytest.raises(InvalidArgument) as info:
             call(s, q)
         assert isinstance(info.value, RingqError)
@@ -1200,6 +1230,7 @@ def test_bad_arguments_raise_ringq_errors_before_anything_is_done(
         assert isinstance(info.value, InvalidArgumentType) == (error == "type")
         assert "UPDATE" not in str(info.value) and "SELECT" not in str(info.value)
         assert s.ring(q).counts()["locked"] == 0  # nothing reserved
+        assert s.ring(q).waiters(OpKind.DEQUEUE) == 0  # nor waited for
         s.enqueue(q, b"ok", key="k" * 1000)  # the session goes on
         s.commit()
         assert present(s.dequeue(q)).payload == b"ok"

@@ -130,13 +130,16 @@ class Ring(RingScan):
         return slot, head
 
     def reserve_many(
-        self, owner: int, backend: int, n: int, tags: Sequence[int] | None = None
+        self, owner: int, backend: int, n: int, tags: Sequence[int] | None = None,
+        *, whole: bool = False,
     ) -> tuple[int, int]:
         """Reserve up to ``n`` slots at the head for ``owner`` (held by
         ``backend``), the i-th for group ``tags[i]`` (None: no groups), as
         array writes in :meth:`reserve`'s order (bits cleared, holders,
         owners and groups, then LCK, then the head moves). Returns (first
-        seq, how many): the slots are the seqs modulo the capacity."""
+        seq, how many): the slots are the seqs modulo the capacity.
+        ``whole``: all ``n`` or none (a caller that waits for room holds
+        nothing meanwhile)."""
         Q, b = self.Q, self.qb
         head = Q[b + L.Q_HEAD]
         room = self.cap - (head - Q[b + L.Q_TAIL])
@@ -144,7 +147,7 @@ class Ring(RingScan):
             self.reclaim()
             room = self.cap - (head - Q[b + L.Q_TAIL])
         k = min(n, room)
-        if k <= 0:
+        if k <= 0 or (whole and k < n):
             return head, 0
         if k < VECTOR_FROM:
             for i in range(k):

@@ -9,7 +9,9 @@ steps; only the round trip between them is its own, through
 libpq exchange, awaited). What works in shared memory only (an enqueue, a
 dequeue served from the payload cache, finishing slots after a commit) is
 the sync code itself, called on the loop: it never waits on anything but the
-queue's short lock.
+queue's short lock. A dequeue waiting for an entry, and an enqueue waiting
+for room in a full queue, wait on the loop between attempts that do not wait
+(the queue's semaphore posts reach it through :mod:`._waker`).
 
 The ``AsyncConnection`` (:attr:`AsyncSession.connection`) and the link's sync
 connection are two psycopg fronts over ONE libpq connection: the caller's
@@ -23,8 +25,9 @@ and their logic is long and must stay one: opening and closing; a lost
 connection (reconnecting, deciding the slots in flight from the rows), a
 commit that failed or whose answer was lost, a stale section's resync, a
 dequeue's repair of rows that did not match; recovering dead holders in the
-queue's way; the first look-up of a queue; an enqueue that must wait for room
-or write a key; ``flush``, two-phase commit, ``publish``. A call in a thread
+queue's way; the first look-up of a queue; an enqueue that writes a key (its
+attempts; the wait for room between them is on the loop); ``flush``,
+two-phase commit, ``publish``. A call in a thread
 is seen through: if its task is cancelled, the call still finishes (the
 session's state is never left half-changed) and ``CancelledError`` is raised
 after it.
@@ -32,6 +35,8 @@ after it.
 Cancellation (``asyncio.timeout``, ``Task.cancel``):
 
 - a dequeue waiting for an entry stops waiting and takes nothing;
+- an enqueue waiting for room in a full queue stops waiting and holds
+  nothing (no slot; a batch is reserved whole or not at all while it waits);
 - a dequeue whose read of rows was on the wire gives its entries back: the
   read took the rows in the transaction, so the transaction is rolled back
   (no delivery counted); if it held anything else, the next :meth:`commit`
@@ -70,12 +75,12 @@ from ..driver.pg import from_callers_statement
 from ..ring import OpKind, QueueInfo, Ring, each_op
 from ..rows import help_due
 from ..section import layout as L
-from . import _otel
-from ._claim import CLAIM_RECHECK_S, RowsPlan, recover_in_way, repair_dequeue, unwait
+from . import _claim, _otel, _reserve
+from ._claim import RowsPlan, recover_in_way, repair_dequeue, unwait
 from ._message import Message
 from ._reserve import WouldBlock
 from ._session import Session
-from ._validate import check_count, check_due, check_wait
+from ._validate import as_groups, as_payloads, check_count, check_due, check_wait
 from ._waker import waker_for
 
 logger = logging.getLogger("ringq.engine")
@@ -256,8 +261,9 @@ class AsyncSession:
     ) -> int:
         """As ``Session.enqueue``: nothing goes to the database now (the slot
         is reserved in shared memory); with ``key`` the row is written now, in
-        a thread; a full queue is waited for in a thread. With the ``otel``
-        extra, the producer span as the sync face's.
+        a thread; a full queue is waited for on the loop (cancellable: then
+        nothing is enqueued). With the ``otel`` extra, the producer span as
+        the sync face's.
 
         :raises: as ``Session.enqueue``.
         """
@@ -283,9 +289,7 @@ class AsyncSession:
             return res.enqueue_checked(queue, payload, key, group, timeout, delay, not_before,
                                        trace)
 
-        if key is None:
-            return await self._reserve(call)
-        return await self._blocking(call)
+        return await self._reserve(call, in_thread=key is not None)
 
     async def enqueue_many(
         self,
@@ -298,7 +302,11 @@ class AsyncSession:
         not_before: datetime | None = None,
         trace: str | None = None,
     ) -> list[int]:
-        """As ``Session.enqueue_many`` (a full queue is waited for in a thread)."""
+        """As ``Session.enqueue_many``; a full queue is waited for on the loop,
+        until the whole batch has room (the sync face takes room as it comes).
+
+        :raises: as ``Session.enqueue_many``.
+        """
         sp = _otel.spans()
         if sp is None:
             return await self._enqueue_many(queue, payloads, group, timeout, delay, not_before,
@@ -315,33 +323,88 @@ class AsyncSession:
     ) -> list[int]:
         await self._ready(queue)
         res = self._reservations
-        items = payloads if isinstance(payloads, list | tuple) else list(payloads)
+        # An attempt may be made again (after waiting for room): iterators are
+        # read once, here, with the sync face's checks (a list goes as it is).
+        items = payloads if isinstance(payloads, list | tuple) else as_payloads(payloads)
+        groups = (group if group is None or isinstance(group, str | list | tuple)
+                  else as_groups(group, len(items)))
 
         def call() -> list[int]:
-            return res.enqueue_many_checked(queue, items, group, timeout, delay, not_before,
+            return res.enqueue_many_checked(queue, items, groups, timeout, delay, not_before,
                                             trace)
 
         return await self._reserve(call)
 
-    async def _reserve(self, call: Callable[[], T]) -> T:
-        """``call`` (a reservation of slots) on the loop, where it does not
-        wait; where it would wait for a full queue, again in a thread."""
-        res = self._reservations
-        res.nonblocking = True
+    async def _reserve(self, call: Callable[[], T], *, in_thread: bool = False) -> T:
+        """``call`` (a reservation of slots; ``in_thread``: with a key's row
+        write, whose round trips run in a thread) in attempts that never
+        wait: where the queue is full, the room is waited for on the loop
+        between them (:meth:`_wait_for_room`), as long as the sync face would
+        wait; then :class:`QueueFull` as it. Cancelled while it waits, it
+        holds nothing (no slot, no waiter registration)."""
+        res, link = self._reservations, self._link
+
+        def attempt() -> T:
+            res.nonblocking = True
+            try:
+                return call()
+            finally:
+                res.nonblocking = False
+
+        start = time.monotonic()
+        while True:
+            try:
+                return await self._attempt_in_thread(attempt) if in_thread else attempt()
+            except WouldBlock as blocked:
+                full = blocked
+            try:
+                if not await self._wait_for_room(full, start + full.wait):
+                    raise res.queue_full(full.info, full.ring, full.wait)
+            finally:
+                if full.waiting:
+                    unwait(link, full.ring, OpKind.ENQUEUE)  # the next attempt registers anew
+
+    async def _attempt_in_thread(self, attempt: Callable[[], T]) -> T:
+        """``attempt`` in a thread, seen through if cancelled; a WouldBlock
+        it raised meanwhile has its waiter registration undone (no one waits)."""
+        fut = asyncio.ensure_future(asyncio.to_thread(attempt))
         try:
-            return call()
-        except WouldBlock:
-            pass
-        finally:
-            res.nonblocking = False
-        return await self._blocking(call)
+            return await _finish_anyway(fut)
+        except asyncio.CancelledError:
+            exc = None if fut.cancelled() else fut.exception()
+            if isinstance(exc, WouldBlock) and exc.waiting:
+                unwait(self._link, exc.ring, OpKind.ENQUEUE)
+            raise
+
+    async def _wait_for_room(self, full: WouldBlock, deadline: float) -> bool:
+        """One round of ``Reservations._reserve_many``'s wait, on the loop: a
+        dead holder in the way recovered (in a thread), or a wait for the
+        space semaphore's post (through :mod:`._waker`) of at most
+        ``ROOM_RECHECK_S``. False: no room is to be waited for any more."""
+        link, ring, info = self._link, full.ring, full.info
+        if help_due(link.instance, ring.qid) and await self._blocking(
+            lambda: recover_in_way(link, ring, info)
+        ):
+            return True  # a dead holder's slots were decided: try again now
+        remaining = deadline - time.monotonic()
+        if not full.waiting or remaining <= 0:
+            return False
+        waker = waker_for(link.section.semaphore(info.id, "s"))
+        # read at use, as the sync face does: one setting for both faces
+        await waker.wait(min(remaining, _reserve.ROOM_RECHECK_S))
+        return True
 
     # -- dequeue ----------------------------------------------------------------------
 
     async def dequeue(self, queue: str, *, wait: float | None = None) -> Message | None:
         """As ``Session.dequeue``: the oldest ready entry, or None (after
         waiting up to ``wait`` seconds, without blocking the loop).
-        Cancellable at any await (see the module's docstring)."""
+        Cancellable at any await (see the module's docstring).
+
+        :raises InvalidArgumentType, InvalidArgument: ``wait`` not a number,
+            negative, NaN or infinite (as ``Session.dequeue``).
+        """
+        check_wait("wait", wait)
         sp = _otel.spans()
         if sp is None:
             got = await self._dequeue_many(queue, 1, wait)
@@ -421,7 +484,8 @@ class AsyncSession:
             try:
                 while True:
                     await waker.wait(max(0.0, min(
-                        deadline - time.monotonic(), CLAIM_RECHECK_S, ring.until_due_s()
+                        # read at use, as the sync claim does: one setting for both faces
+                        deadline - time.monotonic(), _claim.CLAIM_RECHECK_S, ring.until_due_s()
                     )))
                     if ring.maybe_ready() or deadline <= time.monotonic():
                         break

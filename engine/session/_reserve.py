@@ -23,7 +23,7 @@ from ..driver.errors import (
     SectionError,
     TransactionError,
 )
-from ..ring import DueWrite, Op, OpKind, QueueInfo, RowWrite, Run, Write, group_tag
+from ..ring import DueWrite, Op, OpKind, QueueInfo, Ring, RowWrite, Run, Write, group_tag
 from ..section import layout as L
 from ._claim import Due, recover_in_way, unwait
 from ._link import Link
@@ -43,11 +43,26 @@ logger = logging.getLogger("ringq.engine")
 _INERROR = TransactionStatus.INERROR
 _AT_ONCE: Due = (None, None)  # no delay, no not_before
 
+# An enqueuer waiting for room looks again this often, in seconds: a commit
+# that frees slots posts the space semaphore, a reclaim by the monitor does not.
+ROOM_RECHECK_S = 0.5
+
+
 class WouldBlock(Exception):
     """An enqueue found its queue full and would wait for room (or recover a
-    dead holder in its way): raised, before anything is kept, only where
+    dead holder in its way): raised, with nothing reserved, only where
     :attr:`Reservations.nonblocking` is set (the asyncio face, which then
-    runs the call in a thread)."""
+    waits on its event loop and calls again).
+
+    ``wait``: the seconds the sync face would wait in all (the timeout, or
+    the queue's full_timeout; 0 under the 'raise' policy). ``waiting``: the
+    caller is registered as a waiter for space (in the same critical section
+    as the failed reservation, so a commit right after cannot miss it) and
+    must undo that (:func:`~._claim.unwait`) once it stops waiting."""
+
+    def __init__(self, info: QueueInfo, ring: Ring, wait: float, waiting: bool) -> None:
+        super().__init__(f"queue {info.name!r} is full")
+        self.info, self.ring, self.wait, self.waiting = info, ring, wait, waiting
 
 
 class Reservations:
@@ -55,8 +70,9 @@ class Reservations:
 
     def __init__(self, link: Link) -> None:
         self.link = link
-        # set by the asyncio face around its calls on the event loop: a full
-        # queue raises WouldBlock rather than wait (see there)
+        # set by the asyncio face around its attempts: a full queue raises
+        # WouldBlock rather than wait, and a batch takes room for all its
+        # entries or none (so nothing is kept while the loop waits)
         self.nonblocking = False
 
     def check_payload(self, info: QueueInfo, payload: bytes) -> None:
@@ -301,6 +317,10 @@ class Reservations:
             wait = 0.0
         deadline = time.monotonic() + wait
         waiting = False
+        # Where the caller waits on its own, a batch the ring could hold is
+        # reserved whole or not at all (one larger than the ring can never be
+        # held whole: it goes in parts, as here, and ends in QueueFull).
+        whole = self.nonblocking and n <= ring.cap
         while True:
             sec.lock_queue(ring.qidx)
             try:
@@ -312,7 +332,7 @@ class Reservations:
                     raise BehindSqlPuts(f"queue {info.name!r} has slots reserved for SQL "
                                         "producers", queue=info.name)
                 first, k = ring.reserve_many(
-                    link.owner, link.backend_pid, n, tags[:n] if tags else None
+                    link.owner, link.backend_pid, n, tags[:n] if tags else None, whole=whole
                 )
                 self_blocked = False
                 if not k:
@@ -331,11 +351,9 @@ class Reservations:
             if k:
                 return first, k
             if self.nonblocking and not self_blocked:
-                # The asyncio face: no waiting (nor recovery) on the event
-                # loop; it runs the call again in a thread (nothing kept).
-                if waiting:
-                    unwait(self.link, ring, OpKind.ENQUEUE)
-                raise WouldBlock
+                # The asyncio face: no waiting (nor recovery) here; it waits
+                # on its loop, registered still, and calls again (nothing kept).
+                raise WouldBlock(info, ring, wait, waiting)
             try:
                 if not self_blocked and recover_in_way(self.link, ring, info):
                     continue  # a dead holder's slots were decided: try again now
@@ -344,27 +362,33 @@ class Reservations:
                     unwait(self.link, ring, OpKind.ENQUEUE)
                 raise
             if not waiting:
-                link.record_error(L.ERR_QUEUE_FULL, info.id, ring.head)
-            if self_blocked:
-                raise QueueFull(
-                    f"queue {info.name!r} is full ({info.capacity:,} slots) "
-                    "and its oldest slot is held by this transaction: "
-                    "commit or roll back (or raise the capacity); waiting cannot help",
-                    queue=info.name,
-                )
-            if not waiting:
-                raise QueueFull(
-                    f"queue {info.name!r} is full ({info.capacity:,} slots)"
-                    + (f" after waiting {wait:g}s" if wait else ""),
-                    queue=info.name,
-                )
+                raise self.queue_full(info, ring, wait, self_blocked=self_blocked)
             try:
-                sec.semaphore(info.id, "s").acquire(min(remaining, 0.5))
+                sec.semaphore(info.id, "s").acquire(min(remaining, ROOM_RECHECK_S))
             except (posix_ipc.BusyError, posix_ipc.SignalError):
                 pass  # timed out or a signal: look again (a reclaim by the monitor posts nothing)
             except BaseException:
                 unwait(self.link, ring, OpKind.ENQUEUE)
                 raise
+
+    def queue_full(
+        self, info: QueueInfo, ring: Ring, wait: float, *, self_blocked: bool = False
+    ) -> QueueFull:
+        """The error of a reservation that found no room within ``wait``
+        seconds (recorded), for both faces (the asyncio one waits on its loop)."""
+        self.link.record_error(L.ERR_QUEUE_FULL, info.id, ring.head)
+        if self_blocked:
+            return QueueFull(
+                f"queue {info.name!r} is full ({info.capacity:,} slots) "
+                "and its oldest slot is held by this transaction: "
+                "commit or roll back (or raise the capacity); waiting cannot help",
+                queue=info.name,
+            )
+        return QueueFull(
+            f"queue {info.name!r} is full ({info.capacity:,} slots)"
+            + (f" after waiting {wait:g}s" if wait else ""),
+            queue=info.name,
+        )
 
     def _void(self, op: Op) -> None:
         sec = self.link.section
