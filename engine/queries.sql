@@ -627,21 +627,34 @@ FROM unnest(%(run_seqs)s::bigint[], %(run_slots)s::integer[], %(run_ns)s::intege
 -- slots_filled --
 -- Reserved slots no longer listed (runs: seq, slot, n), by their rows: those
 -- where a put wrote an entry at that seq. First one row with the slots of
--- the entries of no group due at once (an array: a batch's usual), then a
--- row per other entry: slot, its group, its due time in epoch us while in
--- the future. The rest were left void.
+-- the entries of no group due at once (an array: a batch's usual) and, when
+-- the last parameter is true (linked dequeuers read the queue's payload
+-- cache), their payloads, producers, producer seqs and enq_at in us, in the
+-- same order; then a row per other entry: slot, its group, its due time in
+-- epoch us while in the future. The rest were left void.
 WITH f AS (
     SELECT r.slot, r.msg_group AS grp,
            CASE WHEN r.not_before > clock_timestamp()
-                THEN (extract(epoch FROM r.not_before) * 1000000)::bigint END AS due
-    FROM unnest(%s::bigint[], %s::integer[], %s::integer[]) AS s(seq, slot, n)
+                THEN (extract(epoch FROM r.not_before) * 1000000)::bigint END AS due,
+           r.payload, r.producer, r.producer_seq, r.enq_at, r.trace
+    FROM unnest(%(run_seqs)s::bigint[], %(run_slots)s::integer[], %(run_ns)s::integer[])
+         AS s(seq, slot, n)
     JOIN {table} r ON r.slot >= s.slot AND r.slot < s.slot + s.n
     WHERE r.seq = s.seq + (r.slot - s.slot) AND r.state = 1
+), p AS (
+    SELECT * FROM f WHERE f.grp IS NULL AND f.due IS NULL
 )
-SELECT NULL::integer, coalesce(array_agg(f.slot), '{{}}'), NULL::text, NULL::bigint
-FROM f WHERE f.grp IS NULL AND f.due IS NULL
+SELECT NULL::integer, coalesce(array_agg(p.slot), '{{}}'), NULL::text, NULL::bigint,
+       array_agg(p.payload) FILTER (WHERE %(cache)s AND p.trace IS NULL),
+       array_agg(p.producer) FILTER (WHERE %(cache)s AND p.trace IS NULL),
+       array_agg(p.producer_seq) FILTER (WHERE %(cache)s AND p.trace IS NULL),
+       array_agg((extract(epoch FROM p.enq_at) * 1000000)::bigint)
+           FILTER (WHERE %(cache)s AND p.trace IS NULL),
+       array_agg(p.slot) FILTER (WHERE %(cache)s AND p.trace IS NULL)
+FROM p
 UNION ALL
-SELECT f.slot, NULL, f.grp, f.due FROM f WHERE f.grp IS NOT NULL OR f.due IS NOT NULL
+SELECT f.slot, NULL, f.grp, f.due, NULL, NULL, NULL, NULL, NULL
+FROM f WHERE f.grp IS NOT NULL OR f.due IS NOT NULL
 
 -- slots_unlist_touched --
 -- Chunks (seqs) a put touched and did not commit, those no transaction

@@ -29,6 +29,7 @@ from conftest import (
 )
 from psycopg import sql
 from ringq.engine import connect
+from ringq.engine import layout as L
 from ringq.monitor import Monitor, MonitorConfig
 from test_sql_chunks import killed_9
 
@@ -102,6 +103,43 @@ def test_a_batch_goes_into_reserved_slots_in_order_and_linked_consumers_get_it_o
     assert [m.payload for m in got] == sent                  # each once, in order
     assert [m.producer_seq for m in got] == ids
     assert inbox(dsn, q) == 0
+
+
+def test_linked_consumers_read_what_sql_producers_put_from_the_payload_cache(
+    dsn: str, make_queue: Callable[..., str], monitor: Callable[..., Monitor]
+) -> None:
+    """Once linked dequeuers read the queue, the agent writes the payload
+    cache records of the entries it publishes for SQL producers: a linked
+    dequeue takes them without reading their rows, and gets what a row read
+    gives (the redelivery after a rollback reads the rows)."""
+    q = make_queue(capacity=512, dequeue_mode="shared")
+    monitor(sql_reserve_slots=True)
+    warmed(dsn, q)  # its drain is a linked dequeue of the queue
+    with psycopg.connect(dsn, autocommit=True) as c:
+        wait_for(lambda: reserved(dsn, q) >= 16, 20, "a chunk listed")
+        first = put(c, q, [b"one-%d" % i for i in range(5)])
+    assert [m.producer_seq for m in drain(dsn, q, wait=0.5, batch=8)] == first
+    with psycopg.connect(dsn, autocommit=True) as c:
+        wait_for(lambda: reserved(dsn, q) >= 16, 20, "a chunk listed")
+        ids = put(c, q, [b"two-%d" % i for i in range(5)])
+    with connect(dsn) as s:
+        qb = s.ring(q).qb
+        counts = s.section.queues[qb + L.Q_N_CACHE_HITS : qb + L.Q_N_CACHE_MISSES + 1]
+        hits, misses = (int(x) for x in counts)
+        got = s.dequeue_many(q, 10, wait=5.0)
+        assert [m.producer_seq for m in got] == ids
+        assert [int(x) for x in counts] == [hits + 5, misses]  # served from the cache
+        s.rollback()
+        again = s.dequeue_many(q, 10, wait=5.0)
+        assert [int(x) for x in counts] == [hits + 5, misses + 5]  # read from the rows
+        s.commit()
+
+    def seen(m: Any) -> tuple[Any, ...]:
+        return (m.seq, m.payload, m.producer, m.producer_seq, m.enqueued_at, m.group)
+
+    assert [seen(m) for m in again] == [seen(m) for m in got]
+    assert [m.payload for m in got] == [b"two-%d" % i for i in range(5)]
+    assert [(m.deliveries, again[i].deliveries) for i, m in enumerate(got)] == [(1, 2)] * 5
 
 
 def test_groups_and_due_times_hold_for_entries_put_in_reserved_slots(

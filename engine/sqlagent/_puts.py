@@ -39,7 +39,7 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import psycopg
@@ -96,6 +96,8 @@ class SqlPuts:
     _target: dict[int, int] = field(default_factory=dict)
     _looked: dict[int, float] = field(default_factory=dict)  # queue id -> its last slots read
     _fresh: set[str] = field(default_factory=set)  # queues a put notified since that read
+    # queue id -> linked dequeues counted (payload cache hits + misses) at its last publish
+    _linked: dict[int, int] = field(default_factory=dict)
 
     def forget(self) -> None:
         """Start again from what the section holds reserved (a new connection)."""
@@ -200,13 +202,16 @@ class SqlPuts:
         there is published, a slot left unused is void; returns how many
         entries were published."""
         runs = R.runs_of(gone[1], gone[0])
-        rows = R.indexed(conn, sql.SQL(_Q["slots_filled"]).format(table=queue_table(info.name)), (
-            runs["run_seqs"], runs["run_slots"], runs["run_ns"]))
+        rows = R.indexed(conn, sql.SQL(_Q["slots_filled"]).format(table=queue_table(info.name)),
+                         {**runs, "cache": self._for_linked(ring, info)}, binary=True)
         plain_slots: list[int] = []
+        records: Records | None = None
         others: dict[int, tuple[str | None, int]] = {}
-        for slot, plain_ones, group, due in rows:
+        for slot, plain_ones, group, due, *cached in rows:
             if slot is None:
                 plain_slots = plain_ones
+                if cached[-1]:
+                    records = cast("Records", tuple(cached))
             else:
                 others[int(slot)] = (group, int(due or 0))
         seqs, slots = gone
@@ -216,11 +221,25 @@ class SqlPuts:
                  in zip(seqs[is_other].tolist(), slots[is_other].tolist(), strict=True)]
         void = ~(is_plain | is_other)
         self._finish(sec, ring, info, (seqs[is_plain], slots[is_plain]), other,
-                     (seqs[void], slots[void]))
+                     (seqs[void], slots[void]), records)
         n_put = int(np.count_nonzero(is_plain)) + len(other)
         self.figures.put += n_put
         self.figures.voided += int(np.count_nonzero(void))
         return n_put
+
+    def _for_linked(self, ring: Ring, info: QueueInfo) -> bool:
+        """Whether to write the payload cache records of what SQL producers
+        put in the queue: while linked dequeuers read it (they counted a
+        cache hit or miss since the last publish, or one waits). Without a
+        record a linked dequeue reads the entry's row, a round trip more per
+        transaction; SQL consumers read rows anyway (no record is written
+        for them)."""
+        if not ring.stride:
+            return False
+        seen = int(ring.Q[ring.qb + L.Q_N_CACHE_HITS]) + int(ring.Q[ring.qb + L.Q_N_CACHE_MISSES])
+        last = self._linked.get(info.id)
+        self._linked[info.id] = seen
+        return (last is not None and seen != last) or ring.waiters(OpKind.DEQUEUE) > 0
 
     def _unlist(
         self, sec: Section, conn: psycopg.Connection[Any], ring: Ring, info: QueueInfo,
@@ -243,12 +262,14 @@ class SqlPuts:
     def _finish(
         sec: Section, ring: Ring, info: QueueInfo, plain: R.Entries,
         other: list[tuple[int, int, str | None, int]], void: R.Entries,
+        records: Records | None = None,
     ) -> None:
         """Publish ``plain`` (seqs, slots: entries of no group due at once, a
         batch's usual, as arrays) and ``other`` (slot, seq, group, due us),
         and void ``void`` (seqs, slots), among the slots still reserved for
         SQL at that seq, as a linked commit finishes its enqueues; wake whom
-        it frees."""
+        it frees. ``records``: the payload cache records of ``plain``'s
+        entries (see :func:`_cache`), written before they are ready."""
         sec.lock_queue(ring.qidx)
         try:
             n_put = n_void = 0
@@ -256,6 +277,8 @@ class SqlPuts:
             if slots.size:
                 ok = R.reserved_mask(sec, ring, slots, seqs)
                 if ok.any():
+                    if records is not None:
+                        _cache(ring, slots[ok], seqs[ok], records)
                     run = Run(ring, info, OpKind.ENQUEUE, slots[ok], seqs[ok], 0)
                     n_put += finish_run(ring, run, L.OWNER_SQL, exclusive=False,
                                         enq_at_us=None)[0]
@@ -281,6 +304,35 @@ class SqlPuts:
         finally:
             sec.unlock_queue(ring.qidx)
         R.post(sec, ring, ready, space)
+
+
+# slots_filled's cache columns for the entries of no group due at once:
+# (payloads, producers, producer seqs, enq_at us, slots), in one order
+Records = tuple[list[bytes], list[str], list[int], list[int], list[int]]
+
+
+def _cache(ring: Ring, slots: np.ndarray[Any, Any], seqs: np.ndarray[Any, Any],
+           records: Records) -> None:
+    """Write the payload cache records of entries SQL producers put at
+    ``slots`` (``seqs``; their rows' ``records``), as a linked commit writes
+    its own (the caller holds the queue lock; the entries are not ready yet):
+    a :meth:`~ringq.engine.ring.PayloadCache.put_run` per producer and
+    enqueue time (per put, usually one a pass)."""
+    payloads, producers, pseqs, enq_us, at = records
+    index = {slot: i for i, slot in enumerate(at)}
+    runs: dict[tuple[str, int], tuple[list[int], list[int], list[int]]] = {}
+    for slot, seq in zip(slots.tolist(), seqs.tolist(), strict=True):
+        i = index.get(slot)
+        if i is None:  # carries a trace: read from its row
+            continue
+        run = runs.setdefault((producers[i], enq_us[i]), ([], [], []))
+        run[0].append(slot)
+        run[1].append(seq)
+        run[2].append(i)
+    for (producer, at_us), (r_slots, r_seqs, r_i) in runs.items():
+        ring.cache.put_run(np.array(r_slots, dtype=np.int64), np.array(r_seqs, dtype=np.int64),
+                           [payloads[i] for i in r_i], producer,
+                           np.array([pseqs[i] for i in r_i], dtype=np.int64), None, at_us)
 
 
 def reserved_for_sql(sec: Section, qidx: int) -> bool:

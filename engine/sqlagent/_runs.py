@@ -102,12 +102,15 @@ def send(conn: psycopg.Connection[Any], writes: list[Write]) -> None:
             conn.execute(query, params)
 
 
-def indexed(conn: psycopg.Connection[Any], query: sql.Composed, params: Any) -> list[Any]:
+def indexed(
+    conn: psycopg.Connection[Any], query: sql.Composed, params: Any, *, binary: bool = False
+) -> list[Any]:
     """The rows of ``query``, planned with ring rows found by their primary
-    key (``agent_index_scans`` first, in the same implicit transaction)."""
+    key (``agent_index_scans`` first, in the same implicit transaction);
+    ``binary``: its results in binary (payloads are not hex-decoded)."""
     with conn.pipeline():
         conn.execute(_Q["agent_index_scans"])
-        cur = conn.execute(query, params)
+        cur = conn.execute(query, params, binary=binary)
     rows: list[Any] = cur.fetchall()
     return rows
 
