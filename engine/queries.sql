@@ -628,9 +628,9 @@ FROM unnest(%(run_seqs)s::bigint[], %(run_slots)s::integer[], %(run_ns)s::intege
 -- Reserved slots no longer listed (runs: seq, slot, n), by their rows: those
 -- where a put wrote an entry at that seq. First one row with the slots of
 -- the entries of no group due at once (an array: a batch's usual) and, when
--- the last parameter is true (linked dequeuers read the queue's payload
--- cache), their payloads, producers, producer seqs and enq_at in us, in the
--- same order; then a row per other entry: slot, its group, its due time in
+-- %(cache)s (linked dequeuers read the queue's payload cache), the payloads,
+-- producers, producer seqs, enq_at in us and slots of those a record holds
+-- (only those: a pass reads no payload it cannot cache); then a row per other entry: slot, its group, its due time in
 -- epoch us while in the future. The rest were left void.
 WITH f AS (
     SELECT r.slot, r.msg_group AS grp,
@@ -643,15 +643,18 @@ WITH f AS (
     WHERE r.seq = s.seq + (r.slot - s.slot) AND r.state = 1
 ), p AS (
     SELECT * FROM f WHERE f.grp IS NULL AND f.due IS NULL
+), c AS (  -- those a cache record holds: no trace, payload and producer that fit
+    SELECT array_agg(p.payload) AS payloads, array_agg(p.producer) AS producers,
+           array_agg(p.producer_seq) AS pseqs,
+           array_agg((extract(epoch FROM p.enq_at) * 1000000)::bigint) AS enq_us,
+           array_agg(p.slot) AS slots
+    FROM p
+    WHERE %(cache)s AND p.trace IS NULL AND octet_length(p.payload) <= %(cache_payload)s
+      AND octet_length(p.producer) <= %(cache_producer)s
 )
-SELECT NULL::integer, coalesce(array_agg(p.slot), '{{}}'), NULL::text, NULL::bigint,
-       array_agg(p.payload) FILTER (WHERE %(cache)s AND p.trace IS NULL),
-       array_agg(p.producer) FILTER (WHERE %(cache)s AND p.trace IS NULL),
-       array_agg(p.producer_seq) FILTER (WHERE %(cache)s AND p.trace IS NULL),
-       array_agg((extract(epoch FROM p.enq_at) * 1000000)::bigint)
-           FILTER (WHERE %(cache)s AND p.trace IS NULL),
-       array_agg(p.slot) FILTER (WHERE %(cache)s AND p.trace IS NULL)
-FROM p
+SELECT NULL::integer, coalesce((SELECT array_agg(p.slot) FROM p), '{{}}'), NULL::text,
+       NULL::bigint, c.payloads, c.producers, c.pseqs, c.enq_us, c.slots
+FROM c
 UNION ALL
 SELECT f.slot, NULL, f.grp, f.due, NULL, NULL, NULL, NULL, NULL
 FROM f WHERE f.grp IS NOT NULL OR f.due IS NOT NULL

@@ -724,3 +724,32 @@ def test_a_sync_action_past_its_time_limit_writes_nothing_into_the_next_entry(
         assert c.execute(f"SELECT note FROM {effects}").fetchall() == []
     assert w.stats()["timeouts"] == 1 and w.stats()["handled"] == 2
     assert drain(dsn, slow) == [] and drain(dsn, other) == []
+
+
+def test_a_post_taken_for_a_wait_that_ended_meanwhile_goes_back_to_the_semaphore() -> None:
+    """The waker's thread takes a post for a coroutine whose wait then ends
+    (timed out, cancelled) before the loop runs the hand-over: the post is
+    released for another waiter, not dropped (dropped, that waiter would
+    sleep until its recheck)."""
+    import posix_ipc
+    from ringq.engine.session import _waker
+
+    sem = posix_ipc.Semaphore(f"/ringq-test-hand-{os.getpid()}", posix_ipc.O_CREX,
+                              initial_value=0)
+    try:
+        async def main() -> tuple[int, bool]:
+            loop = asyncio.get_running_loop()
+            ended: asyncio.Future[None] = loop.create_future()
+            ended.cancel()  # its wait ended before the hand-over ran
+            _waker._hand(ended, sem)
+            after_ended = sem.value
+            waiting: asyncio.Future[None] = loop.create_future()
+            _waker._hand(waiting, sem)
+            return after_ended, waiting.done()
+
+        after_ended, woken = run(main())
+        assert after_ended == 1  # given back
+        assert woken and sem.value == 1  # a live waiter gets it, nothing released
+    finally:
+        sem.unlink()
+        sem.close()

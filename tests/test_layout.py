@@ -41,11 +41,13 @@ WHITE_BOX: dict[str, set[str]] = {
     "tests/test_engine.py": {"ringq.engine.session._claim", "ringq.engine.section._process"},
     "tests/test_events.py": {"ringq.monitor._events"},
     # the wait for room's recheck, raised so that only a consumer's post wakes it
-    "tests/test_async.py": {"ringq.engine.session._reserve"},
+    # (and the waker's hand-over of a post, to a wait that ended meanwhile)
+    "tests/test_async.py": {"ringq.engine.session._reserve", "ringq.engine.session._waker"},
     # the otel guard, patched as if the API were not installed
     "tests/test_otel.py": {"ringq.engine.session._otel"},
     # a section load's reads, a put committed between two of them
-    "tests/test_sql_puts.py": {"ringq.engine.rows._decide"},
+    # (and the SQL agent's read of what was put, watched for payloads it cannot cache)
+    "tests/test_sql_puts.py": {"ringq.engine.rows._decide", "ringq.engine.sqlagent._runs"},
     # schema_sql (the script's own text); the HTTP servers' backlog and request logging
     "tests/test_hardening_inputs.py": {
         "ringq.scripting._ddl", "ringq.monitor._http", "ringq.rtv._server",

@@ -142,6 +142,44 @@ def test_linked_consumers_read_what_sql_producers_put_from_the_payload_cache(
     assert [(m.deliveries, again[i].deliveries) for i, m in enumerate(got)] == [(1, 2)] * 5
 
 
+def test_the_agent_reads_no_payload_a_cache_record_cannot_hold(
+    dsn: str, make_queue: Callable[..., str], monitor: Callable[..., Monitor],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Payloads larger than the queue's cache records are left in their rows
+    (a pass of up to 8,192 entries of up to 1 GB each would exceed what one
+    array can hold): the agent's read returns none of them, and the linked
+    dequeue reads them from the rows."""
+    from ringq.engine.sqlagent import _runs
+
+    q = make_queue(capacity=512, max_payload=100_000, cache_payload=64, dequeue_mode="shared")
+    shipped: list[int] = []
+    read = _runs.indexed
+
+    def spy(*args: Any, **kwargs: Any) -> list[Any]:
+        rows = read(*args, **kwargs)
+        shipped.extend(len(p) for r in rows if r[0] is None and len(r) > 4 and r[4]
+                       for p in r[4])
+        return rows
+
+    monkeypatch.setattr(_runs, "indexed", spy)
+    monitor(sql_reserve_slots=True)
+    warmed(dsn, q)
+    with psycopg.connect(dsn, autocommit=True) as c:
+        wait_for(lambda: reserved(dsn, q) >= 16, 20, "a chunk listed")
+        put(c, q, [b"s%d" % i for i in range(5)])
+    assert len(drain(dsn, q, wait=0.5, batch=8)) == 5  # linked dequeues: records written
+    with psycopg.connect(dsn, autocommit=True) as c:
+        wait_for(lambda: reserved(dsn, q) >= 16, 20, "a chunk listed")
+        put(c, q, [b"small-%d" % i for i in range(3)]
+                  + [b"big-%d" % i + bytes(50_000) for i in range(3)])
+    got = drain(dsn, q, wait=0.5, batch=8)
+    assert [m.payload[:7] for m in got] == [b"small-%d" % i for i in range(3)] + [
+        b"big-%d" % i + bytes(2) for i in range(3)]
+    assert [len(m.payload) for m in got] == [7] * 3 + [50_005] * 3
+    assert sorted(shipped)[-3:] == [7] * 3, shipped  # the small ones only
+
+
 def test_groups_and_due_times_hold_for_entries_put_in_reserved_slots(
     dsn: str, make_queue: Callable[..., str], monitor: Callable[..., Monitor]
 ) -> None:

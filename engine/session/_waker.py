@@ -49,6 +49,16 @@ def _wake(fut: asyncio.Future[None]) -> None:
         fut.set_result(None)
 
 
+def _hand(fut: asyncio.Future[None], sem: posix_ipc.Semaphore) -> None:
+    """Hand a post taken for ``fut`` over; its wait may have ended since the
+    thread chose it (timed out, cancelled): then the post goes back, for
+    another waiter (dropped, a waiter would sleep until its next recheck)."""
+    if fut.done():
+        sem.release()
+    else:
+        fut.set_result(None)
+
+
 class SemaphoreWaker:
     """Coroutines waiting on one semaphore, and the thread that wakes them."""
 
@@ -106,6 +116,6 @@ class SemaphoreWaker:
                 sem.release()  # nobody here wants it any more: give it back
                 continue
             try:
-                fut.get_loop().call_soon_threadsafe(_wake, fut)
+                fut.get_loop().call_soon_threadsafe(_hand, fut, sem)
             except RuntimeError:  # its loop is closed
                 sem.release()

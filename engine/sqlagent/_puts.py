@@ -203,7 +203,9 @@ class SqlPuts:
         entries were published."""
         runs = R.runs_of(gone[1], gone[0])
         rows = R.indexed(conn, sql.SQL(_Q["slots_filled"]).format(table=queue_table(info.name)),
-                         {**runs, "cache": self._for_linked(ring, info)}, binary=True)
+                         {**runs, "cache": self._for_linked(ring, info),
+                          "cache_payload": int(ring.cache.cap_bytes),
+                          "cache_producer": L.CACHE_PRODUCER_BYTES}, binary=True)
         plain_slots: list[int] = []
         records: Records | None = None
         others: dict[int, tuple[str | None, int]] = {}
