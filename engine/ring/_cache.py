@@ -1,8 +1,9 @@
 """The payload cache of one queue block: a record per slot in the section's cache pool.
 
 A record (``L.R_*`` words, then the producer name, the group, then the
-payload) is written by the session whose commit made the entry, under the
-queue lock, before the entry's ENQ bit is set; read by the dequeuer that
+payload) is written by the session whose commit made the entry (or, for an
+entry a SQL producer put into reserved slots, by the SQL agent from its
+committed row), under the queue lock, before the entry's ENQ bit is set; read by the dequeuer that
 claimed the slot, under the queue lock; and trusted only when its tag is the
 entry's seq + 1 and its epoch the queue's (every load from the rows starts a
 new epoch). A dequeue that does not commit clears its record's tag, so a
