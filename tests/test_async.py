@@ -753,3 +753,31 @@ def test_a_post_taken_for_a_wait_that_ended_meanwhile_goes_back_to_the_semaphore
     finally:
         sem.unlink()
         sem.close()
+
+
+@pytest.mark.parametrize("face", ["sync", "async"])
+def test_a_batch_larger_than_the_ring_fails_at_once_and_leaves_nothing(
+    dsn: str, make_queue: Callable[..., str], face: str
+) -> None:
+    """A batch the ring can never hold whole: QueueFull at once on both faces
+    (its own reservation holds the tail: waiting could never succeed), not
+    after the queue's full_timeout, and nothing of it is enqueued."""
+    q = make_queue(capacity=4, full_policy="block", full_timeout=30)
+    t0 = time.monotonic()
+    if face == "sync":
+        with engine.connect(dsn) as s:
+            with pytest.raises(engine.QueueFull):
+                s.enqueue_many(q, [b"x"] * 6)
+            s.rollback()
+    else:
+        async def main() -> None:
+            async with await engine.connect_async(dsn) as s:
+                with pytest.raises(engine.QueueFull):
+                    await s.enqueue_many(q, [b"x"] * 6)
+                await s.rollback()
+
+        run(main())
+    assert time.monotonic() - t0 < 5.0  # the full_timeout is 30 s
+    assert drain(dsn, q) == []
+    enqueue_committed(dsn, q, b"after")  # the ring is whole again
+    assert [m.payload for m in drain(dsn, q)] == [b"after"]
