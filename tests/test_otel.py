@@ -302,6 +302,23 @@ def test_the_trace_context_is_not_counted_against_max_payload(
             s.enqueue(q, b"x", trace="0" * 513)
 
 
+def assert_chained_process_span(
+    spans: InMemorySpanExporter, send: ReadableSpan, a: str, b: str, seq: int
+) -> None:
+    """A worker's action on entry ``seq`` of ``a`` (enqueued in span ``send``)
+    ran in a CONSUMER span, the producer's child in its trace and linked to
+    it, and the action's own enqueue into ``b`` is that span's child."""
+    process = one(spans, f"process {a}")
+    assert process.kind == SpanKind.CONSUMER
+    assert present(process.parent).span_id == ids(send)[1]
+    assert ids(process)[0] == ids(send)[0]  # the producer's trace
+    assert linked(process) == [ids(send)]
+    assert attrs(process) == message_attrs(a, "process", "process", seq) | {"ringq.deliveries": 1}
+    chained = one(spans, f"enqueue {b}")
+    assert present(chained.parent).span_id == ids(process)[1]
+    assert ids(chained)[0] == ids(send)[0]
+
+
 def test_the_worker_runs_the_action_in_a_span_the_producers_child(
     dsn: str, make_queue: Callable[..., str], spans: InMemorySpanExporter
 ) -> None:
@@ -316,15 +333,7 @@ def test_the_worker_runs_the_action_in_a_span_the_producers_child(
     send = one(spans, f"enqueue {a}")
     with Worker(app, dsn) as w:
         assert w.run_one(wait=5)
-    process = one(spans, f"process {a}")
-    assert process.kind == SpanKind.CONSUMER
-    assert present(process.parent).span_id == ids(send)[1]
-    assert ids(process)[0] == ids(send)[0]  # the producer's trace
-    assert linked(process) == [ids(send)]
-    assert attrs(process) == message_attrs(a, "process", "process", seq) | {"ringq.deliveries": 1}
-    chained = one(spans, f"enqueue {b}")
-    assert present(chained.parent).span_id == ids(process)[1]
-    assert ids(chained)[0] == ids(send)[0]
+    assert_chained_process_span(spans, send, a, b, seq)
 
 
 def test_a_failing_action_records_its_error_in_its_span(
@@ -448,14 +457,7 @@ def test_the_async_workers_action_runs_in_a_span_the_producers_child(
     (seq,) = enqueue_committed(dsn, a, b"order")
     send = one(spans, f"enqueue {a}")
     assert AsyncWorker(app, dsn, concurrency=2).run(max_messages=1) == 1
-    process = one(spans, f"process {a}")
-    assert process.kind == SpanKind.CONSUMER
-    assert present(process.parent).span_id == ids(send)[1]
-    assert linked(process) == [ids(send)]
-    assert attrs(process) == message_attrs(a, "process", "process", seq) | {"ringq.deliveries": 1}
-    chained = one(spans, f"enqueue {b}")
-    assert present(chained.parent).span_id == ids(process)[1]
-    assert ids(chained)[0] == ids(send)[0]
+    assert_chained_process_span(spans, send, a, b, seq)
 
 
 def test_the_async_enqueue_many_makes_one_span_each_entry_carries(
